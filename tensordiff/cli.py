@@ -1,0 +1,233 @@
+"""The ``tensordiff`` command line. Exit codes: 0 agree / ok, 1 divergence found, 2 bad input.
+
+Bad input never prints a traceback: one line on stderr and exit 2 (``TENSORDIFF_DEBUG=1`` shows
+the traceback of an unexpected error, for bug reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from contextlib import contextmanager
+
+from . import __version__
+from .errors import TraceError
+
+EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def jsonable(x):
+    """NaN/Inf are not JSON: they become null (counts of them are reported separately)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalar
+        return jsonable(x.item())
+    return x
+
+
+def _print_json(obj) -> None:
+    sys.stdout.write(json.dumps(jsonable(obj), indent=2) + "\n")
+
+
+@contextmanager
+def progress_bar(enabled: bool):
+    """A rich progress bar on stderr when it is a terminal; a no-op callback otherwise."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rows"),
+                    TimeRemainingColumn(), console=Console(file=sys.stderr), transient=True)
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = prog.add_task(stage, total=total)
+        prog.update(tasks[stage], completed=done, total=total)
+
+    with prog:
+        yield update
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def cmd_info(args) -> int:
+    from .report import make_console, print_info
+    from .trace import TraceReader
+
+    with TraceReader(args.trace) as r:
+        s = r.summary()
+    if args.json:
+        _print_json(s)
+    else:
+        print_info(s, make_console())
+    return EXIT_OK
+
+
+def _diff_options(args, summary_path=None):
+    from .align import DiffOptions
+    from .metrics import ToleranceBook
+
+    book = ToleranceBook()
+    for t in args.tol or []:
+        name, tol = ToleranceBook.parse_override(t)
+        book.overrides[name] = tol
+    if args.calibration:
+        book.load_calibration(args.calibration)
+    return DiffOptions(tolerances=book, summary_path=summary_path)
+
+
+def cmd_diff(args) -> int:
+    if args.tui:
+        return cmd_tui(args)
+    from .align import diff_traces
+    from .report import make_console, print_diff
+
+    opts = _diff_options(args, args.summary)
+    with progress_bar(not args.quiet and not args.json) as cb:
+        opts.progress = cb
+        res = diff_traces(args.a, args.b, opts)
+    if args.json:
+        _print_json(res.to_dict())
+    else:
+        print_diff(res, make_console(), max_findings=args.max_findings)
+    return res.exit_code
+
+
+def cmd_calibrate(args) -> int:
+    """Diff a noise-floor pair (same wiring, honest numeric differences) and write tolerances."""
+    from .align import diff_traces
+    from .metrics import calibrated_tolerance, coarser
+
+    from .align import DiffOptions
+    from .metrics import Tolerance, ToleranceBook
+
+    loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
+    res = diff_traces(args.a, args.b, DiffOptions(tolerances=loose))
+    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing")]
+    if ids:
+        raise TraceError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
+    from .trace import TraceReader
+
+    with TraceReader(args.a) as ra, TraceReader(args.b) as rb:
+        dtypes = {n: coarser(ra.tensors[p.name_a].dtype, rb.tensors[p.name_b].dtype)
+                  for p in res.pairs for n in [p.name_a]}
+    tols = {}
+    for p in res.pairs:
+        for s in range(p.slots):
+            key = f"{p.name_a}[{s}]" if p.slots > 1 else p.name_a
+            tols[key] = calibrated_tolerance(p.cos_min[s], p.rel_max[s], dtypes[p.name_a], args.margin).to_dict()
+    out = {"a": args.a, "b": args.b, "margin": args.margin, "tolerances": tols}
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(jsonable(out), fh, indent=2)
+    print(f"wrote {len(tols)} calibrated tolerances to {args.out} (margin {args.margin}x the observed noise floor)")
+    return EXIT_OK
+
+
+def cmd_tui(args) -> int:
+    try:
+        from .tui import run_tui
+    except ImportError as e:  # textual is a core dependency; this guards a broken install
+        raise TraceError(f"the TUI needs textual ({e})") from None
+    from .trace import TraceReader
+
+    for p in (args.a, args.b):  # fail fast on bad input, before the screen is taken over
+        TraceReader(p).close()
+    opts = _diff_options(args, None)
+    return run_tui(args.a, args.b, opts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tensordiff", description=(
+        "Differential tensor-tracing debugger: record named tensors on two sides, align them by token "
+        "and slot, and name the first divergence."))
+    p.add_argument("--version", action="version", version=f"tensordiff {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    i = sub.add_parser("info", help="summarise a trace: metadata, tokens, tensors, slot labels")
+    i.add_argument("trace")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(func=cmd_info)
+
+    def diff_args(d):
+        d.add_argument("a", help="reference trace (what was expected; usually the train side)")
+        d.add_argument("b", help="trace under test (usually the serve side)")
+        d.add_argument("--tol", action="append", metavar="NAME=MIN_COS,MAX_REL",
+                       help="tolerance override for a tensor (NAME, NAME[slot] or '*'); repeatable")
+        d.add_argument("--calibration", metavar="FILE", help="tolerances from `tensordiff calibrate`")
+
+    d = sub.add_parser("diff", help="compare two traces and name the first divergence (exit 1 if any)")
+    diff_args(d)
+    d.add_argument("--json", action="store_true", help="machine-readable output (same content)")
+    d.add_argument("--summary", metavar="FILE", help="also write per-token metrics to this HDF5 file")
+    d.add_argument("--max-findings", type=int, default=25, help="findings listed in the text report")
+    d.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    d.add_argument("--tui", action="store_true", help="open the interactive TUI instead of printing")
+    d.set_defaults(func=cmd_diff)
+
+    t = sub.add_parser("tui", help="interactive TUI on the first divergence")
+    diff_args(t)
+    t.set_defaults(func=cmd_tui)
+
+    c = sub.add_parser("calibrate", help="measure the noise floor of two traces of the same wiring and write tolerances")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("--out", required=True, help="tolerances JSON for `diff --calibration`")
+    c.add_argument("--margin", type=float, default=4.0, help="allowed multiple of the observed error")
+    c.set_defaults(func=cmd_calibrate)
+
+    from .recorders.cli import register
+    register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: usage errors are bad input too
+        return EXIT_BAD_INPUT if e.code not in (0, None) else EXIT_OK
+    try:
+        return args.func(args)
+    except TraceError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_OK
+    except MemoryError:
+        _err("out of memory")
+        return EXIT_BAD_INPUT
+    except Exception as e:  # noqa: BLE001 - the contract is one line, never a traceback
+        if os.environ.get("TENSORDIFF_DEBUG"):
+            raise
+        _err(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+             "(set TENSORDIFF_DEBUG=1 for a traceback)")
+        return EXIT_BAD_INPUT
+
+
+def _err(msg: str) -> None:
+    msg = " ".join(msg.split())
+    sys.stderr.write(f"tensordiff: error: {msg}\n")
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

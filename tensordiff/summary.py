@@ -1,0 +1,121 @@
+"""Per-token metric summaries of a diff, streamed to an HDF5 side file.
+
+The TUI's heatmap reads them in blocks, so its memory does not grow with the trace. Layout::
+
+    /tokens            [n] compound: seq_a, pos_a, seq_b, pos_b, token, regime_a, regime_b
+    /sequences_a, /sequences_b   sequence keys
+    /columns/<j>       [n, 4] f4: cos, rel, maxabs, flags (bit 0: fails tolerance, bit 1: NaN/Inf);
+                       NaN where the tensor has no row for that token. attrs: tensor_a, tensor_b,
+                       slot, label, order
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import h5py
+import numpy as np
+
+from .errors import TraceError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .align import TokenAlignment
+    from .trace import TensorInfo, TraceReader
+
+SEQ_BITS = 40
+ALIGNED_DTYPE = np.dtype([("seq_a", "<i4"), ("pos_a", "<i8"), ("seq_b", "<i4"), ("pos_b", "<i8"),
+                          ("token", "<i8"), ("regime_a", "u1"), ("regime_b", "u1")])
+COLUMN_FIELDS = ("cos", "rel", "maxabs", "flags")
+FLAG_BAD, FLAG_NONFINITE = 1, 2
+
+
+class SummaryWriter:
+    def __init__(self, path: str, al: "TokenAlignment", ra: "TraceReader", rb: "TraceReader"):
+        self.f = h5py.File(path, "w")
+        self.n = len(al)
+        mask = (1 << SEQ_BITS) - 1
+        tok = np.empty(self.n, ALIGNED_DTYPE)
+        tok["seq_a"] = al.code_a >> SEQ_BITS
+        tok["pos_a"] = al.code_a & mask
+        tok["seq_b"] = al.code_b >> SEQ_BITS
+        tok["pos_b"] = al.code_b & mask
+        tok["token"] = al.token
+        tok["regime_a"] = al.regime_a
+        tok["regime_b"] = al.regime_b
+        self.f.create_dataset("tokens", data=tok, chunks=(min(max(self.n, 1), 65536),))
+        st = h5py.string_dtype("utf-8")
+        self.f.create_dataset("sequences_a", data=np.array(ra.sequences, dtype=object), dtype=st)
+        self.f.create_dataset("sequences_b", data=np.array(rb.sequences, dtype=object), dtype=st)
+        self.f.attrs["a"] = ra.path
+        self.f.attrs["b"] = rb.path
+        self.f.attrs["side_a"] = ra.side
+        self.f.attrs["side_b"] = rb.side
+        self.cols = self.f.create_group("columns")
+        self._col: dict[tuple[str, int], h5py.Dataset] = {}
+
+    def _column(self, ia: "TensorInfo", ib: "TensorInfo", slot: int, k: int) -> h5py.Dataset:
+        key = (ia.name, slot)
+        ds = self._col.get(key)
+        if ds is None:
+            j = len(self._col)
+            ds = self.cols.create_dataset(str(j), shape=(self.n, 4), dtype="<f4", chunks=(min(max(self.n, 1), 8192), 4),
+                                          fillvalue=np.nan)
+            label = ia.label if k == 1 and ia.kind != "packed" else f"{ia.name}[{slot}]"
+            ds.attrs.update({"tensor_a": ia.name, "tensor_b": ib.name, "slot": slot, "label": label,
+                             "order": ia.order, "slot_label": json.dumps(ia.slot_labels[slot] if ia.slot_labels else None)})
+            self._col[key] = ds
+        return ds
+
+    def write(self, ia, ib, k: int, blk: np.ndarray, m: dict, bad: np.ndarray) -> None:
+        lo, hi = int(blk[0]), int(blk[-1]) + 1
+        dense = hi - lo == len(blk)
+        for s in range(k):
+            ds = self._column(ia, ib, s, k)
+            vals = np.empty((len(blk), 4), np.float32)
+            vals[:, 0] = m["cos"][:, s]
+            vals[:, 1] = m["rel"][:, s]
+            vals[:, 2] = m["maxabs"][:, s]
+            vals[:, 3] = bad[:, s] * FLAG_BAD + m["nonfinite"][:, s] * FLAG_NONFINITE
+            if dense:
+                ds[lo:hi] = vals
+            else:
+                full = ds[lo:hi]
+                full[blk - lo] = vals
+                ds[lo:hi] = full
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class SummaryReader:
+    """Block reads of a summary file (the TUI's data source)."""
+
+    def __init__(self, path: str):
+        try:
+            self.f = h5py.File(path, "r", locking=False)
+            self.tokens_ds = self.f["tokens"]
+            self.seq_a = list(self.f["sequences_a"].asstr()[()])
+            self.seq_b = list(self.f["sequences_b"].asstr()[()])
+            cols = self.f["columns"]
+            self.columns = [cols[str(j)] for j in range(len(cols))]
+        except (OSError, KeyError) as e:
+            raise TraceError(f"not a tensordiff diff summary ({e})", path) from None
+        self.n = self.tokens_ds.shape[0]
+        self.labels = [str(c.attrs["label"]) for c in self.columns]
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        return self.tokens_ds[start:stop]
+
+    def block(self, start: int, stop: int, metric: int = 1) -> np.ndarray:
+        """[stop-start, n_columns] of one metric (0 cos, 1 rel, 2 maxabs, 3 flags)."""
+        out = np.empty((max(0, min(stop, self.n) - start), len(self.columns)), np.float32)
+        for j, c in enumerate(self.columns):
+            out[:, j] = c[start:stop, metric]
+        return out
+
+    def cell(self, row: int, col: int) -> np.ndarray:
+        return self.columns[col][row]
+
+    def close(self) -> None:
+        self.f.close()
