@@ -32,5 +32,6 @@ def sketch_np(x: np.ndarray, slot_width: int, dim: int = DEFAULT_SKETCH_DIM,
     n, width = x.shape
     k = width // slot_width
     r = projection(slot_width, dim, seed)
-    out = x.reshape(n, k, slot_width) @ r  # [n, k, dim]
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf rows stay NaN/Inf: a finding, not a warning
+        out = x.reshape(n, k, slot_width) @ r  # [n, k, dim]
     return out.reshape(n, k * dim).astype(np.float32, copy=False)

@@ -203,6 +203,8 @@ class TraceWriter:
         self._seq_index: dict[str, int] = {}
         self._tensors: dict[str, dict[str, _Appender]] = {}
         self._specs: dict[str, dict] = {}
+        self._pending_rms: dict[str, list[np.ndarray]] = {}
+        self._pending_rows: dict[str, int] = {}
         self._rows_since_flush = 0
         self._last_flush = time.monotonic()
         self._closed = False
@@ -298,6 +300,8 @@ class TraceWriter:
         apps["rms"] = _Appender(g.create_dataset("rms", shape=(0, k), maxshape=(None, k),
                                                  chunks=(_chunk_rows(k * 4) * 4, k), dtype="<f4"))
         self._tensors[name] = apps
+        self._pending_rms[name] = []
+        self._pending_rows[name] = 0
         self._specs[name] = {"width": width, "slot_width": sw, "k": k, "dtype": dtype}
 
     # -- rows ----------------------------------------------------------------------------------
@@ -359,7 +363,7 @@ class TraceWriter:
                 raise ValueError(f"{name}: bfloat16 values must be given as their uint16 bits")
             stored = values.astype(sd, copy=False)
             apps["values"].append(stored)
-            if (sketch is None and "sketch" in apps) or rms is None:
+            if sketch is None and "sketch" in apps:
                 f32 = to_float32(stored, spec["dtype"])
         elif "values" in apps:
             raise ValueError(f"{name}: values are required (defined with values=True)")
@@ -372,13 +376,32 @@ class TraceWriter:
             if sketch.shape != (n, self.sketch_dim * spec["k"]):
                 raise ValueError(f"{name}: sketch shape {sketch.shape}, expected {(n, self.sketch_dim * spec['k'])}")
             apps["sketch"].append(sketch)
+        pending = self._pending_rms[name]
         if rms is None:
-            if f32 is None:
+            if f32 is not None:
+                self._drain_rms(name)
+                apps["rms"].append(slot_rms(f32, spec["slot_width"]))
+            elif values is not None:
+                # computed in batches: one conversion per ~512 rows instead of one per decode step
+                pending.append(stored.copy())
+                self._pending_rows[name] += n
+                if self._pending_rows[name] >= 512:
+                    self._drain_rms(name)
+            else:
                 raise ValueError(f"{name}: give rms= when values are not recorded")
-            rms = slot_rms(f32, spec["slot_width"])
-        rms = np.asarray(rms, dtype=np.float32).reshape(n, spec["k"])
-        apps["rms"].append(rms)
+        else:
+            self._drain_rms(name)
+            apps["rms"].append(np.asarray(rms, dtype=np.float32).reshape(n, spec["k"]))
         apps["rows"].append(rows)
+
+    def _drain_rms(self, name: str) -> None:
+        pending = self._pending_rms[name]
+        if pending:
+            spec = self._specs[name]
+            block = np.concatenate(pending) if len(pending) > 1 else pending[0]
+            self._tensors[name]["rms"].append(slot_rms(to_float32(block, spec["dtype"]), spec["slot_width"]))
+            pending.clear()
+            self._pending_rows[name] = 0
 
     def set_attr(self, name: str | None, key: str, value: Any) -> None:
         """Set a json attribute on the file (name None) or a tensor, e.g. resolved capture ids."""
@@ -396,7 +419,8 @@ class TraceWriter:
 
     def flush(self) -> None:
         """Write every buffered row and flush the file: a crash after this loses nothing before it."""
-        for apps in self._tensors.values():
+        for name, apps in self._tensors.items():
+            self._drain_rms(name)
             for app in apps.values():
                 app.flush_partial()
         self._tokens.flush_partial()
@@ -431,7 +455,8 @@ def slot_rms(x: np.ndarray, slot_width: int) -> np.ndarray:
     n = x.shape[0]
     k = x.shape[1] // slot_width
     x3 = x.reshape(n, k, slot_width)
-    return np.sqrt(np.einsum("nkh,nkh->nk", x3, x3, dtype=np.float64) / slot_width).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.sqrt(np.einsum("nkh,nkh->nk", x3, x3) / np.float32(slot_width)).astype(np.float32, copy=False)
 
 
 # ----------------------------------------------------------------------------------------------

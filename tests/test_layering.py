@@ -1,0 +1,36 @@
+"""The layering rule: the trace format, aligner, metrics, report and CLI import neither torch nor
+textual; only the TUI imports textual. Checked in a fresh interpreter per module."""
+
+import subprocess
+import sys
+
+import pytest
+
+CORE = ["tensordiff", "tensordiff.trace", "tensordiff.align", "tensordiff.metrics", "tensordiff.report",
+        "tensordiff.summary", "tensordiff.cli", "tensordiff.conventions", "tensordiff.sketch",
+        "tensordiff.dtypes", "tensordiff.recorders", "tensordiff.recorders.cli"]
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_imports_neither_torch_nor_textual(module):
+    code = (f"import sys, {module}\n"
+            "from tensordiff.cli import build_parser; build_parser()\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'textual', 'transformers', 'sglang'))\n"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"{module} pulled in: {out}"
+
+
+def test_cli_diff_runs_without_torch_or_textual(tmp_path):
+    """A full `info` + `diff` imports neither (the TUI is only imported for `tui`)."""
+    code = ("import sys, numpy as np\n"
+            "from tensordiff.trace import TraceWriter\n"
+            "from tensordiff.cli import main\n"
+            f"p = {str(tmp_path / 't.h5')!r}\n"
+            "w = TraceWriter(p, model={'hidden_size': 4}); w.define_tensor('embed', 4, kind='boundary', boundary=0)\n"
+            "w.append('embed', w.add_tokens('s', range(3), [1, 2, 3], 'train'), np.ones((3, 4), np.float32)); w.close()\n"
+            "assert main(['info', p]) == 0 and main(['diff', p, p, '-q']) == 0\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'textual'))\n"
+            "print('BAD:' + ','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("BAD:"), out
