@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up the project virtualenv .venv (idempotent).
+#   scripts/setup.sh core   tensordiff + numpy, h5py, rich, textual: enough for info / diff / tui
+#   scripts/setup.sh full   + torch 2.14.1, transformers 5.19.0, the dev tools, and real SGLang 0.5.23
+#                           set up for CPU (scripts/install-sglang-cpu.sh): what the tests need
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-core}
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+pipi() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+case "$mode" in
+  core)
+    pipi -e . ;;
+  full)
+    pipi -e '.[torch,dev]'
+    bash scripts/install-sglang-cpu.sh ;;
+  *)
+    echo "usage: scripts/setup.sh [core|full]" >&2; exit 2 ;;
+esac
