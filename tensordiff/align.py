@@ -8,6 +8,7 @@ numpy only; reads traces through :class:`tensordiff.trace.TraceReader`, in block
 from __future__ import annotations
 
 import heapq
+import itertools
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -504,6 +505,7 @@ class Differ:
         total_rows = sum(int(np.count_nonzero((self._map_a(a.name) >= 0))) for a, _ in pairs)
         self._done = 0
         self._total = max(total_rows, 1)
+        self._tiebreak = itertools.count()
         worst: list = []
         for ia, ib in pairs:
             st, fnd, rows = self._compare_pair(ia, ib, summary, worst)
@@ -513,7 +515,7 @@ class Differ:
         if summary is not None:
             summary.close()
         findings = _order_findings(findings)
-        worst_tokens = [w[2] for w in sorted(worst, key=lambda w: (-w[0], w[1]))]
+        worst_tokens = [w[2] for w in sorted(worst, key=lambda w: (-w[0], w[2]["index"]))]
         return DiffResult(
             path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=findings,
             slot_table=slot_table, pairs=stats,
@@ -743,7 +745,7 @@ class Differ:
             # worst tokens overall (by rel, finite)
             rel_tok = np.where(np.isfinite(m["rel"]), m["rel"], 0).max(axis=1)
             for j in np.argsort(-rel_tok)[:WORST_TOKENS]:
-                item = (float(rel_tok[j]), int(blk[j]), None)
+                item = (float(rel_tok[j]), next(self._tiebreak), None)
                 if len(worst) < WORST_TOKENS or item[0] > worst[0][0]:
                     entry = self._token_entry(int(blk[j]))
                     entry.update(tensor=ia.name, rel=float(rel_tok[j]),
