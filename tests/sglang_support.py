@@ -1,0 +1,437 @@
+"""Helpers for running the real SGLang engine on a CPU-only machine in tests.
+
+Not a test module. It builds tiny random checkpoints locally (nothing is ever
+downloaded), starts ``sglang.Engine`` on CPU in two modes, and computes the
+HF transformers references the engine output is checked against:
+
+* capture-only: the target model alone, returning EAGLE-3 aux hidden states
+  (``enable_return_aux_hidden_states=True``);
+* EAGLE-3: the target plus a random EAGLE-3 draft, through the ``intel_amx``
+  attention backend.
+
+SGLang on CPU needs the pure-torch ``sgl_kernel`` stand-in under
+``tests/sgl_kernel_stub`` (test infrastructure only); :func:`prepare_cpu_env`
+puts it on ``sys.path`` and on ``PYTHONPATH`` so the scheduler process that
+the engine spawns finds it too. Call it (or any ``start_*`` function, which
+calls it) before the first ``import sglang``.
+
+Engine start-up takes tens of seconds: share one engine per test session and
+always ``engine.shutdown()`` it (or use :func:`running_engine`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+HERE = Path(__file__).resolve().parent
+STUB_DIR = HERE / "sgl_kernel_stub"
+
+SGLANG_VERSION = "0.5.23"
+
+# Tiny target: small enough for two CPU cores, deep enough for 3 aux layers.
+TINY_LLAMA = dict(
+    num_hidden_layers=8,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+# Draft ids as written in the EAGLE-3 checkpoint. Llama captures id + 1
+# ("input of decoder layer id + 1" = HF hidden_states[id + 1]).
+DEFAULT_AUX_LAYER_IDS = (2, 4, 6)
+
+# Engine kwargs that work on CPU (see the project's notes on SGLang).
+CPU_ENGINE_KWARGS: dict[str, Any] = dict(
+    device="cpu",
+    attention_backend="torch_native",
+    skip_tokenizer_init=True,
+    disable_cuda_graph=True,
+    dtype="float32",
+    mem_fraction_static=0.1,
+    max_total_tokens=2048,
+    chunked_prefill_size=256,
+    sampling_backend="pytorch",
+    disable_overlap_schedule=True,
+    random_seed=0,
+    log_level="error",
+)
+EAGLE3_ENGINE_KWARGS: dict[str, Any] = dict(
+    attention_backend="intel_amx",
+    speculative_algorithm="EAGLE3",
+    speculative_num_steps=2,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=3,
+)
+
+
+# --------------------------------------------------------------------------- env
+
+
+def sglang_available() -> bool:
+    """True when the real sglang and torch are importable (does not import them)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("sglang", "torch", "transformers"))
+
+
+def prepare_cpu_env() -> None:
+    """Environment for SGLang on CPU, in this process and every child it spawns.
+
+    Sets ``SGLANG_USE_CPU_ENGINE=1`` and puts the ``sgl_kernel`` stand-in first
+    on ``sys.path`` and ``PYTHONPATH``. Idempotent. Must run before sglang is
+    imported (sglang reads the variable once, at import).
+    """
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1" and "sglang.srt.utils" in sys.modules:
+        raise RuntimeError(
+            "sglang was imported before prepare_cpu_env(): it has already decided "
+            "this is not a CPU engine. Call prepare_cpu_env() (or set "
+            "SGLANG_USE_CPU_ENGINE=1) before the first `import sglang`."
+        )
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    stub = str(STUB_DIR)
+    if stub not in sys.path:
+        sys.path.insert(0, stub)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if stub not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([stub, *parts])
+
+
+def resolved_capture_ids(draft_layer_ids: Sequence[int]) -> list[int]:
+    """Llama's convention: draft id i captures the input of decoder layer i + 1,
+    i.e. HF ``output_hidden_states[i + 1]``."""
+    return [int(i) + 1 for i in draft_layer_ids]
+
+
+# --------------------------------------------------------------------- checkpoints
+
+
+def make_tiny_llama(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    initializer_range: float = 0.3,
+    **config_overrides: Any,
+) -> Path:
+    """Write a random float32 ``LlamaForCausalLM`` checkpoint to ``path``.
+
+    Deterministic for a given seed. No tokenizer is written (engines run with
+    ``skip_tokenizer_init=True``). ``eos_token_id`` is unset so greedy
+    generation never stops early on either side.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    cfg = dict(TINY_LLAMA)
+    cfg.update(config_overrides)
+    config = LlamaConfig(
+        **cfg,
+        initializer_range=initializer_range,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    _drop_generation_config_ids(path)
+    return path
+
+
+def _drop_generation_config_ids(path: Path) -> None:
+    gen = path / "generation_config.json"
+    if gen.exists():
+        data = json.loads(gen.read_text())
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            data.pop(key, None)
+        gen.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def make_tiny_eagle3_draft(
+    path: str | os.PathLike,
+    target_path: str | os.PathLike,
+    *,
+    aux_layer_ids: Sequence[int] = DEFAULT_AUX_LAYER_IDS,
+    seed: int = 1,
+    initializer_range: float = 0.3,
+    draft_vocab: Sequence[int] | None = None,
+) -> Path:
+    """Write a random one-layer EAGLE-3 draft for the target at ``target_path``.
+
+    Layout as SGLang's ``LlamaForCausalLMEagle3`` loads it: ``midlayer.*``
+    (q/k/v take ``2 * hidden`` inputs), ``hidden_norm``, ``fc`` (``K * hidden``
+    -> hidden), ``norm``, its own ``lm_head`` and the ``d2t`` / ``t2d`` maps;
+    ``embed_tokens`` comes from the target. The capture ids are explicit in
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SGLang's default ids
+    would collide on so shallow a target).
+
+    ``draft_vocab``: the target token ids the draft may propose (its reduced
+    vocabulary, mapped through ``d2t``); ``None`` = the full vocabulary. A
+    random draft rarely guesses right; restricting it to tokens the target
+    is known to emit makes some drafts get accepted, so tests exercise the
+    acceptance path too.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    path, target_path = Path(path), Path(target_path)
+    target = json.loads((target_path / "config.json").read_text())
+    hidden = int(target["hidden_size"])
+    heads = int(target["num_attention_heads"])
+    kv_heads = int(target.get("num_key_value_heads") or heads)
+    head_dim = int(target.get("head_dim") or hidden // heads)
+    inter = int(target["intermediate_size"])
+    vocab = int(target["vocab_size"])
+    k = len(aux_layer_ids)
+    hot = list(range(vocab)) if draft_vocab is None else [int(t) for t in draft_vocab]
+    if not hot or len(set(hot)) != len(hot) or not all(0 <= t < vocab for t in hot):
+        raise ValueError(f"draft_vocab must be distinct target ids in [0, {vocab})")
+    draft_vocab_size = len(hot)
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=int(target.get("max_position_embeddings", 512)),
+        rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        torch_dtype="float32",
+    )
+    data = config.to_dict()
+    data.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        model_type="llama",
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=hidden,
+        eagle_config={
+            "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux_layer_ids],
+            "use_aux_hidden_state": True,
+        },
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * initializer_range
+
+    def norm_w(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.float32)
+
+    tensors = {
+        "midlayer.self_attn.q_proj.weight": rnd(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rnd(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rnd(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rnd(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rnd(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rnd(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rnd(hidden, inter),
+        "midlayer.input_layernorm.weight": norm_w(hidden),
+        "midlayer.hidden_norm.weight": norm_w(hidden),
+        "midlayer.post_attention_layernorm.weight": norm_w(hidden),
+        "fc.weight": rnd(hidden, k * hidden),
+        "norm.weight": norm_w(hidden),
+        "lm_head.weight": rnd(draft_vocab_size, hidden),
+        # draft id i -> target id i + d2t[i]
+        "d2t": torch.tensor(hot, dtype=torch.int64) - torch.arange(draft_vocab_size),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(hot), True),
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def make_tiny_models(
+    root: str | os.PathLike,
+    *,
+    aux_layer_ids: Sequence[int] = DEFAULT_AUX_LAYER_IDS,
+    draft_vocab: Sequence[int] | None = None,
+) -> tuple[Path, Path]:
+    """``(target_dir, draft_dir)`` under ``root`` with the default seeds;
+    reuses what is already there (delete the directory to rebuild)."""
+    root = Path(root)
+    target, draft = root / "tiny-llama", root / "tiny-llama-eagle3"
+    if not (target / "config.json").exists():
+        make_tiny_llama(target)
+    if not (draft / "config.json").exists():
+        make_tiny_eagle3_draft(
+            draft, target, aux_layer_ids=aux_layer_ids, draft_vocab=draft_vocab
+        )
+    return target, draft
+
+
+# -------------------------------------------------------------------------- engines
+
+
+def engine_kwargs(model_path: str | os.PathLike, **overrides: Any) -> dict[str, Any]:
+    """The plain CPU engine kwargs for ``model_path``, with ``overrides`` applied."""
+    kwargs = dict(CPU_ENGINE_KWARGS, model_path=str(model_path))
+    kwargs.update(overrides)
+    return kwargs
+
+
+def capture_engine_kwargs(
+    model_path: str | os.PathLike,
+    aux_layer_ids: Sequence[int] = DEFAULT_AUX_LAYER_IDS,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Capture-only mode: target alone, EAGLE-3 id convention, aux states returned."""
+    kwargs = engine_kwargs(
+        model_path,
+        speculative_algorithm="EAGLE3",
+        enable_return_aux_hidden_states=True,
+        return_aux_hidden_state_layer_ids=[int(i) for i in aux_layer_ids],
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def eagle3_engine_kwargs(
+    model_path: str | os.PathLike, draft_path: str | os.PathLike, **overrides: Any
+) -> dict[str, Any]:
+    """EAGLE-3 speculative decoding: intel_amx backend, 2 steps, topk 1, 3 draft tokens."""
+    kwargs = engine_kwargs(model_path, **EAGLE3_ENGINE_KWARGS)
+    kwargs["speculative_draft_model_path"] = str(draft_path)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def start_engine(**kwargs: Any):
+    """``sglang.Engine(**kwargs)`` after :func:`prepare_cpu_env`.
+
+    With ``attention_backend="intel_amx"`` it tells SGLang this CPU has AMX
+    (``override_platform(has_amx=True)``, installed only while the engine is
+    constructed): without that the backend falls back to ``torch_native``,
+    which EAGLE on CPU does not accept. The override does not reach the
+    spawned scheduler, so layers there still take their native paths;
+    attention runs in the ``sgl_kernel`` stand-in.
+    """
+    prepare_cpu_env()
+    import sglang
+
+    if kwargs.get("attention_backend") != "intel_amx":
+        return sglang.Engine(**kwargs)
+    from sglang.srt.runtime_context import override_platform
+
+    # Scoped: the override is only needed while the engine resolves its
+    # arguments; left installed it would also change later engines started
+    # from this process.
+    with override_platform(has_amx=True):
+        return sglang.Engine(**kwargs)
+
+
+def start_capture_engine(
+    model_path: str | os.PathLike,
+    aux_layer_ids: Sequence[int] = DEFAULT_AUX_LAYER_IDS,
+    **overrides: Any,
+):
+    return start_engine(**capture_engine_kwargs(model_path, aux_layer_ids, **overrides))
+
+
+def start_eagle3_engine(
+    model_path: str | os.PathLike, draft_path: str | os.PathLike, **overrides: Any
+):
+    return start_engine(**eagle3_engine_kwargs(model_path, draft_path, **overrides))
+
+
+@contextlib.contextmanager
+def running_engine(**kwargs: Any) -> Iterator[Any]:
+    """``with running_engine(**kw) as engine:`` -- always shut down on exit."""
+    engine = start_engine(**kwargs)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def greedy_generate(
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    return_hidden_states: bool = False,
+) -> list[dict[str, Any]]:
+    """Greedy generation for a batch of token-id prompts; one output dict each
+    (``output_ids``, ``meta_info``, ...)."""
+    kwargs: dict[str, Any] = {}
+    if return_hidden_states:
+        kwargs["return_hidden_states"] = True
+    out = engine.generate(
+        input_ids=[list(map(int, p)) for p in prompts],
+        sampling_params={"temperature": 0, "max_new_tokens": int(max_new_tokens)},
+        **kwargs,
+    )
+    return out if isinstance(out, list) else [out]
+
+
+def aux_hidden_states(output: dict[str, Any], hidden_size: int, num_aux: int):
+    """The aux hidden states one output returned, as ``[tokens, num_aux, hidden]``.
+
+    SGLang returns one entry per forward pass the request took part in
+    (prefill: one row per prompt token; decode: one row each), every row the
+    concatenation of the ``num_aux`` captured layers.
+    """
+    import torch
+
+    chunks = output["meta_info"]["hidden_states"]
+    rows = []
+    for chunk in chunks:
+        t = torch.as_tensor(chunk, dtype=torch.float32)
+        rows.append(t.reshape(-1, num_aux * hidden_size))
+    return torch.cat(rows, dim=0).reshape(-1, num_aux, hidden_size)
+
+
+# -------------------------------------------------------------------- HF references
+
+
+def load_hf_model(model_path: str | os.PathLike):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by full recomputation (no KV cache): the reference."""
+    import torch
+
+    ids = torch.tensor([list(map(int, prompt))], dtype=torch.long)
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(int(max_new_tokens)):
+            logits = model(input_ids=ids, use_cache=False).logits[0, -1]
+            tok = int(torch.argmax(logits).item())
+            new.append(tok)
+            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return new
+
+
+def hf_hidden_states(model, token_ids: Sequence[int]):
+    """HF ``output_hidden_states`` for one sequence: a tuple of
+    ``num_layers + 1`` tensors ``[tokens, hidden]`` (0 = embeddings)."""
+    import torch
+
+    ids = torch.tensor([list(map(int, token_ids))], dtype=torch.long)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    return tuple(h[0] for h in out.hidden_states)
