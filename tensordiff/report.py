@@ -18,8 +18,9 @@ def make_console(file=None) -> Console:
     tty = hasattr(file, "isatty") and file.isatty()
     # rich honours NO_COLOR itself; off a terminal we print plain text at a stable width
     width = None if tty else int(os.environ.get("COLUMNS", "120") or 120)
+    # markup off: slot labels like [embed, layer3] and user metadata are data, not rich markup
     return Console(file=file, width=width, no_color=bool(os.environ.get("NO_COLOR")) or None,
-                   highlight=False, soft_wrap=False, force_terminal=None)
+                   highlight=False, soft_wrap=False, force_terminal=None, markup=False)
 
 
 def _fmt(x, nd=4) -> str:

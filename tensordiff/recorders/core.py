@@ -1,0 +1,466 @@
+"""The generic torch-side recorder: name filters, token sampling, sketches computed where the
+tensor lives, host copies that do not stall the model, appends through :class:`TraceWriter`.
+
+Every other recorder (module hooks, the HF extractor, the importers) records through
+:class:`Recorder`, so a trace gets the same sketches (one matmul with the seeded projection of
+:func:`tensordiff.sketch.projection`), the same per-slot RMS and the same sampling rules whoever
+wrote it.
+
+>>> with Recorder("train.h5", side="train", model={"num_layers": 8, "hidden_size": 64}) as rec:
+...     rows = rec.add_tokens("sample-0", positions=range(L), tokens=input_ids)
+...     rec.boundary(3, hidden_states[3], rows)                  # catalog entry "layer3"
+...     rec.packed("draft_input", [h2, h4, h6], rows_shifted,     # what the draft is fed
+...                labels=["layer2", "layer4", "layer6"], raw_ids=[1, 3, 5], convention="specforge")
+
+Where the data lives on a GPU, the sketch and RMS are computed there and the rows are copied to
+pinned host memory with ``non_blocking=True``; a CUDA event marks each copy, and the rows reach
+the writer once their event has completed (checked at every later call, forced at ``flush``/
+``close`` or when more than ``max_pending_bytes`` wait). On the CPU the rows go to the writer
+directly (the writer copies them into its chunk buffer, nothing else is copied).
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import h5py
+import numpy as np
+import torch
+
+from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
+from ..trace import SlotSpec, TraceWriter
+from ..vocab import FINAL_NORM, boundary_label, parse_label
+
+__all__ = ["Sampling", "Recorder", "logical_dtype", "to_storage"]
+
+_LOGICAL = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+_TORCH = {v: k for k, v in _LOGICAL.items()}
+
+
+def logical_dtype(dtype: torch.dtype) -> str:
+    """The trace dtype name of a torch floating dtype (other floating types record as float32)."""
+    if dtype in _LOGICAL:
+        return _LOGICAL[dtype]
+    if dtype.is_floating_point:
+        return "float32"
+    raise ValueError(f"cannot record a {dtype} tensor: tensordiff records floating-point states")
+
+
+def to_storage(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the numpy array the writer stores (bf16 as its uint16 bits); shares memory."""
+    x = x.detach()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(np.uint16)
+    return x.numpy()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Which token rows to record, by absolute position (so both sides pick the same tokens even
+    when one side skipped a cached prefix): positions ``p`` with ``p % every == offset``, plus every
+    position in ``positions``. ``Sampling()`` keeps everything; ``Sampling(every=0,
+    positions={0, 5})`` keeps exactly those positions."""
+
+    every: int = 1
+    offset: int = 0
+    positions: frozenset[int] | None = None
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ValueError("Sampling.every must be >= 0 (0: only the listed positions)")
+        if self.positions is not None and not isinstance(self.positions, frozenset):
+            object.__setattr__(self, "positions", frozenset(int(p) for p in self.positions))
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.every == 1 and self.offset == 0
+
+    def mask(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.every > 0:
+            keep = (positions % self.every) == (self.offset % self.every)
+        else:
+            keep = np.zeros(positions.shape, dtype=bool)
+        if self.positions:
+            keep |= np.isin(positions, np.fromiter(self.positions, dtype=np.int64, count=len(self.positions)))
+        return keep
+
+
+@dataclass
+class _Spec:
+    name: str
+    width: int
+    slot_width: int
+    slots: int
+    dtype: str
+    values: bool
+    sketch: bool
+
+
+@dataclass
+class _Pending:
+    name: str
+    rows: np.ndarray
+    values: torch.Tensor | None
+    sketch: torch.Tensor | None
+    rms: torch.Tensor
+    event: Any
+    nbytes: int
+
+
+@dataclass
+class RecorderStats:
+    """What a recorder did and what it cost (seconds of wall time spent inside its calls)."""
+
+    calls: int = 0
+    rows: int = 0
+    bytes_values: int = 0
+    skipped_names: set = field(default_factory=set)
+    seconds: float = 0.0
+    wait_seconds: float = 0.0  # of which: waiting for device copies to land
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "rows": self.rows, "bytes_values": self.bytes_values,
+                "seconds": self.seconds, "wait_seconds": self.wait_seconds,
+                "skipped_names": sorted(self.skipped_names)}
+
+
+def _match(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+class Recorder:
+    """Record named torch tensors into a trace.
+
+    trace: a path (a new :class:`TraceWriter` is opened and closed by the recorder) or an open
+    ``TraceWriter`` (the caller closes it). The other arguments of the writer (``side``,
+    ``producer``, ``model``, ``meta``, ``sketch_dim``, ``sketch_seed`` and anything in
+    ``writer_kwargs``) apply only when a path is given. ``model`` should carry ``num_layers`` and
+    ``hidden_size``: the aligner splits packed tensors by that hidden size.
+
+    Filters, all by tensor name (``fnmatch`` globs):
+      * ``include`` / ``exclude``: which tensors are recorded at all (default: all).
+      * ``values``: ``None`` lets each call decide (default: full values); ``True``/``False``
+        forces full values on/off for every tensor; a list of globs gives full values to the
+        matching names and sketch + RMS only to the rest.
+    ``sample``: a :class:`Sampling` of token positions applied to every tensor (rows must come from
+    :meth:`add_tokens` of this recorder so their positions are known).
+    ``sketch``: record the seeded sketch of every tensor (default True; needed for identity search
+    when full values are not kept).
+    """
+
+    def __init__(self, trace: str | os.PathLike | TraceWriter, *, side: str = "train",
+                 producer: str = "tensordiff.recorders", model: dict | None = None, meta: dict | None = None,
+                 include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                 values: bool | Sequence[str] | None = None, sample: Sampling | None = None,
+                 sketch: bool = True, sketch_dim: int = DEFAULT_SKETCH_DIM,
+                 sketch_seed: int = DEFAULT_SKETCH_SEED, max_pending_bytes: int = 1 << 30,
+                 writer_kwargs: dict | None = None):
+        if isinstance(trace, TraceWriter):
+            self.writer = trace
+            self._owns_writer = False
+        else:
+            versions = {"torch": torch.__version__}
+            self.writer = TraceWriter(trace, side=side, producer=producer, model=model, meta=meta,
+                                      sketch_dim=sketch_dim, sketch_seed=sketch_seed, versions=versions,
+                                      **(writer_kwargs or {}))
+            self._owns_writer = True
+        self.include = list(include) if include else None
+        self.exclude = list(exclude) if exclude else []
+        self.values_policy = values if isinstance(values, (bool, type(None))) else list(values)
+        self.sample = sample if sample is not None else Sampling()
+        self.sketch_enabled = bool(sketch)
+        self.max_pending_bytes = int(max_pending_bytes)
+        self.stats = RecorderStats()
+        self._specs: dict[str, _Spec] = {}
+        self._proj: dict[tuple, torch.Tensor] = {}
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._pending_bytes = 0
+        self._positions = np.empty(1024, dtype=np.int64)
+        self._n_rows = 0
+        self._closed = False
+
+    # -- filters ---------------------------------------------------------------------------
+
+    def wants(self, name: str) -> bool:
+        """Whether tensor ``name`` passes the include/exclude filters."""
+        if self.include is not None and not _match(name, self.include):
+            return False
+        return not _match(name, self.exclude)
+
+    def _values_for(self, name: str, requested: bool | None) -> bool:
+        pol = self.values_policy
+        if pol is None:
+            return True if requested is None else bool(requested)
+        if isinstance(pol, bool):
+            return pol
+        return _match(name, pol)
+
+    @property
+    def model(self) -> dict:
+        return self.writer.model
+
+    @property
+    def defined(self) -> list[str]:
+        return list(self._specs)
+
+    # -- tokens ----------------------------------------------------------------------------
+
+    def add_tokens(self, seq: str, positions: Sequence[int] | np.ndarray | None = None,
+                   tokens: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+                   regime: str | int = "train", step: int = 0) -> np.ndarray:
+        """Add one sequence's token rows; returns their row indices for :meth:`record`.
+        ``positions`` defaults to ``0..len(tokens)-1``."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.detach().reshape(-1).cpu().numpy()
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if positions is None:
+            positions = np.arange(len(tokens), dtype=np.int64)
+        elif isinstance(positions, torch.Tensor):
+            positions = positions.detach().reshape(-1).cpu().numpy()
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        rows = self.writer.add_tokens(seq, positions, tokens, regime=regime, step=step)
+        end = self._n_rows + len(rows)
+        if end > len(self._positions):
+            grown = np.empty(max(end, 2 * len(self._positions)), dtype=np.int64)
+            grown[:self._n_rows] = self._positions[:self._n_rows]
+            self._positions = grown
+        if len(rows) and int(rows[0]) != self._n_rows:
+            raise RuntimeError("token rows were added to the writer outside this recorder; "
+                               "add every token through Recorder.add_tokens")
+        self._positions[self._n_rows:end] = positions
+        self._n_rows = end
+        return rows
+
+    def positions_of(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and rows.max() >= self._n_rows:
+            raise ValueError("rows were not added through this recorder's add_tokens; positions unknown")
+        return self._positions[rows]
+
+    # -- definitions -----------------------------------------------------------------------
+
+    def define(self, name: str, width: int, *, dtype: str = "float32", kind: str = "other",
+               boundary: int | None = None, slots: SlotSpec | None = None, slot_width: int | None = None,
+               token_offset: int = 0, role: str = "", values: bool | None = None,
+               order: float | None = None, attrs: dict | None = None) -> bool:
+        """Declare a tensor (``record`` does it on first use). Returns False when filtered out."""
+        if name in self._specs:
+            return True
+        if not self.wants(name):
+            self.stats.skipped_names.add(name)
+            return False
+        vals = self._values_for(name, values)
+        sk = self.sketch_enabled or not vals
+        if kind == "packed":
+            sw = int(slot_width or self.writer.hidden_size or 0)
+        else:
+            sw = int(width)
+        self.writer.define_tensor(name, width, kind=kind, dtype=dtype, boundary=boundary, slots=slots,
+                                  slot_width=sw if kind == "packed" else None, order=order,
+                                  token_offset=token_offset, role=role, values=vals, sketch=sk, attrs=attrs)
+        self._specs[name] = _Spec(name, int(width), sw, int(width) // sw, dtype, vals, sk)
+        return True
+
+    # -- recording -------------------------------------------------------------------------
+
+    def _projection(self, width: int, device: torch.device) -> torch.Tensor:
+        key = (width, str(device))
+        r = self._proj.get(key)
+        if r is None:
+            r = torch.from_numpy(np.array(projection(width, self.writer.sketch_dim, self.writer.sketch_seed)))
+            r = r.to(device)
+            self._proj[key] = r
+        return r
+
+    def record(self, name: str, tensor: torch.Tensor, rows: np.ndarray | Sequence[int], *,
+               kind: str = "other", boundary: int | None = None, slots: SlotSpec | None = None,
+               slot_width: int | None = None, token_offset: int = 0, role: str = "",
+               values: bool | None = None, order: float | None = None, attrs: dict | None = None) -> int:
+        """Record ``tensor`` [..., width] whose leading dims flatten to one row per entry of
+        ``rows`` (same shape as the leading dims; a row of -1 is padding and is skipped).
+        The first call defines the tensor with the given kind/slots/role. Returns rows recorded."""
+        if self._closed:
+            raise RuntimeError("recorder is closed")
+        if name not in self._specs and not self.wants(name):
+            self.stats.skipped_names.add(name)
+            return 0
+        t0 = time.perf_counter()
+        x = tensor.detach()
+        if x.ndim == 0:
+            raise ValueError(f"{name}: a scalar is not a recordable state")
+        width = int(x.shape[-1])
+        x = x.reshape(-1, width)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if len(rows) != x.shape[0]:
+            raise ValueError(f"{name}: {x.shape[0]} tensor rows but {len(rows)} token rows")
+        keep = rows >= 0
+        if not self.sample.keeps_all:
+            keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
+        if not keep.all():
+            idx = np.flatnonzero(keep)
+            rows = rows[idx]
+            x = x.index_select(0, torch.from_numpy(idx).to(x.device))
+        if name not in self._specs:
+            if not self.define(name, width, dtype=logical_dtype(x.dtype), kind=kind, boundary=boundary,
+                               slots=slots, slot_width=slot_width, token_offset=token_offset, role=role,
+                               values=values, order=order, attrs=attrs):
+                return 0
+        spec = self._specs[name]
+        if width != spec.width:
+            raise ValueError(f"{name}: width {width}, but it was defined with width {spec.width}")
+        n = len(rows)
+        if n == 0:
+            self.stats.seconds += time.perf_counter() - t0
+            return 0
+        want_dtype = _TORCH[spec.dtype]
+        if x.dtype != want_dtype:
+            x = x.to(want_dtype)
+        xf = x if x.dtype == torch.float32 else x.float()
+        x2 = xf.reshape(n * spec.slots, spec.slot_width)  # one row per (token, slot)
+        sk = None
+        if spec.sketch:  # one matmul with the seeded projection, where the data lives
+            sk = torch.mm(x2, self._projection(spec.slot_width, x.device)).reshape(n, -1)
+        vals = x if spec.values else None
+        nbytes = (n * width * x.element_size() if vals is not None else 0)
+        if x.device.type == "cuda":
+            rms = torch.linalg.vector_norm(x2, dim=-1).mul_(1.0 / math.sqrt(spec.slot_width)).reshape(n, -1)
+            self._submit_async(name, rows, vals, sk, rms, x.device, nbytes)
+        else:
+            if x.device.type != "cpu":  # other accelerators: a plain synchronous copy
+                x2, sk = x2.cpu(), (sk.cpu() if sk is not None else None)
+                vals = vals.cpu() if vals is not None else None
+            xn = x2.numpy()
+            rms = np.sqrt(np.einsum("ij,ij->i", xn, xn) / np.float32(spec.slot_width)).reshape(n, -1)
+            self.writer.append(name, rows, to_storage(vals) if vals is not None else None,
+                               sketch=sk.numpy() if sk is not None else None, rms=rms)
+        self.stats.calls += 1
+        self.stats.rows += n
+        self.stats.bytes_values += nbytes
+        self.stats.seconds += time.perf_counter() - t0
+        return n
+
+    def _submit_async(self, name, rows, vals, sk, rms, device, nbytes) -> None:
+        def host(t):
+            if t is None:
+                return None
+            h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            return h
+        hv, hs, hr = host(vals), host(sk), host(rms)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        self._pending.append(_Pending(name, rows, hv, hs, hr, ev, nbytes + rms.numel() * 4))
+        self._pending_bytes += self._pending[-1].nbytes
+        if self._pending_bytes > self.max_pending_bytes:
+            self._drain(until_bytes=self.max_pending_bytes // 2)
+        else:
+            self._drain()
+
+    def _drain(self, until_bytes: int | None = None) -> None:
+        """Hand finished device copies to the writer, in order. ``until_bytes``: also wait for
+        copies still in flight until at most that many bytes are pending (0: all)."""
+        while self._pending:
+            p = self._pending[0]
+            if not p.event.query():
+                if until_bytes is None or self._pending_bytes <= until_bytes:
+                    return
+                t0 = time.perf_counter()
+                p.event.synchronize()
+                self.stats.wait_seconds += time.perf_counter() - t0
+            self._pending.popleft()
+            self._pending_bytes -= p.nbytes
+            self.writer.append(p.name, p.rows, to_storage(p.values) if p.values is not None else None,
+                               sketch=p.sketch.numpy() if p.sketch is not None else None, rms=p.rms.numpy())
+
+    # -- vocabulary helpers ----------------------------------------------------------------
+
+    def boundary(self, b: int, tensor: torch.Tensor, rows, *, role: str = "catalog",
+                 values: bool | None = None, name: str | None = None, attrs: dict | None = None) -> int:
+        """Record boundary ``b`` (the residual stream entering decoder layer b, PRE-norm even for
+        b = N) under its label (``embed``, ``layer<b>``)."""
+        return self.record(name or boundary_label(b), tensor, rows, kind="boundary", boundary=int(b),
+                           role=role, values=values, attrs=attrs)
+
+    def final_norm(self, tensor: torch.Tensor, rows, *, role: str = "catalog", values: bool | None = None,
+                   name: str = FINAL_NORM, attrs: dict | None = None) -> int:
+        """Record the post-final-norm state (the lm_head input) as ``final_norm``."""
+        return self.record(name, tensor, rows, kind="final_norm", role=role, values=values, attrs=attrs)
+
+    def packed(self, name: str, parts: torch.Tensor | Sequence[torch.Tensor], rows, *, labels: Sequence[str],
+               raw_ids: Sequence[int] | None = None, convention: str | None = None, token_offset: int = 1,
+               role: str = "draft_input", values: bool | None = None, attrs: dict | None = None) -> int:
+        """Record a packed tensor: either the list of states a pipeline passes to its
+        ``torch.cat(..., dim=-1)`` or the concatenated tensor itself. ``labels`` state what each slot
+        holds (``embed``, ``layer<b>``, ``final_norm``); ``raw_ids`` and ``convention`` are the
+        configured ids and the convention that turned them into those labels. ``token_offset=1``:
+        row t (state at position t) is paired with token t+1, as a draft's input is."""
+        labels = [str(x) for x in labels]
+        for lab in labels:
+            parse_label(lab)
+        if isinstance(parts, torch.Tensor):
+            x = parts
+        else:
+            parts = list(parts)
+            if len(parts) != len(labels):
+                raise ValueError(f"{name}: {len(parts)} parts but {len(labels)} labels")
+            x = torch.cat(parts, dim=-1)
+        width = int(x.shape[-1])
+        if width % len(labels):
+            raise ValueError(f"{name}: width {width} does not split into {len(labels)} slots")
+        sw = width // len(labels)
+        if self.writer.hidden_size and sw != self.writer.hidden_size:
+            raise ValueError(f"{name}: slot width {sw} differs from the model's hidden size {self.writer.hidden_size}")
+        slots = SlotSpec(labels=labels, raw_ids=[int(i) for i in raw_ids] if raw_ids is not None else None,
+                         convention=convention)
+        return self.record(name, x, rows, kind="packed", slots=slots, slot_width=sw, token_offset=token_offset,
+                           role=role, values=values, attrs=attrs)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait for device copies in flight, write every buffered row, flush the file."""
+        t0 = time.perf_counter()
+        self._drain(until_bytes=0)
+        self.writer.flush()
+        self.stats.seconds += time.perf_counter() - t0
+
+    def close(self, error: BaseException | None = None) -> None:
+        if self._closed:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._drain(until_bytes=0)
+            if error is not None:
+                self.writer.set_attr(None, "recording_error", f"{type(error).__name__}: {error}"[:500])
+            if self._owns_writer:
+                self.writer.close()
+                if error is not None:
+                    # what was recorded is consistent and readable, but the recording did not finish:
+                    # say so the way an interrupted trace says it (the reader reports it as recovered)
+                    with h5py.File(self.writer.path, "r+") as f:
+                        f.attrs["complete"] = False
+            else:
+                self.writer.flush()
+        finally:
+            self._closed = True
+            self.stats.seconds += time.perf_counter() - t0
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(exc)

@@ -1,0 +1,198 @@
+"""Record the inputs or outputs of any ``torch.nn.Module``'s submodules, chosen by glob patterns on
+their qualified names (``model.layers.*``, ``*.mlp``), through a :class:`~.core.Recorder`.
+
+>>> with Recorder("run.h5", side="other", model={"hidden_size": 64}) as rec, \\
+...         ModuleHookRecorder(model, rec, ["model.layers.*"], capture="output") as hooks:
+...     hooks.tokens("sample-0", input_ids)          # token rows for the next forward
+...     model(input_ids[None])
+
+Each matched module records one tensor per direction, named ``<qualified name>.input`` or
+``<qualified name>.output`` (or whatever ``name_fn`` returns). From a tuple/list the first tensor
+is taken, from a dict or ``ModelOutput`` ``last_hidden_state`` or the first tensor; for inputs
+the first positional tensor, else the ``hidden_states`` keyword, else the first tensor keyword.
+A tensor whose leading dims do not hold one row per current token row is skipped, once noted in
+:attr:`ModuleHookRecorder.skipped` (and a warning), never an error inside the user's forward.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .core import Recorder
+
+__all__ = ["ModuleHookRecorder", "first_tensor", "batch_rows"]
+
+
+def first_tensor(obj: Any, prefer: str = "last_hidden_state") -> torch.Tensor | None:
+    """The tensor a hook records from a module's input or output value."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):  # includes transformers ModelOutput
+        if isinstance(obj.get(prefer), torch.Tensor):
+            return obj[prefer]
+        for v in obj.values():
+            t = first_tensor(v, prefer)
+            if t is not None:
+                return t
+        return None
+    if isinstance(obj, (tuple, list)):
+        for v in obj:
+            if isinstance(v, torch.Tensor):
+                return v
+        return None
+    return None
+
+
+def batch_rows(recorder: Recorder, seq_keys: Sequence[str], input_ids: torch.Tensor | np.ndarray,
+               attention_mask: torch.Tensor | np.ndarray | None = None, *, regime: str = "train",
+               step: int = 0) -> np.ndarray:
+    """Add the tokens of a padded batch ``input_ids`` [B, L] (``attention_mask`` 1 = real token,
+    left or right padding) and return token rows [B, L], -1 at padding. A sequence's positions
+    count its real tokens from 0."""
+    ids = input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be [B, L], got shape {tuple(ids.shape)}")
+    if attention_mask is None:
+        mask = np.ones(ids.shape, dtype=bool)
+    else:
+        m = attention_mask.detach().cpu().numpy() if isinstance(attention_mask, torch.Tensor) else np.asarray(attention_mask)
+        mask = m.reshape(ids.shape).astype(bool)
+    if len(seq_keys) != ids.shape[0]:
+        raise ValueError(f"{len(seq_keys)} sequence keys for a batch of {ids.shape[0]}")
+    out = np.full(ids.shape, -1, dtype=np.int64)
+    for b, key in enumerate(seq_keys):
+        cols = np.flatnonzero(mask[b])
+        if len(cols):
+            out[b, cols] = recorder.add_tokens(str(key), np.arange(len(cols)), ids[b, cols], regime=regime, step=step)
+    return out
+
+
+class ModuleHookRecorder:
+    """Forward hooks on the submodules of ``module`` whose qualified names match ``patterns``.
+
+    capture: ``"output"``, ``"input"`` or ``"both"``. ``exclude``: globs of names never hooked.
+    ``name_fn(qualified_name, direction) -> str`` names the recorded tensor. ``define_kwargs(name)``
+    may return extra :meth:`Recorder.record` keywords (kind/boundary/role/values) per tensor.
+    Token rows: call :meth:`tokens` (one sequence) or :meth:`batch` (padded batch), or
+    :meth:`set_rows` with rows you added yourself; a forward with no rows set records nothing.
+    """
+
+    def __init__(self, module: torch.nn.Module, recorder: Recorder, patterns: Sequence[str] = ("*",), *,
+                 capture: str = "output", exclude: Sequence[str] = (),
+                 name_fn: Callable[[str, str], str] | None = None,
+                 define_kwargs: Callable[[str], dict] | None = None, attach: bool = True):
+        if capture not in ("output", "input", "both"):
+            raise ValueError("capture must be 'output', 'input' or 'both'")
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        self.module = module
+        self.recorder = recorder
+        self.patterns = list(patterns)
+        self.exclude = list(exclude)
+        self.capture = capture
+        self.name_fn = name_fn or (lambda qual, direction: f"{qual or 'root'}.{direction}")
+        self.define_kwargs = define_kwargs or (lambda name: {})
+        self.rows: np.ndarray | None = None
+        self.skipped: dict[str, str] = {}
+        self._handles: list = []
+        self.matched: list[str] = [q for q, _ in module.named_modules() if self._selected(q)]
+        if not self.matched:
+            raise ValueError(f"no submodule matches {self.patterns}")
+        if attach:
+            self.attach()
+
+    def _selected(self, qual: str) -> bool:
+        return (any(fnmatch.fnmatchcase(qual, p) for p in self.patterns)
+                and not any(fnmatch.fnmatchcase(qual, p) for p in self.exclude))
+
+    # -- token rows ------------------------------------------------------------------------
+
+    def set_rows(self, rows: np.ndarray | Sequence[int] | None) -> None:
+        self.rows = None if rows is None else np.asarray(rows, dtype=np.int64)
+
+    def tokens(self, seq: str, input_ids, positions=None, *, regime: str = "train", step: int = 0) -> np.ndarray:
+        """Add one sequence's tokens and make them the rows of the next forward."""
+        rows = self.recorder.add_tokens(seq, positions, input_ids, regime=regime, step=step)
+        self.set_rows(rows)
+        return rows
+
+    def batch(self, seq_keys: Sequence[str], input_ids, attention_mask=None, *, regime: str = "train",
+              step: int = 0) -> np.ndarray:
+        """Add a padded batch's tokens ([B, L]) and make them the rows of the next forward."""
+        rows = batch_rows(self.recorder, seq_keys, input_ids, attention_mask, regime=regime, step=step)
+        self.set_rows(rows)
+        return rows
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def attach(self) -> "ModuleHookRecorder":
+        if self._handles:
+            return self
+        matched = set(self.matched)
+        for qual, mod in self.module.named_modules():
+            if qual not in matched:
+                continue
+            if self.capture in ("input", "both"):
+                self._handles.append(mod.register_forward_pre_hook(self._pre_hook(qual), with_kwargs=True))
+            if self.capture in ("output", "both"):
+                self._handles.append(mod.register_forward_hook(self._post_hook(qual)))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre_hook(self, qual: str):
+        name = self.name_fn(qual, "input")
+
+        def hook(mod, args, kwargs):
+            t = first_tensor(args)
+            if t is None:
+                t = kwargs.get("hidden_states") if isinstance(kwargs.get("hidden_states"), torch.Tensor) else None
+            if t is None:
+                t = first_tensor(kwargs)
+            self._record(name, t)
+            return None
+        return hook
+
+    def _post_hook(self, qual: str):
+        name = self.name_fn(qual, "output")
+
+        def hook(mod, args, output):
+            self._record(name, first_tensor(output))
+            return None
+        return hook
+
+    def _record(self, name: str, t: torch.Tensor | None) -> None:
+        if self.rows is None or name in self.skipped:
+            return
+        if t is None:
+            self._skip(name, "no tensor in the value")
+            return
+        if not t.is_floating_point():
+            self._skip(name, f"dtype {t.dtype} is not floating point")
+            return
+        n = self.rows.size
+        lead = t.numel() // t.shape[-1] if t.ndim else 0
+        if t.ndim < 2 or lead != n:
+            self._skip(name, f"shape {tuple(t.shape)} does not hold one row per token ({n} rows)")
+            return
+        self.recorder.record(name, t, self.rows, **self.define_kwargs(name))
+
+    def _skip(self, name: str, why: str) -> None:
+        self.skipped[name] = why
+        warnings.warn(f"tensordiff: not recording {name}: {why}", stacklevel=3)
+
+    def __enter__(self) -> "ModuleHookRecorder":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()

@@ -1,0 +1,662 @@
+"""Importers: turn files users already have into a trace.
+
+* SpecForge offline hidden states (``scripts/prepare_hidden_states.py``): one ``.ckpt`` or
+  ``.ckpt.gz`` torch dict per sample: ``input_ids`` [L], ``loss_mask`` [L], ``aux_hidden_state``
+  [1, L, K*H] (slots in config order), ``hidden_state`` [1, L, H] (post-final-norm).
+  -> ``draft_input`` (packed, role draft_input, token_offset 1) + ``final_norm`` (catalog).
+* speculators data files (``.pt``): ``hidden_states`` a list of per-layer [L, H] tensors (legacy
+  v1; the trainer packs ``list[:-1]`` and takes ``list[-1]`` as the verifier state) or a stacked
+  [L, K, H] tensor (``[:, :-1]`` aux input, ``[:, -1]`` verifier state), or the v0 layout
+  (``hidden_state`` [L, K*H] + ``target`` [L, H]).
+  -> ``draft_input`` + ``verifier_last`` (role verifier_target, attr ``label``: what the ids say it is).
+* SGLang dumper directories (``DUMPER_DIR[/<exp_name>]``): one ``.pt`` per tensor, tags
+  ``key=value`` joined by ``___`` in the file name, holding ``{"value": tensor, "meta": {...}}``.
+  Token ids, positions, sequence lengths and request ids come from the ``input_ids``,
+  ``positions``, ``seq_lens`` and ``rids`` dumps of each step (the non-intrusive dumper writes them).
+  -> one tensor per dump name (plus non-default tags: ``hidden_states@layer_id=20``); ``as_labels``
+  maps such a name to a boundary label (``layer21``) or ``final_norm``, recorded as a catalog state.
+
+Every file is read with ``torch.load(..., weights_only=True)`` only; a file that does not load or
+does not hold what its format promises raises :class:`TraceError` with one line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import gzip
+import io
+import os
+import pickle
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .. import conventions
+from ..errors import TraceError
+from ..vocab import FINAL_NORM, boundary_label, parse_label
+from .core import Recorder, Sampling, logical_dtype
+from .hf import DraftPlan, plan_draft_input
+
+__all__ = ["load_torch_file", "detect_format", "import_files", "ImportResult", "FORMATS",
+           "parse_dump_filename", "natural_key"]
+
+FORMATS = ("specforge", "speculators", "sglang-dump")
+_SHORT = 200
+
+
+def _short(e: BaseException) -> str:
+    s = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()
+    s = s[0] if s else type(e).__name__
+    return s[:_SHORT]
+
+
+def natural_key(p: Path | str) -> list:
+    """Sort key putting data_2 before data_10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]
+
+
+def _looks_like_torch(head: bytes) -> bool:
+    # torch.save writes a zip archive (PK..) or, in the legacy format, a pickle (protocol 2+: 0x80)
+    return head[:2] == b"PK" or head[:1] == b"\x80"
+
+
+def load_torch_file(path: str | os.PathLike) -> Any:
+    """``torch.load(weights_only=True)`` of a ``.pt``/``.ckpt`` file, or a gzip of one (``.gz``).
+    Anything else, or a file holding objects other than tensors and plain containers, raises
+    :class:`TraceError` with one line."""
+    path = os.fspath(path)
+    try:
+        if path.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                data = io.BytesIO(f.read())
+            head = data.getvalue()[:2]
+        else:
+            with open(path, "rb") as f:
+                head = f.read(2)
+            data = path
+        if not _looks_like_torch(head):
+            raise TraceError("not a torch checkpoint (neither torch.save's zip format nor a pickle)", path)
+        return torch.load(data, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise TraceError("no such file", path) from None
+    except IsADirectoryError:
+        raise TraceError("is a directory, not a torch file", path) from None
+    except PermissionError:
+        raise TraceError("permission denied", path) from None
+    except pickle.UnpicklingError as e:
+        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f"it holds a {m.group(1)}" if m else _short(e)
+        raise TraceError(f"refused to load under torch.load(weights_only=True): {what}; only tensors and plain "
+                         "containers are read, never arbitrary pickled objects", path) from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, TypeError, AttributeError,
+            KeyError, IndexError, UnicodeDecodeError, MemoryError, gzip.BadGzipFile) as e:
+        raise TraceError(f"cannot load as a torch file, truncated or damaged ({_short(e)})", path) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources and formats
+# ----------------------------------------------------------------------------------------------
+
+def parse_dump_filename(name: str) -> dict[str, str] | None:
+    """Tags of an SGLang dumper file name (``step=0___rank=0___...___name=x.pt``), None if not one."""
+    if not name.endswith(".pt"):
+        return None
+    stem = name[:-3]
+    tags: dict[str, str] = {}
+    for part in stem.split("___"):
+        if "=" not in part:
+            return None
+        k, v = part.split("=", 1)
+        if not k:
+            return None
+        tags[k] = v
+    if "name" not in tags:
+        return None
+    return tags
+
+
+def _expand(sources: Sequence[str | os.PathLike], patterns: Sequence[str]) -> list[Path]:
+    files: list[Path] = []
+    for s in sources:
+        p = Path(s)
+        if p.is_dir():
+            found = [q for q in p.rglob("*") if q.is_file() and any(fnmatch.fnmatch(q.name, pat) for pat in patterns)]
+            if not found:
+                raise TraceError(f"no {' or '.join(patterns)} files in this directory", str(p))
+            files.extend(sorted(found, key=natural_key))
+        elif p.exists():
+            files.append(p)
+        else:
+            raise TraceError("no such file or directory", str(p))
+    return files
+
+
+def detect_format(sources: Sequence[str | os.PathLike]) -> str:
+    """``specforge``, ``speculators`` or ``sglang-dump``, from names and the first file's keys."""
+    first = Path(sources[0])
+    if not first.exists():
+        raise TraceError("no such file or directory", str(first))
+    if first.is_dir():
+        names = [q.name for q in first.rglob("*.pt")][:1000]
+        if any(parse_dump_filename(n) for n in names):
+            return "sglang-dump"
+        ckpts = next(iter(first.rglob("*.ckpt")), None) or next(iter(first.rglob("*.ckpt.gz")), None)
+        probe = ckpts or next(iter(sorted(first.rglob("*.pt"), key=natural_key)), None)
+        if probe is None:
+            raise TraceError("no .ckpt, .ckpt.gz or .pt files in this directory", str(first))
+    else:
+        if parse_dump_filename(first.name):
+            return "sglang-dump"
+        probe = first
+    data = load_torch_file(probe)
+    if isinstance(data, dict):
+        if "aux_hidden_state" in data:
+            return "specforge"
+        if "hidden_states" in data or ("hidden_state" in data and "target" in data):
+            return "speculators"
+        if "value" in data and "meta" in data:
+            return "sglang-dump"
+    keys = sorted(map(str, data.keys()))[:8] if isinstance(data, dict) else type(data).__name__
+    raise TraceError(f"unrecognised file: neither SpecForge (aux_hidden_state), speculators (hidden_states) "
+                     f"nor an SGLang dump (value, meta); found {keys}", str(probe))
+
+
+# ----------------------------------------------------------------------------------------------
+# Result
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ImportResult:
+    format: str
+    out: str
+    files: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    tensors: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    plan: dict | None = None
+
+    def summary(self) -> str:
+        s = (f"imported {self.files} {self.format} file(s): {self.sequences} sequence(s), {self.tokens} token rows, "
+             f"tensors {', '.join(self.tensors) or 'none'} -> {self.out}")
+        if self.plan:
+            s += f"\n  draft_input slots {self.plan['fed']} (convention {self.plan['convention']}, ids {self.plan['raw_ids']})"
+            if self.plan.get("verifier"):
+                s += f"; verifier_last claimed {self.plan['verifier']}"
+        if self.skipped:
+            s += f"\n  skipped {len(self.skipped)}: " + "; ".join(f"{k} ({v})" for k, v in list(self.skipped.items())[:5])
+        return s
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_2d(t: Any, what: str, path: str, length: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TraceError(f"{what} is a {type(t).__name__}, not a tensor", path)
+    while t.ndim > 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.ndim != 2:
+        raise TraceError(f"{what} has shape {list(t.shape)}, expected [L, width] (or [1, L, width])", path)
+    if length is not None and t.shape[0] != length:
+        raise TraceError(f"{what} has {t.shape[0]} rows but input_ids has {length} tokens", path)
+    if not t.is_floating_point():
+        raise TraceError(f"{what} has dtype {t.dtype}, expected floating point", path)
+    return t
+
+
+def _ids(d: dict, path: str) -> np.ndarray:
+    t = d.get("input_ids")
+    if t is None:
+        raise TraceError("no input_ids in the file", path)
+    if isinstance(t, (list, tuple)):
+        t = torch.as_tensor(t)
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex():
+        raise TraceError("input_ids is not an integer tensor", path)
+    if t.ndim > 1:
+        if sum(s != 1 for s in t.shape[:-1]):
+            raise TraceError(f"input_ids has shape {list(t.shape)}; one sequence per file expected", path)
+        t = t.reshape(-1)
+    if t.numel() == 0:
+        raise TraceError("input_ids is empty", path)
+    return t.to(torch.int64).numpy()
+
+
+def _seq_key(path: Path, root: Path | None) -> str:
+    rel = path.relative_to(root) if root is not None and root in path.parents else Path(path.name)
+    s = str(rel)
+    for ext in (".ckpt.gz", ".pt.gz", ".ckpt", ".pt"):
+        if s.endswith(ext):
+            return s[: -len(ext)]
+    return s
+
+
+def _roots(sources) -> list[Path]:
+    return [Path(s) for s in sources if Path(s).is_dir()]
+
+
+def _root_of(p: Path, roots: list[Path]) -> Path | None:
+    for r in roots:
+        if r in p.parents:
+            return r
+    return None
+
+
+def _draft_rows(rows: np.ndarray) -> np.ndarray:
+    out = rows.copy()
+    out[-1] = -1
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# SpecForge / speculators
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Sample:
+    key: str
+    ids: np.ndarray
+    draft: torch.Tensor | None         # [L, K*H] what the trainer packs
+    verifier: torch.Tensor | None      # [L, H]
+    final_norm: torch.Tensor | None    # [L, H]
+    slots: int
+
+
+def _specforge_sample(d: Any, path: str, key: str) -> _Sample:
+    if not isinstance(d, dict) or "aux_hidden_state" not in d:
+        raise TraceError("not a SpecForge hidden-state file (no aux_hidden_state)", path)
+    ids = _ids(d, path)
+    aux = _as_2d(d["aux_hidden_state"], "aux_hidden_state", path, len(ids))
+    fn = d.get("hidden_state")
+    fn = _as_2d(fn, "hidden_state", path, len(ids)) if fn is not None else None
+    return _Sample(key, ids, aux, None, fn, 0)
+
+
+def _speculators_sample(d: Any, path: str, key: str) -> _Sample:
+    if not isinstance(d, dict):
+        raise TraceError(f"not a speculators data file (a {type(d).__name__}, not a dict)", path)
+    ids = _ids(d, path)
+    L = len(ids)
+    if "hidden_states" in d:
+        hs = d["hidden_states"]
+        if isinstance(hs, torch.Tensor):
+            while hs.ndim > 3 and hs.shape[0] == 1:
+                hs = hs[0]
+            if hs.ndim != 3 or hs.shape[0] != L:
+                raise TraceError(f"hidden_states has shape {list(hs.shape)}, expected [L={L}, K, H] or a list of [L, H]", path)
+            parts = [hs[:, i] for i in range(hs.shape[1])]
+        elif isinstance(hs, (list, tuple)):
+            parts = [_as_2d(t, f"hidden_states[{i}]", path, L) for i, t in enumerate(hs)]
+        else:
+            raise TraceError(f"hidden_states is a {type(hs).__name__}, expected a list of tensors or [L, K, H]", path)
+        if len(parts) < 2:
+            raise TraceError(f"hidden_states holds {len(parts)} state(s); the trainer needs aux states + the verifier state", path)
+        widths = {int(p.shape[-1]) for p in parts}
+        if len(widths) != 1:
+            raise TraceError(f"hidden_states entries differ in width {sorted(widths)}", path)
+        if not parts[0].is_floating_point():
+            raise TraceError("hidden_states is not floating point", path)
+        draft = torch.cat(parts[:-1], dim=-1)
+        return _Sample(key, ids, draft, parts[-1], None, len(parts) - 1)
+    if "hidden_state" in d and "target" in d:  # v0
+        draft = _as_2d(d["hidden_state"], "hidden_state", path, L)
+        tgt = _as_2d(d["target"], "target", path, L)
+        return _Sample(key, ids, draft, tgt, None, 0)
+    raise TraceError("not a speculators data file (no hidden_states)", path)
+
+
+def _plan_for(fmt: str, *, slots: int, hidden: int, ids, convention, num_layers, labels, prepend_embed,
+              path: str) -> DraftPlan:
+    """The draft plan (slot labels) of a file's packed input with ``slots`` slots."""
+    if labels:
+        labels = [boundary_label(int(x)) if str(x).isdigit() else str(x) for x in labels]
+        for lab in labels:
+            try:
+                parse_label(lab)
+            except ValueError as e:
+                raise TraceError(str(e)) from None
+        if fmt == "speculators":
+            if len(labels) != slots + 1:
+                raise TraceError(f"--labels names {len(labels)} states but the file's list holds {slots + 1} "
+                                 "(the aux states and the verifier state)", path)
+            return DraftPlan("boundary", None, tuple(labels), tuple(labels[:-1]), labels[-1], tuple(labels[:-1]),
+                             "labels given on the command line")
+        if len(labels) != slots:
+            raise TraceError(f"--labels names {len(labels)} slots but the packed input holds {slots}", path)
+        return DraftPlan("boundary", None, tuple(labels), tuple(labels), None, tuple(labels), "labels given on the command line")
+    if num_layers is None and (ids is None or convention == "eagle"):
+        raise TraceError("the file does not say which layers it holds: give --aux-ids (with --convention), "
+                         "--labels, or --num-layers for the default ids", path)
+    n = int(num_layers) if num_layers is not None else 10**6
+    conv = convention or ("specforge" if fmt == "specforge" else "speculators-legacy")
+    try:
+        if fmt == "speculators" and ids is not None and len(ids) == slots + 1 and conv == "speculators-legacy" \
+                and not prepend_embed:
+            # the legacy generator's id list names the verifier's layer too ([2, N//2, N-3, N-1])
+            plan = plan_draft_input(conv, ids[:-1], n)
+            last = boundary_label(conventions.resolve(conv, [ids[-1]], n)[0])
+            plan = DraftPlan(conv, tuple(int(i) for i in ids), plan.intended + (last,), plan.intended, last,
+                             plan.intended, "list = [hs[id + 1] for id in ids]; draft = cat(list[:-1]); verifier = list[-1]")
+        else:
+            plan = plan_draft_input(conv, ids, n, prepend_embed=prepend_embed)
+    except ValueError as e:
+        raise TraceError(str(e)) from None
+    if num_layers is None and (plan.verifier == boundary_label(n)):
+        raise TraceError("the verifier state's layer depends on the model depth: give --num-layers "
+                         "(or the verifier's id as the last of --aux-ids, or --labels)", path)
+    if len(plan.fed) != slots:
+        raise TraceError(f"the packed input holds {slots} slots of {hidden}, but {conv} ids "
+                         f"{list(ids) if ids is not None else 'default'} select {len(plan.fed)}: {list(plan.fed)}", path)
+    return plan
+
+
+def _import_hidden_state_files(fmt: str, files: list[Path], roots: list[Path], make_recorder: Callable[[dict], Recorder],
+                               result: ImportResult, *, ids, convention, num_layers, hidden_size, labels,
+                               prepend_embed, limit) -> None:
+    rec: Recorder | None = None
+    plan: DraftPlan | None = None
+    try:
+        for i, p in enumerate(files):
+            if limit is not None and i >= limit:
+                break
+            path = str(p)
+            d = load_torch_file(p)
+            key = _seq_key(p, _root_of(p, roots))
+            s = _specforge_sample(d, path, key) if fmt == "specforge" else _speculators_sample(d, path, key)
+            if rec is None:
+                if fmt == "speculators" and s.slots:
+                    hidden = int(s.verifier.shape[-1])
+                elif s.final_norm is not None:
+                    hidden = int(s.final_norm.shape[-1])
+                elif s.verifier is not None:
+                    hidden = int(s.verifier.shape[-1])
+                elif hidden_size:
+                    hidden = int(hidden_size)
+                else:
+                    k = len(labels) if labels else (len(ids) if ids is not None else 3)
+                    hidden = int(s.draft.shape[-1]) // k
+                if hidden_size and int(hidden_size) != hidden:
+                    raise TraceError(f"the file's states are {hidden} wide, not --hidden-size {hidden_size}", path)
+                width = int(s.draft.shape[-1])
+                if width % hidden:
+                    raise TraceError(f"the packed input is {width} wide, not a multiple of the hidden size {hidden}", path)
+                plan = _plan_for(fmt, slots=width // hidden, hidden=hidden, ids=ids, convention=convention,
+                                 num_layers=num_layers, labels=labels, prepend_embed=prepend_embed, path=path)
+                model = {"num_layers": int(num_layers) if num_layers is not None else None, "hidden_size": hidden,
+                         "dtype": logical_dtype(s.draft.dtype)}
+                rec = make_recorder(model)
+                result.plan = plan.as_attrs()
+            H = rec.model["hidden_size"]
+            if s.draft.shape[-1] != H * len(plan.fed):
+                raise TraceError(f"packed input is {s.draft.shape[-1]} wide; the first file's was {H * len(plan.fed)}", path)
+            rows = rec.add_tokens(key, None, s.ids, regime="train")
+            rec.packed("draft_input", s.draft, _draft_rows(rows), labels=list(plan.fed),
+                       raw_ids=list(plan.raw_ids) if plan.raw_ids is not None else None,
+                       convention=plan.convention, token_offset=1, role="draft_input",
+                       attrs={"draft_plan": plan.as_attrs(), "source_format": fmt})
+            if s.verifier is not None:
+                if s.verifier.shape[-1] != H:
+                    raise TraceError(f"verifier state is {s.verifier.shape[-1]} wide, expected {H}", path)
+                rec.record("verifier_last", s.verifier, rows, kind="other", role="verifier_target",
+                           attrs={"label": plan.verifier, "source_format": fmt})
+            if s.final_norm is not None:
+                if s.final_norm.shape[-1] != H:
+                    raise TraceError(f"hidden_state is {s.final_norm.shape[-1]} wide, expected {H}", path)
+                rec.final_norm(s.final_norm, rows, attrs={"source_format": fmt})
+            result.files += 1
+            result.sequences += 1
+            result.tokens += len(rows)
+    except BaseException as e:
+        if rec is not None:
+            rec.close(e)
+        raise
+    if rec is None:
+        raise TraceError("no files to import")
+    result.tensors = rec.defined
+    rec.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# SGLang dumper directories
+# ----------------------------------------------------------------------------------------------
+
+_CORE = ("input_ids", "positions", "seq_lens", "rids", "req_pool_indices")
+_NOT_IN_NAME = {"step", "rank", "dump_index", "name", "recompute_status", "world_rank", "world_size"}
+
+
+def _dump_tensor_name(tags: dict[str, str]) -> str:
+    extra = [(k, v) for k, v in tags.items() if k not in _NOT_IN_NAME and not k.endswith("_rank")
+             and not k.endswith("_size")]
+    name = tags["name"] + "".join(f"@{k}={v}" for k, v in extra)
+    name = name.replace("/", "_")
+    return name[:256]
+
+
+def _split_segments(pos: np.ndarray, seq_lens: np.ndarray | None) -> list[tuple[int, int]]:
+    T = len(pos)
+    if seq_lens is not None and len(seq_lens):
+        segs, start = [], 0
+        for sl in seq_lens.tolist():
+            if start >= T:
+                break
+            j = start
+            while j < T and pos[j] != sl - 1:
+                j += 1
+            if j >= T:
+                segs = None
+                break
+            segs.append((start, j + 1))
+            start = j + 1
+        if segs is not None and start == T:
+            return segs
+    cuts = [0] + [j for j in range(1, T) if pos[j] != pos[j - 1] + 1] + [T]
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _to_np_int(v: Any) -> np.ndarray | None:
+    if isinstance(v, torch.Tensor):
+        if v.is_floating_point():
+            return None
+        return v.reshape(-1).to(torch.int64).numpy()
+    if isinstance(v, (list, tuple)) and all(isinstance(x, int) for x in v):
+        return np.asarray(v, dtype=np.int64)
+    return None
+
+
+def _import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], result: ImportResult, *,
+                        rank: int | None, names: Sequence[str] | None, as_labels: dict[str, str],
+                        hidden_size: int | None, num_layers: int | None, include_recompute: bool,
+                        limit: int | None) -> None:
+    entries = []  # (tags, path)
+    exps = set()
+    for s in sources:
+        p = Path(s)
+        cand = [p] if p.is_file() else sorted(p.rglob("*.pt"), key=natural_key) if p.is_dir() else None
+        if cand is None:
+            raise TraceError("no such file or directory", str(p))
+        for q in cand:
+            tags = parse_dump_filename(q.name)
+            if tags is None:
+                result.skipped[q.name] = "not a dumper file name"
+                continue
+            entries.append((tags, q))
+            exps.add(str(q.parent))
+    if not entries:
+        raise TraceError("no SGLang dumper files (step=..___rank=..___name=...pt) found", str(sources[0]))
+    if len(exps) > 1:
+        raise TraceError(f"dumps of {len(exps)} experiments (directories) found; import one: "
+                         + ", ".join(sorted(exps)[:4]))
+
+    def num(tags, k, default=0):
+        try:
+            return int(tags.get(k, default))
+        except ValueError:
+            raise TraceError(f"dump tag {k}={tags.get(k)!r} is not an integer") from None
+    ranks = sorted({num(t, "rank") for t, _ in entries})
+    use_rank = ranks[0] if rank is None else int(rank)
+    if use_rank not in ranks:
+        raise TraceError(f"no dumps of rank {use_rank}; ranks present: {ranks}")
+    steps: dict[int, list] = {}
+    for tags, q in entries:
+        if num(tags, "rank") != use_rank:
+            continue
+        rs = tags.get("recompute_status", "disabled")
+        if not include_recompute and rs not in ("disabled", "none", "None", ""):
+            continue
+        steps.setdefault(num(tags, "step"), []).append((num(tags, "dump_index"), tags, q))
+    rec: Recorder | None = None
+    try:
+        for si, step in enumerate(sorted(steps)):
+            if limit is not None and si >= limit:
+                break
+            items = sorted(steps[step], key=lambda x: x[0])
+            core: dict[str, Any] = {}
+            tensors = []
+            for _, tags, q in items:
+                obj = load_torch_file(q)
+                if not isinstance(obj, dict) or "value" not in obj:
+                    raise TraceError("not an SGLang dump (no 'value' entry)", str(q))
+                result.files += 1
+                nm = tags["name"]
+                if nm in _CORE:
+                    core.setdefault(nm, obj["value"])
+                    continue
+                tname = _dump_tensor_name(tags)
+                if names and not any(fnmatch.fnmatchcase(tname, g) or fnmatch.fnmatchcase(nm, g) for g in names):
+                    continue
+                tensors.append((tname, obj["value"], str(q)))
+            if not tensors:
+                continue
+            ids = _to_np_int(core.get("input_ids"))
+            if ids is None:
+                raise TraceError(f"step {step} has no input_ids dump: dump the forward batch's core fields "
+                                 "(input_ids, positions, seq_lens, rids) with the tensors")
+            T = len(ids)
+            pos = _to_np_int(core.get("positions"))
+            seq_lens = _to_np_int(core.get("seq_lens"))
+            if pos is None:
+                if seq_lens is not None and len(seq_lens) > 1:
+                    raise TraceError(f"step {step} has {len(seq_lens)} sequences but no positions dump")
+                pos = np.arange(T, dtype=np.int64)
+            if len(pos) != T:
+                raise TraceError(f"step {step}: {len(pos)} positions for {T} input_ids")
+            segs = _split_segments(pos, seq_lens)
+            rids = core.get("rids")
+            rids = list(rids) if isinstance(rids, (list, tuple)) and len(rids) == len(segs) else None
+            if rec is None:
+                widths = [int(v.shape[-1]) for _, v, _ in tensors if isinstance(v, torch.Tensor) and v.ndim >= 1]
+                hidden = int(hidden_size) if hidden_size else (max(set(widths), key=widths.count) if widths else None)
+                rec = make_recorder({"num_layers": num_layers, "hidden_size": hidden, "dtype": None})
+            rows = np.empty(T, dtype=np.int64)
+            for i, (a, b) in enumerate(segs):
+                key = str(rids[i]) if rids is not None else f"step{step}.seq{i}"
+                regime = "prefill" if b - a > 1 else "decode"
+                rows[a:b] = rec.add_tokens(key, pos[a:b], ids[a:b], regime=regime, step=step)
+                result.sequences += 1
+            result.tokens += T
+            for tname, v, path in tensors:
+                if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                    result.skipped[tname] = "not a floating-point tensor"
+                    continue
+                while v.ndim > 2 and v.shape[0] == 1 and v.shape[1] == T:
+                    v = v[0]
+                if v.ndim < 2 or v.shape[0] != T:
+                    result.skipped[tname] = f"shape {list(v.shape)} has no row per token ({T})"
+                    continue
+                v = v.reshape(T, -1)
+                label = as_labels.get(tname) or as_labels.get(tags_name_only(tname))
+                if label:
+                    b = parse_label(label)
+                    if b is None:
+                        rec.final_norm(v, rows, name=FINAL_NORM, attrs={"dump_name": tname})
+                    else:
+                        rec.boundary(b, v, rows, attrs={"dump_name": tname})
+                else:
+                    rec.record(tname, v, rows, kind="other", role="dump")
+    except BaseException as e:
+        if rec is not None:
+            rec.close(e)
+        raise
+    if rec is None:
+        raise TraceError("the dumps hold no tensors besides the forward batch's fields")
+    result.tensors = rec.defined
+    rec.close()
+
+
+def tags_name_only(tname: str) -> str:
+    return tname.split("@", 1)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def import_files(sources: Sequence[str | os.PathLike], out: str | os.PathLike, *, fmt: str = "auto",
+                 side: str | None = None, aux_ids: Sequence[int] | None = None, convention: str | None = None,
+                 num_layers: int | None = None, hidden_size: int | None = None, labels: Sequence[str] | None = None,
+                 prepend_embed: bool = False, rank: int | None = None, names: Sequence[str] | None = None,
+                 as_labels: dict[str, str] | None = None, include_recompute: bool = False,
+                 limit: int | None = None, sample: Sampling | None = None, values: bool | Sequence[str] | None = None,
+                 meta: dict | None = None) -> ImportResult:
+    """Convert ``sources`` (files or directories) of one format into the trace ``out``."""
+    if not sources:
+        raise TraceError("nothing to import: give files or directories")
+    if fmt == "auto":
+        fmt = detect_format(sources)
+    if fmt not in FORMATS:
+        raise TraceError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+    if as_labels:
+        for lab in as_labels.values():
+            try:
+                parse_label(lab)
+            except ValueError as e:
+                raise TraceError(str(e)) from None
+    side = side or ("serve" if fmt == "sglang-dump" else "train")
+    result = ImportResult(format=fmt, out=os.fspath(out))
+    out_dir = os.path.dirname(os.path.abspath(os.fspath(out)))
+    if not os.path.isdir(out_dir):
+        raise TraceError("output directory does not exist", out_dir)
+
+    created = []
+
+    def make_recorder(model: dict) -> Recorder:
+        model = {k: v for k, v in model.items() if v is not None}
+        try:
+            rec = Recorder(out, side=side, producer=f"tensordiff import ({fmt})", model=model,
+                           meta={"imported_from": [os.fspath(s) for s in sources][:50], "format": fmt, **(meta or {})},
+                           sample=sample, values=values)
+        except OSError as e:
+            raise TraceError(f"cannot create the trace file ({_short(e)})", os.fspath(out)) from None
+        created.append(os.fspath(out))
+        return rec
+
+    try:
+        if fmt == "sglang-dump":
+            _import_sglang_dump(sources, make_recorder, result, rank=rank, names=names, as_labels=as_labels or {},
+                                hidden_size=hidden_size, num_layers=num_layers, include_recompute=include_recompute,
+                                limit=limit)
+        else:
+            pats = ("*.ckpt", "*.ckpt.gz") if fmt == "specforge" else ("*.pt", "*.pt.gz")
+            files = _expand(sources, pats)
+            _import_hidden_state_files(fmt, files, _roots(sources), make_recorder, result,
+                                       ids=list(aux_ids) if aux_ids is not None else None, convention=convention,
+                                       num_layers=num_layers, hidden_size=hidden_size, labels=labels,
+                                       prepend_embed=prepend_embed, limit=limit)
+    except BaseException:
+        for path in created:  # a failed import leaves no half-written trace behind
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+        raise
+    return result

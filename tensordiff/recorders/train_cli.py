@@ -1,0 +1,316 @@
+"""``tensordiff record train``: run an HF transformers causal LM over prompts and record the train
+side: the boundary catalog, ``final_norm`` and the packed draft input as a named convention builds it.
+
+No torch at import time (``tensordiff --help`` must work without it): torch and transformers are
+imported inside :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from ..errors import TraceError
+
+CONVENTION_CHOICES = ("specforge", "eagle", "speculators-legacy", "boundary", "hf", "vllm", "sglang-llama",
+                      "sglang-deepseek", "sglang-deepseek-old", "sglang-gpt-oss")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="local HF transformers model directory (config.json + weights); never downloaded")
+    p.add_argument("--prompts", required=True, metavar="FILE",
+                   help="JSONL: one prompt per line, a list of token ids, {\"input_ids\": [...]}, or "
+                        "{\"text\": \"...\"} / a JSON string when the model directory has a tokenizer; "
+                        "an optional \"id\" names the sequence")
+    p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write")
+    g = p.add_argument_group("draft input")
+    g.add_argument("--aux-ids", type=int, nargs="+", metavar="ID",
+                   help="the draft's aux hidden-state layer ids as the pipeline configures them "
+                        "(default: from --draft-config, else each convention's default)")
+    g.add_argument("--convention", default="specforge", choices=CONVENTION_CHOICES,
+                   help="how the pipeline turns ids into states (default specforge: boundary id+1; eagle: "
+                        "inputs of layers 2, N//2, N-3; speculators-legacy: [hs[id+1] ...] + [last], packs [:-1])")
+    g.add_argument("--prepend-embed", action="store_true",
+                   help="model the speculators legacy extractor bug: the list was [hs[0]] + [hs[id+1] for id in ids] "
+                        "and [:-1] fed [embed, ...] (with --convention speculators-legacy)")
+    g.add_argument("--boundaries", nargs="+", metavar="B",
+                   help="explicit draft slots instead of ids: boundaries (0..N) or labels (embed, layer3, final_norm)")
+    g.add_argument("--hf-index-n-post-norm", action="store_true",
+                   help="the pipeline indexes HF output_hidden_states directly, so id->index N is the post-norm "
+                        "state (final_norm) in transformers 5.x (default only for --convention hf)")
+    g.add_argument("--draft-config", metavar="FILE",
+                   help="draft config.json: read eagle_config.eagle_aux_hidden_state_layer_ids when --aux-ids is absent")
+    g.add_argument("--no-draft-input", action="store_true", help="record the catalog only")
+    g = p.add_argument_group("what to record")
+    g.add_argument("--values", default="slots", metavar="WHICH",
+                   help="catalog states with full values: slots (default: the states the draft plan captures, "
+                        "plus final_norm), all, none, or labels (embed,layer3,final_norm); sketches are kept for all")
+    g.add_argument("--sample-every", type=int, default=1, metavar="K",
+                   help="record token positions p with p %% K == 0 only (default 1: all)")
+    g.add_argument("--positions", type=int, nargs="+", metavar="P", help="also (or with --sample-every 0: only) these positions")
+    g.add_argument("--max-len", type=int, metavar="L", help="truncate every prompt to L tokens")
+    g.add_argument("--limit", type=int, metavar="N", help="record the first N prompts only")
+    g.add_argument("--sketch-dim", type=int, default=None, help="sketch width (default 128)")
+    g.add_argument("--sketch-seed", type=int, default=None, help="sketch projection seed (both sides must agree)")
+    g = p.add_argument_group("model")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="load the model in this dtype (auto: the checkpoint's)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_draft_ids(path: str) -> list[int] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise TraceError(f"cannot read the draft config ({e.strerror or e})", path) from None
+    except ValueError:
+        raise TraceError("the draft config is not JSON", path) from None
+    if not isinstance(cfg, dict):
+        raise TraceError("the draft config is not a JSON object", path)
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise TraceError("eagle_aux_hidden_state_layer_ids is not a list of integers", path)
+    return ids
+
+
+def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
+    """(key, token ids) per JSONL line; ``tokenizer_loader()`` returns a tokenizer for text lines."""
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise TraceError(f"cannot read prompts ({e.strerror or e})", path) from None
+    out: list[tuple[str, list[int]]] = []
+    tok = None
+    with f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError:
+            raise TraceError("prompts file is not UTF-8 text", path) from None
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise TraceError(f"line {n} is not JSON", path) from None
+        key = f"prompt-{len(out)}"
+        text = None
+        ids = None
+        if isinstance(obj, list):
+            ids = obj
+        elif isinstance(obj, str):
+            text = obj
+        elif isinstance(obj, dict):
+            if "id" in obj:
+                key = str(obj["id"])
+            for k in ("input_ids", "token_ids", "tokens"):
+                if k in obj:
+                    ids = obj[k]
+                    break
+            if ids is None:
+                text = obj.get("text", obj.get("prompt"))
+        if ids is not None:
+            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise TraceError(f"line {n}: token ids must be a non-empty list of non-negative integers", path)
+        elif isinstance(text, str):
+            if tok is None:
+                tok = tokenizer_loader()
+            ids = list(tok(text, add_special_tokens=True)["input_ids"])
+            if not ids:
+                raise TraceError(f"line {n}: the text tokenizes to nothing", path)
+        else:
+            raise TraceError(f"line {n}: expected token ids, {{\"input_ids\": [...]}} or {{\"text\": \"...\"}}", path)
+        out.append((key, ids))
+    if not out:
+        raise TraceError("no prompts in the file", path)
+    keys = [k for k, _ in out]
+    if len(set(keys)) != len(keys):
+        raise TraceError("prompt ids repeat; every \"id\" must be unique", path)
+    return out
+
+
+def _load_config(path: str):
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise TraceError("model directory not found (give a local directory; nothing is downloaded)", path)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TraceError(f"cannot read the model config ({_first_line(e)})", path) from None
+
+
+def _load_model(path: str, dtype: str, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bar (or none off a terminal), not HF's
+    kw: dict[str, Any] = {"local_files_only": True, "dtype": getattr(torch, dtype) if dtype != "auto" else "auto"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise TraceError(f"cannot load the model ({_first_line(e)})", path) from None
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        model = model.to(device).eval()
+    except (RuntimeError, AssertionError) as e:
+        raise TraceError(f"cannot move the model to {device} ({_first_line(e)})") from None
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return (s[0] if s else type(e).__name__)[:200]
+
+
+class _Progress:
+    """A rich progress bar on stderr when it is a terminal; nothing otherwise (NO_COLOR respected)."""
+
+    def __init__(self, total_tokens: int, n_prompts: int, enabled: bool):
+        self.bar = None
+        if not enabled or not sys.stderr.isatty():
+            return
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+        console = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None)
+        self.bar = Progress(TextColumn("recording"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True)
+        self.task = self.bar.add_task("record", total=total_tokens)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def advance(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.advance(self.task, n)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+
+    from .core import Recorder, Sampling
+    from .hf import HFExtractorRecorder, model_info, plan_draft_input
+
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise TraceError("output directory does not exist", out_dir)
+    if args.sample_every is not None and args.sample_every < 0:
+        raise TraceError("--sample-every must be >= 0")
+    if args.sample_every == 0 and not args.positions:
+        raise TraceError("--sample-every 0 records only --positions: give some")
+    ids = args.aux_ids
+    if ids is None and args.draft_config:
+        ids = _read_draft_ids(args.draft_config)
+
+    def tokenizer_loader():
+        from transformers import AutoTokenizer
+        try:
+            return AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TraceError(f"text prompts need a tokenizer in the model directory ({_first_line(e)})",
+                             args.model) from None
+
+    cfg = _load_config(args.model)
+    prompts = load_prompts(args.prompts, tokenizer_loader)
+    if args.limit is not None:
+        prompts = prompts[: max(0, args.limit)]
+    if args.max_len is not None:
+        if args.max_len < 1:
+            raise TraceError("--max-len must be >= 1")
+        prompts = [(k, v[: args.max_len]) for k, v in prompts]
+    text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    vocab = getattr(text_cfg, "vocab_size", None)
+    for k, v in prompts:
+        if vocab and max(v) >= vocab:
+            raise TraceError(f"prompt {k} has token id {max(v)}, outside the model's vocabulary of {vocab}", args.prompts)
+
+    model = _load_model(args.model, args.dtype, args.device)
+    try:
+        info = model_info(model)
+    except ValueError as e:
+        raise TraceError(str(e), args.model) from None
+    n_layers = info["num_layers"]
+    plan = None
+    if not args.no_draft_input:
+        try:
+            plan = plan_draft_input(args.convention, ids, n_layers, prepend_embed=args.prepend_embed,
+                                    hf_index_n_post_norm=True if args.hf_index_n_post_norm else None,
+                                    boundaries=args.boundaries)
+        except ValueError as e:
+            raise TraceError(str(e)) from None
+    info["path"] = os.path.abspath(args.model)
+    sample = Sampling(every=args.sample_every, positions=frozenset(args.positions) if args.positions else None)
+    meta = {"prompts": os.path.abspath(args.prompts), "command": "record train",
+            "draft_plan": plan.as_attrs() if plan else None}
+    wkw = {}
+    if args.sketch_dim is not None:
+        wkw["sketch_dim"] = args.sketch_dim
+    if args.sketch_seed is not None:
+        wkw["sketch_seed"] = args.sketch_seed
+    import transformers
+    try:
+        rec = Recorder(args.out, side="train", producer=f"tensordiff record train (transformers {transformers.__version__})",
+                       model=info, meta=meta, sample=sample, **wkw)
+    except OSError as e:
+        raise TraceError(f"cannot create the trace file ({_first_line(e)})", args.out) from None
+    t0 = time.perf_counter()
+    total = sum(len(v) for _, v in prompts)
+    try:
+        try:
+            hf = HFExtractorRecorder(model, rec, plan, values=args.values)
+        except ValueError as e:
+            raise TraceError(str(e)) from None
+        with _Progress(total, n_prompts=len(prompts), enabled=not args.no_progress) as bar:
+            for key, toks in prompts:
+                hf.run(key, torch.tensor(toks, dtype=torch.long))
+                bar.advance(len(toks))
+    except BaseException as e:
+        rec.close(e)
+        raise
+    rec.close()
+    dt = time.perf_counter() - t0
+    size = os.path.getsize(args.out)
+    print(f"recorded {len(prompts)} sequence(s), {total} tokens, {len(rec.defined)} tensors -> {args.out} "
+          f"({size / 1e6:.1f} MB, {dt:.1f} s)")
+    if plan is not None:
+        line = (f"  draft_input slots [{', '.join(plan.fed)}] from ids {list(plan.raw_ids) if plan.raw_ids else 'default'} "
+                f"under {plan.convention}")
+        if plan.verifier:
+            line += f"; extractor list [{', '.join(plan.captured)}], [:-1] leaves {plan.verifier} as the verifier state"
+        if list(plan.fed) != list(plan.intended):
+            line += f" (the ids alone select [{', '.join(plan.intended)}])"
+        print(line)
+    print(f"  catalog: embed..layer{n_layers} + final_norm (sketch + RMS; full values: "
+          f"{', '.join(sorted(hf.value_labels, key=_order)) or 'none'})")
+    return 0
+
+
+def _order(label: str) -> float:
+    from ..vocab import state_order
+    return state_order(label)

@@ -1,0 +1,204 @@
+"""The generic recorder core and the module-hook recorder: real torch tensors, real HDF5 traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tensordiff.dtypes import bf16_bits_to_f32  # noqa: E402
+from tensordiff.recorders.core import Recorder, Sampling  # noqa: E402
+from tensordiff.recorders.hooks import ModuleHookRecorder  # noqa: E402
+from tensordiff.sketch import sketch_np  # noqa: E402
+from tensordiff.trace import TraceReader  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+H = 32
+
+
+def _rec(path, **kw):
+    return Recorder(path, side="train", model={"num_layers": 4, "hidden_size": H}, **kw)
+
+
+def test_values_sketch_rms_match_the_numpy_reference(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(10, H) * 3
+    p = tmp_path / "t.h5"
+    with _rec(p) as rec:
+        rows = rec.add_tokens("s", None, list(range(10)))
+        assert rec.boundary(2, x, rows) == 10
+    with TraceReader(p) as r:
+        info = r.tensors["layer2"]
+        assert (info.kind, info.boundary, info.role, info.dtype) == ("boundary", 2, "catalog", "float32")
+        np.testing.assert_array_equal(r.read_values("layer2"), x.numpy())
+        # the device-side sketch is the same projection as the numpy one (float rounding aside)
+        np.testing.assert_allclose(r.read_sketch("layer2"), sketch_np(x.numpy(), H, r.sketch_dim, r.sketch_seed),
+                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(r.read_rms("layer2")[:, 0], x.pow(2).mean(-1).sqrt().numpy(), rtol=1e-5)
+        assert r.complete
+
+
+def test_bfloat16_is_stored_bit_exact(tmp_path):
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, H).to(torch.bfloat16)
+    p = tmp_path / "t.h5"
+    with _rec(p) as rec:
+        rows = np.concatenate([rec.add_tokens(f"s{i}", None, [1, 2, 3, 4, 5]) for i in range(2)]).reshape(2, 5)
+        rec.record("act", x, rows)
+    with TraceReader(p) as r:
+        assert r.tensors["act"].dtype == "bfloat16"
+        bits = r.read_values("act", raw=True)
+        np.testing.assert_array_equal(bits, x.reshape(10, H).view(torch.int16).numpy().view(np.uint16))
+        np.testing.assert_array_equal(bf16_bits_to_f32(bits), x.float().reshape(10, H).numpy())
+
+
+def test_sampling_by_position_and_padding_rows(tmp_path):
+    p = tmp_path / "t.h5"
+    x = torch.arange(12 * H, dtype=torch.float32).reshape(12, H)
+    with _rec(p, sample=Sampling(every=4, positions={5})) as rec:
+        rows = rec.add_tokens("s", range(12), range(100, 112))
+        rows = rows.copy()
+        rows[8] = -1  # padding: never recorded
+        rec.record("act", x, rows)
+    with TraceReader(p) as r:
+        pos = r.tokens["position"][r.token_rows("act")]
+        assert pos.tolist() == [0, 4, 5]
+        np.testing.assert_array_equal(r.read_values("act"), x[[0, 4, 5]].numpy())
+    assert Sampling(every=0, positions=[3]).mask(np.arange(6)).tolist() == [False, False, False, True, False, False]
+
+
+def test_name_filters_and_sketch_only_values(tmp_path):
+    p = tmp_path / "t.h5"
+    x = torch.randn(4, H)
+    with _rec(p, include=["layer*", "final_norm"], exclude=["layer3"], values=["final_norm"]) as rec:
+        rows = rec.add_tokens("s", None, [1, 2, 3, 4])
+        for b in (1, 2, 3):
+            rec.boundary(b, x, rows)
+        rec.final_norm(x, rows)
+        assert rec.record("other", x, rows) == 0
+    with TraceReader(p) as r:
+        assert sorted(r.tensors) == ["final_norm", "layer1", "layer2"]
+        assert not r.tensors["layer1"].has_values and r.tensors["layer1"].has_sketch
+        assert r.tensors["final_norm"].has_values
+
+
+def test_packed_from_parts_records_slots_and_provenance(tmp_path):
+    torch.manual_seed(2)
+    parts = [torch.randn(6, H) for _ in range(3)]
+    p = tmp_path / "t.h5"
+    with _rec(p) as rec:
+        rows = rec.add_tokens("s", None, range(6))
+        rec.packed("draft_input", parts, rows, labels=["embed", "layer2", "layer4"], raw_ids=[0, 1, 3],
+                   convention="specforge")
+        with pytest.raises(ValueError, match="slot width"):
+            rec.packed("bad", torch.randn(6, 3 * 16), rows, labels=["embed", "layer1", "layer2"])
+        with pytest.raises(ValueError, match="not a state label"):
+            rec.packed("bad2", parts, rows, labels=["embed", "layerX", "layer2"])
+        with pytest.raises(ValueError, match="token rows"):
+            rec.record("short", torch.randn(5, H), rows)
+    with TraceReader(p) as r:
+        i = r.tensors["draft_input"]
+        assert (i.kind, i.role, i.slot_count, i.slot_width, i.token_offset) == ("packed", "draft_input", 3, H, 1)
+        assert i.slot_labels == ["embed", "layer2", "layer4"]
+        assert (i.raw_ids, i.convention) == ([0, 1, 3], "specforge")
+        np.testing.assert_array_equal(r.read_values("draft_input"), torch.cat(parts, -1).numpy())
+        assert r.read_sketch("draft_input").shape == (6, 3 * r.sketch_dim)
+        assert r.read_rms("draft_input").shape == (6, 3)
+
+
+def test_exception_inside_the_block_leaves_a_readable_trace(tmp_path):
+    p = tmp_path / "t.h5"
+    with pytest.raises(RuntimeError, match="boom"):
+        with _rec(p) as rec:
+            rows = rec.add_tokens("s", None, [1, 2])
+            rec.boundary(0, torch.ones(2, H), rows)
+            raise RuntimeError("boom")
+    with TraceReader(p) as r:
+        assert r.tensors["embed"].rows == 2
+        assert "boom" in r.f.attrs["recording_error"]
+        assert not r.complete and "interrupted" in r.recovered_note
+
+
+def _tiny_llama(layers=4, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=H, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+                      max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_module_hooks_record_layer_outputs_and_inputs(tmp_path):
+    model = _tiny_llama()
+    ids = torch.randint(0, 97, (1, 9))
+    p = tmp_path / "t.h5"
+    with _rec(p) as rec:
+        with ModuleHookRecorder(model, rec, ["model.layers.*"], capture="both",
+                                exclude=["model.layers.*.*"]) as hooks:
+            hooks.tokens("s", ids[0])
+            with torch.no_grad():
+                out = model(ids, output_hidden_states=True)
+        assert hooks.matched == [f"model.layers.{i}" for i in range(4)]
+    with TraceReader(p) as r:
+        for i in range(4):
+            np.testing.assert_array_equal(r.read_values(f"model.layers.{i}.input"), out.hidden_states[i][0].numpy())
+        for i in range(3):  # HF index 4 = N is post-norm; the last layer's output is pre-norm
+            np.testing.assert_array_equal(r.read_values(f"model.layers.{i}.output"), out.hidden_states[i + 1][0].numpy())
+        assert not np.array_equal(r.read_values("model.layers.3.output"), out.hidden_states[4][0].numpy())
+
+
+def test_module_hooks_padded_batch_and_skipped_shapes(tmp_path):
+    model = _tiny_llama(layers=2)
+    ids = torch.randint(1, 97, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0  # right padding on the second sequence
+    p = tmp_path / "t.h5"
+    with _rec(p) as rec:
+        hooks = ModuleHookRecorder(model, rec, ["model.layers.0", "model.rotary_emb"], capture="output",
+                                   name_fn=lambda q, d: q.replace(".", "_"))
+        rows = hooks.batch(["a", "b"], ids, mask)
+        assert rows[1, 4:].tolist() == [-1, -1]
+        with torch.no_grad(), pytest.warns(UserWarning, match="model_rotary_emb"):
+            out = model(ids, attention_mask=mask, output_hidden_states=True)
+        hooks.detach()
+        with torch.no_grad():
+            model(ids)  # detached: records nothing more
+    assert "model_rotary_emb" in hooks.skipped
+    with TraceReader(p) as r:
+        assert r.tensors["model_layers_0"].rows == 10
+        v = r.read_values("model_layers_0")
+        np.testing.assert_array_equal(v[:6], out.hidden_states[1][0].numpy())
+        np.testing.assert_array_equal(v[6:], out.hidden_states[1][1, :4].numpy())
+        assert "model_rotary_emb" not in r.tensors
+
+
+def test_draft_rows_and_sampling_properties():
+    """draft row t exists iff tokens t and t+1 of the same sequence exist; sampling keeps exactly the
+    positions asked, whatever the padding."""
+    from hypothesis import given, settings, strategies as st
+
+    from tensordiff.recorders.hf import draft_rows
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.booleans()), min_size=1, max_size=4),
+           st.integers(0, 4), st.sets(st.integers(0, 8), max_size=3))
+    def check(seqs, every, extra):
+        L = max(a + b for a, b, _ in seqs) or 1
+        rows = np.full((len(seqs), L), -1, dtype=np.int64)
+        nxt = 0
+        for i, (lead, n, _) in enumerate(seqs):  # `lead` pads on the left, the rest on the right
+            n = min(n, L - lead)
+            rows[i, lead:lead + n] = np.arange(nxt, nxt + n)
+            nxt += n
+        d = draft_rows(rows)
+        for i in range(len(seqs)):
+            for t in range(L):
+                want = rows[i, t] if t + 1 < L and rows[i, t] >= 0 and rows[i, t + 1] >= 0 else -1
+                assert d[i, t] == want
+        pos = np.arange(12)
+        keep = Sampling(every=every, positions=extra).mask(pos)
+        assert set(pos[keep].tolist()) == {p for p in range(12) if (every and p % every == 0) or p in extra}
+
+    check()
