@@ -493,16 +493,18 @@ class Differ:
         if not pairs:
             raise TraceError("the traces share no tensor to compare (no common names, boundaries or packed inputs)")
         self.cat_a, self.cat_b = _Catalog(ra, "A"), _Catalog(rb, "B")
-        self.maps_a: dict[str, np.ndarray] = {}
-        self.maps_b: dict[str, np.ndarray] = {}
 
         findings += self._shift_findings(al)
         findings += [Finding("gap", "info", _gap_message(g, ra, rb), seq=g["seq"], order=-1.0, details=g)
                      for g in al.gaps]
+        # a trace recovered from a killed recording: say so (its missing tail shows up as gaps)
+        findings += [Finding("recovered", "info", f"{r.side} trace {os.path.basename(r.path)}: {r.recovered_note}",
+                             order=-3.0, details={"side": r.side, "path": r.path})
+                     for r in (ra, rb) if getattr(r, "recovered_note", None)]
         summary = SummaryWriter(self.opt.summary_path, al, ra, rb) if self.opt.summary_path else None
         slot_table: list[SlotRow] = []
         stats: list[PairStats] = []
-        total_rows = sum(int(np.count_nonzero((self._map_a(a.name) >= 0))) for a, _ in pairs)
+        total_rows = sum(min(a.rows, b.rows, len(al)) for a, b in pairs)  # for the progress bar
         self._done = 0
         self._total = max(total_rows, 1)
         self._tiebreak = itertools.count()
@@ -522,23 +524,6 @@ class Differ:
             sequences=al.seq_pairs, gaps=al.gaps, shifts={str(k): v for k, v in al.shifts.items()},
             tokens_aligned=len(al), worst_tokens=worst_tokens, summary_path=self.opt.summary_path,
         )
-
-    def _map_a(self, name: str) -> np.ndarray:
-        if name not in self.maps_a:
-            self.maps_a[name] = _row_map(self.ra, self.sa, name, self.al.index_a)
-        return self.maps_a[name]
-
-    def _map_b(self, name: str) -> np.ndarray:
-        if name not in self.maps_b:
-            self.maps_b[name] = _row_map(self.rb, self.sb, name, self.al.index_b)
-        return self.maps_b[name]
-
-    def _inverse(self, rowmap: np.ndarray) -> np.ndarray:
-        """aligned index -> tensor row (-1 absent); the last tensor row wins on duplicates."""
-        inv = np.full(len(self.al), -1, dtype=np.int64)
-        ok = rowmap >= 0
-        inv[rowmap[ok]] = np.flatnonzero(ok)
-        return inv
 
     def _shift_findings(self, al: TokenAlignment) -> list[Finding]:
         out = []
@@ -583,19 +568,19 @@ class Differ:
             rms = np.sqrt(np.mean(vv.astype(np.float64) ** 2, axis=1)).astype(np.float32)
         return data, rms
 
-    def identify(self, side: str, info: TensorInfo, slot: int, sample: np.ndarray) -> dict:
-        """Which recorded state does ``slot`` of ``info`` (on ``side``) hold at the sampled aligned
+    def identify(self, side: str, info: TensorInfo, slots: list[int], sample: np.ndarray) -> dict[int, dict]:
+        """Which recorded state does each slot of ``info`` (on ``side``) hold at the sampled aligned
         tokens? Candidates: every catalog state of both sides (own side first), at the same token
-        and at tokens shifted by up to two positions."""
+        and, when nothing matches there, at tokens shifted by up to two positions.
+
+        Each candidate's row map is built once per call and dropped (memory stays O(tokens))."""
         r_self = self.ra if side == "a" else self.rb
-        rowmap = self._inverse(self._map_a(info.name) if side == "a" else self._map_b(info.name))
-        own_cat, other_cat = (self.cat_a, self.cat_b) if side == "a" else (self.cat_b, self.cat_a)
-        rows_self = rowmap[sample]
+        (rows_self,) = self._rows_at(side, info.name, [sample])
         use = rows_self >= 0
-        sample = sample[use]
-        rows_self = rows_self[use]
+        sample, rows_self = sample[use], rows_self[use]
         if len(sample) == 0:
-            return {"best": None, "score": None}
+            return {s: {"best": None, "score": None, "reason": "no sampled token"} for s in slots}
+        own_cat, other_cat = (self.cat_a, self.cat_b) if side == "a" else (self.cat_b, self.cat_a)
         candidates: list[tuple[str, str, TensorInfo, TraceReader]] = []
         seen = set()
         for cat, cside in ((own_cat, side), (other_cat, "b" if side == "a" else "a")):
@@ -604,47 +589,54 @@ class Differ:
                     seen.add(label)
                     candidates.append((label, cside, ci, cat.r))
         if not candidates:
-            return {"best": None, "score": None, "reason": "no catalog states recorded on either side"}
-        scored = []
-        x_cache: dict[str, tuple] = {}
-        for offset in (0, -1, 1, -2, 2):
-            tgt = self._offset_index(sample, offset)
-            for label, cside, ci, cr in candidates:
-                crowmap = self._inverse(self._map_a(ci.name) if cside == "a" else self._map_b(ci.name))
-                ok = tgt >= 0
-                crows = np.where(ok, crowmap[np.maximum(tgt, 0)], -1)
-                ok &= crows >= 0
-                if ok.sum() < max(1, len(sample) // 4):
-                    continue
-                basis = "values" if (info.has_values and ci.has_values) else "sketch"
-                if basis == "sketch" and not (info.has_sketch and ci.has_sketch and cr.sketch_dim == r_self.sketch_dim
-                                              and cr.sketch_seed == r_self.sketch_seed):
-                    continue
-                if basis == "values" and ci.width != info.slot_width:
-                    continue
-                key = basis
-                if key not in x_cache:
-                    x_cache[key] = self._slot_data(r_self, info, rows_self, slot, basis)
-                xs, xr = x_cache[key]
-                cdata, crms = self._slot_data(cr, ci, crows[ok], 0, basis)
-                cos = float(cosine_matrix(xs[ok], cdata[None])[0])
-                agree = float(rms_agreement(xr[ok], crms[None])[0])
-                score = cos * agree
-                scored.append({"label": label, "offset": offset, "score": round(score, 6), "cos": round(cos, 6),
-                               "rms_agreement": round(agree, 6), "side": cside, "basis": basis})
-            if offset == 0 and scored and max(s["score"] for s in scored) >= CONFIDENT:
-                break  # the same token explains it; no need to look at neighbours
-        if not scored:
-            return {"best": None, "score": None, "reason": "no catalog state shares these tokens"}
-        scored.sort(key=lambda s: (-s["score"], abs(s["offset"])))
-        best = scored[0]
-        runner = next((s for s in scored[1:] if (s["label"], s["offset"]) != (best["label"], best["offset"])), None)
-        margin = best["score"] - (runner["score"] if runner else 0.0)
-        confident = best["score"] >= CONFIDENT and margin >= MIN_MARGIN
-        return {"best": best["label"] if confident else None, "best_any": best["label"], "score": best["score"],
-                "offset": best["offset"], "margin": round(margin, 6), "runner_up": runner["label"] if runner else None,
-                "runner_up_score": runner["score"] if runner else None, "candidates": scored[:5],
-                "confident": confident}
+            return {s: {"best": None, "score": None, "reason": "no catalog states recorded on either side"} for s in slots}
+        offsets = (0, -1, 1, -2, 2)
+        targets = [self._offset_index(sample, o) for o in offsets]
+        cand_rows = {label: dict(zip(offsets, self._rows_at(cside, ci.name, targets)))
+                     for label, cside, ci, _ in candidates}
+        x_cache: dict[tuple, tuple] = {}
+        out = {}
+        for slot in slots:
+            scored = []
+            for offset in offsets:
+                for label, cside, ci, cr in candidates:
+                    crows = cand_rows[label][offset]
+                    ok = crows >= 0
+                    if ok.sum() < max(1, len(sample) // 4):
+                        continue
+                    basis = "values" if (info.has_values and ci.has_values) else "sketch"
+                    if basis == "sketch" and not (info.has_sketch and ci.has_sketch and cr.sketch_dim == r_self.sketch_dim
+                                                  and cr.sketch_seed == r_self.sketch_seed):
+                        continue
+                    if basis == "values" and ci.width != info.slot_width:
+                        continue
+                    key = (basis, slot)
+                    if key not in x_cache:
+                        x_cache[key] = self._slot_data(r_self, info, rows_self, slot, basis)
+                    xs, xr = x_cache[key]
+                    ckey = (label, offset, basis)
+                    if ckey not in x_cache:
+                        x_cache[ckey] = self._slot_data(cr, ci, crows[ok], 0, basis)
+                    cdata, crms = x_cache[ckey]
+                    cos = float(cosine_matrix(xs[ok], cdata[None])[0])
+                    agree = float(rms_agreement(xr[ok], crms[None])[0])
+                    scored.append({"label": label, "offset": offset, "score": round(cos * agree, 6), "cos": round(cos, 6),
+                                   "rms_agreement": round(agree, 6), "side": cside, "basis": basis})
+                if offset == 0 and scored and max(x["score"] for x in scored) >= CONFIDENT:
+                    break  # the same token explains it; no need to look at neighbours
+            out[slot] = _verdict(scored)
+        return out
+
+    def _rows_at(self, side: str, name: str, index_lists: list[np.ndarray]) -> list[np.ndarray]:
+        """Tensor row for each aligned index in each array (-1: absent or index -1)."""
+        if side == "a":
+            rowmap = _row_map(self.ra, self.sa, name, self.al.index_a)
+        else:
+            rowmap = _row_map(self.rb, self.sb, name, self.al.index_b)
+        inv = np.full(len(self.al), -1, dtype=np.int64)
+        ok = rowmap >= 0
+        inv[rowmap[ok]] = np.flatnonzero(ok)  # the last tensor row wins on duplicates
+        return [np.where(ix >= 0, inv[np.maximum(ix, 0)], -1) for ix in index_lists]
 
     def _offset_index(self, sample: np.ndarray, offset: int) -> np.ndarray:
         if offset == 0:
@@ -655,7 +647,8 @@ class Differ:
     # -- one tensor pair -----------------------------------------------------------------------
 
     def _compare_pair(self, ia: TensorInfo, ib: TensorInfo, summary, worst: list):
-        ma, mb = self._inverse(self._map_a(ia.name)), self._inverse(self._map_b(ib.name))
+        everything = np.arange(len(self.al))
+        (ma,), (mb,) = self._rows_at("a", ia.name, [everything]), self._rows_at("b", ib.name, [everything])
         both = (ma >= 0) & (mb >= 0)
         k = min(ia.slot_count, ib.slot_count)
         label = ia.label if ia.name == ib.name else f"{ia.name} ~ {ib.name}"
@@ -687,9 +680,8 @@ class Differ:
         identity_a, identity_b = {}, {}
         if ia.kind == "packed" or ib.kind == "packed":
             sample = self._sample(both)
-            for s in range(k):
-                identity_a[s] = self.identify("a", ia, s, sample)
-                identity_b[s] = self.identify("b", ib, s, sample)
+            identity_a = self.identify("a", ia, list(range(k)), sample)
+            identity_b = self.identify("b", ib, list(range(k)), sample)
 
         # numerics, streaming over aligned tokens in blocks
         idx = np.flatnonzero(both)
@@ -759,7 +751,7 @@ class Differ:
             if summary is not None:
                 summary.write(ia, ib, k, blk, m, bad)
             self._done += len(blk)
-            self._progress("comparing tensors", self._done, self._total)
+            self._progress("comparing tensors", min(self._done, self._total), self._total)
         st.tokens = n
         st.tolerance = [t.to_dict() for t in tols]
         st.cos_min = [float(x) for x in cos_min]
@@ -839,7 +831,7 @@ class Differ:
                     f.message += " (explained by the wrong state above)"
                 elif ia.kind != "packed" and (ia.kind, ib.kind) != ("packed", "packed"):
                     # a boundary that disagrees: does it hold another boundary?
-                    idt = self.identify("b", ib, 0, self._sample(both))
+                    idt = self.identify("b", ib, [0], self._sample(both))[0]
                     if idt.get("best") and idt["best"] != ia.label:
                         f = self._token_finding(
                             "slot_identity", f"{ib.name} on {self.rb.side} holds {idt['best']} where {ia.label} was expected",
@@ -870,6 +862,19 @@ class Differ:
         return Finding(kind, "divergence", msg, tensor=info.name, slot=slot, order=info.order, seq=e["seq"],
                        position=e["position"], position_b=e["position_b"], token=e["token"], regime=e["regime"],
                        details=details)
+
+
+def _verdict(scored: list[dict]) -> dict:
+    if not scored:
+        return {"best": None, "score": None, "reason": "no catalog state shares these tokens"}
+    scored.sort(key=lambda x: (-x["score"], abs(x["offset"])))
+    best = scored[0]
+    runner = next((x for x in scored[1:] if (x["label"], x["offset"]) != (best["label"], best["offset"])), None)
+    margin = best["score"] - (runner["score"] if runner else 0.0)
+    confident = best["score"] >= CONFIDENT and margin >= MIN_MARGIN
+    return {"best": best["label"] if confident else None, "best_any": best["label"], "score": best["score"],
+            "offset": best["offset"], "margin": round(margin, 6), "runner_up": runner["label"] if runner else None,
+            "runner_up_score": runner["score"] if runner else None, "candidates": scored[:5], "confident": confident}
 
 
 def _gap_message(g: dict, ra: TraceReader, rb: TraceReader) -> str:
