@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import TraceError
-from .metrics import BlockMetrics, Tolerance, ToleranceBook, cosine_matrix, rms_agreement
+from .metrics import BlockMetrics, Tolerance, ToleranceBook, cosine_matrix, finite_or_zero, rms_agreement
 from .summary import SummaryWriter
 from .trace import TensorInfo, TraceReader
 from .vocab import REGIMES, state_order
@@ -441,8 +442,10 @@ class Differ:
         except TraceError:
             self.ra.close()
             raise
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read")
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         self.ra.close()
         self.rb.close()
 
@@ -543,13 +546,18 @@ class Differ:
 
     # -- identity ------------------------------------------------------------------------------
 
-    def _sample(self, both: np.ndarray) -> np.ndarray:
-        """Up to identity_sample aligned indices, evenly spread, from those present on both sides."""
+    def _sample(self, both: np.ndarray, k: int | None = None) -> np.ndarray:
+        """Up to identity_sample aligned indices present on both sides, as a few runs of
+        consecutive tokens spread over the trace: runs keep the reads to a few chunks per
+        candidate and contain the neighbours that shifted candidates need."""
         idx = np.flatnonzero(both)
-        k = self.opt.identity_sample
-        if len(idx) > k:
-            idx = idx[np.linspace(0, len(idx) - 1, k).astype(np.int64)]
-        return idx
+        k = k or self.opt.identity_sample
+        if len(idx) <= k:
+            return idx
+        runs, run_len = 8, max(1, k // 8)
+        starts = np.linspace(0, len(idx) - run_len, runs).astype(np.int64)
+        pick = np.unique((starts[:, None] + np.arange(run_len)[None, :]).reshape(-1))
+        return idx[pick]
 
     @staticmethod
     def _slot_data(r: TraceReader, info: TensorInfo, rows: np.ndarray, slot: int, basis: str):
@@ -585,6 +593,8 @@ class Differ:
         seen = set()
         for cat, cside in ((own_cat, side), (other_cat, "b" if side == "a" else "a")):
             for label, ci in cat.states.items():
+                if cside == side and ci.name == info.name:
+                    continue  # never the tensor itself: it would always match, hiding what it holds
                 if label not in seen:
                     seen.add(label)
                     candidates.append((label, cside, ci, cat.r))
@@ -594,6 +604,22 @@ class Differ:
         targets = [self._offset_index(sample, o) for o in offsets]
         cand_rows = {label: dict(zip(offsets, self._rows_at(cside, ci.name, targets)))
                      for label, cside, ci, _ in candidates}
+        cand_data: dict[tuple, tuple] = {}
+
+        def candidate(label, ci, cr, offset, basis, ok):
+            """A candidate's rows at one offset, read once for all offsets (their union)."""
+            key = (label, basis)
+            if key not in cand_data:
+                union = np.unique(np.concatenate([r[r >= 0] for r in cand_rows[label].values()]))
+                cand_data[key] = (union, *slot_data(cr, ci, union, 0, basis))
+            union, data, rms = cand_data[key]
+            pos = np.searchsorted(union, cand_rows[label][offset][ok])
+            return data[pos], rms[pos]
+
+        def slot_data(r, info_, rows, slot, basis):
+            data, rms = self._slot_data(r, info_, rows, slot, basis)
+            return finite_or_zero(np.ascontiguousarray(data)), rms
+
         x_cache: dict[tuple, tuple] = {}
         out = {}
         for slot in slots:
@@ -612,13 +638,10 @@ class Differ:
                         continue
                     key = (basis, slot)
                     if key not in x_cache:
-                        x_cache[key] = self._slot_data(r_self, info, rows_self, slot, basis)
+                        x_cache[key] = slot_data(r_self, info, rows_self, slot, basis)
                     xs, xr = x_cache[key]
-                    ckey = (label, offset, basis)
-                    if ckey not in x_cache:
-                        x_cache[ckey] = self._slot_data(cr, ci, crows[ok], 0, basis)
-                    cdata, crms = x_cache[ckey]
-                    cos = float(cosine_matrix(xs[ok], cdata[None])[0])
+                    cdata, crms = candidate(label, ci, cr, offset, basis, ok)
+                    cos = float(cosine_matrix(xs[ok], cdata[None], clean=False)[0])
                     agree = float(rms_agreement(xr[ok], crms[None])[0])
                     scored.append({"label": label, "offset": offset, "score": round(cos * agree, 6), "cos": round(cos, 6),
                                    "rms_agreement": round(agree, 6), "side": cside, "basis": basis})
@@ -699,15 +722,13 @@ class Differ:
         first_fail: list = [None] * k
         first_nf: list = [None] * k
         by_regime: dict = defaultdict(lambda: {"tokens": 0, "failing": 0, "rel_max": 0.0})
-        for s0 in range(0, n, self.opt.block_rows):
-            blk = idx[s0:s0 + self.opt.block_rows]
-            if basis == "values":
-                a = self.ra.read_values_at(ia.name, ma[blk])[:, :k * sw]
-                b = self.rb.read_values_at(ib.name, mb[blk])[:, :k * sw]
+        for blk, a_raw, b_raw in _prefetch(self._block_reader(ia, ib, basis, idx, ma, mb), self._pool):
+            if basis == "values":  # stored form (bf16 bits); converted in cache-sized pieces
+                m = bm.compute_stored(a_raw, ia.dtype, b_raw, ib.dtype)
             else:
-                a = np.asarray(self.ra.read_at(ia.name, "sketch", ma[blk]), np.float32)[:, :k * sw]
-                b = np.asarray(self.rb.read_at(ib.name, "sketch", mb[blk]), np.float32)[:, :k * sw]
-            m = bm.compute(a, b)
+                a = np.asarray(a_raw, np.float32)[:, :k * sw]
+                b = np.asarray(b_raw, np.float32)[:, :k * sw]
+                m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
             off = np.zeros_like(m["nonfinite"])
             for s in range(k):
                 off[:, s] = (m["cos"][:, s] < tols[s].min_cos) | (m["rel"][:, s] > tols[s].max_rel)
@@ -831,7 +852,7 @@ class Differ:
                     f.message += " (explained by the wrong state above)"
                 elif ia.kind != "packed" and (ia.kind, ib.kind) != ("packed", "packed"):
                     # a boundary that disagrees: does it hold another boundary?
-                    idt = self.identify("b", ib, [0], self._sample(both))[0]
+                    idt = self.identify("b", ib, [0], self._sample(both, 64))[0]
                     if idt.get("best") and idt["best"] != ia.label:
                         f = self._token_finding(
                             "slot_identity", f"{ib.name} on {self.rb.side} holds {idt['best']} where {ia.label} was expected",
@@ -839,6 +860,22 @@ class Differ:
                                            "margin": idt.get("margin"), "candidates": idt.get("candidates", [])})
                 findings.append(f)
         return st, findings, rows_out
+
+    def _block_reader(self, ia: TensorInfo, ib: TensorInfo, basis: str, idx: np.ndarray,
+                      ma: np.ndarray, mb: np.ndarray):
+        """Blocks of aligned rows of both sides, in stored form. Two buffer sets alternate, so the
+        block being compared is never the one being read."""
+        part = "values" if basis == "values" else "sketch"
+        rows = min(len(idx), self.opt.block_rows)
+        bufs = []
+        for _ in range(2):
+            da, db = self.ra._ds[ia.name][part], self.rb._ds[ib.name][part]
+            bufs.append((np.empty((rows,) + da.shape[1:], da.dtype), np.empty((rows,) + db.shape[1:], db.dtype)))
+        for i, s0 in enumerate(range(0, len(idx), self.opt.block_rows)):
+            blk = idx[s0:s0 + self.opt.block_rows]
+            buf_a, buf_b = bufs[i % 2]
+            yield (blk, self.ra.read_at(ia.name, part, ma[blk], out=buf_a),
+                   self.rb.read_at(ib.name, part, mb[blk], out=buf_b))
 
     def _token_entry(self, ti: int) -> dict:
         ca, cb = int(self.al.code_a[ti]), int(self.al.code_b[ti])
@@ -862,6 +899,19 @@ class Differ:
         return Finding(kind, "divergence", msg, tensor=info.name, slot=slot, order=info.order, seq=e["seq"],
                        position=e["position"], position_b=e["position_b"], token=e["token"], regime=e["regime"],
                        details=details)
+
+
+def _prefetch(gen, pool: ThreadPoolExecutor):
+    """Run a block generator one block ahead in a thread: HDF5 reads (which hold h5py's lock)
+    overlap the numpy metrics of the previous block (which release the GIL) on a second core."""
+    it = iter(gen)
+    fut = pool.submit(next, it, None)
+    while True:
+        item = fut.result()
+        if item is None:
+            return
+        fut = pool.submit(next, it, None)
+        yield item
 
 
 def _verdict(scored: list[dict]) -> dict:

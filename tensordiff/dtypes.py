@@ -49,8 +49,15 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def to_float32(stored: np.ndarray, logical: str) -> np.ndarray:
-    """Stored block -> float32 for metrics (float64 is narrowed; metrics are float32/64 safe)."""
+def to_float32(stored: np.ndarray, logical: str, out: np.ndarray | None = None) -> np.ndarray:
+    """Stored block -> float32 for metrics (float64 is narrowed). ``out``: a reusable buffer of at
+    least ``stored.size`` float32 elements (first touch of fresh memory is slow on this class of
+    machine, so hot loops pass one)."""
+    if out is not None:
+        out = out.reshape(-1)[:stored.size].reshape(stored.shape)
     if logical == "bfloat16":
-        return bf16_bits_to_f32(stored)
-    return np.asarray(stored, dtype=np.float32)
+        return bf16_bits_to_f32(stored, out)
+    if out is None:
+        return np.asarray(stored, dtype=np.float32)
+    np.copyto(out, stored, casting="unsafe")
+    return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .dtypes import EPS
+from .dtypes import EPS, to_float32
 from .errors import TraceError
 
 # Metric columns of the per-token summary (also the TUI's metric toggle order).
@@ -97,12 +97,55 @@ def calibrated_tolerance(worst_cos: float, worst_rel: float, dtype: str, margin:
 
 
 class BlockMetrics:
-    """Per-token, per-slot metrics of two aligned blocks [n, k*w]; buffers reused across calls."""
+    """Per-token, per-slot metrics of two aligned blocks [n, k*w]; buffers reused across calls.
+
+    Fast path: five passes over the data (difference, three float32 dot products, |diff| max);
+    ``<a,b>`` comes from ``(|a|^2 + |b|^2 - |a-b|^2) / 2``. Rows whose sums are not finite (NaN,
+    Inf, or float32 overflow) are recomputed exactly over their finite elements."""
+
+    SUB_BYTES = 512 << 10  # sub-blocks small enough that every pass runs in cache
 
     def __init__(self, slots: int, width: int):
         self.k = slots
         self.w = width
         self._diff: np.ndarray | None = None
+        self._fa: np.ndarray | None = None
+        self._fb: np.ndarray | None = None
+        self._dirty: set[int] = set()
+
+    def compute_stored(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str) -> dict[str, np.ndarray]:
+        """Metrics of two blocks in their stored form (bf16 as bits), converted to float32 a
+        cache-sized sub-block at a time: each row is read from memory once."""
+        n = a.shape[0]
+        width = self.k * self.w
+        sub = max(1, self.SUB_BYTES // max(1, width * 4))
+        if n <= sub:
+            return self.compute(to_float32(a[:, :width], dtype_a), to_float32(b[:, :width], dtype_b))
+        if self._fa is None:
+            # bf16 -> f32 is "bits into the high half": keep the low halves zero once, then each
+            # sub-block only writes the high halves (a quarter faster than a widening shift)
+            self._fa = np.zeros((sub, width, 2), np.uint16)
+            self._fb = np.zeros((sub, width, 2), np.uint16)
+        parts = []
+        for s0 in range(0, n, sub):
+            fa = self._convert(a[s0:s0 + sub, :width], dtype_a, self._fa)
+            fb = self._convert(b[s0:s0 + sub, :width], dtype_b, self._fb)
+            parts.append(self.compute(fa, fb))
+        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+    def _convert(self, block: np.ndarray, dtype: str, buf: np.ndarray) -> np.ndarray:
+        m = block.shape[0]
+        dirty = self._dirty
+        if dtype == "bfloat16":
+            if id(buf) in dirty:  # a non-bf16 block used the buffer before: re-zero once
+                buf[:, :, 0] = 0
+                dirty.discard(id(buf))
+            buf[:m, :, 1] = block
+            return buf[:m].view(np.float32)[..., 0]
+        dirty.add(id(buf))
+        out = buf[:m].view(np.float32)[..., 0]
+        np.copyto(out, block, casting="unsafe")
+        return out
 
     def compute(self, a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
         n = a.shape[0]
@@ -111,24 +154,28 @@ class BlockMetrics:
             self._diff = np.empty((max(n, 1), k * w), dtype=np.float32)
         a3 = a.reshape(n, k, w)
         b3 = b.reshape(n, k, w)
-        fa = np.isfinite(a3)
-        fb = np.isfinite(b3)
-        nf_a = (~fa).sum(axis=2)
-        nf_b = (~fb).sum(axis=2)
-        nonfinite = (nf_a > 0) | (nf_b > 0)
-        if nonfinite.any():
-            # metrics over the finite elements; the NaN/Inf themselves are reported as counts
-            both = fa & fb
-            a3 = np.where(both, a3, 0)
-            b3 = np.where(both, b3, 0)
         d = self._diff[:n].reshape(n, k, w)
-        np.subtract(a3, b3, out=d)
-        ab = np.einsum("nkw,nkw->nk", a3, b3, dtype=np.float64)
-        aa = np.einsum("nkw,nkw->nk", a3, a3, dtype=np.float64)
-        bb = np.einsum("nkw,nkw->nk", b3, b3, dtype=np.float64)
-        dd = np.einsum("nkw,nkw->nk", d, d, dtype=np.float64)
-        np.abs(d, out=d)
-        maxabs = d.max(axis=2) if w else np.zeros((n, k), np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.subtract(a3, b3, out=d)
+            aa = np.einsum("nkw,nkw->nk", a3, a3).astype(np.float64)
+            bb = np.einsum("nkw,nkw->nk", b3, b3).astype(np.float64)
+            dd = np.einsum("nkw,nkw->nk", d, d).astype(np.float64)
+            np.abs(d, out=d)
+            maxabs = d.max(axis=2) if w else np.zeros((n, k), np.float32)
+        nf_a = np.zeros((n, k), dtype=np.int64)
+        nf_b = np.zeros((n, k), dtype=np.int64)
+        suspect = ~(np.isfinite(aa) & np.isfinite(bb) & np.isfinite(dd))
+        if suspect.any():
+            for i, s in zip(*np.nonzero(suspect)):
+                x, y = a3[i, s].astype(np.float64), b3[i, s].astype(np.float64)
+                fx, fy = np.isfinite(x), np.isfinite(y)
+                nf_a[i, s], nf_b[i, s] = (~fx).sum(), (~fy).sum()
+                both = fx & fy
+                x, y = x[both], y[both]
+                dv = x - y
+                aa[i, s], bb[i, s], dd[i, s] = x @ x, y @ y, dv @ dv
+                maxabs[i, s] = np.abs(dv).max() if len(dv) else 0.0
+        ab = (aa + bb - dd) / 2
         with np.errstate(divide="ignore", invalid="ignore"):
             denom = np.sqrt(aa * bb)
             cos = np.where(denom > 0, ab / np.where(denom > 0, denom, 1), np.where((aa == 0) & (bb == 0), 1.0, 0.0))
@@ -138,20 +185,27 @@ class BlockMetrics:
             "cos": np.clip(cos, -1, 1).astype(np.float32),
             "rel": rel.astype(np.float32),
             "maxabs": maxabs.astype(np.float32),
-            "nonfinite_a": nf_a.astype(np.int64),
-            "nonfinite_b": nf_b.astype(np.int64),
-            "nonfinite": nonfinite,
+            "nonfinite_a": nf_a,
+            "nonfinite_b": nf_b,
+            "nonfinite": (nf_a > 0) | (nf_b > 0),
         }
 
 
-def cosine_matrix(x: np.ndarray, cands: np.ndarray) -> np.ndarray:
+def finite_or_zero(x: np.ndarray) -> np.ndarray:
+    """x with NaN/Inf replaced by 0, copying only when there are any (one cheap pass)."""
+    if np.isfinite(x.sum(dtype=np.float64)):
+        return x
+    return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def cosine_matrix(x: np.ndarray, cands: np.ndarray, *, clean: bool = True) -> np.ndarray:
     """Mean-over-tokens cosine of x [n, w] against each candidate [c, n, w] -> [c].
     NaN/Inf rows are ignored; a candidate with no usable rows scores -inf."""
-    x = np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    cands = np.nan_to_num(cands, nan=0.0, posinf=0.0, neginf=0.0)
-    dots = np.einsum("nw,cnw->cn", x, cands, dtype=np.float64)
-    nx = np.sqrt(np.einsum("nw,nw->n", x, x, dtype=np.float64))
-    nc = np.sqrt(np.einsum("cnw,cnw->cn", cands, cands, dtype=np.float64))
+    if clean:  # callers that pass already-cleaned data skip this
+        x, cands = finite_or_zero(x), finite_or_zero(cands)
+    dots = np.einsum("nw,cnw->cn", x, cands).astype(np.float64)
+    nx = np.sqrt(np.einsum("nw,nw->n", x, x).astype(np.float64))
+    nc = np.sqrt(np.einsum("cnw,cnw->cn", cands, cands).astype(np.float64))
     den = nx[None, :] * nc
     ok = den > 0
     cos = np.where(ok, dots / np.where(ok, den, 1), 0.0)
