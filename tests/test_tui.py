@@ -1,0 +1,575 @@
+"""The TUI, driven headless by Textual's Pilot (App.run_test): keys, clicks and the state they leave.
+
+The pair under test is the example pair in traces/ (train.h5 + serve.h5) when it exists, otherwise a
+seeded fixture pair built here with TraceWriter: catalog boundaries embed, layer1..layer8 and
+final_norm, and a packed draft_input whose 3 slots hold [embed, layer3, layer5] on train but
+[layer3, layer5, layer7] on serve. Snapshot tests always use the fixture pair (fixed data, fixed
+terminal size); update them with ``pytest tests/test_tui.py --snapshot-update``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import os
+import shutil
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tensordiff.align import DiffResult, Finding
+from tensordiff.errors import TraceError
+from tensordiff.summary import SummaryWriter
+from tensordiff.trace import SlotSpec, TraceWriter
+from tensordiff.tui import EXIT_INTERRUPTED, GotoScreen, HelpScreen, TensordiffApp, run_diff
+from tensordiff.tui_widgets import CELL_W, GUTTER_W, HEADER_H, METRICS, Heatmap, histograms, sparkline
+from tensordiff.vocab import boundary_label
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = (ROOT / "traces" / "train.h5", ROOT / "traces" / "serve.h5")
+SIZE = (140, 40)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+# ----------------------------------------------------------------------------------------------
+# fixture pair
+# ----------------------------------------------------------------------------------------------
+
+
+def _states(n_tok: int, hidden: int, layers: int, seed: int):
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((n_tok, hidden)).astype(np.float32) * 0.3]
+    for _ in range(layers):
+        xs.append(xs[-1] + rng.standard_normal((n_tok, hidden)).astype(np.float32))
+    fn = xs[-1] / np.sqrt((xs[-1] ** 2).mean(1, keepdims=True))
+    return xs, fn
+
+
+def write_side(path: Path, side: str, slots: list[int], *, hidden: int = 32, layers: int = 8,
+               seqs: tuple[int, ...] = (48, 32), seed: int = 7) -> None:
+    n_tok = sum(seqs)
+    xs, fn = _states(n_tok, hidden, layers, seed)
+    tok_rng = np.random.default_rng(seed + 1)
+    with TraceWriter(path, side=side, model={"num_layers": layers, "hidden_size": hidden}) as w:
+        rows = []
+        for i, n in enumerate(seqs):
+            toks = tok_rng.integers(0, 1000, n)
+            rows.append(w.add_tokens(f"s{i}", np.arange(n), toks, "train" if side == "train" else "prefill"))
+        rows = np.concatenate(rows)
+        for b in range(layers + 1):
+            w.define_tensor(boundary_label(b), hidden, kind="boundary", boundary=b, role="catalog")
+            w.append(boundary_label(b), rows, xs[b])
+        w.define_tensor("final_norm", hidden, kind="final_norm", role="catalog")
+        w.append("final_norm", rows, fn)
+        w.define_tensor("draft_input", hidden * len(slots), kind="packed", role="draft_input", token_offset=1,
+                        slots=SlotSpec([boundary_label(b) for b in slots]))
+        w.append("draft_input", rows, np.concatenate([xs[b] for b in slots], axis=1))
+
+
+@pytest.fixture(scope="session")
+def fixture_pair(tmp_path_factory) -> tuple[str, str]:
+    d = tmp_path_factory.mktemp("tui_pair")
+    a, b = d / "train.h5", d / "serve.h5"
+    write_side(a, "train", [0, 3, 5])
+    write_side(b, "serve", [3, 5, 7])
+    return str(a), str(b)
+
+
+@pytest.fixture(scope="session")
+def fixture_diff(fixture_pair, tmp_path_factory):
+    """A diff_fn replaying the aligner's result on the fixture pair (computed once per session),
+    so that tests of keys and panes do not each re-run the same diff."""
+    from tensordiff.align import DiffOptions
+
+    ref = tmp_path_factory.mktemp("fixture_ref") / "summary.h5"
+    result = run_diff(*fixture_pair, DiffOptions(summary_path=str(ref)))
+
+    def replay(a, b, opts):
+        assert (a, b) == fixture_pair
+        shutil.copyfile(ref, opts.summary_path)
+        opts.progress("comparing tensors", 1, 1)
+        return dataclasses.replace(copy.deepcopy(result), summary_path=opts.summary_path)
+
+    return replay
+
+
+@pytest.fixture
+def fixture_app(fixture_pair, fixture_diff):
+    def make(**kw) -> TensordiffApp:
+        return TensordiffApp(*fixture_pair, diff_fn=fixture_diff, **kw)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def pair(fixture_pair) -> tuple[str, str]:
+    """The example pair in traces/ when it exists, else the fixture pair."""
+    if all(p.is_file() for p in EXAMPLE):
+        return str(EXAMPLE[0]), str(EXAMPLE[1])
+    return fixture_pair
+
+
+@pytest.fixture(scope="session")
+def pair_result(pair, tmp_path_factory) -> DiffResult:
+    """The aligner's own verdict on the pair, to check the TUI shows it (never its own)."""
+    from tensordiff.align import DiffOptions
+
+    out = tmp_path_factory.mktemp("ref") / "summary.h5"
+    return run_diff(*pair, DiffOptions(summary_path=str(out)))
+
+
+async def wait_ready(app: TensordiffApp, pilot, timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not app.ready and app.diff_error is None:
+        assert loop.time() < end, "the diff did not finish"
+        await pilot.pause(0.02)
+    while app.ready and app.cell is not None and app.vectors_for != app.cell:
+        assert loop.time() < end, "the detail vectors were not read"
+        await pilot.pause(0.02)
+    await pilot.pause()
+
+
+def column_of(app: TensordiffApp):
+    hm = app.heatmap
+    return hm.column
+
+
+# ----------------------------------------------------------------------------------------------
+# opening on the first divergence
+# ----------------------------------------------------------------------------------------------
+
+
+async def test_opens_on_first_divergence(pair, pair_result):
+    first = pair_result.first_divergence
+    assert first is not None, "the example pair must diverge"
+    app = TensordiffApp(*pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        assert app.selected_finding == first.index
+        assert app.result.first_divergence.message == first.message
+        col = column_of(app)
+        if first.tensor is not None:
+            assert col.matches(first.tensor, first.slot)
+        if first.details.get("token_index") is not None:
+            assert app.heatmap.cursor_row == first.details["token_index"]
+        detail = app.detail_text.plain
+        assert first.message in detail
+        assert "cos" in detail and "rel err" in detail and "max abs" in detail
+        assert f"token {first.token}" in detail if first.token is not None else True
+        headline = str(app.query_one("#headline").render())
+        assert first.message in headline
+        summary_path = app.summary_path
+        assert summary_path and os.path.exists(summary_path)
+        await pilot.press("q")
+    assert app.return_value == 1
+    assert not os.path.exists(summary_path), "the temporary summary must be deleted on exit"
+
+
+async def test_fixture_names_the_wrong_slot(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        first = app.result.first_divergence
+        assert first.message == "slot 0 of draft_input holds layer3 where embed was expected"
+        assert column_of(app).label == "draft_input[0]"
+        detail = app.detail_text.plain
+        assert "holds layer3 where embed was expected" in detail
+        assert "candidates layer3" in detail          # best identity match first, with its scores
+        assert "train: s0 pos 0" in detail and "serve: s0 pos 0" in detail
+        assert "|a-b|" in detail                      # the small plot of the two vectors
+        va, vb, _ = app.vectors
+        assert va is not None and vb is not None and va.shape == vb.shape == (32,)
+        assert not np.allclose(va, vb)
+        # the tree is coloured by the aligner's findings
+        labels = [str(n.label) for n in app.query_one("#tree").root.children]
+        assert any("draft_input" in lab and "✗" in lab for lab in labels)
+        assert any("embed" in lab and "✓" in lab for lab in labels)
+
+
+# ----------------------------------------------------------------------------------------------
+# keys
+# ----------------------------------------------------------------------------------------------
+
+
+async def test_next_prev_first(pair, pair_result):
+    n = len(pair_result.findings)
+    first = pair_result.first_divergence.index
+    app = TensordiffApp(*pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        start = app.selected_finding
+        assert start == first
+        if first + 1 < n:
+            await pilot.press("n")
+            assert app.selected_finding == first + 1
+            f = pair_result.findings[first + 1]
+            assert app.query_one("#findings").highlighted == first + 1
+            if f.tensor is not None:
+                assert column_of(app).matches(f.tensor, f.slot)
+            await pilot.press("p")
+            assert app.selected_finding == first
+        for _ in range(n + 2):
+            await pilot.press("n")
+        assert app.selected_finding == n - 1       # stops at the last one
+        await pilot.press("f")
+        assert app.selected_finding == first
+        for _ in range(n + 2):
+            await pilot.press("p")
+        assert app.selected_finding == 0
+
+
+async def test_next_moves_to_next_slot(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        msgs = []
+        for _ in range(len(app.result.findings) - 1):
+            await pilot.press("n")
+            f = app.result.findings[app.selected_finding]
+            msgs.append(f.message)
+            assert column_of(app).matches(f.tensor, f.slot)
+        assert "slot 1 of draft_input holds layer5 where layer3 was expected" in msgs
+        assert column_of(app).label == "draft_input[2]"
+
+
+async def test_goto(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        hm = app.heatmap
+        await pilot.press("g")
+        assert isinstance(app.screen, GotoScreen)
+        await pilot.press(*"s1:5", "enter")
+        assert not isinstance(app.screen, GotoScreen)
+        tok = app.summary.tokens(hm.cursor_row, hm.cursor_row + 1)[0]
+        assert app.summary.seq_a[int(tok["seq_a"])] == "s1" and int(tok["pos_a"]) == 5
+        assert hm.cursor_row == 48 + 5
+        # a bare position stays in the current sequence; #INDEX is the aligned row
+        for spec, row in (("20", 48 + 20), ("#7", 7)):
+            await pilot.press("g")
+            app.screen.query_one("#goto-input").value = spec
+            await pilot.press("enter")
+            assert hm.cursor_row == row, spec
+        # token id: the next row holding it
+        want = int(app.summary.tokens(30, 31)[0]["token"])
+        app.goto("#29")
+        assert app.goto(f"t={want}")
+        assert int(app.summary.tokens(hm.cursor_row, hm.cursor_row + 1)[0]["token"]) == want
+        assert hm.cursor_row >= 30
+        # bad input is explained, the cursor stays
+        before = hm.cursor_row
+        for bad in ("nope:3", "s0:x", "#99999", "t=-5"):
+            assert not app.goto(bad)
+        assert hm.cursor_row == before
+        await pilot.press("g", "escape")
+        assert not isinstance(app.screen, GotoScreen)
+        # the detail pane follows the cursor
+        await wait_ready(app, pilot)
+        assert f"aligned #{hm.cursor_row}" in app.detail_text.plain
+
+
+async def test_heatmap_keys_filter_metric(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        hm = app.heatmap
+        assert app.focused is hm
+        row, col = hm.cursor_row, hm.cursor_col
+        await pilot.press("down", "down", "right")
+        assert (hm.cursor_row, hm.cursor_col) == (row + 2, col + 1)
+        assert app.cell == (row + 2, hm.column.index)
+        await pilot.press("end")
+        assert hm.cursor_row == app.summary.n - 1
+        await pilot.press("home")
+        assert hm.cursor_row == 0
+        # metric toggle cycles through the metrics
+        for i in range(1, len(METRICS) + 1):
+            await pilot.press("m")
+            assert app.metric_index == i % len(METRICS)
+            assert hm.metric is METRICS[i % len(METRICS)]
+        # filter tensors
+        await pilot.press("slash")
+        assert app.focused is app.query_one("#filter")
+        await pilot.press(*"dr", "enter")
+        assert [c.label for c in hm.shown] == ["draft_input[0]", "draft_input[1]", "draft_input[2]"]
+        assert app.focused is hm
+        assert len(app.columns) == 13
+        await pilot.press("slash")
+        app.query_one("#filter").value = "layer1,fin"
+        await pilot.pause()
+        assert [c.label for c in hm.shown] == ["layer1", "final_norm"]
+        await pilot.press("escape")
+        assert app.focused is hm
+        await pilot.press("slash")
+        app.query_one("#filter").value = ""
+        await pilot.press("enter")
+        assert len(hm.shown) == 13
+        # letters typed into the filter did not fire the app's keys
+        assert app.return_value is None and not isinstance(app.screen, HelpScreen)
+
+
+async def test_mouse_selects_cell(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        hm = app.heatmap
+        sx, sy = hm.scroll_offset
+        target_row, target_col = sy + 3, 2
+        # +1: the heatmap's border
+        x = 1 + GUTTER_W + target_col * CELL_W - sx + 1
+        y = 1 + HEADER_H + (target_row - sy)
+        assert await pilot.click(Heatmap, offset=(x, y))
+        assert (hm.cursor_row, hm.cursor_col) == (target_row, target_col)
+        assert app.cell == (target_row, hm.shown[target_col].index)
+        await wait_ready(app, pilot)
+        assert hm.shown[target_col].label in app.detail_text.plain
+        # a click on the gutter picks the row, keeps the column
+        assert await pilot.click(Heatmap, offset=(3, 1 + HEADER_H + 1))
+        assert hm.cursor_row == sy + 1 and hm.cursor_col == target_col
+
+
+async def test_tree_and_findings_navigation(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        tree = app.query_one("#tree")
+        tree.focus()
+        await pilot.press("home", "enter")         # the first node: embed
+        assert column_of(app).label == "embed"
+        fl = app.query_one("#findings")
+        fl.focus()
+        await pilot.press("down")
+        assert app.selected_finding == fl.highlighted
+
+
+async def test_help_screenshot_quit(fixture_app, tmp_path):
+    app = fixture_app(screenshot_dir=str(tmp_path))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("s")
+        shots = list(tmp_path.glob("*.svg"))
+        assert len(shots) == 1 and app.last_screenshot == str(shots[0])
+        assert "draft_input" in shots[0].read_text()
+        await pilot.press("q")
+    assert app.return_value == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the worker: keys while the diff runs, errors
+# ----------------------------------------------------------------------------------------------
+
+
+async def test_keys_during_scan_are_queued(fixture_pair, fixture_diff):
+    gate = threading.Event()
+
+    def slow_diff(a, b, opts):
+        opts.progress("comparing tensors", 10, 100)
+        assert gate.wait(20)
+        return fixture_diff(a, b, opts)
+
+    app = TensordiffApp(*fixture_pair, diff_fn=slow_diff)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.2)
+        assert not app.ready and app.first_paint_at is not None
+        await pilot.press("n", "m")
+        assert [w for w, _ in app.pending] == ["next finding", "toggle metric"]
+        assert "2 keys queued" in str(app.query_one("#progress-label").render())
+        # the UI still answers: help opens and closes while the diff runs
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        gate.set()
+        await wait_ready(app, pilot)
+        first = app.result.first_divergence.index
+        assert app.pending == []
+        assert app.selected_finding == first + 1     # opened on the first divergence, then "n"
+        assert app.metric_index == 1
+
+
+async def test_quit_during_scan(fixture_pair):
+    gate = threading.Event()
+
+    def slow_diff(a, b, opts):
+        while not gate.wait(0.01):
+            opts.progress("comparing tensors", 1, 100)   # raises once the app has quit
+        return run_diff(a, b, opts)
+
+    app = TensordiffApp(*fixture_pair, diff_fn=slow_diff)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.1)
+            await pilot.press("q")
+    finally:
+        gate.set()
+    assert app.return_value == EXIT_INTERRUPTED
+    assert app.summary_path is None or not os.path.exists(app.summary_path)
+
+
+async def test_diff_error_exits_2(fixture_pair):
+    def bad(a, b, opts):
+        raise TraceError("no common tokens: nothing matches")
+
+    app = TensordiffApp(*fixture_pair, diff_fn=bad)
+    async with app.run_test(size=SIZE) as pilot:
+        for _ in range(100):
+            if app.diff_error is not None:
+                break
+            await pilot.pause(0.02)
+    assert isinstance(app.diff_error, TraceError)
+    assert app.return_value == 2
+
+
+def test_cli_routes_to_tui(monkeypatch, fixture_pair):
+    import tensordiff.tui as tui
+    from tensordiff import cli
+
+    seen = []
+    monkeypatch.setattr(tui, "run_tui", lambda a, b, opts: seen.append((a, b, opts)) or 1)
+    assert cli.main(["tui", *fixture_pair]) == 1
+    assert cli.main(["diff", *fixture_pair, "--tui"]) == 1
+    assert [s[:2] for s in seen] == [fixture_pair, fixture_pair]
+    assert all(s[2].summary_path is None for s in seen)   # the app makes (and deletes) its own
+
+
+async def test_no_color(monkeypatch, fixture_app):
+    monkeypatch.setenv("NO_COLOR", "1")
+    app = fixture_app()
+    assert app.no_color
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        await pilot.press("m", "m", "m")                # verdict metric: glyphs, not colours, tell
+        assert app.heatmap.metric.key == "verdict"
+        text = "\n".join(s.text for s in app.screen._compositor.render_strips())
+        assert "███" in text and "···" in text
+
+
+# ----------------------------------------------------------------------------------------------
+# a 100k-token summary: lazy, bounded
+# ----------------------------------------------------------------------------------------------
+
+
+def _fake_diff(n: int, k_plain: int = 9):
+    """A diff_fn writing a synthetic n-token summary (no trace reading): for the heatmap only."""
+
+    def diff(a, b, opts):
+        al = SimpleNamespace(code_a=np.arange(n, dtype=np.int64), code_b=np.arange(n, dtype=np.int64),
+                             token=np.arange(n, dtype=np.int64) % 1000, regime_a=np.zeros(n, np.uint8),
+                             regime_b=np.ones(n, np.uint8))
+        al.__len__ = lambda: n
+        r = SimpleNamespace(sequences=["s0"], path=a, side="train")
+        rb = SimpleNamespace(sequences=["s0"], path=b, side="serve")
+
+        class AL(SimpleNamespace):
+            def __len__(self):
+                return n
+
+        w = SummaryWriter(opts.summary_path, AL(**al.__dict__), r, rb)
+        infos = [SimpleNamespace(name=f"layer{i}", label=f"layer{i}", kind="boundary", order=float(i), slot_labels=None)
+                 for i in range(k_plain)]
+        packed = SimpleNamespace(name="draft_input", label="draft_input", kind="packed", order=k_plain + 0.5,
+                                 slot_labels=["embed", "layer3", "layer5"])
+        rng = np.random.default_rng(0)
+        for s0 in range(0, n, 16384):
+            blk = np.arange(s0, min(n, s0 + 16384))
+            for info, k in [(i, 1) for i in infos] + [(packed, 3)]:
+                rel = rng.random((len(blk), k)).astype(np.float32) * (1e-4 if k == 1 else 2.0)
+                m = {"cos": 1 - rel, "rel": rel, "maxabs": rel * 3, "nonfinite": np.zeros((len(blk), k), bool)}
+                w.write(info, info, k, blk, m, rel > 1.0)
+        w.close()
+        return DiffResult(path_a=a, path_b=b, side_a="train", side_b="serve",
+                          findings=[Finding("numeric", "divergence", "slot 0 of draft_input diverges", tensor="draft_input",
+                                            slot=0, order=k_plain + 0.5, details={"token_index": 77_777}, index=0)],
+                          slot_table=[], pairs=[], sequences=[], gaps=[], shifts={}, tokens_aligned=n, worst_tokens=[],
+                          summary_path=opts.summary_path)
+
+    return diff
+
+
+async def test_large_summary_scrolls_lazily(tmp_path):
+    n = 120_000
+    app = TensordiffApp(str(tmp_path / "a.h5"), str(tmp_path / "b.h5"), diff_fn=_fake_diff(n),
+                        block_rows=256, max_blocks=8)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        hm = app.heatmap
+        assert hm.n_rows == n
+        assert hm.cursor_row == 77_777 and hm.column.label == "draft_input[0]"
+        sx, sy = hm.scroll_offset
+        assert sy <= 77_777 < sy + hm.page_rows
+        await pilot.press("end")
+        assert hm.cursor_row == n - 1
+        await pilot.press("pageup", "pageup", "up")
+        assert hm.cursor_row == n - 2 - 2 * hm.page_rows
+        await pilot.press("g", *"#1000", "enter")
+        assert hm.cursor_row == 1000
+        app.goto("#60000")
+        await pilot.press("home")
+        await pilot.pause()
+        assert hm.cursor_row == 0
+        # bounded cache: at most max_blocks blocks of codes and of tokens, whatever n is
+        assert len(hm.blocks._codes) <= 8 and len(hm.blocks._tokens) <= 8
+        assert hm.blocks.reads < 200
+        # missing traces: the detail pane says so, the UI stays up
+        await wait_ready(app, pilot)
+        assert "cannot read the values" in app.detail_text.plain
+
+
+# ----------------------------------------------------------------------------------------------
+# text plots
+# ----------------------------------------------------------------------------------------------
+
+
+def test_text_plots():
+    assert sparkline(np.array([0, 1, 2, 4.0]), 4) == " ▃▅█"
+    assert len(sparkline(np.arange(1000.0), 40)) == 40
+    assert sparkline(np.array([1.0, np.nan]), 2)[1] == "!"
+    ha, hb, lo, hi = histograms(np.zeros(10), np.ones(10), 8)
+    assert (lo, hi) == (0.0, 1.0) and ha[0] == "█" and hb[-1] == "█"
+
+
+# ----------------------------------------------------------------------------------------------
+# snapshots (fixture pair, fixed size)
+# ----------------------------------------------------------------------------------------------
+
+
+def _snap_app(fixture_app) -> TensordiffApp:
+    return fixture_app()
+
+
+def test_snapshot_first_divergence(snap_compare, fixture_app):
+    async def ready(pilot):
+        await wait_ready(pilot.app, pilot)
+
+    assert snap_compare(_snap_app(fixture_app), terminal_size=(120, 36), run_before=ready)
+
+
+def test_snapshot_verdict_metric_filtered(snap_compare, fixture_app):
+    async def ready(pilot):
+        await wait_ready(pilot.app, pilot)
+        await pilot.press("n", "n", "m", "m", "m", "slash")
+        pilot.app.query_one("#filter").value = "draft,layer"
+        await pilot.press("enter", "down")
+        await wait_ready(pilot.app, pilot)
+
+    assert snap_compare(_snap_app(fixture_app), terminal_size=(120, 36), run_before=ready)
+
+
+def test_snapshot_help(snap_compare, fixture_app):
+    async def ready(pilot):
+        await wait_ready(pilot.app, pilot)
+
+    assert snap_compare(_snap_app(fixture_app), press=["question_mark"], terminal_size=(120, 36), run_before=ready)
