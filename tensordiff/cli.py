@@ -63,8 +63,9 @@ def progress_bar(enabled: bool):
 
 def cmd_info(args) -> int:
     from .report import make_console, print_info
-    from .trace import TraceReader
+    from .trace import TraceReader, probe
 
+    probe([args.trace])  # a file that hangs or crashes the HDF5 library meets a child process first
     with TraceReader(args.trace) as r:
         s = r.summary()
     if args.json:
@@ -92,7 +93,9 @@ def cmd_diff(args) -> int:
         return cmd_tui(args)
     from .align import diff_traces
     from .report import make_console, print_diff
+    from .trace import probe
 
+    probe([args.a, args.b])
     opts = _diff_options(args, args.summary)
     with progress_bar(not args.quiet and not args.json) as cb:
         opts.progress = cb
@@ -113,6 +116,9 @@ def cmd_calibrate(args) -> int:
     from .metrics import Tolerance, ToleranceBook
 
     loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
+    from .trace import probe
+
+    probe([args.a, args.b])
     res = diff_traces(args.a, args.b, DiffOptions(tolerances=loose))
     ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing")]
     if ids:
@@ -139,8 +145,9 @@ def cmd_tui(args) -> int:
         from .tui import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install
         raise TraceError(f"the TUI needs textual ({e})") from None
-    from .trace import TraceReader
+    from .trace import TraceReader, probe
 
+    probe([args.a, args.b])
     for p in (args.a, args.b):  # fail fast on bad input, before the screen is taken over
         TraceReader(p).close()
     opts = _diff_options(args, None)

@@ -1,0 +1,175 @@
+"""Small valid traces (numpy only, written through the real TraceWriter) and ways to break them,
+for the bad-input, fuzz and crash tests. Not a test module.
+
+Also: :func:`run_isolated`, which runs ``tensordiff.cli.main`` in a forked child with captured
+stdout/stderr and a time limit, so a hang or a crash of the HDF5 library fails one test instead
+of the whole run (and costs milliseconds, not a fresh interpreter).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import h5py
+import numpy as np
+
+from tensordiff.trace import SlotSpec, TraceWriter
+
+H = 16
+LAYERS = 3
+
+
+def write_trace(path, *, side="train", seed=0, noise=0.0, hidden=H, seqs=3, length=12, packed_labels=("layer1", "layer2"),
+                flush_rows=None, close=True, tokens_offset=0, model=None) -> TraceWriter | None:
+    """A trace with boundaries embed..layer3 (float32 and bf16), final_norm and a packed draft input.
+    ``noise`` perturbs the values (side B of a pair); ``close=False`` returns the open writer."""
+    rng = np.random.default_rng(seed)
+    base = np.random.default_rng(1234)
+    w = TraceWriter(path, side=side, producer="tests/tracegen.py",
+                    model=model if model is not None else {"num_layers": LAYERS, "hidden_size": hidden},
+                    sketch_dim=8, flush_rows=flush_rows, flush_seconds=None)
+    for b in range(LAYERS + 1):
+        w.define_tensor(f"layer{b}" if b else "embed", hidden, kind="boundary", boundary=b,
+                        dtype="bfloat16" if b == 2 else "float32")
+    w.define_tensor("final_norm", hidden, kind="final_norm")
+    k = len(packed_labels)
+    w.define_tensor("draft_input", hidden * k, kind="packed", slots=SlotSpec(list(packed_labels), raw_ids=[0, 1],
+                    convention="boundary"), slot_width=hidden, token_offset=1, role="draft_input")
+    for s in range(seqs):
+        ids = base.integers(1, 500, length) + tokens_offset
+        rows = w.add_tokens(f"{side}-{s}", np.arange(length), ids, "train" if side == "train" else "prefill", step=s)
+        states = {}
+        for b in range(LAYERS + 1):
+            x = base.standard_normal((length, hidden)).astype(np.float32)
+            x += noise * rng.standard_normal(x.shape).astype(np.float32)
+            states[b] = x
+            name = f"layer{b}" if b else "embed"
+            if b == 2:
+                w.append(name, rows, (x.view(np.uint32) >> 16).astype(np.uint16))
+            else:
+                w.append(name, rows, x)
+        w.append("final_norm", rows, base.standard_normal((length, hidden)).astype(np.float32))
+        lab = {f"layer{b}" if b else "embed": b for b in range(LAYERS + 1)}
+        packed = np.concatenate([states[lab[x]] for x in packed_labels], axis=1)[:-1]
+        w.append("draft_input", rows[:-1], packed)
+    if not close:
+        return w
+    w.close()
+    return None
+
+
+def write_pair(d, **kw) -> tuple[str, str]:
+    a, b = os.path.join(d, "a.h5"), os.path.join(d, "b.h5")
+    write_trace(a, side="train", **kw)
+    write_trace(b, side="serve", seed=1, noise=1e-6, **kw)
+    return a, b
+
+
+def objects(path) -> list[str]:
+    """Every group and dataset path in a file (for deleting or replacing one)."""
+    out = []
+    with h5py.File(path, "r") as f:
+        f.visit(out.append)
+    return sorted(out)
+
+
+def attributes(path) -> list[tuple[str, str]]:
+    """(object path, attribute name) of every attribute, the root's as ("/", name)."""
+    out = []
+    with h5py.File(path, "r") as f:
+        for k in f.attrs:
+            out.append(("/", k))
+
+        def visit(name, obj):
+            for k in obj.attrs:
+                out.append((name, k))
+        f.visititems(visit)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+_PRELOADED = False
+
+
+def _preload() -> None:
+    """Import what every command imports, once, in the parent: each forked child starts warm."""
+    global _PRELOADED
+    if not _PRELOADED:
+        import tensordiff.align  # noqa: F401
+        import tensordiff.report  # noqa: F401
+        from tensordiff.cli import build_parser
+
+        build_parser()
+        _PRELOADED = True
+
+
+def run_isolated(argv: list[str], timeout: float = 30.0, env: dict | None = None) -> tuple[int, str, str]:
+    """Run ``tensordiff.cli.main(argv)`` in a forked child; returns (exit code, stdout, stderr).
+
+    A child that outlives ``timeout`` is killed and reported as exit code 124; one killed by a
+    signal (a crash in native code) as -signal."""
+    _preload()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # child
+            code = 99
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), encoding="utf-8")
+                sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), encoding="utf-8")
+                os.environ.pop("TENSORDIFF_DEBUG", None)
+                os.environ["COLUMNS"] = "120"
+                os.environ.update(env or {})
+                from tensordiff.cli import main
+
+                code = main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 98
+            except BaseException:  # noqa: BLE001 - an escaped exception: print it as Python would
+                import traceback
+
+                traceback.print_exc()
+                code = 97
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code if isinstance(code, int) else 96)
+        deadline = time.monotonic() + timeout
+        status = None
+        while True:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = os.waitstatus_to_exitcode(st)
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                status = 124
+                break
+            time.sleep(0.005)
+        out.seek(0)
+        err.seek(0)
+        return status, out.read().decode("utf-8", "replace"), err.read().decode("utf-8", "replace")
+
+
+def assert_clean_exit(rc: int, out: str, err: str, what: str = "") -> None:
+    """The CLI contract: exit 0, 1 or 2; no traceback; on 2 exactly one line on stderr."""
+    ctx = f"{what}: rc={rc}\nstderr: {err[-2000:]}"
+    assert rc in (0, 1, 2), ctx
+    assert "Traceback" not in err and "Traceback" not in out, ctx
+    if rc == 2:
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("tensordiff: error: "), ctx
+        assert "unexpected" not in lines[0], ctx  # an unvalidated failure slipped past the reader
