@@ -147,9 +147,10 @@ def cmd_tui(args) -> int:
         raise TraceError(f"the TUI needs textual ({e})") from None
     from .trace import TraceReader, probe
 
-    probe([args.a, args.b])
-    for p in (args.a, args.b):  # fail fast on bad input, before the screen is taken over
-        TraceReader(p).close()
+    probe([args.a, args.b])  # fail fast on bad input, before the screen is taken over
+    if os.environ.get("TENSORDIFF_NO_PROBE"):  # no child check: open them here instead
+        for p in (args.a, args.b):
+            TraceReader(p).close()
     opts = _diff_options(args, None)
     return run_tui(args.a, args.b, opts)
 
