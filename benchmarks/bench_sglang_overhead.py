@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Recorder overhead inside real SGLang on this machine's CPU: generation time with and without
+recording, as a ratio, in one run.
+
+One engine is started with the tensordiff plugin (``TENSORDIFF_TRACE`` set). Each round generates
+the same batch twice, once with recording paused (``engine.collective_rpc("tensordiff_pause")``:
+the hooks stay installed and return at their first line) and once recording; the order alternates
+between rounds, the radix cache is off so both runs do the same work, and a first untimed round
+warms up (EAGLE's first generate compiles). Reported: the median of the per-round ratios
+recorded / bare, the ratio of the fastest runs of each kind (the least disturbed by other load on a
+shared machine), and the plugin's own time per round (seconds inside its hooks, catalog taps and
+flushes, from the trace's ``tensordiff_sglang`` attribute) over the fastest bare generation.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_sglang_overhead.py [--mode capture|eagle]
+        [--hidden 512] [--layers 8] [--catalog] [--rounds 5] [--json]
+
+Uses the test-only sgl_kernel stand-in and tiny random checkpoints of tests/sglang_support.py
+(nothing is downloaded). Needs scripts/install-sglang-cpu.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+import sglang_support as sup  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("capture", "eagle"), default="capture",
+                    help="capture: target with aux capture; eagle: EAGLE-3 with a tiny draft")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8, help="prompts per generate call")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--catalog", action="store_true", help="also record the per-boundary catalog (sketches)")
+    ap.add_argument("--values", default=None, help="TENSORDIFF_VALUES (default: aux_hidden_states,draft_input)")
+    ap.add_argument("--workdir", help="where the checkpoints and the trace go (default: a temp dir)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    import numpy as np
+
+    sup.prepare_cpu_env()
+    with tempfile.TemporaryDirectory(prefix="tensordiff-bench-sglang-") as tmp:
+        root = Path(args.workdir or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        trace = root / "bench.h5"
+        os.environ.update(SGLANG_PLUGINS="tensordiff", TENSORDIFF_TRACE=str(trace),
+                          TENSORDIFF_CATALOG="1" if args.catalog else "0")
+        if args.values is not None:
+            os.environ["TENSORDIFF_VALUES"] = args.values
+        heads = max(1, args.hidden // 64)
+        target = sup.make_tiny_llama(root / "target", hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                     intermediate_size=args.hidden * 2, num_attention_heads=heads,
+                                     num_key_value_heads=max(1, heads // 2), vocab_size=args.vocab,
+                                     max_position_embeddings=max(512, 2 * (args.prompt_len + args.new_tokens)))
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(1, args.vocab, args.prompt_len).tolist() for _ in range(args.batch)]
+        ids = [2, args.layers // 2, args.layers - 3]
+        common = dict(chunked_prefill_size=4096, max_total_tokens=max(4096, 2 * args.batch *
+                                                                     (args.prompt_len + args.new_tokens)),
+                      disable_radix_cache=True, log_level="error")
+        if args.mode == "eagle":
+            hf = sup.load_hf_model(target)
+            counts: dict[int, int] = {}
+            for p in prompts[:2]:
+                for t in sup.hf_greedy(hf, p, 8):
+                    counts[t] = counts.get(t, 0) + 1
+            vocab = sorted(counts, key=lambda t: -counts[t])[:4]
+            draft = sup.make_tiny_eagle3_draft(root / "draft", target, aux_layer_ids=ids, draft_vocab=vocab)
+            engine = sup.start_eagle3_engine(target, draft, **common)
+        else:
+            engine = sup.start_capture_engine(target, ids, **common)
+        sp = {"temperature": 0, "max_new_tokens": args.new_tokens}
+
+        def gen(recording: bool) -> float:
+            engine.collective_rpc("tensordiff_resume" if recording else "tensordiff_pause")
+            t0 = time.perf_counter()
+            engine.generate(input_ids=prompts, sampling_params=sp)
+            return time.perf_counter() - t0
+
+        try:
+            gen(True)
+            gen(False)  # warm-up (EAGLE compiles on its first generate)
+            rounds = []
+            for r in range(args.rounds):
+                order = (False, True) if r % 2 == 0 else (True, False)
+                t = {rec: gen(rec) for rec in order}
+                rounds.append({"bare_s": t[False], "recorded_s": t[True], "ratio": t[True] / t[False]})
+            engine.collective_rpc("tensordiff_close")
+        finally:
+            engine.shutdown()
+        from tensordiff.trace import TraceReader
+
+        with TraceReader(str(trace)) as r:
+            stats = json.loads(r.f.attrs["tensordiff_sglang"])
+            rows = int(len(r.tokens))
+            tensors = sorted(r.tensors)
+        size = trace.stat().st_size
+    bare = [x["bare_s"] for x in rounds]
+    recorded = [x["recorded_s"] for x in rounds]
+    # the plugin time covers the warm-up round too: scale it to the timed rounds
+    plugin_per_round = stats["plugin_seconds"] / (args.rounds + 1)
+    res = {"mode": args.mode, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
+           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "catalog": args.catalog,
+           "values": os.environ.get("TENSORDIFF_VALUES", "aux_hidden_states,draft_input"), "rounds": rounds,
+           "median_ratio": statistics.median(x["ratio"] for x in rounds), "min_ratio": min(recorded) / min(bare),
+           "plugin_seconds": stats["plugin_seconds"], "recorder_seconds": stats["recorder_seconds"],
+           "plugin_share_of_bare": plugin_per_round / min(bare), "trace_rows": rows, "trace_bytes": size,
+           "tensors": tensors}
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"SGLang {args.mode} on CPU: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
+          f"{args.prompt_len} prompt + {args.new_tokens} new tokens, catalog {'on' if args.catalog else 'off'}, "
+          f"values {res['values']}")
+    for i, x in enumerate(rounds):
+        print(f"  round {i}: bare {x['bare_s']:.3f} s, recorded {x['recorded_s']:.3f} s, ratio {x['ratio']:.3f}")
+    print(f"recorded / bare generation time: median of rounds {res['median_ratio']:.3f}, "
+          f"fastest recorded / fastest bare {res['min_ratio']:.3f}")
+    print(f"plugin's own time (hooks, catalog taps, sketches, HDF5 writes and flushes): {plugin_per_round:.3f} s per "
+          f"round = {100 * res['plugin_share_of_bare']:.1f}% of the fastest bare generation")
+    print(f"trace: {rows} token rows, {len(tensors)} tensors, {size / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""``tensordiff record serve``: run an offline ``sglang.Engine`` with the tensordiff plugin.
+
+The engine's scheduler process loads the plugin (:mod:`tensordiff.recorders.sglang_plugin`) by its
+entry point and records there; this process only sets ``TENSORDIFF_*`` in the environment the
+scheduler inherits, sends the prompts, and asks the scheduler to close the trace
+(``engine.collective_rpc("tensordiff_close")``) before shutting the engine down.
+
+Nothing here imports torch or sglang at module import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from ..errors import TraceError
+from .train_cli import load_prompts
+
+PLUGIN_NAME = "tensordiff"
+PLUGIN_GROUP = "sglang.srt.plugins"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="local target model directory (never downloaded)")
+    p.add_argument("--draft", metavar="DIR",
+                   help="local EAGLE-3 draft directory: run EAGLE-3 speculative decoding and record the draft's input")
+    p.add_argument("--prompts", required=True, metavar="FILE",
+                   help="JSONL, as for `tensordiff record train`: a list of token ids, {\"input_ids\": [...]}, or text "
+                        "when the model directory has a tokenizer; an optional \"id\" names the request")
+    p.add_argument("--out", "-o", required=True, metavar="S.h5", help="trace file to write")
+    p.add_argument("--outputs", metavar="FILE", help="also write the generated token ids as JSONL (id, input_ids, output_ids)")
+    g = p.add_argument_group("what to record")
+    g.add_argument("--aux-ids", type=int, nargs="+", metavar="ID",
+                   help="without --draft: capture-only mode, record the aux hidden states SGLang captures for these "
+                        "draft layer ids (EAGLE-3 convention of the model file, e.g. llama: id + 1)")
+    g.add_argument("--catalog", action="store_true",
+                   help="also record every boundary (embed, layer<b>, final_norm) on eager passes (sketch + RMS)")
+    g.add_argument("--values", metavar="GLOBS",
+                   help="tensors that keep full values: comma-separated globs, all, or none "
+                        "(default aux_hidden_states,draft_input)")
+    g.add_argument("--sample-every", type=int, default=1, metavar="K", help="record positions p %% K == 0 only")
+    g.add_argument("--sketch-dim", type=int, help="sketch width (default 128)")
+    g.add_argument("--sketch-seed", type=int, help="sketch projection seed (both sides must agree)")
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
+    g.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
+    g.add_argument("--batch-size", type=int, default=0, metavar="B",
+                   help="send the prompts B at a time, in file order (default 0: all at once); 1 makes a later prompt "
+                        "that shares a prefix with an earlier one hit the radix cache")
+    g.add_argument("--limit", type=int, metavar="N", help="the first N prompts only")
+    g = p.add_argument_group("engine (sglang.Engine arguments)")
+    g.add_argument("--device", default="cuda", help="cuda (default) or cpu (needs SGLang's CPU build of sgl_kernel)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    g.add_argument("--tp-size", type=int, default=1)
+    g.add_argument("--attention-backend", help="e.g. torch_native, intel_amx, flashinfer, fa3")
+    g.add_argument("--chunked-prefill-size", type=int)
+    g.add_argument("--mem-fraction-static", type=float)
+    g.add_argument("--max-total-tokens", type=int)
+    g.add_argument("--disable-cuda-graph", action="store_true", help="eager passes only (the catalog then sees every token)")
+    g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--speculative-num-steps", type=int, default=2)
+    g.add_argument("--speculative-eagle-topk", type=int, default=1)
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=3)
+    g.add_argument("--random-seed", type=int, default=0)
+    g.add_argument("--log-level", default="error")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other sglang.Engine argument (VALUE is JSON when it parses, else a string); repeatable")
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _plugin_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP))
+
+
+def _parse_engine_args(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise TraceError(f"--engine-arg {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        k = k.strip().replace("-", "_")
+        if not k.isidentifier():
+            raise TraceError(f"--engine-arg {item!r}: {k!r} is not an argument name")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``sglang.Engine`` keyword arguments for these options."""
+    kw: dict[str, Any] = {
+        "model_path": os.path.abspath(args.model),
+        "skip_tokenizer_init": True,
+        "device": args.device,
+        "dtype": args.dtype,
+        "tp_size": args.tp_size,
+        "random_seed": args.random_seed,
+        "log_level": args.log_level,
+    }
+    for name in ("attention_backend", "chunked_prefill_size", "mem_fraction_static", "max_total_tokens"):
+        v = getattr(args, name)
+        if v is not None:
+            kw[name] = v
+    if args.disable_cuda_graph:
+        kw["disable_cuda_graph"] = True
+    if args.disable_radix_cache:
+        kw["disable_radix_cache"] = True
+    if args.device == "cpu":
+        kw.setdefault("sampling_backend", "pytorch")
+        kw.setdefault("disable_cuda_graph", True)
+    if args.draft:
+        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=os.path.abspath(args.draft),
+                  speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
+                  speculative_num_draft_tokens=args.speculative_num_draft_tokens)
+    elif args.aux_ids:
+        kw.update(speculative_algorithm="EAGLE3", enable_return_aux_hidden_states=True,
+                  return_aux_hidden_state_layer_ids=[int(i) for i in args.aux_ids])
+    kw.update(_parse_engine_args(args.engine_arg))
+    return kw
+
+
+def plugin_env(args: argparse.Namespace) -> dict[str, str]:
+    """The ``TENSORDIFF_*`` variables the scheduler process reads."""
+    env = {"TENSORDIFF_TRACE": os.path.abspath(args.out), "TENSORDIFF_CATALOG": "1" if args.catalog else "0",
+           "TENSORDIFF_SAMPLE_EVERY": str(args.sample_every)}
+    if args.values:
+        env["TENSORDIFF_VALUES"] = args.values
+    if args.sketch_dim is not None:
+        env["TENSORDIFF_SKETCH_DIM"] = str(args.sketch_dim)
+    if args.sketch_seed is not None:
+        env["TENSORDIFF_SKETCH_SEED"] = str(args.sketch_seed)
+    plugins = os.environ.get("SGLANG_PLUGINS", "").strip()
+    if plugins and PLUGIN_NAME not in [x.strip() for x in plugins.split(",")]:
+        env["SGLANG_PLUGINS"] = plugins + "," + PLUGIN_NAME
+    return env
+
+
+def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
+    if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise TraceError("model directory not found or has no config.json (give a local directory)", args.model)
+    if args.draft and (not os.path.isdir(args.draft) or not os.path.isfile(os.path.join(args.draft, "config.json"))):
+        raise TraceError("draft directory not found or has no config.json", args.draft)
+    if args.draft and args.aux_ids:
+        raise TraceError("--aux-ids is for capture-only mode; with --draft the ids come from the draft's config")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise TraceError("output directory does not exist", out_dir)
+    if args.max_new_tokens < 1:
+        raise TraceError("--max-new-tokens must be >= 1")
+    if args.sample_every < 1:
+        raise TraceError("--sample-every must be >= 1")
+    if args.batch_size < 0:
+        raise TraceError("--batch-size must be >= 0")
+    if args.values is not None and not args.values.strip():
+        raise TraceError("--values: give comma-separated globs, all or none")
+
+    def tokenizer_loader():
+        try:
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise TraceError(f"text prompts need a tokenizer in the model directory ({str(e).splitlines()[0][:200]})",
+                             args.model) from None
+
+    prompts = load_prompts(args.prompts, tokenizer_loader)
+    if args.limit is not None:
+        prompts = prompts[: max(0, args.limit)]
+    try:
+        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        vocab = int((cfg.get("text_config") or cfg).get("vocab_size") or 0)
+    except (OSError, ValueError, TypeError):
+        raise TraceError("cannot read the model's config.json", args.model) from None
+    for k, ids in prompts:
+        if vocab and max(ids) >= vocab:
+            raise TraceError(f"prompt {k} has token id {max(ids)}, outside the model's vocabulary of {vocab}", args.prompts)
+    return prompts
+
+
+def _default_start_engine(**kwargs):
+    import sglang
+
+    return sglang.Engine(**kwargs)
+
+
+def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = None) -> dict:
+    """Run the engine with the recorder; returns {"outputs": [...], "trace": path, "seconds": ...}.
+
+    ``start_engine(**engine_kwargs)`` makes the engine (default ``sglang.Engine``); tests pass one
+    that prepares SGLang's CPU mode."""
+    prompts = _check(args)
+    if not _plugin_installed():
+        raise TraceError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "
+                         "install the package (pip install -e . or pip install 'tensordiff[sglang]')")
+    if args.device == "cpu":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read once, when sglang is first imported
+    kwargs = engine_kwargs(args)
+    env = plugin_env(args)
+    saved = {k: os.environ.get(k) for k in env}
+    out_path = env["TENSORDIFF_TRACE"]
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    os.environ.update(env)  # the scheduler process inherits the environment at spawn
+    t0 = time.perf_counter()
+    engine = None
+    outputs: list[dict] = []
+    try:
+        engine = (start_engine or _default_start_engine)(**kwargs)
+        step = args.batch_size or len(prompts)
+        sp = {"temperature": float(args.temperature), "max_new_tokens": int(args.max_new_tokens)}
+        for i in range(0, len(prompts), step):
+            chunk = prompts[i:i + step]
+            res = engine.generate(input_ids=[list(ids) for _, ids in chunk], sampling_params=sp,
+                                  rid=[key for key, _ in chunk])
+            res = res if isinstance(res, list) else [res]
+            for (key, ids), o in zip(chunk, res):
+                meta = o.get("meta_info", {})
+                outputs.append({"id": key, "input_ids": list(ids), "output_ids": list(o["output_ids"]),
+                                "cached_tokens": meta.get("cached_tokens"),
+                                "spec_verify_ct": meta.get("spec_verify_ct"),
+                                "spec_accept_length": meta.get("spec_accept_length")})
+        engine.collective_rpc("tensordiff_close")
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    dt = time.perf_counter() - t0
+    if not os.path.exists(out_path):
+        raise TraceError("the engine ran but wrote no trace: the plugin did not load in its scheduler process "
+                         "(is SGLANG_PLUGINS excluding it?) or this rank does not record", out_path)
+    if args.outputs:
+        with open(args.outputs, "w", encoding="utf-8") as f:
+            for o in outputs:
+                f.write(json.dumps(o) + "\n")
+    return {"outputs": outputs, "trace": out_path, "seconds": dt}
+
+
+def run(args: argparse.Namespace) -> int:
+    res = record(args)
+    _print_summary(res)
+    return 0
+
+
+def _print_summary(res: dict) -> None:
+    from ..trace import TraceReader
+
+    path = res["trace"]
+    with TraceReader(path) as r:
+        s = r.summary()
+    toks = s["tokens"]
+    print(f"recorded {len(res['outputs'])} request(s), {toks['rows']} token rows, {len(s['tensors'])} tensors -> "
+          f"{path} ({os.path.getsize(path) / 1e6:.1f} MB, {res['seconds']:.1f} s)")
+    for t in s["tensors"]:
+        if t["kind"] == "packed":
+            print(f"  {t['name']}: slots [{', '.join(t['slot_labels'])}] from draft ids {t.get('raw_ids')} "
+                  f"({t.get('convention')}), {t['shape'][0]} rows")
+    if not s["complete"]:
+        print(f"  note: {s['recovered']}", file=sys.stderr)

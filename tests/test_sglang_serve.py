@@ -1,0 +1,562 @@
+"""The serve-side recorder inside real SGLang 0.5.23 on the CPU, and the example trace pair.
+
+Two engines per session, each run once in its own process by a module fixture (start-up ~25-40 s):
+
+* capture-only (target alone, ``enable_return_aux_hidden_states``), started by the real
+  ``tensordiff record serve`` command line, with the per-boundary catalog on;
+* EAGLE-3 speculative decoding with a tiny random draft (``intel_amx`` backend: needs the AMX
+  override of tests/sglang_support.py, so it goes through ``serve_cli.record`` with that engine
+  factory).
+
+Both get the same three prompts, two at a time: A (longer than ``chunked_prefill_size``: several
+prefill chunks) with B, then C, which shares A's first 56 tokens (a radix-cache hit), each with
+decode steps. The traces are checked against HF transformers on the same tiny checkpoint.
+
+The fast tests (no engine) check the plugin is inert without ``TENSORDIFF_TRACE``, that its modules
+import neither torch nor sglang, the CLI's argument handling, and the committed example pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import sglang_support as sup  # noqa: E402  (imports neither torch nor sglang at import time)
+
+AUX_IDS = [2, 4, 6]
+BOUNDARIES = [3, 5, 7]  # SGLang llama: draft id i captures the input of decoder layer i + 1
+LABELS = ["layer3", "layer5", "layer7"]
+CHUNK = 32
+MAX_NEW = 6
+COS_MIN = 0.9999
+
+_rng = np.random.default_rng(5)
+PROMPT_A = _rng.integers(1, 256, 80).tolist()          # 3 prefill chunks of <= 32
+PROMPT_B = _rng.integers(1, 256, 9).tolist()
+PROMPT_C = PROMPT_A[:56] + _rng.integers(1, 256, 5).tolist()  # shares 56 tokens with A
+PROMPTS = {"A": PROMPT_A, "B": PROMPT_B, "C": PROMPT_C}
+
+needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
+engine_test = [pytest.mark.sglang, pytest.mark.slow, needs_sglang]
+
+
+def _env() -> dict:
+    """The environment of an engine process: CPU mode, the sgl_kernel stand-in, only our plugin."""
+    env = dict(os.environ)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["SGLANG_PLUGINS"] = "tensordiff"
+    for k in list(env):
+        if k.startswith("TENSORDIFF_"):
+            del env[k]
+    return env
+
+
+def _serve_argv(models, tmp: Path, name: str) -> list[str]:
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in PROMPTS.items()))
+    return ["--model", str(models["target"]), "--prompts", str(prompts), "--out", str(tmp / f"{name}.h5"),
+            "--outputs", str(tmp / f"{name}.jsonl"), "--catalog", "--max-new-tokens", str(MAX_NEW),
+            "--batch-size", "2", "--device", "cpu", "--dtype", "float32", "--chunked-prefill-size", str(CHUNK),
+            "--mem-fraction-static", "0.1", "--max-total-tokens", "2048", "--log-level", "error"]
+
+
+def _load_run(tmp: Path, name: str) -> dict:
+    outs = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
+    return {"trace": str(tmp / f"{name}.h5"), "outputs": {o["id"]: o for o in outs},
+            "full": {o["id"]: o["input_ids"] + o["output_ids"] for o in outs}}
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixtures: one engine per mode
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-models")
+    target = sup.make_tiny_llama(root / "tiny-llama")
+    hf = sup.load_hf_model(target)
+    # one token more than generated: a draft row at the last output position pairs with it
+    refs = [sup.hf_greedy(hf, p, MAX_NEW + 1) for p in PROMPTS.values()]
+    counts: dict[int, int] = {}
+    for r in refs:
+        for t in r:
+            counts[t] = counts.get(t, 0) + 1
+    vocab = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:2]]
+    draft = sup.make_tiny_eagle3_draft(root / "tiny-llama-eagle3", target, aux_layer_ids=AUX_IDS, draft_vocab=vocab)
+    return {"target": target, "draft": draft, "hf": hf, "refs": dict(zip(PROMPTS, refs))}
+
+
+@pytest.fixture(scope="module")
+def capture_run(models, tmp_path_factory):
+    """`tensordiff record serve` (the real command) in capture-only mode."""
+    tmp = tmp_path_factory.mktemp("capture")
+    argv = [sys.executable, "-m", "tensordiff", "record", "serve", *_serve_argv(models, tmp, "capture"),
+            "--aux-ids", *map(str, AUX_IDS), "--attention-backend", "torch_native"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "aux_hidden_states: slots [layer3, layer5, layer7] from draft ids [2, 4, 6]" in proc.stdout, proc.stdout
+    return _load_run(tmp, "capture")
+
+
+_EAGLE_RUNNER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import argparse, sglang_support as sup
+from tensordiff.recorders import serve_cli
+p = argparse.ArgumentParser(); serve_cli.add_arguments(p)
+args = p.parse_args(sys.argv[1:])
+sup.prepare_cpu_env()
+res = serve_cli.record(args, start_engine=sup.start_engine)
+print("SECONDS", res["seconds"])
+"""
+
+
+@pytest.fixture(scope="module")
+def eagle_run(models, tmp_path_factory):
+    """EAGLE-3 with the tiny draft, through serve_cli.record (intel_amx needs the AMX override)."""
+    tmp = tmp_path_factory.mktemp("eagle")
+    argv = [sys.executable, "-c", _EAGLE_RUNNER.format(tests=str(HERE)), *_serve_argv(models, tmp, "eagle"),
+            "--draft", str(models["draft"]), "--attention-backend", "intel_amx"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _load_run(tmp, "eagle")
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _hf_states(model, ids) -> dict[str, np.ndarray]:
+    """{label: [T, H]}: embed, layer1..layerN (N pre-norm: the final norm's input), final_norm."""
+    import torch
+
+    cap = {}
+    h1 = model.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("pre", a[0][0]))
+    h2 = model.model.norm.register_forward_hook(lambda m, a, o: cap.__setitem__("post", o[0]))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([list(ids)]), use_cache=False, output_hidden_states=True)
+    finally:
+        h1.remove()
+        h2.remove()
+    n = model.config.num_hidden_layers
+    st = {("embed" if b == 0 else f"layer{b}"): out.hidden_states[b][0].numpy() for b in range(n)}
+    st[f"layer{n}"] = cap["pre"].numpy()
+    st["final_norm"] = cap["post"].numpy()
+    return st
+
+
+class _Trace:
+    """A recorded trace with each row resolved to (request id, position, token)."""
+
+    def __init__(self, path: str):
+        from tensordiff.trace import TraceReader
+
+        self.r = TraceReader(path)
+        t = self.r.tokens
+        self.seq = np.array([self.r.sequences[s] for s in t["seq"]], dtype=object)
+        self.pos = t["position"].astype(np.int64)
+        self.tok = t["token"].astype(np.int64)
+        self.regime = t["regime"]
+        self.step = t["step"]
+
+    def rows(self, name: str):
+        tr = self.r.token_rows(name)
+        return tr, self.seq[tr], self.pos[tr]
+
+    def close(self):
+        self.r.close()
+
+
+@pytest.fixture(scope="module")
+def capture_trace(capture_run):
+    t = _Trace(capture_run["trace"])
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def eagle_trace(eagle_run):
+    t = _Trace(eagle_run["trace"])
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def hf_states(models, capture_run, eagle_run):
+    for run in (capture_run, eagle_run):  # the engine generated what HF generates
+        for k, o in run["outputs"].items():
+            assert o["output_ids"] == models["refs"][k][:MAX_NEW], (k, o["output_ids"], models["refs"][k])
+    return {k: _hf_states(models["hf"], full) for k, full in capture_run["full"].items()}
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def _check_rows(run: dict, tr: _Trace) -> None:
+    """Every recorded row's (request, position, token) is a token of that request's prompt + output,
+    and every position the engine computed is there (from the cached prefix on)."""
+    full = run["full"]
+    assert set(tr.seq) == set(full), (set(tr.seq), set(full))
+    for i in range(len(tr.pos)):
+        seq = full[tr.seq[i]]
+        assert 0 <= tr.pos[i] < len(seq), (tr.seq[i], tr.pos[i])
+        assert seq[tr.pos[i]] == tr.tok[i], (tr.seq[i], tr.pos[i], tr.tok[i], seq[tr.pos[i]])
+    for key, seq in full.items():
+        cached = int(run["outputs"][key]["cached_tokens"] or 0)
+        got = set(tr.pos[tr.seq == key].tolist())
+        # positions before a cached prefix are not recomputed; the last output token is fed back only
+        # when it was an accepted draft token (EAGLE: drafts are inputs of the verify that accepts them)
+        need = set(range(cached, len(seq) - 1))
+        assert need <= got <= need | {len(seq) - 1}, (key, sorted(need - got), sorted(got - need))
+
+
+# ----------------------------------------------------------------------------------------------
+# Capture-only engine
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_capture_rows_cover_chunked_prefill_radix_hit_and_decode(capture_run, capture_trace):
+    tr = capture_trace
+    _check_rows(capture_run, tr)
+    out = capture_run["outputs"]
+    assert out["C"]["cached_tokens"] and out["C"]["cached_tokens"] >= 32, out["C"]  # radix-cache hit
+    c_rows = tr.pos[tr.seq == "C"]
+    assert c_rows.min() == out["C"]["cached_tokens"]  # keyed by absolute position, not from 0
+    stats = json.loads(tr.r.f.attrs["tensordiff_sglang"])
+    assert stats["layers_to_capture"] == BOUNDARIES and stats["draft_layer_ids"] == AUX_IDS
+    assert stats["convention_expects"] == BOUNDARIES and stats["catalog_layers"] == 8
+    a_prefill = (tr.seq == "A") & (tr.pos < len(PROMPT_A))
+    assert len(np.unique(tr.step[a_prefill])) >= 3  # A's prompt came in chunks of <= 32 tokens
+    from tensordiff.vocab import REGIMES
+    regimes = {REGIMES[c] for c in np.unique(tr.regime)}
+    assert {"prefill", "decode"} <= regimes, regimes
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_capture_aux_slots_equal_hf_boundaries(capture_trace, hf_states):
+    tr = capture_trace
+    info = tr.r.tensors["aux_hidden_states"]
+    assert (info.kind, info.role, info.token_offset) == ("packed", "aux", 0)
+    assert info.slot_labels == LABELS and info.raw_ids == AUX_IDS and info.convention == "sglang-llama"
+    vals = tr.r.read_values("aux_hidden_states")
+    _, seqs, pos = tr.rows("aux_hidden_states")
+    assert len(vals) == len(tr.pos)  # one aux row per token row
+    h = info.slot_width
+    for k, b in enumerate(BOUNDARIES):
+        ref = np.stack([hf_states[s][f"layer{b}"][p] for s, p in zip(seqs, pos)])
+        cos = _cos(vals[:, k * h:(k + 1) * h], ref)
+        assert cos.min() > COS_MIN, (b, cos.min())
+        for other in (b - 1, b + 1):  # the neighbours do not match: the slot is exactly boundary b
+            ref_o = np.stack([hf_states[s][f"layer{other}" if other else "embed"][p] for s, p in zip(seqs, pos)])
+            assert np.median(_cos(vals[:, k * h:(k + 1) * h], ref_o)) < 0.999
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_capture_catalog_equals_hf(capture_trace, hf_states):
+    from tensordiff.sketch import projection
+
+    tr = capture_trace
+    n = tr.r.num_layers
+    assert n == 8
+    r = tr.r
+    proj = projection(r.hidden_size, r.sketch_dim, r.sketch_seed)
+    for label in ["embed"] + [f"layer{b}" for b in range(1, n + 1)] + ["final_norm"]:
+        info = r.tensors[label]
+        assert info.role == "catalog" and info.has_sketch
+        _, seqs, pos = tr.rows(label)
+        ref = np.stack([hf_states[s][label][p] for s, p in zip(seqs, pos)])
+        cos = _cos(r.read_sketch(label), ref @ proj)
+        assert cos.min() > COS_MIN, (label, cos.min())
+        rms = np.sqrt((ref.astype(np.float64) ** 2).mean(-1))
+        np.testing.assert_allclose(r.read_rms(label)[:, 0], rms, rtol=1e-3)  # pre-norm vs post-norm
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-3 engine
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_eagle_rows_match_prompt_and_output(eagle_run, eagle_trace):
+    tr = eagle_trace
+    _check_rows(eagle_run, tr)
+    from tensordiff.vocab import REGIMES
+    regimes = {REGIMES[c] for c in np.unique(tr.regime)}
+    assert {"prefill", "target_verify"} <= regimes, regimes
+    stats = json.loads(tr.r.f.attrs["tensordiff_sglang"])
+    assert stats["rows_dropped"] > 0  # rejected draft tokens' verify rows were not recorded
+    assert any(o["spec_accept_length"] and o["spec_accept_length"] > 1 for o in eagle_run["outputs"].values())
+    # no position is claimed twice: verify rows of rejected tokens were dropped, not superseded
+    keys = list(zip(tr.seq.tolist(), tr.pos.tolist()))
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_eagle_aux_slots_equal_hf_boundaries(eagle_trace, hf_states):
+    tr = eagle_trace
+    info = tr.r.tensors["aux_hidden_states"]
+    assert info.slot_labels == LABELS and info.raw_ids == AUX_IDS and info.convention == "sglang-llama"
+    vals = tr.r.read_values("aux_hidden_states")
+    _, seqs, pos = tr.rows("aux_hidden_states")
+    h = info.slot_width
+    for k, b in enumerate(BOUNDARIES):
+        ref = np.stack([hf_states[s][f"layer{b}"][p] for s, p in zip(seqs, pos)])
+        assert _cos(vals[:, k * h:(k + 1) * h], ref).min() > COS_MIN, b
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_eagle_draft_input_is_aux_with_ids_shifted_by_one(eagle_run, eagle_trace, hf_states, models):
+    tr = eagle_trace
+    r = tr.r
+    d = r.tensors["draft_input"]
+    assert (d.kind, d.role, d.token_offset) == ("packed", "draft_input", 1)
+    assert d.slot_labels == LABELS and d.raw_ids == AUX_IDS and d.convention == "sglang-llama"
+    drows, dseq, dpos = tr.rows("draft_input")
+    dvals = r.read_values("draft_input")
+    arows, _, _ = tr.rows("aux_hidden_states")
+    avals = r.read_values("aux_hidden_states")
+    by_row = {int(x): i for i, x in enumerate(arows)}
+    # the draft consumed exactly the target's aux states of the same token (same row of the token table)
+    assert all(int(x) in by_row for x in drows)
+    np.testing.assert_array_equal(dvals, avals[[by_row[int(x)] for x in drows]])
+    # ... paired with the id of the next token (row t ~ token t+1)
+    irows, iseq, ipos = tr.rows("draft_input_ids")
+    np.testing.assert_array_equal(irows, drows)
+    ids = r.read_values("draft_input_ids")[:, 0].astype(np.int64)
+    # the greedy continuation, one token past the output: an accepted draft token at the last output
+    # position has a draft row too, paired with the next token the target chose (not emitted)
+    full = {k: PROMPTS[k] + models["refs"][k] for k in PROMPTS}
+    nxt = np.array([full[s][p + 1] for s, p in zip(iseq, ipos)])
+    np.testing.assert_array_equal(ids, nxt)
+    # prefill rows and decode rows (draft extend after verify, accepted rows only)
+    prompt_len = np.array([len(PROMPTS[s]) for s in dseq])
+    assert (dpos < prompt_len).any() and (dpos >= prompt_len).any()
+    stats = json.loads(r.f.attrs["tensordiff_sglang"])
+    assert stats["draft_shift_checked"] > 0 and stats["draft_shift_mismatched"] == 0
+    # and it is the HF boundary the labels name
+    h = d.slot_width
+    ref = np.stack([hf_states[s]["layer3"][p] for s, p in zip(dseq, dpos)])
+    assert _cos(dvals[:, :h], ref).min() > COS_MIN
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_eagle_trace_diffs_clean_against_a_correct_train_trace(eagle_run, models, tmp_path):
+    """The serve trace against a train trace recorded with the SAME wiring (speculators legacy
+    without the bug: [layer3, layer5, layer7]) agrees: SGLang's aux states are HF's boundaries."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in eagle_run["full"].items()))
+    train = tmp_path / "train.h5"
+    subprocess.run([sys.executable, "-m", "tensordiff", "record", "train", "--model", str(models["target"]),
+                    "--prompts", str(prompts), "--aux-ids", "2", "4", "6", "--convention", "speculators-legacy",
+                    "--dtype", "float32", "--device", "cpu", "--no-progress", "--out", str(train)],
+                   check=True, capture_output=True, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", str(train), eagle_run["trace"]],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[:3000]
+    assert proc.stdout.startswith("no divergence"), proc.stdout[:500]
+
+
+# ----------------------------------------------------------------------------------------------
+# Inert without TENSORDIFF_TRACE
+# ----------------------------------------------------------------------------------------------
+
+_LOAD_PLUGINS = """
+import os, sys
+os.environ["SGLANG_PLUGINS"] = "tensordiff"
+os.environ.pop("TENSORDIFF_TRACE", None)
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.model_executor.model_runner import ModelRunner
+load_plugins()
+print("INERT", dict(HookRegistry._hooks), hasattr(ModelRunner.forward, "__wrapped__"))
+import sglang.srt.plugins as plugins
+plugins._plugins_loaded = False
+HookRegistry.reset()
+os.environ["TENSORDIFF_TRACE"] = os.path.join({tmp!r}, "never.h5")
+load_plugins()
+from tensordiff.recorders import sglang_plugin
+print("ACTIVE", sorted(HookRegistry._hooks) == sorted(sglang_plugin.HOOK_TARGETS),
+      hasattr(ModelRunner.forward, "__wrapped__"), os.path.exists(os.environ["TENSORDIFF_TRACE"]))
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_plugin_registers_no_hook_without_tensordiff_trace(tmp_path):
+    """Through SGLang's own plugin loader: with TENSORDIFF_TRACE unset the entry point runs and
+    registers nothing (ModelRunner.forward stays unwrapped); set, it registers its five hooks
+    (and writes nothing until a model runs)."""
+    proc = subprocess.run([sys.executable, "-c", _LOAD_PLUGINS.format(tmp=str(tmp_path))], capture_output=True,
+                          text=True, env=_env(), cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {ln.split(" ", 1)[0]: ln for ln in proc.stdout.splitlines() if ln.startswith(("INERT", "ACTIVE"))}
+    assert lines["INERT"] == "INERT {} False", proc.stdout
+    assert lines["ACTIVE"] == "ACTIVE True True False", proc.stdout
+
+
+def test_register_without_env_imports_nothing():
+    code = ("import os, sys\nos.environ.pop('TENSORDIFF_TRACE', None)\n"
+            "from tensordiff.recorders import sglang_plugin, serve_cli\n"
+            "assert sglang_plugin.register() is None\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert out.strip() == "[]", out
+
+
+def test_plugin_config_from_env():
+    from tensordiff.recorders.sglang_plugin import Config, rank_path
+
+    assert Config.from_env({}) is None
+    assert Config.from_env({"TENSORDIFF_TRACE": "  "}) is None
+    c = Config.from_env({"TENSORDIFF_TRACE": "/x/s.h5"})
+    assert c.path == "/x/s.h5" and not c.catalog and c.sample_every == 1
+    assert c.wants_values("draft_input") and c.wants_values("aux_hidden_states") and not c.wants_values("layer3")
+    c = Config.from_env({"TENSORDIFF_TRACE": "s.h5", "TENSORDIFF_CATALOG": "1", "TENSORDIFF_VALUES": "layer*,final_norm",
+                         "TENSORDIFF_SAMPLE_EVERY": "4", "TENSORDIFF_COMPRESSION": "gzip"})
+    assert c.catalog and c.sample_every == 4 and c.compression == "gzip"
+    assert c.wants_values("layer3") and c.wants_values("final_norm") and not c.wants_values("draft_input")
+    assert Config.from_env({"TENSORDIFF_TRACE": "s.h5", "TENSORDIFF_VALUES": "all"}).wants_values("embed")
+    assert not Config.from_env({"TENSORDIFF_TRACE": "s.h5", "TENSORDIFF_VALUES": "none"}).wants_values("draft_input")
+    for bad in ({"TENSORDIFF_CATALOG": "maybe"}, {"TENSORDIFF_SAMPLE_EVERY": "0"}, {"TENSORDIFF_SAMPLE_EVERY": "x"},
+                {"TENSORDIFF_COMPRESSION": "zstd"}):
+        with pytest.raises(ValueError):
+            Config.from_env({"TENSORDIFF_TRACE": "s.h5", **bad})
+    assert rank_path("/t/serve.h5", "") == "/t/serve.h5"
+    assert rank_path("/t/serve.h5", ".tp1") == "/t/serve.tp1.h5"
+    assert rank_path("/t/serve", ".dp0") == "/t/serve.dp0"
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line (no engine)
+# ----------------------------------------------------------------------------------------------
+
+
+def _serve_args(argv):
+    import argparse
+
+    from tensordiff.recorders import serve_cli
+
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_serve_engine_kwargs(tmp_path):
+    from tensordiff.recorders.serve_cli import engine_kwargs, plugin_env
+
+    base = ["--model", str(tmp_path), "--prompts", "p.jsonl", "--out", str(tmp_path / "s.h5")]
+    kw = engine_kwargs(_serve_args(base + ["--draft", str(tmp_path / "d"), "--device", "cpu", "--tp-size", "2",
+                                           "--engine-arg", "cuda_graph_max_bs=8", "--engine-arg", "foo=bar"]))
+    assert kw["speculative_algorithm"] == "EAGLE3" and kw["speculative_draft_model_path"].endswith("/d")
+    assert kw["speculative_num_steps"] == 2 and kw["speculative_eagle_topk"] == 1
+    assert kw["speculative_num_draft_tokens"] == 3 and kw["tp_size"] == 2 and kw["skip_tokenizer_init"]
+    assert kw["disable_cuda_graph"] and kw["cuda_graph_max_bs"] == 8 and kw["foo"] == "bar"
+    kw = engine_kwargs(_serve_args(base + ["--aux-ids", "1", "3", "5"]))
+    assert kw["enable_return_aux_hidden_states"] and kw["return_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert kw["speculative_algorithm"] == "EAGLE3" and "disable_cuda_graph" not in kw
+    env = plugin_env(_serve_args(base + ["--catalog", "--values", "all", "--sample-every", "2", "--sketch-dim", "64"]))
+    assert env["TENSORDIFF_TRACE"] == str(tmp_path / "s.h5") and env["TENSORDIFF_CATALOG"] == "1"
+    assert env["TENSORDIFF_VALUES"] == "all" and env["TENSORDIFF_SAMPLE_EVERY"] == "2"
+    assert env["TENSORDIFF_SKETCH_DIM"] == "64"
+
+
+@pytest.mark.parametrize("case", ["no-model", "bad-prompts", "no-outdir", "aux-with-draft"])
+def test_serve_bad_input_is_one_line_exit_2(tmp_path, case):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2]}\n')
+    argv = ["--model", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "s.h5")]
+    if case == "no-model":
+        argv[1] = str(tmp_path / "nope")
+    elif case == "bad-prompts":
+        prompts.write_text("not json\n")
+    elif case == "no-outdir":
+        argv[5] = str(tmp_path / "nodir" / "s.h5")
+    elif case == "aux-with-draft":
+        argv += ["--draft", str(model), "--aux-ids", "1"]
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "record", "serve", *argv], capture_output=True,
+                          text=True, cwd=REPO, env={k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF")})
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "s.h5").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The committed example pair (fast: no engine)
+# ----------------------------------------------------------------------------------------------
+
+TRACES = REPO / "traces"
+
+
+@pytest.mark.skipif(not (TRACES / "serve.h5").exists(), reason="example pair not generated")
+def test_example_pair_first_line_and_exit_code():
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", "traces/train.h5", "traces/serve.h5"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0] == "slot 0 of draft_input holds layer3 where embed was expected"
+
+
+@pytest.mark.skipif(not (TRACES / "serve.h5").exists(), reason="example pair not generated")
+def test_example_pair_is_what_it_says():
+    from tensordiff.trace import TraceReader
+
+    with TraceReader(str(TRACES / "train.h5")) as t, TraceReader(str(TRACES / "serve.h5")) as s:
+        assert t.side == "train" and s.side == "serve" and t.complete and s.complete
+        assert t.model["num_layers"] == s.model["num_layers"] == 8
+        assert t.model["hidden_size"] == s.model["hidden_size"] == 64
+        td, sd = t.tensors["draft_input"], s.tensors["draft_input"]
+        assert td.slot_labels == ["embed", "layer3", "layer5"] and td.convention == "speculators-legacy"
+        assert td.raw_ids == sd.raw_ids == [2, 4, 6]
+        assert sd.slot_labels == ["layer3", "layer5", "layer7"] and sd.convention == "sglang-llama"
+        assert sd.role == "draft_input" and sd.token_offset == 1
+        assert s.producer.startswith("tensordiff sglang plugin (sglang 0.5.23)")
+        assert s.user_meta["layers_to_capture"] == [3, 5, 7] and s.user_meta["draft_model"]
+        # both sides saw the same prompts
+        tseqs = {k: [int(x) for x in v.values()] for k, v in _by_seq(t).items()}
+        sseqs = _by_seq(s)
+        for key, toks in tseqs.items():
+            assert [sseqs[key][p] for p in range(len(toks))] == toks
+    assert os.path.getsize(TRACES / "train.h5") + os.path.getsize(TRACES / "serve.h5") < 1_000_000
+
+
+def _by_seq(r) -> dict:
+    t = r.tokens
+    out: dict = {}
+    for s, p, k in zip(t["seq"], t["position"], t["token"]):
+        out.setdefault(r.sequences[int(s)], {})[int(p)] = int(k)
+    return {key: dict(sorted(v.items())) for key, v in out.items()}
