@@ -682,7 +682,9 @@ class Differ:
             findings.append(Finding("pairing", "divergence",
                                     f"{ia.name} has {ia.slot_count} slots on {self.ra.side} but {ib.slot_count} on {self.rb.side}",
                                     tensor=ia.name, order=ia.order, details={"_tok_index": -1}))
-        if ia.token_offset != ib.token_offset:
+        # the token pairing of a draft's input matters only against another draft input: a target's
+        # aux capture (role "aux", offset 0) holds the same states at row t as a draft input does
+        if ia.token_offset != ib.token_offset and ia.role == ib.role:
             findings.append(Finding("pairing", "divergence",
                                     f"{ia.name}: {self.ra.side} pairs row t with token t+{ia.token_offset}, "
                                     f"{self.rb.side} with token t+{ib.token_offset}",

@@ -361,9 +361,3 @@ def test_record_bad_argument(capsys, tmp_path):
 def test_record_output_directory_missing(capsys, tmp_path):
     bad(capsys, "output directory does not exist", "record", "train", "--model", tmp_path, "--prompts",
         tmp_path / "p", "--out", tmp_path / "no" / "such" / "o.h5")
-
-
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
-def test_info_permission_denied(capsys, trace):
-    os.chmod(trace, 0)
-    bad(capsys, "permission denied", "info", trace)
