@@ -45,12 +45,7 @@ from tensordiff.dtypes import f32_to_bf16_bits  # noqa: E402
 from tensordiff.trace import TraceWriter  # noqa: E402
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from bench_write import fsync_path  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 class _ReopenWriter(TraceWriter):
