@@ -50,7 +50,8 @@ def states(model, ids: list[int], dtype=torch.float32) -> dict:
 
 
 def write_trace(path, model, seqs, slots: list[str], *, side="train", dtype=torch.float32, shift=0, drop=0,
-                nan_at=None, catalog=True, keys=None, regime=None, sketch_only=False) -> None:
+                nan_at=None, catalog=True, keys=None, regime=None, sketch_only=False,
+                packed=("draft_input", "draft_input", 1)) -> None:
     """slots: labels of the states the draft input holds (what the pipeline really fed)."""
     dt = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     regime = regime or ("train" if side == "train" else "prefill")
@@ -70,8 +71,9 @@ def write_trace(path, model, seqs, slots: list[str], *, side="train", dtype=torc
                                         role="catalog", values=not sketch_only)
                     w.define_tensor("final_norm", HIDDEN, kind="final_norm", dtype=dt, role="catalog",
                                     values=not sketch_only)
-                w.define_tensor("draft_input", HIDDEN * len(slots), kind="packed", dtype=dt,
-                                slots=SlotSpec(list(slots)), role="draft_input", token_offset=1)
+                pname, prole, poff = packed  # (name, role, token_offset) of the packed tensor
+                w.define_tensor(pname, HIDDEN * len(slots), kind="packed", dtype=dt,
+                                slots=SlotSpec(list(slots)), role=prole, token_offset=poff)
                 defined = True
             if catalog:
                 for label, t in st.items():
@@ -87,5 +89,5 @@ def write_trace(path, model, seqs, slots: list[str], *, side="train", dtype=torc
                                  rms=np.sqrt((f.astype(np.float64) ** 2).mean(1)).astype(np.float32))
                     else:
                         w.append(label, rows, v)
-            packed = torch.cat([st[s] for s in slots], dim=-1)[drop:]
-            w.append("draft_input", rows, to_storage(packed))
+            packed_t = torch.cat([st[s] for s in slots], dim=-1)[drop:]
+            w.append(packed[0], rows, to_storage(packed_t))

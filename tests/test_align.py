@@ -210,3 +210,17 @@ def test_summary_file_has_per_token_metrics(tmp_path, model, seqs, train):
     rel = s.block(0, s.n, metric=1)[:, j]
     assert np.all(rel > 0.1) and np.all(s.block(0, s.n, 3)[:, j] >= 1)
     s.close()
+
+
+def test_capture_only_aux_pairs_with_draft_input(tmp_path, model, seqs, train):
+    """A capture-only serve trace has the target's aux states (role aux, row t paired with no
+    draft token) where train has the draft input: same states at row t, so no pairing finding."""
+    serve = tmp_path / "aux.h5"
+    write_trace(serve, model, seqs, TRAIN, side="serve", packed=("aux_hidden_states", "aux", 0))
+    res = diff_traces(train, str(serve))
+    assert res.exit_code == 0, res.headline()
+    assert [r.held_b for r in res.slot_table] == TRAIN
+    wrong = tmp_path / "aux_wrong.h5"
+    write_trace(wrong, model, seqs, ["layer3", "layer5", "layer7"], side="serve", packed=("aux_hidden_states", "aux", 0))
+    res = diff_traces(train, str(wrong))
+    assert res.headline() == "slot 0 of aux_hidden_states holds layer3 where embed was expected"
