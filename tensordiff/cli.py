@@ -155,8 +155,19 @@ def cmd_tui(args) -> int:
     return run_tui(args.a, args.b, opts)
 
 
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit 2) like every other bad input."""
+
+    def error(self, message: str):  # noqa: D102 - argparse hook
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tensordiff", description=(
+    p = _Parser(prog="tensordiff", description=(
         "Differential tensor-tracing debugger: record named tensors on two sides, align them by token "
         "and slot, and name the first divergence."))
     p.add_argument("--version", action="version", version=f"tensordiff {__version__}")
@@ -204,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse: usage errors are bad input too
+    except _UsageError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    except SystemExit as e:  # --help, --version
         return EXIT_BAD_INPUT if e.code not in (0, None) else EXIT_OK
     try:
         return args.func(args)

@@ -361,3 +361,7 @@ def test_record_bad_argument(capsys, tmp_path):
 def test_record_output_directory_missing(capsys, tmp_path):
     bad(capsys, "output directory does not exist", "record", "train", "--model", tmp_path, "--prompts",
         tmp_path / "p", "--out", tmp_path / "no" / "such" / "o.h5")
+
+
+def test_usage_error_is_one_line(capsys):
+    bad(capsys, "the following arguments are required: b", "diff", "only-one.h5")
