@@ -487,6 +487,7 @@ class Differ:
         self._check_models()
         self._progress("aligning tokens", 0, 1)
         al = align_tokens(ra, rb)
+        self._progress("aligning tokens", 1, 1)
         self.al = al
         self.sa, self.sb = _SideTokens(ra), _SideTokens(rb)
         pairs, findings = pair_tensors(ra, rb)
@@ -602,8 +603,11 @@ class Differ:
             return {s: {"best": None, "score": None, "reason": "no catalog states recorded on either side"} for s in slots}
         offsets = (0, -1, 1, -2, 2)
         targets = [self._offset_index(sample, o) for o in offsets]
-        cand_rows = {label: dict(zip(offsets, self._rows_at(cside, ci.name, targets)))
-                     for label, cside, ci, _ in candidates}
+        cand_rows = {}
+        for i, (label, cside, ci, _) in enumerate(candidates):
+            # also a chance for a caller (the TUI's worker) to stop between candidates
+            self._progress("identifying slots", i, len(candidates))
+            cand_rows[label] = dict(zip(offsets, self._rows_at(cside, ci.name, targets)))
         cand_data: dict[tuple, tuple] = {}
 
         def candidate(label, ci, cr, offset, basis, ok):
