@@ -109,25 +109,18 @@ def cmd_diff(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Diff a noise-floor pair (same wiring, honest numeric differences) and write tolerances."""
-    from .align import diff_traces
-    from .metrics import calibrated_tolerance, coarser
-
-    from .align import DiffOptions
-    from .metrics import Tolerance, ToleranceBook
-
-    loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
+    from .align import DiffOptions, Differ
+    from .metrics import Tolerance, ToleranceBook, calibrated_tolerance, coarser
     from .trace import probe
 
     probe([args.a, args.b])
-    res = diff_traces(args.a, args.b, DiffOptions(tolerances=loose))
+    loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
+    with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
+        res = d.run()
+        dtypes = {p.name_a: coarser(d.ra.tensors[p.name_a].dtype, d.rb.tensors[p.name_b].dtype) for p in res.pairs}
     ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing")]
     if ids:
         raise TraceError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
-    from .trace import TraceReader
-
-    with TraceReader(args.a) as ra, TraceReader(args.b) as rb:
-        dtypes = {n: coarser(ra.tensors[p.name_a].dtype, rb.tensors[p.name_b].dtype)
-                  for p in res.pairs for n in [p.name_a]}
     tols = {}
     for p in res.pairs:
         for s in range(p.slots):
