@@ -74,16 +74,8 @@ class _SwmrWriter(TraceWriter):
     def flush(self) -> None:
         if self._closed:
             return
-        for name, apps in self._tensors.items():
-            self._drain_rms(name)
-            for app in apps.values():
-                app.flush_partial()
-        self._tokens.flush_partial()
-        self.f.flush()
-        self.flush_count += 1
-        self._rows_since_flush = 0
-        self._dirty = False
-        self._last_flush = time.monotonic()
+        self._write_buffered()  # the writer's phase 1, without the commit-count attributes
+        self._flushed_now()
 
     def close(self) -> None:  # no trimming or attribute writes in SWMR mode
         if self._closed:

@@ -102,7 +102,6 @@ def main(argv=None) -> int:
         for name, fn in modes.items():
             times[name].append(fn())
     bare_t = [t[0] for t in times["bare forward"]]
-    base = statistics.median(bare_t)
     rows = []
     for name, ts in times.items():
         # ratios are taken per round against that round's bare forward, then the median: drift of

@@ -18,10 +18,10 @@ from typing import Callable
 import numpy as np
 
 from .errors import TraceError
-from .metrics import BlockMetrics, Tolerance, ToleranceBook, cosine_matrix, finite_or_zero, rms_agreement
+from .metrics import BlockMetrics, ToleranceBook, cosine_matrix, finite_or_zero, rms_agreement
 from .summary import SummaryWriter
 from .trace import TensorInfo, TraceReader
-from .vocab import REGIMES, state_order
+from .vocab import REGIMES
 
 MAX_SHIFT = 2
 SEQ_BITS = 40  # code = seq << SEQ_BITS | position
@@ -264,8 +264,10 @@ def _shift_matches(pa: np.ndarray, ta: np.ndarray, pb: np.ndarray, tb: np.ndarra
     return overlap, matches
 
 
-def align_tokens(ra: TraceReader, rb: TraceReader) -> TokenAlignment:
-    A, B = _SideTokens(ra), _SideTokens(rb)
+def align_tokens(ra: TraceReader, rb: TraceReader, sides: tuple | None = None) -> TokenAlignment:
+    """Pair sequences and positions of two traces. ``sides``: their :class:`_SideTokens`, when the
+    caller already built them (the differ keeps them to map tensor rows)."""
+    A, B = sides or (_SideTokens(ra), _SideTokens(rb))
     if not A.seqs:
         raise TraceError("the trace has no tokens (empty trace)", ra.path)
     if not B.seqs:
@@ -486,10 +488,10 @@ class Differ:
         ra, rb = self.ra, self.rb
         self._check_models()
         self._progress("aligning tokens", 0, 1)
-        al = align_tokens(ra, rb)
+        self.sa, self.sb = _SideTokens(ra), _SideTokens(rb)
+        al = align_tokens(ra, rb, (self.sa, self.sb))
         self._progress("aligning tokens", 1, 1)
         self.al = al
-        self.sa, self.sb = _SideTokens(ra), _SideTokens(rb)
         pairs, findings = pair_tensors(ra, rb)
         for ia, ib in pairs:
             if ia.width != ib.width and not (ia.kind == ib.kind == "packed" and ia.slot_width == ib.slot_width):
@@ -763,7 +765,9 @@ class Differ:
                 e["rel_max"] = max(e["rel_max"], float(np.nanmax(np.where(np.isfinite(relsel), relsel, 0))))
             # worst tokens overall (by rel, finite)
             rel_tok = np.where(np.isfinite(m["rel"]), m["rel"], 0).max(axis=1)
-            for j in np.argsort(-rel_tok)[:WORST_TOKENS]:
+            top = np.argpartition(-rel_tok, WORST_TOKENS)[:WORST_TOKENS] if len(rel_tok) > WORST_TOKENS \
+                else np.arange(len(rel_tok))
+            for j in top:  # only this block's candidates for the global top list, no full sort
                 item = (float(rel_tok[j]), next(self._tiebreak), None)
                 if len(worst) < WORST_TOKENS or item[0] > worst[0][0]:
                     entry = self._token_entry(int(blk[j]))

@@ -14,9 +14,6 @@ import numpy as np
 from .dtypes import EPS, to_float32
 from .errors import TraceError
 
-# Metric columns of the per-token summary (also the TUI's metric toggle order).
-METRICS = ("cos", "rel", "maxabs", "nonfinite")
-
 
 @dataclass(frozen=True)
 class Tolerance:

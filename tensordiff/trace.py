@@ -26,7 +26,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import h5py
 import numpy as np
@@ -477,12 +477,7 @@ class TraceWriter:
         flushed again; a kill during phase 1 leaves the previous counts, which a reader trusts."""
         if self._closed:
             return
-        for name, apps in self._tensors.items():
-            self._drain_rms(name)
-            for app in apps.values():
-                app.flush_partial()
-        self._tokens.flush_partial()
-        self.f.flush()
+        self._write_buffered()
         counts = {}
         for name, apps in self._tensors.items():
             n = min(app.rows for app in apps.values())
@@ -494,12 +489,24 @@ class TraceWriter:
             self.f.attrs.modify("flushed_tokens", np.int64(n_tok))
         self.f.flush()
         self.flushed = {"tokens": n_tok, "tensors": counts}
+        self._flushed_now()
+        if self.on_flush is not None:
+            self.on_flush(self)
+
+    def _write_buffered(self) -> None:
+        """Phase 1 of a flush: every buffered row (and pending RMS) to the file, then ``H5Fflush``."""
+        for name, apps in self._tensors.items():
+            self._drain_rms(name)
+            for app in apps.values():
+                app.flush_partial()
+        self._tokens.flush_partial()
+        self.f.flush()
+
+    def _flushed_now(self) -> None:
         self.flush_count += 1
         self._rows_since_flush = 0
         self._dirty = False
         self._last_flush = time.monotonic()
-        if self.on_flush is not None:
-            self.on_flush(self)
 
     def close(self) -> None:
         if self._closed:
@@ -1246,19 +1253,6 @@ class TraceReader:
                     if part != "rows":
                         self._read(name, part, np.s_[0:1])
                         self._read(name, part, np.s_[info.rows - 1:info.rows])
-
-    def iter_blocks(self, name: str, block_rows: int = 4096) -> Iterator[tuple[int, int]]:
-        n = self.tensors[name].rows
-        for s in range(0, n, block_rows):
-            yield s, min(n, s + block_rows)
-
-    def seq_tokens(self) -> dict[int, dict[int, int]]:
-        """{sequence index: {position: token id}} over all rows (later rows win)."""
-        out: dict[int, dict[int, int]] = {}
-        t = self.tokens
-        for s, p, k in zip(t["seq"].tolist(), t["position"].tolist(), t["token"].tolist()):
-            out.setdefault(s, {})[p] = k
-        return out
 
     def summary(self) -> dict:
         """Everything ``tensordiff info`` shows, as plain data."""

@@ -778,8 +778,8 @@ def _commit_verify(p: _Pass, result, batch) -> None:
         acc_index = _np(acc_index).astype(np.int64).reshape(bs, -1)
     rid_rows, pos, ids = p.keys
     n = len(p.rows)
-    width = n // bs if bs else 0
-    # the pass as the draft extend sees it: row i*width + j = the j-th accepted row of request i
+    # the pass as the draft extend sees it: row s + j = the j-th accepted row of the request whose
+    # segment starts at row s
     view_rows = np.full(n, -1, dtype=np.int64)
     view_ids = np.zeros(n, dtype=np.int64)
     view_pos = np.zeros(n, dtype=np.int64)
