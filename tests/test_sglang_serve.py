@@ -523,7 +523,6 @@ def test_serve_bad_input_is_one_line_exit_2(tmp_path, case):
 TRACES = REPO / "traces"
 
 
-@pytest.mark.skipif(not (TRACES / "serve.h5").exists(), reason="example pair not generated")
 def test_example_pair_first_line_and_exit_code():
     proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", "traces/train.h5", "traces/serve.h5"],
                           capture_output=True, text=True, cwd=REPO)
@@ -531,7 +530,6 @@ def test_example_pair_first_line_and_exit_code():
     assert proc.stdout.splitlines()[0] == "slot 0 of draft_input holds layer3 where embed was expected"
 
 
-@pytest.mark.skipif(not (TRACES / "serve.h5").exists(), reason="example pair not generated")
 def test_example_pair_is_what_it_says():
     from tensordiff.trace import TraceReader
 
