@@ -194,6 +194,7 @@ class ReplicaTask:
     rows_primary: np.ndarray
     rows_replica: np.ndarray
     start: int                # where these rows start in the group's replicated rows
+    host: str | None = None   # the host that wrote the replica (for placement)
 
 
 @dataclass
@@ -780,7 +781,8 @@ class TraceSet:
                 for s0 in range(0, n, block_rows):
                     tasks.append(ReplicaTask(name, g, part, info.dtype, self.members[rp.primary].path,
                                              self.members[rp.replica].path, rp.rows_primary[s0:s0 + block_rows],
-                                             rp.rows_replica[s0:s0 + block_rows], s0))
+                                             rp.rows_replica[s0:s0 + block_rows], s0,
+                                             self.members[rp.replica].host))
         return tasks
 
     def replica_mismatches(self, partials: Sequence[ReplicaPartial]) -> list[ReplicaMismatch]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 from setgen import LENGTH, H, make_recording, write, write_ranks
 
+from tensordiff.cli import jsonable, main
+from tensordiff.diff import diff_traces
 from tensordiff.errors import IncompatibleTracesError, TensordiffError, UsageError
 from tensordiff.traceset import (
     TraceSet,
@@ -19,22 +22,8 @@ from tensordiff.traceset import (
 )
 
 
-def _diff_module():
-    try:
-        from tensordiff import diff as mod  # after the aligner's split
-        if hasattr(mod, "Differ"):
-            return mod
-    except ImportError:
-        pass
-    from tensordiff import align as mod
-    return mod
-
-
 def diff(a: str, b: str) -> dict:
-    from tensordiff.cli import jsonable
-
-    mod = _diff_module()
-    res = mod.diff_traces(a, b)
+    res = diff_traces(a, b)
     d = jsonable(res.to_dict())
     for side in ("a", "b"):
         d[side].pop("path")
@@ -77,11 +66,9 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_set_diffs_as_one_trace(tmp_path, recs, ref, layout, monkeypatch):
+def test_set_diffs_as_one_trace(tmp_path, recs, ref, layout):
     """The set of per-rank files gives exactly the diff of the same data in one file, with a real
     divergence (a drifting layer and a slot holding the wrong state) and on an agreeing pair."""
-    mod = _diff_module()
-    monkeypatch.setattr(mod, "TraceReader", open_trace)  # the call site opens sets (see cli/diff)
     for which in ("serve", "serve_ok"):
         d = str(tmp_path / which)
         paths = write_ranks(d, recs[which], **LAYOUTS[layout])
@@ -139,6 +126,48 @@ def test_replica_that_differs_is_reported(tmp_path, recs):
         assert m.rows == 4 * LENGTH and m.max_abs > 0.01 and m.token == int(recs["serve"].tokens["s5"][3])
         assert "TP replicas of serve disagree: layer2 in serve.dp1.tp1.h5" in m.sentence("serve")
         json.dumps(m.to_dict())
+
+
+def test_replica_mismatch_is_a_divergence_of_the_diff(tmp_path, recs, ref):
+    """An otherwise agreeing pair: the differing replica alone makes the verdict a divergence."""
+    d = str(tmp_path / "s")
+    write_ranks(d, recs["serve_ok"], dp=2, tp=2, tweak={".dp1.tp1": {("layer2", "s5", 3): np.float32(0.05)}})
+    got = diff(ref["train"], d)
+    assert got["verdict"] == "divergence" and got["exit_code"] == 1
+    (f,) = [f for f in got["findings"] if f["severity"] == "divergence"]
+    assert f["kind"] == "replica" and f["tensor"] == "layer2" and (f["seq"], f["position"]) == ("s5", 3)
+    assert f["message"].startswith("TP replicas of serve disagree: layer2 in serve.dp1.tp1.h5 differs from "
+                                   "serve.dp1.tp0.h5 (the one compared) in 1 of 40 replicated rows")
+    assert got["headline"] == f["message"]
+    # the same set as the reference side, and the JSON keeps its schema
+    rev = diff(d, ref["train"])
+    assert [x["kind"] for x in rev["findings"] if x["severity"] == "divergence"] == ["replica"]
+    jsonschema = pytest.importorskip("jsonschema")
+    from tensordiff.report import diff_schema
+
+    jsonschema.validate(jsonable(diff_traces(ref["train"], d).to_dict()), diff_schema())
+
+
+def test_cli_info_and_diff_on_sets(tmp_path, recs, ref, capsys):
+    d = str(tmp_path / "s")
+    write_ranks(d, recs["serve"], dp=2, pp=2, host="node-3")
+    assert main(["info", d]) == 0
+    out = capsys.readouterr().out
+    assert "trace set: 4 files, 2 token shards (DP=2, PP=2)" in out and "serve.dp1.pp1.h5: ranks dp1 pp1, host node-3" in out
+    assert main(["info", d, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["set"]["layout"] == {"dp": 2, "pp": 2, "tp": 0}
+    assert main(["diff", ref["train"], d, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["findings"] == diff(ref["train"], ref["serve"])["findings"]
+
+
+@pytest.mark.parametrize("kind", ["mixed_models", "duplicate_dp", "missing_stage", "empty_dir"])
+def test_cli_bad_sets_one_line_exit_2(tmp_path, recs, ref, capsys, kind):
+    d = _bad(tmp_path, recs, kind)
+    for argv in (["diff", ref["train"], d], ["diff", d, ref["train"]], ["info", d]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("tensordiff: error: ")
+        assert re.search(BAD[kind][1], err), err
 
 
 def test_pp_overlap_is_checked_like_a_replica(tmp_path, recs):

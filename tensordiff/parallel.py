@@ -1,0 +1,554 @@
+"""The numeric pass of a diff split over worker processes (numpy + h5py only; Ray in ray_backend).
+
+The coordinator (the :class:`~tensordiff.diff.Differ`) keeps the plan: token alignment, tensor
+pairing, row maps and the identity sample, all over the small token tables. The numeric pass of
+each tensor pair is cut into tasks of whole diff blocks (``block_rows`` aligned tokens); a task is
+a function of picklable inputs only (file paths, tensor names, member row indices, tolerances) and
+returns picklable partial statistics. The coordinator merges them in block order, so the result
+(every finding, statistic, worst token and summary row) is identical to the serial diff: the
+same blocks are computed by the same code, and everything that depends on order (the float64 sum
+of cosines, first failing tokens, the worst-token heap, the sinks) is replayed block by block.
+
+Backends: ``serial`` (no workers: the diff's own loop), ``pool`` (a local process pool, default
+sized to the cores), ``ray`` (:mod:`tensordiff.ray_backend`, tasks placed on the node that holds
+each shard), ``auto`` (the default: a pool when the numeric pass reads at least
+:data:`AUTO_MIN_BYTES` and there are two cores or more, else serial).
+
+Which rows a task reads is resolved on the coordinator, in member terms: for a
+:class:`~tensordiff.traceset.TraceSet` each segment names the member file (and its host) that
+holds the rows, so a worker opens only the files of its rows.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .errors import UsageError
+from .numerics import BlockMetrics, PairAccumulator, WorstTokens
+from .tolerances import Tolerance
+from .trace import TensorInfo, TraceReader
+
+BACKENDS = ("auto", "serial", "pool", "ray")
+AUTO_MIN_BYTES = 256 << 20      # below this a pool's start-up (~0.5 s a worker) costs more than it saves
+TASK_BYTES = 32 << 20           # stored bytes (both sides) a task reads, rounded to whole blocks
+MAX_OPEN_READERS = 64           # per worker process
+
+
+# ----------------------------------------------------------------------------------------------
+# Tasks and partial results (picklable)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Segment:
+    """Rows of one file that a task reads: ``pos`` (ascending; None: all, in order) are the
+    places in the task's rows, ``rows`` the file's own tensor rows."""
+
+    path: str
+    rows: np.ndarray
+    pos: np.ndarray | None = None
+    host: str | None = None
+
+
+@dataclass
+class NumericTask:
+    """The numeric pass of one tensor pair over a range of its aligned tokens."""
+
+    pair: int                   # index of the pair in the diff's forward order
+    chunk: int                  # index of the range within the pair
+    name_a: str
+    name_b: str
+    dtype_a: str
+    dtype_b: str
+    part: str                   # values | sketch
+    slots: int
+    width: int                  # slot width compared (hidden size, or the sketch dimension)
+    a: list[Segment]
+    b: list[Segment]
+    blk: np.ndarray             # aligned token index of each row
+    regimes: np.ndarray         # side B's regime code of each row
+    tolerances: list[Tolerance]
+    block_rows: int
+    want_metrics: bool          # return per-token metrics (a sink writes them)
+    worst_limit: int
+    nbytes: int = 0
+    host: str | None = None     # where most of its bytes live (for placement)
+
+
+@dataclass
+class BlockResult:
+    """What the coordinator replays for one block, in block order."""
+
+    rows: int
+    cos_sum: np.ndarray                     # [k] float64: this block's sum of cosines
+    top_blk: np.ndarray                     # the block's worst-token candidates (aligned indices) ...
+    top_rel: np.ndarray                     # ... their rel [t, k] and cos [t, k], in the serial order
+    top_cos: np.ndarray
+    blk: np.ndarray | None = None           # with want_metrics: the block's indices, metrics, flags
+    metrics: dict[str, np.ndarray] | None = None
+    bad: np.ndarray | None = None
+
+
+@dataclass
+class NumericPartial:
+    pair: int
+    chunk: int
+    acc: PairAccumulator                    # token indices already global
+    blocks: list[BlockResult]
+    seconds: float = 0.0
+    pid: int = 0
+    host: str = ""
+    node: str | None = None                 # the Ray node it ran on (Ray backend)
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker side
+# ----------------------------------------------------------------------------------------------
+
+
+_READERS: dict[str, TraceReader] = {}
+
+
+def open_member(path: str) -> TraceReader:
+    """This process's reader of ``path`` (opened once, kept for later tasks)."""
+    r = _READERS.get(path)
+    if r is None:
+        if len(_READERS) >= MAX_OPEN_READERS:
+            old = next(iter(_READERS))
+            _READERS.pop(old).close()
+        r = _READERS[path] = TraceReader(path)
+    return r
+
+
+def _gather(segs: list[Segment], name: str, part: str, lo: int, hi: int,
+            open_reader: Callable[[str], TraceReader]) -> np.ndarray:
+    """Task rows [lo, hi) of ``name/part`` in stored form, each segment read from its own file."""
+    pieces = []
+    for seg in segs:
+        if seg.pos is None:
+            i0, i1 = lo, min(hi, len(seg.rows))
+            if i1 > i0:
+                pieces.append((np.arange(i0 - lo, i1 - lo), seg, seg.rows[i0:i1]))
+        else:
+            i0, i1 = np.searchsorted(seg.pos, [lo, hi])
+            if i1 > i0:
+                pieces.append((seg.pos[i0:i1] - lo, seg, seg.rows[i0:i1]))
+    if len(pieces) == 1 and len(pieces[0][0]) == hi - lo:
+        _, seg, rows = pieces[0]
+        return open_reader(seg.path).read_at(name, part, rows)
+    out: np.ndarray | None = None
+    for at, seg, rows in pieces:
+        block = open_reader(seg.path).read_at(name, part, rows)
+        if out is None:
+            out = np.empty((hi - lo,) + block.shape[1:], block.dtype)
+        out[at] = block
+    if out is None:
+        raise ValueError(f"task rows {lo}..{hi} of {name} are in no segment")
+    return out
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(x), x, 0)
+
+
+def run_numeric_task(task: NumericTask, open_reader: Callable[[str], TraceReader] | None = None) -> NumericPartial:
+    """The numeric pass of one task, block by block, exactly as the serial diff computes it."""
+    t0 = time.perf_counter()
+    opener = open_reader or open_member
+    k, sw = task.slots, task.width
+    bm = BlockMetrics(k, sw)
+    acc = PairAccumulator(list(task.tolerances), task.regimes)
+    blocks: list[BlockResult] = []
+    n = len(task.blk)
+    local = np.arange(n, dtype=np.int64)
+    for s0 in range(0, n, task.block_rows):
+        s1 = min(n, s0 + task.block_rows)
+        a_raw = _gather(task.a, task.name_a, task.part, s0, s1, opener)
+        b_raw = _gather(task.b, task.name_b, task.part, s0, s1, opener)
+        if task.part == "values":
+            m = bm.compute_stored(a_raw, task.dtype_a, b_raw, task.dtype_b)
+        else:
+            a = np.asarray(a_raw, np.float32)[:, :k * sw]
+            b = np.asarray(b_raw, np.float32)[:, :k * sw]
+            m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
+        bad = acc.add(local[s0:s1], m)
+        rel_tok = _finite(m["rel"]).max(axis=1)
+        lim = task.worst_limit
+        top = np.argpartition(-rel_tok, lim)[:lim] if len(rel_tok) > lim else np.arange(len(rel_tok))
+        blk = task.blk[s0:s1]
+        res = BlockResult(s1 - s0, m["cos"].sum(axis=0, dtype=np.float64), blk[top], m["rel"][top], m["cos"][top])
+        if task.want_metrics:
+            res.blk, res.metrics, res.bad = blk, {key: np.array(v) for key, v in m.items()}, bad
+        blocks.append(res)
+    for hits in (acc.first_fail, acc.first_nonfinite):
+        for hit in hits:
+            if hit is not None:
+                hit.token_index = int(task.blk[hit.token_index])
+    acc.regime_of = np.zeros(0, np.uint8)  # not sent back
+    return NumericPartial(task.pair, task.chunk, acc, blocks, time.perf_counter() - t0, os.getpid(),
+                          socket.gethostname(), _ray_node())
+
+
+def _ray_node() -> str | None:
+    """The Ray node this runs on, when it runs as a Ray task (ray is never imported here)."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return None
+    try:
+        ctx = ray.get_runtime_context()
+        return str(ctx.get_node_id()) if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - not inside a Ray worker
+        return None
+
+
+def run_replica_task(task: Any) -> Any:
+    from .traceset import compare_replica_rows
+
+    return compare_replica_rows(task, open_member)
+
+
+# ----------------------------------------------------------------------------------------------
+# The coordinator side
+# ----------------------------------------------------------------------------------------------
+
+
+class _Future(Protocol):
+    def result(self) -> Any: ...
+
+
+def locate(reader: Any, name: str, rows: np.ndarray) -> list[Segment]:
+    """Where tensor rows ``rows`` of ``reader`` (a TraceReader or a TraceSet) live, as segments."""
+    loc = getattr(reader, "locate", None)
+    if loc is None:
+        return [Segment(reader.path, np.asarray(rows, np.int64))]
+    out = []
+    for mi, pos, mrows in loc(name, rows):
+        m = reader.members[mi]
+        out.append(Segment(m.path, mrows, None if len(pos) == len(rows) else pos, m.host))
+    return out
+
+
+def merge_partials(acc: PairAccumulator, partials: Sequence[NumericPartial], on_block: Callable[[BlockResult], None]
+                   ) -> PairAccumulator:
+    """Fold partial results (in chunk order) into ``acc`` exactly as the serial loop accumulates."""
+    for p in partials:
+        q = p.acc
+        acc.tokens += q.tokens
+        acc.cos_min = np.minimum(acc.cos_min, q.cos_min)
+        acc.rel_max = np.maximum(acc.rel_max, q.rel_max)
+        acc.maxabs = np.maximum(acc.maxabs, q.maxabs)
+        acc.failing += q.failing
+        acc.nonfinite_a += q.nonfinite_a
+        acc.nonfinite_b += q.nonfinite_b
+        for s in range(len(acc.tolerances)):
+            if acc.first_fail[s] is None:
+                acc.first_fail[s] = q.first_fail[s]
+            if acc.first_nonfinite[s] is None:
+                acc.first_nonfinite[s] = q.first_nonfinite[s]
+        for reg, e in q.by_regime.items():
+            t = acc.by_regime.setdefault(reg, {"tokens": 0, "failing": 0, "rel_max": 0.0})
+            t["tokens"] += e["tokens"]
+            t["failing"] += e["failing"]
+            t["rel_max"] = max(t["rel_max"], e["rel_max"])
+        for b in p.blocks:
+            acc.cos_sum += b.cos_sum   # block by block: the serial float64 summation order
+            on_block(b)
+    return acc
+
+
+@dataclass
+class _PairPlan:
+    index: int
+    key: tuple[str, str]
+    basis: str
+    slots: int
+    tolerances: list[Tolerance]
+    n: int
+    checksum: int
+    chunks: int = 0
+
+
+@dataclass
+class Placement:
+    """Where a task was asked to run (the Ray backend records node affinity here)."""
+
+    pair: int
+    chunk: int
+    host: str | None
+    node: str | None
+    soft: bool = True
+
+
+class PoolBackend:
+    """Runs numeric tasks on an executor; subclasses change the executor (:class:`RayBackend`)."""
+
+    name = "pool"
+
+    def __init__(self, workers: int | None = None, *, task_bytes: int = TASK_BYTES):
+        if workers is not None and workers < 1:
+            raise UsageError(f"--workers must be at least 1, got {workers}")
+        self.workers = workers or max(1, os.cpu_count() or 1)
+        self.task_bytes = int(task_bytes)
+        self._executor: ProcessPoolExecutor | None = None
+        self.placements: list[Placement] = []
+        self.stats: dict[str, Any] = {"tasks": 0, "task_seconds": 0.0, "pids": set()}
+        self._want_metrics = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._plans: dict[tuple[str, str], _PairPlan] = {}
+        self._gen: Iterator[NumericTask] | None = None
+        self._futures: dict[tuple[int, int], _Future] = {}
+        self._queue: deque[tuple[int, int]] = deque()
+        self._submitted_pair = -1
+
+    # -- executor ------------------------------------------------------------------------------
+
+    def _ensure_executor(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            methods = multiprocessing.get_all_start_methods()
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            if ctx.get_start_method() == "forkserver":
+                ctx.set_forkserver_preload(["tensordiff.parallel"])
+            self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+        return self._executor
+
+    def submit(self, task: NumericTask) -> _Future:
+        return self._ensure_executor().submit(run_numeric_task, task)
+
+    def submit_replica(self, task: Any) -> _Future:
+        return self._ensure_executor().submit(run_replica_task, task)
+
+    @property
+    def window(self) -> int:
+        return 2 * self.workers + 1
+
+    def close(self) -> None:
+        for fut in self._futures.values():
+            cancel = getattr(fut, "cancel", None)
+            if cancel is not None:
+                cancel()
+        self._futures.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self) -> PoolBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the diff's hooks ----------------------------------------------------------------------
+
+    def start(self, differ: Any, pairs: Sequence[tuple[TensorInfo, TensorInfo]], want_metrics: bool) -> None:
+        """Plan every pair's tasks (lazily, a window ahead of the diff's loop)."""
+        self._reset()
+        self._want_metrics = want_metrics
+        self._gen = self._tasks(differ, list(pairs), want_metrics)
+
+    def _tasks(self, differ: Any, pairs: list[tuple[TensorInfo, TensorInfo]], want_metrics: bool
+               ) -> Iterator[NumericTask]:
+        al = differ.al
+        everything = np.arange(len(al))
+        for i, (ia, ib) in enumerate(pairs):
+            (ma,), (mb,) = differ.maps.rows_at("a", ia.name, [everything]), differ.maps.rows_at("b", ib.name, [everything])
+            both = (ma >= 0) & (mb >= 0)
+            if not both.any():
+                continue
+            basis = "values" if (ia.has_values and ib.has_values) else "sketch"
+            ra, rb = differ.ra, differ.rb
+            if basis == "sketch" and not (ia.has_sketch and ib.has_sketch and ra.sketch_seed == rb.sketch_seed
+                                          and ra.sketch_dim == rb.sketch_dim):
+                continue
+            k = min(ia.slot_count, ib.slot_count)
+            tols = [differ.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None)
+                    for s in range(k)]
+            idx = np.flatnonzero(both)
+            plan = _PairPlan(i, (ia.name, ib.name), basis, k, tols, len(idx), _checksum(idx))
+            self._plans[plan.key] = plan
+            yield from self._pair_tasks(differ, plan, ia, ib, idx, ma, mb, want_metrics)
+
+    def _pair_tasks(self, differ: Any, plan: _PairPlan, ia: TensorInfo, ib: TensorInfo, idx: np.ndarray,
+                    ma: np.ndarray, mb: np.ndarray, want_metrics: bool, limit: int | None = None
+                    ) -> Iterator[NumericTask]:
+        ra, rb = differ.ra, differ.rb
+        part = "values" if plan.basis == "values" else "sketch"
+        da, db = ra._ds[ia.name][part], rb._ds[ib.name][part]
+        row_bytes = int(np.prod(da.shape[1:])) * da.dtype.itemsize + int(np.prod(db.shape[1:])) * db.dtype.itemsize
+        br = int(differ.opt.block_rows)
+        per = br * max(1, self.task_bytes // max(1, br * row_bytes))
+        sw = ia.slot_width if plan.basis == "values" else ra.sketch_dim
+        limit = limit or _worst_limit()
+        for c, s0 in enumerate(range(0, len(idx), per)):
+            blk = idx[s0:s0 + per]
+            sa, sb = locate(ra, ia.name, ma[blk]), locate(rb, ib.name, mb[blk])
+            plan.chunks = c + 1
+            yield NumericTask(plan.index, c, ia.name, ib.name, ia.dtype, ib.dtype, part, plan.slots, sw, sa, sb, blk,
+                              np.ascontiguousarray(differ.al.regime_b[blk]), plan.tolerances, br, want_metrics, limit,
+                              nbytes=len(blk) * row_bytes, host=_main_host(sa, sb, len(blk)))
+
+    def _submit_next(self) -> bool:
+        if self._gen is None:
+            return False
+        task = next(self._gen, None)
+        if task is None:
+            self._gen = None
+            return False
+        key = (task.pair, task.chunk)
+        self._futures[key] = self.submit(task)
+        self._queue.append(key)
+        self._submitted_pair = task.pair
+        self.stats["tasks"] += 1
+        return True
+
+    def _top_up(self) -> None:
+        while len(self._futures) < self.window and self._submit_next():
+            pass
+
+    def stream(self, differ: Any, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: np.ndarray,
+               ma: np.ndarray, mb: np.ndarray, sinks: Sequence[Any], worst: WorstTokens) -> PairAccumulator:
+        """The numeric pass of one pair from the workers' partials; the same accumulator as serial."""
+        tols = [differ.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None) for s in range(k)]
+        plan = self._plans.get((ia.name, ib.name))
+        # submit until this pair's tasks are all out (the plan exists once its first task is)
+        while (plan is None or self._gen is not None and self._submitted_pair <= plan.index) and self._submit_next():
+            plan = self._plans.get((ia.name, ib.name))
+        if plan is None or worst.limit != _worst_limit() or bool(sinks) != self._want_metrics or (
+                plan.basis, plan.slots, plan.tolerances, plan.n, plan.checksum) != (basis, k, tols, len(idx),
+                                                                                   _checksum(idx)):
+            # the diff planned this pair differently: run it from the diff's own arguments
+            self._drop(plan)
+            plan = _PairPlan(-1, (ia.name, ib.name), basis, k, tols, len(idx), _checksum(idx))
+            tasks = list(self._pair_tasks(differ, plan, ia, ib, idx, ma, mb, bool(sinks), worst.limit))
+            futs = [self.submit(t) for t in tasks]
+            partials = [f.result() for f in futs]
+        else:
+            partials = []
+            for c in range(plan.chunks):
+                key = (plan.index, c)
+                fut = self._futures[key]
+                partials.append(fut.result())
+                del self._futures[key]
+                self._top_up()
+        for p in partials:
+            self.stats["task_seconds"] += p.seconds
+            self.stats["pids"].add((p.host, p.pid))
+        acc = PairAccumulator(tols, differ.al.regime_b)
+
+        def on_block(b: BlockResult) -> None:
+            worst.offer(ia.name, b.top_blk, {"rel": b.top_rel, "cos": b.top_cos}, differ._token_entry)
+            if sinks:
+                if b.metrics is None or b.blk is None:
+                    raise RuntimeError("a sink needs per-token metrics that the workers did not return")
+                for sink in sinks:
+                    sink.write(ia, ib, k, b.blk, b.metrics, b.bad)
+            differ._done += b.rows
+            differ._progress("comparing tensors", min(differ._done, differ._total), differ._total)
+
+        merge_partials(acc, partials, on_block)
+        self._top_up()
+        return acc
+
+    def _drop(self, plan: _PairPlan | None) -> None:
+        if plan is None or plan.index < 0:
+            return
+        for c in range(plan.chunks):
+            fut = self._futures.pop((plan.index, c), None)
+            if fut is not None and hasattr(fut, "cancel"):
+                fut.cancel()
+
+    def check_replicas(self, tset: Any, progress: Callable[[str, int, int], None] | None = None) -> list[Any]:
+        """A trace set's replica comparisons on the workers."""
+        tasks = tset.replica_tasks()
+        futs = [self.submit_replica(t) for t in tasks]
+        partials = []
+        for i, f in enumerate(futs):
+            if progress is not None:
+                progress("checking replicas", i, len(futs))
+            partials.append(f.result())
+        return list(tset.replica_mismatches(partials))
+
+
+def _checksum(idx: np.ndarray) -> int:
+    if not len(idx):
+        return 0
+    return int(idx[0]) * 1_000_003 + int(idx[-1]) * 7919 + int(idx.sum() % (1 << 61))
+
+
+def _worst_limit() -> int:
+    from .numerics import WORST_TOKENS
+
+    return int(WORST_TOKENS)
+
+
+def _main_host(sa: list[Segment], sb: list[Segment], n: int) -> str | None:
+    """The host holding most of a task's rows (A's on a tie); None where hosts are not recorded."""
+    count: dict[str, int] = {}
+    for seg in list(sa) + list(sb):
+        if seg.host:
+            count[seg.host] = count.get(seg.host, 0) + len(seg.rows)
+    if not count:
+        return None
+    return max(count, key=lambda h: count[h])
+
+
+@dataclass
+class SerialBackend:
+    """No workers: the diff's own loop (here so that every backend has the same surface)."""
+
+    name: str = "serial"
+    workers: int = 1
+    placements: list[Placement] = field(default_factory=list)
+
+
+def make_backend(name: str, workers: int | None = None, *, ray_address: str | None = None,
+                 compared_bytes: int | None = None) -> PoolBackend | None:
+    """The backend ``--backend NAME`` asks for; None means serial (the diff's own loop)."""
+    if name not in BACKENDS:
+        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if workers is not None and workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {workers}")
+    if name == "serial":
+        return None
+    if name == "auto":
+        cores = os.cpu_count() or 1
+        n = workers or cores
+        if n < 2 or (compared_bytes is not None and compared_bytes < AUTO_MIN_BYTES):
+            return None
+        return PoolBackend(n)
+    if name == "pool":
+        return PoolBackend(workers)
+    from .ray_backend import RayBackend  # imports ray only now
+
+    return RayBackend(workers, address=ray_address)
+
+
+def compared_bytes(paths: Sequence[str]) -> int:
+    """What ``auto`` sizes the work by: the bytes of the input files (sets: every member)."""
+    from .traceset import trace_paths
+
+    total = 0
+    for p in paths:
+        for f in trace_paths(p):
+            try:
+                total += os.path.getsize(f)
+            except OSError:
+                pass
+    return total
+
+
+__all__ = ["AUTO_MIN_BYTES", "BACKENDS", "BlockResult", "NumericPartial", "NumericTask", "Placement", "PoolBackend",
+           "Segment", "SerialBackend", "compared_bytes", "locate", "make_backend", "merge_partials", "open_member",
+           "run_numeric_task"]

@@ -1,0 +1,166 @@
+"""The parallel numeric pass gives exactly the serial diff: the full JSON, both argument orders,
+on a pair with real divergences (drift, a wrong slot, NaN rows) and on an agreeing pair, for
+single files and trace sets, with tasks of one block and of several."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from setgen import make_recording, write, write_ranks
+from tensordiff.cli import jsonable, main
+from tensordiff.diff import DiffOptions, Differ, diff_traces
+from tensordiff.errors import UsageError
+from tensordiff.parallel import PoolBackend, make_backend
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("par")
+    train = make_recording("train")
+    bad = make_recording("serve", noise=1e-6, seed=1, drift=True, wrong_slot=True)
+    ok = make_recording("serve", noise=1e-6, seed=2)
+    out = {"train": write(str(d / "train.h5"), train),
+           "bad": write(str(d / "bad.h5"), bad, tweak={("layer1", "s6", 2): np.float32(np.nan),
+                                                          ("final_norm", "s1", 0): np.float32(np.inf)}),
+           "ok": write(str(d / "ok.h5"), ok)}
+    write_ranks(str(d / "bad_set"), bad, dp=2, pp=2)
+    out["bad_set"] = str(d / "bad_set")
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with PoolBackend(2, task_bytes=1) as b:   # every task one block: the most merging
+        yield b
+
+
+def as_json(res) -> str:
+    return json.dumps(jsonable(res.to_dict()), sort_keys=False)
+
+
+def run(a, b, backend=None, block_rows=16, summary=None):
+    return as_json(diff_traces(a, b, DiffOptions(block_rows=block_rows, numeric=backend, summary_path=summary)))
+
+
+@pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "ok"), ("ok", "train"),
+                                  ("train", "bad_set"), ("bad_set", "train")])
+@pytest.mark.parametrize("block_rows", [16, 4096])
+def test_pool_equals_serial(traces, pool, pair, block_rows):
+    a, b = traces[pair[0]], traces[pair[1]]
+    serial = run(a, b, None, block_rows)
+    assert run(a, b, pool, block_rows) == serial
+    d = json.loads(serial)
+    if "ok" in pair:
+        assert d["verdict"] == "agree"
+    else:
+        kinds = {f["kind"] for f in d["findings"] if f["severity"] == "divergence"}
+        assert {"numeric", "slot_identity"} <= kinds
+        if "bad" in pair:
+            assert "nonfinite" in kinds
+
+
+def test_pool_with_several_blocks_a_task(traces):
+    with PoolBackend(2, task_bytes=5 * 16 * 64) as b:  # ~2-3 blocks of 16 rows a task
+        assert run(traces["train"], traces["bad"], b) == run(traces["train"], traces["bad"])
+        assert b.stats["tasks"] > 0 and len(b.stats["pids"]) >= 1
+
+
+def test_pool_summary_file_equals_serial(traces, pool, tmp_path):
+    """The per-token metrics a sink writes arrive from the workers in block order."""
+    s1, s2 = str(tmp_path / "s1.h5"), str(tmp_path / "s2.h5")
+    assert run(traces["train"], traces["bad"], None, summary=s1).replace(s1, "S") == \
+        run(traces["train"], traces["bad"], pool, summary=s2).replace(s2, "S")
+    with h5py.File(s1, "r") as f1, h5py.File(s2, "r") as f2:
+        names = []
+        f1.visit(names.append)
+        assert names
+        for n in names:
+            if isinstance(f1[n], h5py.Dataset):
+                assert np.array_equal(f1[n][()], f2[n][()], equal_nan=f1[n].dtype.kind == "f"), n
+
+
+def test_replicas_checked_on_the_pool(tmp_path, pool):
+    d = str(tmp_path / "s")
+    rec = make_recording("serve", noise=1e-6, seed=2)
+    write_ranks(d, rec, dp=2, tp=2, tweak={".dp0.tp1": {("layer4", "s2", 7): np.float32(0.25)}})
+    from tensordiff.traceset import TraceSet
+
+    with TraceSet(d) as s:
+        serial = s.check_replicas()
+        assert [(m.tensor, m.seq, m.position) for m in serial] == [("layer4", "s2", 7)]
+        assert pool.check_replicas(s) == serial
+
+
+def test_backend_choice():
+    assert make_backend("serial") is None
+    assert make_backend("auto", compared_bytes=1000) is None          # too small to pay for a pool
+    b = make_backend("pool", 3)
+    assert isinstance(b, PoolBackend) and b.workers == 3
+    b.close()
+    with pytest.raises(UsageError, match="--backend must be one of"):
+        make_backend("dask")
+    with pytest.raises(UsageError, match="--workers must be at least 1"):
+        make_backend("pool", 0)
+
+
+def test_cli_backends_agree(traces, capsys):
+    outs = {}
+    for backend in ("serial", "pool"):
+        code = main(["diff", traces["train"], traces["bad_set"], "--json", "--backend", backend, "--workers", "2"])
+        outs[backend] = (code, capsys.readouterr().out)
+    assert outs["serial"] == outs["pool"] and outs["serial"][0] == 1
+    assert main(["diff", traces["train"], traces["ok"], "--backend", "nope"]) == 2
+    assert "--backend" in capsys.readouterr().err
+
+
+def test_info_and_diff_do_not_import_ray(traces, tmp_path):
+    code = ("import sys\n"
+            "from tensordiff.cli import main\n"
+            f"assert main(['info', {traces['bad_set']!r}]) == 0\n"
+            f"assert main(['diff', {traces['train']!r}, {traces['bad_set']!r}, '-q']) == 1\n"
+            f"assert main(['diff', {traces['train']!r}, {traces['ok']!r}, '-q', '--backend', 'pool']) == 0\n"
+            "print('RAY' if any(m.split('.')[0] == 'ray' for m in sys.modules) else 'NORAY')")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip().endswith("NORAY"), out
+
+
+def test_differ_reuses_backend_for_two_diffs(traces, pool):
+    """One backend, two diffs in a row (the TUI re-runs): plans do not leak between them."""
+    for pair in (("train", "bad"), ("train", "ok")):
+        with Differ(traces[pair[0]], traces[pair[1]], DiffOptions(block_rows=16, numeric=pool)) as d:
+            got = as_json(d.run())
+        assert got == run(traces[pair[0]], traces[pair[1]])
+
+
+def test_merge_adds_cosines_block_by_block():
+    """float64 addition is not associative: the merge must add each block's cosine sum in block
+    order (as the serial loop does), not each task's total."""
+    from tensordiff.numerics import PairAccumulator
+    from tensordiff.parallel import BlockResult, NumericPartial, merge_partials
+    from tensordiff.tolerances import Tolerance
+
+    sums = [1e16, 1.0, 1.0, -1e16]          # serial: ((1e16 + 1) + 1) - 1e16 = 0 ; per task: 2
+    tol = [Tolerance(0.9, 0.1)]
+
+    def partial(chunk, blocks):
+        acc = PairAccumulator(tol, np.zeros(0, np.uint8))
+        acc.cos_sum = np.array([sum(blocks)])
+        e = np.zeros(0, np.int64)
+        return NumericPartial(0, chunk, acc, [BlockResult(1, np.array([x]), e, np.zeros((0, 1)), np.zeros((0, 1)))
+                                              for x in blocks])
+
+    serial = np.zeros(1)
+    for x in sums:
+        serial += np.array([x])
+    seen = []
+    got = merge_partials(PairAccumulator(tol, np.zeros(0, np.uint8)),
+                         [partial(0, sums[:2]), partial(1, sums[2:])], seen.append)
+    assert got.cos_sum[0] == serial[0] == 0.0 and len(seen) == 4
