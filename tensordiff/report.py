@@ -3,8 +3,10 @@ first-divergence sentence, so ``tensordiff diff A B | head -1`` is a useful CI l
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from importlib import resources
 
 from rich.console import Console
 from rich.table import Table
@@ -12,6 +14,11 @@ from rich.text import Text
 
 from .findings import DiffResult, Severity
 from .fmt import SEVERITY_GLYPH, number
+
+
+def diff_schema() -> dict:
+    """The JSON Schema of ``tensordiff diff --json`` (shipped as package data; docs/json.md)."""
+    return json.loads((resources.files("tensordiff") / "schemas" / "diff.schema.json").read_text(encoding="utf-8"))
 
 
 def make_console(file=None) -> Console:
