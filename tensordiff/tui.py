@@ -8,7 +8,7 @@ detail pane for the selected cell with the aligner's sentence, identity candidat
 metrics, both token keys and small text plots of the two vectors.
 
 The TUI never judges a tensor itself: every verdict it shows comes from
-:class:`tensordiff.align.Differ`. The heatmap reads the diff's per-token summary, written to a
+:class:`tensordiff.diff.Differ`. The heatmap reads the diff's per-token summary, written to a
 temporary file that the app deletes on exit, in blocks.
 
 Where things live: this module is the app (layout, the diff thread, whose progress and end reach
@@ -44,7 +44,8 @@ from textual.widgets import Footer, Input, OptionList, ProgressBar, Static, Tree
 from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
-from .align import Differ, DiffOptions, DiffResult
+from .diff import Differ, DiffOptions
+from .findings import DiffResult
 from .errors import TraceError
 from .summary import SummaryReader
 from .tui_data import (

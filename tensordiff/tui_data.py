@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .align import DiffResult, Finding, SlotRow
+from .findings import DiffResult, Finding, SlotRow
 from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from rich.text import Text
 
-from .align import DiffResult, Finding
+from .findings import DiffResult, Finding
 from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
 from .tui_data import BARS, N_LEVELS, Column, column_findings, slot_row
 from .vocab import REGIMES
