@@ -42,6 +42,7 @@ from .findings import (
     PairingDetails,
     PairStats,
     RecoveredDetails,
+    ReplicaDetails,
     Severity,
     ShiftDetails,
     SlotRow,
@@ -51,6 +52,7 @@ from .identity import IdentityVerdict
 from .numerics import BlockMetrics, PairAccumulator, WorstTokens
 from .tolerances import ToleranceBook
 from .trace import TensorInfo, TraceReader
+from .traceset import open_trace
 from .vocab import REGIMES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -93,14 +95,15 @@ class DiffOptions:
     summary_path: str | None = None       # shorthand for a summary_sink in ``sinks``
     progress: Callable[[str, int, int], None] | None = None   # (stage, done, total); may raise to cancel
     sinks: list[SinkFactory] = field(default_factory=list)
+    numeric: Any = None   # a backend of tensordiff.parallel running the numeric pass; None: this process
 
 
 class Differ:
     def __init__(self, path_a: str, path_b: str, options: DiffOptions | None = None):
         self.opt = options or DiffOptions()
-        self.ra = TraceReader(path_a)
+        self.ra = open_trace(path_a)  # a file, or a trace set (directory or glob)
         try:
-            self.rb = TraceReader(path_b)
+            self.rb = open_trace(path_b)
         except TensordiffError:
             self.ra.close()
             raise
@@ -164,8 +167,11 @@ class Differ:
                                           "packed inputs)")
         self.search = IdentitySearch(ra, rb, self.maps, self._progress)
         findings += self._token_findings(al)
+        findings += self._replica_findings()
         factories = list(self.opt.sinks) + ([summary_sink(self.opt.summary_path)] if self.opt.summary_path else [])
         sinks = [make(al, ra, rb) for make in factories]
+        if self.opt.numeric is not None:
+            self.opt.numeric.start(self, pairs, bool(sinks))
         slot_table: list[SlotRow] = []
         stats: list[PairStats] = []
         self._done = 0
@@ -208,6 +214,21 @@ class Differ:
             if note:
                 out.append(Finding(Kind.RECOVERED, Severity.INFO, order=-3.0,
                                    details=RecoveredDetails(side=r.side, path=r.path, note=note)))
+        return out
+
+    def _replica_findings(self) -> list[Finding]:
+        """Rows a trace set holds twice (TP copies, a PP overlap) that differ: never hidden."""
+        out = []
+        for r in (self.ra, self.rb):
+            if not hasattr(r, "check_replicas"):
+                continue
+            be = self.opt.numeric
+            found = be.check_replicas(r, self._progress) if be is not None else r.check_replicas(self._progress)
+            out += [Finding(Kind.REPLICA, Severity.DIVERGENCE, tensor=m.tensor, order=m.order, seq=m.seq,
+                            position=m.position, token=m.token, regime=m.regime, details=ReplicaDetails(
+                                side=r.side, axis=m.axis, primary=m.primary, replica=m.replica, part=m.part,
+                                rows=m.rows, differing=m.differing, max_abs=m.max_abs, cos_min=m.cos_min))
+                    for m in found]
         return out
 
     # -- one tensor pair -----------------------------------------------------------------------
@@ -272,6 +293,8 @@ class Differ:
     def _stream(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: Codes, ma: Codes, mb: Codes,
                 sinks: list[DiffSink], worst: WorstTokens) -> PairAccumulator:
         """Numerics over the aligned tokens in blocks; reads run one block ahead in a thread."""
+        if self.opt.numeric is not None:
+            return self.opt.numeric.stream(self, ia, ib, basis, k, idx, ma, mb, sinks, worst)  # type: ignore[no-any-return]
         sw = ia.slot_width if basis == "values" else self.ra.sketch_dim
         bm = BlockMetrics(k, sw)
         tols = [self.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None) for s in range(k)]

@@ -32,7 +32,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -88,9 +88,14 @@ def trace_paths(spec: str) -> list[str]:
     return set_paths(spec) if is_set_spec(spec) else [os.fspath(spec)]
 
 
-def open_trace(spec: str) -> TraceReader | TraceSet:
-    """A :class:`TraceReader` for a file, a :class:`TraceSet` for a directory or a glob."""
-    return TraceSet(spec) if is_set_spec(spec) else TraceReader(spec)
+def open_trace(spec: str) -> TraceReader:
+    """A :class:`TraceReader` for a file, a :class:`TraceSet` for a directory or a glob.
+
+    Typed as a reader: a set has the interface the aligner and the diff use of one (duck-typed;
+    a Protocol naming that interface would let both be typed exactly)."""
+    if is_set_spec(spec):
+        return cast(TraceReader, TraceSet(spec))
+    return TraceReader(spec)
 
 
 def parse_ranks(path: str) -> tuple[str, dict[str, int]]:
@@ -586,6 +591,7 @@ class TraceSet:
             dsets = [m.reader._ds[name].get(part) for m in holders]
             if all(d is not None for d in dsets):
                 d0 = dsets[0]
+                assert d0 is not None
                 parts[part] = _PartShape((start,) + tuple(d0.shape[1:]), d0.dtype, getattr(d0, "chunks", None))
         parts["rows"] = _PartShape((start,), np.dtype(np.int64))
         return _VirtualTensor(info, segments, replicated, parts)
