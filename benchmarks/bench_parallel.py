@@ -141,6 +141,8 @@ def main() -> int:
 
             from tensordiff.ray_backend import RayBackend
 
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local instance only: no token file
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             la = load()
             t0 = time.perf_counter()
             # one node holding both shards' hosts: every task asks for (soft) affinity to it

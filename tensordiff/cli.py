@@ -140,7 +140,7 @@ def cmd_calibrate(args) -> int:
     with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
         res = d.run()
         dtypes = {p.name_a: coarser(d.ra.tensors[p.name_a].dtype, d.rb.tensors[p.name_b].dtype) for p in res.pairs}
-    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing")]
+    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing", "replica")]
     if ids:
         raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
     tols = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,11 +61,29 @@ def _stop(p: subprocess.Popen) -> None:
         pass
 
 
+def _wait_started(p: subprocess.Popen, log: str, timeout: float) -> None:
+    """Until ``ray start --block`` says its runtime started (the machine may be loaded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = open(log, errors="replace").read() if os.path.exists(log) else ""
+        if "Ray runtime started" in text:
+            return
+        if p.poll() is not None:
+            raise RuntimeError(f"ray start exited ({p.returncode}): {text[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"ray start did not finish in {timeout:.0f} s: {text[-2000:]}")
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     tmp = tempfile.mkdtemp(prefix="/tmp/tdray")  # short: Ray's socket paths must fit 107 bytes
     port = _free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # loopback only: no token authentication (a token file another Ray session left in ~/.ray would
+    # otherwise switch the head to token mode and lock the second node out)
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--object-store-memory", str(80 << 20),
               "--disable-usage-stats"]
     procs = []
@@ -73,36 +92,28 @@ def cluster():
                                  "--resources", json.dumps({f"host:{HOSTS[0]}": 1}), *common], env,
                                 os.path.join(tmp, "head.log")))
         address = f"127.0.0.1:{port}"
+        _wait_started(procs[0], os.path.join(tmp, "head.log"), 240)
+        procs.append(_ray_start(["--address", address, "--resources", json.dumps({f"host:{HOSTS[1]}": 1}), *common],
+                                env, os.path.join(tmp, "node.log")))
+        _wait_started(procs[1], os.path.join(tmp, "node.log"), 240)
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
         deadline = time.monotonic() + 120
-        joined = False
-        while time.monotonic() < deadline:
-            if procs[0].poll() is not None:
-                raise RuntimeError("ray head exited: " + open(os.path.join(tmp, "head.log")).read()[-2000:])
-            if not joined:
-                probe = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "status",
-                                        "--address", address], env=env, capture_output=True, text=True, timeout=60)
-                if probe.returncode == 0:
-                    procs.append(_ray_start(["--address", address, "--resources",
-                                             json.dumps({f"host:{HOSTS[1]}": 1}), *common], env,
-                                            os.path.join(tmp, "node.log")))
-                    joined = True
-            else:
-                if procs[1].poll() is not None:
-                    raise RuntimeError("ray node exited: " + open(os.path.join(tmp, "node.log")).read()[-2000:])
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
-                alive = [n for n in ray.nodes() if n["Alive"]]
-                if len(alive) == 2:
-                    break
-                ray.shutdown()
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the second Ray node did not join in 120 s")
             time.sleep(1)
-        else:
-            raise RuntimeError("the local Ray cluster did not come up in 120 s")
         yield address
     finally:
         if ray.is_initialized():
             ray.shutdown()
         for p in reversed(procs):
             _stop(p)
+        shutil.rmtree(tmp, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
