@@ -391,13 +391,37 @@ class PoolBackend:
         per = br * max(1, self.task_bytes // max(1, br * row_bytes))
         sw = ia.slot_width if plan.basis == "values" else ra.sketch_dim
         limit = limit or _worst_limit()
-        for c, s0 in enumerate(range(0, len(idx), per)):
-            blk = idx[s0:s0 + per]
+        for c, (s0, s1) in enumerate(self._ranges(ra, rb, ia, ib, idx, ma, mb, br, per // br)):
+            blk = idx[s0:s1]
             sa, sb = locate(ra, ia.name, ma[blk]), locate(rb, ib.name, mb[blk])
             plan.chunks = c + 1
             yield NumericTask(plan.index, c, ia.name, ib.name, ia.dtype, ib.dtype, part, plan.slots, sw, sa, sb, blk,
                               np.ascontiguousarray(differ.al.regime_b[blk]), plan.tolerances, br, want_metrics, limit,
                               nbytes=len(blk) * row_bytes, host=_main_host(sa, sb, len(blk)))
+
+    @staticmethod
+    def _ranges(ra: Any, rb: Any, ia: TensorInfo, ib: TensorInfo, idx: np.ndarray, ma: np.ndarray, mb: np.ndarray,
+                br: int, cap: int) -> Iterator[tuple[int, int]]:
+        """Task ranges of whole blocks, at most ``cap`` blocks each; where shards record their
+        hosts, a range also ends where the host holding most of a block changes (a task reads
+        one node's files where it can)."""
+        n = len(idx)
+        hosted = any(getattr(m, "host", None) for r in (ra, rb) for m in getattr(r, "members", ()))
+        if not hosted:
+            step = br * cap
+            yield from ((s0, min(n, s0 + step)) for s0 in range(0, n, step))
+            return
+        start, count, host = 0, 0, None
+        for s0 in range(0, n, br):
+            blk = idx[s0:s0 + br]
+            h = _main_host(locate(ra, ia.name, ma[blk]), locate(rb, ib.name, mb[blk]), len(blk))
+            if count and (count >= cap or h != host):
+                yield start, s0
+                start, count = s0, 0
+            host = h
+            count += 1
+        if count:
+            yield start, n
 
     def _submit_next(self) -> bool:
         if self._gen is None:

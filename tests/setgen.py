@@ -55,7 +55,8 @@ def make_recording(side: str, *, noise: float = 0.0, seed: int = 0, drift: bool 
             st[name] = x
         if drift and k == "s5":
             st["layer3"] = st["layer3"].copy()
-            st["layer3"][4:] += 0.5 * base.standard_normal((LENGTH - 4, H)).astype(np.float32)
+            # its own generator: the recording's other sequences stay those of the reference
+            st["layer3"][4:] += 0.5 * np.random.default_rng(99).standard_normal((LENGTH - 4, H)).astype(np.float32)
         states[k] = st
         held[k] = ("layer1", "layer4") if wrong_slot else ("layer1", "layer3")
     return Recording(side, keys, tokens, states, aux_held=held)

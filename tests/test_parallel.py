@@ -164,3 +164,39 @@ def test_merge_adds_cosines_block_by_block():
     got = merge_partials(PairAccumulator(tol, np.zeros(0, np.uint8)),
                          [partial(0, sums[:2]), partial(1, sums[2:])], seen.append)
     assert got.cos_sum[0] == serial[0] == 0.0 and len(seen) == 4
+
+
+def test_tasks_follow_the_shards_hosts(tmp_path):
+    """Task ranges end where the host holding a block changes, and each task names its host."""
+    rec = make_recording("serve", noise=1e-6, seed=1, drift=True)
+    sd = str(tmp_path / "set")
+    os.makedirs(sd)
+    for k, keys in enumerate((rec.keys[:3], rec.keys[3:])):          # 30 and 50 tokens
+        write(os.path.join(sd, f"serve.dp{k}.h5"), rec, keys=keys, meta={"ranks": {"dp_rank": k, "dp_size": 2},
+                                                                         "host": f"h{k}"})
+    a = write(str(tmp_path / "train.h5"), make_recording("train"))
+
+    class Spy(PoolBackend):
+        def __init__(self):
+            super().__init__(1, task_bytes=1 << 30)   # no byte cap: only hosts cut the ranges
+            self.tasks = []
+
+        def submit(self, task):
+            self.tasks.append(task)
+            return super().submit(task)
+
+    with Spy() as spy:
+        assert run(a, sd, spy, block_rows=10) == run(a, sd, None, block_rows=10)
+    layer = [t for t in spy.tasks if t.name_b == "layer1"]
+    assert [(len(t.blk), t.host) for t in layer] == [(30, "h0"), (50, "h1")]
+    assert all(len({s.host for s in t.b}) == 1 for t in layer)
+
+
+def test_python_dash_m_with_a_pool(traces):
+    """`python -m tensordiff` with worker processes (they import the main module again)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    outs = [subprocess.run([sys.executable, "-m", "tensordiff", "diff", traces["train"], traces["bad"], "--json",
+                            "--backend", backend, "--workers", "2"], capture_output=True, text=True, env=env, timeout=300)
+            for backend in ("serial", "pool")]
+    assert outs[0].returncode == outs[1].returncode == 1, outs[1].stderr
+    assert outs[0].stdout == outs[1].stdout and outs[1].stderr == ""
