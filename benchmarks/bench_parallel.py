@@ -19,8 +19,8 @@ Each figure is printed with the 1-minute load average when it was taken (the mac
 figures from a loaded machine), and every configuration's JSON result is checked identical to the
 serial one (a benchmark that got a different answer is not a measurement).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_parallel.py [--layers 16] [--tokens 4096]
-        [--hidden 2048] [--seed 0] [--dir /tmp] [--no-ray] [--keep]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_parallel.py [--layers 16] [--tokens 8192]
+        [--hidden 1024] [--seed 0] [--dir /tmp] [--no-ray] [--keep]
 
 Exit status 0 when every configuration agreed with serial, 1 otherwise.
 """
@@ -106,8 +106,8 @@ def timed(fn):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--no-ray", action="store_true")
