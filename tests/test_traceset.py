@@ -262,3 +262,23 @@ def test_bad_sets_are_refused(tmp_path, recs, kind):
 def test_glob_without_matches(tmp_path):
     with pytest.raises(UsageError, match="no file matches"):
         TraceSet(str(tmp_path / "nothing*.h5"))
+
+
+def test_tui_vectors_read_from_a_set(tmp_path, recs, ref):
+    """The TUI's vector pane reads a row of a set like a row of the one file."""
+    from tensordiff.tui_data import VectorSource
+
+    d = str(tmp_path / "s")
+    write_ranks(d, recs["serve"], dp=2, pp=2)
+    one, many = VectorSource(ref["train"], ref["serve"]), VectorSource(ref["train"], d)
+    try:
+        r1, r2 = one.reader(1), many.reader(1)
+        assert r1.sequences == r2.sequences and set(r1.tensors) == set(r2.tensors)
+        seq = r1.sequences.index("s5")
+        row1 = VectorSource.row_of(r1, "layer3", seq, 7, int(recs["serve"].tokens["s5"][7]))
+        row2 = VectorSource.row_of(r2, "layer3", r2.sequences.index("s5"), 7, int(recs["serve"].tokens["s5"][7]))
+        assert row1 is not None and row2 is not None
+        assert np.array_equal(r1.read_values_at("layer3", np.array([row1])), r2.read_values_at("layer3", np.array([row2])))
+    finally:
+        one.close()
+        many.close()
