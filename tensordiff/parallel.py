@@ -354,6 +354,10 @@ class PoolBackend:
 
     def start(self, differ: Any, pairs: Sequence[tuple[TensorInfo, TensorInfo]], want_metrics: bool) -> None:
         """Plan every pair's tasks (lazily, a window ahead of the diff's loop)."""
+        for fut in self._futures.values():  # a diff that stopped early (cancelled) left these
+            cancel = getattr(fut, "cancel", None)
+            if cancel is not None:
+                cancel()
         self._reset()
         self._want_metrics = want_metrics
         self._gen = self._tasks(differ, list(pairs), want_metrics)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tensordiff.recorders.sglang_plugin import rank_path
+from tensordiff.recorders.sglang import rank_path
 from tensordiff.trace import SlotSpec, TraceWriter
 
 H = 16

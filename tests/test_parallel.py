@@ -200,3 +200,17 @@ def test_python_dash_m_with_a_pool(traces):
             for backend in ("serial", "pool")]
     assert outs[0].returncode == outs[1].returncode == 1, outs[1].stderr
     assert outs[0].stdout == outs[1].stdout and outs[1].stderr == ""
+
+
+def test_a_cancelled_diff_leaves_the_backend_usable(traces, pool):
+    """The TUI stops a diff by raising from the progress callback; the next diff is still exact."""
+    class Stop(Exception):
+        pass
+
+    def stop(stage, done, total):
+        if stage == "comparing tensors" and done:
+            raise Stop
+
+    with pytest.raises(Stop):
+        diff_traces(traces["train"], traces["bad"], DiffOptions(block_rows=16, numeric=pool, progress=stop))
+    assert run(traces["train"], traces["bad"], pool) == run(traces["train"], traces["bad"])
