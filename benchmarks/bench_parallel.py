@@ -146,7 +146,7 @@ def main() -> int:
             la = load()
             t0 = time.perf_counter()
             # one node holding both shards' hosts: every task asks for (soft) affinity to it
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=os.path.join(d, "ray"),
                      resources={"host:bench-host-0": 1, "host:bench-host-1": 1})
             init_s = time.perf_counter() - t0
             ray_backend = RayBackend()
