@@ -38,15 +38,17 @@ from rich.text import Text
 from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Input, OptionList, ProgressBar, Static, Tree
 from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
+from . import token_text
 from .align import Differ, DiffOptions, DiffResult
 from .errors import TraceError
 from .summary import SummaryReader
+from .token_text import TokenText
 from .tui_data import (
     GOTO_FORMS,
     METRICS,
@@ -102,6 +104,7 @@ class TensordiffApp(App[int]):
     """The tensordiff TUI. ``diff_fn`` (tests, benchmarks) replaces the diff that runs in the worker."""
 
     TITLE = "tensordiff"
+    ENABLE_COMMAND_PALETTE = False   # not a tensordiff key; its footer entry would hide ours at 80 columns
     CSS = """
     Screen { layout: vertical; }
     #titlebar { height: 1; background: $primary-background; color: $text; padding: 0 1; }
@@ -111,31 +114,43 @@ class TensordiffApp(App[int]):
     #progress-label { width: 1fr; padding: 0 1; }
     #body { height: 1fr; }
     #left { width: 44; }
+    Screen.-narrow #left { width: 28; }
+    #left.collapsed { display: none; }
     #findings { height: 45%; border: round $primary; text-wrap: nowrap; text-overflow: ellipsis; }
     #tree { height: 1fr; border: round $primary; }
     #right { width: 1fr; }
     #filter { display: none; height: 3; }
     #heatmap { height: 1fr; border: round $primary; }
-    #detail { height: 11; border: round $primary; padding: 0 1; text-wrap: nowrap; text-overflow: ellipsis; }
+    #detail { height: 11; border: round $primary; padding: 0 1; scrollbar-size-vertical: 1; }
+    Screen.-short #detail { height: 8; }
+    #detail-text { width: 1fr; }
     .done #progress-row { display: none; }
     """
 
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (110, "-wide")]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
+
     BINDINGS: ClassVar[list] = [
+        # in the footer in this order, short enough that all fit in 80 columns
         Binding("n", "next_finding", "next"),
         Binding("p", "prev_finding", "prev"),
-        Binding("f", "first_divergence", "first div."),
-        Binding("g", "goto", "go to token"),
+        Binding("f", "first_divergence", "first"),
+        Binding("g", "goto", "go to"),
         Binding("slash", "filter", "filter"),
         Binding("m", "toggle_metric", "metric"),
+        Binding("left_square_bracket", "toggle_left", "panes"),
         Binding("question_mark", "help", "help"),
-        Binding("s", "screenshot", "screenshot"),
+        Binding("s", "screenshot", "shot"),
         Binding("q", "quit", "quit"),
+        Binding("less_than_sign", "resize_left(-4)", "narrower", show=False),
+        Binding("greater_than_sign", "resize_left(4)", "wider", show=False),
         Binding("escape", "close_filter", "close filter", show=False),
     ]
 
     def __init__(self, path_a: str, path_b: str, options: DiffOptions | None = None, *,
                  diff_fn: DiffFn | None = None, screenshot_dir: str | None = None,
-                 block_rows: int = 256, max_blocks: int = 24):
+                 block_rows: int = 256, max_blocks: int = 24, token_text: TokenText | None = None,
+                 find_tokenizer: bool = True):
         super().__init__()
         self.path_a, self.path_b = os.fspath(path_a), os.fspath(path_b)
         self.options = options or DiffOptions()
@@ -166,6 +181,10 @@ class TensordiffApp(App[int]):
         self._summary_dir: str | None = None
         self.detail_text = Text("")
         self.last_screenshot: str | None = None
+        # token text: the tokenizer given (--tokenizer), else the model directory a trace records
+        # (looked for once, in the detail worker: loading a tokenizer may take seconds)
+        self.token_text = token_text
+        self._find_tokenizer = find_tokenizer and token_text is None
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -182,8 +201,9 @@ class TensordiffApp(App[int]):
             with Vertical(id="right"):
                 yield Input(placeholder="filter tensors: substrings, comma-separated (empty: all)", id="filter")
                 yield Heatmap(id="heatmap", block_rows=self._block_rows, max_blocks=self._max_blocks)
-                yield Static("", id="detail")
-        yield Footer()
+                with VerticalScroll(id="detail"):
+                    yield Static("", id="detail-text")
+        yield Footer(compact=True)
 
     def _title_text(self) -> Text:
         a, b = os.path.basename(self.path_a), os.path.basename(self.path_b)
@@ -205,7 +225,8 @@ class TensordiffApp(App[int]):
         # widgets of the main screen, kept so that a modal screen on top never hides them
         q = self.query_one
         self._w_findings, self._w_tree = q("#findings", OptionList), q("#tree", TensorTree)
-        self._w_detail, self._w_headline = q("#detail", Static), q("#headline", Static)
+        self._w_detail, self._w_headline = q("#detail-text", Static), q("#headline", Static)
+        self._w_left, self._w_detail_box = q("#left", Vertical), q("#detail", VerticalScroll)
         self._w_progress, self._w_progress_label = q("#progress", ProgressBar), q("#progress-label", Static)
         self._w_filter, self._w_titlebar, self._w_heatmap = q("#filter", Input), q("#titlebar", Static), q(Heatmap)
         fl = self._w_findings
@@ -214,7 +235,7 @@ class TensordiffApp(App[int]):
         tree.border_title = "tensors"
         tree.show_root = False
         self.heatmap.border_title = f"tokens x slots: {METRICS[0].title}"
-        self._w_detail.border_title = "detail"
+        self._w_detail_box.border_title = "detail"
         self.heatmap.focus()
         self.call_after_refresh(self._after_first_paint)
 
@@ -419,6 +440,9 @@ class TensordiffApp(App[int]):
 
         def load():
             sa, pa, sb, pb, token = args
+            if self._find_tokenizer:
+                self._find_tokenizer = False
+                self.token_text = self._recorded_tokenizer()
             try:
                 va, na = self._source.read(0, col.tensor_a, col.slot, sa, pa, token)
                 vb, nb = self._source.read(1, col.tensor_b, col.slot, sb, pb, token)
@@ -427,6 +451,15 @@ class TensordiffApp(App[int]):
             return key, va, vb, "; ".join(x for x in (na, nb) if x)
 
         self.run_worker(load, thread=True, group="detail", exclusive=True, exit_on_error=False)
+
+    def _recorded_tokenizer(self) -> TokenText | None:
+        dirs = []
+        for side in (0, 1):
+            try:
+                dirs.append(self._source.reader(side).model.get("path"))
+            except Exception:  # noqa: BLE001, S112 - an unreadable trace: the detail pane says so itself
+                continue
+        return token_text.resolve(None, [d for d in dirs if isinstance(d, str)])
 
     def _render_detail(self) -> None:
         if self.result is None or self.cell is None or self.summary is None:
@@ -437,9 +470,10 @@ class TensordiffApp(App[int]):
         sel = self.result.findings[self.selected_finding] if self.selected_finding is not None else None
         vectors = self.vectors if self.vectors_for == self.cell else None
         pane = self._w_detail
-        lines = detail_lines(self.result, self.summary, col, row, tok, sel, vectors, max(40, pane.size.width - 2))
+        tstr = self.token_text(int(tok["token"])) if self.token_text is not None else ""
+        lines = detail_lines(self.result, self.summary, col, row, tok, sel, vectors, max(40, pane.size.width), tstr)
         self.detail_text = Text("\n").join(lines)
-        pane.update(self.detail_text, layout=False)
+        pane.update(self.detail_text)
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -527,6 +561,21 @@ class TensordiffApp(App[int]):
     def action_toggle_metric(self) -> None:
         self._defer("toggle metric", self._toggle_metric)
 
+    def action_toggle_left(self) -> None:
+        """Hide or show the findings and tensors (more room for the heatmap on a small terminal)."""
+        left = self._w_left
+        left.toggle_class("collapsed")
+        if left.has_class("collapsed") and self.focused is not None and left in self.focused.ancestors:
+            self.heatmap.focus()
+
+    def action_resize_left(self, step: int) -> None:
+        """Make the left pane narrower or wider (it keeps at least 16 columns, the right pane 30)."""
+        left = self._w_left
+        if left.has_class("collapsed"):
+            left.remove_class("collapsed")
+        width = left.outer_size.width or 44
+        left.styles.width = max(16, min(width + step, self.size.width - 30))
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
@@ -562,10 +611,11 @@ class TensordiffApp(App[int]):
             shutil.rmtree(self._summary_dir, ignore_errors=True)
 
 
-def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None) -> int:
+def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None, *,
+            token_text: TokenText | None = None) -> int:
     """Run the TUI; returns the exit code (1 divergence, 0 agree, 130 quit before the diff ended).
     A diff that fails on bad input re-raises its TraceError after the screen is restored."""
-    app = TensordiffApp(path_a, path_b, options)
+    app = TensordiffApp(path_a, path_b, options, token_text=token_text)
     try:
         code = app.run()
     finally:

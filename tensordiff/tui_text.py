@@ -58,10 +58,12 @@ def finding_prompt(f: Finding) -> Text:
 
 
 def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int, tok,
-                 selected: Finding | None, vectors: tuple | None, width: int) -> list[Text]:
+                 selected: Finding | None, vectors: tuple | None, width: int, token_str: str = "") -> list[Text]:
     """What the detail pane says about one cell: the finding on its column, both token keys, the
     cell's metrics and the aligner's verdict on it, the slot's identity, the best candidates and,
-    once read (``vectors`` = (a, b, note); None while reading), the plots of the two vectors."""
+    once read (``vectors`` = (a, b, note); None while reading), the plots of the two vectors.
+    ``token_str``: the token as text, when a tokenizer is at hand. Numbers the aligner computed
+    on sketches (the pair's ``basis``) are marked ``≈``."""
     lines: list[Text] = []
     fs = column_findings(res, col)
     if selected is not None and (selected in fs or selected.tensor is None):
@@ -83,6 +85,7 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
     name_b = summary.seq_b[sb] if sb < len(summary.seq_b) else str(sb)
     lines.append(Text.assemble(
         ("cell ", "dim"), (col.label, "bold"), ("  token ", "dim"), (str(int(tok["token"])), "bold"),
+        (f" {token_str}" if token_str else "", "bold magenta"),
         ("  ", ""), (f"{res.side_a}: ", "cyan"), f"{name_a} pos {int(tok['pos_a'])} ({regime_name(tok['regime_a'])})",
         ("  ", ""), (f"{res.side_b}: ", "yellow"), f"{name_b} pos {int(tok['pos_b'])} ({regime_name(tok['regime_b'])})",
         ("  aligned #", "dim"), (str(row), "dim")))
@@ -93,8 +96,13 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
         fl = int(flags)
         verdict = ("NaN/Inf" if fl & FLAG_NONFINITE else "fails tolerance" if fl & FLAG_BAD else "within tolerance")
         vstyle = "bold magenta" if fl & FLAG_NONFINITE else "bold red" if fl & FLAG_BAD else "green"
-        lines.append(Text.assemble(("cos ", "dim"), fmt(cos), ("   rel err ", "dim"), fmt(rel, 3),
-                                   ("   max abs ", "dim"), fmt(maxabs, 3), ("   aligner: ", "dim"), (verdict, vstyle)))
+        pair = next((p for p in res.pairs if col.tensor_a in (p.name_a, p.label)), None)
+        sk = "≈" if pair is not None and pair.basis == "sketch" else ""
+        t = Text.assemble(("cos ", "dim"), sk + fmt(cos), ("   rel err ", "dim"), sk + fmt(rel, 3),
+                          ("   max abs ", "dim"), sk + fmt(maxabs, 3), ("   aligner: ", "dim"), (verdict, vstyle))
+        if sk:
+            t.append("  (≈ on sketches, not full values)", style="dim")
+        lines.append(t)
     srow = slot_row(res, col)
     if srow is not None:
         held = srow.held_b or "?"

@@ -378,6 +378,92 @@ async def test_help_screenshot_quit(fixture_app, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# a terminal of ordinary size: 80 x 24
+# ----------------------------------------------------------------------------------------------
+
+
+async def test_small_terminal_panes(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        hm, left = app.heatmap, app.query_one("#left")
+        assert left.outer_size.width == 28                    # narrower than at 120 columns (44)
+        cells = (hm.scrollable_content_region.width - GUTTER_W) // CELL_W
+        assert cells >= 5
+        # [ hides the findings and the tree: every column of the fixture fits
+        await pilot.press("left_square_bracket")
+        assert not left.display or left.outer_size.width == 0
+        await pilot.pause()
+        assert (hm.scrollable_content_region.width - GUTTER_W) // CELL_W >= len(app.columns)
+        await pilot.press("left_square_bracket")
+        await pilot.pause()
+        assert left.outer_size.width == 28
+        # < and > resize it
+        await pilot.press("less_than_sign")
+        await pilot.pause()
+        assert left.outer_size.width == 24
+        await pilot.press("greater_than_sign", "greater_than_sign")
+        await pilot.pause()
+        assert left.outer_size.width == 32
+        # the findings pane hidden while it has the focus: the heatmap gets it
+        app.query_one("#findings").focus()
+        await pilot.press("left_square_bracket")
+        assert app.focused is hm
+
+
+async def test_small_terminal_detail_wraps_and_scrolls(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        box = app.query_one("#detail")
+        first = app.result.first_divergence
+        # nothing cut: the whole sentence is on screen, wrapped by words, with no ellipsis
+        r = box.region
+        lines = [s.text[r.x + 1:r.right - 2] for s in app.screen._compositor.render_strips()[r.y + 1:r.bottom - 1]]
+        assert "…" not in "".join(lines)
+        assert " ".join(" ".join(lines).split()).find(first.message) >= 0, lines
+        assert box.max_scroll_y > 0, "the detail pane is taller than its box at 24 rows: it must scroll"
+        box.focus()
+        await pilot.press("down", "down")
+        assert box.scroll_y == 2
+        await pilot.press("end")
+        assert box.scroll_y == box.max_scroll_y
+        # the sentence of the first divergence is complete in the pane's text
+        assert first.message in app.detail_text.plain
+
+
+async def test_resize_keeps_cursor_in_view(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_ready(app, pilot)
+        hm = app.heatmap
+        app.goto("#30")
+        await pilot.pause()
+        assert hm.scroll_offset.y <= 30 < hm.scroll_offset.y + hm.page_rows
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        await pilot.pause()
+        assert hm.page_rows < 20
+        assert hm.scroll_offset.y <= 30 < hm.scroll_offset.y + hm.page_rows, (hm.scroll_offset, hm.page_rows)
+        await pilot.press("end")
+        await pilot.resize_terminal(140, 40)
+        await pilot.pause()
+        assert hm.scroll_offset.y <= hm.cursor_row < hm.scroll_offset.y + hm.page_rows
+
+
+async def test_screenshot_from_help(fixture_app, tmp_path):
+    app = fixture_app(screenshot_dir=str(tmp_path))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("s")
+        assert isinstance(app.screen, HelpScreen)            # the help stays open
+        shots = list(tmp_path.glob("*.svg"))
+        assert len(shots) == 1 and "tensordiff keys" in shots[0].read_text().replace("&#160;", " ")
+
+
+# ----------------------------------------------------------------------------------------------
 # the worker: keys while the diff runs, errors
 # ----------------------------------------------------------------------------------------------
 
@@ -661,6 +747,14 @@ def test_snapshot_verdict_metric_filtered(snap_compare, fixture_app):
         await wait_ready(pilot.app, pilot)
 
     assert snap_compare(_snap_app(fixture_app), terminal_size=(120, 36), run_before=ready)
+
+
+def test_snapshot_small_terminal(snap_compare, fixture_app):
+    """80 x 24: the left pane narrower, the detail pane wrapped (and scrollable), all keys in the footer."""
+    async def ready(pilot):
+        await wait_ready(pilot.app, pilot)
+
+    assert snap_compare(_snap_app(fixture_app), terminal_size=(80, 24), run_before=ready)
 
 
 def test_snapshot_help(snap_compare, fixture_app):
