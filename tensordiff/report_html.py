@@ -22,8 +22,8 @@ from collections.abc import Callable
 import numpy as np
 
 from . import __version__
-from .align import DiffResult, Finding
 from .errors import UsageError
+from .findings import DiffResult, Finding
 from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
 
 # ----------------------------------------------------------------------------------------------
@@ -355,7 +355,7 @@ def make_report(path_a: str, path_b: str, out: str, options=None, *, tokenizer: 
     import shutil
     import tempfile
 
-    from .align import DiffOptions, diff_traces
+    from .diff import DiffOptions, diff_traces
     from .token_text import recorded_model_dirs, resolve
 
     real = os.path.realpath(out)

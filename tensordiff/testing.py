@@ -22,8 +22,9 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
-from .align import DiffOptions, DiffResult, Finding, diff_traces
+from .diff import DiffOptions, diff_traces
 from .errors import UsageError
+from .findings import DiffResult, Finding
 from .metrics import Tolerance, ToleranceBook
 
 __all__ = ["TracesDisagree", "assert_traces_agree", "failure_message"]

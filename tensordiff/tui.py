@@ -45,8 +45,9 @@ from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
 from . import token_text
-from .align import Differ, DiffOptions, DiffResult
+from .diff import Differ, DiffOptions
 from .errors import TraceError
+from .findings import DiffResult
 from .summary import SummaryReader
 from .token_text import TokenText
 from .tui_data import (

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .align import DiffResult, Finding, SlotRow
+from .align import SideTokens, row_map
+from .findings import DiffResult, Finding, SlotRow
 from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
+from .tokens import token_code
 
 # ----------------------------------------------------------------------------------------------
 # Metrics shown by the heatmap, and the cell codes of a block
@@ -280,6 +282,7 @@ class VectorSource:
     def __init__(self, path_a: str, path_b: str):
         self.paths = (path_a, path_b)
         self._readers: list = [None, None]
+        self._sides: list = [None, None]       # the aligner's SideTokens of each trace, built once
         self._lock = threading.Lock()
 
     def reader(self, side: int):
@@ -290,20 +293,25 @@ class VectorSource:
                 self._readers[side] = TraceReader(self.paths[side])
             return self._readers[side]
 
-    @staticmethod
-    def row_of(r, name: str, seq: int, pos: int, token: int) -> int | None:
-        """The tensor row recorded for (sequence index, position) with this token id (the last one
-        wins, as in the aligner's row maps).
+    def side_tokens(self, side: int) -> SideTokens:
+        r = self.reader(side)
+        with self._lock:
+            if self._sides[side] is None:
+                self._sides[side] = SideTokens(r)
+            return self._sides[side]
 
-        This repeats, for one token, what the aligner's side tables (``align._SideTokens`` and
-        ``align._row_map``) compute for all of them; it is to be folded into the aligner's token-code
-        helpers once they have one public owner (issue 10)."""
-        tok = r.tokens
-        cand = np.flatnonzero((tok["seq"] == seq) & (tok["position"] == pos) & (tok["token"] == token))
-        if len(cand) == 0:
+    def row_of(self, side: int, name: str, seq: int, pos: int, token: int) -> int | None:
+        """The tensor row the aligner compares for (sequence index, position) when its token is
+        ``token``: the aligner's own rule (:class:`tensordiff.align.SideTokens` and
+        :func:`tensordiff.align.row_map`: the last row of the canonical token wins), applied to
+        one token code (:mod:`tensordiff.tokens`)."""
+        st = self.side_tokens(side)
+        code = int(token_code(seq, pos))
+        i = int(np.searchsorted(st.codes, code))
+        if i >= len(st.codes) or int(st.codes[i]) != code or int(st.tok[i]) != int(token):
             return None
-        trow = r.token_rows(name)
-        hits = np.flatnonzero(np.isin(trow, cand))
+        rows = row_map(self.reader(side), st, name, lambda c: np.where(c == code, 0, -1).astype(np.int64))
+        hits = np.flatnonzero(rows == 0)
         return int(hits[-1]) if len(hits) else None
 
     def read(self, side: int, name: str, slot: int, seq: int, pos: int, token: int) -> tuple[np.ndarray | None, str]:
@@ -313,7 +321,7 @@ class VectorSource:
             return None, f"{name} not in the trace"
         if not info.has_values:
             return None, f"{name} has no full values (sketch only)"
-        row = self.row_of(r, name, seq, pos, token)
+        row = self.row_of(side, name, seq, pos, token)
         if row is None:
             return None, f"{name} has no row for this token"
         w = info.slot_width
@@ -326,6 +334,7 @@ class VectorSource:
                 if r is not None:
                     r.close()
             self._readers = [None, None]
+            self._sides = [None, None]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,13 +12,12 @@ import math
 import numpy as np
 from rich.text import Text
 
-from .align import DiffResult, Finding
+from .findings import DiffResult, Finding
+from .fmt import OK_GLYPH, SEVERITY_GLYPH, number
 from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
 from .tui_data import BARS, N_LEVELS, Column, column_findings, slot_row
 from .vocab import REGIMES
 
-SEVERITY_GLYPH = {"divergence": ("✗", "bold red"), "warning": ("!", "yellow"), "info": ("·", "blue")}
-OK_GLYPH = ("✓", "green")
 SEV_RANK = {"divergence": 3, "warning": 2, "info": 1}
 GLYPH_RANK = {OK_GLYPH[0]: 0, "·": 1, "!": 2, "✗": 3}
 
@@ -139,19 +138,8 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
 
 
 def fmt(x, nd: int = 4) -> str:
-    if x is None:
-        return "-"
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x != 0 and (abs(x) >= 1e4 or abs(x) < 1e-3):
-        return f"{x:.3e}"
-    return f"{x:.{nd}f}"
+    """The project's number format (:func:`tensordiff.fmt.number`), with 3 digits in scientific form."""
+    return number(x, nd, sci=3)
 
 
 def regime_name(code) -> str:

@@ -25,7 +25,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import Input, Static, Tree
 
-from .align import DiffResult
+from .findings import DiffResult
 from .summary import SummaryReader
 from .tui_data import (
     BARS,

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from tracegen import write_trace
 
-from tensordiff.align import DiffOptions, diff_traces
+from tensordiff.diff import DiffOptions, diff_traces
 from tensordiff.report_html import (
     FAIL_HI,
     FAIL_LO,
@@ -156,7 +156,7 @@ def test_render_says_what_the_aligner_says(tmp_path):
 def test_html_escapes_labels(tmp_path):
     a, b = _pair(tmp_path, diverge=True)
     res = diff_traces(a, b)
-    res.findings[0].message = "<script>alert(1)</script> & more"
+    res.findings[0].text = "<script>alert(1)</script> & more"
     doc = render_html(res, None)
     assert "<script>" not in doc and "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in doc
 

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tensordiff.align import DiffResult, Finding
 from tensordiff.errors import TraceError
+from tensordiff.findings import DiffResult, Finding
 from tensordiff.summary import SummaryWriter
 from tensordiff.trace import SlotSpec, TraceWriter
 from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp, run_diff
@@ -97,7 +97,7 @@ def fixture_pair(tmp_path_factory) -> tuple[str, str]:
 def fixture_diff(fixture_pair, tmp_path_factory):
     """A diff_fn replaying the aligner's result on the fixture pair (computed once per session),
     so that tests of keys and panes do not each re-run the same diff."""
-    from tensordiff.align import DiffOptions
+    from tensordiff.diff import DiffOptions
 
     ref = tmp_path_factory.mktemp("fixture_ref") / "summary.h5"
     result = run_diff(*fixture_pair, DiffOptions(summary_path=str(ref)))
@@ -130,7 +130,7 @@ def pair(fixture_pair) -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def pair_result(pair, tmp_path_factory) -> DiffResult:
     """The aligner's own verdict on the pair, to check the TUI shows it (never its own)."""
-    from tensordiff.align import DiffOptions
+    from tensordiff.diff import DiffOptions
 
     out = tmp_path_factory.mktemp("ref") / "summary.h5"
     return run_diff(*pair, DiffOptions(summary_path=str(out)))
@@ -662,7 +662,7 @@ def test_progress_messages_are_throttled(fixture_pair):
 
 
 def test_goto_and_filter_without_app(fixture_diff, fixture_pair, tmp_path):
-    from tensordiff.align import DiffOptions
+    from tensordiff.diff import DiffOptions
     from tensordiff.summary import SummaryReader
     from tensordiff.tui_data import filter_columns, read_columns, resolve_goto
 
@@ -700,7 +700,10 @@ def test_vector_source_reads_the_aligned_row(fixture_pair):
         v, note = src.read(1, "draft_input", 2, seq, pos, token)
         assert note == ""
         with TraceReader(fixture_pair[1]) as ref:
-            row = VectorSource.row_of(ref, "draft_input", seq, pos, token)
+            # the row by a plain scan of the token table: the last tensor row of that token
+            cand = np.flatnonzero((ref.tokens["seq"] == seq) & (ref.tokens["position"] == pos))
+            row = int(np.flatnonzero(np.isin(ref.token_rows("draft_input"), cand))[-1])
+            assert src.row_of(1, "draft_input", seq, pos, token) == row
             want = ref.read_values_at("draft_input", np.array([row]))[0, 64:96]
         np.testing.assert_array_equal(v, want)
         assert src.read(1, "draft_input", 0, seq, pos, token + 1) == (None, "draft_input has no row for this token")
