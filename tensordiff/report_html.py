@@ -24,7 +24,12 @@ import numpy as np
 from . import __version__
 from .errors import UsageError
 from .findings import DiffResult, Finding
-from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
+from .summary import (  # the TUI's column order
+    FLAG_BAD,
+    FLAG_NONFINITE,
+    SummaryReader,
+    read_columns,
+)
 
 # ----------------------------------------------------------------------------------------------
 # PNG (8-bit RGB, no interlace), with zlib and struct only
@@ -191,9 +196,6 @@ def _where(f: Finding, text: Callable[[int | None], str] | None) -> str:
 def _heatmap_section(res: DiffResult, summary: SummaryReader | None, text) -> str:
     if summary is None or summary.n == 0 or not summary.columns:
         return '<p class="note">no per-token summary (nothing aligned)</p>'
-    from .tui_data import (
-        read_columns,  # column order and labels shared with the TUI (no textual)
-    )
 
     cols = read_columns(summary)
     edges, cat, lrel = heatmap_bins(summary, [c.index for c in cols])

@@ -19,13 +19,11 @@ failure through). Bad input (a damaged trace, traces that cannot be compared) ra
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Mapping
 
 from .diff import DiffOptions, diff_traces
-from .errors import UsageError
 from .findings import DiffResult, Finding
-from .metrics import Tolerance, ToleranceBook
+from .tolerances import ToleranceBook
 
 __all__ = ["TracesDisagree", "assert_traces_agree", "failure_message"]
 
@@ -55,79 +53,41 @@ def failure_message(res: DiffResult, divergences: list[Finding], max_findings: i
     return "\n".join(lines)
 
 
-def _book(tol, calibration: str | None) -> ToleranceBook:
+def _book(tol, calibration: str | None, allow) -> ToleranceBook:
+    """The CLI's rules: ``--tol`` strings (or a TOML file) and ``(pattern, (min_cos, max_rel))``
+    items in order (the first rule that matches wins), then ``--allow-failed`` patterns."""
     if isinstance(tol, ToleranceBook):
         book = tol
     else:
         book = ToleranceBook()
-        items: Iterable
         if tol is None:
-            items = ()
+            items: list = []
         elif isinstance(tol, str):
             items = [tol]
         elif isinstance(tol, Mapping):
-            items = [(str(k), v) for k, v in tol.items()]
+            items = list(tol.items())
         else:
             items = list(tol)
         for it in items:
-            if isinstance(it, str):
-                name, t = ToleranceBook.parse_override(it)
+            if isinstance(it, str) and "=" not in it and it.endswith(".toml"):
+                book.load_rules(it)
+            elif isinstance(it, str):
+                book.add_rule(*ToleranceBook.parse_override(it))
             else:
                 name, (c, r) = it
-                name, t = ToleranceBook.parse_override(f"{name}={float(c)},{float(r)}")
-            book.overrides.setdefault(name, Tolerance(t.min_cos, t.max_rel, t.source))   # the first rule wins
+                book.add_rule(*ToleranceBook.parse_override(f"{name}={float(c)},{float(r)}"))
     if calibration:
         book.load_calibration(os.fspath(calibration))
+    book.allow_failed += [allow] if isinstance(allow, str) else list(allow)
     return book
-
-
-def _matcher(pattern: str):
-    """A glob (``*`` and ``?`` are the wildcards; ``[`` is literal, so ``draft_input[0]`` names a
-    slot) or, written ``re:...``, a regular expression; both match the whole name."""
-    if pattern.startswith("re:"):
-        try:
-            rx = re.compile(pattern[3:])
-        except re.error as e:
-            raise UsageError(f"allow pattern {pattern!r}: {e}") from None
-    else:
-        rx = re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern))
-    return lambda name: rx.fullmatch(name) is not None
-
-
-def allowed(res: DiffResult, allow: Iterable[str]) -> tuple[list[Finding], list[Finding]]:
-    """(divergences that still fail, divergences allowed by a pattern). Patterns match a tensor
-    name (either side's) or ``name[slot]``; a pattern that matches no compared tensor raises."""
-    pats = [allow] if isinstance(allow, str) else list(allow)
-    names = set()
-    for p in res.pairs:
-        names |= {p.name_a, p.name_b, p.label}
-        names |= {f"{n}[{s}]" for n in (p.name_a, p.name_b) for s in range(p.slots)} if p.slots > 1 else set()
-    matchers = []
-    for pat in pats:
-        m = _matcher(pat)
-        if not any(m(n) for n in names):
-            raise UsageError(f"allow pattern {pat!r} matches no compared tensor ({', '.join(sorted(names)) or 'none'})")
-        matchers.append(m)
-
-    def hit(f: Finding) -> bool:
-        if f.tensor is None:
-            return False
-        keys = [f.tensor] + ([f"{f.tensor}[{f.slot}]"] if f.slot is not None else [])
-        return any(m(k) for m in matchers for k in keys)
-
-    fail, ok = [], []
-    for f in res.divergences:
-        (ok if hit(f) else fail).append(f)
-    return fail, ok
 
 
 def assert_traces_agree(a, b, *, tol=None, allow: Iterable[str] | str = (), calibration=None,
                         max_findings: int = 5) -> DiffResult:
     """Diff trace ``a`` (the reference) against ``b``; raise :class:`TracesDisagree` on a
     divergence that ``allow`` does not cover. Returns the diff when they agree."""
-    opts = DiffOptions(tolerances=_book(tol, calibration))
+    opts = DiffOptions(tolerances=_book(tol, calibration, allow))
     res = diff_traces(os.fspath(a), os.fspath(b), opts)
-    fail, _ = allowed(res, allow)
-    if fail:
-        raise TracesDisagree(failure_message(res, fail, max_findings), res)
+    if res.divergences:
+        raise TracesDisagree(failure_message(res, res.divergences, max_findings), res)
     return res

@@ -46,16 +46,16 @@ from textual.worker import Worker, WorkerState
 
 from . import token_text
 from .diff import Differ, DiffOptions
-from .errors import TraceError
+from .errors import TraceError, UsageError
 from .findings import DiffResult
-from .summary import SummaryReader
+from .fmt import progress_unit
+from .summary import SummaryReader, read_columns
 from .token_text import TokenText
 from .tui_data import (
     GOTO_FORMS,
     METRICS,
     Column,
     VectorSource,
-    read_columns,
     resolve_goto,
 )
 from .tui_text import detail_lines, finding_prompt
@@ -302,7 +302,7 @@ class TensordiffApp(App[int]):
         bar = self._w_progress
         if total > 1:
             bar.update(total=total, progress=done)
-        label = f"{stage}: {done}/{total} rows" if total > 1 else stage
+        label = f"{stage}: {done}/{total} {progress_unit(stage)}" if total > 1 else stage
         if self.pending:
             label += f"  ({len(self.pending)} key{'s' if len(self.pending) > 1 else ''} queued)"
         self._w_progress_label.update(label, layout=False)
@@ -636,32 +636,72 @@ def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None, *,
     return app.exit_code() if code is None else int(code)
 
 
-def save_screenshot(path_a: str, path_b: str, out: str, size: tuple[int, int] = (140, 40)) -> str:
-    """Open the TUI headless on a trace pair, wait for the diff and write an SVG screenshot."""
+def save_screenshot(path_a: str, path_b: str, out: str, size: tuple[int, int] = (140, 40), *,
+                    options: DiffOptions | None = None, token_text: TokenText | None = None) -> int:
+    """Open the TUI headless on a trace pair, wait for the diff and the detail pane, and save the
+    screen as SVG (``out`` ending in .png: converted with rsvg-convert or headless chromium,
+    whichever is installed). Returns the diff's exit code (1 divergence, 0 agree)."""
     import asyncio
 
-    async def go() -> str:
-        app = TensordiffApp(path_a, path_b)
+    async def go() -> tuple[str, int]:
+        app = TensordiffApp(path_a, path_b, options, token_text=token_text)
         async with app.run_test(size=size) as pilot:
             while not app.ready and app.diff_error is None:
                 await pilot.pause(0.05)
             if app.diff_error is not None:
-                raise app.diff_error
+                err = app.diff_error
+                if isinstance(err, TraceError):
+                    raise err
+                raise TraceError(f"the diff failed: {type(err).__name__}: {err}")
             while app.vectors_for != app.cell:
                 await pilot.pause(0.05)
             await pilot.pause()
-            return app.export_screenshot(title="tensordiff")
+            return app.export_screenshot(title="tensordiff"), app.exit_code()
 
-    svg = asyncio.run(go())
-    with open(out, "w", encoding="utf-8") as fh:
-        fh.write(svg)
-    return out
+    svg, code = asyncio.run(go())
+    if out.lower().endswith(".png"):
+        svg_to_png(svg, out)
+    else:
+        try:
+            with open(out, "w", encoding="utf-8") as fh:
+                fh.write(svg)
+        except OSError as e:
+            raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
+    return code
+
+
+def svg_to_png(svg: str, out: str) -> None:
+    """Rasterise an SVG screenshot with rsvg-convert, else headless chromium; a UsageError when
+    neither is installed or the conversion fails."""
+    import re
+    import subprocess
+
+    m = re.search(r'viewBox="0 0 ([0-9.]+) ([0-9.]+)"', svg)
+    w, h = (int(float(m.group(1)) + 0.5), int(float(m.group(2)) + 0.5)) if m else (1400, 900)
+    with tempfile.TemporaryDirectory(prefix="tensordiff-shot-") as d:
+        src = os.path.join(d, "screen.svg")
+        with open(src, "w", encoding="utf-8") as fh:
+            fh.write(svg)
+        if shutil.which("rsvg-convert"):
+            cmd = ["rsvg-convert", "-o", out, src]
+        elif shutil.which("chromium") or shutil.which("chromium-browser"):
+            exe = shutil.which("chromium") or shutil.which("chromium-browser")
+            cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+                   f"--window-size={w},{h}", f"--screenshot={os.path.abspath(out)}", "file://" + src]
+        else:
+            raise UsageError(f"{out}: a PNG needs rsvg-convert (librsvg2-bin) or chromium; save as .svg instead")
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, cwd=d,
+                           env=dict(os.environ, HOME=d))
+        if p.returncode != 0 or not os.path.isfile(out):
+            tail = " ".join((p.stderr or "").split())[-200:]
+            raise UsageError(f"could not convert the screenshot to {out} ({cmd[0]} exit {p.returncode}: {tail})")
 
 
 if __name__ == "__main__":  # pragma: no cover - docs helper
     # python -m tensordiff.tui screenshot A B OUT.svg   (how docs/tui-example.svg is made)
     if len(sys.argv) == 5 and sys.argv[1] == "screenshot":
-        print(save_screenshot(sys.argv[2], sys.argv[3], sys.argv[4]))
+        save_screenshot(sys.argv[2], sys.argv[3], sys.argv[4])
+        print(sys.argv[4])
     else:
         sys.stderr.write("usage: python -m tensordiff.tui screenshot A B OUT.svg\n")
         sys.exit(2)

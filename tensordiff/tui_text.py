@@ -71,7 +71,8 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
         f = min(fs, key=lambda x: x.index) if fs else None
     if f is not None:
         g, s = SEVERITY_GLYPH.get(f.severity, ("?", ""))
-        t = Text.assemble((f"{g} #{f.index} {f.kind}: ", s), (f.message, "bold"))
+        kind = "" if f.message.startswith(f"{f.kind}:") else f" {f.kind}:"   # not "gap: gap:"
+        t = Text.assemble((f"{g} #{f.index}{kind} ", s), (f.message, "bold"))
         if f.inherited_from is not None:
             t.append(f"  (may be inherited from #{f.inherited_from})", style="dim")
         if len(fs) > 1 or (fs and f not in fs):

@@ -535,7 +535,7 @@ def test_cli_routes_to_tui(monkeypatch, fixture_pair):
     from tensordiff import cli, tui
 
     seen = []
-    monkeypatch.setattr(tui, "run_tui", lambda a, b, opts: seen.append((a, b, opts)) or 1)
+    monkeypatch.setattr(tui, "run_tui", lambda a, b, opts, token_text=None: seen.append((a, b, opts)) or 1)
     assert cli.main(["tui", *fixture_pair]) == 1
     assert cli.main(["diff", *fixture_pair, "--tui"]) == 1
     assert [s[:2] for s in seen] == [fixture_pair, fixture_pair]
@@ -663,8 +663,8 @@ def test_progress_messages_are_throttled(fixture_pair):
 
 def test_goto_and_filter_without_app(fixture_diff, fixture_pair, tmp_path):
     from tensordiff.diff import DiffOptions
-    from tensordiff.summary import SummaryReader
-    from tensordiff.tui_data import filter_columns, read_columns, resolve_goto
+    from tensordiff.summary import SummaryReader, read_columns
+    from tensordiff.tui_data import filter_columns, resolve_goto
 
     opts = DiffOptions(summary_path=str(tmp_path / "s.h5"), progress=lambda *a: None)
     fixture_diff(*fixture_pair, opts)
