@@ -253,6 +253,9 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
         parts.append(f'<div class="note">first divergence at: {_where(first, text)}</div>')
     parts.append("</div>")
 
+    parts.append("<h2>Token × slot heatmap</h2>")
+    parts.append(_heatmap_section(res, summary, text))
+
     nd = len(res.divergences)
     parts.append(f"<h2>Findings ({nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other), in forward order</h2>")
     if res.findings:
@@ -280,9 +283,6 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
                              f"{_e(res.side_b)} margin", "cos mean", "verdict"], rows, {6, 7, 8}))
         parts.append(f'<p class="note">score and margin: the identity match of what {_e(res.side_b)} holds in the '
                      "slot, against the runner-up.</p>")
-
-    parts.append("<h2>Token × slot heatmap</h2>")
-    parts.append(_heatmap_section(res, summary, text))
 
     parts.append("<h2>Tensors</h2>")
     rows = []

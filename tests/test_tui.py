@@ -451,6 +451,38 @@ async def test_resize_keeps_cursor_in_view(fixture_app):
         assert hm.scroll_offset.y <= hm.cursor_row < hm.scroll_offset.y + hm.page_rows
 
 
+async def test_token_text_and_sketch_marks(fixture_pair, fixture_diff, tmp_path):
+    from tensordiff.token_text import TokenText
+
+    app = TensordiffApp(*fixture_pair, diff_fn=fixture_diff, token_text=TokenText(lambda i: f" tok{i}", "test"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        tok = int(app.summary.tokens(app.heatmap.cursor_row, app.heatmap.cursor_row + 1)[0]["token"])
+        assert f"token {tok} ' tok{tok}'" in app.detail_text.plain
+        assert "≈" not in app.detail_text.plain               # full values: no sketch mark
+        # a pair compared on sketches is marked as such
+        for p in app.result.pairs:
+            p.basis = "sketch"
+        app._render_detail()
+        assert "≈" in app.detail_text.plain and "on sketches" in app.detail_text.plain
+
+
+def test_recorded_model_directory_gives_token_text(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    d = tmp_path / "model"
+    d.mkdir()
+    Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]")).save(str(d / "tokenizer.json"))
+    a = tmp_path / "a.h5"
+    with TraceWriter(a, side="train", model={"hidden_size": 4, "path": str(d)}) as w:
+        w.define_tensor("embed", 4, kind="boundary", boundary=0)
+        w.append("embed", w.add_tokens("s", np.arange(2), [1, 0], "train"), np.ones((2, 4), np.float32))
+    app = TensordiffApp(str(a), str(a))
+    tt = app._recorded_tokenizer()
+    assert tt is not None and tt(1) == "'hello'"
+    app._source.close()
+
+
 async def test_screenshot_from_help(fixture_app, tmp_path):
     app = fixture_app(screenshot_dir=str(tmp_path))
     async with app.run_test(size=(80, 24)) as pilot:
