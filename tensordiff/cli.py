@@ -49,7 +49,8 @@ def progress_bar(enabled: bool):
 
     from .fmt import progress_unit
 
-    prog = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} {task.fields[unit]}"),
+    prog = Progress(TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total} {task.fields[unit]}"),
                     TimeRemainingColumn(), console=Console(file=sys.stderr), transient=True)
     tasks: dict[str, int] = {}
 

@@ -129,7 +129,8 @@ h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 16px; margin: 28px 0 8p
 .verdict { padding: 12px 16px; border-radius: 6px; margin: 14px 0; font-size: 16px; }
 .verdict.div { background: #ffebe9; border: 1px solid #ff8182; } .verdict.ok { background: #dafbe1; border: 1px solid #4ac26b; }
 .verdict b { display: block; font-size: 13px; letter-spacing: .05em; }
-table { border-collapse: collapse; font-size: 13px; } th, td { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
+table { border-collapse: collapse; font-size: 13px; }
+th, td { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: left; vertical-align: top; }
 th { background: #f6f8fa; } td.num { text-align: right; white-space: nowrap; }
 .sev-divergence { color: #cf222e; } .sev-warning { color: #9a6700; } .sev-info { color: #57606a; }
 .bad { color: #cf222e; font-weight: 600; } .good { color: #1a7f37; } .note { color: #57606a; font-size: 12px; }
@@ -137,9 +138,11 @@ th { background: #f6f8fa; } td.num { text-align: right; white-space: nowrap; }
 .hm-axis { position: relative; font: 11px ui-monospace, monospace; color: #57606a; width: 110px; text-align: right; }
 .hm-axis span { position: absolute; right: 0; transform: translateY(-50%); white-space: nowrap; }
 .hm-cols { display: flex; height: 96px; align-items: flex-end; }
-.hm-cols span { writing-mode: vertical-rl; transform: rotate(180deg); font: 11px ui-monospace, monospace; overflow: hidden; white-space: nowrap; }
+.hm-cols span { writing-mode: vertical-rl; transform: rotate(180deg); font: 11px ui-monospace, monospace;
+               overflow: hidden; white-space: nowrap; }
 .hm img { image-rendering: pixelated; image-rendering: crisp-edges; display: block; border: 1px solid #ccc; }
-.legend span { display: inline-block; width: 12px; height: 12px; vertical-align: middle; margin: 0 3px 0 10px; border: 1px solid #ccc; }
+.legend span { display: inline-block; width: 12px; height: 12px; vertical-align: middle; margin: 0 3px 0 10px;
+               border: 1px solid #ccc; }
 """
 
 _MARK = {"divergence": "✗", "warning": "!", "info": "·"}
@@ -266,7 +269,8 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
                          _e(f.kind), f'<span class="sev-{_e(f.severity)}">{_e(f.message)}</span>', _e(inh)])
         parts.append(_table(["", "#", "kind", "finding", "note"], rows))
         if len(res.findings) > max_findings:
-            parts.append(f'<p class="note">... {len(res.findings) - max_findings} more (see <code>tensordiff diff --json</code>)</p>')
+            parts.append(f'<p class="note">... {len(res.findings) - max_findings} more '
+                         '(see <code>tensordiff diff --json</code>)</p>')
     else:
         parts.append("<p>none</p>")
 

@@ -8,7 +8,7 @@ detail pane for the selected cell with the aligner's sentence, identity candidat
 metrics, both token keys and small text plots of the two vectors.
 
 The TUI never judges a tensor itself: every verdict it shows comes from
-:class:`tensordiff.align.Differ`. The heatmap reads the diff's per-token summary, written to a
+:class:`tensordiff.diff.Differ`. The heatmap reads the diff's per-token summary, written to a
 temporary file that the app deletes on exit, in blocks.
 
 Where things live: this module is the app (layout, the diff thread, whose progress and end reach
