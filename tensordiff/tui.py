@@ -11,13 +11,15 @@ The TUI never judges a tensor itself: every verdict it shows comes from
 :class:`tensordiff.diff.Differ`. The heatmap reads the diff's per-token summary, written to a
 temporary file that the app deletes on exit, in blocks.
 
-Where things live: this module is the app (layout, the diff thread, whose progress and end reach
-the app as :class:`DiffProgress` / :class:`DiffEnded` messages, keys and actions, quit);
-:mod:`tensordiff.tui_widgets` the widgets and screens; :mod:`tensordiff.tui_data` the data layer
-(block cache, lookups, go-to, the cell reader) and :mod:`tensordiff.tui_text` the text of the
-panes, neither of which imports textual. This module is over 500 lines because it is one
-``App`` class: Textual binds keys, actions and message handlers to it, and cutting it into
-mixins would scatter one state machine over several files.
+Where things live: this module is the app (layout, keys and actions, what the diff's messages
+do, quit) and its entry points (:func:`run_tui`, :func:`save_screenshot`);
+:mod:`tensordiff.tui_diff` runs the diff in a thread that reports as :class:`DiffProgress` /
+:class:`DiffEnded` messages; :mod:`tensordiff.tui_widgets` the widgets and screens;
+:mod:`tensordiff.tui_data` the data layer (block cache, lookups, go-to, the cell reader) and
+:mod:`tensordiff.tui_text` the text of the panes, neither of which imports textual. This module
+is over 500 lines because it is one ``App`` class and the two functions that run it: Textual binds
+keys, actions and message handlers to the app, and cutting the class into mixins would scatter
+one state machine over several files.
 
 Keys: see :data:`tensordiff.tui_widgets.HELP` (``?`` in the app) and docs/tui.md.
 """
@@ -28,10 +30,8 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import ClassVar
 
 from rich.text import Text
@@ -39,18 +39,17 @@ from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.message import Message
 from textual.widgets import Footer, Input, OptionList, ProgressBar, Static, Tree
 from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
-from . import token_text
-from .diff import Differ, DiffOptions
+from .diff import DiffOptions
 from .errors import TraceError, UsageError
 from .findings import DiffResult
 from .fmt import progress_unit
 from .summary import SummaryReader, read_columns
 from .token_text import TokenText
+from .tui_diff import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread, run_diff
 from .tui_data import (
     GOTO_FORMS,
     METRICS,
@@ -62,38 +61,6 @@ from .tui_text import detail_lines, finding_prompt
 from .tui_widgets import GotoScreen, Heatmap, HelpScreen, TensorTree
 
 EXIT_INTERRUPTED = 130   # quit before the diff finished: no verdict
-PROGRESS_INTERVAL_S = 0.05
-
-
-DiffFn = Callable[[str, str, DiffOptions], DiffResult]
-
-
-class _Cancelled(Exception):
-    """Raised in the diff worker's progress callback once the app quits."""
-
-
-class DiffProgress(Message):
-    """Posted by the diff thread: how far the diff is (a stage of the aligner, done of total)."""
-
-    def __init__(self, stage: str, done: int, total: int) -> None:
-        self.stage = stage
-        self.done = done
-        self.total = total
-        super().__init__()
-
-
-class DiffEnded(Message):
-    """Posted by the diff thread: the result, or the error it raised."""
-
-    def __init__(self, result: DiffResult | None, error: BaseException | None) -> None:
-        self.result = result
-        self.error = error
-        super().__init__()
-
-
-def run_diff(path_a: str, path_b: str, options: DiffOptions) -> DiffResult:
-    with Differ(path_a, path_b, options) as d:
-        return d.run()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,8 +123,8 @@ class TensordiffApp(App[int]):
         self.path_a, self.path_b = os.fspath(path_a), os.fspath(path_b)
         self.options = options or DiffOptions()
         self.diff_fn = diff_fn or run_diff
+        self._diff: DiffThread | None = None
         self.screenshot_dir = screenshot_dir or os.getcwd()
-        self._owns_summary = self.options.summary_path is None
         self.summary_path: str | None = self.options.summary_path
         self.summary: SummaryReader | None = None
         self.columns: list[Column] = []
@@ -173,13 +140,9 @@ class TensordiffApp(App[int]):
         self.vectors_for: tuple[int, int] | None = None  # the cell whose vectors are shown
         self.vectors: tuple = (None, None, "")
         self.progress: tuple[str, int, int] = ("starting", 0, 1)   # the last DiffProgress shown
-        self._cancel = threading.Event()
         self._filter_text = ""
         self._source = VectorSource(self.path_a, self.path_b)
         self._block_rows, self._max_blocks = block_rows, max_blocks
-        self._diff_t0 = 0.0
-        self._diff_thread: threading.Thread | None = None
-        self._summary_dir: str | None = None
         self.detail_text = Text("")
         self.last_screenshot: str | None = None
         # token text: the tokenizer given (--tokenizer), else the model directory a trace records
@@ -247,41 +210,9 @@ class TensordiffApp(App[int]):
     # -- the diff worker -------------------------------------------------------------------
 
     def _start_diff(self) -> None:
-        if self._owns_summary:
-            # in a private directory, removed on exit: a diff thread still running then cannot
-            # create the file again (its directory is gone)
-            self._summary_dir = tempfile.mkdtemp(prefix="tensordiff-tui-")
-            self.summary_path = os.path.join(self._summary_dir, "summary.h5")
-        self._diff_t0 = time.perf_counter()
-        # A plain thread rather than a Textual worker, so that the app can end (and restore the
-        # terminal) while the diff is in a long stage: the thread stops at its next progress
-        # report, and run_tui joins it. Not a daemon: a daemon thread frozen inside h5py at
-        # interpreter exit would hold h5py's lock and deadlock the exit.
-        self._diff_thread = threading.Thread(target=self._run_diff, name="tensordiff-diff")
-        self._diff_thread.start()
-
-    def _run_diff(self) -> None:
-        last = [None, 0.0]   # stage and time of the last message posted
-
-        def progress(stage: str, done: int, total: int) -> None:
-            if self._cancel.is_set():
-                raise _Cancelled()
-            # a message per stage, per end of stage, and at most one per 50 ms in between: the
-            # aligner reports per block, and the UI need not redraw the bar more often than that
-            now = time.perf_counter()
-            if stage != last[0] or done >= total or now - last[1] >= PROGRESS_INTERVAL_S:
-                last[0], last[1] = stage, now
-                self.post_message(DiffProgress(stage, done, total))   # thread-safe
-
-        opts = replace(self.options, summary_path=self.summary_path, progress=progress)
-        try:
-            res, err = self.diff_fn(self.path_a, self.path_b, opts), None
-        except BaseException as e:  # noqa: BLE001 - reported on the UI thread
-            res, err = None, e
-        if self._cancel.is_set():
-            self._remove_summary()
-            return
-        self.post_message(DiffEnded(res, err))   # thread-safe
+        self._diff = DiffThread(self.path_a, self.path_b, self.options, self.diff_fn, self.post_message)
+        self._diff.start()
+        self.summary_path = self._diff.summary_path
 
     @on(DiffEnded)
     def _diff_ended(self, event: DiffEnded) -> None:
@@ -317,7 +248,7 @@ class TensordiffApp(App[int]):
                 self._render_detail()
 
     def _on_diff_error(self, err: BaseException | None) -> None:
-        if isinstance(err, _Cancelled):
+        if isinstance(err, Cancelled):
             return
         self.diff_error = err
         msg = str(err) if isinstance(err, TraceError) else f"{type(err).__name__}: {err}"
@@ -325,7 +256,7 @@ class TensordiffApp(App[int]):
         self.exit(2)
 
     def _on_diff_done(self, res: DiffResult) -> None:
-        self.diff_seconds = time.perf_counter() - self._diff_t0
+        self.diff_seconds = time.perf_counter() - self._diff.t0 if self._diff is not None else None
         self.result = res
         try:
             self.summary = SummaryReader(self.summary_path) if self.summary_path else None
@@ -437,30 +368,15 @@ class TensordiffApp(App[int]):
         col = next(c for c in self.columns if c.index == ci)
         tok = self.heatmap.blocks.token(row) if self.heatmap.blocks is not None else self.summary.tokens(row, row + 1)[0]
         key = (row, ci)
-        args = (int(tok["seq_a"]), int(tok["pos_a"]), int(tok["seq_b"]), int(tok["pos_b"]), int(tok["token"]))
+        keys = (int(tok["seq_a"]), int(tok["pos_a"]), int(tok["seq_b"]), int(tok["pos_b"]), int(tok["token"]))
 
-        def load():
-            sa, pa, sb, pb, token = args
+        def load():   # in a thread: opening the traces (and a tokenizer) may take a while
             if self._find_tokenizer:
                 self._find_tokenizer = False
-                self.token_text = self._recorded_tokenizer()
-            try:
-                va, na = self._source.read(0, col.tensor_a, col.slot, sa, pa, token)
-                vb, nb = self._source.read(1, col.tensor_b, col.slot, sb, pb, token)
-            except Exception as e:  # noqa: BLE001 - a damaged trace must not take the UI down
-                return key, None, None, f"cannot read the values: {' '.join(str(e).split())[:200]}"
-            return key, va, vb, "; ".join(x for x in (na, nb) if x)
+                self.token_text = self._source.recorded_token_text()
+            return (key, *self._source.cell_vectors(col, *keys))
 
         self.run_worker(load, thread=True, group="detail", exclusive=True, exit_on_error=False)
-
-    def _recorded_tokenizer(self) -> TokenText | None:
-        dirs = []
-        for side in (0, 1):
-            try:
-                dirs.append(self._source.reader(side).model.get("path"))
-            except Exception:  # noqa: BLE001, S112 - an unreadable trace: the detail pane says so itself
-                continue
-        return token_text.resolve(None, [d for d in dirs if isinstance(d, str)])
 
     def _render_detail(self) -> None:
         if self.result is None or self.cell is None or self.summary is None:
@@ -593,23 +509,29 @@ class TensordiffApp(App[int]):
         return self.result.exit_code
 
     async def action_quit(self) -> None:
-        self._cancel.set()
+        self.cancel_diff()
         self.exit(self.exit_code())
 
     def on_unmount(self) -> None:
-        self._cancel.set()
-        self._cleanup()
+        self.cancel_diff()
+        self.cleanup()
 
-    def _cleanup(self) -> None:
+    def cancel_diff(self) -> None:
+        """The diff thread stops at its next progress report (and removes its summary)."""
+        if self._diff is not None:
+            self._diff.cancel.set()
+
+    @property
+    def diff_thread(self):
+        return self._diff.thread if self._diff is not None else None
+
+    def cleanup(self) -> None:
         if self.summary is not None:
             self.summary.close()
             self.summary = None
         self._source.close()
-        self._remove_summary()
-
-    def _remove_summary(self) -> None:
-        if self._owns_summary and self._summary_dir:
-            shutil.rmtree(self._summary_dir, ignore_errors=True)
+        if self._diff is not None:
+            self._diff.remove_summary()
 
 
 def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None, *,
@@ -620,9 +542,9 @@ def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None, *,
     try:
         code = app.run()
     finally:
-        app._cancel.set()
-        app._cleanup()
-        t = app._diff_thread
+        app.cancel_diff()
+        app.cleanup()
+        t = app.diff_thread
         if t is not None and t.is_alive():
             t.join(0.3)
             if t.is_alive():

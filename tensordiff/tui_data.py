@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import token_text
 from .align import SideTokens, row_map
 from .findings import DiffResult, Finding, SlotRow
 from .summary import FLAG_BAD, FLAG_NONFINITE, Column, SummaryReader
+from .token_text import TokenText
 from .tokens import token_code
 
 # ----------------------------------------------------------------------------------------------
@@ -274,6 +276,26 @@ class VectorSource:
         w = info.slot_width
         v = r.read_values_at(name, np.array([row]))[0, slot * w:(slot + 1) * w]
         return v, ""
+
+    def cell_vectors(self, col: Column, seq_a: int, pos_a: int, seq_b: int, pos_b: int,
+                     token: int) -> tuple[np.ndarray | None, np.ndarray | None, str]:
+        """(A's vector, B's vector, a note on what could not be read) of one heatmap cell."""
+        try:
+            va, na = self.read(0, col.tensor_a, col.slot, seq_a, pos_a, token)
+            vb, nb = self.read(1, col.tensor_b, col.slot, seq_b, pos_b, token)
+        except Exception as e:  # noqa: BLE001 - a damaged trace must not take the UI down
+            return None, None, f"cannot read the values: {' '.join(str(e).split())[:200]}"
+        return va, vb, "; ".join(x for x in (na, nb) if x)
+
+    def recorded_token_text(self) -> TokenText | None:
+        """Token text from the model directory a trace records, when it has a tokenizer here."""
+        dirs = []
+        for side in (0, 1):
+            try:
+                dirs.append(self.reader(side).model.get("path"))
+            except Exception:  # noqa: BLE001 - an unreadable trace: the detail pane says so itself
+                dirs.append(None)
+        return token_text.resolve(None, [d for d in dirs if isinstance(d, str)])
 
     def close(self) -> None:
         with self._lock:

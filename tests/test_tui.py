@@ -25,7 +25,8 @@ from tensordiff.errors import TraceError
 from tensordiff.findings import DiffResult, Finding
 from tensordiff.summary import SummaryWriter
 from tensordiff.trace import SlotSpec, TraceWriter
-from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp, run_diff
+from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp
+from tensordiff.tui_diff import run_diff
 from tensordiff.tui_data import METRICS
 from tensordiff.tui_text import histograms, sparkline
 from tensordiff.tui_widgets import (
@@ -477,10 +478,12 @@ def test_recorded_model_directory_gives_token_text(tmp_path):
     with TraceWriter(a, side="train", model={"hidden_size": 4, "path": str(d)}) as w:
         w.define_tensor("embed", 4, kind="boundary", boundary=0)
         w.append("embed", w.add_tokens("s", np.arange(2), [1, 0], "train"), np.ones((2, 4), np.float32))
-    app = TensordiffApp(str(a), str(a))
-    tt = app._recorded_tokenizer()
+    from tensordiff.tui_data import VectorSource
+
+    src = VectorSource(str(a), str(a))
+    tt = src.recorded_token_text()
     assert tt is not None and tt(1) == "'hello'"
-    app._source.close()
+    src.close()
 
 
 async def test_screenshot_from_help(fixture_app, tmp_path):
@@ -673,7 +676,8 @@ def test_data_layer_imports_no_textual():
 
 
 def test_progress_messages_are_throttled(fixture_pair):
-    from tensordiff.tui import DiffProgress
+    from tensordiff.diff import DiffOptions
+    from tensordiff.tui_diff import DiffEnded, DiffProgress, DiffThread
 
     posted = []
 
@@ -684,13 +688,13 @@ def test_progress_messages_are_throttled(fixture_pair):
         opts.progress("identifying slots", 0, 3)
         raise TraceError("stop here")
 
-    app = TensordiffApp(*fixture_pair, diff_fn=chatty)
-    app.post_message = lambda m: posted.append(m) or True
-    app._run_diff()
+    t = DiffThread(*fixture_pair, DiffOptions(), chatty, posted.append)
+    t.run()
     prog = [(m.stage, m.done, m.total) for m in posted if isinstance(m, DiffProgress)]
     assert prog[0] == ("comparing tensors", 0, 2000)
     assert ("comparing tensors", 2000, 2000) in prog and prog[-1] == ("identifying slots", 0, 3)
     assert len(prog) < 100, "one message per progress call would flood the UI"
+    assert isinstance(posted[-1], DiffEnded) and str(posted[-1].error) == "stop here"
 
 
 def test_goto_and_filter_without_app(fixture_diff, fixture_pair, tmp_path):
