@@ -134,7 +134,7 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
         from tensordiff import tui
         from tensordiff.cli import main as cli_main
 
-        def headless(a, b, opts) -> int:
+        def headless(a, b, opts, token_text=None) -> int:
             async def paint() -> None:
                 app = App(a, b, opts)
                 async with app.run_test(size=(140, 40)):
