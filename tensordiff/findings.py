@@ -206,7 +206,8 @@ def _identity(f: Finding, d: IdentityDetails) -> str:
 
 def _numeric(f: Finding, d: NumericDetails) -> str:
     t = d.tolerance
-    s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g} "
+    on = " (on sketches)" if d.basis == "sketch" else ""   # numbers of the sketches, not of full values
+    s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g}{on} "
          f"(tolerance cos >= {t.get('min_cos', 0):g}, rel <= {t.get('max_rel', 0):g}); "
          f"{d.failing} of {d.tokens} tokens fail")
     return s + (" (explained by the wrong state above)" if d.explained else "")

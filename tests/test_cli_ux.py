@@ -263,3 +263,28 @@ def test_tui_screenshot_from_the_cli(pairs, tmp_path, ext):
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
         w, h = struct.unpack(">II", data[16:24])
         assert w > 800 and h > 400
+
+
+def test_sketch_based_numbers_are_marked(tmp_path):
+    """A pair compared on sketches only: the finding's sentence and the report's numbers say so."""
+    import numpy as np
+
+    from tensordiff.sketch import sketch_np
+    from tensordiff.trace import TraceWriter
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 16)).astype(np.float32)
+    paths = []
+    for side, noise in (("train", 0.0), ("serve", 0.5)):
+        p = str(tmp_path / f"{side}.h5")
+        with TraceWriter(p, side=side, model={"hidden_size": 16, "num_layers": 1}, sketch_dim=8) as w:
+            w.define_tensor("embed", 16, kind="boundary", boundary=0, values=False)
+            rows = w.add_tokens("s", np.arange(6), np.arange(6) + 1, "train" if side == "train" else "prefill")
+            y = x + noise * rng.standard_normal(x.shape).astype(np.float32)
+            w.append("embed", rows, sketch=sketch_np(y, 16, 8), rms=np.sqrt((y ** 2).mean(1)))
+        paths.append(p)
+    rc, out, _ = run_isolated(["diff", *paths])
+    assert rc == 1
+    flat = " ".join(out.split())
+    assert "(on sketches)" in flat                       # the numeric finding's sentence
+    assert "≈" in out and "computed on the traces' sketches" in flat
