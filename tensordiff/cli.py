@@ -108,7 +108,7 @@ def cmd_diff(args) -> int:
     with progress_bar(not args.quiet and not args.json) as cb:
         opts.progress = cb
         res = diff_traces(args.a, args.b, opts)
-    _swapped_hint(res)
+    _swapped_hint(res, "diff")
     try:  # a reader that closes the pipe early (`| head -1`) must not change the verdict's exit code
         if args.json:
             _print_json(res.to_dict())
@@ -120,10 +120,10 @@ def cmd_diff(args) -> int:
     return res.exit_code
 
 
-def _swapped_hint(res) -> None:
+def _swapped_hint(res, command: str) -> None:
     if res.side_a == "serve" and res.side_b == "train":
         sys.stderr.write(f"tensordiff: hint: A is the serve trace and B the train trace; A should be the reference "
-                         f"(usually train): tensordiff {sys.argv[1] if len(sys.argv) > 1 else 'diff'} B A\n")
+                         f"(usually train): tensordiff {command} {res.path_b} {res.path_a}\n")
 
 
 def _token_text(args, res):
@@ -148,7 +148,7 @@ def cmd_report(args) -> int:
 
     probe([args.a, args.b])
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
-    _swapped_hint(res)
+    _swapped_hint(res, "report")
     print(f"wrote {args.out}: {res.headline()}")
     return res.exit_code
 

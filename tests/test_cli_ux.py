@@ -95,7 +95,7 @@ def test_swapped_arguments_hint(pairs):
     a, b = pairs["agree"]
     rc, _, err = run_isolated(["diff", b, a, "-q"])
     assert rc == 0
-    assert "hint: A is the serve trace and B the train trace" in err
+    assert "hint: A is the serve trace and B the train trace" in err and f"tensordiff diff {a} {b}" in err
     rc, _, err = run_isolated(["diff", a, b, "-q"])
     assert "hint:" not in err
 
