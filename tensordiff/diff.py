@@ -50,7 +50,7 @@ from .findings import (
 )
 from .identity import IdentityVerdict
 from .numerics import BlockMetrics, PairAccumulator, WorstTokens
-from .tolerances import ToleranceBook
+from .tolerances import ToleranceBook, allow_failed
 from .trace import TensorInfo, TraceReader
 from .traceset import open_trace
 from .vocab import REGIMES
@@ -171,7 +171,7 @@ class Differ:
         factories = list(self.opt.sinks) + ([summary_sink(self.opt.summary_path)] if self.opt.summary_path else [])
         sinks = [make(al, ra, rb) for make in factories]
         if self.opt.numeric is not None:
-            self.opt.numeric.start(self, pairs, bool(sinks))
+            self.opt.numeric.start(self, pairs)
         slot_table: list[SlotRow] = []
         stats: list[PairStats] = []
         self._done = 0
@@ -186,6 +186,8 @@ class Differ:
         finally:
             for s in sinks:
                 s.close()
+        self.opt.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
+        findings = allow_failed(findings, stats, self.opt.tolerances.allow_failed)
         return DiffResult(
             path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=order_findings(findings),
             slot_table=slot_table, pairs=stats,
@@ -292,20 +294,15 @@ class Differ:
 
     def _stream(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: Codes, ma: Codes, mb: Codes,
                 sinks: list[DiffSink], worst: WorstTokens) -> PairAccumulator:
-        """Numerics over the aligned tokens in blocks; reads run one block ahead in a thread."""
-        if self.opt.numeric is not None:
-            return self.opt.numeric.stream(self, ia, ib, basis, k, idx, ma, mb, sinks, worst)  # type: ignore[no-any-return]
-        sw = ia.slot_width if basis == "values" else self.ra.sketch_dim
-        bm = BlockMetrics(k, sw)
+        """Numerics over the aligned tokens in blocks: each block's per-token metrics come from
+        this process (reads one block ahead in a thread) or from a backend's workers
+        (``DiffOptions.numeric``, tensordiff.parallel), and are accumulated here in block order."""
         tols = [self.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None) for s in range(k)]
         acc = PairAccumulator(tols, self.al.regime_b)
-        for blk, a_raw, b_raw in _prefetch(self._block_reader(ia, ib, basis, idx, ma, mb), self._pool):
-            if basis == "values":  # stored form (bf16 bits); converted in cache-sized pieces
-                m = bm.compute_stored(a_raw, ia.dtype, b_raw, ib.dtype)
-            else:
-                a = np.asarray(a_raw, np.float32)[:, :k * sw]
-                b = np.asarray(b_raw, np.float32)[:, :k * sw]
-                m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
+        numeric = self.opt.numeric
+        blocks = (numeric.blocks(self, ia, ib, basis, k, idx, ma, mb) if numeric is not None
+                  else self._metrics(ia, ib, basis, k, idx, ma, mb))
+        for blk, m in blocks:
             bad = acc.add(blk, m)
             worst.offer(ia.name, blk, m, self._token_entry)
             for sink in sinks:
@@ -313,6 +310,20 @@ class Differ:
             self._done += len(blk)
             self._progress("comparing tensors", min(self._done, self._total), self._total)
         return acc
+
+    def _metrics(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: Codes, ma: Codes, mb: Codes
+                 ) -> Iterator[tuple[Codes, dict[str, np.ndarray]]]:
+        """Per-token metrics of each block of aligned rows, computed in this process."""
+        sw = ia.slot_width if basis == "values" else self.ra.sketch_dim
+        bm = BlockMetrics(k, sw)
+        for blk, a_raw, b_raw in _prefetch(self._block_reader(ia, ib, basis, idx, ma, mb), self._pool):
+            if basis == "values":  # stored form (bf16 bits); converted in cache-sized pieces
+                m = bm.compute_stored(a_raw, ia.dtype, b_raw, ib.dtype)
+            else:
+                a = np.asarray(a_raw, np.float32)[:, :k * sw]
+                b = np.asarray(b_raw, np.float32)[:, :k * sw]
+                m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
+            yield blk, m
 
     def _slot_findings(self, ia: TensorInfo, ib: TensorInfo, s: int, k: int, acc: PairAccumulator, st: PairStats,
                        both: NDArray[np.bool_], basis: str, identity_a: dict[int, IdentityVerdict],

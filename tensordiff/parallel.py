@@ -1,17 +1,20 @@
 """The numeric pass of a diff split over worker processes (numpy + h5py only; Ray in ray_backend).
 
 The coordinator (the :class:`~tensordiff.diff.Differ`) keeps the plan: token alignment, tensor
-pairing, row maps and the identity sample, all over the small token tables. The numeric pass of
-each tensor pair is cut into tasks of whole diff blocks (``block_rows`` aligned tokens); a task is
-a function of picklable inputs only (file paths, tensor names, member row indices, tolerances) and
-returns picklable partial statistics. The coordinator merges them in block order, so the result
-(every finding, statistic, worst token and summary row) is identical to the serial diff: the
-same blocks are computed by the same code, and everything that depends on order (the float64 sum
-of cosines, first failing tokens, the worst-token heap, the sinks) is replayed block by block.
+pairing, row maps and the identity sample, all over the small token tables. The heavy part of the
+numeric pass, reading every aligned row of both sides and computing its per-token metrics
+(:class:`~tensordiff.numerics.BlockMetrics`), is cut into tasks of whole diff blocks
+(``block_rows`` aligned tokens) of one tensor pair. A task is a function of picklable inputs only
+(file paths, tensor names, member row indices, dtypes) and returns the per-token metrics of its
+blocks (cos, rel, max abs, NaN/Inf counts: ~29 bytes per token and slot, against the kilobytes of
+values it read). The diff's own loop then accumulates those blocks in block order, exactly as it
+accumulates the blocks it computes itself: tolerances, first failures, the worst tokens, the
+sinks and the progress are the serial code on the same numbers, so the result is the serial
+diff's, byte for byte.
 
 Backends: ``serial`` (no workers: the diff's own loop), ``pool`` (a local process pool, default
 sized to the cores), ``ray`` (:mod:`tensordiff.ray_backend`, tasks placed on the node that holds
-each shard), ``auto`` (the default: a pool when the numeric pass reads at least
+each shard), ``auto`` (the default: a pool when the input files hold at least
 :data:`AUTO_MIN_BYTES` and there are two cores or more, else serial).
 
 Which rows a task reads is resolved on the coordinator, in member terms: for a
@@ -29,14 +32,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from .errors import UsageError
-from .numerics import BlockMetrics, PairAccumulator, WorstTokens
-from .tolerances import Tolerance
+from .numerics import BlockMetrics
 from .trace import TensorInfo, TraceReader
 
 BACKENDS = ("auto", "serial", "pool", "ray")
@@ -63,7 +65,7 @@ class Segment:
 
 @dataclass
 class NumericTask:
-    """The numeric pass of one tensor pair over a range of its aligned tokens."""
+    """The per-token metrics of one tensor pair over a range of its aligned tokens."""
 
     pair: int                   # index of the pair in the diff's forward order
     chunk: int                  # index of the range within the pair
@@ -77,35 +79,18 @@ class NumericTask:
     a: list[Segment]
     b: list[Segment]
     blk: np.ndarray             # aligned token index of each row
-    regimes: np.ndarray         # side B's regime code of each row
-    tolerances: list[Tolerance]
     block_rows: int
-    want_metrics: bool          # return per-token metrics (a sink writes them)
-    worst_limit: int
     nbytes: int = 0
     host: str | None = None     # where most of its bytes live (for placement)
 
 
 @dataclass
-class BlockResult:
-    """What the coordinator replays for one block, in block order."""
-
-    rows: int
-    cos_sum: np.ndarray                     # [k] float64: this block's sum of cosines
-    top_blk: np.ndarray                     # the block's worst-token candidates (aligned indices) ...
-    top_rel: np.ndarray                     # ... their rel [t, k] and cos [t, k], in the serial order
-    top_cos: np.ndarray
-    blk: np.ndarray | None = None           # with want_metrics: the block's indices, metrics, flags
-    metrics: dict[str, np.ndarray] | None = None
-    bad: np.ndarray | None = None
-
-
-@dataclass
 class NumericPartial:
+    """The blocks of one task: (aligned indices, per-token metrics) each, in block order."""
+
     pair: int
     chunk: int
-    acc: PairAccumulator                    # token indices already global
-    blocks: list[BlockResult]
+    blocks: list[tuple[np.ndarray, dict[str, np.ndarray]]]
     seconds: float = 0.0
     pid: int = 0
     host: str = ""
@@ -158,20 +143,14 @@ def _gather(segs: list[Segment], name: str, part: str, lo: int, hi: int,
     return out
 
 
-def _finite(x: np.ndarray) -> np.ndarray:
-    return np.where(np.isfinite(x), x, 0)
-
-
 def run_numeric_task(task: NumericTask, open_reader: Callable[[str], TraceReader] | None = None) -> NumericPartial:
-    """The numeric pass of one task, block by block, exactly as the serial diff computes it."""
+    """Read a task's rows block by block and compute their per-token metrics, as the serial diff does."""
     t0 = time.perf_counter()
     opener = open_reader or open_member
     k, sw = task.slots, task.width
     bm = BlockMetrics(k, sw)
-    acc = PairAccumulator(list(task.tolerances), task.regimes)
-    blocks: list[BlockResult] = []
+    blocks = []
     n = len(task.blk)
-    local = np.arange(n, dtype=np.int64)
     for s0 in range(0, n, task.block_rows):
         s1 = min(n, s0 + task.block_rows)
         a_raw = _gather(task.a, task.name_a, task.part, s0, s1, opener)
@@ -182,22 +161,9 @@ def run_numeric_task(task: NumericTask, open_reader: Callable[[str], TraceReader
             a = np.asarray(a_raw, np.float32)[:, :k * sw]
             b = np.asarray(b_raw, np.float32)[:, :k * sw]
             m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
-        bad = acc.add(local[s0:s1], m)
-        rel_tok = _finite(m["rel"]).max(axis=1)
-        lim = task.worst_limit
-        top = np.argpartition(-rel_tok, lim)[:lim] if len(rel_tok) > lim else np.arange(len(rel_tok))
-        blk = task.blk[s0:s1]
-        res = BlockResult(s1 - s0, m["cos"].sum(axis=0, dtype=np.float64), blk[top], m["rel"][top], m["cos"][top])
-        if task.want_metrics:
-            res.blk, res.metrics, res.bad = blk, {key: np.array(v) for key, v in m.items()}, bad
-        blocks.append(res)
-    for hits in (acc.first_fail, acc.first_nonfinite):
-        for hit in hits:
-            if hit is not None:
-                hit.token_index = int(task.blk[hit.token_index])
-    acc.regime_of = np.zeros(0, np.uint8)  # not sent back
-    return NumericPartial(task.pair, task.chunk, acc, blocks, time.perf_counter() - t0, os.getpid(),
-                          socket.gethostname(), _ray_node())
+        blocks.append((task.blk[s0:s1], {key: np.array(v) for key, v in m.items()}))  # own copies: buffers are reused
+    return NumericPartial(task.pair, task.chunk, blocks, time.perf_counter() - t0, os.getpid(), socket.gethostname(),
+                          _ray_node())
 
 
 def _ray_node() -> str | None:
@@ -239,41 +205,12 @@ def locate(reader: Any, name: str, rows: np.ndarray) -> list[Segment]:
     return out
 
 
-def merge_partials(acc: PairAccumulator, partials: Sequence[NumericPartial], on_block: Callable[[BlockResult], None]
-                   ) -> PairAccumulator:
-    """Fold partial results (in chunk order) into ``acc`` exactly as the serial loop accumulates."""
-    for p in partials:
-        q = p.acc
-        acc.tokens += q.tokens
-        acc.cos_min = np.minimum(acc.cos_min, q.cos_min)
-        acc.rel_max = np.maximum(acc.rel_max, q.rel_max)
-        acc.maxabs = np.maximum(acc.maxabs, q.maxabs)
-        acc.failing += q.failing
-        acc.nonfinite_a += q.nonfinite_a
-        acc.nonfinite_b += q.nonfinite_b
-        for s in range(len(acc.tolerances)):
-            if acc.first_fail[s] is None:
-                acc.first_fail[s] = q.first_fail[s]
-            if acc.first_nonfinite[s] is None:
-                acc.first_nonfinite[s] = q.first_nonfinite[s]
-        for reg, e in q.by_regime.items():
-            t = acc.by_regime.setdefault(reg, {"tokens": 0, "failing": 0, "rel_max": 0.0})
-            t["tokens"] += e["tokens"]
-            t["failing"] += e["failing"]
-            t["rel_max"] = max(t["rel_max"], e["rel_max"])
-        for b in p.blocks:
-            acc.cos_sum += b.cos_sum   # block by block: the serial float64 summation order
-            on_block(b)
-    return acc
-
-
 @dataclass
 class _PairPlan:
     index: int
     key: tuple[str, str]
     basis: str
     slots: int
-    tolerances: list[Tolerance]
     n: int
     checksum: int
     chunks: int = 0
@@ -303,7 +240,6 @@ class PoolBackend:
         self._executor: ProcessPoolExecutor | None = None
         self.placements: list[Placement] = []
         self.stats: dict[str, Any] = {"tasks": 0, "task_seconds": 0.0, "pids": set()}
-        self._want_metrics = False
         self._reset()
 
     def _reset(self) -> None:
@@ -352,56 +288,47 @@ class PoolBackend:
 
     # -- the diff's hooks ----------------------------------------------------------------------
 
-    def start(self, differ: Any, pairs: Sequence[tuple[TensorInfo, TensorInfo]], want_metrics: bool) -> None:
+    def start(self, differ: Any, pairs: Sequence[tuple[TensorInfo, TensorInfo]]) -> None:
         """Plan every pair's tasks (lazily, a window ahead of the diff's loop)."""
         for fut in self._futures.values():  # a diff that stopped early (cancelled) left these
             cancel = getattr(fut, "cancel", None)
             if cancel is not None:
                 cancel()
         self._reset()
-        self._want_metrics = want_metrics
-        self._gen = self._tasks(differ, list(pairs), want_metrics)
+        self._gen = self._tasks(differ, list(pairs))
 
-    def _tasks(self, differ: Any, pairs: list[tuple[TensorInfo, TensorInfo]], want_metrics: bool
-               ) -> Iterator[NumericTask]:
-        al = differ.al
-        everything = np.arange(len(al))
+    def _tasks(self, differ: Any, pairs: list[tuple[TensorInfo, TensorInfo]]) -> Iterator[NumericTask]:
+        everything = np.arange(len(differ.al))
+        ra, rb = differ.ra, differ.rb
         for i, (ia, ib) in enumerate(pairs):
             (ma,), (mb,) = differ.maps.rows_at("a", ia.name, [everything]), differ.maps.rows_at("b", ib.name, [everything])
             both = (ma >= 0) & (mb >= 0)
             if not both.any():
                 continue
             basis = "values" if (ia.has_values and ib.has_values) else "sketch"
-            ra, rb = differ.ra, differ.rb
             if basis == "sketch" and not (ia.has_sketch and ib.has_sketch and ra.sketch_seed == rb.sketch_seed
                                           and ra.sketch_dim == rb.sketch_dim):
                 continue
-            k = min(ia.slot_count, ib.slot_count)
-            tols = [differ.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None)
-                    for s in range(k)]
             idx = np.flatnonzero(both)
-            plan = _PairPlan(i, (ia.name, ib.name), basis, k, tols, len(idx), _checksum(idx))
+            plan = _PairPlan(i, (ia.name, ib.name), basis, min(ia.slot_count, ib.slot_count), len(idx), _checksum(idx))
             self._plans[plan.key] = plan
-            yield from self._pair_tasks(differ, plan, ia, ib, idx, ma, mb, want_metrics)
+            yield from self._pair_tasks(differ, plan, ia, ib, idx, ma, mb)
 
     def _pair_tasks(self, differ: Any, plan: _PairPlan, ia: TensorInfo, ib: TensorInfo, idx: np.ndarray,
-                    ma: np.ndarray, mb: np.ndarray, want_metrics: bool, limit: int | None = None
-                    ) -> Iterator[NumericTask]:
+                    ma: np.ndarray, mb: np.ndarray) -> Iterator[NumericTask]:
         ra, rb = differ.ra, differ.rb
         part = "values" if plan.basis == "values" else "sketch"
         da, db = ra._ds[ia.name][part], rb._ds[ib.name][part]
         row_bytes = int(np.prod(da.shape[1:])) * da.dtype.itemsize + int(np.prod(db.shape[1:])) * db.dtype.itemsize
         br = int(differ.opt.block_rows)
-        per = br * max(1, self.task_bytes // max(1, br * row_bytes))
+        cap = max(1, self.task_bytes // max(1, br * row_bytes))
         sw = ia.slot_width if plan.basis == "values" else ra.sketch_dim
-        limit = limit or _worst_limit()
-        for c, (s0, s1) in enumerate(self._ranges(ra, rb, ia, ib, idx, ma, mb, br, per // br)):
+        for c, (s0, s1) in enumerate(self._ranges(ra, rb, ia, ib, idx, ma, mb, br, cap)):
             blk = idx[s0:s1]
             sa, sb = locate(ra, ia.name, ma[blk]), locate(rb, ib.name, mb[blk])
             plan.chunks = c + 1
             yield NumericTask(plan.index, c, ia.name, ib.name, ia.dtype, ib.dtype, part, plan.slots, sw, sa, sb, blk,
-                              np.ascontiguousarray(differ.al.regime_b[blk]), plan.tolerances, br, want_metrics, limit,
-                              nbytes=len(blk) * row_bytes, host=_main_host(sa, sb, len(blk)))
+                              br, nbytes=len(blk) * row_bytes, host=_main_host(sa, sb, len(blk)))
 
     @staticmethod
     def _ranges(ra: Any, rb: Any, ia: TensorInfo, ib: TensorInfo, idx: np.ndarray, ma: np.ndarray, mb: np.ndarray,
@@ -445,49 +372,36 @@ class PoolBackend:
         while len(self._futures) < self.window and self._submit_next():
             pass
 
-    def stream(self, differ: Any, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: np.ndarray,
-               ma: np.ndarray, mb: np.ndarray, sinks: Sequence[Any], worst: WorstTokens) -> PairAccumulator:
-        """The numeric pass of one pair from the workers' partials; the same accumulator as serial."""
-        tols = [differ.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None) for s in range(k)]
-        plan = self._plans.get((ia.name, ib.name))
-        # submit until this pair's tasks are all out (the plan exists once its first task is)
+    def blocks(self, differ: Any, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: np.ndarray,
+               ma: np.ndarray, mb: np.ndarray) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """The per-token metrics of one pair's blocks, in block order, from the workers (the diff
+        accumulates them exactly as it accumulates blocks it computes itself)."""
+        key = (ia.name, ib.name)
+        plan = self._plans.get(key)
+        # submit until this pair's tasks are all out (its plan exists once its first task is)
         while (plan is None or self._gen is not None and self._submitted_pair <= plan.index) and self._submit_next():
-            plan = self._plans.get((ia.name, ib.name))
-        if plan is None or worst.limit != _worst_limit() or bool(sinks) != self._want_metrics or (
-                plan.basis, plan.slots, plan.tolerances, plan.n, plan.checksum) != (basis, k, tols, len(idx),
-                                                                                   _checksum(idx)):
+            plan = self._plans.get(key)
+        if plan is None or (plan.basis, plan.slots, plan.n, plan.checksum) != (basis, k, len(idx), _checksum(idx)):
             # the diff planned this pair differently: run it from the diff's own arguments
             self._drop(plan)
-            plan = _PairPlan(-1, (ia.name, ib.name), basis, k, tols, len(idx), _checksum(idx))
-            tasks = list(self._pair_tasks(differ, plan, ia, ib, idx, ma, mb, bool(sinks), worst.limit))
-            futs = [self.submit(t) for t in tasks]
-            partials = [f.result() for f in futs]
+            plan = _PairPlan(-1, key, basis, k, len(idx), _checksum(idx))
+            futs = [self.submit(t) for t in self._pair_tasks(differ, plan, ia, ib, idx, ma, mb)]
+            partials: Iterator[NumericPartial] = (f.result() for f in futs)
         else:
-            partials = []
-            for c in range(plan.chunks):
-                key = (plan.index, c)
-                fut = self._futures[key]
-                partials.append(fut.result())
-                del self._futures[key]
-                self._top_up()
+            partials = self._collect(plan)
         for p in partials:
             self.stats["task_seconds"] += p.seconds
             self.stats["pids"].add((p.host, p.pid))
-        acc = PairAccumulator(tols, differ.al.regime_b)
-
-        def on_block(b: BlockResult) -> None:
-            worst.offer(ia.name, b.top_blk, {"rel": b.top_rel, "cos": b.top_cos}, differ._token_entry)
-            if sinks:
-                if b.metrics is None or b.blk is None:
-                    raise RuntimeError("a sink needs per-token metrics that the workers did not return")
-                for sink in sinks:
-                    sink.write(ia, ib, k, b.blk, b.metrics, b.bad)
-            differ._done += b.rows
-            differ._progress("comparing tensors", min(differ._done, differ._total), differ._total)
-
-        merge_partials(acc, partials, on_block)
+            yield from p.blocks
         self._top_up()
-        return acc
+
+    def _collect(self, plan: _PairPlan) -> Iterator[NumericPartial]:
+        for c in range(plan.chunks):
+            key = (plan.index, c)
+            part = self._futures[key].result()
+            del self._futures[key]
+            self._top_up()
+            yield part
 
     def _drop(self, plan: _PairPlan | None) -> None:
         if plan is None or plan.index < 0:
@@ -515,12 +429,6 @@ def _checksum(idx: np.ndarray) -> int:
     return int(idx[0]) * 1_000_003 + int(idx[-1]) * 7919 + int(idx.sum() % (1 << 61))
 
 
-def _worst_limit() -> int:
-    from .numerics import WORST_TOKENS
-
-    return int(WORST_TOKENS)
-
-
 def _main_host(sa: list[Segment], sb: list[Segment], n: int) -> str | None:
     """The host holding most of a task's rows (A's on a tie); None where hosts are not recorded."""
     count: dict[str, int] = {}
@@ -530,15 +438,6 @@ def _main_host(sa: list[Segment], sb: list[Segment], n: int) -> str | None:
     if not count:
         return None
     return max(count, key=lambda h: count[h])
-
-
-@dataclass
-class SerialBackend:
-    """No workers: the diff's own loop (here so that every backend has the same surface)."""
-
-    name: str = "serial"
-    workers: int = 1
-    placements: list[Placement] = field(default_factory=list)
 
 
 def make_backend(name: str, workers: int | None = None, *, ray_address: str | None = None,
@@ -577,6 +476,5 @@ def compared_bytes(paths: Sequence[str]) -> int:
     return total
 
 
-__all__ = ["AUTO_MIN_BYTES", "BACKENDS", "BlockResult", "NumericPartial", "NumericTask", "Placement", "PoolBackend",
-           "Segment", "SerialBackend", "compared_bytes", "locate", "make_backend", "merge_partials", "open_member",
-           "run_numeric_task"]
+__all__ = ["AUTO_MIN_BYTES", "BACKENDS", "NumericPartial", "NumericTask", "Placement", "PoolBackend", "Segment",
+           "compared_bytes", "locate", "make_backend", "open_member", "run_numeric_task"]

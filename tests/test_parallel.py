@@ -67,7 +67,7 @@ def test_pool_equals_serial(traces, pool, pair, block_rows):
 
 
 def test_pool_with_several_blocks_a_task(traces):
-    with PoolBackend(2, task_bytes=5 * 16 * 64) as b:  # ~2-3 blocks of 16 rows a task
+    with PoolBackend(2, task_bytes=3 * 16 * 128) as b:  # 3 blocks of 16 rows (64 + 64 bytes each) a task
         assert run(traces["train"], traces["bad"], b) == run(traces["train"], traces["bad"])
         assert b.stats["tasks"] > 0 and len(b.stats["pids"]) >= 1
 
@@ -140,30 +140,30 @@ def test_differ_reuses_backend_for_two_diffs(traces, pool):
         assert got == run(traces[pair[0]], traces[pair[1]])
 
 
-def test_merge_adds_cosines_block_by_block():
-    """float64 addition is not associative: the merge must add each block's cosine sum in block
-    order (as the serial loop does), not each task's total."""
-    from tensordiff.numerics import PairAccumulator
-    from tensordiff.parallel import BlockResult, NumericPartial, merge_partials
-    from tensordiff.tolerances import Tolerance
+def test_worker_blocks_are_the_serial_blocks(traces):
+    """Every block a worker returns holds the same aligned indices and bit-identical per-token
+    metrics as the block the diff computes in-process."""
+    from tensordiff.diff import Differ
 
-    sums = [1e16, 1.0, 1.0, -1e16]          # serial: ((1e16 + 1) + 1) - 1e16 = 0 ; per task: 2
-    tol = [Tolerance(0.9, 0.1)]
-
-    def partial(chunk, blocks):
-        acc = PairAccumulator(tol, np.zeros(0, np.uint8))
-        acc.cos_sum = np.array([sum(blocks)])
-        e = np.zeros(0, np.int64)
-        return NumericPartial(0, chunk, acc, [BlockResult(1, np.array([x]), e, np.zeros((0, 1)), np.zeros((0, 1)))
-                                              for x in blocks])
-
-    serial = np.zeros(1)
-    for x in sums:
-        serial += np.array([x])
-    seen = []
-    got = merge_partials(PairAccumulator(tol, np.zeros(0, np.uint8)),
-                         [partial(0, sums[:2]), partial(1, sums[2:])], seen.append)
-    assert got.cos_sum[0] == serial[0] == 0.0 and len(seen) == 4
+    with Differ(traces["train"], traces["bad_set"], DiffOptions(block_rows=16)) as d, PoolBackend(1, task_bytes=1) as b:
+        d.run()   # builds the alignment and row maps
+        seen = 0
+        for ia, ib in zip(*[[d.ra.tensors[n] for n in sorted(d.ra.tensors)], [d.rb.tensors[n] for n in sorted(d.ra.tensors)]]):
+            everything = np.arange(len(d.al))
+            (ma,), (mb,) = d.maps.rows_at("a", ia.name, [everything]), d.maps.rows_at("b", ib.name, [everything])
+            idx = np.flatnonzero((ma >= 0) & (mb >= 0))
+            k = min(ia.slot_count, ib.slot_count)
+            local = list(d._metrics(ia, ib, "values", k, idx, ma, mb))
+            b.start(d, [(ia, ib)])
+            remote = list(b.blocks(d, ia, ib, "values", k, idx, ma, mb))
+            assert len(local) == len(remote) > 1
+            for (blk1, m1), (blk2, m2) in zip(local, remote):
+                assert np.array_equal(blk1, blk2) and m1.keys() == m2.keys()
+                for key in m1:
+                    assert m1[key].dtype == m2[key].dtype
+                    assert np.array_equal(m1[key], m2[key], equal_nan=m1[key].dtype.kind == "f"), key
+                seen += 1
+        assert seen > 20
 
 
 def test_tasks_follow_the_shards_hosts(tmp_path):

@@ -274,9 +274,9 @@ def test_tui_vectors_read_from_a_set(tmp_path, recs, ref):
     try:
         r1, r2 = one.reader(1), many.reader(1)
         assert r1.sequences == r2.sequences and set(r1.tensors) == set(r2.tensors)
-        seq = r1.sequences.index("s5")
-        row1 = VectorSource.row_of(r1, "layer3", seq, 7, int(recs["serve"].tokens["s5"][7]))
-        row2 = VectorSource.row_of(r2, "layer3", r2.sequences.index("s5"), 7, int(recs["serve"].tokens["s5"][7]))
+        tok = int(recs["serve"].tokens["s5"][7])
+        row1 = one.row_of(1, "layer3", r1.sequences.index("s5"), 7, tok)
+        row2 = many.row_of(1, "layer3", r2.sequences.index("s5"), 7, tok)
         assert row1 is not None and row2 is not None
         assert np.array_equal(r1.read_values_at("layer3", np.array([row1])), r2.read_values_at("layer3", np.array([row2])))
     finally:
