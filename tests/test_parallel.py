@@ -17,7 +17,7 @@ from setgen import make_recording, write, write_ranks
 from tensordiff.cli import jsonable, main
 from tensordiff.diff import DiffOptions, Differ, diff_traces
 from tensordiff.errors import UsageError
-from tensordiff.parallel import PoolBackend, make_backend
+from tensordiff.parallel import AUTO_MIN_BYTES, PoolBackend, make_backend
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,12 @@ def test_replicas_checked_on_the_pool(tmp_path, pool):
 def test_backend_choice():
     assert make_backend("serial") is None
     assert make_backend("auto", compared_bytes=1000) is None          # too small to pay for a pool
+    big = make_backend("auto", compared_bytes=AUTO_MIN_BYTES)
+    assert isinstance(big, PoolBackend) == ((os.cpu_count() or 1) >= 2)
+    if big is not None:
+        assert big.workers == os.cpu_count()
+        big.close()
+    assert make_backend("auto", 1, compared_bytes=AUTO_MIN_BYTES) is None  # one worker: nothing to split
     b = make_backend("pool", 3)
     assert isinstance(b, PoolBackend) and b.workers == 3
     b.close()
