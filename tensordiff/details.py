@@ -112,6 +112,22 @@ class RecoveredDetails(Details):
 
 
 @dataclass
+class ReplicaDetails(Details):
+    """Rows of a trace set recorded twice (by two TP ranks, or two PP stages) that differ: the
+    diff read ``primary``'s; ``replica`` differs in ``differing`` of ``rows`` rows."""
+
+    side: str = ""
+    axis: str = "tp"           # tp | pp
+    primary: str = ""
+    replica: str = ""
+    part: str = "values"
+    rows: int = 0
+    differing: int = 0
+    max_abs: float = 0.0
+    cos_min: float = 1.0
+
+
+@dataclass
 class NonfiniteDetails(Details):
     subject: str = ""          # "slot 0 of draft_input" or a state label
     nonfinite_a: int = 0       # NaN/Inf values over the whole tensor (slot), side A

@@ -28,6 +28,7 @@ from .details import (
     PairingDetails,
     Record,
     RecoveredDetails,
+    ReplicaDetails,
     ShiftDetails,
 )
 
@@ -83,6 +84,7 @@ class Kind(_StrEnum):
     SLOT_IDENTITY = "slot_identity"    # a slot (or boundary) holds another state than expected
     LABEL_MISMATCH = "label_mismatch"  # a side's own label of a slot disagrees with what it holds
     NUMERIC = "numeric"                # drift past tolerance
+    REPLICA = "replica"                # copies in a trace set (TP replicas, PP overlap) that are not equal
 
 
 class Severity(_StrEnum):
@@ -96,7 +98,7 @@ class Severity(_StrEnum):
 
 
 # at the same place in forward order, the explanation comes before its symptoms
-_KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.PAIRING: 1, Kind.GAP: 2, Kind.MISSING: 3, Kind.NONFINITE: 4,
+_KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.PAIRING: 1, Kind.REPLICA: 1, Kind.GAP: 2, Kind.MISSING: 3, Kind.NONFINITE: 4,
               Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7}
 
 
@@ -104,6 +106,7 @@ DETAILS: dict[Kind, type[Details]] = {
     Kind.TOKEN_SHIFT: ShiftDetails, Kind.PAIRING: PairingDetails, Kind.GAP: GapDetails,
     Kind.MISSING: MissingDetails, Kind.RECOVERED: RecoveredDetails, Kind.NONFINITE: NonfiniteDetails,
     Kind.SLOT_IDENTITY: IdentityDetails, Kind.LABEL_MISMATCH: LabelDetails, Kind.NUMERIC: NumericDetails,
+    Kind.REPLICA: ReplicaDetails,
 }
 
 
@@ -255,11 +258,20 @@ def _label(f: Finding, d: LabelDetails) -> str:
     return f"{d.side} labels slot {f.slot} of {f.tensor} as {d.claimed}, but it holds {d.held}"
 
 
+def _replica(f: Finding, d: ReplicaDetails) -> str:
+    what = "TP replicas" if d.axis == "tp" else "PP stages"
+    return (f"{what} of {d.side} disagree: {f.tensor} in {os.path.basename(d.replica)} differs from "
+            f"{os.path.basename(d.primary)} (the one compared) in {d.differing} of {d.rows} replicated rows, first at "
+            f"token {f.token} (seq {f.seq}, position {f.position}); max abs {d.max_abs:.3g}, cos {d.cos_min:.6f}: "
+            "this side's result depends on which copy is read")
+
+
 _RENDER: dict[Kind, tuple[type[Details], Callable[[Finding, Any], str]]] = {
     Kind.SLOT_IDENTITY: (IdentityDetails, _identity), Kind.NUMERIC: (NumericDetails, _numeric),
     Kind.NONFINITE: (NonfiniteDetails, _nonfinite), Kind.TOKEN_SHIFT: (ShiftDetails, _shift),
     Kind.PAIRING: (PairingDetails, _pairing), Kind.GAP: (GapDetails, _gap), Kind.MISSING: (MissingDetails, _missing),
     Kind.RECOVERED: (RecoveredDetails, _recovered), Kind.LABEL_MISMATCH: (LabelDetails, _label),
+    Kind.REPLICA: (ReplicaDetails, _replica),
 }
 
 
