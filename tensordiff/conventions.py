@@ -226,6 +226,45 @@ def plan_draft_input(convention: str, ids: Sequence[int] | None, num_layers: int
 
 
 
+# ----------------------------------------------------------------------------------------------
+# Prediction tensors: what the draft computes and what the target accepts (acceptance analysis)
+# ----------------------------------------------------------------------------------------------
+# Every recorder writes them under these names and roles (kind "other", see docs/recorders.md);
+# tensordiff.acceptance reads them. Top-k rows are [ids (k) | log-probabilities (k) | logsumexp],
+# float64 (ids exact), best first; ids are the TARGET vocabulary's (a draft's reduced vocabulary
+# is mapped through its d2t table). k = min(requested k, vocabulary size).
+
+DEFAULT_TOPK = 20
+TARGET_TOPK = "target_topk"        # token_offset 0: row t = the target's prediction of token t+1
+DRAFT_TOPK = "draft_topk"          # token_offset 1: row t (states at t, token t+1) predicts token t+2
+DRAFT_FC = "draft_fc_output"       # token_offset 1: the draft's fc output [T, H] (a state: compared numerically)
+SPEC_VERIFY = "spec_verify"        # serve only, one row per verify step (on the step's first row):
+#   [accepted drafts a, proposed drafts K, first rejected draft position (-1: none),
+#    draft token j (K), target top-1 at draft position j (K), target log-prob of draft token j (K)]
+PREDICTION_ROLES = (TARGET_TOPK, DRAFT_TOPK, SPEC_VERIFY)  # not states: the numerics skip them
+
+
+def topk_width(k: int) -> int:
+    return 2 * int(k) + 1
+
+
+def topk_k(width: int) -> int:
+    """k of a top-k row of this width (ids, log-probabilities, logsumexp)."""
+    if width < 3 or (width - 1) % 2:
+        raise ValueError(f"a top-k row is 2k+1 wide, not {width}")
+    return (width - 1) // 2
+
+
+def spec_verify_width(num_drafts: int) -> int:
+    return 3 + 3 * int(num_drafts)
+
+
+def spec_verify_drafts(width: int) -> int:
+    if width < 6 or (width - 3) % 3:
+        raise ValueError(f"a spec_verify row is 3 + 3K wide, not {width}")
+    return (width - 3) // 3
+
+
 def sglang_convention_for(architecture: str) -> str:
     """The SGLang 0.5.23 id convention of a target model architecture name."""
     a = architecture.lower()

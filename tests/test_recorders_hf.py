@@ -77,7 +77,16 @@ def test_every_boundary_equals_hf_hidden_states_bit_exact(tmp_path, arch):
         np.testing.assert_allclose(r.read_rms("final_norm"), 1.0, atol=0.01)
         assert not np.allclose(r.read_rms(f"layer{N}"), 1.0, atol=0.1)
         assert r.model["num_layers"] == N and r.model["hidden_size"] == H
-        assert {i.role for i in r.tensors.values()} == {"catalog"}
+        assert {i.role for i in r.tensors.values()} == {"catalog", "target_topk"}
+        # the target's predictions: top-k ids / log-probs / logsumexp of the lm_head output
+        logits = out.logits[0].double()
+        tk = r.read_values("target_topk")
+        assert tk.shape == (17, 41) and r.tensors["target_topk"].token_offset == 0
+        lse = torch.logsumexp(logits, -1)
+        top = torch.topk(logits, 20, dim=-1)
+        np.testing.assert_array_equal(tk[:, :20], top.indices.numpy())
+        np.testing.assert_allclose(tk[:, 20:40], (top.values - lse[:, None]).numpy(), atol=1e-5)
+        np.testing.assert_allclose(tk[:, 40], lse.numpy(), rtol=1e-6)
 
 
 # Expected boundaries stated by hand for an 8-layer target: what each pipeline's own code builds.
@@ -228,7 +237,7 @@ def test_record_train_the_example_pair_bug(tmp_path, model_dir, capsys):
         assert d.attrs["draft_plan"]["captured"] == ["embed", "layer3", "layer5", "layer7"]
         assert d.attrs["draft_plan"]["intended"] == ["layer3", "layer5", "layer7"]
         names = set(r.tensors)
-        assert names == {"embed", *(f"layer{b}" for b in range(1, N + 1)), "final_norm", "draft_input"}
+        assert names == {"embed", *(f"layer{b}" for b in range(1, N + 1)), "final_norm", "draft_input", "target_topk"}
         assert r.sequences == ["p0", "p1", "p2"]
         assert d.rows == 11 + 12 + 13
 

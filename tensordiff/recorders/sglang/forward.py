@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import time
 
+from ...conventions import DRAFT_TOPK, TARGET_TOPK
 from .config import AUX, DRAFT, DRAFT_IDS
+from .predictions import full_logits, record_fc, record_topk, topk_of
 from .state import STATE, Pass, log
 
 
@@ -72,6 +74,7 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
     if not st.active or forward_batch.forward_mode.is_idle():
         return original(runner, forward_batch, *args, **kwargs)
     if getattr(runner, "is_draft_worker", False):
+        st.fc_out = st.draft_logits = None
         out = original(runner, forward_batch, *args, **kwargs)
         t0 = time.perf_counter()
         try:
@@ -87,6 +90,7 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
         st.fail("target pass", e)
         return original(runner, forward_batch, *args, **kwargs)
     st.seconds += time.perf_counter() - t0
+    st.target_logits = None
     try:
         out = original(runner, forward_batch, *args, **kwargs)
     finally:
@@ -153,11 +157,39 @@ def after_target(runner, fb, out, p: Pass) -> None:
         else:
             p.hs = hs
     st.last_target = p
+    if st.cfg.topk > 0:
+        _target_predictions(p)
     if p.regime == "target_verify":
         st.pending_verify = p
         return
     if p.hs is not None:
         record_aux(p.hs, p.rows)
+    if p.pred is not None:
+        record_topk(TARGET_TOPK, p.pred, p.rows, 0, "target logits (logits processor)")
+
+
+def _target_predictions(p: Pass) -> None:
+    """Top-k rows of the target's logits for every row of the pass; on a verify pass also the
+    log-prob the target gives each row's next input token (the draft token it verifies)."""
+    import numpy as np
+    import torch
+
+    st = STATE
+    cap, st.target_logits = st.target_logits, None
+    logits = full_logits(cap, len(p.rows), TARGET_TOPK)
+    if logits is None:
+        return
+    p.pred = topk_of(logits)
+    if p.regime != "target_verify":
+        return
+    ids = p.keys[2]
+    n = len(ids)
+    nxt = np.zeros(n, dtype=np.int64)
+    nxt[:-1] = ids[1:]  # within a block, row j's next input is the draft token at row j + 1
+    with torch.no_grad():
+        sel = torch.from_numpy(nxt).to(logits.device)[:, None]
+        lp = logits.float().gather(1, sel)[:, 0] - p.pred[:, -1].to(logits.device).float()
+    p.lp_next = lp.cpu().numpy().astype(np.float64)
 
 
 def record_aux(hs, rows) -> None:
@@ -222,6 +254,17 @@ def record_draft(runner, fb) -> None:
                    attrs={"source": "draft runner forward_batch.spec_info.hidden_states (the fc input)"})
     if n:
         _record_draft_ids(ids, rows)
+        fc = st.fc_out
+        if fc is not None and fc.shape[0] == len(rows):
+            record_fc(fc, rows)
+        elif fc is not None:
+            st.warn_once("fc-rows", "draft fc output has %d rows for %d draft rows; not recorded", fc.shape[0], len(rows))
+        if st.cfg.topk > 0:
+            logits = full_logits(st.draft_logits, len(rows), DRAFT_TOPK)
+            if logits is not None:
+                record_topk(DRAFT_TOPK, topk_of(logits, st.draft_id_map), rows, 1,
+                            "draft logits (logits processor), mapped to target ids")
+    st.fc_out = st.draft_logits = None
     st.dirty = True
 
 

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import time
 
+from ...conventions import (
+    SPEC_VERIFY,
+    TARGET_TOPK,
+    spec_verify_drafts,
+    spec_verify_width,
+)
 from .catalog import record_catalog
 from .forward import record_aux, to_numpy
+from .predictions import record_topk
 from .state import STATE, Pass
 
 
@@ -56,6 +63,7 @@ def commit_verify(p: Pass, result, batch) -> None:
     view_ids = np.zeros(n, dtype=np.int64)
     view_pos = np.zeros(n, dtype=np.int64)
     any_kept = False
+    steps = []  # spec_verify rows: (token row of the block's first row, values)
     for i, (rid, s, c) in enumerate(p.segments):
         a = int(min(max(acc[i], 0), c))
         if acc_index is not None:
@@ -75,6 +83,8 @@ def commit_verify(p: Pass, result, batch) -> None:
         if len(sel):
             p.rows[sel] = st.rec.add_tokens(rid, pos[sel], ids[sel], regime="target_verify", step=p.step)
             any_kept = True
+        if st.spec_chain and c > 1 and p.rows[s] >= 0:
+            steps.append((int(p.rows[s]), _step_row(p, s, c, a)))
         view_rows[s:s + len(path)] = p.rows[path]
         view_ids[s:s + len(path)] = ids[path]
         view_pos[s:s + len(path)] = pos[path]
@@ -89,9 +99,53 @@ def commit_verify(p: Pass, result, batch) -> None:
         return
     if p.hs is not None:
         record_aux(p.hs, p.rows)
+    if p.pred is not None:
+        record_topk(TARGET_TOPK, p.pred, p.rows, 0, "target logits (logits processor), accepted verify rows")
+    if steps:
+        _record_steps(steps)
     for kind, b, value in p.stash:
         record_catalog(kind, b, value, p.rows)
     p.stash.clear()
+
+
+def _step_row(p: Pass, s: int, c: int, a: int):
+    """One verify step of one request (topk 1: a chain of K = c - 1 draft tokens at rows s+1..):
+    [accepted drafts, K, first rejected draft position or -1, draft tokens, the target's top-1 at
+    each draft position, the target's log-prob of each draft token] (NaN where not known)."""
+    import numpy as np
+
+    k = c - 1
+    acc = min(max(a - 1, 0), k)  # accept_lens counts the bonus token
+    row = np.full(3 + 3 * k, np.nan)
+    row[0], row[1], row[2] = acc, k, (acc if acc < k else -1)
+    ids = p.keys[2]
+    row[3:3 + k] = ids[s + 1:s + c]
+    if p.pred is not None:
+        row[3 + k:3 + 2 * k] = to_numpy(p.pred[s:s + k, 0])
+    if p.lp_next is not None:
+        row[3 + 2 * k:3 + 3 * k] = p.lp_next[s:s + k]
+    return row
+
+
+def _record_steps(steps) -> None:
+    import numpy as np
+
+    st = STATE
+    if st.spec_k is None:
+        st.spec_k = spec_verify_drafts(len(steps[0][1]))
+    keep = [(r, v) for r, v in steps if len(v) == spec_verify_width(st.spec_k)]
+    if len(keep) < len(steps):
+        st.warn_once("spec-k", "a verify step with another number of draft tokens than %d; not recorded", st.spec_k)
+    if not keep:
+        return
+    n = st.model.get("num_layers") or 0
+    st.rec.plain(SPEC_VERIFY, np.stack([v for _, v in keep]), np.array([r for r, _ in keep]), role=SPEC_VERIFY,
+                 order=n + 0.95,
+                 attrs={"layout": "accepted, K, first_rejected (-1: none), draft_tokens[K], target_top1[K], "
+                                  "target_logprob_of_draft[K]", "k": st.spec_k,
+                        "what": "one row per verify step, on the token row of the step's first (verified) row"})
+    st.verify_steps += len(keep)
+    st.dirty = True
 
 
 def position_limit(req) -> int | None:
