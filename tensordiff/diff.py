@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
+from . import acceptance
 from .align import (
     RowMaps,
     SideTokens,
@@ -155,6 +156,10 @@ class Differ:
         self.al = al
         self.maps = RowMaps(al, ra, rb, self.sa, self.sb)
         pairs, findings = pair_tensors(ra, rb)
+        # predictions (top-k tables, verify steps) are not states: tensordiff.acceptance compares them
+        pairs = [(a, b) for a, b in pairs if not (acceptance.is_prediction(a) or acceptance.is_prediction(b))]
+        findings = [f for f in findings if not (f.tensor in ra.tensors and acceptance.is_prediction(ra.tensors[f.tensor])
+                                                or f.tensor in rb.tensors and acceptance.is_prediction(rb.tensors[f.tensor]))]
         for ia, ib in pairs:
             if ia.width != ib.width and not (ia.kind == ib.kind == "packed" and ia.slot_width == ib.slot_width):
                 raise IncompatibleTracesError(f"tensor {ia.name}: width {ia.width} in A but {ib.width} in B "
@@ -180,8 +185,12 @@ class Differ:
         finally:
             for s in sinks:
                 s.close()
+        findings = order_findings(findings)
+        accepted = acceptance.analyse(ra, rb, al, self.maps, findings, stats)
+        if accepted is not None:
+            findings = order_findings(findings + [accepted])
         return DiffResult(
-            path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=order_findings(findings),
+            path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=findings,
             slot_table=slot_table, pairs=stats,
             sequences=al.seq_pairs, gaps=al.gaps, shifts={str(k): v for k, v in al.shifts.items()},
             tokens_aligned=len(al), worst_tokens=worst.items(), summary_path=self.opt.summary_path,
