@@ -68,25 +68,46 @@ def _split(v: NDArray[np.float64]) -> tuple[NDArray[np.int64], NDArray[np.float6
 
 
 def kl_lower_bound(p_ids: NDArray[np.int64], p_lp: NDArray[np.float64], q_ids: NDArray[np.int64],
-                   q_lp: NDArray[np.float64]) -> NDArray[np.float64]:
+                   q_lp: NDArray[np.float64], iterations: int = 60) -> NDArray[np.float64]:
     """A lower bound of KL(p || q) per row from each distribution's top-k ids and log-probs.
 
-    Merging outcomes never increases a KL divergence (the log-sum inequality), so keeping the
-    tokens in both top-k lists as they are and merging every other token into one "rest" outcome
-    gives ``sum_S p_i log(p_i / q_i) + p_rest log(p_rest / q_rest)`` <= KL(p || q), exact values
-    only (no assumption about tokens outside either list). 0 when the lists and their
-    probabilities are equal."""
+    Merging outcomes never increases a KL divergence (the log-sum inequality). Keep each token of
+    p's top-k as its own outcome and merge every other token into one "rest". For the tokens also
+    in q's top-k, q is known; for the others (U) q is unknown but at most q's k-th probability m
+    (they are not in its list), and q's rest takes what is left. The bound is the minimum of the
+    grouped KL over every q allowed by that: convex, reached at ``q_i = min(m, lambda p_i)``
+    (i in U) and ``q_rest = lambda p_rest`` with lambda set by the total mass (found by
+    bisection). It uses exact values only and is 0 when the two tables are equal."""
     match = p_ids[:, :, None] == q_ids[:, None, :]
     both = match.any(-1)
     q_at = np.where(match, q_lp[:, None, :], -np.inf).max(-1)
     pp = np.exp(p_lp)
-    qq = np.where(both, np.exp(q_at), 0.0)
-    term = np.where(both, pp * (p_lp - np.where(both, q_at, 0.0)), 0.0).sum(-1)
-    p_rest = np.clip(1.0 - (pp * both).sum(-1), 0.0, 1.0)
-    q_rest = np.clip(1.0 - qq.sum(-1), 1e-300, 1.0)
+    unknown = ~both
+    known_term = np.where(both, pp * (p_lp - np.where(both, q_at, 0.0)), 0.0).sum(-1)
+    c = np.clip(1.0 - np.where(both, np.exp(np.where(both, q_at, 0.0)), 0.0).sum(-1), 1e-300, 1.0)
+    m = np.exp(q_lp.min(-1))
+    p_rest = np.clip(1.0 - pp.sum(-1), 0.0, 1.0)
+    pu = np.where(unknown, pp, 0.0)
+
+    def mass(lam: NDArray[np.float64]) -> NDArray[np.float64]:
+        return np.minimum(m[:, None], lam[:, None] * pu).sum(-1) + lam * p_rest
+
+    all_at_m = (p_rest <= 0) & ((unknown * m[:, None]).sum(-1) <= c)
+    hi = np.where(p_rest > 0, c / np.maximum(p_rest, 1e-300), m / np.maximum(np.where(unknown, pp, np.inf).min(-1), 1e-300))
+    hi = np.where(np.isfinite(hi), hi, 1.0)
+    lo = np.zeros_like(hi)
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        under = mass(mid) < c
+        lo, hi = np.where(under, mid, lo), np.where(under, hi, mid)
+    lam = hi
+    x = np.where(unknown, np.minimum(m[:, None], lam[:, None] * pu), 1.0)
+    x = np.where(all_at_m[:, None] & unknown, m[:, None], x)
     with np.errstate(divide="ignore", invalid="ignore"):
-        rest = np.where(p_rest > 0, p_rest * (np.log(np.maximum(p_rest, 1e-300)) - np.log(q_rest)), 0.0)
-    return np.maximum(term + rest, 0.0)
+        u_term = np.where(unknown & (pp > 0), pp * (p_lp - np.log(np.maximum(x, 1e-300))), 0.0).sum(-1)
+        q_rest = np.maximum(c - np.where(unknown, x, 0.0).sum(-1), 1e-300)
+        r_term = np.where(p_rest > 0, p_rest * (np.log(np.maximum(p_rest, 1e-300)) - np.log(q_rest)), 0.0)
+    return np.maximum(known_term + u_term + r_term, 0.0)
 
 
 def topk_compare(p: NDArray[np.float64], q: NDArray[np.float64]) -> dict[str, NDArray[Any]]:
