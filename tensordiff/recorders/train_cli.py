@@ -211,7 +211,7 @@ def _sequences_of_trace(path: str) -> list[tuple[str, list[int]]]:
         if (k[1:][dup] != k[:-1][dup]).any():
             raise TraceError(f"sequence {key} holds two different tokens at one position", path)
         if up[0] != 0 or up[-1] != len(up) - 1:
-            missing = int(up[0]) if up[0] != 0 else int(np.flatnonzero(np.diff(up) != 1)[0] + up[0] + 1)
+            missing = 0 if up[0] != 0 else int(up[np.flatnonzero(np.diff(up) != 1)[0]] + 1)
             raise TraceError(f"sequence {key} has no row at position {missing} (a radix-cache hit computes no "
                              "prefix rows): give the --outputs file record serve wrote instead", path)
         out.append((key, [int(x) for x in k[first]]))
