@@ -1,5 +1,7 @@
 """The generic torch-side recorder: name filters, token sampling, sketches computed where the
 tensor lives, host copies that do not stall the model, appends through :class:`TraceWriter`.
+(A little over 500 lines: one class whose three record paths, states, non-state rows and
+predictions, share its row rules, sampling and filters; split, they would each repeat them.)
 
 Every other recorder (module hooks, the HF extractor, the importers) records through
 :class:`Recorder`, so a trace gets the same sketches (one matmul with the seeded projection of

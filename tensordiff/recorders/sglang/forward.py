@@ -20,7 +20,7 @@ import time
 
 from ...conventions import DRAFT_TOPK, TARGET_TOPK
 from .config import AUX, DRAFT, DRAFT_IDS
-from .predictions import full_logits, record_fc, record_topk, topk_of
+from .predictions import prediction_rows, record_fc, record_topk
 from .state import STATE, Pass, log
 
 
@@ -176,11 +176,8 @@ def _target_predictions(p: Pass) -> None:
 
     st = STATE
     cap, st.target_logits = st.target_logits, None
-    logits = full_logits(cap, len(p.rows), TARGET_TOPK)
-    if logits is None:
-        return
-    p.pred = topk_of(logits)
-    if p.regime != "target_verify":
+    p.pred, logits = prediction_rows(cap, len(p.rows), TARGET_TOPK)
+    if p.pred is None or logits is None or p.regime != "target_verify":
         return
     ids = p.keys[2]
     n = len(ids)
@@ -188,7 +185,7 @@ def _target_predictions(p: Pass) -> None:
     nxt[:-1] = ids[1:]  # within a block, row j's next input is the draft token at row j + 1
     with torch.no_grad():
         sel = torch.from_numpy(nxt).to(logits.device)[:, None]
-        lp = logits.float().gather(1, sel)[:, 0] - p.pred[:, -1].to(logits.device).float()
+        lp = logits.gather(1, sel)[:, 0].float() - p.pred[:, -1].to(logits.device).float()
     p.lp_next = lp.cpu().numpy().astype(np.float64)
 
 
@@ -260,10 +257,12 @@ def record_draft(runner, fb) -> None:
         elif fc is not None:
             st.warn_once("fc-rows", "draft fc output has %d rows for %d draft rows; not recorded", fc.shape[0], len(rows))
         if st.cfg.topk > 0:
-            logits = full_logits(st.draft_logits, len(rows), DRAFT_TOPK)
-            if logits is not None:
-                record_topk(DRAFT_TOPK, topk_of(logits, st.draft_id_map), rows, 1,
-                            "draft logits (logits processor), mapped to target ids")
+            m = st.draft_id_map
+            if m is not None and m.device != hs.device:
+                m = st.draft_id_map = m.to(hs.device)  # once: the hot-token map lives on the draft's device
+            pred, _ = prediction_rows(st.draft_logits, len(rows), DRAFT_TOPK, m)
+            if pred is not None:
+                record_topk(DRAFT_TOPK, pred, rows, 1, "draft logits (logits processor), mapped to target ids")
     st.fc_out = st.draft_logits = None
     st.dirty = True
 

@@ -7,7 +7,7 @@ Taps (module hooks installed at start-up, on the target's and the draft's models
 * each model's ``logits_processor``: its final hidden states and lm_head. Where SGLang computed
   logits for every row (decode, target verify) they are used as they are; where it kept only
   some rows (a prefill's last token, a draft extend's last accepted row), the plugin computes the
-  other rows itself with the same lm_head weight (only when that weight holds the whole
+  other rows itself with the same lm_head weight, 512 rows at a time (bounded memory) (only when that weight holds the whole
   vocabulary, i.e. not vocab-sharded across TP ranks; otherwise those rows get no predictions, and
   a warning says so). The top-k ids, log-probabilities and logsumexp of every row are recorded as
   ``target_topk`` (row t predicts token t+1) and ``draft_topk`` (row t predicts token t+2; draft
@@ -61,48 +61,52 @@ def _logits_hook(draft: bool):
     return hook
 
 
-def full_logits(captured, n_rows: int, what: str):
-    """Logits [n_rows, V] of every row of the pass, or None (with a warning) when they cannot be had."""
+CHUNK_ROWS = 512  # rows whose logits the plugin computes at once (bounded memory: CHUNK_ROWS x vocab)
+
+
+def prediction_rows(captured, n_rows: int, what: str, id_map=None):
+    """(top-k rows [n_rows, 2k+1] of every row of the pass, or None with a warning; the logits
+    SGLang computed for every row, or None when the plugin computed them itself, chunk by chunk)."""
     import torch
 
+    from ..core import topk_rows
+
     st = STATE
+    k = st.cfg.topk
     if captured is None:
-        return None
+        return None, None
     module, hs, head, out = captured
     logits = getattr(out, "next_token_logits", None)
     if logits is not None and logits.shape[0] == n_rows:
-        return logits
+        return topk_rows(logits, k, id_map), logits
     if hs is None or hs.shape[0] != n_rows:
         st.warn_once(f"logits-rows-{what}", "%s: the logits processor saw %s rows for %d tokens; not recorded", what,
                      None if hs is None else hs.shape[0], n_rows)
-        return None
+        return None, None
     w = getattr(head, "weight", None)
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
     if w is None or w.dim() != 2 or (vocab is not None and w.shape[0] < int(vocab)):
         st.warn_once(f"logits-shard-{what}", "%s: the lm_head is vocab-sharded (or not a plain weight); rows whose "
                      "logits SGLang does not compute itself (prefill) are not recorded", what)
-        return None
+        return None, None
+    scale = getattr(module, "logit_scale", None)
+    cap = getattr(module, "final_logit_softcapping", None)
+    parts = []
     with torch.no_grad():
-        x = hs.to(w.dtype) @ w.T
-        if vocab is not None and x.shape[-1] > int(vocab):
-            x = x[:, : int(vocab)]  # padded vocabulary
-        scale = getattr(module, "logit_scale", None)
-        if scale is not None:
-            x = x * scale
-        cap = getattr(module, "final_logit_softcapping", None)
-        if cap:
-            x = torch.tanh(x / cap) * cap
-    return x
-
-
-def topk_of(logits, id_map=None):
-    from ..core import topk_rows
-
-    return topk_rows(logits, STATE.cfg.topk, id_map)
+        for s in range(0, n_rows, CHUNK_ROWS):
+            x = hs[s:s + CHUNK_ROWS].to(w.dtype) @ w.T
+            if vocab is not None and x.shape[-1] > int(vocab):
+                x = x[:, : int(vocab)]  # padded vocabulary
+            if scale is not None:
+                x = x * scale
+            if cap:
+                x = torch.tanh(x / cap) * cap
+            parts.append(topk_rows(x, k, id_map))
+    return torch.cat(parts), None
 
 
 def record_topk(name: str, rows_tensor, rows, token_offset: int, source: str) -> None:
-    """Append top-k rows (from :func:`topk_of`) for token ``rows`` (-1 skipped)."""
+    """Append top-k rows (from :func:`prediction_rows`) for token ``rows`` (-1 skipped)."""
     st = STATE
     n = st.model.get("num_layers") or 0
     order = {conventions.TARGET_TOPK: n + 0.6, conventions.DRAFT_TOPK: n + 0.9}[name]
