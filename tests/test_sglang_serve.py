@@ -613,6 +613,12 @@ def test_plugin_config_from_env():
                 {"TENSORDIFF_COMPRESSION": "zstd"}):
         with pytest.raises(ValueError):
             Config.from_env({"TENSORDIFF_TRACE": "s.h5", **bad})
+    assert Config.from_env({"TENSORDIFF_TRACE": "s.h5"}).topk == 20
+    assert Config.from_env({"TENSORDIFF_TRACE": "s.h5", "TENSORDIFF_TOPK": "0"}).topk == 0
+    with pytest.raises(ValueError):
+        Config.from_env({"TENSORDIFF_TRACE": "s.h5", "TENSORDIFF_TOPK": "-1"})
+    assert c.wants_values("draft_fc_output") is False  # this c asked for layer*,final_norm only
+    assert Config.from_env({"TENSORDIFF_TRACE": "s.h5"}).wants_values("draft_fc_output")
     assert rank_path("/t/serve.h5", "") == "/t/serve.h5"
     assert rank_path("/t/serve.h5", ".tp1") == "/t/serve.tp1.h5"
     assert rank_path("/t/serve", ".dp0") == "/t/serve.dp0"
@@ -646,7 +652,9 @@ def test_serve_engine_kwargs(tmp_path):
     kw = engine_kwargs(_serve_args(base + ["--aux-ids", "1", "3", "5"]))
     assert kw["enable_return_aux_hidden_states"] and kw["return_aux_hidden_state_layer_ids"] == [1, 3, 5]
     assert kw["speculative_algorithm"] == "EAGLE3" and "disable_cuda_graph" not in kw
-    env = plugin_env(_serve_args(base + ["--catalog", "--values", "all", "--sample-every", "2", "--sketch-dim", "64"]))
+    env = plugin_env(_serve_args(base + ["--catalog", "--values", "all", "--sample-every", "2", "--sketch-dim", "64",
+                                         "--topk", "5"]))
+    assert env["TENSORDIFF_TOPK"] == "5"
     assert env["TENSORDIFF_TRACE"] == str(tmp_path / "s.h5") and env["TENSORDIFF_CATALOG"] == "1"
     assert env["TENSORDIFF_VALUES"] == "all" and env["TENSORDIFF_SAMPLE_EVERY"] == "2"
     assert env["TENSORDIFF_SKETCH_DIM"] == "64"
