@@ -32,6 +32,7 @@ from .conventions import (
     DRAFT_FC,
     DRAFT_TOPK,
     PREDICTION_ROLES,
+    SPEC_CHAIN,
     SPEC_VERIFY,
     TARGET_TOPK,
     spec_verify_drafts,
@@ -217,7 +218,33 @@ def verify_steps(r: TraceReader) -> dict[str, Any] | None:
             "rate": accepted[j] / reached[j] if reached[j] else None,
             "top1": agree[j] / known[j] if known[j] else None,
             "target_logprob": lp_sum[j] / lp_n[j] if lp_n[j] else None} for j in range(K)]
+    _chain_stats(r, per)
     return {"steps": steps, "accept_length": 1.0 + acc_sum / max(steps, 1), "per_position": per}
+
+
+def _chain_stats(r: TraceReader, per: list[dict[str, Any]]) -> None:
+    """Top-k overlap and KL(target || draft) lower bound per draft position, over the steps that
+    reached it, from ``spec_chain`` (the draft's and the target's top-k at each draft position)."""
+    info = r.tensors.get(SPEC_CHAIN)
+    if info is None or info.rows == 0:
+        return
+    K, dw, tw = (int(info.attrs.get(x) or 0) for x in ("K", "draft_width", "target_width"))
+    if K != len(per) or K * (dw + tw) != info.width:
+        return
+    acc_of = dict(zip(r.token_rows(SPEC_VERIFY).tolist(),
+                      r.read_values(SPEC_VERIFY, raw=True)[:, 0].astype(np.int64).tolist()))
+    crow = r.token_rows(SPEC_CHAIN)
+    aggs = [_Agg() for _ in range(K)]
+    for s in range(0, info.rows, BLOCK):
+        v = r.read_values(SPEC_CHAIN, s, s + BLOCK, raw=True).astype(np.float64)
+        a = np.array([acc_of.get(int(t), -1) for t in crow[s:s + len(v)]])
+        for j in range(K):
+            draft = v[:, j * dw:(j + 1) * dw]
+            target = v[:, K * dw + j * tw:K * dw + (j + 1) * tw]
+            aggs[j].add(topk_compare(target, draft), a >= j)
+    for j, agg in enumerate(aggs):
+        d = agg.as_dict()
+        per[j]["overlap"], per[j]["kl_lb"] = d["overlap"], d["kl_lb"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -241,7 +241,10 @@ DRAFT_FC = "draft_fc_output"       # token_offset 1: the draft's fc output [T, H
 SPEC_VERIFY = "spec_verify"        # serve only, one row per verify step (on the step's first row):
 #   [accepted drafts a, proposed drafts K, first rejected draft position (-1: none),
 #    draft token j (K), target top-1 at draft position j (K), target log-prob of draft token j (K)]
-PREDICTION_ROLES = (TARGET_TOPK, DRAFT_TOPK, SPEC_VERIFY)  # not states: the numerics skip them
+SPEC_CHAIN = "spec_chain"          # serve only, on the spec_verify row: the draft's top-k rows at draft positions
+#   0..K-1 (position 0 from the draft extend, later ones from its decode steps), then the target's top-k rows at the
+#   step's verify rows 0..K-1 (user attrs K, draft_width, target_width)
+PREDICTION_ROLES = (TARGET_TOPK, DRAFT_TOPK, SPEC_VERIFY, SPEC_CHAIN)  # not states: the numerics skip them
 
 
 def topk_width(k: int) -> int:

@@ -22,11 +22,12 @@ def print_acceptance(res: DiffResult, console: Console) -> None:
     if d.per_position:
         t = Table(title=f"acceptance by draft position ({d.side}: {d.steps} verify steps, mean acceptance length "
                         f"{number(d.accept_length)})", title_justify="left", show_edge=False)
-        for col in ("draft position", "steps reaching it", "accepted", "rate", "top-1 = target", "target log-prob"):
+        for col in ("draft position", "steps reaching it", "accepted", "rate", "top-1 = target", "target log-prob",
+                    "top-k overlap", "KL(target||draft) >="):
             t.add_column(col)
         for p in d.per_position:
             t.add_row(str(p["position"]), str(p["reached"]), str(p["accepted"]), _pct(p["rate"]), _pct(p["top1"]),
-                      number(p["target_logprob"]))
+                      number(p["target_logprob"]), _pct(p.get("overlap")), number(p.get("kl_lb")))
         console.print(t)
     for side, teach in ((d.side, d.teacher), (d.side_a if d.side == d.side_b else d.side_b, d.teacher_other)):
         if not teach:

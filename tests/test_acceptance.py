@@ -77,6 +77,13 @@ def _write(path, *, side, fc_scale=1.0, target_noise=0.0, draft_good=False, with
         w.define_tensor(cv.SPEC_VERIFY, cv.spec_verify_width(K), dtype="float64", role=cv.SPEC_VERIFY, sketch=False)
         w.append(cv.SPEC_VERIFY, rows[:len(steps)], np.array(steps, dtype=np.float64),
                  rms=np.zeros((len(steps), 1), np.float32))
+        # spec_chain: at each draft position the draft equals the target (position 0) or not (position 1)
+        tl = _table(tlog[:len(steps)], 5)
+        other = _table(np.random.default_rng(9).normal(size=(len(steps), V)) * 3, 5)
+        w.define_tensor(cv.SPEC_CHAIN, 2 * K * cv.topk_width(5), dtype="float64", role=cv.SPEC_CHAIN, sketch=False,
+                        attrs={"K": K, "draft_width": cv.topk_width(5), "target_width": cv.topk_width(5)})
+        w.append(cv.SPEC_CHAIN, rows[:len(steps)], np.concatenate([tl, other, tl, tl], -1),
+                 rms=np.zeros((len(steps), 1), np.float32))
     w.close()
     return str(path)
 
@@ -101,6 +108,9 @@ def test_verify_steps_per_draft_position(tmp_path):
     assert (p0["reached"], p0["accepted"], p1["reached"], p1["accepted"]) == (4, 2, 2, 1)
     assert p0["top1"] == pytest.approx(2 / 4) and p1["top1"] == pytest.approx(1 / 2)
     assert p0["target_logprob"] == pytest.approx((-3 - 0.1 - 0.2 - 5) / 4)
+    # from spec_chain: position 0's draft equals the target, position 1's does not
+    assert p0["kl_lb"] == pytest.approx(0, abs=1e-9) and p0["overlap"] == 1.0
+    assert p1["kl_lb"] > 0.1 and p1["overlap"] < 1.0
 
 
 def test_wiring_agrees_and_the_draft_disagrees(tmp_path):

@@ -467,6 +467,16 @@ def test_eagle_records_predictions_fc_output_and_verify_steps(eagle_run, eagle_t
             assert agree[:a].all() and (a == K or not agree[a])
     stats = json.loads(r.f.attrs["tensordiff_sglang"])
     assert stats["verify_steps"] == len(steps)
+    # spec_chain: the draft's distribution at each draft position proposed exactly the draft token
+    # SGLang verified there (greedy), and the target rows are the verify rows' predictions
+    ch = r.tensors[cv.SPEC_CHAIN]
+    np.testing.assert_array_equal(r.token_rows(cv.SPEC_CHAIN), r.token_rows(cv.SPEC_VERIFY))
+    dw, tw = ch.attrs["draft_width"], ch.attrs["target_width"]
+    assert (ch.attrs["K"], dw, tw, ch.width) == (K, cv.topk_width(2), cv.topk_width(20), K * (dw + tw))
+    c = r.read_values(cv.SPEC_CHAIN, raw=True)
+    for j in range(K):
+        np.testing.assert_array_equal(c[:, j * dw], steps[:, 3 + j])
+        np.testing.assert_array_equal(c[:, K * dw + j * tw], steps[:, 3 + K + j])
 
 
 @pytest.mark.sglang

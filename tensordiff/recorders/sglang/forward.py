@@ -20,7 +20,13 @@ import time
 
 from ...conventions import DRAFT_TOPK, TARGET_TOPK
 from .config import AUX, DRAFT, DRAFT_IDS
-from .predictions import prediction_rows, record_fc, record_topk
+from .predictions import (
+    chain_start,
+    chain_step,
+    prediction_rows,
+    record_fc,
+    record_topk,
+)
 from .state import STATE, Pass, log
 
 
@@ -209,6 +215,8 @@ def record_draft(runner, fb) -> None:
     st = STATE
     mode = fb.forward_mode
     if not (mode.is_extend() or mode.is_draft_extend_v2()) or mode.is_target_verify():
+        if not mode.is_target_verify():
+            chain_step(fb)  # a draft decode step: the draft's distribution at the next draft position
         return  # draft decode steps feed the draft its own state, not the target's
     spec = getattr(fb, "spec_info", None)
     hs = getattr(spec, "hidden_states", None)
@@ -263,6 +271,13 @@ def record_draft(runner, fb) -> None:
             pred, _ = prediction_rows(st.draft_logits, len(rows), DRAFT_TOPK, m)
             if pred is not None:
                 record_topk(DRAFT_TOPK, pred, rows, 1, "draft logits (logits processor), mapped to target ids")
+                last = []  # the row of each request's last accepted token: draft position 0 of its next step
+                for i, (_, s, c) in enumerate(p.segments):
+                    a = c
+                    if n_acc is not None and p.regime == "target_verify" and i < len(acc):
+                        a = int(min(max(acc[i], 1), c))
+                    last.append(s + a - 1)
+                chain_start(p.segments, last, pred)
     st.fc_out = st.draft_logits = None
     st.dirty = True
 

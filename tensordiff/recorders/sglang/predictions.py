@@ -105,6 +105,42 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None):
     return torch.cat(parts), None
 
 
+def chain_start(segments, last_rows, pred) -> None:
+    """Draft position 0 of each request's next verify step: the draft-extend row of its last
+    accepted token (the row SGLang samples the first draft token from)."""
+    st = STATE
+    for (rid, _, _), r in zip(segments, last_rows):
+        if r >= 0:
+            st.chain[rid] = [pred[r]]
+
+
+def chain_step(fb) -> None:
+    """A draft decode step: the draft's top-k at the next draft position of each request."""
+    st = STATE
+    cap, st.draft_logits = st.draft_logits, None
+    if not st.chain or cap is None or st.cfg.topk <= 0:
+        return
+    logits = getattr(cap[3], "next_token_logits", None)
+    rids = getattr(fb, "rids", None)
+    if rids is None and st.last_target is not None:
+        rids = [rid for rid, _, _ in st.last_target.segments]
+    if logits is None or rids is None or logits.shape[0] != len(rids):
+        st.warn_once("chain", "a draft decode step without one row per request; draft positions after 0 get "
+                     "no distributions")
+        st.chain.clear()
+        return
+    from ..core import topk_rows
+
+    m = st.draft_id_map
+    if m is not None and m.device != logits.device:
+        m = st.draft_id_map = m.to(logits.device)
+    rows = topk_rows(logits, st.cfg.topk, m)
+    for i, rid in enumerate(rids):
+        c = st.chain.get(str(rid))
+        if c is not None:
+            c.append(rows[i])
+
+
 def record_topk(name: str, rows_tensor, rows, token_offset: int, source: str) -> None:
     """Append top-k rows (from :func:`prediction_rows`) for token ``rows`` (-1 skipped)."""
     st = STATE

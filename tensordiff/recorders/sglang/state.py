@@ -67,6 +67,7 @@ class State:
         self.draft_id_map = None   # the draft's hot-token map (draft column -> target id)
         self.spec_chain = True     # topk 1: a verify block is a chain of draft positions
         self.verify_steps = 0
+        self.chain: dict[str, list] = {}  # request -> the draft's top-k rows at draft positions 0, 1, ...
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
 
     def warn_once(self, key: str, msg: str, *args) -> None:

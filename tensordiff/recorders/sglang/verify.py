@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from ...conventions import (
+    SPEC_CHAIN,
     SPEC_VERIFY,
     TARGET_TOPK,
     spec_verify_drafts,
@@ -64,6 +65,7 @@ def commit_verify(p: Pass, result, batch) -> None:
     view_pos = np.zeros(n, dtype=np.int64)
     any_kept = False
     steps = []  # spec_verify rows: (token row of the block's first row, values)
+    chains = []  # spec_chain rows: (the same token row, the draft's and the target's top-k per draft position)
     for i, (rid, s, c) in enumerate(p.segments):
         a = int(min(max(acc[i], 0), c))
         if acc_index is not None:
@@ -85,6 +87,9 @@ def commit_verify(p: Pass, result, batch) -> None:
             any_kept = True
         if st.spec_chain and c > 1 and p.rows[s] >= 0:
             steps.append((int(p.rows[s]), _step_row(p, s, c, a)))
+            chain = st.chain.pop(rid, None)
+            if chain is not None and len(chain) == c - 1 and p.pred is not None:
+                chains.append((int(p.rows[s]), _chain_row(chain, p.pred[s:s + c - 1])))
         view_rows[s:s + len(path)] = p.rows[path]
         view_ids[s:s + len(path)] = ids[path]
         view_pos[s:s + len(path)] = pos[path]
@@ -103,6 +108,8 @@ def commit_verify(p: Pass, result, batch) -> None:
         record_topk(TARGET_TOPK, p.pred, p.rows, 0, "target logits (logits processor), accepted verify rows")
     if steps:
         _record_steps(steps)
+    if chains:
+        _record_chains(chains)
     for kind, b, value in p.stash:
         record_catalog(kind, b, value, p.rows)
     p.stash.clear()
@@ -145,6 +152,31 @@ def _record_steps(steps) -> None:
                                   "target_logprob_of_draft[K]", "k": st.spec_k,
                         "what": "one row per verify step, on the token row of the step's first (verified) row"})
     st.verify_steps += len(keep)
+    st.dirty = True
+
+
+def _chain_row(chain, target_rows):
+    """([draft top-k rows of positions 0..K-1 | target top-k rows of verify rows 0..K-1], flat;
+    draft row width; target row width)."""
+    import torch
+
+    flat = torch.cat([torch.stack(list(chain)).reshape(-1), target_rows.reshape(-1)]).cpu().numpy()
+    return flat, int(chain[0].shape[0]), int(target_rows.shape[1])
+
+
+def _record_chains(chains) -> None:
+    import numpy as np
+
+    st = STATE
+    _, (v0, dw, tw) = chains[0]
+    keep = [(r, v) for r, (v, d, t) in chains if (d, t, len(v)) == (dw, tw, len(v0))]
+    n = st.model.get("num_layers") or 0
+    st.rec.plain(SPEC_CHAIN, np.stack([v for _, v in keep]), np.array([r for r, _ in keep]), role=SPEC_CHAIN,
+                 order=n + 0.96,
+                 attrs={"layout": "K draft top-k rows (draft positions 0..K-1), then K target top-k rows (verify rows "
+                                  "0..K-1); each row ids | logprobs | logsumexp",
+                        "K": len(v0) // (dw + tw), "draft_width": dw, "target_width": tw,
+                        "what": "one row per verify step, on the token row of its spec_verify row"})
     st.dirty = True
 
 
