@@ -49,6 +49,8 @@ __all__ = ["analyse", "is_prediction", "kl_lower_bound", "topk_compare"]
 BLOCK = 65536
 TOP1_AGREE = 0.99     # across sides, top-1 agreement at least this (ties flip under rounding) ...
 KL_AGREE = 0.01       # ... and a mean KL lower bound at most this (nats): the predictions agree
+TOP1_DIFFER = 0.95    # top-1 agreement below this, or ...
+KL_DIFFER = 0.1       # ... a mean KL lower bound above this: they differ (between: close, no verdict)
 LOW_AGREEMENT = 0.5   # a draft whose top-1 agrees with the target less often than this is "disagreeing"
 UPSTREAM = ("draft_input", DRAFT_FC)  # what the draft's predictions depend on, besides the target's
 
@@ -268,6 +270,8 @@ def across(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps, 
     d = agg.as_dict()
     d["tokens"] = d.pop("rows")
     d["agree"] = bool(d["tokens"]) and d["top1"] >= TOP1_AGREE and d["kl_lb"] <= KL_AGREE
+    d["state"] = ("none" if not d["tokens"] else "agree" if d["agree"] else
+                  "differ" if d["top1"] < TOP1_DIFFER or d["kl_lb"] > KL_DIFFER else "close")
     return d
 
 
@@ -315,13 +319,15 @@ def analyse(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps,
                                + (" (the same direction, another per-token scale: a normalisation before fc, "
                                   "e.g. norm_before_fc or fc_norm on one side only)"
                                   if cos is not None and cos >= 0.9999 else " (fc weights, or a norm before fc)"))
-    elif TARGET_TOPK in cross and cross[TARGET_TOPK]["tokens"] and not cross[TARGET_TOPK]["agree"]:
+    elif cross.get(TARGET_TOPK, {}).get("state") == "differ":
         d.verdict, d.upstream = "target", TARGET_TOPK
         sev = Severity.DIVERGENCE
-    elif DRAFT_TOPK in cross and cross[DRAFT_TOPK]["tokens"] and not cross[DRAFT_TOPK]["agree"] \
-            and DRAFT_FC in compared:
+    elif cross.get(DRAFT_TOPK, {}).get("state") == "differ" and DRAFT_FC in compared:
         d.verdict, d.upstream = "draft_after_fc", DRAFT_TOPK
         sev = Severity.DIVERGENCE
+    elif any(c.get("state") == "close" for c in cross.values()):
+        d.verdict = "close"
+        d.upstream = next(n for n, c in cross.items() if c.get("state") == "close")
     elif not_compared:
         d.verdict = "incomplete"
     else:

@@ -168,8 +168,9 @@ class AcceptanceDetails(Details):
     """Why acceptance is low (tensordiff.acceptance): ``side`` the side measured (B when it has
     draft predictions or verify steps); ``verdict``: upstream (the diff's first divergence,
     ``upstream`` its sentence), target (A's and B's target predictions disagree), draft_after_fc
-    (the draft's predictions disagree while its fc output agrees), agree (draft input, fc output
-    and target predictions compared and agree), incomplete (``not_compared`` lists what was not)."""
+    (the draft's predictions disagree while its fc output agrees), close (A's and B's predictions
+    agree only approximately: no verdict), agree (draft input, fc output and target predictions
+    compared and agree), incomplete (``not_compared`` lists what was not)."""
 
     side: str = ""
     side_a: str = "A"

@@ -282,6 +282,11 @@ def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
         return (f"{head}; the draft's predictions differ between {d.side_a} and {d.side_b} (top-1 equal on "
                 f"{pct(c.get('top1'))} of {c.get('tokens', 0)} tokens) while its input and fc output agree: "
                 "the draft after fc differs (weights, attention, norms)")
+    if d.verdict == "close":
+        c = d.cross.get(d.upstream or "", {})
+        return (f"{head}; {d.upstream} of {d.side_a} and {d.side_b} agree only approximately (top-1 equal on "
+                f"{pct(c.get('top1'))} of {c.get('tokens', 0)} tokens, KL >= {c.get('kl_lb', 0):.3g} nats): "
+                "no verdict on the wiring")
     if d.verdict == "incomplete":
         return f"{head}; not compared: {', '.join(d.not_compared)}; no verdict on the wiring"
     agree = (f"{head}: the draft input, fc output and target predictions agree between {d.side_a} and "

@@ -152,6 +152,17 @@ def test_target_predictions_that_differ_are_the_cause(tmp_path):
     assert "the target's predictions differ between train and serve" in f.message
 
 
+def test_target_predictions_that_nearly_agree_give_no_verdict(tmp_path):
+    a = _write(tmp_path / "a.h5", side="train")
+    b = _write(tmp_path / "b.h5", side="serve", target_noise=0.3, steps=STEPS)
+    res = diff_traces(a, b)
+    f = _acceptance(res)
+    c = f.details.cross[cv.TARGET_TOPK]
+    assert f.details.verdict == "close" and 0.01 < c["kl_lb"] <= 0.1, c
+    assert f.severity == Severity.WARNING and res.exit_code == 0
+    assert "agree only approximately" in f.message and "no verdict on the wiring" in f.message
+
+
 def test_nothing_is_said_to_agree_that_was_not_compared(tmp_path):
     a = _write(tmp_path / "a.h5", side="train", with_fc=False)
     b = _write(tmp_path / "b.h5", side="serve", steps=STEPS)
