@@ -39,12 +39,12 @@ from .conventions import (
     topk_k,
 )
 from .details import AcceptanceDetails
-from .findings import Finding, Kind, PairStats, Severity
+from .findings import ALLOWED_PREFIX, Finding, Kind, PairStats, Severity, order_findings
 from .tokens import token_code
 from .trace import TensorInfo, TraceReader
 from .vocab import REGIMES
 
-__all__ = ["analyse", "is_prediction", "kl_lower_bound", "topk_compare"]
+__all__ = ["add_finding", "analyse", "is_prediction", "kl_lower_bound", "topk_compare"]
 
 BLOCK = 65536
 TOP1_AGREE = 0.99     # across sides, top-1 agreement at least this (ties flip under rounding) ...
@@ -93,7 +93,8 @@ def kl_lower_bound(p_ids: NDArray[np.int64], p_lp: NDArray[np.float64], q_ids: N
     pu = np.where(unknown, pp, 0.0)
 
     def mass(lam: NDArray[np.float64]) -> NDArray[np.float64]:
-        return np.minimum(m[:, None], lam[:, None] * pu).sum(-1) + lam * p_rest
+        total: NDArray[np.float64] = np.minimum(m[:, None], lam[:, None] * pu).sum(-1) + lam * p_rest
+        return total
 
     all_at_m = (p_rest <= 0) & ((unknown * m[:, None]).sum(-1) <= c)
     hi = np.where(p_rest > 0, c / np.maximum(p_rest, 1e-300), m / np.maximum(np.where(unknown, pp, np.inf).min(-1), 1e-300))
@@ -110,7 +111,8 @@ def kl_lower_bound(p_ids: NDArray[np.int64], p_lp: NDArray[np.float64], q_ids: N
         u_term = np.where(unknown & (pp > 0), pp * (p_lp - np.log(np.maximum(x, 1e-300))), 0.0).sum(-1)
         q_rest = np.maximum(c - np.where(unknown, x, 0.0).sum(-1), 1e-300)
         r_term = np.where(p_rest > 0, p_rest * (np.log(np.maximum(p_rest, 1e-300)) - np.log(q_rest)), 0.0)
-    return np.maximum(known_term + u_term + r_term, 0.0)
+    out: NDArray[np.float64] = np.maximum(known_term + u_term + r_term, 0.0)
+    return out
 
 
 def topk_compare(p: NDArray[np.float64], q: NDArray[np.float64]) -> dict[str, NDArray[Any]]:
@@ -280,6 +282,27 @@ def across(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps, 
 # ----------------------------------------------------------------------------------------------
 
 
+def _diverges(f: Finding) -> bool:
+    """A divergence, or one that ``--allow-failed`` turned into a warning (it still diverges)."""
+    return f.severity == Severity.DIVERGENCE or (f.text or "").startswith(ALLOWED_PREFIX)
+
+
+def add_finding(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
+                stats: list[PairStats]) -> list[Finding]:
+    """``findings`` (in forward order) with the acceptance finding added, in forward order again;
+    its ``upstream_index`` is the upstream finding's index in the returned list."""
+    f = analyse(ra, rb, al, maps, findings, stats)
+    if f is None:
+        return findings
+    d = f.details
+    assert isinstance(d, AcceptanceDetails)
+    up = next((g for g in findings if _diverges(g)), None) if d.verdict == "upstream" else None
+    out = order_findings(findings + [f])
+    if up is not None:
+        d.upstream_index = up.index
+    return out
+
+
 def analyse(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
             stats: list[PairStats]) -> Finding | None:
     """The acceptance finding of a diff (None when neither side recorded draft predictions or
@@ -295,15 +318,16 @@ def analyse(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps,
     not_compared = [n for n in UPSTREAM if n not in compared]
     if TARGET_TOPK not in cross or not cross[TARGET_TOPK]["tokens"]:
         not_compared.append(TARGET_TOPK)
-    upstream = next((f for f in findings if f.severity == Severity.DIVERGENCE), None)
+    upstream = next((f for f in findings if _diverges(f)), None)
     order = float((ra.num_layers or 0) + 0.99)
     t = teach[side] or {}
     d = AcceptanceDetails(side=reader.side, side_a=ra.side, side_b=rb.side, teacher=t, teacher_other=teach[
         "a" if side == "b" else "b"] or {}, cross=cross, not_compared=not_compared)
-    if steps[side]:
-        d.steps = steps[side]["steps"]
-        d.accept_length = steps[side]["accept_length"]
-        d.per_position = steps[side]["per_position"]
+    vs = steps[side]
+    if vs is not None:
+        d.steps = vs["steps"]
+        d.accept_length = vs["accept_length"]
+        d.per_position = vs["per_position"]
     d.draft_top1 = (t.get("all") or {}).get("top1")
     d.draft_kl = (t.get("all") or {}).get("kl_lb")
     d.draft_disagrees = d.draft_top1 is not None and d.draft_top1 < LOW_AGREEMENT
@@ -311,8 +335,7 @@ def analyse(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps,
     if upstream is not None:
         d.verdict, d.upstream, d.upstream_index = "upstream", upstream.message, upstream.index
         sev = Severity.INFO  # the divergence itself is the upstream finding
-        input_ok = "draft_input" in compared and not any(
-            f.severity == Severity.DIVERGENCE and f.tensor == "draft_input" for f in findings)
+        input_ok = "draft_input" in compared and not any(_diverges(f) and f.tensor == "draft_input" for f in findings)
         if upstream.tensor == DRAFT_FC and input_ok:
             cos = getattr(upstream.details, "cos", None)
             d.upstream_note = ("draft_input agrees, so the draft transforms its input differently before or in fc"

@@ -119,7 +119,7 @@ class DraftPlan:
     pipeline: str
     prepend_embed: bool = False
 
-    def as_attrs(self) -> dict:
+    def as_attrs(self) -> dict[str, object]:
         d = asdict(self)
         d["raw_ids"] = list(self.raw_ids) if self.raw_ids is not None else None
         for k in ("captured", "fed", "intended"):
@@ -185,7 +185,7 @@ def plan_draft_input(convention: str, ids: Sequence[int] | None, num_layers: int
             b = parse_label(lab)
             if b is not None and b > n:
                 raise ValueError(f"boundary {b} is outside 0..{n}")
-        raw = tuple(parse_label(lab) for lab in given) if FINAL_NORM not in given else None
+        raw = tuple(int(parse_label(lab) or 0) for lab in given) if FINAL_NORM not in given else None
         return DraftPlan("boundary", raw, given, given, None, given, "cat(states at the given boundaries)")
     if convention == "eagle":
         captured = fed = intended = labels(default_eagle_boundaries(n))
@@ -215,11 +215,11 @@ def plan_draft_input(convention: str, ids: Sequence[int] | None, num_layers: int
         if ids_t is None:
             pipeline += " (no ids configured: default inputs of layers 2, N//2, N-3)"
     post = (convention == "hf") if hf_index_n_post_norm is None else bool(hf_index_n_post_norm)
-    last = boundary_label(n)
+    last_label = boundary_label(n)
     if post:
-        captured = [FINAL_NORM if lab == last else lab for lab in captured]
-        fed = [FINAL_NORM if lab == last else lab for lab in fed]
-        verifier = FINAL_NORM if verifier == last else verifier
+        captured = [FINAL_NORM if lab == last_label else lab for lab in captured]
+        fed = [FINAL_NORM if lab == last_label else lab for lab in fed]
+        verifier = FINAL_NORM if verifier == last_label else verifier
         pipeline += "; HF index N is the post-norm state"
     return DraftPlan(convention, ids_t, tuple(captured), tuple(fed), verifier, tuple(intended), pipeline,
                      prepend_embed)

@@ -50,7 +50,7 @@ from .findings import (
 )
 from .identity import IdentityVerdict
 from .numerics import BlockMetrics, PairAccumulator, WorstTokens
-from .tolerances import ToleranceBook
+from .tolerances import ToleranceBook, allow_failed
 from .trace import TensorInfo, TraceReader
 from .vocab import REGIMES
 
@@ -185,10 +185,9 @@ class Differ:
         finally:
             for s in sinks:
                 s.close()
-        findings = order_findings(findings)
-        accepted = acceptance.analyse(ra, rb, al, self.maps, findings, stats)
-        if accepted is not None:
-            findings = order_findings(findings + [accepted])
+        self.opt.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
+        findings = allow_failed(findings, stats, self.opt.tolerances.allow_failed)
+        findings = acceptance.add_finding(ra, rb, al, self.maps, order_findings(findings), stats)
         return DiffResult(
             path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=findings,
             slot_table=slot_table, pairs=stats,

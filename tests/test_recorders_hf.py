@@ -216,7 +216,8 @@ def _cli(argv):
 def _prompts(path, n=3, L=12, text=False):
     g = torch.Generator().manual_seed(11)
     with open(path, "w") as f:
-        f.writelines(json.dumps({"id": f"p{i}", "input_ids": torch.randint(0, V, (L + i,), generator=g).tolist()}) + "\n" for i in range(n))
+        f.writelines(json.dumps({"id": f"p{i}", "input_ids": torch.randint(0, V, (L + i,), generator=g).tolist()}) + "\n"
+                     for i in range(n))
     return path
 
 
@@ -263,7 +264,8 @@ def test_record_train_text_prompts_sampling_and_no_tty(tmp_path, model_dir, caps
     mdir.mkdir()
     for f in os.listdir(model_dir):
         os.symlink(os.path.join(model_dir, f), mdir / f)
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away"])}}
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away"]
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(mdir)

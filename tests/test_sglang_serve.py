@@ -54,7 +54,8 @@ def _env() -> dict:
     """The environment of an engine process: CPU mode, the sgl_kernel stand-in, only our plugin."""
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO), *rest])
     env["SGLANG_PLUGINS"] = "tensordiff"
     for k in list(env):
         if k.startswith("TENSORDIFF_"):

@@ -242,7 +242,8 @@ class HFExtractorRecorder:
         one key and [L] ids, or B keys and [B, L] ids (``attention_mask`` marks real tokens).
         Yields the token rows. The draft input is built and recorded when the block ends."""
         if isinstance(seq, str):
-            ids = input_ids.detach().reshape(-1).cpu() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids).reshape(-1)
+            ids = (input_ids.detach().reshape(-1).cpu() if isinstance(input_ids, torch.Tensor)
+                   else np.asarray(input_ids).reshape(-1))
             rows = self.recorder.add_tokens(seq, positions, ids, regime=regime, step=step)[None]
         else:
             if positions is not None:

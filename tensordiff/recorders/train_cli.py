@@ -136,7 +136,8 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
             if ids is None:
                 text = obj.get("text", obj.get("prompt"))
         if ids is not None:
-            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
                 raise TraceError(f"line {n}: token ids must be a non-empty list of non-negative integers", path)
         elif isinstance(text, str):
             if tok is None:

@@ -239,7 +239,7 @@ def record_draft(runner, fb) -> None:
     n_acc = getattr(spec, "num_accept_tokens", None)
     if n_acc is not None and p.regime == "target_verify":
         acc = to_numpy(n_acc).astype(np.int64)
-        for i, (rid, s, c) in enumerate(p.segments):
+        for i, (_, s, c) in enumerate(p.segments):
             if i < len(acc):
                 rows[s + int(min(max(acc[i], 0), c)):s + c] = -1  # filler past the accept length
     # the shift check: draft row t's input id is token t+1 of the same request (where the target
