@@ -71,19 +71,28 @@ def to_storage(x: torch.Tensor) -> np.ndarray:
     return x.numpy()
 
 
+_TOPK_ROWS = 2048
+
+
 def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
               id_map: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k rows of ``logits`` [..., V] as the trace stores them: [n, 2k+1] float64 =
     [token ids (k) | log-probabilities (k) | logsumexp], best first, k = min(k, V), computed in
     fp32 where the logits live. ``id_map`` [V] turns column ids into target ids (a draft's
     reduced vocabulary: ``d2t + arange``)."""
-    x = logits.detach().reshape(-1, logits.shape[-1]).float()
-    kk = min(int(k), x.shape[-1])
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    v, i = torch.topk(x, kk, dim=-1)
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    kk = min(int(k), flat.shape[-1])
     if id_map is not None:
-        i = id_map.to(i.device)[i]
-    return torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1)
+        id_map = id_map.to(flat.device)
+    out = []
+    for s in range(0, max(flat.shape[0], 1), _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
+        x = flat[s:s + _TOPK_ROWS].float()
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        v, i = torch.topk(x, kk, dim=-1)
+        if id_map is not None:
+            i = id_map[i]
+        out.append(torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1))
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 @dataclass(frozen=True)
