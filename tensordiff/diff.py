@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
+from . import acceptance
 from .align import (
     RowMaps,
     SideTokens,
@@ -158,6 +159,10 @@ class Differ:
         self.al = al
         self.maps = RowMaps(al, ra, rb, self.sa, self.sb)
         pairs, findings = pair_tensors(ra, rb)
+        # predictions (top-k tables, verify steps) are not states: tensordiff.acceptance compares them
+        pairs = [(a, b) for a, b in pairs if not (acceptance.is_prediction(a) or acceptance.is_prediction(b))]
+        findings = [f for f in findings if not (f.tensor in ra.tensors and acceptance.is_prediction(ra.tensors[f.tensor])
+                                                or f.tensor in rb.tensors and acceptance.is_prediction(rb.tensors[f.tensor]))]
         for ia, ib in pairs:
             if ia.width != ib.width and not (ia.kind == ib.kind == "packed" and ia.slot_width == ib.slot_width):
                 raise IncompatibleTracesError(f"tensor {ia.name}: width {ia.width} in A but {ib.width} in B "
@@ -188,8 +193,9 @@ class Differ:
                 s.close()
         self.opt.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
         findings = allow_failed(findings, stats, self.opt.tolerances.allow_failed)
+        findings = acceptance.add_finding(ra, rb, al, self.maps, order_findings(findings), stats)
         return DiffResult(
-            path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=order_findings(findings),
+            path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=findings,
             slot_table=slot_table, pairs=stats,
             sequences=al.seq_pairs, gaps=al.gaps, shifts={str(k): v for k, v in al.shifts.items()},
             tokens_aligned=len(al), worst_tokens=worst.items(), summary_path=self.opt.summary_path,
