@@ -345,7 +345,7 @@ def test_vllm_and_sglang_traces_agree(vllm_run, sglang_run):
     proc = _td("diff", sglang_run["trace"], vllm_run["trace"], "--json")
     assert proc.returncode == 0, proc.stdout[:3000] + proc.stderr[-2000:]
     res = json.loads(proc.stdout)
-    compared = {p["name_a"]: p for p in res["pairs"]}
+    compared = {p["name_a"]: p for p in res["tensors"]}
     assert "aux_hidden_states" in compared and compared["aux_hidden_states"]["basis"] == "values"
     assert {"embed", "layer3", "layer8", "final_norm"} <= set(compared)
     assert all(p["tokens"] > 0 for p in compared.values())
