@@ -53,7 +53,7 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 
 log "installing tensordiff (the vllm.general_plugins entry point)"
-pip_quiet install -q --no-deps --no-build-isolation -e .
+pip_quiet install -q --no-deps -e .
 
 log "checking that vLLM imports and finds the plugin"
 out=$("$VPY" -W ignore -c '
