@@ -48,9 +48,8 @@ import logging
 import os
 import re
 import time
-from typing import Any
 
-from .sglang_plugin import ENV_TRACE, Config, rank_path
+from .sglang_plugin import Config, rank_path
 
 log = logging.getLogger("tensordiff.vllm")
 
