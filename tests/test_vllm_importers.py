@@ -6,18 +6,15 @@ here in those layouts from known states, so every slot's identity is known exact
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-REPO = Path(__file__).resolve().parent.parent
 H = 16
 N = 8
 
@@ -30,10 +27,22 @@ def _states(T: int, seed: int) -> dict:
     return st
 
 
-def _td(*args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF_")}
-    return subprocess.run([sys.executable, "-m", "tensordiff", *args], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=300)
+class _Proc:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def _td(capsys):
+    """`tensordiff ...` in this process (the CLI's own main: exit code, stdout, stderr)."""
+    from tensordiff.cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        rc = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return _Proc(rc, out.out, out.err)
+    return run
 
 
 def _reader(path):
@@ -56,7 +65,7 @@ def _write_vllm(d: Path, ids_cfg, seqs: dict) -> dict:
     return states
 
 
-def test_import_vllm_extract_hidden_states(tmp_path):
+def test_import_vllm_extract_hidden_states(tmp_path, _td):
     seqs = {"req-a": [5, 6, 7, 8, 9], "req-b": [1, 2, 3]}
     states = _write_vllm(tmp_path / "hs", [5, 2, 7], seqs)
     out = tmp_path / "v.h5"
@@ -86,7 +95,7 @@ def test_import_vllm_extract_hidden_states(tmp_path):
     assert proc.returncode == 0 and "vllm-hidden-states" in proc.stdout, proc.stderr
 
 
-def test_import_trtllm_saved_hidden_states(tmp_path):
+def test_import_trtllm_saved_hidden_states(tmp_path, _td):
     d = tmp_path / "trt"
     d.mkdir()
     seqs = {7: [3, 4, 5, 6], 9: [8, 9]}
@@ -126,7 +135,7 @@ def test_import_trtllm_saved_hidden_states(tmp_path):
         assert r.tensors["aux_hidden_states"].slot_labels == ["layer2", "layer4"] and "layer4" in r.tensors
 
 
-def test_import_modelopt_collect_hidden_states(tmp_path):
+def test_import_modelopt_collect_hidden_states(tmp_path, _td):
     d = tmp_path / "mo"
     d.mkdir()
     toks = [11, 12, 13, 14, 15, 16]
@@ -151,7 +160,7 @@ def test_import_modelopt_collect_hidden_states(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no-ids", "wrong-count", "not-safetensors", "pickle", "bad-shape", "no-outdir"])
-def test_engine_import_bad_input_is_one_line_exit_2(tmp_path, case):
+def test_engine_import_bad_input_is_one_line_exit_2(tmp_path, case, _td):
     d = tmp_path / "hs"
     _write_vllm(d, [2, 4], {"r": [1, 2, 3]})
     argv = ["import", "vllm-hidden-states", str(d), "--aux-ids", "2", "4", "--out", str(tmp_path / "o.h5")]
