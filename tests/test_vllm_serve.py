@@ -372,6 +372,8 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm.v1.worker.worker_base import WorkerBase
 wrapped = [getattr(GPUModelRunner, m) for m in ("execute_model", "_model_forward", "_sample")]
 wrapped += [getattr(SpecDecodeBaseProposer, m) for m in ("propose", "set_inputs_first_pass")]
+from vllm.v1.worker.worker_base import WorkerWrapperBase
+wrapped += [WorkerWrapperBase.shutdown, WorkerWrapperBase.init_device]
 print("ACTIVE", all(hasattr(w, "__tensordiff_wrapped__") for w in wrapped),
       all(hasattr(WorkerBase, m) for m in vllm_plugin.RPC_METHODS), os.path.exists(os.environ["TENSORDIFF_TRACE"]))
 """

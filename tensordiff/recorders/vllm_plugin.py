@@ -67,6 +67,7 @@ HOOK_TARGETS = (
     f"{_PROPOSER}.propose",
     f"{_PROPOSER}.set_inputs_first_pass",
     "vllm.v1.worker.worker_base.WorkerWrapperBase.shutdown",
+    "vllm.v1.worker.worker_base.WorkerWrapperBase.init_device",
 )
 _WRAPPED = "__tensordiff_wrapped__"
 _INTERNAL_ID = re.compile(r"^(.*)-[0-9a-f]{8}$")  # vLLM's internal id: f"{external}-{random_uuid():.8}"
@@ -104,6 +105,7 @@ def _install() -> None:
         (HOOK_TARGETS[3], "around", _hook_propose),
         (HOOK_TARGETS[4], "after", _hook_set_inputs_first_pass),
         (HOOK_TARGETS[5], "before", _hook_shutdown),
+        (HOOK_TARGETS[6], "after", _hook_init_device),
     ):
         mod_name, cls_name, meth = target.rsplit(".", 2)
         cls = getattr(importlib.import_module(mod_name), cls_name)
@@ -296,6 +298,16 @@ atexit.register(_STATE.close)
 
 def _hook_shutdown(wrapper, *args, **kwargs) -> None:
     _STATE.close()
+
+
+def _hook_init_device(out, wrapper, *args, **kwargs) -> None:
+    """The Worker has made its model runner: say so when it is one the recorder does not tap."""
+    runner = getattr(getattr(wrapper, "worker", None), "model_runner", None)
+    mod = type(runner).__module__ if runner is not None else ""
+    if mod.startswith("vllm.v1.worker.gpu."):  # the V2 model runner (vllm/v1/worker/gpu/model_runner.py)
+        _STATE.broken = True
+        log.error("tensordiff: not recording: vLLM runs its V2 model runner (%s), which this recorder does not "
+                  "tap; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0 to record", type(runner).__name__)
 
 
 # ----------------------------------------------------------------------------------------------

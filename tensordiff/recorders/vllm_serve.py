@@ -100,6 +100,8 @@ def record(args: argparse.Namespace, prompts: list[tuple[str, list[int]]], env: 
     kwargs = engine_kwargs(args)
     env = dict(env)
     env.setdefault("VLLM_LOGGING_LEVEL", str(args.log_level).upper())
+    if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:  # the recorder taps the V1 model runner
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     plugins = os.environ.get("VLLM_PLUGINS", "").strip()
     if plugins and PLUGIN_NAME not in [x.strip() for x in plugins.split(",")]:
         env["VLLM_PLUGINS"] = plugins + "," + PLUGIN_NAME
@@ -153,7 +155,8 @@ def record(args: argparse.Namespace, prompts: list[tuple[str, list[int]]], env: 
     dt = time.perf_counter() - t0
     if not os.path.exists(out_path):
         raise RecordingError("the engine ran but wrote no trace: the plugin did not load in its Worker process "
-                             "(is VLLM_PLUGINS excluding it?) or this rank does not record", out_path)
+                             "(is VLLM_PLUGINS excluding it?), vLLM ran its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), "
+                             "or this rank does not record", out_path)
     if args.outputs:
         with open(args.outputs, "w", encoding="utf-8") as f:
             for o in outputs:
