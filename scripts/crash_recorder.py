@@ -186,6 +186,13 @@ class _Source:
 # checking a killed run
 
 
+def _is_bad_input(e: BaseException) -> bool:
+    """Whether ``e`` is the reader's refusal of a file (one line at the CLI), not a bug."""
+    from tensordiff.errors import TensordiffError
+
+    return isinstance(e, TensordiffError)
+
+
 def check_recovered(path: str, ref_path: str) -> dict:
     """Open a killed run's trace and compare every row it recovered with the reference run.
 
@@ -271,7 +278,7 @@ def write_sweep(a, argv: list[str]) -> int:
         except AssertionError as e:
             results.append(("bad", str(e), k))
         except Exception as e:  # noqa: BLE001
-            if flushed == 0 and type(e).__name__ == "TraceError":
+            if flushed == 0 and _is_bad_input(e):
                 results.append(("ok", added, k))  # killed before its first commit: a clean refusal, nothing lost
             else:
                 results.append(("error", f"{type(e).__name__}: {e}", k))
@@ -346,7 +353,7 @@ def main(argv=None) -> int:
             except AssertionError as e:
                 results.append(("bad", str(e)))
             except Exception as e:  # noqa: BLE001
-                if flushed == 0 and type(e).__name__ == "TraceError":
+                if flushed == 0 and _is_bad_input(e):
                     results.append(("ok", added))  # killed before its first commit: a clean refusal, nothing lost
                 else:
                     results.append(("error", f"{type(e).__name__}: {e}"))

@@ -8,10 +8,20 @@ detail pane for the selected cell with the aligner's sentence, identity candidat
 metrics, both token keys and small text plots of the two vectors.
 
 The TUI never judges a tensor itself: every verdict it shows comes from
-:class:`tensordiff.align.Differ`. The heatmap reads the diff's per-token summary, written to a
-temporary file that the app deletes on exit, in blocks (see :mod:`tensordiff.tui_widgets`).
+:class:`tensordiff.diff.Differ`. The heatmap reads the diff's per-token summary, written to a
+temporary file that the app deletes on exit, in blocks.
 
-Keys: see :data:`HELP` (``?`` in the app) and docs/tui.md.
+Where things live: this module is the app (layout, keys and actions, what the diff's messages
+do, quit) and its entry points (:func:`run_tui`, :func:`save_screenshot`);
+:mod:`tensordiff.tui_diff` runs the diff in a thread that reports as :class:`DiffProgress` /
+:class:`DiffEnded` messages; :mod:`tensordiff.tui_widgets` the widgets and screens;
+:mod:`tensordiff.tui_data` the data layer (block cache, lookups, go-to, the cell reader) and
+:mod:`tensordiff.tui_text` the text of the panes, neither of which imports textual. This module
+is over 500 lines because it is one ``App`` class and the two functions that run it: Textual binds
+keys, actions and message handlers to the app, and cutting the class into mixins would scatter
+one state machine over several files.
+
+Keys: see :data:`tensordiff.tui_widgets.HELP` (``?`` in the app) and docs/tui.md.
 """
 
 from __future__ import annotations
@@ -20,176 +30,37 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import replace
-from typing import Callable
+from collections.abc import Callable
+from typing import ClassVar
 
-import numpy as np
 from rich.text import Text
 from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.message import Message
-from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Input, OptionList, ProgressBar, Static, Tree
 from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
-from .align import DiffOptions, DiffResult, Differ, Finding, SlotRow
-from .errors import TraceError
-from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
-from .tui_widgets import (METRICS, Column, Heatmap, find_position, find_token_id, fmt, plot_lines, read_columns,
-                          regime_name)
+from .diff import DiffOptions
+from .errors import TraceError, UsageError
+from .findings import DiffResult
+from .fmt import progress_unit
+from .summary import SummaryReader, read_columns
+from .token_text import TokenText
+from .tui_diff import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread, run_diff
+from .tui_data import (
+    GOTO_FORMS,
+    METRICS,
+    Column,
+    VectorSource,
+    resolve_goto,
+)
+from .tui_text import detail_lines, finding_prompt
+from .tui_widgets import GotoScreen, Heatmap, HelpScreen, TensorTree
 
 EXIT_INTERRUPTED = 130   # quit before the diff finished: no verdict
-
-HELP = [
-    ("n / p", "next / previous finding"),
-    ("f", "jump to the first divergence"),
-    ("g", "go to a token: #INDEX (aligned row), SEQ:POS, POS (in the current sequence) or t=TOKEN_ID"),
-    ("/", "filter tensors: comma-separated substrings of column labels (empty: all); Enter or Esc closes"),
-    ("m", "toggle the heatmap metric: relative error, 1 - cosine, max abs error, aligner verdict"),
-    ("arrows, PgUp/PgDn, Home/End", "move the heatmap cursor (click a cell with the mouse, too)"),
-    ("Tab / Shift+Tab", "move between findings, tensors and heatmap; Enter picks"),
-    ("s", "save a screenshot (SVG) in the current directory"),
-    ("?", "this help"),
-    ("q", "quit (exit code: 1 divergence, 0 agree, 130 quit before the diff finished)"),
-]
-
-SEVERITY_GLYPH = {"divergence": ("✗", "bold red"), "warning": ("!", "yellow"), "info": ("·", "blue")}
-OK_GLYPH = ("✓", "green")
-_SEV_RANK = {"divergence": 3, "warning": 2, "info": 1}
-
-DiffFn = Callable[[str, str, DiffOptions], DiffResult]
-
-
-class _Cancelled(Exception):
-    """Raised in the diff worker's progress callback once the app quits."""
-
-
-class DiffEnded(Message):
-    """Posted by the diff thread: the result, or the error it raised."""
-
-    def __init__(self, result: DiffResult | None, error: BaseException | None) -> None:
-        self.result = result
-        self.error = error
-        super().__init__()
-
-
-def run_diff(path_a: str, path_b: str, options: DiffOptions) -> DiffResult:
-    with Differ(path_a, path_b, options) as d:
-        return d.run()
-
-
-# ----------------------------------------------------------------------------------------------
-# Screens
-# ----------------------------------------------------------------------------------------------
-
-
-class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,q,question_mark,enter", "dismiss", "close")]
-    DEFAULT_CSS = """
-    HelpScreen { align: center middle; }
-    HelpScreen > Static { width: 96; height: auto; border: round $accent; padding: 1 2; background: $panel; }
-    """
-
-    def compose(self) -> ComposeResult:
-        from rich.console import Group
-        from rich.table import Table
-
-        table = Table(box=None, show_header=False, padding=(0, 2, 0, 0), expand=True)
-        table.add_column(style="bold cyan", no_wrap=True, justify="right")
-        table.add_column(ratio=1)
-        for k, what in HELP:
-            table.add_row(k, what)
-        legend = Text("Colours and glyphs are the aligner's: red / ✗ a divergence, yellow / ! a warning, "
-                      "green / ✓ nothing found. Heatmap bars grow with the metric (log scale); in verdict "
-                      "mode ··· is ok and ███ fails tolerance; !!! NaN/Inf; blank: no row for that token. "
-                      "Esc closes.", style="dim")
-        yield Static(Group(Text("tensordiff keys\n", style="bold"), table, Text(""), legend))
-
-    def action_dismiss(self) -> None:  # type: ignore[override]
-        self.dismiss(None)
-
-
-class GotoScreen(ModalScreen[str | None]):
-    BINDINGS = [Binding("escape", "cancel", "cancel")]
-    DEFAULT_CSS = """
-    GotoScreen { align: center middle; }
-    GotoScreen > Vertical { width: 72; height: auto; border: round $accent; padding: 0 1; background: $panel; }
-    """
-
-    def compose(self) -> ComposeResult:
-        with Vertical():
-            yield Static("go to token: #INDEX, SEQ:POS, POS or t=TOKEN_ID")
-            yield Input(placeholder="e.g. 120, s0:120, #5000, t=42", id="goto-input")
-
-    def on_mount(self) -> None:
-        self.query_one(Input).focus()
-
-    @on(Input.Submitted)
-    def _submit(self, event: Input.Submitted) -> None:
-        self.dismiss(event.value.strip() or None)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading the two vectors of a cell (detail pane), off the UI thread
-# ----------------------------------------------------------------------------------------------
-
-
-class VectorSource:
-    """Opens the two traces lazily (in the detail worker) and reads one slot of one token."""
-
-    def __init__(self, path_a: str, path_b: str):
-        self.paths = (path_a, path_b)
-        self._readers: list = [None, None]
-        self._lock = threading.Lock()
-
-    def reader(self, side: int):
-        with self._lock:
-            if self._readers[side] is None:
-                from .trace import TraceReader
-
-                self._readers[side] = TraceReader(self.paths[side])
-            return self._readers[side]
-
-    @staticmethod
-    def row_of(r, name: str, seq: int, pos: int, token: int) -> int | None:
-        """The tensor row recorded for (sequence index, position) with this token id (the last one
-        wins, as in the aligner's row maps)."""
-        tok = r.tokens
-        cand = np.flatnonzero((tok["seq"] == seq) & (tok["position"] == pos) & (tok["token"] == token))
-        if len(cand) == 0:
-            return None
-        trow = r.token_rows(name)
-        hits = np.flatnonzero(np.isin(trow, cand))
-        return int(hits[-1]) if len(hits) else None
-
-    def read(self, side: int, name: str, slot: int, seq: int, pos: int, token: int) -> tuple[np.ndarray | None, str]:
-        r = self.reader(side)
-        info = r.tensors.get(name)
-        if info is None:
-            return None, f"{name} not in the trace"
-        if not info.has_values:
-            return None, f"{name} has no full values (sketch only)"
-        row = self.row_of(r, name, seq, pos, token)
-        if row is None:
-            return None, f"{name} has no row for this token"
-        w = info.slot_width
-        v = r.read_values_at(name, np.array([row]))[0, slot * w:(slot + 1) * w]
-        return v, ""
-
-    def close(self) -> None:
-        with self._lock:
-            for r in self._readers:
-                if r is not None:
-                    r.close()
-            self._readers = [None, None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,6 +72,7 @@ class TensordiffApp(App[int]):
     """The tensordiff TUI. ``diff_fn`` (tests, benchmarks) replaces the diff that runs in the worker."""
 
     TITLE = "tensordiff"
+    ENABLE_COMMAND_PALETTE = False   # not a tensordiff key; its footer entry would hide ours at 80 columns
     CSS = """
     Screen { layout: vertical; }
     #titlebar { height: 1; background: $primary-background; color: $text; padding: 0 1; }
@@ -210,37 +82,49 @@ class TensordiffApp(App[int]):
     #progress-label { width: 1fr; padding: 0 1; }
     #body { height: 1fr; }
     #left { width: 44; }
+    Screen.-narrow #left { width: 28; }
+    #left.collapsed { display: none; }
     #findings { height: 45%; border: round $primary; text-wrap: nowrap; text-overflow: ellipsis; }
     #tree { height: 1fr; border: round $primary; }
     #right { width: 1fr; }
     #filter { display: none; height: 3; }
     #heatmap { height: 1fr; border: round $primary; }
-    #detail { height: 11; border: round $primary; padding: 0 1; text-wrap: nowrap; text-overflow: ellipsis; }
+    #detail { height: 11; border: round $primary; padding: 0 1; scrollbar-size-vertical: 1; }
+    Screen.-short #detail { height: 8; }
+    #detail-text { width: 1fr; }
     .done #progress-row { display: none; }
     """
 
-    BINDINGS = [
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (110, "-wide")]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
+
+    BINDINGS: ClassVar[list] = [
+        # in the footer in this order, short enough that all fit in 80 columns
         Binding("n", "next_finding", "next"),
         Binding("p", "prev_finding", "prev"),
-        Binding("f", "first_divergence", "first div."),
-        Binding("g", "goto", "go to token"),
+        Binding("f", "first_divergence", "first"),
+        Binding("g", "goto", "go to"),
         Binding("slash", "filter", "filter"),
         Binding("m", "toggle_metric", "metric"),
+        Binding("left_square_bracket", "toggle_left", "panes"),
         Binding("question_mark", "help", "help"),
-        Binding("s", "screenshot", "screenshot"),
+        Binding("s", "screenshot", "shot"),
         Binding("q", "quit", "quit"),
+        Binding("less_than_sign", "resize_left(-4)", "narrower", show=False),
+        Binding("greater_than_sign", "resize_left(4)", "wider", show=False),
         Binding("escape", "close_filter", "close filter", show=False),
     ]
 
     def __init__(self, path_a: str, path_b: str, options: DiffOptions | None = None, *,
                  diff_fn: DiffFn | None = None, screenshot_dir: str | None = None,
-                 block_rows: int = 256, max_blocks: int = 24):
+                 block_rows: int = 256, max_blocks: int = 24, token_text: TokenText | None = None,
+                 find_tokenizer: bool = True):
         super().__init__()
         self.path_a, self.path_b = os.fspath(path_a), os.fspath(path_b)
         self.options = options or DiffOptions()
         self.diff_fn = diff_fn or run_diff
+        self._diff: DiffThread | None = None
         self.screenshot_dir = screenshot_dir or os.getcwd()
-        self._owns_summary = self.options.summary_path is None
         self.summary_path: str | None = self.options.summary_path
         self.summary: SummaryReader | None = None
         self.columns: list[Column] = []
@@ -255,16 +139,16 @@ class TensordiffApp(App[int]):
         self.cell: tuple[int, int] | None = None        # (row, summary column) in the detail pane
         self.vectors_for: tuple[int, int] | None = None  # the cell whose vectors are shown
         self.vectors: tuple = (None, None, "")
-        self._progress = ("starting", 0, 1)
-        self._cancel = threading.Event()
+        self.progress: tuple[str, int, int] = ("starting", 0, 1)   # the last DiffProgress shown
         self._filter_text = ""
         self._source = VectorSource(self.path_a, self.path_b)
         self._block_rows, self._max_blocks = block_rows, max_blocks
-        self._diff_t0 = 0.0
-        self._diff_thread: threading.Thread | None = None
-        self._summary_dir: str | None = None
         self.detail_text = Text("")
         self.last_screenshot: str | None = None
+        # token text: the tokenizer given (--tokenizer), else the model directory a trace records
+        # (looked for once, in the detail worker: loading a tokenizer may take seconds)
+        self.token_text = token_text
+        self._find_tokenizer = find_tokenizer and token_text is None
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -277,12 +161,13 @@ class TensordiffApp(App[int]):
         with Horizontal(id="body"):
             with Vertical(id="left"):
                 yield OptionList(id="findings")
-                yield Tree("tensors", id="tree")
+                yield TensorTree("tensors", id="tree")
             with Vertical(id="right"):
                 yield Input(placeholder="filter tensors: substrings, comma-separated (empty: all)", id="filter")
                 yield Heatmap(id="heatmap", block_rows=self._block_rows, max_blocks=self._max_blocks)
-                yield Static("", id="detail")
-        yield Footer()
+                with VerticalScroll(id="detail"):
+                    yield Static("", id="detail-text")
+        yield Footer(compact=True)
 
     def _title_text(self) -> Text:
         a, b = os.path.basename(self.path_a), os.path.basename(self.path_b)
@@ -303,8 +188,9 @@ class TensordiffApp(App[int]):
         self.mounted_at = time.perf_counter()
         # widgets of the main screen, kept so that a modal screen on top never hides them
         q = self.query_one
-        self._w_findings, self._w_tree = q("#findings", OptionList), q("#tree", Tree)
-        self._w_detail, self._w_headline = q("#detail", Static), q("#headline", Static)
+        self._w_findings, self._w_tree = q("#findings", OptionList), q("#tree", TensorTree)
+        self._w_detail, self._w_headline = q("#detail-text", Static), q("#headline", Static)
+        self._w_left, self._w_detail_box = q("#left", Vertical), q("#detail", VerticalScroll)
         self._w_progress, self._w_progress_label = q("#progress", ProgressBar), q("#progress-label", Static)
         self._w_filter, self._w_titlebar, self._w_heatmap = q("#filter", Input), q("#titlebar", Static), q(Heatmap)
         fl = self._w_findings
@@ -313,7 +199,7 @@ class TensordiffApp(App[int]):
         tree.border_title = "tensors"
         tree.show_root = False
         self.heatmap.border_title = f"tokens x slots: {METRICS[0].title}"
-        self._w_detail.border_title = "detail"
+        self._w_detail_box.border_title = "detail"
         self.heatmap.focus()
         self.call_after_refresh(self._after_first_paint)
 
@@ -324,35 +210,9 @@ class TensordiffApp(App[int]):
     # -- the diff worker -------------------------------------------------------------------
 
     def _start_diff(self) -> None:
-        if self._owns_summary:
-            # in a private directory, removed on exit: a diff thread still running then cannot
-            # create the file again (its directory is gone)
-            self._summary_dir = tempfile.mkdtemp(prefix="tensordiff-tui-")
-            self.summary_path = os.path.join(self._summary_dir, "summary.h5")
-        self._diff_t0 = time.perf_counter()
-        self.set_interval(0.1, self._poll_progress, name="progress")
-        # A plain thread rather than a Textual worker, so that the app can end (and restore the
-        # terminal) while the diff is in a long stage: the thread stops at its next progress
-        # report, and run_tui joins it. Not a daemon: a daemon thread frozen inside h5py at
-        # interpreter exit would hold h5py's lock and deadlock the exit.
-        self._diff_thread = threading.Thread(target=self._run_diff, name="tensordiff-diff")
-        self._diff_thread.start()
-
-    def _run_diff(self) -> None:
-        def progress(stage: str, done: int, total: int) -> None:
-            if self._cancel.is_set():
-                raise _Cancelled()
-            self._progress = (stage, done, total)
-
-        opts = replace(self.options, summary_path=self.summary_path, progress=progress)
-        try:
-            res, err = self.diff_fn(self.path_a, self.path_b, opts), None
-        except BaseException as e:  # noqa: BLE001 - reported on the UI thread
-            res, err = None, e
-        if self._cancel.is_set():
-            self._remove_summary()
-            return
-        self.post_message(DiffEnded(res, err))   # thread-safe
+        self._diff = DiffThread(self.path_a, self.path_b, self.options, self.diff_fn, self.post_message)
+        self._diff.start()
+        self.summary_path = self._diff.summary_path
 
     @on(DiffEnded)
     def _diff_ended(self, event: DiffEnded) -> None:
@@ -361,14 +221,19 @@ class TensordiffApp(App[int]):
         else:
             self._on_diff_done(event.result)
 
-    def _poll_progress(self) -> None:
+    @on(DiffProgress)
+    def _diff_progress(self, event: DiffProgress) -> None:
+        self.progress = (event.stage, event.done, event.total)
+        self._show_progress()
+
+    def _show_progress(self) -> None:
         if self.result is not None or self.diff_error is not None:
             return
-        stage, done, total = self._progress
+        stage, done, total = self.progress
         bar = self._w_progress
         if total > 1:
             bar.update(total=total, progress=done)
-        label = f"{stage}: {done}/{total} rows" if total > 1 else stage
+        label = f"{stage}: {done}/{total} {progress_unit(stage)}" if total > 1 else stage
         if self.pending:
             label += f"  ({len(self.pending)} key{'s' if len(self.pending) > 1 else ''} queued)"
         self._w_progress_label.update(label, layout=False)
@@ -383,7 +248,7 @@ class TensordiffApp(App[int]):
                 self._render_detail()
 
     def _on_diff_error(self, err: BaseException | None) -> None:
-        if isinstance(err, _Cancelled):
+        if isinstance(err, Cancelled):
             return
         self.diff_error = err
         msg = str(err) if isinstance(err, TraceError) else f"{type(err).__name__}: {err}"
@@ -391,7 +256,7 @@ class TensordiffApp(App[int]):
         self.exit(2)
 
     def _on_diff_done(self, res: DiffResult) -> None:
-        self.diff_seconds = time.perf_counter() - self._diff_t0
+        self.diff_seconds = time.perf_counter() - self._diff.t0 if self._diff is not None else None
         self.result = res
         try:
             self.summary = SummaryReader(self.summary_path) if self.summary_path else None
@@ -405,10 +270,10 @@ class TensordiffApp(App[int]):
         self._w_headline.update(
             Text(("first divergence: " if first else "") + res.headline(), style="bold red" if first else "bold green"))
         fl = self._w_findings
-        fl.set_options([Option(self._finding_prompt(f)) for f in res.findings])
+        fl.set_options([Option(finding_prompt(f)) for f in res.findings])
         nd = len(res.divergences)
         fl.border_title = f"findings: {nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other"
-        self._build_tree()
+        self._w_tree.show(res, self.columns)
         if self.summary is not None:
             self.heatmap.attach(self.summary, self.columns)
             if self._filter_text:
@@ -440,73 +305,13 @@ class TensordiffApp(App[int]):
             self.notify(f"{what}: the diff failed", severity="error")
             return False
         self.pending.append((what, fn))
-        stage, done, total = self._progress
+        _, done, total = self.progress
         pct = f" ({100 * done // total}% done)" if total > 1 else ""
         self.notify(f"{what}: queued until the diff finishes{pct}", timeout=3)
-        self._poll_progress()
+        self._show_progress()
         return False
 
     # -- findings and tree -----------------------------------------------------------------
-
-    @staticmethod
-    def _finding_prompt(f: Finding) -> Text:
-        glyph, style = SEVERITY_GLYPH.get(f.severity, ("?", ""))
-        t = Text(no_wrap=True, overflow="ellipsis")
-        t.append(f"{glyph} ", style=style)
-        t.append(f"#{f.index} ", style="dim")
-        t.append(f.message, style="bold" if f.severity == "divergence" and f.inherited_from is None else "")
-        return t
-
-    def _column_findings(self, col: Column) -> list[Finding]:
-        if self.result is None:
-            return []
-        return [f for f in self.result.findings if col.matches(f.tensor, f.slot)]
-
-    def _slot_row(self, col: Column) -> SlotRow | None:
-        if self.result is None:
-            return None
-        for r in self.result.slot_table:
-            if r.tensor in (col.tensor_a, col.tensor_b) and r.slot == col.slot:
-                return r
-        return None
-
-    def _verdict(self, col: Column) -> tuple[str, str, str]:
-        """(glyph, style, words) from the aligner's findings and slot table for one column."""
-        fs = self._column_findings(col)
-        worst = max(fs, key=lambda f: _SEV_RANK.get(f.severity, 0), default=None)
-        row = self._slot_row(col)
-        if row is not None and row.held_b is not None and (row.held_b != row.expected or row.offset_b):
-            words = f"holds {row.held_b}{f' ({row.offset_b:+d})' if row.offset_b else ''} {fmt(row.score_b, 2)}"
-        elif row is not None and row.verdict != "ok":
-            words = row.verdict
-        elif row is not None:
-            words = f"ok {fmt(row.score_b, 2)}"
-        else:
-            words = worst.kind if worst is not None else "ok"
-        if worst is None:
-            return OK_GLYPH[0], OK_GLYPH[1], words
-        g, s = SEVERITY_GLYPH.get(worst.severity, ("?", ""))
-        return g, s, words
-
-    def _build_tree(self) -> None:
-        tree = self._w_tree
-        tree.clear()
-        groups: dict[str, list[Column]] = {}
-        for c in self.columns:
-            groups.setdefault(c.tensor_a, []).append(c)
-        for name, cols in groups.items():
-            verdicts = [self._verdict(c) for c in cols]
-            if len(cols) == 1 and not cols[0].packed:
-                g, s, words = verdicts[0]
-                tree.root.add_leaf(Text.assemble((g, s), " ", cols[0].label, (f"  {words}", "dim")), data=cols[0].index)
-                continue
-            rank = {OK_GLYPH[0]: 0, "·": 1, "!": 2, "✗": 3}
-            g, s, _ = max(verdicts, key=lambda v: rank.get(v[0], 0))
-            node = tree.root.add(Text.assemble((g, s), " ", name, (f"  {len(cols)} slots", "dim")),
-                                 data=cols[0].index, expand=True)
-            for c, (g2, s2, words) in zip(cols, verdicts):
-                claim = f" = {c.slot_label}" if c.slot_label else ""
-                node.add_leaf(Text.assemble((g2, s2), f" slot {c.slot}{claim}", (f"  {words}", "dim")), data=c.index)
 
     @on(Tree.NodeSelected, "#tree")
     def _tree_selected(self, event: Tree.NodeSelected) -> None:
@@ -563,92 +368,29 @@ class TensordiffApp(App[int]):
         col = next(c for c in self.columns if c.index == ci)
         tok = self.heatmap.blocks.token(row) if self.heatmap.blocks is not None else self.summary.tokens(row, row + 1)[0]
         key = (row, ci)
-        args = (int(tok["seq_a"]), int(tok["pos_a"]), int(tok["seq_b"]), int(tok["pos_b"]), int(tok["token"]))
+        keys = (int(tok["seq_a"]), int(tok["pos_a"]), int(tok["seq_b"]), int(tok["pos_b"]), int(tok["token"]))
 
-        def load():
-            sa, pa, sb, pb, token = args
-            try:
-                va, na = self._source.read(0, col.tensor_a, col.slot, sa, pa, token)
-                vb, nb = self._source.read(1, col.tensor_b, col.slot, sb, pb, token)
-            except Exception as e:  # noqa: BLE001 - a damaged trace must not take the UI down
-                return key, None, None, f"cannot read the values: {' '.join(str(e).split())[:200]}"
-            return key, va, vb, "; ".join(x for x in (na, nb) if x)
+        def load():   # in a thread: opening the traces (and a tokenizer) may take a while
+            if self._find_tokenizer:
+                self._find_tokenizer = False
+                self.token_text = self._source.recorded_token_text()
+            return (key, *self._source.cell_vectors(col, *keys))
 
         self.run_worker(load, thread=True, group="detail", exclusive=True, exit_on_error=False)
 
     def _render_detail(self) -> None:
-        pane = self._w_detail
         if self.result is None or self.cell is None or self.summary is None:
             return
-        res = self.result
         row, ci = self.cell
         col = next(c for c in self.columns if c.index == ci)
-        lines: list[Text] = []
-        fs = self._column_findings(col)
-        sel = res.findings[self.selected_finding] if self.selected_finding is not None else None
-        if sel is not None and (sel in fs or sel.tensor is None):
-            f = sel   # the selected finding, when it is about this column or about no tensor
-        else:
-            f = min(fs, key=lambda x: x.index) if fs else None
-        if f is not None:
-            g, s = SEVERITY_GLYPH.get(f.severity, ("?", ""))
-            t = Text.assemble((f"{g} #{f.index} {f.kind}: ", s), (f.message, "bold"))
-            if f.inherited_from is not None:
-                t.append(f"  (may be inherited from #{f.inherited_from})", style="dim")
-            if len(fs) > 1 or (fs and f not in fs):
-                t.append(f"  [{len(fs)} finding{'s' if len(fs) != 1 else ''} on {col.label}]", style="dim")
-            lines.append(t)
-        else:
-            lines.append(Text.assemble(OK_GLYPH, (f" no finding on {col.label}", "")))
         tok = self.heatmap.blocks.token(row) if self.heatmap.blocks is not None else self.summary.tokens(row, row + 1)[0]
-        sa, sb = int(tok["seq_a"]), int(tok["seq_b"])
-        name_a = self.summary.seq_a[sa] if sa < len(self.summary.seq_a) else str(sa)
-        name_b = self.summary.seq_b[sb] if sb < len(self.summary.seq_b) else str(sb)
-        lines.append(Text.assemble(
-            ("cell ", "dim"), (col.label, "bold"), ("  token ", "dim"), (str(int(tok["token"])), "bold"),
-            ("  ", ""), (f"{res.side_a}: ", "cyan"), f"{name_a} pos {int(tok['pos_a'])} ({regime_name(tok['regime_a'])})",
-            ("  ", ""), (f"{res.side_b}: ", "yellow"), f"{name_b} pos {int(tok['pos_b'])} ({regime_name(tok['regime_b'])})",
-            ("  aligned #", "dim"), (str(row), "dim")))
-        cell = self.summary.cell(row, ci)
-        cos, rel, maxabs, flags = (float(x) for x in cell)
-        if np.isnan(flags):
-            lines.append(Text("no row of this tensor for this token on one side", style="dim"))
-        else:
-            fl = int(flags)
-            verdict = ("NaN/Inf" if fl & FLAG_NONFINITE else "fails tolerance" if fl & FLAG_BAD else "within tolerance")
-            vstyle = "bold magenta" if fl & FLAG_NONFINITE else "bold red" if fl & FLAG_BAD else "green"
-            lines.append(Text.assemble(("cos ", "dim"), fmt(cos), ("   rel err ", "dim"), fmt(rel, 3),
-                                       ("   max abs ", "dim"), fmt(maxabs, 3), ("   aligner: ", "dim"), (verdict, vstyle)))
-        srow = self._slot_row(col)
-        if srow is not None:
-            held = srow.held_b or "?"
-            if srow.offset_b:
-                held += f" (position {srow.offset_b:+d})"
-            lines.append(Text.assemble(
-                ("slot ", "dim"), (srow.verdict, "bold red" if srow.verdict != "ok" else "green"),
-                (": ", "dim"), (f"{res.side_b} ", "yellow"), f"holds {held} (claims {srow.claimed_b or '-'}), ",
-                (f"{res.side_a} ", "cyan"), f"holds {srow.held_a or '?'} (claims {srow.claimed_a or '-'})",
-                ("  score ", "dim"), fmt(srow.score_b, 3), ("  margin ", "dim"), fmt(srow.margin_b, 3)))
-        cands = (f.details.get("candidates") if f is not None and f.details else None) or (srow.candidates_b if srow else None)
-        if cands:
-            t = Text("candidates ", style="dim")
-            for i, c in enumerate(cands[:4]):
-                if i:
-                    t.append(" · ", style="dim")
-                off = c.get("offset") or 0
-                t.append(f"{c.get('label')}{f' ({off:+d})' if off else ''}", style="bold" if i == 0 else "")
-                t.append(f" {fmt(c.get('score'), 3)} (cos {fmt(c.get('cos'), 3)}, rms {fmt(c.get('rms_agreement'), 3)})")
-            lines.append(t)
-        if self.vectors_for == self.cell:
-            va, vb, note = self.vectors
-            width = max(40, pane.size.width - 2)
-            lines += plot_lines(va, vb, res.side_a, res.side_b, width)
-            if note:
-                lines.append(Text(note, style="dim"))
-        else:
-            lines.append(Text("reading the two vectors...", style="dim"))
+        sel = self.result.findings[self.selected_finding] if self.selected_finding is not None else None
+        vectors = self.vectors if self.vectors_for == self.cell else None
+        pane = self._w_detail
+        tstr = self.token_text(int(tok["token"])) if self.token_text is not None else ""
+        lines = detail_lines(self.result, self.summary, col, row, tok, sel, vectors, max(40, pane.size.width), tstr)
         self.detail_text = Text("\n").join(lines)
-        pane.update(self.detail_text, layout=False)
+        pane.update(self.detail_text)
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -693,45 +435,14 @@ class TensordiffApp(App[int]):
         """Move the cursor to a token: ``#INDEX``, ``SEQ:POS``, ``POS`` (current sequence) or
         ``t=TOKEN_ID`` (next row with that token id). Returns whether it moved."""
         assert self.summary is not None
-        s = spec.strip()
-        n = self.summary.n
         hm = self.heatmap
-        try:
-            if s.startswith("#"):
-                row = int(s[1:])
-                if not 0 <= row < n:
-                    self.notify(f"no aligned row {row} (0..{n - 1})", severity="warning")
-                    return False
-            elif s.lower().startswith("t="):
-                tid = int(s[2:])
-                found = find_token_id(self.summary, tid, (hm.cursor_row + 1) % max(n, 1))
-                if found is None:
-                    self.notify(f"token id {tid} is not among the aligned tokens", severity="warning")
-                    return False
-                row = found
-            else:
-                if ":" in s:
-                    seq_name, pos_txt = s.rsplit(":", 1)
-                    if seq_name not in self.summary.seq_a:
-                        self.notify(f"no sequence {seq_name!r} on {self.result.side_a if self.result else 'A'}",
-                                    severity="warning")
-                        return False
-                    seq = self.summary.seq_a.index(seq_name)
-                else:
-                    pos_txt = s
-                    seq = int(hm.blocks.token(hm.cursor_row)["seq_a"]) if hm.blocks is not None else 0
-                pos = int(pos_txt)
-                row = find_position(self.summary, seq, pos)
-                tok = self.summary.tokens(row, row + 1) if row < n else None
-                if tok is None or len(tok) == 0 or int(tok[0]["seq_a"]) != seq:
-                    self.notify(f"position {pos} is past the aligned tokens of that sequence", severity="warning")
-                    return False
-                if int(tok[0]["pos_a"]) != pos:
-                    self.notify(f"position {pos} is not aligned (a gap); went to position {int(tok[0]['pos_a'])}",
-                                timeout=3)
-        except ValueError:
-            self.notify(f"cannot read {spec!r}: use #INDEX, SEQ:POS, POS or t=TOKEN_ID", severity="warning")
+        seq = int(hm.blocks.token(hm.cursor_row)["seq_a"]) if hm.blocks is not None else 0
+        row, note = resolve_goto(self.summary, spec, hm.cursor_row, seq, self.result.side_a if self.result else "A")
+        if row is None:
+            self.notify(note or f"cannot read {spec!r}: use {GOTO_FORMS}", severity="warning")
             return False
+        if note:
+            self.notify(note, timeout=3)
         hm.move_to(row, center=True)
         return True
 
@@ -767,6 +478,21 @@ class TensordiffApp(App[int]):
     def action_toggle_metric(self) -> None:
         self._defer("toggle metric", self._toggle_metric)
 
+    def action_toggle_left(self) -> None:
+        """Hide or show the findings and tensors (more room for the heatmap on a small terminal)."""
+        left = self._w_left
+        left.toggle_class("collapsed")
+        if left.has_class("collapsed") and self.focused is not None and left in self.focused.ancestors:
+            self.heatmap.focus()
+
+    def action_resize_left(self, step: int) -> None:
+        """Make the left pane narrower or wider (it keeps at least 16 columns, the right pane 30)."""
+        left = self._w_left
+        if left.has_class("collapsed"):
+            left.remove_class("collapsed")
+        width = left.outer_size.width or 44
+        left.styles.width = max(16, min(width + step, self.size.width - 30))
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
@@ -783,35 +509,42 @@ class TensordiffApp(App[int]):
         return self.result.exit_code
 
     async def action_quit(self) -> None:
-        self._cancel.set()
+        self.cancel_diff()
         self.exit(self.exit_code())
 
     def on_unmount(self) -> None:
-        self._cancel.set()
-        self._cleanup()
+        self.cancel_diff()
+        self.cleanup()
 
-    def _cleanup(self) -> None:
+    def cancel_diff(self) -> None:
+        """The diff thread stops at its next progress report (and removes its summary)."""
+        if self._diff is not None:
+            self._diff.cancel.set()
+
+    @property
+    def diff_thread(self):
+        return self._diff.thread if self._diff is not None else None
+
+    def cleanup(self) -> None:
         if self.summary is not None:
             self.summary.close()
             self.summary = None
         self._source.close()
-        self._remove_summary()
-
-    def _remove_summary(self) -> None:
-        if self._owns_summary and self._summary_dir:
-            shutil.rmtree(self._summary_dir, ignore_errors=True)
+        if self._diff is not None:
+            self._diff.remove_summary()
 
 
-def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None) -> int:
+def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None, *,
+            token_text: TokenText | None = None) -> int:
     """Run the TUI; returns the exit code (1 divergence, 0 agree, 130 quit before the diff ended).
     A diff that fails on bad input re-raises its TraceError after the screen is restored."""
-    app = TensordiffApp(path_a, path_b, options)
+    app = TensordiffApp(path_a, path_b, options, token_text=token_text)
     try:
         code = app.run()
     finally:
-        app._cancel.set()
-        app._cleanup()
-        t = app._diff_thread
+        app.cancel_diff()
+        app.cleanup()
+        t = app.diff_thread
         if t is not None and t.is_alive():
             t.join(0.3)
             if t.is_alive():
@@ -825,32 +558,72 @@ def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None) -> int
     return app.exit_code() if code is None else int(code)
 
 
-def save_screenshot(path_a: str, path_b: str, out: str, size: tuple[int, int] = (140, 40)) -> str:
-    """Open the TUI headless on a trace pair, wait for the diff and write an SVG screenshot."""
+def save_screenshot(path_a: str, path_b: str, out: str, size: tuple[int, int] = (140, 40), *,
+                    options: DiffOptions | None = None, token_text: TokenText | None = None) -> int:
+    """Open the TUI headless on a trace pair, wait for the diff and the detail pane, and save the
+    screen as SVG (``out`` ending in .png: converted with rsvg-convert or headless chromium,
+    whichever is installed). Returns the diff's exit code (1 divergence, 0 agree)."""
     import asyncio
 
-    async def go() -> str:
-        app = TensordiffApp(path_a, path_b)
+    async def go() -> tuple[str, int]:
+        app = TensordiffApp(path_a, path_b, options, token_text=token_text)
         async with app.run_test(size=size) as pilot:
             while not app.ready and app.diff_error is None:
                 await pilot.pause(0.05)
             if app.diff_error is not None:
-                raise app.diff_error
+                err = app.diff_error
+                if isinstance(err, TraceError):
+                    raise err
+                raise TraceError(f"the diff failed: {type(err).__name__}: {err}")
             while app.vectors_for != app.cell:
                 await pilot.pause(0.05)
             await pilot.pause()
-            svg = app.export_screenshot(title="tensordiff")
-        with open(out, "w", encoding="utf-8") as fh:
-            fh.write(svg)
-        return out
+            return app.export_screenshot(title="tensordiff"), app.exit_code()
 
-    return asyncio.run(go())
+    svg, code = asyncio.run(go())
+    if out.lower().endswith(".png"):
+        svg_to_png(svg, out)
+    else:
+        try:
+            with open(out, "w", encoding="utf-8") as fh:
+                fh.write(svg)
+        except OSError as e:
+            raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
+    return code
+
+
+def svg_to_png(svg: str, out: str) -> None:
+    """Rasterise an SVG screenshot with rsvg-convert, else headless chromium; a UsageError when
+    neither is installed or the conversion fails."""
+    import re
+    import subprocess
+
+    m = re.search(r'viewBox="0 0 ([0-9.]+) ([0-9.]+)"', svg)
+    w, h = (int(float(m.group(1)) + 0.5), int(float(m.group(2)) + 0.5)) if m else (1400, 900)
+    with tempfile.TemporaryDirectory(prefix="tensordiff-shot-") as d:
+        src = os.path.join(d, "screen.svg")
+        with open(src, "w", encoding="utf-8") as fh:
+            fh.write(svg)
+        if shutil.which("rsvg-convert"):
+            cmd = ["rsvg-convert", "-o", out, src]
+        elif shutil.which("chromium") or shutil.which("chromium-browser"):
+            exe = shutil.which("chromium") or shutil.which("chromium-browser")
+            cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+                   f"--window-size={w},{h}", f"--screenshot={os.path.abspath(out)}", "file://" + src]
+        else:
+            raise UsageError(f"{out}: a PNG needs rsvg-convert (librsvg2-bin) or chromium; save as .svg instead")
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, cwd=d,
+                           env=dict(os.environ, HOME=d))
+        if p.returncode != 0 or not os.path.isfile(out):
+            tail = " ".join((p.stderr or "").split())[-200:]
+            raise UsageError(f"could not convert the screenshot to {out} ({cmd[0]} exit {p.returncode}: {tail})")
 
 
 if __name__ == "__main__":  # pragma: no cover - docs helper
     # python -m tensordiff.tui screenshot A B OUT.svg   (how docs/tui-example.svg is made)
     if len(sys.argv) == 5 and sys.argv[1] == "screenshot":
-        print(save_screenshot(sys.argv[2], sys.argv[3], sys.argv[4]))
+        save_screenshot(sys.argv[2], sys.argv[3], sys.argv[4])
+        print(sys.argv[4])
     else:
         sys.stderr.write("usage: python -m tensordiff.tui screenshot A B OUT.svg\n")
         sys.exit(2)

@@ -1,0 +1,283 @@
+"""Streamed per-token numerics of two aligned blocks of rows: cosine, relative and max abs error,
+NaN/Inf counts (:class:`BlockMetrics`), their per-pair accumulation against tolerances
+(:class:`PairAccumulator`), and the worst tokens of a diff (:class:`WorstTokens`).
+
+numpy only, float32 blocks, temporaries reused per block. NaN/Inf are counted, never raised.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .dtypes import to_float32
+from .tolerances import Tolerance
+from .vocab import REGIMES
+
+WORST_TOKENS = 20
+
+
+class BlockMetrics:
+    """Per-token, per-slot metrics of two aligned blocks [n, k*w]; buffers reused across calls.
+
+    Fast path: five passes over the data (difference, three float32 dot products, |diff| max);
+    ``<a,b>`` comes from ``(|a|^2 + |b|^2 - |a-b|^2) / 2``. Rows whose sums are not finite (NaN,
+    Inf, or float32 overflow) are recomputed exactly over their finite elements."""
+
+    SUB_BYTES = 512 << 10  # sub-blocks small enough that every pass runs in cache
+
+    def __init__(self, slots: int, width: int):
+        self.k = slots
+        self.w = width
+        self._diff: np.ndarray | None = None
+        self._fa: np.ndarray | None = None
+        self._fb: np.ndarray | None = None
+        self._dirty: set[int] = set()
+
+    def compute_stored(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str) -> dict[str, np.ndarray]:
+        """Metrics of two blocks in their stored form (bf16 as bits), converted to float32 a
+        cache-sized sub-block at a time: each row is read from memory once."""
+        n = a.shape[0]
+        width = self.k * self.w
+        sub = max(1, self.SUB_BYTES // max(1, width * 4))
+        if n <= sub:
+            return self.compute(to_float32(a[:, :width], dtype_a), to_float32(b[:, :width], dtype_b))
+        if self._fa is None:
+            # bf16 -> f32 is "bits into the high half": keep the low halves zero once, then each
+            # sub-block only writes the high halves (a quarter faster than a widening shift)
+            self._fa = np.zeros((sub, width, 2), np.uint16)
+            self._fb = np.zeros((sub, width, 2), np.uint16)
+        parts = []
+        for s0 in range(0, n, sub):
+            fa = self._convert(a[s0:s0 + sub, :width], dtype_a, self._fa)
+            fb = self._convert(b[s0:s0 + sub, :width], dtype_b, self._fb)
+            parts.append(self.compute(fa, fb))
+        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+    def _convert(self, block: np.ndarray, dtype: str, buf: np.ndarray) -> np.ndarray:
+        m = block.shape[0]
+        dirty = self._dirty
+        if dtype == "bfloat16":
+            if id(buf) in dirty:  # a non-bf16 block used the buffer before: re-zero once
+                buf[:, :, 0] = 0
+                dirty.discard(id(buf))
+            buf[:m, :, 1] = block
+            return buf[:m].view(np.float32)[..., 0]
+        dirty.add(id(buf))
+        out = buf[:m].view(np.float32)[..., 0]
+        np.copyto(out, block, casting="unsafe")
+        return out
+
+    def compute(self, a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
+        n = a.shape[0]
+        k, w = self.k, self.w
+        if self._diff is None or self._diff.shape[0] < n:
+            self._diff = np.empty((max(n, 1), k * w), dtype=np.float32)
+        a3 = a.reshape(n, k, w)
+        b3 = b.reshape(n, k, w)
+        d = self._diff[:n].reshape(n, k, w)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.subtract(a3, b3, out=d)
+            aa = np.einsum("nkw,nkw->nk", a3, a3).astype(np.float64)
+            bb = np.einsum("nkw,nkw->nk", b3, b3).astype(np.float64)
+            dd = np.einsum("nkw,nkw->nk", d, d).astype(np.float64)
+            np.abs(d, out=d)
+            maxabs = d.max(axis=2) if w else np.zeros((n, k), np.float32)
+        nf_a = np.zeros((n, k), dtype=np.int64)
+        nf_b = np.zeros((n, k), dtype=np.int64)
+        suspect = ~(np.isfinite(aa) & np.isfinite(bb) & np.isfinite(dd))
+        empty = np.zeros((n, k), dtype=bool)   # no value finite on both sides: nothing to measure
+        if suspect.any():
+            for i, s in zip(*np.nonzero(suspect)):
+                x, y = a3[i, s].astype(np.float64), b3[i, s].astype(np.float64)
+                fx, fy = np.isfinite(x), np.isfinite(y)
+                nf_a[i, s], nf_b[i, s] = (~fx).sum(), (~fy).sum()
+                both = fx & fy
+                x, y = x[both], y[both]
+                empty[i, s] = not both.any()
+                dv = x - y
+                aa[i, s], bb[i, s], dd[i, s] = x @ x, y @ y, dv @ dv
+                maxabs[i, s] = np.abs(dv).max() if len(dv) else 0.0
+        ab = (aa + bb - dd) / 2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            denom = np.sqrt(aa * bb)
+            cos = np.where(denom > 0, ab / np.where(denom > 0, denom, 1), np.where((aa == 0) & (bb == 0), 1.0, 0.0))
+            na = np.sqrt(aa)
+            rel = np.where(na > 0, np.sqrt(dd) / np.where(na > 0, na, 1), np.where(dd > 0, np.inf, 0.0))
+        cos[empty], rel[empty], maxabs[empty] = np.nan, np.nan, np.nan   # an all-NaN row is nan, not cos 1
+        return {
+            "cos": np.clip(cos, -1, 1).astype(np.float32),
+            "rel": rel.astype(np.float32),
+            "maxabs": maxabs.astype(np.float32),
+            "nonfinite_a": nf_a,
+            "nonfinite_b": nf_b,
+            "nonfinite": (nf_a > 0) | (nf_b > 0),
+        }
+
+
+def finite_or_zero(x: np.ndarray) -> np.ndarray:
+    """x with NaN/Inf replaced by 0, copying only when there are any (one cheap pass)."""
+    if np.isfinite(x.sum(dtype=np.float64)):
+        return x
+    return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def cosine_matrix(x: np.ndarray, cands: np.ndarray, *, clean: bool = True) -> np.ndarray:
+    """Mean-over-tokens cosine of x [n, w] against each candidate [c, n, w] -> [c].
+    NaN/Inf rows are ignored; a candidate with no usable rows scores -inf."""
+    if clean:  # callers that pass already-cleaned data skip this
+        x, cands = finite_or_zero(x), finite_or_zero(cands)
+    dots = np.einsum("nw,cnw->cn", x, cands).astype(np.float64)
+    nx = np.sqrt(np.einsum("nw,nw->n", x, x).astype(np.float64))
+    nc = np.sqrt(np.einsum("cnw,cnw->cn", cands, cands).astype(np.float64))
+    den = nx[None, :] * nc
+    ok = den > 0
+    cos = np.where(ok, dots / np.where(ok, den, 1), 0.0)
+    cnt = ok.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(cnt > 0, cos.sum(axis=1) / np.maximum(cnt, 1), -np.inf)
+    return out
+
+
+def rms_agreement(rx: np.ndarray, rc: np.ndarray) -> np.ndarray:
+    """How well per-token RMS agrees: mean of min/max ratio, rx [n], rc [c, n] -> [c] in [0, 1].
+    Separates pre-norm boundaries from the post-norm final_norm output, whose cosine can be ~1."""
+    rx = np.nan_to_num(rx)[None, :]
+    rc = np.nan_to_num(rc)
+    hi = np.maximum(rx, rc)
+    lo = np.minimum(rx, rc)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = np.where(hi > 0, lo / np.where(hi > 0, hi, 1), 1.0)
+    return r.mean(axis=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Accumulation over the blocks of one tensor pair
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FirstHit:
+    """The first aligned token (in aligned order) where a slot failed, with its metrics."""
+
+    token_index: int
+    cos: float = 0.0
+    rel: float = 0.0
+    maxabs: float = 0.0
+    nonfinite_a: int = 0
+    nonfinite_b: int = 0
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(x), x, 0)
+
+
+@dataclass
+class PairAccumulator:
+    """Per-slot statistics of one tensor pair, accumulated block by block: a token fails a slot
+    when its cos or rel is past that slot's tolerance; NaN/Inf rows are counted apart."""
+
+    tolerances: list[Tolerance]
+    regime_of: np.ndarray                     # aligned index -> regime code (side B)
+    tokens: int = 0
+    cos_min: np.ndarray = field(init=False)
+    cos_sum: np.ndarray = field(init=False)
+    cos_count: np.ndarray = field(init=False)
+    rel_max: np.ndarray = field(init=False)
+    maxabs: np.ndarray = field(init=False)
+    failing: np.ndarray = field(init=False)
+    nonfinite_a: np.ndarray = field(init=False)
+    nonfinite_b: np.ndarray = field(init=False)
+    first_fail: list[FirstHit | None] = field(init=False)
+    first_nonfinite: list[FirstHit | None] = field(init=False)
+    by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        k = len(self.tolerances)
+        self.cos_min = np.full(k, np.inf)
+        self.cos_sum = np.zeros(k)
+        self.cos_count = np.zeros(k, dtype=np.int64)
+        self.rel_max = np.zeros(k)
+        self.maxabs = np.zeros(k)
+        self.failing = np.zeros(k, dtype=np.int64)
+        self.nonfinite_a = np.zeros(k, dtype=np.int64)
+        self.nonfinite_b = np.zeros(k, dtype=np.int64)
+        self.first_fail = [None] * k
+        self.first_nonfinite = [None] * k
+
+    def add(self, blk: np.ndarray, m: dict[str, np.ndarray]) -> np.ndarray:
+        """Take one block's metrics (aligned indices ``blk``); returns the [n, k] mask of tokens
+        that fail a tolerance or hold NaN/Inf (the summary file's flags)."""
+        k = len(self.tolerances)
+        off = np.zeros_like(m["nonfinite"])
+        for s, t in enumerate(self.tolerances):
+            off[:, s] = (m["cos"][:, s] < t.min_cos) | (m["rel"][:, s] > t.max_rel)
+        bad = off | m["nonfinite"]
+        self.tokens += len(blk)
+        self.cos_min = np.fmin(self.cos_min, np.fmin.reduce(m["cos"], axis=0))   # fmin: nan rows (no finite
+        self.cos_sum += np.nansum(m["cos"], axis=0, dtype=np.float64)         # value) are not measured
+        self.cos_count += (~np.isnan(m["cos"])).sum(axis=0)
+        self.rel_max = np.maximum(self.rel_max, _finite(m["rel"]).max(axis=0))
+        self.maxabs = np.fmax(self.maxabs, np.fmax.reduce(m["maxabs"], axis=0))
+        self.failing += off.sum(axis=0)
+        self.nonfinite_a += m["nonfinite_a"].sum(axis=0)
+        self.nonfinite_b += m["nonfinite_b"].sum(axis=0)
+        for s in range(k):
+            if self.first_fail[s] is None and off[:, s].any():
+                j = int(np.argmax(off[:, s]))
+                self.first_fail[s] = FirstHit(int(blk[j]), float(m["cos"][j, s]), float(m["rel"][j, s]),
+                                              float(m["maxabs"][j, s]))
+            if self.first_nonfinite[s] is None and m["nonfinite"][:, s].any():
+                j = int(np.argmax(m["nonfinite"][:, s]))
+                self.first_nonfinite[s] = FirstHit(int(blk[j]), nonfinite_a=int(m["nonfinite_a"][j, s]),
+                                                   nonfinite_b=int(m["nonfinite_b"][j, s]))
+        regs = self.regime_of[blk]
+        for rc in np.unique(regs):
+            sel = regs == rc
+            e = self.by_regime.setdefault(REGIMES[int(rc)], {"tokens": 0, "failing": 0, "rel_max": 0.0})
+            e["tokens"] += int(sel.sum())
+            e["failing"] += int(bad[sel].any(axis=1).sum())
+            e["rel_max"] = max(e["rel_max"], float(np.nanmax(_finite(m["rel"][sel]))))
+        return bad
+
+    def cos_mean(self) -> list[float]:
+        return [float(x) for x in self.cos_sum / np.maximum(self.cos_count, 1)]
+
+
+class WorstTokens:
+    """The ``limit`` tokens with the largest relative error over a whole diff, kept in a heap;
+    each block offers only its own top candidates (a partition, no full sort)."""
+
+    def __init__(self, limit: int = WORST_TOKENS):
+        self.limit = limit
+        self._heap: list[tuple[float, int, dict[str, Any]]] = []
+        self._tiebreak = itertools.count()
+
+    def offer(self, tensor: str, blk: np.ndarray, m: dict[str, np.ndarray],
+              entry: Callable[[int], dict[str, Any]]) -> None:
+        rel = _finite(m["rel"])
+        rel_tok = rel.max(axis=1)
+        top = np.argpartition(-rel_tok, self.limit)[:self.limit] if len(rel_tok) > self.limit \
+            else np.arange(len(rel_tok))
+        heap = self._heap
+        for j in top:
+            r = float(rel_tok[j])
+            if len(heap) >= self.limit and r <= heap[0][0]:
+                continue
+            e = entry(int(blk[j]))
+            sl = int(np.argmax(rel[j]))
+            # nan where no value was finite on both sides (not the 0 that ranked it)
+            e.update(tensor=tensor, rel=float(m["rel"][j, sl]), slot=sl, cos=float(np.fmin.reduce(m["cos"][j])))
+            item = (r, next(self._tiebreak), e)
+            if len(heap) < self.limit:
+                heapq.heappush(heap, item)
+            else:
+                heapq.heapreplace(heap, item)
+
+    def items(self) -> list[dict[str, Any]]:
+        return [w[2] for w in sorted(self._heap, key=lambda w: (-w[0], w[2]["token_index"]))]

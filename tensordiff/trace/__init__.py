@@ -1,0 +1,67 @@
+"""The trace format: one self-describing, versioned HDF5 file per side (numpy + h5py only).
+
+One room per job (docs/format.md, docs/robustness.md):
+
+- :mod:`~tensordiff.trace.schema`: version, sides, kinds, the token table, :class:`TensorInfo`,
+  :class:`SlotSpec`, :func:`slot_rms` and the limits every reader enforces;
+- :mod:`~tensordiff.trace.writer`: :class:`TraceWriter`, chunk-aligned appends and the two-phase
+  flush that makes a killed recording readable;
+- :mod:`~tensordiff.trace.reader`: :class:`TraceReader`, validated open and row reads;
+- :mod:`~tensordiff.trace.validate`: the hostile-file guards the reader applies;
+- :mod:`~tensordiff.trace.recover`: reading the committed rows of a trace that was not closed;
+- :mod:`~tensordiff.trace.probe`: :func:`probe`, opening untrusted files in a child first.
+
+Writers append in chunk-aligned blocks with bounded memory; readers read any row range or row
+subset without loading whole datasets.
+"""
+
+from __future__ import annotations
+
+import h5py  # type: ignore[import-untyped, unused-ignore]  # noqa: F401 - benchmarks patch trace.h5py.File
+
+from .probe import PROBE_SECONDS, probe
+from .reader import TraceReader
+from .schema import (
+    CHUNK_BYTES,
+    FILTER_EXPANSION,
+    KINDS,
+    MAX_ATTR_CHARS,
+    MAX_ATTRS,
+    MAX_CHUNK_BYTES,
+    MAX_POSITION,
+    MAX_SEQUENCES,
+    MAX_SLOTS,
+    MAX_TENSORS,
+    READ_CACHE_BYTES,
+    SCHEMA_VERSION,
+    SIDES,
+    TOKEN_DTYPE,
+    SlotSpec,
+    TensorInfo,
+    slot_rms,
+)
+from .writer import TraceWriter
+
+__all__ = [
+    "CHUNK_BYTES",
+    "FILTER_EXPANSION",
+    "KINDS",
+    "MAX_ATTRS",
+    "MAX_ATTR_CHARS",
+    "MAX_CHUNK_BYTES",
+    "MAX_POSITION",
+    "MAX_SEQUENCES",
+    "MAX_SLOTS",
+    "MAX_TENSORS",
+    "PROBE_SECONDS",
+    "READ_CACHE_BYTES",
+    "SCHEMA_VERSION",
+    "SIDES",
+    "TOKEN_DTYPE",
+    "SlotSpec",
+    "TensorInfo",
+    "TraceReader",
+    "TraceWriter",
+    "probe",
+    "slot_rms",
+]

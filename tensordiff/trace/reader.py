@@ -1,0 +1,497 @@
+"""Reading a trace: :class:`TraceReader` opens and validates a file (tensordiff/trace/validate.py),
+keeps only the committed rows of one that was not closed cleanly (tensordiff/trace/recover.py),
+and reads values, sketches and RMS by row range or row subset without loading whole datasets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING, Any
+
+import h5py  # type: ignore[import-untyped, unused-ignore]
+import numpy as np
+
+from ..dtypes import storage_dtype, to_float32
+from ..errors import TensordiffError, TraceFileError
+from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED
+from ..vocab import REGIMES
+from . import recover
+from .schema import (
+    MAX_ATTRS,
+    MAX_KEY_CHARS,
+    MAX_SEQUENCES,
+    MAX_SKETCH_DIM,
+    MAX_TENSORS,
+    MAX_WIDTH,
+    READ_CACHE_BYTES,
+    SCHEMA_VERSION,
+    TOKEN_DTYPE,
+    TensorInfo,
+    slot_rms,
+)
+from .validate import (
+    attr_float,
+    attr_int,
+    attr_json,
+    attr_str,
+    check_bytes,
+    check_path,
+    check_sequences,
+    check_tensor_name,
+    check_token_table,
+    check_token_values,
+    clean_text,
+    follow,
+    short,
+    tensor_attrs,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+_SPAN_BYTES = 4 << 20  # scattered reads: read a span this large whole, then pick rows
+
+
+class TraceReader:
+    """Open and validate a trace. Raises :class:`~tensordiff.errors.TraceFileError` with a one-line
+    reason on bad input.
+
+    Nothing is loaded but the token table and the per-tensor row indices; values, sketches and
+    RMS are read by row range or row subset on demand.
+
+    Hostile files (docs/robustness.md): links other than hard links, virtual datasets and
+    external raw storage are refused (nothing outside the file is ever opened); attributes are
+    checked for shape and type before they are read and strings are bounded; every dataset's
+    declared size is checked against the file size, chunk size and the token table before a
+    byte of it is read. A trace that was not closed cleanly (``complete`` false) is read up to
+    the rows its writer committed at its last flush, and ``recovered_note`` says how many.
+    """
+
+    f: Any
+    tokens: np.ndarray
+    sequences: list[str]
+    tensors: dict[str, TensorInfo]
+    recovered_note: str | None
+    recovered: dict[str, Any]
+    _rows: dict[str, np.ndarray]
+    _ds: dict[str, dict[str, Any]]
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self.file_size = check_path(self.path)
+        # A writer killed inside a flush can leave metadata that points past the end-of-allocation
+        # address its superblock still records (HDF5 writes the superblock last). Such a trace is
+        # read through a view that raises that address to the file size, as `h5clear --increment`
+        # would, without writing to the file; only interrupted recordings are read this way.
+        self.repaired = False
+        patch = None
+        try:
+            self._open_and_load(None)
+        except TraceFileError as first:
+            patch = recover.eoa_patch(self.path, self.file_size)
+            if patch is None:
+                raise
+            try:
+                self._open_and_load(patch)
+            except TraceFileError:
+                raise first from None
+            if self.complete:
+                self.close()
+                raise first from None
+            self.repaired = True
+        else:
+            if not self.complete:
+                patch = recover.eoa_patch(self.path, self.file_size)
+                if patch is not None:
+                    # the file's end lies past that address after any kill (chunks written since
+                    # the last flush); reading through the view also reaches metadata a kill
+                    # inside a flush left there, which the plain open may only meet later
+                    plain = (self.f, self.__dict__.copy())
+                    try:
+                        self._open_and_load(patch)
+                        plain[0].close()
+                    except TraceFileError:
+                        self.__dict__.update(plain[1])
+        if self.repaired and self.recovered_note:
+            self.recovered_note += recover.INSIDE_A_FLUSH
+
+    def _open_and_load(self, patch: tuple[int, bytes] | None) -> None:
+        self._view: recover.PatchedView | None = None
+        try:
+            if patch is None:
+                self.f = h5py.File(self.path, "r", locking=False, rdcc_nbytes=READ_CACHE_BYTES)
+            else:
+                self._view = recover.PatchedView(self.path, *patch)
+                self.f = h5py.File(self._view, "r", rdcc_nbytes=READ_CACHE_BYTES)
+        except OSError as e:
+            self._close_view()
+            raise TraceFileError(f"cannot open as HDF5, the file is truncated or damaged ({short(e)})",
+                                 self.path) from None
+        except Exception as e:  # noqa: BLE001 - whatever a damaged superblock makes h5py raise
+            self._close_view()
+            raise TraceFileError(f"cannot open as HDF5, the file is damaged ({short(e)})", self.path) from None
+        try:
+            self._load()
+        except TensordiffError as e:
+            self.close()
+            if e.path is None:
+                raise type(e)(e.reason, self.path) from None
+            raise
+        except MemoryError:
+            self.close()
+            raise TraceFileError("damaged trace (a table is too large to load)", self.path) from None
+        except Exception as e:  # noqa: BLE001 - OSError, KeyError, ValueError, TypeError, RuntimeError...
+            self.close()
+            raise TraceFileError(f"damaged trace ({short(e)})", self.path) from None
+
+    def _close_view(self) -> None:
+        if getattr(self, "_view", None) is not None:
+            with contextlib.suppress(Exception):
+                self._view.close()  # type: ignore[union-attr]
+            self._view = None
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        a = self.f.attrs
+        if len(a) > MAX_ATTRS:
+            raise TraceFileError(f"the root group has {len(a)} attributes; not a tensordiff trace")
+        if "tensordiff_schema" not in a:
+            raise TraceFileError("an HDF5 file but not a tensordiff trace (no tensordiff_schema attribute)")
+        schema = attr_int(a, "tensordiff_schema")
+        if schema != SCHEMA_VERSION:
+            raise TraceFileError(f"unknown trace schema version {schema} (this tensordiff reads version "
+                                 f"{SCHEMA_VERSION}); upgrade tensordiff or re-record")
+        self.schema = schema
+        self.side = attr_str(a, "side", "other")
+        self.producer = attr_str(a, "producer", "")[:4096]
+        self.created = attr_str(a, "created", "")[:64]
+        self.model = attr_json(a, "model", {})
+        self.versions = attr_json(a, "versions", {})
+        self.user_meta = attr_json(a, "user_meta", {})
+        if not isinstance(self.model, dict) or not isinstance(self.versions, dict) or not isinstance(self.user_meta, dict):
+            raise TraceFileError("attributes model/versions/user_meta must be JSON objects")
+        for key in ("hidden_size", "num_layers"):
+            v = self.model.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_WIDTH):
+                raise TraceFileError(f"model {key} is {v!r}, expected a positive integer")
+        self.sketch_seed = attr_int(a, "sketch_seed", default=DEFAULT_SKETCH_SEED)
+        self.sketch_dim = attr_int(a, "sketch_dim", default=DEFAULT_SKETCH_DIM)
+        if not 1 <= self.sketch_dim <= MAX_SKETCH_DIM:
+            raise TraceFileError(f"sketch_dim {self.sketch_dim} out of range")
+        self.complete = bool(attr_int(a, "complete", default=0))
+        # rows the writer committed at its last flush (absent in traces of other writers)
+        committed = attr_int(a, "flushed_tokens", default=-1)
+        self._committed = committed >= 0
+        self.recovered_note = None
+        self.skipped: list[str] = []
+        try:
+            self._load_tables(committed)
+        except Exception:
+            if self.complete or committed != 0:
+                raise
+            # killed before its first commit (typically inside the first flush): nothing was
+            # committed, so nothing is lost, whatever state the rest of the file is in
+            self.tokens = np.empty(0, TOKEN_DTYPE)
+            self.sequences = []
+            self.tensors, self._rows, self._ds = {}, {}, {}
+            self.recovered = {"tokens": 0, "tensor_rows": {}, "dropped_tokens": 0, "dropped_tensor_rows": 0}
+            self.recovered_note = recover.NOTHING_COMMITTED
+
+    def _load_tables(self, committed: int) -> None:
+        f = self.f
+        tok = follow(f, "tokens", "/tokens")
+        if tok is None:
+            raise TraceFileError("missing the /tokens table")
+        check_token_table(tok)
+        n_tok = int(tok.shape[0])
+        on_disk_tok = n_tok
+        if self.complete and self._committed and committed != n_tok:
+            raise TraceFileError(f"/tokens has {n_tok} rows but its writer committed {committed}; the file was "
+                                 "truncated or modified after it was closed")
+        if not self.complete and self._committed:
+            n_tok = min(n_tok, committed)
+        check_bytes(tok, n_tok, "/tokens", self.file_size)
+        self.tokens = tok[:n_tok] if n_tok else np.empty(0, tok.dtype)
+        seqs = follow(f, "sequences", "/sequences")
+        if seqs is None:
+            raise TraceFileError("missing the /sequences list")
+        check_sequences(seqs)
+        if seqs.shape[0] > MAX_SEQUENCES:
+            raise TraceFileError(f"/sequences has {seqs.shape[0]} entries (at most {MAX_SEQUENCES} are supported)")
+        n_seq = int(seqs.shape[0])
+        if not self.complete and self._committed and n_tok:
+            # only the keys the committed rows use: a kill inside a flush can leave later keys
+            # pointing into a heap block that never reached the file
+            n_seq = min(n_seq, max(int(self.tokens["seq"].max()), -1) + 1)
+        elif not self.complete and self._committed:
+            n_seq = 0
+        check_bytes(seqs, n_seq, "/sequences", self.file_size)
+        raw: Any = []
+        if n_seq:
+            raw = (seqs.asstr(errors="replace")[:n_seq] if seqs.dtype.kind == "O"
+                   else [bytes(b).decode("utf-8", "replace") for b in seqs[:n_seq]])
+        self.sequences = [clean_text(str(s))[:MAX_KEY_CHARS] for s in raw]
+        if n_tok:
+            sq = self.tokens["seq"]
+            bad = (sq < 0) | (sq >= len(self.sequences))
+            if bad.any():
+                if self.complete or self._committed:
+                    raise TraceFileError(f"/tokens has {int(bad.sum())} rows pointing outside /sequences")
+                # unclean end of a writer that records no commit: keep the consistent prefix
+                n_tok = int(np.argmax(bad))
+                self.tokens = self.tokens[:n_tok]
+            check_token_values(self.tokens)
+        if self.tokens.dtype != TOKEN_DTYPE:  # other tools' layouts: normalise (step defaults to 0)
+            norm = np.zeros(len(self.tokens), TOKEN_DTYPE)
+            for col in TOKEN_DTYPE.names or ():
+                if col in (self.tokens.dtype.names or ()):
+                    norm[col] = self.tokens[col]
+            self.tokens = norm
+
+        tg = follow(f, "tensors", "/tensors")
+        if tg is None or not isinstance(tg, h5py.Group):
+            raise TraceFileError("missing the /tensors group")
+        if len(tg) > MAX_TENSORS:
+            raise TraceFileError(f"/tensors has {len(tg)} members (at most {MAX_TENSORS})")
+        self.tensors = {}
+        self._rows = {}
+        self._ds = {}
+        dropped = [on_disk_tok - n_tok, 0]
+        for name in tg:
+            check_tensor_name(name)
+            try:
+                self._load_tensor(tg, name, n_tok, dropped)
+            except Exception:
+                if self.complete or not self._committed or self._tensor_committed(tg, name):
+                    raise
+                # defined after the last commit and left unreadable by the kill: nothing of it was committed
+                self.skipped.append(name)
+                for d in (self.tensors, self._rows, self._ds):
+                    d.pop(name, None)
+        if not self.complete:
+            self.recovered_note = recover.recovered_note(
+                n_tok, sum(t.rows for t in self.tensors.values()), len(self.tensors), committed=self._committed,
+                dropped_tokens=dropped[0], dropped_tensor_rows=dropped[1], skipped=self.skipped)
+        self.recovered = {"tokens": n_tok, "tensor_rows": {n: t.rows for n, t in self.tensors.items()},
+                          "dropped_tokens": dropped[0], "dropped_tensor_rows": dropped[1]}
+
+    @staticmethod
+    def _tensor_committed(tg: Any, name: str) -> bool:
+        """Whether a tensor that failed to load had rows committed (then its loss is an error)."""
+        try:
+            return attr_int(tg[name].attrs, "flushed_rows", default=0) > 0
+        except Exception:  # noqa: BLE001 - an unreadable header was never committed (see _load)
+            return False
+
+    def _load_tensor(self, tg: Any, name: str, n_tok: int, dropped: list[int]) -> None:
+        where = f" of tensor {name!r}"
+        g = follow(tg, name, f"tensor {name!r}")
+        if not isinstance(g, h5py.Group):
+            raise TraceFileError(f"tensor {name!r} is not a group")
+        ga = g.attrs
+        if len(ga) > MAX_ATTRS:
+            raise TraceFileError(f"tensor {name!r} has {len(ga)} attributes (at most {MAX_ATTRS})")
+        ta = tensor_attrs(ga, name)
+        rows_ds = follow(g, "rows", f"{name}/rows")
+        if not isinstance(rows_ds, h5py.Dataset) or rows_ds.ndim != 1 or rows_ds.dtype.kind not in "iu":
+            raise TraceFileError(f"tensor {name!r} has no valid rows index")
+        dsets = {"rows": rows_ds}
+        for part, shape2 in (("values", ta.width), ("sketch", ta.slot_count * self.sketch_dim),
+                             ("rms", ta.slot_count)):
+            ds = follow(g, part, f"{name}/{part}")
+            if ds is None:
+                continue
+            if not isinstance(ds, h5py.Dataset) or ds.ndim != 2 or ds.shape[1] != shape2:
+                raise TraceFileError(f"tensor {name!r}: {part} has shape {getattr(ds, 'shape', None)}, "
+                                     f"expected (rows, {shape2})")
+            if part == "values" and ds.dtype != storage_dtype(ta.dtype):
+                raise TraceFileError(f"tensor {name!r}: values stored as {ds.dtype}, expected "
+                                     f"{storage_dtype(ta.dtype)} for {ta.dtype}")
+            if part != "values" and (ds.dtype.kind != "f" or ds.dtype.itemsize > 8):
+                raise TraceFileError(f"tensor {name!r}: {part} is not floating point")
+            dsets[part] = ds
+        if "values" not in dsets and "sketch" not in dsets:
+            raise TraceFileError(f"tensor {name!r} has neither values nor a sketch")
+        lengths = {p: int(d.shape[0]) for p, d in dsets.items()}
+        n = min(lengths.values())
+        on_disk = max(lengths.values())
+        committed = attr_int(ga, "flushed_rows", default=-1, where=where) if self._committed else -1
+        if self.complete:
+            if len(set(lengths.values())) > 1:
+                raise TraceFileError(f"tensor {name!r}: datasets disagree on the row count {lengths}")
+            if committed >= 0 and committed != n:
+                raise TraceFileError(f"tensor {name!r} has {n} rows but its writer committed {committed}; the file "
+                                     "was truncated or modified after it was closed")
+        elif committed >= 0:
+            n = min(n, committed)
+        elif self._committed:
+            n = 0  # defined after the last flush: nothing of it was committed
+        for part, ds in dsets.items():
+            check_bytes(ds, n, f"{name}/{part}", self.file_size)
+        rows = rows_ds[:n].astype(np.int64, copy=False) if n else np.empty(0, np.int64)
+        if n and (rows.min() < 0 or rows.max() >= n_tok):
+            if self.complete:
+                raise TraceFileError(f"tensor {name!r}: row indices point outside the token table")
+            good = (rows >= 0) & (rows < n_tok)
+            n = int(np.argmin(good)) if not good.all() else n
+            rows = rows[:n]
+        dropped[1] += on_disk - n
+        self._rows[name] = rows
+        self._ds[name] = dsets
+        user_attrs = {}
+        for k2 in ga:
+            if k2.startswith("user."):
+                user_attrs[clean_text(k2[5:])] = attr_json(ga, k2, None, where)
+        self.tensors[name] = TensorInfo(
+            name=name, kind=ta.kind, dtype=ta.dtype, width=ta.width, rows=n, slot_count=ta.slot_count,
+            slot_width=ta.slot_width, slot_labels=ta.slot_labels, raw_ids=ta.raw_ids,
+            convention=attr_str(ga, "convention", "", where)[:256] or None,
+            order=attr_float(ga, "order", 0.0, where), token_offset=ta.token_offset,
+            role=attr_str(ga, "role", "", where)[:256], has_values="values" in dsets, has_sketch="sketch" in dsets,
+            boundary=ta.boundary, attrs=user_attrs,
+        )
+
+    # -- accessors -----------------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int | None:
+        h = self.model.get("hidden_size")
+        return int(h) if isinstance(h, (int, float)) else None
+
+    @property
+    def num_layers(self) -> int | None:
+        n = self.model.get("num_layers")
+        return int(n) if isinstance(n, (int, float)) else None
+
+    def token_rows(self, name: str) -> np.ndarray:
+        """Token-table row of every row of tensor ``name`` (int64, loaded at open)."""
+        return self._rows[name]
+
+    def _read(self, name: str, part: str, sel: Any, out: np.ndarray | None = None) -> np.ndarray:
+        try:
+            ds = self._ds[name][part]
+        except KeyError:
+            raise TraceFileError(f"tensor {name!r} has no {part}", self.path) from None
+        try:
+            if out is not None and isinstance(sel, slice):
+                n = len(range(*sel.indices(ds.shape[0])))
+                dest = out.reshape(-1)[:n * int(np.prod(ds.shape[1:], dtype=np.int64))].reshape((n,) + ds.shape[1:])
+                ds.read_direct(dest, np.s_[sel.start:sel.start + n])  # no fresh allocation per block
+                return dest
+            block: np.ndarray = ds[sel]
+            return block
+        except (OSError, ValueError, TypeError) as e:
+            raise TraceFileError(f"cannot read {name}/{part}, the file is damaged ({short(e)})", self.path) from None
+
+    def read_values(self, name: str, start: int = 0, stop: int | None = None, *, raw: bool = False) -> np.ndarray:
+        """Rows [start, stop) of a tensor's full values as float32 (``raw=True``: stored form)."""
+        info = self.tensors[name]
+        stop = info.rows if stop is None else min(stop, info.rows)
+        block = self._read(name, "values", np.s_[start:stop])
+        return block if raw else to_float32(block, info.dtype)
+
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``name/part`` (values in stored form, sketch or rms) at row indices in any order
+        and with repeats. Never an HDF5 point selection (slow): one contiguous read when the span
+        is small, else one read per touched chunk, then the rows are picked in memory."""
+        idx = np.asarray(idx, dtype=np.int64)
+        ds = self._ds[name].get(part)
+        if ds is None:
+            raise TraceFileError(f"tensor {name!r} has no {part}", self.path)
+        if len(idx) == 0:
+            return np.empty((0,) + ds.shape[1:], ds.dtype)
+        lo, hi = int(idx[0]), int(idx[-1]) + 1
+        if hi - lo == len(idx) and (len(idx) == 1 or np.all(np.diff(idx) == 1)):
+            # the common case: a run of rows, read straight into ``out`` (same dtype) when given
+            return self._read(name, part, np.s_[lo:hi], out)
+        uniq, inv = np.unique(idx, return_inverse=True)
+        lo, hi = int(uniq[0]), int(uniq[-1]) + 1
+        row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
+        if (hi - lo) * row_bytes <= _SPAN_BYTES or hi - lo <= 4 * len(uniq):
+            block = self._read(name, part, np.s_[lo:hi])[uniq - lo]
+        else:
+            cr = ds.chunks[0] if ds.chunks else max(1, _SPAN_BYTES // row_bytes)
+            block = np.empty((len(uniq),) + ds.shape[1:], ds.dtype)
+            cid = uniq // cr
+            cuts = np.flatnonzero(np.diff(cid)) + 1
+            for part_idx in np.split(np.arange(len(uniq)), cuts):
+                u = uniq[part_idx]
+                a0, a1 = int(u[0]), int(u[-1]) + 1
+                block[part_idx] = self._read(name, part, np.s_[a0:a1])[u - a0]
+        picked: np.ndarray = block[inv]
+        return picked
+
+    def read_values_at(self, name: str, idx: np.ndarray, *, raw: bool = False,
+                       out: np.ndarray | None = None) -> np.ndarray:
+        """Tensor rows at the given row indices (any order), float32 (``raw=True``: stored form).
+        ``out``: a reusable float32 buffer (see :func:`tensordiff.dtypes.to_float32`)."""
+        block = self.read_at(name, "values", idx)
+        return block if raw else to_float32(block, self.tensors[name].dtype, out)
+
+    def read_sketch(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return np.asarray(self._read(name, "sketch", np.s_[start:stop]), dtype=np.float32)
+
+    def read_rms(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        if "rms" not in self._ds[name]:
+            vals = self.read_values(name, start, stop)
+            return slot_rms(vals, self.tensors[name].slot_width)
+        return np.asarray(self._read(name, "rms", np.s_[start:stop]), dtype=np.float32)
+
+    def touch(self) -> None:
+        """Read the first and last row of every dataset (walks each chunk index at both ends)."""
+        for name, info in self.tensors.items():
+            if info.rows:
+                for part in self._ds[name]:
+                    if part != "rows":
+                        self._read(name, part, np.s_[0:1])
+                        self._read(name, part, np.s_[info.rows - 1:info.rows])
+
+    _touch = touch  # the name the probe used before the package split
+
+    def summary(self) -> dict[str, Any]:
+        """Everything ``tensordiff info`` shows, as plain data."""
+        t = self.tokens
+        regimes = {REGIMES[c]: int(n) for c, n in zip(*np.unique(t["regime"], return_counts=True))} if len(t) else {}
+        seqs = []
+        if len(t):
+            order = np.argsort(t["seq"], kind="stable")
+            sq = t["seq"][order]
+            cuts = np.flatnonzero(np.diff(sq)) + 1
+            for part in np.split(order, cuts):
+                pos = t["position"][part]
+                seqs.append({"key": self.sequences[int(t["seq"][part[0]])], "rows": len(part),
+                             "positions": [int(pos.min()), int(pos.max())]})
+        tensors = []
+        for info in sorted(self.tensors.values(), key=lambda i: (i.order, i.name)):
+            entry: dict[str, Any] = {"name": info.name, "kind": info.kind, "label": info.label, "dtype": info.dtype,
+                                     "shape": [info.rows, info.width], "order": info.order,
+                                     "values": info.has_values, "sketch": info.has_sketch, "role": info.role}
+            if info.slot_count > 1 or info.slot_labels:
+                entry.update(slots=info.slot_count, slot_width=info.slot_width, slot_labels=info.slot_labels,
+                             raw_ids=info.raw_ids, convention=info.convention)
+            if info.token_offset:
+                entry["token_offset"] = info.token_offset
+            if info.attrs:
+                entry["attrs"] = info.attrs
+            tensors.append(entry)
+        return {
+            "path": self.path, "schema": self.schema, "side": self.side, "producer": self.producer,
+            "created": self.created, "complete": self.complete, "recovered": self.recovered_note,
+            "model": self.model, "versions": self.versions, "user_meta": self.user_meta,
+            "sketch": {"seed": self.sketch_seed, "dim": self.sketch_dim},
+            "tokens": {"rows": len(t), "sequences": len(self.sequences), "regimes": regimes},
+            "sequences": seqs[:1000], "tensors": tensors,
+        }
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # closing a damaged file must not mask the real error
+            self.f.close()
+        self._close_view()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,115 @@
+"""What a trace is: the schema version, the kinds and sides, the token-table layout, the records
+the reader hands out (:class:`TensorInfo`, :class:`SlotSpec`) and the limits every reader enforces.
+
+Layout (schema 1; documented for people in docs/format.md)::
+
+    /                         attrs: tensordiff_schema, side, producer, created, model (json),
+                              versions (json), user_meta (json), sketch_seed, sketch_dim,
+                              complete (bool: False until the writer closed cleanly),
+                              flushed_tokens (rows committed by the last flush)
+    /sequences                [S] utf-8 strings: sequence keys (request id, sample id...)
+    /tokens                   [R] compound: seq (i4), position (i8), token (i8), regime (u1), step (i4)
+    /tensors/<name>/rows      [n] i8: row of /tokens that each tensor row belongs to
+    /tensors/<name>/values    [n, width] full values (bf16 as uint16 bits), optional
+    /tensors/<name>/sketch    [n, slots*d] f4 seeded projection per slot, optional
+    /tensors/<name>/rms       [n, slots] f4 per-token RMS of each slot
+    /tensors/<name>           attrs: kind, dtype, width, slot_count, slot_width, slot_labels,
+                              slot_boundaries, raw_ids, convention, order, token_offset, role,
+                              flushed_rows, user.*
+
+numpy only (no h5py): the writer, the reader and the importers share these definitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..vocab import boundary_label, parse_label
+
+SCHEMA_VERSION = 1
+SIDES = ("train", "serve", "other")
+KINDS = ("boundary", "final_norm", "packed", "other")
+TOKEN_DTYPE = np.dtype([("seq", "<i4"), ("position", "<i8"), ("token", "<i8"),
+                        ("regime", "u1"), ("step", "<i4")])
+TOKEN_COLUMNS = ("seq", "position", "token", "regime", "step")
+
+# -- sizes the writer uses ---------------------------------------------------------------------
+CHUNK_BYTES = 1 << 20        # values are chunked in blocks of about this many bytes
+# Chunk cache per open dataset. HDF5 2.0 defaults to 8 MiB each; a diff holds every tensor of both
+# traces open and reads in whole-chunk blocks, so a cache mostly costs memory (~580 MB for 64
+# tensors measured). One chunk's worth keeps compressed scattered reads from re-inflating.
+READ_CACHE_BYTES = 1 << 20
+
+# -- limits every reader enforces (docs/robustness.md) -----------------------------------------
+MAX_ATTR_CHARS = 1 << 20     # strings longer than this in a trace are refused, not parsed
+MAX_ATTR_ELEMENTS = 64       # attributes are scalars (or tiny arrays), never bulk data
+MAX_ATTRS = 4096             # attributes on one object
+MAX_TENSORS = 100_000        # tensors in one trace
+MAX_NAME_CHARS = 256         # a tensor name
+MAX_KEY_CHARS = 4096         # a sequence key
+MAX_SLOTS = 4096             # slots of one packed tensor
+MAX_WIDTH = 1 << 24          # a tensor's width (and the model's hidden size)
+MAX_SEQUENCES = 1 << 22      # the aligner keys a row as seq << 40 | position
+MAX_POSITION = 1 << 40
+MAX_BOUNDARY = 100_000
+MAX_TOKEN_OFFSET = 1024
+MAX_SKETCH_DIM = 65536
+MAX_CHUNK_BYTES = 64 << 20   # one chunk is read whole to get one row
+FILTER_EXPANSION = 1000      # a compressed dataset may be this much larger than the file
+
+
+@dataclass
+class SlotSpec:
+    """What a packed tensor's slots are claimed to hold."""
+
+    labels: list[str]
+    raw_ids: list[int] | None = None
+    convention: str | None = None
+
+    @property
+    def boundaries(self) -> list[int | None]:
+        return [parse_label(lab) for lab in self.labels]
+
+
+@dataclass
+class TensorInfo:
+    """A tensor as the reader sees it (attributes validated)."""
+
+    name: str
+    kind: str
+    dtype: str
+    width: int
+    rows: int
+    slot_count: int
+    slot_width: int
+    slot_labels: list[str] | None
+    raw_ids: list[int] | None
+    convention: str | None
+    order: float
+    token_offset: int
+    role: str
+    has_values: bool
+    has_sketch: bool
+    boundary: int | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "boundary" and self.boundary is not None:
+            return boundary_label(self.boundary)
+        if self.kind == "final_norm":
+            return "final_norm"
+        return self.name
+
+
+def slot_rms(x: np.ndarray, slot_width: int) -> np.ndarray:
+    """Per-row RMS of each slot of ``x`` [n, k*slot_width] -> [n, k] float32 (what ``rms`` holds)."""
+    n = x.shape[0]
+    k = x.shape[1] // slot_width
+    x3 = x.reshape(n, k, slot_width)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out: np.ndarray = np.sqrt(np.einsum("nkh,nkh->nk", x3, x3) / np.float32(slot_width))
+    return out.astype(np.float32, copy=False)

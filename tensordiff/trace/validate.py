@@ -1,0 +1,340 @@
+"""Guards against hostile trace files: every check the reader makes before it reads a byte.
+
+Nothing here trusts the file: an attribute's shape and type are checked before it is read and
+strings are bounded; links other than hard links, virtual datasets and external raw storage are
+refused (nothing outside the file is opened); a dataset's declared size is checked against the
+file's size, its chunk size bounded and its filters known before any of it is read. Every refusal
+is a :class:`~tensordiff.errors.TraceFileError` with one line for a person (docs/robustness.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import h5py  # type: ignore[import-untyped, unused-ignore]
+import numpy as np
+
+from ..dtypes import LOGICAL_DTYPES
+from ..errors import TraceFileError
+from ..vocab import REGIMES, parse_label
+from .schema import (
+    FILTER_EXPANSION,
+    KINDS,
+    MAX_ATTR_CHARS,
+    MAX_ATTR_ELEMENTS,
+    MAX_BOUNDARY,
+    MAX_CHUNK_BYTES,
+    MAX_NAME_CHARS,
+    MAX_POSITION,
+    MAX_SLOTS,
+    MAX_TOKEN_OFFSET,
+    MAX_WIDTH,
+    TOKEN_COLUMNS,
+)
+
+
+class _Missing:
+    """The value of an attribute that is not there."""
+
+
+MISSING = _Missing()
+
+
+def short(e: BaseException) -> str:
+    """The first line of an exception's message (or its type), at most 200 characters."""
+    s = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return s[:200]
+
+
+# -- the file itself ---------------------------------------------------------------------------
+
+
+def check_path(path: str) -> int:
+    """The size of ``path`` after checking that it is a file that could be a trace at all."""
+    if not os.path.exists(path):
+        raise TraceFileError("no such file", path)
+    if os.path.isdir(path):
+        raise TraceFileError("is a directory, not a trace file", path)
+    try:
+        size = os.path.getsize(path)
+        if size == 0:
+            raise TraceFileError("empty file (a recording killed before its first flush leaves nothing)", path)
+        if not h5py.is_hdf5(path):
+            raise TraceFileError("not an HDF5 file (not a tensordiff trace)", path)
+    except PermissionError:
+        raise TraceFileError("permission denied", path) from None
+    except OSError as e:
+        raise TraceFileError(f"cannot read: {e.strerror or e}", path) from None
+    return int(size)
+
+
+# -- strings from a file -----------------------------------------------------------------------
+
+
+def clean_text(s: str) -> str:
+    """A string from a file as printable text: invalid UTF-8 (which h5py hands over as lone
+    surrogates, as does JSON's ``\\udcxx``) becomes U+FFFD instead of failing when printed."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def clean_json(v: Any) -> Any:
+    """:func:`clean_text` applied to every string (and key) of a parsed JSON value."""
+    if isinstance(v, str):
+        return clean_text(v)
+    if isinstance(v, list):
+        return [clean_json(x) for x in v]
+    if isinstance(v, dict):
+        return {clean_text(str(k)): clean_json(x) for k, x in v.items()}
+    return v
+
+
+# -- attributes --------------------------------------------------------------------------------
+
+
+def attr_get(attrs: Any, key: str, where: str = "") -> Any:
+    """An attribute's value after checking its shape and type (nothing large is read);
+    :data:`MISSING` when there is none."""
+    if key not in attrs:
+        return MISSING
+    aid = attrs.get_id(key)
+    shape = aid.shape
+    if shape is None:  # null dataspace
+        raise TraceFileError(f"attribute {key!r}{where} is empty")
+    if math.prod(shape) > MAX_ATTR_ELEMENTS:
+        raise TraceFileError(f"attribute {key!r}{where} is an array of {math.prod(shape)} values, expected one")
+    dt = aid.dtype
+    if dt.names is not None or dt.subdtype is not None:
+        raise TraceFileError(f"attribute {key!r}{where} has a compound or array type")
+    if dt.kind == "O":
+        if h5py.check_string_dtype(dt) is None:
+            raise TraceFileError(f"attribute {key!r}{where} holds references or variable-length data, not a value")
+    elif dt.kind == "S":
+        if dt.itemsize > MAX_ATTR_CHARS:
+            raise TraceFileError(f"attribute {key!r}{where} is longer than {MAX_ATTR_CHARS} characters")
+    elif dt.kind not in "biuf":
+        raise TraceFileError(f"attribute {key!r}{where} has an unsupported type ({dt})")
+    return attrs[key]
+
+
+def attr_str(attrs: Any, key: str, default: str | None = None, where: str = "") -> str:
+    v = attr_get(attrs, key, where)
+    if v is MISSING:
+        if default is not None:
+            return default
+        raise TraceFileError(f"missing attribute {key!r}{where}")
+    if isinstance(v, np.ndarray) and v.shape == ():
+        v = v[()]
+    if isinstance(v, bytes):
+        v = v.decode("utf-8", "replace")
+    if not isinstance(v, str):
+        raise TraceFileError(f"attribute {key!r}{where} is not a string")
+    if len(v) > MAX_ATTR_CHARS:
+        raise TraceFileError(f"attribute {key!r}{where} is longer than {MAX_ATTR_CHARS} characters")
+    return clean_text(v)
+
+
+def attr_json(attrs: Any, key: str, default: Any = None, where: str = "") -> Any:
+    if key not in attrs:
+        return default
+    s = attr_str(attrs, key, where=where)
+    try:
+        return clean_json(json.loads(s))
+    except (ValueError, RecursionError):
+        raise TraceFileError(f"attribute {key!r}{where} is not valid JSON") from None
+
+
+def attr_int(attrs: Any, key: str, default: int | None = None, where: str = "") -> int:
+    """An integral attribute (bool or integer-valued float accepted), within +-2^62."""
+    v = _attr_number(attrs, key, default, where)
+    f = float(v)
+    if f != int(f):
+        raise TraceFileError(f"attribute {key!r}{where} is not an integer ({f:g})")
+    if abs(f) > 2.0**62:
+        raise TraceFileError(f"attribute {key!r}{where} is out of range")
+    return int(v)
+
+
+def attr_float(attrs: Any, key: str, default: float | None = None, where: str = "") -> float:
+    return float(_attr_number(attrs, key, default, where))
+
+
+def _attr_number(attrs: Any, key: str, default: float | None, where: str) -> Any:
+    v = attr_get(attrs, key, where)
+    if v is MISSING:
+        if default is not None:
+            return default
+        raise TraceFileError(f"missing attribute {key!r}{where}")
+    if isinstance(v, np.ndarray):
+        if v.size != 1:
+            raise TraceFileError(f"attribute {key!r}{where} is not a number")
+        v = v.reshape(())[()]
+    if not isinstance(v, (int, float, bool, np.number, np.bool_)):
+        raise TraceFileError(f"attribute {key!r}{where} is not a number")
+    if not math.isfinite(float(v)):
+        raise TraceFileError(f"attribute {key!r}{where} is not finite")
+    return v
+
+
+# -- links and datasets ------------------------------------------------------------------------
+
+
+def filters(ds: Any) -> list[int]:
+    """The HDF5 filter ids of a dataset's pipeline (empty: stored as is)."""
+    plist = ds.id.get_create_plist()
+    return [int(plist.get_filter(i)[0]) for i in range(plist.get_nfilters())]
+
+
+def follow(group: Any, name: str, what: str) -> Any:
+    """``group[name]`` when it is a hard link (a dataset is also checked), None when absent."""
+    link = group.get(name, getlink=True)
+    if link is None:
+        return None
+    if not isinstance(link, h5py.HardLink):
+        kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
+        raise TraceFileError(f"{what} is {kind}; links are not followed (a trace is one self-contained file)")
+    obj = group[name]
+    if isinstance(obj, h5py.Dataset):
+        check_dataset(obj, what)
+    return obj
+
+
+def check_dataset(ds: Any, what: str) -> None:
+    """Refuse a dataset whose storage reaches outside the file, or that cannot be read safely."""
+    if ds.is_virtual:
+        raise TraceFileError(f"{what} is a virtual dataset; datasets mapped from other files are not read")
+    if ds.external:
+        raise TraceFileError(f"{what} keeps its data in external files; they are not read")
+    if ds.shape is None:
+        raise TraceFileError(f"{what} is an empty (null) dataset")
+    dt = ds.dtype
+    if dt.itemsize == 0 or dt.itemsize > 1 << 16:
+        raise TraceFileError(f"{what} has an element size of {dt.itemsize} bytes")
+    if ds.chunks is not None and math.prod(ds.chunks) * dt.itemsize > MAX_CHUNK_BYTES:
+        raise TraceFileError(f"{what} has chunks of {math.prod(ds.chunks) * dt.itemsize} bytes "
+                             f"(more than {MAX_CHUNK_BYTES >> 20} MiB)")
+    missing = []
+    for fid in filters(ds):
+        if not h5py.h5z.filter_avail(fid):
+            try:
+                import hdf5plugin  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
+            except ImportError:
+                pass
+            if not h5py.h5z.filter_avail(fid):
+                missing.append(fid)
+    if missing:
+        raise TraceFileError(f"{what} is compressed with HDF5 filter {missing[0]}, which this install cannot decode "
+                             "(pip install hdf5plugin)")
+
+
+def check_bytes(ds: Any, rows: int, what: str, file_size: int) -> None:
+    """Refuse to read ``rows`` rows of ``ds`` when they could not fit in the file."""
+    row_bytes = ds.dtype.itemsize * math.prod(ds.shape[1:])
+    limit = file_size * (FILTER_EXPANSION if filters(ds) else 1) + (1 << 20)
+    if rows * row_bytes > limit:
+        raise TraceFileError(f"{what} claims {rows} rows ({rows * row_bytes} bytes) but the file has only "
+                             f"{file_size} bytes; the file is truncated or damaged")
+
+
+# -- the token table ---------------------------------------------------------------------------
+
+
+def check_token_table(tok: Any) -> None:
+    """/tokens: a 1-D compound table with integer columns (``step`` may be absent)."""
+    if not isinstance(tok, h5py.Dataset) or tok.dtype.names is None or tok.ndim != 1:
+        raise TraceFileError("/tokens is not a 1-D compound table")
+    for col in TOKEN_COLUMNS:
+        if col not in tok.dtype.names:
+            if col == "step":
+                continue
+            raise TraceFileError(f"/tokens lacks the column {col!r}")
+        ct = tok.dtype.fields[col][0]
+        if ct.kind not in "iu" or ct.itemsize > 8:
+            raise TraceFileError(f"/tokens column {col!r} is {ct}, expected an integer")
+
+
+def check_token_values(t: np.ndarray) -> None:
+    """Regime codes and positions of token rows within what the format defines."""
+    if (t["regime"] >= len(REGIMES)).any():
+        raise TraceFileError("/tokens has an unknown regime code")
+    if ((t["position"] < 0) | (t["position"] >= MAX_POSITION)).any():
+        raise TraceFileError("/tokens has a position outside 0..2^40")
+
+
+def check_sequences(seqs: Any) -> None:
+    if (not isinstance(seqs, h5py.Dataset) or seqs.ndim != 1
+            or not (h5py.check_string_dtype(seqs.dtype) is not None or seqs.dtype.kind == "S")):
+        raise TraceFileError("/sequences is not a 1-D list of strings")
+
+
+# -- a tensor's attributes ---------------------------------------------------------------------
+
+
+def check_tensor_name(name: str) -> None:
+    if len(name) > MAX_NAME_CHARS:
+        raise TraceFileError(f"a tensor name is longer than {MAX_NAME_CHARS} characters")
+    if clean_text(name) != name or not name.isprintable():
+        raise TraceFileError(f"a tensor name is not valid UTF-8 text ({clean_text(name)[:40]!r})")
+
+
+@dataclass
+class TensorAttrs:
+    """A tensor group's attributes, validated (what :class:`~tensordiff.trace.TensorInfo` is made of)."""
+
+    kind: str
+    dtype: str
+    width: int
+    slot_count: int
+    slot_width: int
+    slot_labels: list[str] | None
+    raw_ids: list[int] | None
+    boundary: int | None
+    token_offset: int
+
+
+def tensor_attrs(ga: Any, name: str) -> TensorAttrs:
+    """Check the attributes that say what a tensor is."""
+    where = f" of tensor {name!r}"
+    kind = attr_str(ga, "kind", where=where)
+    if kind not in KINDS:
+        raise TraceFileError(f"tensor {name!r} has unknown kind {kind[:40]!r}")
+    dtype = attr_str(ga, "dtype", where=where)
+    if dtype not in LOGICAL_DTYPES:
+        raise TraceFileError(f"tensor {name!r} has unsupported dtype {dtype[:40]!r}")
+    width = attr_int(ga, "width", where=where)
+    k = attr_int(ga, "slot_count", where=where)
+    sw = attr_int(ga, "slot_width", where=where)
+    if width <= 0 or k <= 0 or sw <= 0 or k * sw != width or width > MAX_WIDTH or k > MAX_SLOTS:
+        raise TraceFileError(f"tensor {name!r}: width {width} is not slot_count {k} x slot_width {sw}")
+    labels = attr_json(ga, "slot_labels", None, where)
+    if labels is not None:
+        if not isinstance(labels, list) or len(labels) != k or not all(isinstance(x, str) for x in labels):
+            raise TraceFileError(f"tensor {name!r}: slot_labels must be a list of {k} strings")
+        for lab in labels:
+            try:
+                parse_label(lab)
+            except ValueError as e:
+                raise TraceFileError(f"tensor {name!r}: {short(e)}") from None
+    if kind == "packed" and labels is None:
+        raise TraceFileError(f"packed tensor {name!r} has no slot_labels")
+    raw_ids = attr_json(ga, "raw_ids", None, where)
+    if raw_ids is not None and (not isinstance(raw_ids, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in raw_ids)):
+        raise TraceFileError(f"tensor {name!r}: raw_ids must be a list of integers")
+    boundary = None
+    if kind == "boundary":
+        boundary = attr_int(ga, "boundary", where=where)
+        if boundary < 0 or boundary > MAX_BOUNDARY:
+            raise TraceFileError(f"tensor {name!r}: boundary {boundary} out of range")
+    token_offset = attr_int(ga, "token_offset", default=0, where=where)
+    if abs(token_offset) > MAX_TOKEN_OFFSET:
+        raise TraceFileError(f"tensor {name!r}: token_offset {token_offset} out of range")
+    return TensorAttrs(kind=kind, dtype=dtype, width=width, slot_count=k, slot_width=sw, slot_labels=labels,
+                       raw_ids=raw_ids, boundary=boundary, token_offset=token_offset)
