@@ -47,6 +47,7 @@ import functools
 import logging
 import os
 import re
+import threading
 import time
 
 from .sglang_plugin import Config, rank_path
@@ -191,6 +192,8 @@ class _State:
         self.broken = False
         self.dirty = False
         self.last_flush = time.monotonic()
+        self.last_activity = time.monotonic()
+        self.lock = threading.RLock()  # the recording hooks and the idle flusher share the writer
         self.model: dict = {}
         self.labels: list[str] | None = None
         self.raw_ids: list[int] | None = None
@@ -227,14 +230,17 @@ class _State:
     def fail(self, where: str, e: BaseException) -> None:
         """A recording error never reaches the engine: log it, stop recording, keep the trace."""
         log.exception("tensordiff: recording stopped (error in %s): %s", where, e)
-        self.broken = True
-        self.pending = self.last = self.ctx = None
-        if self.rec is not None:
-            try:
-                self._write_stats()
-                self.rec.close(e)
-            except Exception:  # noqa: BLE001
-                log.exception("tensordiff: closing the trace after the error failed")
+        with self.lock:
+            if self.broken:
+                return
+            self.broken = True
+            self.pending = self.last = self.ctx = None
+            if self.rec is not None and not self.closed:
+                try:
+                    self._write_stats()
+                    self.rec.close(e)
+                except Exception:  # noqa: BLE001
+                    log.exception("tensordiff: closing the trace after the error failed")
 
     def _write_stats(self) -> None:
         self.rec.writer.set_attr(None, "tensordiff_vllm", {
@@ -246,15 +252,20 @@ class _State:
         })
 
     def flush(self, force: bool = False) -> None:
-        if self.rec is None or self.closed or self.broken:
-            return
-        if force or (self.dirty and time.monotonic() - self.last_flush >= self.cfg.flush_seconds):
-            self._write_stats()
-            self.rec.flush()
-            self.dirty = False
-            self.last_flush = time.monotonic()
+        with self.lock:
+            if self.rec is None or self.closed or self.broken:
+                return
+            if force or (self.dirty and time.monotonic() - self.last_flush >= self.cfg.flush_seconds):
+                self._write_stats()
+                self.rec.flush()
+                self.dirty = False
+                self.last_flush = time.monotonic()
 
     def close(self) -> None:
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.rec is None or self.closed:
             self.closed = True
             return
@@ -298,6 +309,23 @@ atexit.register(_STATE.close)
 
 def _hook_shutdown(wrapper, *args, **kwargs) -> None:
     _STATE.close()
+
+
+IDLE_FLUSH_SECONDS = 1.0
+
+
+def _idle_flusher() -> None:
+    """Flush the trace once the engine has been idle for a second (a server's Worker is killed when
+    it stops, and vLLM runs no step, so no hook, while it waits for requests)."""
+    st = _STATE
+    while not (st.closed or st.broken):
+        time.sleep(IDLE_FLUSH_SECONDS / 2)
+        if st.dirty and time.monotonic() - st.last_activity >= IDLE_FLUSH_SECONDS:
+            try:
+                st.flush(force=True)
+            except Exception as e:  # noqa: BLE001
+                with st.lock:
+                    st.fail("idle flush", e)
 
 
 def _hook_init_device(out, wrapper, *args, **kwargs) -> None:
@@ -436,6 +464,7 @@ def _setup(runner) -> None:
                       writer_kwargs=wkw, **kw)
     st.rec.writer.set_attr(None, "versions_serve", {"vllm": vllm.__version__, "torch": torch.__version__})
     log.info("tensordiff: recording to %s (slots %s from draft ids %s, vllm)", path, st.labels, raw)
+    threading.Thread(target=_idle_flusher, name="tensordiff-idle-flush", daemon=True).start()
     if captured is None and not cfg.catalog:
         st.warn_once("nothing", "this engine captures no aux hidden states (no EAGLE-3 draft) and TENSORDIFF_CATALOG "
                      "is off: only token rows are recorded")
@@ -549,9 +578,11 @@ def _hook_execute_model(original, runner, scheduler_output, *args, **kwargs):
             st.fail("start-up", e)
     if not st.active or n == 0:
         return original(runner, scheduler_output, *args, **kwargs)
+    st.last_activity = time.monotonic()
     if st.pending is not None:  # a step whose sampling we did not see: keep what is certain
         try:
-            _commit(st.pending, None)
+            with st.lock:
+                _commit(st.pending, None)
         except Exception as e:  # noqa: BLE001
             st.fail("target step", e)
     st.sched = scheduler_output
@@ -665,8 +696,11 @@ def _hook_sample(out, runner, *args, **kwargs) -> None:
     t0 = time.perf_counter()
     try:
         sampled = getattr(out, "sampled_token_ids", None)
-        _commit(step, _np_2d(sampled) if sampled is not None else None)
+        sampled = _np_2d(sampled) if sampled is not None else None
+        with st.lock:
+            _commit(step, sampled)
         st.flush()
+        st.last_activity = time.monotonic()
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
     st.seconds += time.perf_counter() - t0
@@ -789,7 +823,9 @@ def _hook_propose(original, proposer, *args, **kwargs):
         if ctx is not None and st.active:
             t0 = time.perf_counter()
             try:
-                _record_draft(ctx)
+                with st.lock:
+                    _record_draft(ctx)
+                st.last_activity = time.monotonic()
             except Exception as e:  # noqa: BLE001
                 st.fail("draft pass", e)
             st.seconds += time.perf_counter() - t0
