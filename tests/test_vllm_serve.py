@@ -497,3 +497,40 @@ def test_vllm_serve_bad_input_is_one_line_exit_2(tmp_path, case):
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "s.h5").exists()
+
+
+@pytest.mark.torch
+def test_idle_flusher_flushes_an_idle_trace(tmp_path, monkeypatch):
+    """The Worker runs no hook while vLLM waits for requests: the plugin's own thread flushes the
+    rows written so far once the engine has been idle for a second, so a killed server loses none."""
+    import threading
+    import time
+
+    pytest.importorskip("torch")
+    import torch
+
+    from tensordiff.recorders import vllm_plugin as vp
+    from tensordiff.recorders.core import Recorder
+    from tensordiff.trace import TraceReader
+
+    st = vp._State()
+    monkeypatch.setattr(vp, "_STATE", st)
+    st.cfg = vp.Config(path=str(tmp_path / "s.h5"))
+    st.rec = Recorder(st.cfg.path, side="serve", model={"num_layers": 2, "hidden_size": 4})
+    rows = st.rec.add_tokens("r", None, [1, 2, 3], regime="prefill")
+    st.rec.boundary(1, torch.ones(3, 4), rows)
+    st.dirty = True
+    st.last_activity = time.monotonic() - 5
+    t = threading.Thread(target=vp._idle_flusher, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while st.dirty and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not st.dirty  # flushed without any hook running
+    import shutil
+    shutil.copy(st.cfg.path, tmp_path / "killed.h5")  # the file as a SIGKILL would leave it now
+    with TraceReader(str(tmp_path / "killed.h5")) as r:  # every row up to the flush
+        assert not r.complete and len(r.tokens["position"]) == 3 and r.tensors["layer1"].rows == 3
+    st.close()
+    t.join(timeout=5)
+    assert not t.is_alive()
