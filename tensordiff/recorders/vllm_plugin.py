@@ -179,6 +179,8 @@ class _Step:
         self.rows = None              # np.int64 [T] trace rows, -1 dropped (after commit)
         self.next_tok: dict = {}      # (seq, pos) -> token, for the draft shift check
         self.prompts: dict = {}       # segment -> prompt token ids (prefill segments)
+        self.batch_idx: list = []     # per segment: the request's index in the batch (sampler row)
+        self.num_reqs = 0             # requests in the batch, scheduled tokens or not
 
 
 class _State:
@@ -661,7 +663,8 @@ def _begin_step(runner, sched, input_ids, positions) -> _Step | None:
     spec = getattr(sched, "scheduled_spec_decode_tokens", None) or {}
     segments, regimes, prompt_lens, limits = [], [], [], []
     start = 0
-    for r, c in zip(req_ids, counts):
+    batch_idx = []
+    for bi, (r, c) in enumerate(zip(req_ids, counts)):
         if c == 0:
             continue
         rs = runner.requests.get(r)
@@ -675,12 +678,15 @@ def _begin_step(runner, sched, input_ids, positions) -> _Step | None:
             regime = "decode"
         mt = getattr(getattr(rs, "sampling_params", None), "max_tokens", None)
         segments.append((st.seq_key(r), start, c, n_spec, r))
+        batch_idx.append(bi)
         regimes.append(regime)
         prompt_lens.append(plen)
         limits.append(plen + int(mt) if mt is not None and plen else None)
         start += c
     st.step_no += 1
     step = _Step(st.step_no, segments, pos, ids, regimes, prompt_lens, limits)
+    step.batch_idx = batch_idx
+    step.num_reqs = len(req_ids)
     for i, ((_, _, _, _, r), regime) in enumerate(zip(segments, regimes)):
         if regime == "prefill":
             step.prompts[i] = getattr(runner.requests.get(r), "prompt_token_ids", None)
@@ -725,16 +731,14 @@ def _commit(step: _Step, sampled) -> None:
     step.rows = np.full(T, -1, dtype=np.int64)
     for i, ((key, s, c, n_spec, _), regime) in enumerate(zip(step.segments, step.regimes)):
         keep = np.arange(s, s + c)
+        bi = step.batch_idx[i]  # the sampler's row of this request
+        got = sampled[bi][sampled[bi] >= 0] if sampled is not None and bi < sampled.shape[0] else None
+        acc = got
         if n_spec and regime == "target_verify":
-            if sampled is not None and i < sampled.shape[0]:
-                valid = int(np.count_nonzero(sampled[i] >= 0))  # accepted drafts + the bonus token
-                keep = keep[:max(1, valid)]
-                acc = sampled[i][sampled[i] >= 0]
+            if got is not None:
+                keep = keep[:max(1, len(got))]  # accepted drafts + the bonus token
             else:
                 keep = keep[:1]  # only the request's last token is certainly kept
-                acc = None
-        else:
-            acc = sampled[i][sampled[i] >= 0] if sampled is not None and i < sampled.shape[0] else None
         lim = step.limits[i]
         if lim is not None:
             keep = keep[step.pos[keep] < lim]
@@ -856,10 +860,10 @@ def _record_draft(ctx: dict) -> None:
         pos_t = pos_t[0]
     pos = _np(pos_t[:n]).astype(np.int64)
     qsl = _np(ctx["qsl"]).astype(np.int64)
-    if len(qsl) - 1 != len(step.segments) or qsl[-1] > n:
+    if len(qsl) - 1 != step.num_reqs or qsl[-1] > n:
         st.draft_unmatched += 1
         st.warn_once("draft-unmatched", "a drafter batch of %d requests does not match the target step's %d; "
-                     "not recorded", len(qsl) - 1, len(step.segments))
+                     "not recorded", len(qsl) - 1, step.num_reqs)
         return
     # draft row j -> the target row of the same (request, position) in the step the drafter reads
     by_key = {}
@@ -868,8 +872,9 @@ def _record_draft(ctx: dict) -> None:
             by_key[(key, int(step.pos[j]))] = int(step.rows[j])
     rows = np.full(n, -1, dtype=np.int64)
     keys = [None] * n
-    for i, (key, _, _, _, _) in enumerate(step.segments):
-        for j in range(int(qsl[i]), int(qsl[i + 1])):
+    for seg, bi in zip(step.segments, step.batch_idx):
+        key = seg[0]
+        for j in range(int(qsl[bi]), int(qsl[bi + 1])):
             rows[j] = by_key.get((key, int(pos[j])), -1)
             keys[j] = key
     if not (rows >= 0).any():
