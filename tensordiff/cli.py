@@ -68,15 +68,20 @@ def progress_bar(enabled: bool):
 
 def cmd_info(args) -> int:
     from .report import make_console, print_info
-    from .trace import TraceReader, probe
+    from .trace import probe
 
-    probe([args.trace])  # a file that hangs or crashes the HDF5 library meets a child process first
-    with TraceReader(args.trace) as r:
+    from .traceset import index_lines, open_trace, trace_paths
+
+    probe(trace_paths(args.trace))  # a file that hangs or crashes the HDF5 library meets a child process first
+    with open_trace(args.trace) as r:  # a file, or a trace set (directory or glob)
         s = r.summary()
     if args.json:
         _print_json(s)
     else:
-        print_info(s, make_console())
+        console = make_console()
+        print_info(s, console)
+        for line in index_lines(s["set"]) if "set" in s else ():
+            console.print(line, markup=False, highlight=False)
     return EXIT_OK
 
 
@@ -103,11 +108,20 @@ def cmd_diff(args) -> int:
     from .report import make_console, print_diff
     from .trace import probe
 
-    probe([args.a, args.b])
+    from .parallel import compared_bytes, make_backend
+    from .traceset import trace_paths
+
+    probe(trace_paths(args.a) + trace_paths(args.b))
     opts = _diff_options(args, args.summary)
-    with progress_bar(not args.quiet and not args.json) as cb:
-        opts.progress = cb
-        res = diff_traces(args.a, args.b, opts)
+    opts.numeric = make_backend(args.backend, args.workers, ray_address=args.ray_address,
+                                compared_bytes=compared_bytes([args.a, args.b]) if args.backend == "auto" else None)
+    try:
+        with progress_bar(not args.quiet and not args.json) as cb:
+            opts.progress = cb
+            res = diff_traces(args.a, args.b, opts)
+    finally:
+        if opts.numeric is not None:
+            opts.numeric.close()
     _swapped_hint(res, "diff")
     try:  # a reader that closes the pipe early (`| head -1`) must not change the verdict's exit code
         if args.json:
@@ -145,8 +159,9 @@ def cmd_report(args) -> int:
     """The HTML report: one self-contained file (docs/report.md)."""
     from .report_html import make_report
     from .trace import probe
+    from .traceset import trace_paths
 
-    probe([args.a, args.b])
+    probe(trace_paths(args.a) + trace_paths(args.b))
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
     _swapped_hint(res, "report")
     print(f"wrote {args.out}: {res.headline()}")
@@ -165,12 +180,14 @@ def cmd_calibrate(args) -> int:
     )
     from .trace import probe
 
-    probe([args.a, args.b])
+    from .traceset import trace_paths
+
+    probe(trace_paths(args.a) + trace_paths(args.b))
     loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
     with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
         res = d.run()
         dtypes = {p.name_a: coarser(d.ra.tensors[p.name_a].dtype, d.rb.tensors[p.name_b].dtype) for p in res.pairs}
-    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing")]
+    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing", "replica")]
     if ids:
         raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
     tols = {}
@@ -190,12 +207,14 @@ def cmd_tui(args) -> int:
         from .tui import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install
         raise UsageError(f"the TUI needs textual ({e})") from None
-    from .trace import TraceReader, probe
+    from .trace import probe
 
-    probe([args.a, args.b])  # fail fast on bad input, before the screen is taken over
+    from .traceset import open_trace, trace_paths
+
+    probe(trace_paths(args.a) + trace_paths(args.b))  # fail fast on bad input, before the screen is taken over
     if os.environ.get("TENSORDIFF_NO_PROBE"):  # no child check: open them here instead
         for p in (args.a, args.b):
-            TraceReader(p).close()
+            open_trace(p).close()
     opts = _diff_options(args, None)
     from .token_text import load
 
@@ -253,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-findings", type=int, default=25, help="findings listed in the text report")
     d.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     d.add_argument("--tui", action="store_true", help="open the interactive TUI instead of printing")
+    d.add_argument("--backend", default="auto", metavar="auto|serial|pool|ray",
+                   help="where the numeric pass runs (default auto: a local process pool when the traces are "
+                        "large, else this process; docs/distributed.md)")
+    d.add_argument("--workers", type=int, metavar="N", help="worker processes (default: the cores; ray: the cluster's CPUs)")
+    d.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use with --backend ray (default: RAY_ADDRESS, "
+                   "else a new local one)")
     d.set_defaults(func=cmd_diff)
 
     t = sub.add_parser("tui", help="interactive TUI on the first divergence",

@@ -119,7 +119,7 @@ class DraftPlan:
     pipeline: str
     prepend_embed: bool = False
 
-    def as_attrs(self) -> dict:
+    def as_attrs(self) -> dict[str, object]:
         d = asdict(self)
         d["raw_ids"] = list(self.raw_ids) if self.raw_ids is not None else None
         for k in ("captured", "fed", "intended"):
@@ -185,7 +185,7 @@ def plan_draft_input(convention: str, ids: Sequence[int] | None, num_layers: int
             b = parse_label(lab)
             if b is not None and b > n:
                 raise ValueError(f"boundary {b} is outside 0..{n}")
-        raw = tuple(parse_label(lab) for lab in given) if FINAL_NORM not in given else None
+        raw = tuple(int(parse_label(lab) or 0) for lab in given) if FINAL_NORM not in given else None
         return DraftPlan("boundary", raw, given, given, None, given, "cat(states at the given boundaries)")
     if convention == "eagle":
         captured = fed = intended = labels(default_eagle_boundaries(n))
@@ -215,15 +215,57 @@ def plan_draft_input(convention: str, ids: Sequence[int] | None, num_layers: int
         if ids_t is None:
             pipeline += " (no ids configured: default inputs of layers 2, N//2, N-3)"
     post = (convention == "hf") if hf_index_n_post_norm is None else bool(hf_index_n_post_norm)
-    last = boundary_label(n)
+    last_label = boundary_label(n)
     if post:
-        captured = [FINAL_NORM if lab == last else lab for lab in captured]
-        fed = [FINAL_NORM if lab == last else lab for lab in fed]
-        verifier = FINAL_NORM if verifier == last else verifier
+        captured = [FINAL_NORM if lab == last_label else lab for lab in captured]
+        fed = [FINAL_NORM if lab == last_label else lab for lab in fed]
+        verifier = FINAL_NORM if verifier == last_label else verifier
         pipeline += "; HF index N is the post-norm state"
     return DraftPlan(convention, ids_t, tuple(captured), tuple(fed), verifier, tuple(intended), pipeline,
                      prepend_embed)
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Prediction tensors: what the draft computes and what the target accepts (acceptance analysis)
+# ----------------------------------------------------------------------------------------------
+# Every recorder writes them under these names and roles (kind "other", see docs/recorders.md);
+# tensordiff.acceptance reads them. Top-k rows are [ids (k) | log-probabilities (k) | logsumexp],
+# float64 (ids exact), best first; ids are the TARGET vocabulary's (a draft's reduced vocabulary
+# is mapped through its d2t table). k = min(requested k, vocabulary size).
+
+DEFAULT_TOPK = 20
+TARGET_TOPK = "target_topk"        # token_offset 0: row t = the target's prediction of token t+1
+DRAFT_TOPK = "draft_topk"          # token_offset 1: row t (states at t, token t+1) predicts token t+2
+DRAFT_FC = "draft_fc_output"       # token_offset 1: the draft's fc output [T, H] (a state: compared numerically)
+SPEC_VERIFY = "spec_verify"        # serve only, one row per verify step (on the step's first row):
+#   [accepted drafts a, proposed drafts K, first rejected draft position (-1: none),
+#    draft token j (K), target top-1 at draft position j (K), target log-prob of draft token j (K)]
+SPEC_CHAIN = "spec_chain"          # serve only, on the spec_verify row: the draft's top-k rows at draft positions
+#   0..K-1 (position 0 from the draft extend, later ones from its decode steps), then the target's top-k rows at the
+#   step's verify rows 0..K-1 (user attrs K, draft_width, target_width)
+PREDICTION_ROLES = (TARGET_TOPK, DRAFT_TOPK, SPEC_VERIFY, SPEC_CHAIN)  # not states: the numerics skip them
+
+
+def topk_width(k: int) -> int:
+    return 2 * int(k) + 1
+
+
+def topk_k(width: int) -> int:
+    """k of a top-k row of this width (ids, log-probabilities, logsumexp)."""
+    if width < 3 or (width - 1) % 2:
+        raise ValueError(f"a top-k row is 2k+1 wide, not {width}")
+    return (width - 1) // 2
+
+
+def spec_verify_width(num_drafts: int) -> int:
+    return 3 + 3 * int(num_drafts)
+
+
+def spec_verify_drafts(width: int) -> int:
+    if width < 6 or (width - 3) % 3:
+        raise ValueError(f"a spec_verify row is 3 + 3K wide, not {width}")
+    return (width - 3) // 3
 
 
 def sglang_convention_for(architecture: str) -> str:

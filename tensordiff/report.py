@@ -14,6 +14,7 @@ from rich.text import Text
 
 from .findings import DiffResult, Severity
 from .fmt import SEVERITY_GLYPH, number
+from .report_acceptance import print_acceptance
 
 
 def diff_schema() -> dict:
@@ -154,6 +155,8 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
         console.print(g)
         if len(res.findings) > max_findings:
             console.print(f"   ... {len(res.findings) - max_findings} more (see --json)")
+
+    print_acceptance(res, console)
 
     nseq = len(res.sequences)
     shift_txt = ", ".join(f"shift {k}: {v}" for k, v in sorted(res.shifts.items(), key=lambda kv: int(kv[0])))

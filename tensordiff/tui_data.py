@@ -237,9 +237,9 @@ class VectorSource:
     def reader(self, side: int):
         with self._lock:
             if self._readers[side] is None:
-                from .trace import TraceReader
+                from .traceset import open_trace
 
-                self._readers[side] = TraceReader(self.paths[side])
+                self._readers[side] = open_trace(self.paths[side])  # a file or a trace set
             return self._readers[side]
 
     def side_tokens(self, side: int) -> SideTokens:

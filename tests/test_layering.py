@@ -50,3 +50,24 @@ def test_cli_diff_runs_without_torch_or_textual(tmp_path):
             "print('BAD:' + ','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("BAD:"), out
+
+
+def test_every_core_module_is_under_the_contracts():
+    """A new module escapes the forbidden-import contracts unless it is listed: fail until it is."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as fh:
+        contracts = tomllib.load(fh)["tool"]["importlinter"]["contracts"]
+    pkg = os.path.join(REPO, "tensordiff")
+    core = {"tensordiff." + (n[:-3] if n.endswith(".py") else n) for n in os.listdir(pkg)
+            if not n.startswith("__") and (n.endswith(".py") or os.path.isfile(os.path.join(pkg, n, "__init__.py")))
+            and n != "recorders"}
+    layers = " ".join(next(c for c in contracts if c["type"] == "layers")["layers"])
+    unlayered = sorted(m for m in core if not any(tok.strip("()") == m for tok in layers.split()))
+    assert not unlayered, f"modules in no layer of the layers contract: {unlayered}"
+    torch = next(c for c in contracts if "torch" in c.get("forbidden_modules", []))
+    textual = next(c for c in contracts if "textual" in c.get("forbidden_modules", []) and "tensordiff.recorders" not in
+                   c["source_modules"])
+    tui = {"tensordiff.tui", "tensordiff.tui_widgets", "tensordiff.tui_diff"}
+    assert sorted(core - set(torch["source_modules"])) == [], "not checked for torch imports"
+    assert sorted(core - tui - set(textual["source_modules"])) == [], "not checked for textual imports"
