@@ -26,6 +26,8 @@ PLUGIN_GROUP = "sglang.srt.plugins"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
+                   help="sglang (default): sglang.Engine; vllm: vllm.LLM (the vLLM plugin records in its Worker)")
     p.add_argument("--model", required=True, metavar="DIR", help="local target model directory (never downloaded)")
     p.add_argument("--draft", metavar="DIR",
                    help="local EAGLE-3 draft directory: run EAGLE-3 speculative decoding and record the draft's input")
@@ -206,6 +208,9 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
     ``start_engine(**engine_kwargs)`` makes the engine (default ``sglang.Engine``); tests pass one
     that prepares SGLang's CPU mode."""
     prompts = _check(args)
+    if getattr(args, "engine", "sglang") == "vllm":
+        from . import vllm_serve
+        return vllm_serve.record(args, prompts, plugin_env(args), start_engine)
     if not _plugin_installed():
         raise TraceError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "
                          "install the package (pip install -e . or pip install 'tensordiff[sglang]')")
@@ -277,3 +282,6 @@ def _print_summary(res: dict) -> None:
                   f"({t.get('convention')}), {t['shape'][0]} rows")
     if not s["complete"]:
         print(f"  note: {s['recovered']}", file=sys.stderr)
+    from .vllm_serve import notes
+    for note in notes(path):  # the vLLM plugin's notes (capture order, ignored draft-config keys)
+        print(f"  note: {note}")
