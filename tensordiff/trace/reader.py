@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
@@ -55,6 +56,27 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 _SPAN_BYTES = 4 << 20  # scattered reads: read a span this large whole, then pick rows
+OPEN_DATASETS = 64     # datasets kept open at once (see TraceReader._dataset)
+
+
+class _Parts(Mapping[str, Any]):
+    """A tensor's datasets (``rows``, ``values``, ``sketch``, ``rms``) by part, opened on use."""
+
+    def __init__(self, reader: TraceReader, paths: dict[str, str]):
+        self._reader = reader
+        self._paths = paths
+
+    def __getitem__(self, part: str) -> Any:
+        return self._reader._dataset(self._paths[part])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __contains__(self, part: object) -> bool:
+        return part in self._paths
 
 
 class TraceReader:
@@ -79,7 +101,7 @@ class TraceReader:
     recovered_note: str | None
     recovered: dict[str, Any]
     _rows: dict[str, np.ndarray]
-    _ds: dict[str, dict[str, Any]]
+    _ds: dict[str, _Parts]
 
     def __init__(self, path: str | os.PathLike[str], *, progress: Callable[[int, int], None] | None = None):
         self.path = os.fspath(path)
@@ -127,6 +149,7 @@ class TraceReader:
 
     def _open_and_load(self, patch: tuple[int, bytes] | None) -> None:
         self._view: recover.PatchedView | None = None
+        self._open: OrderedDict[str, Any] = OrderedDict()
         self._budget = Budget(self.file_size)
         try:
             if patch is None:
@@ -297,6 +320,23 @@ class TraceReader:
         self.recovered = {"tokens": n_tok, "tensor_rows": {n: t.rows for n, t in self.tensors.items()},
                           "dropped_tokens": dropped[0], "dropped_tensor_rows": dropped[1]}
 
+    def _dataset(self, path: str) -> Any:
+        """An open dataset by its path in the file. At most :data:`OPEN_DATASETS` stay open: HDF5
+        gives each open chunked dataset its own chunk cache (~100 KB measured even before a read),
+        so keeping 100k tensors' datasets open would cost gigabytes."""
+        ds = self._open.get(path)
+        if ds is None:
+            try:
+                ds = self.f[path]
+            except Exception as e:  # noqa: BLE001 - it opened at load time: the file changed or is damaged
+                raise TraceFileError(f"cannot open {path}, the file is damaged ({short(e)})", self.path) from None
+            self._open[path] = ds
+            if len(self._open) > OPEN_DATASETS:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(path)
+        return ds
+
     def _tick(self, done: int, total: int) -> None:
         if self._progress is not None:
             self._progress(done, total)
@@ -343,7 +383,7 @@ class TraceReader:
         rows_ds = follow(g, "rows", f"{name}/rows")
         if not isinstance(rows_ds, h5py.Dataset) or rows_ds.ndim != 1 or rows_ds.dtype.kind not in "iu":
             raise TraceFileError(f"tensor {name!r} has no valid rows index")
-        dsets = {"rows": rows_ds}
+        dsets: dict[str, Any] = {"rows": rows_ds}
         for part, shape2 in (("values", ta.width), ("sketch", ta.slot_count * self.sketch_dim),
                              ("rms", ta.slot_count)):
             ds = follow(g, part, f"{name}/{part}")
@@ -390,7 +430,7 @@ class TraceReader:
             rows = rows[:n]
         dropped[1] += on_disk - n
         self._rows[name] = rows
-        self._ds[name] = dsets
+        self._ds[name] = _Parts(self, {part: ds.name for part, ds in dsets.items()})
         user_attrs = {}
         for k2 in ga:
             if k2.startswith("user."):
@@ -541,6 +581,7 @@ class TraceReader:
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a damaged file must not mask the real error
             self.f.close()
+        self._open = OrderedDict()
         self._close_view()
 
     def __enter__(self) -> Self:
