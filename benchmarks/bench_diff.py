@@ -195,7 +195,7 @@ def h5_read(paths: list[str]) -> dict:
 
 
 def inproc_diff(paths: list[str]) -> dict:
-    from tensordiff.align import diff_traces
+    from tensordiff.diff import diff_traces
     from tensordiff.cli import jsonable
 
     t0 = time.perf_counter()

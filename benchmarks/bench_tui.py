@@ -131,7 +131,7 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
 
     if mode == "cli":
         # the real command line: `tensordiff tui A B`, with run_tui swapped for a headless run
-        import tensordiff.tui as tui
+        from tensordiff import tui
         from tensordiff.cli import main as cli_main
 
         def headless(a, b, opts) -> int:
@@ -166,7 +166,7 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
             if mode == "quit":
                 # quit while the diff runs: the worker stops at its next progress report
                 await asyncio.sleep(1.0)
-                out["progress_at_quit"] = list(app._progress) if not app.ready else "diff already done"
+                out["progress_at_quit"] = list(app.progress) if not app.ready else "diff already done"
                 out["t_quit_wall"] = time.time()
                 app.simulate_key("q")   # not pilot.press: it waits for the process to go idle
                 while app.is_running:
@@ -243,7 +243,7 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
 def run_child(a: str, b: str, mode: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", mode, a, b],
-                       capture_output=True, text=True, env=env, timeout=3600)
+                       capture_output=True, text=True, env=env, timeout=3600, check=False)
     end = time.time()
     if p.returncode != 0:
         raise SystemExit(f"child failed ({p.returncode}):\n{p.stderr[-4000:]}")

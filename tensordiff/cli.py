@@ -14,7 +14,7 @@ import sys
 from contextlib import contextmanager
 
 from . import __version__
-from .errors import TraceError
+from .errors import IncompatibleTracesError, TensordiffError, UsageError
 
 EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -76,8 +76,8 @@ def cmd_info(args) -> int:
 
 
 def _diff_options(args, summary_path=None):
-    from .align import DiffOptions
-    from .metrics import ToleranceBook
+    from .diff import DiffOptions
+    from .tolerances import ToleranceBook
 
     book = ToleranceBook()
     for t in args.tol or []:
@@ -91,7 +91,7 @@ def _diff_options(args, summary_path=None):
 def cmd_diff(args) -> int:
     if args.tui:
         return cmd_tui(args)
-    from .align import diff_traces
+    from .diff import diff_traces
     from .report import make_console, print_diff
     from .trace import probe
 
@@ -109,8 +109,14 @@ def cmd_diff(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Diff a noise-floor pair (same wiring, honest numeric differences) and write tolerances."""
-    from .align import DiffOptions, Differ
-    from .metrics import Tolerance, ToleranceBook, calibrated_tolerance, coarser
+    from .diff import Differ, DiffOptions
+    from .tolerances import (
+        Tolerance,
+        ToleranceBook,
+        calibrated_tolerance,
+        calibration_file,
+        coarser,
+    )
     from .trace import probe
 
     probe([args.a, args.b])
@@ -120,13 +126,13 @@ def cmd_calibrate(args) -> int:
         dtypes = {p.name_a: coarser(d.ra.tensors[p.name_a].dtype, d.rb.tensors[p.name_b].dtype) for p in res.pairs}
     ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing")]
     if ids:
-        raise TraceError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
+        raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
     tols = {}
     for p in res.pairs:
         for s in range(p.slots):
             key = f"{p.name_a}[{s}]" if p.slots > 1 else p.name_a
-            tols[key] = calibrated_tolerance(p.cos_min[s], p.rel_max[s], dtypes[p.name_a], args.margin).to_dict()
-    out = {"a": args.a, "b": args.b, "margin": args.margin, "tolerances": tols}
+            tols[key] = calibrated_tolerance(p.cos_min[s], p.rel_max[s], dtypes[p.name_a], args.margin)
+    out = calibration_file(args.a, args.b, args.margin, tols)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(jsonable(out), fh, indent=2)
     print(f"wrote {len(tols)} calibrated tolerances to {args.out} (margin {args.margin}x the observed noise floor)")
@@ -137,7 +143,7 @@ def cmd_tui(args) -> int:
     try:
         from .tui import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install
-        raise TraceError(f"the TUI needs textual ({e})") from None
+        raise UsageError(f"the TUI needs textual ({e})") from None
     from .trace import TraceReader, probe
 
     probe([args.a, args.b])  # fail fast on bad input, before the screen is taken over
@@ -148,15 +154,11 @@ def cmd_tui(args) -> int:
     return run_tui(args.a, args.b, opts)
 
 
-class _UsageError(Exception):
-    pass
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit 2) like every other bad input."""
 
-    def error(self, message: str):  # noqa: D102 - argparse hook
-        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,14 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except _UsageError as e:
+    except UsageError as e:
         _err(str(e))
         return EXIT_BAD_INPUT
     except SystemExit as e:  # --help, --version
         return EXIT_BAD_INPUT if e.code not in (0, None) else EXIT_OK
     try:
         return args.func(args)
-    except TraceError as e:
+    except TensordiffError as e:
         _err(str(e))
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
@@ -223,14 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         try:
-            sys.stdout = open(os.devnull, "w")
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stdout for the rest of the process
         except OSError:
             pass
         return EXIT_OK
     except MemoryError:
         _err("out of memory")
         return EXIT_BAD_INPUT
-    except Exception as e:  # noqa: BLE001 - the contract is one line, never a traceback
+    except Exception as e:
         if os.environ.get("TENSORDIFF_DEBUG"):
             raise
         _err(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "

@@ -3,14 +3,22 @@ first-divergence sentence, so ``tensordiff diff A B | head -1`` is a useful CI l
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from importlib import resources
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .align import DiffResult
+from .findings import DiffResult, Severity
+from .fmt import SEVERITY_GLYPH, number
+
+
+def diff_schema() -> dict:
+    """The JSON Schema of ``tensordiff diff --json`` (shipped as package data; docs/json.md)."""
+    return json.loads((resources.files("tensordiff") / "schemas" / "diff.schema.json").read_text(encoding="utf-8"))
 
 
 def make_console(file=None) -> Console:
@@ -21,18 +29,6 @@ def make_console(file=None) -> Console:
     # markup off: slot labels like [embed, layer3] and user metadata are data, not rich markup
     return Console(file=file, width=width, no_color=bool(os.environ.get("NO_COLOR")) or None,
                    highlight=False, soft_wrap=False, force_terminal=None, markup=False)
-
-
-def _fmt(x, nd=4) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        if x != x:
-            return "nan"
-        if abs(x) >= 1e4 or (abs(x) < 1e-3 and x != 0):
-            return f"{x:.2e}"
-        return f"{x:.{nd}f}"
-    return str(x)
 
 
 def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, worst: int = 10) -> None:
@@ -59,18 +55,18 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
                 held_b += f" (pos {r.offset_b:+d})"
             vstyle = "green" if r.verdict == "ok" else "red"
             t.add_row(r.tensor, str(r.slot), r.claimed_a or "-", r.held_a or "?", r.claimed_b or "-", held_b,
-                      _fmt(r.score_b), _fmt(r.margin_b), _fmt(r.cos_mean), Text(r.verdict, style=vstyle))
+                      number(r.score_b), number(r.margin_b), number(r.cos_mean), Text(r.verdict, style=vstyle))
         console.print(t)
 
-    divs = [f for f in res.findings if f.severity == "divergence"]
-    others = [f for f in res.findings if f.severity != "divergence"]
+    divs = [f for f in res.findings if f.severity == Severity.DIVERGENCE]
+    others = [f for f in res.findings if f.severity != Severity.DIVERGENCE]
     if res.findings:
         console.print(Text(f"findings ({len(divs)} divergences, {len(others)} notes), in forward order:", style="bold"))
         for f in res.findings[:max_findings]:
-            mark = {"divergence": "✗", "warning": "!", "info": "·"}.get(f.severity, "·")
-            inh = f"  [{f.details.get('inherited')}]" if f.inherited_from is not None else ""
-            console.print(f" {mark} #{f.index} {f.kind}: {f.message}{inh}",
-                          style="red" if f.severity == "divergence" else ("yellow" if f.severity == "warning" else None))
+            mark, style = SEVERITY_GLYPH[f.severity]
+            note = res.inheritance_note(f)
+            inh = f"  [{note}]" if note else ""
+            console.print(f" {mark} #{f.index} {f.kind}: {f.message}{inh}", style=style)
         if len(res.findings) > max_findings:
             console.print(f"   ... {len(res.findings) - max_findings} more (see --json)")
 
@@ -88,8 +84,8 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
             fail = p.failing[s] if p.failing else 0
             tol = p.tolerance[s] if p.tolerance else {}
             t.add_row(p.label if s == 0 else "", str(s) if p.slots > 1 else "", str(p.tokens),
-                      _fmt(p.cos_min[s] if p.cos_min else None), _fmt(p.rel_max[s] if p.rel_max else None),
-                      _fmt(p.maxabs[s] if p.maxabs else None),
+                      number(p.cos_min[s] if p.cos_min else None), number(p.rel_max[s] if p.rel_max else None),
+                      number(p.maxabs[s] if p.maxabs else None),
                       Text(str(fail), style="red" if fail else "green"),
                       f"{p.nonfinite_a[s] if p.nonfinite_a else 0}/{p.nonfinite_b[s] if p.nonfinite_b else 0}",
                       f"{tol.get('min_cos', 0):g} / {tol.get('max_rel', 0):g}" + ("" if tol.get("source") == "default" else f" ({tol.get('source')})") if tol else "-")
@@ -104,7 +100,7 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
             agg["rel_max"] = max(agg["rel_max"], e["rel_max"])
     if len(regimes) > 1:
         console.print("by regime (B): " + "; ".join(
-            f"{k}: {v['failing']}/{v['tokens']} rows failing, rel max {_fmt(v['rel_max'])}" for k, v in regimes.items()))
+            f"{k}: {v['failing']}/{v['tokens']} rows failing, rel max {number(v['rel_max'])}" for k, v in regimes.items()))
 
     if res.worst_tokens and worst and (first is not None or any(w["rel"] > 0 for w in res.worst_tokens)):
         t = Table(title="worst tokens", title_justify="left", show_edge=False)
@@ -112,7 +108,7 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
             t.add_column(col)
         for w in res.worst_tokens[:worst]:
             t.add_row(w["tensor"], str(w["slot"]), str(w["seq"]), str(w["position"]), str(w["token"]), w["regime"],
-                      _fmt(w["rel"]), _fmt(w["cos"]))
+                      number(w["rel"]), number(w["cos"]))
         console.print(t)
 
 

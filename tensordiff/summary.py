@@ -2,6 +2,7 @@
 
 The TUI's heatmap reads them in blocks, so its memory does not grow with the trace. Layout::
 
+    attrs              schema_version, a, b, side_a, side_b
     /tokens            [n] compound: seq_a, pos_a, seq_b, pos_b, token, regime_a, regime_b
     /sequences_a, /sequences_b   sequence keys
     /columns/<j>       [n, 4] f4: cos, rel, maxabs, flags (bit 0: fails tolerance, bit 1: NaN/Inf);
@@ -17,13 +18,15 @@ from typing import TYPE_CHECKING
 import h5py
 import numpy as np
 
-from .errors import TraceError
+from .errors import TraceFileError
+from .tokens import code_position, code_seq
 
 if TYPE_CHECKING:  # pragma: no cover
     from .align import TokenAlignment
     from .trace import TensorInfo, TraceReader
 
-SEQ_BITS = 40
+#: version of the summary file layout (the ``schema_version`` attribute of its root)
+SUMMARY_VERSION = 1
 ALIGNED_DTYPE = np.dtype([("seq_a", "<i4"), ("pos_a", "<i8"), ("seq_b", "<i4"), ("pos_b", "<i8"),
                           ("token", "<i8"), ("regime_a", "u1"), ("regime_b", "u1")])
 COLUMN_FIELDS = ("cos", "rel", "maxabs", "flags")
@@ -31,15 +34,16 @@ FLAG_BAD, FLAG_NONFINITE = 1, 2
 
 
 class SummaryWriter:
-    def __init__(self, path: str, al: "TokenAlignment", ra: "TraceReader", rb: "TraceReader"):
+    """A :class:`tensordiff.diff.DiffSink`: the diff hands it every compared block."""
+
+    def __init__(self, path: str, al: TokenAlignment, ra: TraceReader, rb: TraceReader):
         self.f = h5py.File(path, "w")
         self.n = len(al)
-        mask = (1 << SEQ_BITS) - 1
         tok = np.empty(self.n, ALIGNED_DTYPE)
-        tok["seq_a"] = al.code_a >> SEQ_BITS
-        tok["pos_a"] = al.code_a & mask
-        tok["seq_b"] = al.code_b >> SEQ_BITS
-        tok["pos_b"] = al.code_b & mask
+        tok["seq_a"] = code_seq(al.code_a)
+        tok["pos_a"] = code_position(al.code_a)
+        tok["seq_b"] = code_seq(al.code_b)
+        tok["pos_b"] = code_position(al.code_b)
         tok["token"] = al.token
         tok["regime_a"] = al.regime_a
         tok["regime_b"] = al.regime_b
@@ -47,6 +51,7 @@ class SummaryWriter:
         st = h5py.string_dtype("utf-8")
         self.f.create_dataset("sequences_a", data=np.array(ra.sequences, dtype=object), dtype=st)
         self.f.create_dataset("sequences_b", data=np.array(rb.sequences, dtype=object), dtype=st)
+        self.f.attrs["schema_version"] = SUMMARY_VERSION
         self.f.attrs["a"] = ra.path
         self.f.attrs["b"] = rb.path
         self.f.attrs["side_a"] = ra.side
@@ -54,7 +59,7 @@ class SummaryWriter:
         self.cols = self.f.create_group("columns")
         self._col: dict[tuple[str, int], h5py.Dataset] = {}
 
-    def _column(self, ia: "TensorInfo", ib: "TensorInfo", slot: int, k: int) -> h5py.Dataset:
+    def _column(self, ia: TensorInfo, ib: TensorInfo, slot: int, k: int) -> h5py.Dataset:
         key = (ia.name, slot)
         ds = self._col.get(key)
         if ds is None:
@@ -94,13 +99,18 @@ class SummaryReader:
     def __init__(self, path: str):
         try:
             self.f = h5py.File(path, "r", locking=False)
+            version = int(self.f.attrs.get("schema_version", SUMMARY_VERSION))
+            if version > SUMMARY_VERSION:
+                self.f.close()
+                raise TraceFileError(f"diff summary schema_version {version} is newer than this tensordiff "
+                                     f"reads ({SUMMARY_VERSION})", path)
             self.tokens_ds = self.f["tokens"]
             self.seq_a = list(self.f["sequences_a"].asstr()[()])
             self.seq_b = list(self.f["sequences_b"].asstr()[()])
             cols = self.f["columns"]
             self.columns = [cols[str(j)] for j in range(len(cols))]
-        except (OSError, KeyError) as e:
-            raise TraceError(f"not a tensordiff diff summary ({e})", path) from None
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            raise TraceFileError(f"not a tensordiff diff summary ({e})", path) from None
         self.n = self.tokens_ds.shape[0]
         self.labels = [str(c.attrs["label"]) for c in self.columns]
 

@@ -8,10 +8,18 @@ detail pane for the selected cell with the aligner's sentence, identity candidat
 metrics, both token keys and small text plots of the two vectors.
 
 The TUI never judges a tensor itself: every verdict it shows comes from
-:class:`tensordiff.align.Differ`. The heatmap reads the diff's per-token summary, written to a
-temporary file that the app deletes on exit, in blocks (see :mod:`tensordiff.tui_widgets`).
+:class:`tensordiff.diff.Differ`. The heatmap reads the diff's per-token summary, written to a
+temporary file that the app deletes on exit, in blocks.
 
-Keys: see :data:`HELP` (``?`` in the app) and docs/tui.md.
+Where things live: this module is the app (layout, the diff thread, whose progress and end reach
+the app as :class:`DiffProgress` / :class:`DiffEnded` messages, keys and actions, quit);
+:mod:`tensordiff.tui_widgets` the widgets and screens; :mod:`tensordiff.tui_data` the data layer
+(block cache, lookups, go-to, the cell reader) and :mod:`tensordiff.tui_text` the text of the
+panes, neither of which imports textual. This module is over 500 lines because it is one
+``App`` class: Textual binds keys, actions and message handlers to it, and cutting it into
+mixins would scatter one state machine over several files.
+
+Keys: see :data:`tensordiff.tui_widgets.HELP` (``?`` in the app) and docs/tui.md.
 """
 
 from __future__ import annotations
@@ -22,51 +30,54 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
+from typing import ClassVar
 
-import numpy as np
 from rich.text import Text
 from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.message import Message
 from textual.containers import Horizontal, Vertical
-from textual.screen import ModalScreen
+from textual.message import Message
 from textual.widgets import Footer, Input, OptionList, ProgressBar, Static, Tree
 from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
-from .align import DiffOptions, DiffResult, Differ, Finding, SlotRow
+from .diff import Differ, DiffOptions
+from .findings import DiffResult
 from .errors import TraceError
-from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
-from .tui_widgets import (METRICS, Column, Heatmap, find_position, find_token_id, fmt, plot_lines, read_columns,
-                          regime_name)
+from .summary import SummaryReader
+from .tui_data import (
+    GOTO_FORMS,
+    METRICS,
+    Column,
+    VectorSource,
+    read_columns,
+    resolve_goto,
+)
+from .tui_text import detail_lines, finding_prompt
+from .tui_widgets import GotoScreen, Heatmap, HelpScreen, TensorTree
 
 EXIT_INTERRUPTED = 130   # quit before the diff finished: no verdict
+PROGRESS_INTERVAL_S = 0.05
 
-HELP = [
-    ("n / p", "next / previous finding"),
-    ("f", "jump to the first divergence"),
-    ("g", "go to a token: #INDEX (aligned row), SEQ:POS, POS (in the current sequence) or t=TOKEN_ID"),
-    ("/", "filter tensors: comma-separated substrings of column labels (empty: all); Enter or Esc closes"),
-    ("m", "toggle the heatmap metric: relative error, 1 - cosine, max abs error, aligner verdict"),
-    ("arrows, PgUp/PgDn, Home/End", "move the heatmap cursor (click a cell with the mouse, too)"),
-    ("Tab / Shift+Tab", "move between findings, tensors and heatmap; Enter picks"),
-    ("s", "save a screenshot (SVG) in the current directory"),
-    ("?", "this help"),
-    ("q", "quit (exit code: 1 divergence, 0 agree, 130 quit before the diff finished)"),
-]
-
-SEVERITY_GLYPH = {"divergence": ("✗", "bold red"), "warning": ("!", "yellow"), "info": ("·", "blue")}
-OK_GLYPH = ("✓", "green")
-_SEV_RANK = {"divergence": 3, "warning": 2, "info": 1}
 
 DiffFn = Callable[[str, str, DiffOptions], DiffResult]
 
 
 class _Cancelled(Exception):
     """Raised in the diff worker's progress callback once the app quits."""
+
+
+class DiffProgress(Message):
+    """Posted by the diff thread: how far the diff is (a stage of the aligner, done of total)."""
+
+    def __init__(self, stage: str, done: int, total: int) -> None:
+        self.stage = stage
+        self.done = done
+        self.total = total
+        super().__init__()
 
 
 class DiffEnded(Message):
@@ -81,115 +92,6 @@ class DiffEnded(Message):
 def run_diff(path_a: str, path_b: str, options: DiffOptions) -> DiffResult:
     with Differ(path_a, path_b, options) as d:
         return d.run()
-
-
-# ----------------------------------------------------------------------------------------------
-# Screens
-# ----------------------------------------------------------------------------------------------
-
-
-class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,q,question_mark,enter", "dismiss", "close")]
-    DEFAULT_CSS = """
-    HelpScreen { align: center middle; }
-    HelpScreen > Static { width: 96; height: auto; border: round $accent; padding: 1 2; background: $panel; }
-    """
-
-    def compose(self) -> ComposeResult:
-        from rich.console import Group
-        from rich.table import Table
-
-        table = Table(box=None, show_header=False, padding=(0, 2, 0, 0), expand=True)
-        table.add_column(style="bold cyan", no_wrap=True, justify="right")
-        table.add_column(ratio=1)
-        for k, what in HELP:
-            table.add_row(k, what)
-        legend = Text("Colours and glyphs are the aligner's: red / ✗ a divergence, yellow / ! a warning, "
-                      "green / ✓ nothing found. Heatmap bars grow with the metric (log scale); in verdict "
-                      "mode ··· is ok and ███ fails tolerance; !!! NaN/Inf; blank: no row for that token. "
-                      "Esc closes.", style="dim")
-        yield Static(Group(Text("tensordiff keys\n", style="bold"), table, Text(""), legend))
-
-    def action_dismiss(self) -> None:  # type: ignore[override]
-        self.dismiss(None)
-
-
-class GotoScreen(ModalScreen[str | None]):
-    BINDINGS = [Binding("escape", "cancel", "cancel")]
-    DEFAULT_CSS = """
-    GotoScreen { align: center middle; }
-    GotoScreen > Vertical { width: 72; height: auto; border: round $accent; padding: 0 1; background: $panel; }
-    """
-
-    def compose(self) -> ComposeResult:
-        with Vertical():
-            yield Static("go to token: #INDEX, SEQ:POS, POS or t=TOKEN_ID")
-            yield Input(placeholder="e.g. 120, s0:120, #5000, t=42", id="goto-input")
-
-    def on_mount(self) -> None:
-        self.query_one(Input).focus()
-
-    @on(Input.Submitted)
-    def _submit(self, event: Input.Submitted) -> None:
-        self.dismiss(event.value.strip() or None)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading the two vectors of a cell (detail pane), off the UI thread
-# ----------------------------------------------------------------------------------------------
-
-
-class VectorSource:
-    """Opens the two traces lazily (in the detail worker) and reads one slot of one token."""
-
-    def __init__(self, path_a: str, path_b: str):
-        self.paths = (path_a, path_b)
-        self._readers: list = [None, None]
-        self._lock = threading.Lock()
-
-    def reader(self, side: int):
-        with self._lock:
-            if self._readers[side] is None:
-                from .trace import TraceReader
-
-                self._readers[side] = TraceReader(self.paths[side])
-            return self._readers[side]
-
-    @staticmethod
-    def row_of(r, name: str, seq: int, pos: int, token: int) -> int | None:
-        """The tensor row recorded for (sequence index, position) with this token id (the last one
-        wins, as in the aligner's row maps)."""
-        tok = r.tokens
-        cand = np.flatnonzero((tok["seq"] == seq) & (tok["position"] == pos) & (tok["token"] == token))
-        if len(cand) == 0:
-            return None
-        trow = r.token_rows(name)
-        hits = np.flatnonzero(np.isin(trow, cand))
-        return int(hits[-1]) if len(hits) else None
-
-    def read(self, side: int, name: str, slot: int, seq: int, pos: int, token: int) -> tuple[np.ndarray | None, str]:
-        r = self.reader(side)
-        info = r.tensors.get(name)
-        if info is None:
-            return None, f"{name} not in the trace"
-        if not info.has_values:
-            return None, f"{name} has no full values (sketch only)"
-        row = self.row_of(r, name, seq, pos, token)
-        if row is None:
-            return None, f"{name} has no row for this token"
-        w = info.slot_width
-        v = r.read_values_at(name, np.array([row]))[0, slot * w:(slot + 1) * w]
-        return v, ""
-
-    def close(self) -> None:
-        with self._lock:
-            for r in self._readers:
-                if r is not None:
-                    r.close()
-            self._readers = [None, None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +121,7 @@ class TensordiffApp(App[int]):
     .done #progress-row { display: none; }
     """
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list] = [
         Binding("n", "next_finding", "next"),
         Binding("p", "prev_finding", "prev"),
         Binding("f", "first_divergence", "first div."),
@@ -255,7 +157,7 @@ class TensordiffApp(App[int]):
         self.cell: tuple[int, int] | None = None        # (row, summary column) in the detail pane
         self.vectors_for: tuple[int, int] | None = None  # the cell whose vectors are shown
         self.vectors: tuple = (None, None, "")
-        self._progress = ("starting", 0, 1)
+        self.progress: tuple[str, int, int] = ("starting", 0, 1)   # the last DiffProgress shown
         self._cancel = threading.Event()
         self._filter_text = ""
         self._source = VectorSource(self.path_a, self.path_b)
@@ -277,7 +179,7 @@ class TensordiffApp(App[int]):
         with Horizontal(id="body"):
             with Vertical(id="left"):
                 yield OptionList(id="findings")
-                yield Tree("tensors", id="tree")
+                yield TensorTree("tensors", id="tree")
             with Vertical(id="right"):
                 yield Input(placeholder="filter tensors: substrings, comma-separated (empty: all)", id="filter")
                 yield Heatmap(id="heatmap", block_rows=self._block_rows, max_blocks=self._max_blocks)
@@ -303,7 +205,7 @@ class TensordiffApp(App[int]):
         self.mounted_at = time.perf_counter()
         # widgets of the main screen, kept so that a modal screen on top never hides them
         q = self.query_one
-        self._w_findings, self._w_tree = q("#findings", OptionList), q("#tree", Tree)
+        self._w_findings, self._w_tree = q("#findings", OptionList), q("#tree", TensorTree)
         self._w_detail, self._w_headline = q("#detail", Static), q("#headline", Static)
         self._w_progress, self._w_progress_label = q("#progress", ProgressBar), q("#progress-label", Static)
         self._w_filter, self._w_titlebar, self._w_heatmap = q("#filter", Input), q("#titlebar", Static), q(Heatmap)
@@ -330,7 +232,6 @@ class TensordiffApp(App[int]):
             self._summary_dir = tempfile.mkdtemp(prefix="tensordiff-tui-")
             self.summary_path = os.path.join(self._summary_dir, "summary.h5")
         self._diff_t0 = time.perf_counter()
-        self.set_interval(0.1, self._poll_progress, name="progress")
         # A plain thread rather than a Textual worker, so that the app can end (and restore the
         # terminal) while the diff is in a long stage: the thread stops at its next progress
         # report, and run_tui joins it. Not a daemon: a daemon thread frozen inside h5py at
@@ -339,10 +240,17 @@ class TensordiffApp(App[int]):
         self._diff_thread.start()
 
     def _run_diff(self) -> None:
+        last = [None, 0.0]   # stage and time of the last message posted
+
         def progress(stage: str, done: int, total: int) -> None:
             if self._cancel.is_set():
                 raise _Cancelled()
-            self._progress = (stage, done, total)
+            # a message per stage, per end of stage, and at most one per 50 ms in between: the
+            # aligner reports per block, and the UI need not redraw the bar more often than that
+            now = time.perf_counter()
+            if stage != last[0] or done >= total or now - last[1] >= PROGRESS_INTERVAL_S:
+                last[0], last[1] = stage, now
+                self.post_message(DiffProgress(stage, done, total))   # thread-safe
 
         opts = replace(self.options, summary_path=self.summary_path, progress=progress)
         try:
@@ -361,10 +269,15 @@ class TensordiffApp(App[int]):
         else:
             self._on_diff_done(event.result)
 
-    def _poll_progress(self) -> None:
+    @on(DiffProgress)
+    def _diff_progress(self, event: DiffProgress) -> None:
+        self.progress = (event.stage, event.done, event.total)
+        self._show_progress()
+
+    def _show_progress(self) -> None:
         if self.result is not None or self.diff_error is not None:
             return
-        stage, done, total = self._progress
+        stage, done, total = self.progress
         bar = self._w_progress
         if total > 1:
             bar.update(total=total, progress=done)
@@ -405,10 +318,10 @@ class TensordiffApp(App[int]):
         self._w_headline.update(
             Text(("first divergence: " if first else "") + res.headline(), style="bold red" if first else "bold green"))
         fl = self._w_findings
-        fl.set_options([Option(self._finding_prompt(f)) for f in res.findings])
+        fl.set_options([Option(finding_prompt(f)) for f in res.findings])
         nd = len(res.divergences)
         fl.border_title = f"findings: {nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other"
-        self._build_tree()
+        self._w_tree.show(res, self.columns)
         if self.summary is not None:
             self.heatmap.attach(self.summary, self.columns)
             if self._filter_text:
@@ -440,73 +353,13 @@ class TensordiffApp(App[int]):
             self.notify(f"{what}: the diff failed", severity="error")
             return False
         self.pending.append((what, fn))
-        stage, done, total = self._progress
+        _, done, total = self.progress
         pct = f" ({100 * done // total}% done)" if total > 1 else ""
         self.notify(f"{what}: queued until the diff finishes{pct}", timeout=3)
-        self._poll_progress()
+        self._show_progress()
         return False
 
     # -- findings and tree -----------------------------------------------------------------
-
-    @staticmethod
-    def _finding_prompt(f: Finding) -> Text:
-        glyph, style = SEVERITY_GLYPH.get(f.severity, ("?", ""))
-        t = Text(no_wrap=True, overflow="ellipsis")
-        t.append(f"{glyph} ", style=style)
-        t.append(f"#{f.index} ", style="dim")
-        t.append(f.message, style="bold" if f.severity == "divergence" and f.inherited_from is None else "")
-        return t
-
-    def _column_findings(self, col: Column) -> list[Finding]:
-        if self.result is None:
-            return []
-        return [f for f in self.result.findings if col.matches(f.tensor, f.slot)]
-
-    def _slot_row(self, col: Column) -> SlotRow | None:
-        if self.result is None:
-            return None
-        for r in self.result.slot_table:
-            if r.tensor in (col.tensor_a, col.tensor_b) and r.slot == col.slot:
-                return r
-        return None
-
-    def _verdict(self, col: Column) -> tuple[str, str, str]:
-        """(glyph, style, words) from the aligner's findings and slot table for one column."""
-        fs = self._column_findings(col)
-        worst = max(fs, key=lambda f: _SEV_RANK.get(f.severity, 0), default=None)
-        row = self._slot_row(col)
-        if row is not None and row.held_b is not None and (row.held_b != row.expected or row.offset_b):
-            words = f"holds {row.held_b}{f' ({row.offset_b:+d})' if row.offset_b else ''} {fmt(row.score_b, 2)}"
-        elif row is not None and row.verdict != "ok":
-            words = row.verdict
-        elif row is not None:
-            words = f"ok {fmt(row.score_b, 2)}"
-        else:
-            words = worst.kind if worst is not None else "ok"
-        if worst is None:
-            return OK_GLYPH[0], OK_GLYPH[1], words
-        g, s = SEVERITY_GLYPH.get(worst.severity, ("?", ""))
-        return g, s, words
-
-    def _build_tree(self) -> None:
-        tree = self._w_tree
-        tree.clear()
-        groups: dict[str, list[Column]] = {}
-        for c in self.columns:
-            groups.setdefault(c.tensor_a, []).append(c)
-        for name, cols in groups.items():
-            verdicts = [self._verdict(c) for c in cols]
-            if len(cols) == 1 and not cols[0].packed:
-                g, s, words = verdicts[0]
-                tree.root.add_leaf(Text.assemble((g, s), " ", cols[0].label, (f"  {words}", "dim")), data=cols[0].index)
-                continue
-            rank = {OK_GLYPH[0]: 0, "·": 1, "!": 2, "✗": 3}
-            g, s, _ = max(verdicts, key=lambda v: rank.get(v[0], 0))
-            node = tree.root.add(Text.assemble((g, s), " ", name, (f"  {len(cols)} slots", "dim")),
-                                 data=cols[0].index, expand=True)
-            for c, (g2, s2, words) in zip(cols, verdicts):
-                claim = f" = {c.slot_label}" if c.slot_label else ""
-                node.add_leaf(Text.assemble((g2, s2), f" slot {c.slot}{claim}", (f"  {words}", "dim")), data=c.index)
 
     @on(Tree.NodeSelected, "#tree")
     def _tree_selected(self, event: Tree.NodeSelected) -> None:
@@ -577,76 +430,15 @@ class TensordiffApp(App[int]):
         self.run_worker(load, thread=True, group="detail", exclusive=True, exit_on_error=False)
 
     def _render_detail(self) -> None:
-        pane = self._w_detail
         if self.result is None or self.cell is None or self.summary is None:
             return
-        res = self.result
         row, ci = self.cell
         col = next(c for c in self.columns if c.index == ci)
-        lines: list[Text] = []
-        fs = self._column_findings(col)
-        sel = res.findings[self.selected_finding] if self.selected_finding is not None else None
-        if sel is not None and (sel in fs or sel.tensor is None):
-            f = sel   # the selected finding, when it is about this column or about no tensor
-        else:
-            f = min(fs, key=lambda x: x.index) if fs else None
-        if f is not None:
-            g, s = SEVERITY_GLYPH.get(f.severity, ("?", ""))
-            t = Text.assemble((f"{g} #{f.index} {f.kind}: ", s), (f.message, "bold"))
-            if f.inherited_from is not None:
-                t.append(f"  (may be inherited from #{f.inherited_from})", style="dim")
-            if len(fs) > 1 or (fs and f not in fs):
-                t.append(f"  [{len(fs)} finding{'s' if len(fs) != 1 else ''} on {col.label}]", style="dim")
-            lines.append(t)
-        else:
-            lines.append(Text.assemble(OK_GLYPH, (f" no finding on {col.label}", "")))
         tok = self.heatmap.blocks.token(row) if self.heatmap.blocks is not None else self.summary.tokens(row, row + 1)[0]
-        sa, sb = int(tok["seq_a"]), int(tok["seq_b"])
-        name_a = self.summary.seq_a[sa] if sa < len(self.summary.seq_a) else str(sa)
-        name_b = self.summary.seq_b[sb] if sb < len(self.summary.seq_b) else str(sb)
-        lines.append(Text.assemble(
-            ("cell ", "dim"), (col.label, "bold"), ("  token ", "dim"), (str(int(tok["token"])), "bold"),
-            ("  ", ""), (f"{res.side_a}: ", "cyan"), f"{name_a} pos {int(tok['pos_a'])} ({regime_name(tok['regime_a'])})",
-            ("  ", ""), (f"{res.side_b}: ", "yellow"), f"{name_b} pos {int(tok['pos_b'])} ({regime_name(tok['regime_b'])})",
-            ("  aligned #", "dim"), (str(row), "dim")))
-        cell = self.summary.cell(row, ci)
-        cos, rel, maxabs, flags = (float(x) for x in cell)
-        if np.isnan(flags):
-            lines.append(Text("no row of this tensor for this token on one side", style="dim"))
-        else:
-            fl = int(flags)
-            verdict = ("NaN/Inf" if fl & FLAG_NONFINITE else "fails tolerance" if fl & FLAG_BAD else "within tolerance")
-            vstyle = "bold magenta" if fl & FLAG_NONFINITE else "bold red" if fl & FLAG_BAD else "green"
-            lines.append(Text.assemble(("cos ", "dim"), fmt(cos), ("   rel err ", "dim"), fmt(rel, 3),
-                                       ("   max abs ", "dim"), fmt(maxabs, 3), ("   aligner: ", "dim"), (verdict, vstyle)))
-        srow = self._slot_row(col)
-        if srow is not None:
-            held = srow.held_b or "?"
-            if srow.offset_b:
-                held += f" (position {srow.offset_b:+d})"
-            lines.append(Text.assemble(
-                ("slot ", "dim"), (srow.verdict, "bold red" if srow.verdict != "ok" else "green"),
-                (": ", "dim"), (f"{res.side_b} ", "yellow"), f"holds {held} (claims {srow.claimed_b or '-'}), ",
-                (f"{res.side_a} ", "cyan"), f"holds {srow.held_a or '?'} (claims {srow.claimed_a or '-'})",
-                ("  score ", "dim"), fmt(srow.score_b, 3), ("  margin ", "dim"), fmt(srow.margin_b, 3)))
-        cands = (f.details.get("candidates") if f is not None and f.details else None) or (srow.candidates_b if srow else None)
-        if cands:
-            t = Text("candidates ", style="dim")
-            for i, c in enumerate(cands[:4]):
-                if i:
-                    t.append(" · ", style="dim")
-                off = c.get("offset") or 0
-                t.append(f"{c.get('label')}{f' ({off:+d})' if off else ''}", style="bold" if i == 0 else "")
-                t.append(f" {fmt(c.get('score'), 3)} (cos {fmt(c.get('cos'), 3)}, rms {fmt(c.get('rms_agreement'), 3)})")
-            lines.append(t)
-        if self.vectors_for == self.cell:
-            va, vb, note = self.vectors
-            width = max(40, pane.size.width - 2)
-            lines += plot_lines(va, vb, res.side_a, res.side_b, width)
-            if note:
-                lines.append(Text(note, style="dim"))
-        else:
-            lines.append(Text("reading the two vectors...", style="dim"))
+        sel = self.result.findings[self.selected_finding] if self.selected_finding is not None else None
+        vectors = self.vectors if self.vectors_for == self.cell else None
+        pane = self._w_detail
+        lines = detail_lines(self.result, self.summary, col, row, tok, sel, vectors, max(40, pane.size.width - 2))
         self.detail_text = Text("\n").join(lines)
         pane.update(self.detail_text, layout=False)
 
@@ -693,45 +485,14 @@ class TensordiffApp(App[int]):
         """Move the cursor to a token: ``#INDEX``, ``SEQ:POS``, ``POS`` (current sequence) or
         ``t=TOKEN_ID`` (next row with that token id). Returns whether it moved."""
         assert self.summary is not None
-        s = spec.strip()
-        n = self.summary.n
         hm = self.heatmap
-        try:
-            if s.startswith("#"):
-                row = int(s[1:])
-                if not 0 <= row < n:
-                    self.notify(f"no aligned row {row} (0..{n - 1})", severity="warning")
-                    return False
-            elif s.lower().startswith("t="):
-                tid = int(s[2:])
-                found = find_token_id(self.summary, tid, (hm.cursor_row + 1) % max(n, 1))
-                if found is None:
-                    self.notify(f"token id {tid} is not among the aligned tokens", severity="warning")
-                    return False
-                row = found
-            else:
-                if ":" in s:
-                    seq_name, pos_txt = s.rsplit(":", 1)
-                    if seq_name not in self.summary.seq_a:
-                        self.notify(f"no sequence {seq_name!r} on {self.result.side_a if self.result else 'A'}",
-                                    severity="warning")
-                        return False
-                    seq = self.summary.seq_a.index(seq_name)
-                else:
-                    pos_txt = s
-                    seq = int(hm.blocks.token(hm.cursor_row)["seq_a"]) if hm.blocks is not None else 0
-                pos = int(pos_txt)
-                row = find_position(self.summary, seq, pos)
-                tok = self.summary.tokens(row, row + 1) if row < n else None
-                if tok is None or len(tok) == 0 or int(tok[0]["seq_a"]) != seq:
-                    self.notify(f"position {pos} is past the aligned tokens of that sequence", severity="warning")
-                    return False
-                if int(tok[0]["pos_a"]) != pos:
-                    self.notify(f"position {pos} is not aligned (a gap); went to position {int(tok[0]['pos_a'])}",
-                                timeout=3)
-        except ValueError:
-            self.notify(f"cannot read {spec!r}: use #INDEX, SEQ:POS, POS or t=TOKEN_ID", severity="warning")
+        seq = int(hm.blocks.token(hm.cursor_row)["seq_a"]) if hm.blocks is not None else 0
+        row, note = resolve_goto(self.summary, spec, hm.cursor_row, seq, self.result.side_a if self.result else "A")
+        if row is None:
+            self.notify(note or f"cannot read {spec!r}: use {GOTO_FORMS}", severity="warning")
             return False
+        if note:
+            self.notify(note, timeout=3)
         hm.move_to(row, center=True)
         return True
 
@@ -839,12 +600,12 @@ def save_screenshot(path_a: str, path_b: str, out: str, size: tuple[int, int] = 
             while app.vectors_for != app.cell:
                 await pilot.pause(0.05)
             await pilot.pause()
-            svg = app.export_screenshot(title="tensordiff")
-        with open(out, "w", encoding="utf-8") as fh:
-            fh.write(svg)
-        return out
+            return app.export_screenshot(title="tensordiff")
 
-    return asyncio.run(go())
+    svg = asyncio.run(go())
+    with open(out, "w", encoding="utf-8") as fh:
+        fh.write(svg)
+    return out
 
 
 if __name__ == "__main__":  # pragma: no cover - docs helper

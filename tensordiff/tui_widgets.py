@@ -1,4 +1,4 @@
-"""Widgets and text plots of the TUI (see :mod:`tensordiff.tui`).
+"""Widgets and screens of the TUI (see :mod:`tensordiff.tui`); their data is in :mod:`tensordiff.tui_data`.
 
 The heatmap is a Line-API :class:`~textual.scroll_view.ScrollView`: it renders only the lines on
 screen, reading the diff summary (:class:`tensordiff.summary.SummaryReader`) in blocks of rows
@@ -9,83 +9,47 @@ tolerance, NaN/Inf) and the size of the metric it wrote.
 
 from __future__ import annotations
 
-import json
-import math
-from collections import OrderedDict
-from dataclasses import dataclass
+from typing import ClassVar
 
-import numpy as np
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
-from textual import events
+from textual import events, on
+from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.containers import Vertical
 from textual.geometry import Size
 from textual.message import Message
+from textual.screen import ModalScreen
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.widgets import Input, Static, Tree
 
-from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
-from .vocab import REGIMES
-
-# ----------------------------------------------------------------------------------------------
-# Metrics shown by the heatmap
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Metric:
-    key: str
-    field: int        # column of the summary's [n, 4] rows: 0 cos, 1 rel, 2 maxabs, 3 flags
-    title: str
-    lo: float         # log10 of the value drawn as the lowest bar
-    hi: float         # log10 of the value drawn as the highest bar
-
-
-METRICS = (
-    Metric("rel", 1, "relative error", -6.0, 1.0),
-    Metric("cos", 0, "1 - cosine", -7.0, 0.3),
-    Metric("maxabs", 2, "max abs error", -6.0, 2.0),
-    Metric("verdict", 3, "aligner verdict (fails tolerance / NaN)", 0.0, 1.0),
+from .findings import DiffResult
+from .summary import SummaryReader
+from .tui_data import (
+    BARS,
+    CAT_FAIL,
+    CAT_NONFINITE,
+    CAT_OK,
+    GOTO_FORMS,
+    METRICS,
+    N_LEVELS,
+    BlockCache,
+    Column,
+    Metric,
+    filter_columns,
+    legend,
 )
+from .tui_text import GLYPH_RANK, column_verdict
 
-BARS = "▁▂▃▄▅▆▇█"
-N_LEVELS = len(BARS)
 CELL_W = 4          # three glyphs and a gap
 HEADER_H = 2        # column header lines (sticky)
 GUTTER_W = 22       # "seq:pos token" and a separator
 
-# cell codes: 0 absent; otherwise category * N_LEVELS + level (+1 keeps 0 free)
-CAT_OK, CAT_FAIL, CAT_NONFINITE = 0, 1, 2
-
-
-def cell_codes(values: np.ndarray, flags: np.ndarray, metric: Metric) -> np.ndarray:
-    """uint8 code of every cell of a block: 0 where the tensor has no row for that token,
-    otherwise 1 + category * N_LEVELS + level (category from the aligner's flags)."""
-    present = ~np.isnan(flags)
-    fl = np.where(present, flags, 0).astype(np.int64)
-    cat = np.where(fl & FLAG_NONFINITE, CAT_NONFINITE, np.where(fl & FLAG_BAD, CAT_FAIL, CAT_OK))
-    if metric.key == "verdict":
-        level = np.where(cat == CAT_OK, 0, N_LEVELS - 1)
-    else:
-        v = values.astype(np.float64)
-        if metric.key == "cos":
-            v = 1.0 - v
-        with np.errstate(divide="ignore", invalid="ignore"):
-            lg = np.log10(np.abs(v))
-        frac = (lg - metric.lo) / (metric.hi - metric.lo)
-        frac = np.where(np.isfinite(frac), frac, np.where(np.abs(v) > 0, 1.0, 0.0))
-        frac = np.where(np.isnan(v), 1.0, frac)
-        level = np.clip(np.floor(frac * N_LEVELS), 0, N_LEVELS - 1).astype(np.int64)
-    codes = 1 + cat * N_LEVELS + level
-    return np.where(present, codes, 0).astype(np.uint8)
-
-
-def legend(metric: Metric) -> str:
-    """One-line key of the heatmap's glyphs for a metric."""
-    if metric.key == "verdict":
-        return "··· ok  ███ fails"
-    return f"{BARS[0]} {10 ** metric.lo:.0e} .. {BARS[-1]} {10 ** metric.hi:.0e}"
+# ----------------------------------------------------------------------------------------------
+# Glyphs and colours of the heatmap's cells (indexed by tui_data.cell_codes)
+# ----------------------------------------------------------------------------------------------
 
 
 def _mix(c1: tuple[int, int, int], c2: tuple[int, int, int], t: float) -> str:
@@ -117,144 +81,6 @@ def _cell_tables(verdict_mode: bool) -> tuple[list[str], list[Style]]:
 GLYPHS, STYLES = _cell_tables(False)
 VGLYPHS, VSTYLES = _cell_tables(True)
 
-# ----------------------------------------------------------------------------------------------
-# Columns of the summary
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Column:
-    index: int            # column of the summary file
-    label: str            # embed, layer3, draft_input[0]...
-    tensor_a: str
-    tensor_b: str
-    slot: int
-    order: float
-    slot_label: str | None
-    packed: bool
-
-    @property
-    def short(self) -> str:
-        if self.packed:
-            return f"[{self.slot}]"
-        return short_label(self.label)
-
-    def matches(self, tensor: str | None, slot: int | None) -> bool:
-        if tensor is None or tensor not in (self.tensor_a, self.tensor_b):
-            return False
-        return (slot or 0) == self.slot
-
-
-def short_label(label: str) -> str:
-    if label == "embed":
-        return "emb"
-    if label == "final_norm":
-        return "fn"
-    if label.startswith("layer") and label[5:].isdigit():
-        n = label[5:]
-        return f"L{n}" if len(n) <= 2 else n[-3:]
-    return label[:3]
-
-
-def read_columns(summary: SummaryReader) -> list[Column]:
-    """The summary's columns in forward order (by order, then slot)."""
-    cols = []
-    for j, ds in enumerate(summary.columns):
-        a = ds.attrs
-        label = str(a.get("label", summary.labels[j]))
-        try:
-            slot_label = json.loads(a.get("slot_label", "null"))
-        except (TypeError, ValueError):
-            slot_label = None
-        ta = str(a.get("tensor_a", label))
-        cols.append(Column(index=j, label=label, tensor_a=ta, tensor_b=str(a.get("tensor_b", ta)),
-                           slot=int(a.get("slot", 0)), order=float(a.get("order", j)),
-                           slot_label=slot_label, packed=label.endswith("]") and slot_label is not None))
-    cols.sort(key=lambda c: (c.order, c.tensor_a, c.slot))
-    return cols
-
-
-# ----------------------------------------------------------------------------------------------
-# Bounded block cache over a summary
-# ----------------------------------------------------------------------------------------------
-
-
-class BlockCache:
-    """LRU cache of summary blocks: cell codes per (metric, block) and token rows per block.
-    At most ``max_blocks`` blocks of each kind are held, whatever the trace size."""
-
-    def __init__(self, summary: SummaryReader, block_rows: int = 256, max_blocks: int = 24):
-        self.summary = summary
-        self.block_rows = block_rows
-        self.max_blocks = max_blocks
-        self._codes: OrderedDict = OrderedDict()
-        self._tokens: OrderedDict = OrderedDict()
-        self.reads = 0
-
-    def __len__(self) -> int:
-        return len(self._codes) + len(self._tokens)
-
-    def _get(self, cache: OrderedDict, key, load):
-        hit = cache.get(key)
-        if hit is not None:
-            cache.move_to_end(key)
-            return hit
-        val = load()
-        self.reads += 1
-        cache[key] = val
-        while len(cache) > self.max_blocks:
-            cache.popitem(last=False)
-        return val
-
-    def codes(self, row: int, metric: Metric) -> tuple[np.ndarray, int]:
-        """(codes block [rows, n_columns] uint8, row offset inside it)."""
-        b, off = divmod(row, self.block_rows)
-        start = b * self.block_rows
-
-        def load():
-            stop = min(start + self.block_rows, self.summary.n)
-            flags = self.summary.block(start, stop, 3)
-            vals = flags if metric.field == 3 else self.summary.block(start, stop, metric.field)
-            return cell_codes(vals, flags, metric)
-
-        return self._get(self._codes, (metric.key, b), load), off
-
-    def token(self, row: int):
-        b, off = divmod(row, self.block_rows)
-        start = b * self.block_rows
-        blk = self._get(self._tokens, b, lambda: self.summary.tokens(start, min(start + self.block_rows, self.summary.n)))
-        return blk[off]
-
-    def clear(self) -> None:
-        self._codes.clear()
-        self._tokens.clear()
-
-
-def find_position(summary: SummaryReader, seq: int, pos: int) -> int:
-    """Aligned index of (A sequence index, A position), or of the next aligned token after it
-    (the summary's rows are sorted by A sequence, then position). Binary search: ~log2(n) reads."""
-    lo, hi = 0, summary.n
-    ds = summary.tokens_ds
-    while lo < hi:
-        mid = (lo + hi) // 2
-        r = ds[mid]
-        if (int(r["seq_a"]), int(r["pos_a"])) < (seq, pos):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-def find_token_id(summary: SummaryReader, token: int, start: int, block: int = 65536) -> int | None:
-    """First aligned index at or after ``start`` (wrapping) whose token id is ``token``."""
-    n = summary.n
-    for base in list(range(start, n, block)) + list(range(0, start, block)):
-        stop = min(base + block, n if base >= start else start)
-        hit = np.flatnonzero(summary.tokens_ds.fields("token")[base:stop] == token)
-        if len(hit):
-            return base + int(hit[0])
-    return None
-
 
 # ----------------------------------------------------------------------------------------------
 # The heatmap
@@ -264,7 +90,7 @@ def find_token_id(summary: SummaryReader, token: int, start: int, block: int = 6
 class Heatmap(ScrollView, can_focus=True):
     """token x slot heatmap: one line per aligned token, one cell per tensor/slot column."""
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list] = [
         Binding("up", "move(-1, 0)", "up", show=False),
         Binding("down", "move(1, 0)", "down", show=False),
         Binding("left", "move(0, -1)", "left", show=False),
@@ -334,13 +160,8 @@ class Heatmap(ScrollView, can_focus=True):
     def set_filter(self, text: str) -> int:
         """Show only columns whose label contains one of the comma-separated terms (case-blind);
         an empty filter shows all. Returns the number of visible columns."""
-        terms = [t.strip().lower() for t in text.split(",") if t.strip()]
         current = self.column
-        if terms:
-            self.shown = [c for c in self.columns
-                            if any(t in c.label.lower() or t in (c.slot_label or "").lower() for t in terms)]
-        else:
-            self.shown = list(self.columns)
+        self.shown = filter_columns(self.columns, text)
         if current is not None and current in self.shown:
             self.cursor_col = self.shown.index(current)
         else:
@@ -529,96 +350,96 @@ class Heatmap(ScrollView, can_focus=True):
 
 
 # ----------------------------------------------------------------------------------------------
-# Text plots for the detail pane
+# The tree of tensors and slots
 # ----------------------------------------------------------------------------------------------
 
 
-def sparkline(values: np.ndarray, width: int, top: float | None = None) -> str:
-    """Values (>= 0) binned to ``width`` columns by their maximum, drawn as bars scaled to ``top``."""
-    v = np.asarray(values, dtype=np.float64)
-    if len(v) == 0 or width <= 0:
-        return ""
-    v = np.where(np.isfinite(v), v, np.nan)
-    width = min(width, len(v))
-    edges = np.linspace(0, len(v), width + 1).astype(np.int64)
-    with np.errstate(all="ignore"):
-        binned = np.array([np.nanmax(v[a:b]) if b > a and not np.all(np.isnan(v[a:b])) else np.nan
-                           for a, b in zip(edges[:-1], edges[1:])])
-    top = float(np.nanmax(binned)) if top is None and np.any(np.isfinite(binned)) else (top or 0.0)
-    out = []
-    for x in binned:
-        if not np.isfinite(x):
-            out.append("!")
-        elif top <= 0 or x <= 0:
-            out.append(" " if top > 0 else "▁")
-        else:
-            out.append(BARS[min(N_LEVELS - 1, int(x / top * N_LEVELS))])
-    return "".join(out)
+class TensorTree(Tree):
+    """Every compared tensor, packed ones with a child per slot, marked from the aligner's findings."""
+
+    def show(self, res: DiffResult, columns: list[Column]) -> None:
+        tree = self
+        tree.clear()
+        groups: dict[str, list[Column]] = {}
+        for c in columns:
+            groups.setdefault(c.tensor_a, []).append(c)
+        for name, cols in groups.items():
+            verdicts = [column_verdict(res, c) for c in cols]
+            if len(cols) == 1 and not cols[0].packed:
+                g, s, words = verdicts[0]
+                tree.root.add_leaf(Text.assemble((g, s), " ", cols[0].label, (f"  {words}", "dim")), data=cols[0].index)
+                continue
+            g, s, _ = max(verdicts, key=lambda v: GLYPH_RANK.get(v[0], 0))
+            node = tree.root.add(Text.assemble((g, s), " ", name, (f"  {len(cols)} slots", "dim")),
+                                 data=cols[0].index, expand=True)
+            for c, (g2, s2, words) in zip(cols, verdicts):
+                claim = f" = {c.slot_label}" if c.slot_label else ""
+                node.add_leaf(Text.assemble((g2, s2), f" slot {c.slot}{claim}", (f"  {words}", "dim")), data=c.index)
 
 
-def histograms(a: np.ndarray, b: np.ndarray, bins: int) -> tuple[str, str, float, float]:
-    """Histograms of two vectors over a common range, as two lines of bars scaled to the same
-    count; returns (line a, line b, lo, hi)."""
-    fa, fb = a[np.isfinite(a)], b[np.isfinite(b)]
-    both = np.concatenate([fa, fb])
-    if len(both) == 0:
-        return "", "", math.nan, math.nan
-    lo, hi = float(both.min()), float(both.max())
-    if hi <= lo:
-        hi = lo + 1.0
-    ha, _ = np.histogram(fa, bins=bins, range=(lo, hi))
-    hb, _ = np.histogram(fb, bins=bins, range=(lo, hi))
-    top = max(int(ha.max(initial=0)), int(hb.max(initial=0)), 1)
-
-    def bars(h):
-        return "".join(" " if c == 0 else BARS[min(N_LEVELS - 1, int(c / top * N_LEVELS))] for c in h)
-
-    return bars(ha), bars(hb), lo, hi
+# ----------------------------------------------------------------------------------------------
+# Screens
+# ----------------------------------------------------------------------------------------------
 
 
-def fmt(x, nd: int = 4) -> str:
-    if x is None:
-        return "-"
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x != 0 and (abs(x) >= 1e4 or abs(x) < 1e-3):
-        return f"{x:.3e}"
-    return f"{x:.{nd}f}"
+HELP = [
+    ("n / p", "next / previous finding"),
+    ("f", "jump to the first divergence"),
+    ("g", "go to a token: #INDEX (aligned row), SEQ:POS, POS (in the current sequence) or t=TOKEN_ID"),
+    ("/", "filter tensors: comma-separated substrings of column labels (empty: all); Enter or Esc closes"),
+    ("m", "toggle the heatmap metric: relative error, 1 - cosine, max abs error, aligner verdict"),
+    ("arrows, PgUp/PgDn, Home/End", "move the heatmap cursor (click a cell with the mouse, too)"),
+    ("Tab / Shift+Tab", "move between findings, tensors and heatmap; Enter picks"),
+    ("s", "save a screenshot (SVG) in the current directory"),
+    ("?", "this help"),
+    ("q", "quit (exit code: 1 divergence, 0 agree, 130 quit before the diff finished)"),
+]
 
 
-def regime_name(code) -> str:
-    try:
-        return REGIMES[int(code)]
-    except (IndexError, ValueError, TypeError):
-        return str(code)
+class HelpScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list] = [Binding("escape,q,question_mark,enter", "dismiss", "close")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > Static { width: 96; height: auto; border: round $accent; padding: 1 2; background: $panel; }
+    """
+
+    def compose(self) -> ComposeResult:
+        from rich.console import Group
+        from rich.table import Table
+
+        table = Table(box=None, show_header=False, padding=(0, 2, 0, 0), expand=True)
+        table.add_column(style="bold cyan", no_wrap=True, justify="right")
+        table.add_column(ratio=1)
+        for k, what in HELP:
+            table.add_row(k, what)
+        legend = Text("Colours and glyphs are the aligner's: red / ✗ a divergence, yellow / ! a warning, "
+                      "green / ✓ nothing found. Heatmap bars grow with the metric (log scale); in verdict "
+                      "mode ··· is ok and ███ fails tolerance; !!! NaN/Inf; blank: no row for that token. "
+                      "Esc closes.", style="dim")
+        yield Static(Group(Text("tensordiff keys\n", style="bold"), table, Text(""), legend))
+
+    def action_dismiss(self) -> None:  # type: ignore[override]
+        self.dismiss(None)
 
 
-def plot_lines(va: np.ndarray | None, vb: np.ndarray | None, side_a: str, side_b: str, width: int) -> list[Text]:
-    """The detail pane's small plots: |a - b| per dimension, and the value histograms of both."""
-    lab = max(len(side_a), len(side_b), 5) + 1
-    w = max(8, width - lab - 28)
-    out: list[Text] = []
-    if va is None or vb is None:
-        return out
-    n = min(len(va), len(vb))
-    d = np.abs(va[:n].astype(np.float64) - vb[:n].astype(np.float64))
-    finite = d[np.isfinite(d)]
-    mx = float(finite.max()) if len(finite) else math.nan
-    at = int(np.nanargmax(np.where(np.isfinite(d), d, -1))) if len(finite) else -1
-    line = Text("|a-b|".ljust(lab), style="bold")
-    line.append(sparkline(d, w).ljust(min(w, n)), style="magenta")
-    line.append(f"  max {fmt(mx)} @dim {at} of {n}", style="dim")
-    out.append(line)
-    ha, hb, lo, hi = histograms(va[:n], vb[:n], min(w, 64))
-    for name, h, style in ((side_a, ha, "cyan"), (side_b, hb, "yellow")):
-        t = Text(name[:lab - 1].ljust(lab), style="bold")
-        t.append(h, style=style)
-        t.append(f"  values in [{fmt(lo, 3)}, {fmt(hi, 3)}]", style="dim")
-        out.append(t)
-    return out
+class GotoScreen(ModalScreen[str | None]):
+    BINDINGS: ClassVar[list] = [Binding("escape", "cancel", "cancel")]
+    DEFAULT_CSS = """
+    GotoScreen { align: center middle; }
+    GotoScreen > Vertical { width: 72; height: auto; border: round $accent; padding: 0 1; background: $panel; }
+    """
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(f"go to token: {GOTO_FORMS}")
+            yield Input(placeholder="e.g. 120, s0:120, #5000, t=42", id="goto-input")
+
+    def on_mount(self) -> None:
+        self.query_one(Input).focus()
+
+    @on(Input.Submitted)
+    def _submit(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

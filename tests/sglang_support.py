@@ -26,8 +26,9 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 STUB_DIR = HERE / "sgl_kernel_stub"
@@ -35,41 +36,41 @@ STUB_DIR = HERE / "sgl_kernel_stub"
 SGLANG_VERSION = "0.5.23"
 
 # Tiny target: small enough for two CPU cores, deep enough for 3 aux layers.
-TINY_LLAMA = dict(
-    num_hidden_layers=8,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=512,
-)
+TINY_LLAMA = {
+    "num_hidden_layers": 8,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+}
 # Draft ids as written in the EAGLE-3 checkpoint. Llama captures id + 1
 # ("input of decoder layer id + 1" = HF hidden_states[id + 1]).
 DEFAULT_AUX_LAYER_IDS = (2, 4, 6)
 
 # Engine kwargs that work on CPU (see the project's notes on SGLang).
-CPU_ENGINE_KWARGS: dict[str, Any] = dict(
-    device="cpu",
-    attention_backend="torch_native",
-    skip_tokenizer_init=True,
-    disable_cuda_graph=True,
-    dtype="float32",
-    mem_fraction_static=0.1,
-    max_total_tokens=2048,
-    chunked_prefill_size=256,
-    sampling_backend="pytorch",
-    disable_overlap_schedule=True,
-    random_seed=0,
-    log_level="error",
-)
-EAGLE3_ENGINE_KWARGS: dict[str, Any] = dict(
-    attention_backend="intel_amx",
-    speculative_algorithm="EAGLE3",
-    speculative_num_steps=2,
-    speculative_eagle_topk=1,
-    speculative_num_draft_tokens=3,
-)
+CPU_ENGINE_KWARGS: dict[str, Any] = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "skip_tokenizer_init": True,
+    "disable_cuda_graph": True,
+    "dtype": "float32",
+    "mem_fraction_static": 0.1,
+    "max_total_tokens": 2048,
+    "chunked_prefill_size": 256,
+    "sampling_backend": "pytorch",
+    "disable_overlap_schedule": True,
+    "random_seed": 0,
+    "log_level": "error",
+}
+EAGLE3_ENGINE_KWARGS: dict[str, Any] = {
+    "attention_backend": "intel_amx",
+    "speculative_algorithm": "EAGLE3",
+    "speculative_num_steps": 2,
+    "speculative_eagle_topk": 1,
+    "speculative_num_draft_tokens": 3,
+}
 
 
 # --------------------------------------------------------------------------- env

@@ -6,11 +6,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
-
-from tensordiff.align import diff_traces
-from tensordiff.cli import main
-
 from hf_traces import N_LAYERS, prompts, tiny_llama, write_trace
+
+from tensordiff.cli import main
+from tensordiff.diff import diff_traces
 
 pytestmark = pytest.mark.torch
 
@@ -76,7 +75,7 @@ def test_token_shift_of_one_is_a_shift_not_numeric(tmp_path, capsys, model, seqs
     res = diff_traces(train, str(serve))
     assert res.exit_code == 1
     first = res.first_divergence
-    assert first.kind == "token_shift" and first.details["shift"] == 1
+    assert first.kind == "token_shift" and first.details.shift == 1
     assert res.headline().startswith("token shift of 1")
     assert not [f for f in res.findings if f.kind in ("numeric", "slot_identity", "nonfinite")]
 
@@ -144,7 +143,7 @@ def test_calibration_from_noise_floor(tmp_path, capsys, model, seqs, train):
     bf = tmp_path / "bf.h5"
     write_trace(bf, model, seqs, TRAIN, side="serve", dtype=torch.bfloat16)
     tol = tmp_path / "tol.json"
-    code, out, err = run(capsys, "calibrate", train, str(bf), "--out", str(tol))
+    code, _out, err = run(capsys, "calibrate", train, str(bf), "--out", str(tol))
     assert code == 0, err
     data = json.loads(tol.read_text())["tolerances"]
     assert "draft_input[0]" in data and data["layer5"]["max_rel"] > 0
@@ -166,7 +165,7 @@ def test_tolerance_override_makes_bf16_fail(tmp_path, capsys, model, seqs, train
 
 
 def _one_line_exit2(capsys, *argv):
-    code, out, err = run(capsys, *argv)
+    code, _out, err = run(capsys, *argv)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tensordiff: error:") and "Traceback" not in err
@@ -199,7 +198,7 @@ def test_different_hidden_sizes(tmp_path, capsys, train):
 
 
 def test_summary_file_has_per_token_metrics(tmp_path, model, seqs, train):
-    from tensordiff.align import DiffOptions
+    from tensordiff.diff import DiffOptions
     from tensordiff.summary import SummaryReader
     serve = tmp_path / "s.h5"
     write_trace(serve, model, seqs, ["layer3", "layer5", "layer7"], side="serve")

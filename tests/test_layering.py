@@ -1,14 +1,30 @@
-"""The layering rule: the trace format, aligner, metrics, report and CLI import neither torch nor
-textual; only the TUI imports textual. Checked in a fresh interpreter per module."""
+"""The layering rule: the trace format, aligner, identity, numerics, findings, diff, report and CLI
+import neither torch nor textual; only the TUI app and widgets import textual; data flows one way.
+
+Two checks: the import-linter contracts in pyproject.toml (static: every import, lazy ones too,
+against the layers), and a fresh interpreter per module (what really gets loaded at run time)."""
+
+import os
 
 import subprocess
 import sys
 
 import pytest
 
-CORE = ["tensordiff", "tensordiff.trace", "tensordiff.align", "tensordiff.metrics", "tensordiff.report",
-        "tensordiff.summary", "tensordiff.cli", "tensordiff.conventions", "tensordiff.sketch",
-        "tensordiff.dtypes", "tensordiff.recorders", "tensordiff.recorders.cli"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORE = ["tensordiff", "tensordiff.trace", "tensordiff.align", "tensordiff.identity", "tensordiff.catalog",
+        "tensordiff.numerics", "tensordiff.tolerances", "tensordiff.findings", "tensordiff.diff",
+        "tensordiff.report", "tensordiff.summary", "tensordiff.cli", "tensordiff.conventions", "tensordiff.sketch",
+        "tensordiff.dtypes", "tensordiff.tui_data", "tensordiff.tui_text", "tensordiff.recorders",
+        "tensordiff.recorders.cli"]
+
+
+def test_import_contracts():
+    """import-linter: the layers and forbidden imports declared in pyproject.toml."""
+    exe = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    r = subprocess.run([exe, "--no-cache"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout
 
 
 @pytest.mark.parametrize("module", CORE)

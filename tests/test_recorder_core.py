@@ -7,11 +7,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tensordiff.dtypes import bf16_bits_to_f32  # noqa: E402
-from tensordiff.recorders.core import Recorder, Sampling  # noqa: E402
-from tensordiff.recorders.hooks import ModuleHookRecorder  # noqa: E402
-from tensordiff.sketch import sketch_np  # noqa: E402
-from tensordiff.trace import TraceReader  # noqa: E402
+from tensordiff.dtypes import bf16_bits_to_f32
+from tensordiff.recorders.core import Recorder, Sampling
+from tensordiff.recorders.hooks import ModuleHookRecorder
+from tensordiff.sketch import sketch_np
+from tensordiff.trace import TraceReader
 
 pytestmark = pytest.mark.torch
 
@@ -110,11 +110,10 @@ def test_packed_from_parts_records_slots_and_provenance(tmp_path):
 
 def test_exception_inside_the_block_leaves_a_readable_trace(tmp_path):
     p = tmp_path / "t.h5"
-    with pytest.raises(RuntimeError, match="boom"):
-        with _rec(p) as rec:
-            rows = rec.add_tokens("s", None, [1, 2])
-            rec.boundary(0, torch.ones(2, H), rows)
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), _rec(p) as rec:
+        rows = rec.add_tokens("s", None, [1, 2])
+        rec.boundary(0, torch.ones(2, H), rows)
+        raise RuntimeError("boom")
     with TraceReader(p) as r:
         assert r.tensors["embed"].rows == 2
         assert "boom" in r.f.attrs["recording_error"]
@@ -177,7 +176,8 @@ def test_module_hooks_padded_batch_and_skipped_shapes(tmp_path):
 def test_draft_rows_and_sampling_properties():
     """draft row t exists iff tokens t and t+1 of the same sequence exist; sampling keeps exactly the
     positions asked, whatever the padding."""
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     from tensordiff.recorders.hf import draft_rows
 

@@ -12,9 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tensordiff.recorders.core import Recorder  # noqa: E402
-from tensordiff.recorders.hf import HFExtractorRecorder, model_info, plan_draft_input  # noqa: E402
-from tensordiff.trace import TraceReader  # noqa: E402
+from tensordiff.recorders.core import Recorder
+from tensordiff.recorders.hf import HFExtractorRecorder, model_info, plan_draft_input
+from tensordiff.trace import TraceReader
 
 pytestmark = pytest.mark.torch
 
@@ -23,8 +23,8 @@ N, H, V = 8, 64, 128
 
 def tiny(arch: str = "llama", layers: int = N, seed: int = 0, dtype=torch.float32):
     torch.manual_seed(seed)
-    common = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, max_position_embeddings=256)
+    common = {"vocab_size": V, "hidden_size": H, "intermediate_size": 128, "num_hidden_layers": layers,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.3, "max_position_embeddings": 256}
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common)
         model = transformers.LlamaForCausalLM(cfg)
@@ -45,9 +45,8 @@ def record(model, path, plan=None, seqs=None, values="all"):
     with Recorder(path, side="train", model=model_info(model)) as rec:
         hf = HFExtractorRecorder(model, rec, plan, values=values)
         for key, ids in seqs.items():
-            with hf.capture(key, ids):
-                with torch.no_grad():
-                    outs[key] = model(ids[None], output_hidden_states=True)
+            with hf.capture(key, ids), torch.no_grad():
+                outs[key] = model(ids[None], output_hidden_states=True)
     return outs
 
 
@@ -176,9 +175,8 @@ def test_padded_batch_in_a_user_loop(tmp_path):
     plan = plan_draft_input("specforge", [0, 2], 4)
     with Recorder(p, side="train", model=model_info(model)) as rec:
         hf = HFExtractorRecorder(model, rec, plan)
-        with hf.capture(["a", "b"], ids, mask):
-            with torch.no_grad():
-                out = model(ids, attention_mask=mask, output_hidden_states=True)
+        with hf.capture(["a", "b"], ids, mask), torch.no_grad():
+            out = model(ids, attention_mask=mask, output_hidden_states=True)
     hs = out.hidden_states
     with TraceReader(p) as r:
         assert r.tensors["embed"].rows == 12
@@ -209,8 +207,7 @@ def _cli(argv):
 def _prompts(path, n=3, L=12, text=False):
     g = torch.Generator().manual_seed(11)
     with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"p{i}", "input_ids": torch.randint(0, V, (L + i,), generator=g).tolist()}) + "\n")
+        f.writelines(json.dumps({"id": f"p{i}", "input_ids": torch.randint(0, V, (L + i,), generator=g).tolist()}) + "\n" for i in range(n))
     return path
 
 
@@ -257,7 +254,7 @@ def test_record_train_text_prompts_sampling_and_no_tty(tmp_path, model_dir, caps
     mdir.mkdir()
     for f in os.listdir(model_dir):
         os.symlink(os.path.join(model_dir, f), mdir / f)
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate("the cat sat on a mat and dog ran far away".split())}}
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away"])}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(mdir)
@@ -314,3 +311,24 @@ def test_record_train_bad_input_is_one_line_exit_2(tmp_path, model_dir, capsys, 
     assert rc == 2, err
     assert err.startswith("tensordiff: error:") and err.count("\n") == 1, err
     assert "Traceback" not in err
+
+
+def test_conventions_own_the_planning():
+    """hf.plan_draft_input is conventions.plan_draft_input; labels and the legacy generator's
+    verifier id are planned there too (the importers use both)."""
+    from tensordiff import conventions
+    from tensordiff.recorders import hf
+
+    assert hf.plan_draft_input is conventions.plan_draft_input and hf.DraftPlan is conventions.DraftPlan
+    p = conventions.plan_from_labels(["embed", "3", "layer5", "layer7"], verifier_last=True)
+    assert (p.captured, p.fed, p.verifier) == (("embed", "layer3", "layer5", "layer7"),
+                                               ("embed", "layer3", "layer5"), "layer7")
+    assert conventions.plan_from_labels([0, 8]).fed == ("embed", "layer8")
+    with pytest.raises(ValueError):
+        conventions.plan_from_labels(["nope"])
+    p = conventions.plan_draft_input("speculators-legacy", [2, 4, 6, 7], N, ids_name_verifier=True)
+    assert (p.fed, p.verifier, p.raw_ids) == (("layer3", "layer5", "layer7"), "layer8", (2, 4, 6, 7))
+    with pytest.raises(ValueError, match="ids_name_verifier"):
+        conventions.plan_draft_input("specforge", [1, 3, 5], N, ids_name_verifier=True)
+    assert conventions.planning_choices()[:4] == ("specforge", "eagle", "speculators-legacy", "boundary")
+    assert set(conventions.CONVENTIONS) <= set(conventions.planning_choices())

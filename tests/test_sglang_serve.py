@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-import sglang_support as sup  # noqa: E402  (imports neither torch nor sglang at import time)
+import sglang_support as sup
 
 AUX_IDS = [2, 4, 6]
 BOUNDARIES = [3, 5, 7]  # SGLang llama: draft id i captures the input of decoder layer i + 1
@@ -104,7 +104,7 @@ def capture_run(models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("capture")
     argv = [sys.executable, "-m", "tensordiff", "record", "serve", *_serve_argv(models, tmp, "capture"),
             "--aux-ids", *map(str, AUX_IDS), "--attention-backend", "torch_native"]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "aux_hidden_states: slots [layer3, layer5, layer7] from draft ids [2, 4, 6]" in proc.stdout, proc.stdout
     return _load_run(tmp, "capture")
@@ -129,7 +129,7 @@ def eagle_run(models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eagle")
     argv = [sys.executable, "-c", _EAGLE_RUNNER.format(tests=str(HERE)), *_serve_argv(models, tmp, "eagle"),
             "--draft", str(models["draft"]), "--attention-backend", "intel_amx"]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _load_run(tmp, "eagle")
 
@@ -383,7 +383,7 @@ def test_eagle_trace_diffs_clean_against_a_correct_train_trace(eagle_run, models
                     "--dtype", "float32", "--device", "cpu", "--no-progress", "--out", str(train)],
                    check=True, capture_output=True, cwd=REPO)
     proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", str(train), eagle_run["trace"]],
-                          capture_output=True, text=True, cwd=REPO)
+                          check=False, capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[:3000]
     assert proc.stdout.startswith("no divergence"), proc.stdout[:500]
 
@@ -406,8 +406,8 @@ plugins._plugins_loaded = False
 HookRegistry.reset()
 os.environ["TENSORDIFF_TRACE"] = os.path.join({tmp!r}, "never.h5")
 load_plugins()
-from tensordiff.recorders import sglang_plugin
-print("ACTIVE", sorted(HookRegistry._hooks) == sorted(sglang_plugin.HOOK_TARGETS),
+from tensordiff.recorders import sglang as plugin
+print("ACTIVE", sorted(HookRegistry._hooks) == sorted(plugin.HOOK_TARGETS),
       hasattr(ModelRunner.forward, "__wrapped__"), os.path.exists(os.environ["TENSORDIFF_TRACE"]))
 """
 
@@ -419,7 +419,7 @@ def test_plugin_registers_no_hook_without_tensordiff_trace(tmp_path):
     """Through SGLang's own plugin loader: with TENSORDIFF_TRACE unset the entry point runs and
     registers nothing (ModelRunner.forward stays unwrapped); set, it registers its five hooks
     (and writes nothing until a model runs)."""
-    proc = subprocess.run([sys.executable, "-c", _LOAD_PLUGINS.format(tmp=str(tmp_path))], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _LOAD_PLUGINS.format(tmp=str(tmp_path))], check=False, capture_output=True,
                           text=True, env=_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {ln.split(" ", 1)[0]: ln for ln in proc.stdout.splitlines() if ln.startswith(("INERT", "ACTIVE"))}
@@ -428,16 +428,30 @@ def test_plugin_registers_no_hook_without_tensordiff_trace(tmp_path):
 
 
 def test_register_without_env_imports_nothing():
-    code = ("import os, sys\nos.environ.pop('TENSORDIFF_TRACE', None)\n"
-            "from tensordiff.recorders import sglang_plugin, serve_cli\n"
-            "assert sglang_plugin.register() is None\n"
+    """Every module of the plugin package (and the old single-module path) imports neither torch
+    nor sglang; register() without TENSORDIFF_TRACE imports them neither."""
+    code = ("import os, sys, pkgutil, importlib\nos.environ.pop('TENSORDIFF_TRACE', None)\n"
+            "from tensordiff.recorders import sglang, sglang_plugin, serve_cli\n"
+            "for m in pkgutil.iter_modules(sglang.__path__): importlib.import_module('tensordiff.recorders.sglang.' + m.name)\n"
+            "assert sglang_plugin.register() is None and sglang.register() is None\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert out.strip() == "[]", out
 
 
+def test_old_plugin_path_is_an_alias_of_the_package():
+    from tensordiff.recorders import sglang, sglang_plugin
+
+    assert sglang_plugin.register is sglang.register and sglang_plugin.Config is sglang.Config
+    assert sglang_plugin.HOOK_TARGETS == sglang.HOOK_TARGETS
+    table = sglang.hook_table()
+    assert [t for t, _, _ in table] == list(sglang.HOOK_TARGETS)
+    assert [k for _, _, k in table] == ["AROUND", "AROUND", "AFTER", "AFTER", "AROUND"]
+    assert all(callable(fn) for _, fn, _ in table)
+
+
 def test_plugin_config_from_env():
-    from tensordiff.recorders.sglang_plugin import Config, rank_path
+    from tensordiff.recorders.sglang import Config, rank_path
 
     assert Config.from_env({}) is None
     assert Config.from_env({"TENSORDIFF_TRACE": "  "}) is None
@@ -509,7 +523,7 @@ def test_serve_bad_input_is_one_line_exit_2(tmp_path, case):
         argv[5] = str(tmp_path / "nodir" / "s.h5")
     elif case == "aux-with-draft":
         argv += ["--draft", str(model), "--aux-ids", "1"]
-    proc = subprocess.run([sys.executable, "-m", "tensordiff", "record", "serve", *argv], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "record", "serve", *argv], check=False, capture_output=True,
                           text=True, cwd=REPO, env={k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF")})
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -525,7 +539,7 @@ TRACES = REPO / "traces"
 
 def test_example_pair_first_line_and_exit_code():
     proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", "traces/train.h5", "traces/serve.h5"],
-                          capture_output=True, text=True, cwd=REPO)
+                          check=False, capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[0] == "slot 0 of draft_input holds layer3 where embed was expected"
 

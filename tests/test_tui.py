@@ -21,12 +21,21 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tensordiff.align import DiffResult, Finding
+from tensordiff.findings import DiffResult, Finding
 from tensordiff.errors import TraceError
 from tensordiff.summary import SummaryWriter
 from tensordiff.trace import SlotSpec, TraceWriter
-from tensordiff.tui import EXIT_INTERRUPTED, GotoScreen, HelpScreen, TensordiffApp, run_diff
-from tensordiff.tui_widgets import CELL_W, GUTTER_W, HEADER_H, METRICS, Heatmap, histograms, sparkline
+from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp, run_diff
+from tensordiff.tui_data import METRICS
+from tensordiff.tui_text import histograms, sparkline
+from tensordiff.tui_widgets import (
+    CELL_W,
+    GUTTER_W,
+    HEADER_H,
+    GotoScreen,
+    Heatmap,
+    HelpScreen,
+)
 from tensordiff.vocab import boundary_label
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +97,7 @@ def fixture_pair(tmp_path_factory) -> tuple[str, str]:
 def fixture_diff(fixture_pair, tmp_path_factory):
     """A diff_fn replaying the aligner's result on the fixture pair (computed once per session),
     so that tests of keys and panes do not each re-run the same diff."""
-    from tensordiff.align import DiffOptions
+    from tensordiff.diff import DiffOptions
 
     ref = tmp_path_factory.mktemp("fixture_ref") / "summary.h5"
     result = run_diff(*fixture_pair, DiffOptions(summary_path=str(ref)))
@@ -121,7 +130,7 @@ def pair(fixture_pair) -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def pair_result(pair, tmp_path_factory) -> DiffResult:
     """The aligner's own verdict on the pair, to check the TUI shows it (never its own)."""
-    from tensordiff.align import DiffOptions
+    from tensordiff.diff import DiffOptions
 
     out = tmp_path_factory.mktemp("ref") / "summary.h5"
     return run_diff(*pair, DiffOptions(summary_path=str(out)))
@@ -385,6 +394,9 @@ async def test_keys_during_scan_are_queued(fixture_pair, fixture_diff):
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(0.2)
         assert not app.ready and app.first_paint_at is not None
+        # progress reaches the app as DiffProgress messages posted by the diff thread
+        assert app.progress == ("comparing tensors", 10, 100)
+        assert "comparing tensors: 10/100" in str(app.query_one("#progress-label").render())
         await pilot.press("n", "m")
         assert [w for w, _ in app.pending] == ["next finding", "toggle metric"]
         assert "2 keys queued" in str(app.query_one("#progress-label").render())
@@ -434,8 +446,7 @@ async def test_diff_error_exits_2(fixture_pair):
 
 
 def test_cli_routes_to_tui(monkeypatch, fixture_pair):
-    import tensordiff.tui as tui
-    from tensordiff import cli
+    from tensordiff import cli, tui
 
     seen = []
     monkeypatch.setattr(tui, "run_tui", lambda a, b, opts: seen.append((a, b, opts)) or 1)
@@ -508,7 +519,7 @@ async def test_large_summary_scrolls_lazily(tmp_path):
         hm = app.heatmap
         assert hm.n_rows == n
         assert hm.cursor_row == 77_777 and hm.column.label == "draft_input[0]"
-        sx, sy = hm.scroll_offset
+        _, sy = hm.scroll_offset
         assert sy <= 77_777 < sy + hm.page_rows
         await pilot.press("end")
         assert hm.cursor_row == n - 1
@@ -526,6 +537,90 @@ async def test_large_summary_scrolls_lazily(tmp_path):
         # missing traces: the detail pane says so, the UI stays up
         await wait_ready(app, pilot)
         assert "cannot read the values" in app.detail_text.plain
+
+
+# ----------------------------------------------------------------------------------------------
+# the data layer, without an app
+# ----------------------------------------------------------------------------------------------
+
+
+def test_data_layer_imports_no_textual():
+    import subprocess
+    import sys
+
+    code = ("import sys, tensordiff.tui_data, tensordiff.tui_text\n"
+            "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'textual')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"the TUI's data layer pulled in {out}"
+
+
+def test_progress_messages_are_throttled(fixture_pair):
+    from tensordiff.tui import DiffProgress
+
+    posted = []
+
+    def chatty(a, b, opts):
+        for i in range(2000):
+            opts.progress("comparing tensors", i, 2000)
+        opts.progress("comparing tensors", 2000, 2000)
+        opts.progress("identifying slots", 0, 3)
+        raise TraceError("stop here")
+
+    app = TensordiffApp(*fixture_pair, diff_fn=chatty)
+    app.post_message = lambda m: posted.append(m) or True
+    app._run_diff()
+    prog = [(m.stage, m.done, m.total) for m in posted if isinstance(m, DiffProgress)]
+    assert prog[0] == ("comparing tensors", 0, 2000)
+    assert ("comparing tensors", 2000, 2000) in prog and prog[-1] == ("identifying slots", 0, 3)
+    assert len(prog) < 100, "one message per progress call would flood the UI"
+
+
+def test_goto_and_filter_without_app(fixture_diff, fixture_pair, tmp_path):
+    from tensordiff.diff import DiffOptions
+    from tensordiff.summary import SummaryReader
+    from tensordiff.tui_data import filter_columns, read_columns, resolve_goto
+
+    opts = DiffOptions(summary_path=str(tmp_path / "s.h5"), progress=lambda *a: None)
+    fixture_diff(*fixture_pair, opts)
+    s = SummaryReader(opts.summary_path)
+    try:
+        assert resolve_goto(s, "s1:5", 0, 0) == (48 + 5, None)
+        assert resolve_goto(s, "7", 0, 1) == (48 + 7, None)
+        assert resolve_goto(s, "#3", 0, 0) == (3, None)
+        row, why = resolve_goto(s, "#999", 0, 0)
+        assert row is None and "no aligned row 999" in why
+        row, why = resolve_goto(s, "s0:99", 0, 0)
+        assert row is None and "past the aligned tokens" in why
+        assert resolve_goto(s, "x:1", 0, 0, "train") == (None, "no sequence 'x' on train")
+        assert resolve_goto(s, "s0:?", 0, 0)[1].startswith("cannot read")
+        cols = read_columns(s)
+        assert [c.label for c in filter_columns(cols, " DRAFT ")] == [f"draft_input[{i}]" for i in range(3)]
+        assert filter_columns(cols, "") == cols
+        assert [c.label for c in filter_columns(cols, "layer5")] == ["layer5", "draft_input[2]"]   # by claimed label
+    finally:
+        s.close()
+
+
+def test_vector_source_reads_the_aligned_row(fixture_pair):
+    from tensordiff.trace import TraceReader
+    from tensordiff.tui_data import VectorSource
+
+    src = VectorSource(*fixture_pair)
+    try:
+        r = src.reader(1)
+        tok = r.tokens
+        i = 48 + 3                                        # s1, position 3
+        seq, pos, token = int(tok["seq"][i]), int(tok["position"][i]), int(tok["token"][i])
+        v, note = src.read(1, "draft_input", 2, seq, pos, token)
+        assert note == ""
+        with TraceReader(fixture_pair[1]) as ref:
+            row = VectorSource.row_of(ref, "draft_input", seq, pos, token)
+            want = ref.read_values_at("draft_input", np.array([row]))[0, 64:96]
+        np.testing.assert_array_equal(v, want)
+        assert src.read(1, "draft_input", 0, seq, pos, token + 1) == (None, "draft_input has no row for this token")
+        assert src.read(1, "nope", 0, seq, pos, token) == (None, "nope not in the trace")
+    finally:
+        src.close()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,8 +26,9 @@ import fnmatch
 import math
 import os
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import h5py
 import numpy as np
@@ -37,7 +38,7 @@ from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 
-__all__ = ["Sampling", "Recorder", "logical_dtype", "to_storage"]
+__all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage"]
 
 _LOGICAL = {
     torch.bfloat16: "bfloat16",
@@ -314,11 +315,11 @@ class Recorder:
             idx = np.flatnonzero(keep)
             rows = rows[idx]
             x = x.index_select(0, torch.from_numpy(idx).to(x.device))
-        if name not in self._specs:
-            if not self.define(name, width, dtype=logical_dtype(x.dtype), kind=kind, boundary=boundary,
-                               slots=slots, slot_width=slot_width, token_offset=token_offset, role=role,
-                               values=values, order=order, attrs=attrs):
-                return 0
+        if name not in self._specs and not self.define(
+                name, width, dtype=logical_dtype(x.dtype), kind=kind, boundary=boundary, slots=slots,
+                slot_width=slot_width, token_offset=token_offset, role=role, values=values, order=order,
+                attrs=attrs):
+            return 0
         spec = self._specs[name]
         if width != spec.width:
             raise ValueError(f"{name}: width {width}, but it was defined with width {spec.width}")
@@ -459,7 +460,7 @@ class Recorder:
             self._closed = True
             self.stats.seconds += time.perf_counter() - t0
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:  # noqa: PYI034 (Self needs Python 3.11)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -5,7 +5,8 @@ For each token sequence it records, through a :class:`~.core.Recorder`:
 * the catalog: every boundary ``embed``, ``layer1`` .. ``layerN`` (role ``catalog``; sketch + RMS
   for all, full values for the ones asked) and ``final_norm`` (the lm_head input);
 * ``draft_input`` (role ``draft_input``): the packed ``[T, K*H]`` tensor the draft is fed, built
-  as a named pipeline builds it (:func:`plan_draft_input`), with the slot labels of what it
+  as a named pipeline builds it (a :class:`~tensordiff.conventions.DraftPlan` from
+  :func:`tensordiff.conventions.plan_draft_input`), with the slot labels of what it
   actually holds and the raw ids + convention beside, ``token_offset=1`` (draft row t holds the
   states at position t and is paired with token t+1; the last position has no row).
 
@@ -18,8 +19,8 @@ returns the post-norm state as ``hidden_states[N]``; here it is ``final_norm``, 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,127 +30,21 @@ from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .core import Recorder, logical_dtype
 from .hooks import batch_rows
 
-__all__ = ["DraftPlan", "plan_draft_input", "DRAFT_CONVENTIONS", "find_decoder", "model_info",
-           "HFExtractorRecorder", "draft_rows"]
+__all__ = [
+    "DRAFT_CONVENTIONS",
+    "DraftPlan",
+    "HFExtractorRecorder",
+    "draft_rows",
+    "find_decoder",
+    "model_info",
+    "plan_draft_input",
+]
 
-# conventions this recorder can build a draft input for (besides the id-mapping ones of
-# tensordiff.conventions, which all pack cat([boundary(id) for id in ids]))
-DRAFT_CONVENTIONS = {
-    "specforge": "SpecForge: ids are 'output of layer id' (hidden_states[id + 1]), slots in config order",
-    "eagle": "SafeAILab/EAGLE: inputs of layers 2, N//2, N-3 (ids are not used)",
-    "speculators-legacy": "speculators legacy: list [hs[id + 1] for id in ids] + [verifier last state], "
-                          "the trainer packs list[:-1]",
-    "boundary": "explicit boundaries: ids are boundaries (or give labels)",
-}
-
-
-@dataclass(frozen=True)
-class DraftPlan:
-    """How a pipeline builds its draft input, in boundary labels.
-
-    ``captured``: the extractor's list of states in order; ``fed``: the slots of the packed input
-    the draft consumes (``captured`` or ``captured[:-1]``); ``verifier``: a state the trainer split
-    off the end of the list (speculators), else None; ``intended``: what the ids select under the
-    convention alone (differs from ``fed`` when the extractor has a bug such as ``prepend_embed``).
-    """
-
-    convention: str
-    raw_ids: tuple[int, ...] | None
-    captured: tuple[str, ...]
-    fed: tuple[str, ...]
-    verifier: str | None
-    intended: tuple[str, ...]
-    pipeline: str
-    prepend_embed: bool = False
-
-    def as_attrs(self) -> dict:
-        d = asdict(self)
-        d["raw_ids"] = list(self.raw_ids) if self.raw_ids is not None else None
-        for k in ("captured", "fed", "intended"):
-            d[k] = list(d[k])
-        return d
-
-
-def _label(x: int | str) -> str:
-    if isinstance(x, str):
-        if x.lstrip("-").isdigit():
-            x = int(x)
-        else:
-            parse_label(x)
-            return x
-    return boundary_label(int(x))
-
-
-def plan_draft_input(convention: str, ids: Sequence[int] | None, num_layers: int, *,
-                     prepend_embed: bool = False, hf_index_n_post_norm: bool | None = None,
-                     boundaries: Sequence[int | str] | None = None) -> DraftPlan:
-    """The draft input a pipeline builds for ``ids`` on an ``num_layers``-layer target.
-
-    * ``specforge`` [1, 3, 5] -> [layer2, layer4, layer6]
-    * ``eagle`` -> inputs of layers [2, N//2, N-3] (ids ignored)
-    * ``speculators-legacy`` [2, 4, 6] -> list [layer3, layer5, layer7, layerN], fed
-      [layer3, layer5, layer7]; with no ids the legacy generator's [2, N//2, N-3] (+ N-1).
-      ``prepend_embed=True`` models the legacy extractor bug: the list was
-      ``[hs[0]] + [hs[id + 1] for id in ids]``, so ``[:-1]`` fed [embed, layer3, layer5] and left
-      layer7 as the "verifier" state.
-    * ``boundary`` (or ``boundaries=[...]``, ints or labels incl. ``final_norm``): as given.
-    * any other name of :data:`tensordiff.conventions.CONVENTIONS` (hf, vllm, sglang-llama, ...):
-      ``cat([boundary(id) for id in ids])``.
-    ``hf_index_n_post_norm``: the pipeline indexes HF ``output_hidden_states`` directly, whose
-    index N is the post-norm state in transformers 5.x, so boundary N becomes ``final_norm``
-    (default: only for the ``hf`` convention).
-    """
-    n = int(num_layers)
-    ids_t = tuple(int(i) for i in ids) if ids is not None else None
-    if prepend_embed and convention != "speculators-legacy":
-        raise ValueError("prepend_embed models the speculators legacy extractor; use it with --convention speculators-legacy")
-    verifier = None
-    if boundaries is not None:
-        labels = [_label(b) for b in boundaries]
-        if not labels:
-            raise ValueError("explicit boundaries: give at least one")
-        for lab in labels:
-            b = parse_label(lab)
-            if b is not None and b > n:
-                raise ValueError(f"boundary {b} is outside 0..{n}")
-        raw = tuple(parse_label(lab) for lab in labels) if FINAL_NORM not in labels else None
-        captured = fed = intended = labels
-        return DraftPlan("boundary", raw, tuple(captured), tuple(fed), None, tuple(intended),
-                         "cat(states at the given boundaries)")
-    if convention == "eagle":
-        bs = conventions.default_eagle_boundaries(n)
-        captured = fed = intended = conventions.labels(bs)
-        pipeline = "cat([input of layer i for i in (2, N//2, N-3)])"
-    elif convention == "speculators-legacy":
-        if ids_t is None:
-            ids_t = (2, n // 2, n - 3)
-        intended = conventions.labels(conventions.resolve("speculators-legacy", ids_t, n))
-        if prepend_embed:
-            captured = ["embed"] + intended
-            pipeline = "list = [hs[0]] + [hs[id + 1] for id in ids]; draft = cat(list[:-1]); verifier = list[-1]"
-        else:
-            captured = intended + [boundary_label(n)]
-            pipeline = "list = [hs[id + 1] for id in ids] + [last state]; draft = cat(list[:-1]); verifier = list[-1]"
-        fed, verifier = captured[:-1], captured[-1]
-    else:
-        if convention not in conventions.CONVENTIONS and convention != "specforge":
-            known = ", ".join(sorted(set(DRAFT_CONVENTIONS) | set(conventions.CONVENTIONS)))
-            raise ValueError(f"unknown convention {convention!r}; known: {known}")
-        bs = conventions.resolve(convention, ids_t, n)
-        captured = fed = intended = conventions.labels(bs)
-        pipeline = ("cat([hidden_states[id + 1] for id in ids])" if convention == "specforge"
-                    else f"cat([boundary(id) for id in ids]) under {convention}")
-        if ids_t is None:
-            pipeline += " (no ids configured: default inputs of layers 2, N//2, N-3)"
-    post = (convention == "hf") if hf_index_n_post_norm is None else bool(hf_index_n_post_norm)
-    last = boundary_label(n)
-    if post:
-        captured = [FINAL_NORM if lab == last else lab for lab in captured]
-        fed = [FINAL_NORM if lab == last else lab for lab in fed]
-        verifier = FINAL_NORM if verifier == last else verifier
-        pipeline += "; HF index N is the post-norm state"
-    return DraftPlan(convention, ids_t, tuple(captured), tuple(fed), verifier, tuple(intended), pipeline,
-                     prepend_embed)
+# Planning lives in tensordiff.conventions; these names stay importable from here.
+DraftPlan = conventions.DraftPlan
+DRAFT_CONVENTIONS = conventions.DRAFT_CONVENTIONS
+plan_draft_input = conventions.plan_draft_input
+_label = conventions.as_label
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,7 +162,7 @@ class HFExtractorRecorder:
 
     # -- hooks -----------------------------------------------------------------------------
 
-    def attach(self) -> "HFExtractorRecorder":
+    def attach(self) -> HFExtractorRecorder:
         if self._handles:
             return self
         for b in range(self.num_layers):
@@ -289,13 +184,11 @@ class HFExtractorRecorder:
             if x is None:
                 raise RuntimeError(f"tensordiff: cannot find the hidden states entering {label}")
             self._on_state(label, b, x)
-            return None
         return hook
 
     def _norm_out_hook(self, mod, args, output):
         x = output[0] if isinstance(output, (tuple, list)) else output
         self._on_state(FINAL_NORM, None, x)
-        return None
 
     def _on_state(self, label: str, b: int | None, x: torch.Tensor) -> None:
         if self._rows is None:
@@ -360,6 +253,5 @@ class HFExtractorRecorder:
         if ids.shape[1] == 0:
             raise ValueError(f"{seq}: empty token sequence")
         device = next(self.model.parameters()).device
-        with self.capture(seq, ids[0], regime=regime, step=step):
-            with torch.inference_mode():
-                return self.model(input_ids=ids.to(device), use_cache=False)
+        with self.capture(seq, ids[0], regime=regime, step=step), torch.inference_mode():
+            return self.model(input_ids=ids.to(device), use_cache=False)

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from .core import Recorder
 
-__all__ = ["ModuleHookRecorder", "first_tensor", "batch_rows"]
+__all__ = ["ModuleHookRecorder", "batch_rows", "first_tensor"]
 
 
 def first_tensor(obj: Any, prefer: str = "last_hidden_state") -> torch.Tensor | None:
@@ -132,7 +133,7 @@ class ModuleHookRecorder:
 
     # -- hooks -----------------------------------------------------------------------------
 
-    def attach(self) -> "ModuleHookRecorder":
+    def attach(self) -> ModuleHookRecorder:
         if self._handles:
             return self
         matched = set(self.matched)
@@ -160,7 +161,6 @@ class ModuleHookRecorder:
             if t is None:
                 t = first_tensor(kwargs)
             self._record(name, t)
-            return None
         return hook
 
     def _post_hook(self, qual: str):
@@ -168,7 +168,6 @@ class ModuleHookRecorder:
 
         def hook(mod, args, output):
             self._record(name, first_tensor(output))
-            return None
         return hook
 
     def _record(self, name: str, t: torch.Tensor | None) -> None:
@@ -191,7 +190,7 @@ class ModuleHookRecorder:
         self.skipped[name] = why
         warnings.warn(f"tensordiff: not recording {name}: {why}", stacklevel=3)
 
-    def __enter__(self) -> "ModuleHookRecorder":
+    def __enter__(self) -> ModuleHookRecorder:  # noqa: PYI034 (Self needs Python 3.11)
         return self.attach()
 
     def __exit__(self, *exc) -> None:

@@ -316,38 +316,28 @@ def _speculators_sample(d: Any, path: str, key: str) -> _Sample:
 
 def _plan_for(fmt: str, *, slots: int, hidden: int, ids, convention, num_layers, labels, prepend_embed,
               path: str) -> DraftPlan:
-    """The draft plan (slot labels) of a file's packed input with ``slots`` slots."""
+    """The draft plan (slot labels) of a file's packed input with ``slots`` slots (planned by
+    :mod:`tensordiff.conventions`)."""
     if labels:
-        labels = [boundary_label(int(x)) if str(x).isdigit() else str(x) for x in labels]
-        for lab in labels:
-            try:
-                parse_label(lab)
-            except ValueError as e:
-                raise TraceError(str(e)) from None
-        if fmt == "speculators":
-            if len(labels) != slots + 1:
-                raise TraceError(f"--labels names {len(labels)} states but the file's list holds {slots + 1} "
-                                 "(the aux states and the verifier state)", path)
-            return DraftPlan("boundary", None, tuple(labels), tuple(labels[:-1]), labels[-1], tuple(labels[:-1]),
-                             "labels given on the command line")
-        if len(labels) != slots:
-            raise TraceError(f"--labels names {len(labels)} slots but the packed input holds {slots}", path)
-        return DraftPlan("boundary", None, tuple(labels), tuple(labels), None, tuple(labels), "labels given on the command line")
+        want = slots + 1 if fmt == "speculators" else slots
+        if len(labels) != want:
+            what = ("states but the file's list holds {} (the aux states and the verifier state)"
+                    if fmt == "speculators" else "slots but the packed input holds {}")
+            raise TraceError(f"--labels names {len(labels)} {what.format(want)}", path)
+        try:
+            return conventions.plan_from_labels(labels, verifier_last=fmt == "speculators")
+        except ValueError as e:
+            raise TraceError(str(e)) from None
     if num_layers is None and (ids is None or convention == "eagle"):
         raise TraceError("the file does not say which layers it holds: give --aux-ids (with --convention), "
                          "--labels, or --num-layers for the default ids", path)
     n = int(num_layers) if num_layers is not None else 10**6
     conv = convention or ("specforge" if fmt == "specforge" else "speculators-legacy")
+    # the legacy generator's id list names the verifier's layer too ([2, N//2, N-3, N-1])
+    names_verifier = (fmt == "speculators" and ids is not None and len(ids) == slots + 1
+                      and conv == "speculators-legacy" and not prepend_embed)
     try:
-        if fmt == "speculators" and ids is not None and len(ids) == slots + 1 and conv == "speculators-legacy" \
-                and not prepend_embed:
-            # the legacy generator's id list names the verifier's layer too ([2, N//2, N-3, N-1])
-            plan = plan_draft_input(conv, ids[:-1], n)
-            last = boundary_label(conventions.resolve(conv, [ids[-1]], n)[0])
-            plan = DraftPlan(conv, tuple(int(i) for i in ids), plan.intended + (last,), plan.intended, last,
-                             plan.intended, "list = [hs[id + 1] for id in ids]; draft = cat(list[:-1]); verifier = list[-1]")
-        else:
-            plan = plan_draft_input(conv, ids, n, prepend_embed=prepend_embed)
+        plan = plan_draft_input(conv, ids, n, prepend_embed=prepend_embed, ids_name_verifier=names_verifier)
     except ValueError as e:
         raise TraceError(str(e)) from None
     if num_layers is None and (plan.verifier == boundary_label(n)):

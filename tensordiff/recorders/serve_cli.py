@@ -15,7 +15,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import TraceError
 from .train_cli import load_prompts

@@ -14,10 +14,10 @@ import sys
 import time
 from typing import Any
 
+from .. import conventions
 from ..errors import TraceError
 
-CONVENTION_CHOICES = ("specforge", "eagle", "speculators-legacy", "boundary", "hf", "vllm", "sglang-llama",
-                      "sglang-deepseek", "sglang-deepseek-old", "sglang-gpt-oss")
+CONVENTION_CHOICES = conventions.planning_choices()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,16 +90,14 @@ def _read_draft_ids(path: str) -> list[int] | None:
 def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
     """(key, token ids) per JSONL line; ``tokenizer_loader()`` returns a tokenizer for text lines."""
     try:
-        f = open(path, encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
     except OSError as e:
         raise TraceError(f"cannot read prompts ({e.strerror or e})", path) from None
+    except UnicodeDecodeError:
+        raise TraceError("prompts file is not UTF-8 text", path) from None
     out: list[tuple[str, list[int]]] = []
     tok = None
-    with f:
-        try:
-            lines = list(f)
-        except UnicodeDecodeError:
-            raise TraceError("prompts file is not UTF-8 text", path) from None
     for n, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
@@ -188,8 +186,14 @@ class _Progress:
         if not enabled or not sys.stderr.isatty():
             return
         from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
         console = Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")) or None)
         self.bar = Progress(TextColumn("recording"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                             TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True)

@@ -1,96 +1,25 @@
-"""Per-token numerics between two blocks of rows, and the tolerances that judge them.
+"""Streamed per-token numerics of two aligned blocks of rows: cosine, relative and max abs error,
+NaN/Inf counts (:class:`BlockMetrics`), their per-pair accumulation against tolerances
+(:class:`PairAccumulator`), and the worst tokens of a diff (:class:`WorstTokens`).
 
 numpy only, float32 blocks, temporaries reused per block. NaN/Inf are counted, never raised.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import heapq
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from .dtypes import EPS, to_float32
-from .errors import TraceError
+from .dtypes import to_float32
+from .tolerances import Tolerance
+from .vocab import REGIMES
 
-
-@dataclass(frozen=True)
-class Tolerance:
-    """A token passes when cos >= min_cos and rel <= max_rel (and it has no NaN/Inf that the
-    reference lacks). ``rel`` = ||a - b|| / ||a||, cos = <a, b> / (||a|| ||b||)."""
-
-    min_cos: float
-    max_rel: float
-    source: str = "default"
-
-    def to_dict(self) -> dict:
-        return {"min_cos": self.min_cos, "max_rel": self.max_rel, "source": self.source}
-
-
-# Defaults per the coarser dtype of the two sides: wide enough for honest kernel/rounding
-# differences through a few layers, far tighter than any wiring bug (different states of the same
-# token have cos well below 0.99 and rel near 1).
-_DEFAULTS = {
-    "float64": Tolerance(1 - 1e-9, 1e-6),
-    "float32": Tolerance(1 - 1e-6, 2e-3),
-    "float16": Tolerance(0.99, 0.1),
-    "bfloat16": Tolerance(0.97, 0.25),
-}
-
-
-def coarser(a: str, b: str) -> str:
-    return a if EPS.get(a, 0) >= EPS.get(b, 0) else b
-
-
-@dataclass
-class ToleranceBook:
-    """Default per-dtype tolerances, overridden per tensor (``--tol NAME=min_cos,max_rel``) or by a
-    calibration file measured on a noise-floor pair (``tensordiff calibrate``)."""
-
-    overrides: dict[str, Tolerance] = field(default_factory=dict)
-    calibrated: dict[str, Tolerance] = field(default_factory=dict)
-
-    def for_tensor(self, name: str, dtype_a: str, dtype_b: str, slot: int | None = None) -> Tolerance:
-        key = f"{name}[{slot}]" if slot is not None else name
-        for book in (self.overrides, self.calibrated):
-            if key in book:
-                return book[key]
-            if name in book:
-                return book[name]
-            if "*" in book:
-                return book["*"]
-        d = coarser(dtype_a, dtype_b)
-        return _DEFAULTS.get(d, _DEFAULTS["float32"])
-
-    @staticmethod
-    def parse_override(text: str) -> tuple[str, Tolerance]:
-        try:
-            name, vals = text.split("=", 1)
-            c, r = (float(x) for x in vals.split(","))
-        except ValueError:
-            raise TraceError(f"--tol {text!r}: expected NAME=MIN_COS,MAX_REL (NAME may be '*' or name[slot])") from None
-        if not (-1 <= c <= 1) or not r >= 0:
-            raise TraceError(f"--tol {text!r}: MIN_COS must be in [-1, 1] and MAX_REL >= 0")
-        return name, Tolerance(c, r, "override")
-
-    def load_calibration(self, path: str) -> None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-            for k, v in data["tolerances"].items():
-                self.calibrated[str(k)] = Tolerance(float(v["min_cos"]), float(v["max_rel"]), f"calibrated:{os.path.basename(path)}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise TraceError(f"cannot read calibration file ({type(e).__name__}: {e})", path) from None
-
-
-def calibrated_tolerance(worst_cos: float, worst_rel: float, dtype: str, margin: float = 4.0) -> Tolerance:
-    """Tolerance from a noise floor: allow ``margin`` times the observed error, never tighter
-    than the dtype's rounding."""
-    eps = EPS.get(dtype, EPS["float32"])
-    rel = max(worst_rel * margin, 8 * eps)
-    one_minus = max((1 - worst_cos) * margin * margin, eps * eps)
-    return Tolerance(max(-1.0, 1 - one_minus), rel, "calibrated")
+WORST_TOKENS = 20
 
 
 class BlockMetrics:
@@ -222,3 +151,125 @@ def rms_agreement(rx: np.ndarray, rc: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         r = np.where(hi > 0, lo / np.where(hi > 0, hi, 1), 1.0)
     return r.mean(axis=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Accumulation over the blocks of one tensor pair
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FirstHit:
+    """The first aligned token (in aligned order) where a slot failed, with its metrics."""
+
+    token_index: int
+    cos: float = 0.0
+    rel: float = 0.0
+    maxabs: float = 0.0
+    nonfinite_a: int = 0
+    nonfinite_b: int = 0
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(x), x, 0)
+
+
+@dataclass
+class PairAccumulator:
+    """Per-slot statistics of one tensor pair, accumulated block by block: a token fails a slot
+    when its cos or rel is past that slot's tolerance; NaN/Inf rows are counted apart."""
+
+    tolerances: list[Tolerance]
+    regime_of: np.ndarray                     # aligned index -> regime code (side B)
+    tokens: int = 0
+    cos_min: np.ndarray = field(init=False)
+    cos_sum: np.ndarray = field(init=False)
+    rel_max: np.ndarray = field(init=False)
+    maxabs: np.ndarray = field(init=False)
+    failing: np.ndarray = field(init=False)
+    nonfinite_a: np.ndarray = field(init=False)
+    nonfinite_b: np.ndarray = field(init=False)
+    first_fail: list[FirstHit | None] = field(init=False)
+    first_nonfinite: list[FirstHit | None] = field(init=False)
+    by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        k = len(self.tolerances)
+        self.cos_min = np.full(k, np.inf)
+        self.cos_sum = np.zeros(k)
+        self.rel_max = np.zeros(k)
+        self.maxabs = np.zeros(k)
+        self.failing = np.zeros(k, dtype=np.int64)
+        self.nonfinite_a = np.zeros(k, dtype=np.int64)
+        self.nonfinite_b = np.zeros(k, dtype=np.int64)
+        self.first_fail = [None] * k
+        self.first_nonfinite = [None] * k
+
+    def add(self, blk: np.ndarray, m: dict[str, np.ndarray]) -> np.ndarray:
+        """Take one block's metrics (aligned indices ``blk``); returns the [n, k] mask of tokens
+        that fail a tolerance or hold NaN/Inf (the summary file's flags)."""
+        k = len(self.tolerances)
+        off = np.zeros_like(m["nonfinite"])
+        for s, t in enumerate(self.tolerances):
+            off[:, s] = (m["cos"][:, s] < t.min_cos) | (m["rel"][:, s] > t.max_rel)
+        bad = off | m["nonfinite"]
+        self.tokens += len(blk)
+        self.cos_min = np.minimum(self.cos_min, m["cos"].min(axis=0))
+        self.cos_sum += m["cos"].sum(axis=0, dtype=np.float64)
+        self.rel_max = np.maximum(self.rel_max, _finite(m["rel"]).max(axis=0))
+        self.maxabs = np.maximum(self.maxabs, m["maxabs"].max(axis=0))
+        self.failing += off.sum(axis=0)
+        self.nonfinite_a += m["nonfinite_a"].sum(axis=0)
+        self.nonfinite_b += m["nonfinite_b"].sum(axis=0)
+        for s in range(k):
+            if self.first_fail[s] is None and off[:, s].any():
+                j = int(np.argmax(off[:, s]))
+                self.first_fail[s] = FirstHit(int(blk[j]), float(m["cos"][j, s]), float(m["rel"][j, s]),
+                                              float(m["maxabs"][j, s]))
+            if self.first_nonfinite[s] is None and m["nonfinite"][:, s].any():
+                j = int(np.argmax(m["nonfinite"][:, s]))
+                self.first_nonfinite[s] = FirstHit(int(blk[j]), nonfinite_a=int(m["nonfinite_a"][j, s]),
+                                                   nonfinite_b=int(m["nonfinite_b"][j, s]))
+        regs = self.regime_of[blk]
+        for rc in np.unique(regs):
+            sel = regs == rc
+            e = self.by_regime.setdefault(REGIMES[int(rc)], {"tokens": 0, "failing": 0, "rel_max": 0.0})
+            e["tokens"] += int(sel.sum())
+            e["failing"] += int(bad[sel].any(axis=1).sum())
+            e["rel_max"] = max(e["rel_max"], float(np.nanmax(_finite(m["rel"][sel]))))
+        return bad
+
+    def cos_mean(self) -> list[float]:
+        return [float(x) for x in self.cos_sum / max(self.tokens, 1)]
+
+
+class WorstTokens:
+    """The ``limit`` tokens with the largest relative error over a whole diff, kept in a heap;
+    each block offers only its own top candidates (a partition, no full sort)."""
+
+    def __init__(self, limit: int = WORST_TOKENS):
+        self.limit = limit
+        self._heap: list[tuple[float, int, dict[str, Any]]] = []
+        self._tiebreak = itertools.count()
+
+    def offer(self, tensor: str, blk: np.ndarray, m: dict[str, np.ndarray],
+              entry: Callable[[int], dict[str, Any]]) -> None:
+        rel = _finite(m["rel"])
+        rel_tok = rel.max(axis=1)
+        top = np.argpartition(-rel_tok, self.limit)[:self.limit] if len(rel_tok) > self.limit \
+            else np.arange(len(rel_tok))
+        heap = self._heap
+        for j in top:
+            r = float(rel_tok[j])
+            if len(heap) >= self.limit and r <= heap[0][0]:
+                continue
+            e = entry(int(blk[j]))
+            e.update(tensor=tensor, rel=r, slot=int(np.argmax(rel[j])), cos=float(m["cos"][j].min()))
+            item = (r, next(self._tiebreak), e)
+            if len(heap) < self.limit:
+                heapq.heappush(heap, item)
+            else:
+                heapq.heapreplace(heap, item)
+
+    def items(self) -> list[dict[str, Any]]:
+        return [w[2] for w in sorted(self._heap, key=lambda w: (-w[0], w[2]["token_index"]))]

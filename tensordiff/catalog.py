@@ -1,0 +1,130 @@
+"""The catalogs of both sides and the identity search over them: for a slot at sampled aligned
+tokens, read every recorded state's rows (at the same token and up to two positions away) and
+hand them to :func:`tensordiff.identity.identify`, which scores and decides.
+
+This module reads (through the trace reader and the aligner's row maps); the scoring and the
+decision rule are pure numpy in :mod:`tensordiff.identity`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .align import RowMaps
+from .identity import CandidateRows, IdentityVerdict, Target, clean, identify
+from .trace import TensorInfo, TraceReader
+
+Codes = NDArray[np.int64]
+
+
+class Catalog:
+    """Every boundary/final_norm state recorded on one side, by label."""
+
+    def __init__(self, r: TraceReader, side: str):
+        self.r = r
+        self.side = side
+        self.states: dict[str, TensorInfo] = {}
+        for i in sorted(r.tensors.values(), key=lambda x: x.order):
+            if i.kind in ("boundary", "final_norm") and i.label not in self.states:
+                self.states[i.label] = i
+
+
+class IdentitySearch:
+    """Identity of slots against the catalogs of both sides of one diff."""
+
+    def __init__(self, ra: TraceReader, rb: TraceReader, maps: RowMaps,
+                 progress: Callable[[str, int, int], None]):
+        self.ra, self.rb, self.maps, self._progress = ra, rb, maps, progress
+        self.cat_a, self.cat_b = Catalog(ra, "a"), Catalog(rb, "b")
+
+    def _target(self, r: TraceReader, info: TensorInfo, rows: Codes, slot: int, basis: str) -> Target:
+        """One slot's rows (full values or sketch) and their per-token RMS."""
+        if basis == "values":
+            w = info.slot_width
+            data = r.read_values_at(info.name, rows)[:, slot * w:(slot + 1) * w]
+        else:
+            d = r.sketch_dim
+            data = np.asarray(r.read_at(info.name, "sketch", rows), np.float32)[:, slot * d:(slot + 1) * d]
+        return Target(clean(data), slot_rms_at(r, info, rows, slot))
+
+    def identify(self, side: str, info: TensorInfo, slots: list[int], sample: Codes) -> dict[int, IdentityVerdict]:
+        """Which recorded state does each slot of ``info`` (on ``side``) hold at the sampled aligned
+        tokens? Candidates: every catalog state of both sides (own side first), at the same token
+        and, when nothing matches there, at tokens shifted by up to two positions.
+
+        Each candidate's row map is built once per call and dropped (memory stays O(tokens))."""
+        r_self = self.ra if side == "a" else self.rb
+        (rows_self,) = self.maps.rows_at(side, info.name, [sample])
+        use = rows_self >= 0
+        sample, rows_self = sample[use], rows_self[use]
+        if len(sample) == 0:
+            return {s: IdentityVerdict(reason="no sampled token") for s in slots}
+        own_cat, other_cat = (self.cat_a, self.cat_b) if side == "a" else (self.cat_b, self.cat_a)
+        candidates: list[tuple[str, str, TensorInfo, TraceReader]] = []
+        seen: set[str] = set()
+        for cat in (own_cat, other_cat):
+            for label, ci in cat.states.items():
+                if cat.side == side and ci.name == info.name:
+                    continue  # never the tensor itself: it would always match, hiding what it holds
+                if label not in seen:
+                    seen.add(label)
+                    candidates.append((label, cat.side, ci, cat.r))
+        if not candidates:
+            return {s: IdentityVerdict(reason="no catalog states recorded on either side") for s in slots}
+        targets = [self.maps.offset_index(sample, o) for o in (0, -1, 1, -2, 2)]
+        cand_rows: dict[str, dict[int, Codes]] = {}
+        for i, (label, cside, ci, _) in enumerate(candidates):
+            # also a chance for a caller (the TUI's worker) to stop between candidates
+            self._progress("identifying slots", i, len(candidates))
+            cand_rows[label] = dict(zip((0, -1, 1, -2, 2), self.maps.rows_at(cside, ci.name, targets)))
+        cand_data: dict[tuple[str, str], tuple[Codes, Target]] = {}
+
+        def basis_of(ci: TensorInfo, cr: TraceReader) -> str | None:
+            basis = "values" if (info.has_values and ci.has_values) else "sketch"
+            if basis == "sketch" and not (info.has_sketch and ci.has_sketch and cr.sketch_dim == r_self.sketch_dim
+                                          and cr.sketch_seed == r_self.sketch_seed):
+                return None
+            if basis == "values" and ci.width != info.slot_width:
+                return None
+            return basis
+
+        def candidates_at(offset: int) -> list[CandidateRows]:
+            out = []
+            for label, cside, ci, cr in candidates:
+                crows = cand_rows[label][offset]
+                ok = crows >= 0
+                basis = basis_of(ci, cr)
+                if basis is None or ok.sum() < max(1, len(sample) // 4):
+                    continue
+                key = (label, basis)
+                if key not in cand_data:  # a candidate's rows at every offset, read once (their union)
+                    union = np.unique(np.concatenate([r[r >= 0] for r in cand_rows[label].values()]))
+                    cand_data[key] = (union, self._target(cr, ci, union, 0, basis))
+                union, t = cand_data[key]
+                pos = np.searchsorted(union, crows[ok])
+                out.append(CandidateRows(label, cside, offset, basis, ok, t.data[pos], t.rms[pos]))
+            return out
+
+        out = {}
+        for slot in slots:
+            cache: dict[str, Target] = {}
+
+            def target(basis: str, slot: int = slot, cache: dict[str, Target] = cache) -> Target:
+                if basis not in cache:
+                    cache[basis] = self._target(r_self, info, rows_self, slot, basis)
+                return cache[basis]
+            out[slot] = identify(target, candidates_at, len(sample))
+        return out
+
+
+def slot_rms_at(r: TraceReader, info: TensorInfo, rows: Codes, slot: int) -> NDArray[np.float32]:
+    """Per-token RMS of one slot at tensor rows ``rows`` (ascending). The trace reader owns the
+    fallback for traces without a stored RMS; it reads a contiguous span, so the span is read once."""
+    if len(rows) == 0:
+        return np.zeros(0, np.float32)
+    lo, hi = int(rows.min()), int(rows.max()) + 1
+    out: NDArray[np.float32] = np.asarray(r.read_rms(info.name, lo, hi), np.float32)[rows - lo, slot]
+    return out

@@ -1,0 +1,163 @@
+"""Evidence records: the typed details of each kind of finding, and the candidates scored for a
+slot. Plain dataclasses with a JSON form (``to_dict`` / ``from_dict``); no numpy, no I/O.
+:mod:`tensordiff.findings` re-exports them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Self
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Record):
+        return v.to_dict()
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    return v
+
+
+@dataclass
+class Record:
+    """A dataclass with a JSON form. ``get`` and ``[key]`` read a field like a dict key (for
+    callers written when details were dicts)."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self.__dataclass_fields__ else default
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class Candidate(Record):
+    """One recorded state scored against a slot: ``score = cos * rms_agreement`` on the sampled
+    tokens, at the token ``offset`` positions away, from ``side``'s catalog, on ``basis``."""
+
+    label: str = ""
+    offset: int = 0
+    score: float = 0.0
+    cos: float = 0.0
+    rms_agreement: float = 0.0
+    side: str = "b"
+    basis: str = "values"
+
+
+@dataclass
+class Details(Record):
+    """Base of the per-kind details. ``token_index``: the aligned token the finding is at (the
+    TUI's heatmap row), None for findings about a whole tensor or the token tables."""
+
+    token_index: int | None = None
+
+
+@dataclass
+class ShiftDetails(Details):
+    shift: int = 0
+    sequences: int = 0      # sequence pairs with this shift
+    of: int = 0             # all sequence pairs
+    side_a: str = "A"
+    side_b: str = "B"
+
+
+@dataclass
+class PairingDetails(Details):
+    what: str = "slots"     # "slots": slot counts differ; "token_offset": rows pair with other tokens
+    value_a: int = 0
+    value_b: int = 0
+    side_a: str = "A"
+    side_b: str = "B"
+
+
+@dataclass
+class GapDetails(Details):
+    seq: str = ""
+    side: str = "a"                 # which side has the tokens: "a" or "b"
+    side_name: str = ""
+    positions: list[list[int]] = field(default_factory=list)  # first ranges [start, end], inclusive
+    count: int = 0
+    reason: str = ""
+
+
+@dataclass
+class MissingDetails(Details):
+    reason: str = "one_side"   # one_side | no_common_token | no_basis
+    label: str = ""
+    side: str = ""             # for one_side: "A" or "B"
+
+
+@dataclass
+class RecoveredDetails(Details):
+    side: str = ""
+    path: str = ""
+    note: str = ""
+
+
+@dataclass
+class NonfiniteDetails(Details):
+    subject: str = ""          # "slot 0 of draft_input" or a state label
+    nonfinite_a: int = 0       # NaN/Inf values over the whole tensor (slot), side A
+    nonfinite_b: int = 0
+    row_a: int = 0             # ... in the first row that has any
+    row_b: int = 0
+    side_a: str = "A"
+    side_b: str = "B"
+
+
+@dataclass
+class IdentityDetails(Details):
+    outcome: str = "holds"     # holds: a confident other state; no_state: none is a confident match
+    subject: str = ""          # "slot 0 of draft_input", or a tensor name for a boundary
+    boundary_side: str | None = None  # a boundary's identity: the side whose tensor it is
+    held: str | None = None
+    expected: str | None = None
+    offset: int = 0
+    score: float | None = None
+    margin: float | None = None
+    runner_up: str | None = None
+    closest: str | None = None
+    claimed_a: str | None = None
+    claimed_b: str | None = None
+    held_a: str | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.candidates = [c if isinstance(c, Candidate) else Candidate.from_dict(c) for c in self.candidates]
+
+
+@dataclass
+class LabelDetails(Details):
+    claimed: str = ""
+    held: str = ""
+    side: str = ""
+
+
+@dataclass
+class NumericDetails(Details):
+    subject: str = ""
+    cos: float = 0.0
+    rel: float = 0.0
+    maxabs: float = 0.0
+    failing: int = 0
+    tokens: int = 0
+    tolerance: dict[str, Any] = field(default_factory=dict)  # min_cos, max_rel, source
+    basis: str = "values"
+    explained: bool = False    # a wrong state of the same slot explains it

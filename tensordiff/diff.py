@@ -1,0 +1,429 @@
+"""The diff, end to end: open two traces, check they describe the same model, align tokens and
+pair tensors (:mod:`tensordiff.align`), find what each packed slot holds
+(:mod:`tensordiff.identity`), stream the numerics block by block (:mod:`tensordiff.numerics`),
+hand each block to the sinks (the TUI's summary file), and order the findings
+(:mod:`tensordiff.findings`). Progress is reported through a callback, which may raise to cancel.
+
+A is the reference (what was expected, usually the train side), B the side under test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .align import (
+    RowMaps,
+    SideTokens,
+    TokenAlignment,
+    align_tokens,
+    pair_tensors,
+    sample_indices,
+)
+from .catalog import IdentitySearch
+from .errors import IncompatibleTracesError, TensordiffError
+from .findings import (
+    Details,
+    DiffResult,
+    Finding,
+    GapDetails,
+    IdentityDetails,
+    Kind,
+    LabelDetails,
+    MissingDetails,
+    NonfiniteDetails,
+    NumericDetails,
+    PairingDetails,
+    PairStats,
+    RecoveredDetails,
+    Severity,
+    ShiftDetails,
+    SlotRow,
+    order_findings,
+)
+from .identity import IdentityVerdict
+from .numerics import BlockMetrics, PairAccumulator, WorstTokens
+from .tolerances import ToleranceBook
+from .trace import TensorInfo, TraceReader
+from .vocab import REGIMES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Self
+
+BLOCK_ROWS = 4096
+IDENTITY_SAMPLE = 256
+
+Codes = NDArray[np.int64]
+T = TypeVar("T")
+
+
+class DiffSink(Protocol):
+    """Receives every compared block: ``m`` the per-token metrics [n, k] of tensor pair (ia, ib) at
+    aligned indices ``blk``, ``bad`` the tokens that fail. The summary file is one."""
+
+    def write(self, ia: TensorInfo, ib: TensorInfo, k: int, blk: Codes, m: dict[str, np.ndarray],
+              bad: np.ndarray) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: makes a sink once the tokens are aligned
+SinkFactory = Callable[[TokenAlignment, TraceReader, TraceReader], DiffSink]
+
+
+def summary_sink(path: str) -> SinkFactory:
+    """The sink that writes the per-token summary file the TUI reads."""
+    def make(al: TokenAlignment, ra: TraceReader, rb: TraceReader) -> DiffSink:
+        from .summary import SummaryWriter
+        return SummaryWriter(path, al, ra, rb)
+    return make
+
+
+@dataclass
+class DiffOptions:
+    tolerances: ToleranceBook = field(default_factory=ToleranceBook)
+    block_rows: int = BLOCK_ROWS
+    identity_sample: int = IDENTITY_SAMPLE
+    summary_path: str | None = None       # shorthand for a summary_sink in ``sinks``
+    progress: Callable[[str, int, int], None] | None = None   # (stage, done, total); may raise to cancel
+    sinks: list[SinkFactory] = field(default_factory=list)
+
+
+class Differ:
+    def __init__(self, path_a: str, path_b: str, options: DiffOptions | None = None):
+        self.opt = options or DiffOptions()
+        self.ra = TraceReader(path_a)
+        try:
+            self.rb = TraceReader(path_b)
+        except TensordiffError:
+            self.ra.close()
+            raise
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.ra.close()
+        self.rb.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _progress(self, stage: str, done: int, total: int) -> None:
+        if self.opt.progress:
+            self.opt.progress(stage, done, total)
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def _check_models(self) -> None:
+        ha, hb = self.ra.hidden_size, self.rb.hidden_size
+        if ha is not None and hb is not None and ha != hb:
+            raise IncompatibleTracesError(
+                f"traces of models with different hidden sizes ({ha} in {os.path.basename(self.ra.path)}, "
+                f"{hb} in {os.path.basename(self.rb.path)}): not the same model")
+        na, nb = self.ra.num_layers, self.rb.num_layers
+        if na is not None and nb is not None and na != nb:
+            raise IncompatibleTracesError(f"traces of models with different layer counts ({na} vs {nb}): not the same model")
+        for r in (self.ra, self.rb):
+            h = r.hidden_size
+            for i in r.tensors.values():
+                if i.kind == "packed" and h:
+                    if i.width % h:
+                        raise IncompatibleTracesError(f"packed tensor {i.name!r} has width {i.width}, not a multiple "
+                                                      f"of the hidden size {h}", r.path)
+                    if i.slot_width != h:
+                        raise IncompatibleTracesError(f"packed tensor {i.name!r} has slot width {i.slot_width} but the "
+                                                      f"hidden size is {h}", r.path)
+
+    # -- main ----------------------------------------------------------------------------------
+
+    def run(self) -> DiffResult:
+        ra, rb = self.ra, self.rb
+        self._check_models()
+        self._progress("aligning tokens", 0, 1)
+        self.sa, self.sb = SideTokens(ra), SideTokens(rb)
+        al = align_tokens(ra, rb, (self.sa, self.sb))
+        self._progress("aligning tokens", 1, 1)
+        self.al = al
+        self.maps = RowMaps(al, ra, rb, self.sa, self.sb)
+        pairs, findings = pair_tensors(ra, rb)
+        for ia, ib in pairs:
+            if ia.width != ib.width and not (ia.kind == ib.kind == "packed" and ia.slot_width == ib.slot_width):
+                raise IncompatibleTracesError(f"tensor {ia.name}: width {ia.width} in A but {ib.width} in B "
+                                              "(mismatched shapes)")
+        if not pairs:
+            raise IncompatibleTracesError("the traces share no tensor to compare (no common names, boundaries or "
+                                          "packed inputs)")
+        self.search = IdentitySearch(ra, rb, self.maps, self._progress)
+        findings += self._token_findings(al)
+        factories = list(self.opt.sinks) + ([summary_sink(self.opt.summary_path)] if self.opt.summary_path else [])
+        sinks = [make(al, ra, rb) for make in factories]
+        slot_table: list[SlotRow] = []
+        stats: list[PairStats] = []
+        self._done = 0
+        self._total = max(sum(min(a.rows, b.rows, len(al)) for a, b in pairs), 1)  # for the progress bar
+        worst = WorstTokens()
+        try:
+            for ia, ib in pairs:
+                st, fnd, rows = self._compare_pair(ia, ib, sinks, worst)
+                stats.append(st)
+                findings += fnd
+                slot_table += rows
+        finally:
+            for s in sinks:
+                s.close()
+        return DiffResult(
+            path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=order_findings(findings),
+            slot_table=slot_table, pairs=stats,
+            sequences=al.seq_pairs, gaps=al.gaps, shifts={str(k): v for k, v in al.shifts.items()},
+            tokens_aligned=len(al), worst_tokens=worst.items(), summary_path=self.opt.summary_path,
+        )
+
+    def _token_findings(self, al: TokenAlignment) -> list[Finding]:
+        """Shifts, gaps and recovered traces: what the token tables say before any tensor."""
+        ra, rb = self.ra, self.rb
+        out = []
+        nonzero = {s: n for s, n in al.shifts.items() if s != 0}
+        if nonzero:
+            s, n = max(nonzero.items(), key=lambda kv: kv[1])
+            pair = next(p for p in al.seq_pairs if p["shift"] == s)
+            out.append(Finding(Kind.TOKEN_SHIFT, Severity.DIVERGENCE, seq=pair["a"], order=-2.0,
+                               details=ShiftDetails(shift=s, sequences=n, of=sum(al.shifts.values()),
+                                                    side_a=ra.side, side_b=rb.side)))
+        for g in al.gaps:
+            out.append(Finding(Kind.GAP, Severity.INFO, seq=g["seq"], order=-1.0, details=GapDetails(
+                seq=g["seq"], side=g["side"], side_name=ra.side if g["side"] == "a" else rb.side,
+                positions=g["positions"], count=g["count"], reason=g["reason"])))
+        # a trace recovered from a killed recording: say so (its missing tail shows up as gaps)
+        for r in (ra, rb):
+            note = getattr(r, "recovered_note", None)
+            if note:
+                out.append(Finding(Kind.RECOVERED, Severity.INFO, order=-3.0,
+                                   details=RecoveredDetails(side=r.side, path=r.path, note=note)))
+        return out
+
+    # -- one tensor pair -----------------------------------------------------------------------
+
+    def _compare_pair(self, ia: TensorInfo, ib: TensorInfo, sinks: list[DiffSink], worst: WorstTokens
+                      ) -> tuple[PairStats, list[Finding], list[SlotRow]]:
+        everything = np.arange(len(self.al))
+        (ma,), (mb,) = self.maps.rows_at("a", ia.name, [everything]), self.maps.rows_at("b", ib.name, [everything])
+        both = (ma >= 0) & (mb >= 0)
+        k = min(ia.slot_count, ib.slot_count)
+        label = ia.label if ia.name == ib.name else f"{ia.name} ~ {ib.name}"
+        st = PairStats(name_a=ia.name, name_b=ib.name, label=label, order=ia.order, slots=k)
+        findings = self._pairing_findings(ia, ib)
+        basis = self._basis(ia, ib, both, label, findings)
+        if basis is None:
+            return st, findings, []
+        st.basis = basis
+        identity_a: dict[int, IdentityVerdict] = {}
+        identity_b: dict[int, IdentityVerdict] = {}
+        if ia.kind == "packed" or ib.kind == "packed":  # identity of every packed slot, both sides
+            sample = sample_indices(both, self.opt.identity_sample)
+            identity_a = self.search.identify("a", ia, list(range(k)), sample)
+            identity_b = self.search.identify("b", ib, list(range(k)), sample)
+        acc = self._stream(ia, ib, basis, k, np.flatnonzero(both), ma, mb, sinks, worst)
+        _fill_stats(st, acc)
+        rows: list[SlotRow] = []
+        for s in range(k):
+            findings += self._slot_findings(ia, ib, s, k, acc, st, both, basis, identity_a, identity_b, rows)
+        return st, findings, rows
+
+    def _pairing_findings(self, ia: TensorInfo, ib: TensorInfo) -> list[Finding]:
+        out = []
+        sa, sb = self.ra.side, self.rb.side
+        if ia.slot_count != ib.slot_count:
+            out.append(Finding(Kind.PAIRING, Severity.DIVERGENCE, tensor=ia.name, order=ia.order,
+                               details=PairingDetails(what="slots", value_a=ia.slot_count, value_b=ib.slot_count,
+                                                      side_a=sa, side_b=sb)))
+        # the token pairing of a draft's input matters only against another draft input: a target's
+        # aux capture (role "aux", offset 0) holds the same states at row t as a draft input does
+        if ia.token_offset != ib.token_offset and ia.role == ib.role:
+            out.append(Finding(Kind.PAIRING, Severity.DIVERGENCE, tensor=ia.name, order=ia.order,
+                               details=PairingDetails(what="token_offset", value_a=ia.token_offset,
+                                                      value_b=ib.token_offset, side_a=sa, side_b=sb)))
+        return out
+
+    def _basis(self, ia: TensorInfo, ib: TensorInfo, both: NDArray[np.bool_], label: str,
+               findings: list[Finding]) -> str | None:
+        """What the pair is compared on (full values, else sketches), or None with a note."""
+        reason = None
+        basis = "values" if (ia.has_values and ib.has_values) else "sketch"
+        if not both.any():
+            reason = "no_common_token"
+        elif basis == "sketch" and not (ia.has_sketch and ib.has_sketch and self.ra.sketch_seed == self.rb.sketch_seed
+                                        and self.ra.sketch_dim == self.rb.sketch_dim):
+            reason = "no_basis"
+        if reason is None:
+            return basis
+        findings.append(Finding(Kind.MISSING, Severity.WARNING, tensor=ia.name, order=ia.order,
+                                details=MissingDetails(reason=reason, label=label)))
+        return None
+
+    def _stream(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: Codes, ma: Codes, mb: Codes,
+                sinks: list[DiffSink], worst: WorstTokens) -> PairAccumulator:
+        """Numerics over the aligned tokens in blocks; reads run one block ahead in a thread."""
+        sw = ia.slot_width if basis == "values" else self.ra.sketch_dim
+        bm = BlockMetrics(k, sw)
+        tols = [self.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None) for s in range(k)]
+        acc = PairAccumulator(tols, self.al.regime_b)
+        for blk, a_raw, b_raw in _prefetch(self._block_reader(ia, ib, basis, idx, ma, mb), self._pool):
+            if basis == "values":  # stored form (bf16 bits); converted in cache-sized pieces
+                m = bm.compute_stored(a_raw, ia.dtype, b_raw, ib.dtype)
+            else:
+                a = np.asarray(a_raw, np.float32)[:, :k * sw]
+                b = np.asarray(b_raw, np.float32)[:, :k * sw]
+                m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
+            bad = acc.add(blk, m)
+            worst.offer(ia.name, blk, m, self._token_entry)
+            for sink in sinks:
+                sink.write(ia, ib, k, blk, m, bad)
+            self._done += len(blk)
+            self._progress("comparing tensors", min(self._done, self._total), self._total)
+        return acc
+
+    def _slot_findings(self, ia: TensorInfo, ib: TensorInfo, s: int, k: int, acc: PairAccumulator, st: PairStats,
+                       both: NDArray[np.bool_], basis: str, identity_a: dict[int, IdentityVerdict],
+                       identity_b: dict[int, IdentityVerdict], rows: list[SlotRow]) -> list[Finding]:
+        """The findings of one slot: NaN/Inf, what it holds, labels, numerics."""
+        out: list[Finding] = []
+        slotted = k > 1 or ib.kind == "packed"
+        subject = f"slot {s} of {ib.name}" if slotted else ib.label
+        slot_arg = s if slotted else None
+        nf = acc.first_nonfinite[s]
+        if nf is not None:
+            out.append(self._token_finding(Kind.NONFINITE, ia, slot_arg, nf.token_index, NonfiniteDetails(
+                subject=subject, nonfinite_a=int(acc.nonfinite_a[s]), nonfinite_b=int(acc.nonfinite_b[s]),
+                row_a=nf.nonfinite_a, row_b=nf.nonfinite_b, side_a=self.ra.side, side_b=self.rb.side)))
+        ff = acc.first_fail[s]
+        at = ff.token_index if ff is not None else int(np.flatnonzero(both)[0])
+        identity_finding = None
+        if s in identity_b:
+            row, identity_finding, labels = self._slot_identity(ia, ib, s, identity_a.get(s), identity_b[s], st, at,
+                                                                bool(acc.failing[s]))
+            rows.append(row)
+            out += labels
+        if identity_finding is not None:
+            out.append(identity_finding)
+        if acc.failing[s] and ff is not None:
+            tol = acc.tolerances[s]
+            f = self._token_finding(Kind.NUMERIC, ia, slot_arg, ff.token_index, NumericDetails(
+                subject=subject, cos=ff.cos, rel=ff.rel, maxabs=ff.maxabs, failing=int(acc.failing[s]),
+                tokens=acc.tokens, tolerance=tol.to_dict(), basis=basis))
+            if identity_finding is not None:
+                f.severity = Severity.INFO
+                assert isinstance(f.details, NumericDetails)
+                f.details.explained = True
+            elif ia.kind != "packed":
+                f = self._boundary_identity(ia, ib, both, ff.token_index) or f
+            out.append(f)
+        return out
+
+    def _slot_identity(self, ia: TensorInfo, ib: TensorInfo, s: int, ida: IdentityVerdict | None,
+                       idb: IdentityVerdict, st: PairStats, at: int, failing: bool
+                       ) -> tuple[SlotRow, Finding | None, list[Finding]]:
+        claimed_a = ia.slot_labels[s] if ia.slot_labels else (ia.label if ia.kind != "packed" else None)
+        claimed_b = ib.slot_labels[s] if ib.slot_labels else (ib.label if ib.kind != "packed" else None)
+        held_a = ida.best if ida else None
+        held_b = idb.best
+        expected = held_a or claimed_a
+        row = SlotRow(tensor=ib.name, slot=s, claimed_a=claimed_a, claimed_b=claimed_b, held_a=held_a,
+                      held_b=held_b, score_b=idb.score, margin_b=idb.margin, offset_b=int(idb.offset or 0),
+                      candidates_b=idb.candidates, expected=expected, cos_mean=st.cos_mean[s], rel_max=st.rel_max[s])
+        common: dict[str, Any] = {"subject": f"slot {s} of {ib.name}", "expected": expected, "claimed_a": claimed_a,
+                                  "claimed_b": claimed_b, "candidates": idb.candidates}
+        finding = None
+        if held_b is not None and expected is not None and (held_b != expected or row.offset_b != 0):
+            row.verdict = "wrong state"
+            finding = self._token_finding(Kind.SLOT_IDENTITY, ia, s, at, IdentityDetails(
+                outcome="holds", held=held_b, offset=row.offset_b, score=idb.score, margin=idb.margin,
+                runner_up=idb.runner_up, held_a=held_a, **common))
+        elif failing and held_b is None:
+            row.verdict = "unknown state"
+            finding = self._token_finding(Kind.SLOT_IDENTITY, ia, s, at, IdentityDetails(
+                outcome="no_state", closest=idb.best_any, score=idb.score, **common))
+        elif failing:
+            row.verdict = "numeric drift"
+        labels = []
+        for side_name, claimed, held, r in ((self.ra.side, claimed_a, held_a, ia), (self.rb.side, claimed_b, held_b, ib)):
+            if claimed and held and claimed != held:
+                labels.append(Finding(Kind.LABEL_MISMATCH, Severity.WARNING, tensor=r.name, slot=s, order=r.order,
+                                      details=LabelDetails(claimed=claimed, held=held, side=side_name)))
+        return row, finding, labels
+
+    def _boundary_identity(self, ia: TensorInfo, ib: TensorInfo, both: NDArray[np.bool_], at: int) -> Finding | None:
+        """A boundary that disagrees: does it hold another boundary?"""
+        idt = self.search.identify("b", ib, [0], sample_indices(both, 64))[0]
+        if not idt.best or idt.best == ia.label:
+            return None
+        return self._token_finding(Kind.SLOT_IDENTITY, ib, None, at, IdentityDetails(
+            outcome="holds", subject=ib.name, boundary_side=self.rb.side, held=idt.best, expected=ia.label,
+            score=idt.score, margin=idt.margin, candidates=idt.candidates))
+
+    def _block_reader(self, ia: TensorInfo, ib: TensorInfo, basis: str, idx: Codes, ma: Codes, mb: Codes
+                      ) -> Iterator[tuple[Codes, np.ndarray, np.ndarray]]:
+        """Blocks of aligned rows of both sides, in stored form. Two buffer sets alternate, so the
+        block being compared is never the one being read."""
+        part = "values" if basis == "values" else "sketch"
+        n = self.opt.block_rows
+        rows = min(len(idx), n)
+        bufs = []
+        for _ in range(2):
+            da, db = self.ra._ds[ia.name][part], self.rb._ds[ib.name][part]
+            bufs.append((np.empty((rows,) + da.shape[1:], da.dtype), np.empty((rows,) + db.shape[1:], db.dtype)))
+        for i, s0 in enumerate(range(0, len(idx), n)):
+            blk = idx[s0:s0 + n]
+            buf_a, buf_b = bufs[i % 2]
+            yield (blk, self.ra.read_at(ia.name, part, ma[blk], out=buf_a),
+                   self.rb.read_at(ib.name, part, mb[blk], out=buf_b))
+
+    def _token_entry(self, ti: int) -> dict[str, Any]:
+        return self.al.entry(ti, self.ra.sequences, self.rb.sequences, REGIMES)
+
+    def _token_finding(self, kind: Kind, info: TensorInfo, slot: int | None, ti: int, details: Details) -> Finding:
+        e = self._token_entry(ti)
+        details.token_index = ti
+        return Finding(kind, Severity.DIVERGENCE, tensor=info.name, slot=slot, order=info.order, seq=e["seq"],
+                       position=e["position"], position_b=e["position_b"], token=e["token"], regime=e["regime"],
+                       details=details)
+
+
+def _fill_stats(st: PairStats, acc: PairAccumulator) -> None:
+    st.tokens = acc.tokens
+    st.tolerance = [t.to_dict() for t in acc.tolerances]
+    st.cos_min = [float(x) for x in acc.cos_min]
+    st.cos_mean = acc.cos_mean()
+    st.rel_max = [float(x) for x in acc.rel_max]
+    st.maxabs = [float(x) for x in acc.maxabs]
+    st.failing = [int(x) for x in acc.failing]
+    st.nonfinite_a = [int(x) for x in acc.nonfinite_a]
+    st.nonfinite_b = [int(x) for x in acc.nonfinite_b]
+    st.by_regime = dict(acc.by_regime)
+
+
+def _prefetch(gen: Iterator[T], pool: ThreadPoolExecutor) -> Iterator[T]:
+    """Run a block generator one block ahead in a thread: HDF5 reads (which hold h5py's lock)
+    overlap the numpy metrics of the previous block (which release the GIL) on a second core."""
+    it = iter(gen)
+    fut = pool.submit(next, it, None)
+    while True:
+        item = fut.result()
+        if item is None:
+            return
+        fut = pool.submit(next, it, None)
+        yield item
+
+
+def diff_traces(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffResult:
+    """Diff two traces: A the reference, B under test."""
+    with Differ(path_a, path_b, options) as d:
+        return d.run()

@@ -1,0 +1,421 @@
+"""The typed data model every output reads: :class:`Finding` (with :class:`Kind`, :class:`Severity`
+and one details record per kind), :class:`SlotRow`, :class:`PairStats` and :class:`DiffResult`,
+their forward ordering and inheritance, their JSON form (``to_dict`` / ``from_dict``) and the one
+place where a finding's sentence is made (:func:`render_sentence`).
+
+The per-kind details records live in :mod:`tensordiff.details` (re-exported here).
+Nothing here computes: the diff fills these records, the text report, the JSON and the TUI read
+them. No numpy, no I/O.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+from .details import (
+    Candidate,
+    Details,
+    GapDetails,
+    IdentityDetails,
+    LabelDetails,
+    MissingDetails,
+    NonfiniteDetails,
+    NumericDetails,
+    PairingDetails,
+    Record,
+    RecoveredDetails,
+    ShiftDetails,
+)
+
+__all__ = [
+    "DETAILS",
+    "SCHEMA_VERSION",
+    "Candidate",
+    "Details",
+    "DiffResult",
+    "Finding",
+    "GapDetails",
+    "IdentityDetails",
+    "Kind",
+    "LabelDetails",
+    "MissingDetails",
+    "NonfiniteDetails",
+    "NumericDetails",
+    "PairStats",
+    "PairingDetails",
+    "Record",
+    "RecoveredDetails",
+    "Severity",
+    "ShiftDetails",
+    "SlotRow",
+    "order_findings",
+    "render_sentence",
+    "where_token",
+]
+
+#: version of the diff JSON (``tensordiff diff --json``); docs/json.md, schemas/diff.schema.json
+SCHEMA_VERSION = 1
+
+class _StrEnum(str, Enum):
+    """A str-valued enum that prints as its value (``f"{Kind.NUMERIC}"`` is ``numeric``) and
+    compares equal to it (``f.kind == "numeric"``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Kind(_StrEnum):
+    TOKEN_SHIFT = "token_shift"        # side B's positions are side A's plus a constant
+    PAIRING = "pairing"                # a tensor pairs rows with tokens differently, or has other slots
+    GAP = "gap"                        # tokens present on one side only
+    MISSING = "missing"                # a tensor not compared (one side only, no common token, no basis)
+    RECOVERED = "recovered"            # a trace recovered from a killed recording
+    NONFINITE = "nonfinite"            # NaN/Inf in the data
+    SLOT_IDENTITY = "slot_identity"    # a slot (or boundary) holds another state than expected
+    LABEL_MISMATCH = "label_mismatch"  # a side's own label of a slot disagrees with what it holds
+    NUMERIC = "numeric"                # drift past tolerance
+
+
+class Severity(_StrEnum):
+    DIVERGENCE = "divergence"  # sets exit code 1
+    WARNING = "warning"
+    INFO = "info"
+
+    @property
+    def glyph(self) -> str:
+        return {"divergence": "✗", "warning": "!", "info": "·"}[self.value]
+
+
+# at the same place in forward order, the explanation comes before its symptoms
+_KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.PAIRING: 1, Kind.GAP: 2, Kind.MISSING: 3, Kind.NONFINITE: 4,
+              Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7}
+
+
+DETAILS: dict[Kind, type[Details]] = {
+    Kind.TOKEN_SHIFT: ShiftDetails, Kind.PAIRING: PairingDetails, Kind.GAP: GapDetails,
+    Kind.MISSING: MissingDetails, Kind.RECOVERED: RecoveredDetails, Kind.NONFINITE: NonfiniteDetails,
+    Kind.SLOT_IDENTITY: IdentityDetails, Kind.LABEL_MISMATCH: LabelDetails, Kind.NUMERIC: NumericDetails,
+}
+
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Findings and their sentences
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Finding:
+    """One conclusion of a diff. ``severity``: divergence (sets exit code 1), warning, info.
+
+    The sentence (:attr:`message`) is rendered from the kind and the details; ``text`` is only for
+    findings made outside the diff (a test, another tool) that bring their own sentence.
+    ``order`` (forward order of the tensor) and ``index`` (place in the sorted list) are internal."""
+
+    kind: Kind
+    severity: Severity
+    text: str | None = None
+    tensor: str | None = None
+    slot: int | None = None
+    order: float = -1.0
+    seq: str | None = None
+    position: int | None = None
+    position_b: int | None = None
+    token: int | None = None
+    regime: str | None = None
+    details: Details = field(default_factory=Details)
+    inherited_from: int | None = None
+    index: int = 0
+
+    LOCATION: ClassVar[tuple[str, ...]] = ("tensor", "slot", "seq", "position", "position_b", "token", "regime")
+
+    def __post_init__(self) -> None:
+        self.kind = Kind(self.kind)
+        self.severity = Severity(self.severity)
+        d: object = self.details
+        if isinstance(d, dict):
+            self.details = DETAILS.get(self.kind, Details).from_dict(d)
+
+    @property
+    def message(self) -> str:
+        return self.text if self.text is not None else render_sentence(self)
+
+    @property
+    def token_index(self) -> int | None:
+        return self.details.token_index
+
+    def sort_key(self) -> tuple[float, int, int, int]:
+        ti = self.details.token_index
+        return (self.order, -1 if self.slot is None else self.slot, _KIND_RANK.get(self.kind, 9),
+                -1 if ti is None else ti)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind.value, "severity": self.severity.value, "message": self.message}
+        for k in self.LOCATION:
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = v
+        d["details"] = self.details.to_dict()
+        if self.inherited_from is not None:
+            d["inherited_from"] = self.inherited_from
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], index: int = 0) -> Finding:
+        kind = Kind(d["kind"])
+        f = cls(kind, Severity(d["severity"]), details=DETAILS.get(kind, Details).from_dict(d.get("details") or {}),
+                inherited_from=d.get("inherited_from"), index=index)
+        for k in cls.LOCATION:
+            setattr(f, k, d.get(k))
+        if d.get("message") is not None and d["message"] != f.message:
+            f.text = str(d["message"])  # written by another version: keep its sentence
+        return f
+
+
+def where_token(f: Finding) -> str:
+    """``token 5 (seq s0, position 3, prefill)``: where a token finding is, in words."""
+    s = f"token {f.token} (seq {f.seq}, position {f.position}"
+    if f.position_b != f.position:
+        s += f"; position {f.position_b} on B"
+    return s + f", {f.regime})"
+
+
+def _offset_words(off: int) -> str:
+    n = abs(off)
+    return f"of the token {n} position{'s' if n > 1 else ''} {'earlier' if off < 0 else 'later'}"
+
+
+def _identity(f: Finding, d: IdentityDetails) -> str:
+    who = d.subject if d.boundary_side is None else f"{d.subject} on {d.boundary_side}"
+    if d.outcome == "no_state":
+        hint = f" (closest: {d.closest}, score {d.score:.3f})" if d.closest and d.score is not None else ""
+        return f"{who} holds no recorded state{hint} where {d.expected} was expected"
+    held = d.held if not d.offset else f"{d.held} {_offset_words(d.offset)}"
+    return f"{who} holds {held} where {d.expected} was expected"
+
+
+def _numeric(f: Finding, d: NumericDetails) -> str:
+    t = d.tolerance
+    s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g} "
+         f"(tolerance cos >= {t.get('min_cos', 0):g}, rel <= {t.get('max_rel', 0):g}); "
+         f"{d.failing} of {d.tokens} tokens fail")
+    return s + (" (explained by the wrong state above)" if d.explained else "")
+
+
+def _nonfinite(f: Finding, d: NonfiniteDetails) -> str:
+    na, nb = d.row_a, d.row_b
+    side_txt = (f"{d.side_b} has {nb} NaN/Inf" if nb and not na else
+                f"{d.side_a} has {na} NaN/Inf" if na and not nb else
+                f"both sides have NaN/Inf ({na} / {nb})")
+    return f"NaN/Inf in {d.subject} at {where_token(f)}: {side_txt} values in that row"
+
+
+def _shift(f: Finding, d: ShiftDetails) -> str:
+    what = "a missing BOS or an off-by-one in positions" if abs(d.shift) == 1 else "an offset in positions"
+    sign = f"+{d.shift}" if d.shift > 0 else str(d.shift)
+    return (f"token shift of {d.shift}: {d.side_b} positions are {d.side_a} positions {sign} in {d.sequences} of "
+            f"{d.of} sequences (token ids match only when shifted; {what})")
+
+
+def _pairing(f: Finding, d: PairingDetails) -> str:
+    if d.what == "slots":
+        return f"{f.tensor} has {d.value_a} slots on {d.side_a} but {d.value_b} on {d.side_b}"
+    return f"{f.tensor}: {d.side_a} pairs row t with token t+{d.value_a}, {d.side_b} with token t+{d.value_b}"
+
+
+def _gap(f: Finding, d: GapDetails) -> str:
+    rng = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in d.positions)
+    return f"gap: {d.count} tokens of sequence {d.seq} only on {d.side_name} (positions {rng}): {d.reason}"
+
+
+def _missing(f: Finding, d: MissingDetails) -> str:
+    if d.reason == "one_side":
+        return f"{f.tensor} is recorded only on {d.side}; not compared"
+    if d.reason == "no_common_token":
+        return f"{d.label}: recorded on both sides but on no common token"
+    return f"{d.label}: no comparable values or sketches (different sketch seeds?)"
+
+
+def _recovered(f: Finding, d: RecoveredDetails) -> str:
+    return f"{d.side} trace {os.path.basename(d.path)}: {d.note}"
+
+
+def _label(f: Finding, d: LabelDetails) -> str:
+    return f"{d.side} labels slot {f.slot} of {f.tensor} as {d.claimed}, but it holds {d.held}"
+
+
+_RENDER: dict[Kind, tuple[type[Details], Callable[[Finding, Any], str]]] = {
+    Kind.SLOT_IDENTITY: (IdentityDetails, _identity), Kind.NUMERIC: (NumericDetails, _numeric),
+    Kind.NONFINITE: (NonfiniteDetails, _nonfinite), Kind.TOKEN_SHIFT: (ShiftDetails, _shift),
+    Kind.PAIRING: (PairingDetails, _pairing), Kind.GAP: (GapDetails, _gap), Kind.MISSING: (MissingDetails, _missing),
+    Kind.RECOVERED: (RecoveredDetails, _recovered), Kind.LABEL_MISMATCH: (LabelDetails, _label),
+}
+
+
+def render_sentence(f: Finding) -> str:
+    """The one sentence of a finding, made from its kind, location and details."""
+    typ, fn = _RENDER[f.kind]
+    if not isinstance(f.details, typ):
+        return f"{f.kind} in {f.tensor or 'tokens'}"
+    return fn(f, f.details)
+
+
+def order_findings(findings: list[Finding]) -> list[Finding]:
+    """Sort in forward order and mark which divergences are inherited from an earlier one."""
+    findings.sort(key=lambda f: f.sort_key())
+    divs: list[Finding] = []
+    for i, f in enumerate(findings):
+        f.index = i
+        if f.severity != Severity.DIVERGENCE:
+            continue
+        for g in divs:
+            if g.kind in (Kind.TOKEN_SHIFT, Kind.PAIRING) or (
+                    f.kind in (Kind.NUMERIC, Kind.NONFINITE)
+                    and g.kind in (Kind.NUMERIC, Kind.NONFINITE, Kind.SLOT_IDENTITY)
+                    and g.order < f.order and g.seq == f.seq and (g.position or 0) <= (f.position or 0)):
+                f.inherited_from = g.index
+                break
+        divs.append(f)
+    return findings
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables and the result
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SlotRow(Record):
+    """One row of the slot table: what a slot of a paired tensor holds on each side."""
+
+    tensor: str = ""
+    slot: int = 0
+    claimed_a: str | None = None
+    claimed_b: str | None = None
+    held_a: str | None = None
+    held_b: str | None = None
+    score_b: float | None = None
+    margin_b: float | None = None
+    offset_b: int = 0
+    candidates_b: list[Candidate] = field(default_factory=list)
+    expected: str | None = None
+    cos_mean: float | None = None
+    rel_max: float | None = None
+    verdict: str = "ok"   # ok | wrong state | unknown state | numeric drift
+
+    def __post_init__(self) -> None:
+        self.candidates_b = [c if isinstance(c, Candidate) else Candidate.from_dict(c) for c in self.candidates_b]
+
+
+@dataclass
+class PairStats(Record):
+    """Per-slot statistics of one compared tensor pair (lists have one entry per slot)."""
+
+    name_a: str = ""
+    name_b: str = ""
+    label: str = ""
+    order: float = 0.0
+    slots: int = 1
+    tokens: int = 0
+    basis: str = "values"
+    tolerance: list[dict[str, Any]] = field(default_factory=list)
+    cos_min: list[float] = field(default_factory=list)
+    cos_mean: list[float] = field(default_factory=list)
+    rel_max: list[float] = field(default_factory=list)
+    maxabs: list[float] = field(default_factory=list)
+    failing: list[int] = field(default_factory=list)
+    nonfinite_a: list[int] = field(default_factory=list)
+    nonfinite_b: list[int] = field(default_factory=list)
+    by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        del d["order"]  # internal: the JSON lists tensors in forward order already
+        return d
+
+
+@dataclass
+class DiffResult:
+    path_a: str
+    path_b: str
+    side_a: str
+    side_b: str
+    findings: list[Finding]
+    slot_table: list[SlotRow]
+    pairs: list[PairStats]
+    sequences: list[dict[str, Any]]
+    gaps: list[dict[str, Any]]
+    shifts: dict[str, int]
+    tokens_aligned: int
+    worst_tokens: list[dict[str, Any]]
+    summary_path: str | None = None
+
+    @property
+    def divergences(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == Severity.DIVERGENCE]
+
+    @property
+    def first_divergence(self) -> Finding | None:
+        d = self.divergences
+        return d[0] if d else None
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.divergences else 0
+
+    def headline(self) -> str:
+        f = self.first_divergence
+        if f is None:
+            return f"no divergence: {self.tokens_aligned} tokens in {len(self.pairs)} tensors agree within tolerance"
+        return f.message
+
+    def inheritance_note(self, f: Finding) -> str | None:
+        """``may be inherited from finding #3 (numeric in layer4)`` for an inherited divergence."""
+        if f.inherited_from is None or not 0 <= f.inherited_from < len(self.findings):
+            return None
+        g = self.findings[f.inherited_from]
+        return f"may be inherited from finding #{g.index} ({g.kind} in {g.tensor or 'tokens'})"
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "a": {"path": self.path_a, "side": self.side_a},
+            "b": {"path": self.path_b, "side": self.side_b},
+            "verdict": "divergence" if self.divergences else "agree",
+            "exit_code": self.exit_code,
+            "headline": self.headline(),
+            "first_divergence": first.to_dict() if first is not None else None,
+            "findings": [f.to_dict() for f in self.findings],
+            "slot_table": [r.to_dict() for r in self.slot_table],
+            "tensors": [p.to_dict() for p in self.pairs],
+            "tokens_aligned": self.tokens_aligned,
+            "sequences": self.sequences,
+            "gaps": self.gaps,
+            "shifts": self.shifts,
+            "worst_tokens": self.worst_tokens,
+            "summary_path": self.summary_path,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DiffResult:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"diff JSON schema_version {version!r}; this tensordiff reads {SCHEMA_VERSION}")
+        pairs = [PairStats.from_dict(p) for p in d["tensors"]]
+        for i, p in enumerate(pairs):
+            p.order = float(i)
+        return cls(path_a=d["a"]["path"], path_b=d["b"]["path"], side_a=d["a"]["side"], side_b=d["b"]["side"],
+                   findings=[Finding.from_dict(f, i) for i, f in enumerate(d["findings"])],
+                   slot_table=[SlotRow.from_dict(r) for r in d["slot_table"]], pairs=pairs,
+                   sequences=list(d["sequences"]), gaps=list(d["gaps"]), shifts=dict(d["shifts"]),
+                   tokens_aligned=int(d["tokens_aligned"]), worst_tokens=list(d["worst_tokens"]),
+                   summary_path=d.get("summary_path"))

@@ -1,0 +1,31 @@
+"""Small presentation helpers shared by the text report and the TUI (no rich, no textual): one
+number format and one glyph per severity, so both say the same thing the same way."""
+
+from __future__ import annotations
+
+import math
+
+#: severity -> (glyph, rich style); the TUI and the text report both use these
+SEVERITY_GLYPH: dict[str, tuple[str, str]] = {"divergence": ("✗", "bold red"), "warning": ("!", "yellow"),
+                                              "info": ("·", "blue")}
+OK_GLYPH = ("✓", "green")
+
+
+def number(x: object, nd: int = 4, sci: int = 2) -> str:
+    """A metric for a person: ``-`` for None, ``nan``/``inf``, scientific (``sci`` digits) below
+    1e-3 and from 1e4 on, else ``nd`` decimals. Anything that is not a number is shown as text."""
+    if x is None:
+        return "-"
+    if isinstance(x, (bool, int, str)) or getattr(getattr(x, "dtype", None), "kind", "f") in "biu":
+        return str(x)
+    try:
+        v = float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return str(x)
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if v != 0 and (abs(v) >= 1e4 or abs(v) < 1e-3):
+        return f"{v:.{sci}e}"
+    return f"{v:.{nd}f}"

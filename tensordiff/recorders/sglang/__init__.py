@@ -1,0 +1,72 @@
+"""The serve-side recorder: an SGLang plugin that records what the engine computes, as it runs.
+
+SGLang loads every ``sglang.srt.plugins`` entry point in each of its processes (``SGLANG_PLUGINS``
+restricts which); tensordiff declares ``tensordiff = "tensordiff.recorders.sglang:register"``
+(``tensordiff.recorders.sglang_plugin:register``, the older target, is an alias that keeps
+working). :func:`register` does nothing at all unless ``TENSORDIFF_TRACE`` names a trace file.
+Then it registers these hooks through SGLang's ``HookRegistry`` (nothing else in SGLang is patched);
+one module per job:
+
+=================== ===============================================================================
+:mod:`.registry`    the entry point and the hook table (:data:`HOOK_TARGETS`)
+:mod:`.config`      the ``TENSORDIFF_*`` environment, tensor names, per-rank trace paths
+:mod:`.startup`     AROUND ``ModelRunner.init_attention_backends``: the resolved ``layers_to_capture``
+                    next to the raw draft ids and the model file's id convention; opens the trace
+:mod:`.ranks`       which rank records (TP rank 0 unless DP attention / context parallelism)
+:mod:`.catalog`     per-boundary taps on the target model (``TENSORDIFF_CATALOG=1``, eager passes)
+:mod:`.forward`     AROUND ``ModelRunner.forward``: token keys, ``aux_hidden_states`` (target),
+                    ``draft_input`` + ``draft_input_ids`` (draft-extend passes)
+:mod:`.verify`      AFTER ``EAGLEWorkerV2.verify``: commits the accepted verify rows
+:mod:`.control`     AFTER ``Scheduler.on_idle`` (flush), AROUND ``Scheduler.handle_rpc_request``
+                    (``tensordiff_close`` / ``_flush`` / ``_pause`` / ``_resume``)
+:mod:`.state`       the per-process state shared by the hooks
+=================== ===============================================================================
+
+Configuration (environment of the server process):
+
+=========================== =====================================================================
+``TENSORDIFF_TRACE``        trace path (required; unset = the plugin is inert)
+``TENSORDIFF_CATALOG``      ``1``: record the per-boundary catalog on eager passes (default ``0``)
+``TENSORDIFF_VALUES``       comma-separated globs of tensors that keep full values (default
+                            ``aux_hidden_states,draft_input``; ``all``, ``none``); others keep
+                            sketch + RMS
+``TENSORDIFF_SAMPLE_EVERY`` record positions ``p % K == 0`` only (default 1: all)
+``TENSORDIFF_SKETCH_DIM``, ``TENSORDIFF_SKETCH_SEED``  sketch projection (both sides must agree)
+``TENSORDIFF_FLUSH_SECONDS`` flush at least this often while busy (default 10)
+``TENSORDIFF_COMPRESSION``  ``gzip`` or ``lzf`` (default none)
+=========================== =====================================================================
+
+Importing this package imports neither torch nor sglang; :func:`register` imports sglang only when
+``TENSORDIFF_TRACE`` is set. A recording error never reaches the engine: it is logged, recording
+stops and the trace is closed with a ``recording_error`` attribute. See docs/sglang.md.
+"""
+
+from __future__ import annotations
+
+from .config import (
+           AUX,
+           DEFAULT_VALUES,
+           DRAFT,
+           DRAFT_IDS,
+           ENV_TRACE,
+           RPC_PREFIX,
+           Config,
+           rank_path,
+)
+from .control import RPC_METHODS
+from .registry import HOOK_TARGETS, hook_table, register
+
+__all__ = [
+           "AUX",
+           "DEFAULT_VALUES",
+           "DRAFT",
+           "DRAFT_IDS",
+           "ENV_TRACE",
+           "HOOK_TARGETS",
+           "RPC_METHODS",
+           "RPC_PREFIX",
+           "Config",
+           "hook_table",
+           "rank_path",
+           "register",
+]

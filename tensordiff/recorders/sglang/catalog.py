@@ -1,0 +1,130 @@
+"""Catalog taps (``TENSORDIFF_CATALOG=1``): the residual stream entering every decoder layer of the
+target and the final norm's input and output, recorded as ``embed``, ``layer<b>``, ``final_norm``
+(sketch + RMS; values with ``TENSORDIFF_VALUES``).
+
+A pre-hook on every decoder layer passes SGLang's own capture callback (``capture_output``, the one
+``layers_to_capture`` uses) so the tap sees the same residual stream the aux capture sees (for
+layers that take ``(positions, hidden_states, forward_batch, residual)``: ``hidden_states +
+residual``); a forward hook on the final norm records its input and output. They run in Python, so
+they see eager passes only: a CUDA-graph replay runs none of them (the forward hook says so once).
+On a target-verify pass the tapped values are held until the verify result says which rows stay.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .state import STATE
+
+
+def install_catalog(runner) -> None:
+    import inspect
+
+    from ..hf import find_decoder
+
+    st = STATE
+    try:
+        layers, norm, _ = find_decoder(runner.model)
+    except ValueError as e:
+        st.warn_once("catalog", "no catalog taps: %s", e)
+        return
+    n = st.model.get("num_layers") or len(layers)
+    for b, layer in enumerate(layers):
+        if type(layer).__name__ == "PPMissingLayer" or b >= n:
+            continue
+        try:
+            params = inspect.signature(layer.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "capture_output" in params:
+            st.catalog_handles.append(layer.register_forward_pre_hook(_capture_hook(b), with_kwargs=True))
+        elif "residual" in params:
+            st.catalog_handles.append(layer.register_forward_pre_hook(_residual_hook(b), with_kwargs=True))
+        else:
+            st.warn_once("catalog-sig", "no catalog taps: %s.forward takes neither capture_output nor residual",
+                         type(layer).__name__)
+            for hd in st.catalog_handles:
+                hd.remove()
+            st.catalog_handles.clear()
+            return
+        st.catalog_layers += 1
+    if type(norm).__name__ != "PPMissingLayer":
+        st.catalog_handles.append(norm.register_forward_hook(_norm_hook(n)))
+
+
+def _tap(kind: str, b: int | None, value) -> None:
+    st = STATE
+    rows = st.ctx_rows
+    if rows is None or not st.active:
+        return
+    t0 = time.perf_counter()
+    try:
+        if value.shape[0] != len(rows):
+            st.warn_once(f"tap-rows-{b}", "catalog tap %s: %d rows for %d tokens; skipped",
+                         kind if b is None else b, value.shape[0], len(rows))
+            return
+        if st.ctx_stash is not None:  # verify pass: keep until the accepted rows are known
+            st.ctx_stash.append((kind, b, value.detach().clone()))
+            return
+        record_catalog(kind, b, value, rows)
+    except Exception as e:  # noqa: BLE001
+        st.fail("catalog tap", e)
+    finally:
+        st.seconds += time.perf_counter() - t0
+
+
+def record_catalog(kind: str, b: int | None, value, rows) -> None:
+    st = STATE
+    if kind == "final_norm":
+        st.rec.final_norm(value, rows, values=st.cfg.wants_values("final_norm"))
+    else:
+        from ...vocab import boundary_label
+        st.rec.boundary(b, value, rows, values=st.cfg.wants_values(boundary_label(b)))
+    st.dirty = True
+
+
+def _capture_hook(b: int):
+    def pre_hook(module, args, kwargs):
+        if STATE.ctx_rows is None:
+            return None
+        prev = kwargs.get("capture_output")
+
+        def capture(value, *, owned: bool = False):
+            _tap("boundary", b, value)
+            if prev is not None:
+                return prev(value, owned=owned)
+            return None
+
+        kwargs = dict(kwargs)
+        kwargs["capture_output"] = capture
+        return args, kwargs
+    return pre_hook
+
+
+def _residual_hook(b: int):
+    def pre_hook(module, args, kwargs):
+        if STATE.ctx_rows is None:
+            return
+        hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+        res = kwargs.get("residual", args[3] if len(args) > 3 else None)
+        if hs is not None:
+            _tap("boundary", b, hs if res is None else hs + res)
+        return
+    return pre_hook
+
+
+def _norm_hook(n: int):
+    def hook(module, args, output):
+        if STATE.ctx_rows is None:
+            return
+        if isinstance(output, (tuple, list)):
+            normed = output[0]
+            pre = output[1] if len(output) > 1 and output[1] is not None else args[0]
+        else:
+            normed = output
+            pre = args[0] if args else None
+        if pre is not None:
+            _tap("boundary", n, pre)
+        _tap("final_norm", None, normed)
+        return
+    return hook

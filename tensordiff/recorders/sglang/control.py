@@ -1,0 +1,57 @@
+"""Control: AFTER ``Scheduler.on_idle`` flushes the trace when the scheduler has nothing to run;
+AROUND ``Scheduler.handle_rpc_request`` answers ``engine.collective_rpc("tensordiff_close")``
+(``tensordiff_flush`` flushes, ``tensordiff_pause`` / ``tensordiff_resume`` switch recording off
+and on); other RPCs pass through."""
+
+from __future__ import annotations
+
+import time
+
+from .config import RPC_PREFIX
+from .state import STATE, log
+
+RPC_METHODS = ("tensordiff_close", "tensordiff_flush", "tensordiff_pause", "tensordiff_resume")
+
+
+def hook_on_idle(result, scheduler, *args, **kwargs):
+    st = STATE
+    if st.dirty and st.rec is not None:
+        t0 = time.perf_counter()
+        try:
+            st.flush()
+        except Exception as e:  # noqa: BLE001
+            st.fail("idle flush", e)
+        st.seconds += time.perf_counter() - t0
+
+
+def hook_rpc(original, scheduler, recv_req, *args, **kwargs):
+    method = getattr(recv_req, "method", "") or ""
+    if not method.startswith(RPC_PREFIX):
+        return original(scheduler, recv_req, *args, **kwargs)
+    st = STATE
+    ok, msg = True, ""
+    try:
+        if method == "tensordiff_close":
+            st.close()
+        elif method == "tensordiff_flush":
+            st.flush()
+        elif method == "tensordiff_pause":
+            st.flush()
+            st.paused = True
+            st.last_target = st.pending_verify = None
+        elif method == "tensordiff_resume":
+            st.paused = False
+            st.last_target = st.pending_verify = None
+        else:
+            ok, msg = False, f"unknown tensordiff RPC {method!r}; known: {', '.join(RPC_METHODS)}"
+    except Exception as e:  # noqa: BLE001
+        ok, msg = False, f"{type(e).__name__}: {e}"
+    group = getattr(getattr(scheduler, "tp_group", None), "cpu_group", None)
+    if group is not None:  # as SGLang's own handler: every TP rank answers together
+        try:
+            from torch.distributed import barrier
+            barrier(group=group)
+        except Exception:  # noqa: BLE001
+            log.debug("tensordiff: RPC barrier failed", exc_info=True)
+    from sglang.srt.managers.io_struct import RpcReqOutput
+    return RpcReqOutput(success=ok, message=msg)

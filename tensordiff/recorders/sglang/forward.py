@@ -1,0 +1,255 @@
+"""Forward capture: AROUND ``ModelRunner.forward``, on the target runner and the draft runner.
+
+Target runner: the token key of every row of the pass (request id, absolute position, token id,
+regime from the forward mode) and the packed aux hidden states the logits processor returns
+(``logits_output.hidden_states``) as ``aux_hidden_states``. Prefill chunks and radix-cache hits
+are keyed by the absolute positions SGLang computes (``forward_batch.positions``), so they need
+nothing special. Target-verify passes are held back until the verify result says how many rows
+each request accepted (:mod:`.verify`).
+
+Draft runner, draft-extend passes: the exact ``forward_batch.spec_info.hidden_states`` the draft's
+``fc`` consumes, as ``draft_input``, keyed by the target rows it came from (draft row t holds the
+target's state at position t and is paired with the input id of token t+1: ``token_offset=1``),
+and those shifted input ids as ``draft_input_ids``. Rows past a request's accept length are filler
+and are dropped.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .config import AUX, DRAFT, DRAFT_IDS
+from .state import STATE, Pass, log
+
+
+def to_numpy(t):
+    import torch
+    if isinstance(t, torch.Tensor):
+        return t.detach().reshape(-1).cpu().numpy()
+    import numpy as np
+    return np.asarray(t).reshape(-1)
+
+
+def segments(fb, n_rows: int) -> list[tuple[str, int, int]] | None:
+    """[(rid, first row, row count)] of a target pass, in batch order."""
+    rids = getattr(fb, "rids", None)
+    if not rids:
+        return None
+    mode = fb.forward_mode
+    bs = len(rids)
+    if mode.is_decode():
+        counts = [1] * bs
+    elif mode.is_target_verify():
+        if n_rows % bs:
+            return None
+        counts = [n_rows // bs] * bs
+    else:
+        counts = getattr(fb, "extend_seq_lens_cpu", None)
+        if counts is None and getattr(fb, "extend_seq_lens", None) is not None:
+            counts = to_numpy(fb.extend_seq_lens).tolist()
+        if counts is None:
+            return None
+        counts = [int(c) for c in counts]
+    if sum(counts) != n_rows or len(counts) != bs:
+        return None
+    out, start = [], 0
+    for rid, c in zip(rids, counts):
+        out.append((str(rid), start, c))
+        start += c
+    return out
+
+
+def regime_of(mode) -> str:
+    if mode.is_decode():
+        return "decode"
+    if mode.is_target_verify():
+        return "target_verify"
+    return "prefill"
+
+
+def hook_forward(original, runner, forward_batch, *args, **kwargs):
+    st = STATE
+    if not st.active or forward_batch.forward_mode.is_idle():
+        return original(runner, forward_batch, *args, **kwargs)
+    if getattr(runner, "is_draft_worker", False):
+        out = original(runner, forward_batch, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            record_draft(runner, forward_batch)
+        except Exception as e:  # noqa: BLE001
+            st.fail("draft pass", e)
+        st.seconds += time.perf_counter() - t0
+        return out
+    t0 = time.perf_counter()
+    try:
+        pre = before_target(runner, forward_batch)
+    except Exception as e:  # noqa: BLE001
+        st.fail("target pass", e)
+        return original(runner, forward_batch, *args, **kwargs)
+    st.seconds += time.perf_counter() - t0
+    try:
+        out = original(runner, forward_batch, *args, **kwargs)
+    finally:
+        st.ctx_rows = None
+        st.ctx_stash = None
+    t0 = time.perf_counter()
+    if pre is not None and st.active:
+        try:
+            after_target(runner, forward_batch, out, pre)
+        except Exception as e:  # noqa: BLE001
+            st.fail("target pass", e)
+    st.seconds += time.perf_counter() - t0
+    return out
+
+
+def before_target(runner, fb) -> Pass | None:
+    import numpy as np
+
+    st = STATE
+    ids = to_numpy(fb.input_ids).astype(np.int64)
+    pos = to_numpy(fb.positions).astype(np.int64) if fb.positions is not None else None
+    n = len(ids)
+    segs = segments(fb, n)
+    if segs is None or pos is None or len(pos) != n:
+        st.unkeyed_passes += 1  # e.g. a warm-up pass without requests: nothing to key its rows by
+        log.debug("tensordiff: a %s pass without request ids or row counts; not recorded", fb.forward_mode.name)
+        return None
+    regime = regime_of(fb.forward_mode)
+    step = int(getattr(runner, "forward_pass_id", 0)) + 1  # the id ModelRunner.forward is about to take
+    rid_rows = np.empty(n, dtype=object)
+    for rid, s, c in segs:
+        rid_rows[s:s + c] = rid
+    p = Pass(hs=None, rows=np.full(n, -1, dtype=np.int64), keys=(rid_rows, pos, ids), segments=segs,
+             step=step, regime=regime)
+    if regime == "target_verify":
+        st.ctx_stash = p.stash  # rows are committed once the verify result is known
+        st.ctx_rows = p.rows
+    else:
+        for rid, s, c in segs:
+            p.rows[s:s + c] = st.rec.add_tokens(rid, pos[s:s + c], ids[s:s + c], regime=regime, step=step)
+        p.committed = True
+        st.dirty = True
+        st.ctx_rows = p.rows
+    return p
+
+
+def after_target(runner, fb, out, p: Pass) -> None:
+    st = STATE
+    if getattr(out, "can_run_graph", False):
+        st.graph_passes += 1
+        if st.cfg.catalog:
+            st.warn_once("graph-pass", "a %s pass ran as a CUDA graph: the catalog taps did not see it "
+                         "(aux_hidden_states and draft_input are still recorded)", fb.forward_mode.name)
+    lo = getattr(out, "logits_output", None)
+    hs = getattr(lo, "hidden_states", None) if lo is not None else None
+    if st.labels is not None:
+        if hs is None:
+            st.warn_once("no-aux", "a %s pass returned no aux hidden states (was --return-hidden-states-mode "
+                         "changed?); its rows have token keys only", fb.forward_mode.name)
+        elif hs.shape[0] != len(p.rows):
+            st.warn_once("aux-rows", "aux hidden states have %d rows for %d tokens; not recorded",
+                         hs.shape[0], len(p.rows))
+            hs = None
+        else:
+            p.hs = hs
+    st.last_target = p
+    if p.regime == "target_verify":
+        st.pending_verify = p
+        return
+    if p.hs is not None:
+        record_aux(p.hs, p.rows)
+
+
+def record_aux(hs, rows) -> None:
+    st = STATE
+    width = hs.shape[-1]
+    k = len(st.labels)
+    h = st.model.get("hidden_size") or 0
+    if k * h != width:
+        st.warn_once("aux-width", "aux hidden states are %d wide, not %d slots x %d; not recorded", width, k, h)
+        return
+    st.rec.packed(AUX, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
+                  token_offset=0, role="aux", values=st.cfg.wants_values(AUX),
+                  attrs={"source": "logits_output.hidden_states (target, packed aux capture)"})
+    st.dirty = True
+
+
+def record_draft(runner, fb) -> None:
+    import numpy as np
+
+    st = STATE
+    mode = fb.forward_mode
+    if not (mode.is_extend() or mode.is_draft_extend_v2()) or mode.is_target_verify():
+        return  # draft decode steps feed the draft its own state, not the target's
+    spec = getattr(fb, "spec_info", None)
+    hs = getattr(spec, "hidden_states", None)
+    if hs is None or st.labels is None:
+        return
+    h = st.model.get("hidden_size") or 0
+    if hs.shape[-1] != len(st.labels) * h:
+        return  # not the target's packed aux states
+    p = st.last_target
+    if p is None or p.hs is None or not same_tensor(hs, p.hs) or not p.committed:
+        st.draft_unmatched += 1
+        st.warn_once("draft-unmatched", "a draft-extend pass whose hidden states are not the last target pass's; "
+                     "not recorded")
+        return
+    rows = p.rows.copy()
+    ids = to_numpy(fb.input_ids).astype(np.int64)
+    if len(ids) != len(rows):
+        st.warn_once("draft-rows", "draft pass has %d input ids for %d hidden-state rows; not recorded", len(ids), len(rows))
+        return
+    n_acc = getattr(spec, "num_accept_tokens", None)
+    if n_acc is not None and p.regime == "target_verify":
+        acc = to_numpy(n_acc).astype(np.int64)
+        for i, (rid, s, c) in enumerate(p.segments):
+            if i < len(acc):
+                rows[s + int(min(max(acc[i], 0), c)):s + c] = -1  # filler past the accept length
+    # the shift check: draft row t's input id is token t+1 of the same request (where the target
+    # pass holds that token too)
+    tok = p.keys[2]
+    for rid, s, c in p.segments:
+        seg = np.arange(s, s + c - 1)
+        seg = seg[(rows[seg] >= 0) & (rows[seg + 1] >= 0)] if len(seg) else seg
+        st.shift_checked += len(seg)
+        bad = int(np.count_nonzero(ids[seg] != tok[seg + 1]))
+        if bad:
+            st.shift_mismatched += bad
+            st.warn_once("shift", "draft input ids are not the target's tokens shifted by one (request %s)", rid)
+    rec = st.rec
+    n = rec.packed(DRAFT, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
+                   token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT),
+                   attrs={"source": "draft runner forward_batch.spec_info.hidden_states (the fc input)"})
+    if n:
+        _record_draft_ids(ids, rows)
+    st.dirty = True
+
+
+def _record_draft_ids(ids, rows) -> None:
+    """The input id each draft row was paired with (token t+1), as a one-column float64 tensor."""
+    import numpy as np
+
+    st = STATE
+    rec = st.rec
+    keep = rows >= 0
+    if not rec.sample.keeps_all:
+        keep &= rec.sample.mask(rec.positions_of(np.where(keep, rows, 0)))
+    if not keep.any():
+        return
+    w = rec.writer
+    if not st.draft_ids_defined:
+        st.draft_ids_defined = True
+        w.define_tensor(DRAFT_IDS, 1, kind="other", dtype="float64", role="draft_input_ids", token_offset=1,
+                        values=True, sketch=False,
+                        attrs={"what": "the input token id paired with each draft_input row (token t+1)"})
+    vals = ids[keep].astype(np.float64)[:, None]
+    w.append(DRAFT_IDS, rows[keep], vals, rms=np.abs(vals).astype(np.float32))
+
+
+def same_tensor(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return a.shape == b.shape and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+    except Exception:  # noqa: BLE001
+        return False

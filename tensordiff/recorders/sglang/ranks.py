@@ -1,0 +1,53 @@
+"""Rank plan: which process of a parallel server records, and into which file.
+
+Hidden states are replicated across TP ranks, so one rank (TP rank 0 of each PP stage / DP replica)
+records; with DP attention or context parallelism each rank holds its own rows and writes its own
+file (``trace.tp<r>.h5``).
+"""
+
+from __future__ import annotations
+
+
+def server_arg(runner, name: str, default=None):
+    return getattr(getattr(runner, "server_args", None), name, default)
+
+
+def rank_plan(runner) -> tuple[bool, str, dict]:
+    """(record on this process?, file suffix, rank facts)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+        par = get_parallel()
+    except Exception:  # noqa: BLE001
+        par = None
+
+    def rank(name: str) -> int:
+        try:
+            v = getattr(par, name)
+            return int(v) if v is not None else 0
+        except Exception:  # noqa: BLE001
+            return 0
+
+    tp_size = int(server_arg(runner, "tp_size", 1) or 1)
+    pp_size = int(server_arg(runner, "pp_size", 1) or 1)
+    dp_size = int(server_arg(runner, "dp_size", 1) or 1)
+    tp, pp, dp = rank("tp_rank"), rank("pp_rank"), rank("dp_rank")
+    try:
+        attn_dp = bool(getattr(par, "attn_dp_enabled", False))
+    except Exception:  # noqa: BLE001
+        attn_dp = False
+    cp = 1
+    for name in ("attn_cp_size", "context_parallel_size", "cp_size"):
+        v = server_arg(runner, name, None)
+        if isinstance(v, int) and v > 1:
+            cp = v
+    replicated = not attn_dp and cp == 1
+    facts = {"tp_rank": tp, "tp_size": tp_size, "pp_rank": pp, "pp_size": pp_size, "dp_rank": dp,
+             "dp_size": dp_size, "replicated": replicated}
+    suffix = ""
+    if dp_size > 1 and not attn_dp:
+        suffix += f".dp{dp}"
+    if pp_size > 1:
+        suffix += f".pp{pp}"
+    if replicated:
+        return tp == 0, suffix, facts
+    return True, suffix + (f".tp{tp}" if tp_size > 1 else ""), facts

@@ -1,0 +1,127 @@
+"""The plugin's per-process state: one :class:`State` per SGLang process (only scheduler processes
+ever get past the first check of a hook), and the target pass held between hooks.
+
+Standard library only at import time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import Config
+
+log = logging.getLogger("tensordiff.sglang")
+
+
+@dataclass
+class Pass:
+    """One target pass: its aux tensor and the trace row of each of its rows (-1: not kept)."""
+
+    hs: Any
+    rows: Any  # np.ndarray[int64]
+    keys: tuple  # (rids per row, positions, tokens) as numpy arrays / list
+    segments: list  # [(rid, start, count)]
+    step: int
+    regime: str
+    stash: list = field(default_factory=list)  # verify: [(kind, boundary, tensor)] of catalog taps
+    committed: bool = False
+
+
+class State:
+    def __init__(self) -> None:
+        self.cfg: Config | None = None
+        self.rec = None            # core.Recorder, in the recording process only
+        self.role: str | None = None   # None: undecided; "record"; "off" (another rank records)
+        self.paused = False
+        self.closed = False
+        self.broken = False
+        self.dirty = False
+        self.model: dict = {}
+        self.labels: list[str] | None = None
+        self.raw_ids: list[int] | None = None
+        self.convention: str | None = None
+        self.capture_attrs: dict = {}
+        self.last_target: Pass | None = None
+        self.pending_verify: Pass | None = None
+        self.ctx_rows = None       # rows of the running target pass, for the catalog taps
+        self.ctx_stash: list | None = None
+        self.catalog_handles: list = []
+        self.catalog_layers = 0
+        self.graph_passes = 0
+        self.warned: set[str] = set()
+        self.shift_checked = 0
+        self.shift_mismatched = 0
+        self.dropped_rows = 0
+        self.draft_unmatched = 0
+        self.draft_ids_defined = False
+        self.unkeyed_passes = 0
+        self.seconds = 0.0         # wall time inside the plugin's recording code
+
+    def warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            log.warning("tensordiff: " + msg, *args)
+
+    @property
+    def active(self) -> bool:
+        return self.rec is not None and not (self.paused or self.closed or self.broken)
+
+    def fail(self, where: str, e: BaseException) -> None:
+        """A recording error never reaches the engine: log it, stop recording, keep the trace."""
+        log.exception("tensordiff: recording stopped (error in %s): %s", where, e)
+        self.broken = True
+        if self.rec is not None:
+            try:
+                self.rec.close(e)
+            except Exception:
+                log.exception("tensordiff: closing the trace after the error failed")
+
+    def flush(self) -> None:
+        if self.rec is not None and not self.closed and not self.broken and self.dirty:
+            self._write_stats()
+            self.rec.flush()
+            self.dirty = False
+
+    def _write_stats(self) -> None:
+        w = self.rec.writer
+        w.set_attr(None, "tensordiff_sglang", {
+            "draft_shift_checked": self.shift_checked, "draft_shift_mismatched": self.shift_mismatched,
+            "rows_dropped": self.dropped_rows,
+            "cuda_graph_passes": self.graph_passes, "draft_passes_unmatched": self.draft_unmatched,
+            "passes_without_request_ids": self.unkeyed_passes,
+            "catalog_layers": self.catalog_layers, "plugin_seconds": round(self.seconds, 6),
+            "recorder_seconds": round(self.rec.stats.seconds, 6), **self.capture_attrs,
+        })
+
+    def close(self) -> None:
+        if self.rec is None or self.closed:
+            self.closed = True
+            return
+        self.closed = True
+        if self.broken:
+            return
+        try:
+            self._write_stats()
+            self.rec.close()
+            log.info("tensordiff: trace closed: %s", self.rec.writer.path)
+        except Exception:
+            log.exception("tensordiff: closing the trace failed")
+        for h in self.catalog_handles:
+            try:
+                h.remove()
+            except Exception:
+                log.debug("tensordiff: removing a catalog tap failed", exc_info=True)
+        self.catalog_handles.clear()
+
+
+STATE = State()
+
+
+def _atexit_close() -> None:
+    STATE.close()
+
+
+atexit.register(_atexit_close)

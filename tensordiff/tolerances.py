@@ -1,0 +1,111 @@
+"""Tolerances: what a token must meet to pass, where they come from (dtype defaults, ``--tol``
+overrides, a calibration file) and how ``tensordiff calibrate`` derives them from a noise floor.
+
+numpy-free. Rules by pattern (glob/regex) belong here too, as another source in
+:class:`ToleranceBook`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import EPS
+from .errors import SourceFileError, UsageError
+
+#: version of the calibration file written by ``tensordiff calibrate``
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A token passes when cos >= min_cos and rel <= max_rel (and it has no NaN/Inf that the
+    reference lacks). ``rel`` = ||a - b|| / ||a||, cos = <a, b> / (||a|| ||b||)."""
+
+    min_cos: float
+    max_rel: float
+    source: str = "default"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"min_cos": self.min_cos, "max_rel": self.max_rel, "source": self.source}
+
+
+# Defaults per the coarser dtype of the two sides: wide enough for honest kernel/rounding
+# differences through a few layers, far tighter than any wiring bug (different states of the same
+# token have cos well below 0.99 and rel near 1).
+_DEFAULTS = {
+    "float64": Tolerance(1 - 1e-9, 1e-6),
+    "float32": Tolerance(1 - 1e-6, 2e-3),
+    "float16": Tolerance(0.99, 0.1),
+    "bfloat16": Tolerance(0.97, 0.25),
+}
+
+
+def coarser(a: str, b: str) -> str:
+    """The dtype of the two with the larger rounding error."""
+    return a if EPS.get(a, 0) >= EPS.get(b, 0) else b
+
+
+def default_tolerance(dtype_a: str, dtype_b: str) -> Tolerance:
+    return _DEFAULTS.get(coarser(dtype_a, dtype_b), _DEFAULTS["float32"])
+
+
+def _valid(c: float, r: float) -> bool:
+    return math.isfinite(c) and -1 <= c <= 1 and (r >= 0) and not math.isnan(r)
+
+
+@dataclass
+class ToleranceBook:
+    """Default per-dtype tolerances, overridden per tensor (``--tol NAME=min_cos,max_rel``) or by a
+    calibration file measured on a noise-floor pair (``tensordiff calibrate``). Lookup order:
+    overrides, then calibration; in each ``name[slot]``, ``name``, ``*``; then the dtype default."""
+
+    overrides: dict[str, Tolerance] = field(default_factory=dict)
+    calibrated: dict[str, Tolerance] = field(default_factory=dict)
+
+    def for_tensor(self, name: str, dtype_a: str, dtype_b: str, slot: int | None = None) -> Tolerance:
+        key = f"{name}[{slot}]" if slot is not None else name
+        for book in (self.overrides, self.calibrated):
+            for k in (key, name, "*"):
+                if k in book:
+                    return book[k]
+        return default_tolerance(dtype_a, dtype_b)
+
+    @staticmethod
+    def parse_override(text: str) -> tuple[str, Tolerance]:
+        try:
+            name, vals = text.split("=", 1)
+            c, r = (float(x) for x in vals.split(","))
+        except ValueError:
+            raise UsageError(f"--tol {text!r}: expected NAME=MIN_COS,MAX_REL (NAME may be '*' or name[slot])") from None
+        if not _valid(c, r):
+            raise UsageError(f"--tol {text!r}: MIN_COS must be in [-1, 1] and MAX_REL >= 0")
+        return name, Tolerance(c, r, "override")
+
+    def load_calibration(self, path: str) -> None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+            for k, v in data["tolerances"].items():
+                self.calibrated[str(k)] = Tolerance(float(v["min_cos"]), float(v["max_rel"]),
+                                                    f"calibrated:{os.path.basename(path)}")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SourceFileError(f"cannot read calibration file ({type(e).__name__}: {e})", path) from None
+
+
+def calibrated_tolerance(worst_cos: float, worst_rel: float, dtype: str, margin: float = 4.0) -> Tolerance:
+    """Tolerance from a noise floor: allow ``margin`` times the observed error, never tighter
+    than the dtype's rounding."""
+    eps = EPS.get(dtype, EPS["float32"])
+    rel = max(worst_rel * margin, 8 * eps)
+    one_minus = max((1 - worst_cos) * margin * margin, eps * eps)
+    return Tolerance(max(-1.0, 1 - one_minus), rel, "calibrated")
+
+
+def calibration_file(a: str, b: str, margin: float, tolerances: dict[str, Tolerance]) -> dict[str, Any]:
+    """The JSON object ``tensordiff calibrate`` writes (read back by :meth:`ToleranceBook.load_calibration`)."""
+    return {"schema_version": CALIBRATION_VERSION, "a": a, "b": b, "margin": margin,
+            "tolerances": {k: t.to_dict() for k, t in tolerances.items()}}

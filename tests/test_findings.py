@@ -1,0 +1,196 @@
+"""The data model and its outputs, without torch: typed findings, sentences, the versioned JSON
+(validated against the committed JSON Schema, round-tripped through DiffResult.from_dict), the
+calibration and summary files' versions, and the identity rule on plain arrays."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import jsonschema
+import numpy as np
+import pytest
+from tracegen import write_pair, write_trace
+
+from tensordiff.cli import jsonable, main
+from tensordiff.diff import DiffOptions, diff_traces
+from tensordiff.findings import (
+    SCHEMA_VERSION,
+    Candidate,
+    DiffResult,
+    Finding,
+    Kind,
+    NumericDetails,
+    Severity,
+    ShiftDetails,
+    render_sentence,
+)
+from tensordiff.identity import (
+    CONFIDENT,
+    CandidateRows,
+    Target,
+    clean,
+    decide,
+    identify,
+)
+from tensordiff.report import diff_schema
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = (os.path.join(ROOT, "traces", "train.h5"), os.path.join(ROOT, "traces", "serve.h5"))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return write_pair(str(tmp_path_factory.mktemp("pair")))
+
+
+@pytest.fixture(scope="module")
+def wrong(tmp_path_factory, pair):
+    """B's draft input holds [layer2, layer3] where A's holds [layer1, layer2]."""
+    d = tmp_path_factory.mktemp("wrong")
+    p = str(d / "b.h5")
+    write_trace(p, side="serve", seed=1, noise=1e-6, packed_labels=("layer2", "layer3"))
+    return pair[0], p
+
+
+def _results(pair, wrong):
+    out = [diff_traces(*pair), diff_traces(*wrong), diff_traces(wrong[1], wrong[0])]
+    if all(os.path.exists(p) for p in EXAMPLE):
+        out.append(diff_traces(*EXAMPLE))
+    return out
+
+
+def test_kinds_and_severities_compare_as_strings():
+    f = Finding(Kind.NUMERIC, Severity.WARNING)
+    assert f.kind == "numeric" and f"{f.kind}" == "numeric" and str(f.severity) == "warning"
+    assert {"warning": 1}[f.severity] == 1 and Severity.DIVERGENCE.glyph == "✗"
+    # old-style construction: strings and a details dict are turned into the typed forms
+    g = Finding("token_shift", "divergence", details={"shift": 1, "sequences": 2, "of": 3})
+    assert g.kind is Kind.TOKEN_SHIFT and isinstance(g.details, ShiftDetails) and g.details["shift"] == 1
+    assert g.message.startswith("token shift of 1: B positions are A positions +1 in 2 of 3 sequences")
+
+
+def test_sentence_is_rendered_from_the_details():
+    f = Finding(Kind.NUMERIC, Severity.DIVERGENCE, tensor="layer2", seq="s0", position=3, position_b=3, token=7,
+                regime="prefill", details=NumericDetails(subject="layer2", cos=0.5, rel=0.8, failing=2, tokens=9,
+                                                         tolerance={"min_cos": 0.97, "max_rel": 0.25}))
+    assert render_sentence(f) == f.message == (
+        "layer2 diverges at token 7 (seq s0, position 3, prefill): cos 0.5000, rel err 0.8 "
+        "(tolerance cos >= 0.97, rel <= 0.25); 2 of 9 tokens fail")
+    f.details.explained = True
+    assert f.message.endswith("(explained by the wrong state above)")
+
+
+def test_json_validates_against_the_committed_schema(pair, wrong):
+    schema = diff_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    v = jsonschema.Draft202012Validator(schema)
+    for res in _results(pair, wrong):
+        d = jsonable(res.to_dict())
+        errors = [f"{e.json_path}: {e.message}" for e in v.iter_errors(d)]
+        assert not errors, errors[:5]
+        assert d["schema_version"] == SCHEMA_VERSION
+
+
+def test_json_has_no_internal_fields(pair, wrong):
+    res = diff_traces(*wrong)
+    d = res.to_dict()
+    text = json.dumps(jsonable(d))
+    assert "_tok_index" not in text
+    for f in d["findings"]:
+        assert "order" not in f and "index" not in f
+    assert all("order" not in t for t in d["tensors"])
+    assert all("index" not in w and "token_index" in w for w in d["worst_tokens"])
+
+
+def test_json_round_trips(pair, wrong):
+    for res in _results(pair, wrong):
+        d = jsonable(res.to_dict())
+        back = DiffResult.from_dict(json.loads(json.dumps(d)))
+        assert jsonable(back.to_dict()) == d
+        assert [f.message for f in back.findings] == [f.message for f in res.findings]
+        assert all(f.text is None for f in back.findings)  # every sentence re-rendered from the details
+        assert [f.index for f in back.findings] == list(range(len(res.findings)))
+        assert back.headline() == res.headline() and back.exit_code == res.exit_code
+
+
+def test_from_dict_refuses_another_schema_version(pair):
+    d = diff_traces(*pair).to_dict()
+    d["schema_version"] = 99
+    with pytest.raises(ValueError, match="schema_version"):
+        DiffResult.from_dict(d)
+
+
+def test_wrong_slots_named_with_typed_evidence(wrong):
+    res = diff_traces(*wrong)
+    ids = [f for f in res.divergences if f.kind == Kind.SLOT_IDENTITY]
+    assert [f.message for f in ids] == ["slot 0 of draft_input holds layer2 where layer1 was expected",
+                                        "slot 1 of draft_input holds layer3 where layer2 was expected"]
+    d = ids[0].details
+    assert d.held == "layer2" and d.expected == "layer1" and isinstance(d.candidates[0], Candidate)
+    assert ids[0].details.token_index is not None and ids[0].token_index == d.token_index
+
+
+def test_calibration_and_summary_files_are_versioned(tmp_path, capsys, pair):
+    out = tmp_path / "tol.json"
+    assert main(["calibrate", *pair, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["schema_version"] == 1
+    s = tmp_path / "sum.h5"
+    diff_traces(*pair, DiffOptions(summary_path=str(s)))
+    with h5py.File(s) as f:
+        assert int(f.attrs["schema_version"]) == 1
+    capsys.readouterr()
+
+
+def test_sinks_receive_every_block(pair):
+    seen = []
+
+    class Sink:
+        def write(self, ia, ib, k, blk, m, bad):
+            seen.append((ia.name, k, len(blk), bad.shape))
+
+        def close(self):
+            seen.append("closed")
+
+    res = diff_traces(*pair, DiffOptions(sinks=[lambda al, ra, rb: Sink()], block_rows=5))
+    assert seen[-1] == "closed"
+    per_tensor: dict = {}
+    for name, k, n, shape in seen[:-1]:
+        assert shape == (n, k)
+        per_tensor[name] = per_tensor.get(name, 0) + n
+    assert per_tensor == {p.name_a: p.tokens for p in res.pairs}
+
+
+# ----------------------------------------------------------------------------------------------
+# identity on arrays
+
+
+def _rows(rng, n, w):
+    return rng.standard_normal((n, w)).astype(np.float32)
+
+
+def test_identity_names_the_state_a_slot_holds():
+    rng = np.random.default_rng(0)
+    n, w = 40, 16
+    states = {f"layer{b}": _rows(rng, n, w) for b in range(4)}
+    x = states["layer2"] + 1e-4 * _rows(rng, n, w)
+    target = Target(clean(x), np.sqrt((x ** 2).mean(1)).astype(np.float32))
+    ok = np.ones(n, bool)
+
+    def cands(offset):
+        if offset:
+            return []
+        return [CandidateRows(lab, "a", 0, "values", ok, v, np.sqrt((v ** 2).mean(1)).astype(np.float32))
+                for lab, v in states.items()]
+
+    v = identify(lambda basis: target, cands, n)
+    assert v.best == "layer2" and v.score >= CONFIDENT and v.runner_up != "layer2"
+    assert v.candidates[0].label == "layer2"
+
+
+def test_identity_without_a_confident_winner_names_nothing():
+    close = [Candidate("layer3", 0, 0.99), Candidate("layer4", 0, 0.9895)]
+    v = decide(close)
+    assert v.best is None and v.best_any == "layer3" and v.margin == pytest.approx(0.0005)
+    assert decide([]).best is None and decide([]).reason
