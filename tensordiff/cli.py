@@ -93,8 +93,11 @@ def cmd_diff(args) -> int:
         return cmd_tui(args)
     from .diff import diff_traces
     from .report import make_console, print_diff
+    from .safety import check_output_path
     from .trace import probe
 
+    if args.summary:
+        check_output_path(args.summary, [args.a, args.b, args.calibration], "--summary")
     probe([args.a, args.b])
     opts = _diff_options(args, args.summary)
     with progress_bar(not args.quiet and not args.json) as cb:
@@ -117,8 +120,10 @@ def cmd_calibrate(args) -> int:
         calibration_file,
         coarser,
     )
+    from .safety import check_output_path
     from .trace import probe
 
+    check_output_path(args.out, [args.a, args.b], "--out")
     probe([args.a, args.b])
     loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
     with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
@@ -129,9 +134,14 @@ def cmd_calibrate(args) -> int:
         raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
     tols = {}
     for p in res.pairs:
+        if not p.tokens or len(p.cos_min or []) < p.slots:
+            continue  # no token of it was compared on both sides: nothing to measure
         for s in range(p.slots):
             key = f"{p.name_a}[{s}]" if p.slots > 1 else p.name_a
             tols[key] = calibrated_tolerance(p.cos_min[s], p.rel_max[s], dtypes[p.name_a], args.margin)
+    if not tols:
+        raise IncompatibleTracesError("nothing to calibrate on: no tensor has a token recorded on both sides "
+                                      f"({args.a}, {args.b})")
     out = calibration_file(args.a, args.b, args.margin, tols)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(jsonable(out), fh, indent=2)
@@ -241,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _err(msg: str) -> None:
-    msg = " ".join(msg.split())
+    from .safety import sanitize_for_terminal
+
+    msg = sanitize_for_terminal(" ".join(msg.split()))  # messages quote file names and file contents
     sys.stderr.write(f"tensordiff: error: {msg}\n")
     sys.stderr.flush()
 

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from .findings import DiffResult, Severity
 from .fmt import SEVERITY_GLYPH, number
+from .safety import guard_console, sanitize_tree
 
 
 def diff_schema() -> dict:
@@ -27,11 +28,13 @@ def make_console(file=None) -> Console:
     # rich honours NO_COLOR itself; off a terminal we print plain text at a stable width
     width = None if tty else int(os.environ.get("COLUMNS", "120") or 120)
     # markup off: slot labels like [embed, layer3] and user metadata are data, not rich markup
-    return Console(file=file, width=width, no_color=bool(os.environ.get("NO_COLOR")) or None,
-                   highlight=False, soft_wrap=False, force_terminal=None, markup=False)
+    console = Console(file=file, width=width, no_color=bool(os.environ.get("NO_COLOR")) or None,
+                      highlight=False, soft_wrap=False, force_terminal=None, markup=False)
+    return guard_console(console)  # no control character from a file reaches the terminal
 
 
 def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, worst: int = 10) -> None:
+    res = DiffResult.from_dict(sanitize_tree(res.to_dict()))  # strings from the files made safe to print
     first = res.first_divergence
     style = "bold red" if first else "bold green"
     console.print(Text(res.headline(), style=style))
@@ -113,6 +116,7 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
 
 
 def print_info(s: dict, console: Console) -> None:
+    s = sanitize_tree(s)  # strings from the file made safe to print
     m = s["model"]
     console.print(Text(f"{s['path']}: tensordiff trace v{s['schema']}, side {s['side']}", style="bold"))
     if s.get("recovered"):

@@ -221,3 +221,31 @@ def peak_rss(argv: list[str], *, pythonpath: str = ROOT, env: dict | None = None
     m = json.loads(meas[-1][4:])
     err = "\n".join(x for x in lines if not x.startswith("RSS ")).strip()
     return int(m["rc"]), p.stdout, err, max(m["self_kb"], m["child_kb"]) // 1024
+
+
+# -- importers (torch needed to write these) ---------------------------------------------------
+
+
+def sglang_dump(d: str, tensors: dict, rids=("req-a",), tokens: int = 4) -> str:
+    """An SGLang dumper directory of one step: the core fields plus ``tensors`` {file name tag
+    'name' value: tensor or (extra tags, tensor)}, written with torch.save."""
+    import torch
+
+    os.makedirs(d, exist_ok=True)
+    i = 0
+
+    def dump(name, value, **tags):
+        nonlocal i
+        i += 1
+        fname = "___".join(f"{k}={v}" for k, v in dict(step=0, rank=0, dump_index=i, name=name,
+                                                         recompute_status="disabled", **tags).items()) + ".pt"
+        torch.save({"value": value, "meta": {"name": name}}, os.path.join(d, fname))
+        return fname
+
+    dump("input_ids", torch.arange(1, tokens + 1))
+    dump("positions", torch.arange(tokens))
+    dump("seq_lens", torch.tensor([tokens]))
+    dump("rids", list(rids))
+    for name, value in tensors.items():
+        dump(name, value)
+    return d

@@ -222,3 +222,208 @@ def test_trace_still_being_written_says_so(tmp_path, capsys):
     finally:
         w.close()
     assert main(["info", p]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# terminal escapes: text output escapes every control character from a file, JSON keeps them
+
+_RAW = ("\x1b", "\x07", "\r", "\u202e", "\x9b")
+
+
+def _no_raw_controls(text: str, what: str) -> None:
+    for ch in _RAW:
+        assert ch not in text, f"{what}: raw {ch!r} in the output: {text[:500]!r}"
+    forged = [x for x in text.splitlines() if x.startswith("verdict: AGREE")]
+    assert not forged, f"{what}: a key forged a verdict line: {forged}"
+
+
+def test_escapes_in_strings_never_reach_the_terminal(tmp_path):
+    a = hostile.escape_strings(str(tmp_path / "a.h5"), side="train")
+    b = hostile.escape_strings(str(tmp_path / "b.h5"), side="serve", noise=0.5)
+    rc, out, err = run_isolated(["info", a], timeout=60)
+    assert rc == 0, err
+    _no_raw_controls(out, "info")
+    assert "\\x1b[2K" in out and "\\u202e" in out  # shown, escaped
+    rc, out, err = run_isolated(["diff", a, b, "-q"], timeout=60)
+    assert rc in (0, 1), err
+    _no_raw_controls(out + err, "diff")
+    rc, out, err = run_isolated(["info", "--json", a], timeout=60)
+    assert rc == 0, err
+    import json
+
+    s = json.loads(out)
+    assert s["producer"] == "evil" + hostile.ESCAPES  # the JSON keeps the real value
+    assert any(hostile.ESCAPES in q["key"] for q in s["sequences"])
+
+
+def test_error_lines_escape_what_they_quote(tmp_path):
+    p = tmp_path / "x\x1b[2Jy.h5"
+    err = one_line(["info", p], "no such file")
+    assert "\x1b" not in err and "\\x1b[2J" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# outputs: never an input, checked before any work
+
+
+def test_calibrate_does_not_overwrite_its_input(tmp_path, good):
+    a = tmp_path / "a.h5"
+    shutil.copyfile(good["a"], a)
+    before = a.read_bytes()
+    one_line(["calibrate", a, good["b"], "--out", a], "is one of this command's inputs")
+    assert a.read_bytes() == before
+
+
+def test_summary_onto_an_input(tmp_path, good):
+    b = tmp_path / "b.h5"
+    shutil.copyfile(good["b"], b)
+    before = b.read_bytes()
+    one_line(["diff", good["a"], b, "-q", "--summary", b], "is one of this command's inputs")
+    assert b.read_bytes() == before
+
+
+@pytest.mark.parametrize("cmd", ["calibrate", "summary"])
+def test_output_into_a_missing_directory(tmp_path, good, cmd):
+    out = tmp_path / "no" / "such" / "x.json"
+    argv = (["calibrate", good["a"], good["b"], "--out", out] if cmd == "calibrate"
+            else ["diff", good["a"], good["b"], "-q", "--summary", out])
+    one_line(argv, "does not exist")
+
+
+def test_calibrate_with_nothing_comparable(tmp_path):
+    """Two traces whose only tensor has rows for different sequences (was "unexpected IndexError")."""
+    import numpy as np
+
+    from tensordiff.trace import TraceWriter
+
+    def make(p, side, rows_for):
+        with TraceWriter(p, side=side, model={"hidden_size": 4, "num_layers": 1}, sketch_dim=4) as w:
+            w.define_tensor("embed", 4, kind="boundary", boundary=0)
+            for s in range(2):
+                r = w.add_tokens(f"k{s}", range(5), [1 + s, 2, 3, 4, 5], "train")
+                if s == rows_for:
+                    w.append("embed", r, np.ones((5, 4), np.float32))
+
+    make(str(tmp_path / "a.h5"), "train", 0)
+    make(str(tmp_path / "b.h5"), "serve", 1)
+    one_line(["calibrate", tmp_path / "a.h5", tmp_path / "b.h5", "--out", tmp_path / "c.json"],
+             "nothing to calibrate on")
+
+
+# ----------------------------------------------------------------------------------------------
+# calibration files: regular, bounded, the right shape
+
+
+def test_calibration_fifo_does_not_block(tmp_path, good):
+    p = tmp_path / "cal.json"
+    os.mkfifo(p)
+    one_line(["diff", good["a"], good["b"], "-q", "--calibration", p], "is a named pipe (FIFO), not a regular file",
+             timeout=20)
+
+
+def test_calibration_device_is_not_read(good):
+    one_line(["diff", good["a"], good["b"], "-q", "--calibration", "/dev/zero"], "is a character device", timeout=20)
+
+
+@pytest.mark.parametrize("content,expect", [
+    ('{"tolerances": [1, 2]}', "'tolerances' is a JSON list"),
+    ('[]', "a JSON list, expected an object"),
+    ('{"tolerances": {"embed": 3}}', "calibration entry 'embed' is a JSON int"),
+    ('{"tolerances": {"embed": {"min_cos": "x", "max_rel": 1}}}', "min_cos is 'x', expected a finite number"),
+])
+def test_calibration_file_of_the_wrong_shape(tmp_path, good, content, expect):
+    p = tmp_path / "cal.json"
+    p.write_text(content)
+    one_line(["diff", good["a"], good["b"], "-q", "--calibration", p], expect)
+
+
+# ----------------------------------------------------------------------------------------------
+# importers: nothing read unbounded, nothing written the reader would refuse
+
+
+@pytest.fixture(scope="module")
+def torch_baseline(tmp_path_factory):
+    """Peak RSS of `import` refusing a small text file (torch imported, nothing loaded), MiB."""
+    pytest.importorskip("torch")
+    d = tmp_path_factory.mktemp("tb")
+    p = d / "hs.pt"
+    p.write_text("plain text, not torch.save")
+    rc, _, err, rss = hostile.peak_rss(["import", str(p), "--out", str(d / "o.h5")])
+    assert rc == 2 and rss > 0, err
+    return rss
+
+
+def test_gzip_bomb_is_refused_before_decompressing(tmp_path, torch_baseline):
+    """512 MiB of zeros in 0.5 MB of gzip: the header is checked first (it used to be gunzipped
+    into memory, twice, before "not a torch checkpoint")."""
+    p = hostile.gzip_bomb(str(tmp_path / "data_0.ckpt.gz"), mib=512)
+    bounded(["import", p, "--out", str(tmp_path / "o.h5")], torch_baseline, "not a torch checkpoint")
+
+
+def test_gzip_bomb_with_a_torch_header_is_capped(tmp_path, torch_baseline):
+    """'PK' and then 512 MiB of zeros: looks like torch.save's zip, decompression stops at the cap."""
+    import zlib
+
+    p = tmp_path / "data_0.ckpt.gz"
+    comp = zlib.compressobj(1, zlib.DEFLATED, 31)
+    with open(p, "wb") as fh:
+        fh.write(comp.compress(b"PK"))
+        for _ in range(512):
+            fh.write(comp.compress(bytes(1 << 20)))
+        fh.write(comp.flush())
+    bounded(["import", str(p), "--out", str(tmp_path / "o.h5")], torch_baseline, "decompresses to more than")
+
+
+@pytest.mark.parametrize("name,expect", [
+    (".", "is a path, not a name"),
+    ("evil\x1b[2Jname", "not printable"),
+    ("line\nbreak", "not printable"),
+])
+def test_dump_names_the_reader_would_refuse(tmp_path, name, expect):
+    torch = pytest.importorskip("torch")
+    d = hostile.sglang_dump(str(tmp_path / "dump"), {name: torch.ones(4, 8), "ok": torch.ones(4, 8)})
+    err = one_line(["import", d, "--out", tmp_path / "o.h5"], "cannot name a tensor in a trace")
+    assert expect in err and "\x1b" not in err
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_dump_of_only_a_scalar_is_refused(tmp_path):
+    """A 0-d tensor used to import as "tensors none", exit 0."""
+    torch = pytest.importorskip("torch")
+    d = hostile.sglang_dump(str(tmp_path / "dump"), {"loss": torch.tensor(1.5), "nothing": torch.ones(0, 8)})
+    err = one_line(["import", d, "--out", tmp_path / "o.h5"], "nothing imported")
+    assert "0-d tensor" in err and "empty tensor" in err
+    assert not (tmp_path / "o.h5").exists()
+
+
+def test_dump_request_id_too_long(tmp_path):
+    """A 5000-character request id was an "unexpected ValueError"."""
+    torch = pytest.importorskip("torch")
+    d = hostile.sglang_dump(str(tmp_path / "dump"), {"h": torch.ones(4, 8)}, rids=("r" * 5000,))
+    one_line(["import", d, "--out", tmp_path / "o.h5"], "a request id of 5000 characters")
+
+
+def test_dump_symlink_out_of_the_directory_is_not_followed(tmp_path):
+    torch = pytest.importorskip("torch")
+    d = hostile.sglang_dump(str(tmp_path / "dump"), {"h": torch.ones(4, 8)})
+    outside = tmp_path / "outside"
+    hostile.sglang_dump(str(outside), {"secret": torch.full((4, 8), 7.0)})
+    secret = next(p for p in os.listdir(outside) if "name=secret" in p)
+    os.symlink(outside / secret, os.path.join(d, secret.replace("dump_index=5", "dump_index=9")))
+    out = tmp_path / "o.h5"
+    rc, stdout, err = run_isolated(["import", d, "--out", str(out)], timeout=120)
+    assert rc == 0, err
+    assert "symbolic link out of the directory" in stdout
+    from tensordiff.trace import TraceReader
+
+    with TraceReader(out) as r:
+        assert "secret" not in r.tensors and "h" in r.tensors
+
+
+def test_import_does_not_overwrite_its_source(tmp_path):
+    torch = pytest.importorskip("torch")
+    p = tmp_path / "data_0.pt"
+    torch.save({"input_ids": torch.arange(3)}, p)
+    before = p.read_bytes()
+    one_line(["import", p, "--out", p], "is one of this command's inputs")
+    assert p.read_bytes() == before

@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..safety import check_output_path, sanitize_for_terminal
     from .importers import import_files
     from .train_cli import _read_draft_ids
 
@@ -67,10 +68,11 @@ def run(args: argparse.Namespace) -> int:
         fmt = sources.pop(0)
         if not sources:
             raise TraceError(f"import {fmt}: give the files or directories to import")
+    check_output_path(args.out, sources, "--out")
     res = import_files(sources, args.out, fmt=fmt, side=args.side, aux_ids=ids,
                        convention=args.convention, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        labels=args.labels, prepend_embed=args.prepend_embed, rank=args.rank, names=args.names,
                        as_labels=as_labels, include_recompute=args.include_recompute, limit=args.limit,
                        values=False if args.no_values else None)
-    print(res.summary())
+    print(sanitize_for_terminal(res.summary(), keep="\n"))  # file and dump names are from the filesystem
     return 0

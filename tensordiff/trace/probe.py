@@ -106,6 +106,9 @@ def probe(paths: Sequence[str | os.PathLike[str]], timeout: float | None = None)
     os.close(wfd)
     try:
         status, state, lines = _watch(pid, rfd, stall)
+    except BaseException:  # interrupted (Ctrl-C): a child stuck in C would loop on forever
+        _kill(pid, "interrupted")
+        raise
     finally:
         os.close(rfd)
     _verdict(status, state, lines, names, stall)
@@ -148,8 +151,11 @@ def _watch(pid: int, rfd: int, stall: float) -> tuple[int | None | str, _FileSta
 
 
 def _kill(pid: int, why: str) -> str:
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
     return why
 
 
@@ -194,11 +200,23 @@ def _verdict(status: int | None | str, state: _FileState | None, lines: list[str
         raise cls(msg)  # the message names the file already
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this child when its parent dies (a parent killed by a timeout or
+    SIGKILL must not leave a child looping in the HDF5 library)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _child(paths: list[str], rfd: int, wfd: int) -> None:
     """The forked child: open each trace, report progress and the first error on ``wfd``, exit."""
     code = 3
     try:
         os.close(rfd)
+        _die_with_parent()
         code = 0
         last = [0.0]
 
