@@ -427,3 +427,130 @@ def test_import_does_not_overwrite_its_source(tmp_path):
     before = p.read_bytes()
     one_line(["import", p, "--out", p], "is one of this command's inputs")
     assert p.read_bytes() == before
+
+
+# ----------------------------------------------------------------------------------------------
+# record serve: an engine that cannot start is one line and exit 2, not a silent 137
+
+
+def _serve_setup(tmp_path, monkeypatch, fake):
+    import json as _json
+
+    from tensordiff.recorders import serve_cli
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(_json.dumps({"vocab_size": 100}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("[1, 2, 3]\n")
+    monkeypatch.setattr(serve_cli, "_plugin_installed", lambda: True)
+    monkeypatch.setattr(serve_cli, "_default_start_engine", fake)
+    out = tmp_path / "s.h5"
+    return ["record", "serve", "--model", str(model), "--prompts", str(prompts), "--out", str(out), "--device", "cpu"], out
+
+
+def _partial_trace():
+    with open(os.environ["TENSORDIFF_TRACE"], "wb") as fh:  # what the plugin leaves when it started first
+        fh.write(b"\x89HDF\r\n\x1a\n" + bytes(100))
+
+
+def test_record_serve_engine_child_fails_at_start(tmp_path, monkeypatch, capsys):
+    """The scheduler logs its exception and sends SIGQUIT (SGLang's handler would then kill the
+    whole process tree, exit 137): one line with the cause and a hint, the partial trace removed."""
+    from tensordiff.cli import main
+
+    def fake(**kw):
+        _partial_trace()
+        os.write(2, b"[scheduler] Scheduler hit an exception: Traceback (most recent call last):\n"
+                    b'  File "draft_utils.py", line 118, in create\n'
+                    b"ValueError: EAGLE is not supported in decode attention backend torch_native\n")
+        signal.signal(signal.SIGQUIT, lambda *a: os._exit(137))  # what SGLang's Engine installs
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(30)
+
+    argv, out = _serve_setup(tmp_path, monkeypatch, fake)
+    rc = main(argv)
+    o, err = capsys.readouterr()
+    assert_clean_exit(rc, o, err, "record serve")
+    assert rc == 2 and "EAGLE is not supported in decode attention backend torch_native" in err, err
+    assert "--attention-backend" in err and not out.exists()
+    assert signal.getsignal(signal.SIGQUIT) is not None and signal.signal is not None
+
+
+def test_record_serve_engine_kernels_missing(tmp_path, monkeypatch, capsys):
+    from tensordiff.cli import main
+
+    def fake(**kw):
+        _partial_trace()
+        raise ModuleNotFoundError("No module named 'sgl_kernel'", name="sgl_kernel")
+
+    argv, out = _serve_setup(tmp_path, monkeypatch, fake)
+    rc = main(argv)
+    o, err = capsys.readouterr()
+    assert_clean_exit(rc, o, err, "record serve")
+    assert rc == 2 and "the module 'sgl_kernel' is not installed" in err and "install-sglang-cpu.sh" in err, err
+    assert not out.exists()
+
+
+def test_record_serve_does_not_overwrite_its_prompts(tmp_path, monkeypatch, capsys):
+    from tensordiff.cli import main
+
+    argv, _ = _serve_setup(tmp_path, monkeypatch, lambda **kw: None)
+    prompts = argv[argv.index("--prompts") + 1]
+    argv[argv.index("--out") + 1] = prompts
+    rc = main(argv)
+    _, err = capsys.readouterr()
+    assert rc == 2 and "is one of this command's inputs" in err, err
+    assert open(prompts).read() == "[1, 2, 3]\n"
+
+
+def test_inf_rms_prints_no_numpy_warning(tmp_path, good):
+    """Inf in the stored RMS and values of the trace under test: a finding, and nothing on stderr
+    (a numpy RuntimeWarning used to leak; the numerics now run under errstate)."""
+    import h5py
+    import numpy as np
+
+    p = tmp_path / "b.h5"
+    shutil.copyfile(good["b"], p)
+    with h5py.File(p, "r+") as f:
+        for part in ("values", "rms"):
+            ds = f[f"tensors/layer1/{part}"]
+            v = ds[()]
+            v[0] = np.inf
+            ds[...] = v
+    rc, out, err = run_isolated(["diff", good["a"], str(p), "-q"], timeout=60)
+    assert rc in (0, 1) and err.strip() == "", err
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_record_serve_eagle_on_torch_native_real_engine(tmp_path):
+    """The report's case with the real engine on CPU: EAGLE-3 with --attention-backend torch_native
+    (SGLang: "EAGLE is not supported in decode attention backend torch_native"). It used to be
+    killed (exit 137) with no tensordiff message and a partial trace."""
+    import json as _json
+    import subprocess
+    import sys
+
+    import sglang_support as sup
+
+    if not sup.sglang_available():
+        pytest.skip("real SGLang (and torch) not installed")
+    target, draft = sup.make_tiny_models(tmp_path / "models")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_json.dumps({"id": "a", "input_ids": [1, 2, 3, 4]}) + "\n")
+    out = tmp_path / "s.h5"
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_PLUGINS="tensordiff",
+               PYTHONPATH=os.pathsep.join([str(sup.STUB_DIR), hostile.ROOT]))
+    for k in [k for k in env if k.startswith("TENSORDIFF_")]:
+        del env[k]
+    argv = [sys.executable, "-m", "tensordiff", "record", "serve", "--model", str(target), "--draft", str(draft),
+            "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--dtype", "float32",
+            "--attention-backend", "torch_native", "--mem-fraction-static", "0.1", "--max-total-tokens", "2048",
+            "--max-new-tokens", "2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=hostile.ROOT)
+    last = [x for x in proc.stderr.splitlines() if x.strip()][-1:]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert last and last[0].startswith("tensordiff: error: the SGLang engine could not start"), proc.stderr[-3000:]
+    assert "EAGLE is not supported" in last[0] and "--attention-backend" in last[0], last
+    assert not out.exists()
