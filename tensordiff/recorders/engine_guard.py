@@ -100,10 +100,12 @@ class EngineGuard:
         self._old_handler: Any = None
         self._real_signal: Callable[..., Any] | None = None
         self.failed = False
+        self.children_before: set[int] = set()
 
     # -- context -------------------------------------------------------------------------------
 
     def __enter__(self) -> EngineGuard:
+        self.children_before = set(_children())
         self._tail.start()
         if threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGQUIT, self._on_sigquit)
@@ -163,17 +165,21 @@ class EngineGuard:
         return RecordingError(sanitize_for_terminal(f"the {self.engine} engine {verb}: {cause[:400]}; {hint}"))
 
 
-def kill_children() -> None:
-    """Kill every process this one started (an engine that failed half-way leaves some)."""
+def _children() -> dict[int, Any]:
     try:
         import psutil  # type: ignore[import-untyped, unused-ignore]
-    except ImportError:
-        return
-    try:
-        for child in psutil.Process().children(recursive=True):
+
+        return {c.pid: c for c in psutil.Process().children(recursive=True)}
+    except Exception:  # noqa: BLE001 - no psutil (it comes with the engines), or the process table moved
+        return {}
+
+
+def kill_children(keep: set[int] | frozenset[int] = frozenset()) -> None:
+    """Kill the processes this one started, but those in ``keep`` (running before the engine):
+    an engine that failed half-way leaves some."""
+    for pid, child in _children().items():
+        if pid not in keep:
             try:
                 child.kill()
-            except psutil.Error:
+            except Exception:  # noqa: BLE001 - gone already
                 pass
-    except psutil.Error:
-        pass

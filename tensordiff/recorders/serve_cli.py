@@ -248,7 +248,7 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
         except (EngineFailed, Exception) as e:
             if isinstance(e, TensordiffError):
                 raise
-            kill_children()
+            kill_children(guard.children_before)
             _remove_partial(out_path)  # nothing was recorded: no half-written trace is left behind
             raise guard.error(e, "start") from None
         guard.started()
@@ -267,7 +267,7 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
                                 "spec_accept_length": meta.get("spec_accept_length")})
         engine.collective_rpc("tensordiff_close")
     except EngineFailed:  # a child failed while recording: the trace stays, marked not closed cleanly
-        kill_children()
+        kill_children(guard.children_before)
         engine = None
         raise guard.error(None, "run") from None
     finally:
