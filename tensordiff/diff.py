@@ -49,7 +49,7 @@ from .findings import (
 )
 from .identity import IdentityVerdict
 from .numerics import BlockMetrics, PairAccumulator, WorstTokens
-from .tolerances import ToleranceBook
+from .tolerances import ToleranceBook, allow_failed
 from .trace import TensorInfo, TraceReader
 from .vocab import REGIMES
 
@@ -180,6 +180,8 @@ class Differ:
         finally:
             for s in sinks:
                 s.close()
+        self.opt.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
+        findings = allow_failed(findings, stats, self.opt.tolerances.allow_failed)
         return DiffResult(
             path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=order_findings(findings),
             slot_table=slot_table, pairs=stats,

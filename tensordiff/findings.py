@@ -59,6 +59,8 @@ __all__ = [
 
 #: version of the diff JSON (``tensordiff diff --json``); docs/json.md, schemas/diff.schema.json
 SCHEMA_VERSION = 1
+#: start of the sentence of a divergence turned into a warning by ``--allow-failed``
+ALLOWED_PREFIX = "allowed by --allow-failed"
 
 class _StrEnum(str, Enum):
     """A str-valued enum that prints as its value (``f"{Kind.NUMERIC}"`` is ``numeric``) and
@@ -204,7 +206,8 @@ def _identity(f: Finding, d: IdentityDetails) -> str:
 
 def _numeric(f: Finding, d: NumericDetails) -> str:
     t = d.tolerance
-    s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g} "
+    on = " (on sketches)" if d.basis == "sketch" else ""   # numbers of the sketches, not of full values
+    s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g}{on} "
          f"(tolerance cos >= {t.get('min_cos', 0):g}, rel <= {t.get('max_rel', 0):g}); "
          f"{d.failing} of {d.tokens} tokens fail")
     return s + (" (explained by the wrong state above)" if d.explained else "")
@@ -373,8 +376,14 @@ class DiffResult:
 
     def headline(self) -> str:
         f = self.first_divergence
+        allowed = sum(1 for g in self.findings if (g.text or "").startswith(ALLOWED_PREFIX))
+        n = len(self.pairs)
+        tensors = f"{n} tensor{'' if n == 1 else 's'}"
+        if f is None and allowed:
+            return (f"no divergence outside the {allowed} allowed by --allow-failed: {self.tokens_aligned} tokens in "
+                    f"{tensors} compared")
         if f is None:
-            return f"no divergence: {self.tokens_aligned} tokens in {len(self.pairs)} tensors agree within tolerance"
+            return f"no divergence: {self.tokens_aligned} tokens in {tensors} agree within tolerance"
         return f.message
 
     def inheritance_note(self, f: Finding) -> str | None:
