@@ -147,8 +147,10 @@ def _stdout_to_devnull() -> None:
 def cmd_report(args) -> int:
     """The HTML report: one self-contained file (docs/report.md)."""
     from .report_html import make_report
+    from .safety import check_output_path
     from .trace import probe
 
+    check_output_path(args.out, [args.a, args.b, args.calibration], "--out")
     probe([args.a, args.b])
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
     _swapped_hint(res, "report")
@@ -200,8 +202,11 @@ def cmd_tui(args) -> int:
         from .tui import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install
         raise UsageError(f"the TUI needs textual ({e})") from None
+    from .safety import check_output_path
     from .trace import TraceReader, probe
 
+    if getattr(args, "screenshot", None):
+        check_output_path(args.screenshot, [args.a, args.b, args.calibration], "--screenshot")
     probe([args.a, args.b])  # fail fast on bad input, before the screen is taken over
     if os.environ.get("TENSORDIFF_NO_PROBE"):  # no child check: open them here instead
         for p in (args.a, args.b):

@@ -95,7 +95,7 @@ def check_output_path(out: str | os.PathLike[str], inputs: Iterable[str | os.Pat
             continue
         s = os.fspath(src)
         if _same_file(path, s):
-            raise UsageError(f"{what} {path}: is one of this command's inputs ({s}); writing there would destroy it")
+            raise UsageError(f"{what} {path} would overwrite an input of this command ({s}); choose another file")
     if os.path.exists(path):
         if not os.access(path, os.W_OK):
             raise UsageError(f"{what} {path}: exists and is not writable")

@@ -271,7 +271,7 @@ def test_calibrate_does_not_overwrite_its_input(tmp_path, good):
     a = tmp_path / "a.h5"
     shutil.copyfile(good["a"], a)
     before = a.read_bytes()
-    one_line(["calibrate", a, good["b"], "--out", a], "is one of this command's inputs")
+    one_line(["calibrate", a, good["b"], "--out", a], "would overwrite an input")
     assert a.read_bytes() == before
 
 
@@ -279,7 +279,7 @@ def test_summary_onto_an_input(tmp_path, good):
     b = tmp_path / "b.h5"
     shutil.copyfile(good["b"], b)
     before = b.read_bytes()
-    one_line(["diff", good["a"], b, "-q", "--summary", b], "is one of this command's inputs")
+    one_line(["diff", good["a"], b, "-q", "--summary", b], "would overwrite an input")
     assert b.read_bytes() == before
 
 
@@ -426,7 +426,7 @@ def test_import_does_not_overwrite_its_source(tmp_path):
     p = tmp_path / "data_0.pt"
     torch.save({"input_ids": torch.arange(3)}, p)
     before = p.read_bytes()
-    one_line(["import", p, "--out", p], "is one of this command's inputs")
+    one_line(["import", p, "--out", p], "would overwrite an input")
     assert p.read_bytes() == before
 
 
@@ -501,7 +501,7 @@ def test_record_serve_does_not_overwrite_its_prompts(tmp_path, monkeypatch, caps
     argv[argv.index("--out") + 1] = prompts
     rc = main(argv)
     _, err = capsys.readouterr()
-    assert rc == 2 and "is one of this command's inputs" in err, err
+    assert rc == 2 and "would overwrite an input" in err, err
     assert open(prompts).read() == "[1, 2, 3]\n"
 
 
@@ -555,3 +555,17 @@ def test_record_serve_eagle_on_torch_native_real_engine(tmp_path):
     assert last and last[0].startswith("tensordiff: error: the SGLang engine could not start"), proc.stderr[-3000:]
     assert "EAGLE is not supported" in last[0] and "--attention-backend" in last[0], last
     assert not out.exists()
+
+
+def test_html_report_does_not_overwrite_its_input(tmp_path, good):
+    a = tmp_path / "a.h5"
+    shutil.copyfile(good["a"], a)
+    before = a.read_bytes()
+    one_line(["report", a, good["b"], "-o", a], "would overwrite an input")
+    assert a.read_bytes() == before
+
+
+def test_tolerance_rules_fifo_does_not_block(tmp_path, good):
+    p = tmp_path / "rules.toml"
+    os.mkfifo(p)
+    one_line(["diff", good["a"], good["b"], "-q", "--tol", p], "is a named pipe (FIFO), not a regular file", timeout=20)
