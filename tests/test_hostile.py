@@ -49,8 +49,13 @@ def bounded(argv, baseline, expect: str, **kw) -> str:
     return err
 
 
-def one_line(argv, expect: str, timeout: float = 60, env=None, rc_expected: int = 2) -> str:
-    rc, out, err = run_isolated([str(a) for a in argv], timeout=timeout, env=env)
+def one_line(argv, expect: str, timeout: float = 60, env=None, rc_expected: int = 2, fresh: bool = False) -> str:
+    """Run the command (forked, or in a fresh interpreter when ``fresh``: torch does not survive a
+    fork of a process that has used it) and check it is one line on stderr, saying ``expect``."""
+    if fresh:
+        rc, out, err, _ = hostile.peak_rss([str(a) for a in argv], env=env, timeout=timeout + 60)
+    else:
+        rc, out, err = run_isolated([str(a) for a in argv], timeout=timeout, env=env)
     assert rc != 124, f"{argv}: did not finish in {timeout} s"
     assert_clean_exit(rc, out, err, " ".join(map(str, argv)))
     assert rc == rc_expected and expect in err, f"{argv}: rc={rc} {err[-500:]}"
@@ -383,7 +388,7 @@ def test_gzip_bomb_with_a_torch_header_is_capped(tmp_path, torch_baseline):
 def test_dump_names_the_reader_would_refuse(tmp_path, name, expect):
     torch = pytest.importorskip("torch")
     d = hostile.sglang_dump(str(tmp_path / "dump"), {name: torch.ones(4, 8), "ok": torch.ones(4, 8)})
-    err = one_line(["import", d, "--out", tmp_path / "o.h5"], "cannot name a tensor in a trace")
+    err = one_line(["import", d, "--out", tmp_path / "o.h5"], "cannot name a tensor in a trace", fresh=True)
     assert expect in err and "\x1b" not in err
     assert not (tmp_path / "o.h5").exists()
 
@@ -392,7 +397,7 @@ def test_dump_of_only_a_scalar_is_refused(tmp_path):
     """A 0-d tensor used to import as "tensors none", exit 0."""
     torch = pytest.importorskip("torch")
     d = hostile.sglang_dump(str(tmp_path / "dump"), {"loss": torch.tensor(1.5), "nothing": torch.ones(0, 8)})
-    err = one_line(["import", d, "--out", tmp_path / "o.h5"], "nothing imported")
+    err = one_line(["import", d, "--out", tmp_path / "o.h5"], "nothing imported", fresh=True)
     assert "0-d tensor" in err and "empty tensor" in err
     assert not (tmp_path / "o.h5").exists()
 
@@ -401,7 +406,7 @@ def test_dump_request_id_too_long(tmp_path):
     """A 5000-character request id was an "unexpected ValueError"."""
     torch = pytest.importorskip("torch")
     d = hostile.sglang_dump(str(tmp_path / "dump"), {"h": torch.ones(4, 8)}, rids=("r" * 5000,))
-    one_line(["import", d, "--out", tmp_path / "o.h5"], "a request id of 5000 characters")
+    one_line(["import", d, "--out", tmp_path / "o.h5"], "a request id of 5000 characters", fresh=True)
 
 
 def test_dump_symlink_out_of_the_directory_is_not_followed(tmp_path):
@@ -412,7 +417,7 @@ def test_dump_symlink_out_of_the_directory_is_not_followed(tmp_path):
     secret = next(p for p in os.listdir(outside) if "name=secret" in p)
     os.symlink(outside / secret, os.path.join(d, secret.replace("dump_index=5", "dump_index=9")))
     out = tmp_path / "o.h5"
-    rc, stdout, err = run_isolated(["import", d, "--out", str(out)], timeout=120)
+    rc, stdout, err, _ = hostile.peak_rss(["import", d, "--out", str(out)], timeout=180)
     assert rc == 0, err
     assert "symbolic link out of the directory" in stdout
     from tensordiff.trace import TraceReader
@@ -426,7 +431,7 @@ def test_import_does_not_overwrite_its_source(tmp_path):
     p = tmp_path / "data_0.pt"
     torch.save({"input_ids": torch.arange(3)}, p)
     before = p.read_bytes()
-    one_line(["import", p, "--out", p], "would overwrite an input")
+    one_line(["import", p, "--out", p], "would overwrite an input", fresh=True)
     assert p.read_bytes() == before
 
 
