@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..safety import check_output_path, sanitize_for_terminal
     from .importers import import_files
     from .train_cli import _read_draft_ids
 
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         fmt = sources.pop(0)
         if not sources:
             raise TraceError(f"import {fmt}: give the files or directories to import")
+    check_output_path(args.out, sources, "--out")
     from .importers import ENGINE_FORMATS, detect_engine_format, import_engine_files
 
     if fmt == "auto":
@@ -77,12 +79,12 @@ def run(args: argparse.Namespace) -> int:
         res = import_engine_files(sources, args.out, fmt=fmt, side=args.side, aux_ids=ids, convention=args.convention,
                                   num_layers=args.num_layers, hidden_size=args.hidden_size, labels=args.labels,
                                   limit=args.limit, values=False if args.no_values else None)
-        print(res.summary())
+        print(sanitize_for_terminal(res.summary(), keep="\n"))  # request ids come from the files
         return 0
     res = import_files(sources, args.out, fmt=fmt, side=args.side, aux_ids=ids,
                        convention=args.convention, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        labels=args.labels, prepend_embed=args.prepend_embed, rank=args.rank, names=args.names,
                        as_labels=as_labels, include_recompute=args.include_recompute, limit=args.limit,
                        values=False if args.no_values else None)
-    print(res.summary())
+    print(sanitize_for_terminal(res.summary(), keep="\n"))  # file and dump names are from the filesystem
     return 0

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import fnmatch
 import gzip
-import io
 import os
 import pickle
 import re
+import stat
+import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,10 @@ import numpy as np
 import torch
 
 from .. import conventions
-from ..errors import TraceError
+from ..errors import SourceFileError, TraceError
+from ..safety import sanitize_for_terminal
+from ..trace.schema import MAX_KEY_CHARS
+from ..trace.validate import tensor_name_problem
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .core import Recorder, Sampling, logical_dtype
 from .hf import DraftPlan, plan_draft_input
@@ -65,37 +69,88 @@ def _looks_like_torch(head: bytes) -> bool:
     return head[:2] == b"PK" or head[:1] == b"\x80"
 
 
+#: a .gz may decompress to at most this many times its size (plus 64 MiB): hidden states compress
+#: less than 2x, so more is a bomb (2 MB of gzip holding 2 GiB of zeros)
+GZ_MAX_RATIO = 64
+GZ_SLACK = 64 << 20
+
+
+def _open_regular(path: str) -> int:
+    """A descriptor of ``path`` after checking it is a regular file (opened without blocking, so a
+    FIFO named like a dump cannot hang the import)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise SourceFileError(f"is {kind}, not a torch file", path)
+    return fd
+
+
+def _gunzip_bounded(fh: Any, path: str, size: int) -> Any:
+    """The decompressed stream of a gzip file, checked to start like a torch file before anything
+    else is decompressed, then spooled to a temporary file (never all in memory) up to a cap."""
+    limit = size * GZ_MAX_RATIO + GZ_SLACK
+    with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
+        head = gz.read(2)
+        if not _looks_like_torch(head):
+            raise SourceFileError("not a torch checkpoint (neither torch.save's zip format nor a pickle, gzipped)", path)
+        out = tempfile.TemporaryFile()
+        try:
+            out.write(head)
+            total = len(head)
+            while True:
+                chunk = gz.read(1 << 20)
+                if not chunk:
+                    break
+                total += len(chunk)
+                if total > limit:
+                    raise SourceFileError(f"decompresses to more than {limit >> 20} MiB ({GZ_MAX_RATIO}x its size): "
+                                          "not hidden states (a gzip bomb?)", path)
+                out.write(chunk)
+            out.seek(0)
+            return out
+        except BaseException:
+            out.close()
+            raise
+
+
 def load_torch_file(path: str | os.PathLike) -> Any:
     """``torch.load(weights_only=True)`` of a ``.pt``/``.ckpt`` file, or a gzip of one (``.gz``).
     Anything else, or a file holding objects other than tensors and plain containers, raises
-    :class:`TraceError` with one line."""
+    :class:`~tensordiff.errors.SourceFileError` with one line. The header is checked before
+    anything is loaded or decompressed; a gzip is decompressed to a temporary file, bounded."""
     path = os.fspath(path)
+    data: Any = None
     try:
-        if path.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                data = io.BytesIO(f.read())
-            head = data.getvalue()[:2]
-        else:
-            with open(path, "rb") as f:
-                head = f.read(2)
-            data = path
-        if not _looks_like_torch(head):
-            raise TraceError("not a torch checkpoint (neither torch.save's zip format nor a pickle)", path)
+        fd = _open_regular(path)
+        with os.fdopen(fd, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if path.endswith(".gz"):
+                data = _gunzip_bounded(fh, path, size)
+            else:
+                if not _looks_like_torch(fh.read(2)):
+                    raise SourceFileError("not a torch checkpoint (neither torch.save's zip format nor a pickle)", path)
+                fh.seek(0)
+                return torch.load(fh, map_location="cpu", weights_only=True)
         return torch.load(data, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise TraceError("no such file", path) from None
+        raise SourceFileError("no such file", path) from None
     except IsADirectoryError:
-        raise TraceError("is a directory, not a torch file", path) from None
+        raise SourceFileError("is a directory, not a torch file", path) from None
     except PermissionError:
-        raise TraceError("permission denied", path) from None
+        raise SourceFileError("permission denied", path) from None
     except pickle.UnpicklingError as e:
         m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
         what = f"it holds a {m.group(1)}" if m else _short(e)
-        raise TraceError(f"refused to load under torch.load(weights_only=True): {what}; only tensors and plain "
-                         "containers are read, never arbitrary pickled objects", path) from None
+        raise SourceFileError(f"refused to load under torch.load(weights_only=True): {what}; only tensors and plain "
+                              "containers are read, never arbitrary pickled objects", path) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, TypeError, AttributeError,
             KeyError, IndexError, UnicodeDecodeError, MemoryError, gzip.BadGzipFile) as e:
-        raise TraceError(f"cannot load as a torch file, truncated or damaged ({_short(e)})", path) from None
+        raise SourceFileError(f"cannot load as a torch file, truncated or damaged ({_short(e)})", path) from None
+    finally:
+        if data is not None:
+            data.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,12 +175,26 @@ def parse_dump_filename(name: str) -> dict[str, str] | None:
     return tags
 
 
-def _expand(sources: Sequence[str | os.PathLike], patterns: Sequence[str]) -> list[Path]:
+def _inside(q: Path, root: Path, skipped: dict[str, str] | None) -> bool:
+    """Whether ``q`` (found under the directory ``root``) really lies inside it: a symbolic link
+    pointing out of the directory is not followed (noted in ``skipped``)."""
+    try:
+        q.resolve().relative_to(root.resolve())
+        return True
+    except (ValueError, OSError, RuntimeError):
+        if skipped is not None:
+            skipped[q.name] = "a symbolic link out of the directory, not followed"
+        return False
+
+
+def _expand(sources: Sequence[str | os.PathLike], patterns: Sequence[str],
+            skipped: dict[str, str] | None = None) -> list[Path]:
     files: list[Path] = []
     for s in sources:
         p = Path(s)
         if p.is_dir():
-            found = [q for q in p.rglob("*") if q.is_file() and any(fnmatch.fnmatch(q.name, pat) for pat in patterns)]
+            found = [q for q in p.rglob("*") if q.is_file() and any(fnmatch.fnmatch(q.name, pat) for pat in patterns)
+                     and _inside(q, p, skipped)]
             if not found:
                 raise TraceError(f"no {' or '.join(patterns)} files in this directory", str(p))
             files.extend(sorted(found, key=natural_key))
@@ -190,7 +259,8 @@ class ImportResult:
             if self.plan.get("verifier"):
                 s += f"; verifier_last claimed {self.plan['verifier']}"
         if self.skipped:
-            s += f"\n  skipped {len(self.skipped)}: " + "; ".join(f"{k} ({v})" for k, v in list(self.skipped.items())[:5])
+            s += f"\n  skipped {len(self.skipped)}: " + "; ".join(f"{sanitize_for_terminal(k)} ({sanitize_for_terminal(v)})"
+                                                     for k, v in list(self.skipped.items())[:5])
         return s
 
 
@@ -470,7 +540,8 @@ def _import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resu
     exps = set()
     for s in sources:
         p = Path(s)
-        cand = [p] if p.is_file() else sorted(p.rglob("*.pt"), key=natural_key) if p.is_dir() else None
+        cand = ([p] if p.is_file() else [q for q in sorted(p.rglob("*.pt"), key=natural_key)
+                                          if _inside(q, p, result.skipped)] if p.is_dir() else None)
         if cand is None:
             raise TraceError("no such file or directory", str(p))
         for q in cand:
@@ -521,6 +592,10 @@ def _import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resu
                     core.setdefault(nm, obj["value"])
                     continue
                 tname = _dump_tensor_name(tags)
+                problem = tensor_name_problem(tname)
+                if problem:  # the reader would refuse the trace: refuse the name here, with the file
+                    raise SourceFileError(f"dump name {tname[:80]!r} cannot name a tensor in a trace ({problem}); "
+                                          "rename the file or leave it out with --names", str(q))
                 if names and not any(fnmatch.fnmatchcase(tname, g) or fnmatch.fnmatchcase(nm, g) for g in names):
                     continue
                 tensors.append((tname, obj["value"], str(q)))
@@ -549,11 +624,19 @@ def _import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resu
             rows = np.empty(T, dtype=np.int64)
             for i, (a, b) in enumerate(segs):
                 key = str(rids[i]) if rids is not None else f"step{step}.seq{i}"
+                if len(key) > MAX_KEY_CHARS:
+                    raise SourceFileError(f"step {step}: a request id of {len(key)} characters; a trace keeps "
+                                          f"sequence keys of at most {MAX_KEY_CHARS}")
                 regime = "prefill" if b - a > 1 else "decode"
                 rows[a:b] = rec.add_tokens(key, pos[a:b], ids[a:b], regime=regime, step=step)
                 result.sequences += 1
             result.tokens += T
             for tname, v, path in tensors:
+                if isinstance(v, torch.Tensor) and (v.ndim == 0 or v.numel() == 0):
+                    # refused (noted); a dump of nothing else is refused as a whole below
+                    what = "a 0-d tensor (one number)" if v.ndim == 0 else f"an empty tensor {list(v.shape)}"
+                    result.skipped[tname] = f"{what}, not a row per token"
+                    continue
                 if not isinstance(v, torch.Tensor) or not v.is_floating_point():
                     result.skipped[tname] = "not a floating-point tensor"
                     continue
@@ -578,6 +661,10 @@ def _import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resu
         raise
     if rec is None:
         raise TraceError("the dumps hold no tensors besides the forward batch's fields")
+    if not rec.defined:
+        rec.close()
+        why = "; ".join(f"{k} ({v})" for k, v in list(result.skipped.items())[:3])
+        raise SourceFileError(f"nothing imported: every tensor of the dumps was skipped: {why}")
     result.tensors = rec.defined
     rec.close()
 
@@ -637,17 +724,19 @@ def import_files(sources: Sequence[str | os.PathLike], out: str | os.PathLike, *
                                 limit=limit)
         else:
             pats = ("*.ckpt", "*.ckpt.gz") if fmt == "specforge" else ("*.pt", "*.pt.gz")
-            files = _expand(sources, pats)
+            files = _expand(sources, pats, result.skipped)
             _import_hidden_state_files(fmt, files, _roots(sources), make_recorder, result,
                                        ids=list(aux_ids) if aux_ids is not None else None, convention=convention,
                                        num_layers=num_layers, hidden_size=hidden_size, labels=labels,
                                        prepend_embed=prepend_embed, limit=limit)
-    except BaseException:
+    except BaseException as e:
         for path in created:  # a failed import leaves no half-written trace behind
             try:
                 os.remove(path)
             except OSError:
                 pass
+        if isinstance(e, ValueError):  # the trace writer refused something the checks above let through
+            raise SourceFileError(f"cannot import: the trace writer refused it ({_short(e)})") from None
         raise
     return result
 
