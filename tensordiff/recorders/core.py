@@ -1,7 +1,9 @@
 """The generic torch-side recorder: name filters, token sampling, sketches computed where the
 tensor lives, host copies that do not stall the model, appends through :class:`TraceWriter`.
-(A little over 500 lines: one class whose three record paths, states, non-state rows and
-predictions, share its row rules, sampling and filters; split, they would each repeat them.)
+One class: its three record paths (states, non-state rows, predictions) share its row rules,
+sampling and filters. What it records with lives beside it: :mod:`.storage` (trace dtype names,
+the stored form of a tensor, top-k prediction rows) and :mod:`.sampling` (:class:`Sampling`);
+both are re-exported here.
 
 Every other recorder (module hooks, the HF extractor, the importers) records through
 :class:`Recorder`, so a trace gets the same sketches (one matmul with the seeded projection of
@@ -40,91 +42,10 @@ from .. import conventions
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
 from ..vocab import FINAL_NORM, boundary_label, parse_label
+from .sampling import Sampling
+from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
 
 __all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage", "topk_rows"]
-
-_LOGICAL = {
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-}
-_TORCH = {v: k for k, v in _LOGICAL.items()}
-
-
-def logical_dtype(dtype: torch.dtype) -> str:
-    """The trace dtype name of a torch floating dtype (other floating types record as float32)."""
-    if dtype in _LOGICAL:
-        return _LOGICAL[dtype]
-    if dtype.is_floating_point:
-        return "float32"
-    raise ValueError(f"cannot record a {dtype} tensor: tensordiff records floating-point states")
-
-
-def to_storage(x: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as the numpy array the writer stores (bf16 as its uint16 bits); shares memory."""
-    x = x.detach()
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(np.uint16)
-    return x.numpy()
-
-
-_TOPK_ROWS = 2048
-
-
-def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
-              id_map: torch.Tensor | None = None) -> torch.Tensor:
-    """Top-k rows of ``logits`` [..., V] as the trace stores them: [n, 2k+1] float64 =
-    [token ids (k) | log-probabilities (k) | logsumexp], best first, k = min(k, V), computed in
-    fp32 where the logits live. ``id_map`` [V] turns column ids into target ids (a draft's
-    reduced vocabulary: ``d2t + arange``)."""
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    kk = min(int(k), flat.shape[-1])
-    if id_map is not None:
-        id_map = id_map.to(flat.device)
-    out = []
-    for s in range(0, max(flat.shape[0], 1), _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
-        x = flat[s:s + _TOPK_ROWS].float()
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        v, i = torch.topk(x, kk, dim=-1)
-        if id_map is not None:
-            i = id_map[i]
-        out.append(torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1))
-    return torch.cat(out) if len(out) > 1 else out[0]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Which token rows to record, by absolute position (so both sides pick the same tokens even
-    when one side skipped a cached prefix): positions ``p`` with ``p % every == offset``, plus every
-    position in ``positions``. ``Sampling()`` keeps everything; ``Sampling(every=0,
-    positions={0, 5})`` keeps exactly those positions."""
-
-    every: int = 1
-    offset: int = 0
-    positions: frozenset[int] | None = None
-
-    def __post_init__(self):
-        if self.every < 0:
-            raise ValueError("Sampling.every must be >= 0 (0: only the listed positions)")
-        if self.positions is not None and not isinstance(self.positions, frozenset):
-            object.__setattr__(self, "positions", frozenset(int(p) for p in self.positions))
-
-    @property
-    def keeps_all(self) -> bool:
-        return self.every == 1 and self.offset == 0
-
-    def mask(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        if self.every > 0:
-            keep = (positions % self.every) == (self.offset % self.every)
-        else:
-            keep = np.zeros(positions.shape, dtype=bool)
-        if self.positions:
-            keep |= np.isin(positions, np.fromiter(self.positions, dtype=np.int64, count=len(self.positions)))
-        return keep
 
 
 @dataclass
@@ -354,7 +275,7 @@ class Recorder:
         if n == 0:
             self.stats.seconds += time.perf_counter() - t0
             return 0
-        want_dtype = _TORCH[spec.dtype]
+        want_dtype = TORCH_DTYPES[spec.dtype]
         if x.dtype != want_dtype:
             x = x.to(want_dtype)
         xf = x if x.dtype == torch.float32 else x.float()
