@@ -193,13 +193,30 @@ def _offset_words(off: int) -> str:
     return f"of the token {n} position{'s' if n > 1 else ''} {'earlier' if off < 0 else 'later'}"
 
 
+def _state_words(label: str | None, offset: int, scale: float | None = None) -> str:
+    s = f"{label}" if not offset else f"{label} {_offset_words(offset)}"
+    return s + (f" scaled by {scale:.3g} (RMS ratio)" if scale is not None else "")
+
+
 def _identity(f: Finding, d: IdentityDetails) -> str:
     who = d.subject if d.boundary_side is None else f"{d.subject} on {d.boundary_side}"
+    if d.side == "a" and d.boundary_side is None and d.outcome != "mislabeled":
+        who = f"{d.side_name}'s {who}"
+    where = f" where {d.expected} was expected" if d.expected else ""
+    if d.outcome == "mislabeled":
+        return f"{d.side_name} labels {d.subject} {d.claimed} but it holds {_state_words(d.held, d.offset, d.scale)}"
     if d.outcome == "no_state":
-        hint = f" (closest: {d.closest}, score {d.score:.3f})" if d.closest and d.score is not None else ""
-        return f"{who} holds no recorded state{hint} where {d.expected} was expected"
-    held = d.held if not d.offset else f"{d.held} {_offset_words(d.offset)}"
-    return f"{who} holds {held} where {d.expected} was expected"
+        if d.cos is None:  # written before the closest state's cosine was recorded
+            hint = f" (closest: {d.closest}, score {d.score:.3f})" if d.closest and d.score is not None else ""
+            return f"{who} holds no recorded state{hint}{where}"
+        return (f"{who} is closest to {_state_words(d.closest, d.offset)} but equal to no recorded state "
+                f"(cos {d.cos:.4f}){where}")
+    if d.outcome == "ambiguous":
+        tie = " and ".join([_state_words(d.closest, d.offset)] + list(d.tied[:1]))
+        if f.severity == Severity.DIVERGENCE:
+            return f"{who} is ambiguous between {tie}{where}"
+        return f"{who} is ambiguous between {tie} (recorded states too close to tell apart on these tokens){where}"
+    return f"{who} holds {_state_words(d.held, d.offset, d.scale)}{where}"
 
 
 def _numeric(f: Finding, d: NumericDetails) -> str:
@@ -309,7 +326,10 @@ class SlotRow(Record):
     expected: str | None = None
     cos_mean: float | None = None
     rel_max: float | None = None
-    verdict: str = "ok"   # ok | wrong state | unknown state | numeric drift
+    verdict: str = "ok"   # ok | wrong state | wrong label | scaled | unknown state | ambiguous | numeric drift
+    offset_a: int = 0
+    outcome_a: str | None = None   # the identity search's outcome on each side (identity.IdentityVerdict)
+    outcome_b: str | None = None
 
     def __post_init__(self) -> None:
         self.candidates_b = [c if isinstance(c, Candidate) else Candidate.from_dict(c) for c in self.candidates_b]
@@ -335,6 +355,11 @@ class PairStats(Record):
     nonfinite_a: list[int] = field(default_factory=list)
     nonfinite_b: list[int] = field(default_factory=list)
     by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dtype_a: str = ""
+    dtype_b: str = ""
+    depth: list[float | None] = field(default_factory=list)   # per slot, for the default tolerance
+    compared: bool = True
+    not_compared: str = ""        # why not, when not compared
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
