@@ -89,12 +89,31 @@ class PairingDetails(Details):
 
 @dataclass
 class GapDetails(Details):
+    """Tokens on one side only, collapsed per (side, reason): ``count`` tokens in ``sequences``
+    sequences; ``seq``/``positions``: the first one (inclusive ranges), ``seqs``: up to 8 keys."""
+
     seq: str = ""
     side: str = "a"                 # which side has the tokens: "a" or "b"
     side_name: str = ""
     positions: list[list[int]] = field(default_factory=list)  # first ranges [start, end], inclusive
     count: int = 0
     reason: str = ""
+    sequences: int = 1
+    seqs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TokenMismatchDetails(Details):
+    """Paired positions (present on both sides) whose token ids differ: their rows are not compared."""
+
+    seq: str = ""
+    seq_b: str = ""
+    positions: list[list[int]] = field(default_factory=list)  # A's positions, inclusive ranges
+    count: int = 0
+    tokens_a: list[int] = field(default_factory=list)          # the first few ids on each side
+    tokens_b: list[int] = field(default_factory=list)
+    side_a: str = "A"
+    side_b: str = "B"
 
 
 @dataclass

@@ -44,6 +44,7 @@ from .findings import (
     Severity,
     ShiftDetails,
     SlotRow,
+    TokenMismatchDetails,
     order_findings,
 )
 from .identity import FLOOR_FACTOR, IdentityVerdict, NoiseFloor
@@ -204,10 +205,20 @@ class Differ:
             out.append(Finding(Kind.TOKEN_SHIFT, Severity.DIVERGENCE, seq=pair["a"], order=-2.0,
                                details=ShiftDetails(shift=s, sequences=n, of=sum(al.shifts.values()),
                                                     side_a=ra.side, side_b=rb.side)))
+        for m in al.mismatches:
+            out.append(Finding(Kind.TOKEN_MISMATCH, Severity.DIVERGENCE, seq=m["seq"], order=-1.5,
+                               position=m["positions"][0][0], details=TokenMismatchDetails(
+                                   seq=m["seq"], seq_b=m["seq_b"], positions=m["positions"], count=m["count"],
+                                   tokens_a=m["tokens_a"], tokens_b=m["tokens_b"], side_a=ra.side, side_b=rb.side)))
+        # gaps: one note per (side, reason), with counts (the JSON's "gaps" keeps every sequence)
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for g in al.gaps:
-            out.append(Finding(Kind.GAP, Severity.INFO, seq=g["seq"], order=-1.0, details=GapDetails(
-                seq=g["seq"], side=g["side"], side_name=ra.side if g["side"] == "a" else rb.side,
-                positions=g["positions"], count=g["count"], reason=g["reason"])))
+            groups.setdefault((g["side"], g["reason"]), []).append(g)
+        for (side, reason), gs in groups.items():
+            g0 = gs[0]
+            out.append(Finding(Kind.GAP, Severity.INFO, seq=g0["seq"], order=-1.0, details=GapDetails(
+                seq=g0["seq"], side=side, side_name=ra.side if side == "a" else rb.side, positions=g0["positions"],
+                count=sum(g["count"] for g in gs), reason=reason, sequences=len(gs), seqs=[g["seq"] for g in gs[:8]])))
         # a trace recovered from a killed recording: say so (its missing tail shows up as gaps)
         for r in (ra, rb):
             note = getattr(r, "recovered_note", None)

@@ -29,6 +29,7 @@ from .details import (
     Record,
     RecoveredDetails,
     ShiftDetails,
+    TokenMismatchDetails,
 )
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "Severity",
     "ShiftDetails",
     "SlotRow",
+    "TokenMismatchDetails",
     "order_findings",
     "render_sentence",
     "where_token",
@@ -73,6 +75,7 @@ class _StrEnum(str, Enum):
 
 class Kind(_StrEnum):
     TOKEN_SHIFT = "token_shift"        # side B's positions are side A's plus a constant
+    TOKEN_MISMATCH = "token_mismatch"  # paired positions with different token ids on the two sides
     PAIRING = "pairing"                # a tensor pairs rows with tokens differently, or has other slots
     GAP = "gap"                        # tokens present on one side only
     MISSING = "missing"                # a tensor not compared (one side only, no common token, no basis)
@@ -94,12 +97,12 @@ class Severity(_StrEnum):
 
 
 # at the same place in forward order, the explanation comes before its symptoms
-_KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.PAIRING: 1, Kind.GAP: 2, Kind.MISSING: 3, Kind.NONFINITE: 4,
+_KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.TOKEN_MISMATCH: 0, Kind.PAIRING: 1, Kind.GAP: 2, Kind.MISSING: 3, Kind.NONFINITE: 4,
               Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7}
 
 
 DETAILS: dict[Kind, type[Details]] = {
-    Kind.TOKEN_SHIFT: ShiftDetails, Kind.PAIRING: PairingDetails, Kind.GAP: GapDetails,
+    Kind.TOKEN_SHIFT: ShiftDetails, Kind.TOKEN_MISMATCH: TokenMismatchDetails, Kind.PAIRING: PairingDetails, Kind.GAP: GapDetails,
     Kind.MISSING: MissingDetails, Kind.RECOVERED: RecoveredDetails, Kind.NONFINITE: NonfiniteDetails,
     Kind.SLOT_IDENTITY: IdentityDetails, Kind.LABEL_MISMATCH: LabelDetails, Kind.NUMERIC: NumericDetails,
 }
@@ -248,9 +251,24 @@ def _pairing(f: Finding, d: PairingDetails) -> str:
     return f"{f.tensor}: {d.side_a} pairs row t with token t+{d.value_a}, {d.side_b} with token t+{d.value_b}"
 
 
+def _rng(positions: list[list[int]]) -> str:
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in positions)
+
+
 def _gap(f: Finding, d: GapDetails) -> str:
-    rng = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in d.positions)
-    return f"gap: {d.count} tokens of sequence {d.seq} only on {d.side_name} (positions {rng}): {d.reason}"
+    if d.sequences <= 1:
+        return (f"gap: {d.count} tokens of sequence {d.seq} only on {d.side_name} (positions {_rng(d.positions)}): "
+                f"{d.reason}")
+    return (f"gap: {d.count} tokens in {d.sequences} sequences only on {d.side_name}: {d.reason} "
+            f"(e.g. sequence {d.seq}, positions {_rng(d.positions)})")
+
+
+def _mismatch(f: Finding, d: TokenMismatchDetails) -> str:
+    seq = d.seq if d.seq == d.seq_b else f"{d.seq} ({d.side_b} {d.seq_b})"
+    first = f"{d.tokens_a[0]} vs {d.tokens_b[0]}" if d.tokens_a and d.tokens_b else ""
+    return (f"token mismatch: {d.count} positions of sequence {seq} exist on both sides with different token ids "
+            f"(positions {_rng(d.positions)}; first {first}): the two sides were not fed the same tokens, and "
+            "those rows are not compared")
 
 
 def _missing(f: Finding, d: MissingDetails) -> str:
@@ -272,7 +290,8 @@ def _label(f: Finding, d: LabelDetails) -> str:
 _RENDER: dict[Kind, tuple[type[Details], Callable[[Finding, Any], str]]] = {
     Kind.SLOT_IDENTITY: (IdentityDetails, _identity), Kind.NUMERIC: (NumericDetails, _numeric),
     Kind.NONFINITE: (NonfiniteDetails, _nonfinite), Kind.TOKEN_SHIFT: (ShiftDetails, _shift),
-    Kind.PAIRING: (PairingDetails, _pairing), Kind.GAP: (GapDetails, _gap), Kind.MISSING: (MissingDetails, _missing),
+    Kind.PAIRING: (PairingDetails, _pairing), Kind.GAP: (GapDetails, _gap),
+    Kind.TOKEN_MISMATCH: (TokenMismatchDetails, _mismatch), Kind.MISSING: (MissingDetails, _missing),
     Kind.RECOVERED: (RecoveredDetails, _recovered), Kind.LABEL_MISMATCH: (LabelDetails, _label),
 }
 
@@ -294,7 +313,7 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
         if f.severity != Severity.DIVERGENCE:
             continue
         for g in divs:
-            if g.kind in (Kind.TOKEN_SHIFT, Kind.PAIRING) or (
+            if g.kind in (Kind.TOKEN_SHIFT, Kind.PAIRING) or (g.kind == Kind.TOKEN_MISMATCH and g.seq == f.seq) or (
                     f.kind in (Kind.NUMERIC, Kind.NONFINITE)
                     and g.kind in (Kind.NUMERIC, Kind.NONFINITE, Kind.SLOT_IDENTITY)
                     and g.order < f.order and g.seq == f.seq and (g.position or 0) <= (f.position or 0)):
@@ -396,11 +415,28 @@ class DiffResult:
     def exit_code(self) -> int:
         return 1 if self.divergences else 0
 
+    @property
+    def compared(self) -> int:
+        """How many of the paired tensors were compared (on common tokens, in a common basis)."""
+        return sum(1 for p in self.pairs if p.compared)
+
+    @property
+    def verdict(self) -> str:
+        """divergence; agree (every paired tensor compared, none diverges); incomplete (no
+        divergence in the tensors compared, but some could not be compared)."""
+        if self.divergences:
+            return "divergence"
+        return "agree" if self.compared == len(self.pairs) else "incomplete"
+
     def headline(self) -> str:
         f = self.first_divergence
-        if f is None:
-            return f"no divergence: {self.tokens_aligned} tokens in {len(self.pairs)} tensors agree within tolerance"
-        return f.message
+        if f is not None:
+            return f.message
+        n, k = len(self.pairs), self.compared
+        if k == n:
+            return f"no divergence: {self.tokens_aligned} tokens in {n} tensors agree within tolerance"
+        return (f"no divergence in the {k} of {n} tensors compared ({self.tokens_aligned} tokens); {n - k} could not "
+                "be compared (see the warnings)")
 
     def inheritance_note(self, f: Finding) -> str | None:
         """``may be inherited from finding #3 (numeric in layer4)`` for an inherited divergence."""
@@ -415,7 +451,8 @@ class DiffResult:
             "schema_version": SCHEMA_VERSION,
             "a": {"path": self.path_a, "side": self.side_a},
             "b": {"path": self.path_b, "side": self.side_b},
-            "verdict": "divergence" if self.divergences else "agree",
+            "verdict": self.verdict,
+            "tensors_compared": self.compared,
             "exit_code": self.exit_code,
             "headline": self.headline(),
             "first_divergence": first.to_dict() if first is not None else None,

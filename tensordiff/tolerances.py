@@ -62,7 +62,8 @@ def default_tolerance(dtype_a: str, dtype_b: str, depth: float | None = None) ->
     g = math.sqrt(1.0 + max(0.0, float(depth or 0)))
     if dtype_a == dtype_b and d in _LOW_PRECISION:
         g *= 1.5
-    return Tolerance(max(-1.0, 1 - one_minus * g), rel * g)
+    om, r = float(f"{one_minus * g:.3g}"), float(f"{rel * g:.3g}")  # 3 significant digits: readable
+    return Tolerance(max(-1.0, 1 - om), r)
 
 
 def _valid(c: float, r: float) -> bool:
@@ -135,9 +136,9 @@ def calibrate_tolerance(name: str, worst_cos: float, worst_rel: float, dtype_a: 
     finite or was clamped (a "noise pair" that far apart is likely not the same wiring)."""
     default = default_tolerance(dtype_a, dtype_b, depth)
     if not (math.isfinite(worst_cos) and math.isfinite(worst_rel)):
-        return (Tolerance(default.min_cos, default.max_rel, "calibrated (default: no finite noise measured)"),
-                f"{name}: no finite noise measured (NaN/Inf in the data); kept the default "
-                f"cos >= {default.min_cos:.6g}, rel <= {default.max_rel:.3g}")
+        msg = (f"{name}: no finite noise measured (NaN/Inf in the data); kept the default "
+               f"cos >= {default.min_cos:.6g}, rel <= {default.max_rel:.3g}")
+        return Tolerance(default.min_cos, default.max_rel, "calibrated (default: no finite noise measured)"), msg
     t = calibrated_tolerance(worst_cos, worst_rel, coarser(dtype_a, dtype_b), margin)
     lim_one_minus = (1 - default.min_cos) * CALIBRATION_MAX_LOOSENING
     lim_rel = default.max_rel * CALIBRATION_MAX_LOOSENING
@@ -145,11 +146,11 @@ def calibrate_tolerance(name: str, worst_cos: float, worst_rel: float, dtype_a: 
         return t, None
     c = max(t.min_cos, 1 - lim_one_minus)
     r = min(t.max_rel, lim_rel)
-    return (Tolerance(c, r, "calibrated (clamped)"),
-            f"{name}: the observed noise (worst cos {worst_cos:.4g}, rel {worst_rel:.3g}) is more than "
-            f"{CALIBRATION_MAX_LOOSENING:g}x what the defaults allow for {coarser(dtype_a, dtype_b)} at depth "
-            f"{depth if depth is not None else 0:g} (cos >= {default.min_cos:.6g}, rel <= {default.max_rel:.3g}); "
-            f"clamped to cos >= {c:.6g}, rel <= {r:.3g}. Are these two traces of the same wiring?")
+    msg = (f"{name}: the observed noise (worst cos {worst_cos:.4g}, rel {worst_rel:.3g}) is more than "
+           f"{CALIBRATION_MAX_LOOSENING:g}x what the defaults allow for {coarser(dtype_a, dtype_b)} at depth "
+           f"{depth if depth is not None else 0:g} (cos >= {default.min_cos:.6g}, rel <= {default.max_rel:.3g}); "
+           f"clamped to cos >= {c:.6g}, rel <= {r:.3g}. Are these two traces of the same wiring?")
+    return Tolerance(c, r, "calibrated (clamped)"), msg
 
 
 def calibration_file(a: str, b: str, margin: float, tolerances: dict[str, Tolerance],
