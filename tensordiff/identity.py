@@ -254,6 +254,13 @@ def _scale_tol(floor: NoiseFloor) -> float:
     return max(SCALE_TOL, 4 * floor.rel)
 
 
+def _unscaled_match(s: _Scored, floor_of: Callable[[str], NoiseFloor]) -> bool:
+    fl = floor_of(s.cand.label)
+    if not len(s.cos_t) or abs(s.median_ratio() - 1) > _scale_tol(fl):
+        return False
+    return float(np.quantile(1 - s.cos_t, 0.9)) <= FLOOR_FACTOR * fl.one_minus_cos + COS_SLACK
+
+
 def _finish(target: Target, best: _Scored, ranked: list[_Scored], ev: IdentityEvidence,
             records: list[Candidate], floor_of: Callable[[str], NoiseFloor], outcome: str) -> IdentityVerdict:
     label, offset = best.key
@@ -275,6 +282,13 @@ def _finish(target: Target, best: _Scored, ranked: list[_Scored], ev: IdentityEv
     elif outcome == "ambiguous":
         v.outcome = "ambiguous"
     elif ev.rms_ratio is not None and abs(ev.rms_ratio - 1) > _scale_tol(fl) and not ev.exact:
+        # a state at another scale only when no state at the slot's own scale matches as well:
+        # "holds X" beats "holds Y scaled by r" whenever X is within its noise floor
+        alt = next((s for s in ranked if s.key != best.key and _unscaled_match(s, floor_of)), None)
+        if alt is not None:
+            ev.decided_by = "scale"
+            ev.tied = []
+            return _finish(target, alt, ranked, ev, records, floor_of, outcome="holds")
         v.outcome, v.best, v.scale = "scaled", label, ev.rms_ratio
     else:
         v.outcome, v.best = "holds", label

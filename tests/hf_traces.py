@@ -107,14 +107,16 @@ def _slot_state(st: dict, label: str) -> torch.Tensor:
 def write_trace(path, model, seqs, slots: list[str], *, side="train", dtype=torch.float32, shift=0, drop=0,
                 nan_at=None, catalog=True, keys=None, regime=None, sketch_only=False,
                 packed=("draft_input", "draft_input", 1), claims=None, catalog_positions=None,
-                slot_shift=0, drop_tail=0, sketch_seed=None, catalog_dtype=None) -> None:
+                slot_shift=0, drop_tail=0, sketch_seed=None, catalog_dtype=None, packed_values=True,
+                packed_seqs=None) -> None:
     """slots: what the draft input really holds (module docstring); claims: what the trace says.
 
     ``drop``: leading positions without rows (a prefix-cache hit), an int or one per sequence;
     ``drop_tail``: trailing positions without rows; ``catalog_positions``: only the first k
     positions of each sequence have catalog rows (a partial catalog); ``slot_shift``: the draft
     input row at token t holds the states of token t + slot_shift; ``catalog_dtype``: the catalog's
-    dtype when it differs from the draft input's."""
+    dtype when it differs from the draft input's; ``packed_values=False``: the draft input keeps
+    sketches only; ``packed_seqs``: indices of the sequences that have draft-input rows."""
     dt = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     cdtype = catalog_dtype or dtype
     cdt = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[cdtype]
@@ -142,7 +144,8 @@ def write_trace(path, model, seqs, slots: list[str], *, side="train", dtype=torc
                                     values=not sketch_only)
                 pname, prole, poff = packed  # (name, role, token_offset) of the packed tensor
                 w.define_tensor(pname, HIDDEN * len(slots), kind="packed", dtype=dt,
-                                slots=SlotSpec(list(claims or slots)), role=prole, token_offset=poff)
+                                slots=SlotSpec(list(claims or slots)), role=prole, token_offset=poff,
+                                values=packed_values)
                 defined = True
             if catalog:
                 k = len(rows) if catalog_positions is None else min(len(rows), catalog_positions)
@@ -165,4 +168,12 @@ def write_trace(path, model, seqs, slots: list[str], *, side="train", dtype=torc
             if slot_shift:
                 packed_t = packed_t[slot_shift:]
                 prow = rows[:len(rows) - slot_shift]
-            w.append(packed[0], prow, to_storage(packed_t))
+            if packed_seqs is not None and i not in packed_seqs:
+                continue
+            if packed_values:
+                w.append(packed[0], prow, to_storage(packed_t))
+            else:
+                from tensordiff.sketch import sketch_np
+                f = packed_t.float().numpy()
+                w.append(packed[0], prow, sketch=sketch_np(f, HIDDEN, w.sketch_dim, w.sketch_seed),
+                         rms=np.sqrt((f.reshape(len(f), -1, HIDDEN).astype(np.float64) ** 2).mean(-1)).astype(np.float32))
