@@ -206,7 +206,8 @@ def decide(target: Target, candidates: list[CandidateRows], floor_of: Callable[[
         if g is None or s.cos > g.cos:
             groups[s.key] = s
     ranked = sorted(groups.values(), key=lambda s: (-s.cos, abs(s.cand.offset)))
-    records = sorted((s.record for s in scored), key=lambda c: (-c.cos, abs(c.offset)))[:8]
+    # the candidates shown: one per (label, offset), the side closer in direction
+    records = [g.record for g in sorted(groups.values(), key=lambda s: (-s.record.score, abs(s.cand.offset)))][:5]
     ev = IdentityEvidence()
 
     # 1. exact
