@@ -17,6 +17,7 @@ from .align import RowMaps
 from .dtypes import EPS
 from .identity import (
     EXACT_EPS,
+    FLOOR_FACTOR,
     OFFSETS,
     CandidateRows,
     IdentityVerdict,
@@ -25,8 +26,9 @@ from .identity import (
     clean,
     identify,
 )
-from .tolerances import coarser
+from .tolerances import coarser, default_tolerance
 from .trace import TensorInfo, TraceReader
+from .vocab import parse_label
 
 Codes = NDArray[np.int64]
 
@@ -141,3 +143,33 @@ def slot_rms_at(r: TraceReader, info: TensorInfo, rows: Codes, slot: int) -> NDA
     lo, hi = int(rows.min()), int(rows.max()) + 1
     out: NDArray[np.float32] = np.asarray(r.read_rms(info.name, lo, hi), np.float32)[rows - lo, slot]
     return out
+
+
+def noise_floors(measured: dict[str, tuple[float, float, float, int]], num_layers: int | None, dtype_a: str,
+                 dtype_b: str) -> Callable[[str], NoiseFloor]:
+    """``floor_of(label)`` for the identity search, from ``measured`` {label: (depth, 99th
+    percentile of 1 - cos, of rel, tokens)} of the states recorded on both sides: a measured state
+    its own; a state in between the larger of its nearest measured neighbours by depth; nothing
+    measured, the default tolerance's allowance (so no finer distinction is claimed)."""
+    L = num_layers
+
+    def floor_of(label: str) -> NoiseFloor:
+        if label in measured:
+            _, oc, rel, n = measured[label]
+            return NoiseFloor(oc, rel, f"{label} recorded on both sides (99th percentile of {n} tokens)")
+        try:
+            b = parse_label(label)
+            d = float(b if b is not None else (L or 0))
+        except ValueError:
+            d = float(L or 0)
+        if measured:
+            below = [m for m in measured.values() if m[0] <= d]
+            above = [m for m in measured.values() if m[0] >= d]
+            near = [max(below, key=lambda m: m[0])] if below else []
+            near += [min(above, key=lambda m: m[0])] if above else []
+            oc, rel = max(m[1] for m in near), max(m[2] for m in near)
+            return NoiseFloor(oc, rel, "nearest states recorded on both sides")
+        t = default_tolerance(dtype_a, dtype_b, d)
+        return NoiseFloor((1 - t.min_cos) / FLOOR_FACTOR, t.max_rel / 4, "default tolerance (no state recorded on "
+                          "both sides)")
+    return floor_of

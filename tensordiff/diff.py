@@ -26,7 +26,7 @@ from .align import (
     pair_tensors,
     sample_indices,
 )
-from .catalog import IdentitySearch
+from .catalog import IdentitySearch, noise_floors
 from .errors import IncompatibleTracesError, TensordiffError
 from .findings import (
     Details,
@@ -47,10 +47,10 @@ from .findings import (
     TokenMismatchDetails,
     order_findings,
 )
-from .identity import FLOOR_FACTOR, IdentityVerdict, NoiseFloor
+from .identity import IdentityVerdict, NoiseFloor
 from .numerics import BlockMetrics, PairAccumulator, WorstTokens
 from .slots import judge_slot
-from .tolerances import ToleranceBook, default_tolerance
+from .tolerances import ToleranceBook
 from .trace import TensorInfo, TraceReader
 from .vocab import REGIMES, parse_label
 
@@ -279,30 +279,9 @@ class Differ:
             oc, rel = acc.quantile(0, 0.99)
             if np.isfinite(oc):
                 measured[ia.label] = (self._depth(ia, 0) or 0.0, oc, rel, acc.tokens)
-        L = self.ra.num_layers or self.rb.num_layers
         dtype_a = next((i.dtype for i in self.ra.tensors.values()), "float32")
         dtype_b = next((i.dtype for i in self.rb.tensors.values()), "float32")
-
-        def floor_of(label: str) -> NoiseFloor:
-            if label in measured:
-                _, oc, rel, n = measured[label]
-                return NoiseFloor(oc, rel, f"{label} recorded on both sides (99th percentile of {n} tokens)")
-            try:
-                b = parse_label(label)
-                d = float(b if b is not None else (L or 0))
-            except ValueError:
-                d = float(L or 0)
-            if measured:
-                below = [m for m in measured.values() if m[0] <= d]
-                above = [m for m in measured.values() if m[0] >= d]
-                near = [max(below, key=lambda m: m[0])] if below else []
-                near += [min(above, key=lambda m: m[0])] if above else []
-                oc, rel = max(m[1] for m in near), max(m[2] for m in near)
-                return NoiseFloor(oc, rel, "nearest states recorded on both sides")
-            t = default_tolerance(dtype_a, dtype_b, d)
-            return NoiseFloor((1 - t.min_cos) / FLOOR_FACTOR, t.max_rel / 4, "default tolerance (no state recorded on "
-                              "both sides)")
-        return floor_of
+        return noise_floors(measured, self.ra.num_layers or self.rb.num_layers, dtype_a, dtype_b)
 
     def _judge_pair(self, sp: _Streamed, slot_table: list[SlotRow]) -> list[Finding]:
         """Identity of the slots (packed tensors, both sides) and every slot's findings."""

@@ -8,11 +8,16 @@ import json
 
 import pytest
 import torch
+from hf_traces import (
+    near_residual_llama,
+    prompts,
+    shared_prefix_prompts,
+    tiny_llama,
+    write_trace,
+)
 
 from tensordiff.cli import main
 from tensordiff.diff import diff_traces
-
-from hf_traces import near_residual_llama, prompts, shared_prefix_prompts, tiny_llama, write_trace
 
 pytestmark = pytest.mark.torch
 
@@ -217,7 +222,7 @@ def test_nothing_compared_is_bad_input(tmp_path, capsys, nr8, seqs):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     write_trace(a, nr8, seqs, TRAIN, side="train", sketch_only=True, packed_values=False)
     write_trace(b, nr8, seqs, TRAIN, side="serve", sketch_only=True, packed_values=False, sketch_seed=7)
-    code, out, err = run(capsys, "diff", a, b, "-q")
+    code, _out, err = run(capsys, "diff", a, b, "-q")
     assert code == 2 and "nothing compared" in err and "seed 7" in err and "seed 20260" in err
 
 
@@ -233,6 +238,7 @@ def test_partial_coverage_is_not_agree(tmp_path, capsys, nr8, seqs, train8):
     (w,) = [f for f in res.findings if f.kind == "missing" and f.severity == "warning"]
     assert "none in common" in w.details.reason_text
     code, out, _ = run(capsys, "diff", a, b, "--json")
+    assert code == 0
     d = json.loads(out)
     assert d["verdict"] == "incomplete" and d["tensors_compared"] == 10
 
