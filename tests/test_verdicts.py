@@ -47,6 +47,18 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def _valid(res):
+    """The result's JSON matches the committed schema and round-trips."""
+    import jsonschema
+
+    from tensordiff.cli import jsonable
+    from tensordiff.findings import DiffResult
+    from tensordiff.report import diff_schema
+    d = jsonable(res.to_dict())
+    jsonschema.validate(d, diff_schema())
+    assert jsonable(DiffResult.from_dict(json.loads(json.dumps(d))).to_dict()) == d
+
+
 def _identity(res, slot):
     return [f for f in res.findings if f.kind == "slot_identity" and f.slot == slot]
 
@@ -79,6 +91,7 @@ def test_absent_state_is_not_named_as_a_neighbour(tmp_path, nr8, seqs, train8):
     ev = f.details.evidence
     assert not ev.exact and not ev.within_floor and ev.cos > 0.99
     assert res.slot_table[1].verdict == "unknown state" and res.slot_table[1].held_b is None
+    _valid(res)
 
 
 def test_near_off_by_one_in_bf16_is_named(tmp_path):
@@ -127,6 +140,7 @@ def test_right_state_wrong_scale_is_named(tmp_path, nr8, seqs, train8):
     assert f.message.startswith("slot 1 of draft_input holds layer3 scaled by ")
     assert "(RMS ratio) where layer3 was expected" in f.message
     assert res.slot_table[1].verdict == "scaled"
+    _valid(res)
 
 
 def test_train_side_label_error_names_train(tmp_path, nr8, seqs):
@@ -138,6 +152,7 @@ def test_train_side_label_error_names_train(tmp_path, nr8, seqs):
     res = diff_traces(str(a), str(b))
     assert res.headline() == "train labels slot 1 of draft_input layer5 but it holds layer2"
     assert res.slot_table[1].verdict == "wrong label"
+    _valid(res)
 
 
 def test_shift_on_the_reference_side_is_named(tmp_path, nr8, seqs):
@@ -151,6 +166,7 @@ def test_shift_on_the_reference_side_is_named(tmp_path, nr8, seqs):
     assert res.headline() == "train labels slot 0 of draft_input embed but it holds embed of the token 1 position later"
     row = res.slot_table[0]
     assert row.offset_a == 1 and row.offset_b == 0
+    _valid(res)
     # the same bug on the side under test, as before
     res = diff_traces(str(b), str(a))
     assert res.headline() == "slot 0 of draft_input holds embed of the token 1 position later where embed was expected"
@@ -181,6 +197,7 @@ def test_shared_prefix_with_a_radix_hit_pairs_the_right_sequences(tmp_path, nr8)
     assert res.headline().startswith("token mismatch: 4 positions of sequence train-0")
     gap = [g for g in res.gaps if g["seq"] == "train-1"]
     assert [g["positions"] for g in gap] == [[[0, 11]]] and "prefix-cache" in gap[0]["reason"]
+    _valid(res)
 
 
 def test_prefix_gap_is_recognised_when_the_tail_is_missing_too(tmp_path, nr8, seqs, train8):
@@ -237,6 +254,7 @@ def test_partial_coverage_is_not_agree(tmp_path, capsys, nr8, seqs, train8):
     assert res.headline().startswith("no divergence in the 10 of 11 tensors compared")
     (w,) = [f for f in res.findings if f.kind == "missing" and f.severity == "warning"]
     assert "none in common" in w.details.reason_text
+    _valid(res)
     code, out, _ = run(capsys, "diff", a, b, "--json")
     assert code == 0
     d = json.loads(out)
