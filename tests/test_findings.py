@@ -151,3 +151,27 @@ def test_sinks_receive_every_block(pair):
         assert shape == (n, k)
         per_tensor[name] = per_tensor.get(name, 0) + n
     assert per_tensor == {p.name_a: p.tokens for p in res.pairs}
+
+
+@pytest.mark.parametrize("body,expect", [
+    ('{"tolerances": {"x": {"min_cos": 2, "max_rel": 0.1}}}', "min_cos 2.0"),
+    ('{"tolerances": {"x": {"min_cos": 0.9, "max_rel": -1}}}', "max_rel -1.0"),
+    ('{"tolerances": {"x": {"min_cos": 0.9, "max_rel": Infinity}}}', "max_rel inf"),
+    ('{"schema_version": 9, "tolerances": {}}', "schema_version 9"),
+])
+def test_calibration_files_are_validated(tmp_path, body, expect):
+    from tensordiff.errors import SourceFileError
+    from tensordiff.tolerances import ToleranceBook
+    p = tmp_path / "cal.json"
+    p.write_text(body)
+    with pytest.raises(SourceFileError, match=expect.replace(".", r"\.")):
+        ToleranceBook().load_calibration(str(p))
+
+
+def test_default_tolerance_grows_with_depth_to_a_cap():
+    from tensordiff.tolerances import default_tolerance
+    t = [default_tolerance("float32", "bfloat16", d) for d in (0, 8, 61, 500)]
+    assert t[0].min_cos > t[1].min_cos > t[2].min_cos == t[3].min_cos >= 0.9
+    assert t[0].max_rel < t[1].max_rel < t[2].max_rel == t[3].max_rel <= 0.6
+    assert default_tolerance("bfloat16", "bfloat16", 8).max_rel > t[1].max_rel   # both sides round
+    assert default_tolerance("float32", "float32", 0).min_cos == 1 - 1e-6
