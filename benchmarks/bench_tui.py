@@ -100,7 +100,8 @@ def write_pair(directory: str, n_tokens: int, hidden: int = 8, layers: int = 4, 
                 rows = np.empty(n, np.int64)
                 for sq in np.unique(seq):
                     sel = seq == sq
-                    rows[sel] = w.add_tokens(f"req-{sq}", idx[sel] % seq_len, toks[sel], "train" if side == "train" else "prefill")
+                    regime = "train" if side == "train" else "prefill"
+                    rows[sel] = w.add_tokens(f"req-{sq}", idx[sel] % seq_len, toks[sel], regime)
                 for b in range(layers + 1):
                     w.append(boundary_label(b), rows, xs[b])
                 w.append("final_norm", rows, fn)
@@ -134,7 +135,7 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
         from tensordiff import tui
         from tensordiff.cli import main as cli_main
 
-        def headless(a, b, opts) -> int:
+        def headless(a, b, opts, token_text=None) -> int:
             async def paint() -> None:
                 app = App(a, b, opts)
                 async with app.run_test(size=(140, 40)):
@@ -290,7 +291,8 @@ def main() -> None:
             row = {"tokens": n, "files_mib": size_mb, "first_paint_s": fp, "first_paint_from_process_s": fpp,
                    "cli_first_paint_from_process_s": cli,
                    "peak_mb_at_first_paint": pk, **{k: full[k] for k in (
-                       "diff_s", "peak_mb_after_diff", "jump_render_ms", "browse_rss_growth_mb", "heatmap_traced_peak_mb", "blocks_read",
+                       "diff_s", "peak_mb_after_diff", "jump_render_ms", "browse_rss_growth_mb", "heatmap_traced_peak_mb",
+                       "blocks_read",
                        "blocks_held", "columns", "readers_open_s", "readers_mb", "detail_traced_peak_mb")},
                    "quit_during_diff_s": quit_["quit_s"], "progress_at_quit": quit_["progress_at_quit"]}
             rows.append(row)

@@ -29,19 +29,6 @@ MIN_MATCH = 0.75   # a sequence pair needs this share of its overlapping positio
 Codes = NDArray[np.int64]
 
 
-def __getattr__(name: str) -> Any:
-    """``from tensordiff.align import Differ, DiffOptions, diff_traces, DiffResult, Finding, SlotRow``
-    keeps working for old callers (the TUI); new code imports them from tensordiff.diff /
-    tensordiff.findings. Lazy, so that align does not import the diff that imports it."""
-    if name in ("Differ", "DiffOptions", "diff_traces"):
-        from . import diff
-        return getattr(diff, name)
-    if name in ("DiffResult", "SlotRow", "PairStats"):
-        from . import findings
-        return getattr(findings, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # ----------------------------------------------------------------------------------------------
 # Token alignment
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from contextlib import contextmanager
 
@@ -17,6 +18,7 @@ from . import __version__
 from .errors import IncompatibleTracesError, TensordiffError, UsageError
 
 EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_CODES = "exit codes: 0 agree, 1 divergence found, 2 bad input (one line on stderr)"
 
 
 def jsonable(x):
@@ -45,13 +47,16 @@ def progress_bar(enabled: bool):
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    prog = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rows"),
+    from .fmt import progress_unit
+
+    prog = Progress(TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total} {task.fields[unit]}"),
                     TimeRemainingColumn(), console=Console(file=sys.stderr), transient=True)
     tasks: dict[str, int] = {}
 
     def update(stage: str, done: int, total: int) -> None:
         if stage not in tasks:
-            tasks[stage] = prog.add_task(stage, total=total)
+            tasks[stage] = prog.add_task(stage, total=total, unit=progress_unit(stage))
         prog.update(tasks[stage], completed=done, total=total)
 
     with prog:
@@ -63,15 +68,20 @@ def progress_bar(enabled: bool):
 
 def cmd_info(args) -> int:
     from .report import make_console, print_info
-    from .trace import TraceReader, probe
+    from .trace import probe
 
-    probe([args.trace])  # a file that hangs or crashes the HDF5 library meets a child process first
-    with TraceReader(args.trace) as r:
+    from .traceset import index_lines, open_trace, trace_paths
+
+    probe(trace_paths(args.trace))  # a file that hangs or crashes the HDF5 library meets a child process first
+    with open_trace(args.trace) as r:  # a file, or a trace set (directory or glob)
         s = r.summary()
     if args.json:
         _print_json(s)
     else:
-        print_info(s, make_console())
+        console = make_console()
+        print_info(s, console)
+        for line in index_lines(s["set"]) if "set" in s else ():
+            console.print(line, markup=False, highlight=False)
     return EXIT_OK
 
 
@@ -80,9 +90,12 @@ def _diff_options(args, summary_path=None):
     from .tolerances import ToleranceBook
 
     book = ToleranceBook()
-    for t in args.tol or []:
-        name, tol = ToleranceBook.parse_override(t)
-        book.overrides[name] = tol
+    for t in args.tol or []:   # rules in the order given: the first that matches a tensor wins
+        if "=" not in t and t.endswith(".toml"):
+            book.load_rules(t)
+        else:
+            book.add_rule(*ToleranceBook.parse_override(t))
+    book.allow_failed += args.allow_failed or []
     if args.calibration:
         book.load_calibration(args.calibration)
     return DiffOptions(tolerances=book, summary_path=summary_path)
@@ -95,15 +108,63 @@ def cmd_diff(args) -> int:
     from .report import make_console, print_diff
     from .trace import probe
 
-    probe([args.a, args.b])
+    from .parallel import compared_bytes, make_backend
+    from .traceset import trace_paths
+
+    probe(trace_paths(args.a) + trace_paths(args.b))
     opts = _diff_options(args, args.summary)
-    with progress_bar(not args.quiet and not args.json) as cb:
-        opts.progress = cb
-        res = diff_traces(args.a, args.b, opts)
-    if args.json:
-        _print_json(res.to_dict())
-    else:
-        print_diff(res, make_console(), max_findings=args.max_findings)
+    opts.numeric = make_backend(args.backend, args.workers, ray_address=args.ray_address,
+                                compared_bytes=compared_bytes([args.a, args.b]) if args.backend == "auto" else None)
+    try:
+        with progress_bar(not args.quiet and not args.json) as cb:
+            opts.progress = cb
+            res = diff_traces(args.a, args.b, opts)
+    finally:
+        if opts.numeric is not None:
+            opts.numeric.close()
+    _swapped_hint(res, "diff")
+    try:  # a reader that closes the pipe early (`| head -1`) must not change the verdict's exit code
+        if args.json:
+            _print_json(res.to_dict())
+            sys.stdout.flush()
+        else:
+            print_diff(res, make_console(), max_findings=args.max_findings, token_text=_token_text(args, res))
+    except BrokenPipeError:
+        _stdout_to_devnull()
+    return res.exit_code
+
+
+def _swapped_hint(res, command: str) -> None:
+    if res.side_a == "serve" and res.side_b == "train":
+        sys.stderr.write(f"tensordiff: hint: A is the serve trace and B the train trace; A should be the reference "
+                         f"(usually train): tensordiff {command} {res.path_b} {res.path_a}\n")
+
+
+def _token_text(args, res):
+    """--tokenizer DIR, else the model directory a trace records (when it has a tokenizer)."""
+    from .token_text import recorded_model_dirs, resolve
+
+    tok = getattr(args, "tokenizer", None)
+    return resolve(tok, () if tok else recorded_model_dirs(res.path_a, res.path_b))
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def cmd_report(args) -> int:
+    """The HTML report: one self-contained file (docs/report.md)."""
+    from .report_html import make_report
+    from .trace import probe
+    from .traceset import trace_paths
+
+    probe(trace_paths(args.a) + trace_paths(args.b))
+    res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
+    _swapped_hint(res, "report")
+    print(f"wrote {args.out}: {res.headline()}")
     return res.exit_code
 
 
@@ -118,11 +179,13 @@ def cmd_calibrate(args) -> int:
     )
     from .trace import probe
 
-    probe([args.a, args.b])
+    from .traceset import trace_paths
+
+    probe(trace_paths(args.a) + trace_paths(args.b))
     loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
     with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
         res = d.run()
-    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing", "token_mismatch")
+    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing", "token_mismatch", "replica")
            and f.severity == "divergence"]
     if ids:
         raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
@@ -152,14 +215,25 @@ def cmd_tui(args) -> int:
         from .tui import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install
         raise UsageError(f"the TUI needs textual ({e})") from None
-    from .trace import TraceReader, probe
+    from .trace import probe
 
-    probe([args.a, args.b])  # fail fast on bad input, before the screen is taken over
+    from .traceset import open_trace, trace_paths
+
+    probe(trace_paths(args.a) + trace_paths(args.b))  # fail fast on bad input, before the screen is taken over
     if os.environ.get("TENSORDIFF_NO_PROBE"):  # no child check: open them here instead
         for p in (args.a, args.b):
-            TraceReader(p).close()
+            open_trace(p).close()
     opts = _diff_options(args, None)
-    return run_tui(args.a, args.b, opts)
+    from .token_text import load
+
+    tt = load(args.tokenizer) if getattr(args, "tokenizer", None) else None   # a bad --tokenizer fails before the screen
+    if getattr(args, "screenshot", None):
+        from .tui import save_screenshot
+
+        code = save_screenshot(args.a, args.b, args.screenshot, options=opts, token_text=tt)
+        print(f"wrote {args.screenshot}")
+        return code
+    return run_tui(args.a, args.b, opts, token_text=tt)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -172,39 +246,68 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tensordiff", description=(
         "Differential tensor-tracing debugger: record named tensors on two sides, align them by token "
-        "and slot, and name the first divergence."))
+        "and slot, and name the first divergence."), epilog=EXIT_CODES)
     p.add_argument("--version", action="version", version=f"tensordiff {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    i = sub.add_parser("info", help="summarise a trace: metadata, tokens, tensors, slot labels")
-    i.add_argument("trace")
+    i = sub.add_parser("info", help="summarise a trace: metadata, tokens, tensors, slot labels",
+                       epilog="exit codes: 0 ok, 2 bad input")
+    i.add_argument("trace", metavar="TRACE", help="a trace file (.h5) written by tensordiff")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(func=cmd_info)
 
     def diff_args(d):
-        d.add_argument("a", help="reference trace (what was expected; usually the train side)")
-        d.add_argument("b", help="trace under test (usually the serve side)")
-        d.add_argument("--tol", action="append", metavar="NAME=MIN_COS,MAX_REL",
-                       help="tolerance override for a tensor (NAME, NAME[slot] or '*'); repeatable")
+        d.add_argument("a", metavar="A", help="reference trace (what was expected; usually the train side)")
+        d.add_argument("b", metavar="B", help="trace under test (usually the serve side)")
+        d.add_argument("--tol", action="append", metavar="RULE",
+                       help="tolerance rule PATTERN=MIN_COS,MAX_REL, PATTERN a tensor name, name[slot], a glob "
+                            "('layer*', '*') or re:REGEX; or a TOML file of rules (docs/tolerances.md). Repeatable; "
+                            "the first rule that matches wins; a rule that matches no compared tensor is an error")
+        d.add_argument("--allow-failed", action="append", metavar="PATTERN",
+                       help="divergences on tensors matching PATTERN (same syntax) become warnings and do not "
+                            "fail (known failures in CI); repeatable")
         d.add_argument("--calibration", metavar="FILE", help="tolerances from `tensordiff calibrate`")
+        d.add_argument("--tokenizer", metavar="DIR", help="show token text with this tokenizer (default: the model "
+                                                          "directory a trace records, when it has one)")
 
-    d = sub.add_parser("diff", help="compare two traces and name the first divergence (exit 1 if any)")
+    d = sub.add_parser("diff", help="compare two traces and name the first divergence (exit 1 if any)",
+                       description="Compare trace B against the reference A and name the first divergence.",
+                       epilog=EXIT_CODES)
     diff_args(d)
     d.add_argument("--json", action="store_true", help="machine-readable output (same content)")
     d.add_argument("--summary", metavar="FILE", help="also write per-token metrics to this HDF5 file")
     d.add_argument("--max-findings", type=int, default=25, help="findings listed in the text report")
     d.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     d.add_argument("--tui", action="store_true", help="open the interactive TUI instead of printing")
+    d.add_argument("--backend", default="auto", metavar="auto|serial|pool|ray",
+                   help="where the numeric pass runs (default auto: a local process pool when the traces are "
+                        "large, else this process; docs/distributed.md)")
+    d.add_argument("--workers", type=int, metavar="N", help="worker processes (default: the cores; ray: the cluster's CPUs)")
+    d.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to use with --backend ray (default: RAY_ADDRESS, "
+                   "else a new local one)")
     d.set_defaults(func=cmd_diff)
 
-    t = sub.add_parser("tui", help="interactive TUI on the first divergence")
+    t = sub.add_parser("tui", help="interactive TUI on the first divergence",
+                       description="Open the interactive TUI on the first divergence of B against A (docs/tui.md).",
+                       epilog=EXIT_CODES.replace("2 bad input", "2 bad input, 130 quit before the diff finished"))
     diff_args(t)
+    t.add_argument("--screenshot", metavar="OUT", help="no screen: run the diff headless and save the TUI as OUT "
+                                                       "(.svg, or .png where chromium or rsvg-convert is installed)")
     t.set_defaults(func=cmd_tui)
 
-    c = sub.add_parser("calibrate", help="measure the noise floor of two traces of the same wiring and write tolerances")
-    c.add_argument("a")
-    c.add_argument("b")
+    r = sub.add_parser("report", help="write a self-contained HTML report (for CI and pull requests)",
+                       description="Diff B against A and write one self-contained HTML file: headline, findings, "
+                                   "slot table, numerics, the token x slot heatmap, worst tokens (docs/report.md).",
+                       epilog=EXIT_CODES)
+    diff_args(r)
+    r.add_argument("-o", "--out", required=True, metavar="FILE", help="the HTML file to write")
+    r.set_defaults(func=cmd_report)
+
+    c = sub.add_parser("calibrate", help="measure the noise floor of two traces of the same wiring and write tolerances",
+                       epilog="exit codes: 0 written, 2 bad input (or not a noise-floor pair)")
+    c.add_argument("a", metavar="A", help="one trace of the wiring (usually train)")
+    c.add_argument("b", metavar="B", help="another run of the same wiring (the numeric noise to allow)")
     c.add_argument("--out", required=True, help="tolerances JSON for `diff --calibration`")
     c.add_argument("--margin", type=float, default=4.0, help="allowed multiple of the observed error")
     c.set_defaults(func=cmd_calibrate)
@@ -219,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
-        _err(str(e))
+        _err(_usage_hint(parser, sys.argv[1:] if argv is None else argv, str(e)))
         return EXIT_BAD_INPUT
     except SystemExit as e:  # --help, --version
         return EXIT_BAD_INPUT if e.code not in (0, None) else EXIT_OK
@@ -246,6 +349,35 @@ def main(argv: list[str] | None = None) -> int:
         _err(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
              "(set TENSORDIFF_DEBUG=1 for a traceback)")
         return EXIT_BAD_INPUT
+
+
+def _usage_hint(parser: argparse.ArgumentParser, argv: list[str], msg: str) -> str:
+    """A usage error names the subcommand's help and suggests the closest command or flag."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    m = re.search(r"invalid choice: '([^']*)'", msg)
+    if m and "COMMAND" in msg:
+        close = difflib.get_close_matches(m.group(1), list(sub.choices), n=1)
+        return msg.replace(" (see", f"; did you mean {close[0]!r}? (see") if close else msg
+    cmd = next((x for x in argv if x in sub.choices), None)
+    if cmd is None or not msg.startswith("unrecognized arguments"):
+        return msg
+    target = sub.choices[cmd]
+    while True:   # record train / record serve
+        nested = next((a for a in target._actions if isinstance(a, argparse._SubParsersAction)), None)
+        nxt = next((x for x in argv if nested is not None and x in nested.choices), None)
+        if nxt is None:
+            break
+        target = nested.choices[nxt]
+    flags = [o for a in target._actions for o in a.option_strings]
+    hints = []
+    for x in msg.split(":", 1)[1].split():
+        close = difflib.get_close_matches(x.split("=")[0], flags, n=1, cutoff=0.6) if x.startswith("-") else []
+        if close:
+            hints.append(f"{x}: did you mean {close[0]}?")
+    base = msg.split(" (see `")[0]
+    return base + ("; " + "; ".join(hints) if hints else "") + f" (see `{target.prog} --help`)"
 
 
 def _err(msg: str) -> None:

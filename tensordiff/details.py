@@ -132,6 +132,22 @@ class RecoveredDetails(Details):
 
 
 @dataclass
+class ReplicaDetails(Details):
+    """Rows of a trace set recorded twice (by two TP ranks, or two PP stages) that differ: the
+    diff read ``primary``'s; ``replica`` differs in ``differing`` of ``rows`` rows."""
+
+    side: str = ""
+    axis: str = "tp"           # tp | pp
+    primary: str = ""
+    replica: str = ""
+    part: str = "values"
+    rows: int = 0
+    differing: int = 0
+    max_abs: float = 0.0
+    cos_min: float = 1.0
+
+
+@dataclass
 class NonfiniteDetails(Details):
     subject: str = ""          # "slot 0 of draft_input" or a state label
     nonfinite_a: int = 0       # NaN/Inf values over the whole tensor (slot), side A
@@ -230,3 +246,31 @@ class NumericDetails(Details):
     tolerance: dict[str, Any] = field(default_factory=dict)  # min_cos, max_rel, source
     basis: str = "values"
     explained: bool = False    # a wrong state of the same slot explains it
+
+
+@dataclass
+class AcceptanceDetails(Details):
+    """Why acceptance is low (tensordiff.acceptance): ``side`` the side measured (B when it has
+    draft predictions or verify steps); ``verdict``: upstream (the diff's first divergence,
+    ``upstream`` its sentence), target (A's and B's target predictions disagree), draft_after_fc
+    (the draft's predictions disagree while its fc output agrees), close (A's and B's predictions
+    agree only approximately: no verdict), agree (draft input, fc output and target predictions
+    compared and agree), incomplete (``not_compared`` lists what was not)."""
+
+    side: str = ""
+    side_a: str = "A"
+    side_b: str = "B"
+    verdict: str = "incomplete"
+    upstream: str | None = None
+    upstream_index: int | None = None
+    upstream_note: str | None = None
+    steps: int = 0
+    accept_length: float | None = None
+    per_position: list[dict[str, Any]] = field(default_factory=list)  # position, reached, accepted, rate, top1, target_logprob
+    teacher: dict[str, dict[str, Any]] = field(default_factory=dict)  # regime -> rows, top1, overlap, kl_lb (draft vs target)
+    teacher_other: dict[str, dict[str, Any]] = field(default_factory=dict)  # the same on the other side
+    cross: dict[str, dict[str, Any]] = field(default_factory=dict)    # tensor -> tokens, top1, overlap, kl_lb, agree (A vs B)
+    draft_top1: float | None = None
+    draft_kl: float | None = None
+    draft_disagrees: bool = False   # teacher-forced top-1 agreement with the target below one half
+    not_compared: list[str] = field(default_factory=list)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
+from . import acceptance
 from .align import (
     RowMaps,
     SideTokens,
@@ -41,6 +42,7 @@ from .findings import (
     PairingDetails,
     PairStats,
     RecoveredDetails,
+    ReplicaDetails,
     Severity,
     ShiftDetails,
     SlotRow,
@@ -50,8 +52,9 @@ from .findings import (
 from .identity import IdentityVerdict, NoiseFloor
 from .numerics import BlockMetrics, PairAccumulator, WorstTokens
 from .slots import judge_slot
-from .tolerances import ToleranceBook
+from .tolerances import ToleranceBook, allow_failed
 from .trace import TensorInfo, TraceReader
+from .traceset import open_trace
 from .vocab import REGIMES, parse_label
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,14 +97,15 @@ class DiffOptions:
     summary_path: str | None = None       # shorthand for a summary_sink in ``sinks``
     progress: Callable[[str, int, int], None] | None = None   # (stage, done, total); may raise to cancel
     sinks: list[SinkFactory] = field(default_factory=list)
+    numeric: Any = None   # a backend of tensordiff.parallel running the numeric pass; None: this process
 
 
 class Differ:
     def __init__(self, path_a: str, path_b: str, options: DiffOptions | None = None):
         self.opt = options or DiffOptions()
-        self.ra = TraceReader(path_a)
+        self.ra = open_trace(path_a)  # a file, or a trace set (directory or glob)
         try:
-            self.rb = TraceReader(path_b)
+            self.rb = open_trace(path_b)
         except TensordiffError:
             self.ra.close()
             raise
@@ -156,6 +160,10 @@ class Differ:
         self.al = al
         self.maps = RowMaps(al, ra, rb, self.sa, self.sb)
         pairs, findings = pair_tensors(ra, rb)
+        # predictions (top-k tables, verify steps) are not states: tensordiff.acceptance compares them
+        pairs = [(a, b) for a, b in pairs if not (acceptance.is_prediction(a) or acceptance.is_prediction(b))]
+        findings = [f for f in findings if not (f.tensor in ra.tensors and acceptance.is_prediction(ra.tensors[f.tensor])
+                                                or f.tensor in rb.tensors and acceptance.is_prediction(rb.tensors[f.tensor]))]
         for ia, ib in pairs:
             if ia.width != ib.width and not (ia.kind == ib.kind == "packed" and ia.slot_width == ib.slot_width):
                 raise IncompatibleTracesError(f"tensor {ia.name}: width {ia.width} in A but {ib.width} in B "
@@ -165,8 +173,11 @@ class Differ:
                                           "packed inputs)")
         self.search = IdentitySearch(ra, rb, self.maps, self._progress)
         findings += self._token_findings(al)
+        findings += self._replica_findings()
         factories = list(self.opt.sinks) + ([summary_sink(self.opt.summary_path)] if self.opt.summary_path else [])
         sinks = [make(al, ra, rb) for make in factories]
+        if self.opt.numeric is not None:
+            self.opt.numeric.start(self, pairs)
         self._done = 0
         self._total = max(sum(min(a.rows, b.rows, len(al)) for a, b in pairs), 1)  # for the progress bar
         worst = WorstTokens()
@@ -187,8 +198,11 @@ class Differ:
             why = "; ".join(f"{p.label}: {p.not_compared}" for p in stats[:4])
             raise IncompatibleTracesError(f"nothing compared: none of the {len(stats)} paired tensors could be "
                                           f"compared ({why}{'; ...' if len(stats) > 4 else ''})")
+        self.opt.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
+        findings = allow_failed(findings, stats, self.opt.tolerances.allow_failed)
+        findings = acceptance.add_finding(ra, rb, al, self.maps, order_findings(findings), stats)
         return DiffResult(
-            path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=order_findings(findings),
+            path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=findings,
             slot_table=slot_table, pairs=stats,
             sequences=al.seq_pairs, gaps=al.gaps, shifts={str(k): v for k, v in al.shifts.items()},
             tokens_aligned=len(al), worst_tokens=worst.items(), summary_path=self.opt.summary_path,
@@ -225,6 +239,21 @@ class Differ:
             if note:
                 out.append(Finding(Kind.RECOVERED, Severity.INFO, order=-3.0,
                                    details=RecoveredDetails(side=r.side, path=r.path, note=note)))
+        return out
+
+    def _replica_findings(self) -> list[Finding]:
+        """Rows a trace set holds twice (TP copies, a PP overlap) that differ: never hidden."""
+        out = []
+        for r in (self.ra, self.rb):
+            if not hasattr(r, "check_replicas"):
+                continue
+            be = self.opt.numeric
+            found = be.check_replicas(r, self._progress) if be is not None else r.check_replicas(self._progress)
+            out += [Finding(Kind.REPLICA, Severity.DIVERGENCE, tensor=m.tensor, order=m.order, seq=m.seq,
+                            position=m.position, token=m.token, regime=m.regime, details=ReplicaDetails(
+                                side=r.side, axis=m.axis, primary=m.primary, replica=m.replica, part=m.part,
+                                rows=m.rows, differing=m.differing, max_abs=m.max_abs, cos_min=m.cos_min))
+                    for m in found]
         return out
 
     # -- one tensor pair -----------------------------------------------------------------------
@@ -342,19 +371,16 @@ class Differ:
 
     def _stream(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, depth: list[float | None], idx: Codes,
                 ma: Codes, mb: Codes, sinks: list[DiffSink], worst: WorstTokens) -> PairAccumulator:
-        """Numerics over the aligned tokens in blocks; reads run one block ahead in a thread."""
-        sw = ia.slot_width if basis == "values" else self.ra.sketch_dim
-        bm = BlockMetrics(k, sw)
+        """Numerics over the aligned tokens in blocks: each block's per-token metrics come from
+        this process (reads one block ahead in a thread) or from a backend's workers
+        (``DiffOptions.numeric``, tensordiff.parallel), and are accumulated here in block order."""
         tols = [self.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None, depth[s])
                 for s in range(k)]
         acc = PairAccumulator(tols, self.al.regime_b)
-        for blk, a_raw, b_raw in _prefetch(self._block_reader(ia, ib, basis, idx, ma, mb), self._pool):
-            if basis == "values":  # stored form (bf16 bits); converted in cache-sized pieces
-                m = bm.compute_stored(a_raw, ia.dtype, b_raw, ib.dtype)
-            else:
-                a = np.asarray(a_raw, np.float32)[:, :k * sw]
-                b = np.asarray(b_raw, np.float32)[:, :k * sw]
-                m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
+        numeric = self.opt.numeric
+        blocks = (numeric.blocks(self, ia, ib, basis, k, idx, ma, mb) if numeric is not None
+                  else self._metrics(ia, ib, basis, k, idx, ma, mb))
+        for blk, m in blocks:
             bad = acc.add(blk, m)
             worst.offer(ia.name, blk, m, self._token_entry)
             for sink in sinks:
@@ -362,6 +388,20 @@ class Differ:
             self._done += len(blk)
             self._progress("comparing tensors", min(self._done, self._total), self._total)
         return acc
+
+    def _metrics(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: Codes, ma: Codes, mb: Codes
+                 ) -> Iterator[tuple[Codes, dict[str, np.ndarray]]]:
+        """Per-token metrics of each block of aligned rows, computed in this process."""
+        sw = ia.slot_width if basis == "values" else self.ra.sketch_dim
+        bm = BlockMetrics(k, sw)
+        for blk, a_raw, b_raw in _prefetch(self._block_reader(ia, ib, basis, idx, ma, mb), self._pool):
+            if basis == "values":  # stored form (bf16 bits); converted in cache-sized pieces
+                m = bm.compute_stored(a_raw, ia.dtype, b_raw, ib.dtype)
+            else:
+                a = np.asarray(a_raw, np.float32)[:, :k * sw]
+                b = np.asarray(b_raw, np.float32)[:, :k * sw]
+                m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
+            yield blk, m
 
     def _slot_findings(self, sp: _Streamed, s: int, acc: PairAccumulator, identity_a: dict[int, IdentityVerdict],
                        identity_b: dict[int, IdentityVerdict], slot_table: list[SlotRow]) -> list[Finding]:

@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any, ClassVar
 
 from .details import (
+    AcceptanceDetails,
     Candidate,
     Details,
     GapDetails,
@@ -28,6 +29,7 @@ from .details import (
     PairingDetails,
     Record,
     RecoveredDetails,
+    ReplicaDetails,
     ShiftDetails,
     TokenMismatchDetails,
 )
@@ -35,6 +37,7 @@ from .details import (
 __all__ = [
     "DETAILS",
     "SCHEMA_VERSION",
+    "AcceptanceDetails",
     "Candidate",
     "Details",
     "DiffResult",
@@ -50,6 +53,7 @@ __all__ = [
     "PairingDetails",
     "Record",
     "RecoveredDetails",
+    "ReplicaDetails",
     "Severity",
     "ShiftDetails",
     "SlotRow",
@@ -61,6 +65,8 @@ __all__ = [
 
 #: version of the diff JSON (``tensordiff diff --json``); docs/json.md, schemas/diff.schema.json
 SCHEMA_VERSION = 1
+#: start of the sentence of a divergence turned into a warning by ``--allow-failed``
+ALLOWED_PREFIX = "allowed by --allow-failed"
 
 class _StrEnum(str, Enum):
     """A str-valued enum that prints as its value (``f"{Kind.NUMERIC}"`` is ``numeric``) and
@@ -84,6 +90,8 @@ class Kind(_StrEnum):
     SLOT_IDENTITY = "slot_identity"    # a slot (or boundary) holds another state than expected
     LABEL_MISMATCH = "label_mismatch"  # a side's own label of a slot disagrees with what it holds
     NUMERIC = "numeric"                # drift past tolerance
+    REPLICA = "replica"                # copies in a trace set (TP replicas, PP overlap) that are not equal
+    ACCEPTANCE = "acceptance"          # why the draft's acceptance is what it is (tensordiff.acceptance)
 
 
 class Severity(_StrEnum):
@@ -97,14 +105,17 @@ class Severity(_StrEnum):
 
 
 # at the same place in forward order, the explanation comes before its symptoms
-_KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.TOKEN_MISMATCH: 0, Kind.PAIRING: 1, Kind.GAP: 2, Kind.MISSING: 3, Kind.NONFINITE: 4,
-              Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7}
+_KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.TOKEN_MISMATCH: 0, Kind.PAIRING: 1, Kind.REPLICA: 1, Kind.GAP: 2,
+              Kind.MISSING: 3, Kind.NONFINITE: 4, Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7,
+              Kind.ACCEPTANCE: 8}
 
 
 DETAILS: dict[Kind, type[Details]] = {
     Kind.TOKEN_SHIFT: ShiftDetails, Kind.TOKEN_MISMATCH: TokenMismatchDetails, Kind.PAIRING: PairingDetails, Kind.GAP: GapDetails,
     Kind.MISSING: MissingDetails, Kind.RECOVERED: RecoveredDetails, Kind.NONFINITE: NonfiniteDetails,
     Kind.SLOT_IDENTITY: IdentityDetails, Kind.LABEL_MISMATCH: LabelDetails, Kind.NUMERIC: NumericDetails,
+    Kind.REPLICA: ReplicaDetails,
+    Kind.ACCEPTANCE: AcceptanceDetails,
 }
 
 
@@ -224,7 +235,8 @@ def _identity(f: Finding, d: IdentityDetails) -> str:
 
 def _numeric(f: Finding, d: NumericDetails) -> str:
     t = d.tolerance
-    s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g} "
+    on = " (on sketches)" if d.basis == "sketch" else ""   # numbers of the sketches, not of full values
+    s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g}{on} "
          f"(tolerance cos >= {t.get('min_cos', 0):g}, rel <= {t.get('max_rel', 0):g}); "
          f"{d.failing} of {d.tokens} tokens fail")
     return s + (" (explained by the wrong state above)" if d.explained else "")
@@ -287,12 +299,63 @@ def _label(f: Finding, d: LabelDetails) -> str:
     return f"{d.side} labels slot {f.slot} of {f.tensor} as {d.claimed}, but it holds {d.held}"
 
 
+def _replica(f: Finding, d: ReplicaDetails) -> str:
+    what = "TP replicas" if d.axis == "tp" else "PP stages"
+    return (f"{what} of {d.side} disagree: {f.tensor} in {os.path.basename(d.replica)} differs from "
+            f"{os.path.basename(d.primary)} (the one compared) in {d.differing} of {d.rows} replicated rows, first at "
+            f"token {f.token} (seq {f.seq}, position {f.position}); max abs {d.max_abs:.3g}, cos {d.cos_min:.6f}: "
+            "this side's result depends on which copy is read")
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.0f}%"
+
+
+def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
+    pct = _pct
+    if d.accept_length is not None:
+        pos = ", ".join(f"position {p['position']} {pct(p['rate'])}" for p in d.per_position[:3])
+        head = (f"acceptance {d.accept_length:.2f} on {d.side} over {d.steps} verify steps "
+                f"(draft tokens accepted by position: {pos})")
+    else:
+        rows = (d.teacher.get("all") or {}).get("rows", 0)
+        head = f"the draft's top-1 agrees with the target's on {pct(d.draft_top1)} of {rows} draft rows on {d.side}"
+    kl = "" if d.draft_kl is None else f", KL >= {d.draft_kl:.2f} nats"
+    if d.verdict == "upstream":
+        note = f"; {d.upstream_note}" if d.upstream_note else ""
+        return f"{head}; first divergence upstream: {d.upstream}{note}"
+    if d.verdict == "target":
+        c = d.cross.get("target_topk", {})
+        return (f"{head}; first divergence upstream: the target's predictions differ between {d.side_a} and "
+                f"{d.side_b} (top-1 equal on {pct(c.get('top1'))} of {c.get('tokens', 0)} tokens)")
+    if d.verdict == "draft_after_fc":
+        c = d.cross.get("draft_topk", {})
+        return (f"{head}; the draft's predictions differ between {d.side_a} and {d.side_b} (top-1 equal on "
+                f"{pct(c.get('top1'))} of {c.get('tokens', 0)} tokens) while its input and fc output agree: "
+                "the draft after fc differs (weights, attention, norms)")
+    if d.verdict == "close":
+        c = d.cross.get(d.upstream or "", {})
+        return (f"{head}; {d.upstream} of {d.side_a} and {d.side_b} agree only approximately (top-1 equal on "
+                f"{pct(c.get('top1'))} of {c.get('tokens', 0)} tokens, KL >= {c.get('kl_lb', 0):.3g} nats): "
+                "no verdict on the wiring")
+    if d.verdict == "incomplete":
+        return f"{head}; not compared: {', '.join(d.not_compared)}; no verdict on the wiring"
+    agree = (f"{head}: the draft input, fc output and target predictions agree between {d.side_a} and "
+             f"{d.side_b}, and the draft")
+    if d.draft_disagrees:
+        return (f"{agree} itself disagrees with the target (top-1 {pct(d.draft_top1)} at draft position 0{kl}): "
+                "a training-quality problem, not wiring")
+    return f"{agree} agrees with the target (top-1 {pct(d.draft_top1)} at draft position 0{kl})"
+
+
 _RENDER: dict[Kind, tuple[type[Details], Callable[[Finding, Any], str]]] = {
     Kind.SLOT_IDENTITY: (IdentityDetails, _identity), Kind.NUMERIC: (NumericDetails, _numeric),
     Kind.NONFINITE: (NonfiniteDetails, _nonfinite), Kind.TOKEN_SHIFT: (ShiftDetails, _shift),
     Kind.PAIRING: (PairingDetails, _pairing), Kind.GAP: (GapDetails, _gap),
     Kind.TOKEN_MISMATCH: (TokenMismatchDetails, _mismatch), Kind.MISSING: (MissingDetails, _missing),
     Kind.RECOVERED: (RecoveredDetails, _recovered), Kind.LABEL_MISMATCH: (LabelDetails, _label),
+    Kind.REPLICA: (ReplicaDetails, _replica),
+    Kind.ACCEPTANCE: (AcceptanceDetails, _acceptance),
 }
 
 
@@ -432,11 +495,17 @@ class DiffResult:
         f = self.first_divergence
         if f is not None:
             return f.message
+        allowed = sum(1 for g in self.findings if (g.text or "").startswith(ALLOWED_PREFIX))
         n, k = len(self.pairs), self.compared
-        if k == n:
-            return f"no divergence: {self.tokens_aligned} tokens in {n} tensors agree within tolerance"
-        return (f"no divergence in the {k} of {n} tensors compared ({self.tokens_aligned} tokens); {n - k} could not "
-                "be compared (see the warnings)")
+        tensors = f"{n} tensor{'' if n == 1 else 's'}"
+        if k < n:
+            return (f"no divergence in the {k} of {n} tensors compared ({self.tokens_aligned} tokens); {n - k} could "
+                    "not be compared (see the warnings)"
+                    + (f"; {allowed} divergences allowed by --allow-failed" if allowed else ""))
+        if allowed:
+            return (f"no divergence outside the {allowed} allowed by --allow-failed: {self.tokens_aligned} tokens in "
+                    f"{tensors} compared")
+        return f"no divergence: {self.tokens_aligned} tokens in {tensors} agree within tolerance"
 
     def inheritance_note(self, f: Finding) -> str | None:
         """``may be inherited from finding #3 (numeric in layer4)`` for an inherited divergence."""

@@ -29,3 +29,11 @@ def number(x: object, nd: int = 4, sci: int = 2) -> str:
     if v != 0 and (abs(v) >= 1e4 or abs(v) < 1e-3):
         return f"{v:.{sci}e}"
     return f"{v:.{nd}f}"
+
+
+#: what a progress count of a diff stage counts (the CLI's bar and the TUI's label)
+PROGRESS_UNITS = {"identifying slots": "candidates", "aligning tokens": "steps"}
+
+
+def progress_unit(stage: str) -> str:
+    return PROGRESS_UNITS.get(stage, "rows")

@@ -93,6 +93,7 @@ class BlockMetrics:
         nf_a = np.zeros((n, k), dtype=np.int64)
         nf_b = np.zeros((n, k), dtype=np.int64)
         suspect = ~(np.isfinite(aa) & np.isfinite(bb) & np.isfinite(dd))
+        empty = np.zeros((n, k), dtype=bool)   # no value finite on both sides: nothing to measure
         if suspect.any():
             for i, s in zip(*np.nonzero(suspect)):
                 x, y = a3[i, s].astype(np.float64), b3[i, s].astype(np.float64)
@@ -100,6 +101,7 @@ class BlockMetrics:
                 nf_a[i, s], nf_b[i, s] = (~fx).sum(), (~fy).sum()
                 both = fx & fy
                 x, y = x[both], y[both]
+                empty[i, s] = not both.any()
                 dv = x - y
                 aa[i, s], bb[i, s], dd[i, s] = x @ x, y @ y, dv @ dv
                 maxabs[i, s] = np.abs(dv).max() if len(dv) else 0.0
@@ -109,6 +111,7 @@ class BlockMetrics:
             cos = np.where(denom > 0, ab / np.where(denom > 0, denom, 1), np.where((aa == 0) & (bb == 0), 1.0, 0.0))
             na = np.sqrt(aa)
             rel = np.where(na > 0, np.sqrt(dd) / np.where(na > 0, na, 1), np.where(dd > 0, np.inf, 0.0))
+        cos[empty], rel[empty], maxabs[empty] = np.nan, np.nan, np.nan   # an all-NaN row is nan, not cos 1
         return {
             "cos": np.clip(cos, -1, 1).astype(np.float32),
             "rel": rel.astype(np.float32),
@@ -186,6 +189,7 @@ class PairAccumulator:
     tokens: int = 0
     cos_min: np.ndarray = field(init=False)
     cos_sum: np.ndarray = field(init=False)
+    cos_count: np.ndarray = field(init=False)
     rel_max: np.ndarray = field(init=False)
     maxabs: np.ndarray = field(init=False)
     failing: np.ndarray = field(init=False)
@@ -201,6 +205,7 @@ class PairAccumulator:
         k = len(self.tolerances)
         self.cos_min = np.full(k, np.inf)
         self.cos_sum = np.zeros(k)
+        self.cos_count = np.zeros(k, dtype=np.int64)
         self.rel_max = np.zeros(k)
         self.maxabs = np.zeros(k)
         self.failing = np.zeros(k, dtype=np.int64)
@@ -220,10 +225,11 @@ class PairAccumulator:
             off[:, s] = (m["cos"][:, s] < t.min_cos) | (m["rel"][:, s] > t.max_rel)
         bad = off | m["nonfinite"]
         self.tokens += len(blk)
-        self.cos_min = np.minimum(self.cos_min, m["cos"].min(axis=0))
-        self.cos_sum += m["cos"].sum(axis=0, dtype=np.float64)
+        self.cos_min = np.fmin(self.cos_min, np.fmin.reduce(m["cos"], axis=0))   # fmin: nan rows (no finite
+        self.cos_sum += np.nansum(m["cos"], axis=0, dtype=np.float64)         # value) are not measured
+        self.cos_count += (~np.isnan(m["cos"])).sum(axis=0)
         self.rel_max = np.maximum(self.rel_max, _finite(m["rel"]).max(axis=0))
-        self.maxabs = np.maximum(self.maxabs, m["maxabs"].max(axis=0))
+        self.maxabs = np.fmax(self.maxabs, np.fmax.reduce(m["maxabs"], axis=0))
         self.failing += off.sum(axis=0)
         self.nonfinite_a += m["nonfinite_a"].sum(axis=0)
         self.nonfinite_b += m["nonfinite_b"].sum(axis=0)
@@ -266,7 +272,7 @@ class PairAccumulator:
         return out[0], out[1]
 
     def cos_mean(self) -> list[float]:
-        return [float(x) for x in self.cos_sum / max(self.tokens, 1)]
+        return [float(x) for x in self.cos_sum / np.maximum(self.cos_count, 1)]
 
 
 class WorstTokens:
@@ -290,7 +296,9 @@ class WorstTokens:
             if len(heap) >= self.limit and r <= heap[0][0]:
                 continue
             e = entry(int(blk[j]))
-            e.update(tensor=tensor, rel=r, slot=int(np.argmax(rel[j])), cos=float(m["cos"][j].min()))
+            sl = int(np.argmax(rel[j]))
+            # nan where no value was finite on both sides (not the 0 that ranked it)
+            e.update(tensor=tensor, rel=float(m["rel"][j, sl]), slot=sl, cos=float(np.fmin.reduce(m["cos"][j])))
             item = (r, next(self._tiebreak), e)
             if len(heap) < self.limit:
                 heapq.heappush(heap, item)

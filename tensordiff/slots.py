@@ -96,8 +96,8 @@ def judge_slot(tensor_b: str, slot: int, claimed_a: str | None, claimed_b: str |
     if ida is not None and ida.outcome in ("no_state", "ambiguous", "scaled") and j.identity is None:
         j.findings.append(place(Kind.SLOT_IDENTITY, "a", _details(ida, "a", sides[0], subject, expected=claimed_a,
                                                                  **common), Severity.WARNING))
-    for side, name, claimed, held, tname, order in (("a", sides[0], claimed_a, ha, tensor_a, order_a),
-                                                    ("b", sides[1], claimed_b, hb, tensor_b, order_b)):
+    for name, claimed, held, tname, order in ((sides[0], claimed_a, ha, tensor_a, order_a),
+                                              (sides[1], claimed_b, hb, tensor_b, order_b)):
         if claimed and held and claimed != held[0]:
             j.findings.append(Finding(Kind.LABEL_MISMATCH, Severity.WARNING, tensor=tname, slot=slot, order=order,
                                       details=LabelDetails(claimed=claimed, held=held[0], side=name)))

@@ -13,6 +13,7 @@ The TUI's heatmap reads them in blocks, so its memory does not grow with the tra
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import h5py
@@ -129,3 +130,60 @@ class SummaryReader:
 
     def close(self) -> None:
         self.f.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The columns of a summary, in forward order (the TUI's heatmap and the HTML report's image)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Column:
+    index: int            # column of the summary file
+    label: str            # embed, layer3, draft_input[0]...
+    tensor_a: str
+    tensor_b: str
+    slot: int
+    order: float
+    slot_label: str | None
+    packed: bool
+
+    @property
+    def short(self) -> str:
+        if self.packed:
+            return f"[{self.slot}]"
+        return short_label(self.label)
+
+    def matches(self, tensor: str | None, slot: int | None) -> bool:
+        if tensor is None or tensor not in (self.tensor_a, self.tensor_b):
+            return False
+        return (slot or 0) == self.slot
+
+
+def short_label(label: str) -> str:
+    if label == "embed":
+        return "emb"
+    if label == "final_norm":
+        return "fn"
+    if label.startswith("layer") and label[5:].isdigit():
+        n = label[5:]
+        return f"L{n}" if len(n) <= 2 else n[-3:]
+    return label[:3]
+
+
+def read_columns(summary: SummaryReader) -> list[Column]:
+    """The summary's columns in forward order (by order, then slot)."""
+    cols = []
+    for j, ds in enumerate(summary.columns):
+        a = ds.attrs
+        label = str(a.get("label", summary.labels[j]))
+        try:
+            slot_label = json.loads(a.get("slot_label", "null"))
+        except (TypeError, ValueError):
+            slot_label = None
+        ta = str(a.get("tensor_a", label))
+        cols.append(Column(index=j, label=label, tensor_a=ta, tensor_b=str(a.get("tensor_b", ta)),
+                           slot=int(a.get("slot", 0)), order=float(a.get("order", j)),
+                           slot_label=slot_label, packed=label.endswith("]") and slot_label is not None))
+    cols.sort(key=lambda c: (c.order, c.tensor_a, c.slot))
+    return cols

@@ -7,14 +7,18 @@ numpy-free. Rules by pattern (glob/regex) belong here too, as another source in
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import EPS
 from .errors import SourceFileError, UsageError
+from .findings import ALLOWED_PREFIX, Finding, Severity
 
 #: version of the calibration file written by ``tensordiff calibrate``
 CALIBRATION_VERSION = 1
@@ -83,10 +87,17 @@ class ToleranceBook:
 
     overrides: dict[str, Tolerance] = field(default_factory=dict)
     calibrated: dict[str, Tolerance] = field(default_factory=dict)
+    rules: list[ToleranceRule] = field(default_factory=list)   # --tol / TOML rules: first match wins
+    allow_failed: list[str] = field(default_factory=list)      # --allow-failed patterns
+    used: set[str] = field(default_factory=set)                # rules that matched a compared tensor
 
     def for_tensor(self, name: str, dtype_a: str, dtype_b: str, slot: int | None = None,
                    depth: float | None = None) -> Tolerance:
         key = f"{name}[{slot}]" if slot is not None else name
+        hits = [r for r in self.rules if r.matches(name, key)]
+        self.used.update(r.pattern for r in hits)   # matched, even when an earlier rule wins
+        if hits:
+            return hits[0].tolerance
         for book in (self.overrides, self.calibrated):
             for k in (key, name, "*"):
                 if k in book:
@@ -103,6 +114,56 @@ class ToleranceBook:
         if not _valid(c, r):
             raise UsageError(f"--tol {text!r}: MIN_COS must be in [-1, 1] and MAX_REL >= 0")
         return name, Tolerance(c, r, "override")
+
+    def add_rule(self, pattern: str, tol: Tolerance) -> None:
+        """A rule after the others (the first rule that matches a tensor or slot wins)."""
+        self.rules.append(ToleranceRule(pattern, tol))
+
+    def load_rules(self, path: str) -> None:
+        """Rules (and ``allow_failed`` patterns) from a TOML file, in file order::
+
+            allow_failed = ["final_norm"]
+            [[rule]]
+            match = "layer*"          # a glob (* and ?; [ is literal: draft_input[0]) or re:REGEX
+            min_cos = 0.99
+            max_rel = 0.05
+        """
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib  # type: ignore[no-redef]
+            except ImportError:
+                raise UsageError(f"--tol {path}: reading TOML needs Python 3.11+ or the tomli package") from None
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, ValueError) as e:
+            raise SourceFileError(f"cannot read tolerance rules ({type(e).__name__}: {e})", path) from None
+        unknown = sorted(set(data) - {"rule", "allow_failed"})
+        rules, allow = data.get("rule", []), data.get("allow_failed", [])
+        if unknown or not isinstance(rules, list) or not isinstance(allow, list):
+            raise SourceFileError("tolerance rules: expected [[rule]] tables (match, min_cos, max_rel) and an "
+                                  f"allow_failed list{f'; unknown keys {unknown}' if unknown else ''}", path)
+        for i, r in enumerate(rules):
+            try:
+                pat, c, rel = str(r["match"]), float(r["min_cos"]), float(r["max_rel"])
+            except (KeyError, TypeError, ValueError):
+                raise SourceFileError(f"tolerance rule {i + 1}: needs match (a string), min_cos and max_rel "
+                                      "(numbers)", path) from None
+            if not _valid(c, rel) or set(r) - {"match", "min_cos", "max_rel"}:
+                raise SourceFileError(f"tolerance rule {i + 1} ({pat!r}): min_cos must be in [-1, 1] and max_rel "
+                                      ">= 0; keys are match, min_cos, max_rel", path)
+            pattern_matcher(pat)   # a bad regex is an error now, not at the first tensor
+            self.add_rule(pat, Tolerance(c, rel, f"rule:{os.path.basename(path)}"))
+        self.allow_failed += [str(a) for a in allow]
+
+    def check_rules_used(self, compared: list[str]) -> None:
+        """A rule that matched no compared tensor is an error (a typo must not pass silently)."""
+        unused = [r.pattern for r in self.rules if r.pattern not in self.used]
+        if unused:
+            raise UsageError(f"--tol rule {unused[0]!r} matches no compared tensor or slot (compared: "
+                             f"{', '.join(compared) or 'none'})")
 
     def load_calibration(self, path: str) -> None:
         """Read a calibration file, validated like ``--tol``: every tolerance finite and in range."""
@@ -123,6 +184,57 @@ class ToleranceBook:
                                       "must be a finite number in [-1, 1] and max_rel a finite number >= 0", path)
         for k, c, r in items:
             self.calibrated[k] = Tolerance(c, r, f"calibrated:{os.path.basename(path)}")
+
+
+@dataclass(frozen=True)
+class ToleranceRule:
+    """``--tol PATTERN=MIN_COS,MAX_REL``: PATTERN is matched against a tensor's name and against
+    ``name[slot]`` (see :func:`pattern_matcher`)."""
+
+    pattern: str
+    tolerance: Tolerance
+
+    def matches(self, name: str, key: str) -> bool:
+        m = pattern_matcher(self.pattern)
+        return m(name) or m(key)
+
+
+@functools.lru_cache(maxsize=256)
+def pattern_matcher(pattern: str) -> Callable[[str], bool]:
+    """A whole-name matcher: ``re:REGEX`` is a regular expression; anything else a glob where
+    ``*`` and ``?`` are the wildcards and ``[`` is literal (``draft_input[0]`` names slot 0)."""
+    if pattern.startswith("re:"):
+        try:
+            rx = re.compile(pattern[3:])
+        except re.error as e:
+            raise UsageError(f"pattern {pattern!r}: {e}") from None
+    else:
+        rx = re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern))
+    return lambda name: rx.fullmatch(name) is not None
+
+
+def allow_failed(findings: list[Finding], pairs: list[Any], patterns: list[str]) -> list[Finding]:
+    """``--allow-failed PATTERN``: divergences on a matching tensor (its name on either side, or
+    ``name[slot]``) become warnings that say so; a pattern that matches no compared tensor is an
+    error. Returns the findings (changed in place)."""
+    if not patterns:
+        return findings
+    names: list[str] = []
+    for p in pairs:
+        names += [p.name_a, p.name_b] + ([f"{p.name_a}[{s}]" for s in range(p.slots)] if p.slots > 1 else [])
+    for pat in patterns:
+        if not any(pattern_matcher(pat)(n) for n in names):
+            raise UsageError(f"--allow-failed {pat!r} matches no compared tensor or slot (compared: "
+                             f"{', '.join(dict.fromkeys(names)) or 'none'})")
+    for f in findings:
+        if f.severity != Severity.DIVERGENCE or f.tensor is None:
+            continue
+        keys = [f.tensor] + ([f"{f.tensor}[{f.slot}]"] if f.slot is not None else [])
+        pat = next((p for p in patterns if any(pattern_matcher(p)(k) for k in keys)), None)
+        if pat is not None:
+            f.text = f"{ALLOWED_PREFIX} {pat!r}: {f.message}"
+            f.severity = Severity.WARNING
+    return findings
 
 
 def calibrated_tolerance(worst_cos: float, worst_rel: float, dtype: str, margin: float = 4.0) -> Tolerance:

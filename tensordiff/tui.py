@@ -8,16 +8,18 @@ detail pane for the selected cell with the aligner's sentence, identity candidat
 metrics, both token keys and small text plots of the two vectors.
 
 The TUI never judges a tensor itself: every verdict it shows comes from
-:class:`tensordiff.align.Differ`. The heatmap reads the diff's per-token summary, written to a
+:class:`tensordiff.diff.Differ`. The heatmap reads the diff's per-token summary, written to a
 temporary file that the app deletes on exit, in blocks.
 
-Where things live: this module is the app (layout, the diff thread, whose progress and end reach
-the app as :class:`DiffProgress` / :class:`DiffEnded` messages, keys and actions, quit);
-:mod:`tensordiff.tui_widgets` the widgets and screens; :mod:`tensordiff.tui_data` the data layer
-(block cache, lookups, go-to, the cell reader) and :mod:`tensordiff.tui_text` the text of the
-panes, neither of which imports textual. This module is over 500 lines because it is one
-``App`` class: Textual binds keys, actions and message handlers to it, and cutting it into
-mixins would scatter one state machine over several files.
+Where things live: this module is the app (layout, keys and actions, what the diff's messages
+do, quit) and its entry points (:func:`run_tui`, :func:`save_screenshot`);
+:mod:`tensordiff.tui_diff` runs the diff in a thread that reports as :class:`DiffProgress` /
+:class:`DiffEnded` messages; :mod:`tensordiff.tui_widgets` the widgets and screens;
+:mod:`tensordiff.tui_data` the data layer (block cache, lookups, go-to, the cell reader) and
+:mod:`tensordiff.tui_text` the text of the panes, neither of which imports textual. This module
+is over 500 lines because it is one ``App`` class and the two functions that run it: Textual binds
+keys, actions and message handlers to the app, and cutting the class into mixins would scatter
+one state machine over several files.
 
 Keys: see :data:`tensordiff.tui_widgets.HELP` (``?`` in the app) and docs/tui.md.
 """
@@ -28,69 +30,37 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import ClassVar
 
 from rich.text import Text
 from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.message import Message
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Input, OptionList, ProgressBar, Static, Tree
 from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
-from .align import Differ, DiffOptions, DiffResult
-from .errors import TraceError
-from .summary import SummaryReader
+from .diff import DiffOptions
+from .errors import TraceError, UsageError
+from .findings import DiffResult
+from .fmt import progress_unit
+from .summary import SummaryReader, read_columns
+from .token_text import TokenText
+from .tui_diff import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread, run_diff
 from .tui_data import (
     GOTO_FORMS,
     METRICS,
     Column,
     VectorSource,
-    read_columns,
     resolve_goto,
 )
 from .tui_text import detail_lines, finding_prompt
 from .tui_widgets import GotoScreen, Heatmap, HelpScreen, TensorTree
 
 EXIT_INTERRUPTED = 130   # quit before the diff finished: no verdict
-PROGRESS_INTERVAL_S = 0.05
-
-
-DiffFn = Callable[[str, str, DiffOptions], DiffResult]
-
-
-class _Cancelled(Exception):
-    """Raised in the diff worker's progress callback once the app quits."""
-
-
-class DiffProgress(Message):
-    """Posted by the diff thread: how far the diff is (a stage of the aligner, done of total)."""
-
-    def __init__(self, stage: str, done: int, total: int) -> None:
-        self.stage = stage
-        self.done = done
-        self.total = total
-        super().__init__()
-
-
-class DiffEnded(Message):
-    """Posted by the diff thread: the result, or the error it raised."""
-
-    def __init__(self, result: DiffResult | None, error: BaseException | None) -> None:
-        self.result = result
-        self.error = error
-        super().__init__()
-
-
-def run_diff(path_a: str, path_b: str, options: DiffOptions) -> DiffResult:
-    with Differ(path_a, path_b, options) as d:
-        return d.run()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,6 +72,7 @@ class TensordiffApp(App[int]):
     """The tensordiff TUI. ``diff_fn`` (tests, benchmarks) replaces the diff that runs in the worker."""
 
     TITLE = "tensordiff"
+    ENABLE_COMMAND_PALETTE = False   # not a tensordiff key; its footer entry would hide ours at 80 columns
     CSS = """
     Screen { layout: vertical; }
     #titlebar { height: 1; background: $primary-background; color: $text; padding: 0 1; }
@@ -111,37 +82,49 @@ class TensordiffApp(App[int]):
     #progress-label { width: 1fr; padding: 0 1; }
     #body { height: 1fr; }
     #left { width: 44; }
+    Screen.-narrow #left { width: 28; }
+    #left.collapsed { display: none; }
     #findings { height: 45%; border: round $primary; text-wrap: nowrap; text-overflow: ellipsis; }
     #tree { height: 1fr; border: round $primary; }
     #right { width: 1fr; }
     #filter { display: none; height: 3; }
     #heatmap { height: 1fr; border: round $primary; }
-    #detail { height: 11; border: round $primary; padding: 0 1; text-wrap: nowrap; text-overflow: ellipsis; }
+    #detail { height: 11; border: round $primary; padding: 0 1; scrollbar-size-vertical: 1; }
+    Screen.-short #detail { height: 8; }
+    #detail-text { width: 1fr; }
     .done #progress-row { display: none; }
     """
 
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (110, "-wide")]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
+
     BINDINGS: ClassVar[list] = [
+        # in the footer in this order, short enough that all fit in 80 columns
         Binding("n", "next_finding", "next"),
         Binding("p", "prev_finding", "prev"),
-        Binding("f", "first_divergence", "first div."),
-        Binding("g", "goto", "go to token"),
+        Binding("f", "first_divergence", "first"),
+        Binding("g", "goto", "go to"),
         Binding("slash", "filter", "filter"),
         Binding("m", "toggle_metric", "metric"),
+        Binding("left_square_bracket", "toggle_left", "panes"),
         Binding("question_mark", "help", "help"),
-        Binding("s", "screenshot", "screenshot"),
+        Binding("s", "screenshot", "shot"),
         Binding("q", "quit", "quit"),
+        Binding("less_than_sign", "resize_left(-4)", "narrower", show=False),
+        Binding("greater_than_sign", "resize_left(4)", "wider", show=False),
         Binding("escape", "close_filter", "close filter", show=False),
     ]
 
     def __init__(self, path_a: str, path_b: str, options: DiffOptions | None = None, *,
                  diff_fn: DiffFn | None = None, screenshot_dir: str | None = None,
-                 block_rows: int = 256, max_blocks: int = 24):
+                 block_rows: int = 256, max_blocks: int = 24, token_text: TokenText | None = None,
+                 find_tokenizer: bool = True):
         super().__init__()
         self.path_a, self.path_b = os.fspath(path_a), os.fspath(path_b)
         self.options = options or DiffOptions()
         self.diff_fn = diff_fn or run_diff
+        self._diff: DiffThread | None = None
         self.screenshot_dir = screenshot_dir or os.getcwd()
-        self._owns_summary = self.options.summary_path is None
         self.summary_path: str | None = self.options.summary_path
         self.summary: SummaryReader | None = None
         self.columns: list[Column] = []
@@ -157,15 +140,15 @@ class TensordiffApp(App[int]):
         self.vectors_for: tuple[int, int] | None = None  # the cell whose vectors are shown
         self.vectors: tuple = (None, None, "")
         self.progress: tuple[str, int, int] = ("starting", 0, 1)   # the last DiffProgress shown
-        self._cancel = threading.Event()
         self._filter_text = ""
         self._source = VectorSource(self.path_a, self.path_b)
         self._block_rows, self._max_blocks = block_rows, max_blocks
-        self._diff_t0 = 0.0
-        self._diff_thread: threading.Thread | None = None
-        self._summary_dir: str | None = None
         self.detail_text = Text("")
         self.last_screenshot: str | None = None
+        # token text: the tokenizer given (--tokenizer), else the model directory a trace records
+        # (looked for once, in the detail worker: loading a tokenizer may take seconds)
+        self.token_text = token_text
+        self._find_tokenizer = find_tokenizer and token_text is None
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -182,8 +165,9 @@ class TensordiffApp(App[int]):
             with Vertical(id="right"):
                 yield Input(placeholder="filter tensors: substrings, comma-separated (empty: all)", id="filter")
                 yield Heatmap(id="heatmap", block_rows=self._block_rows, max_blocks=self._max_blocks)
-                yield Static("", id="detail")
-        yield Footer()
+                with VerticalScroll(id="detail"):
+                    yield Static("", id="detail-text")
+        yield Footer(compact=True)
 
     def _title_text(self) -> Text:
         a, b = os.path.basename(self.path_a), os.path.basename(self.path_b)
@@ -205,7 +189,8 @@ class TensordiffApp(App[int]):
         # widgets of the main screen, kept so that a modal screen on top never hides them
         q = self.query_one
         self._w_findings, self._w_tree = q("#findings", OptionList), q("#tree", TensorTree)
-        self._w_detail, self._w_headline = q("#detail", Static), q("#headline", Static)
+        self._w_detail, self._w_headline = q("#detail-text", Static), q("#headline", Static)
+        self._w_left, self._w_detail_box = q("#left", Vertical), q("#detail", VerticalScroll)
         self._w_progress, self._w_progress_label = q("#progress", ProgressBar), q("#progress-label", Static)
         self._w_filter, self._w_titlebar, self._w_heatmap = q("#filter", Input), q("#titlebar", Static), q(Heatmap)
         fl = self._w_findings
@@ -214,7 +199,7 @@ class TensordiffApp(App[int]):
         tree.border_title = "tensors"
         tree.show_root = False
         self.heatmap.border_title = f"tokens x slots: {METRICS[0].title}"
-        self._w_detail.border_title = "detail"
+        self._w_detail_box.border_title = "detail"
         self.heatmap.focus()
         self.call_after_refresh(self._after_first_paint)
 
@@ -225,41 +210,9 @@ class TensordiffApp(App[int]):
     # -- the diff worker -------------------------------------------------------------------
 
     def _start_diff(self) -> None:
-        if self._owns_summary:
-            # in a private directory, removed on exit: a diff thread still running then cannot
-            # create the file again (its directory is gone)
-            self._summary_dir = tempfile.mkdtemp(prefix="tensordiff-tui-")
-            self.summary_path = os.path.join(self._summary_dir, "summary.h5")
-        self._diff_t0 = time.perf_counter()
-        # A plain thread rather than a Textual worker, so that the app can end (and restore the
-        # terminal) while the diff is in a long stage: the thread stops at its next progress
-        # report, and run_tui joins it. Not a daemon: a daemon thread frozen inside h5py at
-        # interpreter exit would hold h5py's lock and deadlock the exit.
-        self._diff_thread = threading.Thread(target=self._run_diff, name="tensordiff-diff")
-        self._diff_thread.start()
-
-    def _run_diff(self) -> None:
-        last = [None, 0.0]   # stage and time of the last message posted
-
-        def progress(stage: str, done: int, total: int) -> None:
-            if self._cancel.is_set():
-                raise _Cancelled()
-            # a message per stage, per end of stage, and at most one per 50 ms in between: the
-            # aligner reports per block, and the UI need not redraw the bar more often than that
-            now = time.perf_counter()
-            if stage != last[0] or done >= total or now - last[1] >= PROGRESS_INTERVAL_S:
-                last[0], last[1] = stage, now
-                self.post_message(DiffProgress(stage, done, total))   # thread-safe
-
-        opts = replace(self.options, summary_path=self.summary_path, progress=progress)
-        try:
-            res, err = self.diff_fn(self.path_a, self.path_b, opts), None
-        except BaseException as e:  # noqa: BLE001 - reported on the UI thread
-            res, err = None, e
-        if self._cancel.is_set():
-            self._remove_summary()
-            return
-        self.post_message(DiffEnded(res, err))   # thread-safe
+        self._diff = DiffThread(self.path_a, self.path_b, self.options, self.diff_fn, self.post_message)
+        self._diff.start()
+        self.summary_path = self._diff.summary_path
 
     @on(DiffEnded)
     def _diff_ended(self, event: DiffEnded) -> None:
@@ -280,7 +233,7 @@ class TensordiffApp(App[int]):
         bar = self._w_progress
         if total > 1:
             bar.update(total=total, progress=done)
-        label = f"{stage}: {done}/{total} rows" if total > 1 else stage
+        label = f"{stage}: {done}/{total} {progress_unit(stage)}" if total > 1 else stage
         if self.pending:
             label += f"  ({len(self.pending)} key{'s' if len(self.pending) > 1 else ''} queued)"
         self._w_progress_label.update(label, layout=False)
@@ -295,7 +248,7 @@ class TensordiffApp(App[int]):
                 self._render_detail()
 
     def _on_diff_error(self, err: BaseException | None) -> None:
-        if isinstance(err, _Cancelled):
+        if isinstance(err, Cancelled):
             return
         self.diff_error = err
         msg = str(err) if isinstance(err, TraceError) else f"{type(err).__name__}: {err}"
@@ -303,7 +256,7 @@ class TensordiffApp(App[int]):
         self.exit(2)
 
     def _on_diff_done(self, res: DiffResult) -> None:
-        self.diff_seconds = time.perf_counter() - self._diff_t0
+        self.diff_seconds = time.perf_counter() - self._diff.t0 if self._diff is not None else None
         self.result = res
         try:
             self.summary = SummaryReader(self.summary_path) if self.summary_path else None
@@ -415,16 +368,13 @@ class TensordiffApp(App[int]):
         col = next(c for c in self.columns if c.index == ci)
         tok = self.heatmap.blocks.token(row) if self.heatmap.blocks is not None else self.summary.tokens(row, row + 1)[0]
         key = (row, ci)
-        args = (int(tok["seq_a"]), int(tok["pos_a"]), int(tok["seq_b"]), int(tok["pos_b"]), int(tok["token"]))
+        keys = (int(tok["seq_a"]), int(tok["pos_a"]), int(tok["seq_b"]), int(tok["pos_b"]), int(tok["token"]))
 
-        def load():
-            sa, pa, sb, pb, token = args
-            try:
-                va, na = self._source.read(0, col.tensor_a, col.slot, sa, pa, token)
-                vb, nb = self._source.read(1, col.tensor_b, col.slot, sb, pb, token)
-            except Exception as e:  # noqa: BLE001 - a damaged trace must not take the UI down
-                return key, None, None, f"cannot read the values: {' '.join(str(e).split())[:200]}"
-            return key, va, vb, "; ".join(x for x in (na, nb) if x)
+        def load():   # in a thread: opening the traces (and a tokenizer) may take a while
+            if self._find_tokenizer:
+                self._find_tokenizer = False
+                self.token_text = self._source.recorded_token_text()
+            return (key, *self._source.cell_vectors(col, *keys))
 
         self.run_worker(load, thread=True, group="detail", exclusive=True, exit_on_error=False)
 
@@ -437,9 +387,10 @@ class TensordiffApp(App[int]):
         sel = self.result.findings[self.selected_finding] if self.selected_finding is not None else None
         vectors = self.vectors if self.vectors_for == self.cell else None
         pane = self._w_detail
-        lines = detail_lines(self.result, self.summary, col, row, tok, sel, vectors, max(40, pane.size.width - 2))
+        tstr = self.token_text(int(tok["token"])) if self.token_text is not None else ""
+        lines = detail_lines(self.result, self.summary, col, row, tok, sel, vectors, max(40, pane.size.width), tstr)
         self.detail_text = Text("\n").join(lines)
-        pane.update(self.detail_text, layout=False)
+        pane.update(self.detail_text)
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -527,6 +478,21 @@ class TensordiffApp(App[int]):
     def action_toggle_metric(self) -> None:
         self._defer("toggle metric", self._toggle_metric)
 
+    def action_toggle_left(self) -> None:
+        """Hide or show the findings and tensors (more room for the heatmap on a small terminal)."""
+        left = self._w_left
+        left.toggle_class("collapsed")
+        if left.has_class("collapsed") and self.focused is not None and left in self.focused.ancestors:
+            self.heatmap.focus()
+
+    def action_resize_left(self, step: int) -> None:
+        """Make the left pane narrower or wider (it keeps at least 16 columns, the right pane 30)."""
+        left = self._w_left
+        if left.has_class("collapsed"):
+            left.remove_class("collapsed")
+        width = left.outer_size.width or 44
+        left.styles.width = max(16, min(width + step, self.size.width - 30))
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
@@ -543,35 +509,42 @@ class TensordiffApp(App[int]):
         return self.result.exit_code
 
     async def action_quit(self) -> None:
-        self._cancel.set()
+        self.cancel_diff()
         self.exit(self.exit_code())
 
     def on_unmount(self) -> None:
-        self._cancel.set()
-        self._cleanup()
+        self.cancel_diff()
+        self.cleanup()
 
-    def _cleanup(self) -> None:
+    def cancel_diff(self) -> None:
+        """The diff thread stops at its next progress report (and removes its summary)."""
+        if self._diff is not None:
+            self._diff.cancel.set()
+
+    @property
+    def diff_thread(self):
+        return self._diff.thread if self._diff is not None else None
+
+    def cleanup(self) -> None:
         if self.summary is not None:
             self.summary.close()
             self.summary = None
         self._source.close()
-        self._remove_summary()
-
-    def _remove_summary(self) -> None:
-        if self._owns_summary and self._summary_dir:
-            shutil.rmtree(self._summary_dir, ignore_errors=True)
+        if self._diff is not None:
+            self._diff.remove_summary()
 
 
-def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None) -> int:
+def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None, *,
+            token_text: TokenText | None = None) -> int:
     """Run the TUI; returns the exit code (1 divergence, 0 agree, 130 quit before the diff ended).
     A diff that fails on bad input re-raises its TraceError after the screen is restored."""
-    app = TensordiffApp(path_a, path_b, options)
+    app = TensordiffApp(path_a, path_b, options, token_text=token_text)
     try:
         code = app.run()
     finally:
-        app._cancel.set()
-        app._cleanup()
-        t = app._diff_thread
+        app.cancel_diff()
+        app.cleanup()
+        t = app.diff_thread
         if t is not None and t.is_alive():
             t.join(0.3)
             if t.is_alive():
@@ -585,32 +558,72 @@ def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None) -> int
     return app.exit_code() if code is None else int(code)
 
 
-def save_screenshot(path_a: str, path_b: str, out: str, size: tuple[int, int] = (140, 40)) -> str:
-    """Open the TUI headless on a trace pair, wait for the diff and write an SVG screenshot."""
+def save_screenshot(path_a: str, path_b: str, out: str, size: tuple[int, int] = (140, 40), *,
+                    options: DiffOptions | None = None, token_text: TokenText | None = None) -> int:
+    """Open the TUI headless on a trace pair, wait for the diff and the detail pane, and save the
+    screen as SVG (``out`` ending in .png: converted with rsvg-convert or headless chromium,
+    whichever is installed). Returns the diff's exit code (1 divergence, 0 agree)."""
     import asyncio
 
-    async def go() -> str:
-        app = TensordiffApp(path_a, path_b)
+    async def go() -> tuple[str, int]:
+        app = TensordiffApp(path_a, path_b, options, token_text=token_text)
         async with app.run_test(size=size) as pilot:
             while not app.ready and app.diff_error is None:
                 await pilot.pause(0.05)
             if app.diff_error is not None:
-                raise app.diff_error
+                err = app.diff_error
+                if isinstance(err, TraceError):
+                    raise err
+                raise TraceError(f"the diff failed: {type(err).__name__}: {err}")
             while app.vectors_for != app.cell:
                 await pilot.pause(0.05)
             await pilot.pause()
-            return app.export_screenshot(title="tensordiff")
+            return app.export_screenshot(title="tensordiff"), app.exit_code()
 
-    svg = asyncio.run(go())
-    with open(out, "w", encoding="utf-8") as fh:
-        fh.write(svg)
-    return out
+    svg, code = asyncio.run(go())
+    if out.lower().endswith(".png"):
+        svg_to_png(svg, out)
+    else:
+        try:
+            with open(out, "w", encoding="utf-8") as fh:
+                fh.write(svg)
+        except OSError as e:
+            raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
+    return code
+
+
+def svg_to_png(svg: str, out: str) -> None:
+    """Rasterise an SVG screenshot with rsvg-convert, else headless chromium; a UsageError when
+    neither is installed or the conversion fails."""
+    import re
+    import subprocess
+
+    m = re.search(r'viewBox="0 0 ([0-9.]+) ([0-9.]+)"', svg)
+    w, h = (int(float(m.group(1)) + 0.5), int(float(m.group(2)) + 0.5)) if m else (1400, 900)
+    with tempfile.TemporaryDirectory(prefix="tensordiff-shot-") as d:
+        src = os.path.join(d, "screen.svg")
+        with open(src, "w", encoding="utf-8") as fh:
+            fh.write(svg)
+        if shutil.which("rsvg-convert"):
+            cmd = ["rsvg-convert", "-o", out, src]
+        elif shutil.which("chromium") or shutil.which("chromium-browser"):
+            exe = shutil.which("chromium") or shutil.which("chromium-browser")
+            cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+                   f"--window-size={w},{h}", f"--screenshot={os.path.abspath(out)}", "file://" + src]
+        else:
+            raise UsageError(f"{out}: a PNG needs rsvg-convert (librsvg2-bin) or chromium; save as .svg instead")
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, cwd=d,
+                           env=dict(os.environ, HOME=d))
+        if p.returncode != 0 or not os.path.isfile(out):
+            tail = " ".join((p.stderr or "").split())[-200:]
+            raise UsageError(f"could not convert the screenshot to {out} ({cmd[0]} exit {p.returncode}: {tail})")
 
 
 if __name__ == "__main__":  # pragma: no cover - docs helper
     # python -m tensordiff.tui screenshot A B OUT.svg   (how docs/tui-example.svg is made)
     if len(sys.argv) == 5 and sys.argv[1] == "screenshot":
-        print(save_screenshot(sys.argv[2], sys.argv[3], sys.argv[4]))
+        save_screenshot(sys.argv[2], sys.argv[3], sys.argv[4])
+        print(sys.argv[4])
     else:
         sys.stderr.write("usage: python -m tensordiff.tui screenshot A B OUT.svg\n")
         sys.exit(2)

@@ -12,15 +12,18 @@ Nothing here judges a tensor: verdicts, sentences and per-token flags are the al
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from .align import DiffResult, Finding, SlotRow
-from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
+from . import token_text
+from .align import SideTokens, row_map
+from .findings import DiffResult, Finding, SlotRow
+from .summary import FLAG_BAD, FLAG_NONFINITE, Column, SummaryReader
+from .token_text import TokenText
+from .tokens import token_code
 
 # ----------------------------------------------------------------------------------------------
 # Metrics shown by the heatmap, and the cell codes of a block
@@ -80,60 +83,8 @@ def legend(metric: Metric) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Columns of the summary
+# Columns of the summary (Column and read_columns: tensordiff.summary)
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Column:
-    index: int            # column of the summary file
-    label: str            # embed, layer3, draft_input[0]...
-    tensor_a: str
-    tensor_b: str
-    slot: int
-    order: float
-    slot_label: str | None
-    packed: bool
-
-    @property
-    def short(self) -> str:
-        if self.packed:
-            return f"[{self.slot}]"
-        return short_label(self.label)
-
-    def matches(self, tensor: str | None, slot: int | None) -> bool:
-        if tensor is None or tensor not in (self.tensor_a, self.tensor_b):
-            return False
-        return (slot or 0) == self.slot
-
-
-def short_label(label: str) -> str:
-    if label == "embed":
-        return "emb"
-    if label == "final_norm":
-        return "fn"
-    if label.startswith("layer") and label[5:].isdigit():
-        n = label[5:]
-        return f"L{n}" if len(n) <= 2 else n[-3:]
-    return label[:3]
-
-
-def read_columns(summary: SummaryReader) -> list[Column]:
-    """The summary's columns in forward order (by order, then slot)."""
-    cols = []
-    for j, ds in enumerate(summary.columns):
-        a = ds.attrs
-        label = str(a.get("label", summary.labels[j]))
-        try:
-            slot_label = json.loads(a.get("slot_label", "null"))
-        except (TypeError, ValueError):
-            slot_label = None
-        ta = str(a.get("tensor_a", label))
-        cols.append(Column(index=j, label=label, tensor_a=ta, tensor_b=str(a.get("tensor_b", ta)),
-                           slot=int(a.get("slot", 0)), order=float(a.get("order", j)),
-                           slot_label=slot_label, packed=label.endswith("]") and slot_label is not None))
-    cols.sort(key=lambda c: (c.order, c.tensor_a, c.slot))
-    return cols
 
 
 def filter_columns(columns: list[Column], text: str) -> list[Column]:
@@ -280,30 +231,36 @@ class VectorSource:
     def __init__(self, path_a: str, path_b: str):
         self.paths = (path_a, path_b)
         self._readers: list = [None, None]
+        self._sides: list = [None, None]       # the aligner's SideTokens of each trace, built once
         self._lock = threading.Lock()
 
     def reader(self, side: int):
         with self._lock:
             if self._readers[side] is None:
-                from .trace import TraceReader
+                from .traceset import open_trace
 
-                self._readers[side] = TraceReader(self.paths[side])
+                self._readers[side] = open_trace(self.paths[side])  # a file or a trace set
             return self._readers[side]
 
-    @staticmethod
-    def row_of(r, name: str, seq: int, pos: int, token: int) -> int | None:
-        """The tensor row recorded for (sequence index, position) with this token id (the last one
-        wins, as in the aligner's row maps).
+    def side_tokens(self, side: int) -> SideTokens:
+        r = self.reader(side)
+        with self._lock:
+            if self._sides[side] is None:
+                self._sides[side] = SideTokens(r)
+            return self._sides[side]
 
-        This repeats, for one token, what the aligner's side tables (``align._SideTokens`` and
-        ``align._row_map``) compute for all of them; it is to be folded into the aligner's token-code
-        helpers once they have one public owner (issue 10)."""
-        tok = r.tokens
-        cand = np.flatnonzero((tok["seq"] == seq) & (tok["position"] == pos) & (tok["token"] == token))
-        if len(cand) == 0:
+    def row_of(self, side: int, name: str, seq: int, pos: int, token: int) -> int | None:
+        """The tensor row the aligner compares for (sequence index, position) when its token is
+        ``token``: the aligner's own rule (:class:`tensordiff.align.SideTokens` and
+        :func:`tensordiff.align.row_map`: the last row of the canonical token wins), applied to
+        one token code (:mod:`tensordiff.tokens`)."""
+        st = self.side_tokens(side)
+        code = int(token_code(seq, pos))
+        i = int(np.searchsorted(st.codes, code))
+        if i >= len(st.codes) or int(st.codes[i]) != code or int(st.tok[i]) != int(token):
             return None
-        trow = r.token_rows(name)
-        hits = np.flatnonzero(np.isin(trow, cand))
+        rows = row_map(self.reader(side), st, name, lambda c: np.where(c == code, 0, -1).astype(np.int64))
+        hits = np.flatnonzero(rows == 0)
         return int(hits[-1]) if len(hits) else None
 
     def read(self, side: int, name: str, slot: int, seq: int, pos: int, token: int) -> tuple[np.ndarray | None, str]:
@@ -313,12 +270,32 @@ class VectorSource:
             return None, f"{name} not in the trace"
         if not info.has_values:
             return None, f"{name} has no full values (sketch only)"
-        row = self.row_of(r, name, seq, pos, token)
+        row = self.row_of(side, name, seq, pos, token)
         if row is None:
             return None, f"{name} has no row for this token"
         w = info.slot_width
         v = r.read_values_at(name, np.array([row]))[0, slot * w:(slot + 1) * w]
         return v, ""
+
+    def cell_vectors(self, col: Column, seq_a: int, pos_a: int, seq_b: int, pos_b: int,
+                     token: int) -> tuple[np.ndarray | None, np.ndarray | None, str]:
+        """(A's vector, B's vector, a note on what could not be read) of one heatmap cell."""
+        try:
+            va, na = self.read(0, col.tensor_a, col.slot, seq_a, pos_a, token)
+            vb, nb = self.read(1, col.tensor_b, col.slot, seq_b, pos_b, token)
+        except Exception as e:  # noqa: BLE001 - a damaged trace must not take the UI down
+            return None, None, f"cannot read the values: {' '.join(str(e).split())[:200]}"
+        return va, vb, "; ".join(x for x in (na, nb) if x)
+
+    def recorded_token_text(self) -> TokenText | None:
+        """Token text from the model directory a trace records, when it has a tokenizer here."""
+        dirs = []
+        for side in (0, 1):
+            try:
+                dirs.append(self.reader(side).model.get("path"))
+            except Exception:  # noqa: BLE001 - an unreadable trace: the detail pane says so itself
+                dirs.append(None)
+        return token_text.resolve(None, [d for d in dirs if isinstance(d, str)])
 
     def close(self) -> None:
         with self._lock:
@@ -326,6 +303,7 @@ class VectorSource:
                 if r is not None:
                     r.close()
             self._readers = [None, None]
+            self._sides = [None, None]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,13 +12,12 @@ import math
 import numpy as np
 from rich.text import Text
 
-from .align import DiffResult, Finding
+from .findings import DiffResult, Finding
+from .fmt import OK_GLYPH, SEVERITY_GLYPH, number
 from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
 from .tui_data import BARS, N_LEVELS, Column, column_findings, slot_row
 from .vocab import REGIMES
 
-SEVERITY_GLYPH = {"divergence": ("✗", "bold red"), "warning": ("!", "yellow"), "info": ("·", "blue")}
-OK_GLYPH = ("✓", "green")
 SEV_RANK = {"divergence": 3, "warning": 2, "info": 1}
 GLYPH_RANK = {OK_GLYPH[0]: 0, "·": 1, "!": 2, "✗": 3}
 
@@ -58,10 +57,12 @@ def finding_prompt(f: Finding) -> Text:
 
 
 def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int, tok,
-                 selected: Finding | None, vectors: tuple | None, width: int) -> list[Text]:
+                 selected: Finding | None, vectors: tuple | None, width: int, token_str: str = "") -> list[Text]:
     """What the detail pane says about one cell: the finding on its column, both token keys, the
     cell's metrics and the aligner's verdict on it, the slot's identity, the best candidates and,
-    once read (``vectors`` = (a, b, note); None while reading), the plots of the two vectors."""
+    once read (``vectors`` = (a, b, note); None while reading), the plots of the two vectors.
+    ``token_str``: the token as text, when a tokenizer is at hand. Numbers the aligner computed
+    on sketches (the pair's ``basis``) are marked ``≈``."""
     lines: list[Text] = []
     fs = column_findings(res, col)
     if selected is not None and (selected in fs or selected.tensor is None):
@@ -70,7 +71,8 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
         f = min(fs, key=lambda x: x.index) if fs else None
     if f is not None:
         g, s = SEVERITY_GLYPH.get(f.severity, ("?", ""))
-        t = Text.assemble((f"{g} #{f.index} {f.kind}: ", s), (f.message, "bold"))
+        kind = "" if f.message.startswith(f"{f.kind}:") else f" {f.kind}:"   # not "gap: gap:"
+        t = Text.assemble((f"{g} #{f.index}{kind} ", s), (f.message, "bold"))
         if f.inherited_from is not None:
             t.append(f"  (may be inherited from #{f.inherited_from})", style="dim")
         if len(fs) > 1 or (fs and f not in fs):
@@ -83,6 +85,7 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
     name_b = summary.seq_b[sb] if sb < len(summary.seq_b) else str(sb)
     lines.append(Text.assemble(
         ("cell ", "dim"), (col.label, "bold"), ("  token ", "dim"), (str(int(tok["token"])), "bold"),
+        (f" {token_str}" if token_str else "", "bold magenta"),
         ("  ", ""), (f"{res.side_a}: ", "cyan"), f"{name_a} pos {int(tok['pos_a'])} ({regime_name(tok['regime_a'])})",
         ("  ", ""), (f"{res.side_b}: ", "yellow"), f"{name_b} pos {int(tok['pos_b'])} ({regime_name(tok['regime_b'])})",
         ("  aligned #", "dim"), (str(row), "dim")))
@@ -93,8 +96,13 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
         fl = int(flags)
         verdict = ("NaN/Inf" if fl & FLAG_NONFINITE else "fails tolerance" if fl & FLAG_BAD else "within tolerance")
         vstyle = "bold magenta" if fl & FLAG_NONFINITE else "bold red" if fl & FLAG_BAD else "green"
-        lines.append(Text.assemble(("cos ", "dim"), fmt(cos), ("   rel err ", "dim"), fmt(rel, 3),
-                                   ("   max abs ", "dim"), fmt(maxabs, 3), ("   aligner: ", "dim"), (verdict, vstyle)))
+        pair = next((p for p in res.pairs if col.tensor_a in (p.name_a, p.label)), None)
+        sk = "≈" if pair is not None and pair.basis == "sketch" else ""
+        t = Text.assemble(("cos ", "dim"), sk + fmt(cos), ("   rel err ", "dim"), sk + fmt(rel, 3),
+                          ("   max abs ", "dim"), sk + fmt(maxabs, 3), ("   aligner: ", "dim"), (verdict, vstyle))
+        if sk:
+            t.append("  (≈ on sketches, not full values)", style="dim")
+        lines.append(t)
     srow = slot_row(res, col)
     if srow is not None:
         held = srow.held_b or "?"
@@ -131,19 +139,8 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
 
 
 def fmt(x, nd: int = 4) -> str:
-    if x is None:
-        return "-"
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x != 0 and (abs(x) >= 1e4 or abs(x) < 1e-3):
-        return f"{x:.3e}"
-    return f"{x:.{nd}f}"
+    """The project's number format (:func:`tensordiff.fmt.number`), with 3 digits in scientific form."""
+    return number(x, nd, sci=3)
 
 
 def regime_name(code) -> str:

@@ -17,7 +17,7 @@ from rich.text import Text
 from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.geometry import Size
 from textual.message import Message
 from textual.screen import ModalScreen
@@ -25,7 +25,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import Input, Static, Tree
 
-from .align import DiffResult
+from .findings import DiffResult
 from .summary import SummaryReader
 from .tui_data import (
     BARS,
@@ -143,6 +143,11 @@ class Heatmap(ScrollView, can_focus=True):
     def show_message(self, *lines: str) -> None:
         self.message_lines = list(lines)
         self.refresh()
+
+    def on_resize(self, event: events.Resize) -> None:
+        # a smaller window must not leave the cursor row (or column) out of view
+        if self.summary is not None and self.shown:
+            self._scroll_into_view()
 
     def _update_virtual(self) -> None:
         n = self.summary.n if self.summary is not None else 0
@@ -390,17 +395,20 @@ HELP = [
     ("m", "toggle the heatmap metric: relative error, 1 - cosine, max abs error, aligner verdict"),
     ("arrows, PgUp/PgDn, Home/End", "move the heatmap cursor (click a cell with the mouse, too)"),
     ("Tab / Shift+Tab", "move between findings, tensors and heatmap; Enter picks"),
-    ("s", "save a screenshot (SVG) in the current directory"),
+    ("[  /  < >", "hide or show the findings and tensors / make them narrower or wider"),
+    ("s", "save a screenshot (SVG) in the current directory (also from this help)"),
     ("?", "this help"),
     ("q", "quit (exit code: 1 divergence, 0 agree, 130 quit before the diff finished)"),
 ]
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS: ClassVar[list] = [Binding("escape,q,question_mark,enter", "dismiss", "close")]
+    BINDINGS: ClassVar[list] = [Binding("escape,q,question_mark,enter", "dismiss", "close"),
+                                Binding("s", "app.screenshot", "screenshot")]
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > Static { width: 96; height: auto; border: round $accent; padding: 1 2; background: $panel; }
+    HelpScreen > VerticalScroll { width: 96; max-width: 100%; height: auto; max-height: 100%; border: round $accent;
+                                  padding: 1 2; background: $panel; }
     """
 
     def compose(self) -> ComposeResult:
@@ -416,7 +424,8 @@ class HelpScreen(ModalScreen[None]):
                       "green / ✓ nothing found. Heatmap bars grow with the metric (log scale); in verdict "
                       "mode ··· is ok and ███ fails tolerance; !!! NaN/Inf; blank: no row for that token. "
                       "Esc closes.", style="dim")
-        yield Static(Group(Text("tensordiff keys\n", style="bold"), table, Text(""), legend))
+        with VerticalScroll():
+            yield Static(Group(Text("tensordiff keys\n", style="bold"), table, Text(""), legend))
 
     def action_dismiss(self) -> None:  # type: ignore[override]
         self.dismiss(None)

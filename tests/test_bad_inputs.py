@@ -56,7 +56,7 @@ def test_info_no_such_file(capsys, tmp_path):
 
 
 def test_info_directory(capsys, tmp_path):
-    bad(capsys, "is a directory", "info", tmp_path)
+    bad(capsys, "no trace files (*.h5, *.hdf5) in this directory", "info", tmp_path)  # a directory is a trace set
 
 
 def test_info_not_hdf5(capsys, tmp_path):

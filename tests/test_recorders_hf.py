@@ -77,7 +77,16 @@ def test_every_boundary_equals_hf_hidden_states_bit_exact(tmp_path, arch):
         np.testing.assert_allclose(r.read_rms("final_norm"), 1.0, atol=0.01)
         assert not np.allclose(r.read_rms(f"layer{N}"), 1.0, atol=0.1)
         assert r.model["num_layers"] == N and r.model["hidden_size"] == H
-        assert {i.role for i in r.tensors.values()} == {"catalog"}
+        assert {i.role for i in r.tensors.values()} == {"catalog", "target_topk"}
+        # the target's predictions: top-k ids / log-probs / logsumexp of the lm_head output
+        logits = out.logits[0].double()
+        tk = r.read_values("target_topk")
+        assert tk.shape == (17, 41) and r.tensors["target_topk"].token_offset == 0
+        lse = torch.logsumexp(logits, -1)
+        top = torch.topk(logits, 20, dim=-1)
+        np.testing.assert_array_equal(tk[:, :20], top.indices.numpy())
+        np.testing.assert_allclose(tk[:, 20:40], (top.values - lse[:, None]).numpy(), atol=1e-5)
+        np.testing.assert_allclose(tk[:, 40], lse.numpy(), rtol=1e-6)
 
 
 # Expected boundaries stated by hand for an 8-layer target: what each pipeline's own code builds.
@@ -207,7 +216,8 @@ def _cli(argv):
 def _prompts(path, n=3, L=12, text=False):
     g = torch.Generator().manual_seed(11)
     with open(path, "w") as f:
-        f.writelines(json.dumps({"id": f"p{i}", "input_ids": torch.randint(0, V, (L + i,), generator=g).tolist()}) + "\n" for i in range(n))
+        f.writelines(json.dumps({"id": f"p{i}", "input_ids": torch.randint(0, V, (L + i,), generator=g).tolist()}) + "\n"
+                     for i in range(n))
     return path
 
 
@@ -228,7 +238,7 @@ def test_record_train_the_example_pair_bug(tmp_path, model_dir, capsys):
         assert d.attrs["draft_plan"]["captured"] == ["embed", "layer3", "layer5", "layer7"]
         assert d.attrs["draft_plan"]["intended"] == ["layer3", "layer5", "layer7"]
         names = set(r.tensors)
-        assert names == {"embed", *(f"layer{b}" for b in range(1, N + 1)), "final_norm", "draft_input"}
+        assert names == {"embed", *(f"layer{b}" for b in range(1, N + 1)), "final_norm", "draft_input", "target_topk"}
         assert r.sequences == ["p0", "p1", "p2"]
         assert d.rows == 11 + 12 + 13
 
@@ -254,7 +264,8 @@ def test_record_train_text_prompts_sampling_and_no_tty(tmp_path, model_dir, caps
     mdir.mkdir()
     for f in os.listdir(model_dir):
         os.symlink(os.path.join(model_dir, f), mdir / f)
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away"])}}
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away"]
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(mdir)
@@ -332,3 +343,77 @@ def test_conventions_own_the_planning():
         conventions.plan_draft_input("specforge", [1, 3, 5], N, ids_name_verifier=True)
     assert conventions.planning_choices()[:4] == ("specforge", "eagle", "speculators-legacy", "boundary")
     assert set(conventions.CONVENTIONS) <= set(conventions.planning_choices())
+
+
+# ----------------------------------------------------------------------------------------------
+# Predictions: --draft (the torch EAGLE-3 draft), --from-serve
+# ----------------------------------------------------------------------------------------------
+
+
+def _draft_dir(tmp_path, model_dir, norm_before_fc=False):
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    import sglang_support as sup
+
+    d = sup.make_tiny_eagle3_draft(tmp_path / ("draft-norm" if norm_before_fc else "draft"), model_dir,
+                                   aux_layer_ids=[1, 3, 5], draft_vocab=[3, 5, 7, 11])
+    if norm_before_fc:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["eagle_config"]["norm_before_fc"] = True
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm_before_fc"])
+def test_record_train_with_a_draft_records_fc_output_and_its_predictions(tmp_path, model_dir, norm):
+    from safetensors.torch import load_file
+
+    draft = _draft_dir(tmp_path, model_dir, norm)
+    prompts = _prompts(tmp_path / "p.jsonl", n=2, L=10)
+    out = tmp_path / "t.h5"
+    assert _cli(["record", "train", "--model", str(model_dir), "--prompts", str(prompts), "--draft", str(draft),
+                 "--topk", "3", "--no-progress", "--out", str(out)]) == 0
+    w = load_file(str(draft / "model.safetensors"))
+    with TraceReader(out) as r:
+        d = r.tensors["draft_input"]
+        assert d.raw_ids == [1, 3, 5] and d.slot_labels == ["layer2", "layer4", "layer6"]  # ids from the draft config
+        fc, dt = r.tensors["draft_fc_output"], r.tensors["draft_topk"]
+        assert (fc.token_offset, dt.token_offset, dt.width, r.tensors["target_topk"].width) == (1, 1, 7, 7)
+        np.testing.assert_array_equal(r.token_rows("draft_fc_output"), r.token_rows("draft_input"))
+        x = torch.from_numpy(r.read_values("draft_input")).double()
+        if norm:  # RMSNorm (unit weight) over the whole packed row first
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        np.testing.assert_allclose(r.read_values("draft_fc_output"), (x @ w["fc.weight"].double().T).numpy(),
+                                   rtol=1e-4, atol=1e-4)
+        ids = r.read_values("draft_topk", raw=True)[:, :3]
+        assert set(np.unique(ids).astype(int)) <= {3, 5, 7, 11}  # draft ids mapped to the target vocabulary
+        lp = r.read_values("draft_topk", raw=True)[:, 3:6]
+        assert (np.diff(lp, axis=1) <= 0).all() and (lp <= 0).all()
+
+
+def test_from_serve_outputs_file_and_trace(tmp_path, model_dir):
+    from tensordiff.recorders.train_cli import load_serve_sequences
+    from tensordiff.trace import TraceWriter
+
+    outs = tmp_path / "o.jsonl"
+    outs.write_text(json.dumps({"id": "r1", "input_ids": [1, 2, 3], "output_ids": [4, 5]}) + "\n")
+    assert load_serve_sequences(str(outs)) == [("r1", [1, 2, 3, 4, 5])]
+    tr = tmp_path / "s.h5"
+    w = TraceWriter(str(tr), side="serve", model={"hidden_size": 4})
+    w.add_tokens("full", np.arange(4), [9, 8, 7, 6], "prefill")
+    w.add_tokens("full", [2, 3], [7, 6], "target_verify")   # a position seen twice, same token
+    w.add_tokens("cached", np.arange(3, 6), [1, 1, 1], "prefill")
+    w.close()
+    with pytest.raises(Exception, match="position 0 .*--outputs"):
+        load_serve_sequences(str(tr))
+    out = tmp_path / "t.h5"
+    assert _cli(["record", "train", "--model", str(model_dir), "--from-serve", str(outs), "--no-progress",
+                 "--out", str(out)]) == 0
+    with TraceReader(out) as r:
+        assert r.sequences == ["r1"] and r.tokens["token"].tolist() == [1, 2, 3, 4, 5]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "input_ids": [1]}\n')
+    assert _cli(["record", "train", "--model", str(model_dir), "--from-serve", str(bad), "--out", str(out)]) == 2
+    assert _cli(["record", "train", "--model", str(model_dir), "--from-serve", str(tr), "--out", str(out)]) == 2
+    assert _cli(["record", "train", "--model", str(model_dir), "--from-serve", str(outs), "--draft",
+                 str(tmp_path / "nope"), "--out", str(out)]) == 2

@@ -54,7 +54,8 @@ def _env() -> dict:
     """The environment of an engine process: CPU mode, the sgl_kernel stand-in, only our plugin."""
     env = dict(os.environ)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO), *rest])
     env["SGLANG_PLUGINS"] = "tensordiff"
     for k in list(env):
         if k.startswith("TENSORDIFF_"):
@@ -62,9 +63,10 @@ def _env() -> dict:
     return env
 
 
-def _serve_argv(models, tmp: Path, name: str) -> list[str]:
+def _serve_argv(models, tmp: Path, name: str, prompts: dict | None = None) -> list[str]:
+    chosen = PROMPTS if prompts is None else prompts
     prompts = tmp / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in PROMPTS.items()))
+    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in chosen.items()))
     return ["--model", str(models["target"]), "--prompts", str(prompts), "--out", str(tmp / f"{name}.h5"),
             "--outputs", str(tmp / f"{name}.jsonl"), "--catalog", "--max-new-tokens", str(MAX_NEW),
             "--batch-size", "2", "--device", "cpu", "--dtype", "float32", "--chunked-prefill-size", str(CHUNK),
@@ -389,6 +391,160 @@ def test_eagle_trace_diffs_clean_against_a_correct_train_trace(eagle_run, models
 
 
 # ----------------------------------------------------------------------------------------------
+# Why is acceptance low: predictions, fc output, verify steps; record train --from-serve
+# ----------------------------------------------------------------------------------------------
+
+
+def _record_train_from_serve(models, source, out, draft) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "record", "train", "--model", str(models["target"]),
+                           "--from-serve", str(source), "--draft", str(draft), "--convention", "sglang-llama",
+                           "--dtype", "float32", "--device", "cpu", "--no-progress", "--out", str(out)],
+                          check=False, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "draft_input slots [layer3, layer5, layer7] from ids [2, 4, 6]" in proc.stdout, proc.stdout
+
+
+def _diff_json(a, b) -> tuple[int, dict, str]:
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", str(a), str(b), "--json"],
+                          check=False, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    text = subprocess.run([sys.executable, "-m", "tensordiff", "diff", str(a), str(b)], check=False,
+                          capture_output=True, text=True, cwd=REPO).stdout
+    return proc.returncode, json.loads(proc.stdout), text
+
+
+def _acceptance_of(d: dict) -> dict:
+    found = [f for f in d["findings"] if f["kind"] == "acceptance"]
+    assert len(found) == 1, [f["message"] for f in d["findings"]]
+    return found[0]
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_eagle_records_predictions_fc_output_and_verify_steps(eagle_run, eagle_trace, models):
+    """target_topk is the HF target's top-k at the same token; draft_fc_output / draft_topk sit on
+    the draft_input rows; one spec_verify row per verify step of each request."""
+    import torch
+
+    from tensordiff import conventions as cv
+
+    tr = eagle_trace
+    r = tr.r
+    t, d, fc, sv = (r.tensors[n] for n in (cv.TARGET_TOPK, cv.DRAFT_TOPK, cv.DRAFT_FC, cv.SPEC_VERIFY))
+    assert (t.role, t.token_offset, d.role, d.token_offset, fc.role, fc.token_offset) == (
+        cv.TARGET_TOPK, 0, cv.DRAFT_TOPK, 1, cv.DRAFT_FC, 1)
+    assert t.width == cv.topk_width(20) and d.width == cv.topk_width(2)  # the draft's vocabulary has 2 tokens
+    drows, _, _ = tr.rows("draft_input")
+    np.testing.assert_array_equal(tr.rows(cv.DRAFT_FC)[0], drows)
+    np.testing.assert_array_equal(tr.rows(cv.DRAFT_TOPK)[0], drows)
+    # the target's predictions equal HF's logits at every recorded row (prefill, verify, decode)
+    _, tseq, tpos = tr.rows(cv.TARGET_TOPK)
+    vals = r.read_values(cv.TARGET_TOPK, raw=True)
+    hf = models["hf"]
+    for key in PROMPTS:
+        full = eagle_run["full"][key]
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([full]), use_cache=False).logits[0].double()
+        m = tseq == key
+        top = torch.topk(logits[tpos[m]], 20, dim=-1)
+        assert (vals[m, :20] == top.indices.numpy()).mean() > 0.99
+        lse = torch.logsumexp(logits[tpos[m]], -1).numpy()
+        np.testing.assert_allclose(vals[m, 40], lse, rtol=1e-4)
+    # verify steps: as many as SGLang counted, and their accepted tokens make the output
+    _, sseq, _ = tr.rows(cv.SPEC_VERIFY)
+    steps = r.read_values(cv.SPEC_VERIFY, raw=True)
+    K = cv.spec_verify_drafts(sv.width)
+    assert K == 2 and (steps[:, 1] == K).all()
+    for key, o in eagle_run["outputs"].items():
+        mine = steps[sseq == key]
+        assert len(mine) == o["spec_verify_ct"]
+        assert (1 + mine[:, 0]).sum() >= len(o["output_ids"]) - 1  # the prefill made the first token
+        rej = mine[:, 2]
+        assert ((rej == -1) == (mine[:, 0] == K)).all() and (rej[rej >= 0] == mine[rej >= 0, 0]).all()
+        # greedy: a draft token is accepted exactly when it is the target's top-1
+        for a, row in zip(mine[:, 0].astype(int), mine):
+            agree = row[3:3 + K] == row[3 + K:3 + 2 * K]
+            assert agree[:a].all() and (a == K or not agree[a])
+    stats = json.loads(r.f.attrs["tensordiff_sglang"])
+    assert stats["verify_steps"] == len(steps)
+    # spec_chain: the draft's distribution at each draft position proposed exactly the draft token
+    # SGLang verified there (greedy), and the target rows are the verify rows' predictions
+    ch = r.tensors[cv.SPEC_CHAIN]
+    np.testing.assert_array_equal(r.token_rows(cv.SPEC_CHAIN), r.token_rows(cv.SPEC_VERIFY))
+    dw, tw = ch.attrs["draft_width"], ch.attrs["target_width"]
+    assert (ch.attrs["K"], dw, tw, ch.width) == (K, cv.topk_width(2), cv.topk_width(20), K * (dw + tw))
+    c = r.read_values(cv.SPEC_CHAIN, raw=True)
+    for j in range(K):
+        np.testing.assert_array_equal(c[:, j * dw], steps[:, 3 + j])
+        np.testing.assert_array_equal(c[:, K * dw + j * tw], steps[:, 3 + K + j])
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_from_serve_pairs_every_serve_row_and_an_untrained_draft_is_training_quality(eagle_run, eagle_trace,
+                                                                                     models, tmp_path):
+    """record train --from-serve the outputs file: every serve row pairs; wiring, fc output and
+    target predictions agree, and the (random) draft disagrees with the target."""
+    train = tmp_path / "train.h5"
+    _record_train_from_serve(models, Path(eagle_run["trace"]).with_suffix(".jsonl"), train, models["draft"])
+    rc, d, text = _diff_json(train, eagle_run["trace"])
+    assert rc == 0, text[:3000]
+    serve_keys = set(zip(eagle_trace.seq.tolist(), eagle_trace.pos.tolist()))
+    assert d["tokens_aligned"] == len(serve_keys)  # every serve row has its train row
+    assert not [g for g in d["gaps"] if g["side"] == "b"]
+    f = _acceptance_of(d)
+    det = f["details"]
+    assert det["verdict"] == "agree" and det["draft_disagrees"] and f["severity"] == "warning"
+    assert "training-quality problem, not wiring" in f["message"]
+    assert det["cross"]["target_topk"]["top1"] == 1.0 and det["cross"]["draft_topk"]["top1"] == 1.0
+    assert det["steps"] == sum(o["spec_verify_ct"] for o in eagle_run["outputs"].values())
+    assert "acceptance by draft position" in text and "teacher-forced" in text
+    (tmp_path / "report.txt").write_text(text)
+
+
+@pytest.fixture(scope="module")
+def norm_run(models, tmp_path_factory):
+    """EAGLE-3 with a draft whose config says norm_before_fc (sglang#32334): SGLang normalises the
+    packed input before fc; the trainer of the same weights did not. Prompts A and B (no radix hit,
+    so the serve trace itself holds every position)."""
+    import shutil
+
+    tmp = tmp_path_factory.mktemp("norm")
+    draft = tmp / "draft-norm"
+    shutil.copytree(models["draft"], draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["eagle_config"]["norm_before_fc"] = True
+    (draft / "config.json").write_text(json.dumps(cfg))
+    argv = [sys.executable, "-c", _EAGLE_RUNNER.format(tests=str(HERE)),
+            *_serve_argv(models, tmp, "norm", prompts={"A": PROMPT_A, "B": PROMPT_B}),
+            "--draft", str(draft), "--attention-backend", "intel_amx"]
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _load_run(tmp, "norm")
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_a_draft_normalising_its_fc_input_is_found_at_the_fc_output(norm_run, models, tmp_path):
+    train = tmp_path / "train.h5"
+    _record_train_from_serve(models, norm_run["trace"], train, models["draft"])  # from the serve trace itself
+    rc, d, text = _diff_json(train, norm_run["trace"])
+    assert rc == 1
+    first = d["first_divergence"]
+    assert first["kind"] == "numeric" and first["tensor"] == "draft_fc_output", first["message"]
+    assert all(r["verdict"] == "ok" for r in d["slot_table"])  # the draft input itself agrees
+    f = _acceptance_of(d)
+    assert f["details"]["verdict"] == "upstream"
+    assert d["findings"][f["details"]["upstream_index"]]["message"] == first["message"]
+    assert "first divergence upstream: draft_fc_output diverges" in f["message"]
+    assert "normalisation before fc" in f["message"]
+    (tmp_path / "report.txt").write_text(text)
+
+
+# ----------------------------------------------------------------------------------------------
 # Inert without TENSORDIFF_TRACE
 # ----------------------------------------------------------------------------------------------
 
@@ -468,6 +624,12 @@ def test_plugin_config_from_env():
                 {"TENSORDIFF_COMPRESSION": "zstd"}):
         with pytest.raises(ValueError):
             Config.from_env({"TENSORDIFF_TRACE": "s.h5", **bad})
+    assert Config.from_env({"TENSORDIFF_TRACE": "s.h5"}).topk == 20
+    assert Config.from_env({"TENSORDIFF_TRACE": "s.h5", "TENSORDIFF_TOPK": "0"}).topk == 0
+    with pytest.raises(ValueError):
+        Config.from_env({"TENSORDIFF_TRACE": "s.h5", "TENSORDIFF_TOPK": "-1"})
+    assert c.wants_values("draft_fc_output") is False  # this c asked for layer*,final_norm only
+    assert Config.from_env({"TENSORDIFF_TRACE": "s.h5"}).wants_values("draft_fc_output")
     assert rank_path("/t/serve.h5", "") == "/t/serve.h5"
     assert rank_path("/t/serve.h5", ".tp1") == "/t/serve.tp1.h5"
     assert rank_path("/t/serve", ".dp0") == "/t/serve.dp0"
@@ -501,7 +663,9 @@ def test_serve_engine_kwargs(tmp_path):
     kw = engine_kwargs(_serve_args(base + ["--aux-ids", "1", "3", "5"]))
     assert kw["enable_return_aux_hidden_states"] and kw["return_aux_hidden_state_layer_ids"] == [1, 3, 5]
     assert kw["speculative_algorithm"] == "EAGLE3" and "disable_cuda_graph" not in kw
-    env = plugin_env(_serve_args(base + ["--catalog", "--values", "all", "--sample-every", "2", "--sketch-dim", "64"]))
+    env = plugin_env(_serve_args(base + ["--catalog", "--values", "all", "--sample-every", "2", "--sketch-dim", "64",
+                                         "--topk", "5"]))
+    assert env["TENSORDIFF_TOPK"] == "5"
     assert env["TENSORDIFF_TRACE"] == str(tmp_path / "s.h5") and env["TENSORDIFF_CATALOG"] == "1"
     assert env["TENSORDIFF_VALUES"] == "all" and env["TENSORDIFF_SAMPLE_EVERY"] == "2"
     assert env["TENSORDIFF_SKETCH_DIM"] == "64"

@@ -21,11 +21,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tensordiff.align import DiffResult, Finding
 from tensordiff.errors import TraceError
+from tensordiff.findings import DiffResult, Finding
 from tensordiff.summary import SummaryWriter
 from tensordiff.trace import SlotSpec, TraceWriter
-from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp, run_diff
+from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp
+from tensordiff.tui_diff import run_diff
 from tensordiff.tui_data import METRICS
 from tensordiff.tui_text import histograms, sparkline
 from tensordiff.tui_widgets import (
@@ -97,7 +98,7 @@ def fixture_pair(tmp_path_factory) -> tuple[str, str]:
 def fixture_diff(fixture_pair, tmp_path_factory):
     """A diff_fn replaying the aligner's result on the fixture pair (computed once per session),
     so that tests of keys and panes do not each re-run the same diff."""
-    from tensordiff.align import DiffOptions
+    from tensordiff.diff import DiffOptions
 
     ref = tmp_path_factory.mktemp("fixture_ref") / "summary.h5"
     result = run_diff(*fixture_pair, DiffOptions(summary_path=str(ref)))
@@ -130,7 +131,7 @@ def pair(fixture_pair) -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def pair_result(pair, tmp_path_factory) -> DiffResult:
     """The aligner's own verdict on the pair, to check the TUI shows it (never its own)."""
-    from tensordiff.align import DiffOptions
+    from tensordiff.diff import DiffOptions
 
     out = tmp_path_factory.mktemp("ref") / "summary.h5"
     return run_diff(*pair, DiffOptions(summary_path=str(out)))
@@ -378,6 +379,126 @@ async def test_help_screenshot_quit(fixture_app, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# a terminal of ordinary size: 80 x 24
+# ----------------------------------------------------------------------------------------------
+
+
+async def test_small_terminal_panes(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        hm, left = app.heatmap, app.query_one("#left")
+        assert left.outer_size.width == 28                    # narrower than at 120 columns (44)
+        cells = (hm.scrollable_content_region.width - GUTTER_W) // CELL_W
+        assert cells >= 5
+        # [ hides the findings and the tree: every column of the fixture fits
+        await pilot.press("left_square_bracket")
+        assert not left.display or left.outer_size.width == 0
+        await pilot.pause()
+        assert (hm.scrollable_content_region.width - GUTTER_W) // CELL_W >= len(app.columns)
+        await pilot.press("left_square_bracket")
+        await pilot.pause()
+        assert left.outer_size.width == 28
+        # < and > resize it
+        await pilot.press("less_than_sign")
+        await pilot.pause()
+        assert left.outer_size.width == 24
+        await pilot.press("greater_than_sign", "greater_than_sign")
+        await pilot.pause()
+        assert left.outer_size.width == 32
+        # the findings pane hidden while it has the focus: the heatmap gets it
+        app.query_one("#findings").focus()
+        await pilot.press("left_square_bracket")
+        assert app.focused is hm
+
+
+async def test_small_terminal_detail_wraps_and_scrolls(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        box = app.query_one("#detail")
+        first = app.result.first_divergence
+        # nothing cut: the whole sentence is on screen, wrapped by words, with no ellipsis
+        r = box.region
+        lines = [s.text[r.x + 1:r.right - 2] for s in app.screen._compositor.render_strips()[r.y + 1:r.bottom - 1]]
+        assert "…" not in "".join(lines)
+        assert " ".join(" ".join(lines).split()).find(first.message) >= 0, lines
+        assert box.max_scroll_y > 0, "the detail pane is taller than its box at 24 rows: it must scroll"
+        box.focus()
+        await pilot.press("down", "down")
+        assert box.scroll_y == 2
+        await pilot.press("end")
+        assert box.scroll_y == box.max_scroll_y
+        # the sentence of the first divergence is complete in the pane's text
+        assert first.message in app.detail_text.plain
+
+
+async def test_resize_keeps_cursor_in_view(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_ready(app, pilot)
+        hm = app.heatmap
+        app.goto("#30")
+        await pilot.pause()
+        assert hm.scroll_offset.y <= 30 < hm.scroll_offset.y + hm.page_rows
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        await pilot.pause()
+        assert hm.page_rows < 20
+        assert hm.scroll_offset.y <= 30 < hm.scroll_offset.y + hm.page_rows, (hm.scroll_offset, hm.page_rows)
+        await pilot.press("end")
+        await pilot.resize_terminal(140, 40)
+        await pilot.pause()
+        assert hm.scroll_offset.y <= hm.cursor_row < hm.scroll_offset.y + hm.page_rows
+
+
+async def test_token_text_and_sketch_marks(fixture_pair, fixture_diff, tmp_path):
+    from tensordiff.token_text import TokenText
+
+    app = TensordiffApp(*fixture_pair, diff_fn=fixture_diff, token_text=TokenText(lambda i: f" tok{i}", "test"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        tok = int(app.summary.tokens(app.heatmap.cursor_row, app.heatmap.cursor_row + 1)[0]["token"])
+        assert f"token {tok} ' tok{tok}'" in app.detail_text.plain
+        assert "≈" not in app.detail_text.plain               # full values: no sketch mark
+        # a pair compared on sketches is marked as such
+        for p in app.result.pairs:
+            p.basis = "sketch"
+        app._render_detail()
+        assert "≈" in app.detail_text.plain and "on sketches" in app.detail_text.plain
+
+
+def test_recorded_model_directory_gives_token_text(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    d = tmp_path / "model"
+    d.mkdir()
+    Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]")).save(str(d / "tokenizer.json"))
+    a = tmp_path / "a.h5"
+    with TraceWriter(a, side="train", model={"hidden_size": 4, "path": str(d)}) as w:
+        w.define_tensor("embed", 4, kind="boundary", boundary=0)
+        w.append("embed", w.add_tokens("s", np.arange(2), [1, 0], "train"), np.ones((2, 4), np.float32))
+    from tensordiff.tui_data import VectorSource
+
+    src = VectorSource(str(a), str(a))
+    tt = src.recorded_token_text()
+    assert tt is not None and tt(1) == "'hello'"
+    src.close()
+
+
+async def test_screenshot_from_help(fixture_app, tmp_path):
+    app = fixture_app(screenshot_dir=str(tmp_path))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("s")
+        assert isinstance(app.screen, HelpScreen)            # the help stays open
+        shots = list(tmp_path.glob("*.svg"))
+        assert len(shots) == 1 and "tensordiff keys" in shots[0].read_text().replace("&#160;", " ")
+
+
+# ----------------------------------------------------------------------------------------------
 # the worker: keys while the diff runs, errors
 # ----------------------------------------------------------------------------------------------
 
@@ -449,7 +570,7 @@ def test_cli_routes_to_tui(monkeypatch, fixture_pair):
     from tensordiff import cli, tui
 
     seen = []
-    monkeypatch.setattr(tui, "run_tui", lambda a, b, opts: seen.append((a, b, opts)) or 1)
+    monkeypatch.setattr(tui, "run_tui", lambda a, b, opts, token_text=None: seen.append((a, b, opts)) or 1)
     assert cli.main(["tui", *fixture_pair]) == 1
     assert cli.main(["diff", *fixture_pair, "--tui"]) == 1
     assert [s[:2] for s in seen] == [fixture_pair, fixture_pair]
@@ -555,7 +676,8 @@ def test_data_layer_imports_no_textual():
 
 
 def test_progress_messages_are_throttled(fixture_pair):
-    from tensordiff.tui import DiffProgress
+    from tensordiff.diff import DiffOptions
+    from tensordiff.tui_diff import DiffEnded, DiffProgress, DiffThread
 
     posted = []
 
@@ -566,19 +688,19 @@ def test_progress_messages_are_throttled(fixture_pair):
         opts.progress("identifying slots", 0, 3)
         raise TraceError("stop here")
 
-    app = TensordiffApp(*fixture_pair, diff_fn=chatty)
-    app.post_message = lambda m: posted.append(m) or True
-    app._run_diff()
+    t = DiffThread(*fixture_pair, DiffOptions(), chatty, posted.append)
+    t.run()
     prog = [(m.stage, m.done, m.total) for m in posted if isinstance(m, DiffProgress)]
     assert prog[0] == ("comparing tensors", 0, 2000)
     assert ("comparing tensors", 2000, 2000) in prog and prog[-1] == ("identifying slots", 0, 3)
     assert len(prog) < 100, "one message per progress call would flood the UI"
+    assert isinstance(posted[-1], DiffEnded) and str(posted[-1].error) == "stop here"
 
 
 def test_goto_and_filter_without_app(fixture_diff, fixture_pair, tmp_path):
-    from tensordiff.align import DiffOptions
-    from tensordiff.summary import SummaryReader
-    from tensordiff.tui_data import filter_columns, read_columns, resolve_goto
+    from tensordiff.diff import DiffOptions
+    from tensordiff.summary import SummaryReader, read_columns
+    from tensordiff.tui_data import filter_columns, resolve_goto
 
     opts = DiffOptions(summary_path=str(tmp_path / "s.h5"), progress=lambda *a: None)
     fixture_diff(*fixture_pair, opts)
@@ -614,7 +736,10 @@ def test_vector_source_reads_the_aligned_row(fixture_pair):
         v, note = src.read(1, "draft_input", 2, seq, pos, token)
         assert note == ""
         with TraceReader(fixture_pair[1]) as ref:
-            row = VectorSource.row_of(ref, "draft_input", seq, pos, token)
+            # the row by a plain scan of the token table: the last tensor row of that token
+            cand = np.flatnonzero((ref.tokens["seq"] == seq) & (ref.tokens["position"] == pos))
+            row = int(np.flatnonzero(np.isin(ref.token_rows("draft_input"), cand))[-1])
+            assert src.row_of(1, "draft_input", seq, pos, token) == row
             want = ref.read_values_at("draft_input", np.array([row]))[0, 64:96]
         np.testing.assert_array_equal(v, want)
         assert src.read(1, "draft_input", 0, seq, pos, token + 1) == (None, "draft_input has no row for this token")
@@ -661,6 +786,14 @@ def test_snapshot_verdict_metric_filtered(snap_compare, fixture_app):
         await wait_ready(pilot.app, pilot)
 
     assert snap_compare(_snap_app(fixture_app), terminal_size=(120, 36), run_before=ready)
+
+
+def test_snapshot_small_terminal(snap_compare, fixture_app):
+    """80 x 24: the left pane narrower, the detail pane wrapped (and scrollable), all keys in the footer."""
+    async def ready(pilot):
+        await wait_ready(pilot.app, pilot)
+
+    assert snap_compare(_snap_app(fixture_app), terminal_size=(80, 24), run_before=ready)
 
 
 def test_snapshot_help(snap_compare, fixture_app):

@@ -1,5 +1,7 @@
 """The generic torch-side recorder: name filters, token sampling, sketches computed where the
 tensor lives, host copies that do not stall the model, appends through :class:`TraceWriter`.
+(A little over 500 lines: one class whose three record paths, states, non-state rows and
+predictions, share its row rules, sampling and filters; split, they would each repeat them.)
 
 Every other recorder (module hooks, the HF extractor, the importers) records through
 :class:`Recorder`, so a trace gets the same sketches (one matmul with the seeded projection of
@@ -34,11 +36,12 @@ import h5py
 import numpy as np
 import torch
 
+from .. import conventions
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 
-__all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage"]
+__all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage", "topk_rows"]
 
 _LOGICAL = {
     torch.bfloat16: "bfloat16",
@@ -66,6 +69,30 @@ def to_storage(x: torch.Tensor) -> np.ndarray:
     if x.dtype == torch.bfloat16:
         return x.view(torch.int16).numpy().view(np.uint16)
     return x.numpy()
+
+
+_TOPK_ROWS = 2048
+
+
+def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
+              id_map: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k rows of ``logits`` [..., V] as the trace stores them: [n, 2k+1] float64 =
+    [token ids (k) | log-probabilities (k) | logsumexp], best first, k = min(k, V), computed in
+    fp32 where the logits live. ``id_map`` [V] turns column ids into target ids (a draft's
+    reduced vocabulary: ``d2t + arange``)."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    kk = min(int(k), flat.shape[-1])
+    if id_map is not None:
+        id_map = id_map.to(flat.device)
+    out = []
+    for s in range(0, max(flat.shape[0], 1), _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
+        x = flat[s:s + _TOPK_ROWS].float()
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        v, i = torch.topk(x, kk, dim=-1)
+        if id_map is not None:
+            i = id_map[i]
+        out.append(torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1))
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 @dataclass(frozen=True)
@@ -429,6 +456,64 @@ class Recorder:
                          convention=convention)
         return self.record(name, x, rows, kind="packed", slots=slots, slot_width=sw, token_offset=token_offset,
                            role=role, values=values, attrs=attrs)
+
+    def plain(self, name: str, values: np.ndarray | torch.Tensor, rows, *, role: str, token_offset: int = 0,
+              dtype: str = "float64", order: float | None = None, attrs: dict | None = None) -> int:
+        """Record rows that are not states (token ids, top-k tables, verify counts): full values
+        only, no sketch, RMS 0. Same row rules as :meth:`record` (-1 skipped, sampling applied)."""
+        if self._closed:
+            raise RuntimeError("recorder is closed")
+        if name not in self._specs and not self.wants(name):
+            self.stats.skipped_names.add(name)
+            return 0
+        t0 = time.perf_counter()
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().numpy()
+        vals = np.asarray(values, dtype=np.float64)
+        vals = vals.reshape(-1, vals.shape[-1])
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if len(rows) != len(vals):
+            raise ValueError(f"{name}: {len(vals)} value rows but {len(rows)} token rows")
+        keep = rows >= 0
+        if not self.sample.keeps_all:
+            keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
+        if name not in self._specs:
+            width = int(vals.shape[-1])
+            self.writer.define_tensor(name, width, kind="other", dtype=dtype, role=role, token_offset=token_offset,
+                                      values=True, sketch=False, order=order, attrs=attrs)
+            self._specs[name] = _Spec(name, width, width, 1, dtype, True, False)
+        spec = self._specs[name]
+        if vals.shape[-1] != spec.width:
+            raise ValueError(f"{name}: width {vals.shape[-1]}, but it was defined with width {spec.width}")
+        n = int(keep.sum())
+        if n:
+            self.writer.append(name, rows[keep], vals[keep].astype(np.float32 if dtype == "float32" else np.float64),
+                               rms=np.zeros((n, 1), dtype=np.float32))
+            self.stats.calls += 1
+            self.stats.rows += n
+        self.stats.seconds += time.perf_counter() - t0
+        return n
+
+    def predictions(self, name: str, logits: torch.Tensor, rows, *, k: int = conventions.DEFAULT_TOPK,
+                    role: str | None = None, token_offset: int = 0, id_map: torch.Tensor | None = None,
+                    order: float | None = None, attrs: dict | None = None) -> int:
+        """Record a predictor's top-k ids, log-probabilities and logsumexp per token row
+        (:func:`topk_rows`) from its logits [..., V]: ``target_topk`` (token_offset 0) or
+        ``draft_topk`` (token_offset 1) in the names of :mod:`tensordiff.conventions`."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        x = logits.reshape(-1, logits.shape[-1])
+        if len(rows) != x.shape[0]:
+            raise ValueError(f"{name}: {x.shape[0]} logit rows but {len(rows)} token rows")
+        keep = np.flatnonzero(rows >= 0)
+        if len(keep) < len(rows):
+            x = x.index_select(0, torch.from_numpy(keep).to(x.device))
+            rows = rows[keep]
+        if not len(rows):
+            return 0
+        meta = {"layout": "ids[0:k] | logprobs[k:2k] | logsumexp[2k]", "k": min(int(k), int(x.shape[-1])),
+                "vocab": int(x.shape[-1]), **(attrs or {})}
+        return self.plain(name, topk_rows(x, k, id_map), rows, role=role or name, token_offset=token_offset,
+                          order=order, attrs=meta)
 
     # -- lifecycle -------------------------------------------------------------------------
 

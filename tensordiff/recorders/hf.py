@@ -4,6 +4,11 @@ For each token sequence it records, through a :class:`~.core.Recorder`:
 
 * the catalog: every boundary ``embed``, ``layer1`` .. ``layerN`` (role ``catalog``; sketch + RMS
   for all, full values for the ones asked) and ``final_norm`` (the lm_head input);
+* ``target_topk``: the target's top-k token ids, log-probabilities and logsumexp at every token
+  (from the lm_head output; ``topk=0`` turns it off);
+* with a ``draft`` (:class:`~.eagle3.Eagle3Draft`): ``draft_fc_output`` (what the draft's fc
+  computes from the draft input) and ``draft_topk`` (its predictions), teacher-forced on the
+  draft input as training runs it (names and layouts: :mod:`tensordiff.conventions`);
 * ``draft_input`` (role ``draft_input``): the packed ``[T, K*H]`` tensor the draft is fed, built
   as a named pipeline builds it (a :class:`~tensordiff.conventions.DraftPlan` from
   :func:`tensordiff.conventions.plan_draft_input`), with the slot labels of what it
@@ -126,7 +131,8 @@ class HFExtractorRecorder:
     """
 
     def __init__(self, model: torch.nn.Module, recorder: Recorder, plan: DraftPlan | None = None, *,
-                 values: str | Iterable[str] = "slots", catalog: bool = True, draft_name: str = "draft_input"):
+                 values: str | Iterable[str] = "slots", catalog: bool = True, draft_name: str = "draft_input",
+                 topk: int = conventions.DEFAULT_TOPK, draft: Any = None):
         self.model = model
         self.recorder = recorder
         self.plan = plan
@@ -156,6 +162,13 @@ class HFExtractorRecorder:
         else:
             self.value_labels = {_label(v) for v in values}
         self._need = set(plan.fed) if plan is not None else set()
+        self.topk = int(topk)
+        self.draft = draft
+        if draft is not None and plan is None:
+            raise ValueError("a draft needs the draft-input plan (what it is fed)")
+        if draft is not None and draft.num_aux != len(plan.fed):
+            raise ValueError(f"the draft's fc takes {draft.num_aux} states but the plan feeds {len(plan.fed)}")
+        self._ids: torch.Tensor | None = None
         self._rows: np.ndarray | None = None
         self._held: dict[str, torch.Tensor] = {}
         self._handles: list = []
@@ -169,6 +182,9 @@ class HFExtractorRecorder:
             self._handles.append(self.layers[b].register_forward_pre_hook(self._layer_hook(b), with_kwargs=True))
         self._handles.append(self.norm.register_forward_pre_hook(self._layer_hook(self.num_layers), with_kwargs=True))
         self._handles.append(self.norm.register_forward_hook(self._norm_out_hook))
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        if self.topk > 0 and isinstance(head, torch.nn.Module):
+            self._handles.append(head.register_forward_hook(self._logits_hook))
         return self
 
     def detach(self) -> None:
@@ -185,6 +201,18 @@ class HFExtractorRecorder:
                 raise RuntimeError(f"tensordiff: cannot find the hidden states entering {label}")
             self._on_state(label, b, x)
         return hook
+
+    def _logits_hook(self, mod, args, output):
+        if self._rows is None or not isinstance(output, torch.Tensor):
+            return
+        if output.shape[:-1] != self._rows.shape:
+            import warnings
+            warnings.warn(f"tensordiff: lm_head returned {tuple(output.shape)} for token rows {self._rows.shape}; "
+                          "target_topk not recorded (compute the logits of every position, or topk=0)", stacklevel=2)
+            return
+        n = self.num_layers
+        self.recorder.predictions(conventions.TARGET_TOPK, output, self._rows, k=self.topk, token_offset=0,
+                                  order=n + 0.6, attrs={"source": "target lm_head output"})
 
     def _norm_out_hook(self, mod, args, output):
         x = output[0] if isinstance(output, (tuple, list)) else output
@@ -214,7 +242,8 @@ class HFExtractorRecorder:
         one key and [L] ids, or B keys and [B, L] ids (``attention_mask`` marks real tokens).
         Yields the token rows. The draft input is built and recorded when the block ends."""
         if isinstance(seq, str):
-            ids = input_ids.detach().reshape(-1).cpu() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids).reshape(-1)
+            ids = (input_ids.detach().reshape(-1).cpu() if isinstance(input_ids, torch.Tensor)
+                   else np.asarray(input_ids).reshape(-1))
             rows = self.recorder.add_tokens(seq, positions, ids, regime=regime, step=step)[None]
         else:
             if positions is not None:
@@ -223,6 +252,10 @@ class HFExtractorRecorder:
         attached_here = not self._handles
         self.attach()
         self._rows = rows
+        if isinstance(input_ids, torch.Tensor):
+            self._ids = input_ids.detach().reshape(rows.shape).cpu()
+        else:
+            self._ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long).reshape(rows.shape)
         self._held = {}
         try:
             yield rows
@@ -230,6 +263,7 @@ class HFExtractorRecorder:
                 self._record_draft(rows)
         finally:
             self._rows = None
+            self._ids = None
             self._held = {}
             if attached_here:
                 self.detach()
@@ -245,6 +279,35 @@ class HFExtractorRecorder:
                              raw_ids=list(plan.raw_ids) if plan.raw_ids is not None else None,
                              convention=plan.convention, token_offset=1, role="draft_input",
                              attrs={"draft_plan": plan.as_attrs()})
+        if self.draft is not None:
+            self._run_draft(torch.cat(parts, dim=-1), drows)
+
+    def _run_draft(self, packed: torch.Tensor, drows: np.ndarray) -> None:
+        """The draft teacher-forced on each sequence: row t = (draft input at t, token t+1)."""
+        embed = self.model.get_input_embeddings()
+        head = self.model.get_output_embeddings()
+        n = self.num_layers
+        packed = packed.reshape(*drows.shape, packed.shape[-1])
+        for b in range(drows.shape[0]):
+            cols = np.flatnonzero(drows[b] >= 0)
+            if not len(cols):
+                continue
+            dev = packed.device
+            idx = torch.from_numpy(cols).to(dev)
+            nxt = self._ids[b, cols + 1].to(dev)
+            pos = torch.from_numpy(self.recorder.positions_of(drows[b, cols])).to(dev)
+            with torch.inference_mode():
+                out = self.draft.forward(packed[b].index_select(0, idx), embed(nxt), pos,
+                                         target_lm_head=getattr(head, "weight", None))
+            r = drows[b, cols]
+            self.recorder.record(conventions.DRAFT_FC, out.fc_output, r, kind="other", role=conventions.DRAFT_FC,
+                                 token_offset=1, order=n + 0.8,
+                                 attrs={"source": "draft fc output (tensordiff.recorders.eagle3)",
+                                        "draft": getattr(self.draft, "path", "")})
+            if self.topk > 0:
+                self.recorder.predictions(conventions.DRAFT_TOPK, out.logits, r, k=self.topk, token_offset=1,
+                                          id_map=out.id_map, order=n + 0.9,
+                                          attrs={"source": "draft lm_head output, teacher-forced"})
 
     def run(self, seq: str, input_ids, *, regime: str = "train", step: int = 0) -> Any:
         """Run the model on one sequence ([L] token ids) and record it. Returns the model output."""

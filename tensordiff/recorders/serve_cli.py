@@ -26,6 +26,8 @@ PLUGIN_GROUP = "sglang.srt.plugins"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
+                   help="sglang (default): sglang.Engine; vllm: vllm.LLM (the vLLM plugin records in its Worker)")
     p.add_argument("--model", required=True, metavar="DIR", help="local target model directory (never downloaded)")
     p.add_argument("--draft", metavar="DIR",
                    help="local EAGLE-3 draft directory: run EAGLE-3 speculative decoding and record the draft's input")
@@ -46,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sample-every", type=int, default=1, metavar="K", help="record positions p %% K == 0 only")
     g.add_argument("--sketch-dim", type=int, help="sketch width (default 128)")
     g.add_argument("--sketch-seed", type=int, help="sketch projection seed (both sides must agree)")
+    g.add_argument("--topk", type=int, metavar="K",
+                   help="k of the top-k predictions recorded per token (target_topk, draft_topk; default 20, 0: none)")
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
     g.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
@@ -140,6 +144,8 @@ def plugin_env(args: argparse.Namespace) -> dict[str, str]:
         env["TENSORDIFF_SKETCH_DIM"] = str(args.sketch_dim)
     if args.sketch_seed is not None:
         env["TENSORDIFF_SKETCH_SEED"] = str(args.sketch_seed)
+    if args.topk is not None:
+        env["TENSORDIFF_TOPK"] = str(args.topk)
     plugins = os.environ.get("SGLANG_PLUGINS", "").strip()
     if plugins and PLUGIN_NAME not in [x.strip() for x in plugins.split(",")]:
         env["SGLANG_PLUGINS"] = plugins + "," + PLUGIN_NAME
@@ -160,6 +166,8 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
         raise TraceError("--max-new-tokens must be >= 1")
     if args.sample_every < 1:
         raise TraceError("--sample-every must be >= 1")
+    if args.topk is not None and args.topk < 0:
+        raise TraceError("--topk must be >= 0")
     if args.batch_size < 0:
         raise TraceError("--batch-size must be >= 0")
     if args.values is not None and not args.values.strip():
@@ -200,6 +208,9 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
     ``start_engine(**engine_kwargs)`` makes the engine (default ``sglang.Engine``); tests pass one
     that prepares SGLang's CPU mode."""
     prompts = _check(args)
+    if getattr(args, "engine", "sglang") == "vllm":
+        from . import vllm_serve
+        return vllm_serve.record(args, prompts, plugin_env(args), start_engine)
     if not _plugin_installed():
         raise TraceError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "
                          "install the package (pip install -e . or pip install 'tensordiff[sglang]')")
@@ -271,3 +282,6 @@ def _print_summary(res: dict) -> None:
                   f"({t.get('convention')}), {t['shape'][0]} rows")
     if not s["complete"]:
         print(f"  note: {s['recovered']}", file=sys.stderr)
+    from .vllm_serve import notes
+    for note in notes(path):  # the vLLM plugin's notes (capture order, ignored draft-config keys)
+        print(f"  note: {note}")

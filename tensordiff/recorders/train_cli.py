@@ -23,10 +23,15 @@ CONVENTION_CHOICES = conventions.planning_choices()
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR",
                    help="local HF transformers model directory (config.json + weights); never downloaded")
-    p.add_argument("--prompts", required=True, metavar="FILE",
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE",
                    help="JSONL: one prompt per line, a list of token ids, {\"input_ids\": [...]}, or "
                         "{\"text\": \"...\"} / a JSON string when the model directory has a tokenizer; "
                         "an optional \"id\" names the sequence")
+    src.add_argument("--from-serve", metavar="FILE",
+                     help="record exactly the sequences a serve run saw (prompt + generated tokens): the --outputs "
+                          "JSONL of `record serve`, or the serve trace itself (when it holds every position "
+                          "from 0; a radix-cache hit leaves a prefix out)")
     p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write")
     g = p.add_argument_group("draft input")
     g.add_argument("--aux-ids", type=int, nargs="+", metavar="ID",
@@ -46,6 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-config", metavar="FILE",
                    help="draft config.json: read eagle_config.eagle_aux_hidden_state_layer_ids when --aux-ids is absent")
     g.add_argument("--no-draft-input", action="store_true", help="record the catalog only")
+    g = p.add_argument_group("predictions")
+    g.add_argument("--draft", metavar="DIR",
+                   help="an EAGLE-3 draft directory (SGLang's checkpoint layout): also record its fc output "
+                        "(draft_fc_output) and its top-k predictions (draft_topk), teacher-forced on draft_input; "
+                        "its eagle_config ids are the default --aux-ids")
+    g.add_argument("--topk", type=int, default=20, metavar="K",
+                   help="top-k ids + log-probs + logsumexp recorded per token for the target (target_topk) "
+                        "and the draft (default 20; 0: none)")
     g = p.add_argument_group("what to record")
     g.add_argument("--values", default="slots", metavar="WHICH",
                    help="catalog states with full values: slots (default: the states the draft plan captures, "
@@ -123,7 +136,8 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
             if ids is None:
                 text = obj.get("text", obj.get("prompt"))
         if ids is not None:
-            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
                 raise TraceError(f"line {n}: token ids must be a non-empty list of non-negative integers", path)
         elif isinstance(text, str):
             if tok is None:
@@ -140,6 +154,82 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
     if len(set(keys)) != len(keys):
         raise TraceError("prompt ids repeat; every \"id\" must be unique", path)
     return out
+
+
+def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
+    """(request id, prompt + generated tokens) of every request a serve run saw: from the JSONL
+    ``record serve --outputs`` writes, or from a serve trace's token table."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(8)
+    except OSError as e:
+        raise TraceError(f"cannot read the serve run ({e.strerror or e})", path) from None
+    if magic == b"\x89HDF\r\n\x1a\n":
+        return _sequences_of_trace(path)
+    out: list[tuple[str, list[int]]] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.strip()]
+    except UnicodeDecodeError:
+        raise TraceError("neither a serve trace nor a JSONL outputs file", path) from None
+    for n, line in enumerate(lines, 1):
+        try:
+            o = json.loads(line)
+        except ValueError:
+            raise TraceError(f"line {n} is not JSON", path) from None
+        ids, outs = (o.get("input_ids"), o.get("output_ids")) if isinstance(o, dict) else (None, None)
+        ok = all(isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
+                 for x in (ids, outs))
+        if not ok or not ids:
+            raise TraceError(f"line {n}: expected {{\"id\", \"input_ids\": [...], \"output_ids\": [...]}} "
+                             "as record serve --outputs writes", path)
+        out.append((str(o.get("id", f"request-{n - 1}")), list(ids) + list(outs)))
+    if not out:
+        raise TraceError("no requests in the outputs file", path)
+    if len({k for k, _ in out}) != len(out):
+        raise TraceError("request ids repeat in the outputs file", path)
+    return out
+
+
+def _sequences_of_trace(path: str) -> list[tuple[str, list[int]]]:
+    import numpy as np
+
+    from ..trace import TraceReader
+
+    with TraceReader(path) as r:
+        t = r.tokens
+        seqs = list(r.sequences)
+        seq, pos, tok = (np.asarray(t[c]) for c in ("seq", "position", "token"))
+    out = []
+    for s in np.unique(seq):
+        m = seq == s
+        p, k = pos[m], tok[m]
+        order = np.argsort(p, kind="stable")
+        p, k = p[order], k[order]
+        up, first = np.unique(p, return_index=True)
+        key = seqs[int(s)]
+        dup = np.diff(p) == 0
+        if (k[1:][dup] != k[:-1][dup]).any():
+            raise TraceError(f"sequence {key} holds two different tokens at one position", path)
+        if up[0] != 0 or up[-1] != len(up) - 1:
+            missing = 0 if up[0] != 0 else int(up[np.flatnonzero(np.diff(up) != 1)[0]] + 1)
+            raise TraceError(f"sequence {key} has no row at position {missing} (a radix-cache hit computes no "
+                             "prefix rows): give the --outputs file record serve wrote instead", path)
+        out.append((key, [int(x) for x in k[first]]))
+    if not out:
+        raise TraceError("the serve trace holds no tokens", path)
+    return out
+
+
+def _load_draft(path: str, model):
+    from .eagle3 import load_eagle3_draft
+
+    try:
+        draft = load_eagle3_draft(path)
+    except (ValueError, OSError, KeyError) as e:
+        raise TraceError(f"cannot load the draft ({_first_line(e)})", path) from None
+    p = next(model.parameters())
+    return draft.to(p.device, p.dtype)
 
 
 def _load_config(path: str):
@@ -229,8 +319,14 @@ def run(args: argparse.Namespace) -> int:
     if args.sample_every == 0 and not args.positions:
         raise TraceError("--sample-every 0 records only --positions: give some")
     ids = args.aux_ids
-    if ids is None and args.draft_config:
-        ids = _read_draft_ids(args.draft_config)
+    if args.topk is not None and args.topk < 0:
+        raise TraceError("--topk must be >= 0")
+    if args.draft and args.no_draft_input:
+        raise TraceError("--draft runs the draft on draft_input: drop --no-draft-input")
+    if args.draft and not os.path.isfile(os.path.join(args.draft, "config.json")):
+        raise TraceError("draft directory not found or has no config.json", args.draft)
+    if ids is None and (args.draft_config or args.draft):
+        ids = _read_draft_ids(args.draft_config or os.path.join(args.draft, "config.json"))
 
     def tokenizer_loader():
         from transformers import AutoTokenizer
@@ -241,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
                              args.model) from None
 
     cfg = _load_config(args.model)
-    prompts = load_prompts(args.prompts, tokenizer_loader)
+    prompts = (load_serve_sequences(args.from_serve) if args.from_serve
+               else load_prompts(args.prompts, tokenizer_loader))
     if args.limit is not None:
         prompts = prompts[: max(0, args.limit)]
     if args.max_len is not None:
@@ -270,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
             raise TraceError(str(e)) from None
     info["path"] = os.path.abspath(args.model)
     sample = Sampling(every=args.sample_every, positions=frozenset(args.positions) if args.positions else None)
-    meta = {"prompts": os.path.abspath(args.prompts), "command": "record train",
+    meta = {"prompts": os.path.abspath(args.prompts or args.from_serve), "command": "record train",
+            "from_serve": os.path.abspath(args.from_serve) if args.from_serve else None,
             "draft_plan": plan.as_attrs() if plan else None}
     wkw = {}
     if args.sketch_dim is not None:
@@ -287,7 +385,8 @@ def run(args: argparse.Namespace) -> int:
     total = sum(len(v) for _, v in prompts)
     try:
         try:
-            hf = HFExtractorRecorder(model, rec, plan, values=args.values)
+            draft = _load_draft(args.draft, model) if args.draft else None
+            hf = HFExtractorRecorder(model, rec, plan, values=args.values, topk=args.topk, draft=draft)
         except ValueError as e:
             raise TraceError(str(e)) from None
         with _Progress(total, n_prompts=len(prompts), enabled=not args.no_progress) as bar:

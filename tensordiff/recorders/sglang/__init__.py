@@ -16,7 +16,10 @@ one module per job:
 :mod:`.catalog`     per-boundary taps on the target model (``TENSORDIFF_CATALOG=1``, eager passes)
 :mod:`.forward`     AROUND ``ModelRunner.forward``: token keys, ``aux_hidden_states`` (target),
                     ``draft_input`` + ``draft_input_ids`` (draft-extend passes)
-:mod:`.verify`      AFTER ``EAGLEWorkerV2.verify``: commits the accepted verify rows
+:mod:`.predictions` taps on the draft's ``fc`` and each model's logits processor: ``draft_fc_output``,
+                    ``target_topk``, ``draft_topk`` (top-k ids, log-probs, logsumexp)
+:mod:`.verify`      AFTER ``EAGLEWorkerV2.verify``: commits the accepted verify rows; ``spec_verify``
+                    (accepted drafts, first rejected position, per draft position) per verify step
 :mod:`.control`     AFTER ``Scheduler.on_idle`` (flush), AROUND ``Scheduler.handle_rpc_request``
                     (``tensordiff_close`` / ``_flush`` / ``_pause`` / ``_resume``)
 :mod:`.state`       the per-process state shared by the hooks
@@ -34,6 +37,7 @@ Configuration (environment of the server process):
 ``TENSORDIFF_SKETCH_DIM``, ``TENSORDIFF_SKETCH_SEED``  sketch projection (both sides must agree)
 ``TENSORDIFF_FLUSH_SECONDS`` flush at least this often while busy (default 10)
 ``TENSORDIFF_COMPRESSION``  ``gzip`` or ``lzf`` (default none)
+``TENSORDIFF_TOPK``         k of the recorded top-k predictions (default 20; 0: none)
 =========================== =====================================================================
 
 Importing this package imports neither torch nor sglang; :func:`register` imports sglang only when

@@ -16,7 +16,8 @@ RPC_PREFIX = "tensordiff_"
 AUX = "aux_hidden_states"
 DRAFT = "draft_input"
 DRAFT_IDS = "draft_input_ids"
-DEFAULT_VALUES = (AUX, DRAFT)
+DRAFT_FC = "draft_fc_output"
+DEFAULT_VALUES = (AUX, DRAFT, DRAFT_FC)
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Config:
     sketch_seed: int | None = None
     flush_seconds: float = 10.0
     compression: str | None = None
+    topk: int = 20
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> Config | None:
@@ -76,7 +78,10 @@ class Config:
         flush_s = num("TENSORDIFF_FLUSH_SECONDS", float, 10.0)
         if not flush_s > 0:
             raise ValueError("TENSORDIFF_FLUSH_SECONDS must be > 0")
-        return cls(path=path, catalog=flag("TENSORDIFF_CATALOG", False), values=values, sample_every=every,
+        topk = num("TENSORDIFF_TOPK", int, 20)
+        if topk < 0:
+            raise ValueError("TENSORDIFF_TOPK must be >= 0")
+        return cls(path=path, topk=topk, catalog=flag("TENSORDIFF_CATALOG", False), values=values, sample_every=every,
                    sketch_dim=num("TENSORDIFF_SKETCH_DIM", int, None),
                    sketch_seed=num("TENSORDIFF_SKETCH_SEED", int, None), flush_seconds=flush_s,
                    compression=comp)

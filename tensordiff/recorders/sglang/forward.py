@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import time
 
+from ...conventions import DRAFT_TOPK, TARGET_TOPK
 from .config import AUX, DRAFT, DRAFT_IDS
+from .predictions import (
+    chain_start,
+    chain_step,
+    prediction_rows,
+    record_fc,
+    record_topk,
+)
 from .state import STATE, Pass, log
 
 
@@ -72,6 +80,7 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
     if not st.active or forward_batch.forward_mode.is_idle():
         return original(runner, forward_batch, *args, **kwargs)
     if getattr(runner, "is_draft_worker", False):
+        st.fc_out = st.draft_logits = None
         out = original(runner, forward_batch, *args, **kwargs)
         t0 = time.perf_counter()
         try:
@@ -87,6 +96,7 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
         st.fail("target pass", e)
         return original(runner, forward_batch, *args, **kwargs)
     st.seconds += time.perf_counter() - t0
+    st.target_logits = None
     try:
         out = original(runner, forward_batch, *args, **kwargs)
     finally:
@@ -153,11 +163,36 @@ def after_target(runner, fb, out, p: Pass) -> None:
         else:
             p.hs = hs
     st.last_target = p
+    if st.cfg.topk > 0:
+        _target_predictions(p)
     if p.regime == "target_verify":
         st.pending_verify = p
         return
     if p.hs is not None:
         record_aux(p.hs, p.rows)
+    if p.pred is not None:
+        record_topk(TARGET_TOPK, p.pred, p.rows, 0, "target logits (logits processor)")
+
+
+def _target_predictions(p: Pass) -> None:
+    """Top-k rows of the target's logits for every row of the pass; on a verify pass also the
+    log-prob the target gives each row's next input token (the draft token it verifies)."""
+    import numpy as np
+    import torch
+
+    st = STATE
+    cap, st.target_logits = st.target_logits, None
+    p.pred, logits = prediction_rows(cap, len(p.rows), TARGET_TOPK)
+    if p.pred is None or logits is None or p.regime != "target_verify":
+        return
+    ids = p.keys[2]
+    n = len(ids)
+    nxt = np.zeros(n, dtype=np.int64)
+    nxt[:-1] = ids[1:]  # within a block, row j's next input is the draft token at row j + 1
+    with torch.no_grad():
+        sel = torch.from_numpy(nxt).to(logits.device)[:, None]
+        lp = logits.gather(1, sel)[:, 0].float() - p.pred[:, -1].to(logits.device).float()
+    p.lp_next = lp.cpu().numpy().astype(np.float64)
 
 
 def record_aux(hs, rows) -> None:
@@ -180,6 +215,8 @@ def record_draft(runner, fb) -> None:
     st = STATE
     mode = fb.forward_mode
     if not (mode.is_extend() or mode.is_draft_extend_v2()) or mode.is_target_verify():
+        if not mode.is_target_verify():
+            chain_step(fb)  # a draft decode step: the draft's distribution at the next draft position
         return  # draft decode steps feed the draft its own state, not the target's
     spec = getattr(fb, "spec_info", None)
     hs = getattr(spec, "hidden_states", None)
@@ -202,7 +239,7 @@ def record_draft(runner, fb) -> None:
     n_acc = getattr(spec, "num_accept_tokens", None)
     if n_acc is not None and p.regime == "target_verify":
         acc = to_numpy(n_acc).astype(np.int64)
-        for i, (rid, s, c) in enumerate(p.segments):
+        for i, (_, s, c) in enumerate(p.segments):
             if i < len(acc):
                 rows[s + int(min(max(acc[i], 0), c)):s + c] = -1  # filler past the accept length
     # the shift check: draft row t's input id is token t+1 of the same request (where the target
@@ -222,6 +259,26 @@ def record_draft(runner, fb) -> None:
                    attrs={"source": "draft runner forward_batch.spec_info.hidden_states (the fc input)"})
     if n:
         _record_draft_ids(ids, rows)
+        fc = st.fc_out
+        if fc is not None and fc.shape[0] == len(rows):
+            record_fc(fc, rows)
+        elif fc is not None:
+            st.warn_once("fc-rows", "draft fc output has %d rows for %d draft rows; not recorded", fc.shape[0], len(rows))
+        if st.cfg.topk > 0:
+            m = st.draft_id_map
+            if m is not None and m.device != hs.device:
+                m = st.draft_id_map = m.to(hs.device)  # once: the hot-token map lives on the draft's device
+            pred, _ = prediction_rows(st.draft_logits, len(rows), DRAFT_TOPK, m)
+            if pred is not None:
+                record_topk(DRAFT_TOPK, pred, rows, 1, "draft logits (logits processor), mapped to target ids")
+                last = []  # the row of each request's last accepted token: draft position 0 of its next step
+                for i, (_, s, c) in enumerate(p.segments):
+                    a = c
+                    if n_acc is not None and p.regime == "target_verify" and i < len(acc):
+                        a = int(min(max(acc[i], 1), c))
+                    last.append(s + a - 1)
+                chain_start(p.segments, last, pred)
+    st.fc_out = st.draft_logits = None
     st.dirty = True
 
 

@@ -26,6 +26,10 @@ def hook_init_attention_backends(original, runner, *args, **kwargs):
     try:
         if not getattr(runner, "is_draft_worker", False):
             setup_target(runner)
+        elif st.role == "record":
+            from .predictions import install_prediction_taps
+
+            install_prediction_taps(runner, draft=True)
     except Exception as e:  # noqa: BLE001
         st.fail("start-up", e)
     return result
@@ -120,6 +124,10 @@ def setup_target(runner) -> None:
     if ltc is None and not cfg.catalog:
         st.warn_once("nothing", "this engine captures no aux hidden states (no EAGLE-3 draft, no "
                      "--enable-return-aux-hidden-states) and TENSORDIFF_CATALOG is off: only token rows are recorded")
+    st.spec_chain = int(server_arg(runner, "speculative_eagle_topk", 1) or 1) == 1
+    from .predictions import install_prediction_taps
+
+    install_prediction_taps(runner, draft=False)
     if cfg.catalog:
         from .catalog import install_catalog
 

@@ -28,6 +28,8 @@ class Pass:
     regime: str
     stash: list = field(default_factory=list)  # verify: [(kind, boundary, tensor)] of catalog taps
     committed: bool = False
+    pred: Any = None      # [n, 2k+1] top-k rows of the target's predictions (tensor), or None
+    lp_next: Any = None   # verify: the target's log-prob of the next input token of each row (numpy)
 
 
 class State:
@@ -59,6 +61,14 @@ class State:
         self.draft_ids_defined = False
         self.unkeyed_passes = 0
         self.seconds = 0.0         # wall time inside the plugin's recording code
+        self.fc_out = None         # the draft fc's output of the running draft pass
+        self.target_logits = None  # (logits processor, hidden, lm_head, output) of the running pass
+        self.draft_logits = None
+        self.draft_id_map = None   # the draft's hot-token map (draft column -> target id)
+        self.spec_chain = True     # topk 1: a verify block is a chain of draft positions
+        self.verify_steps = 0
+        self.chain: dict[str, list] = {}  # request -> the draft's top-k rows at draft positions 0, 1, ...
+        self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
 
     def warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self.warned:
@@ -92,7 +102,7 @@ class State:
             "rows_dropped": self.dropped_rows,
             "cuda_graph_passes": self.graph_passes, "draft_passes_unmatched": self.draft_unmatched,
             "passes_without_request_ids": self.unkeyed_passes,
-            "catalog_layers": self.catalog_layers, "plugin_seconds": round(self.seconds, 6),
+            "catalog_layers": self.catalog_layers, "verify_steps": self.verify_steps, "plugin_seconds": round(self.seconds, 6),
             "recorder_seconds": round(self.rec.stats.seconds, 6), **self.capture_attrs,
         })
 

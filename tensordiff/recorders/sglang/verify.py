@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import time
 
+from ...conventions import (
+    SPEC_CHAIN,
+    SPEC_VERIFY,
+    TARGET_TOPK,
+    spec_verify_drafts,
+    spec_verify_width,
+)
 from .catalog import record_catalog
 from .forward import record_aux, to_numpy
+from .predictions import record_topk
 from .state import STATE, Pass
 
 
@@ -56,6 +64,8 @@ def commit_verify(p: Pass, result, batch) -> None:
     view_ids = np.zeros(n, dtype=np.int64)
     view_pos = np.zeros(n, dtype=np.int64)
     any_kept = False
+    steps = []  # spec_verify rows: (token row of the block's first row, values)
+    chains = []  # spec_chain rows: (the same token row, the draft's and the target's top-k per draft position)
     for i, (rid, s, c) in enumerate(p.segments):
         a = int(min(max(acc[i], 0), c))
         if acc_index is not None:
@@ -75,6 +85,11 @@ def commit_verify(p: Pass, result, batch) -> None:
         if len(sel):
             p.rows[sel] = st.rec.add_tokens(rid, pos[sel], ids[sel], regime="target_verify", step=p.step)
             any_kept = True
+        if st.spec_chain and c > 1 and p.rows[s] >= 0:
+            steps.append((int(p.rows[s]), _step_row(p, s, c, a)))
+            chain = st.chain.pop(rid, None)
+            if chain is not None and len(chain) == c - 1 and p.pred is not None:
+                chains.append((int(p.rows[s]), _chain_row(chain, p.pred[s:s + c - 1])))
         view_rows[s:s + len(path)] = p.rows[path]
         view_ids[s:s + len(path)] = ids[path]
         view_pos[s:s + len(path)] = pos[path]
@@ -89,9 +104,80 @@ def commit_verify(p: Pass, result, batch) -> None:
         return
     if p.hs is not None:
         record_aux(p.hs, p.rows)
+    if p.pred is not None:
+        record_topk(TARGET_TOPK, p.pred, p.rows, 0, "target logits (logits processor), accepted verify rows")
+    if steps:
+        _record_steps(steps)
+    if chains:
+        _record_chains(chains)
     for kind, b, value in p.stash:
         record_catalog(kind, b, value, p.rows)
     p.stash.clear()
+
+
+def _step_row(p: Pass, s: int, c: int, a: int):
+    """One verify step of one request (topk 1: a chain of K = c - 1 draft tokens at rows s+1..):
+    [accepted drafts, K, first rejected draft position or -1, draft tokens, the target's top-1 at
+    each draft position, the target's log-prob of each draft token] (NaN where not known)."""
+    import numpy as np
+
+    k = c - 1
+    acc = min(max(a - 1, 0), k)  # accept_lens counts the bonus token
+    row = np.full(3 + 3 * k, np.nan)
+    row[0], row[1], row[2] = acc, k, (acc if acc < k else -1)
+    ids = p.keys[2]
+    row[3:3 + k] = ids[s + 1:s + c]
+    if p.pred is not None:
+        row[3 + k:3 + 2 * k] = to_numpy(p.pred[s:s + k, 0])
+    if p.lp_next is not None:
+        row[3 + 2 * k:3 + 3 * k] = p.lp_next[s:s + k]
+    return row
+
+
+def _record_steps(steps) -> None:
+    import numpy as np
+
+    st = STATE
+    if st.spec_k is None:
+        st.spec_k = spec_verify_drafts(len(steps[0][1]))
+    keep = [(r, v) for r, v in steps if len(v) == spec_verify_width(st.spec_k)]
+    if len(keep) < len(steps):
+        st.warn_once("spec-k", "a verify step with another number of draft tokens than %d; not recorded", st.spec_k)
+    if not keep:
+        return
+    n = st.model.get("num_layers") or 0
+    st.rec.plain(SPEC_VERIFY, np.stack([v for _, v in keep]), np.array([r for r, _ in keep]), role=SPEC_VERIFY,
+                 order=n + 0.95,
+                 attrs={"layout": "accepted, K, first_rejected (-1: none), draft_tokens[K], target_top1[K], "
+                                  "target_logprob_of_draft[K]", "k": st.spec_k,
+                        "what": "one row per verify step, on the token row of the step's first (verified) row"})
+    st.verify_steps += len(keep)
+    st.dirty = True
+
+
+def _chain_row(chain, target_rows):
+    """([draft top-k rows of positions 0..K-1 | target top-k rows of verify rows 0..K-1], flat;
+    draft row width; target row width)."""
+    import torch
+
+    flat = torch.cat([torch.stack(list(chain)).reshape(-1), target_rows.reshape(-1)]).cpu().numpy()
+    return flat, int(chain[0].shape[0]), int(target_rows.shape[1])
+
+
+def _record_chains(chains) -> None:
+    import numpy as np
+
+    st = STATE
+    _, (v0, dw, tw) = chains[0]
+    keep = [(r, v) for r, (v, d, t) in chains if (d, t, len(v)) == (dw, tw, len(v0))]
+    n = st.model.get("num_layers") or 0
+    st.rec.plain(SPEC_CHAIN, np.stack([v for _, v in keep]), np.array([r for r, _ in keep]), role=SPEC_CHAIN,
+                 order=n + 0.96,
+                 attrs={"layout": "K draft top-k rows (draft positions 0..K-1), then K target top-k rows (verify rows "
+                                  "0..K-1); each row ids | logprobs | logsumexp",
+                        "K": len(v0) // (dw + tw), "draft_width": dw, "target_width": tw,
+                        "what": "one row per verify step, on the token row of its spec_verify row"})
+    st.dirty = True
 
 
 def position_limit(req) -> int | None:

@@ -1,0 +1,161 @@
+"""Predictions: what the draft computes and what the target predicts, per token.
+
+Taps (module hooks installed at start-up, on the target's and the draft's models):
+
+* the draft's ``fc``: its output on a draft-extend pass is ``draft_fc_output`` [T, H], the same
+  rows as ``draft_input`` (``token_offset=1``);
+* each model's ``logits_processor``: its final hidden states and lm_head. Where SGLang computed
+  logits for every row (decode, target verify) they are used as they are; where it kept only
+  some rows (a prefill's last token, a draft extend's last accepted row), the plugin computes the
+  other rows itself with the same lm_head weight, 512 rows at a time (bounded memory) (only when that weight holds the whole
+  vocabulary, i.e. not vocab-sharded across TP ranks; otherwise those rows get no predictions, and
+  a warning says so). The top-k ids, log-probabilities and logsumexp of every row are recorded as
+  ``target_topk`` (row t predicts token t+1) and ``draft_topk`` (row t predicts token t+2; draft
+  ids mapped to the target vocabulary through the draft's hot-token map), layouts in
+  :mod:`tensordiff.conventions`.
+
+The hooks keep references only; the work happens after the pass, when the plugin records.
+"""
+
+from __future__ import annotations
+
+from ... import conventions
+from .state import STATE
+
+
+def install_prediction_taps(runner, draft: bool) -> None:
+    """Hooks on the model's logits processor (and, for the draft, its fc)."""
+    st = STATE
+    if st.cfg.topk <= 0 and not draft:
+        return
+    model = runner.model
+    lp = getattr(model, "logits_processor", None)
+    if lp is not None and hasattr(lp, "register_forward_hook") and st.cfg.topk > 0:
+        st.catalog_handles.append(lp.register_forward_hook(_logits_hook(draft), with_kwargs=True))
+    elif st.cfg.topk > 0:
+        st.warn_once(f"no-lp-{draft}", "no logits_processor on the %s model: no %s recorded",
+                     "draft" if draft else "target", conventions.DRAFT_TOPK if draft else conventions.TARGET_TOPK)
+    if draft:
+        fc = getattr(getattr(model, "model", None), "fc", None)
+        if fc is None or not hasattr(fc, "register_forward_hook"):
+            st.warn_once("no-fc", "the draft model has no model.fc: no %s recorded", conventions.DRAFT_FC)
+            return
+        st.catalog_handles.append(fc.register_forward_hook(_fc_hook))
+        hot = getattr(model, "hot_token_id", None)
+        st.draft_id_map = hot
+
+
+def _fc_hook(module, args, output):
+    if STATE.active:
+        STATE.fc_out = output
+
+
+def _logits_hook(draft: bool):
+    def hook(module, args, kwargs, output):
+        st = STATE
+        if not st.active:
+            return
+        hs = args[1] if len(args) > 1 else kwargs.get("hidden_states")
+        head = args[2] if len(args) > 2 else kwargs.get("lm_head")
+        setattr(st, "draft_logits" if draft else "target_logits", (module, hs, head, output))
+    return hook
+
+
+CHUNK_ROWS = 512  # rows whose logits the plugin computes at once (bounded memory: CHUNK_ROWS x vocab)
+
+
+def prediction_rows(captured, n_rows: int, what: str, id_map=None):
+    """(top-k rows [n_rows, 2k+1] of every row of the pass, or None with a warning; the logits
+    SGLang computed for every row, or None when the plugin computed them itself, chunk by chunk)."""
+    import torch
+
+    from ..core import topk_rows
+
+    st = STATE
+    k = st.cfg.topk
+    if captured is None:
+        return None, None
+    module, hs, head, out = captured
+    logits = getattr(out, "next_token_logits", None)
+    if logits is not None and logits.shape[0] == n_rows:
+        return topk_rows(logits, k, id_map), logits
+    if hs is None or hs.shape[0] != n_rows:
+        st.warn_once(f"logits-rows-{what}", "%s: the logits processor saw %s rows for %d tokens; not recorded", what,
+                     None if hs is None else hs.shape[0], n_rows)
+        return None, None
+    w = getattr(head, "weight", None)
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    if w is None or w.dim() != 2 or (vocab is not None and w.shape[0] < int(vocab)):
+        st.warn_once(f"logits-shard-{what}", "%s: the lm_head is vocab-sharded (or not a plain weight); rows whose "
+                     "logits SGLang does not compute itself (prefill) are not recorded", what)
+        return None, None
+    scale = getattr(module, "logit_scale", None)
+    cap = getattr(module, "final_logit_softcapping", None)
+    parts = []
+    with torch.no_grad():
+        for s in range(0, n_rows, CHUNK_ROWS):
+            x = hs[s:s + CHUNK_ROWS].to(w.dtype) @ w.T
+            if vocab is not None and x.shape[-1] > int(vocab):
+                x = x[:, : int(vocab)]  # padded vocabulary
+            if scale is not None:
+                x = x * scale
+            if cap:
+                x = torch.tanh(x / cap) * cap
+            parts.append(topk_rows(x, k, id_map))
+    return torch.cat(parts), None
+
+
+def chain_start(segments, last_rows, pred) -> None:
+    """Draft position 0 of each request's next verify step: the draft-extend row of its last
+    accepted token (the row SGLang samples the first draft token from)."""
+    st = STATE
+    for (rid, _, _), r in zip(segments, last_rows):
+        if r >= 0:
+            st.chain[rid] = [pred[r]]
+
+
+def chain_step(fb) -> None:
+    """A draft decode step: the draft's top-k at the next draft position of each request."""
+    st = STATE
+    cap, st.draft_logits = st.draft_logits, None
+    if not st.chain or cap is None or st.cfg.topk <= 0:
+        return
+    logits = getattr(cap[3], "next_token_logits", None)
+    rids = getattr(fb, "rids", None)
+    if rids is None and st.last_target is not None:
+        rids = [rid for rid, _, _ in st.last_target.segments]
+    if logits is None or rids is None or logits.shape[0] != len(rids):
+        st.warn_once("chain", "a draft decode step without one row per request; draft positions after 0 get "
+                     "no distributions")
+        st.chain.clear()
+        return
+    from ..core import topk_rows
+
+    m = st.draft_id_map
+    if m is not None and m.device != logits.device:
+        m = st.draft_id_map = m.to(logits.device)
+    rows = topk_rows(logits, st.cfg.topk, m)
+    for i, rid in enumerate(rids):
+        c = st.chain.get(str(rid))
+        if c is not None:
+            c.append(rows[i])
+
+
+def record_topk(name: str, rows_tensor, rows, token_offset: int, source: str) -> None:
+    """Append top-k rows (from :func:`prediction_rows`) for token ``rows`` (-1 skipped)."""
+    st = STATE
+    n = st.model.get("num_layers") or 0
+    order = {conventions.TARGET_TOPK: n + 0.6, conventions.DRAFT_TOPK: n + 0.9}[name]
+    st.rec.plain(name, rows_tensor, rows, role=name, token_offset=token_offset, order=order,
+                 attrs={"layout": "ids[0:k] | logprobs[k:2k] | logsumexp[2k]",
+                        "k": conventions.topk_k(int(rows_tensor.shape[-1])), "source": source})
+    st.dirty = True
+
+
+def record_fc(fc_out, rows) -> None:
+    st = STATE
+    n = st.model.get("num_layers") or 0
+    st.rec.record(conventions.DRAFT_FC, fc_out, rows, kind="other", role=conventions.DRAFT_FC, token_offset=1,
+                  order=n + 0.8, values=st.cfg.wants_values(conventions.DRAFT_FC),
+                  attrs={"source": "draft model.fc output on draft-extend passes"})
+    st.dirty = True

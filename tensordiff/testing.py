@@ -1,0 +1,93 @@
+"""Asserting in a test suite that two traces agree: ``assert_traces_agree(a, b, tol=..., allow=...)``.
+
+>>> from tensordiff.testing import assert_traces_agree
+>>> assert_traces_agree("train.h5", "serve.h5")                       # doctest: +SKIP
+>>> assert_traces_agree("train.h5", "serve.h5", tol={"layer*": (0.99, 0.05)},
+...                     allow=["final_norm"])                          # doctest: +SKIP
+
+It runs the same diff as ``tensordiff diff`` and raises :class:`TracesDisagree` (an
+``AssertionError``) when it finds a divergence, with the diff's headline and its first findings as
+the message; with the pytest plugin (:mod:`tensordiff.pytest_plugin`) that message is the whole
+failure report, without a traceback through tensordiff. ``tol`` takes the CLI's ``--tol`` rules
+(strings ``"NAME=MIN_COS,MAX_REL"``, or a mapping of NAME to ``(min_cos, max_rel)``); ``allow``
+takes the CLI's ``--allow-failed`` patterns: divergences on matching tensors become notes and
+do not fail. A pattern that matches no compared tensor is an error (a typo must not let a
+failure through). Bad input (a damaged trace, traces that cannot be compared) raises the
+:class:`tensordiff.errors.TensordiffError` it raises at the CLI, not ``TracesDisagree``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+
+from .diff import DiffOptions, diff_traces
+from .findings import DiffResult, Finding
+from .tolerances import ToleranceBook
+
+__all__ = ["TracesDisagree", "assert_traces_agree", "failure_message"]
+
+
+class TracesDisagree(AssertionError):
+    """Two traces diverge. ``result`` is the diff (:class:`tensordiff.align.DiffResult`)."""
+
+    def __init__(self, message: str, result: DiffResult):
+        super().__init__(message)
+        self.result = result
+
+
+def failure_message(res: DiffResult, divergences: list[Finding], max_findings: int = 5) -> str:
+    """The headline, where it is, and the first divergences (then how many more)."""
+    first = divergences[0]
+    lines = [f"traces disagree: {first.message}",
+             f"  A = {res.path_a} [{res.side_a}]   B = {res.path_b} [{res.side_b}]"]
+    if first.tensor is not None and first.position is not None:
+        lines.append(f"  first divergence at: tensor {first.tensor}" + (f" slot {first.slot}" if first.slot is not None else "")
+                     + f", seq {first.seq}, position {first.position}, token {first.token}")
+    lines.append(f"  {len(divergences)} divergence{'s' if len(divergences) != 1 else ''}, in forward order:")
+    for f in divergences[:max_findings]:
+        inh = f" (may be inherited from #{f.inherited_from})" if f.inherited_from is not None else ""
+        lines.append(f"  ✗ #{f.index} {f.kind}: {f.message}{inh}")
+    if len(divergences) > max_findings:
+        lines.append(f"  ... {len(divergences) - max_findings} more (tensordiff diff {res.path_a} {res.path_b})")
+    return "\n".join(lines)
+
+
+def _book(tol, calibration: str | None, allow) -> ToleranceBook:
+    """The CLI's rules: ``--tol`` strings (or a TOML file) and ``(pattern, (min_cos, max_rel))``
+    items in order (the first rule that matches wins), then ``--allow-failed`` patterns."""
+    if isinstance(tol, ToleranceBook):
+        book = tol
+    else:
+        book = ToleranceBook()
+        if tol is None:
+            items: list = []
+        elif isinstance(tol, str):
+            items = [tol]
+        elif isinstance(tol, Mapping):
+            items = list(tol.items())
+        else:
+            items = list(tol)
+        for it in items:
+            if isinstance(it, str) and "=" not in it and it.endswith(".toml"):
+                book.load_rules(it)
+            elif isinstance(it, str):
+                book.add_rule(*ToleranceBook.parse_override(it))
+            else:
+                name, (c, r) = it
+                book.add_rule(*ToleranceBook.parse_override(f"{name}={float(c)},{float(r)}"))
+    if calibration:
+        book.load_calibration(os.fspath(calibration))
+    book.allow_failed += [allow] if isinstance(allow, str) else list(allow)
+    return book
+
+
+def assert_traces_agree(a, b, *, tol=None, allow: Iterable[str] | str = (), calibration=None,
+                        max_findings: int = 5) -> DiffResult:
+    """Diff trace ``a`` (the reference) against ``b``; raise :class:`TracesDisagree` on a
+    divergence that ``allow`` does not cover. Returns the diff when they agree."""
+    opts = DiffOptions(tolerances=_book(tol, calibration, allow))
+    res = diff_traces(os.fspath(a), os.fspath(b), opts)
+    if res.divergences:
+        raise TracesDisagree(failure_message(res, res.divergences, max_findings), res)
+    return res
