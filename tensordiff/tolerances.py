@@ -174,11 +174,12 @@ class ToleranceBook:
             data = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as e:
             raise SourceFileError(f"cannot read calibration file ({type(e).__name__}: {e})", path) from None
-        version = data.get("schema_version", CALIBRATION_VERSION) if isinstance(data, dict) else None
+        entries = calibration_entries(data, path)  # first: an object with 'tolerances' at all
+        version = data.get("schema_version", CALIBRATION_VERSION)
         if not isinstance(version, int) or isinstance(version, bool) or version > CALIBRATION_VERSION:
-            raise SourceFileError(f"calibration file schema_version {str(version)[:40]!r}: this tensordiff reads "
+            raise SourceFileError(f"calibration file schema_version {repr(version)[:40]}: this tensordiff reads "
                                   f"{CALIBRATION_VERSION}", path)
-        for k, v in calibration_entries(data, path).items():
+        for k, v in entries.items():
             self.calibrated[k] = Tolerance(v[0], v[1], f"calibrated:{os.path.basename(path)}")
 
 
@@ -264,12 +265,12 @@ def calibration_entries(data: Any, path: str) -> dict[str, tuple[float, float]]:
         for key in ("min_cos", "max_rel"):
             x = v.get(key)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-                raise SourceFileError(f"calibration entry {str(k)[:80]!r}: {key} is {str(x)[:40]!r}, expected a "
-                                      "finite number", path)
+                shown = f"{key} {x}" if isinstance(x, float) else f"{key} is {repr(x)[:40]}"
+                raise SourceFileError(f"calibration entry {str(k)[:80]!r}: {shown}, expected a finite number", path)
             vals.append(float(x))
         if not (-1 <= vals[0] <= 1) or vals[1] < 0:
-            raise SourceFileError(f"calibration entry {str(k)[:80]!r}: min_cos must be in [-1, 1] and max_rel >= 0",
-                                  path)
+            raise SourceFileError(f"calibration entry {str(k)[:80]!r}: min_cos {vals[0]}, max_rel {vals[1]}; min_cos "
+                                  "must be in [-1, 1] and max_rel >= 0", path)
         out[str(k)] = (vals[0], vals[1])
     return out
 
