@@ -13,6 +13,7 @@ import re
 import threading
 import time
 
+from ..serving import ServeState
 from .config import Config
 
 log = logging.getLogger("tensordiff.vllm")
@@ -40,7 +41,9 @@ class Step:
         self.num_reqs = 0             # requests in the batch, scheduled tokens or not
 
 
-class State:
+class State(ServeState):
+    log = log
+
     def __init__(self) -> None:
         self.cfg: Config | None = None
         self.rec = None
@@ -76,15 +79,6 @@ class State:
         self.shift_mismatched = 0
         self.draft_unmatched = 0
         self.seconds = 0.0
-
-    def warn_once(self, key: str, msg: str, *args) -> None:
-        if key not in self.warned:
-            self.warned.add(key)
-            log.warning("tensordiff: " + msg, *args)
-
-    @property
-    def active(self) -> bool:
-        return self.rec is not None and not (self.paused or self.closed or self.broken)
 
     def fail(self, where: str, e: BaseException) -> None:
         """A recording error never reaches the engine: log it, stop recording, keep the trace."""
