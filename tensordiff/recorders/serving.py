@@ -25,7 +25,8 @@ def config_from_env(config_cls, log: logging.Logger):
 
 class ServeState:
     """The part of a plugin's per-process state both engines share. A subclass sets :attr:`log` and
-    the attributes ``rec``, ``paused``, ``closed``, ``broken`` and ``warned`` (a set)."""
+    the attributes ``rec``, ``paused``, ``closed``, ``broken``, ``warned`` (a set) and
+    ``catalog_handles`` (a list), and defines ``_write_stats``."""
 
     log: logging.Logger
     rec: Any
@@ -33,6 +34,7 @@ class ServeState:
     closed: bool
     broken: bool
     warned: set
+    catalog_handles: list
 
     def warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self.warned:
@@ -42,6 +44,29 @@ class ServeState:
     @property
     def active(self) -> bool:
         return self.rec is not None and not (self.paused or self.closed or self.broken)
+
+    def close_trace(self) -> None:
+        """The last step of a clean close: the stats attribute (``_write_stats``, the subclass's),
+        the trace closed, the catalog taps removed. A failure is logged, never raised."""
+        try:
+            self._write_stats()
+            self.rec.close()
+            self.log.info("tensordiff: trace closed: %s", self.rec.writer.path)
+        except Exception as e:  # noqa: BLE001
+            self.log.exception("tensordiff: closing the trace failed: %s", e)
+        for h in self.catalog_handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                self.log.debug("tensordiff: removing a catalog tap failed", exc_info=True)
+        self.catalog_handles.clear()
+
+
+def model_facts(model_config, num_layers: int, hidden_size: int, architecture, path: str) -> dict:
+    """The trace's ``model`` attribute: the engine model config's dtype without ``torch.``."""
+    dtype = str(getattr(model_config, "dtype", "")).replace("torch.", "")
+    return {"num_layers": num_layers, "hidden_size": hidden_size, "architecture": architecture, "dtype": dtype,
+            "path": path}
 
 
 def open_recorder(cfg, path: str, *, engine: str, version: str, torch_version: str, model: dict, meta: dict):

@@ -11,7 +11,7 @@ and what that convention says the ids should select. The trace is opened on the 
 
 from __future__ import annotations
 
-from ..serving import open_recorder
+from ..serving import model_facts, open_recorder
 from .config import rank_path
 from .ranks import rank_plan, server_arg
 from .state import STATE, log
@@ -95,9 +95,8 @@ def setup_target(runner) -> None:
     import sglang
     import torch
 
-    dtype = str(getattr(runner.model_config, "dtype", "")).replace("torch.", "")
-    st.model = {"num_layers": n, "hidden_size": h, "architecture": arch, "dtype": dtype,
-                "path": str(getattr(runner.model_config, "model_path", "") or server_arg(runner, "model_path", ""))}
+    st.model = model_facts(runner.model_config, n, h, arch,
+                           str(getattr(runner.model_config, "model_path", "") or server_arg(runner, "model_path", "")))
     meta = {"command": "sglang plugin", "layers_to_capture": ltc, "draft_layer_ids": raw,
             "convention": convention, "draft_model": server_arg(runner, "speculative_draft_model_path", None),
             "cuda_graph": not bool(server_arg(runner, "disable_cuda_graph", False)), "ranks": facts,

@@ -107,18 +107,7 @@ class State(ServeState):
         self.closed = True
         if self.broken:
             return
-        try:
-            self._write_stats()
-            self.rec.close()
-            log.info("tensordiff: trace closed: %s", self.rec.writer.path)
-        except Exception:
-            log.exception("tensordiff: closing the trace failed")
-        for h in self.catalog_handles:
-            try:
-                h.remove()
-            except Exception:
-                log.debug("tensordiff: removing a catalog tap failed", exc_info=True)
-        self.catalog_handles.clear()
+        self.close_trace()
 
 
 STATE = State()

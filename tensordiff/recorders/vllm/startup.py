@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from ..serving import open_recorder
+from ..serving import model_facts, open_recorder
 from .catalog import install_catalog
 from .config import rank_path
 from .control import idle_flusher
@@ -104,9 +104,7 @@ def setup(runner) -> None:
     import torch
     import vllm
 
-    dtype = str(getattr(runner.model_config, "dtype", "")).replace("torch.", "")
-    st.model = {"num_layers": n, "hidden_size": h, "architecture": arch, "dtype": dtype,
-                "path": str(getattr(runner.model_config, "model", "") or "")}
+    st.model = model_facts(runner.model_config, n, h, arch, str(getattr(runner.model_config, "model", "") or ""))
     eager = is_eager(runner)
     meta = {"command": "vllm plugin", "aux_hidden_state_layers": captured, "draft_layer_ids": raw,
             "convention": "vllm", "speculative_method": method,

@@ -132,17 +132,7 @@ class State(ServeState):
         self.closed = True
         if self.broken:
             return
-        try:
-            self._write_stats()
-            self.rec.close()
-            log.info("tensordiff: trace closed: %s", self.rec.writer.path)
-        except Exception as e:  # noqa: BLE001
-            log.exception("tensordiff: closing the trace failed: %s", e)
-        for h in self.catalog_handles:
-            try:
-                h.remove()
-            except Exception:  # noqa: BLE001
-                pass
+        self.close_trace()
 
     def seq_key(self, req_id: str) -> str:
         """The sequence key of a vLLM request: its external id (vLLM appends ``-<8 hex>`` to make
