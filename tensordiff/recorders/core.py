@@ -39,7 +39,7 @@ import torch
 from .. import conventions
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
-from ..vocab import FINAL_NORM, boundary_label, parse_label
+from ..vocab import FINAL_NORM, REGIMES, boundary_label, parse_label
 
 __all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage", "topk_rows"]
 
@@ -218,6 +218,10 @@ class Recorder:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._pending_bytes = 0
         self._positions = np.empty(1024, dtype=np.int64)
+        self._seq_of = np.empty(1024, dtype=np.int64)   # per token row: index into _seq_end (-1: not train)
+        self._seq_index: dict[str, int] = {}
+        self._seq_end: list[int] = []                    # per train sequence: its last position so far
+        self._offsets: dict[str, int] = {}               # token_offset of each defined tensor
         self._n_rows = 0
         self._closed = False
 
@@ -263,15 +267,52 @@ class Recorder:
         rows = self.writer.add_tokens(seq, positions, tokens, regime=regime, step=step)
         end = self._n_rows + len(rows)
         if end > len(self._positions):
-            grown = np.empty(max(end, 2 * len(self._positions)), dtype=np.int64)
-            grown[:self._n_rows] = self._positions[:self._n_rows]
-            self._positions = grown
+            size = max(end, 2 * len(self._positions))
+            for attr in ("_positions", "_seq_of"):
+                grown = np.empty(size, dtype=np.int64)
+                grown[:self._n_rows] = getattr(self, attr)[:self._n_rows]
+                setattr(self, attr, grown)
         if len(rows) and int(rows[0]) != self._n_rows:
             raise RuntimeError("token rows were added to the writer outside this recorder; "
                                "add every token through Recorder.add_tokens")
         self._positions[self._n_rows:end] = positions
+        # a train (teacher-forced) sequence holds every token the model saw: a row paired with a
+        # later position than its last one pairs with a token that does not exist
+        if (regime == "train" or (not isinstance(regime, str) and int(regime) == REGIMES.index("train"))) and len(rows):
+            si = self._seq_index.setdefault(seq, len(self._seq_end))
+            if si == len(self._seq_end):
+                self._seq_end.append(-1)
+            self._seq_end[si] = max(self._seq_end[si], int(positions.max()))
+            self._seq_of[self._n_rows:end] = si
+        else:
+            self._seq_of[self._n_rows:end] = -1
         self._n_rows = end
         return rows
+
+    def _check_pairs(self, name: str, rows: np.ndarray, token_offset: int) -> None:
+        """Refuse rows of a ``token_offset`` > 0 tensor (the draft's: row t pairs with token
+        t+1) paired past the end of their train sequence: the token they pair with does not
+        exist (a loop that forgot ``draft_rows[-1] = -1``). Serve regimes are not checked: there
+        the next token is added by a later step."""
+        if token_offset <= 0 or not len(rows) or not self._seq_end or int(rows.max()) >= self._n_rows:
+            return
+        si = self._seq_of[rows]
+        train = si >= 0
+        if not train.any():
+            return
+        ends = np.asarray(self._seq_end, dtype=np.int64)
+        want = self._positions[rows] + token_offset
+        past = train & (want > ends[np.where(train, si, 0)])
+        if past.any():
+            i = int(np.flatnonzero(past)[0])
+            seq = next(k for k, v in self._seq_index.items() if v == int(si[i]))
+            n = int(past.sum())
+            raise ValueError(
+                f"{name}: {n} row{'s' if n > 1 else ''} paired past the end of {'their sequences' if n > 1 else 'its sequence'} "
+                f"(sequence {seq!r}, position {int(self._positions[rows[i]])} pairs with position {int(want[i])} "
+                f"with token_offset={token_offset}, but the sequence ends at position {int(ends[si[i]])}): "
+                f"set the last {token_offset} row{'s' if token_offset > 1 else ''} of each sequence to -1 "
+                "(draft_rows[-1] = -1), or add the sequence's later tokens first")
 
     def positions_of(self, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
@@ -301,6 +342,7 @@ class Recorder:
                                   slot_width=sw if kind == "packed" else None, order=order,
                                   token_offset=token_offset, role=role, values=vals, sketch=sk, attrs=attrs)
         self._specs[name] = _Spec(name, int(width), sw, int(width) // sw, dtype, vals, sk)
+        self._offsets[name] = int(token_offset)
         return True
 
     # -- recording -------------------------------------------------------------------------
@@ -336,6 +378,7 @@ class Recorder:
         if len(rows) != x.shape[0]:
             raise ValueError(f"{name}: {x.shape[0]} tensor rows but {len(rows)} token rows")
         keep = rows >= 0
+        self._check_pairs(name, rows[keep], self._offsets.get(name, token_offset))
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
         if not keep.all():
@@ -475,9 +518,11 @@ class Recorder:
         if len(rows) != len(vals):
             raise ValueError(f"{name}: {len(vals)} value rows but {len(rows)} token rows")
         keep = rows >= 0
+        self._check_pairs(name, rows[keep], self._offsets.get(name, token_offset))
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
         if name not in self._specs:
+            self._offsets[name] = int(token_offset)
             width = int(vals.shape[-1])
             self.writer.define_tensor(name, width, kind="other", dtype=dtype, role=role, token_offset=token_offset,
                                       values=True, sketch=False, order=order, attrs=attrs)
