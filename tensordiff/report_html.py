@@ -258,9 +258,9 @@ def _acceptance_section(res: DiffResult) -> str:
     """Acceptance per draft position and per regime, and A against B, from the acceptance
     finding's details (:class:`tensordiff.details.AcceptanceDetails`); empty without one."""
     f = next((x for x in res.findings if x.kind == Kind.ACCEPTANCE and isinstance(x.details, AcceptanceDetails)), None)
-    if f is None:
+    d = f.details if f is not None else None
+    if f is None or not isinstance(d, AcceptanceDetails):
         return ""
-    d = f.details
     out = ['<h2 id="acceptance-title">Acceptance</h2><div id="acceptance">',
            f'<p id="acceptance-finding" class="sev-{_e(f.severity)}">{_MARK.get(f.severity, "·")} #{f.index} '
            f"{_e(f.message)}</p>"]

@@ -261,10 +261,12 @@ def acceptance_lines(res: DiffResult | None, width: int) -> list[Text]:
     verify steps reaching it that accepted its token), a bar per regime of the draft's
     teacher-forced top-1 agreement with the target, and the verdict in a few words. All from the
     acceptance finding's details (:class:`tensordiff.details.AcceptanceDetails`); [] without one."""
+    from .findings import AcceptanceDetails
+
     f = acceptance_finding(res)
-    if f is None:
+    d = f.details if f is not None else None
+    if f is None or res is None or not isinstance(d, AcceptanceDetails):
         return []
-    d = f.details
     g, s = SEVERITY_GLYPH.get(f.severity, ("?", ""))
     bar_w = max(4, width - 15)
     out = [Text.assemble((f"{g} ", s), (f"finding #{f.index} on ", "dim"), (d.side, "bold"))]
