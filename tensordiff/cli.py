@@ -106,12 +106,16 @@ def cmd_diff(args) -> int:
         return cmd_tui(args)
     from .diff import diff_traces
     from .report import make_console, print_diff
+    from .safety import check_output_path
     from .trace import probe
 
     from .parallel import compared_bytes, make_backend
     from .traceset import trace_paths
 
-    probe(trace_paths(args.a) + trace_paths(args.b))
+    inputs = trace_paths(args.a) + trace_paths(args.b)
+    if args.summary:
+        check_output_path(args.summary, [*inputs, args.calibration], "--summary")
+    probe(inputs)
     opts = _diff_options(args, args.summary)
     opts.numeric = make_backend(args.backend, args.workers, ray_address=args.ray_address,
                                 compared_bytes=compared_bytes([args.a, args.b]) if args.backend == "auto" else None)
@@ -158,10 +162,13 @@ def _stdout_to_devnull() -> None:
 def cmd_report(args) -> int:
     """The HTML report: one self-contained file (docs/report.md)."""
     from .report_html import make_report
+    from .safety import check_output_path
     from .trace import probe
     from .traceset import trace_paths
 
-    probe(trace_paths(args.a) + trace_paths(args.b))
+    inputs = trace_paths(args.a) + trace_paths(args.b)
+    check_output_path(args.out, [*inputs, args.calibration], "--out")
+    probe(inputs)
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
     _swapped_hint(res, "report")
     print(f"wrote {args.out}: {res.headline()}")
@@ -178,11 +185,14 @@ def cmd_calibrate(args) -> int:
         calibration_file,
         coarser,
     )
+    from .safety import check_output_path
     from .trace import probe
 
     from .traceset import trace_paths
 
-    probe(trace_paths(args.a) + trace_paths(args.b))
+    inputs = trace_paths(args.a) + trace_paths(args.b)
+    check_output_path(args.out, inputs, "--out")
+    probe(inputs)
     loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
     with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
         res = d.run()
@@ -192,9 +202,14 @@ def cmd_calibrate(args) -> int:
         raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
     tols = {}
     for p in res.pairs:
+        if not p.tokens or len(p.cos_min or []) < p.slots:
+            continue  # no token of it was compared on both sides: nothing to measure
         for s in range(p.slots):
             key = f"{p.name_a}[{s}]" if p.slots > 1 else p.name_a
             tols[key] = calibrated_tolerance(p.cos_min[s], p.rel_max[s], dtypes[p.name_a], args.margin)
+    if not tols:
+        raise IncompatibleTracesError("nothing to calibrate on: no tensor has a token recorded on both sides "
+                                      f"({args.a}, {args.b})")
     out = calibration_file(args.a, args.b, args.margin, tols)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(jsonable(out), fh, indent=2)
@@ -207,11 +222,14 @@ def cmd_tui(args) -> int:
         from .tui import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install
         raise UsageError(f"the TUI needs textual ({e})") from None
+    from .safety import check_output_path
     from .trace import probe
-
     from .traceset import open_trace, trace_paths
 
-    probe(trace_paths(args.a) + trace_paths(args.b))  # fail fast on bad input, before the screen is taken over
+    inputs = trace_paths(args.a) + trace_paths(args.b)
+    if getattr(args, "screenshot", None):
+        check_output_path(args.screenshot, [*inputs, args.calibration], "--screenshot")
+    probe(inputs)  # fail fast on bad input, before the screen is taken over
     if os.environ.get("TENSORDIFF_NO_PROBE"):  # no child check: open them here instead
         for p in (args.a, args.b):
             open_trace(p).close()
@@ -373,7 +391,9 @@ def _usage_hint(parser: argparse.ArgumentParser, argv: list[str], msg: str) -> s
 
 
 def _err(msg: str) -> None:
-    msg = " ".join(msg.split())
+    from .safety import sanitize_for_terminal
+
+    msg = sanitize_for_terminal(" ".join(msg.split()))  # messages quote file names and file contents
     sys.stderr.write(f"tensordiff: error: {msg}\n")
     sys.stderr.flush()
 

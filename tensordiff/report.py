@@ -15,6 +15,7 @@ from rich.text import Text
 from .findings import DiffResult, Severity
 from .fmt import SEVERITY_GLYPH, number
 from .report_acceptance import print_acceptance
+from .safety import guard_console, sanitize_tree
 
 
 def diff_schema() -> dict:
@@ -37,8 +38,9 @@ def make_console(file=None) -> Console:
     # rich honours NO_COLOR itself; off a terminal we print plain text at a stable width
     width = None if tty else int(os.environ.get("COLUMNS", "120") or 120)
     # markup off: slot labels like [embed, layer3] and user metadata are data, not rich markup
-    return _Console(file=file, width=width, no_color=bool(os.environ.get("NO_COLOR")) or None,
-                   highlight=False, soft_wrap=False, force_terminal=None, markup=False)
+    console = _Console(file=file, width=width, no_color=bool(os.environ.get("NO_COLOR")) or None,
+                       highlight=False, soft_wrap=False, force_terminal=None, markup=False)
+    return guard_console(console)  # no control character from a file reaches the terminal
 
 
 def _plural(n: int, word: str) -> str:
@@ -118,6 +120,7 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
     (a :class:`tensordiff.token_text.TokenText`) adds the tokens as text; numbers computed on
     sketches are marked ``≈``."""
     tt = token_text or (lambda _t: "")
+    res = DiffResult.from_dict(sanitize_tree(res.to_dict()))  # strings from the files made safe to print
     first = res.first_divergence
     style = "bold red" if first else "bold green"
     console.print(Text(res.headline(), style=style))
@@ -197,6 +200,7 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
 
 
 def print_info(s: dict, console: Console) -> None:
+    s = sanitize_tree(s)  # strings from the file made safe to print
     m = s["model"]
     console.print(Text(f"{s['path']}: tensordiff trace v{s['schema']}, side {s['side']}", style="bold"))
     if s.get("recovered"):

@@ -19,6 +19,7 @@ from typing import Any
 from .dtypes import EPS
 from .errors import SourceFileError, UsageError
 from .findings import ALLOWED_PREFIX, Finding, Severity
+from .safety import read_regular_file_bounded
 
 #: version of the calibration file written by ``tensordiff calibrate``
 CALIBRATION_VERSION = 1
@@ -116,9 +117,9 @@ class ToleranceBook:
                 import tomli as tomllib  # type: ignore[no-redef]
             except ImportError:
                 raise UsageError(f"--tol {path}: reading TOML needs Python 3.11+ or the tomli package") from None
+        raw = read_regular_file_bounded(path, CALIBRATION_MAX_BYTES, "tolerance rules")  # no FIFO, no /dev/zero
         try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
+            data = tomllib.loads(raw.decode("utf-8"))
         except (OSError, ValueError) as e:
             raise SourceFileError(f"cannot read tolerance rules ({type(e).__name__}: {e})", path) from None
         unknown = sorted(set(data) - {"rule", "allow_failed"})
@@ -147,14 +148,14 @@ class ToleranceBook:
                              f"{', '.join(compared) or 'none'})")
 
     def load_calibration(self, path: str) -> None:
+        # a regular file of bounded size only (a FIFO or /dev/zero is one line, exit 2)
+        raw = read_regular_file_bounded(path, CALIBRATION_MAX_BYTES, "calibration file")
         try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-            for k, v in data["tolerances"].items():
-                self.calibrated[str(k)] = Tolerance(float(v["min_cos"]), float(v["max_rel"]),
-                                                    f"calibrated:{os.path.basename(path)}")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as e:
             raise SourceFileError(f"cannot read calibration file ({type(e).__name__}: {e})", path) from None
+        for k, v in calibration_entries(data, path).items():
+            self.calibrated[k] = Tolerance(v[0], v[1], f"calibrated:{os.path.basename(path)}")
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,38 @@ def calibrated_tolerance(worst_cos: float, worst_rel: float, dtype: str, margin:
     rel = max(worst_rel * margin, 8 * eps)
     one_minus = max((1 - worst_cos) * margin * margin, eps * eps)
     return Tolerance(max(-1.0, 1 - one_minus), rel, "calibrated")
+
+
+CALIBRATION_MAX_BYTES = 16 << 20
+
+
+def calibration_entries(data: Any, path: str) -> dict[str, tuple[float, float]]:
+    """The (min_cos, max_rel) per tensor key of a parsed calibration file, each entry checked."""
+    if not isinstance(data, dict):
+        raise SourceFileError(f"not a calibration file: a JSON {type(data).__name__}, expected an object "
+                              "with 'tolerances'", path)
+    tols = data.get("tolerances")
+    if not isinstance(tols, dict):
+        what = "missing" if tols is None else f"a JSON {type(tols).__name__}"
+        raise SourceFileError(f"not a calibration file: 'tolerances' is {what}, expected an object of "
+                              "NAME: {min_cos, max_rel}", path)
+    out: dict[str, tuple[float, float]] = {}
+    for k, v in tols.items():
+        if not isinstance(v, dict):
+            raise SourceFileError(f"calibration entry {str(k)[:80]!r} is a JSON {type(v).__name__}, expected "
+                                  "{min_cos, max_rel}", path)
+        vals = []
+        for key in ("min_cos", "max_rel"):
+            x = v.get(key)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise SourceFileError(f"calibration entry {str(k)[:80]!r}: {key} is {str(x)[:40]!r}, expected a "
+                                      "finite number", path)
+            vals.append(float(x))
+        if not (-1 <= vals[0] <= 1) or vals[1] < 0:
+            raise SourceFileError(f"calibration entry {str(k)[:80]!r}: min_cos must be in [-1, 1] and max_rel >= 0",
+                                  path)
+        out[str(k)] = (vals[0], vals[1])
+    return out
 
 
 def calibration_file(a: str, b: str, margin: float, tolerances: dict[str, Tolerance]) -> dict[str, Any]:

@@ -207,7 +207,7 @@ def test_info_heap_that_makes_hdf5_loop(capsys, trace, monkeypatch):
     data[second:second + 16] = bytes(16)
     trace.write_bytes(bytes(data))
     monkeypatch.setenv("TENSORDIFF_OPEN_TIMEOUT", "3")
-    bad(capsys, "did not finish in 3 s: the file is damaged", "info", trace)
+    bad(capsys, "made no progress in 3 s: the file is damaged", "info", trace)
 
 
 def test_info_rows_outside_token_table(capsys, trace):

@@ -8,14 +8,16 @@ import os
 
 from ..errors import TraceError
 
-FORMAT_CHOICES = ("auto", "specforge", "speculators", "sglang-dump")
+FORMAT_CHOICES = ("auto", "specforge", "speculators", "sglang-dump", "vllm-hidden-states", "trtllm", "modelopt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sources", nargs="+", metavar="SRC",
-                   help="[FORMAT] files or directories: SpecForge .ckpt/.ckpt.gz, speculators .pt, or an SGLang "
-                        "DUMPER_DIR (or its <exp_name> subdirectory); a leading specforge, speculators or "
-                        "sglang-dump names the format like --format")
+                   help="[FORMAT] files or directories: SpecForge .ckpt/.ckpt.gz, speculators .pt, an SGLang "
+                        "DUMPER_DIR (or its <exp_name> subdirectory), vLLM extract_hidden_states .safetensors, "
+                        "TensorRT-LLM saved hidden states .pt, Model-Optimizer collect_hidden_states .pt; a leading "
+                        "format name (specforge, speculators, sglang-dump, vllm-hidden-states, trtllm, modelopt) "
+                        "names the format like --format")
     p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write")
     p.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="input format (default: detected)")
     p.add_argument("--side", choices=("train", "serve", "other"),
@@ -47,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..safety import check_output_path, sanitize_for_terminal
     from .importers import import_files
     from .train_cli import _read_draft_ids
 
@@ -67,10 +70,21 @@ def run(args: argparse.Namespace) -> int:
         fmt = sources.pop(0)
         if not sources:
             raise TraceError(f"import {fmt}: give the files or directories to import")
+    check_output_path(args.out, sources, "--out")
+    from .importers import ENGINE_FORMATS, detect_engine_format, import_engine_files
+
+    if fmt == "auto":
+        fmt = detect_engine_format(sources) or "auto"
+    if fmt in ENGINE_FORMATS:  # vLLM extract_hidden_states, TensorRT-LLM, Model-Optimizer
+        res = import_engine_files(sources, args.out, fmt=fmt, side=args.side, aux_ids=ids, convention=args.convention,
+                                  num_layers=args.num_layers, hidden_size=args.hidden_size, labels=args.labels,
+                                  limit=args.limit, values=False if args.no_values else None)
+        print(sanitize_for_terminal(res.summary(), keep="\n"))  # request ids come from the files
+        return 0
     res = import_files(sources, args.out, fmt=fmt, side=args.side, aux_ids=ids,
                        convention=args.convention, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        labels=args.labels, prepend_embed=args.prepend_embed, rank=args.rank, names=args.names,
                        as_labels=as_labels, include_recompute=args.include_recompute, limit=args.limit,
                        values=False if args.no_values else None)
-    print(res.summary())
+    print(sanitize_for_terminal(res.summary(), keep="\n"))  # file and dump names are from the filesystem
     return 0

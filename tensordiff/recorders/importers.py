@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import fnmatch
 import gzip
-import io
 import os
 import pickle
 import re
+import stat
+import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,10 @@ import numpy as np
 import torch
 
 from .. import conventions
-from ..errors import TraceError
+from ..errors import SourceFileError, TraceError
+from ..safety import sanitize_for_terminal
+from ..trace.schema import MAX_KEY_CHARS
+from ..trace.validate import tensor_name_problem
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .core import Recorder, Sampling, logical_dtype
 from .hf import DraftPlan, plan_draft_input
@@ -65,37 +69,88 @@ def _looks_like_torch(head: bytes) -> bool:
     return head[:2] == b"PK" or head[:1] == b"\x80"
 
 
+#: a .gz may decompress to at most this many times its size (plus 64 MiB): hidden states compress
+#: less than 2x, so more is a bomb (2 MB of gzip holding 2 GiB of zeros)
+GZ_MAX_RATIO = 64
+GZ_SLACK = 64 << 20
+
+
+def _open_regular(path: str) -> int:
+    """A descriptor of ``path`` after checking it is a regular file (opened without blocking, so a
+    FIFO named like a dump cannot hang the import)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise SourceFileError(f"is {kind}, not a torch file", path)
+    return fd
+
+
+def _gunzip_bounded(fh: Any, path: str, size: int) -> Any:
+    """The decompressed stream of a gzip file, checked to start like a torch file before anything
+    else is decompressed, then spooled to a temporary file (never all in memory) up to a cap."""
+    limit = size * GZ_MAX_RATIO + GZ_SLACK
+    with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
+        head = gz.read(2)
+        if not _looks_like_torch(head):
+            raise SourceFileError("not a torch checkpoint (neither torch.save's zip format nor a pickle, gzipped)", path)
+        out = tempfile.TemporaryFile()
+        try:
+            out.write(head)
+            total = len(head)
+            while True:
+                chunk = gz.read(1 << 20)
+                if not chunk:
+                    break
+                total += len(chunk)
+                if total > limit:
+                    raise SourceFileError(f"decompresses to more than {limit >> 20} MiB ({GZ_MAX_RATIO}x its size): "
+                                          "not hidden states (a gzip bomb?)", path)
+                out.write(chunk)
+            out.seek(0)
+            return out
+        except BaseException:
+            out.close()
+            raise
+
+
 def load_torch_file(path: str | os.PathLike) -> Any:
     """``torch.load(weights_only=True)`` of a ``.pt``/``.ckpt`` file, or a gzip of one (``.gz``).
     Anything else, or a file holding objects other than tensors and plain containers, raises
-    :class:`TraceError` with one line."""
+    :class:`~tensordiff.errors.SourceFileError` with one line. The header is checked before
+    anything is loaded or decompressed; a gzip is decompressed to a temporary file, bounded."""
     path = os.fspath(path)
+    data: Any = None
     try:
-        if path.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                data = io.BytesIO(f.read())
-            head = data.getvalue()[:2]
-        else:
-            with open(path, "rb") as f:
-                head = f.read(2)
-            data = path
-        if not _looks_like_torch(head):
-            raise TraceError("not a torch checkpoint (neither torch.save's zip format nor a pickle)", path)
+        fd = _open_regular(path)
+        with os.fdopen(fd, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if path.endswith(".gz"):
+                data = _gunzip_bounded(fh, path, size)
+            else:
+                if not _looks_like_torch(fh.read(2)):
+                    raise SourceFileError("not a torch checkpoint (neither torch.save's zip format nor a pickle)", path)
+                fh.seek(0)
+                return torch.load(fh, map_location="cpu", weights_only=True)
         return torch.load(data, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise TraceError("no such file", path) from None
+        raise SourceFileError("no such file", path) from None
     except IsADirectoryError:
-        raise TraceError("is a directory, not a torch file", path) from None
+        raise SourceFileError("is a directory, not a torch file", path) from None
     except PermissionError:
-        raise TraceError("permission denied", path) from None
+        raise SourceFileError("permission denied", path) from None
     except pickle.UnpicklingError as e:
         m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
         what = f"it holds a {m.group(1)}" if m else _short(e)
-        raise TraceError(f"refused to load under torch.load(weights_only=True): {what}; only tensors and plain "
-                         "containers are read, never arbitrary pickled objects", path) from None
+        raise SourceFileError(f"refused to load under torch.load(weights_only=True): {what}; only tensors and plain "
+                              "containers are read, never arbitrary pickled objects", path) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, TypeError, AttributeError,
             KeyError, IndexError, UnicodeDecodeError, MemoryError, gzip.BadGzipFile) as e:
-        raise TraceError(f"cannot load as a torch file, truncated or damaged ({_short(e)})", path) from None
+        raise SourceFileError(f"cannot load as a torch file, truncated or damaged ({_short(e)})", path) from None
+    finally:
+        if data is not None:
+            data.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,12 +175,26 @@ def parse_dump_filename(name: str) -> dict[str, str] | None:
     return tags
 
 
-def _expand(sources: Sequence[str | os.PathLike], patterns: Sequence[str]) -> list[Path]:
+def _inside(q: Path, root: Path, skipped: dict[str, str] | None) -> bool:
+    """Whether ``q`` (found under the directory ``root``) really lies inside it: a symbolic link
+    pointing out of the directory is not followed (noted in ``skipped``)."""
+    try:
+        q.resolve().relative_to(root.resolve())
+        return True
+    except (ValueError, OSError, RuntimeError):
+        if skipped is not None:
+            skipped[q.name] = "a symbolic link out of the directory, not followed"
+        return False
+
+
+def _expand(sources: Sequence[str | os.PathLike], patterns: Sequence[str],
+            skipped: dict[str, str] | None = None) -> list[Path]:
     files: list[Path] = []
     for s in sources:
         p = Path(s)
         if p.is_dir():
-            found = [q for q in p.rglob("*") if q.is_file() and any(fnmatch.fnmatch(q.name, pat) for pat in patterns)]
+            found = [q for q in p.rglob("*") if q.is_file() and any(fnmatch.fnmatch(q.name, pat) for pat in patterns)
+                     and _inside(q, p, skipped)]
             if not found:
                 raise TraceError(f"no {' or '.join(patterns)} files in this directory", str(p))
             files.extend(sorted(found, key=natural_key))
@@ -190,7 +259,8 @@ class ImportResult:
             if self.plan.get("verifier"):
                 s += f"; verifier_last claimed {self.plan['verifier']}"
         if self.skipped:
-            s += f"\n  skipped {len(self.skipped)}: " + "; ".join(f"{k} ({v})" for k, v in list(self.skipped.items())[:5])
+            s += f"\n  skipped {len(self.skipped)}: " + "; ".join(f"{sanitize_for_terminal(k)} ({sanitize_for_terminal(v)})"
+                                                     for k, v in list(self.skipped.items())[:5])
         return s
 
 
@@ -470,7 +540,8 @@ def _import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resu
     exps = set()
     for s in sources:
         p = Path(s)
-        cand = [p] if p.is_file() else sorted(p.rglob("*.pt"), key=natural_key) if p.is_dir() else None
+        cand = ([p] if p.is_file() else [q for q in sorted(p.rglob("*.pt"), key=natural_key)
+                                          if _inside(q, p, result.skipped)] if p.is_dir() else None)
         if cand is None:
             raise TraceError("no such file or directory", str(p))
         for q in cand:
@@ -521,6 +592,10 @@ def _import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resu
                     core.setdefault(nm, obj["value"])
                     continue
                 tname = _dump_tensor_name(tags)
+                problem = tensor_name_problem(tname)
+                if problem:  # the reader would refuse the trace: refuse the name here, with the file
+                    raise SourceFileError(f"dump name {tname[:80]!r} cannot name a tensor in a trace ({problem}); "
+                                          "rename the file or leave it out with --names", str(q))
                 if names and not any(fnmatch.fnmatchcase(tname, g) or fnmatch.fnmatchcase(nm, g) for g in names):
                     continue
                 tensors.append((tname, obj["value"], str(q)))
@@ -549,11 +624,19 @@ def _import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resu
             rows = np.empty(T, dtype=np.int64)
             for i, (a, b) in enumerate(segs):
                 key = str(rids[i]) if rids is not None else f"step{step}.seq{i}"
+                if len(key) > MAX_KEY_CHARS:
+                    raise SourceFileError(f"step {step}: a request id of {len(key)} characters; a trace keeps "
+                                          f"sequence keys of at most {MAX_KEY_CHARS}")
                 regime = "prefill" if b - a > 1 else "decode"
                 rows[a:b] = rec.add_tokens(key, pos[a:b], ids[a:b], regime=regime, step=step)
                 result.sequences += 1
             result.tokens += T
             for tname, v, path in tensors:
+                if isinstance(v, torch.Tensor) and (v.ndim == 0 or v.numel() == 0):
+                    # refused (noted); a dump of nothing else is refused as a whole below
+                    what = "a 0-d tensor (one number)" if v.ndim == 0 else f"an empty tensor {list(v.shape)}"
+                    result.skipped[tname] = f"{what}, not a row per token"
+                    continue
                 if not isinstance(v, torch.Tensor) or not v.is_floating_point():
                     result.skipped[tname] = "not a floating-point tensor"
                     continue
@@ -578,6 +661,10 @@ def _import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resu
         raise
     if rec is None:
         raise TraceError("the dumps hold no tensors besides the forward batch's fields")
+    if not rec.defined:
+        rec.close()
+        why = "; ".join(f"{k} ({v})" for k, v in list(result.skipped.items())[:3])
+        raise SourceFileError(f"nothing imported: every tensor of the dumps was skipped: {why}")
     result.tensors = rec.defined
     rec.close()
 
@@ -637,16 +724,298 @@ def import_files(sources: Sequence[str | os.PathLike], out: str | os.PathLike, *
                                 limit=limit)
         else:
             pats = ("*.ckpt", "*.ckpt.gz") if fmt == "specforge" else ("*.pt", "*.pt.gz")
-            files = _expand(sources, pats)
+            files = _expand(sources, pats, result.skipped)
             _import_hidden_state_files(fmt, files, _roots(sources), make_recorder, result,
                                        ids=list(aux_ids) if aux_ids is not None else None, convention=convention,
                                        num_layers=num_layers, hidden_size=hidden_size, labels=labels,
                                        prepend_embed=prepend_embed, limit=limit)
-    except BaseException:
+    except BaseException as e:
         for path in created:  # a failed import leaves no half-written trace behind
             try:
                 os.remove(path)
             except OSError:
                 pass
+        if isinstance(e, ValueError):  # the trace writer refused something the checks above let through
+            raise SourceFileError(f"cannot import: the trace writer refused it ({_short(e)})") from None
         raise
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM extract_hidden_states, TensorRT-LLM saved hidden states, NVIDIA Model-Optimizer
+# (appended; layouts in shared notes/vllm.md and docs/vllm.md)
+# ----------------------------------------------------------------------------------------------
+
+#: Formats these importers add; ``import_cli`` dispatches them to :func:`import_engine_files`.
+ENGINE_FORMATS = ("vllm-hidden-states", "trtllm", "modelopt")
+
+
+def load_safetensors_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file`` (tensors only, never code); anything else raises
+    :class:`SourceFileError` with one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from ..errors import SourceFileError
+
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if len(head) < 8 or int.from_bytes(head, "little") > os.path.getsize(path):
+            raise SourceFileError("not a safetensors file (no header)", path)
+        return load_file(path, device="cpu")
+    except FileNotFoundError:
+        raise SourceFileError("no such file", path) from None
+    except IsADirectoryError:
+        raise SourceFileError("is a directory, not a safetensors file", path) from None
+    except PermissionError:
+        raise SourceFileError("permission denied", path) from None
+    except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as e:
+        raise SourceFileError(f"cannot load as a safetensors file, truncated or damaged ({_short(e)})", path) from None
+
+
+def detect_engine_format(sources: Sequence[str | os.PathLike]) -> str | None:
+    """``vllm-hidden-states`` (``.safetensors`` files), ``trtllm`` (a ``.pt`` holding a list of
+    records with ``hidden_state_features``) or ``modelopt`` (a ``.pt`` dict with
+    ``aux_hidden_states``); None when the sources are none of these."""
+    first = Path(sources[0])
+    if not first.exists():
+        return None
+    if first.is_dir():
+        if next(iter(first.rglob("*.safetensors")), None) is not None:
+            return "vllm-hidden-states"
+        probe = next(iter(sorted(first.rglob("*.pt"), key=natural_key)), None)
+        if probe is None:
+            return None
+    else:
+        if first.name.endswith(".safetensors"):
+            return "vllm-hidden-states"
+        probe = first
+    if not probe.name.endswith(".pt"):
+        return None
+    try:
+        data = load_torch_file(probe)
+    except TraceError:
+        return None
+    if isinstance(data, (list, tuple)) and data and isinstance(data[0], dict) and "hidden_state_features" in data[0]:
+        return "trtllm"
+    if isinstance(data, dict) and "aux_hidden_states" in data:
+        return "modelopt"
+    return None
+
+
+def _engine_labels(fmt: str, k: int, *, ids, labels, num_layers, convention, path: str) -> tuple[list[str], str, list | None]:
+    """(slot labels, convention, raw ids) of a K-slot capture."""
+    from ..errors import SourceFileError, UsageError
+
+    if labels:
+        labs = [boundary_label(int(x)) if str(x).lstrip("-").isdigit() else str(x) for x in labels]
+        for lab in labs:
+            try:
+                parse_label(lab)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        if len(labs) != k:
+            raise SourceFileError(f"--labels names {len(labs)} slots but the file holds {k}", path)
+        return labs, "boundary", None
+    conv = convention or {"vllm-hidden-states": "vllm", "trtllm": "trtllm", "modelopt": "modelopt"}[fmt]
+    if ids is None and fmt == "vllm-hidden-states":
+        raise UsageError("vLLM's extract_hidden_states files do not say which layers they hold: give --aux-ids "
+                         "(the draft config's eagle_aux_hidden_state_layer_ids), --draft-config or --labels")
+    if ids is None and num_layers is None:
+        raise UsageError(f"{fmt} files do not say which layers they hold: give --aux-ids, --labels, or "
+                         "--num-layers for the default ids")
+    n = int(num_layers) if num_layers is not None else 10**6
+    try:
+        labs = conventions.resolve_labels(conv, list(ids) if ids is not None else None, n)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if len(labs) != k:
+        raise SourceFileError(f"the file holds {k} slots, but {conv} ids {list(ids) if ids is not None else 'default'} "
+                              f"select {len(labs)}: {labs}", path)
+    return labs, conv, ([int(i) for i in ids] if ids is not None else None)
+
+
+def _int_ids(t: Any, what: str, path: str) -> np.ndarray:
+    from ..errors import SourceFileError
+
+    if isinstance(t, (list, tuple)):
+        t = torch.as_tensor(t)
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex():
+        raise SourceFileError(f"{what} is not an integer tensor", path)
+    if t.ndim > 1:
+        if sum(s != 1 for s in t.shape[:-1]):
+            raise SourceFileError(f"{what} has shape {list(t.shape)}; one sequence expected", path)
+        t = t.reshape(-1)
+    if t.numel() == 0:
+        raise SourceFileError(f"{what} is empty", path)
+    return t.to(torch.int64).numpy()
+
+
+def _records(fmt: str, files: list[Path], hidden_size: int | None) -> Any:
+    """Yield (path, seq key, token ids [T], packed [T, K*H], K, extra) per sequence."""
+    from ..errors import SourceFileError
+
+    seen: set[str] = set()
+    for p in files:
+        path = str(p)
+        stem = p.name
+        for ext in (".safetensors", ".pt"):
+            if stem.endswith(ext):
+                stem = stem[: -len(ext)]
+        if fmt == "vllm-hidden-states":
+            d = load_safetensors_file(p)
+            if "hidden_states" not in d or "token_ids" not in d:
+                raise SourceFileError(f"not a vLLM extract_hidden_states file (needs hidden_states and token_ids; "
+                                      f"found {sorted(d)[:6]})", path)
+            ids = _int_ids(d["token_ids"], "token_ids", path)
+            hs = d["hidden_states"]
+            if not hs.is_floating_point():
+                raise SourceFileError("hidden_states is not floating point", path)
+            if hs.ndim == 3 and hs.shape[0] == len(ids):
+                k = int(hs.shape[1])
+                packed = hs.reshape(len(ids), -1)
+            elif hs.ndim == 2 and hs.shape[0] == len(ids) and hidden_size and hs.shape[1] % int(hidden_size) == 0:
+                k = int(hs.shape[1]) // int(hidden_size)
+                packed = hs
+            else:
+                raise SourceFileError(f"hidden_states has shape {list(hs.shape)}, expected [T={len(ids)}, K, H]", path)
+            m = re.match(r"^(.*)-[0-9a-f]{8}$", stem)  # vLLM's internal request id: <external id>-<8 hex>
+            key = m.group(1) if m and m.group(1) and m.group(1) not in seen else stem
+            seen.add(key)
+            yield path, key, ids, packed, k, {}
+        elif fmt == "trtllm":
+            data = load_torch_file(p)
+            if not isinstance(data, (list, tuple)):
+                raise SourceFileError(f"not a TensorRT-LLM saved-hidden-states file (a {type(data).__name__}, "
+                                      "expected a list of records)", path)
+            for j, rec in enumerate(data):
+                where = f"{path} [record {j}]"
+                if not isinstance(rec, dict) or "hidden_state_features" not in rec or "input_ids" not in rec:
+                    raise SourceFileError("a record without input_ids and hidden_state_features", where)
+                ids = _int_ids(rec["input_ids"], "input_ids", where)
+                feats = _as_2d(rec["hidden_state_features"], "hidden_state_features", where, len(ids))
+                last = rec.get("hidden_state")
+                last = _as_2d(last, "hidden_state", where, len(ids)) if last is not None else None
+                H = int(last.shape[-1]) if last is not None else (int(hidden_size) if hidden_size else None)
+                if H is None:
+                    raise SourceFileError("no hidden_state to size the slots by: give --hidden-size", where)
+                if feats.shape[-1] % H:
+                    raise SourceFileError(f"hidden_state_features is {feats.shape[-1]} wide, not a multiple of {H}", where)
+                rid = str(rec.get("id", j))
+                key = rid if rid not in seen else f"{stem}/{rid}"
+                seen.add(key)
+                yield where, key, ids, feats, int(feats.shape[-1]) // H, {"last": last}
+        else:  # modelopt
+            d = load_torch_file(p)
+            if not isinstance(d, dict) or "aux_hidden_states" not in d or "input_ids" not in d:
+                raise SourceFileError("not a Model-Optimizer collect_hidden_states file (needs input_ids and "
+                                      "aux_hidden_states)", path)
+            ids = _int_ids(d["input_ids"], "input_ids", path)
+            aux = _as_2d(d["aux_hidden_states"], "aux_hidden_states", path, len(ids))
+            fin = d.get("hidden_states")
+            fin = _as_2d(fin, "hidden_states", path, len(ids)) if fin is not None else None
+            H = int(fin.shape[-1]) if fin is not None else (int(hidden_size) if hidden_size else None)
+            if H is None:
+                raise SourceFileError("no hidden_states to size the slots by: give --hidden-size", path)
+            if aux.shape[-1] % H:
+                raise SourceFileError(f"aux_hidden_states is {aux.shape[-1]} wide, not a multiple of {H}", path)
+            key = str(d.get("conversation_id", stem))
+            key = key if key not in seen else stem
+            seen.add(key)
+            yield path, key, ids, aux, int(aux.shape[-1]) // H, {"final": fin}
+
+
+def import_engine_files(sources: Sequence[str | os.PathLike], out: str | os.PathLike, *, fmt: str,
+                        side: str | None = None, aux_ids: Sequence[int] | None = None, convention: str | None = None,
+                        num_layers: int | None = None, hidden_size: int | None = None,
+                        labels: Sequence[str] | None = None, limit: int | None = None,
+                        values: bool | Sequence[str] | None = None) -> ImportResult:
+    """Import vLLM ``extract_hidden_states`` connector files, TensorRT-LLM saved hidden states or
+    Model-Optimizer ``collect_hidden_states`` files into the trace ``out``.
+
+    * ``vllm-hidden-states``: ``<req_id>.safetensors`` with ``hidden_states`` [T, K, H] (slots in
+      vLLM's capture order: the ids sorted) and ``token_ids`` [T] -> ``aux_hidden_states`` (role
+      aux, token_offset 0), side ``serve``.
+    * ``trtllm``: ``.pt`` lists of ``{id, input_ids, hidden_state [T, H], hidden_state_features
+      [T, K*H]}`` -> ``aux_hidden_states`` (ids "output of layer id", sorted, ``-1`` =
+      ``final_norm`` last), and ``hidden_state`` (always the last H columns) as the catalog state of
+      the last slot; side ``serve``.
+    * ``modelopt``: ``.pt`` dicts ``{input_ids, hidden_states [T, H] (post-norm),
+      aux_hidden_states [T, K*H]}`` -> ``draft_input`` (role draft_input, token_offset 1: the
+      trainer pairs row t with token t+1) and ``final_norm``; side ``train``. Ids are HF
+      ``hidden_states`` indices, default ``sorted(set([2, N//2, N-3]))``.
+    """
+    from ..errors import SourceFileError, UsageError
+
+    if fmt not in ENGINE_FORMATS:
+        raise UsageError(f"unknown format {fmt!r}; one of {', '.join(ENGINE_FORMATS)}")
+    if not sources:
+        raise UsageError("nothing to import: give files or directories")
+    out_dir = os.path.dirname(os.path.abspath(os.fspath(out)))
+    if not os.path.isdir(out_dir):
+        raise UsageError("output directory does not exist", out_dir)
+    pats = ("*.safetensors",) if fmt == "vllm-hidden-states" else ("*.pt",)
+    files = _expand(sources, pats)
+    side = side or ("train" if fmt == "modelopt" else "serve")
+    result = ImportResult(format=fmt, out=os.fspath(out))
+    rec: Recorder | None = None
+    lab: list[str] = []
+    try:
+        for path, key, ids, packed, k, extra in _records(fmt, files, hidden_size):
+            if limit is not None and result.sequences >= limit:
+                break
+            H = int(packed.shape[-1]) // k
+            if rec is None:
+                if hidden_size and int(hidden_size) != H:
+                    raise SourceFileError(f"the file's states are {H} wide, not --hidden-size {hidden_size}", path)
+                lab, conv, raw = _engine_labels(fmt, k, ids=aux_ids, labels=labels, num_layers=num_layers,
+                                                convention=convention, path=path)
+                model = {"hidden_size": H, "dtype": logical_dtype(packed.dtype)}
+                if num_layers is not None:
+                    model["num_layers"] = int(num_layers)
+                try:
+                    rec = Recorder(out, side=side, producer=f"tensordiff import ({fmt})", model=model,
+                                   meta={"imported_from": [os.fspath(s) for s in sources][:50], "format": fmt,
+                                         "labels": lab, "convention": conv, "raw_ids": raw,
+                                         "capture_order_note": conventions.capture_order_note(conv, raw, num_layers)},
+                                   values=values)
+                except OSError as e:
+                    raise UsageError(f"cannot create the trace file ({_short(e)})", os.fspath(out)) from None
+                result.plan = {"fed": lab, "convention": conv, "raw_ids": raw}
+            elif int(packed.shape[-1]) != H * len(lab) or H != rec.model["hidden_size"]:
+                raise SourceFileError(f"states are {packed.shape[-1]} wide; the first file's were "
+                                      f"{rec.model['hidden_size'] * len(lab)}", path)
+            rows = rec.add_tokens(key, None, ids, regime="prefill" if side == "serve" else "train")
+            if fmt == "modelopt":
+                rec.packed("draft_input", packed, _draft_rows(rows), labels=lab, raw_ids=raw, convention=conv,
+                           token_offset=1, role="draft_input", attrs={"source_format": fmt})
+                if extra.get("final") is not None:
+                    rec.final_norm(extra["final"], rows, attrs={"source_format": fmt})
+            else:
+                rec.packed("aux_hidden_states", packed, rows, labels=lab, raw_ids=raw, convention=conv,
+                           token_offset=0, role="aux", attrs={"source_format": fmt})
+                last = extra.get("last")
+                if last is not None:  # TensorRT-LLM: the last H columns of the features
+                    b = parse_label(lab[-1])
+                    if b is None:
+                        rec.final_norm(last, rows, attrs={"source_format": fmt, "source": "hidden_state"})
+                    else:
+                        rec.boundary(b, last, rows, attrs={"source_format": fmt, "source": "hidden_state"})
+            result.sequences += 1
+            result.tokens += len(rows)
+        result.files = len(files) if limit is None else min(len(files), result.sequences)
+    except BaseException as e:
+        if rec is not None:
+            rec.close(e)
+            try:
+                os.remove(os.fspath(out))  # a failed import leaves no half-written trace behind
+            except OSError:
+                pass
+        raise
+    if rec is None:
+        raise SourceFileError("no records to import", str(sources[0]))
+    result.tensors = rec.defined
+    rec.close()
     return result

@@ -18,7 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import TraceError
+from ..errors import TensordiffError, TraceError
+from ..safety import check_output_path
+from .engine_guard import EngineFailed, EngineGuard, kill_children
 from .train_cli import load_prompts
 
 PLUGIN_NAME = "tensordiff"
@@ -26,6 +28,8 @@ PLUGIN_GROUP = "sglang.srt.plugins"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
+                   help="sglang (default): sglang.Engine; vllm: vllm.LLM (the vLLM plugin records in its Worker)")
     p.add_argument("--model", required=True, metavar="DIR", help="local target model directory (never downloaded)")
     p.add_argument("--draft", metavar="DIR",
                    help="local EAGLE-3 draft directory: run EAGLE-3 speculative decoding and record the draft's input")
@@ -160,6 +164,9 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise TraceError("output directory does not exist", out_dir)
+    check_output_path(args.out, [args.prompts, args.outputs], "--out")  # it is removed before the engine starts
+    if args.outputs:
+        check_output_path(args.outputs, [args.prompts, args.out], "--outputs")
     if args.max_new_tokens < 1:
         raise TraceError("--max-new-tokens must be >= 1")
     if args.sample_every < 1:
@@ -194,6 +201,25 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
     return prompts
 
 
+# what to do about the causes of a failed start seen so far
+SGLANG_HINTS = [
+    (r"EAGLE is not supported in (decode|prefill)? ?attention backend",
+     "this attention backend cannot run EAGLE-3: choose another with --attention-backend (intel_amx on CPU; "
+     "fa3 or flashinfer on GPU)"),
+    (r"'sgl_kernel'|sgl_kernel", "SGLang's kernels (sgl_kernel) are not installed: on CPU run "
+     "scripts/install-sglang-cpu.sh, on GPU pip install sglang-kernel"),
+    (r"'sglang'", "install SGLang: pip install 'tensordiff[sglang]'"),
+    (r"out of memory|OutOfMemory", "lower --mem-fraction-static or --max-total-tokens"),
+]
+
+
+def _remove_partial(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
 def _default_start_engine(**kwargs):
     import sglang
 
@@ -206,6 +232,9 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
     ``start_engine(**engine_kwargs)`` makes the engine (default ``sglang.Engine``); tests pass one
     that prepares SGLang's CPU mode."""
     prompts = _check(args)
+    if getattr(args, "engine", "sglang") == "vllm":
+        from . import vllm_serve
+        return vllm_serve.record(args, prompts, plugin_env(args), start_engine)
     if not _plugin_installed():
         raise TraceError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "
                          "install the package (pip install -e . or pip install 'tensordiff[sglang]')")
@@ -221,8 +250,19 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
     t0 = time.perf_counter()
     engine = None
     outputs: list[dict] = []
+    guard = EngineGuard("SGLang", SGLANG_HINTS, "see SGLang's messages above; check --device, --attention-backend "
+                        "and --engine-arg")
     try:
-        engine = (start_engine or _default_start_engine)(**kwargs)
+        guard.__enter__()
+        try:
+            engine = (start_engine or _default_start_engine)(**kwargs)
+        except (EngineFailed, Exception) as e:
+            if isinstance(e, TensordiffError):
+                raise
+            kill_children(guard.children_before)
+            _remove_partial(out_path)  # nothing was recorded: no half-written trace is left behind
+            raise guard.error(e, "start") from None
+        guard.started()
         step = args.batch_size or len(prompts)
         sp = {"temperature": float(args.temperature), "max_new_tokens": int(args.max_new_tokens)}
         for i in range(0, len(prompts), step):
@@ -237,7 +277,12 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
                                 "spec_verify_ct": meta.get("spec_verify_ct"),
                                 "spec_accept_length": meta.get("spec_accept_length")})
         engine.collective_rpc("tensordiff_close")
+    except EngineFailed:  # a child failed while recording: the trace stays, marked not closed cleanly
+        kill_children(guard.children_before)
+        engine = None
+        raise guard.error(None, "run") from None
     finally:
+        guard.__exit__()
         if engine is not None:
             engine.shutdown()
         for k, v in saved.items():
@@ -277,3 +322,6 @@ def _print_summary(res: dict) -> None:
                   f"({t.get('convention')}), {t['shape'][0]} rows")
     if not s["complete"]:
         print(f"  note: {s['recovered']}", file=sys.stderr)
+    from .vllm_serve import notes
+    for note in notes(path):  # the vLLM plugin's notes (capture order, ignored draft-config keys)
+        print(f"  note: {note}")

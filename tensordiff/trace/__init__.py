@@ -6,7 +6,8 @@ One room per job (docs/format.md, docs/robustness.md):
   :class:`SlotSpec`, :func:`slot_rms` and the limits every reader enforces;
 - :mod:`~tensordiff.trace.writer`: :class:`TraceWriter`, chunk-aligned appends and the two-phase
   flush that makes a killed recording readable;
-- :mod:`~tensordiff.trace.reader`: :class:`TraceReader`, validated open and row reads;
+- :mod:`~tensordiff.trace.reader`: :class:`TraceReader`, the validated open (:mod:`~tensordiff.trace.reads`:
+  its row reads; :mod:`~tensordiff.trace.budget`: what an open may load);
 - :mod:`~tensordiff.trace.validate`: the hostile-file guards the reader applies;
 - :mod:`~tensordiff.trace.recover`: reading the committed rows of a trace that was not closed;
 - :mod:`~tensordiff.trace.probe`: :func:`probe`, opening untrusted files in a child first.

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
 
-from ..dtypes import storage_dtype, to_float32
+from ..dtypes import storage_dtype
 from ..errors import TensordiffError, TraceFileError
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED
 from ..vocab import REGIMES
 from . import recover
+from .budget import Budget, vlen_string_bytes
+from .reads import RowReads, _Parts
 from .schema import (
     MAX_ATTRS,
     MAX_KEY_CHARS,
@@ -28,14 +32,15 @@ from .schema import (
     SCHEMA_VERSION,
     TOKEN_DTYPE,
     TensorInfo,
-    slot_rms,
 )
 from .validate import (
+    CHANGED,
+    CHECKED,
+    FileIdentity,
     attr_float,
     attr_int,
     attr_json,
     attr_str,
-    check_bytes,
     check_path,
     check_sequences,
     check_tensor_name,
@@ -50,10 +55,7 @@ from .validate import (
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-_SPAN_BYTES = 4 << 20  # scattered reads: read a span this large whole, then pick rows
-
-
-class TraceReader:
+class TraceReader(RowReads):
     """Open and validate a trace. Raises :class:`~tensordiff.errors.TraceFileError` with a one-line
     reason on bad input.
 
@@ -75,11 +77,16 @@ class TraceReader:
     recovered_note: str | None
     recovered: dict[str, Any]
     _rows: dict[str, np.ndarray]
-    _ds: dict[str, dict[str, Any]]
+    _ds: dict[str, _Parts]
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, progress: Callable[[int, int], None] | None = None):
         self.path = os.fspath(path)
-        self.file_size = check_path(self.path)
+        self._progress = progress
+        self.identity = check_path(self.path)
+        self.file_size = self.identity.size
+        checked = CHECKED.get(os.path.abspath(self.path))
+        if checked is not None and checked != self.identity:
+            raise TraceFileError(CHANGED, self.path)
         # A writer killed inside a flush can leave metadata that points past the end-of-allocation
         # address its superblock still records (HDF5 writes the superblock last). Such a trace is
         # read through a view that raises that address to the file size, as `h5clear --increment`
@@ -118,6 +125,8 @@ class TraceReader:
 
     def _open_and_load(self, patch: tuple[int, bytes] | None) -> None:
         self._view: recover.PatchedView | None = None
+        self._open: OrderedDict[str, Any] = OrderedDict()
+        self._budget = Budget(self.file_size)
         try:
             if patch is None:
                 self.f = h5py.File(self.path, "r", locking=False, rdcc_nbytes=READ_CACHE_BYTES)
@@ -132,6 +141,7 @@ class TraceReader:
             self._close_view()
             raise TraceFileError(f"cannot open as HDF5, the file is damaged ({short(e)})", self.path) from None
         try:
+            self._same_file()
             self._load()
         except TensordiffError as e:
             self.close()
@@ -151,6 +161,17 @@ class TraceReader:
                 self._view.close()  # type: ignore[union-attr]
             self._view = None
 
+    def _same_file(self) -> None:
+        """The file HDF5 opened is the one :func:`check_path` checked (not one renamed over the path
+        since), unchanged: one file from the check to the last read."""
+        try:
+            fd = self._view.fileno() if self._view is not None else int(self.f.id.get_vfd_handle())
+            now = FileIdentity.of(os.fstat(fd))
+        except (OSError, TypeError, ValueError, AttributeError):
+            return  # a driver without a descriptor: the path check stands alone
+        if now != self.identity:
+            raise TraceFileError(CHANGED)
+
     # -- loading -------------------------------------------------------------------------------
 
     def _load(self) -> None:
@@ -164,12 +185,12 @@ class TraceReader:
             raise TraceFileError(f"unknown trace schema version {schema} (this tensordiff reads version "
                                  f"{SCHEMA_VERSION}); upgrade tensordiff or re-record")
         self.schema = schema
-        self.side = attr_str(a, "side", "other")
-        self.producer = attr_str(a, "producer", "")[:4096]
-        self.created = attr_str(a, "created", "")[:64]
-        self.model = attr_json(a, "model", {})
-        self.versions = attr_json(a, "versions", {})
-        self.user_meta = attr_json(a, "user_meta", {})
+        self.side = attr_str(a, "side", "other", budget=self._budget)
+        self.producer = attr_str(a, "producer", "", budget=self._budget)[:4096]
+        self.created = attr_str(a, "created", "", budget=self._budget)[:64]
+        self.model = attr_json(a, "model", {}, budget=self._budget)
+        self.versions = attr_json(a, "versions", {}, budget=self._budget)
+        self.user_meta = attr_json(a, "user_meta", {}, budget=self._budget)
         if not isinstance(self.model, dict) or not isinstance(self.versions, dict) or not isinstance(self.user_meta, dict):
             raise TraceFileError("attributes model/versions/user_meta must be JSON objects")
         for key in ("hidden_size", "num_layers"):
@@ -212,7 +233,7 @@ class TraceReader:
                                  "truncated or modified after it was closed")
         if not self.complete and self._committed:
             n_tok = min(n_tok, committed)
-        check_bytes(tok, n_tok, "/tokens", self.file_size)
+        self._budget.table(tok, n_tok, "/tokens")
         self.tokens = tok[:n_tok] if n_tok else np.empty(0, tok.dtype)
         seqs = follow(f, "sequences", "/sequences")
         if seqs is None:
@@ -227,12 +248,7 @@ class TraceReader:
             n_seq = min(n_seq, max(int(self.tokens["seq"].max()), -1) + 1)
         elif not self.complete and self._committed:
             n_seq = 0
-        check_bytes(seqs, n_seq, "/sequences", self.file_size)
-        raw: Any = []
-        if n_seq:
-            raw = (seqs.asstr(errors="replace")[:n_seq] if seqs.dtype.kind == "O"
-                   else [bytes(b).decode("utf-8", "replace") for b in seqs[:n_seq]])
-        self.sequences = [clean_text(str(s))[:MAX_KEY_CHARS] for s in raw]
+        self.sequences = self._read_sequences(seqs, n_seq)
         if n_tok:
             sq = self.tokens["seq"]
             bad = (sq < 0) | (sq >= len(self.sequences))
@@ -259,7 +275,10 @@ class TraceReader:
         self._rows = {}
         self._ds = {}
         dropped = [on_disk_tok - n_tok, 0]
-        for name in tg:
+        total = len(tg)
+        self._tick(0, total)
+        for done, name in enumerate(tg):
+            self._tick(done, total)
             check_tensor_name(name)
             try:
                 self._load_tensor(tg, name, n_tok, dropped)
@@ -277,6 +296,32 @@ class TraceReader:
         self.recovered = {"tokens": n_tok, "tensor_rows": {n: t.rows for n, t in self.tensors.items()},
                           "dropped_tokens": dropped[0], "dropped_tensor_rows": dropped[1]}
 
+    def _tick(self, done: int, total: int) -> None:
+        if self._progress is not None:
+            self._progress(done, total)
+
+    def _read_sequences(self, seqs: Any, n: int) -> list[str]:
+        """The first ``n`` sequence keys, decoded only after their total length is known to fit the
+        budget (from the on-disk descriptors), or in small blocks when those cannot be read."""
+        if n == 0:
+            return []
+        if seqs.dtype.kind != "O":  # fixed-length strings: the size is the declared one
+            self._budget.table(seqs, n, "/sequences")
+            return [clean_text(bytes(b).decode("utf-8", "replace"))[:MAX_KEY_CHARS] for b in seqs[:n]]
+        self._budget.table(seqs, n, "/sequences")  # the descriptors themselves
+        total = vlen_string_bytes(seqs, n, int(self.f.id.get_create_plist().get_sizes()[0]))
+        if total is not None:
+            self._budget.string_bytes(total, "/sequences")
+        out: list[str] = []
+        block = n if total is not None else 16
+        text = seqs.asstr(errors="replace")
+        for start in range(0, n, block):
+            part = text[start:min(n, start + block)]
+            if total is None:
+                self._budget.string_bytes(sum(len(x) for x in part), "/sequences")
+            out.extend(clean_text(str(x))[:MAX_KEY_CHARS] for x in part)
+        return out
+
     @staticmethod
     def _tensor_committed(tg: Any, name: str) -> bool:
         """Whether a tensor that failed to load had rows committed (then its loss is an error)."""
@@ -293,11 +338,11 @@ class TraceReader:
         ga = g.attrs
         if len(ga) > MAX_ATTRS:
             raise TraceFileError(f"tensor {name!r} has {len(ga)} attributes (at most {MAX_ATTRS})")
-        ta = tensor_attrs(ga, name)
+        ta = tensor_attrs(ga, name, self._budget)
         rows_ds = follow(g, "rows", f"{name}/rows")
         if not isinstance(rows_ds, h5py.Dataset) or rows_ds.ndim != 1 or rows_ds.dtype.kind not in "iu":
             raise TraceFileError(f"tensor {name!r} has no valid rows index")
-        dsets = {"rows": rows_ds}
+        dsets: dict[str, Any] = {"rows": rows_ds}
         for part, shape2 in (("values", ta.width), ("sketch", ta.slot_count * self.sketch_dim),
                              ("rms", ta.slot_count)):
             ds = follow(g, part, f"{name}/{part}")
@@ -329,8 +374,13 @@ class TraceReader:
         elif self._committed:
             n = 0  # defined after the last flush: nothing of it was committed
         for part, ds in dsets.items():
-            check_bytes(ds, n, f"{name}/{part}", self.file_size)
-        rows = rows_ds[:n].astype(np.int64, copy=False) if n else np.empty(0, np.int64)
+            if part == "rows":
+                self._budget.table(ds, n, f"{name}/rows")
+            else:
+                self._budget.stream(ds, n, f"{name}/{part}")
+        rows = np.empty(n, np.int64)
+        if n:
+            rows_ds.read_direct(rows, np.s_[0:n])  # converted by HDF5 into one int64 buffer
         if n and (rows.min() < 0 or rows.max() >= n_tok):
             if self.complete:
                 raise TraceFileError(f"tensor {name!r}: row indices point outside the token table")
@@ -339,17 +389,17 @@ class TraceReader:
             rows = rows[:n]
         dropped[1] += on_disk - n
         self._rows[name] = rows
-        self._ds[name] = dsets
+        self._ds[name] = _Parts(self, {part: ds.name for part, ds in dsets.items()})
         user_attrs = {}
         for k2 in ga:
             if k2.startswith("user."):
-                user_attrs[clean_text(k2[5:])] = attr_json(ga, k2, None, where)
+                user_attrs[clean_text(k2[5:])] = attr_json(ga, k2, None, where, self._budget)
         self.tensors[name] = TensorInfo(
             name=name, kind=ta.kind, dtype=ta.dtype, width=ta.width, rows=n, slot_count=ta.slot_count,
             slot_width=ta.slot_width, slot_labels=ta.slot_labels, raw_ids=ta.raw_ids,
-            convention=attr_str(ga, "convention", "", where)[:256] or None,
+            convention=attr_str(ga, "convention", "", where, self._budget)[:256] or None,
             order=attr_float(ga, "order", 0.0, where), token_offset=ta.token_offset,
-            role=attr_str(ga, "role", "", where)[:256], has_values="values" in dsets, has_sketch="sketch" in dsets,
+            role=attr_str(ga, "role", "", where, self._budget)[:256], has_values="values" in dsets, has_sketch="sketch" in dsets,
             boundary=ta.boundary, attrs=user_attrs,
         )
 
@@ -364,91 +414,6 @@ class TraceReader:
     def num_layers(self) -> int | None:
         n = self.model.get("num_layers")
         return int(n) if isinstance(n, (int, float)) else None
-
-    def token_rows(self, name: str) -> np.ndarray:
-        """Token-table row of every row of tensor ``name`` (int64, loaded at open)."""
-        return self._rows[name]
-
-    def _read(self, name: str, part: str, sel: Any, out: np.ndarray | None = None) -> np.ndarray:
-        try:
-            ds = self._ds[name][part]
-        except KeyError:
-            raise TraceFileError(f"tensor {name!r} has no {part}", self.path) from None
-        try:
-            if out is not None and isinstance(sel, slice):
-                n = len(range(*sel.indices(ds.shape[0])))
-                dest = out.reshape(-1)[:n * int(np.prod(ds.shape[1:], dtype=np.int64))].reshape((n,) + ds.shape[1:])
-                ds.read_direct(dest, np.s_[sel.start:sel.start + n])  # no fresh allocation per block
-                return dest
-            block: np.ndarray = ds[sel]
-            return block
-        except (OSError, ValueError, TypeError) as e:
-            raise TraceFileError(f"cannot read {name}/{part}, the file is damaged ({short(e)})", self.path) from None
-
-    def read_values(self, name: str, start: int = 0, stop: int | None = None, *, raw: bool = False) -> np.ndarray:
-        """Rows [start, stop) of a tensor's full values as float32 (``raw=True``: stored form)."""
-        info = self.tensors[name]
-        stop = info.rows if stop is None else min(stop, info.rows)
-        block = self._read(name, "values", np.s_[start:stop])
-        return block if raw else to_float32(block, info.dtype)
-
-    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows of ``name/part`` (values in stored form, sketch or rms) at row indices in any order
-        and with repeats. Never an HDF5 point selection (slow): one contiguous read when the span
-        is small, else one read per touched chunk, then the rows are picked in memory."""
-        idx = np.asarray(idx, dtype=np.int64)
-        ds = self._ds[name].get(part)
-        if ds is None:
-            raise TraceFileError(f"tensor {name!r} has no {part}", self.path)
-        if len(idx) == 0:
-            return np.empty((0,) + ds.shape[1:], ds.dtype)
-        lo, hi = int(idx[0]), int(idx[-1]) + 1
-        if hi - lo == len(idx) and (len(idx) == 1 or np.all(np.diff(idx) == 1)):
-            # the common case: a run of rows, read straight into ``out`` (same dtype) when given
-            return self._read(name, part, np.s_[lo:hi], out)
-        uniq, inv = np.unique(idx, return_inverse=True)
-        lo, hi = int(uniq[0]), int(uniq[-1]) + 1
-        row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
-        if (hi - lo) * row_bytes <= _SPAN_BYTES or hi - lo <= 4 * len(uniq):
-            block = self._read(name, part, np.s_[lo:hi])[uniq - lo]
-        else:
-            cr = ds.chunks[0] if ds.chunks else max(1, _SPAN_BYTES // row_bytes)
-            block = np.empty((len(uniq),) + ds.shape[1:], ds.dtype)
-            cid = uniq // cr
-            cuts = np.flatnonzero(np.diff(cid)) + 1
-            for part_idx in np.split(np.arange(len(uniq)), cuts):
-                u = uniq[part_idx]
-                a0, a1 = int(u[0]), int(u[-1]) + 1
-                block[part_idx] = self._read(name, part, np.s_[a0:a1])[u - a0]
-        picked: np.ndarray = block[inv]
-        return picked
-
-    def read_values_at(self, name: str, idx: np.ndarray, *, raw: bool = False,
-                       out: np.ndarray | None = None) -> np.ndarray:
-        """Tensor rows at the given row indices (any order), float32 (``raw=True``: stored form).
-        ``out``: a reusable float32 buffer (see :func:`tensordiff.dtypes.to_float32`)."""
-        block = self.read_at(name, "values", idx)
-        return block if raw else to_float32(block, self.tensors[name].dtype, out)
-
-    def read_sketch(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        return np.asarray(self._read(name, "sketch", np.s_[start:stop]), dtype=np.float32)
-
-    def read_rms(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        if "rms" not in self._ds[name]:
-            vals = self.read_values(name, start, stop)
-            return slot_rms(vals, self.tensors[name].slot_width)
-        return np.asarray(self._read(name, "rms", np.s_[start:stop]), dtype=np.float32)
-
-    def touch(self) -> None:
-        """Read the first and last row of every dataset (walks each chunk index at both ends)."""
-        for name, info in self.tensors.items():
-            if info.rows:
-                for part in self._ds[name]:
-                    if part != "rows":
-                        self._read(name, part, np.s_[0:1])
-                        self._read(name, part, np.s_[info.rows - 1:info.rows])
-
-    _touch = touch  # the name the probe used before the package split
 
     def summary(self) -> dict[str, Any]:
         """Everything ``tensordiff info`` shows, as plain data."""
@@ -488,6 +453,7 @@ class TraceReader:
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a damaged file must not mask the real error
             self.f.close()
+        self._open = OrderedDict()
         self._close_view()
 
     def __enter__(self) -> Self:

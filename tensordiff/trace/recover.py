@@ -69,6 +69,9 @@ class PatchedView(io.RawIOBase):
     def tell(self) -> int:
         return self._fh.tell()
 
+    def fileno(self) -> int:
+        return self._fh.fileno()
+
     def readinto(self, b: Any) -> int:
         pos = self._fh.tell()
         n = self._fh.readinto(b)

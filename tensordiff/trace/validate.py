@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,10 @@ import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
 
 from ..dtypes import LOGICAL_DTYPES
-from ..errors import TraceFileError
+from ..errors import TraceBusyError, TraceFileError
 from ..vocab import REGIMES, parse_label
+from .budget import Budget, filters_of
 from .schema import (
-    FILTER_EXPANSION,
     KINDS,
     MAX_ATTR_CHARS,
     MAX_ATTR_ELEMENTS,
@@ -52,24 +53,106 @@ def short(e: BaseException) -> str:
 
 # -- the file itself ---------------------------------------------------------------------------
 
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_NOT_REGULAR = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
-def check_path(path: str) -> int:
-    """The size of ``path`` after checking that it is a file that could be a trace at all."""
-    if not os.path.exists(path):
-        raise TraceFileError("no such file", path)
-    if os.path.isdir(path):
-        raise TraceFileError("is a directory, not a trace file", path)
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file a path named when it was checked: a later open must see the same one."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(int(st.st_dev), int(st.st_ino), int(st.st_size), int(st.st_mtime_ns))
+
+    def same_file(self, other: FileIdentity) -> bool:
+        return (self.dev, self.ino) == (other.dev, other.ino)
+
+
+def not_regular(st: os.stat_result) -> str | None:
+    """What a non-regular file is ("a named pipe (FIFO)"), None for a regular file."""
+    if stat.S_ISREG(st.st_mode):
+        return None
+    for test, what in _NOT_REGULAR:
+        if test(st.st_mode):
+            return what
+    return "not a regular file"
+
+
+def check_path(path: str) -> FileIdentity:
+    """The identity of ``path`` after checking that it is a regular, non-empty HDF5 file that no
+    process has open for writing. One descriptor is opened (non-blocking, so a FIFO swapped in
+    cannot block) and every check is made on it."""
     try:
-        size = os.path.getsize(path)
-        if size == 0:
-            raise TraceFileError("empty file (a recording killed before its first flush leaves nothing)", path)
-        if not h5py.is_hdf5(path):
-            raise TraceFileError("not an HDF5 file (not a tensordiff trace)", path)
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise TraceFileError("no such file", path) from None
     except PermissionError:
         raise TraceFileError("permission denied", path) from None
     except OSError as e:
         raise TraceFileError(f"cannot read: {e.strerror or e}", path) from None
-    return int(size)
+    if stat.S_ISDIR(st.st_mode):
+        raise TraceFileError("is a directory, not a trace file", path)
+    what = not_regular(st)
+    if what:
+        raise TraceFileError(f"is {what}, not a regular file; traces are read from regular files only", path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except PermissionError:
+        raise TraceFileError("permission denied", path) from None
+    except OSError as e:
+        raise TraceFileError(f"cannot read: {e.strerror or e}", path) from None
+    try:
+        st = os.fstat(fd)
+        what = not_regular(st)
+        if what:
+            raise TraceFileError(f"is {what}, not a regular file; traces are read from regular files only", path)
+        if st.st_size == 0:
+            raise TraceFileError("empty file (a recording killed before its first flush leaves nothing)", path)
+        if being_written(fd):
+            raise TraceBusyError("is still being written: a process (a recording in progress?) has it open for "
+                                 "writing; read it once that process has closed it, or copy it to read what it "
+                                 "has flushed so far", path)
+        if superblock_offset(fd, st.st_size) is None:
+            raise TraceFileError("not an HDF5 file (not a tensordiff trace)", path)
+        return FileIdentity.of(st)
+    except OSError as e:
+        raise TraceFileError(f"cannot read: {e.strerror or e}", path) from None
+    finally:
+        os.close(fd)
+
+
+def being_written(fd: int) -> bool:
+    """Whether another process holds the write lock HDF5 takes on a file opened for writing
+    (``flock(LOCK_EX)``; a writer whose HDF5 file locking is disabled is not seen)."""
+    try:
+        import fcntl
+    except ImportError:  # not on this platform
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # a file system without locks
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def superblock_offset(fd: int, size: int) -> int | None:
+    """Where the HDF5 signature is (0, 512, 1024, ...: where HDF5 looks), None if nowhere."""
+    at = 0
+    while at < size:
+        if os.pread(fd, 8, at) == _HDF5_SIGNATURE:
+            return at
+        at = 512 if at == 0 else at * 2
+    return None
 
 
 # -- strings from a file -----------------------------------------------------------------------
@@ -124,7 +207,7 @@ def attr_get(attrs: Any, key: str, where: str = "") -> Any:
     return attrs[key]
 
 
-def attr_str(attrs: Any, key: str, default: str | None = None, where: str = "") -> str:
+def attr_str(attrs: Any, key: str, default: str | None = None, where: str = "", budget: Budget | None = None) -> str:
     v = attr_get(attrs, key, where)
     if v is MISSING:
         if default is not None:
@@ -136,15 +219,17 @@ def attr_str(attrs: Any, key: str, default: str | None = None, where: str = "") 
         v = v.decode("utf-8", "replace")
     if not isinstance(v, str):
         raise TraceFileError(f"attribute {key!r}{where} is not a string")
+    if budget is not None:
+        budget.string_bytes(len(v), f"attribute {key!r}{where}")
     if len(v) > MAX_ATTR_CHARS:
         raise TraceFileError(f"attribute {key!r}{where} is longer than {MAX_ATTR_CHARS} characters")
     return clean_text(v)
 
 
-def attr_json(attrs: Any, key: str, default: Any = None, where: str = "") -> Any:
+def attr_json(attrs: Any, key: str, default: Any = None, where: str = "", budget: Budget | None = None) -> Any:
     if key not in attrs:
         return default
-    s = attr_str(attrs, key, where=where)
+    s = attr_str(attrs, key, where=where, budget=budget)
     try:
         return clean_json(json.loads(s))
     except (ValueError, RecursionError):
@@ -186,12 +271,6 @@ def _attr_number(attrs: Any, key: str, default: float | None, where: str) -> Any
 # -- links and datasets ------------------------------------------------------------------------
 
 
-def filters(ds: Any) -> list[int]:
-    """The HDF5 filter ids of a dataset's pipeline (empty: stored as is)."""
-    plist = ds.id.get_create_plist()
-    return [int(plist.get_filter(i)[0]) for i in range(plist.get_nfilters())]
-
-
 def follow(group: Any, name: str, what: str) -> Any:
     """``group[name]`` when it is a hard link (a dataset is also checked), None when absent."""
     link = group.get(name, getlink=True)
@@ -201,6 +280,10 @@ def follow(group: Any, name: str, what: str) -> Any:
         kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
         raise TraceFileError(f"{what} is {kind}; links are not followed (a trace is one self-contained file)")
     obj = group[name]
+    links = int(h5py.h5o.get_info(obj.id).rc)
+    if links > 1:
+        raise TraceFileError(f"{what} is one object linked under {links} names; a trace stores each object once "
+                             "(the file is crafted or damaged)")
     if isinstance(obj, h5py.Dataset):
         check_dataset(obj, what)
     return obj
@@ -221,7 +304,7 @@ def check_dataset(ds: Any, what: str) -> None:
         raise TraceFileError(f"{what} has chunks of {math.prod(ds.chunks) * dt.itemsize} bytes "
                              f"(more than {MAX_CHUNK_BYTES >> 20} MiB)")
     missing = []
-    for fid in filters(ds):
+    for fid in filters_of(ds):
         if not h5py.h5z.filter_avail(fid):
             try:
                 import hdf5plugin  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
@@ -232,15 +315,6 @@ def check_dataset(ds: Any, what: str) -> None:
     if missing:
         raise TraceFileError(f"{what} is compressed with HDF5 filter {missing[0]}, which this install cannot decode "
                              "(pip install hdf5plugin)")
-
-
-def check_bytes(ds: Any, rows: int, what: str, file_size: int) -> None:
-    """Refuse to read ``rows`` rows of ``ds`` when they could not fit in the file."""
-    row_bytes = ds.dtype.itemsize * math.prod(ds.shape[1:])
-    limit = file_size * (FILTER_EXPANSION if filters(ds) else 1) + (1 << 20)
-    if rows * row_bytes > limit:
-        raise TraceFileError(f"{what} claims {rows} rows ({rows * row_bytes} bytes) but the file has only "
-                             f"{file_size} bytes; the file is truncated or damaged")
 
 
 # -- the token table ---------------------------------------------------------------------------
@@ -262,7 +336,7 @@ def check_token_table(tok: Any) -> None:
 
 def check_token_values(t: np.ndarray) -> None:
     """Regime codes and positions of token rows within what the format defines."""
-    if (t["regime"] >= len(REGIMES)).any():
+    if ((t["regime"] < 0) | (t["regime"] >= len(REGIMES))).any():
         raise TraceFileError("/tokens has an unknown regime code")
     if ((t["position"] < 0) | (t["position"] >= MAX_POSITION)).any():
         raise TraceFileError("/tokens has a position outside 0..2^40")
@@ -277,11 +351,31 @@ def check_sequences(seqs: Any) -> None:
 # -- a tensor's attributes ---------------------------------------------------------------------
 
 
-def check_tensor_name(name: str) -> None:
+def tensor_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a tensor (the writer, the reader and the importers share this
+    rule), None when it can: 1..256 printable characters of valid UTF-8, no '/', not '.'."""
+    if not name:
+        return "an empty tensor name"
     if len(name) > MAX_NAME_CHARS:
-        raise TraceFileError(f"a tensor name is longer than {MAX_NAME_CHARS} characters")
+        return f"a tensor name is longer than {MAX_NAME_CHARS} characters"
     if clean_text(name) != name or not name.isprintable():
-        raise TraceFileError(f"a tensor name is not valid UTF-8 text ({clean_text(name)[:40]!r})")
+        return f"a tensor name is not printable UTF-8 text ({clean_text(name)[:40]!r})"
+    if "/" in name or name in (".", ".."):
+        return f"tensor name {name!r} is a path, not a name (no '/', not '.' or '..')"
+    return None
+
+
+def check_tensor_name(name: str) -> None:
+    problem = tensor_name_problem(name)
+    if problem:
+        raise TraceFileError(problem)
+
+
+CHANGED = ("changed while it was being opened (replaced or modified since it was checked); run the command "
+           "again once nothing is writing it")
+
+#: Files the probe checked in this process, by path: a later open must find the same file there.
+CHECKED: dict[str, FileIdentity] = {}
 
 
 @dataclass
@@ -299,13 +393,13 @@ class TensorAttrs:
     token_offset: int
 
 
-def tensor_attrs(ga: Any, name: str) -> TensorAttrs:
+def tensor_attrs(ga: Any, name: str, budget: Budget | None = None) -> TensorAttrs:
     """Check the attributes that say what a tensor is."""
     where = f" of tensor {name!r}"
-    kind = attr_str(ga, "kind", where=where)
+    kind = attr_str(ga, "kind", where=where, budget=budget)
     if kind not in KINDS:
         raise TraceFileError(f"tensor {name!r} has unknown kind {kind[:40]!r}")
-    dtype = attr_str(ga, "dtype", where=where)
+    dtype = attr_str(ga, "dtype", where=where, budget=budget)
     if dtype not in LOGICAL_DTYPES:
         raise TraceFileError(f"tensor {name!r} has unsupported dtype {dtype[:40]!r}")
     width = attr_int(ga, "width", where=where)
@@ -313,7 +407,7 @@ def tensor_attrs(ga: Any, name: str) -> TensorAttrs:
     sw = attr_int(ga, "slot_width", where=where)
     if width <= 0 or k <= 0 or sw <= 0 or k * sw != width or width > MAX_WIDTH or k > MAX_SLOTS:
         raise TraceFileError(f"tensor {name!r}: width {width} is not slot_count {k} x slot_width {sw}")
-    labels = attr_json(ga, "slot_labels", None, where)
+    labels = attr_json(ga, "slot_labels", None, where, budget)
     if labels is not None:
         if not isinstance(labels, list) or len(labels) != k or not all(isinstance(x, str) for x in labels):
             raise TraceFileError(f"tensor {name!r}: slot_labels must be a list of {k} strings")
@@ -324,7 +418,7 @@ def tensor_attrs(ga: Any, name: str) -> TensorAttrs:
                 raise TraceFileError(f"tensor {name!r}: {short(e)}") from None
     if kind == "packed" and labels is None:
         raise TraceFileError(f"packed tensor {name!r} has no slot_labels")
-    raw_ids = attr_json(ga, "raw_ids", None, where)
+    raw_ids = attr_json(ga, "raw_ids", None, where, budget)
     if raw_ids is not None and (not isinstance(raw_ids, list) or not all(
             isinstance(x, int) and not isinstance(x, bool) for x in raw_ids)):
         raise TraceFileError(f"tensor {name!r}: raw_ids must be a list of integers")

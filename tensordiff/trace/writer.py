@@ -31,6 +31,7 @@ from .schema import (
     SlotSpec,
     slot_rms,
 )
+from .validate import tensor_name_problem
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -202,8 +203,10 @@ class TraceWriter:
         the sketch and RMS (a cheap catalog entry). ``token_offset=1`` says row t was paired with
         token t+1 (a draft's input).
         """
-        if not name or "/" in name or len(name) > MAX_NAME_CHARS:
-            raise ValueError(f"bad tensor name {name!r}: non-empty, no '/', at most {MAX_NAME_CHARS} characters")
+        problem = tensor_name_problem(name) if isinstance(name, str) else "a tensor name must be a string"
+        if problem:
+            raise ValueError(f"bad tensor name {name!r}: {problem} (names are 1..{MAX_NAME_CHARS} printable "
+                             "characters, no '/')")
         if name in self._specs:
             raise ValueError(f"tensor {name!r} already defined")
         if kind not in KINDS:

@@ -1,0 +1,156 @@
+"""Reading rows of an open trace: values, sketches and RMS by row range or by row subset, without
+loading whole datasets, through a bounded set of open datasets. :class:`RowReads` is the part of
+:class:`~tensordiff.trace.TraceReader` that reads after the open has validated everything.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import to_float32
+from ..errors import TraceFileError
+from .schema import TensorInfo, slot_rms
+from .validate import short
+
+_SPAN_BYTES = 4 << 20  # scattered reads: read a span this large whole, then pick rows
+OPEN_DATASETS = 64     # datasets kept open at once (see RowReads._dataset)
+
+
+class _Parts(Mapping[str, Any]):
+    """A tensor's datasets (``rows``, ``values``, ``sketch``, ``rms``) by part, opened on use."""
+
+    def __init__(self, reader: RowReads, paths: dict[str, str]):
+        self._reader = reader
+        self._paths = paths
+
+    def __getitem__(self, part: str) -> Any:
+        return self._reader._dataset(self._paths[part])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __contains__(self, part: object) -> bool:
+        return part in self._paths
+
+
+class RowReads:
+    """Row reads of a validated trace (mixed into :class:`~tensordiff.trace.TraceReader`)."""
+
+    f: Any
+    path: str
+    tensors: dict[str, TensorInfo]
+    _rows: dict[str, np.ndarray]
+    _ds: dict[str, _Parts]
+    _open: OrderedDict[str, Any]
+    _tick: Callable[[int, int], None]
+
+    def _dataset(self, path: str) -> Any:
+        """An open dataset by its path in the file. At most :data:`OPEN_DATASETS` stay open: HDF5
+        gives each open chunked dataset its own chunk cache (~100 KB measured even before a read),
+        so keeping 100k tensors' datasets open would cost gigabytes."""
+        ds = self._open.get(path)
+        if ds is None:
+            try:
+                ds = self.f[path]
+            except Exception as e:  # noqa: BLE001 - it opened at load time: the file changed or is damaged
+                raise TraceFileError(f"cannot open {path}, the file is damaged ({short(e)})", self.path) from None
+            self._open[path] = ds
+            if len(self._open) > OPEN_DATASETS:
+                self._open.popitem(last=False)
+        else:
+            self._open.move_to_end(path)
+        return ds
+
+    def token_rows(self, name: str) -> np.ndarray:
+        """Token-table row of every row of tensor ``name`` (int64, loaded at open)."""
+        return self._rows[name]
+
+    def _read(self, name: str, part: str, sel: Any, out: np.ndarray | None = None) -> np.ndarray:
+        try:
+            ds = self._ds[name][part]
+        except KeyError:
+            raise TraceFileError(f"tensor {name!r} has no {part}", self.path) from None
+        try:
+            if out is not None and isinstance(sel, slice):
+                n = len(range(*sel.indices(ds.shape[0])))
+                dest = out.reshape(-1)[:n * int(np.prod(ds.shape[1:], dtype=np.int64))].reshape((n,) + ds.shape[1:])
+                ds.read_direct(dest, np.s_[sel.start:sel.start + n])  # no fresh allocation per block
+                return dest
+            block: np.ndarray = ds[sel]
+            return block
+        except (OSError, ValueError, TypeError) as e:
+            raise TraceFileError(f"cannot read {name}/{part}, the file is damaged ({short(e)})", self.path) from None
+
+    def read_values(self, name: str, start: int = 0, stop: int | None = None, *, raw: bool = False) -> np.ndarray:
+        """Rows [start, stop) of a tensor's full values as float32 (``raw=True``: stored form)."""
+        info = self.tensors[name]
+        stop = info.rows if stop is None else min(stop, info.rows)
+        block = self._read(name, "values", np.s_[start:stop])
+        return block if raw else to_float32(block, info.dtype)
+
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``name/part`` (values in stored form, sketch or rms) at row indices in any order
+        and with repeats. Never an HDF5 point selection (slow): one contiguous read when the span
+        is small, else one read per touched chunk, then the rows are picked in memory."""
+        idx = np.asarray(idx, dtype=np.int64)
+        ds = self._ds[name].get(part)
+        if ds is None:
+            raise TraceFileError(f"tensor {name!r} has no {part}", self.path)
+        if len(idx) == 0:
+            return np.empty((0,) + ds.shape[1:], ds.dtype)
+        lo, hi = int(idx[0]), int(idx[-1]) + 1
+        if hi - lo == len(idx) and (len(idx) == 1 or np.all(np.diff(idx) == 1)):
+            # the common case: a run of rows, read straight into ``out`` (same dtype) when given
+            return self._read(name, part, np.s_[lo:hi], out)
+        uniq, inv = np.unique(idx, return_inverse=True)
+        lo, hi = int(uniq[0]), int(uniq[-1]) + 1
+        row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
+        if (hi - lo) * row_bytes <= _SPAN_BYTES or hi - lo <= 4 * len(uniq):
+            block = self._read(name, part, np.s_[lo:hi])[uniq - lo]
+        else:
+            cr = ds.chunks[0] if ds.chunks else max(1, _SPAN_BYTES // row_bytes)
+            block = np.empty((len(uniq),) + ds.shape[1:], ds.dtype)
+            cid = uniq // cr
+            cuts = np.flatnonzero(np.diff(cid)) + 1
+            for part_idx in np.split(np.arange(len(uniq)), cuts):
+                u = uniq[part_idx]
+                a0, a1 = int(u[0]), int(u[-1]) + 1
+                block[part_idx] = self._read(name, part, np.s_[a0:a1])[u - a0]
+        picked: np.ndarray = block[inv]
+        return picked
+
+    def read_values_at(self, name: str, idx: np.ndarray, *, raw: bool = False,
+                       out: np.ndarray | None = None) -> np.ndarray:
+        """Tensor rows at the given row indices (any order), float32 (``raw=True``: stored form).
+        ``out``: a reusable float32 buffer (see :func:`tensordiff.dtypes.to_float32`)."""
+        block = self.read_at(name, "values", idx)
+        return block if raw else to_float32(block, self.tensors[name].dtype, out)
+
+    def read_sketch(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return np.asarray(self._read(name, "sketch", np.s_[start:stop]), dtype=np.float32)
+
+    def read_rms(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        if "rms" not in self._ds[name]:
+            vals = self.read_values(name, start, stop)
+            return slot_rms(vals, self.tensors[name].slot_width)
+        return np.asarray(self._read(name, "rms", np.s_[start:stop]), dtype=np.float32)
+
+    def touch(self) -> None:
+        """Read the first and last row of every dataset (walks each chunk index at both ends)."""
+        total = len(self.tensors)
+        for done, (name, info) in enumerate(self.tensors.items()):
+            self._tick(done, total)
+            if info.rows:
+                for part in self._ds[name]:
+                    if part != "rows":
+                        self._read(name, part, np.s_[0:1])
+                        self._read(name, part, np.s_[info.rows - 1:info.rows])
+
+    _touch = touch  # the name the probe used before the package split

