@@ -220,7 +220,7 @@ class Recorder:
         self._positions = np.empty(1024, dtype=np.int64)
         self._seq_of = np.empty(1024, dtype=np.int64)   # per token row: index into _seq_end (-1: not train)
         self._seq_index: dict[str, int] = {}
-        self._seq_end: list[int] = []                    # per train sequence: its last position so far
+        self._seq_end = np.empty(64, dtype=np.int64)     # per train sequence: its last position so far
         self._offsets: dict[str, int] = {}               # token_offset of each defined tensor
         self._n_rows = 0
         self._closed = False
@@ -279,10 +279,17 @@ class Recorder:
         # a train (teacher-forced) sequence holds every token the model saw: a row paired with a
         # later position than its last one pairs with a token that does not exist
         if (regime == "train" or (not isinstance(regime, str) and int(regime) == REGIMES.index("train"))) and len(rows):
-            si = self._seq_index.setdefault(seq, len(self._seq_end))
-            if si == len(self._seq_end):
-                self._seq_end.append(-1)
-            self._seq_end[si] = max(self._seq_end[si], int(positions.max()))
+            last = int(positions.max())
+            si = self._seq_index.get(seq)
+            if si is None:
+                si = self._seq_index[seq] = len(self._seq_index)
+                if si >= len(self._seq_end):
+                    grown = np.empty(2 * len(self._seq_end), dtype=np.int64)
+                    grown[:si] = self._seq_end[:si]
+                    self._seq_end = grown
+                self._seq_end[si] = last
+            else:
+                self._seq_end[si] = max(int(self._seq_end[si]), last)
             self._seq_of[self._n_rows:end] = si
         else:
             self._seq_of[self._n_rows:end] = -1
@@ -294,13 +301,13 @@ class Recorder:
         t+1) paired past the end of their train sequence: the token they pair with does not
         exist (a loop that forgot ``draft_rows[-1] = -1``). Serve regimes are not checked: there
         the next token is added by a later step."""
-        if token_offset <= 0 or not len(rows) or not self._seq_end or int(rows.max()) >= self._n_rows:
+        if token_offset <= 0 or not len(rows) or not self._seq_index or int(rows.max()) >= self._n_rows:
             return
         si = self._seq_of[rows]
         train = si >= 0
         if not train.any():
             return
-        ends = np.asarray(self._seq_end, dtype=np.int64)
+        ends = self._seq_end
         want = self._positions[rows] + token_offset
         past = train & (want > ends[np.where(train, si, 0)])
         if past.any():
