@@ -1,8 +1,11 @@
 """Trace write rate vs raw numpy, measured in the same run.
 
 Writes ~1 GiB of bf16 rows [T, 4096] through TraceWriter in decode-sized appends (a few tokens
-per call, each with its token-table rows, as a recorder does) and the same bytes with one raw
-numpy ``tofile``; both are fsynced. Prints both rates and their ratio (goal >= 0.8).
+per call, each with its token-table rows, as a recorder does), and the same bytes raw: once with
+one numpy ``tofile`` and once appended to a plain file in the same row pattern; all are fsynced.
+Each variant first runs once untimed (the first write of a run pays a page-cache stall that no
+variant should be charged alone), then ``--repeat`` rounds run the variants in a random order per
+round. Prints every rate and the ratios (goal >= 0.8 against raw appends of the same pattern).
 
     python benchmarks/bench_write.py [--gib 1.0] [--rows-per-append 4] [--repeat 3] [--dir DIR]
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -32,6 +36,17 @@ def fsync_path(path: str) -> None:
 def raw_numpy(data: np.ndarray, path: str) -> float:
     t = time.perf_counter()
     data.tofile(path)
+    fsync_path(path)
+    return time.perf_counter() - t
+
+
+def raw_appends(data: np.ndarray, path: str, rows_per_append: int) -> float:
+    """The same bytes in the same row pattern, appended to a plain file: what a recorder's appends
+    cost without any format."""
+    t = time.perf_counter()
+    with open(path, "wb") as fh:
+        for s in range(0, len(data), rows_per_append):
+            fh.write(data[s:s + rows_per_append].data)
     fsync_path(path)
     return time.perf_counter() - t
 
@@ -60,6 +75,7 @@ def main() -> None:
     ap.add_argument("--flush-rows", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the per-round random order")
     a = ap.parse_args()
     T = int(a.gib * (1 << 30)) // (a.hidden * 2)
     rng = np.random.default_rng(0)
@@ -68,26 +84,41 @@ def main() -> None:
     data = np.tile(block, (T // 4096 + 1, 1))[:T]
     nbytes = data.nbytes
     rms = np.ones((T, 1), np.float32)
-    raw_t, tr_t, tr2_t = [], [], []
+    variants = {
+        "raw numpy tofile": lambda p: raw_numpy(data, p),
+        "raw appends": lambda p: raw_appends(data, p, a.rows_per_append),
+        "TraceWriter, recorder path": lambda p: trace_write(data, p, a.rows_per_append, a.flush_rows, rms),
+        "TraceWriter, writer computes RMS": lambda p: trace_write(data, p, a.rows_per_append, a.flush_rows),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    rng = random.Random(a.seed)
+    size = 0
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
-        for _ in range(a.repeat):  # interleaved, so drift hits both alike
-            p1, p2 = os.path.join(d, "raw.bin"), os.path.join(d, "trace.h5")
-            raw_t.append(raw_numpy(data, p1))
-            os.remove(p1)
-            tr_t.append(trace_write(data, p2, a.rows_per_append, a.flush_rows, rms))
-            size = os.path.getsize(p2)
-            os.remove(p2)
-            tr2_t.append(trace_write(data, p2, a.rows_per_append, a.flush_rows))
-            os.remove(p2)
-    raw_m, tr_m, tr2_m = statistics.median(raw_t), statistics.median(tr_t), statistics.median(tr2_t)
+        path = os.path.join(d, "out.bin")
+        for rnd in range(a.repeat + 1):  # round 0: the untimed warm-up of every variant
+            order = list(variants)
+            rng.shuffle(order)
+            for name in order:
+                secs = variants[name](path)
+                if name.startswith("TraceWriter"):
+                    size = os.path.getsize(path)
+                os.remove(path)
+                if rnd:
+                    times[name].append(secs)
+    med = {k: statistics.median(v) for k, v in times.items()}
     gb = nbytes / 1e9
     print(f"data: {T} rows x {a.hidden} bf16 = {nbytes / (1 << 30):.2f} GiB; appends of {a.rows_per_append} rows "
           f"({T // a.rows_per_append} calls), flush every {a.flush_rows} rows; trace file {size / (1 << 30):.2f} GiB")
-    print(f"raw numpy tofile+fsync : {gb / raw_m:.2f} GB/s (median of {a.repeat}: {raw_m:.2f} s)")
-    print(f"TraceWriter, recorder path (RMS from the device): {gb / tr_m:.2f} GB/s (median {tr_m:.2f} s)")
-    print(f"TraceWriter, RMS computed by the writer         : {gb / tr2_m:.2f} GB/s (median {tr2_m:.2f} s)")
-    print(f"ratio trace/raw, recorder path : {raw_m / tr_m:.2f}  (goal >= 0.80)")
-    print(f"ratio trace/raw, writer RMS    : {raw_m / tr2_m:.2f}")
+    print(f"warm-up round, then {a.repeat} rounds in random order (seed {a.seed}); medians")
+    for k, v in med.items():
+        print(f"{k:34s}: {gb / v:5.2f} GB/s (median {v:.2f} s; all {', '.join(f'{x:.2f}' for x in times[k])})")
+    base = med["raw appends"]
+    print(f"ratio TraceWriter recorder path / raw appends     : {base / med['TraceWriter, recorder path']:.2f}  (goal >= 0.80)")
+    print(f"ratio TraceWriter writer-RMS / raw appends        : {base / med['TraceWriter, writer computes RMS']:.2f}")
+    print(f"ratio TraceWriter recorder path / raw numpy tofile: "
+          f"{med['raw numpy tofile'] / med['TraceWriter, recorder path']:.2f}")
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ from importlib.metadata import entry_points
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: F401  (the class the plugin wraps)
 assert vllm.__version__ == "0.32.0", vllm.__version__
 eps = [ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "tensordiff"]
-assert eps == ["tensordiff.recorders.vllm_plugin:register"], eps
+assert eps == ["tensordiff.recorders.vllm:register"], eps
 print("vllm", vllm.__version__, "| torch", torch.__version__)
 ' 2>&1) || { printf '%s\n' "$out"; log "the check failed"; exit 1; }
 printf '%s\n' "$out" | grep -v 'Triton is installed' || true

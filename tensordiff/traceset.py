@@ -74,12 +74,17 @@ def set_paths(spec: str) -> list[str]:
     if os.path.isdir(spec):
         paths = [os.path.join(spec, n) for n in os.listdir(spec)
                  if n.lower().endswith(TRACE_EXTENSIONS) and os.path.isfile(os.path.join(spec, n))]
+        top = os.path.realpath(spec)
+        for p in paths:  # never follow a link out of the input
+            if os.path.islink(p) and os.path.dirname(os.path.realpath(p)) != top:
+                raise UsageError(f"{os.path.basename(p)} is a symbolic link out of the set's directory; "
+                                 "copy the file in, or name it on its own", spec)
         if not paths:
             raise UsageError("no trace files (*.h5, *.hdf5) in this directory (empty trace set)", spec)
     else:
         paths = [p for p in glob.glob(spec) if os.path.isfile(p)]
         if not paths:
-            raise UsageError("no file matches this pattern (empty trace set)", spec)
+            raise UsageError("no such file or directory, and no file matches it as a pattern (empty trace set)", spec)
     return sorted(paths, key=_member_sort_key)
 
 

@@ -179,7 +179,7 @@ def test_sglang_dump_directory(tmp_path, run):
             _dump(exp, i, step, nm, val)
         for lid in (2, 5):
             i += 1
-            fname = _dump(exp, i, step, "hidden_states", rows(lambda s: s["b"][lid + 1]).clone(), layer_id=lid)
+            fname = _dump(exp, i, step, "hidden_states", rows(lambda s, lid=lid: s["b"][lid + 1]).clone(), layer_id=lid)
         i += 1
         _dump(exp, i, step, "hidden_states", rows(lambda s: s["b"][1]).clone(), layer_id=0, rank=1)  # other rank
         i += 1

@@ -13,6 +13,7 @@ from setgen import LENGTH, H, make_recording, write, write_ranks
 from tensordiff.cli import jsonable, main
 from tensordiff.diff import diff_traces
 from tensordiff.errors import IncompatibleTracesError, TensordiffError, UsageError
+from tensordiff.traceset import set_paths
 from tensordiff.traceset import (
     TraceSet,
     is_set_spec,
@@ -282,3 +283,16 @@ def test_tui_vectors_read_from_a_set(tmp_path, recs, ref):
     finally:
         one.close()
         many.close()
+
+
+def test_a_set_directory_never_follows_a_link_out_of_it(tmp_path):
+    """A member that is a symbolic link to a file elsewhere is refused with one line, not read."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    real = outside / "serve.tp0.h5"
+    real.write_bytes(b"not read")
+    d = tmp_path / "set"
+    d.mkdir()
+    (d / "serve.tp0.h5").symlink_to(real)
+    with pytest.raises(UsageError, match="symbolic link out of the set"):
+        set_paths(str(d))

@@ -112,7 +112,8 @@ def sglang_run(models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF_")}
     env["SGLANG_USE_CPU_ENGINE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO)] + extra)
     env["SGLANG_PLUGINS"] = "tensordiff"
     argv = [sys.executable, "-m", "tensordiff", "record", "serve", "--model", str(models["target"]),
             "--prompts", str(models["prompts"]), "--out", str(tmp / "sglang.h5"), "--outputs", str(tmp / "sglang.jsonl"),
@@ -400,6 +401,28 @@ def test_vllm_plugin_imports_nothing_without_env():
     assert out.strip() == "[]", out
 
 
+def test_vllm_plugin_package_entry_point_and_alias():
+    """The entry point names the package's register; the old module path is an alias of it; the
+    table of wrapped methods follows HOOK_TARGETS; importing every job module loads no torch/vllm."""
+    import tomllib
+
+    with open(REPO / "pyproject.toml", "rb") as fh:
+        eps = tomllib.load(fh)["project"]["entry-points"]["vllm.general_plugins"]
+    assert eps == {"tensordiff": "tensordiff.recorders.vllm:register"}
+    code = ("import sys\n"
+            "from tensordiff.recorders import vllm, vllm_plugin\n"
+            "from tensordiff.recorders.vllm import catalog, control, drafter, forward, ranks, startup, state, verify\n"
+            "assert vllm_plugin.register is vllm.register and vllm_plugin.RPC_METHODS == control.RPC_METHODS\n"
+            "table = vllm.hook_table()\n"
+            "assert [t for t, _, _ in table] == list(vllm.HOOK_TARGETS), table\n"
+            "assert [k for _, k, _ in table] == ['around', 'around', 'after', 'around', 'after', 'before', 'after']\n"
+            "assert [f.__module__.rsplit('.', 1)[1] for _, _, f in table] == "
+            "['forward', 'forward', 'verify', 'drafter', 'drafter', 'control', 'startup']\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')))")
+    out = _run([sys.executable, "-c", code], check=True).stdout
+    assert out.strip() == "[]", out
+
+
 # ----------------------------------------------------------------------------------------------
 # Conventions
 # ----------------------------------------------------------------------------------------------
@@ -418,7 +441,8 @@ def test_engine_conventions():
         c.resolve("trtllm", [-1, 2], 8)  # -1 is no boundary
     assert c.capture_order_note("vllm", [3, 5, 7], 8) is None
     note = c.capture_order_note("vllm", [7, 3, 5], 8)
-    assert "slots permuted by sorting" in note and "feeds [layer7, layer3, layer5] where vLLM feeds [layer3, layer5, layer7]" in note
+    assert "slots permuted by sorting" in note
+    assert "feeds [layer7, layer3, layer5] where vLLM feeds [layer3, layer5, layer7]" in note
     assert "duplicates dropped" in c.capture_order_note("vllm", [3, 3, 5], 8)
     assert c.capture_order_note("sglang-llama", [7, 3, 5], 8) is None  # SGLang keeps config order
     assert "slots permuted by sorting" in c.capture_order_note("trtllm", [-1, 1, 3], 8)
@@ -500,7 +524,7 @@ def test_vllm_serve_bad_input_is_one_line_exit_2(tmp_path, case):
 
 
 @pytest.mark.torch
-def test_idle_flusher_flushes_an_idle_trace(tmp_path, monkeypatch):
+def test_idle_flusher_flushes_an_idle_trace(tmp_path):
     """The Worker runs no hook while vLLM waits for requests: the plugin's own thread flushes the
     rows written so far once the engine has been idle for a second, so a killed server loses none."""
     import threading
@@ -509,19 +533,20 @@ def test_idle_flusher_flushes_an_idle_trace(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     import torch
 
-    from tensordiff.recorders import vllm_plugin as vp
     from tensordiff.recorders.core import Recorder
+    from tensordiff.recorders.vllm import Config
+    from tensordiff.recorders.vllm.control import idle_flusher
+    from tensordiff.recorders.vllm.state import State
     from tensordiff.trace import TraceReader
 
-    st = vp._State()
-    monkeypatch.setattr(vp, "_STATE", st)
-    st.cfg = vp.Config(path=str(tmp_path / "s.h5"))
+    st = State()  # not the process's STATE: the flusher runs on the state it is given
+    st.cfg = Config(path=str(tmp_path / "s.h5"))
     st.rec = Recorder(st.cfg.path, side="serve", model={"num_layers": 2, "hidden_size": 4})
     rows = st.rec.add_tokens("r", None, [1, 2, 3], regime="prefill")
     st.rec.boundary(1, torch.ones(3, 4), rows)
     st.dirty = True
     st.last_activity = time.monotonic() - 5
-    t = threading.Thread(target=vp._idle_flusher, daemon=True)
+    t = threading.Thread(target=idle_flusher, args=(st,), daemon=True)
     t.start()
     deadline = time.monotonic() + 10
     while st.dirty and time.monotonic() < deadline:

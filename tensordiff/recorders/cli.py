@@ -11,8 +11,10 @@ import importlib
 
 # command -> module with add_arguments(parser) and run(args) -> int
 RECORD_COMMANDS = {
-    "train": ("tensordiff.recorders.train_cli", "record the train side: an HF transformers model's boundaries and the packed draft input"),
-    "serve": ("tensordiff.recorders.serve_cli", "record the serve side: run an offline SGLang engine (or vLLM, --engine vllm) with the tensordiff plugin"),
+    "train": ("tensordiff.recorders.train_cli",
+              "record the train side: an HF transformers model's boundaries and the packed draft input"),
+    "serve": ("tensordiff.recorders.serve_cli",
+              "record the serve side: run an offline SGLang engine (or vLLM, --engine vllm) with the tensordiff plugin"),
 }
 IMPORT_MODULE = "tensordiff.recorders.import_cli"
 

@@ -1,6 +1,6 @@
 """``tensordiff record serve --engine vllm``: run an offline ``vllm.LLM`` with the tensordiff plugin.
 
-The engine's Worker process loads the plugin (:mod:`tensordiff.recorders.vllm_plugin`) by its
+The engine's Worker process loads the plugin (:mod:`tensordiff.recorders.vllm`) by its
 ``vllm.general_plugins`` entry point and records there; this process sets ``TENSORDIFF_*`` in the
 environment the engine's processes inherit, adds every prompt as a request under its own id
 (``LLMEngine.add_request``), steps the engine until the requests finish, asks the Worker to close

@@ -1,0 +1,168 @@
+"""The plugin's per-process state: one :class:`State` per vLLM process (only the recording Worker
+ever gets past the first check of a hook), the target step held between hooks, and the sequence
+key of each request.
+
+Standard library only at import time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import re
+import threading
+import time
+
+from .config import Config
+
+log = logging.getLogger("tensordiff.vllm")
+
+_INTERNAL_ID = re.compile(r"^(.*)-[0-9a-f]{8}$")  # vLLM's internal id: f"{external}-{random_uuid():.8}"
+
+
+class Step:
+    """One target forward: its rows, held until the sampling result says which rows to keep."""
+
+    def __init__(self, step: int, segments: list, pos, ids, regimes: list, prompt_lens: list, limits: list):
+        self.step = step
+        self.segments = segments      # [(seq key, first row, count, n_spec)]
+        self.pos = pos                # np.int64 [T]
+        self.ids = ids                # np.int64 [T]
+        self.regimes = regimes        # per segment
+        self.prompt_lens = prompt_lens
+        self.limits = limits          # per segment: positions >= limit are past max_tokens
+        self.aux = None               # torch [T, K*H]
+        self.stash: list = []         # catalog: [(kind, boundary, tensor [T, H])]
+        self.rows = None              # np.int64 [T] trace rows, -1 dropped (after commit)
+        self.next_tok: dict = {}      # (seq, pos) -> token, for the draft shift check
+        self.prompts: dict = {}       # segment -> prompt token ids (prefill segments)
+        self.batch_idx: list = []     # per segment: the request's index in the batch (sampler row)
+        self.num_reqs = 0             # requests in the batch, scheduled tokens or not
+
+
+class State:
+    def __init__(self) -> None:
+        self.cfg: Config | None = None
+        self.rec = None
+        self.role: str | None = None  # None: undecided; "record"; "off"
+        self.path: str | None = None
+        self.paused = False
+        self.closed = False
+        self.broken = False
+        self.dirty = False
+        self.last_flush = time.monotonic()
+        self.last_activity = time.monotonic()
+        self.lock = threading.RLock()  # the recording hooks and the idle flusher share the writer
+        self.model: dict = {}
+        self.labels: list[str] | None = None
+        self.raw_ids: list[int] | None = None
+        self.convention = "vllm"
+        self.attrs: dict = {}
+        self.step_no = 0
+        self.sched = None             # the scheduler output of the running execute_model
+        self.forwarded = False
+        self.pending: Step | None = None
+        self.last: Step | None = None  # the committed step the drafter reads
+        self.ctx: Step | None = None   # the step whose forward the catalog taps see
+        self.catalog_handles: list = []
+        self.draft_ctx: dict | None = None
+        self.draft_ids_defined = False
+        self.keys: dict[str, str] = {}  # internal request id -> sequence key
+        self.key_owner: dict[str, str] = {}
+        self.warned: set[str] = set()
+        self.rows_written = 0
+        self.rows_dropped = 0
+        self.shift_checked = 0
+        self.shift_mismatched = 0
+        self.draft_unmatched = 0
+        self.seconds = 0.0
+
+    def warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            log.warning("tensordiff: " + msg, *args)
+
+    @property
+    def active(self) -> bool:
+        return self.rec is not None and not (self.paused or self.closed or self.broken)
+
+    def fail(self, where: str, e: BaseException) -> None:
+        """A recording error never reaches the engine: log it, stop recording, keep the trace."""
+        log.exception("tensordiff: recording stopped (error in %s): %s", where, e)
+        with self.lock:
+            if self.broken:
+                return
+            self.broken = True
+            self.pending = self.last = self.ctx = None
+            if self.rec is not None and not self.closed:
+                try:
+                    self._write_stats()
+                    self.rec.close(e)
+                except Exception:  # noqa: BLE001
+                    log.exception("tensordiff: closing the trace after the error failed")
+
+    def _write_stats(self) -> None:
+        self.rec.writer.set_attr(None, "tensordiff_vllm", {
+            "rows": self.rows_written, "rows_dropped": self.rows_dropped,
+            "draft_shift_checked": self.shift_checked, "draft_shift_mismatched": self.shift_mismatched,
+            "draft_passes_unmatched": self.draft_unmatched, "catalog_taps": len(self.catalog_handles),
+            "plugin_seconds": round(self.seconds, 6), "recorder_seconds": round(self.rec.stats.seconds, 6),
+            **self.attrs,
+        })
+
+    def flush(self, force: bool = False) -> None:
+        with self.lock:
+            if self.rec is None or self.closed or self.broken:
+                return
+            if force or (self.dirty and time.monotonic() - self.last_flush >= self.cfg.flush_seconds):
+                self._write_stats()
+                self.rec.flush()
+                self.dirty = False
+                self.last_flush = time.monotonic()
+
+    def close(self) -> None:
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self.rec is None or self.closed:
+            self.closed = True
+            return
+        if not self.broken and self.pending is not None:
+            from .verify import commit  # the held step, as if its sampling result said nothing
+
+            try:
+                commit(self.pending, None)
+            except Exception as e:  # noqa: BLE001
+                self.fail("close", e)
+        self.closed = True
+        if self.broken:
+            return
+        try:
+            self._write_stats()
+            self.rec.close()
+            log.info("tensordiff: trace closed: %s", self.rec.writer.path)
+        except Exception as e:  # noqa: BLE001
+            log.exception("tensordiff: closing the trace failed: %s", e)
+        for h in self.catalog_handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def seq_key(self, req_id: str) -> str:
+        """The sequence key of a vLLM request: its external id (vLLM appends ``-<8 hex>`` to make
+        the internal one), unless two live requests share that external id."""
+        k = self.keys.get(req_id)
+        if k is None:
+            m = _INTERNAL_ID.match(req_id)
+            k = m.group(1) if m and m.group(1) else req_id
+            if self.key_owner.get(k, req_id) != req_id:
+                k = req_id
+            self.key_owner.setdefault(k, req_id)
+            self.keys[req_id] = k
+        return k
+
+
+STATE = State()
+atexit.register(STATE.close)
