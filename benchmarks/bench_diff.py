@@ -28,7 +28,8 @@ Exit status 0 when tensordiff exits 1 and names the corrupted layer first, 1 whe
 2 when the data could not be prepared. Runtime of the default: 4-6 minutes on 2 cores (the
 comparator is most of it).
 
-The comparator needs ``polars`` (and torch + sglang); without them its rows are skipped.
+The comparator needs ``polars`` (and torch + sglang): without them the benchmark stops with exit 2
+and says so, unless ``--no-comparator`` is given (then the table says it was left out).
 """
 
 from __future__ import annotations
@@ -308,7 +309,11 @@ def main() -> int:
             ("tensordiff in-process", [py, me, "--_worker", "inproc", paths_json]),
         ]
         have_cmp = False
-        if not a.no_comparator and os.path.isdir(info["dump_target"]):
+        if not a.no_comparator and not os.path.isdir(info["dump_target"]):
+            print(f"SGLang comparator cannot run: no dumper output ({info['dump_mode']}); pass --no-comparator",
+                  file=sys.stderr)
+            return 2
+        if not a.no_comparator:
             chk = subprocess.run([py, "-c", "import polars, torch, sglang.srt.debug_utils.comparator.entrypoint"],
                                  env=env, capture_output=True, text=True)
             if chk.returncode == 0:
@@ -318,8 +323,10 @@ def main() -> int:
                                                     "--target-path", info["dump_target"], "--report-path", ""]))
                 # its start-up alone (python + imports), to split the end-to-end figure
                 tasks.append(("SGLang comparator import", [py, "-c", "import sglang.srt.debug_utils.comparator.entrypoint"]))
-            else:
-                print(f"SGLang comparator skipped: {chk.stderr.strip().splitlines()[-1:]}", flush=True)
+            else:  # a baseline is never skipped silently: say what is missing and stop
+                print(f"SGLang comparator cannot run: {chk.stderr.strip().splitlines()[-1:]}; install the bench "
+                      "extra (scripts/setup.sh full installs polars) or pass --no-comparator", file=sys.stderr)
+                return 2
 
         runs: dict[str, list[dict]] = {name: [] for name, _ in tasks}
         for rep in range(a.repeat + 1):  # rep 0: the untimed warm-up pass

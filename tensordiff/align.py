@@ -24,6 +24,7 @@ from .tokens import POS_MASK, SEQ_BITS, token_code
 from .trace import TensorInfo, TraceReader
 
 MAX_SHIFT = 2
+MIN_MATCH = 0.75   # a sequence pair needs this share of its overlapping positions with equal token ids
 
 Codes = NDArray[np.int64]
 
@@ -45,6 +46,7 @@ class TokenAlignment:
     seq_pairs: list[dict[str, Any]]
     gaps: list[dict[str, Any]]
     shifts: dict[int, int]  # shift -> number of sequence pairs
+    mismatches: list[dict[str, Any]] = field(default_factory=list)  # paired positions with other token ids
     _b_order: Codes | None = field(default=None, repr=False)
     _b_sorted: Codes | None = field(default=None, repr=False)
 
@@ -127,69 +129,91 @@ def _shift_matches(pa: Codes, ta: Codes, pb: Codes, tb: Codes, s: int) -> tuple[
     return int(present.sum()), int((present & (tb[idx_c] == ta)).sum())
 
 
+def _pair_candidates(A: SideTokens, B: SideTokens) -> list[tuple[int, int, int, int, int]]:
+    """Every plausible (matches, overlap, shift, seq a, seq b): B sequences that share 3-grams with
+    an A sequence (up to 8 per A sequence; every B sequence when both traces are small), each at
+    its best shift in -MAX_SHIFT..+MAX_SHIFT (most matching positions, then the smallest shift)."""
+    index: dict[int, set[int]] = defaultdict(set)
+    for sb, (_pb, tb) in B.seqs.items():
+        for h in _ngram_hashes(tb).tolist():
+            index[h].add(sb)
+    out = []
+    small = len(B.seqs) <= 64
+    for sa, (pa, ta) in A.seqs.items():
+        votes: dict[int, int] = defaultdict(int)
+        for h in _ngram_hashes(ta).tolist():
+            for sb in index.get(h, ()):
+                votes[sb] += 1
+        cands = sorted(votes, key=lambda x: -votes[x])[:8]
+        if small:
+            cands += [x for x in B.seqs if x not in votes]
+        for sb in cands:
+            pb, tb = B.seqs[sb]
+            best: tuple[int, int, int] | None = None
+            for sh in sorted(range(-MAX_SHIFT, MAX_SHIFT + 1), key=abs):
+                overlap, matches = _shift_matches(pa, ta, pb, tb, sh)
+                if matches and (best is None or matches > best[0]):
+                    best = (matches, overlap, sh)
+            if best is not None and best[0] >= MIN_MATCH * best[1]:
+                out.append((best[0], best[1], best[2], sa, sb))
+    return out
+
+
 def align_tokens(ra: TraceReader, rb: TraceReader,
                  sides: tuple[SideTokens, SideTokens] | None = None) -> TokenAlignment:
     """Pair sequences and positions of two traces. ``sides``: their :class:`SideTokens`, when the
-    caller already built them (the differ keeps them to map tensor rows)."""
+    caller already built them (the differ keeps them to map tensor rows).
+
+    Sequences pair by a global assignment over (sequence a, sequence b, shift), scored on matched
+    tokens: all candidate pairs sorted by matched positions (then smaller shift), each taken when
+    both of its sequences are still free. So a sequence goes to the partner it shares most tokens
+    with, whatever the file order, and a shared system prompt cannot steal another's partner."""
     A, B = sides or (SideTokens(ra), SideTokens(rb))
     if not A.seqs:
         raise IncompatibleTracesError("the trace has no tokens (empty trace)", ra.path)
     if not B.seqs:
         raise IncompatibleTracesError("the trace has no tokens (empty trace)", rb.path)
-    index: dict[int, set[int]] = defaultdict(set)
-    for sb, (_pb, tb) in B.seqs.items():
-        for h in _ngram_hashes(tb).tolist():
-            index[h].add(sb)
+    cands = _pair_candidates(A, B)
+    cands.sort(key=lambda c: (-c[0], abs(c[2]), c[3], c[4]))
+    used_a: dict[int, tuple[int, int]] = {}
     used_b: set[int] = set()
+    for _m, _o, sh, sa, sb in cands:
+        if sa not in used_a and sb not in used_b:
+            used_a[sa] = (sb, sh)
+            used_b.add(sb)
     seq_pairs: list[dict[str, Any]] = []
     gaps: list[dict[str, Any]] = []
+    mismatches: list[dict[str, Any]] = []
     shifts: dict[int, int] = defaultdict(int)
     parts_a: list[Codes] = []
     parts_b: list[Codes] = []
     for sa, (pa, ta) in A.seqs.items():
-        votes: dict[int, int] = defaultdict(int)
-        for h in _ngram_hashes(ta, limit=256).tolist():
-            for sb in index.get(h, ()):
-                if sb not in used_b:
-                    votes[sb] += 1
-        cands = sorted(votes, key=lambda s: -votes[s])[:4]
-        if not cands and len(B.seqs) <= 64:
-            cands = [s for s in B.seqs if s not in used_b]
-        best: tuple[tuple[int, int], int, int] | None = None
-        for sb in cands:
-            pb, tb = B.seqs[sb]
-            for s in sorted(range(-MAX_SHIFT, MAX_SHIFT + 1), key=abs):
-                overlap, matches = _shift_matches(pa, ta, pb, tb, s)
-                if matches == 0 or matches < 0.9 * overlap:
-                    continue
-                score = (matches, -abs(s))
-                if best is None or score > best[0]:
-                    best = (score, sb, s)
-        if best is None:
+        if sa not in used_a:
             gaps.append({"seq": A.key(sa), "side": "a", "positions": _ranges(pa), "count": len(pa),
                          "reason": "sequence only on A (no sequence of B has these token ids)"})
             continue
-        _, sb, s = best
-        used_b.add(sb)
+        sb, sh = used_a[sa]
         pb, tb = B.seqs[sb]
-        idx = np.searchsorted(pb, pa + s)
+        idx = np.searchsorted(pb, pa + sh)
         idx_c = np.minimum(idx, len(pb) - 1)
-        ok = (pb[idx_c] == pa + s) & (tb[idx_c] == ta)
-        only_a = pa[~ok]
-        matched_b = np.zeros(len(pb), bool)
-        matched_b[idx_c[ok]] = True
-        only_b = pb[~matched_b]
-        shifts[s] += 1
-        seq_pairs.append({"a": A.key(sa), "b": B.key(sb), "shift": s, "tokens": int(ok.sum()),
-                          "only_a": len(only_a), "only_b": len(only_b)})
-        if len(only_a):
-            gaps.append({"seq": A.key(sa), "side": "a", "positions": _ranges(only_a), "count": len(only_a),
-                         "reason": _gap_reason(only_a, pa, "a")})
-        if len(only_b):
-            gaps.append({"seq": B.key(sb), "side": "b", "positions": _ranges(only_b), "count": len(only_b),
-                         "reason": _gap_reason(only_b, pb, "b")})
+        present = pb[idx_c] == pa + sh
+        ok = present & (tb[idx_c] == ta)
+        other = present & ~ok                      # on both sides, with different token ids
+        only_a = pa[~present]
+        on_b = np.zeros(len(pb), bool)
+        on_b[idx_c[present]] = True
+        only_b = pb[~on_b]
+        shifts[sh] += 1
+        seq_pairs.append({"a": A.key(sa), "b": B.key(sb), "shift": sh, "tokens": int(ok.sum()),
+                          "only_a": len(only_a), "only_b": len(only_b), "mismatched": int(other.sum())})
+        if other.any():
+            mismatches.append({"seq": A.key(sa), "seq_b": B.key(sb), "positions": _ranges(pa[other]),
+                               "count": int(other.sum()), "tokens_a": ta[other][:4].tolist(),
+                               "tokens_b": tb[idx_c[other]][:4].tolist()})
+        gaps += _gaps(A.key(sa), "a", only_a, pa)
+        gaps += _gaps(B.key(sb), "b", only_b, pb)
         parts_a.append(token_code(sa, pa[ok]))
-        parts_b.append(token_code(sb, pa[ok] + s))
+        parts_b.append(token_code(sb, pa[ok] + sh))
     for sb, (pb, _tb) in B.seqs.items():
         if sb not in used_b:
             gaps.append({"seq": B.key(sb), "side": "b", "positions": _ranges(pb), "count": len(pb),
@@ -205,7 +229,8 @@ def align_tokens(ra: TraceReader, rb: TraceReader,
     ia = np.searchsorted(A.codes, code_a)
     ib = np.searchsorted(B.codes, code_b)
     return TokenAlignment(code_a=code_a, code_b=code_b, token=A.tok[ia], regime_a=A.regime[ia],
-                          regime_b=B.regime[ib], seq_pairs=seq_pairs, gaps=gaps, shifts=dict(shifts))
+                          regime_b=B.regime[ib], seq_pairs=seq_pairs, gaps=gaps, shifts=dict(shifts),
+                          mismatches=mismatches)
 
 
 def _ranges(pos: Codes, limit: int = 8) -> list[list[int]]:
@@ -216,13 +241,27 @@ def _ranges(pos: Codes, limit: int = 8) -> list[list[int]]:
     return out[:limit]
 
 
-def _gap_reason(missing: Codes, have: Codes, side: str) -> str:
+def _gaps(seq: str, side: str, missing: Codes, have: Codes) -> list[dict[str, Any]]:
+    """Gap records of one sequence on one side, one per reason: the run that starts at the
+    sequence's first position (a prefix-cache hit), the run that ends at its last (truncation,
+    rows past an accept length, the last generated token), and any others in the middle."""
+    if len(missing) == 0:
+        return []
     other = "B" if side == "a" else "A"
-    if len(missing) and missing[0] == have[0] and np.all(np.diff(missing) == 1):
-        return f"leading positions absent on {other} (prefix-cache hit, or truncation)"
-    if len(missing) and missing[-1] == have[-1]:
-        return f"trailing positions absent on {other} (truncation, or rows past a draft's accept length)"
-    return f"positions absent on {other}"
+    cuts = np.flatnonzero(np.diff(missing) != 1) + 1
+    runs = np.split(missing, cuts)
+    lead = [r for r in runs if r[0] == have[0]]
+    tail = [r for r in runs if r[-1] == have[-1] and r[0] != have[0]]
+    mid = [r for r in runs if r[0] != have[0] and r[-1] != have[-1]]
+    out = []
+    for group, reason in ((lead, f"leading positions absent on {other} (prefix-cache hit, or truncation)"),
+                          (tail, (f"trailing positions absent on {other} (truncation, or rows past a draft's "
+                                  "accept length)")),
+                          (mid, f"positions absent on {other}")):
+        if group:
+            pos = np.concatenate(group)
+            out.append({"seq": seq, "side": side, "positions": _ranges(pos), "count": len(pos), "reason": reason})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,8 +14,21 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .align import RowMaps
-from .identity import CandidateRows, IdentityVerdict, Target, clean, identify
+from .dtypes import EPS
+from .identity import (
+    EXACT_EPS,
+    FLOOR_FACTOR,
+    OFFSETS,
+    CandidateRows,
+    IdentityVerdict,
+    NoiseFloor,
+    Target,
+    clean,
+    identify,
+)
+from .tolerances import coarser, default_tolerance
 from .trace import TensorInfo, TraceReader
+from .vocab import parse_label
 
 Codes = NDArray[np.int64]
 
@@ -39,6 +52,8 @@ class IdentitySearch:
                  progress: Callable[[str, int, int], None]):
         self.ra, self.rb, self.maps, self._progress = ra, rb, maps, progress
         self.cat_a, self.cat_b = Catalog(ra, "a"), Catalog(rb, "b")
+        #: the cross-side noise floor of a state (set by the diff once the boundaries are compared)
+        self.floor_of: Callable[[str], NoiseFloor] = lambda label: NoiseFloor(1e-3, 0.05, "none measured")
 
     def _target(self, r: TraceReader, info: TensorInfo, rows: Codes, slot: int, basis: str) -> Target:
         """One slot's rows (full values or sketch) and their per-token RMS."""
@@ -63,49 +78,49 @@ class IdentitySearch:
         if len(sample) == 0:
             return {s: IdentityVerdict(reason="no sampled token") for s in slots}
         own_cat, other_cat = (self.cat_a, self.cat_b) if side == "a" else (self.cat_b, self.cat_a)
+        # every recorded state of both sides, per (label, side): a partial catalog on one side
+        # never hides the other side's record of the same state
         candidates: list[tuple[str, str, TensorInfo, TraceReader]] = []
-        seen: set[str] = set()
         for cat in (own_cat, other_cat):
             for label, ci in cat.states.items():
                 if cat.side == side and ci.name == info.name:
                     continue  # never the tensor itself: it would always match, hiding what it holds
-                if label not in seen:
-                    seen.add(label)
-                    candidates.append((label, cat.side, ci, cat.r))
+                candidates.append((label, cat.side, ci, cat.r))
         if not candidates:
             return {s: IdentityVerdict(reason="no catalog states recorded on either side") for s in slots}
-        targets = [self.maps.offset_index(sample, o) for o in (0, -1, 1, -2, 2)]
-        cand_rows: dict[str, dict[int, Codes]] = {}
+        targets = [self.maps.offset_index(sample, o) for o in OFFSETS]
+        cand_rows: dict[tuple[str, str], dict[int, Codes]] = {}
         for i, (label, cside, ci, _) in enumerate(candidates):
             # also a chance for a caller (the TUI's worker) to stop between candidates
             self._progress("identifying slots", i, len(candidates))
-            cand_rows[label] = dict(zip((0, -1, 1, -2, 2), self.maps.rows_at(cside, ci.name, targets)))
-        cand_data: dict[tuple[str, str], tuple[Codes, Target]] = {}
+            cand_rows[(label, cside)] = dict(zip(OFFSETS, self.maps.rows_at(cside, ci.name, targets)))
+        cand_data: dict[tuple[str, str, str], tuple[Codes, Target]] = {}
 
-        def basis_of(ci: TensorInfo, cr: TraceReader) -> str | None:
-            basis = "values" if (info.has_values and ci.has_values) else "sketch"
-            if basis == "sketch" and not (info.has_sketch and ci.has_sketch and cr.sketch_dim == r_self.sketch_dim
-                                          and cr.sketch_seed == r_self.sketch_seed):
-                return None
-            if basis == "values" and ci.width != info.slot_width:
-                return None
-            return basis
+        def usable(ci: TensorInfo, cr: TraceReader, basis: str) -> bool:
+            if basis == "values":
+                return info.has_values and ci.has_values and ci.width == info.slot_width
+            return (info.has_sketch and ci.has_sketch and cr.sketch_dim == r_self.sketch_dim
+                    and cr.sketch_seed == r_self.sketch_seed)
 
-        def candidates_at(offset: int) -> list[CandidateRows]:
+        def candidates_at(offset: int, basis: str) -> list[CandidateRows]:
             out = []
             for label, cside, ci, cr in candidates:
-                crows = cand_rows[label][offset]
+                crows = cand_rows[(label, cside)][offset]
                 ok = crows >= 0
-                basis = basis_of(ci, cr)
-                if basis is None or ok.sum() < max(1, len(sample) // 4):
+                if not ok.any() or not usable(ci, cr, basis):
                     continue
-                key = (label, basis)
+                key = (label, cside, basis)
                 if key not in cand_data:  # a candidate's rows at every offset, read once (their union)
-                    union = np.unique(np.concatenate([r[r >= 0] for r in cand_rows[label].values()]))
+                    rows = cand_rows[(label, cside)].values()
+                    union = np.unique(np.concatenate([r[r >= 0] for r in rows]))
                     cand_data[key] = (union, self._target(cr, ci, union, 0, basis))
                 union, t = cand_data[key]
                 pos = np.searchsorted(union, crows[ok])
-                out.append(CandidateRows(label, cside, offset, basis, ok, t.data[pos], t.rms[pos]))
+                exact_tol = None
+                if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
+                    eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
+                    exact_tol = EXACT_EPS * eps + (1e-5 if basis == "sketch" else 0.0)
+                out.append(CandidateRows(label, cside, offset, basis, ok, t.data[pos], t.rms[pos], exact_tol))
             return out
 
         out = {}
@@ -116,7 +131,7 @@ class IdentitySearch:
                 if basis not in cache:
                     cache[basis] = self._target(r_self, info, rows_self, slot, basis)
                 return cache[basis]
-            out[slot] = identify(target, candidates_at, len(sample))
+            out[slot] = identify(target, candidates_at, self.floor_of, len(sample))
         return out
 
 
@@ -128,3 +143,33 @@ def slot_rms_at(r: TraceReader, info: TensorInfo, rows: Codes, slot: int) -> NDA
     lo, hi = int(rows.min()), int(rows.max()) + 1
     out: NDArray[np.float32] = np.asarray(r.read_rms(info.name, lo, hi), np.float32)[rows - lo, slot]
     return out
+
+
+def noise_floors(measured: dict[str, tuple[float, float, float, int]], num_layers: int | None, dtype_a: str,
+                 dtype_b: str) -> Callable[[str], NoiseFloor]:
+    """``floor_of(label)`` for the identity search, from ``measured`` {label: (depth, 99th
+    percentile of 1 - cos, of rel, tokens)} of the states recorded on both sides: a measured state
+    its own; a state in between the larger of its nearest measured neighbours by depth; nothing
+    measured, the default tolerance's allowance (so no finer distinction is claimed)."""
+    L = num_layers
+
+    def floor_of(label: str) -> NoiseFloor:
+        if label in measured:
+            _, oc, rel, n = measured[label]
+            return NoiseFloor(oc, rel, f"{label} recorded on both sides (99th percentile of {n} tokens)")
+        try:
+            b = parse_label(label)
+            d = float(b if b is not None else (L or 0))
+        except ValueError:
+            d = float(L or 0)
+        if measured:
+            below = [m for m in measured.values() if m[0] <= d]
+            above = [m for m in measured.values() if m[0] >= d]
+            near = [max(below, key=lambda m: m[0])] if below else []
+            near += [min(above, key=lambda m: m[0])] if above else []
+            oc, rel = max(m[1] for m in near), max(m[2] for m in near)
+            return NoiseFloor(oc, rel, "nearest states recorded on both sides")
+        t = default_tolerance(dtype_a, dtype_b, d)
+        return NoiseFloor((1 - t.min_cos) / FLOOR_FACTOR, t.max_rel / 4, "default tolerance (no state recorded on "
+                          "both sides)")
+    return floor_of

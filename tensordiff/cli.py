@@ -181,9 +181,8 @@ def cmd_calibrate(args) -> int:
     from .tolerances import (
         Tolerance,
         ToleranceBook,
-        calibrated_tolerance,
+        calibrate_tolerance,
         calibration_file,
-        coarser,
     )
     from .safety import check_output_path
     from .trace import probe
@@ -196,24 +195,31 @@ def cmd_calibrate(args) -> int:
     loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
     with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
         res = d.run()
-        dtypes = {p.name_a: coarser(d.ra.tensors[p.name_a].dtype, d.rb.tensors[p.name_b].dtype) for p in res.pairs}
-    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing", "replica")]
+    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing", "token_mismatch", "replica")
+           and f.severity == "divergence"]
     if ids:
         raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
-    tols = {}
+    tols, warnings = {}, []
     for p in res.pairs:
-        if not p.tokens or len(p.cos_min or []) < p.slots:
-            continue  # no token of it was compared on both sides: nothing to measure
+        if not p.compared:
+            warnings.append(f"{p.label}: not compared ({p.not_compared}); no tolerance written")
+            continue
         for s in range(p.slots):
             key = f"{p.name_a}[{s}]" if p.slots > 1 else p.name_a
-            tols[key] = calibrated_tolerance(p.cos_min[s], p.rel_max[s], dtypes[p.name_a], args.margin)
+            tols[key], warn = calibrate_tolerance(key, p.cos_min[s], p.rel_max[s], p.dtype_a, p.dtype_b,
+                                                  p.depth[s], args.margin)
+            if warn:
+                warnings.append(warn)
     if not tols:
-        raise IncompatibleTracesError("nothing to calibrate on: no tensor has a token recorded on both sides "
-                                      f"({args.a}, {args.b})")
-    out = calibration_file(args.a, args.b, args.margin, tols)
+        raise IncompatibleTracesError("nothing to calibrate on: no tensor was compared on both sides "
+                                      f"({'; '.join(warnings[:3])})")
+    out = calibration_file(args.a, args.b, args.margin, tols, warnings)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(jsonable(out), fh, indent=2)
-    print(f"wrote {len(tols)} calibrated tolerances to {args.out} (margin {args.margin}x the observed noise floor)")
+    for w in warnings:
+        sys.stderr.write(f"tensordiff: warning: {w}\n")
+    print(f"wrote {len(tols)} calibrated tolerances to {args.out} (margin {args.margin}x the observed noise floor"
+          + (f"; {len(warnings)} warnings" if warnings else "") + ")")
     return EXIT_OK
 
 

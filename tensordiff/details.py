@@ -89,12 +89,31 @@ class PairingDetails(Details):
 
 @dataclass
 class GapDetails(Details):
+    """Tokens on one side only, collapsed per (side, reason): ``count`` tokens in ``sequences``
+    sequences; ``seq``/``positions``: the first one (inclusive ranges), ``seqs``: up to 8 keys."""
+
     seq: str = ""
     side: str = "a"                 # which side has the tokens: "a" or "b"
     side_name: str = ""
     positions: list[list[int]] = field(default_factory=list)  # first ranges [start, end], inclusive
     count: int = 0
     reason: str = ""
+    sequences: int = 1
+    seqs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TokenMismatchDetails(Details):
+    """Paired positions (present on both sides) whose token ids differ: their rows are not compared."""
+
+    seq: str = ""
+    seq_b: str = ""
+    positions: list[list[int]] = field(default_factory=list)  # A's positions, inclusive ranges
+    count: int = 0
+    tokens_a: list[int] = field(default_factory=list)          # the first few ids on each side
+    tokens_b: list[int] = field(default_factory=list)
+    side_a: str = "A"
+    side_b: str = "B"
 
 
 @dataclass
@@ -102,6 +121,7 @@ class MissingDetails(Details):
     reason: str = "one_side"   # one_side | no_common_token | no_basis
     label: str = ""
     side: str = ""             # for one_side: "A" or "B"
+    reason_text: str = ""      # for the others: both sides' rows, or what each keeps (values, sketch seed/dim)
 
 
 @dataclass
@@ -139,24 +159,73 @@ class NonfiniteDetails(Details):
 
 
 @dataclass
+class IdentityEvidence(Record):
+    """Why the identity search decided what it did for one slot (docs/diff.md §3).
+
+    ``cos``: mean per-token cosine of the best candidate on ``tokens`` sampled tokens; ``exact``:
+    an own-side recorded state equal to the slot within ``exact_tol`` (per-token relative error,
+    worst ``exact_rel``); ``runner_up`` and the paired test of best vs runner-up on the
+    ``paired_tokens`` both cover: ``win_rate`` (share of tokens where the best is closer) and ``z``
+    (mean / standard error of the per-token cosine differences); ``tied``: other states not
+    significantly worse than the best; ``floor``: the 1 - cos the same state shows across the two
+    sides (from ``floor_source``), ``within_floor`` whether the best is that close; ``rms_ratio``:
+    median per-token RMS of the slot over the best's (``rms_lo``..``rms_hi``: 5th..95th percentile);
+    ``decided_by``: exact | paired test | scale (a tie in direction broken by RMS) | none."""
+
+    cos: float | None = None
+    tokens: int = 0
+    exact: bool = False
+    exact_rel: float | None = None
+    exact_tol: float | None = None
+    runner_up: str | None = None
+    runner_up_offset: int = 0
+    runner_up_cos: float | None = None
+    paired_tokens: int = 0
+    win_rate: float | None = None
+    z: float | None = None
+    tied: list[str] = field(default_factory=list)
+    floor: float | None = None
+    floor_source: str = ""
+    within_floor: bool = False
+    rms_ratio: float | None = None
+    rms_lo: float | None = None
+    rms_hi: float | None = None
+    decided_by: str = "none"
+
+
+@dataclass
 class IdentityDetails(Details):
-    outcome: str = "holds"     # holds: a confident other state; no_state: none is a confident match
+    """``outcome``: holds (a recorded state other than expected), scaled (a recorded state at
+    another scale), no_state (closest to ``closest`` but equal to no recorded state), ambiguous
+    (between ``tied``), mislabeled (the side ``side`` labels the slot ``claimed`` but holds
+    ``held``: that side is at fault)."""
+
+    outcome: str = "holds"
     subject: str = ""          # "slot 0 of draft_input", or a tensor name for a boundary
     boundary_side: str | None = None  # a boundary's identity: the side whose tensor it is
+    side: str = "b"            # whose slot the sentence is about: "a" or "b"
+    side_name: str = ""
     held: str | None = None
     expected: str | None = None
+    claimed: str | None = None
     offset: int = 0
+    scale: float | None = None
     score: float | None = None
     margin: float | None = None
     runner_up: str | None = None
     closest: str | None = None
+    cos: float | None = None
+    tied: list[str] = field(default_factory=list)
     claimed_a: str | None = None
     claimed_b: str | None = None
     held_a: str | None = None
     candidates: list[Candidate] = field(default_factory=list)
+    evidence: IdentityEvidence | None = None
 
     def __post_init__(self) -> None:
         self.candidates = [c if isinstance(c, Candidate) else Candidate.from_dict(c) for c in self.candidates]
+        if isinstance(self.evidence, dict):
+            self.evidence = IdentityEvidence.from_dict(self.evidence)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .align import (
     pair_tensors,
     sample_indices,
 )
-from .catalog import IdentitySearch
+from .catalog import IdentitySearch, noise_floors
 from .errors import IncompatibleTracesError, TensordiffError
 from .findings import (
     Details,
@@ -36,7 +36,6 @@ from .findings import (
     GapDetails,
     IdentityDetails,
     Kind,
-    LabelDetails,
     MissingDetails,
     NonfiniteDetails,
     NumericDetails,
@@ -47,14 +46,16 @@ from .findings import (
     Severity,
     ShiftDetails,
     SlotRow,
+    TokenMismatchDetails,
     order_findings,
 )
-from .identity import IdentityVerdict
+from .identity import IdentityVerdict, NoiseFloor
 from .numerics import BlockMetrics, PairAccumulator, WorstTokens
+from .slots import judge_slot
 from .tolerances import ToleranceBook, allow_failed
 from .trace import TensorInfo, TraceReader
 from .traceset import open_trace
-from .vocab import REGIMES
+from .vocab import REGIMES, parse_label
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing_extensions import Self
@@ -177,20 +178,26 @@ class Differ:
         sinks = [make(al, ra, rb) for make in factories]
         if self.opt.numeric is not None:
             self.opt.numeric.start(self, pairs)
-        slot_table: list[SlotRow] = []
-        stats: list[PairStats] = []
         self._done = 0
         self._total = max(sum(min(a.rows, b.rows, len(al)) for a, b in pairs), 1)  # for the progress bar
         worst = WorstTokens()
-        try:
-            for ia, ib in pairs:
-                st, fnd, rows = self._compare_pair(ia, ib, sinks, worst)
-                stats.append(st)
-                findings += fnd
-                slot_table += rows
+        try:  # numerics of every pair first: the agreeing boundaries give identity its noise floor
+            streamed = [self._stream_pair(ia, ib, sinks, worst) for ia, ib in pairs]
         finally:
-            for s in sinks:
-                s.close()
+            for sink in sinks:
+                sink.close()
+        self.search.floor_of = self._noise_floors(streamed)
+        slot_table: list[SlotRow] = []
+        for sp in streamed:
+            findings += sp.findings
+            if sp.acc is not None:
+                findings += self._judge_pair(sp, slot_table)
+        stats = [sp.stats for sp in streamed]
+        compared = [p for p in stats if p.compared]
+        if not compared:
+            why = "; ".join(f"{p.label}: {p.not_compared}" for p in stats[:4])
+            raise IncompatibleTracesError(f"nothing compared: none of the {len(stats)} paired tensors could be "
+                                          f"compared ({why}{'; ...' if len(stats) > 4 else ''})")
         self.opt.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
         findings = allow_failed(findings, stats, self.opt.tolerances.allow_failed)
         findings = acceptance.add_finding(ra, rb, al, self.maps, order_findings(findings), stats)
@@ -212,10 +219,20 @@ class Differ:
             out.append(Finding(Kind.TOKEN_SHIFT, Severity.DIVERGENCE, seq=pair["a"], order=-2.0,
                                details=ShiftDetails(shift=s, sequences=n, of=sum(al.shifts.values()),
                                                     side_a=ra.side, side_b=rb.side)))
+        for m in al.mismatches:
+            out.append(Finding(Kind.TOKEN_MISMATCH, Severity.DIVERGENCE, seq=m["seq"], order=-1.5,
+                               position=m["positions"][0][0], details=TokenMismatchDetails(
+                                   seq=m["seq"], seq_b=m["seq_b"], positions=m["positions"], count=m["count"],
+                                   tokens_a=m["tokens_a"], tokens_b=m["tokens_b"], side_a=ra.side, side_b=rb.side)))
+        # gaps: one note per (side, reason), with counts (the JSON's "gaps" keeps every sequence)
+        groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for g in al.gaps:
-            out.append(Finding(Kind.GAP, Severity.INFO, seq=g["seq"], order=-1.0, details=GapDetails(
-                seq=g["seq"], side=g["side"], side_name=ra.side if g["side"] == "a" else rb.side,
-                positions=g["positions"], count=g["count"], reason=g["reason"])))
+            groups.setdefault((g["side"], g["reason"]), []).append(g)
+        for (side, reason), gs in groups.items():
+            g0 = gs[0]
+            out.append(Finding(Kind.GAP, Severity.INFO, seq=g0["seq"], order=-1.0, details=GapDetails(
+                seq=g0["seq"], side=side, side_name=ra.side if side == "a" else rb.side, positions=g0["positions"],
+                count=sum(g["count"] for g in gs), reason=reason, sequences=len(gs), seqs=[g["seq"] for g in gs[:8]])))
         # a trace recovered from a killed recording: say so (its missing tail shows up as gaps)
         for r in (ra, rb):
             note = getattr(r, "recovered_note", None)
@@ -241,31 +258,75 @@ class Differ:
 
     # -- one tensor pair -----------------------------------------------------------------------
 
-    def _compare_pair(self, ia: TensorInfo, ib: TensorInfo, sinks: list[DiffSink], worst: WorstTokens
-                      ) -> tuple[PairStats, list[Finding], list[SlotRow]]:
+    def _stream_pair(self, ia: TensorInfo, ib: TensorInfo, sinks: list[DiffSink], worst: WorstTokens) -> _Streamed:
+        """Pairing checks, the basis, and the streamed numerics of one tensor pair."""
         everything = np.arange(len(self.al))
         (ma,), (mb,) = self.maps.rows_at("a", ia.name, [everything]), self.maps.rows_at("b", ib.name, [everything])
         both = (ma >= 0) & (mb >= 0)
         k = min(ia.slot_count, ib.slot_count)
         label = ia.label if ia.name == ib.name else f"{ia.name} ~ {ib.name}"
-        st = PairStats(name_a=ia.name, name_b=ib.name, label=label, order=ia.order, slots=k)
-        findings = self._pairing_findings(ia, ib)
-        basis = self._basis(ia, ib, both, label, findings)
+        depth = [self._depth(ia, s) for s in range(k)]
+        st = PairStats(name_a=ia.name, name_b=ib.name, label=label, order=ia.order, slots=k, dtype_a=ia.dtype,
+                       dtype_b=ib.dtype, depth=depth)
+        sp = _Streamed(ia, ib, st, both, self._pairing_findings(ia, ib))
+        basis = self._basis(ia, ib, ma, mb, both, label, sp.findings)
         if basis is None:
-            return st, findings, []
-        st.basis = basis
+            st.compared = False
+            st.not_compared = sp.findings[-1].details.get("reason_text") or "not comparable"
+            return sp
+        st.basis = sp.basis = basis
+        sp.acc = self._stream(ia, ib, basis, k, depth, np.flatnonzero(both), ma, mb, sinks, worst)
+        _fill_stats(st, sp.acc)
+        return sp
+
+    def _depth(self, info: TensorInfo, slot: int) -> float | None:
+        """How deep a tensor's state is (for the default tolerance): a boundary's index, the layer
+        count for final_norm, a packed slot's claimed state; None when unknown."""
+        L = self.ra.num_layers if self.ra.num_layers is not None else self.rb.num_layers
+        if info.kind == "boundary" and info.boundary is not None:
+            return float(info.boundary)
+        if info.kind == "final_norm":
+            return float(L) if L is not None else None
+        labels = info.slot_labels or []
+        if slot < len(labels):
+            try:
+                b = parse_label(labels[slot])
+            except ValueError:
+                return float(L) if L is not None else None
+            return float(b if b is not None else (L or 0))
+        return float(L) if L is not None else None
+
+    def _noise_floors(self, streamed: list[_Streamed]) -> Callable[[str], NoiseFloor]:
+        """The 1 - cos (and rel) that each state recorded on both sides shows across them (99th
+        percentile over its tokens), for the identity search; states in between take the larger
+        of their nearest measured neighbours; none measured: the default tolerance's allowance."""
+        measured: dict[str, tuple[float, float, float, int]] = {}  # label -> (depth, 1-cos, rel, tokens)
+        for sp in streamed:
+            ia, ib, acc = sp.ia, sp.ib, sp.acc
+            if acc is None or ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or acc.tokens == 0:
+                continue
+            oc, rel = acc.quantile(0, 0.99)
+            if np.isfinite(oc):
+                measured[ia.label] = (self._depth(ia, 0) or 0.0, oc, rel, acc.tokens)
+        dtype_a = next((i.dtype for i in self.ra.tensors.values()), "float32")
+        dtype_b = next((i.dtype for i in self.rb.tensors.values()), "float32")
+        return noise_floors(measured, self.ra.num_layers or self.rb.num_layers, dtype_a, dtype_b)
+
+    def _judge_pair(self, sp: _Streamed, slot_table: list[SlotRow]) -> list[Finding]:
+        """Identity of the slots (packed tensors, both sides) and every slot's findings."""
+        ia, ib, acc, st = sp.ia, sp.ib, sp.acc, sp.stats
+        assert acc is not None
+        k = st.slots
         identity_a: dict[int, IdentityVerdict] = {}
         identity_b: dict[int, IdentityVerdict] = {}
-        if ia.kind == "packed" or ib.kind == "packed":  # identity of every packed slot, both sides
-            sample = sample_indices(both, self.opt.identity_sample)
+        if ia.kind == "packed" or ib.kind == "packed":
+            sample = sample_indices(sp.both, self.opt.identity_sample)
             identity_a = self.search.identify("a", ia, list(range(k)), sample)
             identity_b = self.search.identify("b", ib, list(range(k)), sample)
-        acc = self._stream(ia, ib, basis, k, np.flatnonzero(both), ma, mb, sinks, worst)
-        _fill_stats(st, acc)
-        rows: list[SlotRow] = []
+        out: list[Finding] = []
         for s in range(k):
-            findings += self._slot_findings(ia, ib, s, k, acc, st, both, basis, identity_a, identity_b, rows)
-        return st, findings, rows
+            out += self._slot_findings(sp, s, acc, identity_a, identity_b, slot_table)
+        return out
 
     def _pairing_findings(self, ia: TensorInfo, ib: TensorInfo) -> list[Finding]:
         out = []
@@ -282,28 +343,39 @@ class Differ:
                                                       value_b=ib.token_offset, side_a=sa, side_b=sb)))
         return out
 
-    def _basis(self, ia: TensorInfo, ib: TensorInfo, both: NDArray[np.bool_], label: str,
+    def _basis(self, ia: TensorInfo, ib: TensorInfo, ma: Codes, mb: Codes, both: NDArray[np.bool_], label: str,
                findings: list[Finding]) -> str | None:
-        """What the pair is compared on (full values, else sketches), or None with a note."""
-        reason = None
+        """What the pair is compared on (full values, else sketches), or None with a warning that
+        says why not, naming both sides' rows or sketch settings."""
+        ra, rb = self.ra, self.rb
         basis = "values" if (ia.has_values and ib.has_values) else "sketch"
+        reason = text = None
         if not both.any():
             reason = "no_common_token"
-        elif basis == "sketch" and not (ia.has_sketch and ib.has_sketch and self.ra.sketch_seed == self.rb.sketch_seed
-                                        and self.ra.sketch_dim == self.rb.sketch_dim):
+            text = (f"{ra.side} has rows at {int((ma >= 0).sum())} aligned tokens, {rb.side} at "
+                    f"{int((mb >= 0).sum())}, none in common")
+        elif basis == "sketch" and not (ia.has_sketch and ib.has_sketch and ra.sketch_seed == rb.sketch_seed
+                                        and ra.sketch_dim == rb.sketch_dim):
             reason = "no_basis"
+
+            def kept(r: TraceReader, i: TensorInfo) -> str:
+                what = "full values" if i.has_values else "no full values"
+                sk = f"sketches (seed {r.sketch_seed}, dim {r.sketch_dim})" if i.has_sketch else "no sketches"
+                return f"{r.side} keeps {what} and {sk}"
+            text = f"{kept(ra, ia)}; {kept(rb, ib)}"
         if reason is None:
             return basis
         findings.append(Finding(Kind.MISSING, Severity.WARNING, tensor=ia.name, order=ia.order,
-                                details=MissingDetails(reason=reason, label=label)))
+                                details=MissingDetails(reason=reason, label=label, reason_text=text or "")))
         return None
 
-    def _stream(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: Codes, ma: Codes, mb: Codes,
-                sinks: list[DiffSink], worst: WorstTokens) -> PairAccumulator:
+    def _stream(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, depth: list[float | None], idx: Codes,
+                ma: Codes, mb: Codes, sinks: list[DiffSink], worst: WorstTokens) -> PairAccumulator:
         """Numerics over the aligned tokens in blocks: each block's per-token metrics come from
         this process (reads one block ahead in a thread) or from a backend's workers
         (``DiffOptions.numeric``, tensordiff.parallel), and are accumulated here in block order."""
-        tols = [self.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None) for s in range(k)]
+        tols = [self.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None, depth[s])
+                for s in range(k)]
         acc = PairAccumulator(tols, self.al.regime_b)
         numeric = self.opt.numeric
         blocks = (numeric.blocks(self, ia, ib, basis, k, idx, ma, mb) if numeric is not None
@@ -331,10 +403,10 @@ class Differ:
                 m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
             yield blk, m
 
-    def _slot_findings(self, ia: TensorInfo, ib: TensorInfo, s: int, k: int, acc: PairAccumulator, st: PairStats,
-                       both: NDArray[np.bool_], basis: str, identity_a: dict[int, IdentityVerdict],
-                       identity_b: dict[int, IdentityVerdict], rows: list[SlotRow]) -> list[Finding]:
+    def _slot_findings(self, sp: _Streamed, s: int, acc: PairAccumulator, identity_a: dict[int, IdentityVerdict],
+                       identity_b: dict[int, IdentityVerdict], slot_table: list[SlotRow]) -> list[Finding]:
         """The findings of one slot: NaN/Inf, what it holds, labels, numerics."""
+        ia, ib, st, k = sp.ia, sp.ib, sp.stats, sp.stats.slots
         out: list[Finding] = []
         slotted = k > 1 or ib.kind == "packed"
         subject = f"slot {s} of {ib.name}" if slotted else ib.label
@@ -345,69 +417,45 @@ class Differ:
                 subject=subject, nonfinite_a=int(acc.nonfinite_a[s]), nonfinite_b=int(acc.nonfinite_b[s]),
                 row_a=nf.nonfinite_a, row_b=nf.nonfinite_b, side_a=self.ra.side, side_b=self.rb.side)))
         ff = acc.first_fail[s]
-        at = ff.token_index if ff is not None else int(np.flatnonzero(both)[0])
+        at = ff.token_index if ff is not None else int(np.flatnonzero(sp.both)[0])
         identity_finding = None
         if s in identity_b:
-            row, identity_finding, labels = self._slot_identity(ia, ib, s, identity_a.get(s), identity_b[s], st, at,
-                                                                bool(acc.failing[s]))
-            rows.append(row)
-            out += labels
-        if identity_finding is not None:
-            out.append(identity_finding)
+            claimed_a = ia.slot_labels[s] if ia.slot_labels else (ia.label if ia.kind != "packed" else None)
+            claimed_b = ib.slot_labels[s] if ib.slot_labels else (ib.label if ib.kind != "packed" else None)
+
+            def place(kind: Kind, side: str, det: IdentityDetails, sev: Severity) -> Finding:
+                f = self._token_finding(kind, ia, s, at, det)
+                f.severity = sev
+                return f
+            j = judge_slot(ib.name, s, claimed_a, claimed_b, identity_a.get(s), identity_b[s],
+                           (self.ra.side, self.rb.side), bool(acc.failing[s]), st.cos_mean[s], st.rel_max[s], place,
+                           ia.order, ib.order, ia.name)
+            slot_table.append(j.row)
+            out += j.findings
+            identity_finding = j.identity
         if acc.failing[s] and ff is not None:
             tol = acc.tolerances[s]
             f = self._token_finding(Kind.NUMERIC, ia, slot_arg, ff.token_index, NumericDetails(
                 subject=subject, cos=ff.cos, rel=ff.rel, maxabs=ff.maxabs, failing=int(acc.failing[s]),
-                tokens=acc.tokens, tolerance=tol.to_dict(), basis=basis))
+                tokens=acc.tokens, tolerance=tol.to_dict(), basis=sp.basis))
             if identity_finding is not None:
                 f.severity = Severity.INFO
                 assert isinstance(f.details, NumericDetails)
                 f.details.explained = True
             elif ia.kind != "packed":
-                f = self._boundary_identity(ia, ib, both, ff.token_index) or f
+                f = self._boundary_identity(ia, ib, sp.both, ff.token_index) or f
             out.append(f)
         return out
 
-    def _slot_identity(self, ia: TensorInfo, ib: TensorInfo, s: int, ida: IdentityVerdict | None,
-                       idb: IdentityVerdict, st: PairStats, at: int, failing: bool
-                       ) -> tuple[SlotRow, Finding | None, list[Finding]]:
-        claimed_a = ia.slot_labels[s] if ia.slot_labels else (ia.label if ia.kind != "packed" else None)
-        claimed_b = ib.slot_labels[s] if ib.slot_labels else (ib.label if ib.kind != "packed" else None)
-        held_a = ida.best if ida else None
-        held_b = idb.best
-        expected = held_a or claimed_a
-        row = SlotRow(tensor=ib.name, slot=s, claimed_a=claimed_a, claimed_b=claimed_b, held_a=held_a,
-                      held_b=held_b, score_b=idb.score, margin_b=idb.margin, offset_b=int(idb.offset or 0),
-                      candidates_b=idb.candidates, expected=expected, cos_mean=st.cos_mean[s], rel_max=st.rel_max[s])
-        common: dict[str, Any] = {"subject": f"slot {s} of {ib.name}", "expected": expected, "claimed_a": claimed_a,
-                                  "claimed_b": claimed_b, "candidates": idb.candidates}
-        finding = None
-        if held_b is not None and expected is not None and (held_b != expected or row.offset_b != 0):
-            row.verdict = "wrong state"
-            finding = self._token_finding(Kind.SLOT_IDENTITY, ia, s, at, IdentityDetails(
-                outcome="holds", held=held_b, offset=row.offset_b, score=idb.score, margin=idb.margin,
-                runner_up=idb.runner_up, held_a=held_a, **common))
-        elif failing and held_b is None:
-            row.verdict = "unknown state"
-            finding = self._token_finding(Kind.SLOT_IDENTITY, ia, s, at, IdentityDetails(
-                outcome="no_state", closest=idb.best_any, score=idb.score, **common))
-        elif failing:
-            row.verdict = "numeric drift"
-        labels = []
-        for side_name, claimed, held, r in ((self.ra.side, claimed_a, held_a, ia), (self.rb.side, claimed_b, held_b, ib)):
-            if claimed and held and claimed != held:
-                labels.append(Finding(Kind.LABEL_MISMATCH, Severity.WARNING, tensor=r.name, slot=s, order=r.order,
-                                      details=LabelDetails(claimed=claimed, held=held, side=side_name)))
-        return row, finding, labels
-
     def _boundary_identity(self, ia: TensorInfo, ib: TensorInfo, both: NDArray[np.bool_], at: int) -> Finding | None:
-        """A boundary that disagrees: does it hold another boundary?"""
+        """A boundary that disagrees: does it hold another recorded state?"""
         idt = self.search.identify("b", ib, [0], sample_indices(both, 64))[0]
-        if not idt.best or idt.best == ia.label:
+        if idt.outcome not in ("holds", "scaled") or (idt.best == ia.label and idt.outcome == "holds" and not idt.offset):
             return None
         return self._token_finding(Kind.SLOT_IDENTITY, ib, None, at, IdentityDetails(
-            outcome="holds", subject=ib.name, boundary_side=self.rb.side, held=idt.best, expected=ia.label,
-            score=idt.score, margin=idt.margin, candidates=idt.candidates))
+            outcome=idt.outcome, subject=ib.name, boundary_side=self.rb.side, held=idt.best, expected=ia.label,
+            offset=idt.offset, scale=idt.scale, score=idt.score, margin=idt.margin, runner_up=idt.runner_up,
+            closest=idt.closest, cos=idt.evidence.cos, candidates=idt.candidates, evidence=idt.evidence))
 
     def _block_reader(self, ia: TensorInfo, ib: TensorInfo, basis: str, idx: Codes, ma: Codes, mb: Codes
                       ) -> Iterator[tuple[Codes, np.ndarray, np.ndarray]]:
@@ -435,6 +483,19 @@ class Differ:
         return Finding(kind, Severity.DIVERGENCE, tensor=info.name, slot=slot, order=info.order, seq=e["seq"],
                        position=e["position"], position_b=e["position_b"], token=e["token"], regime=e["regime"],
                        details=details)
+
+
+@dataclass
+class _Streamed:
+    """One tensor pair after its numerics: what the judging step needs."""
+
+    ia: TensorInfo
+    ib: TensorInfo
+    stats: PairStats
+    both: NDArray[np.bool_]
+    findings: list[Finding]
+    acc: PairAccumulator | None = None
+    basis: str = "values"
 
 
 def _fill_stats(st: PairStats, acc: PairAccumulator) -> None:

@@ -31,6 +31,7 @@ from .details import (
     RecoveredDetails,
     ReplicaDetails,
     ShiftDetails,
+    TokenMismatchDetails,
 )
 
 __all__ = [
@@ -52,9 +53,11 @@ __all__ = [
     "PairingDetails",
     "Record",
     "RecoveredDetails",
+    "ReplicaDetails",
     "Severity",
     "ShiftDetails",
     "SlotRow",
+    "TokenMismatchDetails",
     "order_findings",
     "render_sentence",
     "where_token",
@@ -78,6 +81,7 @@ class _StrEnum(str, Enum):
 
 class Kind(_StrEnum):
     TOKEN_SHIFT = "token_shift"        # side B's positions are side A's plus a constant
+    TOKEN_MISMATCH = "token_mismatch"  # paired positions with different token ids on the two sides
     PAIRING = "pairing"                # a tensor pairs rows with tokens differently, or has other slots
     GAP = "gap"                        # tokens present on one side only
     MISSING = "missing"                # a tensor not compared (one side only, no common token, no basis)
@@ -101,13 +105,13 @@ class Severity(_StrEnum):
 
 
 # at the same place in forward order, the explanation comes before its symptoms
-_KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.PAIRING: 1, Kind.REPLICA: 1, Kind.GAP: 2, Kind.MISSING: 3, Kind.NONFINITE: 4,
-              Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7,
+_KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.TOKEN_MISMATCH: 0, Kind.PAIRING: 1, Kind.REPLICA: 1, Kind.GAP: 2,
+              Kind.MISSING: 3, Kind.NONFINITE: 4, Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7,
               Kind.ACCEPTANCE: 8}
 
 
 DETAILS: dict[Kind, type[Details]] = {
-    Kind.TOKEN_SHIFT: ShiftDetails, Kind.PAIRING: PairingDetails, Kind.GAP: GapDetails,
+    Kind.TOKEN_SHIFT: ShiftDetails, Kind.TOKEN_MISMATCH: TokenMismatchDetails, Kind.PAIRING: PairingDetails, Kind.GAP: GapDetails,
     Kind.MISSING: MissingDetails, Kind.RECOVERED: RecoveredDetails, Kind.NONFINITE: NonfiniteDetails,
     Kind.SLOT_IDENTITY: IdentityDetails, Kind.LABEL_MISMATCH: LabelDetails, Kind.NUMERIC: NumericDetails,
     Kind.REPLICA: ReplicaDetails,
@@ -203,13 +207,30 @@ def _offset_words(off: int) -> str:
     return f"of the token {n} position{'s' if n > 1 else ''} {'earlier' if off < 0 else 'later'}"
 
 
+def _state_words(label: str | None, offset: int, scale: float | None = None) -> str:
+    s = f"{label}" if not offset else f"{label} {_offset_words(offset)}"
+    return s + (f" scaled by {scale:.3g} (RMS ratio)" if scale is not None else "")
+
+
 def _identity(f: Finding, d: IdentityDetails) -> str:
     who = d.subject if d.boundary_side is None else f"{d.subject} on {d.boundary_side}"
+    if d.side == "a" and d.boundary_side is None and d.outcome != "mislabeled":
+        who = f"{d.side_name}'s {who}"
+    where = f" where {d.expected} was expected" if d.expected else ""
+    if d.outcome == "mislabeled":
+        return f"{d.side_name} labels {d.subject} {d.claimed} but it holds {_state_words(d.held, d.offset, d.scale)}"
     if d.outcome == "no_state":
-        hint = f" (closest: {d.closest}, score {d.score:.3f})" if d.closest and d.score is not None else ""
-        return f"{who} holds no recorded state{hint} where {d.expected} was expected"
-    held = d.held if not d.offset else f"{d.held} {_offset_words(d.offset)}"
-    return f"{who} holds {held} where {d.expected} was expected"
+        if d.cos is None:  # written before the closest state's cosine was recorded
+            hint = f" (closest: {d.closest}, score {d.score:.3f})" if d.closest and d.score is not None else ""
+            return f"{who} holds no recorded state{hint}{where}"
+        return (f"{who} is closest to {_state_words(d.closest, d.offset)} but equal to no recorded state "
+                f"(cos {d.cos:.4f}){where}")
+    if d.outcome == "ambiguous":
+        tie = " and ".join([_state_words(d.closest, d.offset)] + list(d.tied[:1]))
+        if f.severity == Severity.DIVERGENCE:
+            return f"{who} is ambiguous between {tie}{where}"
+        return f"{who} is ambiguous between {tie} (recorded states too close to tell apart on these tokens){where}"
+    return f"{who} holds {_state_words(d.held, d.offset, d.scale)}{where}"
 
 
 def _numeric(f: Finding, d: NumericDetails) -> str:
@@ -242,9 +263,24 @@ def _pairing(f: Finding, d: PairingDetails) -> str:
     return f"{f.tensor}: {d.side_a} pairs row t with token t+{d.value_a}, {d.side_b} with token t+{d.value_b}"
 
 
+def _rng(positions: list[list[int]]) -> str:
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in positions)
+
+
 def _gap(f: Finding, d: GapDetails) -> str:
-    rng = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in d.positions)
-    return f"gap: {d.count} tokens of sequence {d.seq} only on {d.side_name} (positions {rng}): {d.reason}"
+    if d.sequences <= 1:
+        return (f"gap: {d.count} tokens of sequence {d.seq} only on {d.side_name} (positions {_rng(d.positions)}): "
+                f"{d.reason}")
+    return (f"gap: {d.count} tokens in {d.sequences} sequences only on {d.side_name}: {d.reason} "
+            f"(e.g. sequence {d.seq}, positions {_rng(d.positions)})")
+
+
+def _mismatch(f: Finding, d: TokenMismatchDetails) -> str:
+    seq = d.seq if d.seq == d.seq_b else f"{d.seq} ({d.side_b} {d.seq_b})"
+    first = f"{d.tokens_a[0]} vs {d.tokens_b[0]}" if d.tokens_a and d.tokens_b else ""
+    return (f"token mismatch: {d.count} positions of sequence {seq} exist on both sides with different token ids "
+            f"(positions {_rng(d.positions)}; first {first}): the two sides were not fed the same tokens, and "
+            "those rows are not compared")
 
 
 def _missing(f: Finding, d: MissingDetails) -> str:
@@ -315,7 +351,8 @@ def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
 _RENDER: dict[Kind, tuple[type[Details], Callable[[Finding, Any], str]]] = {
     Kind.SLOT_IDENTITY: (IdentityDetails, _identity), Kind.NUMERIC: (NumericDetails, _numeric),
     Kind.NONFINITE: (NonfiniteDetails, _nonfinite), Kind.TOKEN_SHIFT: (ShiftDetails, _shift),
-    Kind.PAIRING: (PairingDetails, _pairing), Kind.GAP: (GapDetails, _gap), Kind.MISSING: (MissingDetails, _missing),
+    Kind.PAIRING: (PairingDetails, _pairing), Kind.GAP: (GapDetails, _gap),
+    Kind.TOKEN_MISMATCH: (TokenMismatchDetails, _mismatch), Kind.MISSING: (MissingDetails, _missing),
     Kind.RECOVERED: (RecoveredDetails, _recovered), Kind.LABEL_MISMATCH: (LabelDetails, _label),
     Kind.REPLICA: (ReplicaDetails, _replica),
     Kind.ACCEPTANCE: (AcceptanceDetails, _acceptance),
@@ -339,7 +376,7 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
         if f.severity != Severity.DIVERGENCE:
             continue
         for g in divs:
-            if g.kind in (Kind.TOKEN_SHIFT, Kind.PAIRING) or (
+            if g.kind in (Kind.TOKEN_SHIFT, Kind.PAIRING) or (g.kind == Kind.TOKEN_MISMATCH and g.seq == f.seq) or (
                     f.kind in (Kind.NUMERIC, Kind.NONFINITE)
                     and g.kind in (Kind.NUMERIC, Kind.NONFINITE, Kind.SLOT_IDENTITY)
                     and g.order < f.order and g.seq == f.seq and (g.position or 0) <= (f.position or 0)):
@@ -371,7 +408,10 @@ class SlotRow(Record):
     expected: str | None = None
     cos_mean: float | None = None
     rel_max: float | None = None
-    verdict: str = "ok"   # ok | wrong state | unknown state | numeric drift
+    verdict: str = "ok"   # ok | wrong state | wrong label | scaled | unknown state | ambiguous | numeric drift
+    offset_a: int = 0
+    outcome_a: str | None = None   # the identity search's outcome on each side (identity.IdentityVerdict)
+    outcome_b: str | None = None
 
     def __post_init__(self) -> None:
         self.candidates_b = [c if isinstance(c, Candidate) else Candidate.from_dict(c) for c in self.candidates_b]
@@ -397,6 +437,11 @@ class PairStats(Record):
     nonfinite_a: list[int] = field(default_factory=list)
     nonfinite_b: list[int] = field(default_factory=list)
     by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dtype_a: str = ""
+    dtype_b: str = ""
+    depth: list[float | None] = field(default_factory=list)   # per slot, for the default tolerance
+    compared: bool = True
+    not_compared: str = ""        # why not, when not compared
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -433,17 +478,34 @@ class DiffResult:
     def exit_code(self) -> int:
         return 1 if self.divergences else 0
 
+    @property
+    def compared(self) -> int:
+        """How many of the paired tensors were compared (on common tokens, in a common basis)."""
+        return sum(1 for p in self.pairs if p.compared)
+
+    @property
+    def verdict(self) -> str:
+        """divergence; agree (every paired tensor compared, none diverges); incomplete (no
+        divergence in the tensors compared, but some could not be compared)."""
+        if self.divergences:
+            return "divergence"
+        return "agree" if self.compared == len(self.pairs) else "incomplete"
+
     def headline(self) -> str:
         f = self.first_divergence
+        if f is not None:
+            return f.message
         allowed = sum(1 for g in self.findings if (g.text or "").startswith(ALLOWED_PREFIX))
-        n = len(self.pairs)
+        n, k = len(self.pairs), self.compared
         tensors = f"{n} tensor{'' if n == 1 else 's'}"
-        if f is None and allowed:
+        if k < n:
+            return (f"no divergence in the {k} of {n} tensors compared ({self.tokens_aligned} tokens); {n - k} could "
+                    "not be compared (see the warnings)"
+                    + (f"; {allowed} divergences allowed by --allow-failed" if allowed else ""))
+        if allowed:
             return (f"no divergence outside the {allowed} allowed by --allow-failed: {self.tokens_aligned} tokens in "
                     f"{tensors} compared")
-        if f is None:
-            return f"no divergence: {self.tokens_aligned} tokens in {tensors} agree within tolerance"
-        return f.message
+        return f"no divergence: {self.tokens_aligned} tokens in {tensors} agree within tolerance"
 
     def inheritance_note(self, f: Finding) -> str | None:
         """``may be inherited from finding #3 (numeric in layer4)`` for an inherited divergence."""
@@ -458,7 +520,8 @@ class DiffResult:
             "schema_version": SCHEMA_VERSION,
             "a": {"path": self.path_a, "side": self.side_a},
             "b": {"path": self.path_b, "side": self.side_b},
-            "verdict": "divergence" if self.divergences else "agree",
+            "verdict": self.verdict,
+            "tensors_compared": self.compared,
             "exit_code": self.exit_code,
             "headline": self.headline(),
             "first_divergence": first.to_dict() if first is not None else None,

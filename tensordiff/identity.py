@@ -1,28 +1,43 @@
-"""What a slot holds: every recorded state (the catalog of either side) scored against the slot on
-the same sampled tokens, and the rule that turns the scores into a verdict.
+"""What a slot holds: every recorded state of either side (the catalogs), per (label, side, token
+offset), scored against the slot on the sampled tokens, and the rule that turns the scores into a
+decision with evidence. docs/diff.md §3 states the rule; in short, in this order:
 
-Pure numpy on arrays: the diff (:mod:`tensordiff.diff`) reads the rows, this module only scores
-and decides, so it is tested on arrays without files.
+1. exact: an own-side state with full values equal to the slot within a few eps of the coarser
+   dtype on every token -> ``holds`` it.
+2. direction: candidates grouped by (label, offset), ranked by mean per-token cosine; the best is
+   tested against every other with a paired per-token test (share of tokens where it is closer,
+   and z = mean / standard error of the per-token cosine differences). Those it does not beat
+   significantly are tied with it.
+3. noise floor: the best must be as close as the same state is across the two sides (the 1 - cos
+   that boundaries recorded on both sides show in this diff); else ``no_state`` (closest to X).
+4. ties: broken by scale (the one tied state whose per-token RMS matches, e.g. the pre-norm last
+   boundary vs ``final_norm``); otherwise ``ambiguous`` between the tied states.
+5. scale: the chosen state's median RMS ratio far from 1 -> ``scaled`` (holds X scaled by r).
 
-Score of a candidate = mean per-token cosine x mean per-token RMS agreement (min/max ratio of the
-two rows' RMS): the cosine tells directions apart, the RMS term separates a pre-norm boundary from
-the post-norm ``final_norm`` output whose direction can be nearly the same.
+Pure numpy on arrays (:mod:`tensordiff.catalog` reads the rows), so it is tested without files.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
 
-from .findings import Candidate
-from .numerics import cosine_matrix, finite_or_zero, rms_agreement
+from .details import Candidate, IdentityEvidence
+from .numerics import finite_or_zero
 
-CONFIDENT = 0.98       # an identity score at least this high names what a slot holds
-MIN_MARGIN = 0.002     # ... and this far ahead of the runner-up
 OFFSETS = (0, -1, 1, -2, 2)  # token offsets tried, the same token first
+MIN_TOKENS = 4               # a candidate needs rows at this many sampled tokens (or all of them)
+Z_MIN = 3.0                  # paired test: the best beats another when z >= Z_MIN ...
+WIN_MIN = 0.75               # ... and it is closer on at least this share of the tokens
+EXACT_EPS = 4.0              # exact: per-token relative error <= EXACT_EPS x eps of the coarser dtype
+FLOOR_FACTOR = 4.0           # within the noise floor: 1 - cos <= FLOOR_FACTOR x floor + COS_SLACK
+COS_SLACK = 2e-6             # float32 cosine of two near-identical rows is this exact
+SCALE_TOL = 0.05             # a median RMS ratio this far from 1 (or 4 x the noise's) is a scale
+DIFF_EPS = 1e-6              # per-token cosine differences this small are float32 rounding: ties
 
 F32 = NDArray[np.float32]
 
@@ -38,7 +53,9 @@ class Target:
 @dataclass
 class CandidateRows:
     """One recorded state at the sampled tokens shifted by ``offset``: ``ok`` [n] marks the
-    sampled tokens where it has a row; ``data``/``rms`` hold those rows only."""
+    sampled tokens where it has a row; ``data``/``rms`` hold those rows only. ``exact_tol``: for
+    an own-side state in the same basis, the per-token relative error under which it is the same
+    data (None: the exact rule does not apply)."""
 
     label: str
     side: str            # "a" or "b": whose catalog
@@ -47,66 +64,248 @@ class CandidateRows:
     ok: NDArray[np.bool_]
     data: F32
     rms: F32
+    exact_tol: float | None = None
+
+
+@dataclass
+class NoiseFloor:
+    """How far apart the same state is across the two sides: 99th percentile of per-token
+    1 - cos (and of rel) of a boundary both recorded, or a fallback (``source`` says which)."""
+
+    one_minus_cos: float
+    rel: float
+    source: str
 
 
 @dataclass
 class IdentityVerdict:
-    """The decision for one slot. ``best`` is set only when it is confident; ``best_any`` is the
-    top-scoring state either way."""
+    """The decision for one slot. ``outcome``: holds | scaled | no_state | ambiguous | none.
+    ``best``: the state it holds (holds / scaled only); ``closest``: the top-ranked state either way."""
 
+    outcome: str = "none"
     best: str | None = None
-    best_any: str | None = None
-    score: float | None = None
+    closest: str | None = None
     offset: int = 0
+    side: str | None = None
+    score: float | None = None
     margin: float | None = None
     runner_up: str | None = None
-    runner_up_score: float | None = None
+    scale: float | None = None
+    tied: list[str] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)
-    confident: bool = False
+    evidence: IdentityEvidence = field(default_factory=IdentityEvidence)
     reason: str | None = None
+
+    @property
+    def held(self) -> tuple[str, int] | None:
+        """(label, offset) when the slot holds a recorded state (at its scale or not)."""
+        return (self.best, self.offset) if self.best is not None else None
 
 
 def clean(x: NDArray[np.float32]) -> F32:
-    """Contiguous float32 with NaN/Inf zeroed (the form :func:`score` expects)."""
+    """Contiguous float32 with NaN/Inf zeroed (the form the scoring expects)."""
     out: F32 = finite_or_zero(np.ascontiguousarray(x, dtype=np.float32))
     return out
 
 
-def score(target: Target, cand: CandidateRows) -> Candidate:
-    """Score one candidate against the target on the tokens both have."""
-    cos = float(cosine_matrix(target.data[cand.ok], cand.data[None], clean=False)[0])
-    agree = float(rms_agreement(target.rms[cand.ok], cand.rms[None])[0])
-    return Candidate(label=cand.label, offset=cand.offset, score=round(cos * agree, 6), cos=round(cos, 6),
-                     rms_agreement=round(agree, 6), side=cand.side, basis=cand.basis)
+def per_token_cos(x: F32, c: F32) -> NDArray[np.float64]:
+    """Cosine of each row of x with the same row of c; 1 where both rows are zero, 0 where one is."""
+    dots = np.einsum("nw,nw->n", x, c, dtype=np.float64)
+    nx = np.sqrt(np.einsum("nw,nw->n", x, x, dtype=np.float64))
+    nc = np.sqrt(np.einsum("nw,nw->n", c, c, dtype=np.float64))
+    den = nx * nc
+    out: NDArray[np.float64] = np.where(den > 0, dots / np.where(den > 0, den, 1.0),
+                                        np.where((nx == 0) & (nc == 0), 1.0, 0.0))
+    return np.clip(out, -1.0, 1.0)
 
 
-def identify(target: Callable[[str], Target], candidates_at: Callable[[int], list[CandidateRows]],
-             n_sample: int) -> IdentityVerdict:
-    """Score the candidates at each offset in :data:`OFFSETS` (a candidate needs rows at a quarter
-    of the sampled tokens at least), stopping after the same token when it already explains the
-    slot, and decide. ``target(basis)``: the slot's rows in that basis (read on first use)."""
-    scored: list[Candidate] = []
-    for offset in OFFSETS:
-        for cand in candidates_at(offset):
-            if int(cand.ok.sum()) < max(1, n_sample // 4):
-                continue
-            scored.append(score(target(cand.basis), cand))
-        if offset == 0 and scored and max(c.score for c in scored) >= CONFIDENT:
-            break  # the same token explains it; no need to look at neighbours
-    return decide(scored)
+def _rms_ratio(rx: F32, rc: F32) -> NDArray[np.float64]:
+    rx64, rc64 = np.nan_to_num(rx.astype(np.float64)), np.nan_to_num(rc.astype(np.float64))
+    out: NDArray[np.float64] = np.where(rc64 > 0, rx64 / np.where(rc64 > 0, rc64, 1.0),
+                                        np.where(rx64 > 0, np.inf, 1.0))
+    return out
 
 
-def decide(scored: list[Candidate]) -> IdentityVerdict:
-    """The best candidate is named when its score is at least :data:`CONFIDENT` and at least
-    :data:`MIN_MARGIN` ahead of the best other (label, offset)."""
+@dataclass
+class _Scored:
+    cand: CandidateRows
+    cos_t: NDArray[np.float64]      # per-token cosine on cand.ok
+    ratio_t: NDArray[np.float64]    # per-token RMS ratio slot / candidate
+    cos: float
+    record: Candidate
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.cand.label, self.cand.offset)
+
+    def median_ratio(self) -> float:
+        r = self.ratio_t[np.isfinite(self.ratio_t)]
+        return float(np.median(r)) if len(r) else math.nan
+
+
+def _score(target: Target, cand: CandidateRows) -> _Scored:
+    x = target.data[cand.ok]
+    cos_t = per_token_cos(x, cand.data)
+    ratio_t = _rms_ratio(target.rms[cand.ok], cand.rms)
+    hi = np.maximum(np.nan_to_num(target.rms[cand.ok]), np.nan_to_num(cand.rms)).astype(np.float64)
+    lo = np.minimum(np.nan_to_num(target.rms[cand.ok]), np.nan_to_num(cand.rms)).astype(np.float64)
+    agree = float(np.mean(np.where(hi > 0, lo / np.where(hi > 0, hi, 1.0), 1.0))) if len(hi) else 0.0
+    cos = float(cos_t.mean()) if len(cos_t) else -1.0
+    rec = Candidate(label=cand.label, offset=cand.offset, score=round(cos * agree, 6), cos=round(cos, 6),
+                    rms_agreement=round(agree, 6), side=cand.side, basis=cand.basis)
+    return _Scored(cand, cos_t, ratio_t, cos, rec)
+
+
+def _exact_rel(target: Target, s: _Scored) -> float:
+    x = target.data[s.cand.ok].astype(np.float64)
+    c = s.cand.data.astype(np.float64)
+    num = np.sqrt(((x - c) ** 2).sum(axis=1))
+    den = np.sqrt((c ** 2).sum(axis=1))
+    rel = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(num > 0, np.inf, 0.0))
+    return float(rel.max()) if len(rel) else math.inf
+
+
+def paired_test(best: _Scored, other: _Scored) -> tuple[int, float | None, float | None]:
+    """(tokens both cover, win rate of ``best``, z) on the per-token cosine differences."""
+    ok_b, ok_o = best.cand.ok, other.cand.ok
+    both = ok_b & ok_o
+    n = int(both.sum())
+    if n == 0:
+        return 0, None, None
+    # per-token values of each, restricted to the tokens both cover
+    cb = best.cos_t[both[ok_b]]
+    co = other.cos_t[both[ok_o]]
+    d = cb - co
+    d = np.where(np.abs(d) <= DIFF_EPS, 0.0, d)
+    win = float((d > 0).mean())
+    mean = float(d.mean())
+    sd = float(d.std(ddof=1)) if n > 1 else 0.0
+    if sd == 0.0:
+        z = math.inf if mean > 0 else (0.0 if mean == 0 else -math.inf)
+    else:
+        z = mean / (sd / math.sqrt(n))
+    return n, win, z
+
+
+def _beats(n: int, win: float | None, z: float | None) -> bool:
+    return n >= min(MIN_TOKENS, 2) and win is not None and z is not None and win >= WIN_MIN and z >= Z_MIN
+
+
+def decide(target: Target, candidates: list[CandidateRows], floor_of: Callable[[str], NoiseFloor],
+           n_sample: int) -> IdentityVerdict:
+    """The decision for one slot (module docstring). ``floor_of(label)``: the cross-side noise
+    floor of that state; ``n_sample``: sampled tokens the slot has rows at."""
+    need = min(MIN_TOKENS, max(1, n_sample))
+    scored = [_score(target, c) for c in candidates if int(c.ok.sum()) >= need]
     if not scored:
-        return IdentityVerdict(reason="no catalog state shares these tokens")
-    scored.sort(key=lambda c: (-c.score, abs(c.offset)))
-    best = scored[0]
-    runner = next((c for c in scored[1:] if (c.label, c.offset) != (best.label, best.offset)), None)
-    margin = best.score - (runner.score if runner else 0.0)
-    confident = best.score >= CONFIDENT and margin >= MIN_MARGIN
-    return IdentityVerdict(best=best.label if confident else None, best_any=best.label, score=best.score,
-                           offset=best.offset, margin=round(margin, 6), runner_up=runner.label if runner else None,
-                           runner_up_score=runner.score if runner else None, candidates=scored[:5],
-                           confident=confident)
+        return IdentityVerdict(reason="no recorded state shares these tokens")
+    # one representative per (label, offset): the side closer in direction
+    groups: dict[tuple[str, int], _Scored] = {}
+    for s in scored:
+        g = groups.get(s.key)
+        if g is None or s.cos > g.cos:
+            groups[s.key] = s
+    ranked = sorted(groups.values(), key=lambda s: (-s.cos, abs(s.cand.offset)))
+    # the candidates shown: one per (label, offset), the side closer in direction
+    records = [g.record for g in sorted(groups.values(), key=lambda s: (-s.record.score, abs(s.cand.offset)))][:5]
+    ev = IdentityEvidence()
+
+    # 1. exact
+    exact = []
+    for s in scored:
+        if s.cand.exact_tol is not None:
+            rel = _exact_rel(target, s)
+            if rel <= s.cand.exact_tol:
+                exact.append((rel, abs(s.cand.offset), s))
+    if exact:
+        exact.sort(key=lambda e: (e[0], e[1]))
+        rel, _, best = exact[0]
+        same = {e[2].key for e in exact}
+        ev.exact, ev.exact_rel, ev.exact_tol = True, rel, best.cand.exact_tol
+        ev.decided_by = "exact"
+        if len(same) > 1:  # two recorded states hold the same data: equal, so either is right
+            ev.tied = sorted(lbl for lbl, _ in same if (lbl, _) != best.key)
+        return _finish(target, best, ranked, ev, records, floor_of, outcome="holds")
+
+    # 2. direction: paired tests of the best against every other (label, offset)
+    best = ranked[0]
+    tied: list[_Scored] = []
+    for other in ranked[1:]:
+        n, win, z = paired_test(best, other)
+        if other is ranked[1]:
+            ev.runner_up, ev.runner_up_offset, ev.runner_up_cos = other.cand.label, other.cand.offset, other.cos
+            ev.paired_tokens, ev.win_rate, ev.z = n, win, z
+        if n >= need and not _beats(n, win, z):
+            tied.append(other)
+    ev.decided_by = "paired test"
+
+    # 3. ties broken by scale
+    if tied:
+        contenders = [best] + tied
+        unscaled = [s for s in contenders if abs(s.median_ratio() - 1) <= _scale_tol(floor_of(s.cand.label))]
+        if len(unscaled) == 1:
+            best = unscaled[0]
+            ev.decided_by = "scale"
+            tied = []
+    ev.tied = [f"{s.cand.label}" + (f"{s.cand.offset:+d}" if s.cand.offset else "") for s in tied]
+    return _finish(target, best, ranked, ev, records, floor_of, outcome="ambiguous" if tied else "holds")
+
+
+def _scale_tol(floor: NoiseFloor) -> float:
+    return max(SCALE_TOL, 4 * floor.rel)
+
+
+def _unscaled_match(s: _Scored, floor_of: Callable[[str], NoiseFloor]) -> bool:
+    fl = floor_of(s.cand.label)
+    if not len(s.cos_t) or abs(s.median_ratio() - 1) > _scale_tol(fl):
+        return False
+    return float(np.quantile(1 - s.cos_t, 0.9)) <= FLOOR_FACTOR * fl.one_minus_cos + COS_SLACK
+
+
+def _finish(target: Target, best: _Scored, ranked: list[_Scored], ev: IdentityEvidence,
+            records: list[Candidate], floor_of: Callable[[str], NoiseFloor], outcome: str) -> IdentityVerdict:
+    label, offset = best.key
+    fl = floor_of(label)
+    q90 = float(np.quantile(1 - best.cos_t, 0.9)) if len(best.cos_t) else math.inf
+    ev.cos, ev.tokens = best.cos, len(best.cos_t)
+    ev.floor, ev.floor_source = fl.one_minus_cos, fl.source
+    ev.within_floor = ev.exact or q90 <= FLOOR_FACTOR * fl.one_minus_cos + COS_SLACK
+    r = best.ratio_t[np.isfinite(best.ratio_t)]
+    if len(r):
+        ev.rms_ratio = float(np.median(r))
+        ev.rms_lo, ev.rms_hi = float(np.quantile(r, 0.05)), float(np.quantile(r, 0.95))
+    others = [s for s in ranked if s.key != best.key]
+    margin = round(best.cos - others[0].cos, 6) if others else None
+    v = IdentityVerdict(closest=label, offset=offset, side=best.cand.side, score=best.record.score, margin=margin,
+                        runner_up=ev.runner_up, tied=list(ev.tied), candidates=records, evidence=ev)
+    if not ev.within_floor:
+        v.outcome = "no_state"
+    elif outcome == "ambiguous":
+        v.outcome = "ambiguous"
+    elif ev.rms_ratio is not None and abs(ev.rms_ratio - 1) > _scale_tol(fl) and not ev.exact:
+        # a state at another scale only when no state at the slot's own scale matches as well:
+        # "holds X" beats "holds Y scaled by r" whenever X is within its noise floor
+        alt = next((s for s in ranked if s.key != best.key and _unscaled_match(s, floor_of)), None)
+        if alt is not None:
+            ev.decided_by = "scale"
+            ev.tied = []
+            return _finish(target, alt, ranked, ev, records, floor_of, outcome="holds")
+        v.outcome, v.best, v.scale = "scaled", label, ev.rms_ratio
+    else:
+        v.outcome, v.best = "holds", label
+    return v
+
+
+def identify(target: Callable[[str], Target], candidates_at: Callable[[int, str], list[CandidateRows]],
+             floor_of: Callable[[str], NoiseFloor], n_sample: int) -> IdentityVerdict:
+    """Gather the candidates at every offset in :data:`OFFSETS`, in full values and in sketches,
+    and decide in the basis that has more of them (every candidate scored alike, on one basis;
+    full values on a tie). ``target(basis)``: the slot's rows in that basis."""
+    need = min(MIN_TOKENS, max(1, n_sample))
+    by_basis = {b: [c for o in OFFSETS for c in candidates_at(o, b) if int(c.ok.sum()) >= need]
+                for b in ("values", "sketch")}
+    count = {b: len({(c.label, c.side) for c in cs}) for b, cs in by_basis.items()}
+    basis = "values" if count["values"] >= count["sketch"] else "sketch"
+    if not by_basis[basis]:
+        return IdentityVerdict(reason="no recorded state shares these tokens")
+    return decide(target(basis), by_basis[basis], floor_of, n_sample)

@@ -20,6 +20,8 @@ from .tolerances import Tolerance
 from .vocab import REGIMES
 
 WORST_TOKENS = 20
+# per-token 1 - cos and rel are histogrammed on a log scale (for the noise floor's quantiles)
+_LOG_BINS = np.linspace(-12.0, 1.0, 261)
 
 
 class BlockMetrics:
@@ -196,6 +198,8 @@ class PairAccumulator:
     first_fail: list[FirstHit | None] = field(init=False)
     first_nonfinite: list[FirstHit | None] = field(init=False)
     by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hist_cos: np.ndarray = field(init=False)   # [k, bins] counts of log10(1 - cos)
+    hist_rel: np.ndarray = field(init=False)   # [k, bins] counts of log10(rel)
 
     def __post_init__(self) -> None:
         k = len(self.tolerances)
@@ -209,6 +213,8 @@ class PairAccumulator:
         self.nonfinite_b = np.zeros(k, dtype=np.int64)
         self.first_fail = [None] * k
         self.first_nonfinite = [None] * k
+        self.hist_cos = np.zeros((k, len(_LOG_BINS) + 1), np.int64)
+        self.hist_rel = np.zeros((k, len(_LOG_BINS) + 1), np.int64)
 
     def add(self, blk: np.ndarray, m: dict[str, np.ndarray]) -> np.ndarray:
         """Take one block's metrics (aligned indices ``blk``); returns the [n, k] mask of tokens
@@ -236,6 +242,13 @@ class PairAccumulator:
                 j = int(np.argmax(m["nonfinite"][:, s]))
                 self.first_nonfinite[s] = FirstHit(int(blk[j]), nonfinite_a=int(m["nonfinite_a"][j, s]),
                                                    nonfinite_b=int(m["nonfinite_b"][j, s]))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lc = np.log10(np.maximum(1.0 - m["cos"].astype(np.float64), 1e-300))
+            lr = np.log10(np.maximum(_finite(m["rel"]).astype(np.float64), 1e-300))
+        fin = ~m["nonfinite"]
+        for s in range(k):
+            self.hist_cos[s] += np.bincount(np.searchsorted(_LOG_BINS, lc[fin[:, s], s]), minlength=len(_LOG_BINS) + 1)
+            self.hist_rel[s] += np.bincount(np.searchsorted(_LOG_BINS, lr[fin[:, s], s]), minlength=len(_LOG_BINS) + 1)
         regs = self.regime_of[blk]
         for rc in np.unique(regs):
             sel = regs == rc
@@ -244,6 +257,19 @@ class PairAccumulator:
             e["failing"] += int(bad[sel].any(axis=1).sum())
             e["rel_max"] = max(e["rel_max"], float(np.nanmax(_finite(m["rel"][sel]))))
         return bad
+
+    def quantile(self, slot: int, q: float) -> tuple[float, float]:
+        """(1 - cos, rel) at quantile ``q`` over the finite tokens of a slot (upper bin edges)."""
+        out = []
+        for h in (self.hist_cos[slot], self.hist_rel[slot]):
+            total = int(h.sum())
+            if total == 0:
+                out.append(float("nan"))
+                continue
+            j = int(np.searchsorted(np.cumsum(h), q * total))
+            edge = _LOG_BINS[min(j, len(_LOG_BINS) - 1)]
+            out.append(0.0 if j == 0 else float(10.0 ** edge))
+        return out[0], out[1]
 
     def cos_mean(self) -> list[float]:
         return [float(x) for x in self.cos_sum / np.maximum(self.cos_count, 1)]

@@ -122,10 +122,10 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
     tt = token_text or (lambda _t: "")
     res = DiffResult.from_dict(sanitize_tree(res.to_dict()))  # strings from the files made safe to print
     first = res.first_divergence
-    style = "bold red" if first else "bold green"
+    style = "bold red" if first else ("bold green" if res.verdict == "agree" else "bold yellow")
     console.print(Text(res.headline(), style=style))
-    verdict = "DIVERGENCE" if first else "AGREE"
-    console.print(f"verdict: {verdict} (exit {res.exit_code})  A={res.path_a} [{res.side_a}]  B={res.path_b} [{res.side_b}]")
+    console.print(f"verdict: {res.verdict.upper()} (exit {res.exit_code}); {res.compared} of {len(res.pairs)} tensors "
+                  f"compared  A={res.path_a} [{res.side_a}]  B={res.path_b} [{res.side_b}]")
     if first is not None and first.tensor is not None and first.position is not None:
         console.print(f"first divergence at: tensor {first.tensor}"
                       + (f" slot {first.slot}" if first.slot is not None else "")
@@ -143,14 +143,18 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
             console.print(_slot_lines(res))
 
     divs = [f for f in res.findings if f.severity == Severity.DIVERGENCE]
-    others = [f for f in res.findings if f.severity != Severity.DIVERGENCE]
+    warns = [f for f in res.findings if f.severity == Severity.WARNING]
+    infos = [f for f in res.findings if f.severity == Severity.INFO]
     if res.findings:
-        console.print(Text(f"findings ({_plural(len(divs), 'divergence')}, {_plural(len(others), 'note')}), "
-                           "in forward order:", style="bold"))
+        # divergences first, then warnings, then notes, each in forward order: --max-findings
+        # never hides a divergence behind notes
+        console.print(Text(f"findings ({_plural(len(divs), 'divergence')}, {_plural(len(warns), 'warning')}, "
+                           f"{_plural(len(infos), 'note')}), divergences first, each group in forward order:",
+                           style="bold"))
         g = Table.grid(padding=(0, 1))   # the sentence wraps by words, under itself
         g.add_column(no_wrap=True, justify="right")
         g.add_column()
-        for f in res.findings[:max_findings]:
+        for f in (divs + warns + infos)[:max_findings]:
             mark, style = SEVERITY_GLYPH[f.severity]
             note = res.inheritance_note(f)
             inh = f"  [{note}]" if note else ""

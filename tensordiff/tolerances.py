@@ -38,15 +38,24 @@ class Tolerance:
         return {"min_cos": self.min_cos, "max_rel": self.max_rel, "source": self.source}
 
 
-# Defaults per the coarser dtype of the two sides: wide enough for honest kernel/rounding
-# differences through a few layers, far tighter than any wiring bug (different states of the same
-# token have cos well below 0.99 and rel near 1).
-_DEFAULTS = {
-    "float64": Tolerance(1 - 1e-9, 1e-6),
-    "float32": Tolerance(1 - 1e-6, 2e-3),
-    "float16": Tolerance(0.99, 0.1),
-    "bfloat16": Tolerance(0.97, 0.25),
+# Defaults per the coarser dtype of the two sides, at depth 0: (1 - min_cos, max_rel). Honest
+# rounding and kernel differences grow with depth (each layer adds its own and carries the earlier
+# ones): both allowances grow with (1 + depth), up to a cap per dtype; when both sides round to the
+# same low precision independently, by 1.5. Measured (bf16 vs fp32, worst token of 432): a
+# random-weight 8-layer Llama reaches 1 - cos 0.042 and rel 0.29 at layer 8 (its errors grow
+# fastest), a near-residual 61-layer one 4e-4 and 0.03 at layer 60; the defaults allow about twice
+# the former. Wiring bugs are caught by the identity search, not by these bounds (consecutive
+# states of a deep model differ by less); ``calibrate`` tightens them to a measured noise floor.
+_BASE = {
+    "float64": (1e-9, 1e-6),
+    "float32": (1e-6, 2e-3),
+    "float16": (0.004, 0.03),
+    "bfloat16": (0.0095, 0.065),
 }
+_CAP = {"float64": (1e-7, 1e-4), "float32": (1e-4, 0.05), "float16": (0.05, 0.4), "bfloat16": (0.1, 0.6)}
+_LOW_PRECISION = ("float16", "bfloat16")
+#: calibration never sets a tolerance looser than this many times the default (it warns instead)
+CALIBRATION_MAX_LOOSENING = 10.0
 
 
 def coarser(a: str, b: str) -> str:
@@ -54,12 +63,21 @@ def coarser(a: str, b: str) -> str:
     return a if EPS.get(a, 0) >= EPS.get(b, 0) else b
 
 
-def default_tolerance(dtype_a: str, dtype_b: str) -> Tolerance:
-    return _DEFAULTS.get(coarser(dtype_a, dtype_b), _DEFAULTS["float32"])
+def default_tolerance(dtype_a: str, dtype_b: str, depth: float | None = None) -> Tolerance:
+    """The default for a dtype pair at a depth (boundary index; None: depth 0)."""
+    d = coarser(dtype_a, dtype_b)
+    one_minus, rel = _BASE.get(d, _BASE["float32"])
+    cap_om, cap_rel = _CAP.get(d, _CAP["float32"])
+    g = 1.0 + max(0.0, float(depth or 0))
+    if dtype_a == dtype_b and d in _LOW_PRECISION:
+        g *= 1.5
+    om = float(f"{min(one_minus * g, cap_om):.3g}")   # 3 significant digits: readable
+    r = float(f"{min(rel * g, cap_rel):.3g}")
+    return Tolerance(max(-1.0, 1 - om), r)
 
 
 def _valid(c: float, r: float) -> bool:
-    return math.isfinite(c) and -1 <= c <= 1 and (r >= 0) and not math.isnan(r)
+    return math.isfinite(c) and -1 <= c <= 1 and math.isfinite(r) and r >= 0
 
 
 @dataclass
@@ -74,7 +92,8 @@ class ToleranceBook:
     allow_failed: list[str] = field(default_factory=list)      # --allow-failed patterns
     used: set[str] = field(default_factory=set)                # rules that matched a compared tensor
 
-    def for_tensor(self, name: str, dtype_a: str, dtype_b: str, slot: int | None = None) -> Tolerance:
+    def for_tensor(self, name: str, dtype_a: str, dtype_b: str, slot: int | None = None,
+                   depth: float | None = None) -> Tolerance:
         key = f"{name}[{slot}]" if slot is not None else name
         hits = [r for r in self.rules if r.matches(name, key)]
         self.used.update(r.pattern for r in hits)   # matched, even when an earlier rule wins
@@ -84,7 +103,7 @@ class ToleranceBook:
             for k in (key, name, "*"):
                 if k in book:
                     return book[k]
-        return default_tolerance(dtype_a, dtype_b)
+        return default_tolerance(dtype_a, dtype_b, depth)
 
     @staticmethod
     def parse_override(text: str) -> tuple[str, Tolerance]:
@@ -148,13 +167,19 @@ class ToleranceBook:
                              f"{', '.join(compared) or 'none'})")
 
     def load_calibration(self, path: str) -> None:
-        # a regular file of bounded size only (a FIFO or /dev/zero is one line, exit 2)
+        """Read a calibration file, validated like ``--tol``: a regular file of bounded size (a FIFO
+        or /dev/zero is one line, exit 2), a known schema version, every tolerance finite and in range."""
         raw = read_regular_file_bounded(path, CALIBRATION_MAX_BYTES, "calibration file")
         try:
             data = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as e:
             raise SourceFileError(f"cannot read calibration file ({type(e).__name__}: {e})", path) from None
-        for k, v in calibration_entries(data, path).items():
+        entries = calibration_entries(data, path)  # first: an object with 'tolerances' at all
+        version = data.get("schema_version", CALIBRATION_VERSION)
+        if not isinstance(version, int) or isinstance(version, bool) or version > CALIBRATION_VERSION:
+            raise SourceFileError(f"calibration file schema_version {repr(version)[:40]}: this tensordiff reads "
+                                  f"{CALIBRATION_VERSION}", path)
+        for k, v in entries.items():
             self.calibrated[k] = Tolerance(v[0], v[1], f"calibrated:{os.path.basename(path)}")
 
 
@@ -211,7 +236,7 @@ def allow_failed(findings: list[Finding], pairs: list[Any], patterns: list[str])
 
 def calibrated_tolerance(worst_cos: float, worst_rel: float, dtype: str, margin: float = 4.0) -> Tolerance:
     """Tolerance from a noise floor: allow ``margin`` times the observed error, never tighter
-    than the dtype's rounding."""
+    than the dtype's rounding (no clamp: see :func:`calibrate_tolerance`)."""
     eps = EPS.get(dtype, EPS["float32"])
     rel = max(worst_rel * margin, 8 * eps)
     one_minus = max((1 - worst_cos) * margin * margin, eps * eps)
@@ -240,17 +265,42 @@ def calibration_entries(data: Any, path: str) -> dict[str, tuple[float, float]]:
         for key in ("min_cos", "max_rel"):
             x = v.get(key)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-                raise SourceFileError(f"calibration entry {str(k)[:80]!r}: {key} is {str(x)[:40]!r}, expected a "
-                                      "finite number", path)
+                shown = f"{key} {x}" if isinstance(x, float) else f"{key} is {repr(x)[:40]}"
+                raise SourceFileError(f"calibration entry {str(k)[:80]!r}: {shown}, expected a finite number", path)
             vals.append(float(x))
         if not (-1 <= vals[0] <= 1) or vals[1] < 0:
-            raise SourceFileError(f"calibration entry {str(k)[:80]!r}: min_cos must be in [-1, 1] and max_rel >= 0",
-                                  path)
+            raise SourceFileError(f"calibration entry {str(k)[:80]!r}: min_cos {vals[0]}, max_rel {vals[1]}; min_cos "
+                                  "must be in [-1, 1] and max_rel >= 0", path)
         out[str(k)] = (vals[0], vals[1])
     return out
 
 
-def calibration_file(a: str, b: str, margin: float, tolerances: dict[str, Tolerance]) -> dict[str, Any]:
+def calibrate_tolerance(name: str, worst_cos: float, worst_rel: float, dtype_a: str, dtype_b: str,
+                        depth: float | None, margin: float = 4.0) -> tuple[Tolerance, str | None]:
+    """:func:`calibrated_tolerance`, clamped to at most :data:`CALIBRATION_MAX_LOOSENING` times
+    the default's allowance; returns the tolerance and a warning when the observed noise was not
+    finite or was clamped (a "noise pair" that far apart is likely not the same wiring)."""
+    default = default_tolerance(dtype_a, dtype_b, depth)
+    if not (math.isfinite(worst_cos) and math.isfinite(worst_rel)):
+        msg = (f"{name}: no finite noise measured (NaN/Inf in the data); kept the default "
+               f"cos >= {default.min_cos:.6g}, rel <= {default.max_rel:.3g}")
+        return Tolerance(default.min_cos, default.max_rel, "calibrated (default: no finite noise measured)"), msg
+    t = calibrated_tolerance(worst_cos, worst_rel, coarser(dtype_a, dtype_b), margin)
+    lim_one_minus = (1 - default.min_cos) * CALIBRATION_MAX_LOOSENING
+    lim_rel = default.max_rel * CALIBRATION_MAX_LOOSENING
+    if 1 - t.min_cos <= lim_one_minus and t.max_rel <= lim_rel:
+        return t, None
+    c = max(t.min_cos, 1 - lim_one_minus)
+    r = min(t.max_rel, lim_rel)
+    msg = (f"{name}: the observed noise (worst cos {worst_cos:.4g}, rel {worst_rel:.3g}) is more than "
+           f"{CALIBRATION_MAX_LOOSENING:g}x what the defaults allow for {coarser(dtype_a, dtype_b)} at depth "
+           f"{depth if depth is not None else 0:g} (cos >= {default.min_cos:.6g}, rel <= {default.max_rel:.3g}); "
+           f"clamped to cos >= {c:.6g}, rel <= {r:.3g}. Are these two traces of the same wiring?")
+    return Tolerance(c, r, "calibrated (clamped)"), msg
+
+
+def calibration_file(a: str, b: str, margin: float, tolerances: dict[str, Tolerance],
+                     warnings: list[str] | None = None) -> dict[str, Any]:
     """The JSON object ``tensordiff calibrate`` writes (read back by :meth:`ToleranceBook.load_calibration`)."""
     return {"schema_version": CALIBRATION_VERSION, "a": a, "b": b, "margin": margin,
-            "tolerances": {k: t.to_dict() for k, t in tolerances.items()}}
+            "tolerances": {k: t.to_dict() for k, t in tolerances.items()}, "warnings": list(warnings or [])}

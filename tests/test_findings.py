@@ -9,7 +9,6 @@ import os
 
 import h5py
 import jsonschema
-import numpy as np
 import pytest
 from tracegen import write_pair, write_trace
 
@@ -25,14 +24,6 @@ from tensordiff.findings import (
     Severity,
     ShiftDetails,
     render_sentence,
-)
-from tensordiff.identity import (
-    CONFIDENT,
-    CandidateRows,
-    Target,
-    clean,
-    decide,
-    identify,
 )
 from tensordiff.report import diff_schema
 
@@ -162,35 +153,25 @@ def test_sinks_receive_every_block(pair):
     assert per_tensor == {p.name_a: p.tokens for p in res.pairs}
 
 
-# ----------------------------------------------------------------------------------------------
-# identity on arrays
+@pytest.mark.parametrize("body,expect", [
+    ('{"tolerances": {"x": {"min_cos": 2, "max_rel": 0.1}}}', "min_cos 2.0"),
+    ('{"tolerances": {"x": {"min_cos": 0.9, "max_rel": -1}}}', "max_rel -1.0"),
+    ('{"tolerances": {"x": {"min_cos": 0.9, "max_rel": Infinity}}}', "max_rel inf"),
+    ('{"schema_version": 9, "tolerances": {}}', "schema_version 9"),
+])
+def test_calibration_files_are_validated(tmp_path, body, expect):
+    from tensordiff.errors import SourceFileError
+    from tensordiff.tolerances import ToleranceBook
+    p = tmp_path / "cal.json"
+    p.write_text(body)
+    with pytest.raises(SourceFileError, match=expect.replace(".", r"\.")):
+        ToleranceBook().load_calibration(str(p))
 
 
-def _rows(rng, n, w):
-    return rng.standard_normal((n, w)).astype(np.float32)
-
-
-def test_identity_names_the_state_a_slot_holds():
-    rng = np.random.default_rng(0)
-    n, w = 40, 16
-    states = {f"layer{b}": _rows(rng, n, w) for b in range(4)}
-    x = states["layer2"] + 1e-4 * _rows(rng, n, w)
-    target = Target(clean(x), np.sqrt((x ** 2).mean(1)).astype(np.float32))
-    ok = np.ones(n, bool)
-
-    def cands(offset):
-        if offset:
-            return []
-        return [CandidateRows(lab, "a", 0, "values", ok, v, np.sqrt((v ** 2).mean(1)).astype(np.float32))
-                for lab, v in states.items()]
-
-    v = identify(lambda basis: target, cands, n)
-    assert v.best == "layer2" and v.score >= CONFIDENT and v.runner_up != "layer2"
-    assert v.candidates[0].label == "layer2"
-
-
-def test_identity_without_a_confident_winner_names_nothing():
-    close = [Candidate("layer3", 0, 0.99), Candidate("layer4", 0, 0.9895)]
-    v = decide(close)
-    assert v.best is None and v.best_any == "layer3" and v.margin == pytest.approx(0.0005)
-    assert decide([]).best is None and decide([]).reason
+def test_default_tolerance_grows_with_depth_to_a_cap():
+    from tensordiff.tolerances import default_tolerance
+    t = [default_tolerance("float32", "bfloat16", d) for d in (0, 8, 61, 500)]
+    assert t[0].min_cos > t[1].min_cos > t[2].min_cos == t[3].min_cos >= 0.9
+    assert t[0].max_rel < t[1].max_rel < t[2].max_rel == t[3].max_rel <= 0.6
+    assert default_tolerance("bfloat16", "bfloat16", 8).max_rel > t[1].max_rel   # both sides round
+    assert default_tolerance("float32", "float32", 0).min_cos == 1 - 1e-6

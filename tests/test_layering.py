@@ -12,7 +12,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORE = ["tensordiff", "tensordiff.trace", "tensordiff.align", "tensordiff.identity", "tensordiff.catalog",
+CORE = ["tensordiff", "tensordiff.trace", "tensordiff.align", "tensordiff.identity", "tensordiff.catalog", "tensordiff.slots",
         "tensordiff.numerics", "tensordiff.tolerances", "tensordiff.findings", "tensordiff.diff",
         "tensordiff.report", "tensordiff.summary", "tensordiff.cli", "tensordiff.conventions", "tensordiff.sketch",
         "tensordiff.dtypes", "tensordiff.tui_data", "tensordiff.tui_text", "tensordiff.recorders",

@@ -1,7 +1,9 @@
 """The generic torch-side recorder: name filters, token sampling, sketches computed where the
 tensor lives, host copies that do not stall the model, appends through :class:`TraceWriter`.
-(A little over 500 lines: one class whose three record paths, states, non-state rows and
-predictions, share its row rules, sampling and filters; split, they would each repeat them.)
+One class: its three record paths (states, non-state rows, predictions) share its row rules,
+sampling and filters. What it records with lives beside it: :mod:`.storage` (trace dtype names,
+the stored form of a tensor, top-k prediction rows) and :mod:`.sampling` (:class:`Sampling`);
+both are re-exported here.
 
 Every other recorder (module hooks, the HF extractor, the importers) records through
 :class:`Recorder`, so a trace gets the same sketches (one matmul with the seeded projection of
@@ -39,92 +41,11 @@ import torch
 from .. import conventions
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
-from ..vocab import FINAL_NORM, REGIMES, boundary_label, parse_label
+from ..vocab import FINAL_NORM, boundary_label, parse_label
+from .sampling import Sampling, SequenceEnds
+from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
 
 __all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage", "topk_rows"]
-
-_LOGICAL = {
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-}
-_TORCH = {v: k for k, v in _LOGICAL.items()}
-
-
-def logical_dtype(dtype: torch.dtype) -> str:
-    """The trace dtype name of a torch floating dtype (other floating types record as float32)."""
-    if dtype in _LOGICAL:
-        return _LOGICAL[dtype]
-    if dtype.is_floating_point:
-        return "float32"
-    raise ValueError(f"cannot record a {dtype} tensor: tensordiff records floating-point states")
-
-
-def to_storage(x: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as the numpy array the writer stores (bf16 as its uint16 bits); shares memory."""
-    x = x.detach()
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(np.uint16)
-    return x.numpy()
-
-
-_TOPK_ROWS = 2048
-
-
-def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
-              id_map: torch.Tensor | None = None) -> torch.Tensor:
-    """Top-k rows of ``logits`` [..., V] as the trace stores them: [n, 2k+1] float64 =
-    [token ids (k) | log-probabilities (k) | logsumexp], best first, k = min(k, V), computed in
-    fp32 where the logits live. ``id_map`` [V] turns column ids into target ids (a draft's
-    reduced vocabulary: ``d2t + arange``)."""
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    kk = min(int(k), flat.shape[-1])
-    if id_map is not None:
-        id_map = id_map.to(flat.device)
-    out = []
-    for s in range(0, max(flat.shape[0], 1), _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
-        x = flat[s:s + _TOPK_ROWS].float()
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        v, i = torch.topk(x, kk, dim=-1)
-        if id_map is not None:
-            i = id_map[i]
-        out.append(torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1))
-    return torch.cat(out) if len(out) > 1 else out[0]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Which token rows to record, by absolute position (so both sides pick the same tokens even
-    when one side skipped a cached prefix): positions ``p`` with ``p % every == offset``, plus every
-    position in ``positions``. ``Sampling()`` keeps everything; ``Sampling(every=0,
-    positions={0, 5})`` keeps exactly those positions."""
-
-    every: int = 1
-    offset: int = 0
-    positions: frozenset[int] | None = None
-
-    def __post_init__(self):
-        if self.every < 0:
-            raise ValueError("Sampling.every must be >= 0 (0: only the listed positions)")
-        if self.positions is not None and not isinstance(self.positions, frozenset):
-            object.__setattr__(self, "positions", frozenset(int(p) for p in self.positions))
-
-    @property
-    def keeps_all(self) -> bool:
-        return self.every == 1 and self.offset == 0
-
-    def mask(self, positions: np.ndarray) -> np.ndarray:
-        positions = np.asarray(positions, dtype=np.int64)
-        if self.every > 0:
-            keep = (positions % self.every) == (self.offset % self.every)
-        else:
-            keep = np.zeros(positions.shape, dtype=bool)
-        if self.positions:
-            keep |= np.isin(positions, np.fromiter(self.positions, dtype=np.int64, count=len(self.positions)))
-        return keep
 
 
 @dataclass
@@ -218,9 +139,7 @@ class Recorder:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._pending_bytes = 0
         self._positions = np.empty(1024, dtype=np.int64)
-        self._seq_of = np.empty(1024, dtype=np.int64)   # per token row: index into _seq_end (-1: not train)
-        self._seq_index: dict[str, int] = {}
-        self._seq_end = np.empty(64, dtype=np.int64)     # per train sequence: its last position so far
+        self._ends = SequenceEnds()                      # refuses draft rows paired past a sequence's end
         self._offsets: dict[str, int] = {}               # token_offset of each defined tensor
         self._n_rows = 0
         self._closed = False
@@ -267,59 +186,20 @@ class Recorder:
         rows = self.writer.add_tokens(seq, positions, tokens, regime=regime, step=step)
         end = self._n_rows + len(rows)
         if end > len(self._positions):
-            size = max(end, 2 * len(self._positions))
-            for attr in ("_positions", "_seq_of"):
-                grown = np.empty(size, dtype=np.int64)
-                grown[:self._n_rows] = getattr(self, attr)[:self._n_rows]
-                setattr(self, attr, grown)
+            grown = np.empty(max(end, 2 * len(self._positions)), dtype=np.int64)
+            grown[:self._n_rows] = self._positions[:self._n_rows]
+            self._positions = grown
         if len(rows) and int(rows[0]) != self._n_rows:
             raise RuntimeError("token rows were added to the writer outside this recorder; "
                                "add every token through Recorder.add_tokens")
         self._positions[self._n_rows:end] = positions
-        # a train (teacher-forced) sequence holds every token the model saw: a row paired with a
-        # later position than its last one pairs with a token that does not exist
-        if (regime == "train" or (not isinstance(regime, str) and int(regime) == REGIMES.index("train"))) and len(rows):
-            last = int(positions.max())
-            si = self._seq_index.get(seq)
-            if si is None:
-                si = self._seq_index[seq] = len(self._seq_index)
-                if si >= len(self._seq_end):
-                    grown = np.empty(2 * len(self._seq_end), dtype=np.int64)
-                    grown[:si] = self._seq_end[:si]
-                    self._seq_end = grown
-                self._seq_end[si] = last
-            else:
-                self._seq_end[si] = max(int(self._seq_end[si]), last)
-            self._seq_of[self._n_rows:end] = si
-        else:
-            self._seq_of[self._n_rows:end] = -1
+        self._ends.add(seq, self._n_rows, end, positions, regime)
         self._n_rows = end
         return rows
 
     def _check_pairs(self, name: str, rows: np.ndarray, token_offset: int) -> None:
-        """Refuse rows of a ``token_offset`` > 0 tensor (the draft's: row t pairs with token
-        t+1) paired past the end of their train sequence: the token they pair with does not
-        exist (a loop that forgot ``draft_rows[-1] = -1``). Serve regimes are not checked: there
-        the next token is added by a later step."""
-        if token_offset <= 0 or not len(rows) or not self._seq_index or int(rows.max()) >= self._n_rows:
-            return
-        si = self._seq_of[rows]
-        train = si >= 0
-        if not train.any():
-            return
-        ends = self._seq_end
-        want = self._positions[rows] + token_offset
-        past = train & (want > ends[np.where(train, si, 0)])
-        if past.any():
-            i = int(np.flatnonzero(past)[0])
-            seq = next(k for k, v in self._seq_index.items() if v == int(si[i]))
-            n = int(past.sum())
-            raise ValueError(
-                f"{name}: {n} row{'s' if n > 1 else ''} paired past the end of {'their sequences' if n > 1 else 'its sequence'} "
-                f"(sequence {seq!r}, position {int(self._positions[rows[i]])} pairs with position {int(want[i])} "
-                f"with token_offset={token_offset}, but the sequence ends at position {int(ends[si[i]])}): "
-                f"set the last {token_offset} row{'s' if token_offset > 1 else ''} of each sequence to -1 "
-                "(draft_rows[-1] = -1), or add the sequence's later tokens first")
+        if rows.size and int(rows.max()) < self._n_rows:
+            self._ends.check(name, rows, self._positions, token_offset)
 
     def positions_of(self, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
@@ -404,7 +284,7 @@ class Recorder:
         if n == 0:
             self.stats.seconds += time.perf_counter() - t0
             return 0
-        want_dtype = _TORCH[spec.dtype]
+        want_dtype = TORCH_DTYPES[spec.dtype]
         if x.dtype != want_dtype:
             x = x.to(want_dtype)
         xf = x if x.dtype == torch.float32 else x.float()

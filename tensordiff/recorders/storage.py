@@ -1,0 +1,62 @@
+"""Torch tensors in the form a trace stores them: trace dtype names, host arrays (bf16 as its
+bits), and the top-k prediction rows a recorder writes for logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import conventions
+
+__all__ = ["TORCH_DTYPES", "logical_dtype", "to_storage", "topk_rows"]
+
+_LOGICAL = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+TORCH_DTYPES = {v: k for k, v in _LOGICAL.items()}   # trace dtype name -> torch dtype
+
+
+def logical_dtype(dtype: torch.dtype) -> str:
+    """The trace dtype name of a torch floating dtype (other floating types record as float32)."""
+    if dtype in _LOGICAL:
+        return _LOGICAL[dtype]
+    if dtype.is_floating_point:
+        return "float32"
+    raise ValueError(f"cannot record a {dtype} tensor: tensordiff records floating-point states")
+
+
+def to_storage(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the numpy array the writer stores (bf16 as its uint16 bits); shares memory."""
+    x = x.detach()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(np.uint16)
+    return x.numpy()
+
+
+_TOPK_ROWS = 2048
+
+
+def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
+              id_map: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k rows of ``logits`` [..., V] as the trace stores them: [n, 2k+1] float64 =
+    [token ids (k) | log-probabilities (k) | logsumexp], best first, k = min(k, V), computed in
+    fp32 where the logits live. ``id_map`` [V] turns column ids into target ids (a draft's
+    reduced vocabulary: ``d2t + arange``)."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    kk = min(int(k), flat.shape[-1])
+    if id_map is not None:
+        id_map = id_map.to(flat.device)
+    out = []
+    for s in range(0, max(flat.shape[0], 1), _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
+        x = flat[s:s + _TOPK_ROWS].float()
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        v, i = torch.topk(x, kk, dim=-1)
+        if id_map is not None:
+            i = id_map[i]
+        out.append(torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1))
+    return torch.cat(out) if len(out) > 1 else out[0]

@@ -1,0 +1,287 @@
+"""The set reader: :class:`TraceSet`, many trace files with the reader interface of one.
+
+It opens the members (:mod:`.members`), unites their token tables (:mod:`.union`), joins their
+tensors (:mod:`.join`) and delegates every read of set rows to the members that hold them; the
+replica comparison is :mod:`.replicas`, the ``info`` index :mod:`.index`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from ..dtypes import to_float32
+from ..errors import IncompatibleTracesError, UsageError
+from ..trace import TraceReader, slot_rms
+from .index import set_index, tensor_entries, token_summary
+from .join import merge_tensors
+from .members import Member, check_headers, check_layout, check_meta_ranks, host_of
+from .paths import is_set_spec, member_sort_key, parse_ranks, set_paths
+from .replicas import ReplicaMismatch, ReplicaPartial, ReplicaTask, compare_replica_rows, replica_mismatches, replica_tasks
+from .union import merge_tokens
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+
+def open_trace(spec: str) -> TraceReader:
+    """A :class:`TraceReader` for a file, a :class:`TraceSet` for a directory or a glob.
+
+    Typed as a reader: a set has the interface the aligner and the diff use of one (duck-typed;
+    a Protocol naming that interface would let both be typed exactly)."""
+    if is_set_spec(spec):
+        return cast(TraceReader, TraceSet(spec))
+    return TraceReader(spec)
+
+
+class TraceSet:
+    """Many trace files read as one trace; see the package docstring for how they combine."""
+
+    def __init__(self, spec: str | Sequence[str]):
+        if isinstance(spec, (str, os.PathLike)):
+            self.path = os.fspath(spec)
+            paths = set_paths(self.path)
+        else:
+            paths = sorted((os.fspath(p) for p in spec), key=member_sort_key)
+            if not paths:
+                raise UsageError("an empty trace set (no files given)")
+            self.path = os.path.commonpath(paths) if len(paths) > 1 else paths[0]
+        self.members: list[Member] = []
+        try:
+            for i, p in enumerate(paths):
+                base, ranks = parse_ranks(p)
+                r = TraceReader(p)
+                self.members.append(Member(i, p, r, ranks, shard="", host=host_of(r)))
+                check_meta_ranks(self.members[-1])
+                self.members[-1].shard = base + (f".dp{ranks['dp']}" if "dp" in ranks else "")
+            check_headers(self.members, self.path)
+            check_layout(self.members, self.path)
+            self.sequences, self.tokens = merge_tokens(self.members, self.path)
+            self.tensors, self._vt, self._ds = merge_tensors(self.members, self.path)
+        except BaseException:
+            self.close()
+            raise
+        self._rows_cache: dict[str, np.ndarray] = {}
+        self._replica_result: list[ReplicaMismatch] | None = None
+
+    # -- the reader interface ------------------------------------------------------------------
+
+    @property
+    def _r0(self) -> TraceReader:
+        return self.members[0].reader
+
+    @property
+    def side(self) -> str:
+        return self._r0.side
+
+    @property
+    def schema(self) -> int:
+        return int(self._r0.schema)
+
+    @property
+    def sketch_seed(self) -> int:
+        return int(self._r0.sketch_seed)
+
+    @property
+    def sketch_dim(self) -> int:
+        return int(self._r0.sketch_dim)
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return dict(self._r0.model)
+
+    @property
+    def versions(self) -> dict[str, Any]:
+        return dict(self._r0.versions)
+
+    @property
+    def user_meta(self) -> dict[str, Any]:
+        """The metadata every member agrees on (rank facts and hosts differ: they are in the index)."""
+        common = dict(self._r0.user_meta)
+        for m in self.members[1:]:
+            um = m.reader.user_meta
+            common = {k: v for k, v in common.items() if k in um and um[k] == v}
+        return common
+
+    @property
+    def producer(self) -> str:
+        return "; ".join(dict.fromkeys(m.reader.producer for m in self.members if m.reader.producer))
+
+    @property
+    def created(self) -> str:
+        c = [m.reader.created for m in self.members if m.reader.created]
+        return min(c) if c else ""
+
+    @property
+    def complete(self) -> bool:
+        return all(m.reader.complete for m in self.members)
+
+    @property
+    def recovered_note(self) -> str | None:
+        notes = [(m, m.reader.recovered_note) for m in self.members if getattr(m.reader, "recovered_note", None)]
+        if not notes:
+            return None
+        return (f"{len(notes)} of {len(self.members)} files were not closed cleanly: "
+                + "; ".join(f"{m.name}: {n}" for m, n in notes))
+
+    @property
+    def file_size(self) -> int:
+        return sum(int(m.reader.file_size) for m in self.members)
+
+    @property
+    def hidden_size(self) -> int | None:
+        return self._r0.hidden_size
+
+    @property
+    def num_layers(self) -> int | None:
+        return self._r0.num_layers
+
+    def token_rows(self, name: str) -> np.ndarray:
+        """Set token-table row of every (set) row of tensor ``name``."""
+        rows = self._rows_cache.get(name)
+        if rows is None:
+            vt = self._vt[name]
+            parts = []
+            for seg in vt.segments:
+                m = self.members[seg.member]
+                tr = m.reader.token_rows(name)
+                parts.append((tr if seg.sel is None else tr[seg.sel]) + m.tok_offset)
+            rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+            self._rows_cache[name] = rows
+        return rows
+
+    def locate(self, name: str, idx: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Where set rows ``idx`` of ``name`` live: (member index, positions in ``idx``, member rows),
+        one entry per member, positions ascending."""
+        vt = self._vt[name]
+        idx = np.asarray(idx, dtype=np.int64)
+        if len(idx) == 0:
+            return []
+        if len(idx) and (idx.min() < 0 or idx.max() >= vt.info.rows):
+            raise IndexError(f"rows of {name} out of range")
+        seg_of = np.searchsorted(vt.starts, idx, side="right") - 1
+        if (seg_of == seg_of[0]).all():
+            seg = vt.segments[int(seg_of[0])]
+            return [(seg.member, np.arange(len(idx)), seg.member_rows(idx - seg.start))]
+        out: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for si in np.unique(seg_of):
+            seg = vt.segments[int(si)]
+            pos = np.flatnonzero(seg_of == si)
+            out.setdefault(seg.member, []).append((pos, seg.member_rows(idx[pos] - seg.start)))
+        res = []
+        for mi, lst in out.items():
+            pos = np.concatenate([p for p, _ in lst])
+            rows = np.concatenate([r for _, r in lst])
+            order = np.argsort(pos, kind="stable")
+            res.append((mi, pos[order], rows[order]))
+        return res
+
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``name/part`` at set row indices (any order, repeats allowed), stored form;
+        each member reads its own rows."""
+        shape = self._ds[name].get(part)
+        if shape is None or part == "rows":
+            raise IncompatibleTracesError(f"tensor {name!r} has no {part}", self.path)
+        idx = np.asarray(idx, dtype=np.int64)
+        where = self.locate(name, idx)
+        if len(where) == 1:
+            mi, _, rows = where[0]
+            return self.members[mi].reader.read_at(name, part, rows, out=out)
+        n = len(idx)
+        tail = tuple(shape.shape[1:])
+        if out is not None and out.dtype == shape.dtype and out.size >= n * int(np.prod(tail, dtype=np.int64)):
+            dest = out.reshape(-1)[:n * int(np.prod(tail, dtype=np.int64))].reshape((n,) + tail)
+        else:
+            dest = np.empty((n,) + tail, shape.dtype)
+        for mi, pos, rows in where:
+            dest[pos] = self.members[mi].reader.read_at(name, part, rows)
+        return dest
+
+    def read_values_at(self, name: str, idx: np.ndarray, *, raw: bool = False,
+                       out: np.ndarray | None = None) -> np.ndarray:
+        block = self.read_at(name, "values", idx)
+        return block if raw else to_float32(block, self.tensors[name].dtype, out)
+
+    def _range(self, name: str, start: int, stop: int | None) -> np.ndarray:
+        n = self.tensors[name].rows
+        lo, hi, _ = slice(start, stop).indices(n)
+        return np.arange(lo, max(lo, hi), dtype=np.int64)
+
+    def read_values(self, name: str, start: int = 0, stop: int | None = None, *, raw: bool = False) -> np.ndarray:
+        return self.read_values_at(name, self._range(name, start, stop), raw=raw)
+
+    def read_sketch(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return np.asarray(self.read_at(name, "sketch", self._range(name, start, stop)), dtype=np.float32)
+
+    def read_rms(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        if "rms" not in self._ds[name]:
+            return slot_rms(self.read_values(name, start, stop), self.tensors[name].slot_width)
+        return np.asarray(self.read_at(name, "rms", self._range(name, start, stop)), dtype=np.float32)
+
+    def has_part(self, name: str, part: str) -> bool:
+        return part in self._ds.get(name, {})
+
+    def touch(self) -> None:
+        for m in self.members:
+            t = getattr(m.reader, "touch", None) or m.reader._touch  # renamed in the trace package
+            t()
+
+    _touch = touch
+
+    def close(self) -> None:
+        for m in self.members:
+            m.reader.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- replicas ------------------------------------------------------------------------------
+
+    @property
+    def replicated_rows(self) -> int:
+        return sum(len(rp.rows_primary) for vt in self._vt.values() for rp in vt.replicated)
+
+    def replica_tasks(self, block_rows: int = 1 << 16) -> list[ReplicaTask]:
+        """The replica comparisons, in pieces of at most ``block_rows`` rows (for worker pools)."""
+        return replica_tasks(self.members, self._vt, block_rows)
+
+    def replica_mismatches(self, partials: Sequence[ReplicaPartial]) -> list[ReplicaMismatch]:
+        """Merge partial comparisons (in any order) into one mismatch per (tensor, replica file)
+        whose rows are not all bit-identical to the primary's, in forward order."""
+        return replica_mismatches(self.members, self._vt, self.sequences, partials)
+
+    def check_replicas(self, progress: Callable[[str, int, int], None] | None = None) -> list[ReplicaMismatch]:
+        """Compare every replicated row (serially, in this process); cached."""
+        if self._replica_result is None:
+            readers = {m.path: m.reader for m in self.members}
+            tasks = self.replica_tasks()
+            partials = []
+            for i, t in enumerate(tasks):
+                if progress is not None:
+                    progress("checking replicas", i, len(tasks))
+                partials.append(compare_replica_rows(t, readers.__getitem__))
+            self._replica_result = self.replica_mismatches(partials)
+        return self._replica_result
+
+    # -- index and summary ---------------------------------------------------------------------
+
+    def index(self) -> dict[str, Any]:
+        """Which file holds which sequences, tensors, ranks, and the host that wrote it."""
+        return set_index(self.members, self._vt, self.tokens)
+
+    def summary(self) -> dict[str, Any]:
+        """What ``tensordiff info`` shows: the reader's summary of the merged trace plus the index."""
+        regimes, seqs = token_summary(self.tokens, self.sequences)
+        return {
+            "path": self.path, "schema": self.schema, "side": self.side, "producer": self.producer,
+            "created": self.created, "complete": self.complete, "recovered": self.recovered_note,
+            "model": self.model, "versions": self.versions, "user_meta": self.user_meta,
+            "sketch": {"seed": self.sketch_seed, "dim": self.sketch_dim},
+            "tokens": {"rows": len(self.tokens), "sequences": len(self.sequences), "regimes": regimes},
+            "sequences": seqs, "tensors": tensor_entries(self.tensors), "set": self.index(),
+        }
