@@ -453,3 +453,15 @@ def test_record_train_with_a_draft_as_model_is_one_line_before_any_load(tmp_path
     # a target model's config is not taken for a draft
     assert train_cli.eagle3_draft_reason(json.loads((model_dir / "config.json").read_text())) is None
     assert train_cli.eagle3_draft_reason({"eagle_config": {}, "num_hidden_layers": 32}) is None
+
+
+def test_record_train_never_overwrites_its_prompts(tmp_path, model_dir, capsys):
+    """--out naming the prompts file is refused with one line before any work; the prompts stay."""
+    prompts = _prompts(tmp_path / "p.jsonl", n=1)
+    before = prompts.read_bytes()
+    rc = _cli(["record", "train", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(prompts),
+               "--no-progress"])
+    cap = capsys.readouterr()
+    assert rc == 2 and "would overwrite an input" in cap.err, cap.err
+    assert len(cap.err.strip().splitlines()) == 1, cap.err
+    assert prompts.read_bytes() == before

@@ -341,12 +341,15 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
 
+    from ..safety import check_output_path
     from .core import Recorder, Sampling
     from .hf import HFExtractorRecorder, model_info, plan_draft_input
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise TraceError("output directory does not exist", out_dir)
+    # never overwrite an input (the prompts, the serve trace or outputs file it replays)
+    check_output_path(args.out, [args.prompts, getattr(args, "from_serve", None)], "--out")
     if args.sample_every is not None and args.sample_every < 0:
         raise TraceError("--sample-every must be >= 0")
     if args.sample_every == 0 and not args.positions:
