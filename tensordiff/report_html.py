@@ -2,7 +2,8 @@
 
 One self-contained file, for a CI artefact or a pull request: inline CSS, no script, no font or
 image fetched at view time. It shows what the text report shows (the headline, the findings in
-forward order, the slot table, per-tensor numerics, worst tokens, tokens and gaps) and the token
+forward order, acceptance per draft position and per regime when the traces hold draft
+predictions or verify steps, the slot table, per-tensor numerics, worst tokens, tokens and gaps) and the token
 x slot heatmap as a PNG embedded as a data URI, written here with zlib and struct (no imaging
 library). Every verdict and colour is the aligner's (:class:`tensordiff.align.Differ`): the
 heatmap colours a cell by the per-token flags of the diff summary and shades it by the relative
@@ -23,7 +24,7 @@ import numpy as np
 
 from . import __version__
 from .errors import UsageError
-from .findings import DiffResult, Finding
+from .findings import AcceptanceDetails, DiffResult, Finding, Kind
 from .summary import (  # the TUI's column order
     FLAG_BAD,
     FLAG_NONFINITE,
@@ -141,6 +142,9 @@ th { background: #f6f8fa; } td.num { text-align: right; white-space: nowrap; }
 .hm-cols span { writing-mode: vertical-rl; transform: rotate(180deg); font: 11px ui-monospace, monospace;
                overflow: hidden; white-space: nowrap; }
 .hm img { image-rendering: pixelated; image-rendering: crisp-edges; display: block; border: 1px solid #ccc; }
+.bar { display: inline-block; width: 120px; height: 10px; background: #eaeef2; border-radius: 2px; vertical-align: middle;
+       margin-right: 6px; } .bar span { display: block; height: 100%; border-radius: 2px; }
+.bar .hi { background: #2da44e; } .bar .lo { background: #cf222e; }
 .legend span { display: inline-block; width: 12px; height: 12px; vertical-align: middle; margin: 0 3px 0 10px;
                border: 1px solid #ccc; }
 """
@@ -237,6 +241,61 @@ def _heatmap_section(res: DiffResult, summary: SummaryReader | None, text) -> st
             f'<p class="legend note">{legend}</p><p class="note">{binned}; columns in forward order.</p>')
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * float(x):.1f}%"
+
+
+def _bar(frac) -> str:
+    """A bar filled to ``frac`` (0..1) beside its percentage; green from one half, red below."""
+    if frac is None:
+        return "-"
+    f = max(0.0, min(1.0, float(frac)))
+    return (f'<span class="bar" data-frac="{f:.6f}"><span class="{"hi" if f >= 0.5 else "lo"}" '
+            f'style="width:{100 * f:.2f}%"></span></span>{_pct(f)}')
+
+
+def _acceptance_section(res: DiffResult) -> str:
+    """Acceptance per draft position and per regime, and A against B, from the acceptance
+    finding's details (:class:`tensordiff.details.AcceptanceDetails`); empty without one."""
+    f = next((x for x in res.findings if x.kind == Kind.ACCEPTANCE and isinstance(x.details, AcceptanceDetails)), None)
+    d = f.details if f is not None else None
+    if f is None or not isinstance(d, AcceptanceDetails):
+        return ""
+    out = ['<h2 id="acceptance-title">Acceptance</h2><div id="acceptance">',
+           f'<p id="acceptance-finding" class="sev-{_e(f.severity)}">{_MARK.get(f.severity, "·")} #{f.index} '
+           f"{_e(f.message)}</p>"]
+    if d.per_position:
+        out.append(f'<p>by draft position on <b>{_e(d.side)}</b>: {d.steps} verify steps, mean acceptance length '
+                   f'<b id="accept-length">{_num(d.accept_length, 2)}</b></p>')
+        rows = [[str(p["position"]), str(p["reached"]), str(p["accepted"]), _bar(p.get("rate")), _pct(p.get("top1")),
+                 _num(p.get("target_logprob"), 3), _pct(p.get("overlap")), _num(p.get("kl_lb"), 3)]
+                for p in d.per_position]
+        out.append(_table(["draft position", "steps reaching it", "accepted", "accepted share", "top-1 = target",
+                           "target log-prob", "top-k overlap", "KL(target‖draft) ≥"], rows, {1, 2, 4, 5, 6, 7})
+                   .replace("<table>", '<table id="acceptance-positions">', 1))
+    other = d.side_a if d.side == d.side_b else d.side_b
+    for side, teach, tid in ((d.side, d.teacher, "acceptance-regimes"), (other, d.teacher_other, "acceptance-regimes-other")):
+        if not teach:
+            continue
+        out.append(f"<p>the draft against the target, teacher-forced (draft position 0), on <b>{_e(side)}</b>, by regime</p>")
+        rows = [[_e(reg), str(e.get("rows", 0)), _bar(e.get("top1")), _pct(e.get("overlap")), _num(e.get("kl_lb"), 3)]
+                for reg, e in teach.items()]
+        out.append(_table(["regime", "draft rows", "top-1 agree", "top-k overlap", "KL(target‖draft) ≥"], rows, {1, 3, 4})
+                   .replace("<table>", f'<table id="{tid}">', 1))
+    if d.cross:
+        out.append(f"<p>{_e(d.side_a)} against {_e(d.side_b)} on the aligned tokens</p>")
+        rows = [[f"<code>{_e(name)}</code>", str(c.get("tokens", 0)), _pct(c.get("top1")), _pct(c.get("overlap")),
+                 _num(c.get("kl_lb"), 3)] for name, c in d.cross.items()]
+        out.append(_table(["predictions", "tokens", "top-1 equal", "top-k overlap", "KL ≥"], rows, {1, 2, 3, 4})
+                   .replace("<table>", '<table id="acceptance-cross">', 1))
+    if d.not_compared:
+        out.append(f'<p class="note">not compared: {_e(", ".join(d.not_compared))}</p>')
+    out.append('<p class="note">accepted share: of the verify steps that reached a draft position (every earlier '
+               "draft token accepted), the share that accepted its token. KL is a lower bound from the two top-k "
+               "tables (tensordiff.acceptance).</p></div>")
+    return "".join(out)
+
+
 def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
                 token_text: Callable[[int | None], str] | None = None, max_findings: int = 200, worst: int = 20) -> str:
     """The report as one HTML string (see the module docstring)."""
@@ -273,6 +332,8 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
                          '(see <code>tensordiff diff --json</code>)</p>')
     else:
         parts.append("<p>none</p>")
+
+    parts.append(_acceptance_section(res))
 
     if res.slot_table:
         parts.append("<h2>Slots</h2>")

@@ -57,10 +57,12 @@ from .tui_data import (
     VectorSource,
     resolve_goto,
 )
-from .tui_text import detail_lines, finding_prompt
+from .tui_text import acceptance_lines, detail_lines, finding_prompt
 from .tui_widgets import GotoScreen, Heatmap, HelpScreen, TensorTree
 
 EXIT_INTERRUPTED = 130   # quit before the diff finished: no verdict
+WIDE = 110               # from this many columns the acceptance pane opens by itself (the -wide breakpoint)
+ACCEPT_TEXT_W = 26       # the acceptance pane's text width (30 columns less border and padding)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,14 +90,19 @@ class TensordiffApp(App[int]):
     #tree { height: 1fr; border: round $primary; }
     #right { width: 1fr; }
     #filter { display: none; height: 3; }
+    #maprow { height: 1fr; }
     #heatmap { height: 1fr; border: round $primary; }
+    #acceptance { width: 30; height: 1fr; border: round $primary; padding: 0 1; display: none;
+                  scrollbar-size-vertical: 1; }
+    #acceptance.shown { display: block; }
+    #accept-text { width: 1fr; }
     #detail { height: 11; border: round $primary; padding: 0 1; scrollbar-size-vertical: 1; }
     Screen.-short #detail { height: 8; }
     #detail-text { width: 1fr; }
     .done #progress-row { display: none; }
     """
 
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (110, "-wide")]
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (WIDE, "-wide")]
     VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
 
     BINDINGS: ClassVar[list] = [
@@ -110,6 +117,7 @@ class TensordiffApp(App[int]):
         Binding("question_mark", "help", "help"),
         Binding("s", "screenshot", "shot"),
         Binding("q", "quit", "quit"),
+        Binding("a", "toggle_acceptance", "acceptance", show=False),   # in the help; the footer is full at 80 columns
         Binding("less_than_sign", "resize_left(-4)", "narrower", show=False),
         Binding("greater_than_sign", "resize_left(4)", "wider", show=False),
         Binding("escape", "close_filter", "close filter", show=False),
@@ -145,6 +153,8 @@ class TensordiffApp(App[int]):
         self._block_rows, self._max_blocks = block_rows, max_blocks
         self.detail_text = Text("")
         self.last_screenshot: str | None = None
+        self.acceptance_lines: list[Text] = []
+        self._left_hidden_for_acceptance = False
         # token text: the tokenizer given (--tokenizer), else the model directory a trace records
         # (looked for once, in the detail worker: loading a tokenizer may take seconds)
         self.token_text = token_text
@@ -164,7 +174,10 @@ class TensordiffApp(App[int]):
                 yield TensorTree("tensors", id="tree")
             with Vertical(id="right"):
                 yield Input(placeholder="filter tensors: substrings, comma-separated (empty: all)", id="filter")
-                yield Heatmap(id="heatmap", block_rows=self._block_rows, max_blocks=self._max_blocks)
+                with Horizontal(id="maprow"):
+                    yield Heatmap(id="heatmap", block_rows=self._block_rows, max_blocks=self._max_blocks)
+                    with VerticalScroll(id="acceptance"):
+                        yield Static("", id="accept-text")
                 with VerticalScroll(id="detail"):
                     yield Static("", id="detail-text")
         yield Footer(compact=True)
@@ -193,6 +206,8 @@ class TensordiffApp(App[int]):
         self._w_left, self._w_detail_box = q("#left", Vertical), q("#detail", VerticalScroll)
         self._w_progress, self._w_progress_label = q("#progress", ProgressBar), q("#progress-label", Static)
         self._w_filter, self._w_titlebar, self._w_heatmap = q("#filter", Input), q("#titlebar", Static), q(Heatmap)
+        self._w_accept, self._w_accept_text = q("#acceptance", VerticalScroll), q("#accept-text", Static)
+        self._w_accept.border_title = "acceptance (a hides)"
         fl = self._w_findings
         fl.border_title = "findings"
         tree = self._w_tree
@@ -279,6 +294,7 @@ class TensordiffApp(App[int]):
             if self._filter_text:
                 self.heatmap.set_filter(self._filter_text)
         self.heatmap.border_title = self._heatmap_title()
+        self._show_acceptance(res)
         target = first or (res.findings[0] if res.findings else None)
         if target is not None:
             self._select_finding(target.index)
@@ -287,6 +303,18 @@ class TensordiffApp(App[int]):
         queued, self.pending = self.pending, []
         for _what, fn in queued:
             fn()
+
+    def _show_acceptance(self, res: DiffResult) -> None:
+        """Fill the acceptance pane from the acceptance finding; shown at once on a wide screen,
+        a key away (a) on a narrow one, absent when nothing about acceptance was recorded."""
+        self.acceptance_lines = acceptance_lines(res, ACCEPT_TEXT_W)
+        if not self.acceptance_lines:
+            return
+        self._w_accept_text.update(Text("\n").join(self.acceptance_lines))
+        if self.size.width >= WIDE:
+            self._w_accept.add_class("shown")
+        else:
+            self.notify("acceptance recorded: press a to show it beside the heatmap", timeout=4)
 
     def _heatmap_title(self) -> str:
         m = METRICS[self.metric_index]
@@ -350,6 +378,8 @@ class TensordiffApp(App[int]):
             row = None
         if row is not None or col_pos is not None:
             hm.move_to(row, col_pos, center=True)
+        elif self.cell is None:
+            hm.move_to(0, 0)   # a finding about no tensor (acceptance, pairing): the detail pane still has a cell
         else:
             self._render_detail()
 
@@ -478,10 +508,35 @@ class TensordiffApp(App[int]):
     def action_toggle_metric(self) -> None:
         self._defer("toggle metric", self._toggle_metric)
 
+    def _toggle_acceptance(self) -> None:
+        if not self.acceptance_lines:
+            self.notify("no acceptance recorded: neither trace holds draft predictions or verify steps", timeout=3)
+            return
+        pane, left = self._w_accept, self._w_left
+        pane.toggle_class("shown")
+        if pane.has_class("shown"):
+            # on a narrow screen the pane takes the left pane's room (the heatmap keeps its cells)
+            if self.size.width < WIDE and not left.has_class("collapsed"):
+                left.add_class("collapsed")
+                self._left_hidden_for_acceptance = True
+                if self.focused is not None and left in self.focused.ancestors:
+                    self.heatmap.focus()
+            return
+        if self._left_hidden_for_acceptance:
+            self._left_hidden_for_acceptance = False
+            left.remove_class("collapsed")
+        if self.focused is not None and pane in self.focused.ancestors_with_self:
+            self.heatmap.focus()
+
+    def action_toggle_acceptance(self) -> None:
+        """Show or hide the acceptance pane beside the heatmap (per draft position and regime)."""
+        self._defer("acceptance", self._toggle_acceptance)
+
     def action_toggle_left(self) -> None:
         """Hide or show the findings and tensors (more room for the heatmap on a small terminal)."""
         left = self._w_left
         left.toggle_class("collapsed")
+        self._left_hidden_for_acceptance = False
         if left.has_class("collapsed") and self.focused is not None and left in self.focused.ancestors:
             self.heatmap.focus()
 

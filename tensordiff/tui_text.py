@@ -12,7 +12,7 @@ import math
 import numpy as np
 from rich.text import Text
 
-from .findings import DiffResult, Finding
+from .findings import DiffResult, Finding, Kind
 from .fmt import OK_GLYPH, SEVERITY_GLYPH, number
 from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
 from .tui_data import BARS, N_LEVELS, Column, column_findings, slot_row
@@ -65,8 +65,8 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
     on sketches (the pair's ``basis``) are marked ``≈``."""
     lines: list[Text] = []
     fs = column_findings(res, col)
-    if selected is not None and (selected in fs or selected.tensor is None):
-        f = selected   # the selected finding, when it is about this column or about no tensor
+    if selected is not None and (selected in fs or selected.tensor is None or selected.kind == Kind.ACCEPTANCE):
+        f = selected   # the selected finding, when it is about this column or about no column (acceptance)
     else:
         f = min(fs, key=lambda x: x.index) if fs else None
     if f is not None:
@@ -216,3 +216,94 @@ def plot_lines(va: np.ndarray | None, vb: np.ndarray | None, side_a: str, side_b
         t.append(f"  values in [{fmt(lo, 3)}, {fmt(hi, 3)}]", style="dim")
         out.append(t)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The acceptance pane (beside the heatmap): the acceptance finding's details as bars
+# ----------------------------------------------------------------------------------------------
+
+HBARS = " ▏▎▍▌▋▊▉█"   # eighths of a cell, for horizontal bars
+
+
+def hbar(frac: float | None, width: int) -> str:
+    """A horizontal bar of ``width`` cells filled to ``frac`` (0..1) in eighths; blank for None."""
+    if frac is None or not math.isfinite(frac) or width <= 0:
+        return " " * max(width, 0)
+    eighths = round(max(0.0, min(1.0, frac)) * width * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + (HBARS[part] if part else "")).ljust(width)
+
+
+def _bar(frac: float | None, width: int, style: str) -> Text:
+    """``hbar`` with the unfilled part drawn as a dim track (a 0% bar is still seen as a bar)."""
+    b = hbar(frac, width)
+    filled = b.rstrip(" ") if frac is not None else ""
+    return Text.assemble((filled, style), ("·" * (width - len(filled)), "dim"))
+
+
+def acceptance_finding(res: DiffResult | None) -> Finding | None:
+    """The diff's acceptance finding, when it has one with its details."""
+    from .findings import AcceptanceDetails
+
+    if res is None:
+        return None
+    return next((f for f in res.findings if f.kind == Kind.ACCEPTANCE and isinstance(f.details, AcceptanceDetails)),
+                None)
+
+
+_VERDICT_WORDS = {"upstream": ("a divergence upstream", "bold red"), "target": ("the target's predictions differ", "bold red"),
+                  "draft_after_fc": ("the draft after fc differs", "bold red"),
+                  "close": ("predictions close: no verdict", "yellow"), "incomplete": ("not all compared: no verdict", "yellow")}
+
+
+def acceptance_lines(res: DiffResult | None, width: int) -> list[Text]:
+    """The acceptance pane: the mean acceptance length, a bar per draft position (share of the
+    verify steps reaching it that accepted its token), a bar per regime of the draft's
+    teacher-forced top-1 agreement with the target, and the verdict in a few words. All from the
+    acceptance finding's details (:class:`tensordiff.details.AcceptanceDetails`); [] without one."""
+    from .findings import AcceptanceDetails
+
+    f = acceptance_finding(res)
+    d = f.details if f is not None else None
+    if f is None or res is None or not isinstance(d, AcceptanceDetails):
+        return []
+    g, s = SEVERITY_GLYPH.get(f.severity, ("?", ""))
+    bar_w = max(4, width - 15)
+    out = [Text.assemble((f"{g} ", s), (f"finding #{f.index} on ", "dim"), (d.side, "bold"))]
+    if d.accept_length is not None:
+        out.append(Text.assemble(("length ", "dim"), (f"{d.accept_length:.2f}", "bold"), (f" / {d.steps} steps", "dim")))
+    if d.per_position:
+        out.append(Text("accepted by draft pos.", style="bold"))
+        for p in d.per_position:
+            rate = p.get("rate")
+            style = "green" if rate is not None and rate >= 0.5 else "red"
+            out.append(Text.assemble(f"{p['position']:>2} ", _bar(rate, bar_w, style),
+                                     f" {_pct(rate):>4}", (f" {p['accepted']}/{p['reached']}", "dim"), no_wrap=True))
+    if d.teacher:
+        out.append(Text("draft top-1 = target", style="bold"))
+        out.append(Text(f"teacher-forced, {d.side}", style="dim"))
+        lab = max(len(r) for r in d.teacher)
+        lab = min(lab, 9)
+        w = max(4, width - lab - 7)
+        for reg, e in d.teacher.items():
+            top1 = e.get("top1")
+            style = "green" if top1 is not None and top1 >= 0.5 else "red"
+            out.append(Text.assemble(f"{reg[:lab]:<{lab}} ", _bar(top1, w, style), f" {_pct(top1):>4}", no_wrap=True))
+    if d.cross:
+        out.append(Text(f"{res.side_a} vs {res.side_b} top-1", style="bold"))
+        for name, c in d.cross.items():
+            out.append(Text.assemble(f"{name:<12}", f" {_pct(c.get('top1')):>4}",
+                                     (f" {c.get('tokens', 0)} tok", "dim"), no_wrap=True))
+    if d.verdict == "agree":
+        words, style = (("wiring agrees; the draft disagrees", "bold yellow") if d.draft_disagrees
+                        else ("wiring and draft agree", "green"))
+    else:
+        words, style = _VERDICT_WORDS.get(d.verdict, (d.verdict, ""))
+        if d.verdict == "upstream" and d.upstream_index is not None:
+            words += f" (#{d.upstream_index})"
+    out.append(Text(words, style=style))
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"

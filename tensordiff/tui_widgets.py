@@ -393,6 +393,7 @@ HELP = [
     ("g", "go to a token: #INDEX (aligned row), SEQ:POS, POS (in the current sequence) or t=TOKEN_ID"),
     ("/", "filter tensors: comma-separated substrings of column labels (empty: all); Enter or Esc closes"),
     ("m", "toggle the heatmap metric: relative error, 1 - cosine, max abs error, aligner verdict"),
+    ("a", "show or hide the acceptance pane (accepted share per draft position, the draft's top-1 per regime)"),
     ("arrows, PgUp/PgDn, Home/End", "move the heatmap cursor (click a cell with the mouse, too)"),
     ("Tab / Shift+Tab", "move between findings, tensors and heatmap; Enter picks"),
     ("[  /  < >", "hide or show the findings and tensors / make them narrower or wider"),

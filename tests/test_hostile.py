@@ -313,7 +313,7 @@ def test_calibrate_with_nothing_comparable(tmp_path):
     make(str(tmp_path / "a.h5"), "train", 0)
     make(str(tmp_path / "b.h5"), "serve", 1)
     one_line(["calibrate", tmp_path / "a.h5", tmp_path / "b.h5", "--out", tmp_path / "c.json"],
-             "nothing to calibrate on")
+             "nothing compared")
 
 
 # ----------------------------------------------------------------------------------------------

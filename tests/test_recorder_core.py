@@ -90,12 +90,14 @@ def test_packed_from_parts_records_slots_and_provenance(tmp_path):
     p = tmp_path / "t.h5"
     with _rec(p) as rec:
         rows = rec.add_tokens("s", None, range(6))
-        rec.packed("draft_input", parts, rows, labels=["embed", "layer2", "layer4"], raw_ids=[0, 1, 3],
+        drows = rows.copy()
+        drows[-1] = -1                       # row t pairs with token t+1: none for the last
+        rec.packed("draft_input", parts, drows, labels=["embed", "layer2", "layer4"], raw_ids=[0, 1, 3],
                    convention="specforge")
         with pytest.raises(ValueError, match="slot width"):
-            rec.packed("bad", torch.randn(6, 3 * 16), rows, labels=["embed", "layer1", "layer2"])
+            rec.packed("bad", torch.randn(6, 3 * 16), drows, labels=["embed", "layer1", "layer2"])
         with pytest.raises(ValueError, match="not a state label"):
-            rec.packed("bad2", parts, rows, labels=["embed", "layerX", "layer2"])
+            rec.packed("bad2", parts, drows, labels=["embed", "layerX", "layer2"])
         with pytest.raises(ValueError, match="token rows"):
             rec.record("short", torch.randn(5, H), rows)
     with TraceReader(p) as r:
@@ -103,9 +105,9 @@ def test_packed_from_parts_records_slots_and_provenance(tmp_path):
         assert (i.kind, i.role, i.slot_count, i.slot_width, i.token_offset) == ("packed", "draft_input", 3, H, 1)
         assert i.slot_labels == ["embed", "layer2", "layer4"]
         assert (i.raw_ids, i.convention) == ([0, 1, 3], "specforge")
-        np.testing.assert_array_equal(r.read_values("draft_input"), torch.cat(parts, -1).numpy())
-        assert r.read_sketch("draft_input").shape == (6, 3 * r.sketch_dim)
-        assert r.read_rms("draft_input").shape == (6, 3)
+        np.testing.assert_array_equal(r.read_values("draft_input"), torch.cat(parts, -1)[:5].numpy())
+        assert r.read_sketch("draft_input").shape == (5, 3 * r.sketch_dim)
+        assert r.read_rms("draft_input").shape == (5, 3)
 
 
 def test_exception_inside_the_block_leaves_a_readable_trace(tmp_path):
@@ -202,3 +204,81 @@ def test_draft_rows_and_sampling_properties():
         assert set(pos[keep].tolist()) == {p for p in range(12) if (every and p % every == 0) or p in extra}
 
     check()
+
+
+# ----------------------------------------------------------------------------------------------
+# Draft rows (token_offset 1) paired past the end of their sequence
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_draft_row_paired_past_the_sequence_end_is_refused(tmp_path):
+    x = torch.randn(6, 3 * H)
+    with _rec(tmp_path / "t.h5") as rec:
+        rows = rec.add_tokens("s0", None, list(range(6)))
+        with pytest.raises(ValueError, match=r"draft_input: 1 row paired past the end of its sequence \(sequence 's0', "
+                                             r"position 5 pairs with position 6 .*draft_rows\[-1\] = -1"):
+            rec.packed("draft_input", x, rows, labels=["layer1", "layer2", "layer3"])
+        ok = rows.copy()
+        ok[-1] = -1
+        assert rec.packed("draft_input", x, ok, labels=["layer1", "layer2", "layer3"]) == 5
+        # the same rule for the fc output and the draft's predictions, whatever token_offset a later call passes
+        with pytest.raises(ValueError, match="draft_fc_output: 1 row paired past the end"):
+            rec.record("draft_fc_output", x[:, :H], rows, role="draft_fc_output", token_offset=1)
+        with pytest.raises(ValueError, match="draft_topk: 1 row paired past the end"):
+            rec.predictions("draft_topk", torch.randn(6, 10), rows, k=3, token_offset=1)
+        assert rec.predictions("draft_topk", torch.randn(6, 10), ok, k=3, token_offset=1) == 5
+        with pytest.raises(ValueError, match="draft_input: 1 row paired past the end"):
+            rec.packed("draft_input", x, rows, labels=["layer1", "layer2", "layer3"], token_offset=0)
+        # a sequence recorded in chunks: its later tokens added first, then every row pairs
+        r1 = rec.add_tokens("s1", range(4), [1, 2, 3, 4])
+        r2 = rec.add_tokens("s1", range(4, 8), [5, 6, 7, 8])
+        assert rec.packed("draft_input", x[:4], r1, labels=["layer1", "layer2", "layer3"]) == 4
+        with pytest.raises(ValueError, match=r"'s1', position 7 pairs with position 8"):
+            rec.packed("draft_input", x[:4], r2, labels=["layer1", "layer2", "layer3"])
+        # serve regimes: the next token comes with a later step, not checked
+        r3 = rec.add_tokens("req", [0], [9], regime="decode")
+        assert rec.packed("draft_input", x[:1], r3, labels=["layer1", "layer2", "layer3"]) == 1
+        # rows at offset 0 pair with their own token
+        assert rec.boundary(1, x[:, :H], rows) == 6
+    with TraceReader(tmp_path / "t.h5") as r:
+        assert r.tensors["draft_input"].rows == 5 + 4 + 1
+
+
+def _docs_loop() -> str:
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "recorders.md").read_text()
+    sec = doc[doc.index("## Python API: inside your own extractor loop"):]
+    return re.search(r"```python\n(.*?)```", sec, re.DOTALL).group(1)
+
+
+def test_the_docs_loop_records_every_boundary_and_refuses_a_forgotten_minus_one(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from tensordiff.recorders.hf import HFExtractorRecorder, model_info
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=64, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    loader = [("a", torch.randint(0, 64, (9,))), ("b", torch.randint(0, 64, (5,)))]
+    code = _docs_loop()
+    monkeypatch.chdir(tmp_path)
+    with torch.no_grad():
+        exec(compile(code, "docs/recorders.md", "exec"), {"model": model, "loader": loader})
+    # the reference: the HF extractor recorder on the same model and tokens
+    with Recorder(tmp_path / "ref.h5", side="train", model=model_info(model)) as rec:
+        hf = HFExtractorRecorder(model, rec, None, values="all")
+        for key, ids in loader:
+            with hf.capture(key, ids), torch.no_grad():
+                model(ids[None], output_hidden_states=True)
+    with TraceReader(tmp_path / "train.h5") as r, TraceReader(tmp_path / "ref.h5") as ref:
+        assert {f"layer{b}" for b in range(1, 7)} | {"embed", "final_norm", "draft_input"} <= set(r.tensors)
+        for name in ["embed", *(f"layer{b}" for b in range(1, 7)), "final_norm"]:
+            np.testing.assert_allclose(r.read_sketch(name), ref.read_sketch(name), rtol=1e-5, atol=1e-5, err_msg=name)
+        assert r.tensors["draft_input"].rows == 8 + 4
+    # the same loop without draft_rows[-1] = -1 is refused, with the fix in the message
+    assert "draft_rows[-1] = -1" in code
+    broken = code.replace("draft_rows[-1] = -1", "pass")
+    with pytest.raises(ValueError, match=r"paired past the end of its sequence .*draft_rows\[-1\] = -1"), torch.no_grad():
+        exec(compile(broken, "docs/recorders.md", "exec"), {"model": model, "loader": loader})

@@ -417,3 +417,51 @@ def test_from_serve_outputs_file_and_trace(tmp_path, model_dir):
     assert _cli(["record", "train", "--model", str(model_dir), "--from-serve", str(tr), "--out", str(out)]) == 2
     assert _cli(["record", "train", "--model", str(model_dir), "--from-serve", str(outs), "--draft",
                  str(tmp_path / "nope"), "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize("layout", ["sglang", "speculators", "draft_keys"])
+def test_record_train_with_a_draft_as_model_is_one_line_before_any_load(tmp_path, model_dir, capsys, monkeypatch,
+                                                                       layout):
+    """An easy mix-up: the draft passed as --model. One line, exit 2, before transformers loads anything."""
+    from tensordiff.recorders import train_cli
+
+    if layout == "sglang":
+        d = _draft_dir(tmp_path, model_dir)
+        why = "architecture LlamaForCausalLMEagle3"
+        assert "LlamaForCausalLMEagle3" in json.loads((d / "config.json").read_text())["architectures"]
+    else:
+        d = tmp_path / layout
+        d.mkdir()
+        cfg = ({"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "hidden_size": H}
+               if layout == "speculators" else
+               {"architectures": ["LlamaForCausalLM"], "draft_vocab_size": 32, "num_hidden_layers": 1, "hidden_size": H})
+        (d / "config.json").write_text(json.dumps(cfg))
+        why = "architecture Eagle3Speculator" if layout == "speculators" else "draft_vocab_size and one decoder layer"
+
+    def no_load(*a, **k):
+        raise AssertionError("the model (or its config) was loaded")
+
+    monkeypatch.setattr(train_cli, "_load_config", no_load)
+    monkeypatch.setattr(train_cli, "_load_model", no_load)
+    prompts = _prompts(tmp_path / "p.jsonl", n=1)
+    rc = _cli(["record", "train", "--model", str(d), "--prompts", str(prompts), "--out", str(tmp_path / "t.h5"),
+               "--no-progress"])
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.out == ""
+    assert cap.err == (f"tensordiff: error: {d}: is an EAGLE-3 draft ({why}); --model takes the target model, "
+                       "pass the draft with --draft\n")
+    # a target model's config is not taken for a draft
+    assert train_cli.eagle3_draft_reason(json.loads((model_dir / "config.json").read_text())) is None
+    assert train_cli.eagle3_draft_reason({"eagle_config": {}, "num_hidden_layers": 32}) is None
+
+
+def test_record_train_never_overwrites_its_prompts(tmp_path, model_dir, capsys):
+    """--out naming the prompts file is refused with one line before any work; the prompts stay."""
+    prompts = _prompts(tmp_path / "p.jsonl", n=1)
+    before = prompts.read_bytes()
+    rc = _cli(["record", "train", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(prompts),
+               "--no-progress"])
+    cap = capsys.readouterr()
+    assert rc == 2 and "would overwrite an input" in cap.err, cap.err
+    assert len(cap.err.strip().splitlines()) == 1, cap.err
+    assert prompts.read_bytes() == before

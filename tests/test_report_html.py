@@ -239,3 +239,77 @@ def test_chromium_renders_the_report(tmp_path):
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24]) == (1000, 1200)
     assert len(data) > 20_000, "a blank page compresses to almost nothing"
+
+
+# ----------------------------------------------------------------------------------------------
+# acceptance (a pair with draft predictions and verify steps, as tests/test_acceptance.py writes it)
+# ----------------------------------------------------------------------------------------------
+
+ACCEPT_PROBE = """<script>
+window.addEventListener('load', () => {
+  const rows = t => Array.from(document.querySelectorAll('#' + t + ' tbody tr')).map(r => ({
+    cells: Array.from(r.cells).map(c => c.textContent),
+    bar: (() => { const b = r.querySelector('.bar'); if (!b) return null; const s = b.firstElementChild;
+                  const w = e => e.getBoundingClientRect().width;
+                  return {frac: parseFloat(b.dataset.frac), shown: w(s) / w(b),
+                          color: getComputedStyle(s).backgroundColor, visible: b.getBoundingClientRect().height > 0}; })(),
+  }));
+  const out = {
+    title: (document.getElementById('acceptance-title') || {}).textContent,
+    finding: (document.getElementById('acceptance-finding') || {}).textContent,
+    length: (document.getElementById('accept-length') || {}).textContent,
+    positions: rows('acceptance-positions'), regimes: rows('acceptance-regimes'),
+    other: rows('acceptance-regimes-other'), cross: rows('acceptance-cross'),
+  };
+  const pre = document.createElement('pre'); pre.id = 'probe'; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+@pytest.fixture
+def acceptance_pair(tmp_path):
+    from test_acceptance import STEPS, _write
+
+    return _write(tmp_path / "train.h5", side="train"), _write(tmp_path / "serve.h5", side="serve", steps=STEPS)
+
+
+def _probe(tmp_path: Path, doc: str, probe: str) -> dict:
+    page = tmp_path / "probe.html"
+    page.write_text(doc.replace("</body>", probe + "</body>"))
+    p = chromium("--virtual-time-budget=10000", "--dump-dom", page.as_uri())
+    m = re.search(r'<pre id="probe">(.*?)</pre>', p.stdout, re.DOTALL)
+    assert m, f"no probe output; chromium said: {p.stderr[-2000:]}"
+    return json.loads(html.unescape(m.group(1)))
+
+
+def test_chromium_renders_the_acceptance_section(tmp_path, acceptance_pair):
+    from tensordiff.findings import Kind
+
+    out = tmp_path / "report.html"
+    res = make_report(*acceptance_pair, str(out))
+    f = next(x for x in res.findings if x.kind == Kind.ACCEPTANCE)
+    d = f.details
+    got = _probe(tmp_path, out.read_text(), ACCEPT_PROBE)
+    assert got["title"] == "Acceptance" and f.message in got["finding"] and got["length"] == "1.75"
+    # per draft position: steps reaching it, accepted, and a bar as long as the accepted share
+    assert [r["cells"][:3] for r in got["positions"]] == [["0", "4", "2"], ["1", "2", "1"]]
+    for r, p in zip(got["positions"], d.per_position):
+        assert r["bar"]["visible"] and r["bar"]["frac"] == pytest.approx(p["rate"])
+        assert r["bar"]["shown"] == pytest.approx(p["rate"], abs=0.01)
+        assert r["cells"][3].endswith(f"{100 * p['rate']:.1f}%") and r["cells"][4] == f"{100 * p['top1']:.1f}%"
+    assert got["positions"][0]["cells"][6] == "100.0%" and float(got["positions"][1]["cells"][7]) > 0.1
+    # per regime, teacher-forced on serve (the draft disagrees: red bars) and on train
+    assert [r["cells"][0] for r in got["regimes"]] == list(d.teacher)
+    for r, e in zip(got["regimes"], d.teacher.values()):
+        assert r["cells"][1] == str(e["rows"]) and r["bar"]["frac"] == pytest.approx(e["top1"])
+        assert r["bar"]["color"] == "rgb(207, 34, 46)"
+    assert [r["cells"][0] for r in got["other"]] == list(d.teacher_other)
+    # A against B
+    assert {r["cells"][0]: r["cells"][2] for r in got["cross"]} == {n: f"{100 * c['top1']:.1f}%" for n, c in d.cross.items()}
+
+
+def test_no_acceptance_section_without_predictions(tmp_path):
+    a, b = _pair(tmp_path, diverge=True)
+    doc = render_html(diff_traces(a, b), None)
+    assert 'id="acceptance"' not in doc and "<h2 id=\"acceptance-title\">" not in doc

@@ -762,6 +762,95 @@ def test_text_plots():
 
 
 # ----------------------------------------------------------------------------------------------
+# acceptance beside the heatmap (a pair with draft predictions and verify steps)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def acceptance_pair(tmp_path_factory) -> tuple[str, str]:
+    """The pair of tests/test_acceptance.py: the wiring agrees, the draft disagrees with the target;
+    serve holds 4 verify steps (position 0: 2 of 4 accepted, position 1: 1 of 2)."""
+    from test_acceptance import STEPS, _write
+
+    d = tmp_path_factory.mktemp("tui_acceptance")
+    return _write(d / "train.h5", side="train"), _write(d / "serve.h5", side="serve", steps=STEPS)
+
+
+def _pane_screen_lines(app, pane) -> list[str]:
+    r = pane.region
+    return [s.text[r.x:r.right] for s in app.screen._compositor.render_strips()[r.y:r.bottom]]
+
+
+async def test_acceptance_pane_per_draft_position_and_regime(acceptance_pair):
+    from tensordiff.findings import Kind
+
+    app = TensordiffApp(*acceptance_pair, find_tokenizer=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_ready(app, pilot)
+        f = next(x for x in app.result.findings if x.kind == Kind.ACCEPTANCE)
+        d = f.details
+        assert [(p["accepted"], p["reached"]) for p in d.per_position] == [(2, 4), (1, 2)]
+        pane, hm = app.query_one("#acceptance"), app.heatmap
+        assert pane.display and pane.outer_size.width == 30          # wide screen: open beside the heatmap
+        assert hm.region.right <= pane.region.x                         # beside it, not over it
+        shown = "\n".join(_pane_screen_lines(app, pane))
+        assert "acceptance" in shown and "length 1.75 / 4 steps" in shown
+        assert " 0 █████▌·····  50% 2/4" in shown and " 1 █████▌·····  50% 1/2" in shown
+        teach = d.teacher
+        for reg, e in teach.items():
+            line = next(x for x in shown.splitlines() if x.strip("│ ").startswith(f"{reg} "))
+            assert f"{100 * e['top1']:.0f}%" in line, (reg, line)
+        assert "draft top-1 = target" in shown and "teacher-forced, serve" in shown
+        words = " ".join(x.strip("│ ") for x in shown.splitlines())
+        assert "wiring agrees; the draft disagrees" in words, shown           # the finding's verdict, in words
+        assert "train vs serve top-1" in shown and "target_topk  100% 24 tok" in shown, shown
+        assert d.verdict == "agree" and d.draft_disagrees
+        # the finding is selected: the detail pane says it in full, on the cell the cursor is on
+        assert app.selected_finding == f.index and app.cell is not None and f.message in app.detail_text.plain
+        # a hides it (the heatmap takes the room back) and shows it again
+        width = hm.outer_size.width
+        await pilot.press("a")
+        await pilot.pause()
+        assert not pane.display and hm.outer_size.width == width + 30
+        await pilot.press("a")
+        await pilot.pause()
+        assert pane.display and hm.outer_size.width == width
+
+
+async def test_acceptance_pane_at_80x24(acceptance_pair):
+    app = TensordiffApp(*acceptance_pair, find_tokenizer=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        pane, left, hm = app.query_one("#acceptance"), app.query_one("#left"), app.heatmap
+        assert not pane.display and left.display                       # narrow: a key away, said so
+        assert any("press a" in n.message for n in app._notifications)
+        cells = (hm.scrollable_content_region.width - GUTTER_W) // CELL_W
+        await pilot.press("a")
+        await pilot.pause()
+        # the pane takes the left pane's room: the heatmap keeps its cells
+        assert pane.display and not left.display
+        assert (hm.scrollable_content_region.width - GUTTER_W) // CELL_W >= max(5, cells)
+        shown = "\n".join(_pane_screen_lines(app, pane))
+        assert "length 1.75 / 4 steps" in shown and " 1 █████▌·····  50% 1/2" in shown
+        assert "…" not in shown
+        await pilot.press("a")
+        await pilot.pause()
+        assert not pane.display and left.display and left.outer_size.width == 28
+
+
+async def test_no_acceptance_no_pane(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        pane = app.query_one("#acceptance")
+        assert not pane.display and app.acceptance_lines == []
+        await pilot.press("a")
+        await pilot.pause()
+        assert not pane.display
+        assert any("no acceptance recorded" in n.message for n in app._notifications)
+
+
+# ----------------------------------------------------------------------------------------------
 # snapshots (fixture pair, fixed size)
 # ----------------------------------------------------------------------------------------------
 
@@ -801,3 +890,12 @@ def test_snapshot_help(snap_compare, fixture_app):
         await wait_ready(pilot.app, pilot)
 
     assert snap_compare(_snap_app(fixture_app), press=["question_mark"], terminal_size=(120, 36), run_before=ready)
+
+
+def test_snapshot_acceptance(snap_compare, acceptance_pair):
+    """A pair with verify steps at 120 x 36: the acceptance pane beside the heatmap."""
+    async def ready(pilot):
+        await wait_ready(pilot.app, pilot)
+
+    app = TensordiffApp(*acceptance_pair, find_tokenizer=False)
+    assert snap_compare(app, terminal_size=(120, 36), run_before=ready)

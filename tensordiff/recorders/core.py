@@ -42,7 +42,7 @@ from .. import conventions
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
 from ..vocab import FINAL_NORM, boundary_label, parse_label
-from .sampling import Sampling
+from .sampling import Sampling, SequenceEnds
 from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
 
 __all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage", "topk_rows"]
@@ -139,6 +139,8 @@ class Recorder:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._pending_bytes = 0
         self._positions = np.empty(1024, dtype=np.int64)
+        self._ends = SequenceEnds()                      # refuses draft rows paired past a sequence's end
+        self._offsets: dict[str, int] = {}               # token_offset of each defined tensor
         self._n_rows = 0
         self._closed = False
 
@@ -191,8 +193,13 @@ class Recorder:
             raise RuntimeError("token rows were added to the writer outside this recorder; "
                                "add every token through Recorder.add_tokens")
         self._positions[self._n_rows:end] = positions
+        self._ends.add(seq, self._n_rows, end, positions, regime)
         self._n_rows = end
         return rows
+
+    def _check_pairs(self, name: str, rows: np.ndarray, token_offset: int) -> None:
+        if rows.size and int(rows.max()) < self._n_rows:
+            self._ends.check(name, rows, self._positions, token_offset)
 
     def positions_of(self, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
@@ -222,6 +229,7 @@ class Recorder:
                                   slot_width=sw if kind == "packed" else None, order=order,
                                   token_offset=token_offset, role=role, values=vals, sketch=sk, attrs=attrs)
         self._specs[name] = _Spec(name, int(width), sw, int(width) // sw, dtype, vals, sk)
+        self._offsets[name] = int(token_offset)
         return True
 
     # -- recording -------------------------------------------------------------------------
@@ -257,6 +265,7 @@ class Recorder:
         if len(rows) != x.shape[0]:
             raise ValueError(f"{name}: {x.shape[0]} tensor rows but {len(rows)} token rows")
         keep = rows >= 0
+        self._check_pairs(name, rows[keep], self._offsets.get(name, token_offset))
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
         if not keep.all():
@@ -396,9 +405,11 @@ class Recorder:
         if len(rows) != len(vals):
             raise ValueError(f"{name}: {len(vals)} value rows but {len(rows)} token rows")
         keep = rows >= 0
+        self._check_pairs(name, rows[keep], self._offsets.get(name, token_offset))
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
         if name not in self._specs:
+            self._offsets[name] = int(token_offset)
             width = int(vals.shape[-1])
             self.writer.define_tensor(name, width, kind="other", dtype=dtype, role=role, token_offset=token_offset,
                                       values=True, sketch=False, order=order, attrs=attrs)

@@ -232,6 +232,38 @@ def _load_draft(path: str, model):
     return draft.to(p.device, p.dtype)
 
 
+def eagle3_draft_reason(cfg: dict) -> str | None:
+    """Why a config.json is an EAGLE-3 draft (None when it looks like a causal LM): an
+    ``Eagle3`` architecture or speculators model type, or the draft's own keys
+    (``draft_vocab_size``, ``eagle_config``) with the draft's single decoder layer."""
+    archs = cfg.get("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    eagle = [a for a in archs if "eagle" in a.lower()]
+    if eagle:
+        return f"architecture {eagle[0]}"
+    smt = cfg.get("speculators_model_type")
+    if isinstance(smt, str) and smt.lower().startswith("eagle"):
+        return f"speculators_model_type {smt}"
+    keys = [k for k in ("draft_vocab_size", "eagle_config") if k in cfg]
+    layers = cfg.get("num_hidden_layers")
+    if keys and (layers is None or layers == 1):
+        return f"{keys[0]} and {'one decoder layer' if layers == 1 else 'no num_hidden_layers'}"
+    return None
+
+
+def refuse_draft_as_model(path: str) -> None:
+    """One clear line before anything is loaded when ``--model`` is an EAGLE-3 draft directory."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return  # no directory or no readable config: _load_config says so
+    why = eagle3_draft_reason(cfg) if isinstance(cfg, dict) else None
+    if why is not None:
+        raise TraceError(f"is an EAGLE-3 draft ({why}); --model takes the target model, pass the draft with --draft",
+                         path)
+
+
 def _load_config(path: str):
     from transformers import AutoConfig
 
@@ -304,16 +336,20 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_draft_as_model(args.model)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
 
+    from ..safety import check_output_path
     from .core import Recorder, Sampling
     from .hf import HFExtractorRecorder, model_info, plan_draft_input
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise TraceError("output directory does not exist", out_dir)
+    # never overwrite an input (the prompts, the serve trace or outputs file it replays)
+    check_output_path(args.out, [args.prompts, getattr(args, "from_serve", None)], "--out")
     if args.sample_every is not None and args.sample_every < 0:
         raise TraceError("--sample-every must be >= 0")
     if args.sample_every == 0 and not args.positions:

@@ -2,14 +2,25 @@
 
 Hidden states are replicated across TP ranks, so one rank (TP rank 0 of each PP stage / DP replica)
 records; with DP attention or context parallelism each rank holds its own rows and writes its own
-file (``trace.tp<r>.h5``).
+file (``trace.tp<r>.h5``). The rank facts name the host that wrote the file
+(``socket.gethostname()``): a trace set's index reads it, and the Ray backend places each task on
+the node that holds its shard (:mod:`tensordiff.traceset`, :mod:`tensordiff.ray_backend`).
 """
 
 from __future__ import annotations
 
+import socket
+
 
 def server_arg(runner, name: str, default=None):
     return getattr(getattr(runner, "server_args", None), name, default)
+
+
+def _hostname() -> str | None:
+    try:
+        return socket.gethostname() or None
+    except OSError:
+        return None
 
 
 def rank_plan(runner) -> tuple[bool, str, dict]:
@@ -42,7 +53,7 @@ def rank_plan(runner) -> tuple[bool, str, dict]:
             cp = v
     replicated = not attn_dp and cp == 1
     facts = {"tp_rank": tp, "tp_size": tp_size, "pp_rank": pp, "pp_size": pp_size, "dp_rank": dp,
-             "dp_size": dp_size, "replicated": replicated}
+             "dp_size": dp_size, "replicated": replicated, "host": _hostname()}
     suffix = ""
     if dp_size > 1 and not attn_dp:
         suffix += f".dp{dp}"
