@@ -436,3 +436,24 @@ def hf_hidden_states(model, token_ids: Sequence[int]):
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
     return tuple(h[0] for h in out.hidden_states)
+
+
+def hf_boundary_states(model, ids: Sequence[int]) -> dict:
+    """{label: [T, H] numpy}: embed, layer1..layerN (N pre-norm: the final norm's input), final_norm
+    of one sequence through the HF model, the reference both serve engines' states are checked against."""
+    import torch
+
+    cap = {}
+    h1 = model.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("pre", a[0][0]))
+    h2 = model.model.norm.register_forward_hook(lambda m, a, o: cap.__setitem__("post", o[0]))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([list(ids)]), use_cache=False, output_hidden_states=True)
+    finally:
+        h1.remove()
+        h2.remove()
+    n = model.config.num_hidden_layers
+    st = {("embed" if b == 0 else f"layer{b}"): out.hidden_states[b][0].numpy() for b in range(n)}
+    st[f"layer{n}"] = cap["pre"].numpy()
+    st["final_norm"] = cap["post"].numpy()
+    return st

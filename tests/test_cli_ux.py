@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tracegen import run_isolated, write_trace
+from tracegen import run_isolated, tokenizer_dir, write_verdict_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,13 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> dict[str, tuple[str, str]]:
     d = tmp_path_factory.mktemp("ux")
-    a = str(d / "train.h5")
-    write_trace(a, side="train")
-    same, wrong, noisy = str(d / "same.h5"), str(d / "wrong.h5"), str(d / "noisy.h5")
-    write_trace(same, side="serve", seed=1, noise=1e-6)
-    write_trace(wrong, side="serve", seed=1, noise=1e-6, packed_labels=("layer2", "layer3"))
-    write_trace(noisy, side="serve", seed=1, noise=0.05)
-    return {"agree": (a, same), "wrong": (a, wrong), "noisy": (a, noisy)}
+    return write_verdict_pairs(d)
 
 
 def _cli(*args: str, env: dict | None = None, stdout=subprocess.PIPE) -> subprocess.Popen:
@@ -213,21 +207,10 @@ def test_one_tensor_and_all_nan_row(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-def _tokenizer_dir(d: Path) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 600)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    d.mkdir()
-    tk.save(str(d / "tokenizer.json"))
-    return str(d)
-
-
 def test_report_command(pairs, tmp_path):
     a, wrong = pairs["wrong"]
     out = tmp_path / "r.html"
-    tok = _tokenizer_dir(tmp_path / "tok")
+    tok = tokenizer_dir(tmp_path / "tok")
     rc, stdout, _ = run_isolated(["report", a, wrong, "-o", str(out), "--tokenizer", tok], timeout=120)
     assert rc == 1 and f"wrote {out}" in stdout
     doc = out.read_text()
@@ -241,7 +224,7 @@ def test_report_command(pairs, tmp_path):
 
 def test_text_report_token_text(pairs, tmp_path):
     a, wrong = pairs["wrong"]
-    tok = _tokenizer_dir(tmp_path / "tok")
+    tok = tokenizer_dir(tmp_path / "tok")
     rc, out, _ = run_isolated(["diff", a, wrong, "--tokenizer", tok])
     assert rc == 1
     head = out.split("worst tokens")[0]

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from tracegen import write_trace
+from tracegen import tokenizer_dir, write_trace
 
 from tensordiff.diff import DiffOptions, diff_traces
 from tensordiff.report_html import (
@@ -120,17 +120,6 @@ def _pair(tmp_path: Path, *, diverge: bool, model_path: str | None = None) -> tu
     return a, b
 
 
-def _tokenizer_dir(d: Path) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 600)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    d.mkdir()
-    tk.save(str(d / "tokenizer.json"))
-    return str(d)
-
-
 def test_render_says_what_the_aligner_says(tmp_path):
     a, b = _pair(tmp_path, diverge=True)
     opts = DiffOptions(summary_path=str(tmp_path / "s.h5"))
@@ -172,7 +161,7 @@ def test_make_report_refuses_to_overwrite_an_input(tmp_path):
 
 
 def test_token_text_from_the_recorded_model_directory(tmp_path):
-    tok = _tokenizer_dir(tmp_path / "model")
+    tok = tokenizer_dir(tmp_path / "model")
     a, b = _pair(tmp_path, diverge=True, model_path=tok)
     out = str(tmp_path / "r.html")
     res = make_report(a, b, out)

@@ -141,26 +141,6 @@ def eagle_run(models, tmp_path_factory):
 # ----------------------------------------------------------------------------------------------
 
 
-def _hf_states(model, ids) -> dict[str, np.ndarray]:
-    """{label: [T, H]}: embed, layer1..layerN (N pre-norm: the final norm's input), final_norm."""
-    import torch
-
-    cap = {}
-    h1 = model.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("pre", a[0][0]))
-    h2 = model.model.norm.register_forward_hook(lambda m, a, o: cap.__setitem__("post", o[0]))
-    try:
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor([list(ids)]), use_cache=False, output_hidden_states=True)
-    finally:
-        h1.remove()
-        h2.remove()
-    n = model.config.num_hidden_layers
-    st = {("embed" if b == 0 else f"layer{b}"): out.hidden_states[b][0].numpy() for b in range(n)}
-    st[f"layer{n}"] = cap["pre"].numpy()
-    st["final_norm"] = cap["post"].numpy()
-    return st
-
-
 class _Trace:
     """A recorded trace with each row resolved to (request id, position, token)."""
 
@@ -202,7 +182,7 @@ def hf_states(models, capture_run, eagle_run):
     for run in (capture_run, eagle_run):  # the engine generated what HF generates
         for k, o in run["outputs"].items():
             assert o["output_ids"] == models["refs"][k][:MAX_NEW], (k, o["output_ids"], models["refs"][k])
-    return {k: _hf_states(models["hf"], full) for k, full in capture_run["full"].items()}
+    return {k: sup.hf_boundary_states(models["hf"], full) for k, full in capture_run["full"].items()}
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from tracegen import write_trace
+from tracegen import write_verdict_pairs
 
 from tensordiff.errors import TensordiffError, UsageError
 from tensordiff.testing import TracesDisagree, assert_traces_agree
@@ -20,13 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> dict[str, tuple[str, str]]:
     d = tmp_path_factory.mktemp("pairs")
-    a = str(d / "train.h5")
-    write_trace(a, side="train")
-    same, wrong, noisy = str(d / "same.h5"), str(d / "wrong.h5"), str(d / "noisy.h5")
-    write_trace(same, side="serve", seed=1, noise=1e-6)
-    write_trace(wrong, side="serve", seed=1, noise=1e-6, packed_labels=("layer2", "layer3"))
-    write_trace(noisy, side="serve", seed=1, noise=0.05)
-    return {"agree": (a, same), "wrong": (a, wrong), "noisy": (a, noisy)}
+    return write_verdict_pairs(d)
 
 
 def test_agreeing_pair_passes(pairs):

@@ -150,31 +150,12 @@ def vtrace(vllm_run):
     t.r.close()
 
 
-def _hf_states(model, ids) -> dict[str, np.ndarray]:
-    import torch
-
-    cap = {}
-    h1 = model.model.norm.register_forward_pre_hook(lambda m, a: cap.__setitem__("pre", a[0][0]))
-    h2 = model.model.norm.register_forward_hook(lambda m, a, o: cap.__setitem__("post", o[0]))
-    try:
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor([list(ids)]), use_cache=False, output_hidden_states=True)
-    finally:
-        h1.remove()
-        h2.remove()
-    n = model.config.num_hidden_layers
-    st = {("embed" if b == 0 else f"layer{b}"): out.hidden_states[b][0].numpy() for b in range(n)}
-    st[f"layer{n}"] = cap["pre"].numpy()
-    st["final_norm"] = cap["post"].numpy()
-    return st
-
-
 @pytest.fixture(scope="module")
 def hf_states(models, vllm_run):
     for k, o in vllm_run["outputs"].items():  # vLLM generated what HF generates
         assert o["output_ids"] == models["refs"][k][:MAX_NEW], (k, o["output_ids"], models["refs"][k])
     full = {k: PROMPTS[k] + models["refs"][k] for k in PROMPTS}
-    return {k: _hf_states(models["hf"], seq) for k, seq in full.items()}
+    return {k: sup.hf_boundary_states(models["hf"], seq) for k, seq in full.items()}
 
 
 def _cos(a, b):

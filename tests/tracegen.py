@@ -70,6 +70,31 @@ def write_pair(d, **kw) -> tuple[str, str]:
     return a, b
 
 
+def write_verdict_pairs(d) -> dict[str, tuple[str, str]]:
+    """One train trace and three serve traces against it, by the verdict each pair should get:
+    ``agree`` (noise 1e-6), ``wrong`` (the packed draft input holds other layers), ``noisy`` (0.05)."""
+    a = os.path.join(d, "train.h5")
+    write_trace(a, side="train")
+    same, wrong, noisy = (os.path.join(d, n) for n in ("same.h5", "wrong.h5", "noisy.h5"))
+    write_trace(same, side="serve", seed=1, noise=1e-6)
+    write_trace(wrong, side="serve", seed=1, noise=1e-6, packed_labels=("layer2", "layer3"))
+    write_trace(noisy, side="serve", seed=1, noise=0.05)
+    return {"agree": (a, same), "wrong": (a, wrong), "noisy": (a, noisy)}
+
+
+def tokenizer_dir(d) -> str:
+    """A word-level tokenizer (``w1`` .. ``w599``, ``[UNK]`` 0) saved as ``d/tokenizer.json``
+    (``d`` is made); tokenizers is imported here, so only the tests that call this need it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 600)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    os.mkdir(d)
+    tk.save(os.path.join(d, "tokenizer.json"))
+    return str(d)
+
+
 def objects(path) -> list[str]:
     """Every group and dataset path in a file (for deleting or replacing one)."""
     out = []

@@ -11,11 +11,12 @@ Nothing here imports torch or sglang at module import time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import TensordiffError, TraceError
@@ -103,6 +104,38 @@ def _parse_engine_args(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def add_plugin(env: dict[str, str], var: str) -> None:
+    """Where ``var`` (``SGLANG_PLUGINS``, ``VLLM_PLUGINS``) restricts the engine's plugins and leaves
+    tensordiff out, ``env`` gets the list with tensordiff added (unset: every plugin loads)."""
+    plugins = os.environ.get(var, "").strip()
+    if plugins and PLUGIN_NAME not in [x.strip() for x in plugins.split(",")]:
+        env[var] = plugins + "," + PLUGIN_NAME
+
+
+@contextlib.contextmanager
+def engine_environ(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` set while the engine runs (its processes inherit the environment
+    at spawn), each variable restored (or removed) afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def write_outputs(path: str | None, outputs: list[dict]) -> None:
+    """``--outputs``: one JSON object per request and line (nothing when not asked for)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            for o in outputs:
+                f.write(json.dumps(o) + "\n")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``sglang.Engine`` keyword arguments for these options."""
     kw: dict[str, Any] = {
@@ -148,9 +181,7 @@ def plugin_env(args: argparse.Namespace) -> dict[str, str]:
         env["TENSORDIFF_SKETCH_SEED"] = str(args.sketch_seed)
     if args.topk is not None:
         env["TENSORDIFF_TOPK"] = str(args.topk)
-    plugins = os.environ.get("SGLANG_PLUGINS", "").strip()
-    if plugins and PLUGIN_NAME not in [x.strip() for x in plugins.split(",")]:
-        env["SGLANG_PLUGINS"] = plugins + "," + PLUGIN_NAME
+    add_plugin(env, "SGLANG_PLUGINS")
     return env
 
 
@@ -242,12 +273,23 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read once, when sglang is first imported
     kwargs = engine_kwargs(args)
     env = plugin_env(args)
-    saved = {k: os.environ.get(k) for k in env}
     out_path = env["TENSORDIFF_TRACE"]
     if os.path.exists(out_path):
         os.remove(out_path)
-    os.environ.update(env)  # the scheduler process inherits the environment at spawn
-    t0 = time.perf_counter()
+    with engine_environ(env):  # the scheduler process inherits the environment at spawn
+        t0 = time.perf_counter()
+        outputs = _run_sglang(args, prompts, kwargs, out_path, start_engine)
+    dt = time.perf_counter() - t0
+    if not os.path.exists(out_path):
+        raise TraceError("the engine ran but wrote no trace: the plugin did not load in its scheduler process "
+                         "(is SGLANG_PLUGINS excluding it?) or this rank does not record", out_path)
+    write_outputs(args.outputs, outputs)
+    return {"outputs": outputs, "trace": out_path, "seconds": dt}
+
+
+def _run_sglang(args, prompts, kwargs, out_path, start_engine) -> list[dict]:
+    """Start ``sglang.Engine``, generate every prompt, close the trace, shut the engine down; a
+    failed start or a child that dies while recording becomes the guard's one-line error."""
     engine = None
     outputs: list[dict] = []
     guard = EngineGuard("SGLang", SGLANG_HINTS, "see SGLang's messages above; check --device, --attention-backend "
@@ -285,20 +327,7 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
         guard.__exit__()
         if engine is not None:
             engine.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    dt = time.perf_counter() - t0
-    if not os.path.exists(out_path):
-        raise TraceError("the engine ran but wrote no trace: the plugin did not load in its scheduler process "
-                         "(is SGLANG_PLUGINS excluding it?) or this rank does not record", out_path)
-    if args.outputs:
-        with open(args.outputs, "w", encoding="utf-8") as f:
-            for o in outputs:
-                f.write(json.dumps(o) + "\n")
-    return {"outputs": outputs, "trace": out_path, "seconds": dt}
+    return outputs
 
 
 def run(args: argparse.Namespace) -> int:

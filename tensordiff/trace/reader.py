@@ -417,38 +417,7 @@ class TraceReader(RowReads):
 
     def summary(self) -> dict[str, Any]:
         """Everything ``tensordiff info`` shows, as plain data."""
-        t = self.tokens
-        regimes = {REGIMES[c]: int(n) for c, n in zip(*np.unique(t["regime"], return_counts=True))} if len(t) else {}
-        seqs = []
-        if len(t):
-            order = np.argsort(t["seq"], kind="stable")
-            sq = t["seq"][order]
-            cuts = np.flatnonzero(np.diff(sq)) + 1
-            for part in np.split(order, cuts):
-                pos = t["position"][part]
-                seqs.append({"key": self.sequences[int(t["seq"][part[0]])], "rows": len(part),
-                             "positions": [int(pos.min()), int(pos.max())]})
-        tensors = []
-        for info in sorted(self.tensors.values(), key=lambda i: (i.order, i.name)):
-            entry: dict[str, Any] = {"name": info.name, "kind": info.kind, "label": info.label, "dtype": info.dtype,
-                                     "shape": [info.rows, info.width], "order": info.order,
-                                     "values": info.has_values, "sketch": info.has_sketch, "role": info.role}
-            if info.slot_count > 1 or info.slot_labels:
-                entry.update(slots=info.slot_count, slot_width=info.slot_width, slot_labels=info.slot_labels,
-                             raw_ids=info.raw_ids, convention=info.convention)
-            if info.token_offset:
-                entry["token_offset"] = info.token_offset
-            if info.attrs:
-                entry["attrs"] = info.attrs
-            tensors.append(entry)
-        return {
-            "path": self.path, "schema": self.schema, "side": self.side, "producer": self.producer,
-            "created": self.created, "complete": self.complete, "recovered": self.recovered_note,
-            "model": self.model, "versions": self.versions, "user_meta": self.user_meta,
-            "sketch": {"seed": self.sketch_seed, "dim": self.sketch_dim},
-            "tokens": {"rows": len(t), "sequences": len(self.sequences), "regimes": regimes},
-            "sequences": seqs[:1000], "tensors": tensors,
-        }
+        return trace_summary(self)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a damaged file must not mask the real error
@@ -461,3 +430,52 @@ class TraceReader(RowReads):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def trace_summary(trace) -> dict[str, Any]:
+    """What ``tensordiff info`` shows of an open trace, as plain data: of a :class:`TraceReader`, or
+    of anything with the same attributes (a trace set's merged view)."""
+    t = trace.tokens
+    regimes, seqs = token_summary(t, trace.sequences)
+    return {
+        "path": trace.path, "schema": trace.schema, "side": trace.side, "producer": trace.producer,
+        "created": trace.created, "complete": trace.complete, "recovered": trace.recovered_note,
+        "model": trace.model, "versions": trace.versions, "user_meta": trace.user_meta,
+        "sketch": {"seed": trace.sketch_seed, "dim": trace.sketch_dim},
+        "tokens": {"rows": len(t), "sequences": len(trace.sequences), "regimes": regimes},
+        "sequences": seqs, "tensors": tensor_entries(trace.tensors),
+    }
+
+
+def token_summary(tokens: np.ndarray, sequences) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """Token rows per regime, and each sequence's rows and position range (the first 1000)."""
+    t = tokens
+    regimes = {REGIMES[c]: int(n) for c, n in zip(*np.unique(t["regime"], return_counts=True))} if len(t) else {}
+    seqs = []
+    if len(t):
+        order = np.argsort(t["seq"], kind="stable")
+        sq = t["seq"][order]
+        cuts = np.flatnonzero(np.diff(sq)) + 1
+        for part in np.split(order, cuts)[:1000]:
+            pos = t["position"][part]
+            seqs.append({"key": sequences[int(t["seq"][part[0]])], "rows": len(part),
+                         "positions": [int(pos.min()), int(pos.max())]})
+    return regimes, seqs
+
+
+def tensor_entries(tensors) -> list[dict[str, Any]]:
+    """The tensors as ``info`` lists them, in forward order."""
+    out = []
+    for info in sorted(tensors.values(), key=lambda i: (i.order, i.name)):
+        entry: dict[str, Any] = {"name": info.name, "kind": info.kind, "label": info.label, "dtype": info.dtype,
+                                 "shape": [info.rows, info.width], "order": info.order, "values": info.has_values,
+                                 "sketch": info.has_sketch, "role": info.role}
+        if info.slot_count > 1 or info.slot_labels:
+            entry.update(slots=info.slot_count, slot_width=info.slot_width, slot_labels=info.slot_labels,
+                         raw_ids=info.raw_ids, convention=info.convention)
+        if info.token_offset:
+            entry["token_offset"] = info.token_offset
+        if info.attrs:
+            entry["attrs"] = info.attrs
+        out.append(entry)
+    return out

@@ -1,5 +1,6 @@
-"""What ``tensordiff info`` says about a set: which file holds what (the index), the merged trace's
-sequences and tensors, and the index as text lines."""
+"""What ``tensordiff info`` says about a set beyond one trace's summary: which file holds what (the
+index) and the index as text lines. The merged trace's sequences and tensors are summarised by
+:func:`tensordiff.trace.trace_summary`, as for one file."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from ..trace import TensorInfo
-from ..vocab import REGIMES
 from .join import VirtualTensor
 from .members import Member
 from .paths import AXES
@@ -40,40 +39,6 @@ def set_index(members: Sequence[Member], vts: Mapping[str, VirtualTensor], token
             "hosts": sorted({m.host for m in members if m.host}), "replicas": replicas,
             "replica_check": ("every replicated row is compared bit for bit by `tensordiff diff`"
                               if replicas else "no replicated rows")}
-
-
-def token_summary(tokens: np.ndarray, sequences: Sequence[str]) -> tuple[dict[str, int], list[dict[str, Any]]]:
-    """Token rows per regime, and each sequence's rows and position range (the first 1000)."""
-    t = tokens
-    regimes = {REGIMES[c]: int(n) for c, n in zip(*np.unique(t["regime"], return_counts=True))} if len(t) else {}
-    seqs = []
-    if len(t):
-        order = np.argsort(t["seq"], kind="stable")
-        sq = t["seq"][order]
-        cuts = np.flatnonzero(np.diff(sq)) + 1
-        for part in np.split(order, cuts)[:1000]:
-            pos = t["position"][part]
-            seqs.append({"key": sequences[int(t["seq"][part[0]])], "rows": len(part),
-                         "positions": [int(pos.min()), int(pos.max())]})
-    return regimes, seqs
-
-
-def tensor_entries(tensors: Mapping[str, TensorInfo]) -> list[dict[str, Any]]:
-    """The merged tensors as ``info`` lists them, in forward order."""
-    out = []
-    for info in sorted(tensors.values(), key=lambda i: (i.order, i.name)):
-        entry: dict[str, Any] = {"name": info.name, "kind": info.kind, "label": info.label, "dtype": info.dtype,
-                                 "shape": [info.rows, info.width], "order": info.order, "values": info.has_values,
-                                 "sketch": info.has_sketch, "role": info.role}
-        if info.slot_count > 1 or info.slot_labels:
-            entry.update(slots=info.slot_count, slot_width=info.slot_width, slot_labels=info.slot_labels,
-                         raw_ids=info.raw_ids, convention=info.convention)
-        if info.token_offset:
-            entry["token_offset"] = info.token_offset
-        if info.attrs:
-            entry["attrs"] = info.attrs
-        out.append(entry)
-    return out
 
 
 def index_lines(index: dict[str, Any]) -> Iterator[str]:

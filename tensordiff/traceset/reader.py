@@ -14,8 +14,8 @@ import numpy as np
 
 from ..dtypes import to_float32
 from ..errors import IncompatibleTracesError, UsageError
-from ..trace import TraceReader, slot_rms
-from .index import set_index, tensor_entries, token_summary
+from ..trace import TraceReader, slot_rms, trace_summary
+from .index import set_index
 from .join import merge_tensors
 from .members import Member, check_headers, check_layout, check_meta_ranks, host_of
 from .paths import is_set_spec, member_sort_key, parse_ranks, set_paths
@@ -276,12 +276,4 @@ class TraceSet:
 
     def summary(self) -> dict[str, Any]:
         """What ``tensordiff info`` shows: the reader's summary of the merged trace plus the index."""
-        regimes, seqs = token_summary(self.tokens, self.sequences)
-        return {
-            "path": self.path, "schema": self.schema, "side": self.side, "producer": self.producer,
-            "created": self.created, "complete": self.complete, "recovered": self.recovered_note,
-            "model": self.model, "versions": self.versions, "user_meta": self.user_meta,
-            "sketch": {"seed": self.sketch_seed, "dim": self.sketch_dim},
-            "tokens": {"rows": len(self.tokens), "sequences": len(self.sequences), "regimes": regimes},
-            "sequences": seqs, "tensors": tensor_entries(self.tensors), "set": self.index(),
-        }
+        return {**trace_summary(self), "set": self.index()}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from ...conventions import DRAFT_TOPK, TARGET_TOPK
+from ..serving import record_draft_ids
 from .config import AUX, DRAFT, DRAFT_IDS
 from .predictions import (
     chain_start,
@@ -284,23 +285,7 @@ def record_draft(runner, fb) -> None:
 
 def _record_draft_ids(ids, rows) -> None:
     """The input id each draft row was paired with (token t+1), as a one-column float64 tensor."""
-    import numpy as np
-
-    st = STATE
-    rec = st.rec
-    keep = rows >= 0
-    if not rec.sample.keeps_all:
-        keep &= rec.sample.mask(rec.positions_of(np.where(keep, rows, 0)))
-    if not keep.any():
-        return
-    w = rec.writer
-    if not st.draft_ids_defined:
-        st.draft_ids_defined = True
-        w.define_tensor(DRAFT_IDS, 1, kind="other", dtype="float64", role="draft_input_ids", token_offset=1,
-                        values=True, sketch=False,
-                        attrs={"what": "the input token id paired with each draft_input row (token t+1)"})
-    vals = ids[keep].astype(np.float64)[:, None]
-    w.append(DRAFT_IDS, rows[keep], vals, rms=np.abs(vals).astype(np.float32))
+    record_draft_ids(STATE, DRAFT_IDS, ids, rows, "the input token id paired with each draft_input row (token t+1)")
 
 
 def same_tensor(a, b) -> bool:

@@ -3,6 +3,7 @@ through SGLang's ``HookRegistry`` (nothing else in SGLang is patched)."""
 
 from __future__ import annotations
 
+from ..serving import config_from_env
 from .config import Config
 from .state import STATE, log
 
@@ -30,11 +31,7 @@ def hook_table() -> list[tuple[str, object, str]]:
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Inert unless ``TENSORDIFF_TRACE`` is set."""
-    try:
-        cfg = Config.from_env()
-    except ValueError as e:
-        log.error("tensordiff: not recording: %s", e)
-        return
+    cfg = config_from_env(Config, log)
     if cfg is None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

@@ -11,8 +11,7 @@ and what that convention says the ids should select. The trace is opened on the 
 
 from __future__ import annotations
 
-import os
-
+from ..serving import model_facts, open_recorder
 from .config import rank_path
 from .ranks import rank_plan, server_arg
 from .state import STATE, log
@@ -96,30 +95,15 @@ def setup_target(runner) -> None:
     import sglang
     import torch
 
-    from ..core import Recorder, Sampling
-
-    dtype = str(getattr(runner.model_config, "dtype", "")).replace("torch.", "")
-    st.model = {"num_layers": n, "hidden_size": h, "architecture": arch, "dtype": dtype,
-                "path": str(getattr(runner.model_config, "model_path", "") or server_arg(runner, "model_path", ""))}
+    st.model = model_facts(runner.model_config, n, h, arch,
+                           str(getattr(runner.model_config, "model_path", "") or server_arg(runner, "model_path", "")))
     meta = {"command": "sglang plugin", "layers_to_capture": ltc, "draft_layer_ids": raw,
             "convention": convention, "draft_model": server_arg(runner, "speculative_draft_model_path", None),
             "cuda_graph": not bool(server_arg(runner, "disable_cuda_graph", False)), "ranks": facts,
             "catalog": cfg.catalog}
-    wkw: dict = {"flush_seconds": cfg.flush_seconds}
-    if cfg.compression:
-        wkw["compression"] = cfg.compression
-    kw: dict = {}
-    if cfg.sketch_dim is not None:
-        kw["sketch_dim"] = cfg.sketch_dim
-    if cfg.sketch_seed is not None:
-        kw["sketch_seed"] = cfg.sketch_seed
     path = rank_path(cfg.path, suffix)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    st.rec = Recorder(path, side="serve", producer=f"tensordiff sglang plugin (sglang {sglang.__version__})",
-                      model=st.model, meta=meta, values=cfg.values, sample=Sampling(every=cfg.sample_every),
-                      writer_kwargs=wkw, **kw)
-    st.rec.writer.set_attr(None, "versions_serve", {"sglang": sglang.__version__, "torch": torch.__version__})
+    st.rec = open_recorder(cfg, path, engine="sglang", version=sglang.__version__, torch_version=torch.__version__,
+                           model=st.model, meta=meta)
     log.info("tensordiff: recording to %s (slots %s from draft ids %s, %s)", path, st.labels, raw, convention)
     if ltc is None and not cfg.catalog:
         st.warn_once("nothing", "this engine captures no aux hidden states (no EAGLE-3 draft, no "

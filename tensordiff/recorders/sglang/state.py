@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..serving import ServeState
 from .config import Config
 
 log = logging.getLogger("tensordiff.sglang")
@@ -32,7 +33,9 @@ class Pass:
     lp_next: Any = None   # verify: the target's log-prob of the next input token of each row (numpy)
 
 
-class State:
+class State(ServeState):
+    log = log
+
     def __init__(self) -> None:
         self.cfg: Config | None = None
         self.rec = None            # core.Recorder, in the recording process only
@@ -70,15 +73,6 @@ class State:
         self.chain: dict[str, list] = {}  # request -> the draft's top-k rows at draft positions 0, 1, ...
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
 
-    def warn_once(self, key: str, msg: str, *args) -> None:
-        if key not in self.warned:
-            self.warned.add(key)
-            log.warning("tensordiff: " + msg, *args)
-
-    @property
-    def active(self) -> bool:
-        return self.rec is not None and not (self.paused or self.closed or self.broken)
-
     def fail(self, where: str, e: BaseException) -> None:
         """A recording error never reaches the engine: log it, stop recording, keep the trace."""
         log.exception("tensordiff: recording stopped (error in %s): %s", where, e)
@@ -113,18 +107,7 @@ class State:
         self.closed = True
         if self.broken:
             return
-        try:
-            self._write_stats()
-            self.rec.close()
-            log.info("tensordiff: trace closed: %s", self.rec.writer.path)
-        except Exception:
-            log.exception("tensordiff: closing the trace failed")
-        for h in self.catalog_handles:
-            try:
-                h.remove()
-            except Exception:
-                log.debug("tensordiff: removing a catalog tap failed", exc_info=True)
-        self.catalog_handles.clear()
+        self.close_trace()
 
 
 STATE = State()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from .. import serving
 from .config import DRAFT, DRAFT_IDS
 from .forward import to_numpy
 from .state import STATE, Step
@@ -125,20 +126,5 @@ def record_draft(ctx: dict) -> None:
 
 
 def record_draft_ids(ids, rows) -> None:
-    import numpy as np
-
-    st = STATE
-    rec = st.rec
-    keep = rows >= 0
-    if not rec.sample.keeps_all:
-        keep &= rec.sample.mask(rec.positions_of(np.where(keep, rows, 0)))
-    if not keep.any():
-        return
-    w = rec.writer
-    if not st.draft_ids_defined:
-        st.draft_ids_defined = True
-        w.define_tensor(DRAFT_IDS, 1, kind="other", dtype="float64", role="draft_input_ids", token_offset=1,
-                        values=True, sketch=False,
-                        attrs={"what": "the input token id the drafter paired with each draft_input row (token t+1)"})
-    vals = ids[keep].astype(np.float64)[:, None]
-    w.append(DRAFT_IDS, rows[keep], vals, rms=np.abs(vals).astype(np.float32))
+    serving.record_draft_ids(STATE, DRAFT_IDS, ids, rows,
+                             "the input token id the drafter paired with each draft_input row (token t+1)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+from ..serving import config_from_env
 from .config import Config
 from .control import RPC_METHODS, rpc_method
 from .state import STATE, log
@@ -43,11 +44,7 @@ def hook_table() -> list[tuple[str, str, object]]:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Inert unless ``TENSORDIFF_TRACE`` is set."""
-    try:
-        cfg = Config.from_env()
-    except ValueError as e:
-        log.error("tensordiff: not recording: %s", e)
-        return
+    cfg = config_from_env(Config, log)
     if cfg is None:
         return
     STATE.cfg = cfg

@@ -10,9 +10,9 @@ vLLM's V2 model runner, which this recorder does not tap (then nothing is record
 
 from __future__ import annotations
 
-import os
 import threading
 
+from ..serving import model_facts, open_recorder
 from .catalog import install_catalog
 from .config import rank_path
 from .control import idle_flusher
@@ -104,32 +104,17 @@ def setup(runner) -> None:
     import torch
     import vllm
 
-    from ..core import Recorder, Sampling
-
-    dtype = str(getattr(runner.model_config, "dtype", "")).replace("torch.", "")
-    st.model = {"num_layers": n, "hidden_size": h, "architecture": arch, "dtype": dtype,
-                "path": str(getattr(runner.model_config, "model", "") or "")}
+    st.model = model_facts(runner.model_config, n, h, arch, str(getattr(runner.model_config, "model", "") or ""))
     eager = is_eager(runner)
     meta = {"command": "vllm plugin", "aux_hidden_state_layers": captured, "draft_layer_ids": raw,
             "convention": "vllm", "speculative_method": method,
             "draft_model": getattr(sc, "model", None), "num_speculative_tokens": getattr(sc, "num_speculative_tokens", None),
             "enforce_eager": eager, "ranks": facts, "catalog": cfg.catalog,
             **{k: st.attrs[k] for k in ("capture_order_note", "draft_config_notes") if k in st.attrs}}
-    wkw: dict = {"flush_seconds": cfg.flush_seconds}
-    if cfg.compression:
-        wkw["compression"] = cfg.compression
-    kw: dict = {}
-    if cfg.sketch_dim is not None:
-        kw["sketch_dim"] = cfg.sketch_dim
-    if cfg.sketch_seed is not None:
-        kw["sketch_seed"] = cfg.sketch_seed
     path = rank_path(cfg.path, suffix)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     st.path = path
-    st.rec = Recorder(path, side="serve", producer=f"tensordiff vllm plugin (vllm {vllm.__version__})",
-                      model=st.model, meta=meta, values=cfg.values, sample=Sampling(every=cfg.sample_every),
-                      writer_kwargs=wkw, **kw)
-    st.rec.writer.set_attr(None, "versions_serve", {"vllm": vllm.__version__, "torch": torch.__version__})
+    st.rec = open_recorder(cfg, path, engine="vllm", version=vllm.__version__, torch_version=torch.__version__,
+                           model=st.model, meta=meta)
     log.info("tensordiff: recording to %s (slots %s from draft ids %s, vllm)", path, st.labels, raw)
     threading.Thread(target=idle_flusher, args=(st,), name="tensordiff-idle-flush", daemon=True).start()
     if captured is None and not cfg.catalog:

@@ -13,6 +13,7 @@ import re
 import threading
 import time
 
+from ..serving import ServeState
 from .config import Config
 
 log = logging.getLogger("tensordiff.vllm")
@@ -40,7 +41,9 @@ class Step:
         self.num_reqs = 0             # requests in the batch, scheduled tokens or not
 
 
-class State:
+class State(ServeState):
+    log = log
+
     def __init__(self) -> None:
         self.cfg: Config | None = None
         self.rec = None
@@ -76,15 +79,6 @@ class State:
         self.shift_mismatched = 0
         self.draft_unmatched = 0
         self.seconds = 0.0
-
-    def warn_once(self, key: str, msg: str, *args) -> None:
-        if key not in self.warned:
-            self.warned.add(key)
-            log.warning("tensordiff: " + msg, *args)
-
-    @property
-    def active(self) -> bool:
-        return self.rec is not None and not (self.paused or self.closed or self.broken)
 
     def fail(self, where: str, e: BaseException) -> None:
         """A recording error never reaches the engine: log it, stop recording, keep the trace."""
@@ -138,17 +132,7 @@ class State:
         self.closed = True
         if self.broken:
             return
-        try:
-            self._write_stats()
-            self.rec.close()
-            log.info("tensordiff: trace closed: %s", self.rec.writer.path)
-        except Exception as e:  # noqa: BLE001
-            log.exception("tensordiff: closing the trace failed: %s", e)
-        for h in self.catalog_handles:
-            try:
-                h.remove()
-            except Exception:  # noqa: BLE001
-                pass
+        self.close_trace()
 
     def seq_key(self, req_id: str) -> str:
         """The sequence key of a vLLM request: its external id (vLLM appends ``-<8 hex>`` to make

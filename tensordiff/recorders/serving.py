@@ -1,0 +1,112 @@
+"""What the serve-side plugins (:mod:`.sglang`, :mod:`.vllm`) share, engine-agnostic: reading the
+``TENSORDIFF_*`` environment at the entry point, the per-process state's warning and activity
+checks, opening the rank's trace, and the ``draft_input_ids`` column.
+
+Standard library only at import time (every engine process that loads a plugin imports this);
+numpy and the recorder core are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+
+def config_from_env(config_cls, log: logging.Logger):
+    """The entry point's configuration: ``config_cls.from_env()``; ``None`` when the plugin is inert
+    (``TENSORDIFF_TRACE`` unset) or the environment is bad (logged as one error, never raised)."""
+    try:
+        return config_cls.from_env()
+    except ValueError as e:
+        log.error("tensordiff: not recording: %s", e)
+        return None
+
+
+class ServeState:
+    """The part of a plugin's per-process state both engines share. A subclass sets :attr:`log` and
+    the attributes ``rec``, ``paused``, ``closed``, ``broken``, ``warned`` (a set) and
+    ``catalog_handles`` (a list), and defines ``_write_stats``."""
+
+    log: logging.Logger
+    rec: Any
+    paused: bool
+    closed: bool
+    broken: bool
+    warned: set
+    catalog_handles: list
+
+    def warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            self.log.warning("tensordiff: " + msg, *args)
+
+    @property
+    def active(self) -> bool:
+        return self.rec is not None and not (self.paused or self.closed or self.broken)
+
+    def close_trace(self) -> None:
+        """The last step of a clean close: the stats attribute (``_write_stats``, the subclass's),
+        the trace closed, the catalog taps removed. A failure is logged, never raised."""
+        try:
+            self._write_stats()
+            self.rec.close()
+            self.log.info("tensordiff: trace closed: %s", self.rec.writer.path)
+        except Exception as e:  # noqa: BLE001
+            self.log.exception("tensordiff: closing the trace failed: %s", e)
+        for h in self.catalog_handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                self.log.debug("tensordiff: removing a catalog tap failed", exc_info=True)
+        self.catalog_handles.clear()
+
+
+def model_facts(model_config, num_layers: int, hidden_size: int, architecture, path: str) -> dict:
+    """The trace's ``model`` attribute: the engine model config's dtype without ``torch.``."""
+    dtype = str(getattr(model_config, "dtype", "")).replace("torch.", "")
+    return {"num_layers": num_layers, "hidden_size": hidden_size, "architecture": architecture, "dtype": dtype,
+            "path": path}
+
+
+def open_recorder(cfg, path: str, *, engine: str, version: str, torch_version: str, model: dict, meta: dict):
+    """The recording rank's :class:`~tensordiff.recorders.core.Recorder` at ``path`` (its directory
+    made), with the environment's flush interval, compression, sketch and sampling, and the engine's
+    and torch's versions in ``versions_serve``."""
+    from .core import Recorder, Sampling
+
+    wkw: dict = {"flush_seconds": cfg.flush_seconds}
+    if cfg.compression:
+        wkw["compression"] = cfg.compression
+    kw: dict = {}
+    if cfg.sketch_dim is not None:
+        kw["sketch_dim"] = cfg.sketch_dim
+    if cfg.sketch_seed is not None:
+        kw["sketch_seed"] = cfg.sketch_seed
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    rec = Recorder(path, side="serve", producer=f"tensordiff {engine} plugin ({engine} {version})",
+                   model=model, meta=meta, values=cfg.values, sample=Sampling(every=cfg.sample_every),
+                   writer_kwargs=wkw, **kw)
+    rec.writer.set_attr(None, "versions_serve", {engine: version, "torch": torch_version})
+    return rec
+
+
+def record_draft_ids(st, name: str, ids, rows, what: str) -> None:
+    """The input id each draft row was paired with (token t+1), as the one-column float64 tensor
+    ``name``: rows ``-1`` (not kept) and positions the sampling skips are dropped; the tensor is
+    defined on the first call (``st.draft_ids_defined``), with ``what`` as its description."""
+    import numpy as np
+
+    rec = st.rec
+    keep = rows >= 0
+    if not rec.sample.keeps_all:
+        keep &= rec.sample.mask(rec.positions_of(np.where(keep, rows, 0)))
+    if not keep.any():
+        return
+    w = rec.writer
+    if not st.draft_ids_defined:
+        st.draft_ids_defined = True
+        w.define_tensor(name, 1, kind="other", dtype="float64", role="draft_input_ids", token_offset=1,
+                        values=True, sketch=False, attrs={"what": what})
+    vals = ids[keep].astype(np.float64)[:, None]
+    w.append(name, rows[keep], vals, rms=np.abs(vals).astype(np.float32))
