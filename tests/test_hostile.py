@@ -550,6 +550,9 @@ def test_record_serve_eagle_on_torch_native_real_engine(tmp_path):
                PYTHONPATH=os.pathsep.join([str(sup.STUB_DIR), hostile.ROOT]))
     for k in [k for k in env if k.startswith("TENSORDIFF_")]:
         del env[k]
+    # SGLang reads CI=true as its own test mode and then fails earlier for another reason; the
+    # engine here must see what a user's shell gives it
+    env.pop("CI", None)
     argv = [sys.executable, "-m", "tensordiff", "record", "serve", "--model", str(target), "--draft", str(draft),
             "--prompts", str(prompts), "--out", str(out), "--device", "cpu", "--dtype", "float32",
             "--attention-backend", "torch_native", "--mem-fraction-static", "0.1", "--max-total-tokens", "2048",
