@@ -250,10 +250,7 @@ class Recorder:
         """Record ``tensor`` [..., width] whose leading dims flatten to one row per entry of
         ``rows`` (same shape as the leading dims; a row of -1 is padding and is skipped).
         The first call defines the tensor with the given kind/slots/role. Returns rows recorded."""
-        if self._closed:
-            raise RuntimeError("recorder is closed")
-        if name not in self._specs and not self.wants(name):
-            self.stats.skipped_names.add(name)
+        if not self._accepts(name):
             return 0
         t0 = time.perf_counter()
         x = tensor.detach()
@@ -387,14 +384,21 @@ class Recorder:
         return self.record(name, x, rows, kind="packed", slots=slots, slot_width=sw, token_offset=token_offset,
                            role=role, values=values, attrs=attrs)
 
-    def plain(self, name: str, values: np.ndarray | torch.Tensor, rows, *, role: str, token_offset: int = 0,
-              dtype: str = "float64", order: float | None = None, attrs: dict | None = None) -> int:
-        """Record rows that are not states (token ids, top-k tables, verify counts): full values
-        only, no sketch, RMS 0. Same row rules as :meth:`record` (-1 skipped, sampling applied)."""
+    def _accepts(self, name: str) -> bool:
+        """Whether a record call for ``name`` goes ahead: the recorder is open and the name is
+        defined or wanted (a skipped name is counted in the stats)."""
         if self._closed:
             raise RuntimeError("recorder is closed")
         if name not in self._specs and not self.wants(name):
             self.stats.skipped_names.add(name)
+            return False
+        return True
+
+    def plain(self, name: str, values: np.ndarray | torch.Tensor, rows, *, role: str, token_offset: int = 0,
+              dtype: str = "float64", order: float | None = None, attrs: dict | None = None) -> int:
+        """Record rows that are not states (token ids, top-k tables, verify counts): full values
+        only, no sketch, RMS 0. Same row rules as :meth:`record` (-1 skipped, sampling applied)."""
+        if not self._accepts(name):
             return 0
         t0 = time.perf_counter()
         if isinstance(values, torch.Tensor):
