@@ -457,3 +457,38 @@ def hf_boundary_states(model, ids: Sequence[int]) -> dict:
     st[f"layer{n}"] = cap["pre"].numpy()
     st["final_norm"] = cap["post"].numpy()
     return st
+
+
+class RecordedTrace:
+    """A recorded trace with each row resolved to (request id, position, token), as the engine
+    tests of both serve plugins read it; ``stats_attr`` names the plugin's stats attribute."""
+
+    def __init__(self, path: str, stats_attr: str | None = None):
+        import numpy as np
+
+        from tensordiff.trace import TraceReader
+
+        self.r = TraceReader(path)
+        t = self.r.tokens
+        self.seq = np.array([self.r.sequences[s] for s in t["seq"]], dtype=object)
+        self.pos = t["position"].astype(np.int64)
+        self.tok = t["token"].astype(np.int64)
+        self.regime = t["regime"]
+        self.step = t["step"]
+        self.stats = json.loads(self.r.f.attrs[stats_attr]) if stats_attr else None
+
+    def rows(self, name: str):
+        tr = self.r.token_rows(name)
+        return tr, self.seq[tr], self.pos[tr]
+
+    def close(self) -> None:
+        self.r.close()
+
+
+def row_cos(a, b):
+    """Cosine of each row pair, in float64."""
+    import numpy as np
+
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)

@@ -141,26 +141,7 @@ def eagle_run(models, tmp_path_factory):
 # ----------------------------------------------------------------------------------------------
 
 
-class _Trace:
-    """A recorded trace with each row resolved to (request id, position, token)."""
-
-    def __init__(self, path: str):
-        from tensordiff.trace import TraceReader
-
-        self.r = TraceReader(path)
-        t = self.r.tokens
-        self.seq = np.array([self.r.sequences[s] for s in t["seq"]], dtype=object)
-        self.pos = t["position"].astype(np.int64)
-        self.tok = t["token"].astype(np.int64)
-        self.regime = t["regime"]
-        self.step = t["step"]
-
-    def rows(self, name: str):
-        tr = self.r.token_rows(name)
-        return tr, self.seq[tr], self.pos[tr]
-
-    def close(self):
-        self.r.close()
+_Trace = sup.RecordedTrace
 
 
 @pytest.fixture(scope="module")
@@ -185,10 +166,7 @@ def hf_states(models, capture_run, eagle_run):
     return {k: sup.hf_boundary_states(models["hf"], full) for k, full in capture_run["full"].items()}
 
 
-def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a.astype(np.float64)
-    b = b.astype(np.float64)
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+_cos = sup.row_cos
 
 
 def _check_rows(run: dict, tr: _Trace) -> None:

@@ -125,27 +125,9 @@ def sglang_run(models, tmp_path_factory):
     return _load_run(tmp, "sglang", proc)
 
 
-class _Trace:
-    def __init__(self, path: str):
-        from tensordiff.trace import TraceReader
-
-        self.r = TraceReader(path)
-        t = self.r.tokens
-        self.seq = np.array([self.r.sequences[s] for s in t["seq"]], dtype=object)
-        self.pos = t["position"].astype(np.int64)
-        self.tok = t["token"].astype(np.int64)
-        self.regime = t["regime"]
-        self.step = t["step"]
-        self.stats = json.loads(self.r.f.attrs["tensordiff_vllm"])
-
-    def rows(self, name: str):
-        tr = self.r.token_rows(name)
-        return tr, self.seq[tr], self.pos[tr]
-
-
 @pytest.fixture(scope="module")
 def vtrace(vllm_run):
-    t = _Trace(vllm_run["trace"])
+    t = sup.RecordedTrace(vllm_run["trace"], "tensordiff_vllm")
     yield t
     t.r.close()
 
@@ -158,10 +140,7 @@ def hf_states(models, vllm_run):
     return {k: sup.hf_boundary_states(models["hf"], seq) for k, seq in full.items()}
 
 
-def _cos(a, b):
-    a = a.astype(np.float64)
-    b = b.astype(np.float64)
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+_cos = sup.row_cos
 
 
 def _record_train(models, tmp_path: Path, name: str, *args) -> Path:
