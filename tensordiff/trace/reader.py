@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
@@ -432,7 +432,7 @@ class TraceReader(RowReads):
         self.close()
 
 
-def trace_summary(trace) -> dict[str, Any]:
+def trace_summary(trace: Any) -> dict[str, Any]:
     """What ``tensordiff info`` shows of an open trace, as plain data: of a :class:`TraceReader`, or
     of anything with the same attributes (a trace set's merged view)."""
     t = trace.tokens
@@ -447,7 +447,7 @@ def trace_summary(trace) -> dict[str, Any]:
     }
 
 
-def token_summary(tokens: np.ndarray, sequences) -> tuple[dict[str, int], list[dict[str, Any]]]:
+def token_summary(tokens: np.ndarray, sequences: Sequence[str]) -> tuple[dict[str, int], list[dict[str, Any]]]:
     """Token rows per regime, and each sequence's rows and position range (the first 1000)."""
     t = tokens
     regimes = {REGIMES[c]: int(n) for c, n in zip(*np.unique(t["regime"], return_counts=True))} if len(t) else {}
@@ -463,7 +463,7 @@ def token_summary(tokens: np.ndarray, sequences) -> tuple[dict[str, int], list[d
     return regimes, seqs
 
 
-def tensor_entries(tensors) -> list[dict[str, Any]]:
+def tensor_entries(tensors: Mapping[str, TensorInfo]) -> list[dict[str, Any]]:
     """The tensors as ``info`` lists them, in forward order."""
     out = []
     for info in sorted(tensors.values(), key=lambda i: (i.order, i.name)):
