@@ -19,7 +19,7 @@ import numpy as np
 from .. import __version__
 from ..dtypes import LOGICAL_DTYPES, storage_dtype, to_float32
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, sketch_rows
-from ..vocab import REGIMES, regime_code
+from ..vocab import REGIME_CODE, REGIMES, regime_code
 from .schema import (
     CHUNK_BYTES,
     KINDS,
@@ -410,16 +410,23 @@ class TraceWriter:
     def add_tokens(self, seq: str, positions: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
                    regime: str | int, step: int = 0) -> np.ndarray:
         """Add token-table rows for one sequence; returns their row indices (for :meth:`append`)."""
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if positions.shape != tokens.shape:
-            raise ValueError(f"{len(positions)} positions but {len(tokens)} tokens")
+        if not (type(positions) is np.ndarray and positions.dtype == np.int64 and positions.ndim == 1):
+            positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if not (type(tokens) is np.ndarray and tokens.dtype == np.int64 and tokens.ndim == 1):
+            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = len(positions)
+        if len(tokens) != n:
+            raise ValueError(f"{n} positions but {len(tokens)} tokens")
         if self._dirty and self._flush_due(n):
             self.flush()  # between steps: what is on disk is whole steps
-        seq_idx = self.sequence(str(seq))
-        code = regime_code(regime)
-        step = int(step)
+        seq_idx = self._seq_index.get(seq) if type(seq) is str else None
+        if seq_idx is None:
+            seq_idx = self.sequence(str(seq))
+        code = REGIME_CODE.get(regime) if type(regime) is str else None
+        if code is None:
+            code = regime_code(regime)
+        if type(step) is not int:
+            step = int(step)
         if not -(1 << 31) <= step < (1 << 31):
             raise ValueError(f"step {step} does not fit the token table's int32 column")
         tok = self._tokens
@@ -475,7 +482,8 @@ class TraceWriter:
         elif sapp is not None and values is None:
             raise ValueError(f"{name}: give sketch= when values are not recorded")
         if rms is not None:
-            rms = np.asarray(rms, dtype=np.float32)
+            if not (type(rms) is np.ndarray and rms.dtype == np.float32):
+                rms = np.asarray(rms, dtype=np.float32)
             if rms.shape != (n, t.k):
                 rms = rms.reshape(n, t.k)
         elif values is None:
