@@ -81,15 +81,19 @@ def trace_write(data: np.ndarray, path: str, rows_per_append: int, flush_rows: i
     the device); None: the writer computes them from the values, per block. ``with_sketch``: the
     tensor has a sketch dataset (implied when ``sketch`` is given)."""
     T, H = data.shape
+    # a recorder has its batch's positions and token ids as arrays already: slices, not new arrays
+    positions = np.arange(T, dtype=np.int64)
+    token_ids = np.zeros(T, dtype=np.int64)
     t = time.perf_counter()
     with TraceWriter(path, side="serve", model={"hidden_size": H}, flush_rows=flush_rows, flush_seconds=None) as w:
         w.define_tensor("layer3", H, kind="boundary", boundary=3, dtype="bfloat16",
                         sketch=with_sketch or sketch is not None)
         for step, s in enumerate(range(0, T, rows_per_append)):
-            blk = data[s:s + rows_per_append]
-            rows = w.add_tokens("req-0", np.arange(s, s + len(blk)), np.zeros(len(blk), np.int64), "decode", step=step)
-            w.append("layer3", rows, blk, rms=None if rms is None else rms[s:s + rows_per_append],
-                     sketch=None if sketch is None else sketch[s:s + rows_per_append])
+            e = s + rows_per_append
+            blk = data[s:e]
+            rows = w.add_tokens("req-0", positions[s:e], token_ids[s:e], "decode", step=step)
+            w.append("layer3", rows, blk, rms=None if rms is None else rms[s:e],
+                     sketch=None if sketch is None else sketch[s:e])
     fsync_path(path)
     return time.perf_counter() - t
 
