@@ -11,6 +11,7 @@ from tensordiff.dtypes import f32_to_bf16_bits, storage_dtype, to_float32
 from tensordiff.sketch import sketch_np
 from tensordiff.trace import SlotSpec, TraceReader, TraceWriter, slot_rms
 from tensordiff.trace import writer as writer_mod
+from tensordiff.vocab import REGIMES
 
 DTYPES = ["bfloat16", "float16", "float32", "float64"]
 
@@ -168,3 +169,33 @@ def test_writer_computed_rows_are_committed_by_a_flush(tmp_path):
         assert r.read_sketch("x").tobytes() == full.read_sketch("x", 0, 200).tobytes()
         assert full.tensors["x"].rows == 400
         np.testing.assert_array_equal(full.read_rms("x"), slot_rms(x32, width))
+
+
+def test_token_table_across_chunks_and_flushes(tmp_path):
+    """Token rows are kept as columns plus one (seq, regime, step) run per call and filled into
+    the record buffer when it is written: calls that cross the 2048-row chunk, flushes that split
+    a chunk, and every column come back as given."""
+    rng = np.random.default_rng(9)
+    sizes = [1, 2047, 3, 2500, 0, 7, 4096, 1, 300]
+    want = []
+    with TraceWriter(tmp_path / "t.h5", model={"hidden_size": 4}, flush_rows=1000, flush_seconds=None) as w:
+        w.define_tensor("x", 4)
+        for i, n in enumerate(sizes):
+            pos = rng.integers(0, 10**9, n)
+            tok = rng.integers(-5, 2**40, n)
+            seq, regime, step = f"s{i % 3}", ("prefill", "decode", "train")[i % 3], (-7, 0, 2**31 - 1)[i % 3]
+            rows = w.add_tokens(seq, pos, tok, regime, step=step)
+            w.append("x", rows, np.full((n, 4), i, np.float32))
+            want += [(i % 3, p, t, ("prefill", "decode", "train")[i % 3], step) for p, t in zip(pos, tok)]
+        with pytest.raises(ValueError, match="int32"):
+            w.add_tokens("s0", [1], [1], "train", step=2**31)
+    with TraceReader(tmp_path / "t.h5") as r:
+        tab = r.tokens
+        assert len(tab) == sum(sizes)
+        np.testing.assert_array_equal(tab["seq"], [x[0] for x in want])
+        np.testing.assert_array_equal(tab["position"], [x[1] for x in want])
+        np.testing.assert_array_equal(tab["token"], [x[2] for x in want])
+        np.testing.assert_array_equal(tab["step"], [x[4] for x in want])
+        codes = {name: code for code, name in enumerate(REGIMES)}
+        np.testing.assert_array_equal(tab["regime"], [codes[x[3]] for x in want])
+        np.testing.assert_array_equal(r.read_values("x")[:, 0], np.repeat(np.arange(len(sizes)), sizes))
