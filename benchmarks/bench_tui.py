@@ -16,7 +16,8 @@ the app headless (App.run_test, 140x40) in fresh processes and reports:
   and the peak RSS from then until the diff has ended (``rss_growth``: peak minus RSS at first
   rows; the peak is reset at first rows through /proc/self/clear_refs). The same diff without
   the streaming sink gives ``rss_growth_unstreamed``: what the diff itself allocates meanwhile.
-  Median of ``--repeat`` runs. ``--wide TOKENSxHIDDEN`` adds a wide pair (few tokens, 4096
+  Median of ``--repeat`` runs of each, interleaved in random order per round after an untimed
+  warm-up run. ``--wide TOKENSxHIDDEN`` adds a wide pair (few tokens, 4096
   wide: each tensor is one block of the diff).
 * first paint: seconds from the app's start (and from the process start, imports included) to its
   first screen, and the process's peak RSS by then; and from the process start through the real
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import os
 import statistics
 import subprocess
@@ -397,8 +399,14 @@ def main() -> None:
             gen_s = time.perf_counter() - t0
             size_mb = (os.path.getsize(a) + os.path.getsize(b)) / 2**20
             print(f"{n} tokens x {hidden}: the pair in {gen_s:.1f} s ({size_mb:.0f} MiB)", flush=True)
-            runs = [run_child(a, b, "stream") for _ in range(args.repeat)]
-            bare = run_child(a, b, "unstreamed")
+            # streamed and unstreamed interleaved, in random order per round, after an untimed warm-up
+            run_child(a, b, "unstreamed")
+            runs, bares = [], []
+            order = random.Random(n)
+            for _ in range(args.repeat):
+                for mode in order.sample(["stream", "unstreamed"], 2):
+                    (runs if mode == "stream" else bares).append(run_child(a, b, mode))
+            bare = {k: statistics.median(r[k] for r in bares) for k in ("rss_growth_mb", "diff_s")}
             med = {k: statistics.median(r[k] for r in runs) for k in (
                 "first_rows_s", "first_rows_from_process_s", "first_rows_after_first_block_s", "rss_mb_at_first_rows",
                 "peak_mb_at_first_rows", "rss_growth_mb", "diff_s")}
