@@ -66,7 +66,8 @@ from .tui_widgets import GotoScreen, Heatmap, HelpScreen, TensorTree
 EXIT_INTERRUPTED = 130   # quit before the diff finished: no verdict
 WIDE = 110               # from this many columns the acceptance pane opens by itself (the -wide breakpoint)
 ACCEPT_TEXT_W = 26       # the acceptance pane's text width (30 columns less border and padding)
-LIVE_POLL_S = 0.05       # how often the heatmap looks for rows the running diff has compared
+LIVE_POLL_S = 0.05       # how often the heatmap looks for the first rows the running diff has compared
+LIVE_REDRAW_S = 0.5      # ... and for more, once it shows some (each redraw takes the GIL from the diff)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class TensordiffApp(App[int]):
         self.first_rows_at: float | None = None          # the heatmap first showed compared rows
         self.live: LiveSummary | None = None             # the summary while the diff writes it
         self._live_timer = None
+        self._live_drawn_at = 0.0
         self.mounted_at: float | None = None
         self.diff_seconds: float | None = None
         self.cell: tuple[int, int] | None = None        # (row, summary column) in the detail pane
@@ -239,6 +241,17 @@ class TensordiffApp(App[int]):
 
     def _poll_live(self) -> None:
         """Show the rows the running diff has compared (its LiveSummary sink says which)."""
+        try:
+            self._poll_live_once()
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            # the file being written cannot be read here: no live rows, the diff goes on
+            self._stop_live()
+            hm = self.heatmap
+            hm.summary, hm.blocks, hm.live = None, None, False
+            hm.show_message("diff running... (the heatmap fills when it ends: "
+                            f"cannot read the summary being written: {' '.join(str(e).split())[:120]})")
+
+    def _poll_live_once(self) -> None:
         d = self._diff
         live = d.live if d is not None else None
         if live is None or not live.started or self.result is not None or self.diff_error is not None:
@@ -247,8 +260,12 @@ class TensordiffApp(App[int]):
         if self.live is None:
             self.live = live
             hm.attach(live, sorted(live.columns, key=lambda c: (c.order, c.tensor_a, c.slot)), live=True)
+        now = time.perf_counter()
+        if self.first_rows_at is not None and now - self._live_drawn_at < LIVE_REDRAW_S:
+            return
         changed = live.changes()
         if changed is not None:
+            self._live_drawn_at = now
             hm.rows_changed(*changed)
             if self.first_rows_at is None and live.has_rows:
                 self.call_after_refresh(self._first_rows_painted)

@@ -72,6 +72,8 @@ async def test_heatmap_shows_rows_before_the_diff_ends(fixture_pair):  # noqa: F
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, reached.is_set)
             await wait_for(pilot, lambda: app.first_rows_at is not None)
+            # the heatmap redraws at most every LIVE_REDRAW_S: wait until it has taken every commit
+            await wait_for(pilot, lambda: app.live._dirty is None)
             await pilot.pause()
             hm = app.heatmap
             assert app.result is None and not app.ready, "the diff is still held"
@@ -227,3 +229,23 @@ def test_block_cache_invalidates_only_changed_blocks(fixture_pair, tmp_path):  #
         assert sorted(b for _, b in cache._codes) == [0, 3, 4]
     finally:
         s.close()
+
+
+async def test_unreadable_live_file_leaves_the_heatmap_to_the_end(fixture_pair, monkeypatch):  # noqa: F811
+    """When the summary being written cannot be read, the heatmap says so and fills at the end."""
+    def broken(self):
+        raise OSError("unable to open (test)")
+
+    monkeypatch.setattr(LiveSummary, "_file", broken)
+    gate, reached = threading.Event(), threading.Event()
+    app = TensordiffApp(*fixture_pair, DiffOptions(block_rows=BLOCK), diff_fn=gated(2, gate, reached))
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, reached.is_set)
+            await wait_for(pilot, lambda: "cannot read the summary being written" in screen_text(app))
+            assert app.live is None and app.first_rows_at is None and not app.heatmap.live
+            gate.set()
+            await wait_ready(app, pilot)
+            assert app.result.first_divergence is not None and app.heatmap.n_rows == 80
+    finally:
+        gate.set()
