@@ -271,7 +271,9 @@ class TensordiffApp(App[int]):
                 self.call_after_refresh(self._first_rows_painted)
             if self.cell is not None:
                 self._render_live_detail()
-        hm.border_title = self._heatmap_title()
+        title = self._heatmap_title()
+        if hm.border_title != title:     # setting it redraws the whole heatmap, even when unchanged
+            hm.border_title = title
 
     def _first_rows_painted(self) -> None:
         if self.first_rows_at is None:
