@@ -249,3 +249,36 @@ async def test_unreadable_live_file_leaves_the_heatmap_to_the_end(fixture_pair, 
             assert app.result.first_divergence is not None and app.heatmap.n_rows == 80
     finally:
         gate.set()
+
+
+def test_live_summary_frontiers_without_a_file():
+    """Frontiers from the blocks alone: committed one block late (or at commit), earlier pairs
+    done when a later one streams, a block out of order keeps its column pending to the end."""
+    from types import SimpleNamespace
+
+    from tensordiff.summary import Column
+
+    def col(i, name, slot=0):
+        return Column(index=i, label=name, tensor_a=name, tensor_b=name, slot=slot, order=float(i),
+                      slot_label=None, packed=False)
+
+    live = LiveSummary("unused.h5", 100, [col(0, "a"), col(1, "b"), col(2, "c")], [0, 1, 2])
+    info = {n: SimpleNamespace(name=n) for n in "abcz"}
+
+    def write(name, lo, hi, step=1):
+        live.write(info[name], info[name], 1, np.arange(lo, hi, step), {}, np.zeros((0, 1), bool))
+
+    write("a", 0, 10)
+    assert live.started and not live.has_rows, "the summary file has not written the block yet"
+    write("a", 12, 30, 2)                  # rows 10, 11 have no row in a: blank, not pending
+    assert list(live.committed()) == [10, 0, 0]
+    live.commit()
+    assert list(live.committed()) == [29, 0, 0] and live.changes() == (0, 29)
+    write("z", 0, 5)                       # a tensor not planned: ignored until the diff ends
+    write("b", 0, 50)
+    live.commit()
+    assert list(live.committed()) == [100, 50, 0] and live.columns_done() == 1
+    write("b", 40, 60)                     # out of order: b pending to the end
+    live.close()
+    assert list(live.committed()) == [100, 0, 0]
+    assert live.pending(0, 100)[:, 1].all() and not live.pending(0, 100)[:, 0].any()
