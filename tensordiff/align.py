@@ -10,7 +10,8 @@ numpy only; reads traces through :class:`tensordiff.trace.TraceReader`.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -317,21 +318,65 @@ def row_map(r: TraceReader, side_tokens: SideTokens, name: str, index_fn: Callab
     return aligned
 
 
-class RowMaps:
-    """Aligned token index -> tensor row, per side and tensor (built on demand, not kept)."""
+MAP_CACHE_BYTES = 64 << 20   # row maps kept per diff (LRU); 8 bytes per aligned token each
 
-    def __init__(self, al: TokenAlignment, ra: TraceReader, rb: TraceReader, sa: SideTokens, sb: SideTokens):
+
+class RowMaps:
+    """Aligned token index -> tensor row, per side and tensor. Built once per distinct set of
+    token rows and kept (the tensors of one trace usually share theirs: the trace reader holds one
+    array for equal row indexes, and equal arrays are recognised here too), least recently used
+    dropped past :data:`MAP_CACHE_BYTES`; a lookup at sampled tokens is then a gather."""
+
+    def __init__(self, al: TokenAlignment, ra: TraceReader, rb: TraceReader, sa: SideTokens, sb: SideTokens,
+                 cache_bytes: int = MAP_CACHE_BYTES):
         self.al, self.ra, self.rb, self.sa, self.sb = al, ra, rb, sa, sb
+        self.cache_bytes = cache_bytes
+        # (side, id of a token-rows array) -> key; key -> (that array, the inverse map)
+        self._alias: dict[tuple[str, int], tuple[str, int, int, bytes]] = {}
+        self._maps: OrderedDict[tuple[str, int, int, bytes], tuple[Codes, Codes]] = OrderedDict()
+        self.built = 0   # maps built (for tests and benchmarks)
+        self._lock = threading.Lock()
+
+    def inverse(self, side: str, name: str) -> Codes:
+        """[len(alignment)] tensor row of each aligned token (-1: none); the last tensor row wins
+        on duplicates. Shared: never modify it."""
+        with self._lock:
+            return self._inverse(side, name)
+
+    def _inverse(self, side: str, name: str) -> Codes:
+        r, st, fn = (self.ra, self.sa, self.al.index_a) if side == "a" else (self.rb, self.sb, self.al.index_b)
+        trow = r.token_rows(name)
+        key = self._alias.get((side, id(trow)))
+        hit = self._maps.get(key) if key is not None else None
+        if hit is None or hit[0] is not trow:
+            step = max(1, len(trow) // 64)
+            key = (side, len(trow), int(trow.sum()) if len(trow) else 0, trow[::step].tobytes())
+            hit = self._maps.get(key)
+            if hit is None or not np.array_equal(hit[0], trow):
+                rowmap = row_map(r, st, name, fn)
+                inv = np.full(len(self.al), -1, dtype=np.int64)
+                ok = rowmap >= 0
+                inv[rowmap[ok]] = np.flatnonzero(ok)  # the last tensor row wins on duplicates
+                self.built += 1
+                hit = self._maps[key] = (trow, inv)
+                self._evict(key)
+            self._alias[(side, id(trow))] = key
+        self._maps.move_to_end(key)
+        return hit[1]
+
+    def _evict(self, keep: tuple[str, int, int, bytes]) -> None:
+        total = sum(inv.nbytes for _, inv in self._maps.values())
+        while total > self.cache_bytes and len(self._maps) > 1:
+            k = next(iter(self._maps))
+            if k == keep:
+                self._maps.move_to_end(k)
+                continue
+            total -= self._maps.pop(k)[1].nbytes
+            self._alias = {a: v for a, v in self._alias.items() if v != k}
 
     def rows_at(self, side: str, name: str, index_lists: list[Codes]) -> list[Codes]:
         """Tensor row for each aligned index in each array (-1: absent or index -1)."""
-        if side == "a":
-            rowmap = row_map(self.ra, self.sa, name, self.al.index_a)
-        else:
-            rowmap = row_map(self.rb, self.sb, name, self.al.index_b)
-        inv = np.full(len(self.al), -1, dtype=np.int64)
-        ok = rowmap >= 0
-        inv[rowmap[ok]] = np.flatnonzero(ok)  # the last tensor row wins on duplicates
+        inv = self.inverse(side, name)
         return [np.where(ix >= 0, inv[np.maximum(ix, 0)], -1) for ix in index_lists]
 
     def offset_index(self, sample: Codes, offset: int) -> Codes:
