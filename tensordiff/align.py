@@ -130,24 +130,86 @@ def _shift_matches(pa: Codes, ta: Codes, pb: Codes, tb: Codes, s: int) -> tuple[
     return int(present.sum()), int((present & (tb[idx_c] == ta)).sum())
 
 
+class _NgramIndex:
+    """B's 3-gram hashes as sorted numpy arrays: each (hash, B sequence) once, as a set per hash
+    would hold them; ``sets(h)`` gives the B sequences with hash ``h``."""
+
+    def __init__(self, B: SideTokens):
+        self.order = list(B.seqs)   # B's sequences in table order
+        hs = [_ngram_hashes(tb) for _pb, tb in B.seqs.values()]
+        h = np.concatenate(hs) if hs else np.zeros(0, np.int64)
+        sb = np.repeat(np.array(self.order, np.int64), [len(x) for x in hs]) if hs else np.zeros(0, np.int64)
+        o = np.lexsort((sb, h))
+        h, sb = h[o], sb[o]
+        keep = np.ones(len(h), bool)
+        keep[1:] = (h[1:] != h[:-1]) | (sb[1:] != sb[:-1])
+        self.h: Codes = h[keep]
+        self.sb: Codes = sb[keep]
+
+    def votes(self, ha: Codes) -> tuple[Codes, Codes, Codes]:
+        """(B sequence, votes, first voting position) for A's hashes ``ha``: a B sequence gets a vote
+        at each position of A whose hash it has (as looking each position up in a set per hash)."""
+        lo = np.searchsorted(self.h, ha, "left")
+        hi = np.searchsorted(self.h, ha, "right")
+        cnt = hi - lo
+        total = int(cnt.sum())
+        if total == 0:
+            z = np.zeros(0, np.int64)
+            return z, z, z
+        p = np.repeat(np.arange(len(ha), dtype=np.int64), cnt)
+        start = np.repeat(lo - np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt)
+        sb = self.sb[start + np.arange(total, dtype=np.int64)]
+        o = np.lexsort((p, sb))
+        sb, p = sb[o], p[o]
+        first = np.flatnonzero(np.concatenate([[True], sb[1:] != sb[:-1]]))
+        votes = np.diff(np.concatenate([first, [len(sb)]]))
+        return sb[first], votes, p[first]
+
+    def set_order(self, h: int) -> list[int]:
+        """The order a Python set of the B sequences with hash ``h`` iterates in, each added in
+        B's table order (the order the dict of votes saw them first)."""
+        lo, hi = int(np.searchsorted(self.h, h, "left")), int(np.searchsorted(self.h, h, "right"))
+        members = set(self.sb[lo:hi].tolist())
+        s: set[int] = set()
+        for x in self.order:
+            if x in members:
+                s.add(x)
+        return list(s)
+
+
+def _top_voted(index: _NgramIndex, ha: Codes, limit: int = 8) -> tuple[list[int], set[int]]:
+    """The ``limit`` B sequences with most votes (ties: the one voted for first), and every B
+    sequence voted for. Exactly the ranking of a dict of votes filled position by position,
+    set by set, and sorted by votes (stable)."""
+    sb, votes, first_p = index.votes(ha)
+    voted = set(sb.tolist())
+    if len(sb) <= limit:
+        return sb.tolist(), voted
+    o = np.lexsort((first_p, -votes))
+    sb, votes, first_p = sb[o], votes[o], first_p[o]
+    kv, kp = votes[limit - 1], first_p[limit - 1]
+    group = np.flatnonzero((votes == kv) & (first_p == kp))
+    if group[-1] < limit:   # the tie at the cut lies inside the top: its order does not matter
+        return sb[:limit].tolist(), voted
+    # voted for first at the same position: the set of that position's hash decides
+    rank = {x: i for i, x in enumerate(index.set_order(int(ha[kp])))}
+    tied = sorted(sb[group].tolist(), key=lambda x: rank[x])
+    head = sb[:group[0]].tolist()
+    return head + tied[:limit - len(head)], voted
+
+
 def _pair_candidates(A: SideTokens, B: SideTokens) -> list[tuple[int, int, int, int, int]]:
     """Every plausible (matches, overlap, shift, seq a, seq b): B sequences that share 3-grams with
     an A sequence (up to 8 per A sequence; every B sequence when both traces are small), each at
-    its best shift in -MAX_SHIFT..+MAX_SHIFT (most matching positions, then the smallest shift)."""
-    index: dict[int, set[int]] = defaultdict(set)
-    for sb, (_pb, tb) in B.seqs.items():
-        for h in _ngram_hashes(tb).tolist():
-            index[h].add(sb)
+    its best shift in -MAX_SHIFT..+MAX_SHIFT (most matching positions, then the smallest shift).
+    The 3-gram index is sorted numpy arrays (no Python object per 3-gram)."""
+    index = _NgramIndex(B)
     out = []
     small = len(B.seqs) <= 64
     for sa, (pa, ta) in A.seqs.items():
-        votes: dict[int, int] = defaultdict(int)
-        for h in _ngram_hashes(ta).tolist():
-            for sb in index.get(h, ()):
-                votes[sb] += 1
-        cands = sorted(votes, key=lambda x: -votes[x])[:8]
+        cands, voted = _top_voted(index, _ngram_hashes(ta))
         if small:
-            cands += [x for x in B.seqs if x not in votes]
+            cands += [x for x in B.seqs if x not in voted]
         for sb in cands:
             pb, tb = B.seqs[sb]
             best: tuple[int, int, int] | None = None
