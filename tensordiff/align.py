@@ -423,6 +423,7 @@ class RowMaps:
                 hit = self._maps[key] = (trow, inv)
                 self._evict(key)
             self._alias[(side, id(trow))] = key
+        assert key is not None
         self._maps.move_to_end(key)
         return hit[1]
 

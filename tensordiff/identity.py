@@ -136,8 +136,13 @@ def per_token_cos(x: F32, c: F32, nx: NDArray[np.float64] | None = None,
     return np.clip(out, -1.0, 1.0)
 
 
+def _nz(x: NDArray[np.floating]) -> NDArray[np.floating]:
+    """``np.nan_to_num(x)`` (the same values), without its passes when everything is finite."""
+    return x if np.isfinite(x).all() else np.nan_to_num(x)
+
+
 def _rms_ratio(rx: F32, rc: F32) -> NDArray[np.float64]:
-    rx64, rc64 = np.nan_to_num(rx.astype(np.float64)), np.nan_to_num(rc.astype(np.float64))
+    rx64, rc64 = _nz(rx.astype(np.float64)), _nz(rc.astype(np.float64))
     out: NDArray[np.float64] = np.where(rc64 > 0, rx64 / np.where(rc64 > 0, rc64, 1.0),
                                         np.where(rx64 > 0, np.inf, 1.0))
     return out
@@ -186,9 +191,11 @@ class TargetRows:
 def _score(target: Target, cand: CandidateRows, rows: TargetRows | None = None) -> _Scored:
     x, nx = rows.at(cand.ok) if rows is not None else (target.data[cand.ok], None)
     cos_t = per_token_cos(x, cand.data, nx, cand.norms)
-    ratio_t = _rms_ratio(target.rms[cand.ok], cand.rms)
-    hi = np.maximum(np.nan_to_num(target.rms[cand.ok]), np.nan_to_num(cand.rms)).astype(np.float64)
-    lo = np.minimum(np.nan_to_num(target.rms[cand.ok]), np.nan_to_num(cand.rms)).astype(np.float64)
+    rx = target.rms[cand.ok]
+    ratio_t = _rms_ratio(rx, cand.rms)
+    rxn, rcn = _nz(rx), _nz(cand.rms)
+    hi = np.maximum(rxn, rcn).astype(np.float64)
+    lo = np.minimum(rxn, rcn).astype(np.float64)
     agree = float(np.mean(np.where(hi > 0, lo / np.where(hi > 0, hi, 1.0), 1.0))) if len(hi) else 0.0
     cos = float(cos_t.mean()) if len(cos_t) else -1.0
     rec = Candidate(label=cand.label, offset=cand.offset, score=round(cos * agree, 6), cos=round(cos, 6),

@@ -55,6 +55,11 @@ from .validate import (
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+# Chunk cache per open dataset (up to 64 stay open, per trace). Reads are whole-chunk blocks and
+# one read per touched chunk, so a cache mostly costs memory: 1 MiB each held ~120 MB at 1M tokens x
+# 8 wide (narrow chunks: the cache fills); 64 KiB measured no slower on the benchmark pairs.
+CHUNK_CACHE_BYTES = min(READ_CACHE_BYTES, 64 << 10)
+
 class TraceReader(RowReads):
     """Open and validate a trace. Raises :class:`~tensordiff.errors.TraceFileError` with a one-line
     reason on bad input.
@@ -129,10 +134,10 @@ class TraceReader(RowReads):
         self._budget = Budget(self.file_size)
         try:
             if patch is None:
-                self.f = h5py.File(self.path, "r", locking=False, rdcc_nbytes=READ_CACHE_BYTES)
+                self.f = h5py.File(self.path, "r", locking=False, rdcc_nbytes=CHUNK_CACHE_BYTES)
             else:
                 self._view = recover.PatchedView(self.path, *patch)
-                self.f = h5py.File(self._view, "r", rdcc_nbytes=READ_CACHE_BYTES)
+                self.f = h5py.File(self._view, "r", rdcc_nbytes=CHUNK_CACHE_BYTES)
         except OSError as e:
             self._close_view()
             raise TraceFileError(f"cannot open as HDF5, the file is truncated or damaged ({short(e)})",
