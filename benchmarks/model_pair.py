@@ -143,21 +143,39 @@ def write_pair(d: str, spec: PairSpec) -> tuple[str, str, dict[str, float]]:
                                 "bytes": float(sum(os.path.getsize(p) for p in paths))}
 
 
+# A small launcher forks and execs the measured command and reports its os.wait4 rusage. Not
+# the benchmark itself: Linux counts the memory a process had before exec into its ru_maxrss, and
+# subprocess forks (vforks) from the benchmark, which holds the generated data; the launcher
+# holds ~10 MB.
+_LAUNCH = """
+import json, os, sys, time
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, ru = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as fh:
+    json.dump({"rc": os.waitstatus_to_exitcode(status), "wall": time.perf_counter() - t0,
+               "maxrss_kb": ru.ru_maxrss}, fh)
+"""
+
+
 def child_rss(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, float, float, str]:
     """Run ``argv`` in a fresh process: (exit code, wall seconds, peak RSS in MB from
     ``os.wait4``'s ru_maxrss, stdout)."""
+    import json
     import subprocess
+    import sys
     import tempfile
 
-    with tempfile.TemporaryFile() as out:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.DEVNULL, env=env)
-        _, status, ru = os.wait4(p.pid, 0)
-        wall = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
+    with tempfile.TemporaryFile() as out, tempfile.NamedTemporaryFile("r", suffix=".json") as rep:
+        subprocess.run([sys.executable, "-c", _LAUNCH, rep.name, *argv], stdout=out, stderr=subprocess.DEVNULL,
+                       env=env, check=False)
+        with open(rep.name) as fh:
+            doc = json.load(fh)
         out.seek(0)
         text = out.read().decode("utf-8", "replace")
-    return p.returncode, wall, ru.ru_maxrss / 1024.0, text
+    return int(doc["rc"]), float(doc["wall"]), doc["maxrss_kb"] / 1024.0, text
 
 
 def tensordiff_env() -> dict[str, str]:
