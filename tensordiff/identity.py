@@ -18,8 +18,9 @@ Pure numpy on arrays (:mod:`tensordiff.catalog` reads the rows), so it is tested
 
 Streamed: :func:`score` reduces one candidate to its per-token cosines and RMS ratios (and, for an
 own-side state, whether it is the same data), after which its rows can be dropped; :func:`decide_scored`
-decides from those scores alone. So a search holds one candidate's rows at a time, whatever the
-catalog's size; :func:`decide` (all candidates' rows at once) is the same rule on the same numbers.
+decides from those scores alone. So a search holds a bounded batch of candidates' rows at a time,
+whatever the catalog's size (:func:`score_many` scores a batch against every slot at once, to the
+same bits); :func:`decide` (all candidates' rows at once) is the same rule on the same numbers.
 """
 
 from __future__ import annotations
@@ -166,31 +167,9 @@ class _Scored:
         return float(np.median(r)) if len(r) else math.nan
 
 
-class TargetRows:
-    """A slot's rows at the tokens a candidate covers, with their norms: the same mask (every
-    sampled token, usually) gives the same rows, so they are gathered once per mask."""
-
-    def __init__(self, target: Target, limit_bytes: int = 32 << 20):
-        self.target = target
-        self._cache: dict[bytes, tuple[F32, NDArray[np.float64]]] = {}
-        self._room = limit_bytes
-
-    def at(self, ok: NDArray[np.bool_]) -> tuple[F32, NDArray[np.float64]]:
-        key = ok.tobytes()
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        x = self.target.data[ok]
-        out = (x, row_norms(x))
-        if x.nbytes <= self._room:
-            self._room -= x.nbytes
-            self._cache[key] = out
-        return out
-
-
-def _score(target: Target, cand: CandidateRows, rows: TargetRows | None = None) -> _Scored:
-    x, nx = rows.at(cand.ok) if rows is not None else (target.data[cand.ok], None)
-    cos_t = per_token_cos(x, cand.data, nx, cand.norms)
+def _score(target: Target, cand: CandidateRows) -> _Scored:
+    x = target.data[cand.ok]
+    cos_t = per_token_cos(x, cand.data, None, cand.norms)
     rx = target.rms[cand.ok]
     ratio_t = _rms_ratio(rx, cand.rms)
     rxn, rcn = _nz(rx), _nz(cand.rms)
@@ -206,12 +185,99 @@ def _score(target: Target, cand: CandidateRows, rows: TargetRows | None = None) 
     return s
 
 
-def score(target: Target, cand: CandidateRows, rows: TargetRows | None = None) -> _Scored:
-    """One candidate's scores against one slot; the candidate's rows are not kept (``rows``: the
-    slot's :class:`TargetRows`, shared by the candidates of one search)."""
-    s = _score(target, cand, rows)
+def score(target: Target, cand: CandidateRows) -> _Scored:
+    """One candidate's scores against one slot; the candidate's rows are not kept (a search scores
+    many at once with :func:`score_many`, to the same numbers)."""
+    s = _score(target, cand)
     s.cand = replace(cand, data=_NO_ROWS, rms=_NO_RMS, norms=None)
     return s
+
+
+class SlotStack:
+    """The rows of several slots (each a :class:`Target` on the same sampled tokens) at the tokens
+    some candidates cover, for :func:`score_many`: per slot the rows at each candidate's tokens,
+    concatenated, and stacked [slots, rows] their norms (as :func:`row_norms`) and RMS. The
+    candidates of one search mostly share their masks, so the rows are gathered once per mask
+    (up to ``limit_bytes`` of rows kept)."""
+
+    def __init__(self, targets: list[Target], limit_bytes: int = 32 << 20):
+        self.targets = targets
+        self._cache: dict[bytes, tuple[list[F32], NDArray[np.float64], F32]] = {}
+        self._room = limit_bytes
+
+    def _at(self, ok: NDArray[np.bool_]) -> tuple[list[F32], NDArray[np.float64], F32]:
+        key = ok.tobytes()
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        xs = [t.data[ok] for t in self.targets]
+        out = (xs, np.stack([row_norms(x) for x in xs]), np.stack([t.rms[ok] for t in self.targets]))
+        size = sum(x.nbytes for x in xs)
+        if size <= self._room:
+            self._room -= size
+            self._cache[key] = out
+        return out
+
+    def at(self, oks: list[NDArray[np.bool_]]) -> tuple[list[F32], NDArray[np.float64], F32]:
+        """Per slot the rows at each mask in turn, concatenated; their norms and RMS [slots, rows]."""
+        parts = [self._at(ok) for ok in oks]
+        if len(parts) == 1:
+            return parts[0]
+        xs = [np.concatenate([p[0][i] for p in parts]) for i in range(len(self.targets))]
+        return xs, np.concatenate([p[1] for p in parts], axis=1), np.concatenate([p[2] for p in parts], axis=1)
+
+
+def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Scored]]:
+    """``[[score(t, c) for t in stack.targets] for c in cands]``, the same numbers to the bit,
+    computed at once: every candidate's rows concatenated, every slot stacked. Bit for bit because
+    each number comes from the same operations on the same values: the dot products and norms are
+    the same einsum per row (a row's sum does not depend on the rows around it), everything else
+    is elementwise, and the means and maxima run along one contiguous row of values each, which
+    numpy reduces as it does a 1-D array (tests/test_identity_stream.py pins it)."""
+    if not cands:
+        return []
+    lens = [int(c.ok.sum()) for c in cands]
+    w = cands[0].data.shape[1] if cands[0].data.ndim == 2 else -1
+    if min(lens) == 0 or any(c.data.ndim != 2 or c.data.shape[1] != w for c in cands):
+        return [[score(t, c) for t in stack.targets] for c in cands]
+    xs, nx, rx = stack.at([c.ok for c in cands])
+    one = len(cands) == 1
+    c_all = cands[0].data if one else np.concatenate([c.data for c in cands])
+    rc = cands[0].rms if one else np.concatenate([c.rms for c in cands])
+    given = [c.norms for c in cands if c.norms is not None]
+    nc: NDArray[np.float64] = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) \
+        else row_norms(c_all)
+    # per_token_cos, stacked [slots, rows]
+    dots = np.stack([np.einsum("nw,nw->n", x, c_all, dtype=np.float64) for x in xs])
+    den = nx * nc
+    cos_t = np.clip(np.where(den > 0, dots / np.where(den > 0, den, 1.0), np.where((nx == 0) & (nc == 0), 1.0, 0.0)),
+                    -1.0, 1.0)
+    ratio_t = _rms_ratio(rx, rc)
+    rxn, rcn = _nz(rx), _nz(rc)
+    hi = np.maximum(rxn, rcn).astype(np.float64)
+    lo = np.minimum(rxn, rcn).astype(np.float64)
+    agree_t = np.where(hi > 0, lo / np.where(hi > 0, hi, 1.0), 1.0)
+    miss = None if all(c.exact_tol is None for c in cands) else 1.0 - cos_t * cos_t  # see _surely_not_exact
+    out = []
+    start = 0
+    for c, n in zip(cands, lens):
+        seg = slice(start, start + n)
+        start += n
+        cos = cos_t[:, seg].mean(axis=1).tolist()
+        agree = agree_t[:, seg].mean(axis=1).tolist()
+        worst = miss[:, seg].max(axis=1).tolist() if miss is not None and c.exact_tol is not None else None
+        stripped = replace(c, data=_NO_ROWS, rms=_NO_RMS, norms=None)
+        row = []
+        for i, x in enumerate(xs):
+            co, ag = cos[i], agree[i]
+            rec = Candidate(label=c.label, offset=c.offset, score=round(co * ag, 6), cos=round(co, 6),
+                            rms_agreement=round(ag, 6), side=c.side, basis=c.basis)
+            sc = _Scored(stripped, cos_t[i, seg], ratio_t[i, seg], co, rec)
+            if worst is not None and c.exact_tol is not None and not worst[i] > _exact_bound(c.exact_tol, w):
+                sc.exact_rel = _exact_rel(x[seg], c.data)
+            row.append(sc)
+        out.append(row)
+    return out
 
 
 def _surely_not_exact(cos_t: NDArray[np.float64], tol: float, width: int) -> bool:
@@ -221,7 +287,11 @@ def _surely_not_exact(cos_t: NDArray[np.float64], tol: float, width: int) -> boo
     is merely close."""
     if not len(cos_t):
         return False
-    return float(np.max(1.0 - cos_t * cos_t)) > tol * tol + 1e-9 + 1e-14 * width
+    return float(np.max(1.0 - cos_t * cos_t)) > _exact_bound(tol, width)
+
+
+def _exact_bound(tol: float, width: int) -> float:
+    return tol * tol + 1e-9 + 1e-14 * width
 
 
 def _exact_rel(x32: F32, c32: F32) -> float:
