@@ -51,6 +51,20 @@ class Catalog:
                 self.states[i.label] = i
 
 
+class _Layout:
+    """Where a candidate's rows lie at each offset of the sampled tokens: ``rows`` (tensor row
+    per sampled token, -1: none), ``enough`` (it has rows at enough of them), ``oks`` (the
+    tokens it has rows at), ``union`` (every row needed, ascending: read once) and ``pos``
+    (where each offset's rows sit in ``union``). Shared by the candidates with one row map."""
+
+    def __init__(self, rows: list[Codes], need: int):
+        self.rows = rows
+        self.oks = [r >= 0 for r in rows]
+        self.enough = [int(ok.sum()) >= need for ok in self.oks]
+        self.union = np.unique(np.concatenate([r[ok] for r, ok in zip(rows, self.oks)]))
+        self.pos = [np.searchsorted(self.union, r[ok]) for r, ok in zip(rows, self.oks)]
+
+
 class IdentitySearch:
     """Identity of slots against the catalogs of both sides of one diff."""
 
@@ -105,11 +119,21 @@ class IdentitySearch:
             return {s: IdentityVerdict(reason="no catalog states recorded on either side") for s in slots}
         targets = [self.maps.offset_index(sample, o) for o in OFFSETS]
         need = min(MIN_TOKENS, max(1, len(sample)))
-        cand_rows: list[list[Codes]] = []
+        # the candidates' rows at every offset: one layout per distinct row map (the tensors of a
+        # trace usually share one, so the lookups, their union and its runs are computed once)
+        layouts: dict[tuple[str, int], _Layout] = {}
+        held_maps: list[Codes] = []   # keeps each keyed map alive, so its id stays its own
+        cand_layout: list[_Layout] = []
         for i, (_label, cside, ci, _) in enumerate(candidates):
             # also a chance for a caller (the TUI's worker) to stop between candidates
             self._progress("identifying slots", i, len(candidates))
-            cand_rows.append(self.maps.rows_at(cside, ci.name, targets))
+            inv = self.maps.inverse(cside, ci.name)
+            key = (cside, id(inv))
+            lay = layouts.get(key)
+            if lay is None:
+                held_maps.append(inv)
+                lay = layouts[key] = _Layout(self.maps.rows_at(cside, ci.name, targets), need)
+            cand_layout.append(lay)
 
         def usable(ci: TensorInfo, cr: TraceReader, basis: str) -> bool:
             if basis == "values":
@@ -118,9 +142,8 @@ class IdentitySearch:
                     and cr.sketch_seed == r_self.sketch_seed)
 
         # the basis: the one more states can be scored in (decided before any row is read)
-        enough = [[int((r >= 0).sum()) >= need for r in rows] for rows in cand_rows]
-        count = {b: sum(1 for (_l, _s, ci, cr), e in zip(candidates, enough) if any(e) and usable(ci, cr, b))
-                 for b in ("values", "sketch")}
+        count = {b: sum(1 for (_l, _s, ci, cr), lay in zip(candidates, cand_layout) if any(lay.enough)
+                        and usable(ci, cr, b)) for b in ("values", "sketch")}
         basis = pick_basis(count)
         if count[basis] == 0:
             return {s: IdentityVerdict(reason="no recorded state shares these tokens") for s in slots}
@@ -136,6 +159,9 @@ class IdentitySearch:
         held = 0
 
         def flush() -> None:
+            # offset by offset: the candidates at one offset usually cover the same tokens, and
+            # score_many reduces a run of equal-length segments in one call
+            batch.sort(key=lambda b: b[0])
             for (oi, ci_idx, _), per_slot in zip(batch, score_many(stack, [c for *_, c in batch])):
                 for s, sc in zip(slots, per_slot):
                     scored[s].append((oi, ci_idx, sc))
@@ -144,24 +170,23 @@ class IdentitySearch:
         order = range(len(candidates) - 1, -1, -1) if self._backwards else range(len(candidates))
         self._backwards = not self._backwards
         for ci_idx in order:
-            (label, cside, ci, cr), rows, e = candidates[ci_idx], cand_rows[ci_idx], enough[ci_idx]
-            if not any(e) or not usable(ci, cr, basis):
+            (label, cside, ci, cr), lay = candidates[ci_idx], cand_layout[ci_idx]
+            if not any(lay.enough) or not usable(ci, cr, basis):
                 continue
             # a candidate's rows at every offset, read once (their union: one read per run of
             # rows and part), scored against every slot at every offset, dropped
-            union = np.unique(np.concatenate([r[r >= 0] for r in rows]))
-            t = self._target(cr, ci, union, 0, basis)
+            t = self._target(cr, ci, lay.union, 0, basis)
             exact_tol = None
             if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
                 eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
                 exact_tol = EXACT_EPS * eps + (1e-5 if basis == "sketch" else 0.0)
-            for oi, (offset, crows) in enumerate(zip(OFFSETS, rows)):
-                if not e[oi]:
+            for oi, offset in enumerate(OFFSETS):
+                if not lay.enough[oi]:
                     continue
-                ok = crows >= 0
-                pos = np.searchsorted(union, crows[ok])
+                pos = lay.pos[oi]
                 data = t.data[pos]
-                batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, ok, data, t.rms[pos], exact_tol)))
+                batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], data, t.rms[pos],
+                                                        exact_tol)))
                 held += data.nbytes
             if held >= BATCH_BYTES:
                 flush()

@@ -194,37 +194,48 @@ def score(target: Target, cand: CandidateRows) -> _Scored:
 
 
 class SlotStack:
-    """The rows of several slots (each a :class:`Target` on the same sampled tokens) at the tokens
-    some candidates cover, for :func:`score_many`: per slot the rows at each candidate's tokens,
-    concatenated, and stacked [slots, rows] their norms (as :func:`row_norms`) and RMS. The
-    candidates of one search mostly share their masks, so the rows are gathered once per mask
-    (up to ``limit_bytes`` of rows kept)."""
+    """Several slots (each a :class:`Target` on the same sampled tokens) for :func:`score_many`:
+    per slot the rows at the tokens of a list of masks, concatenated, and stacked [slots, rows]
+    their norms (as :func:`row_norms`, computed once per slot) and RMS."""
 
-    def __init__(self, targets: list[Target], limit_bytes: int = 32 << 20):
+    def __init__(self, targets: list[Target]):
         self.targets = targets
-        self._cache: dict[bytes, tuple[list[F32], NDArray[np.float64], F32]] = {}
-        self._room = limit_bytes
-
-    def _at(self, ok: NDArray[np.bool_]) -> tuple[list[F32], NDArray[np.float64], F32]:
-        key = ok.tobytes()
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        xs = [t.data[ok] for t in self.targets]
-        out = (xs, np.stack([row_norms(x) for x in xs]), np.stack([t.rms[ok] for t in self.targets]))
-        size = sum(x.nbytes for x in xs)
-        if size <= self._room:
-            self._room -= size
-            self._cache[key] = out
-        return out
+        self._norms = np.stack([row_norms(t.data) for t in targets]) if targets else np.zeros((0, 0))
+        self._rms = np.stack([t.rms for t in targets]) if targets else np.zeros((0, 0), np.float32)
 
     def at(self, oks: list[NDArray[np.bool_]]) -> tuple[list[F32], NDArray[np.float64], F32]:
-        """Per slot the rows at each mask in turn, concatenated; their norms and RMS [slots, rows]."""
-        parts = [self._at(ok) for ok in oks]
-        if len(parts) == 1:
-            return parts[0]
-        xs = [np.concatenate([p[0][i] for p in parts]) for i in range(len(self.targets))]
-        return xs, np.concatenate([p[1] for p in parts], axis=1), np.concatenate([p[2] for p in parts], axis=1)
+        """Per slot the rows at each mask in turn, concatenated; their norms and RMS [slots, rows].
+        Consecutive masks that are one array (candidates sharing a row map) are gathered once and
+        copied."""
+        runs: list[tuple[NDArray[np.bool_], int]] = []
+        for ok in oks:
+            if runs and runs[-1][0] is ok:
+                runs[-1] = (ok, runs[-1][1] + 1)
+            else:
+                runs.append((ok, 1))
+        idx = [np.flatnonzero(ok) for ok, _ in runs]
+        at = idx[0] if len(oks) == 1 else np.concatenate([i for i, (_, n) in zip(idx, runs) for _ in range(n)])
+        xs = []
+        for t in self.targets:
+            parts = [t.data[i] for i in idx]
+            xs.append(parts[0] if len(oks) == 1 else np.concatenate([p for p, (_, n) in zip(parts, runs)
+                                                                     for _ in range(n)]))
+        return xs, self._norms[:, at], self._rms[:, at]
+
+
+def _runs(lens: list[int]) -> list[tuple[int, int, int, int]]:
+    """(first segment, segments, their length, first row) of each run of consecutive segments of
+    equal length."""
+    out = []
+    k = row = 0
+    while k < len(lens):
+        j = k + 1
+        while j < len(lens) and lens[j] == lens[k]:
+            j += 1
+        out.append((k, j - k, lens[k], row))
+        row += (j - k) * lens[k]
+        k = j
+    return out
 
 
 def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Scored]]:
@@ -232,8 +243,9 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
     computed at once: every candidate's rows concatenated, every slot stacked. Bit for bit because
     each number comes from the same operations on the same values: the dot products and norms are
     the same einsum per row (a row's sum does not depend on the rows around it), everything else
-    is elementwise, and the means and maxima run along one contiguous row of values each, which
-    numpy reduces as it does a 1-D array (tests/test_identity_stream.py pins it)."""
+    is elementwise, and each mean or maximum runs along one contiguous row of values (a segment
+    of equal-length segments viewed [slots, segments, length]), which numpy reduces as it does a
+    1-D array (tests/test_identity_batch.py pins it)."""
     if not cands:
         return []
     lens = [int(c.ok.sum()) for c in cands]
@@ -257,24 +269,33 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
     hi = np.maximum(rxn, rcn).astype(np.float64)
     lo = np.minimum(rxn, rcn).astype(np.float64)
     agree_t = np.where(hi > 0, lo / np.where(hi > 0, hi, 1.0), 1.0)
-    miss = None if all(c.exact_tol is None for c in cands) else 1.0 - cos_t * cos_t  # see _surely_not_exact
+    exact = [c.exact_tol is not None for c in cands]
+    miss = 1.0 - cos_t * cos_t if any(exact) else None  # see _surely_not_exact
+    S, K = len(xs), len(cands)
+    cos_m, agree_m, worst_m = np.empty((S, K)), np.empty((S, K)), np.full((S, K), np.inf)
+    for k, cnt, n, first in _runs(lens):
+        block = slice(first, first + cnt * n)
+        cos_m[:, k:k + cnt] = cos_t[:, block].reshape(S, cnt, n).mean(axis=2)
+        agree_m[:, k:k + cnt] = agree_t[:, block].reshape(S, cnt, n).mean(axis=2)
+        if miss is not None:
+            worst_m[:, k:k + cnt] = miss[:, block].reshape(S, cnt, n).max(axis=2)
+    cos_l, agree_l, worst_l = cos_m.T.tolist(), agree_m.T.tolist(), worst_m.T.tolist()
     out = []
     start = 0
-    for c, n in zip(cands, lens):
+    for j, (c, n) in enumerate(zip(cands, lens)):
         seg = slice(start, start + n)
         start += n
-        cos = cos_t[:, seg].mean(axis=1).tolist()
-        agree = agree_t[:, seg].mean(axis=1).tolist()
-        worst = miss[:, seg].max(axis=1).tolist() if miss is not None and c.exact_tol is not None else None
+        cos, agree, worst = cos_l[j], agree_l[j], worst_l[j]
         stripped = replace(c, data=_NO_ROWS, rms=_NO_RMS, norms=None)
+        bound = _exact_bound(c.exact_tol, w) if c.exact_tol is not None else 0.0
         row = []
-        for i, x in enumerate(xs):
+        for i in range(S):
             co, ag = cos[i], agree[i]
             rec = Candidate(label=c.label, offset=c.offset, score=round(co * ag, 6), cos=round(co, 6),
                             rms_agreement=round(ag, 6), side=c.side, basis=c.basis)
             sc = _Scored(stripped, cos_t[i, seg], ratio_t[i, seg], co, rec)
-            if worst is not None and c.exact_tol is not None and not worst[i] > _exact_bound(c.exact_tol, w):
-                sc.exact_rel = _exact_rel(x[seg], c.data)
+            if exact[j] and not worst[i] > bound:
+                sc.exact_rel = _exact_rel(xs[i][seg], c.data)
             row.append(sc)
         out.append(row)
     return out

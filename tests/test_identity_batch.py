@@ -64,7 +64,13 @@ def test_score_many_equals_scoring_one_at_a_time(w):
         cands.append(CandidateRows(f"s{j}", "ab"[j % 2], (0, -1, 1, -2, 2, 0, 1)[j], "values", ok, data, rms, tol,
                                    row_norms(data) if j % 2 else None))
     stack = SlotStack(targets)
-    for group in (cands, cands[:1], cands[3:5], cands[::-1]):
+    # runs of equal-length segments (full masks) are reduced together: some groups have them
+    # candidates sharing one mask array (one row map) are gathered once: some groups repeat one
+    mask = cands[1].ok
+    shared = [CandidateRows(c.label, c.side, c.offset, c.basis, mask, clean(targets[0].data[mask] * (1 + 0.01 * k)),
+                            targets[0].rms[mask], c.exact_tol) for k, c in enumerate(cands[:3])]
+    for group in (cands, cands[:1], cands[3:5], cands[::-1], [cands[0], cands[3], cands[6], cands[1], cands[0]],
+                  shared, [cands[0]] + shared + [cands[2], cands[2]]):
         got = score_many(stack, group)
         for c, row in zip(group, got):
             for t, s in zip(targets, row):
