@@ -322,7 +322,7 @@ class PoolBackend:
         part = "values" if plan.basis == "values" else "sketch"
         da, db = ra._ds[ia.name][part], rb._ds[ib.name][part]
         row_bytes = int(np.prod(da.shape[1:])) * da.dtype.itemsize + int(np.prod(db.shape[1:])) * db.dtype.itemsize
-        br = int(differ.opt.block_rows)
+        br = int(differ.block_rows_of(ia, ib, part))   # the serial diff's blocks (bytes-sized)
         cap = max(1, self.task_bytes // max(1, br * row_bytes))
         sw = ia.slot_width if plan.basis == "values" else ra.sketch_dim
         for c, (s0, s1) in enumerate(self._ranges(ra, rb, ia, ib, idx, ma, mb, br, cap)):
