@@ -143,14 +143,32 @@ class RowReads:
         return np.asarray(self._read(name, "rms", np.s_[start:stop]), dtype=np.float32)
 
     def touch(self) -> None:
-        """Read the first and last row of every dataset (walks each chunk index at both ends)."""
+        """Walk each dataset's chunk index at both ends (what a damaged index makes the HDF5
+        library loop or crash on): the first and last chunk's entry is looked up, without
+        reading its data, for chunked datasets without filters; the first and last row are read
+        for others (the filter pipeline runs on them too)."""
         total = len(self.tensors)
         for done, (name, info) in enumerate(self.tensors.items()):
             self._tick(done, total)
             if info.rows:
                 for part in self._ds[name]:
                     if part != "rows":
-                        self._read(name, part, np.s_[0:1])
-                        self._read(name, part, np.s_[info.rows - 1:info.rows])
+                        self._touch_ends(name, part, info.rows)
+
+    def _touch_ends(self, name: str, part: str, rows: int) -> None:
+        ds = self._ds[name][part]
+        chunks = ds.chunks
+        lookup = getattr(ds.id, "get_chunk_info_by_coord", None)
+        if chunks and lookup is not None and not ds._filters:
+            zero = (0,) * (len(ds.shape) - 1)
+            try:
+                for r in (0, (rows - 1) // chunks[0] * chunks[0]):
+                    lookup((r,) + zero)
+                return
+            except (OSError, ValueError, TypeError, RuntimeError, KeyError) as e:
+                raise TraceFileError(f"cannot read {name}/{part}, the file is damaged ({short(e)})",
+                                     self.path) from None
+        self._read(name, part, np.s_[0:1])
+        self._read(name, part, np.s_[rows - 1:rows])
 
     _touch = touch  # the name the probe used before the package split
