@@ -64,8 +64,9 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for _p in (REPO, os.path.dirname(os.path.abspath(__file__))):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 SEQ_KEY = "req-0"
 #: the CLI's baseline: what a user writes without tensordiff (rows known to line up)
@@ -284,18 +285,6 @@ def names_layer_text(text: str, layer: int) -> bool:
     return re.search(rf"layer(?:_id)?\W{{0,4}}{layer}\b", text) is not None
 
 
-def write_json(path: str, config: dict, figures: dict, load: list[float]) -> None:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    obj = {"bench": "bench_diff", "commit": git("rev-parse", "--short", "HEAD"),
-           "dirty": bool(git("status", "--porcelain", "--untracked-files=no")), "load": load,
-           "config": config, "figures": figures}
-    with open(path, "w") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.write("\n")
-
-
 def main() -> int:
     if len(sys.argv) >= 4 and sys.argv[1] == "--_worker":
         worker_main(sys.argv[2], sys.argv[3])
@@ -326,6 +315,10 @@ def main() -> int:
     logs = os.path.join(work, "logs")
     os.makedirs(logs)
     me = os.path.abspath(__file__)
+    from benchjson import Result
+
+    result = Result("bench_diff", {"layers": a.layers, "tokens": a.tokens, "hidden": a.hidden, "corrupt": corrupt,
+                                   "seed": a.seed, "repeat": a.repeat, "backend": "serial"})
     load_start = os.getloadavg()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in load_start)} on {os.cpu_count()} CPUs "
           "(shared machine: other jobs may run)", flush=True)
@@ -494,9 +487,8 @@ def main() -> int:
                        "inproc_s": inp["timed"], "read_s": h5["timed"], "cli_s": cli["wall"],
                        "script_s": script_row["wall"], "probe_s": probe_s, "inproc_rss_mb": inp["rss"] / 1e6,
                        "payload_gb": payload / 1e9}
-            write_json(a.json, {"layers": a.layers, "tokens": a.tokens, "hidden": a.hidden, "corrupt": corrupt,
-                                "seed": a.seed, "repeat": a.repeat, "comparator": have_cmp, "backend": "serial"},
-                       figures, [load_start[0], load_end[0]])
+            result.config["comparator"] = have_cmp
+            result.write(a.json, figures)
         if a.keep:
             print(f"data kept in {work}")
         return 0
