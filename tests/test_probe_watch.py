@@ -95,3 +95,17 @@ def test_timings_line_names_the_probe(good):
     rc, out, err = run_isolated(["diff", good["a"], good["b"], "-q"], timeout=120, env={"TENSORDIFF_TIMINGS": "1"})
     assert rc in (0, 1), err
     assert "tensordiff: timing: probe" in err and "one open per file" in err, err
+
+
+def test_worker_killed_after_its_opens_is_not_blamed_on_a_file(good, monkeypatch):
+    """Killed after both traces opened (out of memory, say): one line that says so, no file
+    called damaged."""
+    import tensordiff.diff as diff_mod
+
+    def dying(self, *a, **kw):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(diff_mod.Differ, "run", dying)
+    rc, out, err = run_isolated(["diff", good["a"], good["b"], "-q"], timeout=60)
+    assert_clean_exit(rc, out, err, "diff")
+    assert rc == 2 and "killed (signal 9) after it had opened the traces" in err and "damaged" not in err, err

@@ -151,7 +151,16 @@ def _watch(pid: int, rfd: int, stall: float, expect: set[str] | None = None
                 state.last_report = now
             continue
         done, st = os.waitpid(pid, os.WNOHANG)
-        if done:
+        if done:   # what it wrote just before exiting may still be in the pipe
+            while select.select([rfd], [], [], 0)[0]:
+                chunk = os.read(rfd, 65536)
+                if not chunk:
+                    break
+                pending += chunk
+            for raw in pending.split(b"\n"):
+                if raw:
+                    lines.append(raw.decode("utf-8", "replace"))
+                    state = _follow(lines[-1], state, now)
             return st, state, lines
         if state is not None:
             if now - state.last_report > stall:
@@ -329,9 +338,13 @@ def _timing(stage: str, seconds: float, note: str) -> None:
 
 def _worker_verdict(status: int | None | str, state: _FileState | None, lines: list[str], names: list[str],
                     stall: float, fork_s: float) -> int:
-    if status in ("stuck", "slow") or (isinstance(status, int) and os.WIFSIGNALED(status)
-                                       and not any(x[:1] in "REKBMX" for x in lines)):
-        _verdict(status, state, [], names, stall)   # raises (stuck, slow, crashed)
+    opened = {x[1:] for x in lines if x.startswith("I")}
+    ended = any(x[:1] in "REKBMX" for x in lines)
+    if isinstance(status, int) and os.WIFSIGNALED(status) and not ended and opened >= set(names):
+        raise TensordiffError(f"the diff process was killed (signal {os.WTERMSIG(status)}) after it had opened "
+                              "the traces")
+    if status in ("stuck", "slow") or (isinstance(status, int) and os.WIFSIGNALED(status) and not ended):
+        _verdict(status, state, [], names, stall)   # raises (stuck, slow, crashed in an open)
     last = next((x for x in reversed(lines) if x[:1] in "REKBMX"), None)
     assert isinstance(status, int)
     if last is None:   # exited without a word: a crash after its opens (the opens were fine)
