@@ -112,6 +112,7 @@ class BlockMetrics:
             bb[...] = np.vecdot(fb, fb)
             dd[...] = np.vecdot(d, d)
             np.maximum(d.max(axis=2), np.negative(d.min(axis=2)), out=maxabs)
+            np.abs(maxabs, out=maxabs)   # equal rows: max(0, -0) may be -0, and a printed "-0.000"
 
     def _as_f32(self, block: np.ndarray, dtype: str, buf: np.ndarray, pairs: bool) -> np.ndarray:
         """A stored sub-block [m, k*w] as float32 [m, k, w]; ``pairs`` (bf16 on both sides):

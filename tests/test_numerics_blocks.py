@@ -84,3 +84,12 @@ def test_rows_per_block_is_sized_in_bytes():
     assert rows_per_block(16, 4096) == 4096              # narrow rows: the row cap
     assert rows_per_block(64 << 20, 4096) == 1           # a row bigger than a block: one row
     assert rows_per_block(8192, 5) == 5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_equal_rows_have_a_positive_zero_max_abs(dtype):
+    """max(max(d), -min(d)) of an all-zero difference can be -0.0; the TUI printed "-0.000"."""
+    x = np.random.default_rng(3).standard_normal((50, 64)).astype(np.float32)
+    a = stored(x, dtype)
+    m = BlockMetrics(1, 64).compute_stored(a, dtype, a.copy(), dtype)
+    assert (m["maxabs"] == 0).all() and not np.signbit(m["maxabs"]).any()

@@ -370,8 +370,9 @@ def _worker_verdict(status: int | None | str, state: _FileState | None, lines: l
 
 
 class _Reporter:
-    """In the worker: reports each watched open (``P`` start, ticks, ``I`` done) on the pipe,
-    by wrapping :class:`TraceReader`'s constructor until every watched file is open."""
+    """In the worker: reports each open (``P`` start, ticks, ``I`` done) on the pipe, by wrapping
+    :class:`TraceReader`'s constructor until every input file is open (an open of a path spelled
+    otherwise is watched too: it only never counts as an input)."""
 
     def __init__(self, wfd: int, names: list[str]):
         self.wfd = wfd
@@ -400,7 +401,7 @@ class _Reporter:
         def init(reader: TraceReader, path: str | os.PathLike[str], *,
                  progress: Callable[[int, int], None] | None = None) -> None:
             p = os.path.abspath(os.fspath(path))
-            if p not in rep.pending:
+            if not rep.pending:   # every open until the inputs are all open is watched, named or not
                 orig(reader, path, progress=progress)
                 return
             try:
