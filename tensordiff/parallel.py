@@ -4,7 +4,8 @@ The coordinator (the :class:`~tensordiff.diff.Differ`) keeps the plan: token ali
 pairing, row maps and the identity sample, all over the small token tables. The heavy part of the
 numeric pass, reading every aligned row of both sides and computing its per-token metrics
 (:class:`~tensordiff.numerics.BlockMetrics`), is cut into tasks of whole diff blocks
-(``block_rows`` aligned tokens) of one tensor pair. A task is a function of picklable inputs only
+(``Differ.block_rows_of``: about 8 MiB per side, at most ``block_rows`` aligned tokens, the
+serial diff's blocks) of one tensor pair. A task is a function of picklable inputs only
 (file paths, tensor names, member row indices, dtypes) and returns the per-token metrics of its
 blocks (cos, rel, max abs, NaN/Inf counts: ~29 bytes per token and slot, against the kilobytes of
 values it read). The diff's own loop then accumulates those blocks in block order, exactly as it
