@@ -3,7 +3,7 @@
 A recorder-shaped workload: ``--tensors`` bf16 states of width ``--hidden`` (boundaries, values +
 RMS as the recorder gives them), appended ``--rows-per-append`` tokens per step with their
 token-table rows, ~``--gib`` GiB in all, fsynced at the end. Variants (interleaved in a shuffled order,
-``--repeat`` times, medians):
+after an untimed warm-up round, ``--repeat`` times, medians):
 
   none        TraceWriter(flush_rows=None, flush_seconds=None): nothing is written for safety;
               a killed process leaves an unreadable file. The baseline.
@@ -22,7 +22,11 @@ the cost of the policy measured within each run, which the drift of a shared mac
 blur the way it blurs rate ratios between runs), and the file size of each variant.
 
     PYTHONPATH=. python benchmarks/bench_flush.py [--gib 1] [--tensors 8] [--hidden 4096]
-        [--rows-per-append 16] [--repeat 3] [--dir DIR]
+        [--rows-per-append 16] [--repeat 3] [--variants none,policy,...] [--dir DIR] [--json FILE]
+
+``--json FILE`` writes benchmarks/benchjson.py's object; its figures, per variant ``v`` measured
+(``-`` in names becomes ``_``): ``<v>_vs_none`` (rate ratio), ``<v>_flush_share`` (time in flush()
+/ run time) and ``<v>_ms_per_flush``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from tensordiff.trace import TraceWriter  # noqa: E402
 
 
 from bench_write import fsync_path  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from benchjson import Result  # noqa: E402
 
 
 class _ReopenWriter(TraceWriter):
@@ -166,8 +171,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", metavar="FILE", default=None, help="write the figures as one JSON object")
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not variants or a.gib <= 0 or a.repeat < 1 or a.tensors < 1 or a.rows_per_append < 1:
+        print(f"bench_flush: variants are {','.join(VARIANTS)} (got {a.variants!r}); sizes and --repeat must be "
+              "positive", file=sys.stderr)
+        sys.exit(2)
+    result = Result("bench_flush", config={"gib": a.gib, "tensors": a.tensors, "hidden": a.hidden,
+                                           "rows_per_append": a.rows_per_append, "repeat": a.repeat,
+                                           "variants": variants})
     T = int(a.gib * (1 << 30)) // (a.hidden * 2 * a.tensors)
     rng = np.random.default_rng(0)
     block = f32_to_bf16_bits(rng.standard_normal((1024, a.hidden), dtype=np.float32))
@@ -176,22 +190,29 @@ def main() -> None:
     nbytes = data.nbytes * a.tensors
     res: dict[str, list[dict]] = {v: [] for v in variants}
     order = random.Random(0)
-    with tempfile.TemporaryDirectory(dir=a.dir) as d:
-        for _ in range(a.repeat):
-            # interleaved, in a new order each round, so drift of the shared machine and the
-            # writeback of the previous variant's fsync hit all alike
-            for v in order.sample(variants, len(variants)):
-                p = os.path.join(d, f"{v}.h5")
-                res[v].append(raw(data, p, a.tensors) if v == "raw" else run(v, data, rms, p, a.tensors, a.rows_per_append))
-                for q in (p, p + ".journal"):
-                    if os.path.exists(q):
-                        os.remove(q)
+    try:
+        with tempfile.TemporaryDirectory(dir=a.dir) as d:
+            for rnd in range(a.repeat + 1):  # round 0: an untimed warm-up of every variant
+                # interleaved, in a new order each round, so drift of the shared machine and the
+                # writeback of the previous variant's fsync hit all alike
+                for v in order.sample(variants, len(variants)):
+                    p = os.path.join(d, f"{v}.h5")
+                    got = raw(data, p, a.tensors) if v == "raw" else run(v, data, rms, p, a.tensors, a.rows_per_append)
+                    if rnd:
+                        res[v].append(got)
+                    for q in (p, p + ".journal"):
+                        if os.path.exists(q):
+                            os.remove(q)
+    except OSError as e:
+        print(f"bench_flush: cannot write the benchmark files: {e}", file=sys.stderr)
+        sys.exit(2)
     med = {v: statistics.median(r["secs"] for r in rs) for v, rs in res.items()}
     base = med.get("none")
     print(f"workload: {a.tensors} tensors x {T} rows x {a.hidden} bf16 = {nbytes / (1 << 30):.2f} GiB, "
           f"{a.rows_per_append} token rows per step ({T // a.rows_per_append} steps); median of {a.repeat}")
     print(f"{'variant':<11} {'GB/s':>6} {'vs none':>8} {'vs raw':>7} {'flushes':>8} {'ms/flush':>9} "
           f"{'in flush':>9} {'file GiB':>9}")
+    figures: dict[str, float | int | bool | None] = {}
     for v in variants:
         r = res[v]
         fl = statistics.median(x["flushes"] for x in r)
@@ -203,6 +224,14 @@ def main() -> None:
               f"{(base / med[v]) if base else float('nan'):>8.2f} "
               f"{(med['raw'] / med[v]) if 'raw' in med else float('nan'):>7.2f} "
               f"{fl:>8.0f} {ms:>9.1f} {share:>9.1%} {r[0]['size'] / (1 << 30):>9.2f}")
+        key = v.replace("-", "_")
+        if base:
+            figures[f"{key}_vs_none"] = base / med[v]
+        if fl:
+            figures[f"{key}_flush_share"] = share
+            figures[f"{key}_ms_per_flush"] = ms
+    print(f"load average at end: {os.getloadavg()[0]:.2f} (start {result.load_start:.2f})")
+    result.write(a.json, figures)
 
 
 if __name__ == "__main__":

@@ -2,28 +2,33 @@
 
 An 8-layer Llama with random weights (built locally, never downloaded) runs a forward over
 2,048 tokens; the same forward is then run under :class:`HFExtractorRecorder` with several value
-policies, writing a real trace each time (file creation, flushes and close included). Runs are
-interleaved (bare, mode 1, mode 2, ... repeated) and the median of each is reported, so machine
-noise hits all of them alike.
+policies, writing a real trace each time (file creation, flushes and close included). Every mode
+runs once untimed (warm-up), then ``--repeats`` rounds run the bare forward and every mode in a
+random order per round (seeded); ratios are taken per round against that round's bare forward,
+then the median, so machine noise hits all of them alike.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_recorder_overhead.py            # defaults
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_recorder_overhead.py --hidden 1024 --repeats 5 --json
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_recorder_overhead.py --hidden 1024 --repeats 5 --json FILE
 
 Printed per mode: median wall time, overhead = (recorded - bare) / bare, the recorder's own time
 (inside its calls: sketch matmul, RMS, host copies, HDF5 appends, close) / bare, and trace size.
+``--json FILE`` writes benchmarks/benchjson.py's object; its figures are, per mode key
+(``sketches``, ``default``, ``all_values``), ``<key>_overhead`` and ``<key>_recorder_share``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import random
 import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchjson import Result  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def main(argv=None) -> int:
@@ -36,12 +41,23 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--dir", default=None, help="where traces are written (default: a temp dir)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the per-round random order")
+    ap.add_argument("--json", metavar="FILE", default=None, help="write the figures as one JSON object")
     args = ap.parse_args(argv)
+    if args.repeats < 1 or args.tokens < 1 or args.layers < 8 or args.hidden < 64:
+        print("bench_recorder_overhead: --repeats and --tokens must be positive, --layers >= 8, --hidden >= 64",
+              file=sys.stderr)
+        return 2
+    res = Result("bench_recorder_overhead", config={k: getattr(args, k) for k in (
+        "tokens", "layers", "hidden", "repeats", "dtype", "device", "threads", "seed")})
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError as e:
+        print(f"bench_recorder_overhead: needs the torch extra (torch + transformers): {e}", file=sys.stderr)
+        return 2
 
     from tensordiff.recorders.core import Recorder
     from tensordiff.recorders.hf import HFExtractorRecorder, model_info, plan_draft_input
@@ -95,12 +111,16 @@ def main(argv=None) -> int:
              "record, sketches only (+ draft_input values)": recorded("none"),
              "record, default (values for draft slots + final_norm)": recorded("slots"),
              "record, full values for every boundary": recorded("all")}
-    bare()  # warm-up: allocator, kernels, first-touch of memory
-    recorded("slots")()
+    keys = {"record, sketches only (+ draft_input values)": "sketches",
+            "record, default (values for draft slots + final_norm)": "default",
+            "record, full values for every boundary": "all_values"}
+    for fn in modes.values():  # warm-up: allocator, kernels, first-touch of memory, first trace files
+        fn()
     times: dict[str, list] = {k: [] for k in modes}
+    order = random.Random(args.seed)
     for _ in range(args.repeats):
-        for name, fn in modes.items():
-            times[name].append(fn())
+        for name in order.sample(list(modes), len(modes)):
+            times[name].append(modes[name]())
     bare_t = [t[0] for t in times["bare forward"]]
     rows = []
     for name, ts in times.items():
@@ -114,9 +134,14 @@ def main(argv=None) -> int:
     setup = {"tokens": args.tokens, "layers": n, "hidden": h, "dtype": args.dtype, "device": device,
              "threads": torch.get_num_threads(), "repeats": args.repeats, "torch": torch.__version__,
              "draft_plan": list(plan.fed)}
-    if args.json:
-        print(json.dumps({"setup": setup, "results": rows}, indent=2))
-        return 0
+    figures: dict[str, float | int | bool | None] = {"bare_s": statistics.median(bare_t)}
+    for r in rows:
+        if r["mode"] in keys:
+            figures[f"{keys[r['mode']]}_overhead"] = r["overhead_ratio"]
+            figures[f"{keys[r['mode']]}_recorder_share"] = r["recorder_time_ratio"]
+    res.config.update(setup)
+    res.write(args.json, figures)
+    print(f"load average: {os.getloadavg()[0]:.2f} at the end ({res.load_start:.2f} at the start)")
     print(f"recorder overhead: {args.tokens} tokens, {n}-layer Llama, hidden {h}, {args.dtype} on {device} "
           f"({setup['threads']} threads), median of {args.repeats}")
     print(f"{'mode':56s} {'median s':>9s} {'min s':>7s} {'overhead':>9s} {'recorder/bare':>14s} {'trace MB':>9s}")

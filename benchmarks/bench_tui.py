@@ -1,13 +1,24 @@
-"""TUI benchmark: time to first paint and memory on large trace pairs.
+"""TUI benchmark: time to first paint, to the first compared rows, and memory on large trace pairs.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_tui.py            # 100k and 1M tokens
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_tui.py --tokens 100000 --repeat 1
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tui.py            # 100k and 1M tokens x 8, 2000 x 4096
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tui.py --tokens 100000 --repeat 1 --wide none
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_tui.py --json tui.json     # figures for benchmarks/goals.py
 
 For each size it writes a synthetic train/serve pair with TraceWriter into a temporary directory
 (catalog boundaries embed..layerL and final_norm, and a packed draft_input of 3 slots that holds
 different states on the two sides; small hidden size, float16, so the files stay modest), then runs
 the app headless (App.run_test, 140x40) in fresh processes and reports:
 
+* first rows (the figure of issue 12): seconds from the app's start until the heatmap has drawn
+  the first rows the diff has compared (it streams them: the rest of the heatmap is drawn as
+  pending), and the stages of the diff before it (opening the traces, aligning the tokens, the
+  first block handed to the sinks), timed in the diff thread; the RSS when those rows are drawn,
+  and the peak RSS from then until the diff has ended (``rss_growth``: peak minus RSS at first
+  rows; the peak is reset at first rows through /proc/self/clear_refs). The same diff without
+  the streaming sink gives ``rss_growth_unstreamed``: what the diff itself allocates meanwhile.
+  Median of ``--repeat`` runs of each, interleaved in random order per round after an untimed
+  warm-up run. ``--wide TOKENSxHIDDEN`` adds a wide pair (few tokens, 4096
+  wide: each tensor is one block of the diff).
 * first paint: seconds from the app's start (and from the process start, imports included) to its
   first screen, and the process's peak RSS by then; and from the process start through the real
   ``tensordiff tui A B`` command line (``cli.main``, with ``run_tui`` swapped for a headless run),
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import os
 import statistics
 import subprocess
@@ -129,6 +141,15 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
             out["peak_mb_at_first_paint"] = peak_mb()
             out["rss_mb_at_first_paint"] = rss_mb()
             super()._after_first_paint()
+
+        def _first_rows_painted(self) -> None:
+            super()._first_rows_painted()
+            out["rss_mb_at_first_rows"] = rss_mb()
+            out["peak_mb_at_first_rows"] = peak_mb()
+            out["peak_reset"] = reset_peak()
+
+    if mode in ("stream", "unstreamed"):
+        return stream_child(App, path_a, path_b, mode, out)
 
     if mode == "cli":
         # the real command line: `tensordiff tui A B`, with run_tui swapped for a headless run
@@ -241,13 +262,90 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
     return out
 
 
+def reset_peak() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def stream_child(App, path_a: str, path_b: str, mode: str, out: dict) -> dict:
+    """Until the diff has ended: when the first compared rows are drawn, the diff's stages before
+    them (timed in its thread), and the RSS growth from then on. ``unstreamed``: the same diff
+    without the streaming sink (what the diff allocates by itself)."""
+    import asyncio
+    import dataclasses
+    import threading
+
+    from tensordiff.tui_diff import run_diff
+
+    marks: dict = {}
+
+    def timed(a, b, opts):
+        inner = opts.progress
+
+        def progress(stage, done, total):
+            marks.setdefault(f"{stage} start", time.perf_counter())
+            if done >= total:
+                marks[f"{stage} end"] = time.perf_counter()
+            inner(stage, done, total)
+
+        class First:
+            def write(self, *args) -> None:
+                marks.setdefault("first block", time.perf_counter())
+
+            def close(self) -> None:
+                pass
+
+        sinks = [lambda al, ra, rb: (marks.setdefault("tokens aligned", time.perf_counter()), First())[1]]
+        sinks += [] if mode == "unstreamed" else list(opts.sinks)
+        return run_diff(a, b, dataclasses.replace(opts, progress=progress, sinks=sinks))
+
+    async def go() -> None:
+        t_app = time.perf_counter()
+        app = App(path_a, path_b, diff_fn=timed)
+        async with app.run_test(size=(140, 40)) as pilot:
+            if mode == "unstreamed":      # no first rows to wait for: reset the peak at the first block
+                done = threading.Event()
+
+                def watch() -> None:
+                    while not done.is_set() and "first block" not in marks:
+                        time.sleep(0.001)
+                    out["rss_mb_at_first_rows"] = rss_mb()
+                    out["peak_reset"] = reset_peak()
+                threading.Thread(target=watch, daemon=True).start()
+            while not app.ready:
+                assert app.diff_error is None, app.diff_error
+                await asyncio.sleep(0.005)
+            out["peak_mb_after_diff"] = peak_mb()
+            if mode == "unstreamed":
+                done.set()
+            t0 = app._diff.t0
+            out["diff_s"] = app.diff_seconds
+            out["stages"] = {k: round(v - t0, 3) for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
+            if app.first_rows_at is not None:
+                out["first_rows_s"] = app.first_rows_at - t_app
+                out["first_rows_from_process_s"] = app.first_rows_at - T_PROCESS
+                out["first_rows_after_first_block_s"] = app.first_rows_at - marks["first block"]
+            out["first_paint_s"] = app.first_paint_at - t_app
+            out["rss_growth_mb"] = out["peak_mb_after_diff"] - out.get("rss_mb_at_first_rows", float("nan"))
+            await pilot.press("q")
+
+    asyncio.run(go())
+    return out
+
+
 def run_child(a: str, b: str, mode: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", mode, a, b],
                        capture_output=True, text=True, env=env, timeout=3600, check=False)
     end = time.time()
     if p.returncode != 0:
-        raise SystemExit(f"child failed ({p.returncode}):\n{p.stderr[-4000:]}")
+        sys.stderr.write(f"bench_tui.py: a measuring run failed ({p.returncode}):\n{p.stderr[-4000:]}\n")
+        sys.exit(2)
     out = json.loads(p.stdout.strip().splitlines()[-1])
     if "t_quit_wall" in out:   # q pressed -> the child process has ended
         out["quit_s"] = end - out.pop("t_quit_wall")
@@ -262,24 +360,64 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[100_000, 1_000_000])
     ap.add_argument("--hidden", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3, help="first-paint runs per size (median)")
+    ap.add_argument("--wide", default="2000x4096",
+                    help="also a wide pair, TOKENSxHIDDEN (first rows and memory only); 'none': skip")
+    ap.add_argument("--stream-only", action="store_true",
+                    help="only the first-rows runs (no first paint, CLI, browsing and quit runs)")
     ap.add_argument("--dir", help="keep the generated traces here (default: a temporary directory)")
+    ap.add_argument("--json", metavar="FILE", help="write the figures as one JSON object (benchmarks/goals.py)")
     ap.add_argument("--_child", nargs=3, metavar=("MODE", "A", "B"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:
         mode, a, b = args._child
         print(json.dumps(child(a, b, mode)))
         return
+    from benchjson import Result
 
-    rows = []
+    res = Result("bench_tui", config={"tokens": args.tokens, "hidden": args.hidden, "wide": args.wide,
+                                      "repeat": args.repeat, "stream_only": args.stream_only})
+    load_start = res.load_start
+    sizes = [(n, args.hidden, 4) for n in args.tokens]
+    if args.wide != "none":
+        try:
+            wn, wh = (int(x) for x in args.wide.lower().split("x"))
+        except ValueError:
+            sys.stderr.write(f"bench_tui.py: --wide {args.wide!r}: use TOKENSxHIDDEN, e.g. 2000x4096, or none\n")
+            sys.exit(2)
+        sizes.append((wn, wh, 4))
+
+    rows, streams = [], []
     with tempfile.TemporaryDirectory(prefix="tensordiff-bench-tui-") as tmp:
-        for n in args.tokens:
-            d = os.path.join(args.dir or tmp, f"pair-{n}")
+        for n, hidden, layers in sizes:
+            d = os.path.join(args.dir or tmp, f"pair-{n}" + (f"x{hidden}" if hidden != 8 else ""))
             os.makedirs(d, exist_ok=True)
             t0 = time.perf_counter()
-            a, b = write_pair(d, n, hidden=args.hidden)
+            if not all(os.path.isfile(os.path.join(d, f)) for f in ("train.h5", "serve.h5", "done")):
+                a, b = write_pair(d, n, hidden=hidden, layers=layers)
+                open(os.path.join(d, "done"), "w").close()
+            a, b = os.path.join(d, "train.h5"), os.path.join(d, "serve.h5")
             gen_s = time.perf_counter() - t0
             size_mb = (os.path.getsize(a) + os.path.getsize(b)) / 2**20
-            print(f"{n} tokens: wrote the pair in {gen_s:.1f} s ({size_mb:.0f} MiB)", flush=True)
+            print(f"{n} tokens x {hidden}: the pair in {gen_s:.1f} s ({size_mb:.0f} MiB)", flush=True)
+            # streamed and unstreamed interleaved, in random order per round, after an untimed warm-up
+            run_child(a, b, "unstreamed")
+            runs, bares = [], []
+            order = random.Random(n)
+            for _ in range(args.repeat):
+                for mode in order.sample(["stream", "unstreamed"], 2):
+                    (runs if mode == "stream" else bares).append(run_child(a, b, mode))
+            bare = {k: statistics.median(r[k] for r in bares) for k in ("rss_growth_mb", "diff_s")}
+            med = {k: statistics.median(r[k] for r in runs) for k in (
+                "first_rows_s", "first_rows_from_process_s", "first_rows_after_first_block_s", "rss_mb_at_first_rows",
+                "peak_mb_at_first_rows", "rss_growth_mb", "diff_s")}
+            mid = sorted(runs, key=lambda r: r["first_rows_s"])[len(runs) // 2]
+            st = {"tokens": n, "hidden": hidden, "files_mib": size_mb, **med, "stages": mid["stages"],
+                  "rss_growth_unstreamed_mb": bare["rss_growth_mb"], "diff_unstreamed_s": bare["diff_s"],
+                  "peak_reset": all(r["peak_reset"] for r in runs)}
+            streams.append(st)
+            print(json.dumps(st), flush=True)
+            if args.stream_only or hidden != args.hidden:
+                continue
             paints = [run_child(a, b, "paint") for _ in range(args.repeat)]
             clis = [run_child(a, b, "cli") for _ in range(args.repeat)]
             full = run_child(a, b, "full")
@@ -297,10 +435,42 @@ def main() -> None:
                    "quit_during_diff_s": quit_["quit_s"], "progress_at_quit": quit_["progress_at_quit"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = float("nan")
+    load = os.getloadavg()[0]
+    print()
+    print(f"tensordiff TUI benchmark: first compared rows ({os.cpu_count()} CPUs, load average "
+          f"{load_start:.1f} -> {load:.1f}; 140x40 headless; median of {args.repeat})")
+    print(f"{'tokens':>9} {'wide':>5} {'files':>7} {'1st rows':>9} {'(process)':>10} {'aligned':>8} {'1st block':>10} "
+          f"{'RSS@rows':>9} {'growth':>7} {'(no stream)':>11} {'diff':>6}")
+    for r in streams:
+        sg = r["stages"]
+        print(f"{r['tokens']:>9} {r['hidden']:>5} {r['files_mib']:>5.0f}Mi {r['first_rows_s']:>8.2f}s "
+              f"{r['first_rows_from_process_s']:>9.2f}s {sg.get('tokens aligned', float('nan')):>7.2f}s "
+              f"{sg.get('first block', float('nan')):>9.2f}s {r['rss_mb_at_first_rows']:>7.0f}MB "
+              f"{r['rss_growth_mb']:>5.0f}MB {r['rss_growth_unstreamed_mb']:>9.0f}MB {r['diff_s']:>5.1f}s")
+    print("1st rows: app start -> the heatmap has drawn the first rows the diff compared (process: from the "
+          "interpreter's start); aligned / 1st block: from the diff thread's start, the tokens aligned (sinks made) "
+          "and the first block handed to the sinks; RSS@rows: RSS then; growth: peak RSS from then to the diff's "
+          "end minus RSS@rows; (no stream): the same without the streaming sink; diff: until the findings show.")
+    if args.json:
+        def key(n: int) -> str:
+            return "1m" if n == 1_000_000 else (f"{n // 1000}k" if n % 1000 == 0 else str(n))
+        figures: dict = {}
+        for r in streams:
+            sfx = key(r["tokens"]) + ("" if r["hidden"] == args.hidden else f"_x{r['hidden']}")
+            figures[f"first_rows_s_{sfx}"] = r["first_rows_s"]
+            figures[f"rss_growth_mb_{sfx}"] = r["rss_growth_mb"]
+            figures[f"rss_growth_unstreamed_mb_{sfx}"] = r["rss_growth_unstreamed_mb"]
+            figures[f"aligned_s_{sfx}"] = r["stages"].get("tokens aligned", float("nan"))
+            figures[f"first_block_s_{sfx}"] = r["stages"].get("first block", float("nan"))
+            figures[f"opened_s_{sfx}"] = r["stages"].get("aligning tokens start", float("nan"))
+            figures[f"diff_s_{sfx}"] = r["diff_s"]
+            figures[f"diff_unstreamed_s_{sfx}"] = r["diff_unstreamed_s"]
+            figures[f"rss_mb_at_first_rows_{sfx}"] = r["rss_mb_at_first_rows"]
+        for r in rows:
+            figures[f"first_paint_s_{key(r['tokens'])}"] = r["first_paint_s"]
+        res.write(args.json, figures)
+    if not rows:
+        return
     print()
     print(f"tensordiff TUI benchmark ({os.cpu_count()} CPUs, load average {load:.1f}; 140x40 headless)")
     hdr = (f"{'tokens':>9} {'files':>7} {'1st paint':>10} {'(process)':>10} {'(CLI)':>7} {'RSS@paint':>10} "

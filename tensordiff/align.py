@@ -10,7 +10,8 @@ numpy only; reads traces through :class:`tensordiff.trace.TraceReader`.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,24 +130,86 @@ def _shift_matches(pa: Codes, ta: Codes, pb: Codes, tb: Codes, s: int) -> tuple[
     return int(present.sum()), int((present & (tb[idx_c] == ta)).sum())
 
 
+class _NgramIndex:
+    """B's 3-gram hashes as sorted numpy arrays: each (hash, B sequence) once, as a set per hash
+    would hold them; ``sets(h)`` gives the B sequences with hash ``h``."""
+
+    def __init__(self, B: SideTokens):
+        self.order = list(B.seqs)   # B's sequences in table order
+        hs = [_ngram_hashes(tb) for _pb, tb in B.seqs.values()]
+        h = np.concatenate(hs) if hs else np.zeros(0, np.int64)
+        sb = np.repeat(np.array(self.order, np.int64), [len(x) for x in hs]) if hs else np.zeros(0, np.int64)
+        o = np.lexsort((sb, h))
+        h, sb = h[o], sb[o]
+        keep = np.ones(len(h), bool)
+        keep[1:] = (h[1:] != h[:-1]) | (sb[1:] != sb[:-1])
+        self.h: Codes = h[keep]
+        self.sb: Codes = sb[keep]
+
+    def votes(self, ha: Codes) -> tuple[Codes, Codes, Codes]:
+        """(B sequence, votes, first voting position) for A's hashes ``ha``: a B sequence gets a vote
+        at each position of A whose hash it has (as looking each position up in a set per hash)."""
+        lo = np.searchsorted(self.h, ha, "left")
+        hi = np.searchsorted(self.h, ha, "right")
+        cnt = hi - lo
+        total = int(cnt.sum())
+        if total == 0:
+            z = np.zeros(0, np.int64)
+            return z, z, z
+        p = np.repeat(np.arange(len(ha), dtype=np.int64), cnt)
+        start = np.repeat(lo - np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt)
+        sb = self.sb[start + np.arange(total, dtype=np.int64)]
+        o = np.lexsort((p, sb))
+        sb, p = sb[o], p[o]
+        first = np.flatnonzero(np.concatenate([[True], sb[1:] != sb[:-1]]))
+        votes = np.diff(np.concatenate([first, [len(sb)]]))
+        return sb[first], votes, p[first]
+
+    def set_order(self, h: int) -> list[int]:
+        """The order a Python set of the B sequences with hash ``h`` iterates in, each added in
+        B's table order (the order the dict of votes saw them first)."""
+        lo, hi = int(np.searchsorted(self.h, h, "left")), int(np.searchsorted(self.h, h, "right"))
+        members = set(self.sb[lo:hi].tolist())
+        s: set[int] = set()
+        for x in self.order:
+            if x in members:
+                s.add(x)
+        return list(s)
+
+
+def _top_voted(index: _NgramIndex, ha: Codes, limit: int = 8) -> tuple[list[int], set[int]]:
+    """The ``limit`` B sequences with most votes (ties: the one voted for first), and every B
+    sequence voted for. Exactly the ranking of a dict of votes filled position by position,
+    set by set, and sorted by votes (stable)."""
+    sb, votes, first_p = index.votes(ha)
+    voted = set(sb.tolist())
+    if len(sb) <= limit:
+        return sb.tolist(), voted
+    o = np.lexsort((first_p, -votes))
+    sb, votes, first_p = sb[o], votes[o], first_p[o]
+    kv, kp = votes[limit - 1], first_p[limit - 1]
+    group = np.flatnonzero((votes == kv) & (first_p == kp))
+    if group[-1] < limit:   # the tie at the cut lies inside the top: its order does not matter
+        return sb[:limit].tolist(), voted
+    # voted for first at the same position: the set of that position's hash decides
+    rank = {x: i for i, x in enumerate(index.set_order(int(ha[kp])))}
+    tied = sorted(sb[group].tolist(), key=lambda x: rank[x])
+    head = sb[:group[0]].tolist()
+    return head + tied[:limit - len(head)], voted
+
+
 def _pair_candidates(A: SideTokens, B: SideTokens) -> list[tuple[int, int, int, int, int]]:
     """Every plausible (matches, overlap, shift, seq a, seq b): B sequences that share 3-grams with
     an A sequence (up to 8 per A sequence; every B sequence when both traces are small), each at
-    its best shift in -MAX_SHIFT..+MAX_SHIFT (most matching positions, then the smallest shift)."""
-    index: dict[int, set[int]] = defaultdict(set)
-    for sb, (_pb, tb) in B.seqs.items():
-        for h in _ngram_hashes(tb).tolist():
-            index[h].add(sb)
+    its best shift in -MAX_SHIFT..+MAX_SHIFT (most matching positions, then the smallest shift).
+    The 3-gram index is sorted numpy arrays (no Python object per 3-gram)."""
+    index = _NgramIndex(B)
     out = []
     small = len(B.seqs) <= 64
     for sa, (pa, ta) in A.seqs.items():
-        votes: dict[int, int] = defaultdict(int)
-        for h in _ngram_hashes(ta).tolist():
-            for sb in index.get(h, ()):
-                votes[sb] += 1
-        cands = sorted(votes, key=lambda x: -votes[x])[:8]
+        cands, voted = _top_voted(index, _ngram_hashes(ta))
         if small:
-            cands += [x for x in B.seqs if x not in votes]
+            cands += [x for x in B.seqs if x not in voted]
         for sb in cands:
             pb, tb = B.seqs[sb]
             best: tuple[int, int, int] | None = None
@@ -317,21 +380,66 @@ def row_map(r: TraceReader, side_tokens: SideTokens, name: str, index_fn: Callab
     return aligned
 
 
-class RowMaps:
-    """Aligned token index -> tensor row, per side and tensor (built on demand, not kept)."""
+MAP_CACHE_BYTES = 64 << 20   # row maps kept per diff (LRU); 8 bytes per aligned token each
 
-    def __init__(self, al: TokenAlignment, ra: TraceReader, rb: TraceReader, sa: SideTokens, sb: SideTokens):
+
+class RowMaps:
+    """Aligned token index -> tensor row, per side and tensor. Built once per distinct set of
+    token rows and kept (the tensors of one trace usually share theirs: the trace reader holds one
+    array for equal row indexes, and equal arrays are recognised here too), least recently used
+    dropped past :data:`MAP_CACHE_BYTES`; a lookup at sampled tokens is then a gather."""
+
+    def __init__(self, al: TokenAlignment, ra: TraceReader, rb: TraceReader, sa: SideTokens, sb: SideTokens,
+                 cache_bytes: int = MAP_CACHE_BYTES):
         self.al, self.ra, self.rb, self.sa, self.sb = al, ra, rb, sa, sb
+        self.cache_bytes = cache_bytes
+        # (side, id of a token-rows array) -> key; key -> (that array, the inverse map)
+        self._alias: dict[tuple[str, int], tuple[str, int, int, bytes]] = {}
+        self._maps: OrderedDict[tuple[str, int, int, bytes], tuple[Codes, Codes]] = OrderedDict()
+        self.built = 0   # maps built (for tests and benchmarks)
+        self._lock = threading.Lock()
+
+    def inverse(self, side: str, name: str) -> Codes:
+        """[len(alignment)] tensor row of each aligned token (-1: none); the last tensor row wins
+        on duplicates. Shared: never modify it."""
+        with self._lock:
+            return self._inverse(side, name)
+
+    def _inverse(self, side: str, name: str) -> Codes:
+        r, st, fn = (self.ra, self.sa, self.al.index_a) if side == "a" else (self.rb, self.sb, self.al.index_b)
+        trow = r.token_rows(name)
+        key = self._alias.get((side, id(trow)))
+        hit = self._maps.get(key) if key is not None else None
+        if hit is None or hit[0] is not trow:
+            step = max(1, len(trow) // 64)
+            key = (side, len(trow), int(trow.sum()) if len(trow) else 0, trow[::step].tobytes())
+            hit = self._maps.get(key)
+            if hit is None or not np.array_equal(hit[0], trow):
+                rowmap = row_map(r, st, name, fn)
+                inv = np.full(len(self.al), -1, dtype=np.int64)
+                ok = rowmap >= 0
+                inv[rowmap[ok]] = np.flatnonzero(ok)  # the last tensor row wins on duplicates
+                self.built += 1
+                hit = self._maps[key] = (trow, inv)
+                self._evict(key)
+            self._alias[(side, id(trow))] = key
+        assert key is not None
+        self._maps.move_to_end(key)
+        return hit[1]
+
+    def _evict(self, keep: tuple[str, int, int, bytes]) -> None:
+        total = sum(inv.nbytes for _, inv in self._maps.values())
+        while total > self.cache_bytes and len(self._maps) > 1:
+            k = next(iter(self._maps))
+            if k == keep:
+                self._maps.move_to_end(k)
+                continue
+            total -= self._maps.pop(k)[1].nbytes
+            self._alias = {a: v for a, v in self._alias.items() if v != k}
 
     def rows_at(self, side: str, name: str, index_lists: list[Codes]) -> list[Codes]:
         """Tensor row for each aligned index in each array (-1: absent or index -1)."""
-        if side == "a":
-            rowmap = row_map(self.ra, self.sa, name, self.al.index_a)
-        else:
-            rowmap = row_map(self.rb, self.sb, name, self.al.index_b)
-        inv = np.full(len(self.al), -1, dtype=np.int64)
-        ok = rowmap >= 0
-        inv[rowmap[ok]] = np.flatnonzero(ok)  # the last tensor row wins on duplicates
+        inv = self.inverse(side, name)
         return [np.where(ix >= 0, inv[np.maximum(ix, 0)], -1) for ix in index_lists]
 
     def offset_index(self, sample: Codes, offset: int) -> Codes:

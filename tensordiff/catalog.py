@@ -14,17 +14,23 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .align import RowMaps
-from .dtypes import EPS
+from .dtypes import EPS, to_float32
 from .identity import (
     EXACT_EPS,
     FLOOR_FACTOR,
+    MIN_TOKENS,
     OFFSETS,
     CandidateRows,
     IdentityVerdict,
     NoiseFloor,
     Target,
+    TargetRows,
+    _Scored,
     clean,
-    identify,
+    decide_scored,
+    pick_basis,
+    row_norms,
+    score,
 )
 from .tolerances import coarser, default_tolerance
 from .trace import TensorInfo, TraceReader
@@ -59,10 +65,10 @@ class IdentitySearch:
         """One slot's rows (full values or sketch) and their per-token RMS."""
         if basis == "values":
             w = info.slot_width
-            data = r.read_values_at(info.name, rows)[:, slot * w:(slot + 1) * w]
+            data = to_float32(read_runs(r, info.name, "values", rows), info.dtype)[:, slot * w:(slot + 1) * w]
         else:
             d = r.sketch_dim
-            data = np.asarray(r.read_at(info.name, "sketch", rows), np.float32)[:, slot * d:(slot + 1) * d]
+            data = np.asarray(read_runs(r, info.name, "sketch", rows), np.float32)[:, slot * d:(slot + 1) * d]
         return Target(clean(data), slot_rms_at(r, info, rows, slot))
 
     def identify(self, side: str, info: TensorInfo, slots: list[int], sample: Codes) -> dict[int, IdentityVerdict]:
@@ -70,7 +76,10 @@ class IdentitySearch:
         tokens? Candidates: every catalog state of both sides (own side first), at the same token
         and, when nothing matches there, at tokens shifted by up to two positions.
 
-        Each candidate's row map is built once per call and dropped (memory stays O(tokens))."""
+        Streamed: one candidate's rows are read (once, for every offset and slot), scored against
+        every slot, and dropped; only the per-token scores stay. Memory: the slots' own rows plus
+        one candidate's, whatever the catalog's size. Row maps come from :class:`RowMaps` (built
+        once per tensor per diff), looked up at the sampled tokens only."""
         r_self = self.ra if side == "a" else self.rb
         (rows_self,) = self.maps.rows_at(side, info.name, [sample])
         use = rows_self >= 0
@@ -89,12 +98,12 @@ class IdentitySearch:
         if not candidates:
             return {s: IdentityVerdict(reason="no catalog states recorded on either side") for s in slots}
         targets = [self.maps.offset_index(sample, o) for o in OFFSETS]
-        cand_rows: dict[tuple[str, str], dict[int, Codes]] = {}
-        for i, (label, cside, ci, _) in enumerate(candidates):
+        need = min(MIN_TOKENS, max(1, len(sample)))
+        cand_rows: list[list[Codes]] = []
+        for i, (_label, cside, ci, _) in enumerate(candidates):
             # also a chance for a caller (the TUI's worker) to stop between candidates
             self._progress("identifying slots", i, len(candidates))
-            cand_rows[(label, cside)] = dict(zip(OFFSETS, self.maps.rows_at(cside, ci.name, targets)))
-        cand_data: dict[tuple[str, str, str], tuple[Codes, Target]] = {}
+            cand_rows.append(self.maps.rows_at(cside, ci.name, targets))
 
         def usable(ci: TensorInfo, cr: TraceReader, basis: str) -> bool:
             if basis == "values":
@@ -102,44 +111,77 @@ class IdentitySearch:
             return (info.has_sketch and ci.has_sketch and cr.sketch_dim == r_self.sketch_dim
                     and cr.sketch_seed == r_self.sketch_seed)
 
-        def candidates_at(offset: int, basis: str) -> list[CandidateRows]:
-            out = []
-            for label, cside, ci, cr in candidates:
-                crows = cand_rows[(label, cside)][offset]
-                ok = crows >= 0
-                if not ok.any() or not usable(ci, cr, basis):
+        # the basis: the one more states can be scored in (decided before any row is read)
+        enough = [[int((r >= 0).sum()) >= need for r in rows] for rows in cand_rows]
+        count = {b: sum(1 for (_l, _s, ci, cr), e in zip(candidates, enough) if any(e) and usable(ci, cr, b))
+                 for b in ("values", "sketch")}
+        basis = pick_basis(count)
+        if count[basis] == 0:
+            return {s: IdentityVerdict(reason="no recorded state shares these tokens") for s in slots}
+        # the slots' own rows in that basis, read once for every slot
+        tgt = {s: self._target(r_self, info, rows_self, s, basis) for s in slots} if basis == "sketch" else \
+            self._targets(r_self, info, rows_self, slots)
+        views = {s: TargetRows(t) for s, t in tgt.items()}
+        scored: dict[int, list[tuple[int, int, _Scored]]] = {s: [] for s in slots}
+        for ci_idx, ((label, cside, ci, cr), rows, e) in enumerate(zip(candidates, cand_rows, enough)):
+            if not any(e) or not usable(ci, cr, basis):
+                continue
+            # a candidate's rows at every offset, read once (their union), scored, dropped
+            union = np.unique(np.concatenate([r[r >= 0] for r in rows]))
+            t = self._target(cr, ci, union, 0, basis)
+            exact_tol = None
+            if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
+                eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
+                exact_tol = EXACT_EPS * eps + (1e-5 if basis == "sketch" else 0.0)
+            for oi, (offset, crows) in enumerate(zip(OFFSETS, rows)):
+                if not e[oi]:
                     continue
-                key = (label, cside, basis)
-                if key not in cand_data:  # a candidate's rows at every offset, read once (their union)
-                    rows = cand_rows[(label, cside)].values()
-                    union = np.unique(np.concatenate([r[r >= 0] for r in rows]))
-                    cand_data[key] = (union, self._target(cr, ci, union, 0, basis))
-                union, t = cand_data[key]
+                ok = crows >= 0
                 pos = np.searchsorted(union, crows[ok])
-                exact_tol = None
-                if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
-                    eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
-                    exact_tol = EXACT_EPS * eps + (1e-5 if basis == "sketch" else 0.0)
-                out.append(CandidateRows(label, cside, offset, basis, ok, t.data[pos], t.rms[pos], exact_tol))
-            return out
-
+                data = t.data[pos]
+                cand = CandidateRows(label, cside, offset, basis, ok, data, t.rms[pos], exact_tol, row_norms(data))
+                for s in slots:
+                    scored[s].append((oi, ci_idx, score(tgt[s], cand, views[s])))
         out = {}
-        for slot in slots:
-            cache: dict[str, Target] = {}
-
-            def target(basis: str, slot: int = slot, cache: dict[str, Target] = cache) -> Target:
-                if basis not in cache:
-                    cache[basis] = self._target(r_self, info, rows_self, slot, basis)
-                return cache[basis]
-            out[slot] = identify(target, candidates_at, self.floor_of, len(sample))
+        for s in slots:
+            # the order decide() gathers them in: offset by offset, own catalog first
+            ordered = [x[2] for x in sorted(scored[s], key=lambda x: (x[0], x[1]))]
+            out[s] = decide_scored(ordered, self.floor_of, len(sample))
         return out
+
+    def _targets(self, r: TraceReader, info: TensorInfo, rows: Codes, slots: list[int]) -> dict[int, Target]:
+        """Every slot's full values at ``rows``, from one read of the tensor's rows."""
+        w = info.slot_width
+        data = to_float32(read_runs(r, info.name, "values", rows), info.dtype)
+        return {s: Target(clean(data[:, s * w:(s + 1) * w]), slot_rms_at(r, info, rows, s)) for s in slots}
+
+
+def read_runs(r: TraceReader, name: str, part: str, rows: Codes, max_runs: int = 64) -> np.ndarray:
+    """``r.read_at(name, part, rows)`` (the same rows, stored form) read as one contiguous read per
+    run of consecutive rows: the sampled tokens are a few runs, and a read of the span between
+    them (what a scattered read does when it is a few MB) costs more than the runs at 100k+ tokens."""
+    if len(rows) == 0:
+        return r.read_at(name, part, rows)
+    uniq, inv = np.unique(rows, return_inverse=True)
+    cuts = np.flatnonzero(np.diff(uniq) != 1) + 1
+    if len(cuts) + 1 > max_runs:
+        return r.read_at(name, part, rows)
+    bounds = zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(uniq)]]))
+    parts = [r.read_at(name, part, uniq[a:b]) for a, b in bounds]
+    block = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    out: np.ndarray = block if len(uniq) == len(rows) and np.array_equal(uniq, rows) else block[inv.reshape(-1)]
+    return out
 
 
 def slot_rms_at(r: TraceReader, info: TensorInfo, rows: Codes, slot: int) -> NDArray[np.float32]:
-    """Per-token RMS of one slot at tensor rows ``rows`` (ascending). The trace reader owns the
-    fallback for traces without a stored RMS; it reads a contiguous span, so the span is read once."""
+    """Per-token RMS of one slot at tensor rows ``rows`` (ascending). A stored RMS is read at those
+    rows only (a few chunks); without one, the trace reader's fallback computes it from the values
+    of the contiguous span, so the span is read once."""
     if len(rows) == 0:
         return np.zeros(0, np.float32)
+    if "rms" in r._ds[info.name]:
+        picked: NDArray[np.float32] = np.asarray(read_runs(r, info.name, "rms", rows), np.float32)[:, slot]
+        return picked
     lo, hi = int(rows.min()), int(rows.max()) + 1
     out: NDArray[np.float32] = np.asarray(r.read_rms(info.name, lo, hi), np.float32)[rows - lo, slot]
     return out

@@ -18,7 +18,9 @@ from . import __version__
 from .errors import IncompatibleTracesError, TensordiffError, UsageError
 
 EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT = 0, 1, 2
-EXIT_CODES = "exit codes: 0 agree, 1 divergence found, 2 bad input (one line on stderr)"
+EXIT_CODES = ("exit codes: 0 agree (or incomplete: some tensors not compared, said in the verdict), 1 divergence "
+              "found, 2 bad input or nothing compared (one line on stderr)")
+EXIT_CODES_STRICT = EXIT_CODES.replace("1 divergence found", "1 divergence found (or incomplete with --require-complete)")
 
 
 def jsonable(x):
@@ -123,6 +125,7 @@ def cmd_diff(args) -> int:
         with progress_bar(not args.quiet and not args.json) as cb:
             opts.progress = cb
             res = diff_traces(args.a, args.b, opts)
+        res.require_complete = args.require_complete
     finally:
         if opts.numeric is not None:
             opts.numeric.close()
@@ -170,6 +173,7 @@ def cmd_report(args) -> int:
     check_output_path(args.out, [*inputs, args.calibration], "--out")
     probe(inputs)
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
+    res.require_complete = args.require_complete
     _swapped_hint(res, "report")
     print(f"wrote {args.out}: {res.headline()}")
     return res.exit_code
@@ -287,10 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument("--tokenizer", metavar="DIR", help="show token text with this tokenizer (default: the model "
                                                           "directory a trace records, when it has one)")
 
+    def require_complete(p):
+        p.add_argument("--require-complete", action="store_true",
+                       help="exit 1 when some paired tensor could not be compared (verdict incomplete), not 0: "
+                            "for CI, where 'no divergence in what was compared' is not enough")
+
     d = sub.add_parser("diff", help="compare two traces and name the first divergence (exit 1 if any)",
                        description="Compare trace B against the reference A and name the first divergence.",
-                       epilog=EXIT_CODES)
+                       epilog=EXIT_CODES_STRICT)
     diff_args(d)
+    require_complete(d)
     d.add_argument("--json", action="store_true", help="machine-readable output (same content)")
     d.add_argument("--summary", metavar="FILE", help="also write per-token metrics to this HDF5 file")
     d.add_argument("--max-findings", type=int, default=25, help="findings listed in the text report")
@@ -306,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tui", help="interactive TUI on the first divergence",
                        description="Open the interactive TUI on the first divergence of B against A (docs/tui.md).",
-                       epilog=EXIT_CODES.replace("2 bad input", "2 bad input, 130 quit before the diff finished"))
+                       epilog=EXIT_CODES.replace("nothing compared", "nothing compared, 130 quit before the diff finished"))
     diff_args(t)
     t.add_argument("--screenshot", metavar="OUT", help="no screen: run the diff headless and save the TUI as OUT "
                                                        "(.svg, or .png where chromium or rsvg-convert is installed)")
@@ -315,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write a self-contained HTML report (for CI and pull requests)",
                        description="Diff B against A and write one self-contained HTML file: headline, findings, "
                                    "slot table, numerics, the token x slot heatmap, worst tokens (docs/report.md).",
-                       epilog=EXIT_CODES)
+                       epilog=EXIT_CODES_STRICT)
     diff_args(r)
+    require_complete(r)
     r.add_argument("-o", "--out", required=True, metavar="FILE", help="the HTML file to write")
     r.set_defaults(func=cmd_report)
 

@@ -464,6 +464,7 @@ class DiffResult:
     tokens_aligned: int
     worst_tokens: list[dict[str, Any]]
     summary_path: str | None = None
+    require_complete: bool = False  # `--require-complete`: an incomplete verdict fails (exit 1) too
 
     @property
     def divergences(self) -> list[Finding]:
@@ -476,7 +477,9 @@ class DiffResult:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.divergences else 0
+        if self.divergences:
+            return 1
+        return 1 if self.require_complete and self.verdict == "incomplete" else 0
 
     @property
     def compared(self) -> int:

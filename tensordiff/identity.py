@@ -15,13 +15,18 @@ decision with evidence. docs/diff.md §3 states the rule; in short, in this orde
 5. scale: the chosen state's median RMS ratio far from 1 -> ``scaled`` (holds X scaled by r).
 
 Pure numpy on arrays (:mod:`tensordiff.catalog` reads the rows), so it is tested without files.
+
+Streamed: :func:`score` reduces one candidate to its per-token cosines and RMS ratios (and, for an
+own-side state, whether it is the same data), after which its rows can be dropped; :func:`decide_scored`
+decides from those scores alone. So a search holds one candidate's rows at a time, whatever the
+catalog's size; :func:`decide` (all candidates' rows at once) is the same rule on the same numbers.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -40,6 +45,8 @@ SCALE_TOL = 0.05             # a median RMS ratio this far from 1 (or 4 x the no
 DIFF_EPS = 1e-6              # per-token cosine differences this small are float32 rounding: ties
 
 F32 = NDArray[np.float32]
+_NO_ROWS: F32 = np.zeros((0, 0), np.float32)
+_NO_RMS: F32 = np.zeros(0, np.float32)
 
 
 @dataclass
@@ -55,7 +62,8 @@ class CandidateRows:
     """One recorded state at the sampled tokens shifted by ``offset``: ``ok`` [n] marks the
     sampled tokens where it has a row; ``data``/``rms`` hold those rows only. ``exact_tol``: for
     an own-side state in the same basis, the per-token relative error under which it is the same
-    data (None: the exact rule does not apply)."""
+    data (None: the exact rule does not apply). ``norms``: the rows' L2 norms as
+    :func:`per_token_cos` computes them, when a caller scores the same rows against several slots."""
 
     label: str
     side: str            # "a" or "b": whose catalog
@@ -65,6 +73,7 @@ class CandidateRows:
     data: F32
     rms: F32
     exact_tol: float | None = None
+    norms: NDArray[np.float64] | None = None
 
 
 @dataclass
@@ -108,19 +117,32 @@ def clean(x: NDArray[np.float32]) -> F32:
     return out
 
 
-def per_token_cos(x: F32, c: F32) -> NDArray[np.float64]:
-    """Cosine of each row of x with the same row of c; 1 where both rows are zero, 0 where one is."""
+def row_norms(x: F32) -> NDArray[np.float64]:
+    """L2 norm of each row, accumulated in float64 (the norms :func:`per_token_cos` uses)."""
+    out: NDArray[np.float64] = np.sqrt(np.einsum("nw,nw->n", x, x, dtype=np.float64))
+    return out
+
+
+def per_token_cos(x: F32, c: F32, nx: NDArray[np.float64] | None = None,
+                  nc: NDArray[np.float64] | None = None) -> NDArray[np.float64]:
+    """Cosine of each row of x with the same row of c; 1 where both rows are zero, 0 where one is.
+    ``nx``/``nc``: the rows' :func:`row_norms`, when the caller has them (the same numbers)."""
     dots = np.einsum("nw,nw->n", x, c, dtype=np.float64)
-    nx = np.sqrt(np.einsum("nw,nw->n", x, x, dtype=np.float64))
-    nc = np.sqrt(np.einsum("nw,nw->n", c, c, dtype=np.float64))
+    nx = row_norms(x) if nx is None else nx
+    nc = row_norms(c) if nc is None else nc
     den = nx * nc
     out: NDArray[np.float64] = np.where(den > 0, dots / np.where(den > 0, den, 1.0),
                                         np.where((nx == 0) & (nc == 0), 1.0, 0.0))
     return np.clip(out, -1.0, 1.0)
 
 
+def _nz(x: NDArray[np.floating]) -> NDArray[np.floating]:
+    """``np.nan_to_num(x)`` (the same values), without its passes when everything is finite."""
+    return x if np.isfinite(x).all() else np.nan_to_num(x)
+
+
 def _rms_ratio(rx: F32, rc: F32) -> NDArray[np.float64]:
-    rx64, rc64 = np.nan_to_num(rx.astype(np.float64)), np.nan_to_num(rc.astype(np.float64))
+    rx64, rc64 = _nz(rx.astype(np.float64)), _nz(rc.astype(np.float64))
     out: NDArray[np.float64] = np.where(rc64 > 0, rx64 / np.where(rc64 > 0, rc64, 1.0),
                                         np.where(rx64 > 0, np.inf, 1.0))
     return out
@@ -133,6 +155,7 @@ class _Scored:
     ratio_t: NDArray[np.float64]    # per-token RMS ratio slot / candidate
     cos: float
     record: Candidate
+    exact_rel: float = math.inf     # own-side states: max per-token relative error (inf: not exact)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -143,22 +166,67 @@ class _Scored:
         return float(np.median(r)) if len(r) else math.nan
 
 
-def _score(target: Target, cand: CandidateRows) -> _Scored:
-    x = target.data[cand.ok]
-    cos_t = per_token_cos(x, cand.data)
-    ratio_t = _rms_ratio(target.rms[cand.ok], cand.rms)
-    hi = np.maximum(np.nan_to_num(target.rms[cand.ok]), np.nan_to_num(cand.rms)).astype(np.float64)
-    lo = np.minimum(np.nan_to_num(target.rms[cand.ok]), np.nan_to_num(cand.rms)).astype(np.float64)
+class TargetRows:
+    """A slot's rows at the tokens a candidate covers, with their norms: the same mask (every
+    sampled token, usually) gives the same rows, so they are gathered once per mask."""
+
+    def __init__(self, target: Target, limit_bytes: int = 32 << 20):
+        self.target = target
+        self._cache: dict[bytes, tuple[F32, NDArray[np.float64]]] = {}
+        self._room = limit_bytes
+
+    def at(self, ok: NDArray[np.bool_]) -> tuple[F32, NDArray[np.float64]]:
+        key = ok.tobytes()
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        x = self.target.data[ok]
+        out = (x, row_norms(x))
+        if x.nbytes <= self._room:
+            self._room -= x.nbytes
+            self._cache[key] = out
+        return out
+
+
+def _score(target: Target, cand: CandidateRows, rows: TargetRows | None = None) -> _Scored:
+    x, nx = rows.at(cand.ok) if rows is not None else (target.data[cand.ok], None)
+    cos_t = per_token_cos(x, cand.data, nx, cand.norms)
+    rx = target.rms[cand.ok]
+    ratio_t = _rms_ratio(rx, cand.rms)
+    rxn, rcn = _nz(rx), _nz(cand.rms)
+    hi = np.maximum(rxn, rcn).astype(np.float64)
+    lo = np.minimum(rxn, rcn).astype(np.float64)
     agree = float(np.mean(np.where(hi > 0, lo / np.where(hi > 0, hi, 1.0), 1.0))) if len(hi) else 0.0
     cos = float(cos_t.mean()) if len(cos_t) else -1.0
     rec = Candidate(label=cand.label, offset=cand.offset, score=round(cos * agree, 6), cos=round(cos, 6),
                     rms_agreement=round(agree, 6), side=cand.side, basis=cand.basis)
-    return _Scored(cand, cos_t, ratio_t, cos, rec)
+    s = _Scored(cand, cos_t, ratio_t, cos, rec)
+    if cand.exact_tol is not None and not _surely_not_exact(cos_t, cand.exact_tol, x.shape[1] if x.ndim == 2 else 0):
+        s.exact_rel = _exact_rel(x, cand.data)
+    return s
 
 
-def _exact_rel(target: Target, s: _Scored) -> float:
-    x = target.data[s.cand.ok].astype(np.float64)
-    c = s.cand.data.astype(np.float64)
+def score(target: Target, cand: CandidateRows, rows: TargetRows | None = None) -> _Scored:
+    """One candidate's scores against one slot; the candidate's rows are not kept (``rows``: the
+    slot's :class:`TargetRows`, shared by the candidates of one search)."""
+    s = _score(target, cand, rows)
+    s.cand = replace(cand, data=_NO_ROWS, rms=_NO_RMS, norms=None)
+    return s
+
+
+def _surely_not_exact(cos_t: NDArray[np.float64], tol: float, width: int) -> bool:
+    """True when some token's direction alone puts its relative error past ``tol``: for cos >= 0,
+    |x - c| / |c| >= sin(angle), so 1 - cos^2 > tol^2 rules the state out (the margin covers the
+    float64 rounding of the cosine, ~width x 1e-16). Saves the float64 pass on every state that
+    is merely close."""
+    if not len(cos_t):
+        return False
+    return float(np.max(1.0 - cos_t * cos_t)) > tol * tol + 1e-9 + 1e-14 * width
+
+
+def _exact_rel(x32: F32, c32: F32) -> float:
+    x = x32.astype(np.float64)
+    c = c32.astype(np.float64)
     num = np.sqrt(((x - c) ** 2).sum(axis=1))
     den = np.sqrt((c ** 2).sum(axis=1))
     rel = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(num > 0, np.inf, 0.0))
@@ -196,7 +264,13 @@ def decide(target: Target, candidates: list[CandidateRows], floor_of: Callable[[
     """The decision for one slot (module docstring). ``floor_of(label)``: the cross-side noise
     floor of that state; ``n_sample``: sampled tokens the slot has rows at."""
     need = min(MIN_TOKENS, max(1, n_sample))
-    scored = [_score(target, c) for c in candidates if int(c.ok.sum()) >= need]
+    return decide_scored([_score(target, c) for c in candidates if int(c.ok.sum()) >= need], floor_of, n_sample)
+
+
+def decide_scored(scored: list[_Scored], floor_of: Callable[[str], NoiseFloor], n_sample: int) -> IdentityVerdict:
+    """:func:`decide` on candidates already scored (:func:`score`), in the order :func:`identify`
+    gathers them (offset by offset, own catalog first); each must cover enough tokens."""
+    need = min(MIN_TOKENS, max(1, n_sample))
     if not scored:
         return IdentityVerdict(reason="no recorded state shares these tokens")
     # one representative per (label, offset): the side closer in direction
@@ -214,7 +288,7 @@ def decide(target: Target, candidates: list[CandidateRows], floor_of: Callable[[
     exact = []
     for s in scored:
         if s.cand.exact_tol is not None:
-            rel = _exact_rel(target, s)
+            rel = s.exact_rel
             if rel <= s.cand.exact_tol:
                 exact.append((rel, abs(s.cand.offset), s))
     if exact:
@@ -225,7 +299,7 @@ def decide(target: Target, candidates: list[CandidateRows], floor_of: Callable[[
         ev.decided_by = "exact"
         if len(same) > 1:  # two recorded states hold the same data: equal, so either is right
             ev.tied = sorted(lbl for lbl, _ in same if (lbl, _) != best.key)
-        return _finish(target, best, ranked, ev, records, floor_of, outcome="holds")
+        return _finish(best, ranked, ev, records, floor_of, outcome="holds")
 
     # 2. direction: paired tests of the best against every other (label, offset)
     best = ranked[0]
@@ -248,7 +322,7 @@ def decide(target: Target, candidates: list[CandidateRows], floor_of: Callable[[
             ev.decided_by = "scale"
             tied = []
     ev.tied = [f"{s.cand.label}" + (f"{s.cand.offset:+d}" if s.cand.offset else "") for s in tied]
-    return _finish(target, best, ranked, ev, records, floor_of, outcome="ambiguous" if tied else "holds")
+    return _finish(best, ranked, ev, records, floor_of, outcome="ambiguous" if tied else "holds")
 
 
 def _scale_tol(floor: NoiseFloor) -> float:
@@ -262,7 +336,7 @@ def _unscaled_match(s: _Scored, floor_of: Callable[[str], NoiseFloor]) -> bool:
     return float(np.quantile(1 - s.cos_t, 0.9)) <= FLOOR_FACTOR * fl.one_minus_cos + COS_SLACK
 
 
-def _finish(target: Target, best: _Scored, ranked: list[_Scored], ev: IdentityEvidence,
+def _finish(best: _Scored, ranked: list[_Scored], ev: IdentityEvidence,
             records: list[Candidate], floor_of: Callable[[str], NoiseFloor], outcome: str) -> IdentityVerdict:
     label, offset = best.key
     fl = floor_of(label)
@@ -289,23 +363,15 @@ def _finish(target: Target, best: _Scored, ranked: list[_Scored], ev: IdentityEv
         if alt is not None:
             ev.decided_by = "scale"
             ev.tied = []
-            return _finish(target, alt, ranked, ev, records, floor_of, outcome="holds")
+            return _finish(alt, ranked, ev, records, floor_of, outcome="holds")
         v.outcome, v.best, v.scale = "scaled", label, ev.rms_ratio
     else:
         v.outcome, v.best = "holds", label
     return v
 
 
-def identify(target: Callable[[str], Target], candidates_at: Callable[[int, str], list[CandidateRows]],
-             floor_of: Callable[[str], NoiseFloor], n_sample: int) -> IdentityVerdict:
-    """Gather the candidates at every offset in :data:`OFFSETS`, in full values and in sketches,
-    and decide in the basis that has more of them (every candidate scored alike, on one basis;
-    full values on a tie). ``target(basis)``: the slot's rows in that basis."""
-    need = min(MIN_TOKENS, max(1, n_sample))
-    by_basis = {b: [c for o in OFFSETS for c in candidates_at(o, b) if int(c.ok.sum()) >= need]
-                for b in ("values", "sketch")}
-    count = {b: len({(c.label, c.side) for c in cs}) for b, cs in by_basis.items()}
-    basis = "values" if count["values"] >= count["sketch"] else "sketch"
-    if not by_basis[basis]:
-        return IdentityVerdict(reason="no recorded state shares these tokens")
-    return decide(target(basis), by_basis[basis], floor_of, n_sample)
+def pick_basis(count: dict[str, int]) -> str:
+    """The basis a slot is decided in: the one more recorded states can be scored in (``count``:
+    states per basis with rows at enough sampled tokens); full values on a tie. Every candidate of
+    one decision is scored alike, on one basis."""
+    return "values" if count.get("values", 0) >= count.get("sketch", 0) else "sketch"

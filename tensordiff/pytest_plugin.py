@@ -28,6 +28,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("tensordiff_tol", "tensordiff tolerance rules, one NAME=MIN_COS,MAX_REL per line", type="linelist")
     parser.addini("tensordiff_allow_failed", "tensordiff --allow-failed patterns, one per line", type="linelist")
     parser.addini("tensordiff_calibration", "tensordiff calibration file (from `tensordiff calibrate`)", default="")
+    parser.addini("tensordiff_allow_incomplete", "tensordiff: traces that agree in what could be compared pass even "
+                  "when some paired tensor could not be compared", type="bool", default=False)
 
 
 @pytest.fixture
@@ -39,8 +41,9 @@ def assert_traces_agree(pytestconfig: pytest.Config):
     ini_allow = list(pytestconfig.getini("tensordiff_allow_failed")) + list(
         pytestconfig.getoption("tensordiff_allow_failed") or [])
     ini_cal = pytestconfig.getini("tensordiff_calibration") or None
+    ini_incomplete = bool(pytestconfig.getini("tensordiff_allow_incomplete"))
 
-    def check(a, b, *, tol=None, allow=(), calibration=None, max_findings: int = 5):
+    def check(a, b, *, tol=None, allow=(), calibration=None, max_findings: int = 5, allow_incomplete=None):
         if tol is None or isinstance(tol, (str, dict, list, tuple)):
             # the call's rules first: the first rule that matches a tensor wins
             given = [tol] if isinstance(tol, str) else (
@@ -48,7 +51,8 @@ def assert_traces_agree(pytestconfig: pytest.Config):
             tol = given + ini_tol
         pats = ([allow] if isinstance(allow, str) else list(allow)) + ini_allow
         return testing.assert_traces_agree(a, b, tol=tol, allow=pats, calibration=calibration or ini_cal,
-                                           max_findings=max_findings)
+                                           max_findings=max_findings,
+                                           allow_incomplete=ini_incomplete if allow_incomplete is None else allow_incomplete)
 
     return check
 

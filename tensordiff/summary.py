@@ -34,6 +34,11 @@ COLUMN_FIELDS = ("cos", "rel", "maxabs", "flags")
 FLAG_BAD, FLAG_NONFINITE = 1, 2
 
 
+def column_label(ia: TensorInfo, slot: int, k: int) -> str:
+    """The label of the summary column of slot ``slot`` of a pair compared on ``k`` slots."""
+    return ia.label if k == 1 and ia.kind != "packed" else f"{ia.name}[{slot}]"
+
+
 class SummaryWriter:
     """A :class:`tensordiff.diff.DiffSink`: the diff hands it every compared block."""
 
@@ -67,8 +72,7 @@ class SummaryWriter:
             j = len(self._col)
             ds = self.cols.create_dataset(str(j), shape=(self.n, 4), dtype="<f4", chunks=(min(max(self.n, 1), 8192), 4),
                                           fillvalue=np.nan)
-            label = ia.label if k == 1 and ia.kind != "packed" else f"{ia.name}[{slot}]"
-            ds.attrs.update({"tensor_a": ia.name, "tensor_b": ib.name, "slot": slot, "label": label,
+            ds.attrs.update({"tensor_a": ia.name, "tensor_b": ib.name, "slot": slot, "label": column_label(ia, slot, k),
                              "order": ia.order, "slot_label": json.dumps(ia.slot_labels[slot] if ia.slot_labels else None)})
             self._col[key] = ds
         return ds

@@ -83,11 +83,29 @@ def _book(tol, calibration: str | None, allow) -> ToleranceBook:
 
 
 def assert_traces_agree(a, b, *, tol=None, allow: Iterable[str] | str = (), calibration=None,
-                        max_findings: int = 5) -> DiffResult:
+                        max_findings: int = 5, allow_incomplete: bool = False) -> DiffResult:
     """Diff trace ``a`` (the reference) against ``b``; raise :class:`TracesDisagree` on a
-    divergence that ``allow`` does not cover. Returns the diff when they agree."""
+    divergence that ``allow`` does not cover, and when some paired tensor could not be compared
+    (verdict ``incomplete``) unless ``allow_incomplete``: "agree" is never said of data that was
+    not compared. Returns the diff when they agree."""
     opts = DiffOptions(tolerances=_book(tol, calibration, allow))
     res = diff_traces(os.fspath(a), os.fspath(b), opts)
     if res.divergences:
         raise TracesDisagree(failure_message(res, res.divergences, max_findings), res)
+    if res.verdict == "incomplete" and not allow_incomplete:
+        raise TracesDisagree(incomplete_message(res, max_findings), res)
     return res
+
+
+def incomplete_message(res: DiffResult, max_findings: int = 5) -> str:
+    """The headline and the tensors that could not be compared, with why."""
+    missing = [p for p in res.pairs if not p.compared]
+    lines = [f"traces not fully compared: {res.headline()}",
+             f"  A = {res.path_a} [{res.side_a}]   B = {res.path_b} [{res.side_b}]"]
+    for p in missing[:max_findings]:
+        name = p.name_a if p.name_a == p.name_b or not p.name_b else f"{p.name_a or '-'} vs {p.name_b}"
+        lines.append(f"  ? {name}: {p.not_compared or 'not compared'}")
+    if len(missing) > max_findings:
+        lines.append(f"  ... {len(missing) - max_findings} more (tensordiff diff {res.path_a} {res.path_b})")
+    lines.append("  (pass allow_incomplete=True, or ini tensordiff_allow_incomplete = true, when that is expected)")
+    return "\n".join(lines)

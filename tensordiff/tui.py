@@ -1,15 +1,17 @@
 """The interactive TUI: ``tensordiff tui A B`` (or ``tensordiff diff A B --tui``).
 
 It opens at once, runs the diff in a background worker thread (a progress bar shows how far it
-is; keys pressed meanwhile are queued and replayed when it ends, never lost), then lands on the
-first divergence. Panes: the findings (the aligner's, in forward order), a tree of tensors and
+is; keys pressed meanwhile are queued and replayed when it ends, never lost), shows in the heatmap
+the rows the diff has compared so far (the rest drawn as pending, never as agreeing), then lands on
+the first divergence. Panes: the findings (the aligner's, in forward order), a tree of tensors and
 slots coloured by the findings on them, a token x slot heatmap of a per-token metric, and a
 detail pane for the selected cell with the aligner's sentence, identity candidates, the cell's
 metrics, both token keys and small text plots of the two vectors.
 
 The TUI never judges a tensor itself: every verdict it shows comes from
 :class:`tensordiff.diff.Differ`. The heatmap reads the diff's per-token summary, written to a
-temporary file that the app deletes on exit, in blocks.
+temporary file that the app deletes on exit, in blocks; while the diff runs, the same file through
+a :class:`tensordiff.tui_data.LiveSummary`, polled every 50 ms.
 
 Where things live: this module is the app (layout, keys and actions, what the diff's messages
 do, quit) and its entry points (:func:`run_tui`, :func:`save_screenshot`);
@@ -54,6 +56,7 @@ from .tui_data import (
     GOTO_FORMS,
     METRICS,
     Column,
+    LiveSummary,
     VectorSource,
     resolve_goto,
 )
@@ -63,6 +66,8 @@ from .tui_widgets import GotoScreen, Heatmap, HelpScreen, TensorTree
 EXIT_INTERRUPTED = 130   # quit before the diff finished: no verdict
 WIDE = 110               # from this many columns the acceptance pane opens by itself (the -wide breakpoint)
 ACCEPT_TEXT_W = 26       # the acceptance pane's text width (30 columns less border and padding)
+LIVE_POLL_S = 0.05       # how often the heatmap looks for the first rows the running diff has compared
+LIVE_REDRAW_S = 0.5      # ... and for more, once it shows some (each redraw takes the GIL from the diff)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,6 +147,10 @@ class TensordiffApp(App[int]):
         self.pending: list[tuple[str, Callable[[], None]]] = []
         self.metric_index = 0
         self.first_paint_at: float | None = None
+        self.first_rows_at: float | None = None          # the heatmap first showed compared rows
+        self.live: LiveSummary | None = None             # the summary while the diff writes it
+        self._live_timer = None
+        self._live_drawn_at = 0.0
         self.mounted_at: float | None = None
         self.diff_seconds: float | None = None
         self.cell: tuple[int, int] | None = None        # (row, summary column) in the detail pane
@@ -228,6 +237,55 @@ class TensordiffApp(App[int]):
         self._diff = DiffThread(self.path_a, self.path_b, self.options, self.diff_fn, self.post_message)
         self._diff.start()
         self.summary_path = self._diff.summary_path
+        self._live_timer = self.set_interval(LIVE_POLL_S, self._poll_live)
+
+    def _poll_live(self) -> None:
+        """Show the rows the running diff has compared (its LiveSummary sink says which)."""
+        try:
+            self._poll_live_once()
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            # the file being written cannot be read here: no live rows, the diff goes on
+            self._stop_live()
+            hm = self.heatmap
+            hm.summary, hm.blocks, hm.live = None, None, False
+            hm.show_message("diff running... (the heatmap fills when it ends: "
+                            f"cannot read the summary being written: {' '.join(str(e).split())[:120]})")
+
+    def _poll_live_once(self) -> None:
+        d = self._diff
+        live = d.live if d is not None else None
+        if live is None or not live.started or self.result is not None or self.diff_error is not None:
+            return
+        hm = self.heatmap
+        if self.live is None:
+            self.live = live
+            hm.attach(live, sorted(live.columns, key=lambda c: (c.order, c.tensor_a, c.slot)), live=True)
+        now = time.perf_counter()
+        if self.first_rows_at is not None and now - self._live_drawn_at < LIVE_REDRAW_S:
+            return
+        changed = live.changes()
+        if changed is not None:
+            self._live_drawn_at = now
+            hm.rows_changed(*changed)
+            if self.first_rows_at is None and live.has_rows:
+                self.call_after_refresh(self._first_rows_painted)
+            if self.cell is not None:
+                self._render_live_detail()
+        title = self._heatmap_title()
+        if hm.border_title != title:     # setting it redraws the whole heatmap, even when unchanged
+            hm.border_title = title
+
+    def _first_rows_painted(self) -> None:
+        if self.first_rows_at is None:
+            self.first_rows_at = time.perf_counter()
+
+    def _stop_live(self) -> None:
+        if self._live_timer is not None:
+            self._live_timer.stop()
+            self._live_timer = None
+        if self.live is not None:
+            self.live.close_reader()   # before the finished file is opened (HDF5 shares open files)
+            self.live = None
 
     @on(DiffEnded)
     def _diff_ended(self, event: DiffEnded) -> None:
@@ -266,6 +324,9 @@ class TensordiffApp(App[int]):
         if isinstance(err, Cancelled):
             return
         self.diff_error = err
+        self._stop_live()
+        self.heatmap.summary, self.heatmap.blocks = None, None
+        self.heatmap.show_message("the diff failed: no verdict")
         msg = str(err) if isinstance(err, TraceError) else f"{type(err).__name__}: {err}"
         self._w_headline.update(Text(f"diff failed: {msg}", style="bold red"))
         self.exit(2)
@@ -273,6 +334,7 @@ class TensordiffApp(App[int]):
     def _on_diff_done(self, res: DiffResult) -> None:
         self.diff_seconds = time.perf_counter() - self._diff.t0 if self._diff is not None else None
         self.result = res
+        self._stop_live()
         try:
             self.summary = SummaryReader(self.summary_path) if self.summary_path else None
         except TraceError as e:
@@ -318,6 +380,10 @@ class TensordiffApp(App[int]):
 
     def _heatmap_title(self) -> str:
         m = METRICS[self.metric_index]
+        if self.live is not None and self.result is None:
+            done, ncols = self.live.columns_done(), len(self.live.columns)
+            return (f"tokens x slots: {m.title}  (diff running: {done} of {ncols} columns compared, "
+                    f"░░░ not yet; {self.live.n} tokens)")
         n = self.summary.n if self.summary is not None else 0
         shown = len(self.heatmap.shown)
         cols = f"{shown} of {len(self.columns)} columns" if shown != len(self.columns) else f"{len(self.columns)} columns"
@@ -388,8 +454,40 @@ class TensordiffApp(App[int]):
     @on(Heatmap.CellSelected)
     def _cell_selected(self, event: Heatmap.CellSelected) -> None:
         self.cell = (event.row, event.column)
+        if self.result is None and self.live is not None:
+            self._render_live_detail()
+            return
         self._render_detail()
         self._request_vectors()
+
+    def _render_live_detail(self) -> None:
+        """The cell under the cursor while the diff runs: its streamed metrics, or pending."""
+        live, hm = self.live, self.heatmap
+        if live is None or self.cell is None or hm.blocks is None:
+            return
+        row, ci = self.cell
+        col = next((c for c in hm.columns if c.index == ci), None)
+        if col is None or not 0 <= row < live.n:
+            return
+        tok = hm.blocks.token(row)
+        seqs = hm._seq_names
+        seq = int(tok["seq_a"])
+        where = f"{seqs[seq] if 0 <= seq < len(seqs) else seq}:{int(tok['pos_a'])} token {int(tok['token'])} (#{row})"
+        if live.pending(row, row + 1)[0, ci]:
+            what = Text("not compared yet", style="bold")
+        else:
+            cos, rel, mx, fl = (float(live.block(row, row + 1, f)[0, ci]) for f in range(4))
+            if fl != fl:   # NaN: the tensor has no row for that token
+                what = Text("no row for this token in this tensor", style="dim")
+            else:
+                flags = int(fl)
+                verdict = "NaN/Inf" if flags & 2 else ("fails tolerance" if flags & 1 else "within tolerance")
+                what = Text(f"cos {cos:.6f}  rel {rel:.3g}  max abs {mx:.3g}  ({verdict})",
+                            style="bold red" if flags else "")
+        self.detail_text = Text("\n").join([
+            Text.assemble((col.label, "bold"), "  ", where), what,
+            Text("the diff is running: findings, the cell's sentence and its vectors come when it ends", style="dim")])
+        self._w_detail.update(self.detail_text)
 
     def _request_vectors(self) -> None:
         if self.cell is None or self.summary is None:
@@ -581,6 +679,7 @@ class TensordiffApp(App[int]):
         return self._diff.thread if self._diff is not None else None
 
     def cleanup(self) -> None:
+        self._stop_live()
         if self.summary is not None:
             self.summary.close()
             self.summary = None

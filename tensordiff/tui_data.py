@@ -49,8 +49,10 @@ METRICS = (
 BARS = "▁▂▃▄▅▆▇█"
 N_LEVELS = len(BARS)
 
-# cell codes: 0 absent; otherwise category * N_LEVELS + level (+1 keeps 0 free)
+# cell codes: 0 absent; otherwise category * N_LEVELS + level (+1 keeps 0 free); PENDING: the
+# diff has not compared that cell yet (only while it runs: never drawn like an agreeing cell)
 CAT_OK, CAT_FAIL, CAT_NONFINITE = 0, 1, 2
+PENDING = 1 + 3 * N_LEVELS
 
 
 def cell_codes(values: np.ndarray, flags: np.ndarray, metric: Metric) -> np.ndarray:
@@ -135,9 +137,15 @@ class BlockCache:
 
         def load():
             stop = min(start + self.block_rows, self.summary.n)
+            # a summary the diff is still writing: which cells it has compared, taken BEFORE the
+            # values are read (rows written after that stay pending until the next poll)
+            pending = self.summary.pending(start, stop) if isinstance(self.summary, LiveSummary) else None
             flags = self.summary.block(start, stop, 3)
             vals = flags if metric.field == 3 else self.summary.block(start, stop, metric.field)
-            return cell_codes(vals, flags, metric)
+            codes = cell_codes(vals, flags, metric)
+            if pending is not None:
+                codes[pending] = PENDING
+            return codes
 
         return self._get(self._codes, (metric.key, b), load), off
 
@@ -150,6 +158,214 @@ class BlockCache:
     def clear(self) -> None:
         self._codes.clear()
         self._tokens.clear()
+
+    def invalidate(self, lo: int, hi: int) -> None:
+        """Drop the cell codes of the blocks that hold rows lo..hi-1 (their cells changed)."""
+        b0, b1 = lo // self.block_rows, (hi - 1) // self.block_rows
+        for key in [k for k in self._codes if b0 <= k[1] <= b1]:
+            del self._codes[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# The summary while the diff writes it: what the heatmap shows before the diff ends
+# ----------------------------------------------------------------------------------------------
+
+
+def planned_columns(ra, rb) -> tuple[list[Column], list[int]]:
+    """The summary columns the diff will write, in the order it streams them (index = that
+    position), and the position of each one's tensor pair in the diff's order. From the
+    aligner's own pairing (:func:`tensordiff.align.pair_tensors`, predictions left to the
+    acceptance check, as :class:`tensordiff.diff.Differ` does); a column it ends up not writing
+    stays pending until the diff ends."""
+    from .acceptance import is_prediction
+    from .align import pair_tensors
+    from .summary import column_label
+
+    pairs, _ = pair_tensors(ra, rb)
+    pairs = [(a, b) for a, b in pairs if not (is_prediction(a) or is_prediction(b))]
+    cols: list[Column] = []
+    pair_of: list[int] = []
+    for p, (ia, ib) in enumerate(pairs):
+        k = min(ia.slot_count, ib.slot_count)
+        for slot in range(k):
+            label = column_label(ia, slot, k)
+            slot_label = ia.slot_labels[slot] if ia.slot_labels else None
+            cols.append(Column(index=len(cols), label=label, tensor_a=ia.name, tensor_b=ib.name, slot=slot,
+                               order=float(ia.order), slot_label=slot_label,
+                               packed=label.endswith("]") and slot_label is not None))
+            pair_of.append(p)
+    return cols, pair_of
+
+
+class LiveSummary:
+    """The diff's summary file while the diff writes it, and a :class:`tensordiff.diff.DiffSink`
+    that tracks how far it has got.
+
+    In the diff thread, :meth:`write` sees every block before the summary file's own sink
+    (:class:`tensordiff.summary.SummaryWriter`, the last sink of a diff) writes it; a block is
+    *committed* (its rows shown as compared) only once that sink has written it: at the next
+    block (any tensor), at the diff's next "comparing tensors" progress report (which
+    :class:`tensordiff.diff.Differ` makes after every sink has the block; :meth:`commit`) or at
+    :meth:`close`. Per column it keeps one number, the frontier: rows below it are compared (or
+    have no row in that tensor: blank), rows at or above it are pending. A tensor pair is known to
+    be done when a later pair streams (the diff goes pair by pair); the last pair's tail stays
+    pending until the diff ends and the app opens the finished file. Its memory is a few numbers
+    per column, whatever the trace size.
+
+    On the UI thread it reads the file like a :class:`tensordiff.summary.SummaryReader`
+    (``n``, ``seq_a``, :meth:`tokens`, :meth:`block`) through a second handle on the file the
+    writer has open (HDF5 shares the open file within a process, so the reads see the writes),
+    plus :meth:`pending` and :meth:`changes` for the heatmap's poll."""
+
+    def __init__(self, path: str, n: int, columns: list[Column], pair_of: list[int]):
+        self.path = path
+        self.n = n
+        self.columns = columns                       # index = position in the diff's order
+        self._col = {(c.tensor_a, c.slot): c.index for c in columns}
+        self._pair_of = np.asarray(pair_of, np.int64)
+        self._lock = threading.Lock()
+        m = len(columns)
+        self._staged = np.zeros(m, np.int64)         # rows below: handed to the sinks
+        self._committed = np.zeros(m, np.int64)      # rows below: in the file (what the UI shows)
+        self._unordered = np.zeros(m, bool)          # a block came out of order: pending to the end
+        self._pair = -1                              # the pair streaming now
+        self._dirty: list[int] | None = None         # rows whose cells changed since changes()
+        self.started = False                         # a block has been handed to the sinks
+        self.blocks = 0                              # blocks committed
+        self._f = None
+        self._ds: dict[int, object] = {}             # column index -> dataset of the file
+
+    @classmethod
+    def factory(cls, path: str, on_made):
+        """A sink factory (``DiffOptions.sinks``) that makes one, hands it to ``on_made``."""
+        def make(al, ra, rb) -> LiveSummary:
+            cols, pair_of = planned_columns(ra, rb)
+            live = cls(path, len(al), cols, pair_of)
+            on_made(live)
+            return live
+        return make
+
+    # -- the diff thread (DiffSink) -------------------------------------------------------------
+
+    def write(self, ia, ib, k: int, blk: np.ndarray, m: dict, bad: np.ndarray) -> None:
+        if len(blk) == 0:
+            return
+        with self._lock:
+            self._commit_locked()            # every earlier block is in the file by now
+            lo, hi = int(blk[0]), int(blk[-1]) + 1
+            for s in range(k):
+                c = self._col.get((ia.name, s))
+                if c is None:
+                    continue                 # not planned: shown once the diff ends
+                p = int(self._pair_of[c])
+                if p > self._pair:
+                    self._pair = p
+                if lo < self._staged[c]:
+                    self._unordered[c] = True
+                self._staged[c] = max(int(self._staged[c]), hi)
+            # the pairs before this one are done: their columns hold all they will
+            self._staged[self._pair_of < self._pair] = self.n
+            self.started = True
+
+    def commit(self) -> None:
+        """Every block handed to the sinks so far is in the file (the diff says so through its
+        progress report after each block)."""
+        with self._lock:
+            self._commit_locked()
+
+    def _commit_locked(self) -> None:
+        changed = np.flatnonzero(self._staged != self._committed)
+        if len(changed) == 0:
+            return
+        lo = int(self._committed[changed].min())
+        hi = int(self._staged[changed].max())
+        self._committed[changed] = self._staged[changed]
+        self.blocks += 1
+        if self._dirty is None:
+            self._dirty = [lo, hi]
+        else:
+            self._dirty = [min(self._dirty[0], lo), max(self._dirty[1], hi)]
+
+    def close(self) -> None:
+        # after the diff's last block, or after it failed: only what was written is committed
+        self.commit()
+
+    # -- the UI thread ----------------------------------------------------------------------------
+
+    def changes(self) -> tuple[int, int] | None:
+        """Rows lo..hi-1 whose cells changed since the last call (None: nothing new)."""
+        with self._lock:
+            d, self._dirty = self._dirty, None
+        return (d[0], d[1]) if d is not None else None
+
+    def committed(self) -> np.ndarray:
+        with self._lock:
+            c = self._committed.copy()
+            c[self._unordered] = 0
+        return c
+
+    @property
+    def has_rows(self) -> bool:
+        """Whether any cell has been compared (the heatmap shows real rows)."""
+        return bool((self.committed() > 0).any())
+
+    def columns_done(self) -> int:
+        return int((self.committed() >= self.n).sum())
+
+    def pending(self, start: int, stop: int) -> np.ndarray:
+        """[rows, columns] bool: cells the diff has not compared yet."""
+        rows = np.arange(start, min(stop, self.n))
+        return rows[:, None] >= self.committed()[None, :]
+
+    def _file(self):
+        if self._f is None:
+            import h5py
+
+            # the flags the writer opened it with (HDF5 shares an open file only then)
+            self._f = h5py.File(self.path, "r")
+        return self._f
+
+    @property
+    def seq_a(self) -> list[str]:
+        return list(self._file()["sequences_a"].asstr()[()])
+
+    @property
+    def tokens_ds(self):
+        return self._file()["tokens"]
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        return self._file()["tokens"][start:stop]
+
+    def _dataset(self, c: int):
+        ds = self._ds.get(c)
+        if ds is None:
+            cols = self._file()["columns"]
+            for j in range(len(cols)):
+                d = cols[str(j)]
+                try:
+                    key = (str(d.attrs["tensor_a"]), int(d.attrs["slot"]))
+                except KeyError:
+                    continue          # being made by the writer: its rows are not committed yet
+                if key in self._col:
+                    self._ds[self._col[key]] = d
+            ds = self._ds.get(c)
+        return ds
+
+    def block(self, start: int, stop: int, metric: int = 1) -> np.ndarray:
+        """[stop-start, columns] of one metric; NaN where nothing is written (yet)."""
+        stop = min(stop, self.n)
+        out = np.full((max(0, stop - start), len(self.columns)), np.nan, np.float32)
+        for c in np.flatnonzero(self.committed() > start):
+            ds = self._dataset(int(c))
+            if ds is not None:
+                out[:, c] = ds[start:stop, metric]
+        return out
+
+    def close_reader(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+            self._ds.clear()
 
 
 def find_position(summary: SummaryReader, seq: int, pos: int) -> int:

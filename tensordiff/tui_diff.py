@@ -1,6 +1,7 @@
 """The diff as the TUI runs it: in a background thread that reports to the app with Textual
 messages (:class:`DiffProgress`, :class:`DiffEnded`) and stops at its next progress report once
-cancelled.
+cancelled. It also hands the diff a :class:`tensordiff.tui_data.LiveSummary` sink (``live``),
+through which the app's heatmap shows the rows compared so far while the diff runs.
 
 A plain thread rather than a Textual worker, so that the app can end (and restore the terminal)
 while the diff is in a long stage: the thread stops at its next progress report, and
@@ -22,6 +23,7 @@ from textual.message import Message
 
 from .diff import Differ, DiffOptions
 from .findings import DiffResult
+from .tui_data import LiveSummary
 
 PROGRESS_INTERVAL_S = 0.05
 
@@ -75,6 +77,8 @@ class DiffThread:
         self.summary_dir: str | None = None
         self.thread: threading.Thread | None = None
         self.t0 = 0.0
+        self.live: LiveSummary | None = None     # set in the diff thread once the tokens are aligned
+        self.live_at: float | None = None        # when (perf_counter)
 
     def start(self) -> None:
         if self.owns_summary:
@@ -91,6 +95,8 @@ class DiffThread:
         def progress(stage: str, done: int, total: int) -> None:
             if self.cancel.is_set():
                 raise Cancelled()
+            if stage == "comparing tensors" and self.live is not None:
+                self.live.commit()    # reported after every sink (the summary file too) has the block
             # a message per stage, per end of stage, and at most one per 50 ms in between: the
             # aligner reports per block, and the UI need not redraw the bar more often than that
             now = time.perf_counter()
@@ -98,7 +104,14 @@ class DiffThread:
                 last[0], last[1] = stage, now
                 self.post(DiffProgress(stage, done, total))
 
-        opts = replace(self.options, summary_path=self.summary_path, progress=progress)
+        def made(live: LiveSummary) -> None:
+            self.live_at = time.perf_counter()
+            self.live = live
+
+        sinks = list(self.options.sinks)
+        if self.summary_path is not None:
+            sinks.append(LiveSummary.factory(self.summary_path, made))
+        opts = replace(self.options, summary_path=self.summary_path, progress=progress, sinks=sinks)
         try:
             res, err = self.diff_fn(self.path_a, self.path_b, opts), None
         except BaseException as e:  # noqa: B036 - reported on the UI thread, whatever it is

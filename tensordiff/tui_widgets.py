@@ -28,6 +28,7 @@ from textual.widgets import Input, Static, Tree
 from .findings import DiffResult
 from .summary import SummaryReader
 from .tui_data import (
+    LiveSummary,
     BARS,
     CAT_FAIL,
     CAT_NONFINITE,
@@ -35,6 +36,7 @@ from .tui_data import (
     GOTO_FORMS,
     METRICS,
     N_LEVELS,
+    PENDING,
     BlockCache,
     Column,
     Metric,
@@ -44,6 +46,7 @@ from .tui_data import (
 from .tui_text import GLYPH_RANK, column_verdict
 
 CELL_W = 4          # three glyphs and a gap
+PENDING_GLYPH = "░░░"   # a cell the running diff has not compared yet: no bar, no verdict colour
 HEADER_H = 2        # column header lines (sticky)
 GUTTER_W = 22       # "seq:pos token" and a separator
 
@@ -75,6 +78,9 @@ def _cell_tables(verdict_mode: bool) -> tuple[list[str], list[Style]]:
                 styles.append(Style(color=_mix((46, 125, 50), (192, 202, 51), t)))
             else:
                 styles.append(Style(color=_mix((255, 183, 77), (255, 23, 68), t), bold=lvl >= N_LEVELS - 2))
+    assert len(glyphs) == PENDING
+    glyphs.append(PENDING_GLYPH)
+    styles.append(Style(color="#6c7a89", dim=True))
     return glyphs, styles
 
 
@@ -126,10 +132,14 @@ class Heatmap(ScrollView, can_focus=True):
         self.cursor_col = 0                   # index into self.shown
         self.message_lines: list[str] = ["diff running..."]
         self._seq_names: list[str] = []
+        self.live = False                     # showing a summary the diff is still writing
 
     # -- data ------------------------------------------------------------------------------
 
-    def attach(self, summary: SummaryReader, columns: list[Column]) -> None:
+    def attach(self, summary: SummaryReader | LiveSummary, columns: list[Column], *, live: bool = False) -> None:
+        """Show a summary: the finished one, or (``live``) the one the diff is writing, whose
+        cells not compared yet are drawn as pending (``░░░``)."""
+        self.live = live
         self.summary = summary
         self.blocks = BlockCache(summary, self.block_rows, self.max_blocks)
         self.columns = list(columns)
@@ -139,6 +149,14 @@ class Heatmap(ScrollView, can_focus=True):
         self.cursor_col = 0
         self._update_virtual()
         self.refresh()
+
+    def rows_changed(self, lo: int, hi: int) -> None:
+        """The running diff has compared more cells in rows lo..hi-1: redraw them."""
+        if self.blocks is not None:
+            self.blocks.invalidate(lo, hi)
+            sy = self.scroll_offset.y
+            if lo < sy + self.page_rows and hi > sy:
+                self.refresh()
 
     def show_message(self, *lines: str) -> None:
         self.message_lines = list(lines)
@@ -423,7 +441,8 @@ class HelpScreen(ModalScreen[None]):
             table.add_row(k, what)
         legend = Text("Colours and glyphs are the aligner's: red / ✗ a divergence, yellow / ! a warning, "
                       "green / ✓ nothing found. Heatmap bars grow with the metric (log scale); in verdict "
-                      "mode ··· is ok and ███ fails tolerance; !!! NaN/Inf; blank: no row for that token. "
+                      "mode ··· is ok and ███ fails tolerance; !!! NaN/Inf; blank: no row for that token; "
+                      "░░░ (while the diff runs) not compared yet. "
                       "Esc closes.", style="dim")
         with VerticalScroll():
             yield Static(Group(Text("tensordiff keys\n", style="bold"), table, Text(""), legend))

@@ -72,7 +72,9 @@ def test_help_describes_positionals_and_exit_codes(cmd):
     assert rc == 0
     text = " ".join(out.split())
     assert "reference trace" in text and "trace under test" in text
-    assert "exit codes: 0 agree, 1 divergence found, 2 bad input" in text
+    assert "exit codes: 0 agree (or incomplete: some tensors not compared, said in the verdict), 1 divergence" in text
+    assert "2 bad input or nothing compared" in text
+    assert ("--require-complete" in text) == (cmd != "tui")
 
 
 def test_usage_errors_name_the_subcommand_and_suggest(pairs):

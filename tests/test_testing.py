@@ -100,3 +100,59 @@ def test_pytest_plugin_in_a_subprocess(tmp_path, pairs):
     p = subprocess.run(cmd + ["--tensordiff-allow-failed", "draft_input"], capture_output=True, text=True,
                        cwd=tmp_path, env=env, timeout=300, check=False)
     assert p.returncode == 0 and "3 passed" in p.stdout, p.stdout + p.stderr
+
+
+def _incomplete_pair(d: Path) -> tuple[str, str]:
+    """embed agrees on both sequences; layer1 has rows of sequence 0 on A and of 1 on B only, so it
+    shares no token and cannot be compared: verdict incomplete."""
+    import numpy as np
+
+    from tensordiff.trace import TraceWriter
+
+    paths = []
+    for side, own in (("train", 0), ("serve", 1)):
+        p = d / f"{side}.h5"
+        w = TraceWriter(str(p), side=side, producer="tests/test_testing.py", model={"num_layers": 2, "hidden_size": 16})
+        w.define_tensor("embed", 16, kind="boundary", boundary=0)
+        w.define_tensor("layer1", 16, kind="boundary", boundary=1)
+        rng = np.random.default_rng(0)
+        for s in range(2):
+            rows = w.add_tokens(f"req-{s}", np.arange(8), np.arange(8) + 10 * s + 1, "train" if side == "train" else "prefill")
+            x = rng.standard_normal((8, 16)).astype(np.float32)
+            w.append("embed", rows, x)
+            if s == own:
+                w.append("layer1", rows, x * 2)
+        w.close()
+        paths.append(str(p))
+    return paths[0], paths[1]
+
+
+def test_incomplete_is_not_agreement(tmp_path):
+    a, b = _incomplete_pair(tmp_path)
+    with pytest.raises(TracesDisagree) as ei:
+        assert_traces_agree(a, b)
+    msg = str(ei.value)
+    assert msg.startswith("traces not fully compared: no divergence in the 1 of 2 tensors compared"), msg
+    assert "? layer1:" in msg and "allow_incomplete=True" in msg
+    res = assert_traces_agree(a, b, allow_incomplete=True)
+    assert res.verdict == "incomplete" and res.exit_code == 0
+
+
+def test_pytest_plugin_incomplete_fails_unless_the_ini_allows_it(tmp_path):
+    d = tmp_path / "traces"
+    d.mkdir()
+    a, b = _incomplete_pair(d)
+    (tmp_path / "test_cov.py").write_text(textwrap.dedent(f"""
+        def test_cov(assert_traces_agree):
+            assert_traces_agree({a!r}, {b!r})
+    """))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    cmd = [sys.executable, "-m", "pytest", "-p", "tensordiff.pytest_plugin", "-q", "-p", "no:cacheprovider",
+           str(tmp_path / "test_cov.py")]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "traces not fully compared" in out and "Traceback" not in out, out
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntensordiff_allow_incomplete = true\n")
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300, check=False)
+    assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout + p.stderr

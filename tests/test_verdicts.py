@@ -259,6 +259,19 @@ def test_partial_coverage_is_not_agree(tmp_path, capsys, nr8, seqs, train8):
     assert code == 0
     d = json.loads(out)
     assert d["verdict"] == "incomplete" and d["tensors_compared"] == 10
+    # for CI: --require-complete makes the same verdict fail, and the JSON says the exit code it sets
+    code, out, _ = run(capsys, "diff", a, b, "--json", "--require-complete")
+    d = json.loads(out)
+    assert code == 1 and d["verdict"] == "incomplete" and d["exit_code"] == 1
+    code, out, _ = run(capsys, "diff", a, b, "-q", "--require-complete")
+    assert code == 1 and "10 of 11 tensors compared" in out
+    # the testing API never calls it agreement unless told to
+    from tensordiff.testing import TracesDisagree, assert_traces_agree
+    with pytest.raises(TracesDisagree) as ei:
+        assert_traces_agree(a, b)
+    msg = str(ei.value)
+    assert msg.startswith("traces not fully compared: no divergence in the 10 of 11") and "none in common" in msg
+    assert assert_traces_agree(a, b, allow_incomplete=True).verdict == "incomplete"
 
 
 def test_nan_calibration_is_refused(tmp_path, capsys, nr8, seqs, train8):

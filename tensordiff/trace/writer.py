@@ -18,8 +18,8 @@ import numpy as np
 
 from .. import __version__
 from ..dtypes import LOGICAL_DTYPES, storage_dtype, to_float32
-from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, sketch_np
-from ..vocab import REGIMES, regime_code
+from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, sketch_rows
+from ..vocab import REGIME_CODE, REGIMES, regime_code
 from .schema import (
     CHUNK_BYTES,
     KINDS,
@@ -48,17 +48,25 @@ class _Appender:
     """Appends rows to one resizable 2-D (or 1-D) dataset in chunk-aligned blocks.
 
     Rows accumulate in a preallocated buffer of one chunk; a full buffer is written as one
-    chunk. ``flush_partial`` writes the rows buffered so far (they stay buffered until their chunk
-    fills, so the next full write rewrites the same chunk whole)."""
+    chunk (one HDF5 call, straight from the buffer). ``flush_partial`` writes the rows buffered so
+    far (they stay buffered until their chunk fills, so the next full write rewrites the same
+    chunk whole). ``on_full``, if set, runs just before a full buffer is written (the writer
+    computes the sketch/RMS rows of the buffered values there: once per block, not per append)."""
 
-    def __init__(self, ds: h5py.Dataset):
+    __slots__ = ("ds", "chunk", "buf", "fill", "base", "alloc", "dirty", "direct", "tail", "on_full")
+
+    def __init__(self, ds: h5py.Dataset, on_full: Callable[[], None] | None = None):
         self.ds = ds
         self.chunk: int = int(ds.chunks[0])
-        self.buf = np.empty((self.chunk,) + ds.shape[1:], dtype=ds.dtype)
+        # zeros: rows past ``fill`` enter the writer's sketch products, never uninitialised memory
+        self.buf = np.zeros((self.chunk,) + ds.shape[1:], dtype=ds.dtype)
         self.fill = 0          # rows in buf
         self.base: int = int(ds.shape[0])  # dataset row where buf[0] goes
+        self.alloc: int = self.base        # the dataset's extent (kept here: h5py's shape is slow)
         self.dirty = False     # buffered rows not yet on disk
         self.direct = ds.compression is None and not ds.dtype.fields and ds.ndim == 2
+        self.tail = (0,) * (ds.ndim - 1)  # chunk offset past the row axis
+        self.on_full = on_full
 
     @property
     def rows(self) -> int:
@@ -66,6 +74,12 @@ class _Appender:
 
     def append(self, data: np.ndarray) -> None:
         n = len(data)
+        fill = self.fill
+        if fill + n < self.chunk:  # the common case: a decode step's rows fit in the buffer
+            self.buf[fill:fill + n] = data
+            self.fill = fill + n
+            self.dirty = True
+            return
         i = 0
         while i < n:
             take = min(self.chunk - self.fill, n - i)
@@ -76,12 +90,22 @@ class _Appender:
             if self.fill == self.chunk:
                 self._write_full()
 
-    def _write_full(self) -> None:
-        end = self.base + self.chunk
-        if self.ds.shape[0] < end:
+    def _extend(self, end: int) -> None:
+        if self.alloc < end:
             self.ds.resize(end, axis=0)
+            self.alloc = end
+
+    def _prepare(self) -> None:
+        """Complete ``buf[:fill]`` before it is written (see :class:`_TokenAppender`)."""
+
+    def _write_full(self) -> None:
+        if self.on_full is not None:
+            self.on_full()
+        self._prepare()
+        end = self.base + self.chunk
+        self._extend(end)
         if self.direct and self.base % self.chunk == 0:
-            self.ds.id.write_direct_chunk((self.base,) + (0,) * (self.ds.ndim - 1), self.buf.tobytes())
+            self.ds.id.write_direct_chunk((self.base,) + self.tail, self.buf)  # from the buffer: no copy
         else:
             self.ds[self.base:end] = self.buf
         self.base = end
@@ -92,10 +116,96 @@ class _Appender:
         if not self.dirty:
             return
         end = self.base + self.fill
-        if self.ds.shape[0] < end:
-            self.ds.resize(end, axis=0)
+        self._extend(end)
+        self._prepare()
         self.ds[self.base:end] = self.buf[:self.fill]
         self.dirty = False
+
+    def trim(self) -> None:
+        """Set the dataset's extent to the rows written (a last chunk may have been allocated whole)."""
+        if self.alloc != self.rows:
+            self.ds.resize(self.rows, axis=0)
+            self.alloc = self.rows
+
+
+class _TokenAppender(_Appender):
+    """The token table's appender. Each ``add_tokens`` call gives one sequence, regime and step
+    for all its rows, so those are kept as one run per call and the record buffer is filled only
+    when it is written (once per chunk or flush), not with five column writes per call."""
+
+    __slots__ = ("pos", "tok", "runs")
+
+    def __init__(self, ds: h5py.Dataset):
+        super().__init__(ds)
+        self.pos = np.empty(self.chunk, dtype=np.int64)
+        self.tok = np.empty(self.chunk, dtype=np.int64)
+        self.runs: list[tuple[int, int, int, int]] = []  # (rows, seq, regime, step) per call, in buf order
+
+    def add(self, positions: np.ndarray, tokens: np.ndarray, seq: int, regime: int, step: int) -> None:
+        n = len(positions)
+        fill = self.fill
+        if fill + n < self.chunk:
+            if n:
+                self.pos[fill:fill + n] = positions
+                self.tok[fill:fill + n] = tokens
+                self.runs.append((n, seq, regime, step))
+                self.fill = fill + n
+                self.dirty = True
+            return
+        i = 0
+        while i < n:
+            take = min(self.chunk - self.fill, n - i)
+            f = self.fill
+            self.pos[f:f + take] = positions[i:i + take]
+            self.tok[f:f + take] = tokens[i:i + take]
+            self.runs.append((take, seq, regime, step))
+            self.fill = f + take
+            i += take
+            self.dirty = True
+            if self.fill == self.chunk:
+                self._write_full()
+
+    def append(self, data: np.ndarray) -> None:
+        raise TypeError("token rows are added with add()")
+
+    def _prepare(self) -> None:
+        fill = self.fill
+        buf = self.buf
+        buf["position"][:fill] = self.pos[:fill]
+        buf["token"][:fill] = self.tok[:fill]
+        runs = np.array(self.runs, dtype=np.int64).reshape(-1, 4)
+        lens = runs[:, 0]
+        for col, c in (("seq", 1), ("regime", 2), ("step", 3)):
+            buf[col][:fill] = np.repeat(runs[:, c], lens)
+
+    def _write_full(self) -> None:
+        super()._write_full()
+        self.runs.clear()
+
+
+class _Tensor:
+    """One defined tensor: its appenders, shape, and the rows whose sketch/RMS the writer still
+    owes. ``pend_sketch``/``pend_rms``: the first values row (dataset index) whose sketch/RMS the
+    writer computes itself and has not computed yet, or None (the caller supplies them). Those rows
+    are always in the values buffer: they are computed in one batch when that buffer fills, when
+    the caller switches to supplying them, or at a flush."""
+
+    __slots__ = ("values", "sketch", "rms", "rows", "width", "slot_width", "k", "dtype", "sd",
+                 "sketch_width", "pend_sketch", "pend_rms")
+
+    def __init__(self, apps: dict[str, _Appender], width: int, slot_width: int, dtype: str, sketch_width: int):
+        self.values = apps.get("values")
+        self.sketch = apps.get("sketch")
+        self.rms = apps["rms"]
+        self.rows = apps["rows"]
+        self.width = width
+        self.slot_width = slot_width
+        self.k = width // slot_width
+        self.dtype = dtype
+        self.sd = storage_dtype(dtype)
+        self.sketch_width = sketch_width
+        self.pend_sketch: int | None = None
+        self.pend_rms: int | None = None
 
 
 class TraceWriter:
@@ -169,12 +279,12 @@ class TraceWriter:
         tok = self.f.create_dataset("tokens", shape=(0,), maxshape=(None,), chunks=(2048,), dtype=TOKEN_DTYPE)
         tok.attrs["regimes"] = json.dumps(list(REGIMES))
         self.f.create_group("tensors")
-        self._tokens = _Appender(tok)
+        self._tokens = _TokenAppender(tok)
         self._seq_index: dict[str, int] = {}
         self._tensors: dict[str, dict[str, _Appender]] = {}
         self._specs: dict[str, dict[str, Any]] = {}
-        self._pending_rms: dict[str, list[np.ndarray]] = {}
-        self._pending_rows: dict[str, int] = {}
+        self._state: dict[str, _Tensor] = {}
+        self._scratch = np.empty(0, dtype=np.float32)  # float32 copy of one values block (writer-computed sketch/RMS)
         self._rows_since_flush = 0
         self._dirty = False
         self._appended = False
@@ -276,8 +386,10 @@ class TraceWriter:
         apps["rms"] = _Appender(g.create_dataset("rms", shape=(0, k), maxshape=(None, k),
                                                  chunks=(_chunk_rows(k * 4, 4096), k), dtype="<f4", **self._comp))
         self._tensors[name] = apps
-        self._pending_rms[name] = []
-        self._pending_rows[name] = 0
+        t = _Tensor(apps, width, sw, dtype, self.sketch_dim * k)
+        if t.values is not None:
+            t.values.on_full = lambda: self._derive(t)
+        self._state[name] = t
         self._specs[name] = {"width": width, "slot_width": sw, "k": k, "dtype": dtype}
 
     # -- rows ----------------------------------------------------------------------------------
@@ -298,91 +410,145 @@ class TraceWriter:
     def add_tokens(self, seq: str, positions: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
                    regime: str | int, step: int = 0) -> np.ndarray:
         """Add token-table rows for one sequence; returns their row indices (for :meth:`append`)."""
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if positions.shape != tokens.shape:
-            raise ValueError(f"{len(positions)} positions but {len(tokens)} tokens")
-        if self._flush_due(len(positions)):
+        if not (type(positions) is np.ndarray and positions.dtype == np.int64 and positions.ndim == 1):
+            positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if not (type(tokens) is np.ndarray and tokens.dtype == np.int64 and tokens.ndim == 1):
+            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = len(positions)
+        if len(tokens) != n:
+            raise ValueError(f"{n} positions but {len(tokens)} tokens")
+        if self._dirty and self._flush_due(n):
             self.flush()  # between steps: what is on disk is whole steps
-        rec = np.empty(len(positions), dtype=TOKEN_DTYPE)
-        rec["seq"] = self.sequence(str(seq))
-        rec["position"] = positions
-        rec["token"] = tokens
-        rec["regime"] = regime_code(regime)
-        rec["step"] = step
-        start = self._tokens.rows
-        self._tokens.append(rec)
-        self._rows_since_flush += len(rec)
+        seq_idx = self._seq_index.get(seq) if type(seq) is str else None
+        if seq_idx is None:
+            seq_idx = self.sequence(str(seq))
+        code = REGIME_CODE.get(regime) if type(regime) is str else None
+        if code is None:
+            code = regime_code(regime)
+        if type(step) is not int:
+            step = int(step)
+        if not -(1 << 31) <= step < (1 << 31):
+            raise ValueError(f"step {step} does not fit the token table's int32 column")
+        tok = self._tokens
+        start = tok.base + tok.fill
+        tok.add(positions, tokens, seq_idx, code, step)
+        self._rows_since_flush += n
         self._dirty = True
         self._appended = False
-        return np.arange(start, start + len(rec), dtype=np.int64)
+        return np.arange(start, start + n, dtype=np.int64)
 
     def append(self, name: str, rows: np.ndarray | Sequence[int], values: np.ndarray | None = None, *,
                sketch: np.ndarray | None = None, rms: np.ndarray | None = None) -> None:
         """Append tensor rows. ``values`` [n, width] in the tensor's storage form (bf16 as uint16
-        bits) or float; ``sketch``/``rms`` are computed here from ``values`` when not given."""
-        try:
-            apps = self._tensors[name]
-        except KeyError:
-            raise ValueError(f"tensor {name!r} not defined; call define_tensor first") from None
-        spec = self._specs[name]
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        bits) or float; ``sketch``/``rms`` are computed by the writer from ``values`` when not
+        given, in batches of one values chunk (when the chunk fills, or at a flush), from the same
+        float32 conversion of the stored values."""
+        t = self._state.get(name)
+        if t is None:
+            raise ValueError(f"tensor {name!r} not defined; call define_tensor first")
+        if not (type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1):
+            rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         n = len(rows)
-        if n and (rows.min() < 0 or rows.max() >= self._tokens.rows):
-            raise ValueError(f"{name}: row indices must point into the token table (0..{self._tokens.rows - 1})")
-        f32 = None
+        if n:
+            n_tok = self._tokens.base + self._tokens.fill
+            if n <= 64:  # a decode step's few rows: Python's min/max beat two numpy reductions
+                lst = rows.tolist()
+                bad = min(lst) < 0 or max(lst) >= n_tok
+            else:  # one reduction checks both ends: negative indices wrap to huge unsigned ones
+                bad = int(rows.view(np.uint64).max()) >= n_tok
+            if bad:
+                raise ValueError(f"{name}: row indices must point into the token table (0..{n_tok - 1})")
+        vapp = t.values
+        nxt = -1  # the values row these rows start at
         if values is not None:
-            if "values" not in apps:
+            if vapp is None:
                 raise ValueError(f"{name} was defined with values=False")
-            values = np.asarray(values)
-            if values.shape != (n, spec["width"]):
-                raise ValueError(f"{name}: values shape {values.shape}, expected {(n, spec['width'])}")
-            sd = storage_dtype(spec["dtype"])
-            if spec["dtype"] == "bfloat16" and values.dtype != np.uint16:
-                raise ValueError(f"{name}: bfloat16 values must be given as their uint16 bits")
-            stored = values.astype(sd, copy=False)
-            apps["values"].append(stored)
-            if sketch is None and "sketch" in apps:
-                f32 = to_float32(stored, spec["dtype"])
-        elif "values" in apps:
+            nxt = vapp.base + vapp.fill
+            if type(values) is not np.ndarray:
+                values = np.asarray(values)
+            if values.shape != (n, t.width):
+                raise ValueError(f"{name}: values shape {values.shape}, expected {(n, t.width)}")
+            if values.dtype != t.sd:
+                if t.dtype == "bfloat16":
+                    raise ValueError(f"{name}: bfloat16 values must be given as their uint16 bits")
+                values = values.astype(t.sd)
+        elif vapp is not None:
             raise ValueError(f"{name}: values are required (defined with values=True)")
-        if "sketch" in apps:
-            if sketch is None:
-                if f32 is None:
-                    raise ValueError(f"{name}: give sketch= when values are not recorded")
-                sketch = sketch_np(f32, spec["slot_width"], self.sketch_dim, self.sketch_seed)
+        sapp = t.sketch
+        if sapp is not None and sketch is not None:
             sketch = np.asarray(sketch, dtype=np.float32)
-            if sketch.shape != (n, self.sketch_dim * spec["k"]):
-                raise ValueError(f"{name}: sketch shape {sketch.shape}, expected {(n, self.sketch_dim * spec['k'])}")
-            apps["sketch"].append(sketch)
-        pending = self._pending_rms[name]
-        if rms is None:
-            if f32 is not None:
-                self._drain_rms(name)
-                apps["rms"].append(slot_rms(f32, spec["slot_width"]))
-            elif values is not None:
-                # computed in batches: one conversion per ~512 rows instead of one per decode step
-                pending.append(stored.copy())
-                self._pending_rows[name] += n
-                if self._pending_rows[name] >= 512:
-                    self._drain_rms(name)
+            if sketch.shape != (n, t.sketch_width):
+                raise ValueError(f"{name}: sketch shape {sketch.shape}, expected {(n, t.sketch_width)}")
+        elif sapp is not None and values is None:
+            raise ValueError(f"{name}: give sketch= when values are not recorded")
+        if rms is not None:
+            if not (type(rms) is np.ndarray and rms.dtype == np.float32):
+                rms = np.asarray(rms, dtype=np.float32)
+            if rms.shape != (n, t.k):
+                rms = rms.reshape(n, t.k)
+        elif values is None:
+            raise ValueError(f"{name}: give rms= when values are not recorded")
+        # validated: now every dataset gets its n rows
+        if sapp is not None:
+            if sketch is None:
+                if t.pend_sketch is None:
+                    t.pend_sketch = nxt  # (values given: checked above)
             else:
-                raise ValueError(f"{name}: give rms= when values are not recorded")
+                if t.pend_sketch is not None:  # rows before these were the writer's to sketch
+                    self._derive(t)
+                    t.pend_sketch = None
+                sapp.append(sketch)
+        if rms is None:
+            if t.pend_rms is None:
+                t.pend_rms = nxt  # (values given: checked above)
         else:
-            self._drain_rms(name)
-            apps["rms"].append(np.asarray(rms, dtype=np.float32).reshape(n, spec["k"]))
-        apps["rows"].append(rows)
+            if t.pend_rms is not None:
+                self._derive(t)
+                t.pend_rms = None
+            t.rms.append(rms)
+        if values is not None and vapp is not None:
+            vapp.append(values)
+        t.rows.append(rows)
         self._dirty = True
         self._appended = True
 
-    def _drain_rms(self, name: str) -> None:
-        pending = self._pending_rms[name]
-        if pending:
-            spec = self._specs[name]
-            block = np.concatenate(pending) if len(pending) > 1 else pending[0]
-            self._tensors[name]["rms"].append(slot_rms(to_float32(block, spec["dtype"]), spec["slot_width"]))
-            pending.clear()
-            self._pending_rows[name] = 0
+    def _derive(self, t: _Tensor) -> None:
+        """The sketch/RMS rows the writer owes for ``t``: every values row from the first pending
+        one to the end of the values buffer, from one float32 conversion.
+
+        A sketch is always computed over the whole buffer (one matmul of ``chunk`` rows; rows past
+        ``fill`` are stale and dropped): a BLAS may round a row differently with the row count of the
+        product, and this way row r of a tensor is always row ``r % chunk`` of a ``chunk``-row product,
+        so the same values get the same sketch bits whatever the append and flush pattern (a killed
+        recording's rows equal an unkilled run's). RMS is a per-row reduction, the same in any batch."""
+        ps, pr = t.pend_sketch, t.pend_rms
+        if ps is None and pr is None:
+            return
+        v = t.values
+        assert v is not None  # pending rows exist only for tensors with values
+        end = v.base + v.fill
+        x = None
+        if ps is not None and ps < end:
+            x = self._f32(v.buf, t.dtype)
+            sapp = t.sketch
+            assert sapp is not None  # a sketch is pending only for tensors with one
+            sapp.append(sketch_rows(x, t.slot_width, self.sketch_dim, self.sketch_seed)[ps - v.base:v.fill])
+        if pr is not None and pr < end:
+            lo = pr - v.base
+            xr = x[lo:v.fill] if x is not None else self._f32(v.buf[lo:v.fill], t.dtype)
+            t.rms.append(slot_rms(xr, t.slot_width))
+        if ps is not None:
+            t.pend_sketch = end
+        if pr is not None:
+            t.pend_rms = end
+
+    def _f32(self, block: np.ndarray, dtype: str) -> np.ndarray:
+        """``block`` of stored values as float32, in the writer's scratch buffer (no new memory per block)."""
+        if dtype == "float32":
+            return block
+        if self._scratch.size < block.size:
+            self._scratch = np.empty(block.size, dtype=np.float32)
+        return to_float32(block, dtype, out=self._scratch)
 
     def set_attr(self, name: str | None, key: str, value: Any) -> None:
         """Set a json attribute on the file (name None) or a tensor, e.g. resolved capture ids."""
@@ -432,9 +598,10 @@ class TraceWriter:
             self.on_flush(self)
 
     def _write_buffered(self) -> None:
-        """Phase 1 of a flush: every buffered row (and pending RMS) to the file, then ``H5Fflush``."""
+        """Phase 1 of a flush: every buffered row (and the sketch/RMS rows the writer still owes)
+        to the file, then ``H5Fflush``."""
         for name, apps in self._tensors.items():
-            self._drain_rms(name)
+            self._derive(self._state[name])
             for app in apps.values():
                 app.flush_partial()
         self._tokens.flush_partial()
@@ -454,10 +621,8 @@ class TraceWriter:
         # trim to the rows written (a partial last chunk may have been over-allocated)
         for apps in self._tensors.values():
             for app in apps.values():
-                if app.ds.shape[0] != app.rows:
-                    app.ds.resize(app.rows, axis=0)
-        if self._tokens.ds.shape[0] != self._tokens.rows:
-            self._tokens.ds.resize(self._tokens.rows, axis=0)
+                app.trim()
+        self._tokens.trim()
         self.f.attrs.modify("complete", True)  # in place: the last flush rewrites one object header
         self.f.close()
         self._closed = True

@@ -1,0 +1,224 @@
+"""Every speed and memory goal of issue 12 (and the SGLang overhead of issue 15), measured and judged.
+
+Runs each benchmark script once per configuration, one after the other (never two at once: they
+would load each other), with ``--json FILE``, and judges the figures it wrote against the goals:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/goals.py [--only SUBSTR ...] [--list]
+        [--results DIR] [--from DIR] [--json FILE]
+
+Each benchmark measures its own baseline in the same run (interleaved in random order after a
+warm-up) and writes ratios and figures; this script only runs them and compares. A goal whose
+benchmark failed, timed out or did not write the figure is reported as NOT MEASURED and counts as
+a failure: a goal is never passed by default.
+
+``--only`` keeps the goals whose name or benchmark contains any of the given strings (the full set
+takes 30-60 minutes on the project's 2-core machine, most of it the 100k-token pair and the SGLang
+engine). ``--from DIR`` re-judges the JSON files a previous run left in ``--results DIR`` without
+measuring again.
+
+Exit status: 0 when every selected goal passed, 1 when one failed or was not measured, 2 on bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One benchmark invocation; several goals may read its figures."""
+
+    key: str
+    script: str
+    args: tuple[str, ...] = ()
+    timeout: float = 3600.0
+
+
+@dataclass(frozen=True)
+class Goal:
+    name: str
+    run: str
+    figure: str
+    op: str  # ">=" or "<=" or "=="
+    target: float | bool
+    unit: str = ""
+
+
+DIFF = ("--repeat", "3", "--no-comparator")
+RUNS = [
+    Run("diff-default", "bench_diff.py", DIFF),
+    Run("diff-64-layers", "bench_diff.py", (*DIFF, "--layers", "64")),
+    Run("diff-8k-tokens", "bench_diff.py", (*DIFF, "--tokens", "8192")),
+    Run("diff-100k-tokens", "bench_diff.py", ("--repeat", "2", "--no-comparator", "--tokens", "100000",
+                                              "--layers", "8"), timeout=5400.0),
+    Run("narrow", "bench_narrow.py"),
+    Run("identity", "bench_identity.py"),
+    Run("memory", "bench_memory.py"),
+    Run("write", "bench_write.py"),
+    Run("tui", "bench_tui.py"),
+    Run("sglang-eagle", "bench_sglang_overhead.py", ("--mode", "eagle", "--rounds", "5")),
+]
+
+GOALS: list[Goal] = []
+for _run in ("diff-default", "diff-64-layers", "diff-8k-tokens", "diff-100k-tokens"):
+    GOALS += [
+        Goal(f"{_run}: in-process diff vs plain h5py read", _run, "inproc_vs_read", ">=", 0.8, "x"),
+        Goal(f"{_run}: CLI vs plain per-layer script", _run, "cli_vs_script", ">=", 2.0, "x"),
+        Goal(f"{_run}: peak RSS of the CLI", _run, "rss_mb", "<=", 300, " MB"),
+        Goal(f"{_run}: names the corrupted layer first", _run, "names_corrupt", "==", True),
+    ]
+GOALS += [
+    Goal("diff-default: probe share of the CLI's time", "diff-default", "probe_share", "<=", 0.05),
+    Goal("narrow 1M tokens x 8: tokens/s per tensor pair", "narrow", "tokens_per_s", ">=", 1e6, " tok/s"),
+    Goal("narrow 1M tokens x 8: peak RSS", "narrow", "rss_mb", "<=", 300, " MB"),
+    Goal("identity 100k tokens x 62 states x 3 slots", "identity", "seconds_100k", "<=", 0.5, " s"),
+    Goal("identity 1M tokens x 62 states x 3 slots", "identity", "seconds_1m", "<=", 2.0, " s"),
+    Goal("peak RSS: default pair", "memory", "rss_mb_default", "<=", 300, " MB"),
+    Goal("peak RSS: 64 layers", "memory", "rss_mb_64_layers", "<=", 300, " MB"),
+    Goal("peak RSS: 3 x 4096 packed tensor", "memory", "rss_mb_packed_3x4096", "<=", 300, " MB"),
+    Goal("peak RSS: 1M tokens narrow", "memory", "rss_mb_1m_narrow", "<=", 300, " MB"),
+    Goal("writer on the recorder path vs raw appends", "write", "recorder_vs_raw", ">=", 0.8, "x"),
+    Goal("TUI: first real heatmap rows at 1M tokens", "tui", "first_rows_s_1m", "<=", 1.0, " s"),
+    Goal("SGLang plugin time, EAGLE-3 with predictions (issue 15; 5.3% stated before the taps)", "sglang-eagle",
+         "plugin_share", "<=", 0.053),
+]
+OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
+
+
+def select(only: list[str]) -> tuple[list[Run], list[Goal]]:
+    if not only:
+        return RUNS, GOALS
+    goals = [g for g in GOALS if any(s in g.name or s in g.run or s in _script(g.run) for s in only)]
+    keys = {g.run for g in goals}
+    return [r for r in RUNS if r.key in keys], goals
+
+
+def _script(key: str) -> str:
+    return next(r.script for r in RUNS if r.key == key)
+
+
+def measure(run: Run, out_dir: str) -> tuple[dict | None, str]:
+    """Run one benchmark with --json; its result, or None and why not."""
+    path = os.path.join(out_dir, f"{run.key}.json")
+    if os.path.exists(path):
+        os.unlink(path)
+    script = os.path.join(HERE, run.script)
+    if not os.path.exists(script):
+        return None, f"{run.script} does not exist"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log = os.path.join(out_dir, f"{run.key}.log")
+    t0 = time.monotonic()
+    print(f"-- {run.key}: {run.script} {' '.join(run.args)}  (load {os.getloadavg()[0]:.2f})", flush=True)
+    try:
+        with open(log, "w") as fh:
+            proc = subprocess.run([sys.executable, script, *run.args, "--json", path], cwd=REPO, env=env,
+                                  stdout=fh, stderr=subprocess.STDOUT, timeout=run.timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {run.timeout:.0f} s (log: {log})"
+    wall = time.monotonic() - t0
+    print(f"   exit {proc.returncode} after {wall:.0f} s", flush=True)
+    if proc.returncode != 0:
+        return None, f"exit {proc.returncode} (log: {log})"
+    return load_result(path)
+
+
+def load_result(path: str) -> tuple[dict | None, str]:
+    try:
+        with open(path) as fh:
+            res = json.load(fh)
+    except (OSError, ValueError) as e:
+        return None, f"no readable result ({e})"
+    if not isinstance(res, dict) or not isinstance(res.get("figures"), dict):
+        return None, "result has no figures"
+    return res, ""
+
+
+def judge(goal: Goal, res: dict | None, why: str) -> dict:
+    row = {"goal": goal.name, "figure": goal.figure, "op": goal.op, "target": goal.target, "run": goal.run}
+    if res is None:
+        return {**row, "status": "NOT MEASURED", "why": why}
+    val = res["figures"].get(goal.figure)
+    row.update(commit=res.get("commit"), dirty=res.get("dirty"), load=res.get("load"))
+    if val is None or (not isinstance(val, bool) and not isinstance(val, (int, float))):
+        return {**row, "status": "NOT MEASURED", "why": f"{goal.figure} missing from the result"}
+    if isinstance(val, float) and val != val:
+        return {**row, "value": None, "status": "NOT MEASURED", "why": f"{goal.figure} is NaN"}
+    ok = OPS[goal.op](val, goal.target)
+    return {**row, "value": val, "status": "PASS" if ok else "FAIL"}
+
+
+def fmt_value(v: float | bool | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if unit == " tok/s":
+        return f"{v / 1e6:.2f}M tok/s"
+    if unit == "x":
+        return f"{v:.2f}x"
+    if unit == "":
+        return f"{v:.3f}"
+    return f"{v:.2f}{unit}" if abs(v) < 100 else f"{v:.0f}{unit}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", default=[], metavar="SUBSTR", help="goals whose name or bench contains one")
+    ap.add_argument("--list", action="store_true", help="list the goals and the runs behind them; measure nothing")
+    ap.add_argument("--results", help="keep each benchmark's JSON and log here (default: a temporary directory)")
+    ap.add_argument("--from", dest="from_dir", help="judge the JSON files of an earlier --results DIR; measure nothing")
+    ap.add_argument("--json", help="write the judged goals here as JSON")
+    a = ap.parse_args(argv)
+    runs, goals = select(a.only)
+    if not goals:
+        ap.error(f"no goal matches {a.only}")
+    if a.list:
+        for r in runs:
+            print(f"{r.key}: {r.script} {' '.join(r.args)}")
+            for g in goals:
+                if g.run == r.key:
+                    print(f"    {g.name}: {g.figure} {g.op} {g.target}")
+        return 0
+    out_dir = a.from_dir or a.results or tempfile.mkdtemp(prefix="tensordiff-goals-")
+    os.makedirs(out_dir, exist_ok=True)
+    results: dict[str, tuple[dict | None, str]] = {}
+    for r in runs:
+        if a.from_dir:
+            results[r.key] = load_result(os.path.join(out_dir, f"{r.key}.json"))
+        else:
+            results[r.key] = measure(r, out_dir)
+    rows = [judge(g, *results[g.run]) for g in goals]
+    print()
+    print("| goal | measured | target | status | commit, 1-min load (start-end) |")
+    print("|---|---|---|---|---|")
+    for g, row in zip(goals, rows):
+        target = fmt_value(g.target, g.unit)
+        where = "-"
+        if row.get("commit"):
+            load = row.get("load") or []
+            where = f"{row['commit']}{'+dirty' if row.get('dirty') else ''}, " + "-".join(f"{x:.1f}" for x in load)
+        measured = fmt_value(row.get("value"), g.unit) if row["status"] != "NOT MEASURED" else row["why"]
+        print(f"| {g.name} | {measured} | {g.op} {target} | {row['status']} | {where} |")
+    passed = sum(r["status"] == "PASS" for r in rows)
+    print(f"\n{passed} of {len(rows)} goals passed; results in {out_dir}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"goals": rows}, fh, indent=1)
+    return 0 if passed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

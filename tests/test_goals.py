@@ -1,0 +1,63 @@
+"""benchmarks/goals.py judges figures; a goal whose figure was not measured is never a pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(os.path.dirname(HERE), "benchmarks")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(BENCH, f"{name}.py"))
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    sys.path.insert(0, BENCH)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(BENCH)
+    return mod
+
+
+goals = _load("goals")
+benchjson = _load("benchjson")
+
+
+def test_every_goal_names_a_run_and_every_bench_script_exists():
+    keys = {r.key for r in goals.RUNS}
+    assert {g.run for g in goals.GOALS} <= keys
+    for r in goals.RUNS:
+        assert os.path.exists(os.path.join(BENCH, r.script)), r.script
+
+
+@pytest.mark.parametrize("value, status", [(0.81, "PASS"), (0.8, "PASS"), (0.79, "FAIL")])
+def test_judge_compares_against_the_target(value, status):
+    g = goals.Goal("x", "diff-default", "inproc_vs_read", ">=", 0.8, "x")
+    assert goals.judge(g, {"figures": {"inproc_vs_read": value}}, "")["status"] == status
+
+
+@pytest.mark.parametrize("res", [None, {"figures": {}}, {"figures": {"rss_mb": None}}, {"figures": {"rss_mb": "big"}},
+                                 {"figures": {"rss_mb": float("nan")}}])
+def test_a_figure_not_measured_is_not_a_pass(res):
+    g = goals.Goal("x", "memory", "rss_mb", "<=", 300, " MB")
+    assert goals.judge(g, res, "exit 2")["status"] == "NOT MEASURED"
+
+
+def test_from_dir_judges_saved_results_and_exits_1_on_a_missing_one(tmp_path, capsys):
+    res = benchjson.Result("bench_identity", config={"tokens": 10})
+    res.write(str(tmp_path / "identity.json"), figures={"seconds_100k": 0.4, "seconds_1m": float("inf")})
+    doc = json.loads((tmp_path / "identity.json").read_text())
+    assert doc["figures"]["seconds_1m"] is None and doc["commit"] and len(doc["load"]) == 2
+    assert goals.main(["--only", "identity", "--from", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "| identity 100k tokens x 62 states x 3 slots | 0.40 s | <= 0.50 s | PASS |" in out
+    assert "NOT MEASURED" in out
+    (tmp_path / "identity.json").write_text(json.dumps({**doc, "figures": {"seconds_100k": 0.4, "seconds_1m": 1.5}}))
+    assert goals.main(["--only", "identity", "--from", str(tmp_path)]) == 0

@@ -1,0 +1,201 @@
+"""The writer's own sketch and RMS: computed once per values block (never per append), equal to
+the per-row reference (RMS bit for bit, sketches within float32 rounding), the same bits whatever
+the append and flush pattern, and committed by a flush like every other row."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from tensordiff.dtypes import f32_to_bf16_bits, storage_dtype, to_float32
+from tensordiff.sketch import sketch_np
+from tensordiff.trace import SlotSpec, TraceReader, TraceWriter, slot_rms
+from tensordiff.trace import writer as writer_mod
+from tensordiff.vocab import REGIMES
+
+DTYPES = ["bfloat16", "float16", "float32", "float64"]
+
+
+def _stored(rng, n, width, dtype):
+    x = rng.standard_normal((n, width), dtype=np.float32) * 3
+    return f32_to_bf16_bits(x) if dtype == "bfloat16" else x.astype(storage_dtype(dtype))
+
+
+def _write(path, data, pattern, *, dtype, width, slot_width=None, flush_rows=None, sketch_dim=16):
+    """Append ``data`` in pieces of the sizes in ``pattern`` (cycled); no sketch/RMS given."""
+    k = width // (slot_width or width)
+    with TraceWriter(path, side="serve", model={"hidden_size": slot_width or width, "num_layers": 4},
+                     flush_rows=flush_rows, flush_seconds=None, sketch_dim=sketch_dim) as w:
+        if k > 1:
+            w.define_tensor("p", width, kind="packed", dtype=dtype,
+                            slots=SlotSpec(labels=[f"layer{i}" for i in range(k)]))
+        else:
+            w.define_tensor("p", width, kind="boundary", boundary=1, dtype=dtype)
+        s, i = 0, 0
+        while s < len(data):
+            n = pattern[i % len(pattern)]
+            i += 1
+            blk = data[s:s + n]
+            rows = w.add_tokens("r", np.arange(s, s + len(blk)), np.zeros(len(blk), np.int64), "decode", step=i)
+            w.append("p", rows, blk)
+            s += len(blk)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_writer_sketch_and_rms_match_the_per_row_reference(tmp_path, dtype):
+    rng = np.random.default_rng(3)
+    width = 96
+    data = _stored(rng, 700, width, dtype)
+    _write(tmp_path / "t.h5", data, [1, 4, 300, 2], dtype=dtype, width=width, flush_rows=50)
+    x32 = to_float32(data, dtype)
+    with TraceReader(tmp_path / "t.h5") as r:
+        assert r.tensors["p"].rows == 700
+        assert r.read_values("p", raw=True).tobytes() == data.tobytes()
+        # RMS: the per-row reduction of today's writer, bit for bit
+        np.testing.assert_array_equal(r.read_rms("p"), slot_rms(x32, width))
+        # sketch: the same projection as sketch_np, one matmul per block (float32 rounding apart)
+        ref = sketch_np(x32, width, r.sketch_dim, r.sketch_seed)
+        got = r.read_sketch("p")
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+        assert not np.array_equal(got, np.zeros_like(got))
+
+
+def test_packed_slots_get_their_own_sketch_and_rms(tmp_path):
+    rng = np.random.default_rng(4)
+    sw, k = 64, 3
+    data = _stored(rng, 333, sw * k, "bfloat16")
+    _write(tmp_path / "t.h5", data, [3, 1, 90], dtype="bfloat16", width=sw * k, slot_width=sw, flush_rows=40)
+    x32 = to_float32(data, "bfloat16")
+    with TraceReader(tmp_path / "t.h5") as r:
+        np.testing.assert_array_equal(r.read_rms("p"), slot_rms(x32, sw))
+        ref = sketch_np(x32, sw, r.sketch_dim, r.sketch_seed)
+        np.testing.assert_allclose(r.read_sketch("p"), ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+        assert r.read_sketch("p").shape == (333, k * r.sketch_dim)
+
+
+@pytest.mark.parametrize("width", [1000, 4096])
+def test_same_values_same_sketch_bits_whatever_the_pattern(tmp_path, width):
+    """A flush or an append boundary does not change a row's sketch bits (a killed recording's
+    rows must equal an unkilled run's bit for bit)."""
+    rng = np.random.default_rng(5)
+    data = _stored(rng, 300, width, "bfloat16")
+    runs = []
+    for i, (pattern, flush_rows) in enumerate([([1], 7), ([4], None), ([300], None), ([2, 5, 1, 61], 13)]):
+        p = tmp_path / f"t{i}.h5"
+        _write(p, data, pattern, dtype="bfloat16", width=width, flush_rows=flush_rows)
+        with TraceReader(p) as r:
+            runs.append((r.read_sketch("p"), r.read_rms("p")))
+    for sk, rms in runs[1:]:
+        assert sk.tobytes() == runs[0][0].tobytes()
+        assert rms.tobytes() == runs[0][1].tobytes()
+
+
+def test_sketch_and_rms_are_computed_once_per_block(tmp_path, monkeypatch):
+    calls = {"sketch": [], "rms": []}
+    real_sketch, real_rms = writer_mod.sketch_rows, writer_mod.slot_rms
+
+    def count_sketch(x, *a, **k):
+        calls["sketch"].append(len(x))
+        return real_sketch(x, *a, **k)
+
+    def count_rms(x, *a, **k):
+        calls["rms"].append(len(x))
+        return real_rms(x, *a, **k)
+
+    monkeypatch.setattr(writer_mod, "sketch_rows", count_sketch)
+    monkeypatch.setattr(writer_mod, "slot_rms", count_rms)
+    rng = np.random.default_rng(6)
+    data = _stored(rng, 300, 4096, "bfloat16")  # 128-row chunks at 4096 bf16
+    _write(tmp_path / "t.h5", data, [1], dtype="bfloat16", width=4096)
+    # 300 single-row appends: two full blocks and the rest at close, not 300 products
+    assert calls["sketch"] == [128, 128, 128]  # always the whole block (rows past fill dropped)
+    assert calls["rms"] == [128, 128, 44]
+
+
+def test_supplied_and_computed_rows_interleave(tmp_path):
+    """Appends that give sketch/RMS and appends that leave them to the writer, in any order: every
+    row keeps what was given or gets what the writer computes, in row order."""
+    rng = np.random.default_rng(7)
+    width, n = 64, 260
+    data = _stored(rng, n, width, "float32")
+    given_sk = rng.standard_normal((n, 16), dtype=np.float32)
+    given_rms = rng.random((n, 1), dtype=np.float32) + 5
+    pattern = [(3, True, False), (1, False, True), (130, False, False), (7, True, True), (2, False, False),
+               (90, True, False), (27, False, True)]
+    gave_sk = np.zeros(n, bool)
+    gave_rms = np.zeros(n, bool)
+    with TraceWriter(tmp_path / "t.h5", model={"hidden_size": width}, sketch_dim=16, flush_rows=64,
+                     flush_seconds=None) as w:
+        w.define_tensor("x", width)
+        s = 0
+        for m, sk, rm in pattern:
+            rows = w.add_tokens("r", np.arange(s, s + m), np.zeros(m, np.int64), "train", step=s)
+            w.append("x", rows, data[s:s + m], sketch=given_sk[s:s + m] if sk else None,
+                     rms=given_rms[s:s + m] if rm else None)
+            gave_sk[s:s + m], gave_rms[s:s + m] = sk, rm
+            s += m
+    assert s == n
+    with TraceReader(tmp_path / "t.h5") as r:
+        sk, rms = r.read_sketch("x"), r.read_rms("x")
+    ref_sk = sketch_np(data, width, 16, r.sketch_seed)
+    np.testing.assert_array_equal(sk[gave_sk], given_sk[gave_sk])
+    np.testing.assert_allclose(sk[~gave_sk], ref_sk[~gave_sk], rtol=1e-5, atol=1e-5 * float(np.abs(ref_sk).max()))
+    np.testing.assert_array_equal(rms[gave_rms], given_rms[gave_rms])
+    np.testing.assert_array_equal(rms[~gave_rms], slot_rms(data, width)[~gave_rms])
+
+
+def test_writer_computed_rows_are_committed_by_a_flush(tmp_path):
+    """A trace copied while its writer is still open (what a SIGKILL leaves) holds every row up to
+    the last flush, with the sketch and RMS the writer computed for them, and nothing after."""
+    rng = np.random.default_rng(8)
+    width = 4096
+    data = _stored(rng, 400, width, "bfloat16")
+    p, crashed = tmp_path / "t.h5", tmp_path / "crashed.h5"
+    w = TraceWriter(p, side="serve", model={"hidden_size": width}, flush_rows=None, flush_seconds=None, sketch_dim=16)
+    w.define_tensor("x", width, dtype="bfloat16")
+    for s in range(0, 200, 4):
+        w.append("x", w.add_tokens("r", np.arange(s, s + 4), np.zeros(4, np.int64), "decode", step=s), data[s:s + 4])
+    w.flush()  # 200 rows: one full block of 128 written at fill, 72 still buffered before the flush
+    for s in range(200, 400, 4):  # past the flush: crosses another block, never committed
+        w.append("x", w.add_tokens("r", np.arange(s, s + 4), np.zeros(4, np.int64), "decode", step=s), data[s:s + 4])
+    shutil.copyfile(p, crashed)
+    w.close()
+    x32 = to_float32(data, "bfloat16")
+    with TraceReader(crashed) as r, TraceReader(p) as full:
+        assert not r.complete and "not closed cleanly" in (r.recovered_note or "")
+        assert r.tensors["x"].rows == 200 and len(r.tokens) == 200
+        assert r.read_values("x", raw=True).tobytes() == data[:200].tobytes()
+        np.testing.assert_array_equal(r.read_rms("x"), slot_rms(x32[:200], width))
+        assert r.read_sketch("x").tobytes() == full.read_sketch("x", 0, 200).tobytes()
+        assert full.tensors["x"].rows == 400
+        np.testing.assert_array_equal(full.read_rms("x"), slot_rms(x32, width))
+
+
+def test_token_table_across_chunks_and_flushes(tmp_path):
+    """Token rows are kept as columns plus one (seq, regime, step) run per call and filled into
+    the record buffer when it is written: calls that cross the 2048-row chunk, flushes that split
+    a chunk, and every column come back as given."""
+    rng = np.random.default_rng(9)
+    sizes = [1, 2047, 3, 2500, 0, 7, 4096, 1, 300]
+    want = []
+    with TraceWriter(tmp_path / "t.h5", model={"hidden_size": 4}, flush_rows=1000, flush_seconds=None) as w:
+        w.define_tensor("x", 4)
+        for i, n in enumerate(sizes):
+            pos = rng.integers(0, 10**9, n)
+            tok = rng.integers(-5, 2**40, n)
+            seq, regime, step = f"s{i % 3}", ("prefill", "decode", "train")[i % 3], (-7, 0, 2**31 - 1)[i % 3]
+            rows = w.add_tokens(seq, pos, tok, regime, step=step)
+            w.append("x", rows, np.full((n, 4), i, np.float32))
+            want += [(i % 3, p, t, ("prefill", "decode", "train")[i % 3], step) for p, t in zip(pos, tok)]
+        with pytest.raises(ValueError, match="int32"):
+            w.add_tokens("s0", [1], [1], "train", step=2**31)
+    with TraceReader(tmp_path / "t.h5") as r:
+        tab = r.tokens
+        assert len(tab) == sum(sizes)
+        np.testing.assert_array_equal(tab["seq"], [x[0] for x in want])
+        np.testing.assert_array_equal(tab["position"], [x[1] for x in want])
+        np.testing.assert_array_equal(tab["token"], [x[2] for x in want])
+        np.testing.assert_array_equal(tab["step"], [x[4] for x in want])
+        codes = {name: code for code, name in enumerate(REGIMES)}
+        np.testing.assert_array_equal(tab["regime"], [codes[x[3]] for x in want])
+        np.testing.assert_array_equal(r.read_values("x")[:, 0], np.repeat(np.arange(len(sizes)), sizes))
