@@ -31,7 +31,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,8 +39,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import sglang_support as sup  # noqa: E402
+from benchjson import Result  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -59,13 +60,19 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=None, help="TENSORDIFF_TOPK (default: the plugin's, 20; 0: no predictions)")
     ap.add_argument("--profile", help="TENSORDIFF_PROFILE: write a cProfile stats file of the plugin's own code")
     ap.add_argument("--catalog", action="store_true", help="also record the per-boundary catalog (sketches)")
-    ap.add_argument("--values", default=None, help="TENSORDIFF_VALUES (default: aux_hidden_states,draft_input)")
+    ap.add_argument("--values", default=None,
+                    help="TENSORDIFF_VALUES (default: the plugin's, aux_hidden_states,draft_input,draft_fc_output)")
     ap.add_argument("--workdir", help="where the checkpoints and the trace go (default: a temp dir)")
     ap.add_argument("--json", metavar="FILE", help="write the result as one JSON object (the benchmark contract)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
     load_start = os.getloadavg()[0]
+    result = Result(Path(__file__).stem, {
+        "mode": args.mode, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "batch": args.batch,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "catalog": args.catalog,
+        "values": args.values or "aux_hidden_states,draft_input,draft_fc_output",
+        "topk": 20 if args.topk is None else args.topk, "rounds": args.rounds, "seed": args.seed})
 
     import numpy as np
 
@@ -141,13 +148,12 @@ def main(argv=None) -> int:
     plugin_per_round = stats["plugin_seconds"] / (args.rounds + 1)
     res = {"mode": args.mode, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "catalog": args.catalog,
-           "values": os.environ.get("TENSORDIFF_VALUES", "aux_hidden_states,draft_input"), "rounds": rounds,
+           "values": os.environ.get("TENSORDIFF_VALUES", "aux_hidden_states,draft_input,draft_fc_output"), "rounds": rounds,
            "median_ratio": statistics.median(x["ratio"] for x in rounds), "min_ratio": min(recorded) / min(bare),
            "plugin_seconds": stats["plugin_seconds"], "recorder_seconds": stats["recorder_seconds"],
            "plugin_share_of_bare": plugin_per_round / min(bare), "trace_rows": rows, "trace_bytes": size,
            "tensors": tensors, "topk": int(os.environ.get("TENSORDIFF_TOPK", "20"))}
-    if args.json:
-        write_json(args, res, load_start)
+    result.write(args.json, figures(args, res))
     print(f"SGLang {args.mode} on CPU: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
           f"{args.prompt_len} prompt + {args.new_tokens} new tokens, catalog {'on' if args.catalog else 'off'}, "
           f"values {res['values']}, top-k {res['topk']}")
@@ -162,25 +168,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def git(*cmd: str) -> str:
-    return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-
-
-def write_json(args, res: dict, load_start: float) -> None:
-    """The benchmark contract's object: bench, commit, dirty, load [start, end], config, figures."""
+def figures(args, res: dict) -> dict:
+    """The figures of the --json result: plugin_share (the goal's), the wall ratios and seconds."""
     bare = [x["bare_s"] for x in res["rounds"]]
-    out = {"bench": Path(__file__).stem, "commit": git("rev-parse", "--short", "HEAD"),
-           "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-           "load": [load_start, os.getloadavg()[0]],
-           "config": {k: res[k] for k in ("mode", "hidden", "layers", "batch", "prompt_len", "new_tokens", "catalog",
-                                          "values", "topk")} | {"rounds": args.rounds, "vocab": args.vocab,
-                                                                "seed": args.seed},
-           "figures": {"plugin_share": res["plugin_share_of_bare"], "median_ratio": res["median_ratio"],
-                       "min_ratio": res["min_ratio"], "plugin_s_per_round": res["plugin_seconds"] / (args.rounds + 1),
-                       "bare_min_s": min(bare), "bare_median_s": statistics.median(bare),
-                       "recorded_median_s": statistics.median(x["recorded_s"] for x in res["rounds"]),
-                       "trace_rows": res["trace_rows"], "trace_bytes": res["trace_bytes"]}}
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return {"plugin_share": res["plugin_share_of_bare"], "median_ratio": res["median_ratio"],
+            "min_ratio": res["min_ratio"], "plugin_s_per_round": res["plugin_seconds"] / (args.rounds + 1),
+            "bare_min_s": min(bare), "bare_median_s": statistics.median(bare),
+            "recorded_median_s": statistics.median(x["recorded_s"] for x in res["rounds"]),
+            "trace_rows": res["trace_rows"], "trace_bytes": res["trace_bytes"]}
 
 
 if __name__ == "__main__":

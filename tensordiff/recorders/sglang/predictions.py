@@ -4,15 +4,19 @@ Taps (module hooks installed at start-up, on the target's and the draft's models
 
 * the draft's ``fc``: its output on a draft-extend pass is ``draft_fc_output`` [T, H], the same
   rows as ``draft_input`` (``token_offset=1``);
-* each model's ``logits_processor``: its final hidden states and lm_head. Where SGLang computed
-  logits for every row (decode, target verify) they are used as they are; where it kept only
-  some rows (a prefill's last token, a draft extend's last accepted row), the plugin computes the
-  other rows itself with the same lm_head weight, 512 rows at a time (bounded memory) (only when that weight holds the whole
-  vocabulary, i.e. not vocab-sharded across TP ranks; otherwise those rows get no predictions, and
-  a warning says so). The top-k ids, log-probabilities and logsumexp of every row are recorded as
-  ``target_topk`` (row t predicts token t+1) and ``draft_topk`` (row t predicts token t+2; draft
-  ids mapped to the target vocabulary through the draft's hot-token map), layouts in
-  :mod:`tensordiff.conventions`.
+* each model's ``logits_processor``: its final hidden states and lm_head. Top-k rows are computed
+  only for the rows the recorder keeps (a trace row at a position the sampling keeps; on a verify
+  pass every row, since which rows are accepted is known only after the verify; on a draft extend
+  also each request's last accepted row, draft position 0 of its next verify step). Where SGLang
+  computed logits for every row (decode, target verify, draft decode) they are used as they are;
+  where it kept only some rows (a prefill's last token, a draft extend's last accepted row), the
+  plugin computes the needed rows itself with the same lm_head weight, 512 rows at a time (bounded
+  memory) (only when that weight holds the whole vocabulary, i.e. not vocab-sharded across TP
+  ranks; otherwise those rows get no predictions, and a warning says so). The table of a pass
+  comes to the host in one copy; the verify and chain rows are numpy from there. The top-k ids,
+  log-probabilities and logsumexp of every row are recorded as ``target_topk`` (row t predicts
+  token t+1) and ``draft_topk`` (row t predicts token t+2; draft ids mapped to the target
+  vocabulary through the draft's hot-token map), layouts in :mod:`tensordiff.conventions`.
 
 The hooks keep references only; the work happens after the pass, when the plugin records.
 """
