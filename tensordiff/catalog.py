@@ -184,13 +184,13 @@ class IdentitySearch:
                 if not lay.enough[oi]:
                     continue
                 pos = lay.pos[oi]
+                if batch and held + len(pos) * t.data[:1].nbytes > BATCH_BYTES:
+                    flush()   # wide rows: a batch may be one offset of one candidate
+                    held = 0
                 data = t.data[pos]
                 batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], data, t.rms[pos],
                                                         exact_tol)))
                 held += data.nbytes
-            if held >= BATCH_BYTES:
-                flush()
-                held = 0
         flush()
         out = {}
         for s in slots:

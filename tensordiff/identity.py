@@ -196,12 +196,30 @@ def score(target: Target, cand: CandidateRows) -> _Scored:
 class SlotStack:
     """Several slots (each a :class:`Target` on the same sampled tokens) for :func:`score_many`:
     per slot the rows at the tokens of a list of masks, concatenated, and stacked [slots, rows]
-    their norms (as :func:`row_norms`, computed once per slot) and RMS."""
+    their norms (as :func:`row_norms`, computed once per slot) and RMS. A mask's rows are gathered
+    once (up to ``limit_bytes`` of them kept per slot, as for one slot before; a mask of every
+    token is the slot's own rows): at wide rows a fresh gather costs more than its arithmetic."""
 
-    def __init__(self, targets: list[Target]):
+    def __init__(self, targets: list[Target], limit_bytes: int = 32 << 20):
         self.targets = targets
+        limit_bytes *= max(1, len(targets))
         self._norms = np.stack([row_norms(t.data) for t in targets]) if targets else np.zeros((0, 0))
         self._rms = np.stack([t.rms for t in targets]) if targets else np.zeros((0, 0), np.float32)
+        self._cache: dict[bytes, list[F32]] = {}
+        self._room = limit_bytes
+
+    def _rows(self, ok: NDArray[np.bool_]) -> list[F32]:
+        if ok.all():
+            return [t.data for t in self.targets]
+        key = ok.tobytes()
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = [t.data[ok] for t in self.targets]
+            size = sum(x.nbytes for x in hit)
+            if size <= self._room:
+                self._room -= size
+                self._cache[key] = hit
+        return hit
 
     def at(self, oks: list[NDArray[np.bool_]]) -> tuple[list[F32], NDArray[np.float64], F32]:
         """Per slot the rows at each mask in turn, concatenated; their norms and RMS [slots, rows].
@@ -215,11 +233,12 @@ class SlotStack:
                 runs.append((ok, 1))
         idx = [np.flatnonzero(ok) for ok, _ in runs]
         at = idx[0] if len(oks) == 1 else np.concatenate([i for i, (_, n) in zip(idx, runs) for _ in range(n)])
-        xs = []
-        for t in self.targets:
-            parts = [t.data[i] for i in idx]
-            xs.append(parts[0] if len(oks) == 1 else np.concatenate([p for p, (_, n) in zip(parts, runs)
-                                                                     for _ in range(n)]))
+        parts = [self._rows(ok) for ok, _ in runs]
+        if len(oks) == 1:
+            xs = parts[0]
+        else:
+            xs = [np.concatenate([p[i] for p, (_, n) in zip(parts, runs) for _ in range(n)])
+                  for i in range(len(self.targets))]
         return xs, self._norms[:, at], self._rms[:, at]
 
 
