@@ -23,20 +23,20 @@ from .identity import (
     CandidateRows,
     IdentityVerdict,
     NoiseFloor,
+    SlotStack,
     Target,
-    TargetRows,
     _Scored,
     clean,
     decide_scored,
     pick_basis,
-    row_norms,
-    score,
+    score_many,
 )
 from .tolerances import coarser, default_tolerance
 from .trace import TensorInfo, TraceReader
 from .vocab import parse_label
 
 Codes = NDArray[np.int64]
+BATCH_BYTES = 4 << 20  # candidate rows scored at once (see IdentitySearch.identify)
 
 
 class Catalog:
@@ -51,6 +51,20 @@ class Catalog:
                 self.states[i.label] = i
 
 
+class _Layout:
+    """Where a candidate's rows lie at each offset of the sampled tokens: ``rows`` (tensor row
+    per sampled token, -1: none), ``enough`` (it has rows at enough of them), ``oks`` (the
+    tokens it has rows at), ``union`` (every row needed, ascending: read once) and ``pos``
+    (where each offset's rows sit in ``union``). Shared by the candidates with one row map."""
+
+    def __init__(self, rows: list[Codes], need: int):
+        self.rows = rows
+        self.oks = [r >= 0 for r in rows]
+        self.enough = [int(ok.sum()) >= need for ok in self.oks]
+        self.union = np.unique(np.concatenate([r[ok] for r, ok in zip(rows, self.oks)]))
+        self.pos = [np.searchsorted(self.union, r[ok]) for r, ok in zip(rows, self.oks)]
+
+
 class IdentitySearch:
     """Identity of slots against the catalogs of both sides of one diff."""
 
@@ -60,6 +74,11 @@ class IdentitySearch:
         self.cat_a, self.cat_b = Catalog(ra, "a"), Catalog(rb, "b")
         #: the cross-side noise floor of a state (set by the diff once the boundaries are compared)
         self.floor_of: Callable[[str], NoiseFloor] = lambda label: NoiseFloor(1e-3, 0.05, "none measured")
+        # candidates are read in alternating directions: the trace reader keeps the last 64
+        # datasets open (two per candidate), so a search that starts where the last one ended
+        # finds the datasets it needs first still open (reopening one and reading its first chunk
+        # costs ~0.2 ms); the order of the scores, and so every verdict, does not depend on it
+        self._backwards = False
 
     def _target(self, r: TraceReader, info: TensorInfo, rows: Codes, slot: int, basis: str) -> Target:
         """One slot's rows (full values or sketch) and their per-token RMS."""
@@ -76,10 +95,11 @@ class IdentitySearch:
         tokens? Candidates: every catalog state of both sides (own side first), at the same token
         and, when nothing matches there, at tokens shifted by up to two positions.
 
-        Streamed: one candidate's rows are read (once, for every offset and slot), scored against
-        every slot, and dropped; only the per-token scores stay. Memory: the slots' own rows plus
-        one candidate's, whatever the catalog's size. Row maps come from :class:`RowMaps` (built
-        once per tensor per diff), looked up at the sampled tokens only."""
+        Streamed: a candidate's rows are read once for every offset and slot (one read per run of
+        rows), gathered into a batch of up to :data:`BATCH_BYTES`, scored against every slot at
+        once, and dropped; only the per-token scores stay. Memory: the slots' own rows plus one
+        batch, whatever the catalog's size. Row maps come from :class:`RowMaps` (built once per
+        tensor per diff), looked up at the sampled tokens only."""
         r_self = self.ra if side == "a" else self.rb
         (rows_self,) = self.maps.rows_at(side, info.name, [sample])
         use = rows_self >= 0
@@ -99,11 +119,21 @@ class IdentitySearch:
             return {s: IdentityVerdict(reason="no catalog states recorded on either side") for s in slots}
         targets = [self.maps.offset_index(sample, o) for o in OFFSETS]
         need = min(MIN_TOKENS, max(1, len(sample)))
-        cand_rows: list[list[Codes]] = []
+        # the candidates' rows at every offset: one layout per distinct row map (the tensors of a
+        # trace usually share one, so the lookups, their union and its runs are computed once)
+        layouts: dict[tuple[str, int], _Layout] = {}
+        held_maps: list[Codes] = []   # keeps each keyed map alive, so its id stays its own
+        cand_layout: list[_Layout] = []
         for i, (_label, cside, ci, _) in enumerate(candidates):
             # also a chance for a caller (the TUI's worker) to stop between candidates
             self._progress("identifying slots", i, len(candidates))
-            cand_rows.append(self.maps.rows_at(cside, ci.name, targets))
+            inv = self.maps.inverse(cside, ci.name)
+            key = (cside, id(inv))
+            lay = layouts.get(key)
+            if lay is None:
+                held_maps.append(inv)
+                lay = layouts[key] = _Layout(self.maps.rows_at(cside, ci.name, targets), need)
+            cand_layout.append(lay)
 
         def usable(ci: TensorInfo, cr: TraceReader, basis: str) -> bool:
             if basis == "values":
@@ -112,36 +142,56 @@ class IdentitySearch:
                     and cr.sketch_seed == r_self.sketch_seed)
 
         # the basis: the one more states can be scored in (decided before any row is read)
-        enough = [[int((r >= 0).sum()) >= need for r in rows] for rows in cand_rows]
-        count = {b: sum(1 for (_l, _s, ci, cr), e in zip(candidates, enough) if any(e) and usable(ci, cr, b))
-                 for b in ("values", "sketch")}
+        count = {b: sum(1 for (_l, _s, ci, cr), lay in zip(candidates, cand_layout) if any(lay.enough)
+                        and usable(ci, cr, b)) for b in ("values", "sketch")}
         basis = pick_basis(count)
         if count[basis] == 0:
             return {s: IdentityVerdict(reason="no recorded state shares these tokens") for s in slots}
         # the slots' own rows in that basis, read once for every slot
         tgt = {s: self._target(r_self, info, rows_self, s, basis) for s in slots} if basis == "sketch" else \
             self._targets(r_self, info, rows_self, slots)
-        views = {s: TargetRows(t) for s, t in tgt.items()}
+        stack = SlotStack([tgt[s] for s in slots])
         scored: dict[int, list[tuple[int, int, _Scored]]] = {s: [] for s in slots}
-        for ci_idx, ((label, cside, ci, cr), rows, e) in enumerate(zip(candidates, cand_rows, enough)):
-            if not any(e) or not usable(ci, cr, basis):
+        # candidates are scored in batches of up to BATCH_BYTES of rows (at narrow widths many
+        # candidates at once; at wide ones one): one pass of numpy calls per batch, not per
+        # candidate and offset
+        batch: list[tuple[int, int, CandidateRows]] = []
+        held = 0
+
+        def flush() -> None:
+            # offset by offset: the candidates at one offset usually cover the same tokens, and
+            # score_many reduces a run of equal-length segments in one call
+            batch.sort(key=lambda b: b[0])
+            for (oi, ci_idx, _), per_slot in zip(batch, score_many(stack, [c for *_, c in batch])):
+                for s, sc in zip(slots, per_slot):
+                    scored[s].append((oi, ci_idx, sc))
+            batch.clear()
+
+        order = range(len(candidates) - 1, -1, -1) if self._backwards else range(len(candidates))
+        self._backwards = not self._backwards
+        for ci_idx in order:
+            (label, cside, ci, cr), lay = candidates[ci_idx], cand_layout[ci_idx]
+            if not any(lay.enough) or not usable(ci, cr, basis):
                 continue
-            # a candidate's rows at every offset, read once (their union), scored, dropped
-            union = np.unique(np.concatenate([r[r >= 0] for r in rows]))
-            t = self._target(cr, ci, union, 0, basis)
+            # a candidate's rows at every offset, read once (their union: one read per run of
+            # rows and part), scored against every slot at every offset, dropped
+            t = self._target(cr, ci, lay.union, 0, basis)
             exact_tol = None
             if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
                 eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
                 exact_tol = EXACT_EPS * eps + (1e-5 if basis == "sketch" else 0.0)
-            for oi, (offset, crows) in enumerate(zip(OFFSETS, rows)):
-                if not e[oi]:
+            for oi, offset in enumerate(OFFSETS):
+                if not lay.enough[oi]:
                     continue
-                ok = crows >= 0
-                pos = np.searchsorted(union, crows[ok])
+                pos = lay.pos[oi]
+                if batch and held + len(pos) * t.data[:1].nbytes > BATCH_BYTES:
+                    flush()   # wide rows: a batch may be one offset of one candidate
+                    held = 0
                 data = t.data[pos]
-                cand = CandidateRows(label, cside, offset, basis, ok, data, t.rms[pos], exact_tol, row_norms(data))
-                for s in slots:
-                    scored[s].append((oi, ci_idx, score(tgt[s], cand, views[s])))
+                batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], data, t.rms[pos],
+                                                        exact_tol)))
+                held += data.nbytes
+        flush()
         out = {}
         for s in slots:
             # the order decide() gathers them in: offset by offset, own catalog first
@@ -162,15 +212,31 @@ def read_runs(r: TraceReader, name: str, part: str, rows: Codes, max_runs: int =
     them (what a scattered read does when it is a few MB) costs more than the runs at 100k+ tokens."""
     if len(rows) == 0:
         return r.read_at(name, part, rows)
-    uniq, inv = np.unique(rows, return_inverse=True)
-    cuts = np.flatnonzero(np.diff(uniq) != 1) + 1
+    step = np.diff(rows)
+    ascending = bool((step > 0).all())
+    if ascending:  # already sorted and unique (a candidate's union of rows): no sort
+        uniq, inv, gaps = rows, None, step
+    else:
+        uniq, inv = np.unique(rows, return_inverse=True)
+        gaps = np.diff(uniq)
+    cuts = (np.flatnonzero(gaps != 1) + 1).tolist()
     if len(cuts) + 1 > max_runs:
         return r.read_at(name, part, rows)
-    bounds = zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(uniq)]]))
-    parts = [r.read_at(name, part, uniq[a:b]) for a, b in bounds]
+    starts, stops = [0] + cuts, cuts + [len(uniq)]
+    read = _RUN_READERS[part]
+    firsts = uniq[starts].tolist()  # the first row of each run
+    parts = [read(r, name, f, f + (b - a)) for f, a, b in zip(firsts, starts, stops)]
     block = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    out: np.ndarray = block if len(uniq) == len(rows) and np.array_equal(uniq, rows) else block[inv.reshape(-1)]
+    out: np.ndarray = block if inv is None else block[inv.reshape(-1)]
     return out
+
+
+# one contiguous run of rows [a, b) of a part, in its stored form (what ``read_at`` returns)
+_RUN_READERS: dict[str, Callable[[TraceReader, str, int, int], np.ndarray]] = {
+    "values": lambda r, name, a, b: r.read_values(name, a, b, raw=True),
+    "sketch": lambda r, name, a, b: r.read_sketch(name, a, b),
+    "rms": lambda r, name, a, b: r.read_rms(name, a, b),
+}
 
 
 def slot_rms_at(r: TraceReader, info: TensorInfo, rows: Codes, slot: int) -> NDArray[np.float32]:

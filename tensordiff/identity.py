@@ -18,8 +18,9 @@ Pure numpy on arrays (:mod:`tensordiff.catalog` reads the rows), so it is tested
 
 Streamed: :func:`score` reduces one candidate to its per-token cosines and RMS ratios (and, for an
 own-side state, whether it is the same data), after which its rows can be dropped; :func:`decide_scored`
-decides from those scores alone. So a search holds one candidate's rows at a time, whatever the
-catalog's size; :func:`decide` (all candidates' rows at once) is the same rule on the same numbers.
+decides from those scores alone. So a search holds a bounded batch of candidates' rows at a time,
+whatever the catalog's size (:func:`score_many` scores a batch against every slot at once, to the
+same bits); :func:`decide` (all candidates' rows at once) is the same rule on the same numbers.
 """
 
 from __future__ import annotations
@@ -166,31 +167,9 @@ class _Scored:
         return float(np.median(r)) if len(r) else math.nan
 
 
-class TargetRows:
-    """A slot's rows at the tokens a candidate covers, with their norms: the same mask (every
-    sampled token, usually) gives the same rows, so they are gathered once per mask."""
-
-    def __init__(self, target: Target, limit_bytes: int = 32 << 20):
-        self.target = target
-        self._cache: dict[bytes, tuple[F32, NDArray[np.float64]]] = {}
-        self._room = limit_bytes
-
-    def at(self, ok: NDArray[np.bool_]) -> tuple[F32, NDArray[np.float64]]:
-        key = ok.tobytes()
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        x = self.target.data[ok]
-        out = (x, row_norms(x))
-        if x.nbytes <= self._room:
-            self._room -= x.nbytes
-            self._cache[key] = out
-        return out
-
-
-def _score(target: Target, cand: CandidateRows, rows: TargetRows | None = None) -> _Scored:
-    x, nx = rows.at(cand.ok) if rows is not None else (target.data[cand.ok], None)
-    cos_t = per_token_cos(x, cand.data, nx, cand.norms)
+def _score(target: Target, cand: CandidateRows) -> _Scored:
+    x = target.data[cand.ok]
+    cos_t = per_token_cos(x, cand.data, None, cand.norms)
     rx = target.rms[cand.ok]
     ratio_t = _rms_ratio(rx, cand.rms)
     rxn, rcn = _nz(rx), _nz(cand.rms)
@@ -206,12 +185,139 @@ def _score(target: Target, cand: CandidateRows, rows: TargetRows | None = None) 
     return s
 
 
-def score(target: Target, cand: CandidateRows, rows: TargetRows | None = None) -> _Scored:
-    """One candidate's scores against one slot; the candidate's rows are not kept (``rows``: the
-    slot's :class:`TargetRows`, shared by the candidates of one search)."""
-    s = _score(target, cand, rows)
+def score(target: Target, cand: CandidateRows) -> _Scored:
+    """One candidate's scores against one slot; the candidate's rows are not kept (a search scores
+    many at once with :func:`score_many`, to the same numbers)."""
+    s = _score(target, cand)
     s.cand = replace(cand, data=_NO_ROWS, rms=_NO_RMS, norms=None)
     return s
+
+
+class SlotStack:
+    """Several slots (each a :class:`Target` on the same sampled tokens) for :func:`score_many`:
+    per slot the rows at the tokens of a list of masks, concatenated, and stacked [slots, rows]
+    their norms (as :func:`row_norms`, computed once per slot) and RMS. A mask's rows are gathered
+    once (up to ``limit_bytes`` of them kept per slot, as for one slot before; a mask of every
+    token is the slot's own rows): at wide rows a fresh gather costs more than its arithmetic."""
+
+    def __init__(self, targets: list[Target], limit_bytes: int = 32 << 20):
+        self.targets = targets
+        limit_bytes *= max(1, len(targets))
+        self._norms = np.stack([row_norms(t.data) for t in targets]) if targets else np.zeros((0, 0))
+        self._rms = np.stack([t.rms for t in targets]) if targets else np.zeros((0, 0), np.float32)
+        self._cache: dict[bytes, list[F32]] = {}
+        self._room = limit_bytes
+
+    def _rows(self, ok: NDArray[np.bool_]) -> list[F32]:
+        if ok.all():
+            return [t.data for t in self.targets]
+        key = ok.tobytes()
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = [t.data[ok] for t in self.targets]
+            size = sum(x.nbytes for x in hit)
+            if size <= self._room:
+                self._room -= size
+                self._cache[key] = hit
+        return hit
+
+    def at(self, oks: list[NDArray[np.bool_]]) -> tuple[list[F32], NDArray[np.float64], F32]:
+        """Per slot the rows at each mask in turn, concatenated; their norms and RMS [slots, rows].
+        Consecutive masks that are one array (candidates sharing a row map) are gathered once and
+        copied."""
+        runs: list[tuple[NDArray[np.bool_], int]] = []
+        for ok in oks:
+            if runs and runs[-1][0] is ok:
+                runs[-1] = (ok, runs[-1][1] + 1)
+            else:
+                runs.append((ok, 1))
+        idx = [np.flatnonzero(ok) for ok, _ in runs]
+        at = idx[0] if len(oks) == 1 else np.concatenate([i for i, (_, n) in zip(idx, runs) for _ in range(n)])
+        parts = [self._rows(ok) for ok, _ in runs]
+        if len(oks) == 1:
+            xs = parts[0]
+        else:
+            xs = [np.concatenate([p[i] for p, (_, n) in zip(parts, runs) for _ in range(n)])
+                  for i in range(len(self.targets))]
+        return xs, self._norms[:, at], self._rms[:, at]
+
+
+def _runs(lens: list[int]) -> list[tuple[int, int, int, int]]:
+    """(first segment, segments, their length, first row) of each run of consecutive segments of
+    equal length."""
+    out = []
+    k = row = 0
+    while k < len(lens):
+        j = k + 1
+        while j < len(lens) and lens[j] == lens[k]:
+            j += 1
+        out.append((k, j - k, lens[k], row))
+        row += (j - k) * lens[k]
+        k = j
+    return out
+
+
+def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Scored]]:
+    """``[[score(t, c) for t in stack.targets] for c in cands]``, the same numbers to the bit,
+    computed at once: every candidate's rows concatenated, every slot stacked. Bit for bit because
+    each number comes from the same operations on the same values: the dot products and norms are
+    the same einsum per row (a row's sum does not depend on the rows around it), everything else
+    is elementwise, and each mean or maximum runs along one contiguous row of values (a segment
+    of equal-length segments viewed [slots, segments, length]), which numpy reduces as it does a
+    1-D array (tests/test_identity_batch.py pins it)."""
+    if not cands:
+        return []
+    lens = [int(c.ok.sum()) for c in cands]
+    w = cands[0].data.shape[1] if cands[0].data.ndim == 2 else -1
+    if min(lens) == 0 or any(c.data.ndim != 2 or c.data.shape[1] != w for c in cands):
+        return [[score(t, c) for t in stack.targets] for c in cands]
+    xs, nx, rx = stack.at([c.ok for c in cands])
+    one = len(cands) == 1
+    c_all = cands[0].data if one else np.concatenate([c.data for c in cands])
+    rc = cands[0].rms if one else np.concatenate([c.rms for c in cands])
+    given = [c.norms for c in cands if c.norms is not None]
+    nc: NDArray[np.float64] = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) \
+        else row_norms(c_all)
+    # per_token_cos, stacked [slots, rows]
+    dots = np.stack([np.einsum("nw,nw->n", x, c_all, dtype=np.float64) for x in xs])
+    den = nx * nc
+    cos_t = np.clip(np.where(den > 0, dots / np.where(den > 0, den, 1.0), np.where((nx == 0) & (nc == 0), 1.0, 0.0)),
+                    -1.0, 1.0)
+    ratio_t = _rms_ratio(rx, rc)
+    rxn, rcn = _nz(rx), _nz(rc)
+    hi = np.maximum(rxn, rcn).astype(np.float64)
+    lo = np.minimum(rxn, rcn).astype(np.float64)
+    agree_t = np.where(hi > 0, lo / np.where(hi > 0, hi, 1.0), 1.0)
+    exact = [c.exact_tol is not None for c in cands]
+    miss = 1.0 - cos_t * cos_t if any(exact) else None  # see _surely_not_exact
+    S, K = len(xs), len(cands)
+    cos_m, agree_m, worst_m = np.empty((S, K)), np.empty((S, K)), np.full((S, K), np.inf)
+    for k, cnt, n, first in _runs(lens):
+        block = slice(first, first + cnt * n)
+        cos_m[:, k:k + cnt] = cos_t[:, block].reshape(S, cnt, n).mean(axis=2)
+        agree_m[:, k:k + cnt] = agree_t[:, block].reshape(S, cnt, n).mean(axis=2)
+        if miss is not None:
+            worst_m[:, k:k + cnt] = miss[:, block].reshape(S, cnt, n).max(axis=2)
+    cos_l, agree_l, worst_l = cos_m.T.tolist(), agree_m.T.tolist(), worst_m.T.tolist()
+    out = []
+    start = 0
+    for j, (c, n) in enumerate(zip(cands, lens)):
+        seg = slice(start, start + n)
+        start += n
+        cos, agree, worst = cos_l[j], agree_l[j], worst_l[j]
+        stripped = replace(c, data=_NO_ROWS, rms=_NO_RMS, norms=None)
+        bound = _exact_bound(c.exact_tol, w) if c.exact_tol is not None else 0.0
+        row = []
+        for i in range(S):
+            co, ag = cos[i], agree[i]
+            rec = Candidate(label=c.label, offset=c.offset, score=round(co * ag, 6), cos=round(co, 6),
+                            rms_agreement=round(ag, 6), side=c.side, basis=c.basis)
+            sc = _Scored(stripped, cos_t[i, seg], ratio_t[i, seg], co, rec)
+            if exact[j] and not worst[i] > bound:
+                sc.exact_rel = _exact_rel(xs[i][seg], c.data)
+            row.append(sc)
+        out.append(row)
+    return out
 
 
 def _surely_not_exact(cos_t: NDArray[np.float64], tol: float, width: int) -> bool:
@@ -221,7 +327,11 @@ def _surely_not_exact(cos_t: NDArray[np.float64], tol: float, width: int) -> boo
     is merely close."""
     if not len(cos_t):
         return False
-    return float(np.max(1.0 - cos_t * cos_t)) > tol * tol + 1e-9 + 1e-14 * width
+    return float(np.max(1.0 - cos_t * cos_t)) > _exact_bound(tol, width)
+
+
+def _exact_bound(tol: float, width: int) -> float:
+    return tol * tol + 1e-9 + 1e-14 * width
 
 
 def _exact_rel(x32: F32, c32: F32) -> float:
