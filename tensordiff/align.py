@@ -246,9 +246,12 @@ def _all_hashes(A: _Flat) -> tuple[Codes, Codes]:
     t = A.tok
     if n >= 3:
         h_all: Codes = t[:-2] * 1000003 ^ t[1:-1] * 10007 ^ t[2:]
-        ok = np.arange(n - 2, dtype=np.int64) + 2 < (A.start + A.length)[A.ordinal[:n - 2]]
-        w = np.flatnonzero(ok)
-        h, q = h_all[w], A.ordinal[w]
+        ok = np.ones(n - 2, bool)   # a window starting in a sequence's last two positions crosses its end
+        for back in (1, 2):
+            at = A.start + A.length - back
+            ok[at[(at >= A.start) & (at < n - 2)]] = False
+        h, q = h_all[ok], A.ordinal[:n - 2][ok]
+        del h_all, ok
     else:
         h = q = np.zeros(0, np.int64)
     short = np.flatnonzero(A.length < 3)
@@ -318,29 +321,31 @@ def _pair_candidates(A: Any, B: Any, flats: tuple[_Flat, _Flat] | None = None) -
     index = _NgramIndex(B, fb)
     b_ord = {x: i for i, x in enumerate(fb.ids)}
     small = len(B.seqs) <= 64
-    # votes: each (A position, B sequence having that 3-gram), grouped by (A sequence, B sequence)
+    # votes: each (A 3-gram, B sequence having it); only the distinct (A sequence, B sequence)
+    # pairs are kept (an A sequence with more than 8 is ranked by _top_voted below)
     ha, qa_h = _all_hashes(fa)
-    o = np.argsort(ha)
-    lo_s = np.searchsorted(index.h, ha[o], "left")
-    hi_s = np.searchsorted(index.h, ha[o], "right")
-    lo = np.empty_like(lo_s)
-    lo[o] = lo_s
-    cnt = np.empty_like(lo_s)
-    cnt[o] = hi_s - lo_s
-    del o, lo_s, hi_s
+    o = np.argsort(ha)                        # sorted queries: searchsorted walks the index once
+    ha, qa_h = ha[o], qa_h[o]
+    del o
+    lo = np.searchsorted(index.h, ha, "left")
+    cnt = np.searchsorted(index.h, ha, "right")
+    del ha
+    cnt -= lo
     total = int(cnt.sum())
-    at = np.repeat(lo - np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt) + np.arange(total, dtype=np.int64)
-    v_sb = index.sb[at]                       # B sequence id of each vote
-    v_qa = np.repeat(qa_h, cnt)               # A ordinal of each vote (ascending)
-    del at, lo, cnt
+    if total == len(cnt) and bool(np.all(cnt == 1)):
+        v_sb, v_qa = index.sb[lo], qa_h
+    else:
+        at = np.repeat(lo - (np.cumsum(cnt) - cnt), cnt) + np.arange(total, dtype=np.int64)
+        v_sb, v_qa = index.sb[at], np.repeat(qa_h, cnt)
+        del at
+    del lo, cnt, qa_h
     nb = max(fb.ids) + 1 if fb.ids else 1
-    key = v_qa * nb + v_sb
-    ko = np.argsort(key, kind="stable")       # A position order kept within a group
-    key = key[ko]
-    g_first = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]])) if len(key) else np.zeros(0, np.int64)
-    g_qa = v_qa[ko[g_first]]
-    g_sb = v_sb[ko[g_first]]
-    del key, ko, v_sb, v_qa
+    key = v_qa * nb
+    key += v_sb
+    del v_qa, v_sb
+    key = np.unique(key)                      # sorted: by A ordinal, then B id
+    g_qa, g_sb = key // nb, key % nb
+    del key
     bounds = np.searchsorted(g_qa, np.arange(len(fa.ids) + 1, dtype=np.int64))
     cand_a: list[int] = []
     cand_b: list[int] = []
