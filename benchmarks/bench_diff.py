@@ -8,14 +8,19 @@ per-channel scales; side B = side A with 1-ulp bf16 differences in 1/4 of the el
 kernel noise, inside every tolerance) and one layer (20) corrupted with noise of half the
 token RMS (rel err ~0.5, far above the bf16 tolerance).
 
-Then, interleaved, one untimed warm-up pass of each and ``--repeat`` timed passes (medians):
+Then one untimed warm-up pass of each, and ``--repeat`` timed rounds, each running every task
+once in a fresh random order (seeded by ``--seed``); medians:
 
 1. ``h5py read``: every dataset of both traces read with plain h5py into reused buffers
    (the baseline; timed inside a fresh process, so start-up is excluded, and end to end);
-2. ``tensordiff CLI``: ``python -m tensordiff diff A B --json -q`` end to end;
-3. ``tensordiff in-process``: ``diff_traces(A, B)`` timed inside a process that has already
+2. ``plain script``: a ten-line h5py + numpy script (:data:`PLAIN_SCRIPT`) that reads each
+   layer of both traces whole and prints its per-token cosine (min) and max abs error, end to
+   end in a fresh process (the baseline of the CLI);
+3. ``tensordiff CLI``: ``python -m tensordiff diff A B --json -q --backend serial`` end to end,
+   with ``TENSORDIFF_TIMINGS=1`` (the CLI prints the time of its probe on stderr);
+4. ``tensordiff in-process``: ``diff_traces(A, B)`` timed inside a process that has already
    imported tensordiff (separates import/start-up time);
-4. ``SGLang comparator``: ``python -m sglang.srt.debug_utils.comparator --preset raw
+5. ``SGLang comparator``: ``python -m sglang.srt.debug_utils.comparator --preset raw
    --baseline-path .. --target-path .. --report-path ''`` end to end (CPU).
 
 For each: wall time, MB/s over the tensor bytes of both sides (1 MB = 1e6 bytes), peak RSS of
@@ -23,13 +28,22 @@ its process (``os.wait4`` ru_maxrss), exit code, and whether its output names th
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_diff.py [--layers 32] [--tokens 2048]
         [--hidden 4096] [--repeat 3] [--corrupt 20] [--seed 0] [--dir /tmp] [--keep] [--no-comparator]
+        [--json FILE]
 
-Exit status 0 when tensordiff exits 1 and names the corrupted layer first, 1 when it does not,
-2 when the data could not be prepared. Runtime of the default: 4-6 minutes on 2 cores (the
+``--json FILE`` writes the figures of /work/status/BENCH_CONTRACT.md's bench_diff entry:
+``inproc_vs_read`` (h5py read s / in-process diff s, both without start-up), ``cli_vs_script``
+(plain script s / CLI s, both end to end), ``probe_share`` (the CLI's probe s / its wall s),
+``rss_mb`` (the CLI's peak RSS, its worker included), ``names_corrupt`` (CLI and in-process exit
+1 and name the corrupted layer first), and the medians in seconds.
+
+Exit status 0 when it measured (the check line says whether tensordiff named the corrupted
+layer), 2 when the data could not be prepared or a baseline could not run (a missing
+dependency is never skipped silently). Runtime of the default: 4-6 minutes on 2 cores (the
 comparator is most of it).
 
 The comparator needs ``polars`` (and torch + sglang): without them the benchmark stops with exit 2
-and says so, unless ``--no-comparator`` is given (then the table says it was left out).
+and says so, unless ``--no-comparator`` is given (then the table says it was left out, and no
+dumper files are written).
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -49,12 +64,24 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for _p in (REPO, os.path.dirname(os.path.abspath(__file__))):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 SEQ_KEY = "req-0"
+#: the CLI's baseline: what a user writes without tensordiff (rows known to line up)
+PLAIN_SCRIPT = """\
+import sys, h5py, numpy as np
+fa, fb = h5py.File(sys.argv[1], "r"), h5py.File(sys.argv[2], "r")
+for name in fa["tensors"]:
+    a, b = (f["tensors"][name]["values"][()].astype(np.uint32) << 16 for f in (fa, fb))
+    a, b = a.view(np.float32), b.view(np.float32)
+    cos = np.einsum("th,th->t", a, b) / np.sqrt(np.einsum("th,th->t", a, a) * np.einsum("th,th->t", b, b))
+    print(name, "cos min", cos.min(), "max abs", np.abs(a - b).max())
+"""
 DUMP_NAME = "hidden_states"
 RESULT_TAG = "BENCH_RESULT "
+PROBE_LINE = re.compile(r"tensordiff: timing: probe ([0-9.]+) s")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -109,6 +136,9 @@ def prepare(cfg: dict) -> dict:
            "dump_base": os.path.join(d, "dump", "baseline"), "dump_target": os.path.join(d, "dump", "target")}
     dump_mode, dumpers, torch = "skipped (no torch)", None, None
     try:
+        if not cfg.get("dumps", True):
+            dump_mode = "skipped (--no-comparator)"
+            raise ImportError
         import torch  # noqa: F811
         try:
             from sglang.srt.debug_utils.dumper import DumperConfig, _Dumper
@@ -269,6 +299,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp", help="parent of the temporary data dir")
     ap.add_argument("--keep", action="store_true", help="keep the data dir (path printed)")
     ap.add_argument("--no-comparator", action="store_true", help="skip SGLang's comparator")
+    ap.add_argument("--json", metavar="FILE", help="write the figures as one JSON object (BENCH_CONTRACT.md)")
     a = ap.parse_args()
     corrupt = a.corrupt if a.corrupt is not None else (20 if a.layers > 20 else a.layers * 5 // 8)
     if not 0 < corrupt < a.layers:
@@ -284,11 +315,16 @@ def main() -> int:
     logs = os.path.join(work, "logs")
     os.makedirs(logs)
     me = os.path.abspath(__file__)
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs "
+    from benchjson import Result
+
+    result = Result("bench_diff", {"layers": a.layers, "tokens": a.tokens, "hidden": a.hidden, "corrupt": corrupt,
+                                   "seed": a.seed, "repeat": a.repeat, "backend": "serial"})
+    load_start = os.getloadavg()
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in load_start)} on {os.cpu_count()} CPUs "
           "(shared machine: other jobs may run)", flush=True)
     try:
         cfg = {"dir": work, "layers": a.layers, "tokens": a.tokens, "hidden": a.hidden, "corrupt": corrupt,
-               "seed": a.seed}
+               "seed": a.seed, "dumps": not a.no_comparator}
         pr = run_proc([py, me, "--_worker", "prepare", json.dumps(cfg)], env, work, os.path.join(logs, "prepare"))
         if pr["rc"] != 0 or "result" not in pr:
             print(pr["stderr"][-3000:], file=sys.stderr)
@@ -303,9 +339,13 @@ def main() -> int:
 
         A, B = info["trace_a"], info["trace_b"]
         paths_json = json.dumps({"paths": [A, B]})
+        script = os.path.join(work, "plain_diff.py")
+        with open(script, "w") as fh:
+            fh.write(PLAIN_SCRIPT)
         tasks = [
             ("h5py read", [py, me, "--_worker", "h5read", paths_json]),
-            ("tensordiff CLI", [py, "-m", "tensordiff", "diff", A, B, "--json", "-q"]),
+            ("plain script", [py, script, A, B]),
+            ("tensordiff CLI", [py, "-m", "tensordiff", "diff", A, B, "--json", "-q", "--backend", "serial"]),
             ("tensordiff in-process", [py, me, "--_worker", "inproc", paths_json]),
         ]
         have_cmp = False
@@ -329,11 +369,26 @@ def main() -> int:
                 return 2
 
         runs: dict[str, list[dict]] = {name: [] for name, _ in tasks}
-        for rep in range(a.repeat + 1):  # rep 0: the untimed warm-up pass
-            for name, cmd in tasks:
+        order = random.Random(a.seed)
+        cli_env = dict(env, TENSORDIFF_TIMINGS="1")
+        for rep in range(a.repeat + 1):  # rep 0: the untimed warm-up pass, in the listed order
+            round_tasks = list(tasks)
+            if rep:
+                order.shuffle(round_tasks)
+            for name, cmd in round_tasks:
                 if rep == 0 and name == "SGLang comparator import":
                     continue  # the comparator's warm-up already loaded the same modules
-                r = run_proc(cmd, env, work, os.path.join(logs, f"{name.replace(' ', '_')}.{rep}"))
+                r = run_proc(cmd, cli_env if name == "tensordiff CLI" else env, work,
+                             os.path.join(logs, f"{name.replace(' ', '_')}.{rep}"))
+                if name in ("h5py read", "plain script", "tensordiff in-process") and r["rc"] != 0:
+                    print(f"{name} failed (exit {r['rc']}): {r['stderr'].strip()[-800:]}", file=sys.stderr)
+                    return 2   # a baseline that cannot run stops the benchmark
+                if name == "tensordiff CLI":
+                    m = PROBE_LINE.search(r["stderr"])
+                    if m is None:
+                        print(f"the CLI printed no probe timing: {r['stderr'].strip()[-800:]}", file=sys.stderr)
+                        return 2
+                    r["probe"] = float(m.group(1))
                 if rep:
                     runs[name].append(r)
                 inner = r.get("result", {}).get("seconds")
@@ -403,8 +458,13 @@ def main() -> int:
         h5 = rows["h5py read"]
         cli = rows["tensordiff CLI"]
         inp = rows["tensordiff in-process"]
+        script_row = rows["plain script"]
+        probe_s = med([r["probe"] for r in runs["tensordiff CLI"]])
         print("ratios (throughput, higher is better):")
-        print(f"  tensordiff in-process / h5py read (both without start-up): {h5['timed'] / inp['timed']:.2f}  (goal >= 0.5)")
+        print(f"  tensordiff in-process / h5py read (both without start-up): {h5['timed'] / inp['timed']:.2f}  (goal >= 0.8)")
+        print(f"  tensordiff CLI / plain per-layer script, both end to end : {script_row['wall'] / cli['wall']:.2f}  "
+              "(goal >= 2)")
+        print(f"  the CLI's probe: {probe_s:.3f} s, {probe_s / cli['wall']:.1%} of its wall time  (goal <= 5%)")
         print(f"  tensordiff CLI / h5py read, both end to end             : {h5['wall'] / cli['wall']:.2f}")
         print(f"  tensordiff CLI end to end / h5py read without start-up  : {h5['timed'] / cli['wall']:.2f}")
         if have_cmp:
@@ -418,11 +478,20 @@ def main() -> int:
                   f"({mb / max(cmp_['wall'] - imp, 1e-9):.0f} MB/s) after start-up")
         print(f"tensordiff: python start-up + imports {inp['wall'] - inp['timed']:.2f} s (in-process worker's wall "
               f"minus its timed diff); CLI wall minus in-process diff {cli['wall'] - inp['timed']:.2f} s")
-        ok = checks.get("tensordiff CLI") and checks.get("tensordiff in-process")
+        ok = bool(checks.get("tensordiff CLI") and checks.get("tensordiff in-process"))
         print(f"check: tensordiff exit code 1 and first_divergence = {label}: {'PASS' if ok else 'FAIL'}")
+        print("backend: serial (the CLI is given --backend serial; the in-process diff runs serial)")
+        if a.json:
+            figures = {"inproc_vs_read": h5["timed"] / inp["timed"], "cli_vs_script": script_row["wall"] / cli["wall"],
+                       "probe_share": probe_s / cli["wall"], "rss_mb": cli["rss"] / 1e6, "names_corrupt": ok,
+                       "inproc_s": inp["timed"], "read_s": h5["timed"], "cli_s": cli["wall"],
+                       "script_s": script_row["wall"], "probe_s": probe_s, "inproc_rss_mb": inp["rss"] / 1e6,
+                       "payload_gb": payload / 1e9}
+            result.config["comparator"] = have_cmp
+            result.write(a.json, figures)
         if a.keep:
             print(f"data kept in {work}")
-        return 0 if ok else 1
+        return 0
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

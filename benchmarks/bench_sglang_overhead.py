@@ -9,10 +9,16 @@ between rounds, the radix cache is off so both runs do the same work, and a firs
 warms up (EAGLE's first generate compiles). Reported: the median of the per-round ratios
 recorded / bare, the ratio of the fastest runs of each kind (the least disturbed by other load on a
 shared machine), and the plugin's own time per round (seconds inside its hooks, catalog taps and
-flushes, from the trace's ``tensordiff_sglang`` attribute) over the fastest bare generation.
+flushes, from the trace's ``tensordiff_sglang`` attribute) over the fastest bare generation
+(``plugin_share``, the figure benchmarks/goals.py reads).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_sglang_overhead.py [--mode capture|eagle]
-        [--hidden 512] [--layers 8] [--catalog] [--rounds 5] [--json]
+        [--hidden 512] [--layers 8] [--catalog] [--topk 20] [--rounds 5] [--json FILE] [--profile FILE]
+
+``--json FILE`` writes one object per /work/status/BENCH_CONTRACT.md (bench, commit, dirty, load,
+config, figures); ``--profile FILE`` sets ``TENSORDIFF_PROFILE`` (a cProfile stats file of the
+plugin's own code in the scheduler process: ``python -m pstats FILE``). The order of the bare and
+the recorded generation is random per round (seeded by ``--seed``).
 
 Uses the test-only sgl_kernel stand-in and tiny random checkpoints of tests/sglang_support.py
 (nothing is downloaded). Needs scripts/install-sglang-cpu.sh.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -32,8 +39,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import sglang_support as sup  # noqa: E402
+from benchjson import Result  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -46,15 +55,31 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="prompts per generate call")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", "--repeat", dest="rounds", type=int, default=7, help="timed rounds")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the per-round order")
+    ap.add_argument("--topk", type=int, default=None, help="TENSORDIFF_TOPK (default: the plugin's, 20; 0: no predictions)")
+    ap.add_argument("--profile", help="TENSORDIFF_PROFILE: write a cProfile stats file of the plugin's own code")
     ap.add_argument("--catalog", action="store_true", help="also record the per-boundary catalog (sketches)")
-    ap.add_argument("--values", default=None, help="TENSORDIFF_VALUES (default: aux_hidden_states,draft_input)")
+    ap.add_argument("--values", default=None,
+                    help="TENSORDIFF_VALUES (default: the plugin's, aux_hidden_states,draft_input,draft_fc_output)")
     ap.add_argument("--workdir", help="where the checkpoints and the trace go (default: a temp dir)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", metavar="FILE", help="write the result as one JSON object (the benchmark contract)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    load_start = os.getloadavg()[0]
+    result = Result(Path(__file__).stem, {
+        "mode": args.mode, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "batch": args.batch,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "catalog": args.catalog,
+        "values": args.values or "aux_hidden_states,draft_input,draft_fc_output",
+        "topk": 20 if args.topk is None else args.topk, "rounds": args.rounds, "seed": args.seed})
 
     import numpy as np
 
+    if not sup.sglang_available():
+        print("bench_sglang_overhead: SGLang (and torch) are not installed (scripts/install-sglang-cpu.sh); "
+              "nothing measured", file=sys.stderr)
+        return 2
     sup.prepare_cpu_env()
     with tempfile.TemporaryDirectory(prefix="tensordiff-bench-sglang-") as tmp:
         root = Path(args.workdir or tmp)
@@ -64,6 +89,10 @@ def main(argv=None) -> int:
                           TENSORDIFF_CATALOG="1" if args.catalog else "0")
         if args.values is not None:
             os.environ["TENSORDIFF_VALUES"] = args.values
+        if args.topk is not None:
+            os.environ["TENSORDIFF_TOPK"] = str(args.topk)
+        if args.profile:
+            os.environ["TENSORDIFF_PROFILE"] = str(Path(args.profile).resolve())
         heads = max(1, args.hidden // 64)
         target = sup.make_tiny_llama(root / "target", hidden_size=args.hidden, num_hidden_layers=args.layers,
                                      intermediate_size=args.hidden * 2, num_attention_heads=heads,
@@ -98,8 +127,9 @@ def main(argv=None) -> int:
             gen(True)
             gen(False)  # warm-up (EAGLE compiles on its first generate)
             rounds = []
-            for r in range(args.rounds):
-                order = (False, True) if r % 2 == 0 else (True, False)
+            pick = random.Random(args.seed)
+            for _ in range(args.rounds):
+                order = (False, True) if pick.random() < 0.5 else (True, False)
                 t = {rec: gen(rec) for rec in order}
                 rounds.append({"bare_s": t[False], "recorded_s": t[True], "ratio": t[True] / t[False]})
             engine.collective_rpc("tensordiff_close")
@@ -118,17 +148,15 @@ def main(argv=None) -> int:
     plugin_per_round = stats["plugin_seconds"] / (args.rounds + 1)
     res = {"mode": args.mode, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "catalog": args.catalog,
-           "values": os.environ.get("TENSORDIFF_VALUES", "aux_hidden_states,draft_input"), "rounds": rounds,
+           "values": os.environ.get("TENSORDIFF_VALUES", "aux_hidden_states,draft_input,draft_fc_output"), "rounds": rounds,
            "median_ratio": statistics.median(x["ratio"] for x in rounds), "min_ratio": min(recorded) / min(bare),
            "plugin_seconds": stats["plugin_seconds"], "recorder_seconds": stats["recorder_seconds"],
            "plugin_share_of_bare": plugin_per_round / min(bare), "trace_rows": rows, "trace_bytes": size,
-           "tensors": tensors}
-    if args.json:
-        print(json.dumps(res, indent=2))
-        return 0
+           "tensors": tensors, "topk": int(os.environ.get("TENSORDIFF_TOPK", "20"))}
+    result.write(args.json, figures(args, res))
     print(f"SGLang {args.mode} on CPU: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
           f"{args.prompt_len} prompt + {args.new_tokens} new tokens, catalog {'on' if args.catalog else 'off'}, "
-          f"values {res['values']}")
+          f"values {res['values']}, top-k {res['topk']}")
     for i, x in enumerate(rounds):
         print(f"  round {i}: bare {x['bare_s']:.3f} s, recorded {x['recorded_s']:.3f} s, ratio {x['ratio']:.3f}")
     print(f"recorded / bare generation time: median of rounds {res['median_ratio']:.3f}, "
@@ -136,7 +164,18 @@ def main(argv=None) -> int:
     print(f"plugin's own time (hooks, catalog taps, sketches, HDF5 writes and flushes): {plugin_per_round:.3f} s per "
           f"round = {100 * res['plugin_share_of_bare']:.1f}% of the fastest bare generation")
     print(f"trace: {rows} token rows, {len(tensors)} tensors, {size / 1e6:.1f} MB")
+    print(f"load average (1 min): {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     return 0
+
+
+def figures(args, res: dict) -> dict:
+    """The figures of the --json result: plugin_share (the goal's), the wall ratios and seconds."""
+    bare = [x["bare_s"] for x in res["rounds"]]
+    return {"plugin_share": res["plugin_share_of_bare"], "median_ratio": res["median_ratio"],
+            "min_ratio": res["min_ratio"], "plugin_s_per_round": res["plugin_seconds"] / (args.rounds + 1),
+            "bare_min_s": min(bare), "bare_median_s": statistics.median(bare),
+            "recorded_median_s": statistics.median(x["recorded_s"] for x in res["rounds"]),
+            "trace_rows": res["trace_rows"], "trace_bytes": res["trace_bytes"]}
 
 
 if __name__ == "__main__":

@@ -106,21 +106,27 @@ def _diff_options(args, summary_path=None):
 def cmd_diff(args) -> int:
     if args.tui:
         return cmd_tui(args)
-    from .diff import diff_traces
-    from .report import make_console, print_diff
     from .safety import check_output_path
-    from .trace import probe
-
-    from .parallel import compared_bytes, make_backend
+    from .trace.probe import run_watched
     from .traceset import trace_paths
 
     inputs = trace_paths(args.a) + trace_paths(args.b)
     if args.summary:
         check_output_path(args.summary, [*inputs, args.calibration], "--summary")
-    probe(inputs)
+    # a file that hangs or crashes the HDF5 library is met by a worker process that this one
+    # watches: the diff runs in it, and each file is opened once
+    return run_watched(inputs, lambda: _run_diff(args))
+
+
+def _run_diff(args) -> int:
+    from .diff import diff_traces
+
     opts = _diff_options(args, args.summary)
-    opts.numeric = make_backend(args.backend, args.workers, ray_address=args.ray_address,
-                                compared_bytes=compared_bytes([args.a, args.b]) if args.backend == "auto" else None)
+    if args.backend != "serial" or args.workers is not None:   # serial: the diff's own loop, no backend module
+        from .parallel import compared_bytes, make_backend
+
+        opts.numeric = make_backend(args.backend, args.workers, ray_address=args.ray_address,
+                                    compared_bytes=compared_bytes([args.a, args.b]) if args.backend == "auto" else None)
     try:
         with progress_bar(not args.quiet and not args.json) as cb:
             opts.progress = cb
@@ -135,6 +141,8 @@ def cmd_diff(args) -> int:
             _print_json(res.to_dict())
             sys.stdout.flush()
         else:
+            from .report import make_console, print_diff   # rich: only for the text report
+
             print_diff(res, make_console(), max_findings=args.max_findings, token_text=_token_text(args, res))
     except BrokenPipeError:
         _stdout_to_devnull()

@@ -50,7 +50,7 @@ from .findings import (
     order_findings,
 )
 from .identity import IdentityVerdict, NoiseFloor
-from .numerics import BlockMetrics, PairAccumulator, WorstTokens
+from .numerics import BlockMetrics, PairAccumulator, WorstTokens, rows_per_block
 from .slots import judge_slot
 from .tolerances import ToleranceBook, allow_failed
 from .trace import TensorInfo, TraceReader
@@ -182,7 +182,7 @@ class Differ:
         self._total = max(sum(min(a.rows, b.rows, len(al)) for a, b in pairs), 1)  # for the progress bar
         worst = WorstTokens()
         try:  # numerics of every pair first: the agreeing boundaries give identity its noise floor
-            streamed = [self._stream_pair(ia, ib, sinks, worst) for ia, ib in pairs]
+            streamed = self._stream_pairs(pairs, sinks, worst)
         finally:
             for sink in sinks:
                 sink.close()
@@ -258,8 +258,49 @@ class Differ:
 
     # -- one tensor pair -----------------------------------------------------------------------
 
+    def _stream_pairs(self, pairs: list[tuple[TensorInfo, TensorInfo]], sinks: list[DiffSink],
+                      worst: WorstTokens) -> list[_Streamed]:
+        """Every pair's numerics, in pair order. In this process one read-ahead stream runs across
+        all pairs (the reader thread reads the next pair's first block while this one's last is
+        measured), and each block's sub-blocks are shared between this thread and a helper
+        thread per further core (:class:`~tensordiff.numerics.BlockMetrics`)."""
+        setups = [self._pair_setup(ia, ib) for ia, ib in pairs]
+        local = self.opt.numeric is None
+        lanes = _compute_lanes() if local else 1
+        self._lane_pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="tensordiff-metrics") if lanes > 1 else None
+        self._lanes = lanes
+        jobs = [(j, sp.ia, sp.ib, job) for j, (sp, job) in enumerate(setups) if job is not None]
+        shared = _prefetch(self._block_reader_all(jobs), self._pool) if local and jobs else None
+        self._shared = shared
+        try:
+            for j, (sp, job) in enumerate(setups):
+                if job is None:
+                    continue
+                self._shared_pair = j
+                basis, k, depth, idx, ma, mb = job
+                sp.acc = self._stream(sp.ia, sp.ib, basis, k, depth, idx, ma, mb, sinks, worst)
+                _fill_stats(sp.stats, sp.acc)
+        finally:
+            self._shared = None
+            if shared is not None:
+                shared.close()
+            if self._lane_pool is not None:
+                self._lane_pool.shutdown(wait=True)
+            self._lane_pool, self._lanes = None, 1
+        return [sp for sp, _ in setups]
+
     def _stream_pair(self, ia: TensorInfo, ib: TensorInfo, sinks: list[DiffSink], worst: WorstTokens) -> _Streamed:
         """Pairing checks, the basis, and the streamed numerics of one tensor pair."""
+        sp, job = self._pair_setup(ia, ib)
+        if job is not None:
+            basis, k, depth, idx, ma, mb = job
+            sp.acc = self._stream(ia, ib, basis, k, depth, idx, ma, mb, sinks, worst)
+            _fill_stats(sp.stats, sp.acc)
+        return sp
+
+    def _pair_setup(self, ia: TensorInfo, ib: TensorInfo) -> tuple[_Streamed, _Job | None]:
+        """Pairing checks and the basis of one tensor pair, and what its numerics need (None:
+        not compared, with the finding that says why)."""
         everything = np.arange(len(self.al))
         (ma,), (mb,) = self.maps.rows_at("a", ia.name, [everything]), self.maps.rows_at("b", ib.name, [everything])
         both = (ma >= 0) & (mb >= 0)
@@ -273,11 +314,9 @@ class Differ:
         if basis is None:
             st.compared = False
             st.not_compared = sp.findings[-1].details.get("reason_text") or "not comparable"
-            return sp
+            return sp, None
         st.basis = sp.basis = basis
-        sp.acc = self._stream(ia, ib, basis, k, depth, np.flatnonzero(both), ma, mb, sinks, worst)
-        _fill_stats(st, sp.acc)
-        return sp
+        return sp, (basis, k, depth, np.flatnonzero(both), ma, mb)
 
     def _depth(self, info: TensorInfo, slot: int) -> float | None:
         """How deep a tensor's state is (for the default tolerance): a boundary's index, the layer
@@ -391,10 +430,17 @@ class Differ:
 
     def _metrics(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, idx: Codes, ma: Codes, mb: Codes
                  ) -> Iterator[tuple[Codes, dict[str, np.ndarray]]]:
-        """Per-token metrics of each block of aligned rows, computed in this process."""
+        """Per-token metrics of each block of aligned rows, computed in this process: from the
+        stream shared by all pairs while :meth:`_stream_pairs` runs, else read one block ahead."""
         sw = ia.slot_width if basis == "values" else self.ra.sketch_dim
-        bm = BlockMetrics(k, sw)
-        for blk, a_raw, b_raw in _prefetch(self._block_reader(ia, ib, basis, idx, ma, mb), self._pool):
+        bm = BlockMetrics(k, sw, pool=getattr(self, "_lane_pool", None), lanes=getattr(self, "_lanes", 1))
+        shared = getattr(self, "_shared", None)
+        if shared is not None:
+            blocks: Iterator[tuple[Codes, np.ndarray, np.ndarray]] = _take_pair(shared, self._shared_pair, len(idx))
+        else:
+            blocks = (item[1:4] for item in _prefetch(self._block_reader_all([(0, ia, ib, (basis, k, [], idx, ma, mb))]),
+                                                      self._pool))
+        for blk, a_raw, b_raw in blocks:
             if basis == "values":  # stored form (bf16 bits); converted in cache-sized pieces
                 m = bm.compute_stored(a_raw, ia.dtype, b_raw, ib.dtype)
             else:
@@ -457,22 +503,30 @@ class Differ:
             offset=idt.offset, scale=idt.scale, score=idt.score, margin=idt.margin, runner_up=idt.runner_up,
             closest=idt.closest, cos=idt.evidence.cos, candidates=idt.candidates, evidence=idt.evidence))
 
-    def _block_reader(self, ia: TensorInfo, ib: TensorInfo, basis: str, idx: Codes, ma: Codes, mb: Codes
-                      ) -> Iterator[tuple[Codes, np.ndarray, np.ndarray]]:
-        """Blocks of aligned rows of both sides, in stored form. Two buffer sets alternate, so the
-        block being compared is never the one being read."""
-        part = "values" if basis == "values" else "sketch"
-        n = self.opt.block_rows
-        rows = min(len(idx), n)
-        bufs = []
-        for _ in range(2):
+    def block_rows_of(self, ia: TensorInfo, ib: TensorInfo, part: str) -> int:
+        """Rows per block of a pair: about :data:`~tensordiff.numerics.BLOCK_BYTES` of stored
+        data per side, at most ``block_rows`` (every backend cuts the same blocks)."""
+        da, db = self.ra._ds[ia.name][part], self.rb._ds[ib.name][part]
+        return rows_per_block(max(_row_bytes(da), _row_bytes(db)), self.opt.block_rows)
+
+    def _block_reader_all(self, jobs: list[tuple[int, TensorInfo, TensorInfo, _Job]]
+                          ) -> Iterator[tuple[int, Codes, np.ndarray, np.ndarray, bool]]:
+        """``(pair, aligned indices, rows of A, rows of B, last of its pair)``: the blocks of every job in order, in
+        stored form. Two buffer sets of bytes alternate (the block being compared is never the
+        one being read), reused across pairs of any width; they grow only for a wider block."""
+        bufs: list[list[np.ndarray]] = [[np.empty(0, np.uint8), np.empty(0, np.uint8)] for _ in range(2)]
+        i = 0
+        for j, ia, ib, (basis, _k, _depth, idx, ma, mb) in jobs:
+            part = "values" if basis == "values" else "sketch"
+            n = self.block_rows_of(ia, ib, part)
             da, db = self.ra._ds[ia.name][part], self.rb._ds[ib.name][part]
-            bufs.append((np.empty((rows,) + da.shape[1:], da.dtype), np.empty((rows,) + db.shape[1:], db.dtype)))
-        for i, s0 in enumerate(range(0, len(idx), n)):
-            blk = idx[s0:s0 + n]
-            buf_a, buf_b = bufs[i % 2]
-            yield (blk, self.ra.read_at(ia.name, part, ma[blk], out=buf_a),
-                   self.rb.read_at(ib.name, part, mb[blk], out=buf_b))
+            for s0 in range(0, len(idx), n):
+                blk = idx[s0:s0 + n]
+                pair_bufs = bufs[i % 2]
+                outs = [_typed(pair_bufs, side, len(blk), ds) for side, ds in ((0, da), (1, db))]
+                i += 1
+                yield (j, blk, self.ra.read_at(ia.name, part, ma[blk], out=outs[0]),
+                       self.rb.read_at(ib.name, part, mb[blk], out=outs[1]), s0 + n >= len(idx))
 
     def _token_entry(self, ti: int) -> dict[str, Any]:
         return self.al.entry(ti, self.ra.sequences, self.rb.sequences, REGIMES)
@@ -509,6 +563,46 @@ def _fill_stats(st: PairStats, acc: PairAccumulator) -> None:
     st.nonfinite_a = [int(x) for x in acc.nonfinite_a]
     st.nonfinite_b = [int(x) for x in acc.nonfinite_b]
     st.by_regime = dict(acc.by_regime)
+
+
+#: what a compared pair's numerics need: basis, slots, depth per slot, aligned indices, row maps
+_Job = tuple[str, int, list[float | None], Codes, Codes, Codes]
+MAX_LANES = 4   # threads measuring one block at most (the reader thread takes a core of its own)
+
+
+def _compute_lanes() -> int:
+    """Threads that measure each block: the cores this process may use, at most MAX_LANES."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_LANES, cores))
+
+
+def _row_bytes(ds: Any) -> int:
+    return int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize
+
+
+def _typed(bufs: list[np.ndarray], side: int, rows: int, ds: Any) -> np.ndarray:
+    """A [rows, ...] array of ``ds``'s dtype over the byte buffer of one side (grown if short)."""
+    need = rows * _row_bytes(ds)
+    if bufs[side].size < need:
+        bufs[side] = np.empty(need, np.uint8)
+    return bufs[side][:need].view(ds.dtype).reshape((rows,) + tuple(ds.shape[1:]))
+
+
+def _take_pair(shared: Iterator[tuple[int, Codes, np.ndarray, np.ndarray, bool]], pair: int, rows: int
+               ) -> Iterator[tuple[Codes, np.ndarray, np.ndarray]]:
+    """The blocks of pair ``pair`` from the stream shared by all pairs, up to its last one (the
+    stream's next item is the next pair's and stays there)."""
+    if rows == 0:
+        return
+    for j, blk, a, b, last in shared:
+        if j != pair:  # the stream and the pairs went out of step: a bug, never a wrong figure
+            raise RuntimeError(f"block stream out of step: a block of pair {j} where pair {pair} was due")
+        yield blk, a, b
+        if last:
+            return
 
 
 def _prefetch(gen: Iterator[T], pool: ThreadPoolExecutor) -> Iterator[T]:

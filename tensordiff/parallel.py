@@ -4,7 +4,8 @@ The coordinator (the :class:`~tensordiff.diff.Differ`) keeps the plan: token ali
 pairing, row maps and the identity sample, all over the small token tables. The heavy part of the
 numeric pass, reading every aligned row of both sides and computing its per-token metrics
 (:class:`~tensordiff.numerics.BlockMetrics`), is cut into tasks of whole diff blocks
-(``block_rows`` aligned tokens) of one tensor pair. A task is a function of picklable inputs only
+(``Differ.block_rows_of``: about 8 MiB per side, at most ``block_rows`` aligned tokens, the
+serial diff's blocks) of one tensor pair. A task is a function of picklable inputs only
 (file paths, tensor names, member row indices, dtypes) and returns the per-token metrics of its
 blocks (cos, rel, max abs, NaN/Inf counts: ~29 bytes per token and slot, against the kilobytes of
 values it read). The diff's own loop then accumulates those blocks in block order, exactly as it
@@ -322,7 +323,7 @@ class PoolBackend:
         part = "values" if plan.basis == "values" else "sketch"
         da, db = ra._ds[ia.name][part], rb._ds[ib.name][part]
         row_bytes = int(np.prod(da.shape[1:])) * da.dtype.itemsize + int(np.prod(db.shape[1:])) * db.dtype.itemsize
-        br = int(differ.opt.block_rows)
+        br = int(differ.block_rows_of(ia, ib, part))   # the serial diff's blocks (bytes-sized)
         cap = max(1, self.task_bytes // max(1, br * row_bytes))
         sw = ia.slot_width if plan.basis == "values" else ra.sketch_dim
         for c, (s0, s1) in enumerate(self._ranges(ra, rb, ia, ib, idx, ma, mb, br, cap)):

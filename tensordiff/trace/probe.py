@@ -21,13 +21,17 @@ modified since).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import select
 import signal
+import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .. import errors
 from ..errors import TensordiffError, TraceFileError, UsageError
@@ -114,9 +118,12 @@ def probe(paths: Sequence[str | os.PathLike[str]], timeout: float | None = None)
     _verdict(status, state, lines, names, stall)
 
 
-def _watch(pid: int, rfd: int, stall: float) -> tuple[int | None | str, _FileState | None, list[str]]:
+def _watch(pid: int, rfd: int, stall: float, expect: set[str] | None = None
+           ) -> tuple[int | None | str, _FileState | None, list[str]]:
     """Follow the child's reports until it exits (its wait status), is stuck ("stuck") or runs
-    past a file's allowance ("slow"); the file being read then, and every line it reported."""
+    past a file's allowance ("slow"); the file being read then, and every line it reported.
+    ``expect``: the files a worker (:func:`run_watched`) opens; its clocks run only while it
+    opens one of them (before, between and after, it runs the command's own code)."""
     lines: list[str] = []
     pending = b""
     state: _FileState | None = None
@@ -132,6 +139,11 @@ def _watch(pid: int, rfd: int, stall: float) -> tuple[int | None | str, _FileSta
                 line = raw.decode("utf-8", "replace")
                 lines.append(line)
                 state = _follow(line, state, now)
+                if expect is not None and line.startswith("I"):
+                    expect.discard(line[1:])
+                    state = None   # that file is open: no clock until the next one starts
+                if expect is not None and not expect:
+                    state = None
             if not chunk:  # the child closed its end: it is exiting
                 _, st = os.waitpid(pid, 0)
                 return st, state, lines
@@ -139,14 +151,23 @@ def _watch(pid: int, rfd: int, stall: float) -> tuple[int | None | str, _FileSta
                 state.last_report = now
             continue
         done, st = os.waitpid(pid, os.WNOHANG)
-        if done:
+        if done:   # what it wrote just before exiting may still be in the pipe
+            while select.select([rfd], [], [], 0)[0]:
+                chunk = os.read(rfd, 65536)
+                if not chunk:
+                    break
+                pending += chunk
+            for raw in pending.split(b"\n"):
+                if raw:
+                    lines.append(raw.decode("utf-8", "replace"))
+                    state = _follow(lines[-1], state, now)
             return st, state, lines
         if state is not None:
             if now - state.last_report > stall:
                 return _kill(pid, "stuck"), state, lines
             if now - state.started > allowance(stall, state.size, state.tensors):
                 return _kill(pid, "slow"), state, lines
-        elif now - started > stall:
+        elif expect is None and now - started > stall:
             return _kill(pid, "stuck"), state, lines
 
 
@@ -247,6 +268,210 @@ def _child(paths: list[str], rfd: int, wfd: int) -> None:
                 code = 2
                 break
     except BaseException:  # noqa: BLE001 - the caller's own open will meet and report it
+        code = 3
+    finally:
+        os._exit(code)
+
+
+# ----------------------------------------------------------------------------------------------
+# The watched run: the real open, in a worker this process watches (no second open)
+# ----------------------------------------------------------------------------------------------
+
+
+def run_watched(paths: Sequence[str | os.PathLike[str]], body: Callable[[], int],
+                timeout: float | None = None) -> int:
+    """Run ``body`` (a command's work: open the traces, compute, print) in a forked worker and
+    watch that worker's own opens of ``paths`` as :func:`probe` watches its child's: a file on
+    which the HDF5 library gets stuck, crashes it or opens too slowly gives the same one-line
+    :class:`~tensordiff.errors.TraceFileError` here, and the worker is killed. Each file is
+    opened once, by the worker (then its first and last row of every dataset are read, under
+    the watch, as the probe's child does); :func:`probe` opened every file twice.
+
+    Returns ``body``'s exit code; an error the worker raises is raised here as the same class
+    (KeyboardInterrupt, BrokenPipeError and MemoryError likewise), so the caller handles it as
+    it would have in-process. Without ``os.fork``, with TENSORDIFF_NO_PROBE=1, or when stdout
+    or stderr is not a file descriptor (a test capturing them in memory), it is ``probe(paths)``
+    then ``body()`` in this process."""
+    stall = open_timeout() if timeout is None else float(timeout)
+    if not hasattr(os, "fork") or probe_disabled() or not _real_stdio():
+        t0 = time.perf_counter()
+        probe(paths, stall)
+        _timing("probe", time.perf_counter() - t0, "child process, every file opened twice")
+        return body()
+    names = [os.path.abspath(os.fspath(p)) for p in paths]
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    t0 = time.perf_counter()
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: never returns
+        _worker(body, names, rfd, wfd)
+    os.close(wfd)
+    fork_s = time.perf_counter() - t0
+    try:
+        status, state, lines = _watch(pid, rfd, stall, expect=set(names))
+    except BaseException:  # interrupted (Ctrl-C): a worker stuck in C would loop on forever
+        _kill(pid, "interrupted")
+        raise
+    finally:
+        os.close(rfd)
+    return _worker_verdict(status, state, lines, names, stall, fork_s)
+
+
+def _real_stdio() -> bool:
+    try:
+        sys.stdout.fileno()
+        sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both
+        return False
+    return True
+
+
+def _timing(stage: str, seconds: float, note: str) -> None:
+    """``TENSORDIFF_TIMINGS=1``: one line per stage on stderr (for benchmarks/bench_diff.py)."""
+    if os.environ.get("TENSORDIFF_TIMINGS", "").strip() in ("", "0"):
+        return
+    sys.stderr.write(f"tensordiff: timing: {stage} {seconds:.4f} s ({note})\n")
+    sys.stderr.flush()
+
+
+def _worker_verdict(status: int | None | str, state: _FileState | None, lines: list[str], names: list[str],
+                    stall: float, fork_s: float) -> int:
+    opened = {x[1:] for x in lines if x.startswith("I")}
+    ended = any(x[:1] in "REKBMX" for x in lines)
+    if isinstance(status, int) and os.WIFSIGNALED(status) and not ended and opened >= set(names):
+        raise TensordiffError(f"the diff process was killed (signal {os.WTERMSIG(status)}) after it had opened "
+                              "the traces")
+    if status in ("stuck", "slow") or (isinstance(status, int) and os.WIFSIGNALED(status) and not ended):
+        _verdict(status, state, [], names, stall)   # raises (stuck, slow, crashed in an open)
+    last = next((x for x in reversed(lines) if x[:1] in "REKBMX"), None)
+    assert isinstance(status, int)
+    if last is None:   # exited without a word: a crash after its opens (the opens were fine)
+        why = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"status {os.WEXITSTATUS(status)}"
+        raise TraceFileError(f"the diff process ended without a result ({why})")
+    tag, rest = last[:1], last[1:]
+    if tag == "R":
+        code, _, probe_s = rest.partition("\t")
+        _timing("probe", fork_s + float(probe_s or 0), f"fork {fork_s:.4f} s + first/last rows under the watch "
+                                                          f"{float(probe_s or 0):.4f} s; one open per file")
+        return int(code)
+    if tag == "K":
+        raise KeyboardInterrupt
+    if tag == "B":
+        raise BrokenPipeError
+    if tag == "M":
+        raise MemoryError
+    name, _, msg = rest.partition("\t")
+    cls = getattr(errors, name, None)
+    if tag == "E" and isinstance(cls, type) and issubclass(cls, TensordiffError):
+        raise cls(msg)  # the message names the file already
+    raise RuntimeError(f"{name}: {msg}" if msg else name)
+
+
+class _Reporter:
+    """In the worker: reports each open (``P`` start, ticks, ``I`` done) on the pipe, by wrapping
+    :class:`TraceReader`'s constructor until every input file is open (an open of a path spelled
+    otherwise is watched too: it only never counts as an input)."""
+
+    def __init__(self, wfd: int, names: list[str]):
+        self.wfd = wfd
+        self.pending = set(names)
+        self.last = 0.0
+        self.probe_s = 0.0   # time spent only because of the watch (first/last rows, reports)
+        self._orig: Any = None
+
+    def say(self, line: str) -> None:
+        t = time.perf_counter()
+        os.write(self.wfd, line.encode("utf-8", "replace").replace(b"\n", b" ")[:4000] + b"\n")
+        self.probe_s += time.perf_counter() - t
+
+    def tick(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == 0:
+            self.say(f"N{total}")
+        if now - self.last >= TICK_SECONDS:
+            self.last = now
+            self.say(f"T{done}")
+
+    def install(self) -> None:
+        orig = self._orig = TraceReader.__init__
+        rep = self
+
+        def init(reader: TraceReader, path: str | os.PathLike[str], *,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+            p = os.path.abspath(os.fspath(path))
+            if not rep.pending:   # every open until the inputs are all open is watched, named or not
+                orig(reader, path, progress=progress)
+                return
+            try:
+                size = os.path.getsize(p) if os.path.isfile(p) else 0
+            except OSError:
+                size = 0
+            rep.say(f"P{size} {p}")
+
+            def tick(done: int, total: int) -> None:
+                rep.tick(done, total)
+                if progress is not None:
+                    progress(done, total)
+
+            orig(reader, path, progress=tick)
+            t = time.perf_counter()
+            try:
+                reader.touch()   # what the probe's child read: each chunk index at both ends
+            except BaseException:
+                reader.close()
+                raise
+            reader._progress = progress
+            rep.probe_s += time.perf_counter() - t
+            rep.say(f"I{p}")
+            rep.pending.discard(p)
+            if not rep.pending:
+                rep.uninstall()
+
+        TraceReader.__init__ = init  # type: ignore[method-assign, assignment]
+
+    def uninstall(self) -> None:
+        if self._orig is not None:
+            TraceReader.__init__ = self._orig  # type: ignore[method-assign]
+            self._orig = None
+
+
+def _worker(body: Callable[[], int], names: list[str], rfd: int, wfd: int) -> None:
+    """The forked worker: run the command's work with its opens reported, send how it ended
+    (``R`` exit code, ``E`` an error, ``K``/``B``/``M``/``X``), exit."""
+    code = 3
+    try:
+        os.close(rfd)
+        _die_with_parent()
+        rep = _Reporter(wfd, names)
+        rep.install()
+        try:
+            code = body()
+            msg = f"R{code}\t{rep.probe_s:.6f}"
+        except TensordiffError as e:
+            msg, code = "E" + type(e).__name__ + "\t" + " ".join(str(e).split()), 2
+        except KeyboardInterrupt:
+            msg, code = "K", 130
+        except BrokenPipeError:
+            msg, code = "B", 0
+        except MemoryError:
+            msg, code = "M", 2
+        except Exception as e:  # noqa: BLE001 - the caller reports it as it would in-process
+            if os.environ.get("TENSORDIFF_DEBUG"):
+                traceback.print_exc()
+            msg, code = "X" + type(e).__name__ + "\t" + " ".join(str(e).split()[:60]), 2
+        rep.uninstall()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BrokenPipeError:
+                with contextlib.suppress(OSError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            except Exception:  # noqa: BLE001, S110 - nothing left to report it on
+                pass
+        rep.say(msg)
+    except BaseException:  # noqa: BLE001 - the parent reports an ending without a result
         code = 3
     finally:
         os._exit(code)

@@ -1,10 +1,12 @@
 """Reading rows of an open trace: values, sketches and RMS by row range or by row subset, without
-loading whole datasets, through a bounded set of open datasets. :class:`RowReads` is the part of
+loading whole datasets, through a bounded set of open datasets; runs of rows of plain chunked
+datasets straight from the file (``os.preadv``, the GIL released). :class:`RowReads` is the part of
 :class:`~tensordiff.trace.TraceReader` that reads after the open has validated everything.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -45,6 +47,7 @@ class RowReads:
 
     f: Any
     path: str
+    file_size: int
     tensors: dict[str, TensorInfo]
     _rows: dict[str, np.ndarray]
     _ds: dict[str, _Parts]
@@ -68,6 +71,80 @@ class RowReads:
             self._open.move_to_end(path)
         return ds
 
+    # -- reads straight from the file ------------------------------------------------------------
+
+    def _direct_rows(self, ds: Any, lo: int, hi: int, dest: np.ndarray) -> bool:
+        """Rows [lo, hi) of ``ds`` into ``dest`` (C-contiguous) by ``os.preadv`` from the chunks'
+        byte offsets, adjacent chunks in one call: h5py holds the GIL through a whole read, which
+        stalls the threads measuring the previous block; a pread releases it. Only for plain
+        files and datasets chunked by whole rows without filters whose chunks all lie inside the
+        file at their full size (else False: the caller reads through h5py)."""
+        fd = self._direct_fd()
+        table = self._chunk_table(ds) if fd is not None else None
+        if fd is None or table is None or hi <= lo:
+            return False
+        cr, offs = table
+        row_bytes = dest.nbytes // max(1, hi - lo)
+        view = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        pos = 0
+        c = lo // cr
+        last = (hi - 1) // cr
+        while c <= last:
+            if offs[c] < 0:
+                return False
+            start = offs[c] + (max(lo, c * cr) - c * cr) * row_bytes
+            c1 = c   # extend over chunks that follow each other in the file
+            while c1 < last and offs[c1 + 1] == offs[c1] + cr * row_bytes:
+                c1 += 1
+            n = (min(hi, (c1 + 1) * cr) - max(lo, c * cr)) * row_bytes
+            if os.preadv(fd, [view[pos:pos + n]], int(start)) != n:
+                return False
+            pos += n
+            c = c1 + 1
+        return pos == dest.nbytes
+
+    def _direct_fd(self) -> int | None:
+        fd = getattr(self, "_fd_direct", False)
+        if fd is False:
+            fd = None
+            try:
+                if getattr(self, "_view", None) is None and self.f.driver == "sec2":
+                    fd = int(self.f.id.get_vfd_handle())
+            except (OSError, TypeError, ValueError, AttributeError, RuntimeError):
+                fd = None
+            self._fd_direct = fd
+        return fd if isinstance(fd, int) else None
+
+    def _chunk_table(self, ds: Any) -> tuple[int, np.ndarray] | None:
+        """(rows per chunk, byte offset of each chunk or -1) of a dataset fit for direct reads."""
+        cache: dict[str, tuple[int, np.ndarray] | None] = self.__dict__.setdefault("_chunk_tables", {})
+        key = ds.name
+        if key in cache:
+            return cache[key]
+        table = None
+        try:
+            chunks, shape, dtype = ds.chunks, ds.shape, ds.dtype
+            if (chunks is not None and len(shape) >= 1 and tuple(chunks[1:]) == tuple(shape[1:]) and not ds._filters
+                    and dtype.kind in "uif" and dtype.isnative and hasattr(ds.id, "chunk_iter")):
+                cr = int(chunks[0])
+                full = cr * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+                offs = np.full(-(-int(shape[0]) // cr), -1, np.int64)
+                size = self.file_size
+
+                def visit(info: Any) -> None:
+                    c = int(info.chunk_offset[0]) // cr
+                    off = info.byte_offset
+                    if (0 <= c < len(offs) and off is not None and info.size == full and info.filter_mask == 0
+                            and 0 <= off and off + full <= size):
+                        offs[c] = off
+
+                ds.id.chunk_iter(visit)
+                table = (cr, offs)
+        except Exception:  # noqa: BLE001 - no table: the reads go through h5py, which reports damage
+            table = None
+        cache[key] = table
+        return table
+
     def token_rows(self, name: str) -> np.ndarray:
         """Token-table row of every row of tensor ``name`` (int64, loaded at open)."""
         return self._rows[name]
@@ -81,7 +158,9 @@ class RowReads:
             if out is not None and isinstance(sel, slice):
                 n = len(range(*sel.indices(ds.shape[0])))
                 dest = out.reshape(-1)[:n * int(np.prod(ds.shape[1:], dtype=np.int64))].reshape((n,) + ds.shape[1:])
-                ds.read_direct(dest, np.s_[sel.start:sel.start + n])  # no fresh allocation per block
+                start = sel.start or 0
+                if not self._direct_rows(ds, start, start + n, dest):
+                    ds.read_direct(dest, np.s_[start:start + n])  # no fresh allocation per block
                 return dest
             block: np.ndarray = ds[sel]
             return block
@@ -143,14 +222,32 @@ class RowReads:
         return np.asarray(self._read(name, "rms", np.s_[start:stop]), dtype=np.float32)
 
     def touch(self) -> None:
-        """Read the first and last row of every dataset (walks each chunk index at both ends)."""
+        """Walk each dataset's chunk index at both ends (what a damaged index makes the HDF5
+        library loop or crash on): the first and last chunk's entry is looked up, without
+        reading its data, for chunked datasets without filters; the first and last row are read
+        for others (the filter pipeline runs on them too)."""
         total = len(self.tensors)
         for done, (name, info) in enumerate(self.tensors.items()):
             self._tick(done, total)
             if info.rows:
                 for part in self._ds[name]:
                     if part != "rows":
-                        self._read(name, part, np.s_[0:1])
-                        self._read(name, part, np.s_[info.rows - 1:info.rows])
+                        self._touch_ends(name, part, info.rows)
+
+    def _touch_ends(self, name: str, part: str, rows: int) -> None:
+        ds = self._ds[name][part]
+        chunks = ds.chunks
+        lookup = getattr(ds.id, "get_chunk_info_by_coord", None)
+        if chunks and lookup is not None and not ds._filters:
+            zero = (0,) * (len(ds.shape) - 1)
+            try:
+                for r in (0, (rows - 1) // chunks[0] * chunks[0]):
+                    lookup((r,) + zero)
+                return
+            except (OSError, ValueError, TypeError, RuntimeError, KeyError) as e:
+                raise TraceFileError(f"cannot read {name}/{part}, the file is damaged ({short(e)})",
+                                     self.path) from None
+        self._read(name, part, np.s_[0:1])
+        self._read(name, part, np.s_[rows - 1:rows])
 
     _touch = touch  # the name the probe used before the package split

@@ -38,6 +38,8 @@ Configuration (environment of the server process):
 ``TENSORDIFF_FLUSH_SECONDS`` flush at least this often while busy (default 10)
 ``TENSORDIFF_COMPRESSION``  ``gzip`` or ``lzf`` (default none)
 ``TENSORDIFF_TOPK``         k of the recorded top-k predictions (default 20; 0: none)
+``TENSORDIFF_PROFILE``      a file: write a cProfile stats file of the plugin's own code there at
+                            close (per rank, like the trace; ``python -m pstats FILE``)
 =========================== =====================================================================
 
 Importing this package imports neither torch nor sglang; :func:`register` imports sglang only when

@@ -12,8 +12,6 @@ On a target-verify pass the tapped values are held until the verify result says 
 
 from __future__ import annotations
 
-import time
-
 from .state import STATE
 
 
@@ -57,7 +55,7 @@ def _tap(kind: str, b: int | None, value) -> None:
     rows = st.ctx_rows
     if rows is None or not st.active:
         return
-    t0 = time.perf_counter()
+    t0 = st.begin()
     try:
         if value.shape[0] != len(rows):
             st.warn_once(f"tap-rows-{b}", "catalog tap %s: %d rows for %d tokens; skipped",
@@ -70,7 +68,7 @@ def _tap(kind: str, b: int | None, value) -> None:
     except Exception as e:  # noqa: BLE001
         st.fail("catalog tap", e)
     finally:
-        st.seconds += time.perf_counter() - t0
+        st.end(t0)
 
 
 def record_catalog(kind: str, b: int | None, value, rows) -> None:

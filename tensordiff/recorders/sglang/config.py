@@ -31,6 +31,7 @@ class Config:
     flush_seconds: float = 10.0
     compression: str | None = None
     topk: int = 20
+    profile: str | None = None  # TENSORDIFF_PROFILE: a cProfile stats file of the plugin's own code
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> Config | None:
@@ -84,7 +85,7 @@ class Config:
         return cls(path=path, topk=topk, catalog=flag("TENSORDIFF_CATALOG", False), values=values, sample_every=every,
                    sketch_dim=num("TENSORDIFF_SKETCH_DIM", int, None),
                    sketch_seed=num("TENSORDIFF_SKETCH_SEED", int, None), flush_seconds=flush_s,
-                   compression=comp)
+                   compression=comp, profile=(env.get("TENSORDIFF_PROFILE") or "").strip() or None)
 
     def wants_values(self, name: str) -> bool:
         if isinstance(self.values, bool):

@@ -5,8 +5,6 @@ and on); other RPCs pass through."""
 
 from __future__ import annotations
 
-import time
-
 from .config import RPC_PREFIX
 from .state import STATE, log
 
@@ -16,12 +14,12 @@ RPC_METHODS = ("tensordiff_close", "tensordiff_flush", "tensordiff_pause", "tens
 def hook_on_idle(result, scheduler, *args, **kwargs):
     st = STATE
     if st.dirty and st.rec is not None:
-        t0 = time.perf_counter()
+        t0 = st.begin()
         try:
             st.flush()
         except Exception as e:  # noqa: BLE001
             st.fail("idle flush", e)
-        st.seconds += time.perf_counter() - t0
+        st.end(t0)
 
 
 def hook_rpc(original, scheduler, recv_req, *args, **kwargs):

@@ -16,8 +16,6 @@ and are dropped.
 
 from __future__ import annotations
 
-import time
-
 from ...conventions import DRAFT_TOPK, TARGET_TOPK
 from ..serving import record_draft_ids
 from .config import AUX, DRAFT, DRAFT_IDS
@@ -83,33 +81,33 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
     if getattr(runner, "is_draft_worker", False):
         st.fc_out = st.draft_logits = None
         out = original(runner, forward_batch, *args, **kwargs)
-        t0 = time.perf_counter()
+        t0 = st.begin()
         try:
             record_draft(runner, forward_batch)
         except Exception as e:  # noqa: BLE001
             st.fail("draft pass", e)
-        st.seconds += time.perf_counter() - t0
+        st.end(t0)
         return out
-    t0 = time.perf_counter()
+    t0 = st.begin()
     try:
         pre = before_target(runner, forward_batch)
     except Exception as e:  # noqa: BLE001
         st.fail("target pass", e)
         return original(runner, forward_batch, *args, **kwargs)
-    st.seconds += time.perf_counter() - t0
+    st.end(t0)
     st.target_logits = None
     try:
         out = original(runner, forward_batch, *args, **kwargs)
     finally:
         st.ctx_rows = None
         st.ctx_stash = None
-    t0 = time.perf_counter()
+    t0 = st.begin()
     if pre is not None and st.active:
         try:
             after_target(runner, forward_batch, out, pre)
         except Exception as e:  # noqa: BLE001
             st.fail("target pass", e)
-    st.seconds += time.perf_counter() - t0
+    st.end(t0)
     return out
 
 
@@ -176,15 +174,20 @@ def after_target(runner, fb, out, p: Pass) -> None:
 
 
 def _target_predictions(p: Pass) -> None:
-    """Top-k rows of the target's logits for every row of the pass; on a verify pass also the
+    """Top-k rows of the target's logits for the rows of the pass the recorder keeps (every row of
+    a verify pass: which are kept is known only after the verify); on a verify pass also the
     log-prob the target gives each row's next input token (the draft token it verifies)."""
     import numpy as np
     import torch
 
+    from .predictions import kept_rows
+
     st = STATE
     cap, st.target_logits = st.target_logits, None
-    p.pred, logits = prediction_rows(cap, len(p.rows), TARGET_TOPK)
-    if p.pred is None or logits is None or p.regime != "target_verify":
+    verify = p.regime == "target_verify"
+    need = None if verify else kept_rows(p.rows)
+    p.pred, logits = prediction_rows(cap, len(p.rows), TARGET_TOPK, need=need)
+    if p.pred is None or logits is None or not verify:
         return
     ids = p.keys[2]
     n = len(ids)
@@ -192,8 +195,8 @@ def _target_predictions(p: Pass) -> None:
     nxt[:-1] = ids[1:]  # within a block, row j's next input is the draft token at row j + 1
     with torch.no_grad():
         sel = torch.from_numpy(nxt).to(logits.device)[:, None]
-        lp = logits.gather(1, sel)[:, 0].float() - p.pred[:, -1].to(logits.device).float()
-    p.lp_next = lp.cpu().numpy().astype(np.float64)
+        g = logits.gather(1, sel)[:, 0].float().cpu().numpy()
+    p.lp_next = g.astype(np.float64) - p.pred[:, -1]
 
 
 def record_aux(hs, rows) -> None:
@@ -266,21 +269,32 @@ def record_draft(runner, fb) -> None:
         elif fc is not None:
             st.warn_once("fc-rows", "draft fc output has %d rows for %d draft rows; not recorded", fc.shape[0], len(rows))
         if st.cfg.topk > 0:
-            m = st.draft_id_map
-            if m is not None and m.device != hs.device:
-                m = st.draft_id_map = m.to(hs.device)  # once: the hot-token map lives on the draft's device
-            pred, _ = prediction_rows(st.draft_logits, len(rows), DRAFT_TOPK, m)
-            if pred is not None:
-                record_topk(DRAFT_TOPK, pred, rows, 1, "draft logits (logits processor), mapped to target ids")
-                last = []  # the row of each request's last accepted token: draft position 0 of its next step
-                for i, (_, s, c) in enumerate(p.segments):
-                    a = c
-                    if n_acc is not None and p.regime == "target_verify" and i < len(acc):
-                        a = int(min(max(acc[i], 1), c))
-                    last.append(s + a - 1)
-                chain_start(p.segments, last, pred)
+            _draft_predictions(hs, rows, p, n_acc)
     st.fc_out = st.draft_logits = None
     st.dirty = True
+
+
+def _draft_predictions(hs, rows, p: Pass, n_acc) -> None:
+    """``draft_topk`` of the draft-extend rows the recorder keeps, and draft position 0 of each
+    request's next verify step (the row of its last accepted token)."""
+    import numpy as np
+
+    from .predictions import kept_rows
+
+    st = STATE
+    m = st.draft_id_map
+    if m is not None and m.device != hs.device:
+        m = st.draft_id_map = m.to(hs.device)  # once: the hot-token map lives on the draft's device
+    acc = to_numpy(n_acc).astype(np.int64) if n_acc is not None and p.regime == "target_verify" else None
+    last = []  # the row of each request's last accepted token: draft position 0 of its next step
+    for i, (_, s, c) in enumerate(p.segments):
+        a = c if acc is None or i >= len(acc) else int(min(max(acc[i], 1), c))
+        last.append(s + a - 1)
+    need = np.union1d(kept_rows(rows), np.asarray(last, dtype=np.int64)) if st.spec_chain else kept_rows(rows)
+    pred, _ = prediction_rows(st.draft_logits, len(rows), DRAFT_TOPK, m, need=need)
+    if pred is not None:
+        record_topk(DRAFT_TOPK, pred, rows, 1, "draft logits (logits processor), mapped to target ids")
+        chain_start(p.segments, last, pred)
 
 
 def _record_draft_ids(ids, rows) -> None:

@@ -4,15 +4,19 @@ Taps (module hooks installed at start-up, on the target's and the draft's models
 
 * the draft's ``fc``: its output on a draft-extend pass is ``draft_fc_output`` [T, H], the same
   rows as ``draft_input`` (``token_offset=1``);
-* each model's ``logits_processor``: its final hidden states and lm_head. Where SGLang computed
-  logits for every row (decode, target verify) they are used as they are; where it kept only
-  some rows (a prefill's last token, a draft extend's last accepted row), the plugin computes the
-  other rows itself with the same lm_head weight, 512 rows at a time (bounded memory) (only when that weight holds the whole
-  vocabulary, i.e. not vocab-sharded across TP ranks; otherwise those rows get no predictions, and
-  a warning says so). The top-k ids, log-probabilities and logsumexp of every row are recorded as
-  ``target_topk`` (row t predicts token t+1) and ``draft_topk`` (row t predicts token t+2; draft
-  ids mapped to the target vocabulary through the draft's hot-token map), layouts in
-  :mod:`tensordiff.conventions`.
+* each model's ``logits_processor``: its final hidden states and lm_head. Top-k rows are computed
+  only for the rows the recorder keeps (a trace row at a position the sampling keeps; on a verify
+  pass every row, since which rows are accepted is known only after the verify; on a draft extend
+  also each request's last accepted row, draft position 0 of its next verify step). Where SGLang
+  computed logits for every row (decode, target verify, draft decode) they are used as they are;
+  where it kept only some rows (a prefill's last token, a draft extend's last accepted row), the
+  plugin computes the needed rows itself with the same lm_head weight, 512 rows at a time (bounded
+  memory) (only when that weight holds the whole vocabulary, i.e. not vocab-sharded across TP
+  ranks; otherwise those rows get no predictions, and a warning says so). The table of a pass
+  comes to the host in one copy; the verify and chain rows are numpy from there. The top-k ids,
+  log-probabilities and logsumexp of every row are recorded as ``target_topk`` (row t predicts
+  token t+1) and ``draft_topk`` (row t predicts token t+2; draft ids mapped to the target
+  vocabulary through the draft's hot-token map), layouts in :mod:`tensordiff.conventions`.
 
 The hooks keep references only; the work happens after the pass, when the plugin records.
 """
@@ -64,9 +68,27 @@ def _logits_hook(draft: bool):
 CHUNK_ROWS = 512  # rows whose logits the plugin computes at once (bounded memory: CHUNK_ROWS x vocab)
 
 
-def prediction_rows(captured, n_rows: int, what: str, id_map=None):
-    """(top-k rows [n_rows, 2k+1] of every row of the pass, or None with a warning; the logits
-    SGLang computed for every row, or None when the plugin computed them itself, chunk by chunk)."""
+def kept_rows(rows):
+    """Indices of the rows of a pass the recorder will keep: a trace row (not -1) at a position
+    the sampling keeps. Top-k tables are computed for these rows only."""
+    import numpy as np
+
+    rec = STATE.rec
+    keep = rows >= 0
+    if not rec.sample.keeps_all:
+        keep &= rec.sample.mask(rec.positions_of(np.where(keep, rows, 0)))
+    return np.flatnonzero(keep)
+
+
+def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
+    """(top-k rows [n_rows, 2k+1] of the pass on the host, float64 numpy, NaN in rows not in
+    ``need``; or None (nothing needed, or with a warning); the logits SGLang computed for every row,
+    or None when the plugin computed them itself).
+
+    ``need``: the row indices whose predictions are kept (None: every row). Logits SGLang computed
+    are used as they are; for the other rows the plugin multiplies the needed rows' final hidden
+    states by the lm_head weight, CHUNK_ROWS rows at a time. The table comes to the host in one
+    copy per pass."""
     import torch
 
     from ..core import topk_rows
@@ -76,9 +98,14 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None):
     if captured is None:
         return None, None
     module, hs, head, out = captured
+    if need is not None and len(need) == n_rows:
+        need = None
+    if need is not None and not len(need):
+        return None, None
     logits = getattr(out, "next_token_logits", None)
     if logits is not None and logits.shape[0] == n_rows:
-        return topk_rows(logits, k, id_map), logits
+        x = logits if need is None else logits.index_select(0, torch.from_numpy(need).to(logits.device))
+        return _host(topk_rows(x, k, id_map), n_rows, need), logits
     if hs is None or hs.shape[0] != n_rows:
         st.warn_once(f"logits-rows-{what}", "%s: the logits processor saw %s rows for %d tokens; not recorded", what,
                      None if hs is None else hs.shape[0], n_rows)
@@ -91,9 +118,11 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None):
         return None, None
     scale = getattr(module, "logit_scale", None)
     cap = getattr(module, "final_logit_softcapping", None)
+    if need is not None:
+        hs = hs.index_select(0, torch.from_numpy(need).to(hs.device))
     parts = []
     with torch.no_grad():
-        for s in range(0, n_rows, CHUNK_ROWS):
+        for s in range(0, hs.shape[0], CHUNK_ROWS):
             x = hs[s:s + CHUNK_ROWS].to(w.dtype) @ w.T
             if vocab is not None and x.shape[-1] > int(vocab):
                 x = x[:, : int(vocab)]  # padded vocabulary
@@ -102,7 +131,19 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None):
             if cap:
                 x = torch.tanh(x / cap) * cap
             parts.append(topk_rows(x, k, id_map))
-    return torch.cat(parts), None
+    return _host(torch.cat(parts) if len(parts) > 1 else parts[0], n_rows, need), None
+
+
+def _host(table, n_rows: int, need):
+    """The device table of the needed rows as the pass's [n_rows, width] float64 numpy table."""
+    import numpy as np
+
+    t = table.cpu().numpy()
+    if need is None:
+        return t
+    out = np.full((n_rows, t.shape[1]), np.nan)
+    out[need] = t
+    return out
 
 
 def chain_start(segments, last_rows, pred) -> None:
@@ -115,7 +156,8 @@ def chain_start(segments, last_rows, pred) -> None:
 
 
 def chain_step(fb) -> None:
-    """A draft decode step: the draft's top-k at the next draft position of each request."""
+    """A draft decode step: the draft's top-k at the next draft position of each request (one
+    host copy per step)."""
     st = STATE
     cap, st.draft_logits = st.draft_logits, None
     if not st.chain or cap is None or st.cfg.topk <= 0:
@@ -134,21 +176,25 @@ def chain_step(fb) -> None:
     m = st.draft_id_map
     if m is not None and m.device != logits.device:
         m = st.draft_id_map = m.to(logits.device)
-    rows = topk_rows(logits, st.cfg.topk, m)
+    rows = topk_rows(logits, st.cfg.topk, m).cpu().numpy()
     for i, rid in enumerate(rids):
         c = st.chain.get(str(rid))
         if c is not None:
             c.append(rows[i])
 
 
-def record_topk(name: str, rows_tensor, rows, token_offset: int, source: str) -> None:
-    """Append top-k rows (from :func:`prediction_rows`) for token ``rows`` (-1 skipped)."""
+def record_topk(name: str, table, rows, token_offset: int, source: str) -> None:
+    """Append top-k rows (from :func:`prediction_rows`) for token ``rows`` (-1 skipped, and rows
+    whose predictions were not computed)."""
+    import numpy as np
+
     st = STATE
+    rows = np.where(np.isnan(table[:, -1]), -1, rows)
     n = st.model.get("num_layers") or 0
     order = {conventions.TARGET_TOPK: n + 0.6, conventions.DRAFT_TOPK: n + 0.9}[name]
-    st.rec.plain(name, rows_tensor, rows, role=name, token_offset=token_offset, order=order,
+    st.rec.plain(name, table, rows, role=name, token_offset=token_offset, order=order,
                  attrs={"layout": "ids[0:k] | logprobs[k:2k] | logsumexp[2k]",
-                        "k": conventions.topk_k(int(rows_tensor.shape[-1])), "source": source})
+                        "k": conventions.topk_k(int(table.shape[-1])), "source": source})
     st.dirty = True
 
 

@@ -102,6 +102,7 @@ def setup_target(runner) -> None:
             "cuda_graph": not bool(server_arg(runner, "disable_cuda_graph", False)), "ranks": facts,
             "catalog": cfg.catalog}
     path = rank_path(cfg.path, suffix)
+    st.start_profile(rank_path(cfg.profile, suffix) if cfg.profile else None)
     st.rec = open_recorder(cfg, path, engine="sglang", version=sglang.__version__, torch_version=torch.__version__,
                            model=st.model, meta=meta)
     log.info("tensordiff: recording to %s (slots %s from draft ids %s, %s)", path, st.labels, raw, convention)

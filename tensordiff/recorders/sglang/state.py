@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,8 @@ class State(ServeState):
         self.draft_ids_defined = False
         self.unkeyed_passes = 0
         self.seconds = 0.0         # wall time inside the plugin's recording code
+        self.profiler = None       # cProfile.Profile of that code (TENSORDIFF_PROFILE), enabled in it only
+        self.profile_path: str | None = None
         self.fc_out = None         # the draft fc's output of the running draft pass
         self.target_logits = None  # (logits processor, hidden, lm_head, output) of the running pass
         self.draft_logits = None
@@ -72,6 +75,34 @@ class State(ServeState):
         self.verify_steps = 0
         self.chain: dict[str, list] = {}  # request -> the draft's top-k rows at draft positions 0, 1, ...
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
+
+    def begin(self) -> float:
+        """Start of a section of the plugin's own code (counted in ``plugin_seconds``)."""
+        if self.profiler is not None:
+            self.profiler.enable()
+        return time.perf_counter()
+
+    def end(self, t0: float) -> None:
+        """End of the section :meth:`begin` started."""
+        self.seconds += time.perf_counter() - t0
+        if self.profiler is not None:
+            self.profiler.disable()
+
+    def start_profile(self, path: str | None) -> None:
+        if path:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.profile_path = path
+
+    def dump_profile(self) -> None:
+        if self.profiler is None:
+            return
+        try:
+            self.profiler.dump_stats(self.profile_path)
+            log.info("tensordiff: profile of the plugin's own code written to %s", self.profile_path)
+        except Exception:  # noqa: BLE001
+            log.exception("tensordiff: writing the profile failed")
 
     def fail(self, where: str, e: BaseException) -> None:
         """A recording error never reaches the engine: log it, stop recording, keep the trace."""
@@ -105,6 +136,7 @@ class State(ServeState):
             self.closed = True
             return
         self.closed = True
+        self.dump_profile()
         if self.broken:
             return
         self.close_trace()

@@ -6,8 +6,6 @@ rejected draft tokens, so a row never claims a token for a position that the req
 
 from __future__ import annotations
 
-import time
-
 from ...conventions import (
     SPEC_CHAIN,
     SPEC_VERIFY,
@@ -27,12 +25,12 @@ def hook_verify(result, worker, batch, *args, **kwargs):
     st.pending_verify = None
     if p is None or not st.active:
         return
-    t0 = time.perf_counter()
+    t0 = st.begin()
     try:
         commit_verify(p, result, batch)
     except Exception as e:  # noqa: BLE001
         st.fail("verify result", e)
-    st.seconds += time.perf_counter() - t0
+    st.end(t0)
     return
 
 
@@ -128,7 +126,7 @@ def _step_row(p: Pass, s: int, c: int, a: int):
     ids = p.keys[2]
     row[3:3 + k] = ids[s + 1:s + c]
     if p.pred is not None:
-        row[3 + k:3 + 2 * k] = to_numpy(p.pred[s:s + k, 0])
+        row[3 + k:3 + 2 * k] = p.pred[s:s + k, 0]
     if p.lp_next is not None:
         row[3 + 2 * k:3 + 3 * k] = p.lp_next[s:s + k]
     return row
@@ -158,9 +156,9 @@ def _record_steps(steps) -> None:
 def _chain_row(chain, target_rows):
     """([draft top-k rows of positions 0..K-1 | target top-k rows of verify rows 0..K-1], flat;
     draft row width; target row width)."""
-    import torch
+    import numpy as np
 
-    flat = torch.cat([torch.stack(list(chain)).reshape(-1), target_rows.reshape(-1)]).cpu().numpy()
+    flat = np.concatenate([np.stack(chain).reshape(-1), target_rows.reshape(-1)])
     return flat, int(chain[0].shape[0]), int(target_rows.shape[1])
 
 

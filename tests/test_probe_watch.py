@@ -1,0 +1,111 @@
+"""The diff's watched run (tensordiff.trace.probe.run_watched): the diff runs in a forked worker
+whose own opens this process watches, so each trace is opened once (the probe opened each twice)
+and a file that hangs or kills the HDF5 library still ends in one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+import hostile
+from tensordiff.cli import main
+from tensordiff.trace import TraceReader
+from tracegen import assert_clean_exit, run_isolated, write_pair
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    d = tmp_path_factory.mktemp("watch")
+    a, b = write_pair(str(d))
+    return {"dir": d, "a": a, "b": b}
+
+
+def test_diff_in_the_worker_is_the_diff_in_process(good, capsys):
+    """Same JSON and exit code through the worker (real file descriptors) as in this process
+    (capsys: stdout is not a descriptor, so the probe runs first and the diff here)."""
+    rc_in = main(["diff", good["a"], good["b"], "--json", "-q"])
+    out_in, err_in = capsys.readouterr()
+    rc, out, err = run_isolated(["diff", good["a"], good["b"], "--json", "-q"], timeout=120)
+    assert_clean_exit(rc, out, err, "diff")
+    assert rc == rc_in and json.loads(out) == json.loads(out_in), err
+
+
+def test_each_file_is_opened_once(good, tmp_path, monkeypatch):
+    """Every TraceReader opened in the run (parent, worker, any child) appends its path to a log:
+    each input once. (With a probe child first it was twice.)"""
+    log = tmp_path / "opens.log"
+    orig = TraceReader.__init__
+
+    def counting(self, path, **kw):
+        with open(log, "a") as fh:
+            fh.write(os.path.abspath(os.fspath(path)) + "\n")
+        orig(self, path, **kw)
+
+    monkeypatch.setattr(TraceReader, "__init__", counting)
+    rc, out, err = run_isolated(["diff", good["a"], good["b"], "--json", "-q"], timeout=120)
+    assert_clean_exit(rc, out, err, "diff")
+    opened = log.read_text().split()
+    assert sorted(opened) == sorted([os.path.abspath(good["a"]), os.path.abspath(good["b"])]), opened
+
+
+def test_looping_file_stops_the_worker(good, tmp_path):
+    """A zeroed global-heap header makes HDF5 loop forever: the worker is killed after the stall
+    timeout and the parent says which file, in one line."""
+    p = hostile.looping_heap(str(tmp_path / "loop.h5"))
+    rc, out, err = run_isolated(["diff", good["a"], p, "--json", "-q"], timeout=60,
+                                env={"TENSORDIFF_OPEN_TIMEOUT": "3"})
+    assert rc != 124, "the diff did not finish: the looping file was not caught"
+    assert_clean_exit(rc, out, err, "diff")
+    assert rc == 2 and "made no progress in 3 s: the file is damaged" in err and "loop.h5" in err, err
+    assert out == ""
+
+
+def test_worker_killed_while_opening_is_a_crash_of_that_file(good, monkeypatch):
+    """A worker killed by a signal inside an open (as a crash in the HDF5 library would) gives
+    the crash line naming the file, exit 2."""
+    orig = TraceReader._load
+    target = os.path.abspath(good["b"])
+
+    def dying(self):
+        if os.path.abspath(self.path) == target:
+            os.kill(os.getpid(), signal.SIGKILL)
+        orig(self)
+
+    monkeypatch.setattr(TraceReader, "_load", dying)
+    rc, out, err = run_isolated(["diff", good["a"], good["b"], "-q"], timeout=60)
+    assert_clean_exit(rc, out, err, "diff")
+    assert rc == 2 and "crashed reading this file (signal 9)" in err and "b.h5" in err, err
+
+
+def test_errors_after_the_open_come_back_as_one_line(good, capsys):
+    """An error the worker meets after its opens (a --tol rule matching no tensor) is raised in
+    the parent as the same class: the same one line and exit 2 as in-process."""
+    argv = ["diff", good["a"], good["b"], "-q", "--tol", "no_such_tensor=cos:0.5"]
+    rc_in = main(argv)
+    _, err_in = capsys.readouterr()
+    rc, out, err = run_isolated(argv, timeout=120)
+    assert_clean_exit(rc, out, err, "diff")
+    assert rc == rc_in == 2 and err.strip() == err_in.strip(), (err, err_in)
+
+
+def test_timings_line_names_the_probe(good):
+    rc, out, err = run_isolated(["diff", good["a"], good["b"], "-q"], timeout=120, env={"TENSORDIFF_TIMINGS": "1"})
+    assert rc in (0, 1), err
+    assert "tensordiff: timing: probe" in err and "one open per file" in err, err
+
+
+def test_worker_killed_after_its_opens_is_not_blamed_on_a_file(good, monkeypatch):
+    """Killed after both traces opened (out of memory, say): one line that says so, no file
+    called damaged."""
+    import tensordiff.diff as diff_mod
+
+    def dying(self, *a, **kw):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(diff_mod.Differ, "run", dying)
+    rc, out, err = run_isolated(["diff", good["a"], good["b"], "-q"], timeout=60)
+    assert_clean_exit(rc, out, err, "diff")
+    assert rc == 2 and "killed (signal 9) after it had opened the traces" in err and "damaged" not in err, err
