@@ -325,7 +325,8 @@ def _pair_candidates(A: Any, B: Any, flats: tuple[_Flat, _Flat] | None = None) -
     # pairs are kept (an A sequence with more than 8 is ranked by _top_voted below)
     ha, qa_h = _all_hashes(fa)
     o = np.argsort(ha)                        # sorted queries: searchsorted walks the index once
-    ha, qa_h = ha[o], qa_h[o]
+    ha = ha[o]
+    qa_h = qa_h[o]
     del o
     lo = np.searchsorted(index.h, ha, "left")
     cnt = np.searchsorted(index.h, ha, "right")
@@ -409,10 +410,10 @@ def align_tokens(ra: TraceReader, rb: TraceReader,
     q = (np.repeat(qb, la) << SEQ_BITS) | np.where(inside, target, 0)
     idx = np.minimum(np.searchsorted(bkey, q), len(bkey) - 1)
     present = inside & (bkey[idx] == q)
-    del q, inside
+    del q, inside, target, bkey
     ok = present & (fb.tok[idx] == fa.tok[ia])
     other = present & ~ok                          # on both sides, with different token ids
-    on_b = np.zeros(len(bkey), bool)
+    on_b = np.zeros(len(fb.pos), bool)
     on_b[idx[present]] = True
     if len(paired):
         n_ok = np.add.reduceat(ok.astype(np.int64), first).tolist()
@@ -464,11 +465,12 @@ def align_tokens(ra: TraceReader, rb: TraceReader,
     del ok
     ids_a, ids_b = np.array(fa.ids, np.int64), np.array(fb.ids, np.int64)
     code_a = (ids_a[fa.ordinal[ia[keep]]] << SEQ_BITS) | fa.pos[ia[keep]]
-    code_b = (ids_b[qb[np.searchsorted(first, keep, "right") - 1]] << SEQ_BITS) | target[keep]
+    ub = idx[keep]            # B's code at each kept position (its sequence's, at position + shift)
+    code_b = (ids_b[fb.ordinal[ub]] << SEQ_BITS) | fb.pos[ub]
     order = np.argsort(code_a, kind="stable")
     code_a, code_b = code_a[order], code_b[order]
     ua = ia[keep][order]      # SideTokens: the flat order is the order of its sorted codes
-    ub = idx[keep][order]
+    ub = ub[order]
     return TokenAlignment(code_a=code_a, code_b=code_b, token=A.tok[ua], regime_a=A.regime[ua],
                           regime_b=B.regime[ub], seq_pairs=seq_pairs, gaps=gaps, shifts=dict(shifts),
                           mismatches=mismatches)
