@@ -83,30 +83,49 @@ def _lookup(sorted_codes: Codes, codes: Codes) -> Codes:
 
 class SideTokens:
     """Canonical token per (sequence, position) on one side: the last row wins (a verify pass that
-    was later recomputed is superseded)."""
+    was later recomputed is superseded). Holds the sorted unique codes with their token and regime,
+    one byte per token row (``row_valid``: the row holds its code's canonical token) and each
+    sequence's (positions, tokens) as views; a row's code is recomputed from the token table when a
+    row map needs it (no per-row code array is kept)."""
 
     def __init__(self, r: TraceReader):
         t = r.tokens
         self.reader = r
         codes = token_code(t["seq"], t["position"])
-        self.row_code: Codes = codes
-        rev = codes[::-1]
-        uniq, first_rev = np.unique(rev, return_index=True)   # last occurrence of each code
-        last_rows = len(codes) - 1 - first_rev
+        if len(codes) and bool(np.all(codes[1:] > codes[:-1])):
+            # the usual layout (each sequence's positions once, in order): every row is canonical
+            uniq = codes
+            self.tok: Codes = t["token"].astype(np.int64)
+            self.regime: NDArray[np.uint8] = np.ascontiguousarray(t["regime"])
+            self.row_valid: NDArray[np.bool_] = np.ones(len(codes), bool)
+        else:
+            rev = codes[::-1]
+            uniq, first_rev = np.unique(rev, return_index=True)   # last occurrence of each code
+            last_rows = len(codes) - 1 - first_rev
+            del rev, first_rev
+            self.tok = t["token"][last_rows].astype(np.int64)
+            self.regime = t["regime"][last_rows]
+            del last_rows
+            self.row_valid = (t["token"].astype(np.int64) == self.tok[np.searchsorted(uniq, codes)]
+                              if len(codes) else np.zeros(0, bool))
+            del codes
         self.codes: Codes = uniq                                 # sorted unique codes
-        self.tok: Codes = t["token"][last_rows].astype(np.int64)
-        self.regime: NDArray[np.uint8] = t["regime"][last_rows]
-        self.last_rows = last_rows
-        self.row_valid: NDArray[np.bool_] = (t["token"].astype(np.int64) == self.tok[np.searchsorted(uniq, codes)]
-                                              if len(codes) else np.zeros(0, bool))
+        self.pos: Codes = uniq & POS_MASK                        # their positions
         seq_of = uniq >> SEQ_BITS
         self.seqs: dict[int, tuple[Codes, Codes]] = {}
         if len(uniq):
-            cuts = np.flatnonzero(np.diff(seq_of)) + 1
-            starts = np.concatenate([[0], cuts])
-            ends = np.concatenate([cuts, [len(uniq)]])
-            for s, e in zip(starts, ends):
-                self.seqs[int(seq_of[s])] = (uniq[s:e] & POS_MASK, self.tok[s:e])
+            cuts = np.flatnonzero(seq_of[1:] != seq_of[:-1]) + 1
+            starts = np.concatenate([[0], cuts]).tolist()
+            ends = np.concatenate([cuts, [len(uniq)]]).tolist()
+            seq_ids = seq_of[starts].tolist()
+            del seq_of
+            for q, s, e in zip(seq_ids, starts, ends):
+                self.seqs[q] = (self.pos[s:e], self.tok[s:e])
+
+    def row_codes(self, rows: Codes) -> Codes:
+        """Code of each token-table row in ``rows``."""
+        t = self.reader.tokens
+        return token_code(t["seq"][rows], t["position"][rows])
 
     def key(self, seq: int) -> str:
         return str(self.reader.sequences[seq])
@@ -134,13 +153,19 @@ class _NgramIndex:
     """B's 3-gram hashes as sorted numpy arrays: each (hash, B sequence) once, as a set per hash
     would hold them; ``sets(h)`` gives the B sequences with hash ``h``."""
 
-    def __init__(self, B: SideTokens):
+    def __init__(self, B: Any, flat: _Flat | None = None):
         self.order = list(B.seqs)   # B's sequences in table order
-        hs = [_ngram_hashes(tb) for _pb, tb in B.seqs.values()]
-        h = np.concatenate(hs) if hs else np.zeros(0, np.int64)
-        sb = np.repeat(np.array(self.order, np.int64), [len(x) for x in hs]) if hs else np.zeros(0, np.int64)
-        o = np.lexsort((sb, h))
-        h, sb = h[o], sb[o]
+        if self.order:
+            h, q = _all_hashes(flat if flat is not None else _Flat(B))
+            ids = np.array(self.order, np.int64)
+            sb = ids[q]
+            if bool(np.all(ids[1:] > ids[:-1])):   # ids ascending: a stable sort by hash sorts by (hash, id)
+                o = np.argsort(h, kind="stable")
+            else:
+                o = np.lexsort((sb, h))
+            h, sb = h[o], sb[o]
+        else:
+            h = sb = np.zeros(0, np.int64)
         keep = np.ones(len(h), bool)
         keep[1:] = (h[1:] != h[:-1]) | (sb[1:] != sb[:-1])
         self.h: Codes = h[keep]
@@ -198,28 +223,152 @@ def _top_voted(index: _NgramIndex, ha: Codes, limit: int = 8) -> tuple[list[int]
     return head + tied[:limit - len(head)], voted
 
 
-def _pair_candidates(A: SideTokens, B: SideTokens) -> list[tuple[int, int, int, int, int]]:
+class _Flat:
+    """One side's sequences as flat arrays, in table order: ``pos``/``tok`` concatenated, sequence
+    ``i`` (its id ``ids[i]``) at ``start[i]:start[i] + length[i]``."""
+
+    def __init__(self, side: Any):
+        self.ids: list[int] = list(side.seqs)
+        self.length = np.array([len(p) for p, _t in side.seqs.values()], np.int64)
+        self.start = np.cumsum(self.length) - self.length
+        if isinstance(side, SideTokens):   # its sequences are consecutive slices of these
+            self.pos, self.tok = side.pos, side.tok
+        else:
+            self.pos = np.concatenate([p for p, _t in side.seqs.values()]).astype(np.int64, copy=False)
+            self.tok = np.concatenate([t for _p, t in side.seqs.values()]).astype(np.int64, copy=False)
+        self.ordinal = np.repeat(np.arange(len(self.ids), dtype=np.int64), self.length)
+
+
+def _all_hashes(A: _Flat) -> tuple[Codes, Codes]:
+    """(hash, sequence ordinal) of every 3-gram of every sequence of a side, sequence by sequence
+    in order: what :func:`_ngram_hashes` gives each sequence."""
+    n = len(A.tok)
+    t = A.tok
+    if n >= 3:
+        h_all: Codes = t[:-2] * 1000003 ^ t[1:-1] * 10007 ^ t[2:]
+        ok = np.ones(n - 2, bool)   # a window starting in a sequence's last two positions crosses its end
+        for back in (1, 2):
+            at = A.start + A.length - back
+            ok[at[(at >= A.start) & (at < n - 2)]] = False
+        h, q = h_all[ok], A.ordinal[:n - 2][ok]
+        del h_all, ok
+    else:
+        h = q = np.zeros(0, np.int64)
+    short = np.flatnonzero(A.length < 3)
+    if len(short):   # shorter than a 3-gram: one hash of the whole sequence
+        hs = np.array([int(_ngram_hashes(A.tok[A.start[i]:A.start[i] + A.length[i]])[0]) for i in short.tolist()],
+                      np.int64)
+        h, q = np.concatenate([h, hs]), np.concatenate([q, short])
+        o = np.argsort(q, kind="stable")
+        h, q = h[o], q[o]
+    return h, q
+
+
+def _best_shifts(A: _Flat, B: _Flat, qa: Codes, qb: Codes) -> tuple[Codes, Codes, Codes]:
+    """For each candidate pair (A ordinal ``qa[k]``, B ordinal ``qb[k]``): (matches, overlap, shift)
+    at its best shift, as :func:`_shift_matches` over shifts 0, -1, 1, -2, 2 (most matches, the
+    first such shift; matches 0: none). B's positions are keyed ``ordinal << SEQ_BITS | position``
+    (sorted), so every pair's lookups are one ``searchsorted``, in chunks of pairs."""
+    bkey = (B.ordinal << SEQ_BITS) | B.pos
+    npair = len(qa)
+    if len(bkey) == 0:
+        z = np.zeros(npair, np.int64)
+        return z, z, z
+    best_m = np.zeros(npair, np.int64)
+    best_o = np.zeros(npair, np.int64)
+    best_s = np.zeros(npair, np.int64)
+    la = A.length[qa]
+    cap = np.minimum(la, B.length[qb])
+    chunk_elems = 1 << 21
+    todo = np.arange(npair, dtype=np.int64)
+    for sh in sorted(range(-MAX_SHIFT, MAX_SHIFT + 1), key=abs):
+        if sh != 0:   # a pair whose every position already matches cannot do better
+            todo = todo[best_m[todo] < cap[todo]]
+        if len(todo) == 0:
+            break
+        ends = np.cumsum(la[todo])
+        lo = 0
+        while lo < len(todo):
+            hi = int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + chunk_elems, "right"))
+            hi = max(hi, lo + 1)
+            ks = todo[lo:hi]
+            n_k = la[ks]
+            first = np.cumsum(n_k) - n_k
+            ia = np.repeat(A.start[qa[ks]] - first, n_k) + np.arange(int(n_k.sum()), dtype=np.int64)
+            target = A.pos[ia] + sh
+            inside = (target >= 0) & (target <= POS_MASK)
+            q = (np.repeat(qb[ks], n_k) << SEQ_BITS) | np.where(inside, target, 0)
+            idx = np.minimum(np.searchsorted(bkey, q), len(bkey) - 1)
+            present = inside & (bkey[idx] == q)
+            match = present & (B.tok[idx] == A.tok[ia])
+            overlap = np.add.reduceat(present.astype(np.int64), first) if len(ks) else np.zeros(0, np.int64)
+            matches = np.add.reduceat(match.astype(np.int64), first) if len(ks) else np.zeros(0, np.int64)
+            upd = matches > best_m[ks]
+            best_m[ks[upd]] = matches[upd]
+            best_o[ks[upd]] = overlap[upd]
+            best_s[ks[upd]] = sh
+            lo = hi
+    return best_m, best_o, best_s
+
+
+def _pair_candidates(A: Any, B: Any, flats: tuple[_Flat, _Flat] | None = None) -> list[tuple[int, int, int, int, int]]:
     """Every plausible (matches, overlap, shift, seq a, seq b): B sequences that share 3-grams with
     an A sequence (up to 8 per A sequence; every B sequence when both traces are small), each at
     its best shift in -MAX_SHIFT..+MAX_SHIFT (most matching positions, then the smallest shift).
-    The 3-gram index is sorted numpy arrays (no Python object per 3-gram)."""
-    index = _NgramIndex(B)
-    out = []
+    The 3-gram index is sorted numpy arrays (no Python object per 3-gram); the votes of every A
+    sequence are counted at once, and every pair's shifts are looked up at once."""
+    fa, fb = flats if flats is not None else (_Flat(A), _Flat(B))
+    index = _NgramIndex(B, fb)
+    b_ord = {x: i for i, x in enumerate(fb.ids)}
     small = len(B.seqs) <= 64
-    for sa, (pa, ta) in A.seqs.items():
-        cands, voted = _top_voted(index, _ngram_hashes(ta))
+    # votes: each (A 3-gram, B sequence having it); only the distinct (A sequence, B sequence)
+    # pairs are kept (an A sequence with more than 8 is ranked by _top_voted below)
+    ha, qa_h = _all_hashes(fa)
+    o = np.argsort(ha)                        # sorted queries: searchsorted walks the index once
+    ha = ha[o]
+    qa_h = qa_h[o]
+    del o
+    lo = np.searchsorted(index.h, ha, "left")
+    cnt = np.searchsorted(index.h, ha, "right")
+    del ha
+    cnt -= lo
+    total = int(cnt.sum())
+    if total == len(cnt) and bool(np.all(cnt == 1)):
+        v_sb, v_qa = index.sb[lo], qa_h
+    else:
+        at = np.repeat(lo - (np.cumsum(cnt) - cnt), cnt) + np.arange(total, dtype=np.int64)
+        v_sb, v_qa = index.sb[at], np.repeat(qa_h, cnt)
+        del at
+    del lo, cnt, qa_h
+    nb = max(fb.ids) + 1 if fb.ids else 1
+    key = v_qa * nb
+    key += v_sb
+    del v_qa, v_sb
+    key = np.unique(key)                      # sorted: by A ordinal, then B id
+    g_qa, g_sb = key // nb, key % nb
+    del key
+    bounds = np.searchsorted(g_qa, np.arange(len(fa.ids) + 1, dtype=np.int64))
+    cand_a: list[int] = []
+    cand_b: list[int] = []
+    g_sb_l = g_sb.tolist()
+    for i, sa in enumerate(fa.ids):
+        s, e = int(bounds[i]), int(bounds[i + 1])
+        if e - s <= 8:
+            cands = g_sb_l[s:e]
+            voted = set(cands)
+        else:   # more than 8 voted: rank them (ties at the cut as the dict of votes did)
+            cands, voted = _top_voted(index, _ngram_hashes(A.seqs[sa][1]))
         if small:
-            cands += [x for x in B.seqs if x not in voted]
-        for sb in cands:
-            pb, tb = B.seqs[sb]
-            best: tuple[int, int, int] | None = None
-            for sh in sorted(range(-MAX_SHIFT, MAX_SHIFT + 1), key=abs):
-                overlap, matches = _shift_matches(pa, ta, pb, tb, sh)
-                if matches and (best is None or matches > best[0]):
-                    best = (matches, overlap, sh)
-            if best is not None and best[0] >= MIN_MATCH * best[1]:
-                out.append((best[0], best[1], best[2], sa, sb))
-    return out
+            cands = cands + [x for x in B.seqs if x not in voted]
+        cand_a += [i] * len(cands)
+        cand_b += [b_ord[x] for x in cands]
+    qa = np.array(cand_a, np.int64)
+    qb = np.array(cand_b, np.int64)
+    m, ov, sh = _best_shifts(fa, fb, qa, qb)
+    keep = (m > 0) & (m >= MIN_MATCH * ov)
+    ids_a, ids_b = np.array(fa.ids, np.int64), np.array(fb.ids, np.int64)
+    return list(zip(m[keep].tolist(), ov[keep].tolist(), sh[keep].tolist(), ids_a[qa[keep]].tolist(),
+                    ids_b[qb[keep]].tolist()))
 
 
 def align_tokens(ra: TraceReader, rb: TraceReader,
@@ -236,7 +385,8 @@ def align_tokens(ra: TraceReader, rb: TraceReader,
         raise IncompatibleTracesError("the trace has no tokens (empty trace)", ra.path)
     if not B.seqs:
         raise IncompatibleTracesError("the trace has no tokens (empty trace)", rb.path)
-    cands = _pair_candidates(A, B)
+    fa, fb = _Flat(A), _Flat(B)
+    cands = _pair_candidates(A, B, (fa, fb))
     cands.sort(key=lambda c: (-c[0], abs(c[2]), c[3], c[4]))
     used_a: dict[int, tuple[int, int]] = {}
     used_b: set[int] = set()
@@ -244,55 +394,85 @@ def align_tokens(ra: TraceReader, rb: TraceReader,
         if sa not in used_a and sb not in used_b:
             used_a[sa] = (sb, sh)
             used_b.add(sb)
+    # every paired sequence's positions looked up at once, in A's table order; B's positions are
+    # keyed ordinal << SEQ_BITS | position (sorted)
+    b_ord = {x: i for i, x in enumerate(fb.ids)}
+    paired = [(i, sa) for i, sa in enumerate(fa.ids) if sa in used_a]
+    qa = np.array([i for i, _sa in paired], np.int64)
+    qb = np.array([b_ord[used_a[sa][0]] for _i, sa in paired], np.int64)
+    shv = np.array([used_a[sa][1] for _i, sa in paired], np.int64)
+    la = fa.length[qa]
+    first = np.cumsum(la) - la
+    ia = np.repeat(fa.start[qa] - first, la) + np.arange(int(la.sum()), dtype=np.int64)
+    target = fa.pos[ia] + np.repeat(shv, la)
+    inside = (target >= 0) & (target <= POS_MASK)
+    bkey = (fb.ordinal << SEQ_BITS) | fb.pos
+    q = (np.repeat(qb, la) << SEQ_BITS) | np.where(inside, target, 0)
+    idx = np.minimum(np.searchsorted(bkey, q), len(bkey) - 1)
+    present = inside & (bkey[idx] == q)
+    del q, inside, target, bkey
+    ok = present & (fb.tok[idx] == fa.tok[ia])
+    other = present & ~ok                          # on both sides, with different token ids
+    on_b = np.zeros(len(fb.pos), bool)
+    on_b[idx[present]] = True
+    if len(paired):
+        n_ok = np.add.reduceat(ok.astype(np.int64), first).tolist()
+        n_other = np.add.reduceat(other.astype(np.int64), first).tolist()
+        n_present = np.add.reduceat(present.astype(np.int64), first).tolist()
+    else:
+        n_ok = n_other = n_present = []
+    b_on = np.add.reduceat(on_b.astype(np.int64), fb.start).tolist()
     seq_pairs: list[dict[str, Any]] = []
     gaps: list[dict[str, Any]] = []
     mismatches: list[dict[str, Any]] = []
     shifts: dict[int, int] = defaultdict(int)
-    parts_a: list[Codes] = []
-    parts_b: list[Codes] = []
+    k = 0
+    la_l, first_l, qb_l = la.tolist(), first.tolist(), qb.tolist()
     for sa, (pa, ta) in A.seqs.items():
         if sa not in used_a:
             gaps.append({"seq": A.key(sa), "side": "a", "positions": _ranges(pa), "count": len(pa),
                          "reason": "sequence only on A (no sequence of B has these token ids)"})
             continue
         sb, sh = used_a[sa]
-        pb, tb = B.seqs[sb]
-        idx = np.searchsorted(pb, pa + sh)
-        idx_c = np.minimum(idx, len(pb) - 1)
-        present = pb[idx_c] == pa + sh
-        ok = present & (tb[idx_c] == ta)
-        other = present & ~ok                      # on both sides, with different token ids
-        only_a = pa[~present]
-        on_b = np.zeros(len(pb), bool)
-        on_b[idx_c[present]] = True
-        only_b = pb[~on_b]
+        j, n_a, lo = qb_l[k], la_l[k], first_l[k]
+        n_b = int(fb.length[j])
+        only_a, only_b = n_a - n_present[k], n_b - b_on[j]
         shifts[sh] += 1
-        seq_pairs.append({"a": A.key(sa), "b": B.key(sb), "shift": sh, "tokens": int(ok.sum()),
-                          "only_a": len(only_a), "only_b": len(only_b), "mismatched": int(other.sum())})
-        if other.any():
-            mismatches.append({"seq": A.key(sa), "seq_b": B.key(sb), "positions": _ranges(pa[other]),
-                               "count": int(other.sum()), "tokens_a": ta[other][:4].tolist(),
-                               "tokens_b": tb[idx_c[other]][:4].tolist()})
-        gaps += _gaps(A.key(sa), "a", only_a, pa)
-        gaps += _gaps(B.key(sb), "b", only_b, pb)
-        parts_a.append(token_code(sa, pa[ok]))
-        parts_b.append(token_code(sb, pa[ok] + sh))
+        seq_pairs.append({"a": A.key(sa), "b": B.key(sb), "shift": sh, "tokens": n_ok[k],
+                          "only_a": only_a, "only_b": only_b, "mismatched": n_other[k]})
+        if n_other[k]:
+            oth = other[lo:lo + n_a]
+            mismatches.append({"seq": A.key(sa), "seq_b": B.key(sb), "positions": _ranges(pa[oth]),
+                               "count": n_other[k], "tokens_a": ta[oth][:4].tolist(),
+                               "tokens_b": fb.tok[idx[lo:lo + n_a][oth]][:4].tolist()})
+        if only_a:
+            gaps += _gaps(A.key(sa), "a", pa[~present[lo:lo + n_a]], pa)
+        if only_b:
+            pb = B.seqs[sb][0]
+            sj = int(fb.start[j])
+            gaps += _gaps(B.key(sb), "b", pb[~on_b[sj:sj + n_b]], pb)
+        k += 1
     for sb, (pb, _tb) in B.seqs.items():
         if sb not in used_b:
             gaps.append({"seq": B.key(sb), "side": "b", "positions": _ranges(pb), "count": len(pb),
                          "reason": "sequence only on B (no sequence of A has these token ids)"})
-    if not parts_a or sum(len(p) for p in parts_a) == 0:
+    if not ok.any():
         raise IncompatibleTracesError(
             f"no common tokens: no sequence of {os.path.basename(ra.path)} matches a sequence of "
             f"{os.path.basename(rb.path)} by token ids (tried position shifts -{MAX_SHIFT}..+{MAX_SHIFT})")
-    code_a = np.concatenate(parts_a)
-    code_b = np.concatenate(parts_b)
+    del other, present, on_b
+    keep = np.flatnonzero(ok)
+    del ok
+    ids_a, ids_b = np.array(fa.ids, np.int64), np.array(fb.ids, np.int64)
+    code_a = (ids_a[fa.ordinal[ia[keep]]] << SEQ_BITS) | fa.pos[ia[keep]]
+    ub = idx[keep]            # B's code at each kept position (its sequence's, at position + shift)
+    code_b = (ids_b[fb.ordinal[ub]] << SEQ_BITS) | fb.pos[ub]
     order = np.argsort(code_a, kind="stable")
     code_a, code_b = code_a[order], code_b[order]
-    ia = np.searchsorted(A.codes, code_a)
-    ib = np.searchsorted(B.codes, code_b)
-    return TokenAlignment(code_a=code_a, code_b=code_b, token=A.tok[ia], regime_a=A.regime[ia],
-                          regime_b=B.regime[ib], seq_pairs=seq_pairs, gaps=gaps, shifts=dict(shifts),
+    ua = ia[keep][order]      # SideTokens: the flat order is the order of its sorted codes
+    ub = ub[order]
+    return TokenAlignment(code_a=code_a, code_b=code_b, token=A.tok[ua], regime_a=A.regime[ua],
+                          regime_b=B.regime[ub], seq_pairs=seq_pairs, gaps=gaps, shifts=dict(shifts),
                           mismatches=mismatches)
 
 
@@ -373,7 +553,7 @@ def pair_tensors(ra: TraceReader, rb: TraceReader) -> tuple[list[tuple[TensorInf
 def row_map(r: TraceReader, side_tokens: SideTokens, name: str, index_fn: Callable[[Codes], Codes]) -> Codes:
     """Tensor row -> aligned index (or -1), built from the tensor's token rows."""
     trow = r.token_rows(name)
-    codes = side_tokens.row_code[trow]
+    codes = side_tokens.row_codes(trow)
     valid = side_tokens.row_valid[trow]
     aligned = index_fn(codes)
     aligned[~valid] = -1

@@ -159,6 +159,7 @@ class Differ:
         self._progress("aligning tokens", 1, 1)
         self.al = al
         self.maps = RowMaps(al, ra, rb, self.sa, self.sb)
+        self._both_memo: dict[tuple[int, int], tuple[Codes, Codes, NDArray[np.bool_], Codes]] = {}
         pairs, findings = pair_tensors(ra, rb)
         # predictions (top-k tables, verify steps) are not states: tensordiff.acceptance compares them
         pairs = [(a, b) for a, b in pairs if not (acceptance.is_prediction(a) or acceptance.is_prediction(b))]
@@ -301,9 +302,16 @@ class Differ:
     def _pair_setup(self, ia: TensorInfo, ib: TensorInfo) -> tuple[_Streamed, _Job | None]:
         """Pairing checks and the basis of one tensor pair, and what its numerics need (None:
         not compared, with the finding that says why)."""
-        everything = np.arange(len(self.al))
-        (ma,), (mb,) = self.maps.rows_at("a", ia.name, [everything]), self.maps.rows_at("b", ib.name, [everything])
-        both = (ma >= 0) & (mb >= 0)
+        # the row maps' shared inverses (read only), and one ``both`` mask and index per pair of
+        # them: all pairs are set up before streaming, and at 1M tokens per-pair copies cost
+        # ~25 MB a pair (issue 12)
+        ma, mb = self.maps.inverse("a", ia.name), self.maps.inverse("b", ib.name)
+        memo = self._both_memo
+        hit = memo.get((id(ma), id(mb)))
+        if hit is None or hit[0] is not ma or hit[1] is not mb:
+            both_new = (ma >= 0) & (mb >= 0)
+            hit = memo[(id(ma), id(mb))] = (ma, mb, both_new, np.flatnonzero(both_new))
+        both, both_idx = hit[2], hit[3]
         k = min(ia.slot_count, ib.slot_count)
         label = ia.label if ia.name == ib.name else f"{ia.name} ~ {ib.name}"
         depth = [self._depth(ia, s) for s in range(k)]
@@ -316,7 +324,7 @@ class Differ:
             st.not_compared = sp.findings[-1].details.get("reason_text") or "not comparable"
             return sp, None
         st.basis = sp.basis = basis
-        return sp, (basis, k, depth, np.flatnonzero(both), ma, mb)
+        return sp, (basis, k, depth, both_idx, ma, mb)
 
     def _depth(self, info: TensorInfo, slot: int) -> float | None:
         """How deep a tensor's state is (for the default tolerance): a boundary's index, the layer

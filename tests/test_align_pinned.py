@@ -1,0 +1,210 @@
+"""The vectorised token alignment (issue 12: SideTokens without per-row code arrays, every A
+sequence's 3-gram votes and every pair's shifts counted at once) gives exactly the alignment of
+the per-sequence implementation it replaced: pairs, shifts, gaps, mismatches, aligned codes,
+tokens, regimes and row maps, on varied token tables (gaps, shifts, shared prefixes, many
+sequences, rows out of order, re-recorded positions, short sequences)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from tensordiff import align
+from tensordiff.errors import IncompatibleTracesError
+from tensordiff.tokens import POS_MASK, SEQ_BITS, token_code
+from tensordiff.trace.schema import TOKEN_DTYPE
+
+from test_align_index import _reference as _reference_candidates
+
+
+class _Reader:
+    """What the aligner reads of a trace: its token table, sequence keys, path, tensor rows."""
+
+    def __init__(self, path, seq, pos, tok, regime, n_seqs):
+        t = np.zeros(len(seq), TOKEN_DTYPE)
+        t["seq"], t["position"], t["token"], t["regime"] = seq, pos, tok, regime
+        self.tokens = t
+        self.sequences = [f"req-{i}" for i in range(n_seqs)]
+        self.path = path
+        self.rows = {"all": np.arange(len(seq), dtype=np.int64),
+                     "half": np.arange(0, len(seq), 2, dtype=np.int64)[::-1].copy()}
+
+    def token_rows(self, name):
+        return self.rows[name]
+
+
+class _OldSide:
+    """SideTokens before issue 12 (per-row code array kept)."""
+
+    def __init__(self, r):
+        t = r.tokens
+        self.reader = r
+        codes = token_code(t["seq"], t["position"])
+        self.row_code = codes
+        uniq, first_rev = np.unique(codes[::-1], return_index=True)
+        last_rows = len(codes) - 1 - first_rev
+        self.codes = uniq
+        self.tok = t["token"][last_rows].astype(np.int64)
+        self.regime = t["regime"][last_rows]
+        self.row_valid = t["token"].astype(np.int64) == self.tok[np.searchsorted(uniq, codes)]
+        seq_of = uniq >> SEQ_BITS
+        self.seqs = {}
+        cuts = np.flatnonzero(np.diff(seq_of)) + 1
+        for s, e in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(uniq)]])):
+            self.seqs[int(seq_of[s])] = (uniq[s:e] & POS_MASK, self.tok[s:e])
+
+    def key(self, seq):
+        return str(self.reader.sequences[seq])
+
+
+def _old_align(ra, rb):
+    """align_tokens before issue 12, on the per-sequence candidates of the dict-of-sets index."""
+    A, B = _OldSide(ra), _OldSide(rb)
+    cands = _reference_candidates(A, B)
+    cands.sort(key=lambda c: (-c[0], abs(c[2]), c[3], c[4]))
+    used_a, used_b = {}, set()
+    for _m, _o, sh, sa, sb in cands:
+        if sa not in used_a and sb not in used_b:
+            used_a[sa] = (sb, sh)
+            used_b.add(sb)
+    seq_pairs, gaps, mismatches, shifts, parts_a, parts_b = [], [], [], defaultdict(int), [], []
+    for sa, (pa, ta) in A.seqs.items():
+        if sa not in used_a:
+            gaps.append({"seq": A.key(sa), "side": "a", "positions": align._ranges(pa), "count": len(pa),
+                         "reason": "sequence only on A (no sequence of B has these token ids)"})
+            continue
+        sb, sh = used_a[sa]
+        pb, tb = B.seqs[sb]
+        idx_c = np.minimum(np.searchsorted(pb, pa + sh), len(pb) - 1)
+        present = pb[idx_c] == pa + sh
+        ok = present & (tb[idx_c] == ta)
+        other = present & ~ok
+        only_a = pa[~present]
+        on_b = np.zeros(len(pb), bool)
+        on_b[idx_c[present]] = True
+        only_b = pb[~on_b]
+        shifts[sh] += 1
+        seq_pairs.append({"a": A.key(sa), "b": B.key(sb), "shift": sh, "tokens": int(ok.sum()),
+                          "only_a": len(only_a), "only_b": len(only_b), "mismatched": int(other.sum())})
+        if other.any():
+            mismatches.append({"seq": A.key(sa), "seq_b": B.key(sb), "positions": align._ranges(pa[other]),
+                               "count": int(other.sum()), "tokens_a": ta[other][:4].tolist(),
+                               "tokens_b": tb[idx_c[other]][:4].tolist()})
+        gaps += align._gaps(A.key(sa), "a", only_a, pa)
+        gaps += align._gaps(B.key(sb), "b", only_b, pb)
+        parts_a.append(token_code(sa, pa[ok]))
+        parts_b.append(token_code(sb, pa[ok] + sh))
+    for sb, (pb, _tb) in B.seqs.items():
+        if sb not in used_b:
+            gaps.append({"seq": B.key(sb), "side": "b", "positions": align._ranges(pb), "count": len(pb),
+                         "reason": "sequence only on B (no sequence of A has these token ids)"})
+    code_a, code_b = np.concatenate(parts_a), np.concatenate(parts_b)
+    order = np.argsort(code_a, kind="stable")
+    code_a, code_b = code_a[order], code_b[order]
+    ia, ib = np.searchsorted(A.codes, code_a), np.searchsorted(B.codes, code_b)
+    al = align.TokenAlignment(code_a=code_a, code_b=code_b, token=A.tok[ia], regime_a=A.regime[ia],
+                              regime_b=B.regime[ib], seq_pairs=seq_pairs, gaps=gaps, shifts=dict(shifts),
+                              mismatches=mismatches)
+    maps = {}
+    for side, r, st, fn in (("a", ra, A, al.index_a), ("b", rb, B, al.index_b)):
+        for name in r.rows:
+            trow = r.token_rows(name)
+            m = fn(st.row_code[trow])
+            m[~st.row_valid[trow]] = -1
+            maps[side, name] = m
+    return al, maps
+
+
+def _pair(rng, n_seq, length, vocab, prompt, layout):
+    """Two token tables of ``n_seq`` sequences; B's differ from A's by the ``layout``."""
+    pre = rng.integers(1, vocab, prompt)
+    sides = [([], [], [], []), ([], [], [], [])]
+    for s in range(n_seq):
+        n = int(rng.integers(1, length + 1))
+        t = np.concatenate([pre, rng.integers(1, vocab, n)])[:n]
+        pos = np.arange(n)
+        for col, v in zip(sides[0], (np.full(n, s), pos, t, np.zeros(n, np.uint8))):
+            col.append(v)
+        pb, tb = pos.copy(), t.copy()
+        kind = layout if layout != "mixed" else ["same", "gap", "shift", "mismatch", "drop", "dup"][s % 6]
+        if kind == "gap" and n > 3:                       # leading, middle and trailing gaps
+            keep = np.ones(n, bool)
+            keep[:int(rng.integers(0, n // 3 + 1))] = False
+            keep[n // 2:n // 2 + 1] = False
+            keep[n - int(rng.integers(0, 2)):] = False
+            pb, tb = pb[keep], tb[keep]
+        elif kind == "shift":
+            pb = pb + int(rng.integers(-2, 3)) if n > 2 else pb
+            pb = np.maximum(pb, 0) if pb.min() < 0 else pb
+            if len(np.unique(pb)) != len(pb):
+                pb = pos.copy()
+        elif kind == "mismatch" and n > 1:
+            tb[int(rng.integers(0, n))] += 1
+        elif kind == "drop":
+            continue                                      # only on A
+        elif kind == "dup" and n > 1:                     # re-recorded positions: the last row wins
+            k = int(rng.integers(1, n))
+            pb = np.concatenate([pb, pb[:k]])
+            tb = np.concatenate([tb, np.where(rng.random(k) < 0.5, tb[:k], tb[:k] + 7)])
+        for col, v in zip(sides[1], (np.full(len(pb), s), pb, tb, np.ones(len(pb), np.uint8))):
+            col.append(v)
+    if layout == "mixed":                                 # sequences only on B, rows out of order
+        for s in range(n_seq, n_seq + 3):
+            n = int(rng.integers(1, length + 1))
+            for col, v in zip(sides[1], (np.full(n, s), np.arange(n), rng.integers(1, vocab, n),
+                                         np.ones(n, np.uint8))):
+                col.append(v)
+    readers = []
+    for i, (sq, ps, tk, rg) in enumerate(sides):
+        cols = [np.concatenate(c) for c in (sq, ps, tk, rg)]
+        if layout == "mixed" and i == 1:
+            perm = rng.permutation(len(cols[0]))   # both paths read the same shuffled table
+            cols = [c[perm] for c in cols]
+        readers.append(_Reader(f"{'ab'[i]}.h5", *cols, n_seqs=n_seq + 3))
+    return readers
+
+
+LAYOUTS = ["same", "gap", "shift", "mismatch", "dup", "mixed"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [(5, 40, 1000, 0), (30, 25, 50, 8), (80, 12, 6, 4), (70, 3, 4, 0)])
+def test_alignment_pinned_against_the_per_sequence_path(seed, layout, shape):
+    n_seq, length, vocab, prompt = shape
+    rng = np.random.default_rng([seed, LAYOUTS.index(layout), n_seq])
+    ra, rb = _pair(rng, n_seq, length, vocab, prompt, layout)
+    try:
+        want, want_maps = _old_align(ra, rb)
+    except ValueError:      # nothing in common: the new path must say so too
+        with pytest.raises(IncompatibleTracesError, match="no common tokens"):
+            align.align_tokens(ra, rb)
+        return
+    sa, sb = align.SideTokens(ra), align.SideTokens(rb)
+    got = align.align_tokens(ra, rb, (sa, sb))
+    for f in ("code_a", "code_b", "token", "regime_a", "regime_b"):
+        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+    assert got.seq_pairs == want.seq_pairs
+    assert got.gaps == want.gaps
+    assert got.shifts == want.shifts
+    assert got.mismatches == want.mismatches
+    for side, r, st, fn in (("a", ra, sa, got.index_a), ("b", rb, sb, got.index_b)):
+        for name in r.rows:
+            np.testing.assert_array_equal(align.row_map(r, st, name, fn), want_maps[side, name])
+
+
+def test_in_order_table_takes_the_fast_path_and_agrees():
+    """A table in (sequence, position) order with each position once: no unique pass, same result."""
+    rng = np.random.default_rng(3)
+    ra, rb = _pair(rng, 20, 30, 100, 0, "same")
+    st, old = align.SideTokens(ra), _OldSide(ra)
+    assert np.all(np.diff(old.row_code) > 0)
+    for f in ("codes", "tok", "regime", "row_valid"):
+        np.testing.assert_array_equal(getattr(st, f), getattr(old, f))
+    assert st.seqs.keys() == old.seqs.keys()
+    for k in st.seqs:
+        for x, y in zip(st.seqs[k], old.seqs[k]):
+            np.testing.assert_array_equal(x, y)
+    assert not hasattr(st, "row_code") and not hasattr(st, "last_rows")
