@@ -20,10 +20,14 @@ Nothing here imports an engine.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
+import struct
+import termios
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +50,7 @@ class _StderrTail:
         self.tail = b""
         self._lock = threading.Lock()
         self._saved: int | None = None
+        self._r: int | None = None
 
     def start(self) -> None:
         try:
@@ -56,6 +61,7 @@ class _StderrTail:
         except OSError:  # no fd 2 to redirect: run without a tail
             self._saved = None
             return
+        self._r = r
         threading.Thread(target=self._pump, args=(r, self._saved), daemon=True,
                          name="tensordiff-stderr-tail").start()
 
@@ -73,6 +79,7 @@ class _StderrTail:
                 except OSError:
                     pass
         finally:
+            self._r = None   # before the close: the number may be reused for another file
             os.close(r)
             os.close(out)
 
@@ -83,6 +90,21 @@ class _StderrTail:
                 os.dup2(self._saved, 2)
             except OSError:
                 pass
+
+    def drain(self, timeout: float = 1.0) -> None:
+        """Wait (at most ``timeout``) until the pump has taken what is in the pipe: a child that
+        wrote its exception and then signalled us may be read only after the signal arrives."""
+        if self._r is None:
+            return
+        deadline = time.monotonic() + timeout
+        quiet = 0
+        while time.monotonic() < deadline and quiet < 2:
+            try:
+                pending = struct.unpack("i", fcntl.ioctl(self._r, termios.FIONREAD, b"\0\0\0\0"))[0]
+            except OSError:  # the pump closed the pipe: everything was read
+                return
+            quiet = quiet + 1 if pending == 0 else 0
+            time.sleep(0.01)   # twice quiet in a row: the last read has been appended
 
     def text(self) -> str:
         with self._lock:
@@ -142,6 +164,7 @@ class EngineGuard:
     def cause(self) -> str | None:
         """The last exception line the engine's processes wrote to stderr, if any."""
         found = None
+        self._tail.drain()
         for line in self._tail.text().splitlines():
             m = _EXC_LINE.match(line)
             if m and "Traceback" not in line:
