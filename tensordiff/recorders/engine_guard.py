@@ -162,14 +162,15 @@ class EngineGuard:
     # -- failures ------------------------------------------------------------------------------
 
     def cause(self) -> str | None:
-        """The last exception line the engine's processes wrote to stderr, if any."""
-        found = None
+        """The first exception line the engine's processes wrote to stderr, if any: the root
+        cause comes first; what the teardown raises after it (a half-written trace, a closed
+        pipe) comes later and is not the cause."""
         self._tail.drain()
         for line in self._tail.text().splitlines():
             m = _EXC_LINE.match(line)
             if m and "Traceback" not in line:
-                found = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
-        return found
+                return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
+        return None
 
     def error(self, exc: BaseException | None, while_: str = "start") -> RecordingError:
         """The one-line error for a failure (``exc``: what was raised here, if anything)."""
