@@ -30,7 +30,7 @@ its process (``os.wait4`` ru_maxrss), exit code, and whether its output names th
         [--hidden 4096] [--repeat 3] [--corrupt 20] [--seed 0] [--dir /tmp] [--keep] [--no-comparator]
         [--json FILE]
 
-``--json FILE`` writes the figures of /work/status/BENCH_CONTRACT.md's bench_diff entry:
+``--json FILE`` writes the figures of benchmarks/benchjson.py's bench_diff entry:
 ``inproc_vs_read`` (h5py read s / in-process diff s, both without start-up), ``cli_vs_script``
 (plain script s / CLI s, both end to end), ``probe_share`` (the CLI's probe s / its wall s),
 ``rss_mb`` (the CLI's peak RSS, its worker included), ``names_corrupt`` (CLI and in-process exit

@@ -15,7 +15,7 @@ flushes, from the trace's ``tensordiff_sglang`` attribute) over the fastest bare
     PYTHONPATH=. .venv/bin/python benchmarks/bench_sglang_overhead.py [--mode capture|eagle]
         [--hidden 512] [--layers 8] [--catalog] [--topk 20] [--rounds 5] [--json FILE] [--profile FILE]
 
-``--json FILE`` writes one object per /work/status/BENCH_CONTRACT.md (bench, commit, dirty, load,
+``--json FILE`` writes one object per benchmarks/benchjson.py (bench, commit, dirty, load,
 config, figures); ``--profile FILE`` sets ``TENSORDIFF_PROFILE`` (a cProfile stats file of the
 plugin's own code in the scheduler process: ``python -m pstats FILE``). The order of the bare and
 the recorded generation is random per round (seeded by ``--seed``).
