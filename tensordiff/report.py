@@ -32,9 +32,44 @@ class _Console(Console):
         raise BrokenPipeError
 
 
+class _TrimmedLines:
+    """A text file that drops the spaces rich pads each line with (table cells, wrapped text) before
+    the line break: off a terminal a report is read by ``grep``, ``diff`` and CI logs, where that
+    padding is noise. Text after the last line break waits for the next write or :meth:`flush`."""
+
+    def __init__(self, file):
+        self._file = file
+        self._tail = ""
+
+    def write(self, text: str) -> int:
+        head, sep, tail = (self._tail + text).rpartition("\n")
+        self._tail = tail
+        if sep:
+            self._file.write("\n".join(line.rstrip(" ") for line in head.split("\n")) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._tail:
+            self._file.write(self._tail)
+            self._tail = ""
+        self._file.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._file, "encoding", "utf-8")
+
+
 def make_console(file=None) -> Console:
     file = file or sys.stdout
     tty = hasattr(file, "isatty") and file.isatty()
+    if not tty:
+        file = _TrimmedLines(file)
     # rich honours NO_COLOR itself; off a terminal we print plain text at a stable width
     width = None if tty else int(os.environ.get("COLUMNS", "120") or 120)
     # markup off: slot labels like [embed, layer3] and user metadata are data, not rich markup

@@ -61,6 +61,20 @@ def test_head_1_under_pipefail(pairs):
         assert len(p.stdout.splitlines()) == 1
 
 
+@pytest.mark.parametrize("case", ["agree", "wrong"])
+def test_piped_report_lines_have_no_trailing_padding(pairs, case):
+    """Off a terminal the text report is read by grep, diff and CI logs: rich pads every table
+    row and wrapped line to the console's width, and none of that padding may reach the pipe."""
+    p = _cli("diff", *pairs[case], env={"COLUMNS": "120"})
+    out, err = p.communicate(timeout=120)
+    assert p.returncode in (0, 1), err
+    lines = out.splitlines()
+    assert len(lines) > 5 and out.endswith("\n")
+    assert any("\u2502" in line or "tensor" in line for line in lines)   # the tables were printed
+    padded = [line for line in lines if line != line.rstrip()]
+    assert not padded, padded[:3]
+
+
 # ----------------------------------------------------------------------------------------------
 # help, usage errors, hints
 # ----------------------------------------------------------------------------------------------
