@@ -30,7 +30,9 @@ from .identity import (
     _Scored,
     clean,
     decide_scored,
+    f64_rows_exact,
     pick_basis,
+    row_norms,
     score_many,
 )
 from .tolerances import coarser, default_tolerance
@@ -219,6 +221,11 @@ class IdentitySearch:
             # a candidate's rows at every offset, read once (their union: one read per run of
             # rows and part), scored against every slot at every offset, dropped
             t = self._target(cr, ci, lay.union, 0, basis)
+            # the union's norms once (a row's norm does not depend on the rows around it), and
+            # its rows as float64 once where that gives the same sums (f64_rows_exact): each
+            # row is used at up to five offsets, and einsum would cast it again at each
+            norms = row_norms(t.data)
+            rows: np.ndarray = t.data.astype(np.float64) if f64_rows_exact(t.data.shape[1]) else t.data
             exact_tol = None
             if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
                 eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
@@ -227,12 +234,12 @@ class IdentitySearch:
                 if not lay.enough[oi]:
                     continue
                 pos = lay.pos[oi]
-                if batch and held + len(pos) * t.data[:1].nbytes > BATCH_BYTES:
+                if batch and held + len(pos) * rows[:1].nbytes > BATCH_BYTES:
                     flush()   # wide rows: a batch may be one offset of one candidate
                     held = 0
-                data = t.data[pos]
+                data = rows[pos]
                 batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], data, t.rms[pos],
-                                                        exact_tol)))
+                                                        exact_tol, norms[pos])))
                 held += data.nbytes
         flush()
         return SlotScores(slots, len(sample), scored)
