@@ -237,10 +237,11 @@ class IdentitySearch:
                 if batch and held + len(pos) * rows[:1].nbytes > BATCH_BYTES:
                     flush()   # wide rows: a batch may be one offset of one candidate
                     held = 0
-                data = rows[pos]
+                # float64 rows: scored in place (data[at]); float32 ones: gathered
+                data, at = (rows, pos) if rows.dtype == np.float64 else (rows[pos], None)
                 batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], data, t.rms[pos],
-                                                        exact_tol, norms[pos])))
-                held += data.nbytes
+                                                        exact_tol, norms[pos], at)))
+                held += len(pos) * rows[:1].nbytes
         flush()
         return SlotScores(slots, len(sample), scored)
 

@@ -80,6 +80,11 @@ class CandidateRows:
     rms: F32
     exact_tol: float | None = None
     norms: NDArray[np.float64] | None = None
+    at: NDArray[np.int64] | None = None   # the rows are data[at] (ascending; None: data itself)
+
+    def rows(self) -> Rows:
+        """The candidate's rows at the tokens of ``ok``."""
+        return self.data if self.at is None else self.data[self.at]
 
 
 @dataclass
@@ -182,7 +187,8 @@ class _Scored:
 
 def _score(target: Target, cand: CandidateRows) -> _Scored:
     x = target.data[cand.ok]
-    cos_t = per_token_cos(x, cand.data, None, cand.norms)
+    c = cand.rows()
+    cos_t = per_token_cos(x, c, None, cand.norms)
     rx = target.rms[cand.ok]
     ratio_t = _rms_ratio(rx, cand.rms)
     rxn, rcn = _nz(rx), _nz(cand.rms)
@@ -194,7 +200,7 @@ def _score(target: Target, cand: CandidateRows) -> _Scored:
                     rms_agreement=round(agree, 6), side=cand.side, basis=cand.basis)
     s = _Scored(cand, cos_t, ratio_t, cos, rec)
     if cand.exact_tol is not None and not _surely_not_exact(cos_t, cand.exact_tol, x.shape[1] if x.ndim == 2 else 0):
-        s.exact_rel = _exact_rel(x, cand.data)
+        s.exact_rel = _exact_rel(x, c)
     return s
 
 
@@ -202,7 +208,7 @@ def score(target: Target, cand: CandidateRows) -> _Scored:
     """One candidate's scores against one slot; the candidate's rows are not kept (a search scores
     many at once with :func:`score_many`, to the same numbers)."""
     s = _score(target, cand)
-    s.cand = replace(cand, data=_NO_ROWS, rms=_NO_RMS, norms=None)
+    s.cand = replace(cand, data=_NO_ROWS, rms=_NO_RMS, norms=None, at=None)
     return s
 
 
@@ -304,7 +310,8 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
         return []
     lens = [int(c.ok.sum()) for c in cands]
     w = cands[0].data.shape[1] if cands[0].data.ndim == 2 else -1
-    if min(lens) == 0 or any(c.data.ndim != 2 or c.data.shape[1] != w for c in cands):
+    if min(lens) == 0 or any(c.data.ndim != 2 or c.data.shape[1] != w or c.at is not None and len(c.at) != n
+                             for c, n in zip(cands, lens)):
         return [[score(t, c) for t in stack.targets] for c in cands]
     one = len(cands) == 1
     rc = cands[0].rms if one else np.concatenate([c.rms for c in cands])
@@ -317,16 +324,25 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
         x_of: Callable[[int, int], F32] = lambda i, j: stack.rows(cands[j].ok)[i]  # noqa: E731
         dots = np.empty((S, sum(lens)))
         start = 0
+        spans: dict[int, list[tuple[int, int, int]]] = {}
         for c, n in zip(cands, lens):
-            for i, x64 in enumerate(stack.rows64(c.ok)):
-                dots[i, start:start + n] = np.einsum("nw,nw->n", x64, c.data)
+            if c.at is None:
+                for i, x64 in enumerate(stack.rows64(c.ok)):
+                    dots[i, start:start + n] = np.einsum("nw,nw->n", x64, c.data)
+            else:   # rows data[at]: einsum on each run of consecutive rows in place, no gather
+                runs = spans.get(id(c.at))
+                if runs is None:
+                    runs = spans[id(c.at)] = _row_spans(c.at)
+                for i, x64 in enumerate(stack.rows64(c.ok)):
+                    for r0, r1, d0 in runs:
+                        dots[i, start + r0:start + r1] = np.einsum("nw,nw->n", x64[r0:r1], c.data[d0:d0 + r1 - r0])
             start += n
         nc: NDArray[np.float64] = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) \
-            else np.concatenate([row_norms(c.data) for c in cands])
+            else np.concatenate([row_norms(c.rows()) for c in cands])
     else:
         xs, nx, rx = stack.at([c.ok for c in cands])
         x_of = lambda i, j: xs[i][segs[j]]  # noqa: E731
-        c_all = cands[0].data if one else np.concatenate([c.data for c in cands])
+        c_all = cands[0].rows() if one else np.concatenate([c.rows() for c in cands])
         nc = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) else row_norms(c_all)
         # per_token_cos, stacked [slots, rows]
         dots = np.stack([np.einsum("nw,nw->n", x, c_all, dtype=np.float64) for x in xs])
@@ -355,7 +371,7 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
     for j, c in enumerate(cands):
         seg = segs[j]
         cos, agree, worst = cos_l[j], agree_l[j], worst_l[j]
-        stripped = replace(c, data=_NO_ROWS, rms=_NO_RMS, norms=None)
+        stripped = replace(c, data=_NO_ROWS, rms=_NO_RMS, norms=None, at=None)
         bound = _exact_bound(c.exact_tol, w) if c.exact_tol is not None else 0.0
         row = []
         for i in range(S):
@@ -364,10 +380,17 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
                             rms_agreement=round(ag, 6), side=c.side, basis=c.basis)
             sc = _Scored(stripped, cos_t[i, seg], ratio_t[i, seg], co, rec)
             if exact[j] and not worst[i] > bound:
-                sc.exact_rel = _exact_rel(x_of(i, j), c.data)
+                sc.exact_rel = _exact_rel(x_of(i, j), c.rows())
             row.append(sc)
         out.append(row)
     return out
+
+
+def _row_spans(at: NDArray[np.int64]) -> list[tuple[int, int, int]]:
+    """(first, end, first of ``data``) of each run of consecutive values of ``at``."""
+    cuts = (np.flatnonzero(np.diff(at) != 1) + 1).tolist()
+    starts, ends = [0] + cuts, cuts + [len(at)]
+    return list(zip(starts, ends, at[starts].tolist())) if len(at) else []
 
 
 def _surely_not_exact(cos_t: NDArray[np.float64], tol: float, width: int) -> bool:

@@ -73,3 +73,33 @@ def test_float64_candidates_score_as_float32_ones(w):
         for t, ref in zip(targets, row):
             _same(score(t, c), ref)
     assert any(s.exact_rel < math.inf for s in score_many(stack, [c64[2]])[0])   # the exact path ran
+
+
+@pytest.mark.parametrize("w", [8, 4096])
+def test_rows_scored_in_place_score_as_gathered_ones(w):
+    """A candidate given as data[at] (the catalog's float64 union of rows and each offset's
+    positions in it, runs of consecutive rows scored in place) scores as its gathered rows."""
+    rng = np.random.default_rng(w + 11)
+    n = 64
+    targets = _targets(rng, n, w, 2)
+    union = clean(rng.standard_normal((n + 30, w)).astype(np.float32))
+    gathered, in_place = [], []
+    for j, at in enumerate((np.arange(n), np.arange(3, n + 3), np.sort(rng.choice(n + 30, n, replace=False)),
+                            np.concatenate([np.arange(10, 40), np.arange(50, 84)]))):
+        ok = np.ones(n, bool)
+        if j == 3:
+            ok[::5] = False
+            at = at[:int(ok.sum())]
+        data32 = union[at]
+        rms = np.sqrt((data32.astype(np.float64) ** 2).mean(axis=1)).astype(np.float32)
+        tol = 3e-2 if j % 2 == 0 else None
+        gathered.append(CandidateRows(f"s{j}", "a", j - 1, "values", ok, data32, rms, tol, row_norms(data32)))
+        in_place.append(CandidateRows(f"s{j}", "a", j - 1, "values", ok, union.astype(np.float64), rms, tol,
+                                      row_norms(union)[at], at))
+    stack = SlotStack(targets)
+    for got_row, ref_row in zip(score_many(stack, in_place), score_many(SlotStack(targets), gathered)):
+        for got, ref in zip(got_row, ref_row):
+            _same(got, ref)
+    for c, g in zip(in_place, gathered):
+        for t in targets:
+            _same(score(t, c), score(t, g))
