@@ -28,7 +28,13 @@ its process (``os.wait4`` ru_maxrss), exit code, and whether its output names th
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_diff.py [--layers 32] [--tokens 2048]
         [--hidden 4096] [--repeat 3] [--corrupt 20] [--seed 0] [--dir /tmp] [--keep] [--no-comparator]
-        [--json FILE]
+        [--json FILE] [--bytecode]
+
+``--bytecode``: every task (baselines too) imports bytecode compiled once in the warm-up round,
+under the data dir (``PYTHONPYCACHEPREFIX``), as an installed package has it. Without it the
+environment decides: where ``PYTHONDONTWRITEBYTECODE=1`` (this machine), the CLI compiles
+tensordiff's sources on every run (~0.1 s of its start-up) while the baselines' numpy and h5py
+come compiled from site-packages. The output's ``bytecode:`` line says which was measured.
 
 ``--json FILE`` writes the figures of benchmarks/benchjson.py's bench_diff entry:
 ``inproc_vs_read`` (h5py read s / in-process diff s, both without start-up), ``cli_vs_script``
@@ -300,6 +306,10 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the data dir (path printed)")
     ap.add_argument("--no-comparator", action="store_true", help="skip SGLang's comparator")
     ap.add_argument("--json", metavar="FILE", help="write the figures as one JSON object (BENCH_CONTRACT.md)")
+    ap.add_argument("--bytecode", action="store_true",
+                    help="every task imports compiled bytecode, written once (in the warm-up) under the data dir "
+                         "(PYTHONPYCACHEPREFIX), as an installed package has it; default: the environment's setting "
+                         "(with PYTHONDONTWRITEBYTECODE=1 the CLI compiles tensordiff's sources on every run)")
     a = ap.parse_args()
     corrupt = a.corrupt if a.corrupt is not None else (20 if a.layers > 20 else a.layers * 5 // 8)
     if not 0 < corrupt < a.layers:
@@ -314,11 +324,17 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="tensordiff-bench-", dir=a.dir)
     logs = os.path.join(work, "logs")
     os.makedirs(logs)
+    if a.bytecode:   # the same for every task: its modules' bytecode, compiled in the warm-up round
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = os.path.join(work, "pycache")
+    bytecode = ("compiled once, under the data dir (--bytecode)" if a.bytecode else
+                "not written (PYTHONDONTWRITEBYTECODE=1): tensordiff's sources compiled on every run"
+                if os.environ.get("PYTHONDONTWRITEBYTECODE") else "the environment's __pycache__")
     me = os.path.abspath(__file__)
     from benchjson import Result
 
     result = Result("bench_diff", {"layers": a.layers, "tokens": a.tokens, "hidden": a.hidden, "corrupt": corrupt,
-                                   "seed": a.seed, "repeat": a.repeat, "backend": "serial"})
+                                   "seed": a.seed, "repeat": a.repeat, "backend": "serial", "bytecode": a.bytecode})
     load_start = os.getloadavg()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in load_start)} on {os.cpu_count()} CPUs "
           "(shared machine: other jobs may run)", flush=True)
@@ -481,6 +497,7 @@ def main() -> int:
         ok = bool(checks.get("tensordiff CLI") and checks.get("tensordiff in-process"))
         print(f"check: tensordiff exit code 1 and first_divergence = {label}: {'PASS' if ok else 'FAIL'}")
         print("backend: serial (the CLI is given --backend serial; the in-process diff runs serial)")
+        print(f"bytecode: {bytecode}")
         if a.json:
             figures = {"inproc_vs_read": h5["timed"] / inp["timed"], "cli_vs_script": script_row["wall"] / cli["wall"],
                        "probe_share": probe_s / cli["wall"], "rss_mb": cli["rss"] / 1e6, "names_corrupt": ok,

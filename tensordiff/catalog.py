@@ -8,7 +8,9 @@ decision rule are pure numpy in :mod:`tensordiff.identity`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
@@ -28,7 +30,9 @@ from .identity import (
     _Scored,
     clean,
     decide_scored,
+    f64_rows_exact,
     pick_basis,
+    row_norms,
     score_many,
 )
 from .tolerances import coarser, default_tolerance
@@ -37,6 +41,20 @@ from .vocab import parse_label
 
 Codes = NDArray[np.int64]
 BATCH_BYTES = 4 << 20  # candidate rows scored at once (see IdentitySearch.identify)
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class SlotScores:
+    """What :meth:`IdentitySearch.score` found for the slots of one tensor: every candidate's
+    per-token scores per slot (``scored``), or a verdict already (``verdicts``: nothing to score).
+    No noise floor enters it: :meth:`IdentitySearch.decide` applies the floors, so a search may be
+    scored while the numeric pass that measures them is still running."""
+
+    slots: list[int]
+    n_sample: int = 0
+    scored: dict[int, list[tuple[int, int, _Scored]]] | None = None
+    verdicts: dict[int, IdentityVerdict] | None = None
 
 
 class Catalog:
@@ -79,18 +97,42 @@ class IdentitySearch:
         # finds the datasets it needs first still open (reopening one and reading its first chunk
         # costs ~0.2 ms); the order of the scores, and so every verdict, does not depend on it
         self._backwards = False
+        #: held around every read of the traces (a diff that scores a search in another thread
+        #: while its block reader runs sets one lock for both; reads are never concurrent)
+        self.read_lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
 
     def _target(self, r: TraceReader, info: TensorInfo, rows: Codes, slot: int, basis: str) -> Target:
         """One slot's rows (full values or sketch) and their per-token RMS."""
+        with self.read_lock:
+            raw = read_runs(r, info.name, "values" if basis == "values" else "sketch", rows)
+            rms = slot_rms_at(r, info, rows, slot)
         if basis == "values":
             w = info.slot_width
-            data = to_float32(read_runs(r, info.name, "values", rows), info.dtype)[:, slot * w:(slot + 1) * w]
+            data = to_float32(raw, info.dtype)[:, slot * w:(slot + 1) * w]
         else:
             d = r.sketch_dim
-            data = np.asarray(read_runs(r, info.name, "sketch", rows), np.float32)[:, slot * d:(slot + 1) * d]
-        return Target(clean(data), slot_rms_at(r, info, rows, slot))
+            data = np.asarray(raw, np.float32)[:, slot * d:(slot + 1) * d]
+        return Target(clean(data), rms)
 
     def identify(self, side: str, info: TensorInfo, slots: list[int], sample: Codes) -> dict[int, IdentityVerdict]:
+        """Which recorded state does each slot of ``info`` (on ``side``) hold at the sampled aligned
+        tokens? :meth:`score`, then :meth:`decide` (under the noise floors of ``floor_of``)."""
+        return self.decide(self.score(side, info, slots, sample))
+
+    def decide(self, found: SlotScores) -> dict[int, IdentityVerdict]:
+        """The verdict of each slot from its scores, under the noise floors :attr:`floor_of` gives now."""
+        if found.verdicts is not None:
+            return dict(found.verdicts)
+        assert found.scored is not None
+        out = {}
+        for s in found.slots:
+            # the order decide() gathers them in: offset by offset, own catalog first
+            ordered = [x[2] for x in sorted(found.scored[s], key=lambda x: (x[0], x[1]))]
+            out[s] = decide_scored(ordered, self.floor_of, found.n_sample)
+        return out
+
+    def score(self, side: str, info: TensorInfo, slots: list[int], sample: Codes,
+              progress: Progress | None = None) -> SlotScores:
         """Which recorded state does each slot of ``info`` (on ``side``) hold at the sampled aligned
         tokens? Candidates: every catalog state of both sides (own side first), at the same token
         and, when nothing matches there, at tokens shifted by up to two positions.
@@ -100,12 +142,13 @@ class IdentitySearch:
         once, and dropped; only the per-token scores stay. Memory: the slots' own rows plus one
         batch, whatever the catalog's size. Row maps come from :class:`RowMaps` (built once per
         tensor per diff), looked up at the sampled tokens only."""
+        progress = progress or self._progress
         r_self = self.ra if side == "a" else self.rb
         (rows_self,) = self.maps.rows_at(side, info.name, [sample])
         use = rows_self >= 0
         sample, rows_self = sample[use], rows_self[use]
         if len(sample) == 0:
-            return {s: IdentityVerdict(reason="no sampled token") for s in slots}
+            return SlotScores(slots, verdicts={s: IdentityVerdict(reason="no sampled token") for s in slots})
         own_cat, other_cat = (self.cat_a, self.cat_b) if side == "a" else (self.cat_b, self.cat_a)
         # every recorded state of both sides, per (label, side): a partial catalog on one side
         # never hides the other side's record of the same state
@@ -116,7 +159,8 @@ class IdentitySearch:
                     continue  # never the tensor itself: it would always match, hiding what it holds
                 candidates.append((label, cat.side, ci, cat.r))
         if not candidates:
-            return {s: IdentityVerdict(reason="no catalog states recorded on either side") for s in slots}
+            return SlotScores(slots, verdicts={s: IdentityVerdict(reason="no catalog states recorded on either side")
+                                               for s in slots})
         targets = [self.maps.offset_index(sample, o) for o in OFFSETS]
         need = min(MIN_TOKENS, max(1, len(sample)))
         # the candidates' rows at every offset: one layout per distinct row map (the tensors of a
@@ -126,7 +170,7 @@ class IdentitySearch:
         cand_layout: list[_Layout] = []
         for i, (_label, cside, ci, _) in enumerate(candidates):
             # also a chance for a caller (the TUI's worker) to stop between candidates
-            self._progress("identifying slots", i, len(candidates))
+            progress("identifying slots", i, len(candidates))
             inv = self.maps.inverse(cside, ci.name)
             key = (cside, id(inv))
             lay = layouts.get(key)
@@ -146,7 +190,8 @@ class IdentitySearch:
                         and usable(ci, cr, b)) for b in ("values", "sketch")}
         basis = pick_basis(count)
         if count[basis] == 0:
-            return {s: IdentityVerdict(reason="no recorded state shares these tokens") for s in slots}
+            return SlotScores(slots, verdicts={s: IdentityVerdict(reason="no recorded state shares these tokens")
+                                               for s in slots})
         # the slots' own rows in that basis, read once for every slot
         tgt = {s: self._target(r_self, info, rows_self, s, basis) for s in slots} if basis == "sketch" else \
             self._targets(r_self, info, rows_self, slots)
@@ -176,6 +221,11 @@ class IdentitySearch:
             # a candidate's rows at every offset, read once (their union: one read per run of
             # rows and part), scored against every slot at every offset, dropped
             t = self._target(cr, ci, lay.union, 0, basis)
+            # the union's norms once (a row's norm does not depend on the rows around it), and
+            # its rows as float64 once where that gives the same sums (f64_rows_exact): each
+            # row is used at up to five offsets, and einsum would cast it again at each
+            norms = row_norms(t.data)
+            rows: np.ndarray = t.data.astype(np.float64) if f64_rows_exact(t.data.shape[1]) else t.data
             exact_tol = None
             if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
                 eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
@@ -184,26 +234,25 @@ class IdentitySearch:
                 if not lay.enough[oi]:
                     continue
                 pos = lay.pos[oi]
-                if batch and held + len(pos) * t.data[:1].nbytes > BATCH_BYTES:
+                if batch and held + len(pos) * rows[:1].nbytes > BATCH_BYTES:
                     flush()   # wide rows: a batch may be one offset of one candidate
                     held = 0
-                data = t.data[pos]
+                # float64 rows: scored in place (data[at]); float32 ones: gathered
+                data, at = (rows, pos) if rows.dtype == np.float64 else (rows[pos], None)
                 batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], data, t.rms[pos],
-                                                        exact_tol)))
-                held += data.nbytes
+                                                        exact_tol, norms[pos], at)))
+                held += len(pos) * rows[:1].nbytes
         flush()
-        out = {}
-        for s in slots:
-            # the order decide() gathers them in: offset by offset, own catalog first
-            ordered = [x[2] for x in sorted(scored[s], key=lambda x: (x[0], x[1]))]
-            out[s] = decide_scored(ordered, self.floor_of, len(sample))
-        return out
+        return SlotScores(slots, len(sample), scored)
 
     def _targets(self, r: TraceReader, info: TensorInfo, rows: Codes, slots: list[int]) -> dict[int, Target]:
         """Every slot's full values at ``rows``, from one read of the tensor's rows."""
         w = info.slot_width
-        data = to_float32(read_runs(r, info.name, "values", rows), info.dtype)
-        return {s: Target(clean(data[:, s * w:(s + 1) * w]), slot_rms_at(r, info, rows, s)) for s in slots}
+        with self.read_lock:
+            raw = read_runs(r, info.name, "values", rows)
+            rms = {s: slot_rms_at(r, info, rows, s) for s in slots}
+        data = to_float32(raw, info.dtype)
+        return {s: Target(clean(data[:, s * w:(s + 1) * w]), rms[s]) for s in slots}
 
 
 def read_runs(r: TraceReader, name: str, part: str, rows: Codes, max_runs: int = 64) -> np.ndarray:

@@ -271,7 +271,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: the commands of this module; any other (record, import) is the recorders' (see build_parser)
+CORE_COMMANDS = ("info", "diff", "tui", "report", "calibrate")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; given the ``command`` the arguments start with, one of
+    :data:`CORE_COMMANDS`, the recorders' commands are left out (their argument definitions are
+    modules of their own, ~40 ms to import from source, never needed to parse a diff)."""
     p = _Parser(prog="tensordiff", description=(
         "Differential tensor-tracing debugger: record named tensors on two sides, align them by token "
         "and slot, and name the first divergence."), epilog=EXIT_CODES)
@@ -347,13 +354,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--margin", type=float, default=4.0, help="allowed multiple of the observed error")
     c.set_defaults(func=cmd_calibrate)
 
-    from .recorders.cli import register
-    register(sub)
+    if command not in CORE_COMMANDS:
+        from .recorders.cli import register
+        register(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(words[0] if words else None)
     try:
         args = parser.parse_args(argv)
     except UsageError as e:

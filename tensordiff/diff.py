@@ -9,9 +9,12 @@ A is the reference (what was expected, usually the train side), B the side under
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -27,7 +30,7 @@ from .align import (
     pair_tensors,
     sample_indices,
 )
-from .catalog import IdentitySearch, noise_floors
+from .catalog import IdentitySearch, SlotScores, noise_floors
 from .errors import IncompatibleTracesError, TensordiffError
 from .findings import (
     Details,
@@ -62,6 +65,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 BLOCK_ROWS = 4096
 IDENTITY_SAMPLE = 256
+BOUNDARY_SAMPLE = 64   # sampled tokens of a disagreeing boundary's identity search
+#: score a disagreeing boundary's identity search in a thread while the numeric pass goes on
+#: (Differ._start_identity); False: after it, in this thread (the same verdicts, for the tests)
+OVERLAP_IDENTITY = True
 
 Codes = NDArray[np.int64]
 T = TypeVar("T")
@@ -110,8 +117,20 @@ class Differ:
             self.ra.close()
             raise
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read")
+        # identity searches of disagreeing boundaries, scored while the numeric pass runs (see
+        # _start_identity); the lock keeps their reads and the block reader's apart
+        self._id_pool: ThreadPoolExecutor | None = None
+        self._early: dict[tuple[str, str], tuple[Codes, Future[SlotScores]]] = {}
+        self._early_done = [0, 0]   # (candidates, of) the running search has laid out: for progress
+        self._stopping = threading.Event()
+        self._read_lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        self.early_identities = 0   # searches whose scores came from the identity thread (tests)
 
     def close(self) -> None:
+        self._stopping.set()   # a search still running (the diff stopped early) stops at its next candidate
+        if self._id_pool is not None:
+            self._id_pool.shutdown(wait=True, cancel_futures=True)
+            self._id_pool = None
         self._pool.shutdown(wait=True)
         self.ra.close()
         self.rb.close()
@@ -153,6 +172,7 @@ class Differ:
     def run(self) -> DiffResult:
         ra, rb = self.ra, self.rb
         self._check_models()
+        self._early.clear()
         self._progress("aligning tokens", 0, 1)
         self.sa, self.sb = SideTokens(ra), SideTokens(rb)
         al = align_tokens(ra, rb, (self.sa, self.sb))
@@ -193,6 +213,7 @@ class Differ:
             findings += sp.findings
             if sp.acc is not None:
                 findings += self._judge_pair(sp, slot_table)
+        self._drain_early()
         stats = [sp.stats for sp in streamed]
         compared = [p for p in stats if p.compared]
         if not compared:
@@ -273,13 +294,18 @@ class Differ:
         jobs = [(j, sp.ia, sp.ib, job) for j, (sp, job) in enumerate(setups) if job is not None]
         shared = _prefetch(self._block_reader_all(jobs), self._pool) if local and jobs else None
         self._shared = shared
+        overlap = local and OVERLAP_IDENTITY
+        if overlap:   # identity of a disagreeing boundary overlaps the rest of the numeric pass
+            lock = threading.Lock()
+            self._read_lock = self.search.read_lock = lock
         try:
             for j, (sp, job) in enumerate(setups):
                 if job is None:
                     continue
                 self._shared_pair = j
                 basis, k, depth, idx, ma, mb = job
-                sp.acc = self._stream(sp.ia, sp.ib, basis, k, depth, idx, ma, mb, sinks, worst)
+                early = sp if overlap and sp.ia.kind != "packed" and sp.ib.kind != "packed" else None
+                sp.acc = self._stream(sp.ia, sp.ib, basis, k, depth, idx, ma, mb, sinks, worst, early)
                 _fill_stats(sp.stats, sp.acc)
         finally:
             self._shared = None
@@ -417,10 +443,13 @@ class Differ:
         return None
 
     def _stream(self, ia: TensorInfo, ib: TensorInfo, basis: str, k: int, depth: list[float | None], idx: Codes,
-                ma: Codes, mb: Codes, sinks: list[DiffSink], worst: WorstTokens) -> PairAccumulator:
+                ma: Codes, mb: Codes, sinks: list[DiffSink], worst: WorstTokens,
+                early: _Streamed | None = None) -> PairAccumulator:
         """Numerics over the aligned tokens in blocks: each block's per-token metrics come from
         this process (reads one block ahead in a thread) or from a backend's workers
-        (``DiffOptions.numeric``, tensordiff.parallel), and are accumulated here in block order."""
+        (``DiffOptions.numeric``, tensordiff.parallel), and are accumulated here in block order.
+        ``early``: a pair of boundaries whose identity search starts (:meth:`_start_identity`)
+        at its first failing token, when the judging step is certain to run it."""
         tols = [self.opt.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None, depth[s])
                 for s in range(k)]
         acc = PairAccumulator(tols, self.al.regime_b)
@@ -429,6 +458,9 @@ class Differ:
                   else self._metrics(ia, ib, basis, k, idx, ma, mb))
         for blk, m in blocks:
             bad = acc.add(blk, m)
+            if early is not None and any(f is not None for f in acc.first_fail):
+                self._start_identity(early)   # a slot fails: _slot_findings will ask what B holds
+                early = None
             worst.offer(ia.name, blk, m, self._token_entry)
             for sink in sinks:
                 sink.write(ia, ib, k, blk, m, bad)
@@ -501,9 +533,51 @@ class Differ:
             out.append(f)
         return out
 
+    def _start_identity(self, sp: _Streamed) -> None:
+        """Score the identity search of a boundary pair that fails (what :meth:`_boundary_identity`
+        will ask) in a thread of its own while the numeric pass goes on: numpy releases the GIL,
+        and the numeric pass leaves part of a second core idle. Only the scores are computed
+        there; the decision waits for the noise floors, which need every pair's numerics, so
+        the verdict is the sequential one whatever the threads' timing."""
+        if self._id_pool is None:
+            self._id_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-identity")
+        sample = sample_indices(sp.both, BOUNDARY_SAMPLE)
+        fut = self._id_pool.submit(self.search.score, "b", sp.ib, [0], sample, self._early_progress)
+        self._early[(sp.ia.name, sp.ib.name)] = (sample, fut)
+
+    def _early_progress(self, stage: str, done: int, total: int) -> None:
+        """The progress of a search scored in the identity thread: counted for the diff's own
+        progress (reported from its thread), and the point where a stopped diff stops it."""
+        if self._stopping.is_set():
+            raise _Stopped
+        self._early_done[:] = [done, total]
+
+    def _early_scores(self, ia: TensorInfo, ib: TensorInfo, sample: Codes) -> SlotScores | None:
+        """The scores :meth:`_start_identity` computed for this search (waited for, reporting
+        progress, which may cancel), or None when none was started for these tokens."""
+        hit = self._early.get((ia.name, ib.name))
+        if hit is None or not np.array_equal(hit[0], sample):
+            return None
+        fut = hit[1]
+        while not wait_futures([fut], timeout=0.05).done:
+            done, total = self._early_done
+            self._progress("identifying slots", done, max(total, 1))
+        found = fut.result()
+        self.early_identities += 1
+        return found
+
+    def _drain_early(self) -> None:
+        """Every search started early has been used (or the diff failed); wait for any left."""
+        for _, fut in self._early.values():
+            with contextlib.suppress(Exception):
+                fut.result()
+        self._early.clear()
+
     def _boundary_identity(self, ia: TensorInfo, ib: TensorInfo, both: NDArray[np.bool_], at: int) -> Finding | None:
         """A boundary that disagrees: does it hold another recorded state?"""
-        idt = self.search.identify("b", ib, [0], sample_indices(both, 64))[0]
+        sample = sample_indices(both, BOUNDARY_SAMPLE)
+        found = self._early_scores(ia, ib, sample)
+        idt = (self.search.decide(found) if found is not None else self.search.identify("b", ib, [0], sample))[0]
         if idt.outcome not in ("holds", "scaled") or (idt.best == ia.label and idt.outcome == "holds" and not idt.offset):
             return None
         return self._token_finding(Kind.SLOT_IDENTITY, ib, None, at, IdentityDetails(
@@ -526,15 +600,18 @@ class Differ:
         i = 0
         for j, ia, ib, (basis, _k, _depth, idx, ma, mb) in jobs:
             part = "values" if basis == "values" else "sketch"
-            n = self.block_rows_of(ia, ib, part)
-            da, db = self.ra._ds[ia.name][part], self.rb._ds[ib.name][part]
+            with self._read_lock:   # the readers' open datasets are shared with the identity thread
+                n = self.block_rows_of(ia, ib, part)
+                da, db = self.ra._ds[ia.name][part], self.rb._ds[ib.name][part]
             for s0 in range(0, len(idx), n):
                 blk = idx[s0:s0 + n]
                 pair_bufs = bufs[i % 2]
                 outs = [_typed(pair_bufs, side, len(blk), ds) for side, ds in ((0, da), (1, db))]
                 i += 1
-                yield (j, blk, self.ra.read_at(ia.name, part, ma[blk], out=outs[0]),
-                       self.rb.read_at(ib.name, part, mb[blk], out=outs[1]), s0 + n >= len(idx))
+                with self._read_lock:
+                    got_a = self.ra.read_at(ia.name, part, ma[blk], out=outs[0])
+                    got_b = self.rb.read_at(ib.name, part, mb[blk], out=outs[1])
+                yield (j, blk, got_a, got_b, s0 + n >= len(idx))
 
     def _token_entry(self, ti: int) -> dict[str, Any]:
         return self.al.entry(ti, self.ra.sequences, self.rb.sequences, REGIMES)
@@ -545,6 +622,10 @@ class Differ:
         return Finding(kind, Severity.DIVERGENCE, tensor=info.name, slot=slot, order=info.order, seq=e["seq"],
                        position=e["position"], position_b=e["position_b"], token=e["token"], regime=e["regime"],
                        details=details)
+
+
+class _Stopped(Exception):
+    """Raised in the identity thread when the diff has stopped (nothing waits for its result)."""
 
 
 @dataclass

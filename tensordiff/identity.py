@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -46,6 +47,8 @@ SCALE_TOL = 0.05             # a median RMS ratio this far from 1 (or 4 x the no
 DIFF_EPS = 1e-6              # per-token cosine differences this small are float32 rounding: ties
 
 F32 = NDArray[np.float32]
+F64 = NDArray[np.float64]
+Rows = NDArray[Any]   # float32 values: float32 arrays, or exact float64 copies (see wide_f64)
 _NO_ROWS: F32 = np.zeros((0, 0), np.float32)
 _NO_RMS: F32 = np.zeros(0, np.float32)
 
@@ -61,7 +64,9 @@ class Target:
 @dataclass
 class CandidateRows:
     """One recorded state at the sampled tokens shifted by ``offset``: ``ok`` [n] marks the
-    sampled tokens where it has a row; ``data``/``rms`` hold those rows only. ``exact_tol``: for
+    sampled tokens where it has a row; ``data``/``rms`` hold those rows only (``data``: float32
+    values, as float32 or, where :func:`f64_rows_exact` allows, as their exact float64 copy, which
+    the scoring then uses without casting; the same numbers either way). ``exact_tol``: for
     an own-side state in the same basis, the per-token relative error under which it is the same
     data (None: the exact rule does not apply). ``norms``: the rows' L2 norms as
     :func:`per_token_cos` computes them, when a caller scores the same rows against several slots."""
@@ -71,10 +76,15 @@ class CandidateRows:
     offset: int
     basis: str           # "values" or "sketch"
     ok: NDArray[np.bool_]
-    data: F32
+    data: Rows
     rms: F32
     exact_tol: float | None = None
     norms: NDArray[np.float64] | None = None
+    at: NDArray[np.int64] | None = None   # the rows are data[at] (ascending; None: data itself)
+
+    def rows(self) -> Rows:
+        """The candidate's rows at the tokens of ``ok``."""
+        return self.data if self.at is None else self.data[self.at]
 
 
 @dataclass
@@ -118,13 +128,21 @@ def clean(x: NDArray[np.float32]) -> F32:
     return out
 
 
-def row_norms(x: F32) -> NDArray[np.float64]:
+def f64_rows_exact(width: int) -> bool:
+    """Whether rows this wide may be scored from float64 copies to the same bits: einsum of
+    float32 rows in float64 casts them in buffers of ``np.getbufsize()`` elements and sums each
+    buffer separately, so a longer row's sum is split; rows that fit one buffer are summed exactly
+    as a float64 row is (tests/test_identity_batch.py pins it)."""
+    return 0 < width <= np.getbufsize()
+
+
+def row_norms(x: Rows) -> NDArray[np.float64]:
     """L2 norm of each row, accumulated in float64 (the norms :func:`per_token_cos` uses)."""
     out: NDArray[np.float64] = np.sqrt(np.einsum("nw,nw->n", x, x, dtype=np.float64))
     return out
 
 
-def per_token_cos(x: F32, c: F32, nx: NDArray[np.float64] | None = None,
+def per_token_cos(x: F32, c: Rows, nx: NDArray[np.float64] | None = None,
                   nc: NDArray[np.float64] | None = None) -> NDArray[np.float64]:
     """Cosine of each row of x with the same row of c; 1 where both rows are zero, 0 where one is.
     ``nx``/``nc``: the rows' :func:`row_norms`, when the caller has them (the same numbers)."""
@@ -169,7 +187,8 @@ class _Scored:
 
 def _score(target: Target, cand: CandidateRows) -> _Scored:
     x = target.data[cand.ok]
-    cos_t = per_token_cos(x, cand.data, None, cand.norms)
+    c = cand.rows()
+    cos_t = per_token_cos(x, c, None, cand.norms)
     rx = target.rms[cand.ok]
     ratio_t = _rms_ratio(rx, cand.rms)
     rxn, rcn = _nz(rx), _nz(cand.rms)
@@ -181,7 +200,7 @@ def _score(target: Target, cand: CandidateRows) -> _Scored:
                     rms_agreement=round(agree, 6), side=cand.side, basis=cand.basis)
     s = _Scored(cand, cos_t, ratio_t, cos, rec)
     if cand.exact_tol is not None and not _surely_not_exact(cos_t, cand.exact_tol, x.shape[1] if x.ndim == 2 else 0):
-        s.exact_rel = _exact_rel(x, cand.data)
+        s.exact_rel = _exact_rel(x, c)
     return s
 
 
@@ -189,7 +208,7 @@ def score(target: Target, cand: CandidateRows) -> _Scored:
     """One candidate's scores against one slot; the candidate's rows are not kept (a search scores
     many at once with :func:`score_many`, to the same numbers)."""
     s = _score(target, cand)
-    s.cand = replace(cand, data=_NO_ROWS, rms=_NO_RMS, norms=None)
+    s.cand = replace(cand, data=_NO_ROWS, rms=_NO_RMS, norms=None, at=None)
     return s
 
 
@@ -206,6 +225,7 @@ class SlotStack:
         self._norms = np.stack([row_norms(t.data) for t in targets]) if targets else np.zeros((0, 0))
         self._rms = np.stack([t.rms for t in targets]) if targets else np.zeros((0, 0), np.float32)
         self._cache: dict[bytes, list[F32]] = {}
+        self._cache64: dict[bytes, list[F64]] = {}
         self._room = limit_bytes
 
     def _rows(self, ok: NDArray[np.bool_]) -> list[F32]:
@@ -220,6 +240,27 @@ class SlotStack:
                 self._room -= size
                 self._cache[key] = hit
         return hit
+
+    def rows(self, ok: NDArray[np.bool_]) -> list[F32]:
+        """Per slot its rows at the tokens of ``ok``."""
+        return self._rows(ok)
+
+    def rows64(self, ok: NDArray[np.bool_]) -> list[F64]:
+        """:meth:`rows` as float64 (exact copies), kept like them."""
+        key = ok.tobytes()
+        hit = self._cache64.get(key)
+        if hit is None:
+            hit = [x.astype(np.float64) for x in self._rows(ok)]
+            size = sum(x.nbytes for x in hit)
+            if size <= self._room:
+                self._room -= size
+                self._cache64[key] = hit
+        return hit
+
+    def norms_rms_at(self, oks: list[NDArray[np.bool_]]) -> tuple[NDArray[np.float64], F32]:
+        """The norms and RMS [slots, rows] of :meth:`at`, without gathering the rows."""
+        at = np.concatenate([np.flatnonzero(ok) for ok in oks]) if len(oks) > 1 else np.flatnonzero(oks[0])
+        return self._norms[:, at], self._rms[:, at]
 
     def at(self, oks: list[NDArray[np.bool_]]) -> tuple[list[F32], NDArray[np.float64], F32]:
         """Per slot the rows at each mask in turn, concatenated; their norms and RMS [slots, rows].
@@ -269,17 +310,44 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
         return []
     lens = [int(c.ok.sum()) for c in cands]
     w = cands[0].data.shape[1] if cands[0].data.ndim == 2 else -1
-    if min(lens) == 0 or any(c.data.ndim != 2 or c.data.shape[1] != w for c in cands):
+    if min(lens) == 0 or any(c.data.ndim != 2 or c.data.shape[1] != w or c.at is not None and len(c.at) != n
+                             for c, n in zip(cands, lens)):
         return [[score(t, c) for t in stack.targets] for c in cands]
-    xs, nx, rx = stack.at([c.ok for c in cands])
     one = len(cands) == 1
-    c_all = cands[0].data if one else np.concatenate([c.data for c in cands])
     rc = cands[0].rms if one else np.concatenate([c.rms for c in cands])
     given = [c.norms for c in cands if c.norms is not None]
-    nc: NDArray[np.float64] = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) \
-        else row_norms(c_all)
-    # per_token_cos, stacked [slots, rows]
-    dots = np.stack([np.einsum("nw,nw->n", x, c_all, dtype=np.float64) for x in xs])
+    S = len(stack.targets)
+    if f64_rows_exact(w) and all(c.data.dtype == np.float64 for c in cands):
+        # float64 rows (the catalog's candidates): each candidate against each slot's float64
+        # rows at its tokens, no concatenation and no casting; the same sums (f64_rows_exact)
+        nx, rx = stack.norms_rms_at([c.ok for c in cands])
+        x_of: Callable[[int, int], F32] = lambda i, j: stack.rows(cands[j].ok)[i]  # noqa: E731
+        dots = np.empty((S, sum(lens)))
+        start = 0
+        spans: dict[int, list[tuple[int, int, int]]] = {}
+        for c, n in zip(cands, lens):
+            if c.at is None:
+                for i, x64 in enumerate(stack.rows64(c.ok)):
+                    dots[i, start:start + n] = np.einsum("nw,nw->n", x64, c.data)
+            else:   # rows data[at]: einsum on each run of consecutive rows in place, no gather
+                runs = spans.get(id(c.at))
+                if runs is None:
+                    runs = spans[id(c.at)] = _row_spans(c.at)
+                for i, x64 in enumerate(stack.rows64(c.ok)):
+                    for r0, r1, d0 in runs:
+                        dots[i, start + r0:start + r1] = np.einsum("nw,nw->n", x64[r0:r1], c.data[d0:d0 + r1 - r0])
+            start += n
+        nc: NDArray[np.float64] = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) \
+            else np.concatenate([row_norms(c.rows()) for c in cands])
+    else:
+        xs, nx, rx = stack.at([c.ok for c in cands])
+        x_of = lambda i, j: xs[i][segs[j]]  # noqa: E731
+        c_all = cands[0].rows() if one else np.concatenate([c.rows() for c in cands])
+        nc = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) else row_norms(c_all)
+        # per_token_cos, stacked [slots, rows]
+        dots = np.stack([np.einsum("nw,nw->n", x, c_all, dtype=np.float64) for x in xs])
+    bounds = np.cumsum([0] + lens).tolist()
+    segs = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     den = nx * nc
     cos_t = np.clip(np.where(den > 0, dots / np.where(den > 0, den, 1.0), np.where((nx == 0) & (nc == 0), 1.0, 0.0)),
                     -1.0, 1.0)
@@ -290,7 +358,7 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
     agree_t = np.where(hi > 0, lo / np.where(hi > 0, hi, 1.0), 1.0)
     exact = [c.exact_tol is not None for c in cands]
     miss = 1.0 - cos_t * cos_t if any(exact) else None  # see _surely_not_exact
-    S, K = len(xs), len(cands)
+    K = len(cands)
     cos_m, agree_m, worst_m = np.empty((S, K)), np.empty((S, K)), np.full((S, K), np.inf)
     for k, cnt, n, first in _runs(lens):
         block = slice(first, first + cnt * n)
@@ -300,12 +368,10 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
             worst_m[:, k:k + cnt] = miss[:, block].reshape(S, cnt, n).max(axis=2)
     cos_l, agree_l, worst_l = cos_m.T.tolist(), agree_m.T.tolist(), worst_m.T.tolist()
     out = []
-    start = 0
-    for j, (c, n) in enumerate(zip(cands, lens)):
-        seg = slice(start, start + n)
-        start += n
+    for j, c in enumerate(cands):
+        seg = segs[j]
         cos, agree, worst = cos_l[j], agree_l[j], worst_l[j]
-        stripped = replace(c, data=_NO_ROWS, rms=_NO_RMS, norms=None)
+        stripped = replace(c, data=_NO_ROWS, rms=_NO_RMS, norms=None, at=None)
         bound = _exact_bound(c.exact_tol, w) if c.exact_tol is not None else 0.0
         row = []
         for i in range(S):
@@ -314,10 +380,17 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
                             rms_agreement=round(ag, 6), side=c.side, basis=c.basis)
             sc = _Scored(stripped, cos_t[i, seg], ratio_t[i, seg], co, rec)
             if exact[j] and not worst[i] > bound:
-                sc.exact_rel = _exact_rel(xs[i][seg], c.data)
+                sc.exact_rel = _exact_rel(x_of(i, j), c.rows())
             row.append(sc)
         out.append(row)
     return out
+
+
+def _row_spans(at: NDArray[np.int64]) -> list[tuple[int, int, int]]:
+    """(first, end, first of ``data``) of each run of consecutive values of ``at``."""
+    cuts = (np.flatnonzero(np.diff(at) != 1) + 1).tolist()
+    starts, ends = [0] + cuts, cuts + [len(at)]
+    return list(zip(starts, ends, at[starts].tolist())) if len(at) else []
 
 
 def _surely_not_exact(cos_t: NDArray[np.float64], tol: float, width: int) -> bool:
@@ -334,7 +407,7 @@ def _exact_bound(tol: float, width: int) -> float:
     return tol * tol + 1e-9 + 1e-14 * width
 
 
-def _exact_rel(x32: F32, c32: F32) -> float:
+def _exact_rel(x32: F32, c32: Rows) -> float:
     x = x32.astype(np.float64)
     c = c32.astype(np.float64)
     num = np.sqrt(((x - c) ** 2).sum(axis=1))

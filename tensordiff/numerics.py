@@ -75,10 +75,18 @@ class BlockMetrics:
             sub = max(1, self.SUB_BYTES // max(1, width * 4))
             starts = list(range(0, n, sub))
             lanes = min(self._lanes, len(starts))
+            # sub-blocks are taken from one counter as each lane gets to them, not dealt out in
+            # advance: a lane that loses its core for a while (to the reader thread, or another
+            # process) does not hold the block up. Each sub-block writes only its own rows, so
+            # the figures do not depend on which lane measured it
+            taken = itertools.count()
 
             def lane(j: int) -> None:
                 bufs = self._lane_buffers(j, sub * width)
-                for s0 in starts[j::lanes]:
+                for i in taken:
+                    if i >= len(starts):
+                        return
+                    s0 = starts[i]
                     s1 = min(n, s0 + sub)
                     self._sub_block(a[s0:s1, :width], dtype_a, b[s0:s1, :width], dtype_b, bufs,
                                     aa[s0:s1], bb[s0:s1], dd[s0:s1], maxabs[s0:s1])

@@ -79,6 +79,37 @@ def test_lanes_are_bit_identical_to_one_lane():
         assert np.array_equal(one[key], four[key], equal_nan=True), key
 
 
+def test_a_slow_lane_takes_fewer_sub_blocks_and_changes_no_bit():
+    """Sub-blocks go to whichever lane is free: a lane that stalls (its core taken by the reader
+    thread or another process) leaves the rest of the block to the others, and the figures are
+    those of one lane."""
+    import threading
+    import time
+
+    rng = np.random.default_rng(1)
+    a = f32_to_bf16_bits(rng.standard_normal((640, 512)).astype(np.float32))
+    b = f32_to_bf16_bits(rng.standard_normal((640, 512)).astype(np.float32))
+    one = BlockMetrics(1, 512).compute_stored(a, "bfloat16", b, "bfloat16")
+    done: dict[str, int] = {}
+
+    class Slow(BlockMetrics):
+        SUB_BYTES = 16 * 512 * 4   # 16 rows: 40 sub-blocks
+
+        def _sub_block(self, *args):
+            me = threading.current_thread().name
+            done[me] = done.get(me, 0) + 1
+            if me.startswith("slow"):
+                time.sleep(0.02)
+            super()._sub_block(*args)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="slow") as pool:
+        got = Slow(1, 512, pool=pool, lanes=2).compute_stored(a, "bfloat16", b, "bfloat16")
+    for key in one:
+        assert np.array_equal(one[key], got[key], equal_nan=True), key
+    slow = sum(n for t, n in done.items() if t.startswith("slow"))
+    assert sum(done.values()) == 40 and 1 <= slow < 20, done
+
+
 def test_rows_per_block_is_sized_in_bytes():
     assert rows_per_block(8192, 4096) == 1024            # 8 MiB of 4096 bf16 rows
     assert rows_per_block(16, 4096) == 4096              # narrow rows: the row cap

@@ -1,0 +1,105 @@
+"""Identity scoring from float64 copies of the candidates' rows (the catalog's search casts each
+candidate's rows once, not at each of its five offsets): the same numbers, to the bit, as from the
+float32 rows, wherever :func:`tensordiff.identity.f64_rows_exact` allows the copies; and where it
+does not (rows longer than numpy's cast buffer), float64 rows would give other sums, which is why
+the search keeps float32 there."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tensordiff.identity import CandidateRows, SlotStack, clean, f64_rows_exact, row_norms, score, score_many
+from test_identity_batch import _same, _targets
+
+
+def _einsum_same(x: np.ndarray, c: np.ndarray) -> bool:
+    ref = np.einsum("nw,nw->n", x, c, dtype=np.float64)
+    return bool(np.array_equal(ref, np.einsum("nw,nw->n", x.astype(np.float64), c.astype(np.float64))))
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 7, 8, 100, 1000, 3000, 4095, 4096, 5120, 8191, 8192])
+def test_float64_rows_sum_as_the_cast_float32_rows(w):
+    rng = np.random.default_rng(w)
+    assert f64_rows_exact(w)
+    for n in (1, 5, 64, 130):
+        x = (rng.standard_normal((n, w)) * rng.lognormal(0, 2, (n, 1))).astype(np.float32)
+        c = (rng.standard_normal((n, w)) * rng.lognormal(0, 2, (n, 1))).astype(np.float32)
+        assert _einsum_same(x, c)
+        # float64 rows at any 8-byte offset in memory (a gather, a slice of a larger buffer)
+        buf = np.empty(n * w + 3, np.float64)
+        for off in (1, 3):
+            v = buf[off:off + n * w].reshape(n, w)
+            v[...] = c
+            assert np.array_equal(np.einsum("nw,nw->n", x.astype(np.float64), v),
+                                  np.einsum("nw,nw->n", x, c, dtype=np.float64))
+
+
+def test_longer_rows_are_not_scored_from_float64():
+    w = np.getbufsize() + 1
+    assert not f64_rows_exact(w) and not f64_rows_exact(0)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 3 * w)).astype(np.float32)
+    c = rng.standard_normal((64, 3 * w)).astype(np.float32)
+    assert not _einsum_same(x, c), "numpy now sums long cast rows in one piece: f64_rows_exact may allow them"
+
+
+@pytest.mark.parametrize("w", [1, 8, 64, 4096, 8192])
+def test_float64_candidates_score_as_float32_ones(w):
+    rng = np.random.default_rng(w + 7)
+    n = 80 if w > 1000 else 200
+    targets = _targets(rng, n, w, 2)
+    c32, c64 = [], []
+    for j in range(6):
+        ok = rng.random(n) < (1.0 if j % 3 == 0 else 0.8)
+        m = int(ok.sum())
+        base = targets[j % 2].data[ok]
+        data = base.copy() if j == 2 else clean(base + rng.standard_normal((m, w)).astype(np.float32) * 0.03 * (j + 1))
+        rms = (targets[j % 2].rms[ok] * rng.uniform(0.7, 1.4, m)).astype(np.float32)
+        tol = 3e-2 if j % 2 == 0 else None
+        norms = row_norms(data) if j % 2 else None
+        c32.append(CandidateRows(f"s{j}", "ab"[j % 2], (0, -1, 1, -2, 2, 0)[j], "values", ok, data, rms, tol, norms))
+        c64.append(CandidateRows(f"s{j}", "ab"[j % 2], (0, -1, 1, -2, 2, 0)[j], "values", ok,
+                                 data.astype(np.float64), rms, tol, norms))
+    stack = SlotStack(targets)
+    want = [[score(t, c) for t in targets] for c in c32]
+    for group in (list(range(6)), [0], [3, 4], [5, 1, 0, 2], [2, 2]):
+        for got_row, j in zip(score_many(stack, [c64[j] for j in group]), group):
+            for got, ref in zip(got_row, want[j]):
+                _same(got, ref)
+    for c, row in zip(c64, want):   # one at a time, as well
+        for t, ref in zip(targets, row):
+            _same(score(t, c), ref)
+    assert any(s.exact_rel < math.inf for s in score_many(stack, [c64[2]])[0])   # the exact path ran
+
+
+@pytest.mark.parametrize("w", [8, 4096])
+def test_rows_scored_in_place_score_as_gathered_ones(w):
+    """A candidate given as data[at] (the catalog's float64 union of rows and each offset's
+    positions in it, runs of consecutive rows scored in place) scores as its gathered rows."""
+    rng = np.random.default_rng(w + 11)
+    n = 64
+    targets = _targets(rng, n, w, 2)
+    union = clean(rng.standard_normal((n + 30, w)).astype(np.float32))
+    gathered, in_place = [], []
+    for j, at in enumerate((np.arange(n), np.arange(3, n + 3), np.sort(rng.choice(n + 30, n, replace=False)),
+                            np.concatenate([np.arange(10, 40), np.arange(50, 84)]))):
+        ok = np.ones(n, bool)
+        if j == 3:
+            ok[::5] = False
+            at = at[:int(ok.sum())]
+        data32 = union[at]
+        rms = np.sqrt((data32.astype(np.float64) ** 2).mean(axis=1)).astype(np.float32)
+        tol = 3e-2 if j % 2 == 0 else None
+        gathered.append(CandidateRows(f"s{j}", "a", j - 1, "values", ok, data32, rms, tol, row_norms(data32)))
+        in_place.append(CandidateRows(f"s{j}", "a", j - 1, "values", ok, union.astype(np.float64), rms, tol,
+                                      row_norms(union)[at], at))
+    stack = SlotStack(targets)
+    for got_row, ref_row in zip(score_many(stack, in_place), score_many(SlotStack(targets), gathered)):
+        for got, ref in zip(got_row, ref_row):
+            _same(got, ref)
+    for c, g in zip(in_place, gathered):
+        for t in targets:
+            _same(score(t, c), score(t, g))
