@@ -48,6 +48,7 @@ class TokenAlignment:
     gaps: list[dict[str, Any]]
     shifts: dict[int, int]  # shift -> number of sequence pairs
     mismatches: list[dict[str, Any]] = field(default_factory=list)  # paired positions with other token ids
+    path: str = field(default="general", compare=False)   # "same tables": :func:`_same_tables` held
     _b_order: Codes | None = field(default=None, repr=False)
     _b_sorted: Codes | None = field(default=None, repr=False)
 
@@ -59,10 +60,16 @@ class TokenAlignment:
         return _lookup(self.code_a, codes)
 
     def index_b(self, codes: Codes) -> Codes:
-        if self._b_order is None or self._b_sorted is None:
-            self._b_order = np.argsort(self.code_b, kind="stable")
-            self._b_sorted = self.code_b[self._b_order]
+        if self._b_sorted is None:
+            cb = self.code_b
+            if len(cb) < 2 or bool(np.all(cb[1:] > cb[:-1])):
+                self._b_sorted = cb          # already in order (B's codes distinct): no sort, no order array
+            else:
+                self._b_order = np.argsort(cb, kind="stable")
+                self._b_sorted = cb[self._b_order]
         pos = _lookup(self._b_sorted, codes)
+        if self._b_order is None:
+            return pos
         return np.where(pos >= 0, self._b_order[np.maximum(pos, 0)], -1)
 
     def entry(self, ti: int, seqs_a: list[str], seqs_b: list[str], regimes: tuple[str, ...]) -> dict[str, Any]:
@@ -76,6 +83,8 @@ class TokenAlignment:
 def _lookup(sorted_codes: Codes, codes: Codes) -> Codes:
     if len(sorted_codes) == 0:
         return np.full(len(codes), -1, dtype=np.int64)
+    if len(codes) == len(sorted_codes) and np.array_equal(codes, sorted_codes):
+        return np.arange(len(codes), dtype=np.int64)   # every code at its own index (the same tables)
     pos = np.searchsorted(sorted_codes, codes)
     pos_c = np.minimum(pos, len(sorted_codes) - 1)
     return np.where(sorted_codes[pos_c] == codes, pos_c, -1).astype(np.int64)
@@ -371,6 +380,64 @@ def _pair_candidates(A: Any, B: Any, flats: tuple[_Flat, _Flat] | None = None) -
                     ids_b[qb[keep]].tolist()))
 
 
+def _same_tables(A: SideTokens, B: SideTokens, fa: _Flat) -> bool:
+    """Whether the general path is known to pair every sequence with the same-numbered sequence of
+    the other side at shift 0 (a train side recorded from the serve side's token table, say), so
+    that :func:`_aligned_as_is` gives exactly its alignment. Holds when:
+
+    1. both sides hold the same canonical tokens: equal sorted codes (sequence index and position)
+       and equal token ids (sequence keys and regimes may differ: neither takes part in pairing);
+    2. each sequence shares a 3-gram hash (as :func:`_all_hashes` gives them) with at most 8
+       sequences, itself included. Then every B sequence voted for by A's sequence ``i`` is one of
+       its candidates (the ranking cuts at 8), so ``(i, i)`` is one, at shift 0 with ``len(i)``
+       matches, the most any pair with ``i`` can have.
+
+    Given both, the greedy assignment takes ``(i, i)`` for every ``i``: were ``(i, j)``, ``j != i``,
+    the first other pair taken, both ``i`` and ``j`` would still be free on both sides, so
+    ``(i, i)`` and ``(j, j)`` would sort after it; that needs ``len(i)`` matches at shift 0 and
+    ``j < i`` for the first, ``len(j)`` matches and ``i < j`` for the second. Anything else goes
+    the general way (tests/test_align_pinned.py checks both paths against the old one)."""
+    if len(A.codes) != len(B.codes) or len(A.seqs) != len(B.seqs):
+        return False
+    if not (np.array_equal(A.codes, B.codes) and np.array_equal(A.tok, B.tok)):
+        return False
+    h, q = _all_hashes(fa)
+    hs = np.sort(h)
+    dup = hs[1:][hs[1:] == hs[:-1]]
+    del hs
+    if len(dup) == 0:
+        return True          # no hash in two places: each sequence votes for itself alone
+    # the repeated hashes (few, unless sequences share text): the distinct sequences of each
+    at = np.flatnonzero(np.isin(h, dup))
+    key = np.unique(np.stack([h[at], q[at]], axis=1), axis=0)      # (hash, sequence) once each
+    cut = np.flatnonzero(np.concatenate([[True], key[1:, 0] != key[:-1, 0], [True]]))
+    sizes = np.diff(cut)
+    if int(sizes.max()) > 8:
+        return False         # nine sequences share a hash: each votes for all nine
+    share: dict[int, set[int]] = {}
+    for lo, hi in zip(cut[:-1].tolist(), cut[1:].tolist()):
+        if hi - lo < 2:
+            continue
+        members = key[lo:hi, 1].tolist()
+        for x in members:
+            share.setdefault(x, set()).update(members)
+            if len(share[x]) > 8:
+                return False
+    return True
+
+
+def _aligned_as_is(A: SideTokens, B: SideTokens) -> TokenAlignment:
+    """The alignment of two sides whose tables :func:`_same_tables` found equal: sequence ``i`` with
+    sequence ``i`` at shift 0, every position on both sides with the same token id (no gap, no
+    mismatch), in the general path's order and form. The codes and tokens are the sides' own
+    arrays (read only), not copies."""
+    seq_pairs = [{"a": A.key(sa), "b": B.key(sa), "shift": 0, "tokens": len(pa), "only_a": 0, "only_b": 0,
+                  "mismatched": 0} for sa, (pa, _ta) in A.seqs.items()]
+    return TokenAlignment(code_a=A.codes, code_b=B.codes, token=A.tok, regime_a=A.regime, regime_b=B.regime,
+                          seq_pairs=seq_pairs, gaps=[], shifts={0: len(seq_pairs)}, mismatches=[],
+                          path="same tables")
+
+
 def align_tokens(ra: TraceReader, rb: TraceReader,
                  sides: tuple[SideTokens, SideTokens] | None = None) -> TokenAlignment:
     """Pair sequences and positions of two traces. ``sides``: their :class:`SideTokens`, when the
@@ -385,7 +452,10 @@ def align_tokens(ra: TraceReader, rb: TraceReader,
         raise IncompatibleTracesError("the trace has no tokens (empty trace)", ra.path)
     if not B.seqs:
         raise IncompatibleTracesError("the trace has no tokens (empty trace)", rb.path)
-    fa, fb = _Flat(A), _Flat(B)
+    fa = _Flat(A)
+    if _same_tables(A, B, fa):
+        return _aligned_as_is(A, B)
+    fb = _Flat(B)
     cands = _pair_candidates(A, B, (fa, fb))
     cands.sort(key=lambda c: (-c[0], abs(c[2]), c[3], c[4]))
     used_a: dict[int, tuple[int, int]] = {}
