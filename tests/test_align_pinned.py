@@ -337,3 +337,35 @@ def test_same_tables_condition_refuses_what_breaks_the_proof():
         ra, rb = _same_pair(rng, 100, 30, 30000, variant)
         A, B = align.SideTokens(ra), align.SideTokens(rb)
         assert align._same_tables(A, B, align._Flat(A)) is holds, variant
+
+
+def test_in_order_side_holds_views_and_its_codes_are_the_row_codes():
+    """The usual layout: positions and token ids are the token table's own columns (no copies, issue
+    12's memory), with int64 values equal to the old side's, and a row's code is read from the codes."""
+    rng = np.random.default_rng(8)
+    ra, _rb = _pair(rng, 20, 30, 100, 0, "same")
+    st, old = align.SideTokens(ra), _OldSide(ra)
+    assert st.in_order
+    for f in ("pos", "tok"):
+        assert np.shares_memory(getattr(st, f), ra.tokens), f
+        assert getattr(st, f).dtype == np.int64
+    np.testing.assert_array_equal(st.pos, old.codes & POS_MASK)
+    rows = rng.integers(0, len(ra.tokens), 500)
+    np.testing.assert_array_equal(st.row_codes(rows), old.row_code[rows])
+    # a table out of order: the old copies, and codes from the table
+    ra2, rb2 = _pair(np.random.default_rng(9), 20, 30, 100, 0, "mixed")
+    st2, old2 = align.SideTokens(rb2), _OldSide(rb2)
+    assert not st2.in_order and not np.shares_memory(st2.tok, rb2.tokens)
+    rows = np.arange(len(rb2.tokens))[::-1]
+    np.testing.assert_array_equal(st2.row_codes(rows), old2.row_code[rows])
+
+
+def test_same_tables_alignment_shares_the_sides_arrays():
+    """No copies of the codes and tokens on the same-tables path (read only everywhere)."""
+    ra, rb = _same_pair(np.random.default_rng(4), 100, 30, 30000, "identical")
+    sa, sb = align.SideTokens(ra), align.SideTokens(rb)
+    al = align.align_tokens(ra, rb, (sa, sb))
+    assert al.path == "same tables"
+    assert al.code_a is sa.codes and al.code_b is sb.codes and al.token is sa.tok
+    np.testing.assert_array_equal(al.index_b(sb.codes), np.arange(len(sb.codes)))
+    assert al._b_order is None      # B's codes already in order: no sort
