@@ -25,6 +25,7 @@ from .tokens import POS_MASK, SEQ_BITS, token_code
 from .trace import TensorInfo, TraceReader
 
 MAX_SHIFT = 2
+MAX_SHARED_GROUPS = 20000   # the same-tables check looks at this many shared 3-gram hashes at most
 MIN_MATCH = 0.75   # a sequence pair needs this share of its overlapping positions with equal token ids
 
 Codes = NDArray[np.int64]
@@ -400,10 +401,12 @@ def _same_tables(A: SideTokens, B: SideTokens, fa: _Flat) -> bool:
 
     1. both sides hold the same canonical tokens: equal sorted codes (sequence index and position)
        and equal token ids (sequence keys and regimes may differ: neither takes part in pairing);
-    2. each sequence shares a 3-gram hash (as :func:`_all_hashes` gives them) with at most 8
-       sequences, itself included. Then every B sequence voted for by A's sequence ``i`` is one of
-       its candidates (the ranking cuts at 8), so ``(i, i)`` is one, at shift 0 with ``len(i)``
-       matches, the most any pair with ``i`` can have.
+    2. ``(i, i)`` is among the candidates of every sequence ``i``, at shift 0 with ``len(i)``
+       matches (the most any pair with ``i`` can have). Sure when ``i`` has a 3-gram hash (as
+       :func:`_all_hashes` gives them) that no other sequence has: then B's ``i`` alone gets a vote
+       at every position of A's ``i``, so it ranks first; or when ``i`` shares hashes with at most
+       8 sequences, itself included: then every sequence voted for is a candidate (the ranking
+       cuts at 8). Sequences sharing a system prompt pass by the first rule, copies by neither.
 
     Given both, the greedy assignment takes ``(i, i)`` for every ``i``: were ``(i, j)``, ``j != i``,
     the first other pair taken, both ``i`` and ``j`` would still be free on both sides, so
@@ -416,26 +419,37 @@ def _same_tables(A: SideTokens, B: SideTokens, fa: _Flat) -> bool:
         return False
     h, q = _all_hashes(fa)
     hs = np.sort(h)
-    dup = hs[1:][hs[1:] == hs[:-1]]
-    del hs
-    if len(dup) == 0:
+    if len(hs) < 2 or not bool((hs[1:] == hs[:-1]).any()):
         return True          # no hash in two places: each sequence votes for itself alone
-    # the repeated hashes (few, unless sequences share text): the distinct sequences of each
-    at = np.flatnonzero(np.isin(h, dup))
-    key = np.unique(np.stack([h[at], q[at]], axis=1), axis=0)      # (hash, sequence) once each
-    cut = np.flatnonzero(np.concatenate([[True], key[1:, 0] != key[:-1, 0], [True]]))
-    sizes = np.diff(cut)
-    if int(sizes.max()) > 8:
-        return False         # nine sequences share a hash: each votes for all nine
+    del hs
+    o = np.argsort(h)
+    hs, qs = h[o], q[o]
+    del o
+    first = np.ones(len(hs), bool)
+    first[1:] = hs[1:] != hs[:-1]
+    starts = np.flatnonzero(first)
+    count = np.diff(np.append(starts, len(hs)))
+    has_own = np.zeros(len(fa.ids), bool)
+    has_own[qs[starts[count == 1]]] = True      # a hash found once in the whole side
+    rest = np.flatnonzero(~has_own)
+    if len(rest) == 0:
+        return True
+    # sequences without a hash of their own: the sequences sharing any of their hashes, at most 8
+    at = np.flatnonzero(np.isin(qs, rest))      # rows of those sequences, in hash order
+    groups = np.unique((np.cumsum(first) - 1)[at])   # the hash groups of those rows
+    if len(groups) > MAX_SHARED_GROUPS:
+        return False         # many shared hashes to look at: the general path is as quick
     share: dict[int, set[int]] = {}
-    for lo, hi in zip(cut[:-1].tolist(), cut[1:].tolist()):
-        if hi - lo < 2:
-            continue
-        members = key[lo:hi, 1].tolist()
+    for g in groups.tolist():
+        lo, hi = int(starts[g]), int(starts[g]) + int(count[g])
+        members = set(qs[lo:hi].tolist())
+        if len(members) > 8:
+            return False     # nine sequences share a hash: each votes for all nine
         for x in members:
-            share.setdefault(x, set()).update(members)
-            if len(share[x]) > 8:
-                return False
+            if not has_own[x]:
+                share.setdefault(x, set()).update(members)
+                if len(share[x]) > 8:
+                    return False
     return True
 
 

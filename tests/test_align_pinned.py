@@ -231,15 +231,15 @@ def _same_pair(rng, n_seq, length, vocab, variant):
         a[1] = (1, a[0][1].copy(), a[0][2].copy())
         a[2] = (2, a[0][1][:max(1, len(a[0][1]) // 2)].copy(), a[0][2][:max(1, len(a[0][1]) // 2)].copy())
         a[3] = (3, a[0][1].copy(), a[0][2].copy())
-    if variant == "ten_copies":                  # ten equal sequences: the ranking cuts some partners
-        for s in range(1, 10):
+    if variant in ("ten_copies", "eight_copies"):   # equal sequences (ten: the ranking cuts some partners)
+        for s in range(1, 10 if variant == "ten_copies" else 8):
             a[s] = (s, a[0][1].copy(), a[0][2].copy())
-    if variant in ("shared_by_8", "shared_by_9"):   # a 4-token prompt opening 8 (or 9) sequences
+    if variant in ("shared_by_8", "shared_by_9", "prompt_all"):   # a 4-token prompt opening 8, 9 or all
         pre = rng.integers(1, vocab, 4)
-        for s in range(8 if variant == "shared_by_8" else 9):
+        for s in range({"shared_by_8": 8, "shared_by_9": 9}.get(variant, n_seq)):
             t = a[s][2]
-            n = max(len(t), 5)
-            t = np.concatenate([pre, t])[:n]
+            n = max(len(t), 5 if variant != "prompt_all" else 8)   # at least 1 (4) tokens of its own
+            t = np.concatenate([pre, t, rng.integers(1, vocab, n)])[:n]
             a[s] = (s, np.arange(n), t)
     b = [(s, p.copy(), t.copy()) for s, p, t in a]
     k = n_seq // 2
@@ -266,8 +266,8 @@ def _same_pair(rng, n_seq, length, vocab, variant):
     return readers
 
 
-SAME = ["identical", "dup_seqs", "shared_by_8", "rows_shuffled"]     # the same-tables path holds
-NEAR = ["one_token", "reordered", "shifted", "one_more", "one_less", "extra_seq", "shared_by_9", "ten_copies"]
+SAME = ["identical", "dup_seqs", "shared_by_8", "shared_by_9", "prompt_all", "eight_copies", "rows_shuffled"]   # the path holds
+NEAR = ["one_token", "reordered", "shifted", "one_more", "one_less", "extra_seq", "ten_copies"]
 
 
 def _check(ra, rb):
@@ -329,14 +329,20 @@ def test_ten_copies_are_not_all_paired_by_the_general_path():
     assert sum(g["reason"].startswith("sequence only on") for g in got.gaps) > 0
 
 
-def test_same_tables_condition_refuses_what_breaks_the_proof():
-    """Nine sequences sharing a 3-gram: the candidate ranking may cut a sequence's own partner,
-    so the condition must not hold; eight: it holds."""
+def test_same_tables_condition_refuses_what_breaks_the_proof(monkeypatch):
+    """Ten equal sequences (no 3-gram of their own, shared by more than 8): the candidate ranking
+    may cut a sequence's own partner, so the condition must not hold; eight copies, or nine
+    sequences sharing a prompt but each with a 3-gram of its own: it holds. Past
+    MAX_SHARED_GROUPS shared hashes to check it does not (the general path then, still exact)."""
     rng = np.random.default_rng(5)
-    for variant, holds in (("shared_by_8", True), ("shared_by_9", False), ("one_token", False)):
+    for variant, holds in (("shared_by_8", True), ("shared_by_9", True), ("eight_copies", True),
+                           ("ten_copies", False), ("one_token", False)):
         ra, rb = _same_pair(rng, 100, 30, 30000, variant)
         A, B = align.SideTokens(ra), align.SideTokens(rb)
         assert align._same_tables(A, B, align._Flat(A)) is holds, variant
+    monkeypatch.setattr(align, "MAX_SHARED_GROUPS", 0)
+    ra, rb = _same_pair(rng, 100, 30, 30000, "eight_copies")
+    assert _check(ra, rb).path == "general"
 
 
 def test_in_order_side_holds_views_and_its_codes_are_the_row_codes():
