@@ -419,21 +419,26 @@ def _same_tables(A: SideTokens, B: SideTokens, fa: _Flat) -> bool:
         return False
     h, q = _all_hashes(fa)
     hs = np.sort(h)
-    if len(hs) < 2 or not bool((hs[1:] == hs[:-1]).any()):
-        return True          # no hash in two places: each sequence votes for itself alone
+    dup = hs[1:][hs[1:] == hs[:-1]]             # the values found more than once
     del hs
-    o = np.argsort(h)
-    hs, qs = h[o], q[o]
-    del o
+    if len(dup) == 0:
+        return True          # no hash in two places: each sequence votes for itself alone
+    shared = np.isin(h, dup)
+    has_own = np.zeros(len(fa.ids), bool)
+    has_own[q[~shared]] = True                  # a hash found once in the whole side
+    rest = np.flatnonzero(~has_own)
+    if len(rest) == 0:
+        return True
+    # only the rows of repeated hashes from here (few, unless sequences share text)
+    hd, qd = h[shared], q[shared]
+    del h, q, shared
+    o = np.argsort(hd, kind="stable")
+    hs, qs = hd[o], qd[o]
+    del o, hd, qd
     first = np.ones(len(hs), bool)
     first[1:] = hs[1:] != hs[:-1]
     starts = np.flatnonzero(first)
     count = np.diff(np.append(starts, len(hs)))
-    has_own = np.zeros(len(fa.ids), bool)
-    has_own[qs[starts[count == 1]]] = True      # a hash found once in the whole side
-    rest = np.flatnonzero(~has_own)
-    if len(rest) == 0:
-        return True
     # sequences without a hash of their own: the sequences sharing any of their hashes, at most 8
     at = np.flatnonzero(np.isin(qs, rest))      # rows of those sequences, in hash order
     groups = np.unique((np.cumsum(first) - 1)[at])   # the hash groups of those rows
