@@ -25,6 +25,7 @@ from .tokens import POS_MASK, SEQ_BITS, token_code
 from .trace import TensorInfo, TraceReader
 
 MAX_SHIFT = 2
+MAX_SHARED_GROUPS = 20000   # the same-tables check looks at this many shared 3-gram hashes at most
 MIN_MATCH = 0.75   # a sequence pair needs this share of its overlapping positions with equal token ids
 
 Codes = NDArray[np.int64]
@@ -48,6 +49,7 @@ class TokenAlignment:
     gaps: list[dict[str, Any]]
     shifts: dict[int, int]  # shift -> number of sequence pairs
     mismatches: list[dict[str, Any]] = field(default_factory=list)  # paired positions with other token ids
+    path: str = field(default="general", compare=False)   # "same tables": :func:`_same_tables` held
     _b_order: Codes | None = field(default=None, repr=False)
     _b_sorted: Codes | None = field(default=None, repr=False)
 
@@ -59,10 +61,16 @@ class TokenAlignment:
         return _lookup(self.code_a, codes)
 
     def index_b(self, codes: Codes) -> Codes:
-        if self._b_order is None or self._b_sorted is None:
-            self._b_order = np.argsort(self.code_b, kind="stable")
-            self._b_sorted = self.code_b[self._b_order]
+        if self._b_sorted is None:
+            cb = self.code_b
+            if len(cb) < 2 or bool(np.all(cb[1:] > cb[:-1])):
+                self._b_sorted = cb          # already in order (B's codes distinct): no sort, no order array
+            else:
+                self._b_order = np.argsort(cb, kind="stable")
+                self._b_sorted = cb[self._b_order]
         pos = _lookup(self._b_sorted, codes)
+        if self._b_order is None:
+            return pos
         return np.where(pos >= 0, self._b_order[np.maximum(pos, 0)], -1)
 
     def entry(self, ti: int, seqs_a: list[str], seqs_b: list[str], regimes: tuple[str, ...]) -> dict[str, Any]:
@@ -76,9 +84,17 @@ class TokenAlignment:
 def _lookup(sorted_codes: Codes, codes: Codes) -> Codes:
     if len(sorted_codes) == 0:
         return np.full(len(codes), -1, dtype=np.int64)
+    if len(codes) == len(sorted_codes) and np.array_equal(codes, sorted_codes):
+        return np.arange(len(codes), dtype=np.int64)   # every code at its own index (the same tables)
     pos = np.searchsorted(sorted_codes, codes)
     pos_c = np.minimum(pos, len(sorted_codes) - 1)
     return np.where(sorted_codes[pos_c] == codes, pos_c, -1).astype(np.int64)
+
+
+def _int64_column(t: NDArray[Any], name: str) -> Codes:
+    """A column of a token table as int64: a view when it is stored so (TOKEN_DTYPE), else a copy."""
+    col = t[name]
+    return col if col.dtype == np.int64 else col.astype(np.int64)
 
 
 class SideTokens:
@@ -86,7 +102,9 @@ class SideTokens:
     was later recomputed is superseded). Holds the sorted unique codes with their token and regime,
     one byte per token row (``row_valid``: the row holds its code's canonical token) and each
     sequence's (positions, tokens) as views; a row's code is recomputed from the token table when a
-    row map needs it (no per-row code array is kept)."""
+    row map needs it (no per-row code array is kept). In the usual layout (every row canonical, in
+    code order) the codes are the rows' codes, and the positions and token ids are views of the
+    token table's columns, not copies (16 MB a side at 1M tokens, issue 12)."""
 
     def __init__(self, r: TraceReader):
         t = r.tokens
@@ -95,10 +113,13 @@ class SideTokens:
         if len(codes) and bool(np.all(codes[1:] > codes[:-1])):
             # the usual layout (each sequence's positions once, in order): every row is canonical
             uniq = codes
-            self.tok: Codes = t["token"].astype(np.int64)
+            self.in_order = True
+            self.tok: Codes = _int64_column(t, "token")
+            self.pos: Codes = _int64_column(t, "position")
             self.regime: NDArray[np.uint8] = np.ascontiguousarray(t["regime"])
             self.row_valid: NDArray[np.bool_] = np.ones(len(codes), bool)
         else:
+            self.in_order = False
             rev = codes[::-1]
             uniq, first_rev = np.unique(rev, return_index=True)   # last occurrence of each code
             last_rows = len(codes) - 1 - first_rev
@@ -109,8 +130,8 @@ class SideTokens:
             self.row_valid = (t["token"].astype(np.int64) == self.tok[np.searchsorted(uniq, codes)]
                               if len(codes) else np.zeros(0, bool))
             del codes
+            self.pos = uniq & POS_MASK                           # the positions of the codes
         self.codes: Codes = uniq                                 # sorted unique codes
-        self.pos: Codes = uniq & POS_MASK                        # their positions
         seq_of = uniq >> SEQ_BITS
         self.seqs: dict[int, tuple[Codes, Codes]] = {}
         if len(uniq):
@@ -124,6 +145,8 @@ class SideTokens:
 
     def row_codes(self, rows: Codes) -> Codes:
         """Code of each token-table row in ``rows``."""
+        if self.in_order:
+            return self.codes[rows]
         t = self.reader.tokens
         return token_code(t["seq"][rows], t["position"][rows])
 
@@ -371,6 +394,82 @@ def _pair_candidates(A: Any, B: Any, flats: tuple[_Flat, _Flat] | None = None) -
                     ids_b[qb[keep]].tolist()))
 
 
+def _same_tables(A: SideTokens, B: SideTokens, fa: _Flat) -> bool:
+    """Whether the general path is known to pair every sequence with the same-numbered sequence of
+    the other side at shift 0 (a train side recorded from the serve side's token table, say), so
+    that :func:`_aligned_as_is` gives exactly its alignment. Holds when:
+
+    1. both sides hold the same canonical tokens: equal sorted codes (sequence index and position)
+       and equal token ids (sequence keys and regimes may differ: neither takes part in pairing);
+    2. ``(i, i)`` is among the candidates of every sequence ``i``, at shift 0 with ``len(i)``
+       matches (the most any pair with ``i`` can have). Sure when ``i`` has a 3-gram hash (as
+       :func:`_all_hashes` gives them) that no other sequence has: then B's ``i`` alone gets a vote
+       at every position of A's ``i``, so it ranks first; or when ``i`` shares hashes with at most
+       8 sequences, itself included: then every sequence voted for is a candidate (the ranking
+       cuts at 8). Sequences sharing a system prompt pass by the first rule, copies by neither.
+
+    Given both, the greedy assignment takes ``(i, i)`` for every ``i``: were ``(i, j)``, ``j != i``,
+    the first other pair taken, both ``i`` and ``j`` would still be free on both sides, so
+    ``(i, i)`` and ``(j, j)`` would sort after it; that needs ``len(i)`` matches at shift 0 and
+    ``j < i`` for the first, ``len(j)`` matches and ``i < j`` for the second. Anything else goes
+    the general way (tests/test_align_pinned.py checks both paths against the old one)."""
+    if len(A.codes) != len(B.codes) or len(A.seqs) != len(B.seqs):
+        return False
+    if not (np.array_equal(A.codes, B.codes) and np.array_equal(A.tok, B.tok)):
+        return False
+    h, q = _all_hashes(fa)
+    hs = np.sort(h)
+    dup = hs[1:][hs[1:] == hs[:-1]]             # the values found more than once
+    del hs
+    if len(dup) == 0:
+        return True          # no hash in two places: each sequence votes for itself alone
+    shared = np.isin(h, dup)
+    has_own = np.zeros(len(fa.ids), bool)
+    has_own[q[~shared]] = True                  # a hash found once in the whole side
+    rest = np.flatnonzero(~has_own)
+    if len(rest) == 0:
+        return True
+    # only the rows of repeated hashes from here (few, unless sequences share text)
+    hd, qd = h[shared], q[shared]
+    del h, q, shared
+    o = np.argsort(hd, kind="stable")
+    hs, qs = hd[o], qd[o]
+    del o, hd, qd
+    first = np.ones(len(hs), bool)
+    first[1:] = hs[1:] != hs[:-1]
+    starts = np.flatnonzero(first)
+    count = np.diff(np.append(starts, len(hs)))
+    # sequences without a hash of their own: the sequences sharing any of their hashes, at most 8
+    at = np.flatnonzero(np.isin(qs, rest))      # rows of those sequences, in hash order
+    groups = np.unique((np.cumsum(first) - 1)[at])   # the hash groups of those rows
+    if len(groups) > MAX_SHARED_GROUPS:
+        return False         # many shared hashes to look at: the general path is as quick
+    share: dict[int, set[int]] = {}
+    for g in groups.tolist():
+        lo, hi = int(starts[g]), int(starts[g]) + int(count[g])
+        members = set(qs[lo:hi].tolist())
+        if len(members) > 8:
+            return False     # nine sequences share a hash: each votes for all nine
+        for x in members:
+            if not has_own[x]:
+                share.setdefault(x, set()).update(members)
+                if len(share[x]) > 8:
+                    return False
+    return True
+
+
+def _aligned_as_is(A: SideTokens, B: SideTokens) -> TokenAlignment:
+    """The alignment of two sides whose tables :func:`_same_tables` found equal: sequence ``i`` with
+    sequence ``i`` at shift 0, every position on both sides with the same token id (no gap, no
+    mismatch), in the general path's order and form. The codes and tokens are the sides' own
+    arrays (read only), not copies."""
+    seq_pairs = [{"a": A.key(sa), "b": B.key(sa), "shift": 0, "tokens": len(pa), "only_a": 0, "only_b": 0,
+                  "mismatched": 0} for sa, (pa, _ta) in A.seqs.items()]
+    return TokenAlignment(code_a=A.codes, code_b=B.codes, token=A.tok, regime_a=A.regime, regime_b=B.regime,
+                          seq_pairs=seq_pairs, gaps=[], shifts={0: len(seq_pairs)}, mismatches=[],
+                          path="same tables")
+
+
 def align_tokens(ra: TraceReader, rb: TraceReader,
                  sides: tuple[SideTokens, SideTokens] | None = None) -> TokenAlignment:
     """Pair sequences and positions of two traces. ``sides``: their :class:`SideTokens`, when the
@@ -385,7 +484,10 @@ def align_tokens(ra: TraceReader, rb: TraceReader,
         raise IncompatibleTracesError("the trace has no tokens (empty trace)", ra.path)
     if not B.seqs:
         raise IncompatibleTracesError("the trace has no tokens (empty trace)", rb.path)
-    fa, fb = _Flat(A), _Flat(B)
+    fa = _Flat(A)
+    if _same_tables(A, B, fa):
+        return _aligned_as_is(A, B)
+    fb = _Flat(B)
     cands = _pair_candidates(A, B, (fa, fb))
     cands.sort(key=lambda c: (-c[0], abs(c[2]), c[3], c[4]))
     used_a: dict[int, tuple[int, int]] = {}

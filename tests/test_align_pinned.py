@@ -208,3 +208,170 @@ def test_in_order_table_takes_the_fast_path_and_agrees():
         for x, y in zip(st.seqs[k], old.seqs[k]):
             np.testing.assert_array_equal(x, y)
     assert not hasattr(st, "row_code") and not hasattr(st, "last_rows")
+
+
+# -- the same-tables path (issue 12): exactly the general path's alignment, and only where it holds --
+
+
+def _tables(seqs, regime=0):
+    """Token-table columns of a list of (sequence index, positions, tokens)."""
+    cols = [np.concatenate(c) for c in zip(*[(np.full(len(p), s), p, t, np.full(len(p), regime, np.uint8))
+                                           for s, p, t in seqs])]
+    return cols
+
+
+def _same_pair(rng, n_seq, length, vocab, variant):
+    """A pair whose tables describe the same sequences (B recorded from A's table), or one
+    ``variant`` away from that."""
+    a = []
+    for s in range(n_seq):
+        n = int(rng.integers(1, length + 1))
+        a.append((s, np.arange(n), rng.integers(1, vocab, n)))
+    if variant == "dup_seqs":                    # sequences with equal content (and prefixes of one another)
+        a[1] = (1, a[0][1].copy(), a[0][2].copy())
+        a[2] = (2, a[0][1][:max(1, len(a[0][1]) // 2)].copy(), a[0][2][:max(1, len(a[0][1]) // 2)].copy())
+        a[3] = (3, a[0][1].copy(), a[0][2].copy())
+    if variant in ("ten_copies", "eight_copies"):   # equal sequences (ten: the ranking cuts some partners)
+        for s in range(1, 10 if variant == "ten_copies" else 8):
+            a[s] = (s, a[0][1].copy(), a[0][2].copy())
+    if variant in ("shared_by_8", "shared_by_9", "prompt_all"):   # a 4-token prompt opening 8, 9 or all
+        pre = rng.integers(1, vocab, 4)
+        for s in range({"shared_by_8": 8, "shared_by_9": 9}.get(variant, n_seq)):
+            t = a[s][2]
+            n = max(len(t), 5 if variant != "prompt_all" else 8)   # at least 1 (4) tokens of its own
+            t = np.concatenate([pre, t, rng.integers(1, vocab, n)])[:n]
+            a[s] = (s, np.arange(n), t)
+    b = [(s, p.copy(), t.copy()) for s, p, t in a]
+    k = n_seq // 2
+    if variant == "one_token":
+        b[k][2][len(b[k][2]) // 2] += 1
+    elif variant == "reordered":                 # two sequences' indexes swapped on B
+        b[k], b[k + 1] = (k, b[k + 1][1], b[k + 1][2]), (k + 1, b[k][1], b[k][2])
+    elif variant == "shifted":                   # one sequence's positions one later on B
+        b[k] = (k, b[k][1] + 1, b[k][2])
+    elif variant == "one_more":                  # a token more at the end of one sequence
+        b[k] = (k, np.arange(len(b[k][1]) + 1), np.concatenate([b[k][2], [5]]))
+    elif variant == "one_less":                  # the last token of a sequence missing on B
+        k = next(s for s in range(n_seq) if len(b[s][1]) > 1)
+        b[k] = (k, b[k][1][:-1], b[k][2][:-1])
+    elif variant == "extra_seq":                 # a sequence only on B
+        b.append((n_seq, np.arange(4), rng.integers(1, vocab, 4)))
+    readers = []
+    for i, side in enumerate((a, b)):
+        cols = _tables(side, regime=i)
+        if variant == "rows_shuffled" and i == 1:   # same canonical tokens, rows in another order
+            perm = rng.permutation(len(cols[0]))
+            cols = [c[perm] for c in cols]
+        readers.append(_Reader(f"{'ab'[i]}.h5", *cols, n_seqs=n_seq + 1))
+    return readers
+
+
+SAME = ["identical", "dup_seqs", "shared_by_8", "shared_by_9", "prompt_all", "eight_copies", "rows_shuffled"]   # the path holds
+NEAR = ["one_token", "reordered", "shifted", "one_more", "one_less", "extra_seq", "ten_copies"]
+
+
+def _check(ra, rb):
+    want, want_maps = _old_align(ra, rb)
+    sa, sb = align.SideTokens(ra), align.SideTokens(rb)
+    got = align.align_tokens(ra, rb, (sa, sb))
+    for f in ("code_a", "code_b", "token", "regime_a", "regime_b"):
+        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+        assert getattr(got, f).dtype == getattr(want, f).dtype, f
+    assert got.seq_pairs == want.seq_pairs
+    assert got.gaps == want.gaps
+    assert got.shifts == want.shifts
+    assert got.mismatches == want.mismatches
+    for side, r, st, fn in (("a", ra, sa, got.index_a), ("b", rb, sb, got.index_b)):
+        for name in r.rows:
+            np.testing.assert_array_equal(align.row_map(r, st, name, fn), want_maps[side, name])
+    return got
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("variant", SAME + NEAR)
+@pytest.mark.parametrize("shape", [(12, 30, 1000), (90, 20, 5000), (70, 3, 50)])
+def test_same_tables_path_pinned_and_taken_only_where_it_holds(seed, variant, shape):
+    n_seq, length, vocab = shape
+    rng = np.random.default_rng([seed, (SAME + NEAR).index(variant), n_seq])
+    ra, rb = _same_pair(rng, n_seq, length, vocab, variant)
+    got = _check(ra, rb)
+    if variant in NEAR:
+        assert got.path == "general", "the same-tables path taken on tables that differ"
+    elif vocab >= 1000:    # few accidental 3-gram repeats: the condition holds
+        assert got.path == "same tables"
+
+
+def test_same_tables_path_against_the_general_path(monkeypatch):
+    """On tables the same-tables path takes, the general path (forced) gives the same alignment."""
+    rng = np.random.default_rng(11)
+    for variant in SAME:
+        ra, rb = _same_pair(rng, 100, 40, 30000, variant)
+        fast = align.align_tokens(ra, rb)
+        assert fast.path == "same tables", variant
+        with monkeypatch.context() as m:
+            m.setattr(align, "_same_tables", lambda *_a: False)
+            slow = align.align_tokens(ra, rb)
+        assert slow.path == "general"
+        for f in ("code_a", "code_b", "token", "regime_a", "regime_b"):
+            np.testing.assert_array_equal(getattr(fast, f), getattr(slow, f), err_msg=f)
+        assert (fast.seq_pairs, fast.gaps, fast.shifts, fast.mismatches) == \
+            (slow.seq_pairs, slow.gaps, slow.shifts, slow.mismatches)
+
+
+def test_ten_copies_are_not_all_paired_by_the_general_path():
+    """Why the condition counts sequences per 3-gram: with ten equal sequences (and more than 64,
+    so no pair is tried beyond the ranking) the general path leaves two of them unpaired, where
+    pairing by index would pair all ten."""
+    rng = np.random.default_rng(2)
+    ra, rb = _same_pair(rng, 90, 20, 5000, "ten_copies")
+    got = _check(ra, rb)
+    assert got.path == "general"
+    assert sum(g["reason"].startswith("sequence only on") for g in got.gaps) > 0
+
+
+def test_same_tables_condition_refuses_what_breaks_the_proof(monkeypatch):
+    """Ten equal sequences (no 3-gram of their own, shared by more than 8): the candidate ranking
+    may cut a sequence's own partner, so the condition must not hold; eight copies, or nine
+    sequences sharing a prompt but each with a 3-gram of its own: it holds. Past
+    MAX_SHARED_GROUPS shared hashes to check it does not (the general path then, still exact)."""
+    rng = np.random.default_rng(5)
+    for variant, holds in (("shared_by_8", True), ("shared_by_9", True), ("eight_copies", True),
+                           ("ten_copies", False), ("one_token", False)):
+        ra, rb = _same_pair(rng, 100, 30, 30000, variant)
+        A, B = align.SideTokens(ra), align.SideTokens(rb)
+        assert align._same_tables(A, B, align._Flat(A)) is holds, variant
+    monkeypatch.setattr(align, "MAX_SHARED_GROUPS", 0)
+    ra, rb = _same_pair(rng, 100, 30, 30000, "eight_copies")
+    assert _check(ra, rb).path == "general"
+
+
+def test_in_order_side_holds_views_and_its_codes_are_the_row_codes():
+    """The usual layout: positions and token ids are the token table's own columns (no copies, issue
+    12's memory), with int64 values equal to the old side's, and a row's code is read from the codes."""
+    rng = np.random.default_rng(8)
+    ra, _rb = _pair(rng, 20, 30, 100, 0, "same")
+    st, old = align.SideTokens(ra), _OldSide(ra)
+    assert st.in_order
+    for f in ("pos", "tok"):
+        assert np.shares_memory(getattr(st, f), ra.tokens), f
+        assert getattr(st, f).dtype == np.int64
+    np.testing.assert_array_equal(st.pos, old.codes & POS_MASK)
+    rows = rng.integers(0, len(ra.tokens), 500)
+    np.testing.assert_array_equal(st.row_codes(rows), old.row_code[rows])
+    # a table out of order: the old copies, and codes from the table
+    ra2, rb2 = _pair(np.random.default_rng(9), 20, 30, 100, 0, "mixed")
+    st2, old2 = align.SideTokens(rb2), _OldSide(rb2)
+    assert not st2.in_order and not np.shares_memory(st2.tok, rb2.tokens)
+    rows = np.arange(len(rb2.tokens))[::-1]
+    np.testing.assert_array_equal(st2.row_codes(rows), old2.row_code[rows])
+
+
+def test_same_tables_alignment_shares_the_sides_arrays():
+    """No copies of the codes and tokens on the same-tables path (read only everywhere)."""
+    ra, rb = _same_pair(np.random.default_rng(4), 100, 30, 30000, "identical")
+    sa, sb = align.SideTokens(ra), align.SideTokens(rb)
+    al = align.align_tokens(ra, rb, (sa, sb))
+    assert al.path == "same tables"
+    assert al.code_a is sa.codes and al.code_b is sb.codes and al.token is sa.tok
+    np.testing.assert_array_equal(al.index_b(sb.codes), np.arange(len(sb.codes)))
+    assert al._b_order is None      # B's codes already in order: no sort
