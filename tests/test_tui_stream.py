@@ -53,6 +53,21 @@ def screen_text(app) -> str:
     return "\n".join(s.text for s in app.screen._compositor.render_strips())
 
 
+async def settled_screen(pilot, app, timeout: float = 20.0) -> str:
+    """The screen once two renders 0.1 s apart agree: on a loaded machine the last layout pass (the
+    panes' widths, so the value histogram's bins) can land after the app says it is ready."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    last = screen_text(app)
+    while True:
+        await pilot.pause(0.1)
+        now = screen_text(app)
+        if now == last:
+            return now
+        assert loop.time() < end, "the screen did not settle"
+        last = now
+
+
 async def wait_for(pilot, cond, timeout: float = 20.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
@@ -146,7 +161,7 @@ async def test_final_state_is_todays(fixture_pair):  # noqa: F811
         async with app.run_test(size=SIZE) as pilot:
             await wait_ready(app, pilot)
             hm = app.heatmap
-            screens.append((screen_text(app), app.selected_finding, hm.cursor_row, hm.cursor_col,
+            screens.append((await settled_screen(pilot, app), app.selected_finding, hm.cursor_row, hm.cursor_col,
                             app.detail_text.plain, [all_codes(hm, m).tolist() for m in METRICS]))
             await pilot.press("q")
     assert screens[0] == screens[1]
