@@ -41,6 +41,16 @@ def to_storage(x: torch.Tensor) -> np.ndarray:
 _TOPK_ROWS = 2048
 
 
+def _logsumexp_from_max(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x, dim=-1, keepdim=True)`` for fp32 rows ``x`` [n, V] whose row maxima
+    ``top`` [n, 1] (the first top-k column) are known: the same steps as torch's own (a max that
+    is infinite counts as 0; sum of exp(x - max), log, plus max) without its pass for the max, so
+    the same bits (tests/test_sglang_overhead_paths.py checks them against torch's)."""
+    m = top.clone()
+    m.masked_fill_(m.abs() == float("inf"), 0)
+    return torch.sum(torch.exp(x - m), dim=-1, keepdim=True).log_().add_(m)
+
+
 def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
               id_map: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k rows of ``logits`` [..., V] as the trace stores them: [n, 2k+1] float64 =
@@ -54,8 +64,8 @@ def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
     out = []
     for s in range(0, max(flat.shape[0], 1), _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
         x = flat[s:s + _TOPK_ROWS].float()
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
         v, i = torch.topk(x, kk, dim=-1)
+        lse = _logsumexp_from_max(x, v[:, :1])
         if id_map is not None:
             i = id_map[i]
         out.append(torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1))

@@ -208,7 +208,7 @@ def record_aux(hs, rows) -> None:
         st.warn_once("aux-width", "aux hidden states are %d wide, not %d slots x %d; not recorded", width, k, h)
         return
     st.rec.packed(AUX, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
-                  token_offset=0, role="aux", values=st.cfg.wants_values(AUX),
+                  token_offset=0, role="aux", values=st.cfg.wants_values(AUX), remember=True,
                   attrs={"source": "logits_output.hidden_states (target, packed aux capture)"})
     st.dirty = True
 
@@ -259,7 +259,7 @@ def record_draft(runner, fb) -> None:
             st.warn_once("shift", "draft input ids are not the target's tokens shifted by one (request %s)", rid)
     rec = st.rec
     n = rec.packed(DRAFT, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
-                   token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT),
+                   token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=AUX,
                    attrs={"source": "draft runner forward_batch.spec_info.hidden_states (the fc input)"})
     if n:
         _record_draft_ids(ids, rows)
