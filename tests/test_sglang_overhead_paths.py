@@ -202,3 +202,59 @@ def test_resume_with_topk_switches_predictions_and_splits_the_seconds(st):
     assert st.seconds_by_topk[0] >= 0.5 and 0.25 <= st.seconds_by_topk[20] < 0.5
     assert st.seconds == pytest.approx(st.seconds_by_topk[0] + st.seconds_by_topk[20])
     assert _rpc("tensordiff_resume") == (True, "") and st.cfg.topk == 20  # no parameter: k unchanged
+
+
+def test_small_cpu_products_run_on_one_thread_and_the_threads_come_back(tmp_path):
+    torch.manual_seed(5)
+    threads = torch.get_num_threads()
+    small, big = torch.randn(16, 3 * H), torch.randn(200, 3 * H)  # 48 and 600 slot rows
+    with _rec(tmp_path / "t.h5") as rec:
+        rec.one_thread_rows = 256
+        rows = rec.add_tokens("s", None, list(range(216)))
+        seen = []
+        real_mm = torch.mm
+
+        def spy(a, b):
+            seen.append((a.shape[0], torch.get_num_threads()))
+            return real_mm(a, b)
+
+        torch.mm = spy
+        try:
+            rec.packed("aux_hidden_states", small, rows[:16], labels=LABELS, token_offset=0, role="aux")
+            rec.packed("aux_hidden_states", big, rows[16:], labels=LABELS, token_offset=0, role="aux")
+        finally:
+            torch.mm = real_mm
+        assert torch.get_num_threads() == threads
+        assert seen == [(48, 1), (600, threads)]
+        assert rec.stats.one_thread_products == (1 if threads > 1 else 0)
+    with TraceReader(tmp_path / "t.h5") as r:
+        sk = r.read_sketch("aux_hidden_states")
+    from tensordiff.sketch import projection
+    proj = torch.from_numpy(np.array(projection(H, r.sketch_dim, r.sketch_seed)))
+    torch.set_num_threads(1)
+    try:
+        want = torch.mm(small.reshape(48, H), proj).reshape(16, -1).numpy()
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(sk[:16], want)  # the one-thread product's bits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_logprob_of_the_next_token_without_a_torch_gather(monkeypatch, tmp_path, dtype):
+    from tensordiff.recorders.sglang import forward
+    from tensordiff.recorders.sglang.state import Pass
+
+    torch.manual_seed(2)
+    n, v = 6, 50
+    logits = (torch.randn(n, v) * 3).to(dtype)
+    ids = np.array([3, 7, 1, 9, 4, 0])
+    monkeypatch.setattr(STATE, "cfg", Config(path=str(tmp_path / "s.h5"), topk=4))
+    monkeypatch.setattr(STATE, "warned", set())
+    monkeypatch.setattr(STATE, "target_logits", (None, None, None, SimpleNamespace(next_token_logits=logits)))
+    p = Pass(hs=None, rows=np.arange(n), keys=(None, np.arange(n), ids), segments=[("r", 0, n)], step=1,
+             regime="target_verify")
+    forward._target_predictions(p)
+    nxt = np.append(ids[1:], 0)
+    lse = torch.logsumexp(logits.float(), dim=-1).double().numpy()
+    want = logits.float().gather(1, torch.from_numpy(nxt)[:, None])[:, 0].double().numpy() - lse
+    np.testing.assert_array_equal(p.lp_next, want)

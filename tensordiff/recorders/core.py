@@ -82,12 +82,13 @@ class RecorderStats:
     wait_seconds: float = 0.0  # of which: waiting for device copies to land
     sketch_products: int = 0   # sketch matmuls computed
     sketch_reused: int = 0     # record calls whose sketch and RMS were another call's (``reuse=``)
+    one_thread_products: int = 0  # of the products, those run on one thread (``one_thread_rows``)
 
     def as_dict(self) -> dict:
         return {"calls": self.calls, "rows": self.rows, "bytes_values": self.bytes_values,
                 "seconds": self.seconds, "wait_seconds": self.wait_seconds,
                 "sketch_products": self.sketch_products, "sketch_reused": self.sketch_reused,
-                "skipped_names": sorted(self.skipped_names)}
+                "one_thread_products": self.one_thread_products, "skipped_names": sorted(self.skipped_names)}
 
 
 @dataclass
@@ -160,6 +161,11 @@ class Recorder:
         self.sample = sample if sample is not None else Sampling()
         self.sketch_enabled = bool(sketch)
         self.max_pending_bytes = int(max_pending_bytes)
+        # CPU sketch products of at most this many slot rows run on one thread (0: never). On a CPU
+        # whose cores are busy, a small product that enters the BLAS's thread pool waits for a
+        # second core far longer than it computes (a 48-row product: 3 ms on two threads of a loaded
+        # machine, 0.1-0.3 ms on one); the serve plugins set it for their many small decode passes.
+        self.one_thread_rows = 0
         self.stats = RecorderStats()
         self._specs: dict[str, _Spec] = {}
         self._proj: dict[tuple, torch.Tensor] = {}
@@ -271,6 +277,19 @@ class Recorder:
             self._proj[key] = r
         return r
 
+    def _product(self, x2: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``x2 @ r``; on the CPU on one thread when ``x2`` has at most ``one_thread_rows`` rows."""
+        if x2.device.type == "cpu" and x2.shape[0] <= self.one_thread_rows:
+            threads = torch.get_num_threads()
+            if threads > 1:
+                torch.set_num_threads(1)
+                try:
+                    self.stats.one_thread_products += 1
+                    return torch.mm(x2, r)
+                finally:
+                    torch.set_num_threads(threads)
+        return torch.mm(x2, r)
+
     def record(self, name: str, tensor: torch.Tensor, rows: np.ndarray | Sequence[int], *,
                kind: str = "other", boundary: int | None = None, slots: SlotSpec | None = None,
                slot_width: int | None = None, token_offset: int = 0, role: str = "",
@@ -347,7 +366,7 @@ class Recorder:
             sk = memo.sketch
             self.stats.sketch_reused += 1
         elif spec.sketch:  # one matmul with the seeded projection, where the data lives
-            sk = torch.mm(x2, self._projection(spec.slot_width, x.device)).reshape(n, -1)
+            sk = self._product(x2, self._projection(spec.slot_width, x.device)).reshape(n, -1)
             self.stats.sketch_products += 1
         vals = x if spec.values else None
         nbytes = (n * width * x.element_size() if vals is not None else 0)
