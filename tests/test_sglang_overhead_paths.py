@@ -258,3 +258,28 @@ def test_verify_logprob_of_the_next_token_without_a_torch_gather(monkeypatch, tm
     lse = torch.logsumexp(logits.float(), dim=-1).double().numpy()
     want = logits.float().gather(1, torch.from_numpy(nxt)[:, None])[:, 0].double().numpy() - lse
     np.testing.assert_array_equal(p.lp_next, want)
+
+
+@pytest.mark.parametrize("limit", [0, 256])
+def test_small_prediction_tables_run_on_one_thread_with_the_same_bits(monkeypatch, tmp_path, limit):
+    from tensordiff.recorders import core
+    from tensordiff.recorders.sglang import predictions as pr
+
+    threads = torch.get_num_threads()
+    seen = []
+    real = core.topk_rows
+
+    def spy(x, k, id_map=None):
+        seen.append(torch.get_num_threads())
+        return real(x, k, id_map)
+
+    monkeypatch.setattr(core, "topk_rows", spy)
+    monkeypatch.setattr(STATE, "cfg", Config(path=str(tmp_path / "s.h5"), topk=5))
+    monkeypatch.setattr(STATE, "rec", SimpleNamespace(one_thread_rows=limit))
+    monkeypatch.setattr(STATE, "warned", set())
+    torch.manual_seed(4)
+    logits = torch.randn(24, 1000) * 4
+    table, _ = pr.prediction_rows((None, None, None, SimpleNamespace(next_token_logits=logits)), 24, "target_topk")
+    assert torch.get_num_threads() == threads
+    assert seen == [1 if limit and threads > 1 else threads]
+    np.testing.assert_array_equal(table, real(logits, 5).numpy())

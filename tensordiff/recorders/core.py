@@ -43,7 +43,7 @@ from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .sampling import Sampling, SequenceEnds
-from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
+from .storage import TORCH_DTYPES, logical_dtype, one_thread, to_storage, topk_rows
 
 __all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage", "topk_rows"]
 
@@ -279,16 +279,9 @@ class Recorder:
 
     def _product(self, x2: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """``x2 @ r``; on the CPU on one thread when ``x2`` has at most ``one_thread_rows`` rows."""
-        if x2.device.type == "cpu" and x2.shape[0] <= self.one_thread_rows:
-            threads = torch.get_num_threads()
-            if threads > 1:
-                torch.set_num_threads(1)
-                try:
-                    self.stats.one_thread_products += 1
-                    return torch.mm(x2, r)
-                finally:
-                    torch.set_num_threads(threads)
-        return torch.mm(x2, r)
+        with one_thread(x2.device.type == "cpu" and x2.shape[0] <= self.one_thread_rows) as switched:
+            self.stats.one_thread_products += int(switched)
+            return torch.mm(x2, r)
 
     def record(self, name: str, tensor: torch.Tensor, rows: np.ndarray | Sequence[int], *,
                kind: str = "other", boundary: int | None = None, slots: SlotSpec | None = None,
