@@ -12,8 +12,15 @@ shared machine), and the plugin's own time per round (seconds inside its hooks, 
 flushes, from the trace's ``tensordiff_sglang`` attribute) over the fastest bare generation
 (``plugin_share``, the figure benchmarks/goals.py reads).
 
+With predictions on (``--topk`` not 0) each round also generates the batch recording without them
+(``engine.collective_rpc("tensordiff_resume", topk=0)``, in the same engine, in the round's random
+order): ``plugin_share_no_topk`` is that generation's plugin time over the same fastest bare
+generation, so the taps' cost is the difference of two figures measured side by side
+(``--no-topk0`` leaves these rounds out).
+
     PYTHONPATH=. .venv/bin/python benchmarks/bench_sglang_overhead.py [--mode capture|eagle]
-        [--hidden 512] [--layers 8] [--catalog] [--topk 20] [--rounds 5] [--json FILE] [--profile FILE]
+        [--hidden 512] [--layers 8] [--catalog] [--topk 20] [--no-topk0] [--rounds 5] [--json FILE]
+        [--profile FILE]
 
 ``--json FILE`` writes one object per benchmarks/benchjson.py (bench, commit, dirty, load,
 config, figures); ``--profile FILE`` sets ``TENSORDIFF_PROFILE`` (a cProfile stats file of the
@@ -58,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", "--repeat", dest="rounds", type=int, default=7, help="timed rounds")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-round order")
     ap.add_argument("--topk", type=int, default=None, help="TENSORDIFF_TOPK (default: the plugin's, 20; 0: no predictions)")
+    ap.add_argument("--no-topk0", action="store_true",
+                    help="leave out the generation recorded without predictions (plugin_share_no_topk)")
     ap.add_argument("--profile", help="TENSORDIFF_PROFILE: write a cProfile stats file of the plugin's own code")
     ap.add_argument("--catalog", action="store_true", help="also record the per-boundary catalog (sketches)")
     ap.add_argument("--values", default=None,
@@ -72,7 +81,8 @@ def main(argv=None) -> int:
         "mode": args.mode, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "batch": args.batch,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "catalog": args.catalog,
         "values": args.values or "aux_hidden_states,draft_input,draft_fc_output",
-        "topk": 20 if args.topk is None else args.topk, "rounds": args.rounds, "seed": args.seed})
+        "topk": 20 if args.topk is None else args.topk, "rounds": args.rounds, "seed": args.seed,
+        "topk0_rounds": not args.no_topk0 and args.topk != 0})
 
     import numpy as np
 
@@ -117,21 +127,31 @@ def main(argv=None) -> int:
             engine = sup.start_capture_engine(target, ids, **common)
         sp = {"temperature": 0, "max_new_tokens": args.new_tokens}
 
-        def gen(recording: bool) -> float:
-            engine.collective_rpc("tensordiff_resume" if recording else "tensordiff_pause")
+        topk = 20 if args.topk is None else args.topk
+        kinds = ["bare", "recorded"] + (["recorded_no_topk"] if not args.no_topk0 and topk else [])
+
+        def gen(kind: str) -> float:
+            if kind == "bare":
+                engine.collective_rpc("tensordiff_pause")
+            elif len(kinds) == 2:
+                engine.collective_rpc("tensordiff_resume")
+            else:  # predictions on and off in the same engine
+                engine.collective_rpc("tensordiff_resume", topk=topk if kind == "recorded" else 0)
             t0 = time.perf_counter()
             engine.generate(input_ids=prompts, sampling_params=sp)
             return time.perf_counter() - t0
 
         try:
-            gen(True)
-            gen(False)  # warm-up (EAGLE compiles on its first generate)
+            for kind in ("recorded", *kinds[2:], "bare"):  # warm-up (EAGLE compiles on its first generate)
+                gen(kind)
             rounds = []
             pick = random.Random(args.seed)
             for _ in range(args.rounds):
-                order = (False, True) if pick.random() < 0.5 else (True, False)
-                t = {rec: gen(rec) for rec in order}
-                rounds.append({"bare_s": t[False], "recorded_s": t[True], "ratio": t[True] / t[False]})
+                order = list(kinds)
+                pick.shuffle(order)
+                t = {kind: gen(kind) for kind in order}
+                rounds.append({"bare_s": t["bare"], "recorded_s": t["recorded"], "ratio": t["recorded"] / t["bare"],
+                               **({"recorded_no_topk_s": t["recorded_no_topk"]} if len(kinds) == 3 else {})})
             engine.collective_rpc("tensordiff_close")
         finally:
             engine.shutdown()
@@ -145,24 +165,38 @@ def main(argv=None) -> int:
     bare = [x["bare_s"] for x in rounds]
     recorded = [x["recorded_s"] for x in rounds]
     # the plugin time covers the warm-up round too: scale it to the timed rounds
-    plugin_per_round = stats["plugin_seconds"] / (args.rounds + 1)
+    by_k = stats.get("plugin_seconds_by_topk", {})
+    if len(kinds) == 3:
+        plugin_s, plugin_s0 = by_k.get(str(topk), 0.0), by_k.get("0", 0.0)
+    else:
+        plugin_s, plugin_s0 = stats["plugin_seconds"], None
+    plugin_per_round = plugin_s / (args.rounds + 1)
     res = {"mode": args.mode, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "catalog": args.catalog,
            "values": os.environ.get("TENSORDIFF_VALUES", "aux_hidden_states,draft_input,draft_fc_output"), "rounds": rounds,
            "median_ratio": statistics.median(x["ratio"] for x in rounds), "min_ratio": min(recorded) / min(bare),
-           "plugin_seconds": stats["plugin_seconds"], "recorder_seconds": stats["recorder_seconds"],
+           "plugin_seconds": plugin_s, "recorder_seconds": stats["recorder_seconds"],
            "plugin_share_of_bare": plugin_per_round / min(bare), "trace_rows": rows, "trace_bytes": size,
+           "plugin_seconds_no_topk": plugin_s0, "sketch_products": stats.get("sketch_products"),
+           "sketch_reused": stats.get("sketch_reused"),
            "tensors": tensors, "topk": int(os.environ.get("TENSORDIFF_TOPK", "20"))}
     result.write(args.json, figures(args, res))
     print(f"SGLang {args.mode} on CPU: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
           f"{args.prompt_len} prompt + {args.new_tokens} new tokens, catalog {'on' if args.catalog else 'off'}, "
           f"values {res['values']}, top-k {res['topk']}")
     for i, x in enumerate(rounds):
-        print(f"  round {i}: bare {x['bare_s']:.3f} s, recorded {x['recorded_s']:.3f} s, ratio {x['ratio']:.3f}")
+        no_topk = f", recorded without top-k {x['recorded_no_topk_s']:.3f} s" if "recorded_no_topk_s" in x else ""
+        print(f"  round {i}: bare {x['bare_s']:.3f} s, recorded {x['recorded_s']:.3f} s, ratio {x['ratio']:.3f}"
+              f"{no_topk}")
     print(f"recorded / bare generation time: median of rounds {res['median_ratio']:.3f}, "
           f"fastest recorded / fastest bare {res['min_ratio']:.3f}")
     print(f"plugin's own time (hooks, catalog taps, sketches, HDF5 writes and flushes): {plugin_per_round:.3f} s per "
           f"round = {100 * res['plugin_share_of_bare']:.1f}% of the fastest bare generation")
+    if plugin_s0 is not None:
+        p0 = plugin_s0 / (args.rounds + 1)
+        print(f"  without top-k predictions (same engine, same rounds): {p0:.3f} s per round = "
+              f"{100 * p0 / min(bare):.1f}% of the fastest bare generation")
+    print(f"sketch products {res['sketch_products']}, sketches reused {res['sketch_reused']}")
     print(f"trace: {rows} token rows, {len(tensors)} tensors, {size / 1e6:.1f} MB")
     print(f"load average (1 min): {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     return 0
@@ -171,11 +205,16 @@ def main(argv=None) -> int:
 def figures(args, res: dict) -> dict:
     """The figures of the --json result: plugin_share (the goal's), the wall ratios and seconds."""
     bare = [x["bare_s"] for x in res["rounds"]]
+    extra = {}
+    if res["plugin_seconds_no_topk"] is not None:
+        p0 = res["plugin_seconds_no_topk"] / (args.rounds + 1)
+        extra = {"plugin_share_no_topk": p0 / min(bare), "plugin_s_per_round_no_topk": p0,
+                 "recorded_no_topk_median_s": statistics.median(x["recorded_no_topk_s"] for x in res["rounds"])}
     return {"plugin_share": res["plugin_share_of_bare"], "median_ratio": res["median_ratio"],
             "min_ratio": res["min_ratio"], "plugin_s_per_round": res["plugin_seconds"] / (args.rounds + 1),
             "bare_min_s": min(bare), "bare_median_s": statistics.median(bare),
             "recorded_median_s": statistics.median(x["recorded_s"] for x in res["rounds"]),
-            "trace_rows": res["trace_rows"], "trace_bytes": res["trace_bytes"]}
+            "trace_rows": res["trace_rows"], "trace_bytes": res["trace_bytes"], **extra}
 
 
 if __name__ == "__main__":

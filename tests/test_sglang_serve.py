@@ -309,6 +309,11 @@ def test_eagle_draft_input_is_aux_with_ids_shifted_by_one(eagle_run, eagle_trace
     # the draft consumed exactly the target's aux states of the same token (same row of the token table)
     assert all(int(x) in by_row for x in drows)
     np.testing.assert_array_equal(dvals, avals[[by_row[int(x)] for x in drows]])
+    # its sketch is the aux sketch of those rows, written again, not computed again (the same tensor)
+    np.testing.assert_array_equal(r.read_sketch("draft_input"),
+                                  r.read_sketch("aux_hidden_states")[[by_row[int(x)] for x in drows]])
+    st = json.loads(r.f.attrs["tensordiff_sglang"])
+    assert st["sketch_reused"] > 0 and st["sketch_products"] > 0
     # ... paired with the id of the next token (row t ~ token t+1)
     irows, iseq, ipos = tr.rows("draft_input_ids")
     np.testing.assert_array_equal(irows, drows)

@@ -43,7 +43,7 @@ from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .sampling import Sampling, SequenceEnds
-from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
+from .storage import TORCH_DTYPES, logical_dtype, one_thread, to_storage, topk_rows
 
 __all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage", "topk_rows"]
 
@@ -80,11 +80,39 @@ class RecorderStats:
     skipped_names: set = field(default_factory=set)
     seconds: float = 0.0
     wait_seconds: float = 0.0  # of which: waiting for device copies to land
+    sketch_products: int = 0   # sketch matmuls computed
+    sketch_reused: int = 0     # record calls whose sketch and RMS were another call's (``reuse=``)
+    one_thread_products: int = 0  # of the products, those run on one thread (``one_thread_rows``)
 
     def as_dict(self) -> dict:
         return {"calls": self.calls, "rows": self.rows, "bytes_values": self.bytes_values,
                 "seconds": self.seconds, "wait_seconds": self.wait_seconds,
-                "skipped_names": sorted(self.skipped_names)}
+                "sketch_products": self.sketch_products, "sketch_reused": self.sketch_reused,
+                "one_thread_products": self.one_thread_products, "skipped_names": sorted(self.skipped_names)}
+
+
+@dataclass
+class _Memo:
+    """The sketch and RMS of one record call, kept for a later call on the same tensor
+    (``record(..., remember=True)`` / ``record(..., reuse=NAME)``). ``tensor`` is held so that
+    its storage cannot be freed and reused by another tensor with the same address."""
+
+    tensor: torch.Tensor
+    key: tuple
+    idx: np.ndarray | None   # the tensor rows kept (None: all)
+    slots: tuple             # (slot rows, slot width, dtype the rows were sketched in)
+    sketch: Any
+    rms: Any
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What identifies a tensor: its storage address, layout, dtype, device and version counter
+    (bumped by every in-place write; None for inference tensors, which have none)."""
+    try:
+        version = t._version
+    except RuntimeError:
+        version = None
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), version)
 
 
 def _match(name: str, patterns: Iterable[str]) -> bool:
@@ -133,9 +161,15 @@ class Recorder:
         self.sample = sample if sample is not None else Sampling()
         self.sketch_enabled = bool(sketch)
         self.max_pending_bytes = int(max_pending_bytes)
+        # CPU sketch products of at most this many slot rows run on one thread (0: never). On a CPU
+        # whose cores are busy, a small product that enters the BLAS's thread pool waits for a
+        # second core far longer than it computes (a 48-row product: 3 ms on two threads of a loaded
+        # machine, 0.1-0.3 ms on one); the serve plugins set it for their many small decode passes.
+        self.one_thread_rows = 0
         self.stats = RecorderStats()
         self._specs: dict[str, _Spec] = {}
         self._proj: dict[tuple, torch.Tensor] = {}
+        self._memo: dict[str, _Memo] = {}                # record(remember=True) results, by name
         self._pending: collections.deque[_Pending] = collections.deque()
         self._pending_bytes = 0
         self._positions = np.empty(1024, dtype=np.int64)
@@ -243,16 +277,35 @@ class Recorder:
             self._proj[key] = r
         return r
 
+    def _product(self, x2: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``x2 @ r``; on the CPU on one thread when ``x2`` has at most ``one_thread_rows`` rows."""
+        with one_thread(x2.device.type == "cpu" and x2.shape[0] <= self.one_thread_rows) as switched:
+            self.stats.one_thread_products += int(switched)
+            return torch.mm(x2, r)
+
     def record(self, name: str, tensor: torch.Tensor, rows: np.ndarray | Sequence[int], *,
                kind: str = "other", boundary: int | None = None, slots: SlotSpec | None = None,
                slot_width: int | None = None, token_offset: int = 0, role: str = "",
-               values: bool | None = None, order: float | None = None, attrs: dict | None = None) -> int:
+               values: bool | None = None, order: float | None = None, attrs: dict | None = None,
+               remember: bool = False, reuse: str | None = None) -> int:
         """Record ``tensor`` [..., width] whose leading dims flatten to one row per entry of
         ``rows`` (same shape as the leading dims; a row of -1 is padding and is skipped).
-        The first call defines the tensor with the given kind/slots/role. Returns rows recorded."""
+        The first call defines the tensor with the given kind/slots/role. Returns rows recorded.
+
+        ``remember=True`` (CPU tensors) keeps this call's sketch and RMS (and a reference to
+        ``tensor``) until the next call that names it in ``reuse`` or remembers under the same name
+        again. ``reuse=NAME``: when ``tensor`` is the very tensor last remembered under NAME (same
+        storage, layout, dtype and version counter), the same tensor rows are kept, sliced into the
+        same slots, and the RMS of every slot row (computed anyway) is bit for bit the remembered
+        one, that call's sketch is written again instead of being computed again (the same bits:
+        the same product of the same rows); otherwise it is computed. Values are always written."""
         if not self._accepts(name):
             return 0
         t0 = time.perf_counter()
+        memo = self._memo.pop(reuse, None) if reuse is not None else None
+        if remember:
+            self._memo.pop(name, None)
+        src = tensor
         x = tensor.detach()
         if x.ndim == 0:
             raise ValueError(f"{name}: a scalar is not a recordable state")
@@ -265,6 +318,7 @@ class Recorder:
         self._check_pairs(name, rows[keep], self._offsets.get(name, token_offset))
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
+        idx = None
         if not keep.all():
             idx = np.flatnonzero(keep)
             rows = rows[idx]
@@ -286,22 +340,42 @@ class Recorder:
             x = x.to(want_dtype)
         xf = x if x.dtype == torch.float32 else x.float()
         x2 = xf.reshape(n * spec.slots, spec.slot_width)  # one row per (token, slot)
+        slots = (n * spec.slots, spec.slot_width, want_dtype)
+        cpu = x.device.type == "cpu"
+        key = _tensor_key(src) if cpu and (memo is not None or remember) else None
+        rms = None
+        if cpu:
+            xn = x2.numpy()
+            rms = np.sqrt(np.einsum("ij,ij->i", xn, xn) / np.float32(spec.slot_width)).reshape(n, -1)
+        # the sketch of the remembered call, when this is the same tensor, the same rows of it and
+        # the same bits in them as far as the (cheap, always computed) RMS of every slot row tells:
+        # the version counter catches in-place writes, but inference tensors have none
+        same = (memo is not None and key is not None and memo.key == key and memo.slots == slots
+                and memo.sketch is not None
+                and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))
+                and np.array_equal(memo.rms, rms, equal_nan=True))
         sk = None
-        if spec.sketch:  # one matmul with the seeded projection, where the data lives
-            sk = torch.mm(x2, self._projection(spec.slot_width, x.device)).reshape(n, -1)
+        if same and spec.sketch:
+            sk = memo.sketch
+            self.stats.sketch_reused += 1
+        elif spec.sketch:  # one matmul with the seeded projection, where the data lives
+            sk = self._product(x2, self._projection(spec.slot_width, x.device)).reshape(n, -1)
+            self.stats.sketch_products += 1
         vals = x if spec.values else None
         nbytes = (n * width * x.element_size() if vals is not None else 0)
         if x.device.type == "cuda":
             rms = torch.linalg.vector_norm(x2, dim=-1).mul_(1.0 / math.sqrt(spec.slot_width)).reshape(n, -1)
             self._submit_async(name, rows, vals, sk, rms, x.device, nbytes)
         else:
-            if x.device.type != "cpu":  # other accelerators: a plain synchronous copy
+            if not cpu:  # other accelerators: a plain synchronous copy
                 x2, sk = x2.cpu(), (sk.cpu() if sk is not None else None)
                 vals = vals.cpu() if vals is not None else None
-            xn = x2.numpy()
-            rms = np.sqrt(np.einsum("ij,ij->i", xn, xn) / np.float32(spec.slot_width)).reshape(n, -1)
+                xn = x2.numpy()
+                rms = np.sqrt(np.einsum("ij,ij->i", xn, xn) / np.float32(spec.slot_width)).reshape(n, -1)
             self.writer.append(name, rows, to_storage(vals) if vals is not None else None,
                                sketch=sk.numpy() if sk is not None else None, rms=rms)
+        if remember and key is not None:
+            self._memo[name] = _Memo(src, key, idx, slots, sk, rms)
         self.stats.calls += 1
         self.stats.rows += n
         self.stats.bytes_values += nbytes
@@ -357,12 +431,14 @@ class Recorder:
 
     def packed(self, name: str, parts: torch.Tensor | Sequence[torch.Tensor], rows, *, labels: Sequence[str],
                raw_ids: Sequence[int] | None = None, convention: str | None = None, token_offset: int = 1,
-               role: str = "draft_input", values: bool | None = None, attrs: dict | None = None) -> int:
+               role: str = "draft_input", values: bool | None = None, attrs: dict | None = None,
+               remember: bool = False, reuse: str | None = None) -> int:
         """Record a packed tensor: either the list of states a pipeline passes to its
         ``torch.cat(..., dim=-1)`` or the concatenated tensor itself. ``labels`` state what each slot
         holds (``embed``, ``layer<b>``, ``final_norm``); ``raw_ids`` and ``convention`` are the
         configured ids and the convention that turned them into those labels. ``token_offset=1``:
-        row t (state at position t) is paired with token t+1, as a draft's input is."""
+        row t (state at position t) is paired with token t+1, as a draft's input is.
+        ``remember`` / ``reuse``: as :meth:`record`."""
         labels = [str(x) for x in labels]
         for lab in labels:
             parse_label(lab)
@@ -382,7 +458,7 @@ class Recorder:
         slots = SlotSpec(labels=labels, raw_ids=[int(i) for i in raw_ids] if raw_ids is not None else None,
                          convention=convention)
         return self.record(name, x, rows, kind="packed", slots=slots, slot_width=sw, token_offset=token_offset,
-                           role=role, values=values, attrs=attrs)
+                           role=role, values=values, attrs=attrs, remember=remember, reuse=reuse)
 
     def _accepts(self, name: str) -> bool:
         """Whether a record call for ``name`` goes ahead: the recorder is open and the name is

@@ -3,12 +3,15 @@ bits), and the top-k prediction rows a recorder writes for logits."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
 from .. import conventions
 
-__all__ = ["TORCH_DTYPES", "logical_dtype", "to_storage", "topk_rows"]
+__all__ = ["TORCH_DTYPES", "logical_dtype", "one_thread", "to_storage", "topk_rows"]
 
 _LOGICAL = {
     torch.bfloat16: "bfloat16",
@@ -38,7 +41,35 @@ def to_storage(x: torch.Tensor) -> np.ndarray:
     return x.numpy()
 
 
+@contextlib.contextmanager
+def one_thread(enabled: bool = True) -> Iterator[bool]:
+    """torch's CPU ops on one thread inside the block (when ``enabled`` and torch has more); the
+    thread count is restored after it. Yields whether it switched. For the small ops of a decode
+    pass: on a CPU whose cores are busy, an op that enters the thread pool waits for a second core
+    far longer than it computes (an exp over 24 x 1024 logits: 1.7 ms on two threads of a loaded
+    machine, 0.04 ms on one)."""
+    threads = torch.get_num_threads() if enabled else 1
+    if threads <= 1:
+        yield False
+        return
+    torch.set_num_threads(1)
+    try:
+        yield True
+    finally:
+        torch.set_num_threads(threads)
+
+
 _TOPK_ROWS = 2048
+
+
+def _logsumexp_from_max(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x, dim=-1, keepdim=True)`` for fp32 rows ``x`` [n, V] whose row maxima
+    ``top`` [n, 1] (the first top-k column) are known: the same steps as torch's own (a max that
+    is infinite counts as 0; sum of exp(x - max), log, plus max) without its pass for the max, so
+    the same bits (tests/test_sglang_overhead_paths.py checks them against torch's)."""
+    m = top.clone()
+    m.masked_fill_(m.abs() == float("inf"), 0)
+    return torch.sum(torch.exp(x - m), dim=-1, keepdim=True).log_().add_(m)
 
 
 def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
@@ -54,8 +85,8 @@ def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
     out = []
     for s in range(0, max(flat.shape[0], 1), _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
         x = flat[s:s + _TOPK_ROWS].float()
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
         v, i = torch.topk(x, kk, dim=-1)
+        lse = _logsumexp_from_max(x, v[:, :1])
         if id_map is not None:
             i = id_map[i]
         out.append(torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1))

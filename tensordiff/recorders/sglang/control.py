@@ -1,7 +1,9 @@
 """Control: AFTER ``Scheduler.on_idle`` flushes the trace when the scheduler has nothing to run;
 AROUND ``Scheduler.handle_rpc_request`` answers ``engine.collective_rpc("tensordiff_close")``
 (``tensordiff_flush`` flushes, ``tensordiff_pause`` / ``tensordiff_resume`` switch recording off
-and on); other RPCs pass through."""
+and on; ``collective_rpc("tensordiff_resume", topk=0)`` resumes without the top-k predictions and
+``topk=K``, K the start-up ``TENSORDIFF_TOPK``, with them again: what benchmarks/
+bench_sglang_overhead.py uses to time both in one run); other RPCs pass through."""
 
 from __future__ import annotations
 
@@ -22,6 +24,21 @@ def hook_on_idle(result, scheduler, *args, **kwargs):
         st.end(t0)
 
 
+def set_topk(k) -> None:
+    """Predictions off (0) or back on (the start-up k) for the passes that follow. Another k is
+    refused: a trace's top-k tables keep one width, and with ``TENSORDIFF_TOPK=0`` at start-up the
+    logits taps were never installed."""
+    st = STATE
+    if st.start_topk is None:
+        st.start_topk = st.cfg.topk
+    k = int(k)
+    if k not in (0, st.start_topk):
+        raise ValueError(f"topk={k}: only 0 or the start-up TENSORDIFF_TOPK ({st.start_topk}) can be set")
+    st.cfg.topk = k
+    st.chain.clear()
+    st.target_logits = st.draft_logits = None
+
+
 def hook_rpc(original, scheduler, recv_req, *args, **kwargs):
     method = getattr(recv_req, "method", "") or ""
     if not method.startswith(RPC_PREFIX):
@@ -38,6 +55,9 @@ def hook_rpc(original, scheduler, recv_req, *args, **kwargs):
             st.paused = True
             st.last_target = st.pending_verify = None
         elif method == "tensordiff_resume":
+            params = getattr(recv_req, "parameters", None) or {}
+            if "topk" in params:
+                set_topk(params["topk"])
             st.paused = False
             st.last_target = st.pending_verify = None
         else:

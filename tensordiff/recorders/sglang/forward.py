@@ -193,9 +193,12 @@ def _target_predictions(p: Pass) -> None:
     n = len(ids)
     nxt = np.zeros(n, dtype=np.int64)
     nxt[:-1] = ids[1:]  # within a block, row j's next input is the draft token at row j + 1
-    with torch.no_grad():
-        sel = torch.from_numpy(nxt).to(logits.device)[:, None]
-        g = logits.gather(1, sel)[:, 0].float().cpu().numpy()
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        g = logits.detach().numpy()[np.arange(n), nxt]  # numpy: no torch op (and no thread pool) for n values
+    else:
+        with torch.no_grad():
+            sel = torch.from_numpy(nxt).to(logits.device)[:, None]
+            g = logits.gather(1, sel)[:, 0].float().cpu().numpy()
     p.lp_next = g.astype(np.float64) - p.pred[:, -1]
 
 
@@ -208,7 +211,7 @@ def record_aux(hs, rows) -> None:
         st.warn_once("aux-width", "aux hidden states are %d wide, not %d slots x %d; not recorded", width, k, h)
         return
     st.rec.packed(AUX, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
-                  token_offset=0, role="aux", values=st.cfg.wants_values(AUX),
+                  token_offset=0, role="aux", values=st.cfg.wants_values(AUX), remember=True,
                   attrs={"source": "logits_output.hidden_states (target, packed aux capture)"})
     st.dirty = True
 
@@ -259,7 +262,7 @@ def record_draft(runner, fb) -> None:
             st.warn_once("shift", "draft input ids are not the target's tokens shifted by one (request %s)", rid)
     rec = st.rec
     n = rec.packed(DRAFT, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
-                   token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT),
+                   token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=AUX,
                    attrs={"source": "draft runner forward_batch.spec_info.hidden_states (the fc input)"})
     if n:
         _record_draft_ids(ids, rows)

@@ -37,5 +37,6 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     STATE.cfg = cfg
+    STATE.start_topk = cfg.topk
     for target, fn, kind in hook_table():
         HookRegistry.register(target, fn, getattr(HookType, kind))

@@ -65,6 +65,8 @@ class State(ServeState):
         self.draft_ids_defined = False
         self.unkeyed_passes = 0
         self.seconds = 0.0         # wall time inside the plugin's recording code
+        self.seconds_by_topk: dict[int, float] = {}  # of which, by the top-k in force (tensordiff_resume topk=)
+        self.start_topk: int | None = None  # TENSORDIFF_TOPK at start-up
         self.profiler = None       # cProfile.Profile of that code (TENSORDIFF_PROFILE), enabled in it only
         self.profile_path: str | None = None
         self.fc_out = None         # the draft fc's output of the running draft pass
@@ -84,7 +86,10 @@ class State(ServeState):
 
     def end(self, t0: float) -> None:
         """End of the section :meth:`begin` started."""
-        self.seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        k = self.cfg.topk if self.cfg is not None else 0
+        self.seconds_by_topk[k] = self.seconds_by_topk.get(k, 0.0) + dt
         if self.profiler is not None:
             self.profiler.disable()
 
@@ -128,7 +133,11 @@ class State(ServeState):
             "cuda_graph_passes": self.graph_passes, "draft_passes_unmatched": self.draft_unmatched,
             "passes_without_request_ids": self.unkeyed_passes,
             "catalog_layers": self.catalog_layers, "verify_steps": self.verify_steps, "plugin_seconds": round(self.seconds, 6),
-            "recorder_seconds": round(self.rec.stats.seconds, 6), **self.capture_attrs,
+            "plugin_seconds_by_topk": {str(k): round(v, 6) for k, v in sorted(self.seconds_by_topk.items())},
+            "recorder_seconds": round(self.rec.stats.seconds, 6),
+            "sketch_products": self.rec.stats.sketch_products, "sketch_reused": self.rec.stats.sketch_reused,
+            "sketch_products_one_thread": self.rec.stats.one_thread_products,
+            **self.capture_attrs,
         })
 
     def close(self) -> None:

@@ -1,0 +1,285 @@
+"""The cheaper paths the SGLang plugin records through, checked against the paths they replace:
+
+* ``topk_rows`` takes the logsumexp from the top-1 column instead of torch's own max pass: the
+  same bits as ``torch.logsumexp`` (infinite and NaN rows included);
+* ``Recorder.record(..., remember=True)`` / ``record(..., reuse=NAME)``: ``draft_input`` is the
+  very tensor ``aux_hidden_states`` was recorded from, so its sketch is written again instead of
+  computed again, bit for bit the sketch a second product gives; any difference (other rows, an
+  in-place write, another tensor, other slots) computes it;
+* ``collective_rpc("tensordiff_resume", topk=0 | K)``: predictions off and on in one run, and the
+  plugin's seconds split by the top-k in force.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tensordiff.recorders.core import Recorder  # noqa: E402
+from tensordiff.recorders.sglang import control  # noqa: E402
+from tensordiff.recorders.sglang.config import Config  # noqa: E402
+from tensordiff.recorders.sglang.state import STATE  # noqa: E402
+from tensordiff.recorders.storage import _logsumexp_from_max, topk_rows  # noqa: E402
+from tensordiff.trace import TraceReader  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+H = 64
+LABELS = ["layer1", "layer2", "layer3"]
+
+
+@pytest.mark.parametrize("n,v", [(1, 7), (5, 1024), (64, 1000), (3, 40000)])
+def test_logsumexp_from_the_top1_column_is_torchs_bit_for_bit(n, v):
+    torch.manual_seed(n)
+    x = torch.randn(n, v) * 20
+    x[0, 1] = float("inf")
+    if n > 2:
+        x[1] = float("-inf")
+        x[2, 3] = float("nan")
+    top = torch.topk(x, min(20, v), dim=-1).values[:, :1]
+    want = torch.logsumexp(x, dim=-1, keepdim=True)
+    got = _logsumexp_from_max(x, top)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_topk_rows_logsumexp_and_logprobs_as_before():
+    torch.manual_seed(3)
+    x = torch.randn(300, 500) * 4
+    t = topk_rows(x, 10)
+    v, i = torch.topk(x, 10, dim=-1)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    want = torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1)
+    assert torch.equal(t, want)
+
+
+def _rec(path):
+    return Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H})
+
+
+def _pair(path, aux, draft, aux_rows, draft_rows, reuse: bool):
+    """Record ``aux`` as aux_hidden_states and ``draft`` as draft_input, with or without reuse."""
+    with _rec(path) as rec:
+        rec.add_tokens("s", None, list(range(len(aux_rows) + 1)))  # one more: draft row t pairs with t+1
+        rec.packed("aux_hidden_states", aux, aux_rows, labels=LABELS, token_offset=0, role="aux", remember=reuse)
+        if callable(draft):
+            draft = draft()
+        rec.packed("draft_input", draft, draft_rows, labels=LABELS, token_offset=1, reuse="aux_hidden_states"
+                   if reuse else None)
+        stats = rec.stats
+    with TraceReader(path) as r:
+        return stats, {n: (r.read_values(n), r.read_sketch(n), r.read_rms(n), r.token_rows(n))
+                       for n in ("aux_hidden_states", "draft_input")}
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_draft_input_reuses_the_aux_sketch_bit_for_bit(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(40, 3 * H)
+    rows = np.arange(40)
+    rows_d = rows.copy()
+    rows_d[[5, 17]] = -1  # the same selection on both: padding rows the aux call drops too
+    rows_a = rows_d.copy()
+    stats, got = _pair(tmp_path / "a.h5", x, x, rows_a, rows_d, reuse=True)
+    assert (stats.sketch_products, stats.sketch_reused) == (1, 1)
+    base_stats, want = _pair(tmp_path / "b.h5", x, x, rows_a, rows_d, reuse=False)
+    assert (base_stats.sketch_products, base_stats.sketch_reused) == (2, 0)
+    for name in want:
+        _same(got[name], want[name])
+    np.testing.assert_array_equal(got["draft_input"][1], got["aux_hidden_states"][1])
+
+
+def test_inference_tensors_reuse_too(tmp_path):
+    with torch.inference_mode():
+        x = torch.randn(8, 3 * H)
+    stats, _ = _pair(tmp_path / "t.h5", x, x, np.arange(8), np.arange(8), reuse=True)
+    assert (stats.sketch_products, stats.sketch_reused) == (1, 1)
+
+
+@pytest.mark.parametrize("case", ["other_rows", "other_tensor", "other_slots", "not_remembered"])
+def test_reuse_is_refused_unless_it_is_the_same_rows_of_the_same_tensor(tmp_path, case):
+    torch.manual_seed(1)
+    x = torch.randn(12, 3 * H)
+    rows_d = np.arange(12)
+    draft = x
+    if case == "other_rows":
+        rows_d = rows_d.copy()
+        rows_d[3] = -1
+    elif case == "other_tensor":
+        draft = x.clone()  # the same values in another tensor: not known to be the same without reading it
+    elif case == "other_slots":
+        draft = x[:, [*range(H, 2 * H), *range(0, H), *range(2 * H, 3 * H)]]  # slots 0 and 1 swapped
+    stats, got = _pair(tmp_path / "t.h5", x, draft, np.arange(12), rows_d, reuse=case != "not_remembered")
+    assert (stats.sketch_products, stats.sketch_reused) == (2, 0)
+    # the draft's sketch is its own: the one a recorder without reuse writes
+    _, alone = _pair(tmp_path / "u.h5", x, draft, np.arange(12), rows_d, reuse=False)
+    _same(got["draft_input"], alone["draft_input"])
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_an_inplace_write_between_the_calls_is_caught(tmp_path, inference):
+    """aux remembered from x itself, then x is rewritten in place: the version counter (or, for an
+    inference tensor, which has none, the RMS check) refuses the stale sketch, and the draft's
+    sketch is that of its new content."""
+    with torch.inference_mode(inference):
+        x = torch.randn(12, 3 * H)
+    before = x.clone()
+
+    def draft():
+        with torch.inference_mode(inference):
+            x[4, :H].mul_(-3.0)
+        return x
+
+    stats, got = _pair(tmp_path / "t.h5", x, draft, np.arange(12), np.arange(12), reuse=True)
+    assert (stats.sketch_products, stats.sketch_reused) == (2, 0)
+    _, want_new = _pair(tmp_path / "n.h5", x, x, np.arange(12), np.arange(12), reuse=False)
+    _, want_old = _pair(tmp_path / "o.h5", before, before, np.arange(12), np.arange(12), reuse=False)
+    _same(got["draft_input"], want_new["draft_input"])
+    _same(got["aux_hidden_states"], want_old["aux_hidden_states"])
+    assert not np.array_equal(got["draft_input"][1], got["aux_hidden_states"][1])
+
+
+@pytest.fixture
+def st(monkeypatch, tmp_path):
+    monkeypatch.setattr(STATE, "cfg", Config(path=str(tmp_path / "s.h5"), topk=20))
+    monkeypatch.setattr(STATE, "start_topk", 20)
+    monkeypatch.setattr(STATE, "chain", {"r": [1]})
+    monkeypatch.setattr(STATE, "seconds_by_topk", {})
+    monkeypatch.setattr(STATE, "seconds", 0.0)
+    monkeypatch.setattr(STATE, "profiler", None)
+    monkeypatch.setattr(STATE, "paused", True)
+    return STATE
+
+
+def _rpc(method, **params):
+    req = SimpleNamespace(method=method, parameters=params)
+    out = []
+
+    class _Out:
+        def __init__(self, success, message):
+            out.append((success, message))
+
+    import sys
+    import types
+    mod = types.ModuleType("sglang.srt.managers.io_struct")
+    mod.RpcReqOutput = _Out
+    saved = {k: sys.modules.get(k) for k in ("sglang", "sglang.srt", "sglang.srt.managers",
+                                             "sglang.srt.managers.io_struct")}
+    try:
+        for k in saved:
+            if k != "sglang.srt.managers.io_struct" and saved[k] is None:
+                sys.modules[k] = types.ModuleType(k)
+        sys.modules["sglang.srt.managers.io_struct"] = mod
+        control.hook_rpc(lambda *a, **k: pytest.fail("passed through"), SimpleNamespace(), req)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return out[0]
+
+
+def test_resume_with_topk_switches_predictions_and_splits_the_seconds(st):
+    assert _rpc("tensordiff_resume", topk=0) == (True, "")
+    assert st.cfg.topk == 0 and not st.paused and st.chain == {}
+    t0 = st.begin()
+    st.end(t0 - 0.5)  # half a second with predictions off
+    ok, msg = _rpc("tensordiff_resume", topk=7)
+    assert not ok and "only 0 or the start-up TENSORDIFF_TOPK (20)" in msg and st.cfg.topk == 0
+    assert _rpc("tensordiff_resume", topk=20) == (True, "")
+    t0 = st.begin()
+    st.end(t0 - 0.25)
+    assert st.cfg.topk == 20
+    assert st.seconds_by_topk[0] >= 0.5 and 0.25 <= st.seconds_by_topk[20] < 0.5
+    assert st.seconds == pytest.approx(st.seconds_by_topk[0] + st.seconds_by_topk[20])
+    assert _rpc("tensordiff_resume") == (True, "") and st.cfg.topk == 20  # no parameter: k unchanged
+
+
+def test_small_cpu_products_run_on_one_thread_and_the_threads_come_back(tmp_path):
+    torch.manual_seed(5)
+    threads = torch.get_num_threads()
+    small, big = torch.randn(16, 3 * H), torch.randn(200, 3 * H)  # 48 and 600 slot rows
+    with _rec(tmp_path / "t.h5") as rec:
+        rec.one_thread_rows = 256
+        rows = rec.add_tokens("s", None, list(range(216)))
+        seen = []
+        real_mm = torch.mm
+
+        def spy(a, b):
+            seen.append((a.shape[0], torch.get_num_threads()))
+            return real_mm(a, b)
+
+        torch.mm = spy
+        try:
+            rec.packed("aux_hidden_states", small, rows[:16], labels=LABELS, token_offset=0, role="aux")
+            rec.packed("aux_hidden_states", big, rows[16:], labels=LABELS, token_offset=0, role="aux")
+        finally:
+            torch.mm = real_mm
+        assert torch.get_num_threads() == threads
+        assert seen == [(48, 1), (600, threads)]
+        assert rec.stats.one_thread_products == (1 if threads > 1 else 0)
+    with TraceReader(tmp_path / "t.h5") as r:
+        sk = r.read_sketch("aux_hidden_states")
+    from tensordiff.sketch import projection
+    proj = torch.from_numpy(np.array(projection(H, r.sketch_dim, r.sketch_seed)))
+    torch.set_num_threads(1)
+    try:
+        want = torch.mm(small.reshape(48, H), proj).reshape(16, -1).numpy()
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(sk[:16], want)  # the one-thread product's bits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_logprob_of_the_next_token_without_a_torch_gather(monkeypatch, tmp_path, dtype):
+    from tensordiff.recorders.sglang import forward
+    from tensordiff.recorders.sglang.state import Pass
+
+    torch.manual_seed(2)
+    n, v = 6, 50
+    logits = (torch.randn(n, v) * 3).to(dtype)
+    ids = np.array([3, 7, 1, 9, 4, 0])
+    monkeypatch.setattr(STATE, "cfg", Config(path=str(tmp_path / "s.h5"), topk=4))
+    monkeypatch.setattr(STATE, "warned", set())
+    monkeypatch.setattr(STATE, "target_logits", (None, None, None, SimpleNamespace(next_token_logits=logits)))
+    p = Pass(hs=None, rows=np.arange(n), keys=(None, np.arange(n), ids), segments=[("r", 0, n)], step=1,
+             regime="target_verify")
+    forward._target_predictions(p)
+    nxt = np.append(ids[1:], 0)
+    lse = torch.logsumexp(logits.float(), dim=-1).double().numpy()
+    want = logits.float().gather(1, torch.from_numpy(nxt)[:, None])[:, 0].double().numpy() - lse
+    np.testing.assert_array_equal(p.lp_next, want)
+
+
+@pytest.mark.parametrize("limit", [0, 256])
+def test_small_prediction_tables_run_on_one_thread_with_the_same_bits(monkeypatch, tmp_path, limit):
+    from tensordiff.recorders import core
+    from tensordiff.recorders.sglang import predictions as pr
+
+    threads = torch.get_num_threads()
+    seen = []
+    real = core.topk_rows
+
+    def spy(x, k, id_map=None):
+        seen.append(torch.get_num_threads())
+        return real(x, k, id_map)
+
+    monkeypatch.setattr(core, "topk_rows", spy)
+    monkeypatch.setattr(STATE, "cfg", Config(path=str(tmp_path / "s.h5"), topk=5))
+    monkeypatch.setattr(STATE, "rec", SimpleNamespace(one_thread_rows=limit))
+    monkeypatch.setattr(STATE, "warned", set())
+    torch.manual_seed(4)
+    logits = torch.randn(24, 1000) * 4
+    table, _ = pr.prediction_rows((None, None, None, SimpleNamespace(next_token_logits=logits)), 24, "target_topk")
+    assert torch.get_num_threads() == threads
+    assert seen == [1 if limit and threads > 1 else threads]
+    np.testing.assert_array_equal(table, real(logits, 5).numpy())
