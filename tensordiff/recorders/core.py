@@ -43,7 +43,7 @@ from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .sampling import Sampling, SequenceEnds
-from .storage import TORCH_DTYPES, logical_dtype, one_thread, to_storage, topk_rows
+from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
 
 __all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage", "topk_rows"]
 
@@ -82,27 +82,34 @@ class RecorderStats:
     wait_seconds: float = 0.0  # of which: waiting for device copies to land
     sketch_products: int = 0   # sketch matmuls computed
     sketch_reused: int = 0     # record calls whose sketch and RMS were another call's (``reuse=``)
-    one_thread_products: int = 0  # of the products, those run on one thread (``one_thread_rows``)
 
     def as_dict(self) -> dict:
         return {"calls": self.calls, "rows": self.rows, "bytes_values": self.bytes_values,
                 "seconds": self.seconds, "wait_seconds": self.wait_seconds,
                 "sketch_products": self.sketch_products, "sketch_reused": self.sketch_reused,
-                "one_thread_products": self.one_thread_products, "skipped_names": sorted(self.skipped_names)}
+                "skipped_names": sorted(self.skipped_names)}
 
 
 @dataclass
 class _Memo:
-    """The sketch and RMS of one record call, kept for a later call on the same tensor
+    """The sketch of one record call, kept for a later call on the same tensor
     (``record(..., remember=True)`` / ``record(..., reuse=NAME)``). ``tensor`` is held so that
-    its storage cannot be freed and reused by another tensor with the same address."""
+    its storage cannot be freed and reused by another tensor with the same address; ``bits`` is a
+    private copy of the float32 slot rows the sketch was computed from, because an inference
+    tensor has no version counter and an in-place write can keep every row's RMS (a sign flip, a
+    permutation within a row, a change below float32 rounding of the sum)."""
 
     tensor: torch.Tensor
     key: tuple
     idx: np.ndarray | None   # the tensor rows kept (None: all)
     slots: tuple             # (slot rows, slot width, dtype the rows were sketched in)
     sketch: Any
-    rms: Any
+    bits: np.ndarray         # the slot rows sketched [slot rows, slot width] float32, never shared
+
+
+# slot rows up to this many bytes (float32) are remembered for reuse; larger calls (a long
+# prefill) are sketched again rather than held twice
+REMEMBER_MAX_BYTES = 32 << 20
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -161,11 +168,6 @@ class Recorder:
         self.sample = sample if sample is not None else Sampling()
         self.sketch_enabled = bool(sketch)
         self.max_pending_bytes = int(max_pending_bytes)
-        # CPU sketch products of at most this many slot rows run on one thread (0: never). On a CPU
-        # whose cores are busy, a small product that enters the BLAS's thread pool waits for a
-        # second core far longer than it computes (a 48-row product: 3 ms on two threads of a loaded
-        # machine, 0.1-0.3 ms on one); the serve plugins set it for their many small decode passes.
-        self.one_thread_rows = 0
         self.stats = RecorderStats()
         self._specs: dict[str, _Spec] = {}
         self._proj: dict[tuple, torch.Tensor] = {}
@@ -277,12 +279,6 @@ class Recorder:
             self._proj[key] = r
         return r
 
-    def _product(self, x2: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """``x2 @ r``; on the CPU on one thread when ``x2`` has at most ``one_thread_rows`` rows."""
-        with one_thread(x2.device.type == "cpu" and x2.shape[0] <= self.one_thread_rows) as switched:
-            self.stats.one_thread_products += int(switched)
-            return torch.mm(x2, r)
-
     def record(self, name: str, tensor: torch.Tensor, rows: np.ndarray | Sequence[int], *,
                kind: str = "other", boundary: int | None = None, slots: SlotSpec | None = None,
                slot_width: int | None = None, token_offset: int = 0, role: str = "",
@@ -292,13 +288,14 @@ class Recorder:
         ``rows`` (same shape as the leading dims; a row of -1 is padding and is skipped).
         The first call defines the tensor with the given kind/slots/role. Returns rows recorded.
 
-        ``remember=True`` (CPU tensors) keeps this call's sketch and RMS (and a reference to
-        ``tensor``) until the next call that names it in ``reuse`` or remembers under the same name
-        again. ``reuse=NAME``: when ``tensor`` is the very tensor last remembered under NAME (same
+        ``remember=True`` (CPU tensors, slot rows up to :data:`REMEMBER_MAX_BYTES`) keeps this
+        call's sketch, a private copy of the rows it sketched and a reference to ``tensor`` until
+        the next call that names it in ``reuse`` or remembers under the same name again.
+        ``reuse=NAME``: when ``tensor`` is the very tensor last remembered under NAME (same
         storage, layout, dtype and version counter), the same tensor rows are kept, sliced into the
-        same slots, and the RMS of every slot row (computed anyway) is bit for bit the remembered
-        one, that call's sketch is written again instead of being computed again (the same bits:
-        the same product of the same rows); otherwise it is computed. Values are always written."""
+        same slots, and every bit of those rows equals the remembered copy, that call's sketch is
+        written again instead of being computed again (the same bits: the same product of the same
+        rows); otherwise it is computed. Values are always written."""
         if not self._accepts(name):
             return 0
         t0 = time.perf_counter()
@@ -319,10 +316,12 @@ class Recorder:
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
         idx = None
+        private = False    # x no longer shares memory with ``tensor``
         if not keep.all():
             idx = np.flatnonzero(keep)
             rows = rows[idx]
             x = x.index_select(0, torch.from_numpy(idx).to(x.device))
+            private = True
         if name not in self._specs and not self.define(
                 name, width, dtype=logical_dtype(x.dtype), kind=kind, boundary=boundary, slots=slots,
                 slot_width=slot_width, token_offset=token_offset, role=role, values=values, order=order,
@@ -338,7 +337,9 @@ class Recorder:
         want_dtype = TORCH_DTYPES[spec.dtype]
         if x.dtype != want_dtype:
             x = x.to(want_dtype)
+            private = True
         xf = x if x.dtype == torch.float32 else x.float()
+        private = private or xf is not x
         x2 = xf.reshape(n * spec.slots, spec.slot_width)  # one row per (token, slot)
         slots = (n * spec.slots, spec.slot_width, want_dtype)
         cpu = x.device.type == "cpu"
@@ -348,18 +349,18 @@ class Recorder:
             xn = x2.numpy()
             rms = np.sqrt(np.einsum("ij,ij->i", xn, xn) / np.float32(spec.slot_width)).reshape(n, -1)
         # the sketch of the remembered call, when this is the same tensor, the same rows of it and
-        # the same bits in them as far as the (cheap, always computed) RMS of every slot row tells:
-        # the version counter catches in-place writes, but inference tensors have none
+        # the same bits in them (compared with the remembered copy: inference tensors have no
+        # version counter, and numpy views or kernels write without bumping one)
         same = (memo is not None and key is not None and memo.key == key and memo.slots == slots
                 and memo.sketch is not None
                 and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))
-                and np.array_equal(memo.rms, rms, equal_nan=True))
+                and np.array_equal(memo.bits.view(np.uint32), xn.view(np.uint32)))
         sk = None
         if same and spec.sketch:
             sk = memo.sketch
             self.stats.sketch_reused += 1
         elif spec.sketch:  # one matmul with the seeded projection, where the data lives
-            sk = self._product(x2, self._projection(spec.slot_width, x.device)).reshape(n, -1)
+            sk = torch.mm(x2, self._projection(spec.slot_width, x.device)).reshape(n, -1)
             self.stats.sketch_products += 1
         vals = x if spec.values else None
         nbytes = (n * width * x.element_size() if vals is not None else 0)
@@ -374,8 +375,8 @@ class Recorder:
                 rms = np.sqrt(np.einsum("ij,ij->i", xn, xn) / np.float32(spec.slot_width)).reshape(n, -1)
             self.writer.append(name, rows, to_storage(vals) if vals is not None else None,
                                sketch=sk.numpy() if sk is not None else None, rms=rms)
-        if remember and key is not None:
-            self._memo[name] = _Memo(src, key, idx, slots, sk, rms)
+        if remember and key is not None and sk is not None and xn.nbytes <= REMEMBER_MAX_BYTES:
+            self._memo[name] = _Memo(src, key, idx, slots, sk, xn if private else xn.copy())
         self.stats.calls += 1
         self.stats.rows += n
         self.stats.bytes_values += nbytes

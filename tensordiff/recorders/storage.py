@@ -3,15 +3,12 @@ bits), and the top-k prediction rows a recorder writes for logits."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 import torch
 
 from .. import conventions
 
-__all__ = ["TORCH_DTYPES", "logical_dtype", "one_thread", "to_storage", "topk_rows"]
+__all__ = ["TORCH_DTYPES", "logical_dtype", "to_storage", "topk_rows"]
 
 _LOGICAL = {
     torch.bfloat16: "bfloat16",
@@ -39,24 +36,6 @@ def to_storage(x: torch.Tensor) -> np.ndarray:
     if x.dtype == torch.bfloat16:
         return x.view(torch.int16).numpy().view(np.uint16)
     return x.numpy()
-
-
-@contextlib.contextmanager
-def one_thread(enabled: bool = True) -> Iterator[bool]:
-    """torch's CPU ops on one thread inside the block (when ``enabled`` and torch has more); the
-    thread count is restored after it. Yields whether it switched. For the small ops of a decode
-    pass: on a CPU whose cores are busy, an op that enters the thread pool waits for a second core
-    far longer than it computes (an exp over 24 x 1024 logits: 1.7 ms on two threads of a loaded
-    machine, 0.04 ms on one)."""
-    threads = torch.get_num_threads() if enabled else 1
-    if threads <= 1:
-        yield False
-        return
-    torch.set_num_threads(1)
-    try:
-        yield True
-    finally:
-        torch.set_num_threads(threads)
 
 
 _TOPK_ROWS = 2048

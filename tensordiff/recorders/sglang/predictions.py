@@ -81,21 +81,6 @@ def kept_rows(rows):
 
 
 def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
-    """:func:`_prediction_rows` on one CPU thread when it computes at most the recorder's
-    ``one_thread_rows`` rows (a decode, verify or draft-extend pass; see
-    :func:`tensordiff.recorders.storage.one_thread`)."""
-    from ..storage import one_thread
-
-    rows = n_rows if need is None else len(need)
-    out = getattr(captured[3], "next_token_logits", None) if captured is not None else None
-    ref = out if out is not None else (captured[1] if captured is not None else None)
-    small = (ref is not None and getattr(getattr(ref, "device", None), "type", None) == "cpu"
-             and rows <= getattr(STATE.rec, "one_thread_rows", 0))
-    with one_thread(small):
-        return _prediction_rows(captured, n_rows, what, id_map, need)
-
-
-def _prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
     """(top-k rows [n_rows, 2k+1] of the pass on the host, float64 numpy, NaN in rows not in
     ``need``; or None (nothing needed, or with a warning); the logits SGLang computed for every row,
     or None when the plugin computed them itself).
@@ -191,10 +176,7 @@ def chain_step(fb) -> None:
     m = st.draft_id_map
     if m is not None and m.device != logits.device:
         m = st.draft_id_map = m.to(logits.device)
-    from ..storage import one_thread
-
-    with one_thread(logits.device.type == "cpu" and logits.shape[0] <= getattr(st.rec, "one_thread_rows", 0)):
-        rows = topk_rows(logits, st.cfg.topk, m).cpu().numpy()
+    rows = topk_rows(logits, st.cfg.topk, m).cpu().numpy()
     for i, rid in enumerate(rids):
         c = st.chain.get(str(rid))
         if c is not None:

@@ -16,10 +16,6 @@ from .config import rank_path
 from .ranks import rank_plan, server_arg
 from .state import STATE, log
 
-# CPU sketch products of decode / verify / draft-extend passes (at most this many slot rows) run on
-# one thread: core.Recorder.one_thread_rows. A prefill's products keep every thread.
-ONE_THREAD_ROWS = 256
-
 
 def hook_init_attention_backends(original, runner, *args, **kwargs):
     result = original(runner, *args, **kwargs)
@@ -109,7 +105,6 @@ def setup_target(runner) -> None:
     st.start_profile(rank_path(cfg.profile, suffix) if cfg.profile else None)
     st.rec = open_recorder(cfg, path, engine="sglang", version=sglang.__version__, torch_version=torch.__version__,
                            model=st.model, meta=meta)
-    st.rec.one_thread_rows = ONE_THREAD_ROWS
     log.info("tensordiff: recording to %s (slots %s from draft ids %s, %s)", path, st.labels, raw, convention)
     if ltc is None and not cfg.catalog:
         st.warn_once("nothing", "this engine captures no aux hidden states (no EAGLE-3 draft, no "

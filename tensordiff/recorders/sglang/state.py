@@ -136,7 +136,6 @@ class State(ServeState):
             "plugin_seconds_by_topk": {str(k): round(v, 6) for k, v in sorted(self.seconds_by_topk.items())},
             "recorder_seconds": round(self.rec.stats.seconds, 6),
             "sketch_products": self.rec.stats.sketch_products, "sketch_reused": self.rec.stats.sketch_reused,
-            "sketch_products_one_thread": self.rec.stats.one_thread_products,
             **self.capture_attrs,
         })
 
