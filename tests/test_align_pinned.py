@@ -169,6 +169,24 @@ def _pair(rng, n_seq, length, vocab, prompt, layout):
 LAYOUTS = ["same", "gap", "shift", "mismatch", "dup", "mixed"]
 
 
+def _new_equals_old(ra, rb, want, want_maps, dtypes: bool = False):
+    """The new aligner's result on (ra, rb) against the frozen path's: every field and row map."""
+    sa, sb = align.SideTokens(ra), align.SideTokens(rb)
+    got = align.align_tokens(ra, rb, (sa, sb))
+    for f in ("code_a", "code_b", "token", "regime_a", "regime_b"):
+        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+        if dtypes:
+            assert getattr(got, f).dtype == getattr(want, f).dtype, f
+    assert got.seq_pairs == want.seq_pairs
+    assert got.gaps == want.gaps
+    assert got.shifts == want.shifts
+    assert got.mismatches == want.mismatches
+    for side, r, st, fn in (("a", ra, sa, got.index_a), ("b", rb, sb, got.index_b)):
+        for name in r.rows:
+            np.testing.assert_array_equal(align.row_map(r, st, name, fn), want_maps[side, name])
+    return got
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", [(5, 40, 1000, 0), (30, 25, 50, 8), (80, 12, 6, 4), (70, 3, 4, 0)])
@@ -182,17 +200,7 @@ def test_alignment_pinned_against_the_per_sequence_path(seed, layout, shape):
         with pytest.raises(IncompatibleTracesError, match="no common tokens"):
             align.align_tokens(ra, rb)
         return
-    sa, sb = align.SideTokens(ra), align.SideTokens(rb)
-    got = align.align_tokens(ra, rb, (sa, sb))
-    for f in ("code_a", "code_b", "token", "regime_a", "regime_b"):
-        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
-    assert got.seq_pairs == want.seq_pairs
-    assert got.gaps == want.gaps
-    assert got.shifts == want.shifts
-    assert got.mismatches == want.mismatches
-    for side, r, st, fn in (("a", ra, sa, got.index_a), ("b", rb, sb, got.index_b)):
-        for name in r.rows:
-            np.testing.assert_array_equal(align.row_map(r, st, name, fn), want_maps[side, name])
+    _new_equals_old(ra, rb, want, want_maps)
 
 
 def test_in_order_table_takes_the_fast_path_and_agrees():
@@ -272,19 +280,7 @@ NEAR = ["one_token", "reordered", "shifted", "one_more", "one_less", "extra_seq"
 
 def _check(ra, rb):
     want, want_maps = _old_align(ra, rb)
-    sa, sb = align.SideTokens(ra), align.SideTokens(rb)
-    got = align.align_tokens(ra, rb, (sa, sb))
-    for f in ("code_a", "code_b", "token", "regime_a", "regime_b"):
-        np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
-        assert getattr(got, f).dtype == getattr(want, f).dtype, f
-    assert got.seq_pairs == want.seq_pairs
-    assert got.gaps == want.gaps
-    assert got.shifts == want.shifts
-    assert got.mismatches == want.mismatches
-    for side, r, st, fn in (("a", ra, sa, got.index_a), ("b", rb, sb, got.index_b)):
-        for name in r.rows:
-            np.testing.assert_array_equal(align.row_map(r, st, name, fn), want_maps[side, name])
-    return got
+    return _new_equals_old(ra, rb, want, want_maps, dtypes=True)
 
 
 @pytest.mark.parametrize("seed", range(3))
