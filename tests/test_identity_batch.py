@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 import tensordiff.catalog as catalog
-from tensordiff.align import RowMaps, SideTokens, align_tokens, sample_indices
+from tensordiff.align import RowMaps, sample_indices
 from tensordiff.catalog import IdentitySearch, read_runs
 from tensordiff.identity import CandidateRows, NoiseFloor, SlotStack, Target, clean, row_norms, score, score_many
-from tensordiff.trace import TraceReader
-from test_identity_stream import _batch, _write
+from test_identity_stream import _batch, open_pair
 
 
 def _same(a, b):
@@ -93,13 +92,7 @@ def test_score_many_falls_back_on_a_candidate_without_rows():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("batch")
-    a, b = str(d / "a.h5"), str(d / "b.h5")
-    _write(a, "train", ["embed", "layer3", "layer7"], 0, False)
-    _write(b, "serve", ["layer3", "layer4", "layer7"], 1, True)
-    with TraceReader(a) as ra, TraceReader(b) as rb:
-        sa, sb = SideTokens(ra), SideTokens(rb)
-        yield ra, rb, sa, sb, align_tokens(ra, rb, (sa, sb))
+    yield from open_pair(tmp_path_factory.mktemp("batch"))
 
 
 def test_read_runs_reads_what_read_at_reads(pair):

@@ -61,16 +61,20 @@ def _write(path, side, held, seed, noise):
             w.append("draft_input", rows, np.concatenate([states[h] for h in held], axis=1))
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("stream")
+def open_pair(d):
+    """The two traces of these tests (train slots embed/layer3/layer7, serve layer3/layer4/layer7
+    with noise) written in ``d``, opened, with their sides and alignment."""
     a, b = str(d / "a.h5"), str(d / "b.h5")
     _write(a, "train", ["embed", "layer3", "layer7"], 0, False)
     _write(b, "serve", ["layer3", "layer4", "layer7"], 1, True)
     with TraceReader(a) as ra, TraceReader(b) as rb:
         sa, sb = SideTokens(ra), SideTokens(rb)
-        al = align_tokens(ra, rb, (sa, sb))
-        yield ra, rb, sa, sb, al
+        yield ra, rb, sa, sb, align_tokens(ra, rb, (sa, sb))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    yield from open_pair(tmp_path_factory.mktemp("stream"))
 
 
 def _batch(search, side, info, slot, sample, floor):

@@ -81,7 +81,7 @@ class RecorderStats:
     seconds: float = 0.0
     wait_seconds: float = 0.0  # of which: waiting for device copies to land
     sketch_products: int = 0   # sketch matmuls computed
-    sketch_reused: int = 0     # record calls whose sketch and RMS were another call's (``reuse=``)
+    sketch_reused: int = 0     # record calls whose sketch was another call's, rewritten (``reuse=``)
 
     def as_dict(self) -> dict:
         return {"calls": self.calls, "rows": self.rows, "bytes_values": self.bytes_values,
