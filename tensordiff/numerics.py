@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import sys
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -21,9 +20,17 @@ from .dtypes import to_float32
 from .tolerances import Tolerance
 from .vocab import REGIMES
 
+try:
+    from . import _kernels
+except ImportError as _e:  # a source checkout that was never built
+    raise ImportError("tensordiff's compiled kernel (tensordiff/_kernels.c) is not built: "
+                      "run scripts/setup.sh core, or pip install -e . again") from _e
+
 WORST_TOKENS = 20
 BLOCK_BYTES = 8 << 20   # stored bytes per side of one diff block (see rows_per_block)
-_LITTLE = sys.byteorder == "little"
+# stored dtype -> the kernel's kind for blocks it reads as they are (native byte order)
+_KERNEL_KINDS = {"float32": (0, np.dtype(np.float32)), "bfloat16": (1, np.dtype(np.uint16))}
+_NO_BUFFERS = (np.empty(0, np.float32), np.empty(0, np.float32))
 # per-token 1 - cos and rel are histogrammed on a log scale (for the noise floor's quantiles)
 _LOG_BINS = np.linspace(-12.0, 1.0, 261)
 
@@ -31,30 +38,29 @@ _LOG_BINS = np.linspace(-12.0, 1.0, 261)
 class BlockMetrics:
     """Per-token, per-slot metrics of two aligned blocks [n, k*w]; buffers reused across calls.
 
-    A block is cut into cache-sized sub-blocks (:data:`SUB_BYTES` of float32 per side); each is
-    converted to float32 and measured in five passes: the difference, three float32 dot
-    products (``np.vecdot``, SIMD, a third of einsum's time) and |diff| max (max and min, no
-    write); ``<a,b>`` comes from ``(|a|^2 + |b|^2 - |a-b|^2) / 2``. bf16 is converted from its
-    bits as pairs: a uint32 view of two bf16 values gives both float32s with one shift and one
-    mask (no strided write), so each slot's elements come out evens first, then odds, the same
-    order on both sides (every metric is order-free; a pair of bf16 and another dtype keeps
-    the stored order on both). Sub-blocks are shared between this thread
-    and ``pool`` (numpy releases the GIL: ``lanes`` cores work on one block). Rows whose sums
-    are not finite (NaN, Inf, or float32 overflow) are recomputed exactly over their finite
-    elements, from the stored rows."""
+    The sums come from the compiled kernel (``tensordiff/_kernels.c``): one pass over each
+    element, with bf16 read from its bits, every element widened to float64, and per row and
+    slot sum a^2, sum b^2, sum (a-b)^2 and max |a-b|; ``<a,b>`` comes from
+    ``(|a|^2 + |b|^2 - |a-b|^2) / 2``. The order of every addition is fixed by the kernel (eight
+    interleaved partial sums, a fixed tree), so the figures are the same bits whichever CPU path
+    (AVX2 or portable), lane or backend measured a row. float16 and float64 blocks are converted
+    to float32 first (float64 is narrowed, as everywhere in the diff). A block is cut into
+    sub-blocks of about :data:`SUB_BYTES` shared between this thread and ``pool`` (the kernel
+    releases the GIL: ``lanes`` cores work on one block). Rows whose sums are not finite (NaN,
+    Inf) are recomputed exactly over their finite elements, from the stored rows."""
 
-    SUB_BYTES = 512 << 10  # float32 bytes per side of one sub-block: every pass runs in cache
+    SUB_BYTES = 2 << 20   # float32-equivalent bytes per side of one sub-block (the lanes' unit of work)
 
     def __init__(self, slots: int, width: int, *, pool: Executor | None = None, lanes: int = 1):
         self.k = slots
         self.w = width
         self._pool = pool
         self._lanes = max(1, lanes if pool is not None else 1)
-        self._bufs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._bufs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def compute_stored(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str) -> dict[str, np.ndarray]:
-        """Metrics of two blocks in their stored form (bf16 as bits), converted to float32 a
-        cache-sized sub-block at a time: each row is read from memory once."""
+        """Metrics of two blocks in their stored form (bf16 as bits): each row is read from
+        memory once."""
         return self._run(a, dtype_a, b, dtype_b)
 
     def compute(self, a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
@@ -82,7 +88,7 @@ class BlockMetrics:
             taken = itertools.count()
 
             def lane(j: int) -> None:
-                bufs = self._lane_buffers(j, sub * width)
+                bufs = self._lane_buffers(j, sub * width, dtype_a, dtype_b)
                 for i in taken:
                     if i >= len(starts):
                         return
@@ -99,52 +105,21 @@ class BlockMetrics:
                     f.result()
         return self._finish(a, dtype_a, b, dtype_b, aa, bb, dd, maxabs)
 
-    def _lane_buffers(self, j: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _lane_buffers(self, j: int, size: int, dtype_a: str, dtype_b: str) -> tuple[np.ndarray, np.ndarray]:
+        """float32 buffers for the sides the kernel cannot read as stored (allocated on need)."""
+        if dtype_a in _KERNEL_KINDS and dtype_b in _KERNEL_KINDS:
+            return _NO_BUFFERS
         bufs = self._bufs.get(j)
         if bufs is None or bufs[0].size < size:
-            bufs = self._bufs[j] = (np.empty(size, np.uint32), np.empty(size, np.uint32), np.empty(size, np.float32))
+            bufs = self._bufs[j] = (np.empty(size, np.float32), np.empty(size, np.float32))
         return bufs
 
     def _sub_block(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str,
-                   bufs: tuple[np.ndarray, np.ndarray, np.ndarray], aa: np.ndarray, bb: np.ndarray,
+                   bufs: tuple[np.ndarray, np.ndarray], aa: np.ndarray, bb: np.ndarray,
                    dd: np.ndarray, maxabs: np.ndarray) -> None:
-        m = a.shape[0]
-        k, w = self.k, self.w
-        pairs = dtype_a == dtype_b == "bfloat16" and w % 2 == 0 and _LITTLE   # the same order on both sides
-        fa = self._as_f32(a, dtype_a, bufs[0], pairs)
-        fb = self._as_f32(b, dtype_b, bufs[1], pairs)
-        d = bufs[2][:m * k * w].reshape(m, k, w)
-        with np.errstate(over="ignore", invalid="ignore"):
-            np.subtract(fa, fb, out=d)
-            aa[...] = np.vecdot(fa, fa)
-            bb[...] = np.vecdot(fb, fb)
-            dd[...] = np.vecdot(d, d)
-            np.maximum(d.max(axis=2), np.negative(d.min(axis=2)), out=maxabs)
-            np.abs(maxabs, out=maxabs)   # equal rows: max(0, -0) may be -0, and a printed "-0.000"
-
-    def _as_f32(self, block: np.ndarray, dtype: str, buf: np.ndarray, pairs: bool) -> np.ndarray:
-        """A stored sub-block [m, k*w] as float32 [m, k, w]; ``pairs`` (bf16 on both sides):
-        each slot's evens, then its odds."""
-        m = block.shape[0]
-        k, w = self.k, self.w
-        if pairs:
-            try:
-                u = block.view(np.uint32)
-            except ValueError:   # rows not 4-byte aligned in a wider stored block
-                u = np.ascontiguousarray(block).view(np.uint32)
-            u = u.reshape(m, k, w // 2)
-            out = buf[:m * k * w].reshape(m, k, 2, w // 2)
-            np.left_shift(u, 16, out=out[:, :, 0, :])                  # the first of each pair
-            np.bitwise_and(u, np.uint32(0xFFFF0000), out=out[:, :, 1, :])  # the second
-            return out.view(np.float32).reshape(m, k, w)
-        if dtype == "float32" and block.flags.c_contiguous:
-            return block.reshape(m, k, w)
-        out32 = buf[:m * k * w].view(np.float32).reshape(m, k * w)
-        if dtype == "bfloat16":
-            to_float32(block, dtype, out32)
-        else:
-            np.copyto(out32, block, casting="unsafe")
-        return out32.reshape(m, k, w)
+        xa, ka = _kernel_input(a, dtype_a, bufs[0])
+        xb, kb = _kernel_input(b, dtype_b, bufs[1])
+        _kernels.row_sums(xa, ka, xb, kb, self.k, self.w, aa, bb, dd, maxabs)
 
     def _finish(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str, aa: np.ndarray, bb: np.ndarray,
                 dd: np.ndarray, maxabs: np.ndarray) -> dict[str, np.ndarray]:
@@ -181,6 +156,19 @@ class BlockMetrics:
             "nonfinite_b": nf_b,
             "nonfinite": (nf_a > 0) | (nf_b > 0),
         }
+
+
+def _kernel_input(block: np.ndarray, dtype: str, buf: np.ndarray) -> tuple[np.ndarray, int]:
+    """A stored sub-block [m, k*w] as the kernel reads it: bf16 bits or float32 as they are
+    when their rows are contiguous, anything else converted to float32 into ``buf``."""
+    kind = _KERNEL_KINDS.get(dtype)
+    if kind is not None and block.ndim == 2 and block.dtype == kind[1] and block.dtype.isnative and \
+            block.flags.aligned and block.strides[1] == block.itemsize and block.strides[0] >= 0 and \
+            block.strides[0] % block.itemsize == 0:
+        return block, kind[0]
+    out = buf[:block.size].reshape(block.shape) if buf.size >= block.size else np.empty(block.shape, np.float32)
+    to_float32(block, dtype, out)
+    return out, 0
 
 
 def rows_per_block(row_bytes: int, cap: int, block_bytes: int | None = None) -> int:

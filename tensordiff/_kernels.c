@@ -1,0 +1,301 @@
+/* tensordiff._kernels: the diff's per-row sums in one pass over each element.
+ *
+ * row_sums(a, kind_a, b, kind_b, k, w, aa, bb, dd, maxabs)
+ *   a, b     2-D buffers [m, >= k*w] of stored rows: kind 0 float32, kind 1 bfloat16 bits
+ *            (uint16); elements contiguous within a row, any row stride
+ *   aa, bb, dd  C-contiguous float64 [m, k], written: sum x^2, sum y^2, sum (x - y)^2 per row and slot
+ *   maxabs   C-contiguous float32 [m, k], written: max |x - y| (NaN elements ignored)
+ *
+ * Every element is widened to double (exact for bf16 and float32), so products of bf16 values are
+ * exact and sums of float32 inputs cannot overflow. Each row and slot is summed in LANES
+ * interleaved partial sums, combined in a fixed tree: the order of every addition is fixed by this
+ * code, not by the vector width the compiler picks, and floating-point contraction is off (setup),
+ * so the result is the same bits on every x86-64 machine whichever clone runs. Non-finite inputs
+ * make the sums non-finite; the caller recomputes those rows over their finite elements.
+ * The GIL is released while summing: callers run sub-blocks on several threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 8   /* partial sums per row and slot; lane l takes the elements j with j % LANES == l */
+
+static inline double from_bf16(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return (double)f;
+}
+
+static inline double from_f32(float v) { return (double)v; }
+
+/* the portable sums of one (row, slot); the AVX2 versions below make the same additions in the
+ * same order, lane by lane, so both give the same bits */
+#define PORTABLE_SUMS(NAME, TA, LOADA, TB, LOADB)                                                  \
+    static void NAME(const TA *x, const TB *y, Py_ssize_t w, double *sa, double *sb, double *sd,   \
+                     double *mx)                                                                   \
+    {                                                                                              \
+        Py_ssize_t j = 0;                                                                          \
+        for (; j + LANES <= w; j += LANES) {                                                       \
+            for (int l = 0; l < LANES; l++) {                                                      \
+                double u = LOADA(x[j + l]), v = LOADB(y[j + l]);                                   \
+                double d = u - v;                                                                  \
+                double ad = fabs(d);                                                               \
+                sa[l] = sa[l] + u * u;                                                             \
+                sb[l] = sb[l] + v * v;                                                             \
+                sd[l] = sd[l] + d * d;                                                             \
+                mx[l] = ad > mx[l] ? ad : mx[l];                                                   \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+PORTABLE_SUMS(portable_bb, uint16_t, from_bf16, uint16_t, from_bf16)
+PORTABLE_SUMS(portable_ff, float, from_f32, float, from_f32)
+PORTABLE_SUMS(portable_bf, uint16_t, from_bf16, float, from_f32)
+PORTABLE_SUMS(portable_fb, float, from_f32, uint16_t, from_bf16)
+
+typedef void (*sums_fn)(const void *, const void *, Py_ssize_t, double *, double *, double *, double *);
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <immintrin.h>
+#define TD_AVX2 1
+
+/* 8 stored elements as two vectors of 4 doubles: lanes 0-3 and 4-7 */
+__attribute__((target("avx2"))) static inline void load_bf16(const uint16_t *p, __m256d *lo, __m256d *hi)
+{
+    __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    __m256 f = _mm256_castsi256_ps(u);
+    *lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+    *hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+}
+
+__attribute__((target("avx2"))) static inline void load_f32(const float *p, __m256d *lo, __m256d *hi)
+{
+    __m256 f = _mm256_loadu_ps(p);
+    *lo = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+    *hi = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+}
+
+/* no FMA: a product is rounded, then added, as in the portable code */
+#define AVX2_SUMS(NAME, TA, LOADA, TB, LOADB)                                                      \
+    __attribute__((target("avx2"))) static void NAME(const TA *x, const TB *y, Py_ssize_t w,      \
+                                                     double *sa, double *sb, double *sd,           \
+                                                     double *mx)                                   \
+    {                                                                                              \
+        const __m256d sign = _mm256_set1_pd(-0.0);                                                 \
+        __m256d a0 = _mm256_loadu_pd(sa), a1 = _mm256_loadu_pd(sa + 4);                            \
+        __m256d b0 = _mm256_loadu_pd(sb), b1 = _mm256_loadu_pd(sb + 4);                            \
+        __m256d d0 = _mm256_loadu_pd(sd), d1 = _mm256_loadu_pd(sd + 4);                            \
+        __m256d m0 = _mm256_loadu_pd(mx), m1 = _mm256_loadu_pd(mx + 4);                            \
+        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES) {                                       \
+            __m256d u0, u1, v0, v1;                                                                \
+            LOADA(x + j, &u0, &u1);                                                                \
+            LOADB(y + j, &v0, &v1);                                                                \
+            __m256d e0 = _mm256_sub_pd(u0, v0), e1 = _mm256_sub_pd(u1, v1);                        \
+            a0 = _mm256_add_pd(a0, _mm256_mul_pd(u0, u0));                                         \
+            a1 = _mm256_add_pd(a1, _mm256_mul_pd(u1, u1));                                         \
+            b0 = _mm256_add_pd(b0, _mm256_mul_pd(v0, v0));                                         \
+            b1 = _mm256_add_pd(b1, _mm256_mul_pd(v1, v1));                                         \
+            d0 = _mm256_add_pd(d0, _mm256_mul_pd(e0, e0));                                         \
+            d1 = _mm256_add_pd(d1, _mm256_mul_pd(e1, e1));                                         \
+            m0 = _mm256_max_pd(_mm256_andnot_pd(sign, e0), m0); /* ad > m ? ad : m */              \
+            m1 = _mm256_max_pd(_mm256_andnot_pd(sign, e1), m1);                                    \
+        }                                                                                          \
+        _mm256_storeu_pd(sa, a0);                                                                  \
+        _mm256_storeu_pd(sa + 4, a1);                                                              \
+        _mm256_storeu_pd(sb, b0);                                                                  \
+        _mm256_storeu_pd(sb + 4, b1);                                                              \
+        _mm256_storeu_pd(sd, d0);                                                                  \
+        _mm256_storeu_pd(sd + 4, d1);                                                              \
+        _mm256_storeu_pd(mx, m0);                                                                  \
+        _mm256_storeu_pd(mx + 4, m1);                                                              \
+    }
+
+AVX2_SUMS(avx2_bb, uint16_t, load_bf16, uint16_t, load_bf16)
+AVX2_SUMS(avx2_ff, float, load_f32, float, load_f32)
+AVX2_SUMS(avx2_bf, uint16_t, load_bf16, float, load_f32)
+AVX2_SUMS(avx2_fb, float, load_f32, uint16_t, load_bf16)
+#endif
+
+/* [kind_a * 2 + kind_b] */
+static sums_fn portable[4] = {(sums_fn)portable_ff, (sums_fn)portable_fb, (sums_fn)portable_bf,
+                              (sums_fn)portable_bb};
+#ifdef TD_AVX2
+static sums_fn avx2[4] = {(sums_fn)avx2_ff, (sums_fn)avx2_fb, (sums_fn)avx2_bf, (sums_fn)avx2_bb};
+#endif
+static int use_avx2 = 0;
+
+/* one (row, slot): the whole-lane part by `fn`, the tail and the fixed combining tree here */
+static void slot_sums(sums_fn fn, const char *x, int ka, const char *y, int kb, Py_ssize_t w, double *out_aa,
+                      double *out_bb, double *out_dd, float *out_max)
+{
+    double sa[LANES] = {0}, sb[LANES] = {0}, sd[LANES] = {0}, mx[LANES] = {0};
+    fn(x, y, w, sa, sb, sd, mx);
+    for (Py_ssize_t j = w - w % LANES, l = 0; j < w; j++, l++) {
+        double u = ka ? from_bf16(((const uint16_t *)x)[j]) : from_f32(((const float *)x)[j]);
+        double v = kb ? from_bf16(((const uint16_t *)y)[j]) : from_f32(((const float *)y)[j]);
+        double d = u - v;
+        double ad = fabs(d);
+        sa[l] = sa[l] + u * u;
+        sb[l] = sb[l] + v * v;
+        sd[l] = sd[l] + d * d;
+        mx[l] = ad > mx[l] ? ad : mx[l];
+    }
+    *out_aa = ((sa[0] + sa[1]) + (sa[2] + sa[3])) + ((sa[4] + sa[5]) + (sa[6] + sa[7]));
+    *out_bb = ((sb[0] + sb[1]) + (sb[2] + sb[3])) + ((sb[4] + sb[5]) + (sb[6] + sb[7]));
+    *out_dd = ((sd[0] + sd[1]) + (sd[2] + sd[3])) + ((sd[4] + sd[5]) + (sd[6] + sd[7]));
+    double m = mx[0];
+    for (int l = 1; l < LANES; l++)
+        m = mx[l] > m ? mx[l] : m;
+    *out_max = (float)m;
+}
+
+static int get_rows(PyObject *obj, Py_buffer *view, int kind, const char *what, Py_ssize_t *m,
+                    Py_ssize_t need)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+        return -1;
+    Py_ssize_t size = kind == 1 ? 2 : 4;
+    if (view->ndim != 2 || view->itemsize != size || view->strides[1] != size || view->strides[0] < 0 ||
+        view->strides[0] % size != 0 || view->shape[1] < need) {
+        PyErr_Format(PyExc_ValueError, "%s: expected 2-D rows of %zd-byte elements, contiguous within a row, "
+                     "at least %zd wide", what, size, need);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    *m = view->shape[0];
+    return 0;
+}
+
+static int get_out(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what, Py_ssize_t m,
+                   Py_ssize_t k)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != itemsize || view->len != m * k * itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous [%zd, %zd] array of %zd-byte elements", what,
+                     m, k, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *row_sums(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *oa, *ob, *oaa, *obb, *odd, *omax;
+    int ka, kb;
+    Py_ssize_t k, w;
+    if (!PyArg_ParseTuple(args, "OiOinnOOOO:row_sums", &oa, &ka, &ob, &kb, &k, &w, &oaa, &obb, &odd, &omax))
+        return NULL;
+    if ((ka != 0 && ka != 1) || (kb != 0 && kb != 1) || k < 0 || w < 0) {
+        PyErr_SetString(PyExc_ValueError, "row_sums: kinds are 0 (float32) or 1 (bfloat16); k and w >= 0");
+        return NULL;
+    }
+    Py_buffer va, vb, vaa, vbb, vdd, vmax;
+    Py_ssize_t ma, mb;
+    if (get_rows(oa, &va, ka, "a", &ma, k * w) < 0)
+        return NULL;
+    if (get_rows(ob, &vb, kb, "b", &mb, k * w) < 0) {
+        PyBuffer_Release(&va);
+        return NULL;
+    }
+    int held = 2;
+    if (ma != mb) {
+        PyErr_SetString(PyExc_ValueError, "row_sums: a and b have different row counts");
+        goto fail;
+    }
+    if (get_out(oaa, &vaa, 8, "aa", ma, k) < 0)
+        goto fail;
+    held++;
+    if (get_out(obb, &vbb, 8, "bb", ma, k) < 0)
+        goto fail;
+    held++;
+    if (get_out(odd, &vdd, 8, "dd", ma, k) < 0)
+        goto fail;
+    held++;
+    if (get_out(omax, &vmax, 4, "maxabs", ma, k) < 0)
+        goto fail;
+    held++;
+
+    sums_fn fn = portable[ka * 2 + kb];
+#ifdef TD_AVX2
+    if (use_avx2)
+        fn = avx2[ka * 2 + kb];
+#endif
+    Py_ssize_t sa_ = ka ? 2 : 4, sb_ = kb ? 2 : 4;
+    Py_BEGIN_ALLOW_THREADS
+    const char *pa = (const char *)va.buf, *pb = (const char *)vb.buf;
+    double *aa = (double *)vaa.buf, *bb = (double *)vbb.buf, *dd = (double *)vdd.buf;
+    float *mx = (float *)vmax.buf;
+    for (Py_ssize_t i = 0; i < ma; i++) {
+        const char *ra = pa + i * va.strides[0], *rb = pb + i * vb.strides[0];
+        for (Py_ssize_t s = 0; s < k; s++) {
+            Py_ssize_t o = i * k + s;
+            slot_sums(fn, ra + s * w * sa_, ka, rb + s * w * sb_, kb, w, aa + o, bb + o, dd + o, mx + o);
+        }
+    }
+    Py_END_ALLOW_THREADS
+
+    PyBuffer_Release(&va);
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&vaa);
+    PyBuffer_Release(&vbb);
+    PyBuffer_Release(&vdd);
+    PyBuffer_Release(&vmax);
+    Py_RETURN_NONE;
+
+fail:
+    PyBuffer_Release(&va);
+    PyBuffer_Release(&vb);
+    if (held > 2)
+        PyBuffer_Release(&vaa);
+    if (held > 3)
+        PyBuffer_Release(&vbb);
+    if (held > 4)
+        PyBuffer_Release(&vdd);
+    return NULL;
+}
+
+static PyObject *simd(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int want = -1;
+    if (!PyArg_ParseTuple(args, "|p:simd", &want))
+        return NULL;
+    const char *was = use_avx2 ? "avx2" : "portable";
+#ifdef TD_AVX2
+    if (want == 0)
+        use_avx2 = 0;
+    else if (want == 1)
+        use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+#endif
+    return PyUnicode_FromString(was);
+}
+
+static PyMethodDef methods[] = {
+    {"simd", simd, METH_VARARGS,
+     "simd([on]) -> the code path in use before the call, 'avx2' or 'portable'; simd(False) forces the portable "
+     "path, simd(True) takes AVX2 where the CPU has it (both give the same bits: for tests)"},
+    {"row_sums", row_sums, METH_VARARGS,
+     "row_sums(a, kind_a, b, kind_b, k, w, aa, bb, dd, maxabs): per row and slot, sum x^2, sum y^2, "
+     "sum (x-y)^2 (float64) and max |x-y| (float32) of two blocks of stored rows (kind 0 float32, 1 bf16 bits)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tensordiff._kernels",
+                                    "The diff's per-row sums, one pass over each element (see _kernels.c).", -1,
+                                    methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__kernels(void)
+{
+#ifdef TD_AVX2
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+#endif
+    return PyModule_Create(&module);
+}
