@@ -6,6 +6,10 @@
  *   aa, bb, dd  C-contiguous float64 [m, k], written: sum x^2, sum y^2, sum (x - y)^2 per row and slot
  *   maxabs   C-contiguous float32 [m, k], written: max |x - y| (NaN elements ignored)
  *
+ * row_dots(x, c, out)
+ *   x, c     2-D buffers [n, w] of float32 or float64 rows (each its own), elements contiguous
+ *   out      C-contiguous float64 [n], written: sum x * c per row (the identity search's cosines)
+ *
  * Every element is widened to double (exact for bf16 and float32), so products of bf16 values are
  * exact and sums of float32 inputs cannot overflow. Each row and slot is summed in LANES
  * interleaved partial sums, combined in a fixed tree: the order of every addition is fixed by this
@@ -58,6 +62,23 @@ PORTABLE_SUMS(portable_bf, uint16_t, from_bf16, float, from_f32)
 PORTABLE_SUMS(portable_fb, float, from_f32, uint16_t, from_bf16)
 
 typedef void (*sums_fn)(const void *, const void *, Py_ssize_t, double *, double *, double *, double *);
+
+/* row_dots: the portable sum of x * c over one row's whole lanes (as above: the AVX2 version
+ * makes the same additions in the same order) */
+#define PORTABLE_DOTS(NAME, TX, TC)                                                                \
+    static void NAME(const TX *x, const TC *c, Py_ssize_t w, double *acc)                          \
+    {                                                                                              \
+        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES)                                         \
+            for (int l = 0; l < LANES; l++)                                                        \
+                acc[l] = acc[l] + (double)x[j + l] * (double)c[j + l];                             \
+    }
+
+PORTABLE_DOTS(pdot_ff, float, float)
+PORTABLE_DOTS(pdot_fd, float, double)
+PORTABLE_DOTS(pdot_df, double, float)
+PORTABLE_DOTS(pdot_dd, double, double)
+
+typedef void (*dots_fn)(const void *, const void *, Py_ssize_t, double *);
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <immintrin.h>
@@ -118,6 +139,33 @@ AVX2_SUMS(avx2_bb, uint16_t, load_bf16, uint16_t, load_bf16)
 AVX2_SUMS(avx2_ff, float, load_f32, float, load_f32)
 AVX2_SUMS(avx2_bf, uint16_t, load_bf16, float, load_f32)
 AVX2_SUMS(avx2_fb, float, load_f32, uint16_t, load_bf16)
+
+__attribute__((target("avx2"))) static inline void load_f64(const double *p, __m256d *lo, __m256d *hi)
+{
+    *lo = _mm256_loadu_pd(p);
+    *hi = _mm256_loadu_pd(p + 4);
+}
+
+#define AVX2_DOTS(NAME, TX, LOADX, TC, LOADC)                                                      \
+    __attribute__((target("avx2"))) static void NAME(const TX *x, const TC *c, Py_ssize_t w,      \
+                                                     double *acc)                                  \
+    {                                                                                              \
+        __m256d s0 = _mm256_loadu_pd(acc), s1 = _mm256_loadu_pd(acc + 4);                          \
+        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES) {                                       \
+            __m256d u0, u1, v0, v1;                                                                \
+            LOADX(x + j, &u0, &u1);                                                                \
+            LOADC(c + j, &v0, &v1);                                                                \
+            s0 = _mm256_add_pd(s0, _mm256_mul_pd(u0, v0));                                         \
+            s1 = _mm256_add_pd(s1, _mm256_mul_pd(u1, v1));                                         \
+        }                                                                                          \
+        _mm256_storeu_pd(acc, s0);                                                                 \
+        _mm256_storeu_pd(acc + 4, s1);                                                             \
+    }
+
+AVX2_DOTS(adot_ff, float, load_f32, float, load_f32)
+AVX2_DOTS(adot_fd, float, load_f32, double, load_f64)
+AVX2_DOTS(adot_df, double, load_f64, float, load_f32)
+AVX2_DOTS(adot_dd, double, load_f64, double, load_f64)
 #endif
 
 /* [kind_a * 2 + kind_b] */
@@ -125,6 +173,11 @@ static sums_fn portable[4] = {(sums_fn)portable_ff, (sums_fn)portable_fb, (sums_
                               (sums_fn)portable_bb};
 #ifdef TD_AVX2
 static sums_fn avx2[4] = {(sums_fn)avx2_ff, (sums_fn)avx2_fb, (sums_fn)avx2_bf, (sums_fn)avx2_bb};
+#endif
+/* [wide_x * 2 + wide_c], wide: float64 */
+static dots_fn portable_dots[4] = {(dots_fn)pdot_ff, (dots_fn)pdot_fd, (dots_fn)pdot_df, (dots_fn)pdot_dd};
+#ifdef TD_AVX2
+static dots_fn avx2_dots[4] = {(dots_fn)adot_ff, (dots_fn)adot_fd, (dots_fn)adot_df, (dots_fn)adot_dd};
 #endif
 static int use_avx2 = 0;
 
@@ -261,6 +314,78 @@ fail:
     return NULL;
 }
 
+
+/* a 2-D buffer of float32 or float64 rows, elements contiguous within a row; *wide: float64 */
+static int get_float_rows(PyObject *obj, Py_buffer *view, const char *what, int *wide)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    int ok = view->ndim == 2 && ((strcmp(f, "f") == 0 && view->itemsize == 4) ||
+                                 (strcmp(f, "d") == 0 && view->itemsize == 8));
+    if (!ok || view->strides[1] != view->itemsize || view->strides[0] < 0 || view->strides[0] % view->itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: expected 2-D float32 or float64 rows, contiguous within a row", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    *wide = view->itemsize == 8;
+    return 0;
+}
+
+static PyObject *row_dots(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *ox, *oc, *oout;
+    if (!PyArg_ParseTuple(args, "OOO:row_dots", &ox, &oc, &oout))
+        return NULL;
+    Py_buffer vx, vc, vo;
+    int wx, wc;
+    if (get_float_rows(ox, &vx, "x", &wx) < 0)
+        return NULL;
+    if (get_float_rows(oc, &vc, "c", &wc) < 0) {
+        PyBuffer_Release(&vx);
+        return NULL;
+    }
+    if (vx.shape[0] != vc.shape[0] || vx.shape[1] != vc.shape[1]) {
+        PyErr_SetString(PyExc_ValueError, "row_dots: x and c have different shapes");
+        PyBuffer_Release(&vx);
+        PyBuffer_Release(&vc);
+        return NULL;
+    }
+    Py_ssize_t n = vx.shape[0], w = vx.shape[1];
+    if (get_out(oout, &vo, 8, "out", n, 1) < 0) {
+        PyBuffer_Release(&vx);
+        PyBuffer_Release(&vc);
+        return NULL;
+    }
+    dots_fn fn = portable_dots[wx * 2 + wc];
+#ifdef TD_AVX2
+    if (use_avx2)
+        fn = avx2_dots[wx * 2 + wc];
+#endif
+    Py_BEGIN_ALLOW_THREADS
+    double *out = (double *)vo.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *rx = (const char *)vx.buf + i * vx.strides[0];
+        const char *rc = (const char *)vc.buf + i * vc.strides[0];
+        double acc[LANES] = {0};
+        fn(rx, rc, w, acc);
+        for (Py_ssize_t j = w - w % LANES, l = 0; j < w; j++, l++) {
+            double u = wx ? ((const double *)rx)[j] : (double)((const float *)rx)[j];
+            double v = wc ? ((const double *)rc)[j] : (double)((const float *)rc)[j];
+            acc[l] = acc[l] + u * v;
+        }
+        out[i] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&vx);
+    PyBuffer_Release(&vc);
+    PyBuffer_Release(&vo);
+    Py_RETURN_NONE;
+}
+
 static PyObject *simd(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -278,6 +403,9 @@ static PyObject *simd(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
+    {"row_dots", row_dots, METH_VARARGS,
+     "row_dots(x, c, out): out[i] = sum_j x[i, j] * c[i, j] in float64, x and c float32 or float64 [n, w], "
+     "out float64 [n]; the order of the additions fixed, as in row_sums"},
     {"simd", simd, METH_VARARGS,
      "simd([on]) -> the code path in use before the call, 'avx2' or 'portable'; simd(False) forces the portable "
      "path, simd(True) takes AVX2 where the CPU has it (both give the same bits: for tests)"},

@@ -30,7 +30,6 @@ from .identity import (
     _Scored,
     clean,
     decide_scored,
-    f64_rows_exact,
     pick_basis,
     row_norms,
     score_many,
@@ -221,11 +220,10 @@ class IdentitySearch:
             # a candidate's rows at every offset, read once (their union: one read per run of
             # rows and part), scored against every slot at every offset, dropped
             t = self._target(cr, ci, lay.union, 0, basis)
-            # the union's norms once (a row's norm does not depend on the rows around it), and
-            # its rows as float64 once where that gives the same sums (f64_rows_exact): each
-            # row is used at up to five offsets, and einsum would cast it again at each
+            # the union's norms once (a row's norm does not depend on the rows around it); its
+            # rows are scored in place at each offset (data[at]: no gather, no cast)
             norms = row_norms(t.data)
-            rows: np.ndarray = t.data.astype(np.float64) if f64_rows_exact(t.data.shape[1]) else t.data
+            rows: np.ndarray = t.data
             exact_tol = None
             if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
                 eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
@@ -237,10 +235,8 @@ class IdentitySearch:
                 if batch and held + len(pos) * rows[:1].nbytes > BATCH_BYTES:
                     flush()   # wide rows: a batch may be one offset of one candidate
                     held = 0
-                # float64 rows: scored in place (data[at]); float32 ones: gathered
-                data, at = (rows, pos) if rows.dtype == np.float64 else (rows[pos], None)
-                batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], data, t.rms[pos],
-                                                        exact_tol, norms[pos], at)))
+                batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], rows, t.rms[pos],
+                                                        exact_tol, norms[pos], pos)))
                 held += len(pos) * rows[:1].nbytes
         flush()
         return SlotScores(slots, len(sample), scored)

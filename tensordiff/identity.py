@@ -34,7 +34,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .details import Candidate, IdentityEvidence
-from .numerics import finite_or_zero
+from .numerics import finite_or_zero, row_dots
 
 OFFSETS = (0, -1, 1, -2, 2)  # token offsets tried, the same token first
 MIN_TOKENS = 4               # a candidate needs rows at this many sampled tokens (or all of them)
@@ -48,7 +48,7 @@ DIFF_EPS = 1e-6              # per-token cosine differences this small are float
 
 F32 = NDArray[np.float32]
 F64 = NDArray[np.float64]
-Rows = NDArray[Any]   # float32 values: float32 arrays, or exact float64 copies (see wide_f64)
+Rows = NDArray[Any]   # float32 values: float32 arrays, or their exact float64 copies (the same sums)
 _NO_ROWS: F32 = np.zeros((0, 0), np.float32)
 _NO_RMS: F32 = np.zeros(0, np.float32)
 
@@ -65,8 +65,8 @@ class Target:
 class CandidateRows:
     """One recorded state at the sampled tokens shifted by ``offset``: ``ok`` [n] marks the
     sampled tokens where it has a row; ``data``/``rms`` hold those rows only (``data``: float32
-    values, as float32 or, where :func:`f64_rows_exact` allows, as their exact float64 copy, which
-    the scoring then uses without casting; the same numbers either way). ``exact_tol``: for
+    values, as float32 or as their exact float64 copy: every sum widens each element to float64
+    first, so the numbers are the same either way). ``exact_tol``: for
     an own-side state in the same basis, the per-token relative error under which it is the same
     data (None: the exact rule does not apply). ``norms``: the rows' L2 norms as
     :func:`per_token_cos` computes them, when a caller scores the same rows against several slots."""
@@ -128,17 +128,9 @@ def clean(x: NDArray[np.float32]) -> F32:
     return out
 
 
-def f64_rows_exact(width: int) -> bool:
-    """Whether rows this wide may be scored from float64 copies to the same bits: einsum of
-    float32 rows in float64 casts them in buffers of ``np.getbufsize()`` elements and sums each
-    buffer separately, so a longer row's sum is split; rows that fit one buffer are summed exactly
-    as a float64 row is (tests/test_identity_batch.py pins it)."""
-    return 0 < width <= np.getbufsize()
-
-
 def row_norms(x: Rows) -> NDArray[np.float64]:
     """L2 norm of each row, accumulated in float64 (the norms :func:`per_token_cos` uses)."""
-    out: NDArray[np.float64] = np.sqrt(np.einsum("nw,nw->n", x, x, dtype=np.float64))
+    out: NDArray[np.float64] = np.sqrt(row_dots(x, x))
     return out
 
 
@@ -146,7 +138,7 @@ def per_token_cos(x: F32, c: Rows, nx: NDArray[np.float64] | None = None,
                   nc: NDArray[np.float64] | None = None) -> NDArray[np.float64]:
     """Cosine of each row of x with the same row of c; 1 where both rows are zero, 0 where one is.
     ``nx``/``nc``: the rows' :func:`row_norms`, when the caller has them (the same numbers)."""
-    dots = np.einsum("nw,nw->n", x, c, dtype=np.float64)
+    dots = row_dots(x, c)
     nx = row_norms(x) if nx is None else nx
     nc = row_norms(c) if nc is None else nc
     den = nx * nc
@@ -225,7 +217,6 @@ class SlotStack:
         self._norms = np.stack([row_norms(t.data) for t in targets]) if targets else np.zeros((0, 0))
         self._rms = np.stack([t.rms for t in targets]) if targets else np.zeros((0, 0), np.float32)
         self._cache: dict[bytes, list[F32]] = {}
-        self._cache64: dict[bytes, list[F64]] = {}
         self._room = limit_bytes
 
     def _rows(self, ok: NDArray[np.bool_]) -> list[F32]:
@@ -245,42 +236,10 @@ class SlotStack:
         """Per slot its rows at the tokens of ``ok``."""
         return self._rows(ok)
 
-    def rows64(self, ok: NDArray[np.bool_]) -> list[F64]:
-        """:meth:`rows` as float64 (exact copies), kept like them."""
-        key = ok.tobytes()
-        hit = self._cache64.get(key)
-        if hit is None:
-            hit = [x.astype(np.float64) for x in self._rows(ok)]
-            size = sum(x.nbytes for x in hit)
-            if size <= self._room:
-                self._room -= size
-                self._cache64[key] = hit
-        return hit
-
     def norms_rms_at(self, oks: list[NDArray[np.bool_]]) -> tuple[NDArray[np.float64], F32]:
         """The norms and RMS [slots, rows] of :meth:`at`, without gathering the rows."""
         at = np.concatenate([np.flatnonzero(ok) for ok in oks]) if len(oks) > 1 else np.flatnonzero(oks[0])
         return self._norms[:, at], self._rms[:, at]
-
-    def at(self, oks: list[NDArray[np.bool_]]) -> tuple[list[F32], NDArray[np.float64], F32]:
-        """Per slot the rows at each mask in turn, concatenated; their norms and RMS [slots, rows].
-        Consecutive masks that are one array (candidates sharing a row map) are gathered once and
-        copied."""
-        runs: list[tuple[NDArray[np.bool_], int]] = []
-        for ok in oks:
-            if runs and runs[-1][0] is ok:
-                runs[-1] = (ok, runs[-1][1] + 1)
-            else:
-                runs.append((ok, 1))
-        idx = [np.flatnonzero(ok) for ok, _ in runs]
-        at = idx[0] if len(oks) == 1 else np.concatenate([i for i, (_, n) in zip(idx, runs) for _ in range(n)])
-        parts = [self._rows(ok) for ok, _ in runs]
-        if len(oks) == 1:
-            xs = parts[0]
-        else:
-            xs = [np.concatenate([p[i] for p, (_, n) in zip(parts, runs) for _ in range(n)])
-                  for i in range(len(self.targets))]
-        return xs, self._norms[:, at], self._rms[:, at]
 
 
 def _runs(lens: list[int]) -> list[tuple[int, int, int, int]]:
@@ -300,9 +259,10 @@ def _runs(lens: list[int]) -> list[tuple[int, int, int, int]]:
 
 def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Scored]]:
     """``[[score(t, c) for t in stack.targets] for c in cands]``, the same numbers to the bit,
-    computed at once: every candidate's rows concatenated, every slot stacked. Bit for bit because
-    each number comes from the same operations on the same values: the dot products and norms are
-    the same einsum per row (a row's sum does not depend on the rows around it), everything else
+    computed at once: every candidate's per-token dot products against every slot in one array,
+    every slot stacked. Bit for bit because each number comes from the same operations on the same
+    values: the dot products and norms are the same kernel sum per row (:func:`row_dots`: a row's
+    sum depends neither on the rows around it nor on float32 vs float64 input), everything else
     is elementwise, and each mean or maximum runs along one contiguous row of values (a segment
     of equal-length segments viewed [slots, segments, length]), which numpy reduces as it does a
     1-D array (tests/test_identity_batch.py pins it)."""
@@ -317,35 +277,28 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
     rc = cands[0].rms if one else np.concatenate([c.rms for c in cands])
     given = [c.norms for c in cands if c.norms is not None]
     S = len(stack.targets)
-    if f64_rows_exact(w) and all(c.data.dtype == np.float64 for c in cands):
-        # float64 rows (the catalog's candidates): each candidate against each slot's float64
-        # rows at its tokens, no concatenation and no casting; the same sums (f64_rows_exact)
-        nx, rx = stack.norms_rms_at([c.ok for c in cands])
-        x_of: Callable[[int, int], F32] = lambda i, j: stack.rows(cands[j].ok)[i]  # noqa: E731
-        dots = np.empty((S, sum(lens)))
-        start = 0
-        spans: dict[int, list[tuple[int, int, int]]] = {}
-        for c, n in zip(cands, lens):
-            if c.at is None:
-                for i, x64 in enumerate(stack.rows64(c.ok)):
-                    dots[i, start:start + n] = np.einsum("nw,nw->n", x64, c.data)
-            else:   # rows data[at]: einsum on each run of consecutive rows in place, no gather
-                runs = spans.get(id(c.at))
-                if runs is None:
-                    runs = spans[id(c.at)] = _row_spans(c.at)
-                for i, x64 in enumerate(stack.rows64(c.ok)):
-                    for r0, r1, d0 in runs:
-                        dots[i, start + r0:start + r1] = np.einsum("nw,nw->n", x64[r0:r1], c.data[d0:d0 + r1 - r0])
-            start += n
-        nc: NDArray[np.float64] = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) \
-            else np.concatenate([row_norms(c.rows()) for c in cands])
-    else:
-        xs, nx, rx = stack.at([c.ok for c in cands])
-        x_of = lambda i, j: xs[i][segs[j]]  # noqa: E731
-        c_all = cands[0].rows() if one else np.concatenate([c.rows() for c in cands])
-        nc = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) else row_norms(c_all)
-        # per_token_cos, stacked [slots, rows]
-        dots = np.stack([np.einsum("nw,nw->n", x, c_all, dtype=np.float64) for x in xs])
+    # each candidate against each slot's rows at its tokens, no concatenation, no casting (the
+    # kernel widens every element to float64 itself); rows given as data[at] are scored in place,
+    # one call per run of consecutive rows
+    nx, rx = stack.norms_rms_at([c.ok for c in cands])
+    x_of: Callable[[int, int], F32] = lambda i, j: stack.rows(cands[j].ok)[i]  # noqa: E731
+    dots = np.empty((S, sum(lens)))
+    start = 0
+    spans: dict[int, list[tuple[int, int, int]]] = {}
+    for c, n in zip(cands, lens):
+        if c.at is None:
+            for i, x in enumerate(stack.rows(c.ok)):
+                row_dots(x, c.data, dots[i, start:start + n])
+        else:
+            runs = spans.get(id(c.at))
+            if runs is None:
+                runs = spans[id(c.at)] = _row_spans(c.at)
+            for i, x in enumerate(stack.rows(c.ok)):
+                for r0, r1, d0 in runs:
+                    row_dots(x[r0:r1], c.data[d0:d0 + r1 - r0], dots[i, start + r0:start + r1])
+        start += n
+    nc: NDArray[np.float64] = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) \
+        else np.concatenate([row_norms(c.rows()) for c in cands])
     bounds = np.cumsum([0] + lens).tolist()
     segs = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     den = nx * nc

@@ -171,6 +171,30 @@ def _kernel_input(block: np.ndarray, dtype: str, buf: np.ndarray) -> tuple[np.nd
     return out, 0
 
 
+def row_dots(x: np.ndarray, c: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Per-row dot products of two [n, w] arrays in float64 (``out`` [n], float64, written):
+    each element widened to float64 (float32 and float64 rows give the same sums), the order of
+    the additions fixed by the kernel, so a row's sum depends only on its own values."""
+    x, c = _float_rows(x), _float_rows(c)
+    if x.shape != c.shape:
+        raise ValueError(f"row_dots: shapes {x.shape} and {c.shape} differ")
+    if out is None:
+        out = np.empty(x.shape[0], np.float64)
+    _kernels.row_dots(x, c, out)
+    return out
+
+
+def _float_rows(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"row_dots: expected [n, w] rows, got shape {x.shape}")
+    if x.dtype not in (np.float32, np.float64) or not x.dtype.isnative:
+        x = x.astype(np.float64)
+    if not (x.flags.aligned and x.strides[1] == x.itemsize and x.strides[0] >= 0 and x.strides[0] % x.itemsize == 0):
+        x = np.ascontiguousarray(x)
+    return x
+
+
 def rows_per_block(row_bytes: int, cap: int, block_bytes: int | None = None) -> int:
     """Rows in one diff block: about :data:`BLOCK_BYTES` of stored data per side (``row_bytes``
     the larger side's), at most ``cap`` rows. The serial diff and every backend cut blocks with

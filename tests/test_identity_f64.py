@@ -1,8 +1,9 @@
-"""Identity scoring from float64 copies of the candidates' rows (the catalog's search casts each
-candidate's rows once, not at each of its five offsets): the same numbers, to the bit, as from the
-float32 rows, wherever :func:`tensordiff.identity.f64_rows_exact` allows the copies; and where it
-does not (rows longer than numpy's cast buffer), float64 rows would give other sums, which is why
-the search keeps float32 there."""
+"""Identity scoring from float32 rows, their float64 copies, or rows scored in place (data[at]):
+the same numbers, to the bit, at any width. The sums come from the compiled kernel
+(:func:`tensordiff.numerics.row_dots`), which widens every element to float64 itself and fixes
+the order of the additions, so neither the input dtype nor the rows around a row change its sum
+(einsum, used before, cast float32 rows in buffers of ``np.getbufsize()`` elements and summed
+each separately, so rows wider than 8192 had other sums from float64 copies)."""
 
 from __future__ import annotations
 
@@ -11,42 +12,45 @@ import math
 import numpy as np
 import pytest
 
-from tensordiff.identity import CandidateRows, SlotStack, clean, f64_rows_exact, row_norms, score, score_many
+from tensordiff.identity import CandidateRows, SlotStack, clean, row_norms, score, score_many
+from tensordiff.numerics import row_dots
 from test_identity_batch import _same, _targets
 
 
-def _einsum_same(x: np.ndarray, c: np.ndarray) -> bool:
-    ref = np.einsum("nw,nw->n", x, c, dtype=np.float64)
-    return bool(np.array_equal(ref, np.einsum("nw,nw->n", x.astype(np.float64), c.astype(np.float64))))
-
-
-@pytest.mark.parametrize("w", [1, 2, 3, 7, 8, 100, 1000, 3000, 4095, 4096, 5120, 8191, 8192])
-def test_float64_rows_sum_as_the_cast_float32_rows(w):
+@pytest.mark.parametrize("w", [1, 2, 3, 7, 8, 9, 100, 1000, 4095, 4096, 8192, 8193, 20000])
+def test_float64_rows_sum_as_the_float32_rows(w):
     rng = np.random.default_rng(w)
-    assert f64_rows_exact(w)
-    for n in (1, 5, 64, 130):
+    for n in (1, 5, 64):
         x = (rng.standard_normal((n, w)) * rng.lognormal(0, 2, (n, 1))).astype(np.float32)
         c = (rng.standard_normal((n, w)) * rng.lognormal(0, 2, (n, 1))).astype(np.float32)
-        assert _einsum_same(x, c)
-        # float64 rows at any 8-byte offset in memory (a gather, a slice of a larger buffer)
+        ref = row_dots(x, c)
+        assert np.array_equal(ref, row_dots(x.astype(np.float64), c.astype(np.float64)))
+        assert np.array_equal(ref, row_dots(x, c.astype(np.float64)))
+        np.testing.assert_allclose(ref, (x.astype(np.float64) * c).sum(axis=1), rtol=1e-12, atol=1e-12)
+        # rows at any 8-byte offset in memory (a gather, a slice of a larger buffer), one at a time
         buf = np.empty(n * w + 3, np.float64)
         for off in (1, 3):
             v = buf[off:off + n * w].reshape(n, w)
             v[...] = c
-            assert np.array_equal(np.einsum("nw,nw->n", x.astype(np.float64), v),
-                                  np.einsum("nw,nw->n", x, c, dtype=np.float64))
+            assert np.array_equal(row_dots(x, v), ref)
+        assert np.array_equal(np.concatenate([row_dots(x[i:i + 1], c[i:i + 1]) for i in range(n)]), ref)
 
 
-def test_longer_rows_are_not_scored_from_float64():
-    w = np.getbufsize() + 1
-    assert not f64_rows_exact(w) and not f64_rows_exact(0)
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((64, 3 * w)).astype(np.float32)
-    c = rng.standard_normal((64, 3 * w)).astype(np.float32)
-    assert not _einsum_same(x, c), "numpy now sums long cast rows in one piece: f64_rows_exact may allow them"
+def test_row_dots_converts_what_the_kernel_does_not_take():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((6, 40)).astype(np.float32)
+    want = row_dots(x, x)
+    assert np.array_equal(row_dots(x.astype(np.float16).astype(np.float32), x.astype(np.float16)),
+                          row_dots(x.astype(np.float16).astype(np.float32), x.astype(np.float16).astype(np.float32)))
+    assert np.array_equal(row_dots(np.asfortranarray(x), x[:, ::-1][:, ::-1]), want)   # strided rows: copied
+    assert np.array_equal(row_dots(x.astype(">f4"), x), want)                             # byte-swapped: converted
+    with pytest.raises(ValueError, match="differ"):
+        row_dots(x, x[:, :39])
+    with pytest.raises(ValueError, match=r"\[n, w\]"):
+        row_dots(x[0], x[0])
 
 
-@pytest.mark.parametrize("w", [1, 8, 64, 4096, 8192])
+@pytest.mark.parametrize("w", [1, 8, 64, 4096, 8192, 9000])
 def test_float64_candidates_score_as_float32_ones(w):
     rng = np.random.default_rng(w + 7)
     n = 80 if w > 1000 else 200
@@ -75,10 +79,10 @@ def test_float64_candidates_score_as_float32_ones(w):
     assert any(s.exact_rel < math.inf for s in score_many(stack, [c64[2]])[0])   # the exact path ran
 
 
-@pytest.mark.parametrize("w", [8, 4096])
+@pytest.mark.parametrize("w", [8, 4096, 9000])
 def test_rows_scored_in_place_score_as_gathered_ones(w):
-    """A candidate given as data[at] (the catalog's float64 union of rows and each offset's
-    positions in it, runs of consecutive rows scored in place) scores as its gathered rows."""
+    """A candidate given as data[at] (the catalog's union of rows and each offset's positions in
+    it, runs of consecutive rows scored in place) scores as its gathered rows, float32 or float64."""
     rng = np.random.default_rng(w + 11)
     n = 64
     targets = _targets(rng, n, w, 2)
@@ -94,8 +98,8 @@ def test_rows_scored_in_place_score_as_gathered_ones(w):
         rms = np.sqrt((data32.astype(np.float64) ** 2).mean(axis=1)).astype(np.float32)
         tol = 3e-2 if j % 2 == 0 else None
         gathered.append(CandidateRows(f"s{j}", "a", j - 1, "values", ok, data32, rms, tol, row_norms(data32)))
-        in_place.append(CandidateRows(f"s{j}", "a", j - 1, "values", ok, union.astype(np.float64), rms, tol,
-                                      row_norms(union)[at], at))
+        in_place.append(CandidateRows(f"s{j}", "a", j - 1, "values", ok,
+                                      union.astype(np.float64) if j % 2 else union, rms, tol, row_norms(union)[at], at))
     stack = SlotStack(targets)
     for got_row, ref_row in zip(score_many(stack, in_place), score_many(SlotStack(targets), gathered)):
         for got, ref in zip(got_row, ref_row):
