@@ -31,10 +31,11 @@ its process (``os.wait4`` ru_maxrss), exit code, and whether its output names th
         [--json FILE] [--bytecode]
 
 ``--bytecode``: every task (baselines too) imports bytecode compiled once in the warm-up round,
-under the data dir (``PYTHONPYCACHEPREFIX``), as an installed package has it. Without it the
-environment decides: where ``PYTHONDONTWRITEBYTECODE=1`` (this machine), the CLI compiles
-tensordiff's sources on every run (~0.1 s of its start-up) while the baselines' numpy and h5py
-come compiled from site-packages. The output's ``bytecode:`` line says which was measured.
+under the data dir (``PYTHONPYCACHEPREFIX``). Without it the environment decides: scripts/setup.sh
+compiles tensordiff's modules as pip does for a regular install, and the baselines' numpy and
+h5py come compiled from site-packages; a module edited since (or a checkout never set up) is
+compiled from its source on every run where ``PYTHONDONTWRITEBYTECODE=1`` (this machine). The
+output's ``bytecode:`` line says which was measured.
 
 ``--json FILE`` writes the figures of benchmarks/benchjson.py's bench_diff entry:
 ``inproc_vs_read`` (h5py read s / in-process diff s, both without start-up), ``cli_vs_script``
@@ -286,6 +287,26 @@ def run_proc(cmd: list[str], env: dict, cwd: str, log_base: str, timeout: float 
     return res
 
 
+def _bytecode_state() -> str:
+    """Whether the CLI finds tensordiff's modules compiled (scripts/setup.sh writes their bytecode,
+    as pip does for a regular install) or compiles their sources on every run."""
+    import importlib.util
+
+    pkg = os.path.join(REPO, "tensordiff")
+    mods = [os.path.join(d, f) for d, _, fs in os.walk(pkg) for f in fs if f.endswith(".py")]
+    fresh = 0
+    for m in mods:
+        pyc = importlib.util.cache_from_source(m)
+        if os.path.exists(pyc) and os.path.getmtime(pyc) >= os.path.getmtime(m):
+            fresh += 1
+    if fresh == len(mods):
+        return "tensordiff's modules compiled (by scripts/setup.sh, or a run that wrote them)"
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        return (f"{len(mods) - fresh} of {len(mods)} tensordiff modules without fresh bytecode and "
+                "PYTHONDONTWRITEBYTECODE=1: those compiled from source on every run")
+    return f"{len(mods) - fresh} of {len(mods)} tensordiff modules compiled on the first run (then cached)"
+
+
 def names_layer_text(text: str, layer: int) -> bool:
     text = ANSI.sub("", text)
     return re.search(rf"layer(?:_id)?\W{{0,4}}{layer}\b", text) is not None
@@ -327,9 +348,7 @@ def main() -> int:
     if a.bytecode:   # the same for every task: its modules' bytecode, compiled in the warm-up round
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         env["PYTHONPYCACHEPREFIX"] = os.path.join(work, "pycache")
-    bytecode = ("compiled once, under the data dir (--bytecode)" if a.bytecode else
-                "not written (PYTHONDONTWRITEBYTECODE=1): tensordiff's sources compiled on every run"
-                if os.environ.get("PYTHONDONTWRITEBYTECODE") else "the environment's __pycache__")
+    bytecode = "compiled once, under the data dir (--bytecode)" if a.bytecode else _bytecode_state()
     me = os.path.abspath(__file__)
     from benchjson import Result
 
