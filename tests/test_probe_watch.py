@@ -109,3 +109,60 @@ def test_worker_killed_after_its_opens_is_not_blamed_on_a_file(good, monkeypatch
     rc, out, err = run_isolated(["diff", good["a"], good["b"], "-q"], timeout=60)
     assert_clean_exit(rc, out, err, "diff")
     assert rc == 2 and "killed (signal 9) after it had opened the traces" in err and "damaged" not in err, err
+
+
+def _reporting_child(work: str, seconds: float) -> tuple[int, int]:
+    """A forked child that reports a file, then ``work``s ("spin": burns CPU, as the HDF5 library
+    looping on a damaged file; "wait": sleeps, as a child waiting for a core on a loaded machine)
+    for ``seconds`` without a report, then reports once more and exits; (pid, read end)."""
+    import time as _time
+
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(rfd)
+            os.write(wfd, b"P0 some.h5\nN200\n")   # 200 tensors: an allowance of 11 s
+            end = _time.monotonic() + seconds
+            while _time.monotonic() < end:
+                if work == "wait":
+                    _time.sleep(0.05)
+            os.write(wfd, b"T3\n")
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    return pid, rfd
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("work,stuck", [("spin", True), ("wait", False)])
+def test_stuck_means_cpu_spent_without_progress(work, stuck):
+    """A child that burns a stall timeout of CPU without a report is stuck; one that goes as long
+    without a report while using no CPU (descheduled on a loaded machine) is not: a valid big
+    trace was called damaged under load (TENSORDIFF_OPEN_TIMEOUT=1, load 6)."""
+    from tensordiff.trace.probe import _watch
+
+    pid, rfd = _reporting_child(work, 2.5)
+    try:
+        status, state, lines = _watch(pid, rfd, 1.0)
+    finally:
+        os.close(rfd)
+    assert (status == "stuck") is stuck, (status, lines)
+    if not stuck:
+        assert os.WIFEXITED(status) and lines[-1] == "T3"
+    assert state is not None and state.path == "some.h5"
+
+
+def test_a_child_without_reports_is_stuck_by_the_wall_clock_at_last(monkeypatch):
+    """However little CPU it uses, a child that reports nothing for WALL_FACTOR stall timeouts is stuck
+    (a hang outside the CPU, in a read that never returns, ends too)."""
+    import importlib
+
+    probe_mod = importlib.import_module("tensordiff.trace.probe")   # (tensordiff.trace.probe is also a function)
+    monkeypatch.setattr(probe_mod, "WALL_FACTOR", 2.0)
+    pid, rfd = _reporting_child("wait", 8.0)
+    try:
+        status, _state, lines = probe_mod._watch(pid, rfd, 1.0)
+    finally:
+        os.close(rfd)
+    assert status == "stuck", lines

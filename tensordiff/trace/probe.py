@@ -7,10 +7,14 @@ and validates each trace in a forked child first; the caller meets only its verd
 The child reports as it goes (one line each: the file it starts, its tensor count, a tick per
 tensor read, the identity of the file it read, the first error), so the parent tells apart
 
-- a file on which the library is stuck: no report for ``TENSORDIFF_OPEN_TIMEOUT`` seconds
-  (default 60) -> "damaged";
-- a valid file that is merely big: reports keep coming, but the whole open takes longer than its
-  allowance, which grows with the file's structure (:func:`allowance`) -> "too slow to open";
+- a file on which the library is stuck: no report while the child spends ``TENSORDIFF_OPEN_TIMEOUT``
+  seconds (default 60) of CPU time -> "damaged" (the library loops in C, so a stuck child burns
+  CPU; a child that merely waits for a core on a loaded machine is not stuck: where ``/proc``
+  gives no CPU times, or a child makes no report for ten times as long in wall time, the wall
+  clock decides);
+- a valid file that is merely big: reports keep coming (the last within the stall timeout), but
+  the whole open takes longer than its allowance, which grows with the file's structure
+  (:func:`allowance`) -> "too slow to open";
 
 and each file gets its own clock, so the error names the file that was being read. The identity
 (device, inode, size, modification time) of each file the child checked is remembered in
@@ -43,6 +47,8 @@ MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 86400.0
 PER_TENSOR_SECONDS = 0.05   # allowance per tensor, on top of the stall timeout (measured ~3 ms each)
 READ_BYTES_PER_SECOND = 200e6
 TICK_SECONDS = 0.2          # the child reports at most this often
+WALL_FACTOR = 10.0          # no report for this many stall timeouts of wall time: stuck, whatever the CPU says
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") and "SC_CLK_TCK" in os.sysconf_names else 100
 
 
 def open_timeout(env: dict[str, str] | None = None) -> float:
@@ -75,6 +81,42 @@ def probe_disabled(env: dict[str, str] | None = None) -> bool:
 def allowance(stall: float, size: int, tensors: int) -> float:
     """How long opening one file may take in all, while it keeps making progress."""
     return stall + tensors * PER_TENSOR_SECONDS + size / READ_BYTES_PER_SECOND
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (every thread) from ``/proc``; None where there
+    is no such file (not Linux) or it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        fields = stat[stat.rindex(b")") + 2:].split()   # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Clock:
+    """How long a child has gone without a report: CPU seconds where ``/proc`` tells them, else wall
+    seconds; past ``WALL_FACTOR`` stall timeouts of wall time it counts as stuck either way."""
+
+    def __init__(self, pid: int, stall: float):
+        self.pid, self.stall = pid, stall
+        self.wall = time.monotonic()
+        self.cpu = _cpu_seconds(pid)
+
+    def reset(self, now: float) -> None:
+        self.wall = now
+        self.cpu = _cpu_seconds(self.pid)
+
+    def stuck(self, now: float) -> bool:
+        if now - self.wall > self.stall * WALL_FACTOR:
+            return True
+        if now - self.wall <= self.stall:   # never sooner than the wall clock's rule
+            return False
+        cpu = _cpu_seconds(self.pid) if self.cpu is not None else None
+        if cpu is None:
+            return True
+        return cpu - self.cpu > self.stall
 
 
 @dataclass
@@ -127,7 +169,7 @@ def _watch(pid: int, rfd: int, stall: float, expect: set[str] | None = None
     lines: list[str] = []
     pending = b""
     state: _FileState | None = None
-    started = time.monotonic()
+    clock = _Clock(pid, stall)   # since the last report
     while True:
         ready = select.select([rfd], [], [], 0.05)[0]
         now = time.monotonic()
@@ -149,6 +191,7 @@ def _watch(pid: int, rfd: int, stall: float, expect: set[str] | None = None
                 return st, state, lines
             if state is not None:
                 state.last_report = now
+            clock.reset(now)
             continue
         done, st = os.waitpid(pid, os.WNOHANG)
         if done:   # what it wrote just before exiting may still be in the pipe
@@ -163,11 +206,13 @@ def _watch(pid: int, rfd: int, stall: float, expect: set[str] | None = None
                     state = _follow(lines[-1], state, now)
             return st, state, lines
         if state is not None:
-            if now - state.last_report > stall:
+            if clock.stuck(now):
                 return _kill(pid, "stuck"), state, lines
-            if now - state.started > allowance(stall, state.size, state.tensors):
+            # too slow only while it visibly makes progress: a child gone silent is stuck or not
+            # by its clock, not called valid-but-big because a loaded machine slowed its loop
+            if now - clock.wall <= stall and now - state.started > allowance(stall, state.size, state.tensors):
                 return _kill(pid, "slow"), state, lines
-        elif expect is None and now - started > stall:
+        elif expect is None and clock.stuck(now):
             return _kill(pid, "stuck"), state, lines
 
 
