@@ -114,7 +114,7 @@ class _Clock:
         if now - self.wall <= self.stall:   # never sooner than the wall clock's rule
             return False
         cpu = _cpu_seconds(self.pid) if self.cpu is not None else None
-        if cpu is None:
+        if cpu is None or self.cpu is None:   # no CPU times: the wall clock's rule
             return True
         return cpu - self.cpu > self.stall
 
