@@ -287,6 +287,26 @@ def run_proc(cmd: list[str], env: dict, cwd: str, log_base: str, timeout: float 
     return res
 
 
+def set_cache(mode: str, paths: list[str]) -> None:
+    """Put the traces' pages in the page cache (warm: every byte read once) or out of it (cold:
+    written back, then dropped with POSIX_FADV_DONTNEED); as-is: leave them."""
+    if mode == "as-is":
+        return
+    buf = bytearray(16 << 20) if mode == "warm" else None
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            if buf is not None:
+                view = memoryview(buf)
+                while os.readv(fd, [view]) == len(buf):
+                    pass
+            else:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _bytecode_state() -> str:
     """Whether the CLI finds tensordiff's modules compiled (scripts/setup.sh writes their bytecode,
     as pip does for a regular install) or compiles their sources on every run."""
@@ -327,6 +347,11 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the data dir (path printed)")
     ap.add_argument("--no-comparator", action="store_true", help="skip SGLang's comparator")
     ap.add_argument("--json", metavar="FILE", help="write the figures as one JSON object (BENCH_CONTRACT.md)")
+    ap.add_argument("--cache", choices=("as-is", "warm", "cold"), default="as-is",
+                    help="the page cache before every task (warm-up and timed): as-is (what the previous task "
+                         "left), warm (both traces read whole first), cold (their pages dropped first). Pairs "
+                         "that do not fit the page cache beside the plain script (8 GB at 100k tokens) are "
+                         "otherwise measured warm or cold by the luck of the order")
     ap.add_argument("--bytecode", action="store_true",
                     help="every task imports compiled bytecode, written once (in the warm-up) under the data dir "
                          "(PYTHONPYCACHEPREFIX), as an installed package has it; default: the environment's setting "
@@ -353,7 +378,8 @@ def main() -> int:
     from benchjson import Result
 
     result = Result("bench_diff", {"layers": a.layers, "tokens": a.tokens, "hidden": a.hidden, "corrupt": corrupt,
-                                   "seed": a.seed, "repeat": a.repeat, "backend": "serial", "bytecode": a.bytecode})
+                                   "seed": a.seed, "repeat": a.repeat, "backend": "serial", "bytecode": a.bytecode,
+                                   "cache": a.cache})
     load_start = os.getloadavg()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in load_start)} on {os.cpu_count()} CPUs "
           "(shared machine: other jobs may run)", flush=True)
@@ -413,6 +439,8 @@ def main() -> int:
             for name, cmd in round_tasks:
                 if rep == 0 and name == "SGLang comparator import":
                     continue  # the comparator's warm-up already loaded the same modules
+                if name in ("h5py read", "plain script", "tensordiff CLI", "tensordiff in-process"):
+                    set_cache(a.cache, [A, B])
                 r = run_proc(cmd, cli_env if name == "tensordiff CLI" else env, work,
                              os.path.join(logs, f"{name.replace(' ', '_')}.{rep}"))
                 if name in ("h5py read", "plain script", "tensordiff in-process") and r["rc"] != 0:
@@ -517,6 +545,7 @@ def main() -> int:
         print(f"check: tensordiff exit code 1 and first_divergence = {label}: {'PASS' if ok else 'FAIL'}")
         print("backend: serial (the CLI is given --backend serial; the in-process diff runs serial)")
         print(f"bytecode: {bytecode}")
+        print(f"page cache before each task: {a.cache}")
         if a.json:
             figures = {"inproc_vs_read": h5["timed"] / inp["timed"], "cli_vs_script": script_row["wall"] / cli["wall"],
                        "probe_share": probe_s / cli["wall"], "rss_mb": cli["rss"] / 1e6, "names_corrupt": ok,
