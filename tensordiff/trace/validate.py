@@ -18,7 +18,7 @@ from typing import Any
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
-from h5py import h5a, h5g, h5i, h5l, h5o, h5t  # type: ignore[import-untyped, unused-ignore]
+from h5py import h5a, h5d, h5g, h5i, h5l, h5o, h5t  # type: ignore[import-untyped, unused-ignore]
 from h5py._objects import ObjectID  # type: ignore[import-untyped, unused-ignore]
 
 from ..dtypes import LOGICAL_DTYPES
@@ -241,7 +241,7 @@ def _read_attr(aid: Any, shape: tuple[int, ...], dt: np.dtype) -> Any:
         mtype = h5t.py_create(dt)
     arr = np.zeros(shape, dtype=dt, order="C")
     aid.read(arr, mtype=mtype)
-    info = h5t.check_string_dtype(dt)
+    info = h5t.check_string_dtype(dt) if dt.kind == "O" else None
     if info and info.length is None:  # variable-length strings: as h5py decodes them
         arr = np.array([b.decode("utf-8", "surrogateescape") for b in arr.flat], dtype=dt).reshape(arr.shape)
     if arr.ndim == 0:
@@ -321,7 +321,9 @@ def follow(group: Any, name: str, what: str) -> Any:
     mode): the link's existence and type, one open, the object's type and link count."""
     gid = group.id
     bname = name.encode("utf-8")   # h5py's name encoding: ASCII, else UTF-8 (the same bytes)
-    if not h5g._path_valid(gid, bname, None):
+    # a link of this group by that name (never resolved: h5py's `name in group` resolves the
+    # link to see whether its target exists, which opens the file an external link names)
+    if not (gid.links.exists(bname) if "/" not in name else h5g._path_valid(gid, bname, None)):
         return None
     typecode = gid.links.get_info(bname).type
     if typecode != h5l.TYPE_HARD:
@@ -340,7 +342,7 @@ def follow(group: Any, name: str, what: str) -> Any:
         obj = h5py.Datatype(oid)
     else:
         raise TypeError("Unknown object type")
-    links = int(h5o.get_info(oid).rc)
+    links = _link_count(oid)
     if links > 1:
         raise TraceFileError(f"{what} is one object linked under {links} names; a trace stores each object once "
                              "(the file is crafted or damaged)")
@@ -349,19 +351,33 @@ def follow(group: Any, name: str, what: str) -> Any:
     return obj
 
 
+def _link_count(oid: Any) -> int:
+    """How many hard links name the object (H5Gget_objinfo's count: H5Oget_info reads the whole
+    header summary for it)."""
+    try:
+        return int(h5g.get_objinfo(oid).nlink)
+    except AttributeError:  # an HDF5 built without the 1.6 API
+        return int(h5o.get_info(oid).rc)
+
+
 def check_dataset(ds: Any, what: str) -> None:
     """Refuse a dataset whose storage reaches outside the file, or that cannot be read safely."""
-    if ds.is_virtual:
+    dcpl = getattr(ds, "_dcpl", None)   # h5py's Dataset keeps its creation property list
+    if dcpl is None:
+        dcpl = ds.id.get_create_plist()
+    layout = dcpl.get_layout()   # one read of what is_virtual and chunks each asked for again
+    if layout == h5d.VIRTUAL:
         raise TraceFileError(f"{what} is a virtual dataset; datasets mapped from other files are not read")
-    if ds.external:
+    if dcpl.get_external_count() > 0:
         raise TraceFileError(f"{what} keeps its data in external files; they are not read")
     if ds.shape is None:
         raise TraceFileError(f"{what} is an empty (null) dataset")
     dt = ds.dtype
     if dt.itemsize == 0 or dt.itemsize > 1 << 16:
         raise TraceFileError(f"{what} has an element size of {dt.itemsize} bytes")
-    if ds.chunks is not None and math.prod(ds.chunks) * dt.itemsize > MAX_CHUNK_BYTES:
-        raise TraceFileError(f"{what} has chunks of {math.prod(ds.chunks) * dt.itemsize} bytes "
+    chunks = dcpl.get_chunk() if layout == h5d.CHUNKED else None
+    if chunks is not None and math.prod(chunks) * dt.itemsize > MAX_CHUNK_BYTES:
+        raise TraceFileError(f"{what} has chunks of {math.prod(chunks) * dt.itemsize} bytes "
                              f"(more than {MAX_CHUNK_BYTES >> 20} MiB)")
     missing = []
     for fid in filters_of(ds):
