@@ -321,8 +321,7 @@ def follow(group: Any, name: str, what: str) -> Any:
     mode): the link's existence and type, one open, the object's type and link count."""
     gid = group.id
     bname = name.encode("utf-8")   # h5py's name encoding: ASCII, else UTF-8 (the same bytes)
-    # a link of this group by that name (never resolved: h5py's `name in group` resolves the
-    # link to see whether its target exists, which opens the file an external link names)
+    # a link of this group by that name, its target not resolved (as h5py's `name in group`)
     if not (gid.links.exists(bname) if "/" not in name else h5g._path_valid(gid, bname, None)):
         return None
     typecode = gid.links.get_info(bname).type
