@@ -142,7 +142,7 @@ def finish(code: int) -> NoReturn:
 
 
 def _run_diff(args) -> int:
-    from .diff import diff_traces
+    from .diff import Differ
 
     opts = _diff_options(args, args.summary)
     if args.backend != "serial" or args.workers is not None:   # serial: the diff's own loop, no backend module
@@ -153,7 +153,9 @@ def _run_diff(args) -> int:
     try:
         with progress_bar(not args.quiet and not args.json) as cb:
             opts.progress = cb
-            res = diff_traces(args.a, args.b, opts)
+            with Differ(args.a, args.b, opts) as d:   # diff_traces, keeping what the open traces record
+                res = d.run()
+                model_dirs = _model_dirs(d.ra, d.rb)
         res.require_complete = args.require_complete
     finally:
         if opts.numeric is not None:
@@ -166,7 +168,8 @@ def _run_diff(args) -> int:
         else:
             from .report import make_console, print_diff   # rich: only for the text report
 
-            print_diff(res, make_console(), max_findings=args.max_findings, token_text=_token_text(args, res))
+            print_diff(res, make_console(), max_findings=args.max_findings,
+                       token_text=_token_text(args, res, model_dirs))
     except BrokenPipeError:
         _stdout_to_devnull()
     return res.exit_code
@@ -178,12 +181,22 @@ def _swapped_hint(res, command: str) -> None:
                          f"(usually train): tensordiff {command} {res.path_b} {res.path_a}\n")
 
 
-def _token_text(args, res):
-    """--tokenizer DIR, else the model directory a trace records (when it has a tokenizer)."""
+def _model_dirs(*traces) -> list[str]:
+    """The model directories open traces record (``model.path``), in the order given (what
+    :func:`tensordiff.token_text.recorded_model_dirs` reads by opening the files again)."""
+    dirs = [t.model.get("path") if isinstance(t.model, dict) else None for t in traces]
+    return [d for d in dirs if isinstance(d, str) and d]
+
+
+def _token_text(args, res, model_dirs: list[str] | None = None):
+    """--tokenizer DIR, else the model directory a trace records (when it has a tokenizer);
+    ``model_dirs``: those of the diff's own open traces (else the files are opened again)."""
     from .token_text import recorded_model_dirs, resolve
 
     tok = getattr(args, "tokenizer", None)
-    return resolve(tok, () if tok else recorded_model_dirs(res.path_a, res.path_b))
+    if tok:
+        return resolve(tok, ())
+    return resolve(tok, recorded_model_dirs(res.path_a, res.path_b) if model_dirs is None else model_dirs)
 
 
 def _stdout_to_devnull() -> None:
