@@ -208,14 +208,20 @@ def _stdout_to_devnull() -> None:
 
 def cmd_report(args) -> int:
     """The HTML report: one self-contained file (docs/report.md)."""
-    from .report_html import make_report
     from .safety import check_output_path
-    from .trace import probe
+    from .trace.probe import run_watched
     from .traceset import trace_paths
 
     inputs = trace_paths(args.a) + trace_paths(args.b)
     check_output_path(args.out, [*inputs, args.calibration], "--out")
-    probe(inputs)
+    # as the diff: the work runs in a watched worker that opens each file once (the probe's child
+    # opened every file before this process opened it again)
+    return run_watched(inputs, lambda: _run_report(args))
+
+
+def _run_report(args) -> int:
+    from .report_html import make_report
+
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
     res.require_complete = args.require_complete
     _swapped_hint(res, "report")
@@ -225,21 +231,19 @@ def cmd_report(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Diff a noise-floor pair (same wiring, honest numeric differences) and write tolerances."""
-    from .diff import Differ, DiffOptions
-    from .tolerances import (
-        Tolerance,
-        ToleranceBook,
-        calibrate_tolerance,
-        calibration_file,
-    )
     from .safety import check_output_path
-    from .trace import probe
-
+    from .trace.probe import run_watched
     from .traceset import trace_paths
 
     inputs = trace_paths(args.a) + trace_paths(args.b)
     check_output_path(args.out, inputs, "--out")
-    probe(inputs)
+    return run_watched(inputs, lambda: _run_calibrate(args))   # one open per file, watched (as the diff)
+
+
+def _run_calibrate(args) -> int:
+    from .diff import Differ, DiffOptions
+    from .tolerances import Tolerance, ToleranceBook, calibrate_tolerance, calibration_file
+
     loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
     with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
         res = d.run()
