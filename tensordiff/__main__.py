@@ -1,5 +1,3 @@
-import sys
+from .cli import finish, main
 
-from .cli import main
-
-sys.exit(main())
+finish(main())

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 from contextlib import contextmanager
+from typing import NoReturn
 
 from . import __version__
 from .errors import IncompatibleTracesError, TensordiffError, UsageError
@@ -103,11 +104,18 @@ def _diff_options(args, summary_path=None):
     return DiffOptions(tolerances=book, summary_path=summary_path)
 
 
+#: whether this process has nothing left to finish once its command returned: the command's work
+#: ran in a worker process that has ended (the diff), so no file, thread or write of this process
+#: is pending, and `python -m tensordiff` skips the interpreter's teardown (:func:`finish`)
+_nothing_left = False
+
+
 def cmd_diff(args) -> int:
+    global _nothing_left
     if args.tui:
         return cmd_tui(args)
     from .safety import check_output_path
-    from .trace.probe import run_watched
+    from .trace.probe import run_watched, runs_in_worker
     from .traceset import trace_paths
 
     inputs = trace_paths(args.a) + trace_paths(args.b)
@@ -115,11 +123,26 @@ def cmd_diff(args) -> int:
         check_output_path(args.summary, [*inputs, args.calibration], "--summary")
     # a file that hangs or crashes the HDF5 library is met by a worker process that this one
     # watches: the diff runs in it, and each file is opened once
+    _nothing_left = runs_in_worker()
     return run_watched(inputs, lambda: _run_diff(args))
 
 
+def finish(code: int) -> NoReturn:
+    """End the process with ``code``. When the command's work ran in a worker that has ended
+    (``diff``), this process only watched it: its output is flushed and it exits at once, without
+    the interpreter's teardown (tens of milliseconds with numpy and h5py loaded); else ``sys.exit``."""
+    if _nothing_left:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe: the ordinary exit reports it as before
+            sys.exit(code)
+        os._exit(code)
+    sys.exit(code)
+
+
 def _run_diff(args) -> int:
-    from .diff import diff_traces
+    from .diff import Differ
 
     opts = _diff_options(args, args.summary)
     if args.backend != "serial" or args.workers is not None:   # serial: the diff's own loop, no backend module
@@ -130,7 +153,9 @@ def _run_diff(args) -> int:
     try:
         with progress_bar(not args.quiet and not args.json) as cb:
             opts.progress = cb
-            res = diff_traces(args.a, args.b, opts)
+            with Differ(args.a, args.b, opts) as d:   # diff_traces, keeping what the open traces record
+                res = d.run()
+                model_dirs = _model_dirs(d.ra, d.rb)
         res.require_complete = args.require_complete
     finally:
         if opts.numeric is not None:
@@ -143,7 +168,8 @@ def _run_diff(args) -> int:
         else:
             from .report import make_console, print_diff   # rich: only for the text report
 
-            print_diff(res, make_console(), max_findings=args.max_findings, token_text=_token_text(args, res))
+            print_diff(res, make_console(), max_findings=args.max_findings,
+                       token_text=_token_text(args, res, model_dirs))
     except BrokenPipeError:
         _stdout_to_devnull()
     return res.exit_code
@@ -155,12 +181,22 @@ def _swapped_hint(res, command: str) -> None:
                          f"(usually train): tensordiff {command} {res.path_b} {res.path_a}\n")
 
 
-def _token_text(args, res):
-    """--tokenizer DIR, else the model directory a trace records (when it has a tokenizer)."""
+def _model_dirs(*traces) -> list[str]:
+    """The model directories open traces record (``model.path``), in the order given (what
+    :func:`tensordiff.token_text.recorded_model_dirs` reads by opening the files again)."""
+    dirs = [t.model.get("path") if isinstance(t.model, dict) else None for t in traces]
+    return [d for d in dirs if isinstance(d, str) and d]
+
+
+def _token_text(args, res, model_dirs: list[str] | None = None):
+    """--tokenizer DIR, else the model directory a trace records (when it has a tokenizer);
+    ``model_dirs``: those of the diff's own open traces (else the files are opened again)."""
     from .token_text import recorded_model_dirs, resolve
 
     tok = getattr(args, "tokenizer", None)
-    return resolve(tok, () if tok else recorded_model_dirs(res.path_a, res.path_b))
+    if tok:
+        return resolve(tok, ())
+    return resolve(tok, recorded_model_dirs(res.path_a, res.path_b) if model_dirs is None else model_dirs)
 
 
 def _stdout_to_devnull() -> None:
@@ -172,14 +208,20 @@ def _stdout_to_devnull() -> None:
 
 def cmd_report(args) -> int:
     """The HTML report: one self-contained file (docs/report.md)."""
-    from .report_html import make_report
     from .safety import check_output_path
-    from .trace import probe
+    from .trace.probe import run_watched
     from .traceset import trace_paths
 
     inputs = trace_paths(args.a) + trace_paths(args.b)
     check_output_path(args.out, [*inputs, args.calibration], "--out")
-    probe(inputs)
+    # as the diff: the work runs in a watched worker that opens each file once (the probe's child
+    # opened every file before this process opened it again)
+    return run_watched(inputs, lambda: _run_report(args))
+
+
+def _run_report(args) -> int:
+    from .report_html import make_report
+
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
     res.require_complete = args.require_complete
     _swapped_hint(res, "report")
@@ -189,21 +231,19 @@ def cmd_report(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Diff a noise-floor pair (same wiring, honest numeric differences) and write tolerances."""
-    from .diff import Differ, DiffOptions
-    from .tolerances import (
-        Tolerance,
-        ToleranceBook,
-        calibrate_tolerance,
-        calibration_file,
-    )
     from .safety import check_output_path
-    from .trace import probe
-
+    from .trace.probe import run_watched
     from .traceset import trace_paths
 
     inputs = trace_paths(args.a) + trace_paths(args.b)
     check_output_path(args.out, inputs, "--out")
-    probe(inputs)
+    return run_watched(inputs, lambda: _run_calibrate(args))   # one open per file, watched (as the diff)
+
+
+def _run_calibrate(args) -> int:
+    from .diff import Differ, DiffOptions
+    from .tolerances import Tolerance, ToleranceBook, calibrate_tolerance, calibration_file
+
     loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
     with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
         res = d.run()

@@ -166,3 +166,57 @@ def test_a_child_without_reports_is_stuck_by_the_wall_clock_at_last(monkeypatch)
     finally:
         os.close(rfd)
     assert status == "stuck", lines
+
+
+def _count_opens(tmp_path, monkeypatch):
+    log = tmp_path / "opens.log"
+    orig = TraceReader.__init__
+
+    def counting(self, path, **kw):
+        with open(log, "a") as fh:
+            fh.write(os.path.abspath(os.fspath(path)) + "\n")
+        orig(self, path, **kw)
+
+    monkeypatch.setattr(TraceReader, "__init__", counting)
+    return log
+
+
+def test_calibrate_opens_each_input_once(good, tmp_path, monkeypatch):
+    """calibrate runs in the watched worker too: A and B opened once each (the probe's child
+    opened both before the command opened them again)."""
+    log = _count_opens(tmp_path, monkeypatch)
+    out_json = tmp_path / "tol.json"
+    rc, out, err = run_isolated(["calibrate", good["a"], good["a"], "--out", str(out_json)], timeout=120)
+    assert rc == 0, err
+    assert json.loads(out_json.read_text())["tolerances"], out_json.read_text()[:200]
+    assert log.read_text().split() == [os.path.abspath(good["a"])] * 2
+
+
+def test_report_errors_come_back_from_the_worker(good, tmp_path):
+    """report in the watched worker: a bad input is still one line and exit 2, nothing written."""
+    html = tmp_path / "r.html"
+    rc, out, err = run_isolated(["report", good["a"], str(tmp_path / "missing.h5"), "-o", str(html)], timeout=120)
+    assert rc == 2 and err.count("\n") == 1 and "no such file" in err, err
+    assert not html.exists()
+    rc, out, err = run_isolated(["report", good["a"], good["b"], "-o", str(html)], timeout=120)
+    assert rc in (0, 1) and html.read_text().startswith("<!"), err
+    assert out.startswith(f"wrote {html}"), out
+
+
+def test_python_m_diff_exits_at_once_with_all_its_output(good):
+    """`python -m tensordiff diff` ends without the interpreter's teardown once the worker has
+    ended: the whole report still arrives, with the diff's exit code (and an error its line)."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = [sys.executable, "-m", "tensordiff", "diff"]
+    ref = main(["diff", good["a"], good["b"], "--json", "-q"])
+    p = subprocess.run([*run, good["a"], good["b"], "--json", "-q"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == ref and json.loads(p.stdout)["headline"], p.stderr
+    p = subprocess.run([*run, good["a"], good["b"]], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == ref and "verdict:" in p.stdout, p.stderr
+    p = subprocess.run([*run, good["a"], "missing.h5"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.startswith("tensordiff: error: missing.h5"), p.stderr

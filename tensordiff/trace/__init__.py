@@ -18,6 +18,8 @@ subset without loading whole datasets.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import h5py  # type: ignore[import-untyped, unused-ignore]  # noqa: F401 - benchmarks patch trace.h5py.File
 
 from .probe import PROBE_SECONDS, probe
@@ -41,7 +43,18 @@ from .schema import (
     TensorInfo,
     slot_rms,
 )
-from .writer import TraceWriter
+
+if TYPE_CHECKING:
+    from .writer import TraceWriter
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`TraceWriter` on first use: reading (the diff, info, the TUI) never loads the writer."""
+    if name == "TraceWriter":
+        from .writer import TraceWriter
+
+        return TraceWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CHUNK_BYTES",

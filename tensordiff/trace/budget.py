@@ -88,7 +88,9 @@ def row_bytes(ds: Any) -> int:
 
 def filters_of(ds: Any) -> list[int]:
     """The HDF5 filter ids of a dataset's pipeline (empty: stored as is)."""
-    plist = ds.id.get_create_plist()
+    plist = getattr(ds, "_dcpl", None)   # h5py's Dataset keeps its creation property list
+    if plist is None:
+        plist = ds.id.get_create_plist()
     return [int(plist.get_filter(i)[0]) for i in range(plist.get_nfilters())]
 
 

@@ -338,7 +338,7 @@ def run_watched(paths: Sequence[str | os.PathLike[str]], body: Callable[[], int]
     or stderr is not a file descriptor (a test capturing them in memory), it is ``probe(paths)``
     then ``body()`` in this process."""
     stall = open_timeout() if timeout is None else float(timeout)
-    if not hasattr(os, "fork") or probe_disabled() or not _real_stdio():
+    if not runs_in_worker():
         t0 = time.perf_counter()
         probe(paths, stall)
         _timing("probe", time.perf_counter() - t0, "child process, every file opened twice")
@@ -362,6 +362,11 @@ def run_watched(paths: Sequence[str | os.PathLike[str]], body: Callable[[], int]
     finally:
         os.close(rfd)
     return _worker_verdict(status, state, lines, names, stall, fork_s)
+
+
+def runs_in_worker() -> bool:
+    """Whether :func:`run_watched` runs its body in a forked worker (else in this process)."""
+    return hasattr(os, "fork") and not probe_disabled() and _real_stdio()
 
 
 def _real_stdio() -> bool:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
+from h5py import h5s  # type: ignore[import-untyped, unused-ignore]
 
 from ..dtypes import storage_dtype
 from ..errors import TensordiffError, TraceFileError
@@ -276,6 +277,7 @@ class TraceReader(RowReads):
             raise TraceFileError("missing the /tensors group")
         if len(tg) > MAX_TENSORS:
             raise TraceFileError(f"/tensors has {len(tg)} members (at most {MAX_TENSORS})")
+        self._tensors_path = tg.name
         self.tensors = {}
         self._rows = {}
         self._rows_seen: dict[tuple[int, int, int, int], np.ndarray] = {}
@@ -346,7 +348,7 @@ class TraceReader(RowReads):
             raise TraceFileError(f"tensor {name!r} has {len(ga)} attributes (at most {MAX_ATTRS})")
         ta = tensor_attrs(ga, name, self._budget)
         rows_ds = follow(g, "rows", f"{name}/rows")
-        if not isinstance(rows_ds, h5py.Dataset) or rows_ds.ndim != 1 or rows_ds.dtype.kind not in "iu":
+        if not isinstance(rows_ds, h5py.Dataset) or len(rows_ds.shape) != 1 or rows_ds.dtype.kind not in "iu":
             raise TraceFileError(f"tensor {name!r} has no valid rows index")
         dsets: dict[str, Any] = {"rows": rows_ds}
         for part, shape2 in (("values", ta.width), ("sketch", ta.slot_count * self.sketch_dim),
@@ -354,13 +356,14 @@ class TraceReader(RowReads):
             ds = follow(g, part, f"{name}/{part}")
             if ds is None:
                 continue
-            if not isinstance(ds, h5py.Dataset) or ds.ndim != 2 or ds.shape[1] != shape2:
+            if not isinstance(ds, h5py.Dataset) or len(ds.shape) != 2 or ds.shape[1] != shape2:
                 raise TraceFileError(f"tensor {name!r}: {part} has shape {getattr(ds, 'shape', None)}, "
                                      f"expected (rows, {shape2})")
-            if part == "values" and ds.dtype != storage_dtype(ta.dtype):
-                raise TraceFileError(f"tensor {name!r}: values stored as {ds.dtype}, expected "
+            dt = ds.dtype
+            if part == "values" and dt != storage_dtype(ta.dtype):
+                raise TraceFileError(f"tensor {name!r}: values stored as {dt}, expected "
                                      f"{storage_dtype(ta.dtype)} for {ta.dtype}")
-            if part != "values" and (ds.dtype.kind != "f" or ds.dtype.itemsize > 8):
+            if part != "values" and (dt.kind != "f" or dt.itemsize > 8):
                 raise TraceFileError(f"tensor {name!r}: {part} is not floating point")
             dsets[part] = ds
         if "values" not in dsets and "sketch" not in dsets:
@@ -385,8 +388,10 @@ class TraceReader(RowReads):
             else:
                 self._budget.stream(ds, n, f"{name}/{part}")
         rows = np.empty(n, np.int64)
-        if n:
-            rows_ds.read_direct(rows, np.s_[0:n])  # converted by HDF5 into one int64 buffer
+        if n and n == lengths["rows"]:   # the whole index, converted by HDF5 into one int64 buffer
+            rows_ds.id.read(h5s.ALL, h5s.ALL, rows, dxpl=rows_ds._dxpl)
+        elif n:
+            rows_ds.read_direct(rows, np.s_[0:n])
         if n and (rows.min() < 0 or rows.max() >= n_tok):
             if self.complete:
                 raise TraceFileError(f"tensor {name!r}: row indices point outside the token table")
@@ -395,7 +400,10 @@ class TraceReader(RowReads):
             rows = rows[:n]
         dropped[1] += on_disk - n
         self._rows[name] = self._shared_rows(rows)
-        self._ds[name] = _Parts(self, {part: ds.name for part, ds in dsets.items()})
+        # each object has one name (follow checked): its path is the one it was opened by
+        prefix = f"{self._tensors_path}/{name}/"
+        paths = {part: prefix + part for part in dsets}
+        self._ds[name] = _Parts(self, paths)
         user_attrs = {}
         for k2 in ga:
             if k2.startswith("user."):
@@ -408,6 +416,9 @@ class TraceReader(RowReads):
             role=attr_str(ga, "role", "", where, self._budget)[:256], has_values="values" in dsets, has_sketch="sketch" in dsets,
             boundary=ta.boundary, attrs=user_attrs,
         )
+        for part, ds in dsets.items():   # open for the reads that follow (at most OPEN_DATASETS stay open)
+            if part != "rows":
+                self._keep_open(paths[part], ds)
 
     def _shared_rows(self, rows: np.ndarray) -> np.ndarray:
         """One array for equal row indexes: the tensors of a trace usually cover the same token

@@ -11,7 +11,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
+from h5py import h5i, h5o  # type: ignore[import-untyped, unused-ignore]
 
 from ..dtypes import to_float32
 from ..errors import TraceFileError
@@ -60,16 +62,24 @@ class RowReads:
         so keeping 100k tensors' datasets open would cost gigabytes."""
         ds = self._open.get(path)
         if ds is None:
-            try:
-                ds = self.f[path]
+            try:   # h5py's f[path] without the File object it builds to learn the mode (read-only here)
+                oid = h5o.open(self.f.id, path.encode("utf-8"))
+                if h5i.get_type(oid) != h5i.DATASET:
+                    raise TypeError("not a dataset")
+                ds = h5py.Dataset(oid, readonly=True)
             except Exception as e:  # noqa: BLE001 - it opened at load time: the file changed or is damaged
                 raise TraceFileError(f"cannot open {path}, the file is damaged ({short(e)})", self.path) from None
-            self._open[path] = ds
-            if len(self._open) > OPEN_DATASETS:
-                self._open.popitem(last=False)
+            self._keep_open(path, ds)
         else:
             self._open.move_to_end(path)
         return ds
+
+    def _keep_open(self, path: str, ds: Any) -> None:
+        """Keep ``ds`` open under ``path``, closing the least recently used beyond the bound."""
+        self._open[path] = ds
+        self._open.move_to_end(path)
+        if len(self._open) > OPEN_DATASETS:
+            self._open.popitem(last=False)
 
     # -- reads straight from the file ------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
+from h5py import h5a, h5d, h5g, h5i, h5l, h5o, h5t  # type: ignore[import-untyped, unused-ignore]
+from h5py._objects import ObjectID  # type: ignore[import-untyped, unused-ignore]
 
 from ..dtypes import LOGICAL_DTYPES
 from ..errors import TraceBusyError, TraceFileError
@@ -184,10 +186,27 @@ def clean_json(v: Any) -> Any:
 
 def attr_get(attrs: Any, key: str, where: str = "") -> Any:
     """An attribute's value after checking its shape and type (nothing large is read);
-    :data:`MISSING` when there is none."""
-    if key not in attrs:
+    :data:`MISSING` when there is none.
+
+    On an h5py attribute mapping the attribute is opened once, checked on that handle and read
+    from it (h5py's ``attrs[key]`` would open it again and rebuild its types: three HDF5 opens
+    per attribute become one, with the same checks and the same value)."""
+    oid = getattr(attrs, "_id", None)
+    if not isinstance(oid, ObjectID):  # not an h5py mapping (a test's stand-in)
+        if key not in attrs:
+            return MISSING
+        aid = attrs.get_id(key)
+        _check_attr(aid, key, where)
+        return attrs[key]
+    bkey = key.encode("utf-8")   # h5py's name encoding: ASCII, else UTF-8 (the same bytes)
+    if not h5a.exists(oid, bkey):
         return MISSING
-    aid = attrs.get_id(key)
+    aid = h5a.open(oid, bkey)
+    shape, dt = _check_attr(aid, key, where)
+    return _read_attr(aid, shape, dt)
+
+
+def _check_attr(aid: Any, key: str, where: str) -> tuple[tuple[int, ...], np.dtype]:
     shape = aid.shape
     if shape is None:  # null dataspace
         raise TraceFileError(f"attribute {key!r}{where} is empty")
@@ -204,7 +223,30 @@ def attr_get(attrs: Any, key: str, where: str = "") -> Any:
             raise TraceFileError(f"attribute {key!r}{where} is longer than {MAX_ATTR_CHARS} characters")
     elif dt.kind not in "biuf":
         raise TraceFileError(f"attribute {key!r}{where} has an unsupported type ({dt})")
-    return attrs[key]
+    return shape, dt
+
+
+#: memory types for numeric attribute dtypes (h5py builds a new one on every read)
+_NUMERIC_MTYPES: dict[np.dtype, Any] = {}
+
+
+def _read_attr(aid: Any, shape: tuple[int, ...], dt: np.dtype) -> Any:
+    """What h5py's ``attrs[key]`` returns, read from the open ``aid`` of a checked attribute
+    (a non-null dataspace, neither compound nor array type: :func:`_check_attr`)."""
+    if dt.kind in "biuf" and dt.metadata is None:   # not an enum (its members are metadata)
+        mtype = _NUMERIC_MTYPES.get(dt)
+        if mtype is None:
+            mtype = _NUMERIC_MTYPES[dt] = h5t.py_create(dt)
+    else:  # strings (the memory type carries the encoding) and enums: built as h5py builds them
+        mtype = h5t.py_create(dt)
+    arr = np.zeros(shape, dtype=dt, order="C")
+    aid.read(arr, mtype=mtype)
+    info = h5t.check_string_dtype(dt) if dt.kind == "O" else None
+    if info and info.length is None:  # variable-length strings: as h5py decodes them
+        arr = np.array([b.decode("utf-8", "surrogateescape") for b in arr.flat], dtype=dt).reshape(arr.shape)
+    if arr.ndim == 0:
+        return arr[()]
+    return arr
 
 
 def attr_str(attrs: Any, key: str, default: str | None = None, where: str = "", budget: Budget | None = None) -> str:
@@ -272,15 +314,34 @@ def _attr_number(attrs: Any, key: str, default: float | None, where: str) -> Any
 
 
 def follow(group: Any, name: str, what: str) -> Any:
-    """``group[name]`` when it is a hard link (a dataset is also checked), None when absent."""
-    link = group.get(name, getlink=True)
-    if link is None:
+    """``group[name]`` when it is a hard link (a dataset is also checked), None when absent.
+
+    Low-level calls where h5py's ``group.get(name, getlink=True)`` then ``group[name]`` make the
+    same checks with more of them (``group[name]`` also builds a File object to learn the
+    mode): the link's existence and type, one open, the object's type and link count."""
+    gid = group.id
+    bname = name.encode("utf-8")   # h5py's name encoding: ASCII, else UTF-8 (the same bytes)
+    # a link of this group by that name, its target not resolved (as h5py's `name in group`)
+    if not (gid.links.exists(bname) if "/" not in name else h5g._path_valid(gid, bname, None)):
         return None
-    if not isinstance(link, h5py.HardLink):
-        kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
+    typecode = gid.links.get_info(bname).type
+    if typecode != h5l.TYPE_HARD:
+        kind = ("an external link" if typecode == h5l.TYPE_EXTERNAL else "a soft link" if typecode == h5l.TYPE_SOFT
+                else None)
+        if kind is None:
+            raise TypeError("Unknown link type")  # as h5py raises it: "damaged trace (...)"
         raise TraceFileError(f"{what} is {kind}; links are not followed (a trace is one self-contained file)")
-    obj = group[name]
-    links = int(h5py.h5o.get_info(obj.id).rc)
+    oid = h5o.open(gid, bname)
+    otype = h5i.get_type(oid)
+    if otype == h5i.GROUP:
+        obj: Any = h5py.Group(oid)
+    elif otype == h5i.DATASET:
+        obj = h5py.Dataset(oid, readonly=True)  # traces are opened read-only
+    elif otype == h5i.DATATYPE:
+        obj = h5py.Datatype(oid)
+    else:
+        raise TypeError("Unknown object type")
+    links = _link_count(oid)
     if links > 1:
         raise TraceFileError(f"{what} is one object linked under {links} names; a trace stores each object once "
                              "(the file is crafted or damaged)")
@@ -289,19 +350,33 @@ def follow(group: Any, name: str, what: str) -> Any:
     return obj
 
 
+def _link_count(oid: Any) -> int:
+    """How many hard links name the object (H5Gget_objinfo's count: H5Oget_info reads the whole
+    header summary for it)."""
+    try:
+        return int(h5g.get_objinfo(oid).nlink)
+    except AttributeError:  # an HDF5 built without the 1.6 API
+        return int(h5o.get_info(oid).rc)
+
+
 def check_dataset(ds: Any, what: str) -> None:
     """Refuse a dataset whose storage reaches outside the file, or that cannot be read safely."""
-    if ds.is_virtual:
+    dcpl = getattr(ds, "_dcpl", None)   # h5py's Dataset keeps its creation property list
+    if dcpl is None:
+        dcpl = ds.id.get_create_plist()
+    layout = dcpl.get_layout()   # one read of what is_virtual and chunks each asked for again
+    if layout == h5d.VIRTUAL:
         raise TraceFileError(f"{what} is a virtual dataset; datasets mapped from other files are not read")
-    if ds.external:
+    if dcpl.get_external_count() > 0:
         raise TraceFileError(f"{what} keeps its data in external files; they are not read")
     if ds.shape is None:
         raise TraceFileError(f"{what} is an empty (null) dataset")
     dt = ds.dtype
     if dt.itemsize == 0 or dt.itemsize > 1 << 16:
         raise TraceFileError(f"{what} has an element size of {dt.itemsize} bytes")
-    if ds.chunks is not None and math.prod(ds.chunks) * dt.itemsize > MAX_CHUNK_BYTES:
-        raise TraceFileError(f"{what} has chunks of {math.prod(ds.chunks) * dt.itemsize} bytes "
+    chunks = dcpl.get_chunk() if layout == h5d.CHUNKED else None
+    if chunks is not None and math.prod(chunks) * dt.itemsize > MAX_CHUNK_BYTES:
+        raise TraceFileError(f"{what} has chunks of {math.prod(chunks) * dt.itemsize} bytes "
                              f"(more than {MAX_CHUNK_BYTES >> 20} MiB)")
     missing = []
     for fid in filters_of(ds):
