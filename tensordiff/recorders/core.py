@@ -500,7 +500,9 @@ class Recorder:
             raise ValueError(f"{name}: width {vals.shape[-1]}, but it was defined with width {spec.width}")
         n = int(keep.sum())
         if n:
-            self.writer.append(name, rows[keep], vals[keep].astype(np.float32 if dtype == "float32" else np.float64),
+            if n < len(keep):  # a copy of the kept rows only where some are dropped
+                rows, vals = rows[keep], vals[keep]
+            self.writer.append(name, rows, vals.astype(np.float32 if dtype == "float32" else np.float64, copy=False),
                                rms=np.zeros((n, 1), dtype=np.float32))
             self.stats.calls += 1
             self.stats.rows += n
