@@ -57,12 +57,15 @@ def test_topk_rows_logsumexp_and_logprobs_as_before():
     assert torch.equal(t, want)
 
 
+@pytest.mark.parametrize("own", [0, 1 << 30], ids=["logsumexp_from_max", "torch_logsumexp"])
 @pytest.mark.parametrize("n,v,mapped", [(4100, 60, False), (37, 4, True), (0, 30, False)])
-def test_topk_rows_filled_in_place_as_the_concatenated_columns(n, v, mapped, monkeypatch):
-    """More rows than one fp32 block (the table is filled block by block), a draft's id map, no rows."""
+def test_topk_rows_filled_in_place_as_the_concatenated_columns(n, v, mapped, own, monkeypatch):
+    """More rows than one fp32 block (the table is filled block by block), a draft's id map, no
+    rows; the logsumexp from the top-1 column (large blocks) and torch's own (small ones)."""
     from tensordiff.recorders import storage
 
     monkeypatch.setattr(storage, "_TOPK_ROWS", 1000)
+    monkeypatch.setattr(storage, "_OWN_MAX_ELEMENTS", own)
     torch.manual_seed(n)
     x = torch.randn(n, v) * 4
     m = torch.randperm(v) * 7 if mapped else None

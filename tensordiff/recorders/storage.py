@@ -39,6 +39,9 @@ def to_storage(x: torch.Tensor) -> np.ndarray:
 
 
 _TOPK_ROWS = 2048
+# blocks of at most this many logits take torch.logsumexp itself: one call instead of the
+# seven of :func:`_logsumexp_from_max`, whose saved max pass is worth it only on large blocks
+_OWN_MAX_ELEMENTS = 1 << 16
 
 
 def _logsumexp_from_max(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -67,7 +70,10 @@ def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
     for s in range(0, n, _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
         x = flat[s:s + _TOPK_ROWS].float()
         v, i = torch.topk(x, kk, dim=-1)
-        lse = _logsumexp_from_max(x, v[:, :1])
+        if x.numel() <= _OWN_MAX_ELEMENTS:  # small: torch's own (one call, its max pass costs little)
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        else:  # large (a prefill's rows): its max pass is the top-1 column, already known
+            lse = _logsumexp_from_max(x, v[:, :1])
         o = out[s:s + x.shape[0]]
         o[:, :kk] = id_map[i] if id_map is not None else i
         o[:, kk:2 * kk] = v.sub_(lse)
