@@ -179,6 +179,7 @@ class Recorder:
         self._offsets: dict[str, int] = {}               # token_offset of each defined tensor
         self._n_rows = 0
         self._closed = False
+        self._labels_ok: set[tuple] = set()              # slot label lists packed() has checked
 
     # -- filters ---------------------------------------------------------------------------
 
@@ -441,8 +442,10 @@ class Recorder:
         row t (state at position t) is paired with token t+1, as a draft's input is.
         ``remember`` / ``reuse``: as :meth:`record`."""
         labels = [str(x) for x in labels]
-        for lab in labels:
-            parse_label(lab)
+        if tuple(labels) not in self._labels_ok:  # each distinct slot list is checked once
+            for lab in labels:
+                parse_label(lab)
+            self._labels_ok.add(tuple(labels))
         if isinstance(parts, torch.Tensor):
             x = parts
         else:
