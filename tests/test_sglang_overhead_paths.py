@@ -57,6 +57,27 @@ def test_topk_rows_logsumexp_and_logprobs_as_before():
     assert torch.equal(t, want)
 
 
+@pytest.mark.parametrize("own", [0, 1 << 30], ids=["logsumexp_from_max", "torch_logsumexp"])
+@pytest.mark.parametrize("n,v,mapped", [(4100, 60, False), (37, 4, True), (0, 30, False)])
+def test_topk_rows_filled_in_place_as_the_concatenated_columns(n, v, mapped, own, monkeypatch):
+    """More rows than one fp32 block (the table is filled block by block), a draft's id map, no
+    rows; the logsumexp from the top-1 column (large blocks) and torch's own (small ones)."""
+    from tensordiff.recorders import storage
+
+    monkeypatch.setattr(storage, "_TOPK_ROWS", 1000)
+    monkeypatch.setattr(storage, "_OWN_MAX_ELEMENTS", own)
+    torch.manual_seed(n)
+    x = torch.randn(n, v) * 4
+    m = torch.randperm(v) * 7 if mapped else None
+    t = topk_rows(x, 20, m)
+    k = min(20, v)
+    vals, i = torch.topk(x, k, dim=-1)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    want = torch.cat([(m[i] if mapped else i).double(), (vals - lse).double(), lse.double()], dim=-1)
+    assert t.shape == (n, 2 * k + 1) and t.dtype == torch.float64
+    assert torch.equal(t, want)
+
+
 def _rec(path):
     return Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H})
 

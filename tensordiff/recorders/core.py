@@ -179,6 +179,7 @@ class Recorder:
         self._offsets: dict[str, int] = {}               # token_offset of each defined tensor
         self._n_rows = 0
         self._closed = False
+        self._labels_ok: set[tuple] = set()              # slot label lists packed() has checked
 
     # -- filters ---------------------------------------------------------------------------
 
@@ -441,8 +442,10 @@ class Recorder:
         row t (state at position t) is paired with token t+1, as a draft's input is.
         ``remember`` / ``reuse``: as :meth:`record`."""
         labels = [str(x) for x in labels]
-        for lab in labels:
-            parse_label(lab)
+        if tuple(labels) not in self._labels_ok:  # each distinct slot list is checked once
+            for lab in labels:
+                parse_label(lab)
+            self._labels_ok.add(tuple(labels))
         if isinstance(parts, torch.Tensor):
             x = parts
         else:
@@ -500,7 +503,9 @@ class Recorder:
             raise ValueError(f"{name}: width {vals.shape[-1]}, but it was defined with width {spec.width}")
         n = int(keep.sum())
         if n:
-            self.writer.append(name, rows[keep], vals[keep].astype(np.float32 if dtype == "float32" else np.float64),
+            if n < len(keep):  # a copy of the kept rows only where some are dropped
+                rows, vals = rows[keep], vals[keep]
+            self.writer.append(name, rows, vals.astype(np.float32 if dtype == "float32" else np.float64, copy=False),
                                rms=np.zeros((n, 1), dtype=np.float32))
             self.stats.calls += 1
             self.stats.rows += n

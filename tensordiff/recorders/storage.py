@@ -39,16 +39,19 @@ def to_storage(x: torch.Tensor) -> np.ndarray:
 
 
 _TOPK_ROWS = 2048
+# blocks of at most this many logits take torch.logsumexp itself: one call instead of the
+# seven of :func:`_logsumexp_from_max`, whose saved max pass is worth it only on large blocks
+_OWN_MAX_ELEMENTS = 1 << 16
 
 
 def _logsumexp_from_max(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """``torch.logsumexp(x, dim=-1, keepdim=True)`` for fp32 rows ``x`` [n, V] whose row maxima
     ``top`` [n, 1] (the first top-k column) are known: the same steps as torch's own (a max that
     is infinite counts as 0; sum of exp(x - max), log, plus max) without its pass for the max, so
-    the same bits (tests/test_sglang_overhead_paths.py checks them against torch's)."""
-    m = top.clone()
-    m.masked_fill_(m.abs() == float("inf"), 0)
-    return torch.sum(torch.exp(x - m), dim=-1, keepdim=True).log_().add_(m)
+    the same bits (tests/test_sglang_overhead_paths.py checks them against torch's). One [n, V]
+    temporary: the exponentials are taken in place in the difference."""
+    m = top.masked_fill(top.isinf(), 0)
+    return torch.sum(torch.sub(x, m).exp_(), dim=-1, keepdim=True).log_().add_(m)
 
 
 def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
@@ -56,17 +59,23 @@ def topk_rows(logits: torch.Tensor, k: int = conventions.DEFAULT_TOPK,
     """Top-k rows of ``logits`` [..., V] as the trace stores them: [n, 2k+1] float64 =
     [token ids (k) | log-probabilities (k) | logsumexp], best first, k = min(k, V), computed in
     fp32 where the logits live. ``id_map`` [V] turns column ids into target ids (a draft's
-    reduced vocabulary: ``d2t + arange``)."""
+    reduced vocabulary: ``d2t + arange``). The table is filled in place (no per-column float64
+    copies and no concatenation): each column gets the float64 of the same fp32 value."""
     flat = logits.detach().reshape(-1, logits.shape[-1])
     kk = min(int(k), flat.shape[-1])
     if id_map is not None:
         id_map = id_map.to(flat.device)
-    out = []
-    for s in range(0, max(flat.shape[0], 1), _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
+    n = flat.shape[0]
+    out = torch.empty((n, 2 * kk + 1), dtype=torch.float64, device=flat.device)
+    for s in range(0, n, _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
         x = flat[s:s + _TOPK_ROWS].float()
         v, i = torch.topk(x, kk, dim=-1)
-        lse = _logsumexp_from_max(x, v[:, :1])
-        if id_map is not None:
-            i = id_map[i]
-        out.append(torch.cat([i.double(), (v - lse).double(), lse.double()], dim=-1))
-    return torch.cat(out) if len(out) > 1 else out[0]
+        if x.numel() <= _OWN_MAX_ELEMENTS:  # small: torch's own (one call, its max pass costs little)
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        else:  # large (a prefill's rows): its max pass is the top-1 column, already known
+            lse = _logsumexp_from_max(x, v[:, :1])
+        o = out[s:s + x.shape[0]]
+        o[:, :kk] = id_map[i] if id_map is not None else i
+        o[:, kk:2 * kk] = v.sub_(lse)
+        o[:, 2 * kk:] = lse
+    return out

@@ -244,22 +244,27 @@ def record_draft(runner, fb) -> None:
         st.warn_once("draft-rows", "draft pass has %d input ids for %d hidden-state rows; not recorded", len(ids), len(rows))
         return
     n_acc = getattr(spec, "num_accept_tokens", None)
+    starts, counts = p.bounds()
+    acc = None
     if n_acc is not None and p.regime == "target_verify":
-        acc = to_numpy(n_acc).astype(np.int64)
-        for i, (_, s, c) in enumerate(p.segments):
-            if i < len(acc):
-                rows[s + int(min(max(acc[i], 0), c)):s + c] = -1  # filler past the accept length
+        acc = counts.copy()
+        got = to_numpy(n_acc).astype(np.int64)[:len(acc)]
+        acc[:len(got)] = np.minimum(np.maximum(got, 0), counts[:len(got)])
+        rows[np.arange(len(rows)) - np.repeat(starts, counts) >= np.repeat(acc, counts)] = -1  # filler past the accept length
     # the shift check: draft row t's input id is token t+1 of the same request (where the target
     # pass holds that token too)
     tok = p.keys[2]
-    for rid, s, c in p.segments:
-        seg = np.arange(s, s + c - 1)
-        seg = seg[(rows[seg] >= 0) & (rows[seg + 1] >= 0)] if len(seg) else seg
-        st.shift_checked += len(seg)
-        bad = int(np.count_nonzero(ids[seg] != tok[seg + 1]))
-        if bad:
-            st.shift_mismatched += bad
-            st.warn_once("shift", "draft input ids are not the target's tokens shifted by one (request %s)", rid)
+    if len(rows) > 1:
+        same = np.ones(len(rows) - 1, dtype=bool)
+        nxt = starts[1:] - 1
+        same[nxt[(nxt >= 0) & (nxt < len(same))]] = False  # row t + 1 starts the next request
+        t = np.flatnonzero(same & (rows[:-1] >= 0) & (rows[1:] >= 0))
+        st.shift_checked += len(t)
+        bad = t[ids[t] != tok[t + 1]]
+        if len(bad):
+            st.shift_mismatched += len(bad)
+            st.warn_once("shift", "draft input ids are not the target's tokens shifted by one (request %s)",
+                         p.keys[0][bad[0]])
     rec = st.rec
     n = rec.packed(DRAFT, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
                    token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=AUX,
@@ -272,14 +277,15 @@ def record_draft(runner, fb) -> None:
         elif fc is not None:
             st.warn_once("fc-rows", "draft fc output has %d rows for %d draft rows; not recorded", fc.shape[0], len(rows))
         if st.cfg.topk > 0:
-            _draft_predictions(hs, rows, p, n_acc)
+            _draft_predictions(hs, rows, p, acc)
     st.fc_out = st.draft_logits = None
     st.dirty = True
 
 
-def _draft_predictions(hs, rows, p: Pass, n_acc) -> None:
+def _draft_predictions(hs, rows, p: Pass, acc) -> None:
     """``draft_topk`` of the draft-extend rows the recorder keeps, and draft position 0 of each
-    request's next verify step (the row of its last accepted token)."""
+    request's next verify step (the row of its last accepted token). ``acc``: the accept length of
+    each request on a verify pass (clipped to its block), or None."""
     import numpy as np
 
     from .predictions import kept_rows
@@ -288,16 +294,21 @@ def _draft_predictions(hs, rows, p: Pass, n_acc) -> None:
     m = st.draft_id_map
     if m is not None and m.device != hs.device:
         m = st.draft_id_map = m.to(hs.device)  # once: the hot-token map lives on the draft's device
-    acc = to_numpy(n_acc).astype(np.int64) if n_acc is not None and p.regime == "target_verify" else None
-    last = []  # the row of each request's last accepted token: draft position 0 of its next step
-    for i, (_, s, c) in enumerate(p.segments):
-        a = c if acc is None or i >= len(acc) else int(min(max(acc[i], 1), c))
-        last.append(s + a - 1)
-    need = np.union1d(kept_rows(rows), np.asarray(last, dtype=np.int64)) if st.spec_chain else kept_rows(rows)
+    last = last_accepted_rows(p, acc)
+    need = np.union1d(kept_rows(rows), last) if st.spec_chain else kept_rows(rows)
     pred, _ = prediction_rows(st.draft_logits, len(rows), DRAFT_TOPK, m, need=need)
     if pred is not None:
         record_topk(DRAFT_TOPK, pred, rows, 1, "draft logits (logits processor), mapped to target ids")
         chain_start(p.segments, last, pred)
+
+
+def last_accepted_rows(p: Pass, acc):
+    """The row of each request's last accepted token (at least its first row; the last row of its
+    block where no accept length is known): draft position 0 of its next verify step."""
+    import numpy as np
+
+    starts, counts = p.bounds()
+    return starts + (counts if acc is None else np.maximum(acc, np.minimum(counts, 1))) - 1
 
 
 def _record_draft_ids(ids, rows) -> None:

@@ -32,6 +32,17 @@ class Pass:
     committed: bool = False
     pred: Any = None      # [n, 2k+1] top-k rows of the target's predictions (tensor), or None
     lp_next: Any = None   # verify: the target's log-prob of the next input token of each row (numpy)
+    _bounds: Any = None
+
+    def bounds(self):
+        """(first row, row count) of every segment as int64 numpy arrays, in batch order."""
+        if self._bounds is None:
+            import numpy as np
+
+            n = len(self.segments)
+            self._bounds = (np.fromiter((s for _, s, _ in self.segments), np.int64, n),
+                            np.fromiter((c for _, _, c in self.segments), np.int64, n))
+        return self._bounds
 
 
 class State(ServeState):

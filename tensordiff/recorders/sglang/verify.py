@@ -41,7 +41,10 @@ def commit_verify(p: Pass, result, batch) -> None:
     topk 1: the first ``accept_lens[i]`` rows of its block; with a tree: a path through it), -1
     padded. SGLang then moves that path to the front of each block of
     ``logits_output.hidden_states`` (an identity with topk 1), and the draft extend reads that
-    tensor: the pass the draft is matched against is re-laid out the same way."""
+    tensor: the pass the draft is matched against is re-laid out the same way.
+
+    The batch is handled with array operations over all its requests (one loop remains, the token
+    rows each request adds: the trace keys them by request)."""
     import numpy as np
 
     st = STATE
@@ -51,129 +54,181 @@ def commit_verify(p: Pass, result, batch) -> None:
     if len(acc) != bs:
         st.warn_once("verify-bs", "verify result for %d requests, pass had %d; not recorded", len(acc), bs)
         return
-    acc_index = getattr(result, "accept_index", None)
-    if acc_index is not None:
-        acc_index = to_numpy(acc_index).astype(np.int64).reshape(bs, -1)
+    starts, counts = p.bounds()
+    acc = np.minimum(np.maximum(acc, 0), counts)
+    path, req_of = accepted_paths(getattr(result, "accept_index", None), starts, counts, acc)
     rid_rows, pos, ids = p.keys
     n = len(p.rows)
+    # a request stops at max_new_tokens: accepted rows past it are not its tokens
+    limits = _position_limits(p.segments, reqs)
+    keep = pos[path] < limits[req_of] if limits is not None else np.ones(len(path), dtype=bool)
+    sel = path[keep]
+    per_req = np.bincount(req_of[keep], minlength=bs)
+    st.dropped_rows += int(counts.sum()) - len(sel)
+    if len(sel):
+        off = 0
+        for (rid, _, _), m in zip(p.segments, per_req.tolist()):
+            if m:
+                r = sel[off:off + m]
+                p.rows[r] = st.rec.add_tokens(rid, pos[r], ids[r], regime="target_verify", step=p.step)
+                off += m
     # the pass as the draft extend sees it: row s + j = the j-th accepted row of the request whose
     # segment starts at row s
     view_rows = np.full(n, -1, dtype=np.int64)
     view_ids = np.zeros(n, dtype=np.int64)
     view_pos = np.zeros(n, dtype=np.int64)
-    any_kept = False
-    steps = []  # spec_verify rows: (token row of the block's first row, values)
-    chains = []  # spec_chain rows: (the same token row, the draft's and the target's top-k per draft position)
-    for i, (rid, s, c) in enumerate(p.segments):
-        a = int(min(max(acc[i], 0), c))
-        if acc_index is not None:
-            path = acc_index[i][acc_index[i] >= 0][:a]
-            if len(path) != a or (len(path) and (path.min() < s or path.max() >= s + c)):
-                st.warn_once("accept-index", "accept_index does not match accept_lens; using the first rows")
-                path = np.arange(s, s + a)
-        else:
-            path = np.arange(s, s + a)
-        sel = path
-        req = reqs[i] if i < len(reqs) and str(getattr(reqs[i], "rid", rid)) == rid else None
-        if req is not None:  # a request stops at max_new_tokens: accepted rows past it are not its tokens
-            limit = position_limit(req)
-            if limit is not None:
-                sel = sel[pos[sel] < limit]
-        st.dropped_rows += c - len(sel)
-        if len(sel):
-            p.rows[sel] = st.rec.add_tokens(rid, pos[sel], ids[sel], regime="target_verify", step=p.step)
-            any_kept = True
-        if st.spec_chain and c > 1 and p.rows[s] >= 0:
-            steps.append((int(p.rows[s]), _step_row(p, s, c, a)))
-            chain = st.chain.pop(rid, None)
-            if chain is not None and len(chain) == c - 1 and p.pred is not None:
-                chains.append((int(p.rows[s]), _chain_row(chain, p.pred[s:s + c - 1])))
-        view_rows[s:s + len(path)] = p.rows[path]
-        view_ids[s:s + len(path)] = ids[path]
-        view_pos[s:s + len(path)] = pos[path]
+    dest = np.repeat(starts, acc) + _ranks(acc)
+    view_rows[dest] = p.rows[path]
+    view_ids[dest] = ids[path]
+    view_pos[dest] = pos[path]
     p.committed = True
     st.dirty = True
     hs_after = getattr(getattr(result, "logits_output", None), "hidden_states", None)
     view = Pass(hs=hs_after, rows=view_rows, keys=(rid_rows, view_pos, view_ids), segments=p.segments,
-                step=p.step, regime=p.regime, committed=True)
+                step=p.step, regime=p.regime, committed=True, _bounds=p._bounds)
     st.last_target = view
-    if not any_kept:
+    if not len(sel):
         p.stash.clear()
         return
     if p.hs is not None:
         record_aux(p.hs, p.rows)
     if p.pred is not None:
         record_topk(TARGET_TOPK, p.pred, p.rows, 0, "target logits (logits processor), accepted verify rows")
-    if steps:
-        _record_steps(steps)
-    if chains:
-        _record_chains(chains)
+    if st.spec_chain:
+        _steps_and_chains(p, starts, counts, acc)
     for kind, b, value in p.stash:
         record_catalog(kind, b, value, p.rows)
     p.stash.clear()
 
 
-def _step_row(p: Pass, s: int, c: int, a: int):
-    """One verify step of one request (topk 1: a chain of K = c - 1 draft tokens at rows s+1..):
-    [accepted drafts, K, first rejected draft position or -1, draft tokens, the target's top-1 at
-    each draft position, the target's log-prob of each draft token] (NaN where not known)."""
+def _ranks(lengths):
+    """0..lengths[i]-1 for every i, concatenated."""
     import numpy as np
 
-    k = c - 1
-    acc = min(max(a - 1, 0), k)  # accept_lens counts the bonus token
-    row = np.full(3 + 3 * k, np.nan)
-    row[0], row[1], row[2] = acc, k, (acc if acc < k else -1)
-    ids = p.keys[2]
-    row[3:3 + k] = ids[s + 1:s + c]
-    if p.pred is not None:
-        row[3 + k:3 + 2 * k] = p.pred[s:s + k, 0]
-    if p.lp_next is not None:
-        row[3 + 2 * k:3 + 3 * k] = p.lp_next[s:s + k]
-    return row
+    total = int(lengths.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
-def _record_steps(steps) -> None:
+def accepted_paths(acc_index, starts, counts, acc):
+    """(the flat verify rows of every request's accepted path, in batch order; the request of
+    each): from ``accept_index`` (per request its first ``acc[i]`` rows that are not -1), or the
+    first ``acc[i]`` rows of each block where it is absent. A request whose ``accept_index`` row
+    does not give ``acc[i]`` rows inside its block takes the first rows of its block (with a
+    warning)."""
+    import numpy as np
+
+    bs = len(starts)
+    if not bs:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    req_of = np.repeat(np.arange(bs, dtype=np.int64), acc)
+    first = np.repeat(starts, acc) + _ranks(acc)
+    if acc_index is None:
+        return first, req_of
+    ai = to_numpy(acc_index).astype(np.int64).reshape(bs, -1)
+    valid = ai >= 0
+    take = valid & (np.cumsum(valid, axis=1) <= acc[:, None])
+    ent = ai[take]  # row-major: each request's entries in order, requests in batch order
+    got = np.count_nonzero(take, axis=1)
+    owner = np.repeat(np.arange(bs, dtype=np.int64), got)
+    outside = (ent < starts[owner]) | (ent >= starts[owner] + counts[owner])
+    bad = (got != acc) | (np.bincount(owner[outside], minlength=bs) > 0)
+    if not bad.any():
+        return ent, req_of
+    STATE.warn_once("accept-index", "accept_index does not match accept_lens; using the first rows")
+    good_ent = ~bad[owner]
+    parts = np.where(bad[req_of], first, 0)
+    parts[~bad[req_of]] = ent[good_ent]
+    return parts, req_of
+
+
+def _position_limits(segments, reqs):
+    """Per request, the position its tokens stop before (prompt + max_new_tokens), or None when no
+    request of the batch states one."""
+    import numpy as np
+
+    limits = None
+    for i, (rid, _, _) in enumerate(segments):
+        req = reqs[i] if i < len(reqs) else None
+        if req is None or str(getattr(req, "rid", rid)) != rid:
+            continue
+        lim = position_limit(req)
+        if lim is not None:
+            if limits is None:
+                limits = np.full(len(segments), np.iinfo(np.int64).max, dtype=np.int64)
+            limits[i] = lim
+    return limits
+
+
+def _steps_and_chains(p: Pass, starts, counts, acc) -> None:
+    """``spec_verify`` and ``spec_chain`` rows of the requests whose block is a chain of draft
+    tokens (c > 1) and whose first verify row was kept."""
     import numpy as np
 
     st = STATE
+    bs = len(starts)
+    c = int(counts[0])
+    if c <= 1 or not (counts == c).all():
+        if (counts > 1).any():
+            st.warn_once("verify-blocks", "verify blocks of different lengths; no %s rows", SPEC_VERIFY)
+        return
+    first_rows = p.rows[starts]
+    which = np.flatnonzero(first_rows >= 0)
+    if not len(which):
+        return
+    k = c - 1
+    # [accepted drafts, K, first rejected draft position or -1, draft tokens, the target's top-1 at
+    # each draft position, the target's log-prob of each draft token] (NaN where not known)
+    a = np.minimum(np.maximum(acc[which] - 1, 0), k)  # accept_lens counts the bonus token
+    steps = np.full((len(which), 3 + 3 * k), np.nan)
+    steps[:, 0] = a
+    steps[:, 1] = k
+    steps[:, 2] = np.where(a < k, a, -1)
+    steps[:, 3:3 + k] = p.keys[2].reshape(bs, c)[which, 1:]
+    blocks = p.pred.reshape(bs, c, -1)[which, :k] if p.pred is not None else None
+    if blocks is not None:
+        steps[:, 3 + k:3 + 2 * k] = blocks[:, :, 0]
+    if p.lp_next is not None:
+        steps[:, 3 + 2 * k:] = p.lp_next.reshape(bs, c)[which, :k]
+    rows = first_rows[which]
+    _record_steps(rows, steps)
+    chains = [st.chain.pop(p.segments[i][0], None) for i in which.tolist()]
+    if blocks is None:
+        return
+    got = [j for j, ch in enumerate(chains) if ch is not None and len(ch) == k]
+    if not got:
+        return
+    dw = int(chains[got[0]][0].shape[0])
+    got = [j for j in got if chains[j][0].shape[0] == dw]
+    draft = np.stack([np.stack(chains[j]) for j in got]).reshape(len(got), -1)
+    _record_chains(rows[got], np.concatenate([draft, blocks[got].reshape(len(got), -1)], axis=1), dw,
+                   int(blocks.shape[-1]), k)
+
+
+def _record_steps(rows, steps) -> None:
+    st = STATE
     if st.spec_k is None:
-        st.spec_k = spec_verify_drafts(len(steps[0][1]))
-    keep = [(r, v) for r, v in steps if len(v) == spec_verify_width(st.spec_k)]
-    if len(keep) < len(steps):
+        st.spec_k = spec_verify_drafts(steps.shape[1])
+    if steps.shape[1] != spec_verify_width(st.spec_k):
         st.warn_once("spec-k", "a verify step with another number of draft tokens than %d; not recorded", st.spec_k)
-    if not keep:
         return
     n = st.model.get("num_layers") or 0
-    st.rec.plain(SPEC_VERIFY, np.stack([v for _, v in keep]), np.array([r for r, _ in keep]), role=SPEC_VERIFY,
-                 order=n + 0.95,
+    st.rec.plain(SPEC_VERIFY, steps, rows, role=SPEC_VERIFY, order=n + 0.95,
                  attrs={"layout": "accepted, K, first_rejected (-1: none), draft_tokens[K], target_top1[K], "
                                   "target_logprob_of_draft[K]", "k": st.spec_k,
                         "what": "one row per verify step, on the token row of the step's first (verified) row"})
-    st.verify_steps += len(keep)
+    st.verify_steps += len(rows)
     st.dirty = True
 
 
-def _chain_row(chain, target_rows):
-    """([draft top-k rows of positions 0..K-1 | target top-k rows of verify rows 0..K-1], flat;
-    draft row width; target row width)."""
-    import numpy as np
-
-    flat = np.concatenate([np.stack(chain).reshape(-1), target_rows.reshape(-1)])
-    return flat, int(chain[0].shape[0]), int(target_rows.shape[1])
-
-
-def _record_chains(chains) -> None:
-    import numpy as np
-
+def _record_chains(rows, table, dw: int, tw: int, k: int) -> None:
+    """``spec_chain``: per verify step, [draft top-k rows of positions 0..K-1 | target top-k rows
+    of verify rows 0..K-1], flat."""
     st = STATE
-    _, (v0, dw, tw) = chains[0]
-    keep = [(r, v) for r, (v, d, t) in chains if (d, t, len(v)) == (dw, tw, len(v0))]
     n = st.model.get("num_layers") or 0
-    st.rec.plain(SPEC_CHAIN, np.stack([v for _, v in keep]), np.array([r for r, _ in keep]), role=SPEC_CHAIN,
-                 order=n + 0.96,
+    st.rec.plain(SPEC_CHAIN, table, rows, role=SPEC_CHAIN, order=n + 0.96,
                  attrs={"layout": "K draft top-k rows (draft positions 0..K-1), then K target top-k rows (verify rows "
                                   "0..K-1); each row ids | logprobs | logsumexp",
-                        "K": len(v0) // (dw + tw), "draft_width": dw, "target_width": tw,
+                        "K": k, "draft_width": dw, "target_width": tw,
                         "what": "one row per verify step, on the token row of its spec_verify row"})
     st.dirty = True
 
