@@ -127,6 +127,11 @@ def cmd_diff(args) -> int:
     return run_watched(inputs, lambda: _run_diff(args))
 
 
+def entry() -> NoReturn:
+    """The ``tensordiff`` console script: :func:`main`, ended by :func:`finish` (as ``python -m``)."""
+    finish(main())
+
+
 def finish(code: int) -> NoReturn:
     """End the process with ``code``. When the command's work ran in a worker that has ended
     (``diff``), this process only watched it: its output is flushed and it exits at once, without
