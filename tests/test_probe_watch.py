@@ -36,15 +36,7 @@ def test_diff_in_the_worker_is_the_diff_in_process(good, capsys):
 def test_each_file_is_opened_once(good, tmp_path, monkeypatch):
     """Every TraceReader opened in the run (parent, worker, any child) appends its path to a log:
     each input once. (With a probe child first it was twice.)"""
-    log = tmp_path / "opens.log"
-    orig = TraceReader.__init__
-
-    def counting(self, path, **kw):
-        with open(log, "a") as fh:
-            fh.write(os.path.abspath(os.fspath(path)) + "\n")
-        orig(self, path, **kw)
-
-    monkeypatch.setattr(TraceReader, "__init__", counting)
+    log = _count_opens(tmp_path, monkeypatch)
     rc, out, err = run_isolated(["diff", good["a"], good["b"], "--json", "-q"], timeout=120)
     assert_clean_exit(rc, out, err, "diff")
     opened = log.read_text().split()
