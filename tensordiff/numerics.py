@@ -2,7 +2,8 @@
 NaN/Inf counts (:class:`BlockMetrics`), their per-pair accumulation against tolerances
 (:class:`PairAccumulator`), and the worst tokens of a diff (:class:`WorstTokens`).
 
-numpy only, float32 blocks, temporaries reused per block. NaN/Inf are counted, never raised.
+numpy and the compiled per-row sums of ``tensordiff/_kernels.c`` (float64, a fixed order of
+additions); buffers reused per block. NaN/Inf are counted, never raised.
 """
 
 from __future__ import annotations
