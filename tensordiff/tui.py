@@ -61,7 +61,7 @@ from .tui_data import (
     resolve_goto,
 )
 from .tui_text import acceptance_lines, detail_lines, finding_prompt
-from .tui_widgets import GotoScreen, Heatmap, HelpScreen, TensorTree
+from .tui_widgets import DetailPane, GotoScreen, Heatmap, HelpScreen, TensorTree
 
 EXIT_INTERRUPTED = 130   # quit before the diff finished: no verdict
 WIDE = 110               # from this many columns the acceptance pane opens by itself (the -wide breakpoint)
@@ -188,7 +188,7 @@ class TensordiffApp(App[int]):
                     with VerticalScroll(id="acceptance"):
                         yield Static("", id="accept-text")
                 with VerticalScroll(id="detail"):
-                    yield Static("", id="detail-text")
+                    yield DetailPane("", id="detail-text")
         yield Footer(compact=True)
 
     def _title_text(self) -> Text:
@@ -211,7 +211,7 @@ class TensordiffApp(App[int]):
         # widgets of the main screen, kept so that a modal screen on top never hides them
         q = self.query_one
         self._w_findings, self._w_tree = q("#findings", OptionList), q("#tree", TensorTree)
-        self._w_detail, self._w_headline = q("#detail-text", Static), q("#headline", Static)
+        self._w_detail, self._w_headline = q("#detail-text", DetailPane), q("#headline", Static)
         self._w_left, self._w_detail_box = q("#left", Vertical), q("#detail", VerticalScroll)
         self._w_progress, self._w_progress_label = q("#progress", ProgressBar), q("#progress-label", Static)
         self._w_filter, self._w_titlebar, self._w_heatmap = q("#filter", Input), q("#titlebar", Static), q(Heatmap)
@@ -516,9 +516,14 @@ class TensordiffApp(App[int]):
         vectors = self.vectors if self.vectors_for == self.cell else None
         pane = self._w_detail
         tstr = self.token_text(int(tok["token"])) if self.token_text is not None else ""
+        pane.laid_width = pane.size.width
         lines = detail_lines(self.result, self.summary, col, row, tok, sel, vectors, max(40, pane.size.width), tstr)
         self.detail_text = Text("\n").join(lines)
         pane.update(self.detail_text)
+
+    def on_detail_pane_resized(self, _event: DetailPane.Resized) -> None:
+        """The detail pane's width changed: its lines (the value histograms) laid out again for it."""
+        self._render_detail()
 
     # -- actions ---------------------------------------------------------------------------
 

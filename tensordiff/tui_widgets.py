@@ -372,6 +372,21 @@ class Heatmap(ScrollView, can_focus=True):
         return gutter, segs
 
 
+class DetailPane(Static):
+    """The cell detail. Its lines are laid out for its width (the value histograms' bins), so a
+    change of width (the terminal resized, or its scroll container's bar coming or going once the
+    lines are in) posts :class:`DetailPane.Resized` for the app to lay them out again."""
+
+    class Resized(Message):
+        """The pane's width changed since its lines were laid out."""
+
+    laid_width: int = -1   # the width the current lines were laid out for (set by the app)
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self.laid_width >= 0 and event.size.width != self.laid_width:
+            self.post_message(self.Resized())
+
+
 # ----------------------------------------------------------------------------------------------
 # The tree of tensors and slots
 # ----------------------------------------------------------------------------------------------

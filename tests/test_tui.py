@@ -185,6 +185,27 @@ async def test_opens_on_first_divergence(pair, pair_result):
     assert not os.path.exists(summary_path), "the temporary summary must be deleted on exit"
 
 
+async def test_detail_is_laid_out_again_when_its_width_changes(fixture_app):
+    """The detail's value histograms are laid out for the pane's width: a resized terminal (or a
+    scroll bar that comes once the lines are in) lays them out again; they kept the old width, and
+    two runs that settled on the same screen held different detail text."""
+    app = fixture_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(app, pilot)
+        pane = app._w_detail
+        assert pane.laid_width == pane.size.width
+        before = app.detail_text.plain
+        await pilot.resize_terminal(SIZE[0] - 30, SIZE[1])
+        for _ in range(50):
+            await pilot.pause(0.05)
+            if pane.laid_width == pane.size.width and app.detail_text.plain != before:
+                break
+        assert pane.laid_width == pane.size.width < SIZE[0] - 30
+        hist = [line for line in app.detail_text.plain.splitlines() if "values in" in line]
+        assert hist and all(len(line) <= max(40, pane.size.width) for line in hist), hist
+        assert app.detail_text.plain != before
+
+
 async def test_fixture_names_the_wrong_slot(fixture_app):
     app = fixture_app()
     async with app.run_test(size=SIZE) as pilot:
