@@ -47,7 +47,6 @@ SCALE_TOL = 0.05             # a median RMS ratio this far from 1 (or 4 x the no
 DIFF_EPS = 1e-6              # per-token cosine differences this small are float32 rounding: ties
 
 F32 = NDArray[np.float32]
-F64 = NDArray[np.float64]
 Rows = NDArray[Any]   # float32 values: float32 arrays, or their exact float64 copies (the same sums)
 _NO_ROWS: F32 = np.zeros((0, 0), np.float32)
 _NO_RMS: F32 = np.zeros(0, np.float32)

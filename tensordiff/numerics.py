@@ -211,35 +211,6 @@ def finite_or_zero(x: np.ndarray) -> np.ndarray:
     return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def cosine_matrix(x: np.ndarray, cands: np.ndarray, *, clean: bool = True) -> np.ndarray:
-    """Mean-over-tokens cosine of x [n, w] against each candidate [c, n, w] -> [c].
-    NaN/Inf rows are ignored; a candidate with no usable rows scores -inf."""
-    if clean:  # callers that pass already-cleaned data skip this
-        x, cands = finite_or_zero(x), finite_or_zero(cands)
-    dots = np.einsum("nw,cnw->cn", x, cands).astype(np.float64)
-    nx = np.sqrt(np.einsum("nw,nw->n", x, x).astype(np.float64))
-    nc = np.sqrt(np.einsum("cnw,cnw->cn", cands, cands).astype(np.float64))
-    den = nx[None, :] * nc
-    ok = den > 0
-    cos = np.where(ok, dots / np.where(ok, den, 1), 0.0)
-    cnt = ok.sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out = np.where(cnt > 0, cos.sum(axis=1) / np.maximum(cnt, 1), -np.inf)
-    return out
-
-
-def rms_agreement(rx: np.ndarray, rc: np.ndarray) -> np.ndarray:
-    """How well per-token RMS agrees: mean of min/max ratio, rx [n], rc [c, n] -> [c] in [0, 1].
-    Separates pre-norm boundaries from the post-norm final_norm output, whose cosine can be ~1."""
-    rx = np.nan_to_num(rx)[None, :]
-    rc = np.nan_to_num(rc)
-    hi = np.maximum(rx, rc)
-    lo = np.minimum(rx, rc)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        r = np.where(hi > 0, lo / np.where(hi > 0, hi, 1), 1.0)
-    return r.mean(axis=1)
-
-
 # ----------------------------------------------------------------------------------------------
 # Accumulation over the blocks of one tensor pair
 # ----------------------------------------------------------------------------------------------
