@@ -222,8 +222,7 @@ class IdentitySearch:
             t = self._target(cr, ci, lay.union, 0, basis)
             # the union's norms once (a row's norm does not depend on the rows around it); its
             # rows are scored in place at each offset (data[at]: no gather, no cast)
-            norms = row_norms(t.data)
-            rows: np.ndarray = t.data
+            rows, norms = t.data, row_norms(t.data)
             exact_tol = None
             if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
                 eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])

@@ -42,9 +42,9 @@ Z_MIN = 3.0                  # paired test: the best beats another when z >= Z_M
 WIN_MIN = 0.75               # ... and it is closer on at least this share of the tokens
 EXACT_EPS = 4.0              # exact: per-token relative error <= EXACT_EPS x eps of the coarser dtype
 FLOOR_FACTOR = 4.0           # within the noise floor: 1 - cos <= FLOOR_FACTOR x floor + COS_SLACK
-COS_SLACK = 2e-6             # float32 cosine of two near-identical rows is this exact
+COS_SLACK = 2e-6             # slack for rows rounded to float32 (sketches, values); the sums are float64
 SCALE_TOL = 0.05             # a median RMS ratio this far from 1 (or 4 x the noise's) is a scale
-DIFF_EPS = 1e-6              # per-token cosine differences this small are float32 rounding: ties
+DIFF_EPS = 1e-6              # per-token cosine differences this small are ties (float32-rounded rows)
 
 F32 = NDArray[np.float32]
 Rows = NDArray[Any]   # float32 values: float32 arrays, or their exact float64 copies (the same sums)

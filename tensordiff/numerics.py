@@ -163,9 +163,7 @@ def _kernel_input(block: np.ndarray, dtype: str, buf: np.ndarray) -> tuple[np.nd
     """A stored sub-block [m, k*w] as the kernel reads it: bf16 bits or float32 as they are
     when their rows are contiguous, anything else converted to float32 into ``buf``."""
     kind = _KERNEL_KINDS.get(dtype)
-    if kind is not None and block.ndim == 2 and block.dtype == kind[1] and block.dtype.isnative and \
-            block.flags.aligned and block.strides[1] == block.itemsize and block.strides[0] >= 0 and \
-            block.strides[0] % block.itemsize == 0:
+    if kind is not None and block.dtype == kind[1] and _kernel_rows(block):
         return block, kind[0]
     out = buf[:block.size].reshape(block.shape) if buf.size >= block.size else np.empty(block.shape, np.float32)
     to_float32(block, dtype, out)
@@ -191,9 +189,14 @@ def _float_rows(x: np.ndarray) -> np.ndarray:
         raise ValueError(f"row_dots: expected [n, w] rows, got shape {x.shape}")
     if x.dtype not in (np.float32, np.float64) or not x.dtype.isnative:
         x = x.astype(np.float64)
-    if not (x.flags.aligned and x.strides[1] == x.itemsize and x.strides[0] >= 0 and x.strides[0] % x.itemsize == 0):
-        x = np.ascontiguousarray(x)
-    return x
+    return x if _kernel_rows(x) else np.ascontiguousarray(x)
+
+
+def _kernel_rows(x: np.ndarray) -> bool:
+    """Whether the kernel reads ``x`` as it is: 2-D native, aligned elements contiguous within
+    each row, any non-negative whole-element row stride (what _kernels.c checks again)."""
+    return (x.ndim == 2 and x.dtype.isnative and x.flags.aligned and x.strides[1] == x.itemsize
+            and x.strides[0] >= 0 and x.strides[0] % x.itemsize == 0)
 
 
 def rows_per_block(row_bytes: int, cap: int, block_bytes: int | None = None) -> int:
