@@ -17,6 +17,9 @@
  * so the result is the same bits on every x86-64 machine whichever clone runs. Non-finite inputs
  * make the sums non-finite; the caller recomputes those rows over their finite elements.
  * The GIL is released while summing: callers run sub-blocks on several threads.
+ *
+ * topk(x, k, vals, idx): the recorders' top-k predictions of float32 rows (see below).
+ * Rows, put_rows, put_tokens: the trace writer's appends of a few rows (see below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -402,6 +405,347 @@ static PyObject *simd(PyObject *self, PyObject *args)
     return PyUnicode_FromString(was);
 }
 
+
+/* ---- top-k of float32 rows ----------------------------------------------------------------------
+ *
+ * topk(x, k, vals, idx): per row of x (2-D float32 [n, V], elements contiguous within a row, any
+ * row stride) its k largest values, best first, into vals (float32 [n, k]) and their column
+ * indices into idx (int64 [n, k]). The order is total: NaN above every number, then by value,
+ * and among equal values (0.0 and -0.0 are equal) the lower index first, so the first entry is
+ * what an argmax picks. The values are copied, never computed: they are the bits of x. One scan
+ * per row: a block of 16 elements none of which beats the k-th best so far is skipped whole.
+ */
+
+/* a ranks above b (a at a lower index than b when they tie) */
+static inline int td_above(float a, float b) { return a > b || (a != a && b == b); }
+
+static void topk_row(const float *x, Py_ssize_t V, Py_ssize_t k, float *bv, int64_t *bi)
+{
+    Py_ssize_t have = 0;
+    for (Py_ssize_t j = 0; j < V; j++) {
+        float v = x[j];
+        if (have == k) {
+            if (!td_above(v, bv[k - 1]))
+                continue;
+        } else {
+            have++;
+        }
+        Py_ssize_t p = have - 1;  /* the slot v takes: shift the worse entries down by one */
+        while (p > 0 && td_above(v, bv[p - 1])) {
+            bv[p] = bv[p - 1];
+            bi[p] = bi[p - 1];
+            p--;
+        }
+        bv[p] = v;
+        bi[p] = (int64_t)j;
+        if (have == k && j + 1 < V) {
+            /* skip blocks of 16 that hold nothing above the k-th best (the common case) */
+            float thr = bv[k - 1];
+            Py_ssize_t q = j + 1;
+            while (q + 16 <= V && thr == thr) {
+                int any = 0;
+                for (int l = 0; l < 16; l++)
+                    any |= !(x[q + l] <= thr);  /* above, or NaN */
+                if (any)
+                    break;
+                q += 16;
+            }
+            j = q - 1;
+        }
+    }
+}
+
+static PyObject *topk(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *ox, *ov, *oi;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "OnOO:topk", &ox, &k, &ov, &oi))
+        return NULL;
+    Py_buffer vx, vv, vi;
+    int wide;
+    if (get_float_rows(ox, &vx, "x", &wide) < 0)
+        return NULL;
+    Py_ssize_t n = vx.shape[0], V = vx.shape[1];
+    if (wide || k < 1 || k > V) {
+        PyErr_SetString(PyExc_ValueError, "topk: x must be float32 rows and 1 <= k <= their width");
+        PyBuffer_Release(&vx);
+        return NULL;
+    }
+    if (get_out(ov, &vv, 4, "vals", n, k) < 0) {
+        PyBuffer_Release(&vx);
+        return NULL;
+    }
+    if (get_out(oi, &vi, 8, "idx", n, k) < 0) {
+        PyBuffer_Release(&vx);
+        PyBuffer_Release(&vv);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < n; r++)
+        topk_row((const float *)((const char *)vx.buf + r * vx.strides[0]), V, k, (float *)vv.buf + r * k,
+                 (int64_t *)vi.buf + r * k);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&vx);
+    PyBuffer_Release(&vv);
+    PyBuffer_Release(&vi);
+    Py_RETURN_NONE;
+}
+
+
+/* ---- the trace writer's row buffers -------------------------------------------------------------
+ *
+ * Rows(buf): the chunk buffer of one of TraceWriter's appenders (a writable C-contiguous array,
+ * rows along axis 0), with its fill (rows held) and dirty flag. The writer's common appends run
+ * here, one call each, instead of a dozen Python-level checks and numpy slice assignments:
+ *
+ * put_rows(limit, index_rows, index, rows1, src1, ...) -> bool
+ *   Copies each src into its Rows at its fill, all of them or none: every src must be a
+ *   C-contiguous buffer with the rows' element format and row shape, all the same row count n >= 1,
+ *   each Rows must keep room after it (fill + n < capacity: a call that would fill a chunk is the
+ *   writer's to write), and ``index`` must be int64 row indices, each in [0, limit). Otherwise
+ *   nothing changes and it returns False: the writer's Python path then checks, raises its errors
+ *   or writes full chunks.
+ *
+ * put_tokens(pairs, runs, positions, tokens, seq, regime, step) -> the fill before, or -1
+ *   The token table's rows: positions and tokens (int64, 1-D, contiguous, the same length n >= 1)
+ *   interleaved into ``pairs`` (int64 [chunk, 2]) and one run (n, seq, regime, step) into ``runs``
+ *   (int64 [chunk, 4]), under the same all-or-nothing rule; -1 leaves both unchanged.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;      /* the chunk buffer, held for the object's lifetime */
+    int held;
+    Py_ssize_t cap;      /* rows the buffer holds */
+    Py_ssize_t row_bytes;
+    Py_ssize_t fill;
+    int dirty;
+} RowsObject;
+
+static void Rows_dealloc(RowsObject *self)
+{
+    if (self->held)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Rows_init(RowsObject *self, PyObject *args, PyObject *kw)
+{
+    PyObject *arr;
+    static char *names[] = {"buf", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O:Rows", names, &arr))
+        return -1;
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+    }
+    if (PyObject_GetBuffer(arr, &self->view, PyBUF_RECORDS) < 0)
+        return -1;
+    self->held = 1;
+    if (self->view.ndim < 1 || self->view.shape[0] < 1 || !PyBuffer_IsContiguous(&self->view, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "Rows: expected a C-contiguous buffer of at least one row");
+        return -1;
+    }
+    self->cap = self->view.shape[0];
+    self->row_bytes = self->view.len / self->cap;
+    self->fill = 0;
+    self->dirty = 0;
+    return 0;
+}
+
+static PyObject *Rows_get_fill(RowsObject *self, void *c) { (void)c; return PyLong_FromSsize_t(self->fill); }
+
+static int Rows_set_fill(RowsObject *self, PyObject *v, void *c)
+{
+    (void)c;
+    Py_ssize_t f = v ? PyLong_AsSsize_t(v) : -1;
+    if (f == -1 && PyErr_Occurred())
+        return -1;
+    if (f < 0 || f > self->cap) {
+        PyErr_SetString(PyExc_ValueError, "Rows.fill: out of range");
+        return -1;
+    }
+    self->fill = f;
+    return 0;
+}
+
+static PyObject *Rows_get_dirty(RowsObject *self, void *c) { (void)c; return PyBool_FromLong(self->dirty); }
+
+static int Rows_set_dirty(RowsObject *self, PyObject *v, void *c)
+{
+    (void)c;
+    int d = v ? PyObject_IsTrue(v) : -1;
+    if (d < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "Rows.dirty cannot be deleted");
+        return -1;
+    }
+    self->dirty = d;
+    return 0;
+}
+
+static PyGetSetDef Rows_getset[] = {
+    {"fill", (getter)Rows_get_fill, (setter)Rows_set_fill, "rows held in the buffer", NULL},
+    {"dirty", (getter)Rows_get_dirty, (setter)Rows_set_dirty, "rows held that are not on disk yet", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RowsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tensordiff._kernels.Rows",
+    .tp_basicsize = sizeof(RowsObject),
+    .tp_dealloc = (destructor)Rows_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Rows(buf): a chunk buffer's fill and dirty flag, for put_rows and put_tokens",
+    .tp_getset = Rows_getset,
+    .tp_init = (initproc)Rows_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static const char *plain_format(const char *f)
+{
+    if (f == NULL)
+        return "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    return f;
+}
+
+/* whether src (a held buffer) can go into r as n rows */
+static int fits(const RowsObject *r, const Py_buffer *src, Py_ssize_t n)
+{
+    const Py_buffer *d = &r->view;
+    if (src->ndim != d->ndim || src->itemsize != d->itemsize || src->shape[0] != n || n < 1 ||
+        r->fill + n >= r->cap)
+        return 0;
+    for (int i = 1; i < d->ndim; i++)
+        if (src->shape[i] != d->shape[i])
+            return 0;
+    if (strcmp(plain_format(src->format), plain_format(d->format)) != 0)
+        return 0;
+    return PyBuffer_IsContiguous(src, 'C');
+}
+
+static int is_int64(const Py_buffer *v)
+{
+    const char *f = plain_format(v->format);
+    return v->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
+}
+
+#define MAX_PUT 4
+
+static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs < 3 || nargs % 2 == 0 || (nargs - 1) / 2 > MAX_PUT) {
+        PyErr_SetString(PyExc_TypeError, "put_rows(limit, rows, src, ...): 1 to 4 (Rows, src) pairs");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[0]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t m = (nargs - 1) / 2, held = 0, n = -1;
+    Py_buffer src[MAX_PUT];
+    RowsObject *dst[MAX_PUT];
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *r = args[1 + 2 * i];
+        if (!PyObject_TypeCheck(r, &RowsType)) {
+            PyErr_SetString(PyExc_TypeError, "put_rows: expected Rows");
+            return NULL;
+        }
+        dst[i] = (RowsObject *)r;
+    }
+    for (Py_ssize_t i = 0; i < m && ok; i++) {
+        if (PyObject_GetBuffer(args[2 + 2 * i], &src[i], PyBUF_RECORDS_RO) < 0) {
+            PyErr_Clear();  /* not a buffer: the Python path converts or raises */
+            ok = 0;
+            break;
+        }
+        held++;
+        if (i == 0)
+            n = src[0].ndim >= 1 ? src[0].shape[0] : -1;
+        ok = fits(dst[i], &src[i], n);
+    }
+    if (ok && !is_int64(&src[0]))
+        ok = 0;
+    if (ok) {
+        const int64_t *ix = (const int64_t *)src[0].buf;
+        for (Py_ssize_t j = 0; j < n; j++)
+            if (ix[j] < 0 || ix[j] >= limit) {
+                ok = 0;
+                break;
+            }
+    }
+    if (ok)
+        for (Py_ssize_t i = 0; i < m; i++) {
+            RowsObject *r = dst[i];
+            memcpy((char *)r->view.buf + r->fill * r->row_bytes, src[i].buf, (size_t)(n * r->row_bytes));
+            r->fill += n;
+            r->dirty = 1;
+        }
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&src[i]);
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *put_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7 || !PyObject_TypeCheck(args[0], &RowsType) || !PyObject_TypeCheck(args[1], &RowsType)) {
+        PyErr_SetString(PyExc_TypeError, "put_tokens(pairs, runs, positions, tokens, seq, regime, step)");
+        return NULL;
+    }
+    RowsObject *pairs = (RowsObject *)args[0], *runs = (RowsObject *)args[1];
+    int64_t meta[3];
+    for (int i = 0; i < 3; i++) {
+        meta[i] = PyLong_AsLongLong(args[4 + i]);
+        if (meta[i] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    if (pairs->view.ndim != 2 || pairs->view.shape[1] != 2 || !is_int64(&pairs->view) ||
+        runs->view.ndim != 2 || runs->view.shape[1] != 4 || !is_int64(&runs->view)) {
+        PyErr_SetString(PyExc_ValueError, "put_tokens: pairs must be int64 [chunk, 2] and runs int64 [chunk, 4]");
+        return NULL;
+    }
+    Py_buffer p, t;
+    if (PyObject_GetBuffer(args[2], &p, PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        return PyLong_FromLong(-1);
+    }
+    if (PyObject_GetBuffer(args[3], &t, PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&p);
+        return PyLong_FromLong(-1);
+    }
+    Py_ssize_t n = p.ndim == 1 ? p.shape[0] : -1;
+    long before = -1;
+    if (n >= 1 && t.ndim == 1 && t.shape[0] == n && is_int64(&p) && is_int64(&t) &&
+        PyBuffer_IsContiguous(&p, 'C') && PyBuffer_IsContiguous(&t, 'C') && pairs->fill + n < pairs->cap &&
+        runs->fill < runs->cap) {
+        const int64_t *pp = (const int64_t *)p.buf, *tt = (const int64_t *)t.buf;
+        int64_t *out = (int64_t *)pairs->view.buf + 2 * pairs->fill;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            out[2 * j] = pp[j];
+            out[2 * j + 1] = tt[j];
+        }
+        int64_t *run = (int64_t *)runs->view.buf + 4 * runs->fill;
+        run[0] = n;
+        run[1] = meta[0];
+        run[2] = meta[1];
+        run[3] = meta[2];
+        before = (long)pairs->fill;
+        pairs->fill += n;
+        pairs->dirty = 1;
+        runs->fill += 1;
+        runs->dirty = 1;
+    }
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&t);
+    return PyLong_FromLong(before);
+}
+
 static PyMethodDef methods[] = {
     {"row_dots", row_dots, METH_VARARGS,
      "row_dots(x, c, out): out[i] = sum_j x[i, j] * c[i, j] in float64, x and c float32 or float64 [n, w], "
@@ -412,6 +756,14 @@ static PyMethodDef methods[] = {
     {"row_sums", row_sums, METH_VARARGS,
      "row_sums(a, kind_a, b, kind_b, k, w, aa, bb, dd, maxabs): per row and slot, sum x^2, sum y^2, "
      "sum (x-y)^2 (float64) and max |x-y| (float32) of two blocks of stored rows (kind 0 float32, 1 bf16 bits)"},
+    {"topk", topk, METH_VARARGS,
+     "topk(x, k, vals, idx): the k largest of each float32 row of x, best first (NaN first, ties by the lower "
+     "index), into vals float32 [n, k] and idx int64 [n, k]"},
+    {"put_rows", (PyCFunction)(void (*)(void))put_rows, METH_FASTCALL,
+     "put_rows(limit, rows, index, rows1, src1, ...) -> bool: the writer's append of n rows to each Rows, all "
+     "or none (see _kernels.c)"},
+    {"put_tokens", (PyCFunction)(void (*)(void))put_tokens, METH_FASTCALL,
+     "put_tokens(pairs, runs, positions, tokens, seq, regime, step) -> the fill before, or -1 (see _kernels.c)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -425,5 +777,16 @@ PyMODINIT_FUNC PyInit__kernels(void)
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
 #endif
-    return PyModule_Create(&module);
+    if (PyType_Ready(&RowsType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RowsType);
+    if (PyModule_AddObject(m, "Rows", (PyObject *)&RowsType) < 0) {
+        Py_DECREF(&RowsType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -92,3 +92,177 @@ def test_bad_buffers_are_refused():
         _kernels.row_sums(a, 2, a, 1, 1, 16, *out)
     with pytest.raises(BufferError):
         _kernels.row_sums(a, 1, a, 1, 1, 16, *out[:3], bytes(16))          # a read-only output
+
+
+# -- topk: the recorders' top-k of float32 rows -------------------------------------------------
+
+
+def topk_ref(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The order topk promises: NaN first, then by value, ties (0.0 == -0.0) by the lower index."""
+    vals, idx = [], []
+    for row in x:
+        key = np.where(np.isnan(row), -np.inf, -row.astype(np.float64))  # NaN above +inf
+        nan_first = ~np.isnan(row)  # False (NaN) sorts first
+        order = np.lexsort((np.arange(len(row)), key, nan_first))[:k]
+        vals.append(row[order])
+        idx.append(order)
+    return np.array(vals, np.float32).reshape(len(x), k), np.array(idx, np.int64).reshape(len(x), k)
+
+
+def ktopk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    v = np.full((x.shape[0], k), 7.0, np.float32)
+    i = np.full((x.shape[0], k), -1, np.int64)
+    _kernels.topk(x, k, v, i)
+    return v, i
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("n,V,k", [(24, 1024, 20), (8, 4, 4), (3, 17, 5), (5, 33, 1), (2, 16, 16), (4, 5000, 20),
+                                   (1, 1, 1)])
+def test_topk_order_values_and_indices(rng, n, V, k):
+    x = rng.standard_normal((n, V)).astype(np.float32)
+    v, i = ktopk(x, k)
+    rv, ri = topk_ref(x, k)
+    assert same_bits(v, rv) and np.array_equal(i, ri)
+    assert np.array_equal(x[np.arange(n)[:, None], i].view(np.uint32), v.view(np.uint32))  # copied, not computed
+
+
+def test_topk_ties_nan_inf_and_signed_zeros(rng):
+    """Ties by the lower index (the argmax's pick), NaN above +inf, +inf above numbers, -inf
+    last, 0.0 and -0.0 equal (each keeps its own bits), rows of all-equal and all-NaN values."""
+    base = [1.0, 3.0, 3.0, 2.0, 3.0, np.nan, 0.0, np.nan, -np.inf, np.inf, -0.0, 0.0, -np.inf]
+    rows = [base, [np.nan] * 13, [5.0] * 13, [-np.inf] * 13, [-0.0, 0.0] * 6 + [0.0]]
+    x = np.array(rows, np.float32)
+    for k in (1, 4, 13):
+        v, i = ktopk(x, k)
+        rv, ri = topk_ref(x, k)
+        assert same_bits(v, rv) and np.array_equal(i, ri), k
+    v, i = ktopk(x[:1], 6)
+    assert i.tolist() == [[5, 7, 9, 1, 2, 4]]
+    # integer-valued rows: ties everywhere, including across the 16-element blocks the scan skips
+    x = rng.integers(0, 4, (6, 1000)).astype(np.float32)
+    v, i = ktopk(x, 20)
+    rv, ri = topk_ref(x, 20)
+    assert same_bits(v, rv) and np.array_equal(i, ri)
+    assert (i[:, 0] == np.argmax(x, axis=1)).all()
+
+
+def test_topk_worst_case_ascending_rows_and_late_nans(rng):
+    """Every element enters the top-k (ascending rows), and a NaN after the scan has started
+    skipping blocks is still found."""
+    x = np.sort(rng.standard_normal((3, 3000)).astype(np.float32), axis=1)
+    x[1, 2999] = np.nan
+    x[2, 1777] = np.nan
+    v, i = ktopk(x, 20)
+    rv, ri = topk_ref(x, 20)
+    assert same_bits(v, rv) and np.array_equal(i, ri)
+
+
+def test_topk_reads_rows_with_a_stride_and_is_strict_about_its_buffers(rng):
+    full = rng.standard_normal((6, 130)).astype(np.float32)
+    x = full[:, :100]  # a padded vocabulary: rows 130 apart, elements contiguous
+    v, i = ktopk(x, 10)
+    rv, ri = topk_ref(np.ascontiguousarray(x), 10)
+    assert same_bits(v, rv) and np.array_equal(i, ri)
+    v = np.empty((6, 10), np.float32)
+    i = np.empty((6, 10), np.int64)
+    with pytest.raises(ValueError):
+        _kernels.topk(x, 0, v[:, :0], i[:, :0])  # k < 1
+    with pytest.raises(ValueError):
+        _kernels.topk(x, 101, v, i)  # k > V
+    with pytest.raises(ValueError):
+        _kernels.topk(x.astype(np.float64), 10, v, i)  # float64 rows
+    with pytest.raises(ValueError):
+        _kernels.topk(full[:, ::2], 10, v, i)  # elements not contiguous
+    with pytest.raises(ValueError):
+        _kernels.topk(x, 10, np.empty((6, 9), np.float32), i)  # vals the wrong shape
+    with pytest.raises(ValueError):
+        _kernels.topk(x, 10, v, np.empty((6, 10), np.int32))  # idx not int64
+
+
+# -- Rows, put_rows, put_tokens: the trace writer's appends -------------------------------------
+
+
+def _snapshot(*rows_and_bufs):
+    return [(r.fill, r.dirty, b.copy()) for r, b in rows_and_bufs]
+
+
+def _same_state(a, b) -> bool:
+    return all(x[0] == y[0] and x[1] == y[1] and np.array_equal(x[2], y[2]) for x, y in zip(a, b))
+
+
+def test_put_rows_copies_every_buffer_or_none(rng):
+    vb = np.zeros((8, 5), np.uint16)
+    rb = np.zeros((8, 2), np.float32)
+    ib = np.zeros(8, np.int64)
+    V, R, X = _kernels.Rows(vb), _kernels.Rows(rb), _kernels.Rows(ib)
+    vals = rng.integers(0, 2**16, (3, 5)).astype(np.uint16)
+    rms = rng.standard_normal((3, 2)).astype(np.float32)
+    idx = np.array([4, 0, 9], np.int64)
+    assert _kernels.put_rows(10, X, idx, V, vals, R, rms) is True
+    assert (V.fill, R.fill, X.fill) == (3, 3, 3) and V.dirty and R.dirty and X.dirty
+    assert np.array_equal(vb[:3], vals) and np.array_equal(rb[:3], rms) and np.array_equal(ib[:3], idx)
+    before = _snapshot((V, vb), (R, rb), (X, ib))
+    refused = [
+        (10, idx, vals, rms[:, :1]),                  # rms of the wrong width
+        (10, idx, vals.astype(np.int16), rms),        # another element format
+        (10, idx, vals.astype(np.float32), rms),      # another element size
+        (10, idx, vals[:2], rms),                     # row counts differ
+        (10, idx, np.asfortranarray(vals), rms),      # not C-contiguous
+        (9, idx, vals, rms),                          # an index past the token table
+        (10, np.array([1, -1, 2]), vals, rms),        # a negative index
+        (10, idx.astype(np.int32), vals, rms),        # indices not int64
+        (10, idx[:0], vals[:0], rms[:0]),             # no rows
+        (10, [4, 0, 9], vals, rms),                   # not a buffer
+        (10, idx, vals.tolist(), rms),
+    ]
+    for limit, ix, va, rm in refused:
+        assert _kernels.put_rows(limit, X, ix, V, va, R, rm) is False
+        assert _same_state(_snapshot((V, vb), (R, rb), (X, ib)), before)
+    # room: a call that would fill a buffer is left to the writer (it writes the chunk)
+    assert _kernels.put_rows(10, X, idx, V, vals, R, rms) is True       # fill 6 of 8
+    assert _kernels.put_rows(10, X, idx[:2], V, vals[:2], R, rms[:2]) is False  # would make 8
+    assert _kernels.put_rows(10, X, idx[:1], V, vals[:1], R, rms[:1]) is True   # 7 of 8
+    assert V.fill == 7
+    V.fill = 0
+    V.dirty = False
+    assert (V.fill, V.dirty) == (0, False)
+    with pytest.raises(ValueError):
+        V.fill = 9
+    with pytest.raises(TypeError):
+        _kernels.put_rows(10, X, idx, "not rows", vals)
+    with pytest.raises(TypeError):
+        _kernels.put_rows(10, X)
+    with pytest.raises(ValueError):
+        _kernels.Rows(np.zeros((4, 4), np.float32)[:, ::2])  # not C-contiguous
+    with pytest.raises(ValueError):
+        _kernels.Rows(np.zeros((0, 4), np.float32))
+    with pytest.raises(BufferError):
+        _kernels.Rows(np.zeros(4, np.float32).tobytes())  # read-only
+
+
+def test_put_tokens_interleaves_and_keeps_one_run_per_call(rng):
+    pairs = np.zeros((6, 2), np.int64)
+    runs = np.zeros((6, 4), np.int64)
+    P, R = _kernels.Rows(pairs), _kernels.Rows(runs)
+    pos = np.array([5, 6, 7], np.int64)
+    tok = np.array([50, 60, 70], np.int64)
+    assert _kernels.put_tokens(P, R, pos, tok, 2, 1, -9) == 0
+    assert _kernels.put_tokens(P, R, pos[:1], tok[:1], 0, 3, 2**31 - 1) == 3
+    assert pairs[:4].tolist() == [[5, 50], [6, 60], [7, 70], [5, 50]]
+    assert runs[:2].tolist() == [[3, 2, 1, -9], [1, 0, 3, 2**31 - 1]]
+    assert (P.fill, R.fill) == (4, 2)
+    before = (pairs.copy(), runs.copy())
+    for p, t in [(pos[:2], tok[:2]),        # would fill the chunk (4 + 2 = 6)
+                 (pos[:1], tok[:2]),        # lengths differ
+                 (pos[:0], tok[:0]),        # no rows
+                 (pos[:1].astype(np.int32), tok[:1]),
+                 (pos[::2], tok[::2]),      # not contiguous
+                 ([5], [50])]:
+        assert _kernels.put_tokens(P, R, p, t, 0, 0, 0) == -1
+        assert np.array_equal(pairs, before[0]) and np.array_equal(runs, before[1]) and (P.fill, R.fill) == (4, 2)
+    with pytest.raises(ValueError):
+        _kernels.put_tokens(R, P, pos, tok, 0, 0, 0)  # the buffers swapped

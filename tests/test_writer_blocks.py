@@ -199,3 +199,81 @@ def test_token_table_across_chunks_and_flushes(tmp_path):
         codes = {name: code for code, name in enumerate(REGIMES)}
         np.testing.assert_array_equal(tab["regime"], [codes[x[3]] for x in want])
         np.testing.assert_array_equal(r.read_values("x")[:, 0], np.repeat(np.arange(len(sizes)), sizes))
+
+
+def _mixed_recording(path, seed, calls):
+    """A recording that mixes every kind of append: bf16 and float32 tensors, with and without a
+    sketch dataset, sketch and RMS given or left to the writer, lists and arrays, empty calls,
+    calls that cross chunks, several sequences and flushes; returns the errors the bad calls
+    raised."""
+    rng = np.random.default_rng(seed)
+    errors = []
+    with TraceWriter(path, side="serve", model={"hidden_size": 8, "num_layers": 4}, flush_rows=700,
+                     flush_seconds=None, sketch_dim=4) as w:
+        w.define_tensor("b", 8, kind="boundary", boundary=1, dtype="bfloat16", sketch=False)
+        w.define_tensor("f", 16, kind="packed", dtype="float32", slots=SlotSpec(labels=["layer1", "layer2"]))
+        w.define_tensor("s", 8, kind="other", dtype="float32", values=False)
+        for c in range(calls):
+            n = int(rng.choice([0, 1, 3, 4, 5, 130, 600]))
+            pos = np.arange(c * 1000, c * 1000 + n, dtype=np.int64)
+            tok = rng.integers(0, 1000, n)
+            if c % 7 == 3:
+                pos, tok = pos.tolist(), tok.tolist()
+            rows = w.add_tokens(f"r{c % 3}", pos, tok, ("decode", "prefill", 2)[c % 3], step=c)
+            x = rng.standard_normal((n, 8)).astype(np.float32)
+            bits = f32_to_bf16_bits(x)
+            w.append("b", rows if c % 5 else rows.tolist(), bits,
+                     rms=slot_rms(x, 8) if c % 4 else None)
+            y = rng.standard_normal((n, 16)).astype(np.float32)
+            if c % 3 == 0:
+                w.append("f", rows, y)  # the writer computes sketch and RMS
+            else:
+                w.append("f", rows, y, rms=slot_rms(y, 8),
+                         sketch=rng.standard_normal((n, 8)).astype(np.float32 if c % 2 else np.float64))
+            w.append("s", rows, None, sketch=rng.standard_normal((n, 4)).astype(np.float32),
+                     rms=rng.random((n, 1)).astype(np.float32))
+            if n and c % 6 == 1:
+                r = slot_rms(x, 8)
+                for bad_rows, bad_values in ((rows + 10**6, bits), (rows, bits[:, :4]), (rows, x)):
+                    try:
+                        w.append("b", bad_rows, bad_values, rms=r)
+                    except ValueError as e:
+                        errors.append(str(e))
+    return errors
+
+
+def test_the_compiled_appends_write_what_the_checked_path_writes(tmp_path, monkeypatch):
+    """The writer's compiled appends (``put_rows``/``put_tokens``) and its checked Python path
+    write the same file, dataset by dataset, and raise the same errors; the compiled path is the
+    one a recorder's calls take."""
+    taken = {"rows": 0, "tokens": 0}
+    put_rows, put_tokens = writer_mod.put_rows, writer_mod.put_tokens
+
+    def counting_rows(*a):
+        ok = put_rows(*a)
+        taken["rows"] += ok
+        return ok
+
+    def counting_tokens(*a):
+        r = put_tokens(*a)
+        taken["tokens"] += r >= 0
+        return r
+
+    monkeypatch.setattr(writer_mod, "put_rows", counting_rows)
+    monkeypatch.setattr(writer_mod, "put_tokens", counting_tokens)
+    fast_err = _mixed_recording(tmp_path / "fast.h5", 5, 60)
+    assert taken["rows"] >= 15 and taken["tokens"] >= 15  # (the rest: lists, float64, empty or chunk-filling calls)
+    monkeypatch.setattr(writer_mod, "put_rows", lambda *a: False)
+    monkeypatch.setattr(writer_mod, "put_tokens", lambda *a: -1)
+    slow_err = _mixed_recording(tmp_path / "slow.h5", 5, 60)
+    assert fast_err == slow_err and fast_err
+    with TraceReader(tmp_path / "fast.h5") as a, TraceReader(tmp_path / "slow.h5") as b:
+        assert np.array_equal(a.tokens, b.tokens)
+        for name in ("b", "f", "s"):
+            assert a.tensors[name].rows == b.tensors[name].rows > 0
+            np.testing.assert_array_equal(a.token_rows(name), b.token_rows(name))
+            np.testing.assert_array_equal(a.read_rms(name).view(np.uint32), b.read_rms(name).view(np.uint32))
+            if name != "b":
+                np.testing.assert_array_equal(a.read_sketch(name).view(np.uint32), b.read_sketch(name).view(np.uint32))
+            if name != "s":
+                np.testing.assert_array_equal(a.read_values(name), b.read_values(name))

@@ -17,6 +17,7 @@ import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
 
 from .. import __version__
+from .._kernels import Rows, put_rows, put_tokens
 from ..dtypes import LOGICAL_DTYPES, storage_dtype, to_float32
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, sketch_rows
 from ..vocab import REGIME_CODE, REGIMES, regime_code
@@ -36,6 +37,12 @@ from .validate import tensor_name_problem
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+# the dtypes of the hot path's checks (``is`` against these is a pointer test; an equal dtype that
+# is not this object takes the general path, which converts nothing it need not)
+_I8 = np.dtype(np.int64)
+_F4 = np.dtype(np.float32)
+_ND = np.ndarray
+
 
 def _chunk_rows(row_bytes: int, cap: int = 512) -> int:
     """Rows per chunk: about 1 MiB (128 rows at H=4096 bf16), never (1, H), and at most ``cap``
@@ -51,22 +58,45 @@ class _Appender:
     chunk (one HDF5 call, straight from the buffer). ``flush_partial`` writes the rows buffered so
     far (they stay buffered until their chunk fills, so the next full write rewrites the same
     chunk whole). ``on_full``, if set, runs just before a full buffer is written (the writer
-    computes the sketch/RMS rows of the buffered values there: once per block, not per append)."""
+    computes the sketch/RMS rows of the buffered values there: once per block, not per append).
+    The buffer's fill and dirty flag live in ``rb``, a compiled :class:`tensordiff._kernels.Rows`:
+    the writer's common appends copy rows into several buffers in one compiled call
+    (``put_rows``), this class takes every other case."""
 
-    __slots__ = ("ds", "chunk", "buf", "fill", "base", "alloc", "dirty", "direct", "tail", "on_full")
+    __slots__ = ("ds", "chunk", "buf", "rb", "base", "alloc", "direct", "tail", "on_full")
 
     def __init__(self, ds: h5py.Dataset, on_full: Callable[[], None] | None = None):
         self.ds = ds
         self.chunk: int = int(ds.chunks[0])
         # zeros: rows past ``fill`` enter the writer's sketch products, never uninitialised memory
         self.buf = np.zeros((self.chunk,) + ds.shape[1:], dtype=ds.dtype)
-        self.fill = 0          # rows in buf
+        self.rb = self._rows_buffer()
         self.base: int = int(ds.shape[0])  # dataset row where buf[0] goes
         self.alloc: int = self.base        # the dataset's extent (kept here: h5py's shape is slow)
-        self.dirty = False     # buffered rows not yet on disk
         self.direct = ds.compression is None and not ds.dtype.fields and ds.ndim == 2
         self.tail = (0,) * (ds.ndim - 1)  # chunk offset past the row axis
         self.on_full = on_full
+
+    def _rows_buffer(self) -> Rows:
+        return Rows(self.buf)
+
+    @property
+    def fill(self) -> int:
+        """Rows in buf."""
+        return int(self.rb.fill)
+
+    @fill.setter
+    def fill(self, value: int) -> None:
+        self.rb.fill = value
+
+    @property
+    def dirty(self) -> bool:
+        """Buffered rows not yet on disk."""
+        return bool(self.rb.dirty)
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self.rb.dirty = value
 
     @property
     def rows(self) -> int:
@@ -74,20 +104,15 @@ class _Appender:
 
     def append(self, data: np.ndarray) -> None:
         n = len(data)
-        fill = self.fill
-        if fill + n < self.chunk:  # the common case: a decode step's rows fit in the buffer
-            self.buf[fill:fill + n] = data
-            self.fill = fill + n
-            self.dirty = True
-            return
         i = 0
         while i < n:
-            take = min(self.chunk - self.fill, n - i)
-            self.buf[self.fill:self.fill + take] = data[i:i + take]
-            self.fill += take
+            fill = self.fill
+            take = min(self.chunk - fill, n - i)
+            self.buf[fill:fill + take] = data[i:i + take]
+            self.fill = fill + take
             i += take
             self.dirty = True
-            if self.fill == self.chunk:
+            if fill + take == self.chunk:
                 self._write_full()
 
     def _extend(self, end: int) -> None:
@@ -130,39 +155,36 @@ class _Appender:
 
 class _TokenAppender(_Appender):
     """The token table's appender. Each ``add_tokens`` call gives one sequence, regime and step
-    for all its rows, so those are kept as one run per call and the record buffer is filled only
-    when it is written (once per chunk or flush), not with five column writes per call."""
+    for all its rows, so those are kept as one run per call, and the record buffer is filled only
+    when it is written (once per chunk or flush), not with five column writes per call: ``pairs``
+    holds each row's (position, token), ``runs`` each call's (rows, seq, regime, step), and
+    ``fill`` counts the rows in ``pairs``."""
 
-    __slots__ = ("pos", "tok", "runs")
+    __slots__ = ("pairs", "runs", "runs_rb")
 
-    def __init__(self, ds: h5py.Dataset):
-        super().__init__(ds)
-        self.pos = np.empty(self.chunk, dtype=np.int64)
-        self.tok = np.empty(self.chunk, dtype=np.int64)
-        self.runs: list[tuple[int, int, int, int]] = []  # (rows, seq, regime, step) per call, in buf order
+    def _rows_buffer(self) -> Rows:
+        self.pairs = np.zeros((self.chunk, 2), dtype=np.int64)
+        self.runs = np.zeros((self.chunk, 4), dtype=np.int64)  # a run holds >= 1 row: at most chunk runs
+        self.runs_rb = Rows(self.runs)
+        return Rows(self.pairs)
 
     def add(self, positions: np.ndarray, tokens: np.ndarray, seq: int, regime: int, step: int) -> None:
+        """Rows of one call (the path the compiled ``put_tokens`` leaves: empty calls, calls that
+        fill the chunk, arrays it does not take)."""
         n = len(positions)
-        fill = self.fill
-        if fill + n < self.chunk:
-            if n:
-                self.pos[fill:fill + n] = positions
-                self.tok[fill:fill + n] = tokens
-                self.runs.append((n, seq, regime, step))
-                self.fill = fill + n
-                self.dirty = True
-            return
         i = 0
         while i < n:
-            take = min(self.chunk - self.fill, n - i)
             f = self.fill
-            self.pos[f:f + take] = positions[i:i + take]
-            self.tok[f:f + take] = tokens[i:i + take]
-            self.runs.append((take, seq, regime, step))
+            take = min(self.chunk - f, n - i)
+            self.pairs[f:f + take, 0] = positions[i:i + take]
+            self.pairs[f:f + take, 1] = tokens[i:i + take]
+            r = int(self.runs_rb.fill)
+            self.runs[r] = (take, seq, regime, step)
+            self.runs_rb.fill = r + 1
             self.fill = f + take
             i += take
             self.dirty = True
-            if self.fill == self.chunk:
+            if f + take == self.chunk:
                 self._write_full()
 
     def append(self, data: np.ndarray) -> None:
@@ -171,16 +193,16 @@ class _TokenAppender(_Appender):
     def _prepare(self) -> None:
         fill = self.fill
         buf = self.buf
-        buf["position"][:fill] = self.pos[:fill]
-        buf["token"][:fill] = self.tok[:fill]
-        runs = np.array(self.runs, dtype=np.int64).reshape(-1, 4)
+        buf["position"][:fill] = self.pairs[:fill, 0]
+        buf["token"][:fill] = self.pairs[:fill, 1]
+        runs = self.runs[:int(self.runs_rb.fill)]
         lens = runs[:, 0]
         for col, c in (("seq", 1), ("regime", 2), ("step", 3)):
             buf[col][:fill] = np.repeat(runs[:, c], lens)
 
     def _write_full(self) -> None:
         super()._write_full()
-        self.runs.clear()
+        self.runs_rb.fill = 0
 
 
 class _Tensor:
@@ -281,6 +303,7 @@ class TraceWriter:
         self.f.create_group("tensors")
         self._tokens = _TokenAppender(tok)
         self._seq_index: dict[str, int] = {}
+        self._seq_new: list[str] = []  # keys not in the file yet
         self._tensors: dict[str, dict[str, _Appender]] = {}
         self._specs: dict[str, dict[str, Any]] = {}
         self._state: dict[str, _Tensor] = {}
@@ -289,6 +312,7 @@ class TraceWriter:
         self._dirty = False
         self._appended = False
         self._last_flush = time.monotonic()
+        self._set_triggers()
         self._closed = False
         self.flush_count = 0
         self.flushed: dict[str, Any] = {"tokens": 0, "tensors": {}}
@@ -400,19 +424,57 @@ class TraceWriter:
         if idx is None:
             if len(key) > MAX_KEY_CHARS:
                 raise ValueError(f"sequence key longer than {MAX_KEY_CHARS} characters")
+            # what HDF5's UTF-8 strings refuse, refused here (the key is written at the next flush)
+            if "\x00" in key:
+                raise ValueError("a sequence key cannot hold a NUL character")
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"a sequence key must be valid UTF-8 text: {e.reason}") from None
             idx = len(self._seq_index)
             self._seq_index[key] = idx
-            ds = self.f["sequences"]
-            ds.resize(idx + 1, axis=0)
-            ds[idx] = key
+            self._seq_new.append(key)  # written with the rows, at the next flush (one HDF5 write for all)
         return idx
+
+    def _write_sequences(self) -> None:
+        """The sequence keys added since the last flush (phase 1 of a flush: before the token rows
+        that name them are committed)."""
+        if not self._seq_new:
+            return
+        ds = self.f["sequences"]
+        n0 = len(self._seq_index) - len(self._seq_new)
+        ds.resize(len(self._seq_index), axis=0)
+        ds[n0:] = np.array(self._seq_new, dtype=object)
+        self._seq_new.clear()
 
     def add_tokens(self, seq: str, positions: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
                    regime: str | int, step: int = 0) -> np.ndarray:
         """Add token-table rows for one sequence; returns their row indices (for :meth:`append`)."""
-        if not (type(positions) is np.ndarray and positions.dtype == np.int64 and positions.ndim == 1):
+        # the common call (a known sequence and regime, int64 rows, no flush due) in one compiled
+        # copy; put_tokens takes it only whole (contiguous int64 1-D arrays of one length, room left
+        # in the chunk) and otherwise changes nothing: the checked path below does the rest
+        seq_idx = self._seq_index.get(seq) if type(seq) is str else None
+        if (seq_idx is not None and type(positions) is _ND and positions.ndim == 1 and type(step) is int
+                and -2147483648 <= step < 2147483648):
+            code = REGIME_CODE.get(regime) if type(regime) is str else None
+            n = len(positions)
+            if code is not None and not (self._dirty and (self._rows_since_flush + n > self._row_trigger
+                                                          or time.monotonic() >= self._time_trigger)):
+                tok = self._tokens
+                before = put_tokens(tok.rb, tok.runs_rb, positions, tokens, seq_idx, code, step)
+                if before >= 0:
+                    self._rows_since_flush += n
+                    self._dirty = True
+                    self._appended = False
+                    start = tok.base + before
+                    return np.arange(start, start + n, dtype=np.int64)
+        return self._add_tokens(seq, positions, tokens, regime, step)
+
+    def _add_tokens(self, seq: str, positions: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                    regime: str | int, step: int) -> np.ndarray:
+        if type(positions) is not _ND or positions.dtype is not _I8 or positions.ndim != 1:
             positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if not (type(tokens) is np.ndarray and tokens.dtype == np.int64 and tokens.ndim == 1):
+        if type(tokens) is not _ND or tokens.dtype is not _I8 or tokens.ndim != 1:
             tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = len(positions)
         if len(tokens) != n:
@@ -427,7 +489,7 @@ class TraceWriter:
             code = regime_code(regime)
         if type(step) is not int:
             step = int(step)
-        if not -(1 << 31) <= step < (1 << 31):
+        if not -2147483648 <= step < 2147483648:
             raise ValueError(f"step {step} does not fit the token table's int32 column")
         tok = self._tokens
         start = tok.base + tok.fill
@@ -444,13 +506,31 @@ class TraceWriter:
         given, in batches of one values chunk (when the chunk fills, or at a flush), from the same
         float32 conversion of the stored values."""
         t = self._state.get(name)
+        # the recorders' call (values, RMS and, where the tensor has one, the sketch given, none
+        # owed by the writer) in one compiled copy into every buffer; put_rows takes it only whole
+        # (every array in its buffer's form, row indices in the token table, room left in every
+        # chunk) and otherwise changes nothing: the checked path below does the rest
+        if t is not None and values is not None and rms is not None and t.pend_rms is None and t.values is not None:
+            tok = self._tokens
+            limit = tok.base + tok.rb.fill
+            sapp = t.sketch
+            if sapp is None:
+                done = sketch is None and put_rows(limit, t.rows.rb, rows, t.values.rb, values, t.rms.rb, rms)
+            else:
+                done = (sketch is not None and t.pend_sketch is None
+                        and put_rows(limit, t.rows.rb, rows, t.values.rb, values, t.rms.rb, rms, sapp.rb, sketch))
+            if done:
+                self._dirty = True
+                self._appended = True
+                return
         if t is None:
             raise ValueError(f"tensor {name!r} not defined; call define_tensor first")
-        if not (type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1):
+        if type(rows) is not _ND or rows.dtype is not _I8 or rows.ndim != 1:
             rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         n = len(rows)
         if n:
-            n_tok = self._tokens.base + self._tokens.fill
+            tok = self._tokens
+            n_tok = tok.base + tok.fill
             if n <= 64:  # a decode step's few rows: Python's min/max beat two numpy reductions
                 lst = rows.tolist()
                 bad = min(lst) < 0 or max(lst) >= n_tok
@@ -464,27 +544,31 @@ class TraceWriter:
             if vapp is None:
                 raise ValueError(f"{name} was defined with values=False")
             nxt = vapp.base + vapp.fill
-            if type(values) is not np.ndarray:
+            if type(values) is not _ND:
                 values = np.asarray(values)
-            if values.shape != (n, t.width):
-                raise ValueError(f"{name}: values shape {values.shape}, expected {(n, t.width)}")
-            if values.dtype != t.sd:
+            shape = values.shape
+            if len(shape) != 2 or shape[0] != n or shape[1] != t.width:
+                raise ValueError(f"{name}: values shape {shape}, expected {(n, t.width)}")
+            if values.dtype is not t.sd and values.dtype != t.sd:
                 if t.dtype == "bfloat16":
                     raise ValueError(f"{name}: bfloat16 values must be given as their uint16 bits")
                 values = values.astype(t.sd)
         elif vapp is not None:
             raise ValueError(f"{name}: values are required (defined with values=True)")
         sapp = t.sketch
-        if sapp is not None and sketch is not None:
-            sketch = np.asarray(sketch, dtype=np.float32)
-            if sketch.shape != (n, t.sketch_width):
-                raise ValueError(f"{name}: sketch shape {sketch.shape}, expected {(n, t.sketch_width)}")
-        elif sapp is not None and values is None:
-            raise ValueError(f"{name}: give sketch= when values are not recorded")
+        if sapp is not None:
+            if sketch is not None:
+                if type(sketch) is not _ND or sketch.dtype is not _F4:
+                    sketch = np.asarray(sketch, dtype=np.float32)
+                if sketch.shape != (n, t.sketch_width):
+                    raise ValueError(f"{name}: sketch shape {sketch.shape}, expected {(n, t.sketch_width)}")
+            elif values is None:
+                raise ValueError(f"{name}: give sketch= when values are not recorded")
         if rms is not None:
-            if not (type(rms) is np.ndarray and rms.dtype == np.float32):
+            if type(rms) is not _ND or rms.dtype is not _F4:
                 rms = np.asarray(rms, dtype=np.float32)
-            if rms.shape != (n, t.k):
+            shape = rms.shape
+            if len(shape) != 2 or shape[0] != n or shape[1] != t.k:
                 rms = rms.reshape(n, t.k)
         elif values is None:
             raise ValueError(f"{name}: give rms= when values are not recorded")
@@ -506,8 +590,8 @@ class TraceWriter:
                 self._derive(t)
                 t.pend_rms = None
             t.rms.append(rms)
-        if values is not None and vapp is not None:
-            vapp.append(values)
+        if vapp is not None:
+            vapp.append(values)  # type: ignore[arg-type]  # (given: checked above)
         t.rows.append(rows)
         self._dirty = True
         self._appended = True
@@ -604,6 +688,7 @@ class TraceWriter:
             self._derive(self._state[name])
             for app in apps.values():
                 app.flush_partial()
+        self._write_sequences()
         self._tokens.flush_partial()
         self.f.flush()
 
@@ -612,6 +697,15 @@ class TraceWriter:
         self._rows_since_flush = 0
         self._dirty = False
         self._last_flush = time.monotonic()
+        self._set_triggers()
+
+    def _set_triggers(self) -> None:
+        """The cheap test ``add_tokens`` makes before :meth:`_flush_due`: a flush can be due only
+        past ``_row_trigger`` token rows since the last flush or after the monotonic time
+        ``_time_trigger``."""
+        self._row_trigger = self.flush_rows if self.flush_rows is not None else math.inf
+        self._time_trigger = (self._last_flush + self.flush_seconds if self.flush_seconds is not None
+                              else math.inf)
 
     def close(self) -> None:
         if self._closed:
