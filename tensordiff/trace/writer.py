@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 _I8 = np.dtype(np.int64)
 _F4 = np.dtype(np.float32)
 _ND = np.ndarray
+_GROW_CHUNKS = 16  # chunks the extent grows by at once between flushes (see _Appender._extend)
 
 
 def _chunk_rows(row_bytes: int, cap: int = 512) -> int:
@@ -116,9 +117,14 @@ class _Appender:
                 self._write_full()
 
     def _extend(self, end: int) -> None:
+        """Grow the extent to at least ``end``: by ``_GROW_CHUNKS`` chunks at a time between
+        flushes (one HDF5 extent change per that many chunk writes; a flush sets it back to the
+        rows written, so the extent on disk is always exact: the metadata reaches the file only at
+        a flush)."""
         if self.alloc < end:
-            self.ds.resize(end, axis=0)
-            self.alloc = end
+            new = max(end, self.alloc + _GROW_CHUNKS * self.chunk)
+            self.ds.resize(new, axis=0)
+            self.alloc = new
 
     def _prepare(self) -> None:
         """Complete ``buf[:fill]`` before it is written (see :class:`_TokenAppender`)."""
@@ -138,12 +144,20 @@ class _Appender:
         self.dirty = False
 
     def flush_partial(self) -> None:
+        """The rows buffered so far to the file, and the extent set to exactly the rows written.
+        A plain chunked dataset gets the whole buffer as its chunk (one direct write: rows past
+        ``fill`` lie past the extent, unread, and the chunk is written whole again when it fills)."""
+        end = self.base + self.fill
+        if self.alloc != end:
+            self.ds.resize(end, axis=0)
+            self.alloc = end
         if not self.dirty:
             return
-        end = self.base + self.fill
-        self._extend(end)
         self._prepare()
-        self.ds[self.base:end] = self.buf[:self.fill]
+        if self.direct and self.base % self.chunk == 0:
+            self.ds.id.write_direct_chunk((self.base,) + self.tail, self.buf)
+        else:
+            self.ds[self.base:end] = self.buf[:self.fill]
         self.dirty = False
 
     def trim(self) -> None:
