@@ -540,13 +540,16 @@ static int Rows_init(RowsObject *self, PyObject *args, PyObject *kw)
         PyBuffer_Release(&self->view);
         self->held = 0;
     }
+    self->cap = self->row_bytes = self->fill = 0;  /* no rows until a buffer is held */
+    self->dirty = 0;
     if (PyObject_GetBuffer(arr, &self->view, PyBUF_RECORDS) < 0)
         return -1;
-    self->held = 1;
     if (self->view.ndim < 1 || self->view.shape[0] < 1 || !PyBuffer_IsContiguous(&self->view, 'C')) {
+        PyBuffer_Release(&self->view);
         PyErr_SetString(PyExc_ValueError, "Rows: expected a C-contiguous buffer of at least one row");
         return -1;
     }
+    self->held = 1;
     self->cap = self->view.shape[0];
     self->row_bytes = self->view.len / self->cap;
     self->fill = 0;
@@ -616,7 +619,7 @@ static const char *plain_format(const char *f)
 static int fits(const RowsObject *r, const Py_buffer *src, Py_ssize_t n)
 {
     const Py_buffer *d = &r->view;
-    if (src->ndim != d->ndim || src->itemsize != d->itemsize || src->shape[0] != n || n < 1 ||
+    if (!r->held || src->ndim != d->ndim || src->itemsize != d->itemsize || src->shape[0] != n || n < 1 ||
         r->fill + n >= r->cap)
         return 0;
     for (int i = 1; i < d->ndim; i++)
@@ -656,6 +659,11 @@ static PyObject *put_rows(PyObject *self, PyObject *const *args, Py_ssize_t narg
             return NULL;
         }
         dst[i] = (RowsObject *)r;
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (dst[j] == dst[i]) {
+                PyErr_SetString(PyExc_ValueError, "put_rows: each Rows at most once");
+                return NULL;
+            }
     }
     for (Py_ssize_t i = 0; i < m && ok; i++) {
         if (PyObject_GetBuffer(args[2 + 2 * i], &src[i], PyBUF_RECORDS_RO) < 0) {
@@ -703,6 +711,10 @@ static PyObject *put_tokens(PyObject *self, PyObject *const *args, Py_ssize_t na
         meta[i] = PyLong_AsLongLong(args[4 + i]);
         if (meta[i] == -1 && PyErr_Occurred())
             return NULL;
+    }
+    if (!pairs->held || !runs->held || pairs == runs) {
+        PyErr_SetString(PyExc_ValueError, "put_tokens: pairs and runs must be two Rows holding buffers");
+        return NULL;
     }
     if (pairs->view.ndim != 2 || pairs->view.shape[1] != 2 || !is_int64(&pairs->view) ||
         runs->view.ndim != 2 || runs->view.shape[1] != 4 || !is_int64(&runs->view)) {

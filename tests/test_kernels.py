@@ -240,6 +240,13 @@ def test_put_rows_copies_every_buffer_or_none(rng):
         _kernels.Rows(np.zeros((4, 4), np.float32)[:, ::2])  # not C-contiguous
     with pytest.raises(ValueError):
         _kernels.Rows(np.zeros((0, 4), np.float32))
+    with pytest.raises(ValueError):
+        _kernels.put_rows(10, X, idx, X, idx)  # the same Rows twice would overflow it
+    # a failed re-initialisation leaves a Rows that holds nothing and takes nothing
+    again = _kernels.Rows(np.zeros(8, np.int64))
+    with pytest.raises(ValueError):
+        again.__init__(np.zeros((16, 4), np.int64)[:, ::2])
+    assert again.fill == 0 and _kernels.put_rows(10, again, idx) is False
     with pytest.raises(BufferError):
         _kernels.Rows(np.zeros(4, np.float32).tobytes())  # read-only
 
@@ -266,3 +273,5 @@ def test_put_tokens_interleaves_and_keeps_one_run_per_call(rng):
         assert np.array_equal(pairs, before[0]) and np.array_equal(runs, before[1]) and (P.fill, R.fill) == (4, 2)
     with pytest.raises(ValueError):
         _kernels.put_tokens(R, P, pos, tok, 0, 0, 0)  # the buffers swapped
+    with pytest.raises(ValueError):
+        _kernels.put_tokens(P, P, pos, tok, 0, 0, 0)

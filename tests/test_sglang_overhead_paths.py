@@ -278,3 +278,13 @@ def test_verify_logprob_of_the_next_token_without_a_torch_gather(monkeypatch, tm
     lse = torch.logsumexp(logits.float(), dim=-1).double().numpy()
     want = logits.float().gather(1, torch.from_numpy(nxt)[:, None])[:, 0].double().numpy() - lse
     np.testing.assert_array_equal(p.lp_next, want)
+
+
+def test_topk_rows_of_a_one_column_view_with_any_stride():
+    """torch calls a [n, 1] column of any stride contiguous; the CPU path copies it to rows the
+    kernel reads."""
+    x = torch.randn(1, 5).t()
+    t = topk_rows(x, 3)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    want = torch.cat([torch.zeros(5, 1, dtype=torch.float64), (x - lse).double(), lse.double()], dim=-1)
+    assert torch.equal(t, want)

@@ -277,3 +277,21 @@ def test_the_compiled_appends_write_what_the_checked_path_writes(tmp_path, monke
                 np.testing.assert_array_equal(a.read_sketch(name).view(np.uint32), b.read_sketch(name).view(np.uint32))
             if name != "s":
                 np.testing.assert_array_equal(a.read_values(name), b.read_values(name))
+
+
+def test_flush_triggers_follow_their_attributes_and_byte_keys_decode(tmp_path):
+    """``flush_rows``/``flush_seconds`` set after the writer opened take effect on the next call
+    (the compiled add_tokens path reads the triggers they set); a bytes sequence key is its UTF-8
+    text, as HDF5 stores it."""
+    with TraceWriter(tmp_path / "t.h5", model={"hidden_size": 4}, flush_rows=None, flush_seconds=None) as w:
+        w.define_tensor("x", 4)
+        for i in range(3):
+            w.append("x", w.add_tokens("s", np.arange(i * 4, i * 4 + 4), np.zeros(4, np.int64), "decode", step=i),
+                     np.zeros((4, 4), np.float32), rms=np.zeros((4, 1), np.float32))
+        assert w.flush_count == 0
+        w.flush_rows = 8
+        w.add_tokens("s", np.arange(12, 16), np.zeros(4, np.int64), "decode", step=3)
+        assert w.flush_count == 1 and w.flushed["tokens"] == 12
+        assert w.sequence(b"s") == w.sequence("s") == 0
+        with pytest.raises(ValueError, match="UTF-8"):
+            w.sequence(b"\xff")

@@ -102,7 +102,7 @@ def _topk_rows_cpu(flat: torch.Tensor, kk: int, id_map: torch.Tensor | None) -> 
     for s in range(0, n, _TOPK_ROWS):  # fp32 copies of at most _TOPK_ROWS rows at a time
         x = flat[s:s + _TOPK_ROWS].float()
         if x.stride(-1) != 1:
-            x = x.contiguous()
+            x = x.clone(memory_format=torch.contiguous_format)  # (torch calls a [n, 1] column of any stride contiguous)
         r = x.shape[0]
         v = np.empty((r, kk), dtype=np.float32)
         i = np.empty((r, kk), dtype=np.int64)

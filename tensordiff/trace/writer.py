@@ -292,8 +292,8 @@ class TraceWriter:
         self._comp = {"compression": compression, "shuffle": True} if compression else {}
         self.sketch_dim = int(sketch_dim)
         self.sketch_seed = int(sketch_seed)
-        self.flush_rows = None if flush_rows is None else int(flush_rows)
-        self.flush_seconds = None if flush_seconds is None else float(flush_seconds)
+        self._flush_rows = None if flush_rows is None else int(flush_rows)
+        self._flush_seconds = None if flush_seconds is None else float(flush_seconds)
         self.on_flush = on_flush
         a = self.f.attrs
         a["tensordiff_schema"] = SCHEMA_VERSION
@@ -434,6 +434,13 @@ class TraceWriter:
 
     def sequence(self, key: str) -> int:
         """Index of a sequence key, added on first use."""
+        if isinstance(key, bytes):
+            try:
+                key = key.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"a sequence key must be valid UTF-8 text: {e.reason}") from None
+        elif not isinstance(key, str):
+            key = str(key)
         idx = self._seq_index.get(key)
         if idx is None:
             if len(key) > MAX_KEY_CHARS:
@@ -711,6 +718,26 @@ class TraceWriter:
         self._rows_since_flush = 0
         self._dirty = False
         self._last_flush = time.monotonic()
+        self._set_triggers()
+
+    @property
+    def flush_rows(self) -> int | None:
+        """Token rows after which ``add_tokens`` flushes (None: no row trigger)."""
+        return self._flush_rows
+
+    @flush_rows.setter
+    def flush_rows(self, value: int | None) -> None:
+        self._flush_rows = None if value is None else int(value)
+        self._set_triggers()
+
+    @property
+    def flush_seconds(self) -> float | None:
+        """Seconds after which ``add_tokens`` flushes (None: no time trigger)."""
+        return self._flush_seconds
+
+    @flush_seconds.setter
+    def flush_seconds(self, value: float | None) -> None:
+        self._flush_seconds = None if value is None else float(value)
         self._set_triggers()
 
     def _set_triggers(self) -> None:
