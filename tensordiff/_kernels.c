@@ -318,14 +318,22 @@ fail:
 }
 
 
+/* a buffer's struct format without its native / little-endian prefix ("B" when it has none) */
+static const char *plain_format(const char *f)
+{
+    if (f == NULL)
+        return "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    return f;
+}
+
 /* a 2-D buffer of float32 or float64 rows, elements contiguous within a row; *wide: float64 */
 static int get_float_rows(PyObject *obj, Py_buffer *view, const char *what, int *wide)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
         return -1;
-    const char *f = view->format ? view->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@')
-        f++;
+    const char *f = plain_format(view->format);
     int ok = view->ndim == 2 && ((strcmp(f, "f") == 0 && view->itemsize == 4) ||
                                  (strcmp(f, "d") == 0 && view->itemsize == 8));
     if (!ok || view->strides[1] != view->itemsize || view->strides[0] < 0 || view->strides[0] % view->itemsize) {
@@ -605,15 +613,6 @@ static PyTypeObject RowsType = {
     .tp_init = (initproc)Rows_init,
     .tp_new = PyType_GenericNew,
 };
-
-static const char *plain_format(const char *f)
-{
-    if (f == NULL)
-        return "B";
-    if (*f == '@' || *f == '=' || *f == '<')
-        f++;
-    return f;
-}
 
 /* whether src (a held buffer) can go into r as n rows */
 static int fits(const RowsObject *r, const Py_buffer *src, Py_ssize_t n)

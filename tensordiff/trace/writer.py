@@ -37,10 +37,6 @@ from .validate import tensor_name_problem
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-# the dtypes of the hot path's checks (``is`` against these is a pointer test; an equal dtype that
-# is not this object takes the general path, which converts nothing it need not)
-_I8 = np.dtype(np.int64)
-_F4 = np.dtype(np.float32)
 _ND = np.ndarray
 _GROW_CHUNKS = 16  # chunks the extent grows by at once between flushes (see _Appender._extend)
 
@@ -159,12 +155,6 @@ class _Appender:
         else:
             self.ds[self.base:end] = self.buf[:self.fill]
         self.dirty = False
-
-    def trim(self) -> None:
-        """Set the dataset's extent to the rows written (a last chunk may have been allocated whole)."""
-        if self.alloc != self.rows:
-            self.ds.resize(self.rows, axis=0)
-            self.alloc = self.rows
 
 
 class _TokenAppender(_Appender):
@@ -476,7 +466,7 @@ class TraceWriter:
         # in the chunk) and otherwise changes nothing: the checked path below does the rest
         seq_idx = self._seq_index.get(seq) if type(seq) is str else None
         if (seq_idx is not None and type(positions) is _ND and positions.ndim == 1 and type(step) is int
-                and -2147483648 <= step < 2147483648):
+                and -(1 << 31) <= step < (1 << 31)):
             code = REGIME_CODE.get(regime) if type(regime) is str else None
             n = len(positions)
             if code is not None and not (self._dirty and (self._rows_since_flush + n > self._row_trigger
@@ -493,9 +483,9 @@ class TraceWriter:
 
     def _add_tokens(self, seq: str, positions: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
                     regime: str | int, step: int) -> np.ndarray:
-        if type(positions) is not _ND or positions.dtype is not _I8 or positions.ndim != 1:
+        if not (type(positions) is np.ndarray and positions.dtype == np.int64 and positions.ndim == 1):
             positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if type(tokens) is not _ND or tokens.dtype is not _I8 or tokens.ndim != 1:
+        if not (type(tokens) is np.ndarray and tokens.dtype == np.int64 and tokens.ndim == 1):
             tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = len(positions)
         if len(tokens) != n:
@@ -510,7 +500,7 @@ class TraceWriter:
             code = regime_code(regime)
         if type(step) is not int:
             step = int(step)
-        if not -2147483648 <= step < 2147483648:
+        if not -(1 << 31) <= step < (1 << 31):
             raise ValueError(f"step {step} does not fit the token table's int32 column")
         tok = self._tokens
         start = tok.base + tok.fill
@@ -546,12 +536,11 @@ class TraceWriter:
                 return
         if t is None:
             raise ValueError(f"tensor {name!r} not defined; call define_tensor first")
-        if type(rows) is not _ND or rows.dtype is not _I8 or rows.ndim != 1:
+        if not (type(rows) is np.ndarray and rows.dtype == np.int64 and rows.ndim == 1):
             rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         n = len(rows)
         if n:
-            tok = self._tokens
-            n_tok = tok.base + tok.fill
+            n_tok = self._tokens.base + self._tokens.fill
             if n <= 64:  # a decode step's few rows: Python's min/max beat two numpy reductions
                 lst = rows.tolist()
                 bad = min(lst) < 0 or max(lst) >= n_tok
@@ -565,31 +554,27 @@ class TraceWriter:
             if vapp is None:
                 raise ValueError(f"{name} was defined with values=False")
             nxt = vapp.base + vapp.fill
-            if type(values) is not _ND:
+            if type(values) is not np.ndarray:
                 values = np.asarray(values)
-            shape = values.shape
-            if len(shape) != 2 or shape[0] != n or shape[1] != t.width:
-                raise ValueError(f"{name}: values shape {shape}, expected {(n, t.width)}")
-            if values.dtype is not t.sd and values.dtype != t.sd:
+            if values.shape != (n, t.width):
+                raise ValueError(f"{name}: values shape {values.shape}, expected {(n, t.width)}")
+            if values.dtype != t.sd:
                 if t.dtype == "bfloat16":
                     raise ValueError(f"{name}: bfloat16 values must be given as their uint16 bits")
                 values = values.astype(t.sd)
         elif vapp is not None:
             raise ValueError(f"{name}: values are required (defined with values=True)")
         sapp = t.sketch
-        if sapp is not None:
-            if sketch is not None:
-                if type(sketch) is not _ND or sketch.dtype is not _F4:
-                    sketch = np.asarray(sketch, dtype=np.float32)
-                if sketch.shape != (n, t.sketch_width):
-                    raise ValueError(f"{name}: sketch shape {sketch.shape}, expected {(n, t.sketch_width)}")
-            elif values is None:
-                raise ValueError(f"{name}: give sketch= when values are not recorded")
+        if sapp is not None and sketch is not None:
+            sketch = np.asarray(sketch, dtype=np.float32)
+            if sketch.shape != (n, t.sketch_width):
+                raise ValueError(f"{name}: sketch shape {sketch.shape}, expected {(n, t.sketch_width)}")
+        elif sapp is not None and values is None:
+            raise ValueError(f"{name}: give sketch= when values are not recorded")
         if rms is not None:
-            if type(rms) is not _ND or rms.dtype is not _F4:
+            if not (type(rms) is np.ndarray and rms.dtype == np.float32):
                 rms = np.asarray(rms, dtype=np.float32)
-            shape = rms.shape
-            if len(shape) != 2 or shape[0] != n or shape[1] != t.k:
+            if rms.shape != (n, t.k):
                 rms = rms.reshape(n, t.k)
         elif values is None:
             raise ValueError(f"{name}: give rms= when values are not recorded")
@@ -611,8 +596,8 @@ class TraceWriter:
                 self._derive(t)
                 t.pend_rms = None
             t.rms.append(rms)
-        if vapp is not None:
-            vapp.append(values)  # type: ignore[arg-type]  # (given: checked above)
+        if values is not None and vapp is not None:
+            vapp.append(values)
         t.rows.append(rows)
         self._dirty = True
         self._appended = True
@@ -751,13 +736,8 @@ class TraceWriter:
     def close(self) -> None:
         if self._closed:
             return
-        self.flush()
+        self.flush()  # (sets every extent to the rows written)
         _unpin_metadata(self.f)
-        # trim to the rows written (a partial last chunk may have been over-allocated)
-        for apps in self._tensors.values():
-            for app in apps.values():
-                app.trim()
-        self._tokens.trim()
         self.f.attrs.modify("complete", True)  # in place: the last flush rewrites one object header
         self.f.close()
         self._closed = True
