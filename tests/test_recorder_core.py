@@ -283,3 +283,36 @@ def test_the_docs_loop_records_every_boundary_and_refuses_a_forgotten_minus_one(
     broken = code.replace("draft_rows[-1] = -1", "pass")
     with pytest.raises(ValueError, match=r"paired past the end of its sequence .*draft_rows\[-1\] = -1"), torch.no_grad():
         exec(compile(broken, "docs/recorders.md", "exec"), {"model": model, "loader": loader})
+
+
+@pytest.mark.parametrize("regime", ["train", "decode"])
+def test_add_token_runs_is_add_tokens_one_sequence_at_a_time(tmp_path, regime):
+    """The serve plugins add a pass's rows with one call: the same rows, token table and sequence
+    ends (a train run's draft row paired past its end is still refused) as one call per sequence."""
+    seqs, counts = ["a", "b", "c", "b"], [3, 0, 2, 4]
+    pos = np.array([0, 1, 2, 5, 6, 3, 4, 5, 6])
+    tok = np.arange(9) * 11
+    tables = []
+    for i, batched in enumerate((False, True)):
+        with _rec(tmp_path / f"t{i}.h5") as rec:
+            rec.add_tokens("a", [7], [1], regime=regime)
+            if batched:
+                rows = rec.add_token_runs(seqs, counts, pos, tok, regime=regime, step=4)
+            else:
+                off, parts = 0, []
+                for s, c in zip(seqs, counts):
+                    if c:
+                        parts.append(rec.add_tokens(s, pos[off:off + c], tok[off:off + c], regime=regime, step=4))
+                    off += c
+                rows = np.concatenate(parts)
+            np.testing.assert_array_equal(rows, np.arange(1, 10))
+            np.testing.assert_array_equal(rec.positions_of(rows), pos)
+            if regime == "train":  # "c" ends at position 6: its last row cannot pair with a token t+1
+                with pytest.raises(ValueError, match="'c', position 6 pairs with position 7"):
+                    rec.record("draft_fc_output", torch.randn(2, H), rows[3:5], token_offset=1)
+            with pytest.raises(ValueError, match="counted rows"):
+                rec.add_token_runs(["a"], [2], pos[:3], tok[:3], regime=regime)
+        with TraceReader(tmp_path / f"t{i}.h5") as r:
+            tables.append((r.tokens[()], list(r.sequences)))
+    np.testing.assert_array_equal(tables[0][0], tables[1][0])
+    assert tables[0][1] == tables[1][1]

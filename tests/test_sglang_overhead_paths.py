@@ -78,8 +78,19 @@ def test_topk_rows_filled_in_place_as_the_concatenated_columns(n, v, mapped, own
     assert torch.equal(t, want)
 
 
+_STAGE = {"bytes": 0}
+
+
+@pytest.fixture(params=[0, 1 << 20], ids=["at_once", "staged"])
+def stage(request, monkeypatch):
+    """The reuse tests run twice: each call written at once, and staged (the serve plugins'
+    default: the bits are compared with the staged copy of the remembered call)."""
+    monkeypatch.setitem(_STAGE, "bytes", request.param)
+    return request.param
+
+
 def _rec(path):
-    return Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H})
+    return Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=_STAGE["bytes"])
 
 
 def _pair(path, aux, draft, aux_rows, draft_rows, reuse: bool):
@@ -102,6 +113,7 @@ def _same(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.usefixtures("stage")
 def test_draft_input_reuses_the_aux_sketch_bit_for_bit(tmp_path):
     torch.manual_seed(0)
     x = torch.randn(40, 3 * H)
@@ -118,6 +130,7 @@ def test_draft_input_reuses_the_aux_sketch_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(got["draft_input"][1], got["aux_hidden_states"][1])
 
 
+@pytest.mark.usefixtures("stage")
 def test_inference_tensors_reuse_too(tmp_path):
     with torch.inference_mode():
         x = torch.randn(8, 3 * H)
@@ -125,6 +138,7 @@ def test_inference_tensors_reuse_too(tmp_path):
     assert (stats.sketch_products, stats.sketch_reused) == (1, 1)
 
 
+@pytest.mark.usefixtures("stage")
 @pytest.mark.parametrize("case", ["other_rows", "other_tensor", "other_slots", "not_remembered"])
 def test_reuse_is_refused_unless_it_is_the_same_rows_of_the_same_tensor(tmp_path, case):
     torch.manual_seed(1)
@@ -145,6 +159,7 @@ def test_reuse_is_refused_unless_it_is_the_same_rows_of_the_same_tensor(tmp_path
     _same(got["draft_input"], alone["draft_input"])
 
 
+@pytest.mark.usefixtures("stage")
 @pytest.mark.parametrize("edit", ["scale", "negate", "flip", "tiny"])
 @pytest.mark.parametrize("inference", [False, True])
 def test_an_inplace_write_between_the_calls_is_caught(tmp_path, inference, edit):
@@ -189,6 +204,7 @@ def test_an_inplace_write_between_the_calls_is_caught(tmp_path, inference, edit)
         assert not np.array_equal(got["draft_input"][1], got["aux_hidden_states"][1])
 
 
+@pytest.mark.usefixtures("stage")
 def test_a_large_call_is_not_remembered(tmp_path, monkeypatch):
     """Slot rows above REMEMBER_MAX_BYTES are sketched again rather than held twice."""
     from tensordiff.recorders import core
@@ -259,8 +275,9 @@ def test_resume_with_topk_switches_predictions_and_splits_the_seconds(st):
     assert _rpc("tensordiff_resume") == (True, "") and st.cfg.topk == 20  # no parameter: k unchanged
 
 
+@pytest.mark.parametrize("stage_bytes", [0, 1 << 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_verify_logprob_of_the_next_token_without_a_torch_gather(monkeypatch, tmp_path, dtype):
+def test_verify_logprob_of_the_next_token_without_a_torch_gather(monkeypatch, tmp_path, dtype, stage_bytes):
     from tensordiff.recorders.sglang import forward
     from tensordiff.recorders.sglang.state import Pass
 
@@ -271,13 +288,18 @@ def test_verify_logprob_of_the_next_token_without_a_torch_gather(monkeypatch, tm
     monkeypatch.setattr(STATE, "cfg", Config(path=str(tmp_path / "s.h5"), topk=4))
     monkeypatch.setattr(STATE, "warned", set())
     monkeypatch.setattr(STATE, "target_logits", (None, None, None, SimpleNamespace(next_token_logits=logits)))
+    rec = Recorder(tmp_path / "t.h5", side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=stage_bytes)
+    monkeypatch.setattr(STATE, "rec", rec)
     p = Pass(hs=None, rows=np.arange(n), keys=(None, np.arange(n), ids), segments=[("r", 0, n)], step=1,
              regime="target_verify")
     forward._target_predictions(p)
     nxt = np.append(ids[1:], 0)
     lse = torch.logsumexp(logits.float(), dim=-1).double().numpy()
-    want = logits.float().gather(1, torch.from_numpy(nxt)[:, None])[:, 0].double().numpy() - lse
-    np.testing.assert_array_equal(p.lp_next, want)
+    logit = logits.float().gather(1, torch.from_numpy(nxt)[:, None])[:, 0].double().numpy()
+    np.testing.assert_array_equal(p.logit_next, logit)
+    # the log-prob the step's row gets: the logit minus the row's logsumexp from the pass's top-k job
+    np.testing.assert_array_equal(p.logit_next - p.pred.full()[:, -1], logit - lse)
+    rec.close()
 
 
 def test_topk_rows_of_a_one_column_view_with_any_stride():

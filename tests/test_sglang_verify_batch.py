@@ -23,9 +23,19 @@ torch = pytest.importorskip("torch")
 
 from tensordiff.conventions import SPEC_CHAIN, SPEC_VERIFY  # noqa: E402
 from tensordiff.recorders.sglang import forward, verify  # noqa: E402
+from tensordiff.recorders.sglang.predictions import PassTable  # noqa: E402
 from tensordiff.recorders.sglang.state import STATE, Pass  # noqa: E402
+from tensordiff.recorders.staging import Later  # noqa: E402
 
 pytestmark = pytest.mark.torch
+
+
+class _Job:
+    """A computed top-k job: its table and width (what the plugin's tables and chains read)."""
+
+    def __init__(self, table):
+        self.table = table
+        self.width = table.shape[1]
 
 
 class _Rec:
@@ -40,7 +50,18 @@ class _Rec:
         self.n += len(pos)
         return out
 
+    def add_token_runs(self, rids, counts, pos, ids, regime, step):
+        out, off = [], 0
+        for rid, c in zip(rids, counts):
+            if c:
+                out.append(self.add_tokens(rid, pos[off:off + c], ids[off:off + c], regime, step))
+                off += c
+        return np.concatenate(out)
+
     def plain(self, name, values, rows, **kw):
+        if isinstance(values, Later):
+            assert values.width == values.value().shape[1]
+            values = values.value()
         self.plain_calls.append((name, np.asarray(values).copy(), np.asarray(rows).copy(), kw.get("attrs")))
         return len(rows)
 
@@ -89,7 +110,11 @@ def _case(seed: int):
         reqs = reqs[:-1]
     w = 7
     pred = rng.standard_normal((n, w)) if rng.random() < 0.8 else None
+    if pred is not None:
+        pred[:, -1] = 0.0  # the logsumexp column: the batch version's log-probs are logit - lse, exactly lp here
     lp = rng.standard_normal(n) if rng.random() < 0.8 else None
+    if pred is None:
+        lp = None  # the plugin gathers the next tokens' logits only where the pass has a top-k table
     chains = {}
     for i in range(bs):
         u = rng.random()
@@ -158,27 +183,36 @@ def _reference_commit(p, result, batch, st):
     return view_rows, view_pos, view_ids
 
 
-def _pass(segs, keys, pred, lp):
-    return Pass(hs=None, rows=np.full(len(keys[1]), -1, dtype=np.int64), keys=keys, segments=segs, step=3,
-                regime="target_verify", pred=pred, lp_next=lp)
+def _pass(segs, keys, pred, lp, batch: bool):
+    """The verify pass: the reference loop reads numpy tables (``pred``, ``lp_next``), the batch
+    version a :class:`PassTable` and the logits of the next tokens (``logit_next``)."""
+    p = Pass(hs=None, rows=np.full(len(keys[1]), -1, dtype=np.int64), keys=keys, segments=segs, step=3,
+             regime="target_verify")
+    if batch:
+        p.pred = None if pred is None else PassTable(_Job(pred), len(keys[1]), None)
+        p.logit_next = lp
+    else:
+        p.pred, p.lp_next = pred, lp
+    return p
 
 
 @pytest.mark.parametrize("seed", range(60))
 def test_verify_commit_is_the_per_request_loop(st, monkeypatch, seed):
     segs, keys, pred, lp, chains, result, batch = _case(seed)
 
-    def run(fn):
+    def run(fn, batch: bool):
         rec = _Rec()
         monkeypatch.setattr(STATE, "rec", rec)
-        monkeypatch.setattr(STATE, "chain", {k: list(v) for k, v in chains.items()})
+        held = {k: [(_Job(a[None]), 0) for a in v] if batch else list(v) for k, v in chains.items()}
+        monkeypatch.setattr(STATE, "chain", held)
         monkeypatch.setattr(STATE, "warned", set())
         monkeypatch.setattr(STATE, "dropped_rows", 0)
-        p = _pass(segs, keys, pred, lp)
+        p = _pass(segs, keys, pred, lp, batch)
         view = fn(p)
         return rec, p, view, dict(STATE.chain), set(STATE.warned), STATE.dropped_rows
 
-    got = run(lambda p: (verify.commit_verify(p, result, batch), STATE.last_target)[1])
-    want = run(lambda p: _reference_commit(p, result, batch, STATE))
+    got = run(lambda p: (verify.commit_verify(p, result, batch), STATE.last_target)[1], True)
+    want = run(lambda p: _reference_commit(p, result, batch, STATE), False)
     (rec, p, view, left, warned, dropped), (rec0, p0, view0, left0, warned0, dropped0) = got, want
     assert rec.tokens == rec0.tokens
     np.testing.assert_array_equal(p.rows, p0.rows)

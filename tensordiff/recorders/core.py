@@ -39,13 +39,15 @@ import numpy as np
 import torch
 
 from .. import conventions
+from ..dtypes import to_float32
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .sampling import Sampling, SequenceEnds
+from .staging import Later, Staged, TopkJob, compute_jobs
 from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
 
-__all__ = ["Recorder", "Sampling", "logical_dtype", "to_storage", "topk_rows"]
+__all__ = ["Later", "Recorder", "Sampling", "TopkJob", "logical_dtype", "to_storage", "topk_rows"]
 
 
 @dataclass
@@ -57,6 +59,7 @@ class _Spec:
     dtype: str
     values: bool
     sketch: bool
+    plain: bool = False  # rows that are not states (Recorder.plain): values only, RMS 0
 
 
 @dataclass
@@ -104,7 +107,8 @@ class _Memo:
     idx: np.ndarray | None   # the tensor rows kept (None: all)
     slots: tuple             # (slot rows, slot width, dtype the rows were sketched in)
     sketch: Any
-    bits: np.ndarray         # the slot rows sketched [slot rows, slot width] float32, never shared
+    bits: np.ndarray | None  # the slot rows sketched [slot rows, slot width] float32, never shared
+    staged: Staged | None = None  # staging: the staged call (its private copy is the bits compared)
 
 
 # slot rows up to this many bytes (float32) are remembered for reuse; larger calls (a long
@@ -120,6 +124,11 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     except RuntimeError:
         version = None
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), version)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """``a``'s elements as unsigned integers of the same size (compares bits, NaN included)."""
+    return a.view(f"u{a.dtype.itemsize}")
 
 
 def _match(name: str, patterns: Iterable[str]) -> bool:
@@ -142,8 +151,14 @@ class Recorder:
         matching names and sketch + RMS only to the rest.
     ``sample``: a :class:`Sampling` of token positions applied to every tensor (rows must come from
     :meth:`add_tokens` of this recorder so their positions are known).
-    ``sketch``: record the seeded sketch of every tensor (default True; needed for identity search
-    when full values are not kept).
+    ``sketch``: record the seeded sketch of every tensor (default True); False: only of the tensors
+    that keep no full values (they need one for the identity search), since a reader derives the
+    sketch of the others from their values (docs/format.md).
+    ``stage_bytes``: 0 (default) computes and appends every call's rows at once. Above 0, calls on
+    CPU tensors and :meth:`plain` calls are staged (checked, keyed and copied now; RMS, sketches,
+    top-k jobs and appends done for all staged calls at once, :mod:`.staging`) until this many
+    bytes are staged, a flush trigger of the writer is reached, or at :meth:`flush`/:meth:`close`.
+    For engines that call the recorder on many small passes (the serve plugins).
     """
 
     def __init__(self, trace: str | os.PathLike | TraceWriter, *, side: str = "train",
@@ -152,7 +167,7 @@ class Recorder:
                  values: bool | Sequence[str] | None = None, sample: Sampling | None = None,
                  sketch: bool = True, sketch_dim: int = DEFAULT_SKETCH_DIM,
                  sketch_seed: int = DEFAULT_SKETCH_SEED, max_pending_bytes: int = 1 << 30,
-                 writer_kwargs: dict | None = None):
+                 stage_bytes: int = 0, writer_kwargs: dict | None = None):
         if isinstance(trace, TraceWriter):
             self.writer = trace
             self._owns_writer = False
@@ -180,6 +195,12 @@ class Recorder:
         self._n_rows = 0
         self._closed = False
         self._labels_ok: set[tuple] = set()              # slot label lists packed() has checked
+        if int(stage_bytes) < 0:
+            raise ValueError("stage_bytes must be >= 0")
+        self.stage_bytes = int(stage_bytes)
+        self._staged: dict[str, list[Staged]] = {}       # staged calls per tensor, in call order
+        self._staged_bytes = 0
+        self._jobs: list[TopkJob] = []                   # top-k jobs not computed yet
 
     # -- filters ---------------------------------------------------------------------------
 
@@ -220,6 +241,8 @@ class Recorder:
         elif isinstance(positions, torch.Tensor):
             positions = positions.detach().reshape(-1).cpu().numpy()
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if (self._staged or self._jobs) and self.writer.flush_triggered(len(positions)):
+            self._drain_staged()  # the flush this add triggers then holds the staged steps whole
         rows = self.writer.add_tokens(seq, positions, tokens, regime=regime, step=step)
         end = self._n_rows + len(rows)
         if end > len(self._positions):
@@ -233,6 +256,48 @@ class Recorder:
         self._ends.add(seq, self._n_rows, end, positions, regime)
         self._n_rows = end
         return rows
+
+    def add_token_runs(self, seqs: Sequence[str], counts: Sequence[int] | np.ndarray, positions: np.ndarray,
+                       tokens: np.ndarray, regime: str | int, step: int = 0) -> np.ndarray:
+        """:meth:`add_tokens` for several sequences of one step at once: ``counts[i]`` rows of
+        ``seqs[i]``, in order, from the concatenated ``positions`` and ``tokens``; returns every
+        row index (what the calls one by one return, concatenated). One call per engine pass
+        instead of one per request."""
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = len(positions)
+        if len(tokens) != n or int(np.sum(counts)) != n:
+            raise ValueError(f"{n} positions, {len(tokens)} tokens and {int(np.sum(counts))} counted rows")
+        if (self._staged or self._jobs) and self.writer.flush_triggered(n):
+            self._drain_staged()  # the flush these adds may trigger then holds the staged steps whole
+        start = self._n_rows
+        out = np.empty(n, dtype=np.int64)
+        add = self.writer.add_tokens
+        off = 0
+        for seq, c in zip(seqs, counts):
+            c = int(c)
+            if c:
+                out[off:off + c] = add(seq, positions[off:off + c], tokens[off:off + c], regime=regime, step=step)
+                off += c
+        end = start + n
+        if n and (int(out[0]) != start or int(out[-1]) != end - 1):
+            raise RuntimeError("token rows were added to the writer outside this recorder; "
+                               "add every token through Recorder.add_tokens")
+        if end > len(self._positions):
+            grown = np.empty(max(end, 2 * len(self._positions)), dtype=np.int64)
+            grown[:start] = self._positions[:start]
+            self._positions = grown
+        self._positions[start:end] = positions
+        if regime == "train" or not isinstance(regime, str):  # train rows: each sequence's end is kept
+            off = 0
+            for seq, c in zip(seqs, counts):
+                c = int(c)
+                self._ends.add(seq, start + off, start + off + c, positions[off:off + c], regime)
+                off += c
+        else:
+            self._ends.add("", start, end, positions, regime)
+        self._n_rows = end
+        return out
 
     def _check_pairs(self, name: str, rows: np.ndarray, token_offset: int) -> None:
         if rows.size and int(rows.max()) < self._n_rows:
@@ -339,6 +404,13 @@ class Recorder:
         if x.dtype != want_dtype:
             x = x.to(want_dtype)
             private = True
+        if self.stage_bytes and x.device.type == "cpu":
+            self._stage(name, spec, src, x, rows, idx, private, memo, remember)
+            self.stats.calls += 1
+            self.stats.rows += n
+            self.stats.bytes_values += n * width * x.element_size() if spec.values else 0
+            self.stats.seconds += time.perf_counter() - t0
+            return n
         xf = x if x.dtype == torch.float32 else x.float()
         private = private or xf is not x
         x2 = xf.reshape(n * spec.slots, spec.slot_width)  # one row per (token, slot)
@@ -383,6 +455,143 @@ class Recorder:
         self.stats.bytes_values += nbytes
         self.stats.seconds += time.perf_counter() - t0
         return n
+
+    # -- staging (stage_bytes > 0) -----------------------------------------------------------
+
+    def _stage(self, name: str, spec: _Spec, src: torch.Tensor, x: torch.Tensor, rows: np.ndarray,
+               idx: np.ndarray | None, private: bool, memo: _Memo | None, remember: bool) -> None:
+        """Stage the kept rows ``x`` (CPU, the stored dtype) of one record call: a private copy in
+        the stored form, or, when they are the very bits of the remembered call ``memo`` (same
+        tensor, same rows, every bit equal), that call's copy, whose RMS and sketch are reused."""
+        data = to_storage(x)  # a view of x where x is contiguous
+        owned = private or not x.is_contiguous()
+        key = _tensor_key(src) if memo is not None or remember else None
+        same = None
+        if memo is not None and memo.staged is not None and memo.key == key:
+            old = memo.staged.data
+            if (old is not None and old.shape == data.shape and old.dtype == data.dtype
+                    and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))
+                    and np.array_equal(_bits(old), _bits(data))):
+                same = memo.staged
+        if idx is None:
+            rows = rows.copy()  # the caller's array: it may change before the rows are written
+        if same is not None:
+            entry = Staged(rows, data=same.data, same=same)
+        else:
+            entry = Staged(rows, data=data if owned else data.copy())
+        if remember and entry.data is not None and entry.data.nbytes <= REMEMBER_MAX_BYTES:
+            self._memo[name] = _Memo(src, key or _tensor_key(src), idx, (), None, None, staged=entry)
+        self._stage_entry(name, entry)
+
+    def _stage_entry(self, name: str, entry: Staged) -> None:
+        self._staged.setdefault(name, []).append(entry)
+        self._staged_bytes += entry.nbytes
+        if self._staged_bytes > self.stage_bytes:
+            self._drain_staged()
+
+    def _drain_staged(self) -> None:
+        """Everything staged to the writer: the pending top-k jobs (one batch per group), the
+        RMS and sketch of every staged state (one product per tensor; a call that repeats a
+        remembered call's bits takes that call's), then one append per tensor."""
+        if self._jobs:
+            compute_jobs(self._jobs)
+        staged, self._staged = self._staged, {}
+        self._staged_bytes = 0
+        if not staged:
+            return
+        for name, entries in staged.items():  # states with bits of their own
+            spec = self._specs[name]
+            if not spec.plain:
+                self._derive(spec, [e for e in entries if e.same is None])
+        for name, entries in staged.items():  # states that repeat a remembered call's bits
+            spec = self._specs[name]
+            if spec.plain:
+                continue
+            again = []
+            for e in entries:
+                if e.same is None:
+                    continue
+                src = e.same
+                while src.rms is None and src.same is not None:
+                    src = src.same
+                if src.rms is None or (spec.sketch and src.sketch is None):
+                    again.append(e)
+                    continue
+                e.rms = src.rms
+                if spec.sketch:
+                    e.sketch = src.sketch
+                    self.stats.sketch_reused += 1
+            self._derive(spec, again)
+        for name, entries in staged.items():
+            self._append_staged(name, self._specs[name], entries)
+
+    def _derive(self, spec: _Spec, entries: list[Staged]) -> None:
+        """RMS (and the sketch, where the tensor has one) of staged states, one product for all."""
+        if not entries:
+            return
+        data = entries[0].data if len(entries) == 1 else np.concatenate([e.data for e in entries])  # type: ignore[misc]
+        assert data is not None
+        n = len(data)
+        x2 = to_float32(data, spec.dtype).reshape(n * spec.slots, spec.slot_width)
+        rms = np.sqrt(np.einsum("ij,ij->i", x2, x2) / np.float32(spec.slot_width)).reshape(n, -1)
+        sk = None
+        if spec.sketch:
+            if not x2.flags.writeable:
+                x2 = x2.copy()
+            sk = torch.mm(torch.from_numpy(x2), self._projection(spec.slot_width, torch.device("cpu"))).numpy()
+            sk = sk.reshape(n, -1)
+            self.stats.sketch_products += 1
+        start = 0
+        for e in entries:
+            m = len(e.rows)
+            e.rms = rms[start:start + m]
+            e.sketch = sk[start:start + m] if sk is not None else None
+            start += m
+
+    def _append_staged(self, name: str, spec: _Spec, entries: list[Staged]) -> None:
+        rows = entries[0].rows if len(entries) == 1 else np.concatenate([e.rows for e in entries])
+
+        def cat(parts: list[np.ndarray]) -> np.ndarray:
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+        if spec.plain:
+            vals = cat([e.plain.value()[e.keep] if e.keep is not None else e.plain.value()
+                        if isinstance(e.plain, Later) else e.plain for e in entries])
+            if vals.shape != (len(rows), spec.width):
+                raise ValueError(f"{name}: a staged table of shape {vals.shape} for {len(rows)} rows of width {spec.width}")
+            self.writer.append(name, rows, vals.astype(np.float32 if spec.dtype == "float32" else np.float64, copy=False),
+                               rms=np.zeros((len(rows), 1), dtype=np.float32))
+            return
+        vals = cat([e.data for e in entries]) if spec.values else None  # type: ignore[misc]
+        sk = cat([e.sketch for e in entries]) if spec.sketch else None  # type: ignore[misc]
+        self.writer.append(name, rows, vals, sketch=sk, rms=cat([e.rms for e in entries]))  # type: ignore[misc]
+
+    def topk_job(self, k: int, *, logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                 head: tuple | None = None, id_map: torch.Tensor | None = None, owned: bool = False) -> TopkJob:
+        """A :class:`~tensordiff.recorders.staging.TopkJob` for ``logits`` [..., V] (or ``hidden``
+        rows times ``head``): with staging on and the data on the CPU, the table is computed with
+        every other pending job of its group at the next drain (or when first read) from a private
+        copy (``owned=True``: the tensor given is the caller's own copy, kept as it is); otherwise
+        it is computed now."""
+        src = logits if logits is not None else hidden
+        if src is None:
+            raise ValueError("topk_job needs logits or hidden")
+        x = src.detach().reshape(-1, src.shape[-1])
+        later = self.stage_bytes > 0 and x.device.type == "cpu"
+        if later and logits is not None and x.dtype != torch.float32:
+            x = x.float()  # a private float32 copy
+        elif later and (not owned or not x.is_contiguous()):
+            # a private copy: the engine may reuse or overwrite its own tensor before the drain
+            x = x.clone(memory_format=torch.contiguous_format)
+        job = TopkJob(k, logits=x if logits is not None else None, hidden=x if logits is None else None, head=head,
+                      id_map=id_map, pending=self._jobs if later else None)
+        if not later:
+            _ = job.table  # computed now
+        else:
+            self._staged_bytes += job.nbytes
+            if self._staged_bytes > self.stage_bytes:
+                self._drain_staged()
+        return job
 
     def _submit_async(self, name, rows, vals, sk, rms, device, nbytes) -> None:
         def host(t):
@@ -474,35 +683,55 @@ class Recorder:
             return False
         return True
 
-    def plain(self, name: str, values: np.ndarray | torch.Tensor, rows, *, role: str, token_offset: int = 0,
+    def plain(self, name: str, values: np.ndarray | torch.Tensor | Later, rows, *, role: str, token_offset: int = 0,
               dtype: str = "float64", order: float | None = None, attrs: dict | None = None) -> int:
         """Record rows that are not states (token ids, top-k tables, verify counts): full values
-        only, no sketch, RMS 0. Same row rules as :meth:`record` (-1 skipped, sampling applied)."""
+        only, no sketch, RMS 0. Same row rules as :meth:`record` (-1 skipped, sampling applied).
+        ``values``: [len(rows), width], or a :class:`~tensordiff.recorders.staging.Later` giving
+        that table when it is written (staging) or now."""
         if not self._accepts(name):
             return 0
         t0 = time.perf_counter()
-        if isinstance(values, torch.Tensor):
-            values = values.detach().cpu().numpy()
-        vals = np.asarray(values, dtype=np.float64)
-        vals = vals.reshape(-1, vals.shape[-1])
+        later = values if isinstance(values, Later) else None
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        if len(rows) != len(vals):
-            raise ValueError(f"{name}: {len(vals)} value rows but {len(rows)} token rows")
+        if later is None:
+            if isinstance(values, torch.Tensor):
+                values = values.detach().cpu().numpy()
+            vals = np.asarray(values, dtype=np.float64)
+            vals = vals.reshape(-1, vals.shape[-1])
+            if len(rows) != len(vals):
+                raise ValueError(f"{name}: {len(vals)} value rows but {len(rows)} token rows")
+        else:
+            vals = None  # computed at the drain (staging) or below
         keep = rows >= 0
         self._check_pairs(name, rows[keep], self._offsets.get(name, token_offset))
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
         if name not in self._specs:
             self._offsets[name] = int(token_offset)
-            width = int(vals.shape[-1])
+            width = int(vals.shape[-1]) if later is None else later.width
             self.writer.define_tensor(name, width, kind="other", dtype=dtype, role=role, token_offset=token_offset,
                                       values=True, sketch=False, order=order, attrs=attrs)
-            self._specs[name] = _Spec(name, width, width, 1, dtype, True, False)
+            self._specs[name] = _Spec(name, width, width, 1, dtype, True, False, plain=True)
         spec = self._specs[name]
-        if vals.shape[-1] != spec.width:
-            raise ValueError(f"{name}: width {vals.shape[-1]}, but it was defined with width {spec.width}")
+        got = int(vals.shape[-1]) if later is None else later.width
+        if got != spec.width:
+            raise ValueError(f"{name}: width {got}, but it was defined with width {spec.width}")
         n = int(keep.sum())
-        if n:
+        if n and self.stage_bytes:
+            all_kept = n == len(keep)
+            if later is not None:
+                entry = Staged(rows[keep] if not all_kept else rows.copy(), plain=later, keep=None if all_kept else keep)
+            else:
+                entry = Staged(rows[keep] if not all_kept else rows.copy(), plain=vals[keep] if not all_kept else vals.copy())
+            self._stage_entry(name, entry)
+            self.stats.calls += 1
+            self.stats.rows += n
+        elif n:
+            if later is not None:
+                vals = later.value()
+                if vals.shape != (len(rows), spec.width):
+                    raise ValueError(f"{name}: a table of shape {vals.shape} for {len(rows)} rows of width {spec.width}")
             if n < len(keep):  # a copy of the kept rows only where some are dropped
                 rows, vals = rows[keep], vals[keep]
             self.writer.append(name, rows, vals.astype(np.float32 if dtype == "float32" else np.float64, copy=False),
@@ -536,8 +765,10 @@ class Recorder:
     # -- lifecycle -------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Wait for device copies in flight, write every buffered row, flush the file."""
+        """Write what is staged, wait for device copies in flight, write every buffered row, flush
+        the file."""
         t0 = time.perf_counter()
+        self._drain_staged()
         self._drain(until_bytes=0)
         self.writer.flush()
         self.stats.seconds += time.perf_counter() - t0
@@ -546,7 +777,15 @@ class Recorder:
         if self._closed:
             return
         t0 = time.perf_counter()
+        given, failed = error, None
         try:
+            try:
+                self._drain_staged()
+            except Exception as e:  # noqa: BLE001 - the rows written before stay readable
+                self._staged.clear()
+                self._jobs.clear()
+                failed = e
+                error = error or e
             self._drain(until_bytes=0)
             if error is not None:
                 self.writer.set_attr(None, "recording_error", f"{type(error).__name__}: {error}"[:500])
@@ -562,6 +801,8 @@ class Recorder:
         finally:
             self._closed = True
             self.stats.seconds += time.perf_counter() - t0
+        if failed is not None and given is None:
+            raise failed
 
     def __enter__(self) -> Recorder:  # noqa: PYI034 (Self needs Python 3.11)
         return self

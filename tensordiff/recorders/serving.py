@@ -86,7 +86,7 @@ def open_recorder(cfg, path: str, *, engine: str, version: str, torch_version: s
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     rec = Recorder(path, side="serve", producer=f"tensordiff {engine} plugin ({engine} {version})",
                    model=model, meta=meta, values=cfg.values, sample=Sampling(every=cfg.sample_every),
-                   writer_kwargs=wkw, **kw)
+                   stage_bytes=cfg.stage_bytes, writer_kwargs=wkw, **kw)
     rec.writer.set_attr(None, "versions_serve", {engine: version, "torch": torch_version})
     return rec
 

@@ -647,6 +647,14 @@ class TraceWriter:
 
     # -- flushing ------------------------------------------------------------------------------
 
+    def flush_triggered(self, incoming: int = 0) -> bool:
+        """Whether a flush trigger (``flush_rows`` counting ``incoming`` more token rows, or
+        ``flush_seconds``) has been reached with rows not yet flushed. A recorder that holds
+        tensor rows back (staging) appends them when this says so, before its next
+        ``add_tokens``, so that the flush this triggers holds whole steps."""
+        return self._dirty and (self._rows_since_flush + incoming > self._row_trigger
+                                or time.monotonic() >= self._time_trigger)
+
     def _flush_due(self, incoming: int) -> bool:
         """Whether to flush before adding ``incoming`` token rows (see the class docstring)."""
         if not self._dirty:

@@ -31,8 +31,8 @@ Configuration (environment of the server process):
 ``TENSORDIFF_TRACE``        trace path (required; unset = the plugin is inert)
 ``TENSORDIFF_CATALOG``      ``1``: record the per-boundary catalog on eager passes (default ``0``)
 ``TENSORDIFF_VALUES``       comma-separated globs of tensors that keep full values (default
-                            ``aux_hidden_states,draft_input``; ``all``, ``none``); others keep
-                            sketch + RMS
+                            ``aux_hidden_states,draft_input,draft_fc_output``; ``all``, ``none``);
+                            others keep sketch + RMS
 ``TENSORDIFF_SAMPLE_EVERY`` record positions ``p % K == 0`` only (default 1: all)
 ``TENSORDIFF_SKETCH_DIM``, ``TENSORDIFF_SKETCH_SEED``  sketch projection (both sides must agree)
 ``TENSORDIFF_FLUSH_SECONDS`` flush at least this often while busy (default 10)
@@ -40,6 +40,8 @@ Configuration (environment of the server process):
 ``TENSORDIFF_TOPK``         k of the recorded top-k predictions (default 20; 0: none)
 ``TENSORDIFF_PROFILE``      a file: write a cProfile stats file of the plugin's own code there at
                             close (per rank, like the trace; ``python -m pstats FILE``)
+``TENSORDIFF_STAGE_MB``     CPU tensors: RMS, sketches, top-k tables and appends done for many
+                            passes at once, up to this many MiB staged (default 64; 0: per pass)
 =========================== =====================================================================
 
 Importing this package imports neither torch nor sglang; :func:`register` imports sglang only when

@@ -32,6 +32,11 @@ class Config:
     compression: str | None = None
     topk: int = 20
     profile: str | None = None  # TENSORDIFF_PROFILE: a cProfile stats file of the plugin's own code
+    stage_mb: float = 64.0      # TENSORDIFF_STAGE_MB: CPU work staged and done in batches up to this (0: off)
+
+    @property
+    def stage_bytes(self) -> int:
+        return int(self.stage_mb * (1 << 20))
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> Config | None:
@@ -82,10 +87,14 @@ class Config:
         topk = num("TENSORDIFF_TOPK", int, 20)
         if topk < 0:
             raise ValueError("TENSORDIFF_TOPK must be >= 0")
+        stage_mb = num("TENSORDIFF_STAGE_MB", float, 64.0)
+        if not 0 <= stage_mb <= 1 << 20:
+            raise ValueError("TENSORDIFF_STAGE_MB must be between 0 and 1048576")
         return cls(path=path, topk=topk, catalog=flag("TENSORDIFF_CATALOG", False), values=values, sample_every=every,
                    sketch_dim=num("TENSORDIFF_SKETCH_DIM", int, None),
                    sketch_seed=num("TENSORDIFF_SKETCH_SEED", int, None), flush_seconds=flush_s,
-                   compression=comp, profile=(env.get("TENSORDIFF_PROFILE") or "").strip() or None)
+                   compression=comp, profile=(env.get("TENSORDIFF_PROFILE") or "").strip() or None,
+                   stage_mb=stage_mb)
 
     def wants_values(self, name: str) -> bool:
         if isinstance(self.values, bool):

@@ -134,8 +134,8 @@ def before_target(runner, fb) -> Pass | None:
         st.ctx_stash = p.stash  # rows are committed once the verify result is known
         st.ctx_rows = p.rows
     else:
-        for rid, s, c in segs:
-            p.rows[s:s + c] = st.rec.add_tokens(rid, pos[s:s + c], ids[s:s + c], regime=regime, step=step)
+        p.rows[:] = st.rec.add_token_runs([rid for rid, _, _ in segs], [c for _, _, c in segs], pos, ids,
+                                          regime=regime, step=step)
         p.committed = True
         st.dirty = True
         st.ctx_rows = p.rows
@@ -176,7 +176,8 @@ def after_target(runner, fb, out, p: Pass) -> None:
 def _target_predictions(p: Pass) -> None:
     """Top-k rows of the target's logits for the rows of the pass the recorder keeps (every row of
     a verify pass: which are kept is known only after the verify); on a verify pass also the
-    log-prob the target gives each row's next input token (the draft token it verifies)."""
+    logit the target gives each row's next input token (the draft token it verifies; its log-prob
+    is that minus the row's logsumexp, taken when the step's row is written)."""
     import numpy as np
     import torch
 
@@ -199,7 +200,7 @@ def _target_predictions(p: Pass) -> None:
         with torch.no_grad():
             sel = torch.from_numpy(nxt).to(logits.device)[:, None]
             g = logits.gather(1, sel)[:, 0].float().cpu().numpy()
-    p.lp_next = g.astype(np.float64) - p.pred[:, -1]
+    p.logit_next = g.astype(np.float64)
 
 
 def record_aux(hs, rows) -> None:

@@ -11,14 +11,16 @@ Taps (module hooks installed at start-up, on the target's and the draft's models
   computed logits for every row (decode, target verify, draft decode) they are used as they are;
   where it kept only some rows (a prefill's last token, a draft extend's last accepted row), the
   plugin computes the needed rows itself with the same lm_head weight, 512 rows at a time (bounded
-  memory) (only when that weight holds the whole vocabulary, i.e. not vocab-sharded across TP
-  ranks; otherwise those rows get no predictions, and a warning says so). The table of a pass
-  comes to the host in one copy; the verify and chain rows are numpy from there. The top-k ids,
+  memory; only when that weight holds the whole vocabulary, i.e. not vocab-sharded across TP
+  ranks; otherwise those rows get no predictions, and a warning says so). The top-k ids,
   log-probabilities and logsumexp of every row are recorded as ``target_topk`` (row t predicts
   token t+1) and ``draft_topk`` (row t predicts token t+2; draft ids mapped to the target
   vocabulary through the draft's hot-token map), layouts in :mod:`tensordiff.conventions`.
 
-The hooks keep references only; the work happens after the pass, when the plugin records.
+The hooks keep references only; the work happens after the pass, when the plugin records: each
+table is a top-k job of the recorder (:class:`~tensordiff.recorders.staging.TopkJob`), which with
+staging on (the plugin's default on the CPU) is computed in one batch with the other passes' jobs
+when the recorder drains its staged work.
 """
 
 from __future__ import annotations
@@ -65,9 +67,6 @@ def _logits_hook(draft: bool):
     return hook
 
 
-CHUNK_ROWS = 512  # rows whose logits the plugin computes at once (bounded memory: CHUNK_ROWS x vocab)
-
-
 def kept_rows(rows):
     """Indices of the rows of a pass the recorder will keep: a trace row (not -1) at a position
     the sampling keeps. Top-k tables are computed for these rows only."""
@@ -80,18 +79,58 @@ def kept_rows(rows):
     return np.flatnonzero(keep)
 
 
+class PassTable:
+    """The top-k rows of one pass: ``job`` (a :class:`~tensordiff.recorders.staging.TopkJob`)
+    holds the rows ``need`` of the pass's ``n_rows`` (None: every row), computed when the
+    recorder drains its staged work (or on first read)."""
+
+    __slots__ = ("job", "n_rows", "need")
+
+    def __init__(self, job, n_rows: int, need):
+        self.job = job
+        self.n_rows = int(n_rows)
+        self.need = need
+
+    @property
+    def width(self) -> int:
+        return self.job.width
+
+    def full(self):
+        """[n_rows, width] float64, NaN in rows not computed."""
+        import numpy as np
+
+        t = self.job.table
+        if self.need is None:
+            return t
+        out = np.full((self.n_rows, t.shape[1]), np.nan)
+        out[self.need] = t
+        return out
+
+    def ref(self, r: int):
+        """(job, row of its table) of pass row ``r``, or None where that row is not computed."""
+        import numpy as np
+
+        if self.need is None:
+            return self.job, int(r)
+        i = int(np.searchsorted(self.need, r))
+        return (self.job, i) if i < len(self.need) and int(self.need[i]) == int(r) else None
+
+    def rows_of(self, rows):
+        """The trace rows of the computed rows, given the pass's trace rows."""
+        return rows if self.need is None else rows[self.need]
+
+
 def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
-    """(top-k rows [n_rows, 2k+1] of the pass on the host, float64 numpy, NaN in rows not in
-    ``need``; or None (nothing needed, or with a warning); the logits SGLang computed for every row,
-    or None when the plugin computed them itself).
+    """(the :class:`PassTable` of the pass's top-k rows, or None (nothing needed, or with a
+    warning); the logits SGLang computed for every row, or None when the plugin computes them).
 
     ``need``: the row indices whose predictions are kept (None: every row). Logits SGLang computed
     are used as they are; for the other rows the plugin multiplies the needed rows' final hidden
-    states by the lm_head weight, CHUNK_ROWS rows at a time. The table comes to the host in one
-    copy per pass."""
+    states by the lm_head weight (scaled and soft-capped as the logits processor does),
+    :data:`~tensordiff.recorders.staging.HEAD_CHUNK_ROWS` rows at a time. Either is a top-k job
+    of the recorder: with staging (the plugin's default on the CPU) it is computed with every
+    other pending job at the next drain."""
     import torch
-
-    from ..core import topk_rows
 
     st = STATE
     k = st.cfg.topk
@@ -104,8 +143,12 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
         return None, None
     logits = getattr(out, "next_token_logits", None)
     if logits is not None and logits.shape[0] == n_rows:
-        x = logits if need is None else logits.index_select(0, torch.from_numpy(need).to(logits.device))
-        return _host(topk_rows(x, k, id_map), n_rows, need), logits
+        if need is None:
+            job = st.rec.topk_job(k, logits=logits, id_map=id_map)
+        else:
+            job = st.rec.topk_job(k, logits=logits.index_select(0, torch.from_numpy(need).to(logits.device)),
+                                  id_map=id_map, owned=True)
+        return PassTable(job, n_rows, need), logits
     if hs is None or hs.shape[0] != n_rows:
         st.warn_once(f"logits-rows-{what}", "%s: the logits processor saw %s rows for %d tokens; not recorded", what,
                      None if hs is None else hs.shape[0], n_rows)
@@ -118,46 +161,27 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
         return None, None
     scale = getattr(module, "logit_scale", None)
     cap = getattr(module, "final_logit_softcapping", None)
+    owned = need is not None
     if need is not None:
         hs = hs.index_select(0, torch.from_numpy(need).to(hs.device))
-    parts = []
-    with torch.no_grad():
-        for s in range(0, hs.shape[0], CHUNK_ROWS):
-            x = hs[s:s + CHUNK_ROWS].to(w.dtype) @ w.T
-            if vocab is not None and x.shape[-1] > int(vocab):
-                x = x[:, : int(vocab)]  # padded vocabulary
-            if scale is not None:
-                x = x * scale
-            if cap:
-                x = torch.tanh(x / cap) * cap
-            parts.append(topk_rows(x, k, id_map))
-    return _host(torch.cat(parts) if len(parts) > 1 else parts[0], n_rows, need), None
+    job = st.rec.topk_job(k, hidden=hs, head=(w, None if vocab is None else int(vocab), scale, cap),
+                          id_map=id_map, owned=owned)
+    return PassTable(job, n_rows, need), None
 
 
-def _host(table, n_rows: int, need):
-    """The device table of the needed rows as the pass's [n_rows, width] float64 numpy table."""
-    import numpy as np
-
-    t = table.cpu().numpy()
-    if need is None:
-        return t
-    out = np.full((n_rows, t.shape[1]), np.nan)
-    out[need] = t
-    return out
-
-
-def chain_start(segments, last_rows, pred) -> None:
+def chain_start(segments, last_rows, pred: PassTable) -> None:
     """Draft position 0 of each request's next verify step: the draft-extend row of its last
     accepted token (the row SGLang samples the first draft token from)."""
     st = STATE
     for (rid, _, _), r in zip(segments, last_rows):
-        if r >= 0:
-            st.chain[rid] = [pred[r]]
+        ref = pred.ref(r) if r >= 0 else None
+        if ref is not None:
+            st.chain[rid] = [ref]
 
 
 def chain_step(fb) -> None:
-    """A draft decode step: the draft's top-k at the next draft position of each request (one
-    host copy per step)."""
+    """A draft decode step: the draft's top-k at the next draft position of each request (a
+    top-k job of the recorder; its rows are read when the verify step's chain is written)."""
     st = STATE
     cap, st.draft_logits = st.draft_logits, None
     if not st.chain or cap is None or st.cfg.topk <= 0:
@@ -171,30 +195,29 @@ def chain_step(fb) -> None:
                      "no distributions")
         st.chain.clear()
         return
-    from ..core import topk_rows
-
     m = st.draft_id_map
     if m is not None and m.device != logits.device:
         m = st.draft_id_map = m.to(logits.device)
-    rows = topk_rows(logits, st.cfg.topk, m).cpu().numpy()
+    job = st.rec.topk_job(st.cfg.topk, logits=logits, id_map=m)
     for i, rid in enumerate(rids):
         c = st.chain.get(str(rid))
         if c is not None:
-            c.append(rows[i])
+            c.append((job, i))
 
 
-def record_topk(name: str, table, rows, token_offset: int, source: str) -> None:
-    """Append top-k rows (from :func:`prediction_rows`) for token ``rows`` (-1 skipped, and rows
-    whose predictions were not computed)."""
-    import numpy as np
+def record_topk(name: str, table: PassTable, rows, token_offset: int, source: str) -> None:
+    """Append the top-k rows of ``table`` (from :func:`prediction_rows`) for the pass's token
+    ``rows`` (-1 skipped; rows whose predictions were not computed are not recorded)."""
+    from ..staging import Later
 
     st = STATE
-    rows = np.where(np.isnan(table[:, -1]), -1, rows)
     n = st.model.get("num_layers") or 0
     order = {conventions.TARGET_TOPK: n + 0.6, conventions.DRAFT_TOPK: n + 0.9}[name]
-    st.rec.plain(name, table, rows, role=name, token_offset=token_offset, order=order,
+    job = table.job
+    st.rec.plain(name, Later(table.width, lambda: job.table), table.rows_of(rows), role=name,
+                 token_offset=token_offset, order=order,
                  attrs={"layout": "ids[0:k] | logprobs[k:2k] | logsumexp[2k]",
-                        "k": conventions.topk_k(int(table.shape[-1])), "source": source})
+                        "k": conventions.topk_k(table.width), "source": source})
     st.dirty = True
 
 

@@ -30,8 +30,8 @@ class Pass:
     regime: str
     stash: list = field(default_factory=list)  # verify: [(kind, boundary, tensor)] of catalog taps
     committed: bool = False
-    pred: Any = None      # [n, 2k+1] top-k rows of the target's predictions (tensor), or None
-    lp_next: Any = None   # verify: the target's log-prob of the next input token of each row (numpy)
+    pred: Any = None        # the top-k rows of the target's predictions (predictions.PassTable), or None
+    logit_next: Any = None  # verify: the target's logit of the next input token of each row (numpy)
     _bounds: Any = None
 
     def bounds(self):

@@ -66,12 +66,8 @@ def commit_verify(p: Pass, result, batch) -> None:
     per_req = np.bincount(req_of[keep], minlength=bs)
     st.dropped_rows += int(counts.sum()) - len(sel)
     if len(sel):
-        off = 0
-        for (rid, _, _), m in zip(p.segments, per_req.tolist()):
-            if m:
-                r = sel[off:off + m]
-                p.rows[r] = st.rec.add_tokens(rid, pos[r], ids[r], regime="target_verify", step=p.step)
-                off += m
+        p.rows[sel] = st.rec.add_token_runs([rid for rid, _, _ in p.segments], per_req, pos[sel], ids[sel],
+                                            regime="target_verify", step=p.step)
     # the pass as the draft extend sees it: row s + j = the j-th accepted row of the request whose
     # segment starts at row s
     view_rows = np.full(n, -1, dtype=np.int64)
@@ -161,8 +157,12 @@ def _position_limits(segments, reqs):
 
 def _steps_and_chains(p: Pass, starts, counts, acc) -> None:
     """``spec_verify`` and ``spec_chain`` rows of the requests whose block is a chain of draft
-    tokens (c > 1) and whose first verify row was kept."""
+    tokens (c > 1) and whose first verify row was kept. The columns that come from top-k tables
+    (the target's top-1 and log-prob at each draft position, the chains' rows) are filled when the
+    rows are written, from the pass's and the draft steps' top-k jobs."""
     import numpy as np
+
+    from ..staging import Later
 
     st = STATE
     bs = len(starts)
@@ -184,31 +184,45 @@ def _steps_and_chains(p: Pass, starts, counts, acc) -> None:
     steps[:, 1] = k
     steps[:, 2] = np.where(a < k, a, -1)
     steps[:, 3:3 + k] = p.keys[2].reshape(bs, c)[which, 1:]
-    blocks = p.pred.reshape(bs, c, -1)[which, :k] if p.pred is not None else None
-    if blocks is not None:
-        steps[:, 3 + k:3 + 2 * k] = blocks[:, :, 0]
-    if p.lp_next is not None:
-        steps[:, 3 + 2 * k:] = p.lp_next.reshape(bs, c)[which, :k]
+    pred, logit_next = p.pred, p.logit_next
     rows = first_rows[which]
-    _record_steps(rows, steps)
     chains = [st.chain.pop(p.segments[i][0], None) for i in which.tolist()]
-    if blocks is None:
+    if pred is None:
+        _record_steps(rows, steps, steps.shape[1])
         return
+
+    def blocks():
+        """The target's top-k rows at the chosen requests' draft positions [len(which), k, width]."""
+        return pred.full().reshape(bs, c, -1)[which, :k]
+
+    def step_rows():
+        b = blocks()
+        steps[:, 3 + k:3 + 2 * k] = b[:, :, 0]
+        if logit_next is not None:
+            steps[:, 3 + 2 * k:] = logit_next.reshape(bs, c)[which, :k] - b[:, :, -1]
+        return steps
+
+    _record_steps(rows, Later(steps.shape[1], step_rows), steps.shape[1])
     got = [j for j, ch in enumerate(chains) if ch is not None and len(ch) == k]
     if not got:
         return
-    dw = int(chains[got[0]][0].shape[0])
-    got = [j for j in got if chains[j][0].shape[0] == dw]
-    draft = np.stack([np.stack(chains[j]) for j in got]).reshape(len(got), -1)
-    _record_chains(rows[got], np.concatenate([draft, blocks[got].reshape(len(got), -1)], axis=1), dw,
-                   int(blocks.shape[-1]), k)
+    dw = chains[got[0]][0][0].width
+    got = [j for j in got if all(job.width == dw for job, _ in chains[j])]
+    tw = pred.width
+    picked = [chains[j] for j in got]
+
+    def chain_rows():
+        draft = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in picked]).reshape(len(picked), -1)
+        return np.concatenate([draft, blocks()[got].reshape(len(got), -1)], axis=1)
+
+    _record_chains(rows[got], Later(k * (dw + tw), chain_rows), dw, tw, k)
 
 
-def _record_steps(rows, steps) -> None:
+def _record_steps(rows, steps, width: int) -> None:
     st = STATE
     if st.spec_k is None:
-        st.spec_k = spec_verify_drafts(steps.shape[1])
-    if steps.shape[1] != spec_verify_width(st.spec_k):
+        st.spec_k = spec_verify_drafts(width)
+    if width != spec_verify_width(st.spec_k):
         st.warn_once("spec-k", "a verify step with another number of draft tokens than %d; not recorded", st.spec_k)
         return
     n = st.model.get("num_layers") or 0

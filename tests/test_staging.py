@@ -1,0 +1,172 @@
+"""Staged recording (``Recorder(stage_bytes=...)``, the serve plugins' default on the CPU) writes
+what the unstaged recorder writes: the same datasets row for row (values, rows, RMS, top-k tables
+bit for bit; sketches within the rounding of a larger product), whatever the bound, with the
+staged rows appended before a flush trigger commits (whole steps on disk), the bound on staged
+bytes kept, the engine's tensors copied (a later in-place write does not reach the trace), and a
+failed drain leaving what was written before readable.
+"""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tensordiff.recorders.core import Recorder  # noqa: E402
+from tensordiff.recorders.staging import Later, TopkJob, compute_jobs  # noqa: E402
+from tensordiff.recorders.storage import topk_rows  # noqa: E402
+from tensordiff.trace import TraceReader  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+H = 16
+LABELS = ["layer1", "layer2", "layer3"]
+
+
+def _record(path, stage_bytes: int, steps: int = 30, *, flush_rows=None, edit_after=False, seed=0):
+    """A serve-like recording: a prefill of 3 requests, then decode steps of a few rows each:
+    aux (remembered), draft_input (the same tensor: reused), an fc output in bf16, a sketch-only
+    catalog state, top-k tables through jobs (logits and lm_head rows), and plain rows."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(40, H, generator=g)
+    with Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=stage_bytes,
+                  values=["aux", "draft_input", "fc"], writer_kwargs={"flush_rows": flush_rows}) as rec:
+        pos = {f"r{i}": 0 for i in range(3)}
+        for step in range(steps):
+            n_per = 9 if step == 0 else 1 + step % 3
+            rows = []
+            for rid in pos:
+                p = np.arange(pos[rid], pos[rid] + n_per)
+                rows.append(rec.add_tokens(rid, p, (p * 7 + step) % 40, regime="prefill" if step == 0 else "decode",
+                                           step=step))
+                pos[rid] += n_per
+            rows = np.concatenate(rows)
+            x = torch.randn(len(rows), 3 * H, generator=g)
+            rec.packed("aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True)
+            if edit_after:
+                x.mul_(2.0)  # the engine reuses its buffer: what was recorded must not change
+            drows = rows.copy()
+            if step % 2:
+                drows[::4] = -1  # other rows than aux's: its sketch is not reused
+            rec.packed("draft_input", x, drows, labels=LABELS, token_offset=1, reuse="aux")
+            rec.record("fc", torch.randn(len(rows), H, generator=g).to(torch.bfloat16), rows, token_offset=1)
+            rec.boundary(2, torch.randn(len(rows), H, generator=g), rows)
+            logits = torch.randn(len(rows), 40, generator=g) * 3
+            job = rec.topk_job(5, logits=logits)
+            if edit_after:
+                logits.zero_()
+            rec.plain("target_topk", Later(job.width, lambda j=job: j.table), rows, role="target_topk")
+            hjob = rec.topk_job(4, hidden=torch.randn(2, H, generator=g), head=(w, 33, None, None))
+            rec.plain("head_topk", Later(hjob.width, lambda j=hjob: j.table), rows[:2], role="head_topk")
+            rec.plain("steps", np.full((len(rows), 2), float(step)), np.where(np.arange(len(rows)) % 2, rows, -1),
+                      role="steps")
+        stats = rec.stats
+    return stats
+
+
+def _datasets(path):
+    with h5py.File(path, "r") as f:
+        return {f"{n}/{p}": f["tensors"][n][p][()] for n in f["tensors"] for p in f["tensors"][n]}
+
+
+@pytest.mark.parametrize("stage_bytes", [1, 4096, 1 << 16, 1 << 30])
+def test_staged_recording_writes_what_the_unstaged_one_writes(tmp_path, stage_bytes):
+    _record(tmp_path / "a.h5", 0)
+    stats = _record(tmp_path / "b.h5", stage_bytes)
+    want, got = _datasets(tmp_path / "a.h5"), _datasets(tmp_path / "b.h5")
+    assert got.keys() == want.keys()
+    for key, a in want.items():
+        b = got[key]
+        assert a.shape == b.shape and a.dtype == b.dtype, key
+        if key.endswith("/sketch"):  # one product over many calls: float32 rounding of another summation
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=key)
+        elif key == "head_topk/values":  # logits from one lm_head product over many calls: likewise
+            np.testing.assert_array_equal(b[:, :4], a[:, :4], err_msg=key)  # the same ids
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=key)
+        else:
+            np.testing.assert_array_equal(b, a, err_msg=key)
+    assert stats.sketch_reused > 0  # draft_input's repeats of aux's bits took aux's sketch
+    with TraceReader(str(tmp_path / "b.h5")) as r:
+        np.testing.assert_array_equal(r.read_sketch("draft_input"), got["draft_input/sketch"])
+
+
+def test_the_engines_tensors_are_copied(tmp_path):
+    """Logits and states overwritten by the engine after the call: the trace has what the call saw."""
+    _record(tmp_path / "a.h5", 0)
+    _record(tmp_path / "b.h5", 1 << 30, edit_after=True)
+    want, got = _datasets(tmp_path / "a.h5"), _datasets(tmp_path / "b.h5")
+    np.testing.assert_array_equal(got["aux/values"], want["aux/values"])
+    np.testing.assert_array_equal(got["target_topk/values"], want["target_topk/values"])
+    # draft_input is recorded after the write: it holds the doubled values, not aux's
+    np.testing.assert_array_equal(got["draft_input/values"], want["draft_input/values"] * 2)
+
+
+def test_a_flush_trigger_appends_the_staged_rows_first(tmp_path):
+    """flush_rows reached: the staged rows are appended before the add_tokens that flushes, so
+    every flush commits whole steps (each committed token row has its tensor rows)."""
+    path = tmp_path / "t.h5"
+    flushes = []
+    with Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=1 << 30,
+                  writer_kwargs={"flush_rows": 10, "flush_seconds": None}) as rec:
+        rec.writer.on_flush = lambda w: flushes.append(dict(w.flushed["tensors"], tokens=w.flushed["tokens"]))
+        for step in range(12):
+            rows = rec.add_tokens("r", np.arange(step * 4, step * 4 + 4), np.arange(4), regime="decode", step=step)
+            rec.record("s", torch.randn(4, H), rows)
+            rec.plain("p", np.ones((4, 1)), rows, role="p")
+    assert len(flushes) >= 4
+    for fl in flushes[:-1]:
+        assert fl["s"] == fl["p"] == fl["tokens"] > 0  # whole steps: no token row without its tensor rows
+
+
+def test_the_bound_is_kept(tmp_path):
+    """Staged bytes never exceed the bound by more than one call."""
+    path = tmp_path / "t.h5"
+    bound = 10_000
+    peak = 0
+    with Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=bound) as rec:
+        for step in range(40):
+            rows = rec.add_tokens("r", np.arange(step * 8, step * 8 + 8), np.arange(8), regime="decode", step=step)
+            rec.record("s", torch.randn(8, 4 * H), rows)
+            rec.topk_job(3, logits=torch.randn(8, 50))
+            peak = max(peak, rec._staged_bytes)
+    assert 0 < peak <= bound
+
+
+def test_jobs_of_one_group_are_one_batch_and_equal_their_own_tables():
+    torch.manual_seed(4)
+    pending: list[TopkJob] = []
+    m = torch.randperm(30) * 3
+    xs = [torch.randn(n, 30) * 2 for n in (3, 1, 7)]
+    jobs = [TopkJob(5, logits=x, id_map=m, pending=pending) for x in xs]
+    other = TopkJob(2, logits=torch.randn(4, 12), pending=pending)  # another group
+    calls = []
+    import tensordiff.recorders.staging as st
+    real = st.topk_rows
+    try:
+        st.topk_rows = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+        _ = jobs[1].table  # the first read computes every pending job
+    finally:
+        st.topk_rows = real
+    assert sorted(calls) == [(4, 12), (11, 30)] and not pending
+    for j, x in zip(jobs, xs):
+        assert j.width == 11 and j.done
+        np.testing.assert_array_equal(j.table, topk_rows(x, 5, m).numpy())
+    assert other.width == 5
+    compute_jobs([])  # nothing pending: nothing to do
+
+
+def test_a_failed_drain_keeps_what_was_written_and_says_so(tmp_path):
+    path = tmp_path / "t.h5"
+    rec = Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=1 << 30)
+    rows = rec.add_tokens("r", np.arange(4), np.arange(4), regime="decode")
+    rec.record("s", torch.randn(4, H), rows)
+    rec.flush()
+    rows = rec.add_tokens("r", np.arange(4, 8), np.arange(4), regime="decode", step=1)
+    rec.plain("bad", Later(3, lambda: np.zeros((2, 3))), rows, role="bad")  # 2 rows for 4: a caller's bug
+    with pytest.raises(ValueError, match="bad: a staged table of shape"):
+        rec.close()
+    with TraceReader(str(path)) as r:
+        assert r.tensors["s"].rows == 4
+        assert "recording_error" in r.f.attrs and not r.f.attrs["complete"]
