@@ -21,9 +21,10 @@ from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED
 from ..vocab import REGIMES
 from . import recover
 from .budget import Budget, vlen_string_bytes
-from .reads import RowReads, _Parts
+from .reads import DerivedSketch, RowReads, _Parts
 from .schema import (
     MAX_ATTRS,
+    MAX_CHUNK_BYTES,
     MAX_KEY_CHARS,
     MAX_SEQUENCES,
     MAX_SKETCH_DIM,
@@ -403,7 +404,13 @@ class TraceReader(RowReads):
         # each object has one name (follow checked): its path is the one it was opened by
         prefix = f"{self._tensors_path}/{name}/"
         paths = {part: prefix + part for part in dsets}
-        self._ds[name] = _Parts(self, paths)
+        # a tensor with values but no sketch: its sketch is derived from the values on read (one row
+        # of it must fit a chunk's bound, as a stored sketch's must)
+        derived = ("values" in dsets and "sketch" not in dsets
+                   and ta.slot_count * self.sketch_dim * 4 <= MAX_CHUNK_BYTES)
+        virtual = {"sketch": lambda: DerivedSketch(self, name, self.tensors[name], self.sketch_dim,
+                                                   self.sketch_seed)} if derived else None
+        self._ds[name] = _Parts(self, paths, virtual)
         user_attrs = {}
         for k2 in ga:
             if k2.startswith("user."):
@@ -413,8 +420,8 @@ class TraceReader(RowReads):
             slot_width=ta.slot_width, slot_labels=ta.slot_labels, raw_ids=ta.raw_ids,
             convention=attr_str(ga, "convention", "", where, self._budget)[:256] or None,
             order=attr_float(ga, "order", 0.0, where), token_offset=ta.token_offset,
-            role=attr_str(ga, "role", "", where, self._budget)[:256], has_values="values" in dsets, has_sketch="sketch" in dsets,
-            boundary=ta.boundary, attrs=user_attrs,
+            role=attr_str(ga, "role", "", where, self._budget)[:256], has_values="values" in dsets,
+            has_sketch="sketch" in dsets or derived, boundary=ta.boundary, attrs=user_attrs, sketch_derived=derived,
         )
         for part, ds in dsets.items():   # open for the reads that follow (at most OPEN_DATASETS stay open)
             if part != "rows":
@@ -497,9 +504,13 @@ def tensor_entries(tensors: Mapping[str, TensorInfo]) -> list[dict[str, Any]]:
     """The tensors as ``info`` lists them, in forward order."""
     out = []
     for info in sorted(tensors.values(), key=lambda i: (i.order, i.name)):
+        # "values"/"sketch": what the file stores; a sketch the reader derives from the values is
+        # "sketch_derived" (it reads like a stored one)
         entry: dict[str, Any] = {"name": info.name, "kind": info.kind, "label": info.label, "dtype": info.dtype,
                                  "shape": [info.rows, info.width], "order": info.order, "values": info.has_values,
-                                 "sketch": info.has_sketch, "role": info.role}
+                                 "sketch": info.stored_sketch, "role": info.role}
+        if info.sketch_derived:
+            entry["sketch_derived"] = True
         if info.slot_count > 1 or info.slot_labels:
             entry.update(slots=info.slot_count, slot_width=info.slot_width, slot_labels=info.slot_labels,
                          raw_ids=info.raw_ids, convention=info.convention)

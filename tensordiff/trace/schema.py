@@ -11,7 +11,8 @@ Layout (schema 1; documented for people in docs/format.md)::
     /tokens                   [R] compound: seq (i4), position (i8), token (i8), regime (u1), step (i4)
     /tensors/<name>/rows      [n] i8: row of /tokens that each tensor row belongs to
     /tensors/<name>/values    [n, width] full values (bf16 as uint16 bits), optional
-    /tensors/<name>/sketch    [n, slots*d] f4 seeded projection per slot, optional
+    /tensors/<name>/sketch    [n, slots*d] f4 seeded projection per slot, optional (absent with
+                              values: the reader derives it, tensordiff/trace/reads.py DerivedSketch)
     /tensors/<name>/rms       [n, slots] f4 per-token RMS of each slot
     /tensors/<name>           attrs: kind, dtype, width, slot_count, slot_width, slot_labels,
                               slot_boundaries, raw_ids, convention, order, token_offset, role,
@@ -92,9 +93,15 @@ class TensorInfo:
     token_offset: int
     role: str
     has_values: bool
-    has_sketch: bool
+    has_sketch: bool   # stored, or derivable from the values (``sketch_derived``)
     boundary: int | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    sketch_derived: bool = False   # no sketch stored: the reader computes it from the values
+
+    @property
+    def stored_sketch(self) -> bool:
+        """Whether the file holds a sketch dataset (not one the reader derives from the values)."""
+        return self.has_sketch and not self.sketch_derived
 
     @property
     def label(self) -> str:
