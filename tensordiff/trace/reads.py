@@ -25,6 +25,9 @@ _SPAN_BYTES = 4 << 20  # scattered reads: read a span this large whole, then pic
 OPEN_DATASETS = 64     # datasets kept open at once (see RowReads._dataset)
 
 
+_INNER = ("values_ref",)   # datasets the reader reads for a part, not parts themselves
+
+
 class _Parts(Mapping[str, Any]):
     """A tensor's parts (``rows``, ``values``, ``sketch``, ``rms``) by name: its datasets, opened on
     use, and the parts the reader resolves (a sketch derived from the values: :class:`DerivedSketch`),
@@ -43,16 +46,18 @@ class _Parts(Mapping[str, Any]):
             if got is None:
                 got = self._made[part] = make()
             return got
+        if part in _INNER:
+            raise KeyError(part)
         return self._reader._dataset(self._paths[part])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(dict.fromkeys([*self._paths, *self._virtual]))
+        return iter(dict.fromkeys([*(p for p in self._paths if p not in _INNER), *self._virtual]))
 
     def __len__(self) -> int:
-        return len(set(self._paths) | set(self._virtual))
+        return len(list(iter(self)))
 
     def __contains__(self, part: object) -> bool:
-        return part in self._paths or part in self._virtual
+        return (part in self._paths and part not in _INNER) or part in self._virtual
 
     def stored(self) -> dict[str, str]:
         """The parts that are datasets in the file, by part: their paths."""
@@ -194,6 +199,52 @@ class DerivedSketch(_Resolved):
         return dest
 
 
+_PIECE_BYTES = 4 << 20   # values by reference are resolved in pieces of about this many bytes
+
+
+class RefValues(_Resolved):
+    """The values of a tensor that takes some rows' values by reference (``values_source``): a row
+    whose ``values_ref`` is -1 reads the next row of its own values dataset, any other reads that
+    row of the source tensor's values. ``enc`` (loaded and checked at open): per row, the source row,
+    or ``-1 - i`` for the i-th row of its own values. Read in pieces of about 4 MiB, each piece's own
+    rows and source rows read as the reader reads any rows (runs straight into the buffer)."""
+
+    def __init__(self, reader: RowReads, name: str, own_path: str, source: str, enc: np.ndarray, width: int,
+                 dtype: np.dtype[Any], chunks: tuple[int, ...] | None):
+        self._reader, self._tensor, self._own, self._source, self._enc = reader, name, own_path, source, enc
+        self.name = f"{own_path} (rows by reference to {source})"
+        self.shape = (len(enc), int(width))
+        self.dtype = np.dtype(dtype)
+        self.chunks = (int(chunks[0]) if chunks else 128, int(width))
+
+    def rows(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        if lo < 0 or hi > self.shape[0]:
+            raise IndexError(f"rows {lo}..{hi} out of range for {self.name} ({self.shape[0]} rows)")
+        return self.take(np.arange(lo, max(lo, hi), dtype=np.int64), out)
+
+    def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        idx = self._check(idx)
+        dest = self._dest(len(idx), out)
+        r = self._reader
+        what = f"{self._tensor}/values"
+        piece = max(1, _PIECE_BYTES // max(1, self.shape[1] * self.dtype.itemsize))
+        for s0 in range(0, len(idx), piece):
+            e = self._enc[idx[s0:s0 + piece]]
+            d = dest[s0:s0 + len(e)]
+            own = e < 0
+            if own.all():
+                got = r._take(r._dataset(self._own), -1 - e, d, what)
+            elif not own.any():
+                got = r._take(r._ds[self._source]["values"], e, d, f"{self._source}/values")
+            else:
+                d[own] = r._take(r._dataset(self._own), -1 - e[own], None, what)
+                d[~own] = r._take(r._ds[self._source]["values"], e[~own], None, f"{self._source}/values")
+                continue
+            if not np.may_share_memory(got, d):
+                d[...] = got
+        return dest
+
+
 class RowReads:
     """Row reads of a validated trace (mixed into :class:`~tensordiff.trace.TraceReader`)."""
 
@@ -203,6 +254,7 @@ class RowReads:
     tensors: dict[str, TensorInfo]
     _rows: dict[str, np.ndarray]
     _ds: dict[str, _Parts]
+    _refs: dict[str, tuple[str, np.ndarray]]   # values by reference: (source, encoded values_ref) by tensor
     _open: OrderedDict[str, Any]
     _tick: Callable[[int, int], None]
 
@@ -411,16 +463,18 @@ class RowReads:
         reading its data, for chunked datasets without filters; the first and last row are read
         for others (the filter pipeline runs on them too)."""
         total = len(self.tensors)
+        refs = getattr(self, "_refs", {})
         for done, (name, info) in enumerate(self.tensors.items()):
             self._tick(done, total)
             if info.rows:
-                parts = self._ds[name]
-                for part in parts.stored():   # datasets in the file (the parts the reader computes read these)
-                    if part != "rows":
-                        self._touch_ends(name, part, info.rows)
+                for part, path in self._ds[name].stored().items():   # the datasets in the file
+                    rows = info.rows
+                    if part == "values" and name in refs:   # values by reference: its own rows only
+                        rows = int(np.count_nonzero(refs[name][1] < 0))
+                    if part != "rows" and rows:
+                        self._touch_ends(f"{name}/{part}", self._dataset(path), rows)
 
-    def _touch_ends(self, name: str, part: str, rows: int) -> None:
-        ds = self._dataset(self._ds[name].stored()[part])
+    def _touch_ends(self, what: str, ds: Any, rows: int) -> None:
         chunks = ds.chunks
         lookup = getattr(ds.id, "get_chunk_info_by_coord", None)
         if chunks and lookup is not None and not ds._filters:
@@ -430,9 +484,8 @@ class RowReads:
                     lookup((r,) + zero)
                 return
             except (OSError, ValueError, TypeError, RuntimeError, KeyError) as e:
-                raise TraceFileError(f"cannot read {name}/{part}, the file is damaged ({short(e)})",
-                                     self.path) from None
-        self._read(name, part, np.s_[0:1])
-        self._read(name, part, np.s_[rows - 1:rows])
+                raise TraceFileError(f"cannot read {what}, the file is damaged ({short(e)})", self.path) from None
+        self._read_ds(ds, np.s_[0:1], None, what)
+        self._read_ds(ds, np.s_[rows - 1:rows], None, what)
 
     _touch = touch  # the name the probe used before the package split

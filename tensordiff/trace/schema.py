@@ -1,7 +1,7 @@
 """What a trace is: the schema version, the kinds and sides, the token-table layout, the records
 the reader hands out (:class:`TensorInfo`, :class:`SlotSpec`) and the limits every reader enforces.
 
-Layout (schema 1; documented for people in docs/format.md)::
+Layout (schema 1, and 2 where a tensor takes values by reference; docs/format.md)::
 
     /                         attrs: tensordiff_schema, side, producer, created, model (json),
                               versions (json), user_meta (json), sketch_seed, sketch_dim,
@@ -14,9 +14,12 @@ Layout (schema 1; documented for people in docs/format.md)::
     /tensors/<name>/sketch    [n, slots*d] f4 seeded projection per slot, optional (absent with
                               values: the reader derives it, tensordiff/trace/reads.py DerivedSketch)
     /tensors/<name>/rms       [n, slots] f4 per-token RMS of each slot
+    /tensors/<name>/values_ref  [n] i8, only with the values_source attribute (schema 2): per row, the
+                              row of tensor values_source holding its values, or -1 (its own, the next
+                              row of values, which then holds only those rows)
     /tensors/<name>           attrs: kind, dtype, width, slot_count, slot_width, slot_labels,
                               slot_boundaries, raw_ids, convention, order, token_offset, role,
-                              flushed_rows, user.*
+                              flushed_rows, values_source, user.*
 
 numpy only (no h5py): the writer, the reader and the importers share these definitions.
 """
@@ -30,7 +33,9 @@ import numpy as np
 
 from ..vocab import boundary_label, parse_label
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1      # what a trace says when it uses no later feature (what every schema-1 reader reads)
+SCHEMA_REFS = 2         # a trace in which a tensor takes values by reference (values_source, values_ref)
+SCHEMA_VERSIONS = (SCHEMA_VERSION, SCHEMA_REFS)   # the versions this reader reads
 SIDES = ("train", "serve", "other")
 KINDS = ("boundary", "final_norm", "packed", "other")
 TOKEN_DTYPE = np.dtype([("seq", "<i4"), ("position", "<i8"), ("token", "<i8"),
@@ -97,6 +102,7 @@ class TensorInfo:
     boundary: int | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
     sketch_derived: bool = False   # no sketch stored: the reader computes it from the values
+    values_source: str | None = None   # rows' values taken by reference from this tensor (values_ref)
 
     @property
     def stored_sketch(self) -> bool:
