@@ -274,5 +274,9 @@ def print_info(s: dict, console: Console) -> None:
         if e.get("token_offset"):
             st += f", row t ~ token t+{e['token_offset']}"
         stored = "+".join(x for x, on in (("values", e["values"]), ("sketch", e["sketch"])) if on)
+        if e.get("values_source"):
+            stored = stored.replace("values", f"values (by reference to {e['values_source']})", 1)
+        if e.get("sketch_derived"):
+            stored += " (sketch derived)"
         t.add_row(e["name"], e["kind"], st, "x".join(map(str, e["shape"])), e["dtype"], stored, e["role"] or "-")
     console.print(t)

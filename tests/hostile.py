@@ -92,6 +92,34 @@ def compressed_rows(path: str, rows: int = 8_000_000, tensors: int = 8, linked: 
     return path
 
 
+def compressed_refs(path: str, rows: int = 16_000_000, tensors: int = 3) -> str:
+    """``tensors`` tensors taking values by reference (values_source), each with a rows index and a
+    values_ref column compressed and never written (zeros: every row refers to row 0 of the
+    source), claiming ``rows`` rows, and an RMS that passes the check against its stored bytes:
+    each values_ref is a table loaded at open like the rows index, within the same cap."""
+    with TraceWriter(path, model={"hidden_size": 16, "num_layers": 1}, sketch_dim=1) as w:
+        w.define_tensor("src", 16, sketch=False)
+        for b in range(tensors):
+            w.define_tensor(f"ref{b}", 16, sketch=False, values_source="src")
+        r = w.add_tokens("s", [0], [1], "train")
+        w.append("src", r, np.ones((1, 16), np.float32))
+        for b in range(tensors):
+            w.append(f"ref{b}", r, None, values_ref=[0], rms=np.ones(1, np.float32))
+    noise = np.random.default_rng(0).standard_normal((2 << 14, 1)).astype(np.float32)
+    with h5py.File(path, "r+") as f:
+        _pad(f, 4 << 20)
+        for b in range(tensors):
+            g = f[f"tensors/ref{b}"]
+            for part in ("rows", "values_ref", "rms"):
+                del g[part]
+            g.create_dataset("rows", shape=(rows,), chunks=(1 << 16,), dtype="<i8", compression="gzip")
+            g.create_dataset("values_ref", shape=(rows,), chunks=(1 << 16,), dtype="<i8", compression="gzip")
+            rms = g.create_dataset("rms", shape=(rows, 1), chunks=(1 << 14, 1), dtype="<f4", compression="gzip")
+            rms[:len(noise)] = noise
+            g.attrs["flushed_rows"] = np.int64(rows)
+    return path
+
+
 def compressed_token_table(path: str, rows: int = 12_000_000) -> str:
     """A /tokens table compressed and never written, claiming ``rows`` rows (zeros: valid rows)."""
     base(path)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tensordiff.cli import main
-from tracegen import assert_clean_exit, run_isolated, write_pair, write_trace
+from tracegen import assert_clean_exit, run_isolated, write_eagle, write_pair, write_trace
 
 
 def cli(capsys, *argv) -> tuple[int, str]:
@@ -228,6 +228,140 @@ def test_info_closed_trace_modified_afterwards(capsys, trace):
     with h5py.File(trace, "r+") as f:
         f["tensors/embed/values"].resize(10, axis=0)
     bad(capsys, "datasets disagree on the row count", "info", trace)
+
+
+# ----------------------------------------------------------------------------------------------
+# values by reference (docs/format.md, "Values by reference"): the draft input of write_eagle takes
+# its rows' values from aux_hidden_states; each break is one line naming it, never a traceback
+
+
+@pytest.fixture(scope="module")
+def refs_good(tmp_path_factory):
+    return write_eagle(str(tmp_path_factory.mktemp("refs") / "refs.h5"), refs=True)
+
+
+@pytest.fixture
+def refs(refs_good, tmp_path):
+    p = tmp_path / "refs.h5"
+    shutil.copyfile(refs_good, p)
+    return p
+
+
+DRAFT = "tensors/draft_input"
+
+
+def _copy_group(f, src: str, dst: str) -> None:
+    f.copy(f[f"tensors/{src}"], f"tensors/{dst}")
+
+
+def _set_source(f, value) -> None:
+    f[DRAFT].attrs["values_source"] = value
+
+
+def _chain(f) -> None:
+    _copy_group(f, "draft_input", "draft_copy")
+    f["tensors/draft_copy"].attrs["values_source"] = "draft_input"
+
+
+def _other_dtype(f) -> None:
+    _copy_group(f, "aux_hidden_states", "aux_f16")
+    g = f["tensors/aux_f16"]
+    g.attrs["dtype"] = "float16"
+    shape = g["values"].shape
+    del g["values"]
+    g["values"] = np.zeros(shape, np.float16)
+    _set_source(f, "aux_f16")
+
+
+def _other_slots(f) -> None:
+    _copy_group(f, "aux_hidden_states", "aux_flat")
+    g = f["tensors/aux_flat"]
+    n, w = g["values"].shape
+    g.attrs.update({"kind": "other", "slot_count": 1, "slot_width": w})
+    del g.attrs["slot_labels"], g["sketch"], g["rms"]
+    g["rms"] = np.ones((n, 1), np.float32)
+    _set_source(f, "aux_flat")
+
+
+def _replace_ref(f, data) -> None:
+    del f[f"{DRAFT}/values_ref"]
+    f[f"{DRAFT}/values_ref"] = data
+
+
+def _ref_entry(f, at: int | None, value: int) -> None:
+    ref = f[f"{DRAFT}/values_ref"]
+    arr = ref[()]
+    i = int(np.flatnonzero(arr >= 0)[0]) if at is None else at
+    ref[i] = value
+
+
+def _own_count(f) -> None:
+    ref = f[f"{DRAFT}/values_ref"]
+    arr = ref[()]
+    ref[int(np.flatnonzero(arr == -1)[0])] = 0   # one row fewer of its own than its values dataset holds
+
+
+def _longer_ref(f) -> None:
+    ref = f[f"{DRAFT}/values_ref"]
+    ref.resize(ref.shape[0] + 1, axis=0)
+
+
+def _ref_as_external_link(f, other) -> None:
+    del f[f"{DRAFT}/values_ref"]
+    f[f"{DRAFT}/values_ref"] = h5py.ExternalLink(other, f"{DRAFT}/values_ref")
+
+
+REFS_BROKEN = {
+    "source missing": (lambda f: f[DRAFT].attrs.__delitem__("values_source"),
+                       "has a values_ref dataset but no values_source attribute"),
+    "source not a string": (lambda f: _set_source(f, 5), "attribute 'values_source' of tensor 'draft_input' is not a string"),
+    "source a path": (lambda f: _set_source(f, "../aux_hidden_states"), "values_source is not a tensor name"),
+    "source not a tensor": (lambda f: _set_source(f, "nope"), "its values_source 'nope' is not a tensor of this trace"),
+    "source itself": (lambda f: _set_source(f, "draft_input"), "takes its values by reference from itself"),
+    "source refers too": (_chain, "its values_source 'draft_input' takes its values by reference too"),
+    "source narrower": (lambda f: _set_source(f, "layer1"),
+                        "is float32 of width 64 (1 x 64), not bfloat16 of width 128 (2 x 64)"),
+    "source other dtype": (_other_dtype, "is float16 of width 128"),
+    "source other slots": (_other_slots, "(1 x 128), not bfloat16 of width 128 (2 x 64)"),
+    "values_ref missing": (lambda f: f[DRAFT].__delitem__("values_ref"), "has a values_source but no values_ref dataset"),
+    "values_ref floats": (lambda f: _replace_ref(f, np.zeros(714, np.float64)), "values_ref is not a 1-D integer dataset"),
+    "values_ref 2-D": (lambda f: _replace_ref(f, np.zeros((714, 2), np.int64)), "values_ref is not a 1-D integer dataset"),
+    "values_ref longer": (_longer_ref, "datasets disagree on the row count"),
+    "values_ref past the source": (lambda f: _ref_entry(f, None, 720), "values_ref points at row 720 of 'aux_hidden_states', "
+                                   "which has 720 rows"),
+    "values_ref huge": (lambda f: _ref_entry(f, None, 2**62), "values_ref points at row 4611686018427387904"),
+    "values_ref below -1": (lambda f: _ref_entry(f, 3, -7), "values_ref holds -7, expected -1"),
+    "own values miscounted": (_own_count, "rows of its own values (-1), but its values dataset holds"),
+    "own values missing": (lambda f: f[DRAFT].__delitem__("values"), "has neither values nor a sketch"),
+    "schema 1": (lambda f: f.attrs.__setitem__("tensordiff_schema", 1), "a schema 2 feature, but the trace says schema 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFS_BROKEN))
+def test_info_values_by_reference_broken(capsys, refs, case):
+    mutate, expect = REFS_BROKEN[case]
+    with h5py.File(refs, "r+") as f:
+        mutate(f)
+    bad(capsys, expect, "info", refs)
+
+
+def test_diff_values_by_reference_broken(capsys, refs, refs_good):
+    with h5py.File(refs, "r+") as f:
+        _ref_entry(f, None, 10**9)
+    bad(capsys, "values_ref points at row 1000000000", "diff", refs_good, refs, "-q")
+    bad(capsys, "values_ref points at row 1000000000", "diff", refs, refs_good, "-q")
+
+
+def test_info_values_ref_external_link_not_followed(capsys, refs, refs_good):
+    with h5py.File(refs, "r+") as f:
+        _ref_as_external_link(f, str(refs_good))
+    bad(capsys, "external link", "info", refs)
+
+
+def test_info_values_by_reference_in_an_unknown_schema(capsys, refs):
+    with h5py.File(refs, "r+") as f:
+        f.attrs["tensordiff_schema"] = 3
+    bad(capsys, "unknown trace schema version 3 (this tensordiff reads versions 1 to 2)", "info", refs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -91,6 +91,18 @@ def test_compressed_rows_indexes_capped_together(tmp_path, baseline):
     assert rss <= baseline + 2 * 128 + RSS_HEADROOM_MIB, f"peak RSS {rss} MiB, baseline {baseline} MiB"
 
 
+def test_compressed_values_refs_within_the_same_cap(tmp_path, baseline):
+    """Three tensors with values by reference, each with a rows index and a values_ref of 16M rows
+    (128 MB each decoded) in a few-MB file: values_ref is loaded at open like a rows index, and
+    counted in the same cap."""
+    p = hostile.compressed_refs(str(tmp_path / "t.h5"), rows=16_000_000, tensors=3)
+    assert os.path.getsize(p) < 16 << 20
+    rc, out, err, rss = hostile.peak_rss(["info", p])
+    assert_clean_exit(rc, out, err, "info")
+    assert rc == 2 and "compressed tables are loaded at open" in err, err
+    assert rss <= baseline + 2 * 128 + RSS_HEADROOM_MIB, f"peak RSS {rss} MiB, baseline {baseline} MiB"
+
+
 def test_compressed_token_table(tmp_path, baseline):
     """A gzip token table of 12M rows in a 2 MB file (350 MB decoded)."""
     p = hostile.compressed_token_table(str(tmp_path / "t.h5"), rows=12_000_000)

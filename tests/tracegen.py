@@ -18,7 +18,9 @@ import time
 import h5py
 import numpy as np
 
-from tensordiff.trace import SlotSpec, TraceWriter
+from tensordiff.dtypes import f32_to_bf16_bits, to_float32
+from tensordiff.sketch import sketch_np
+from tensordiff.trace import SlotSpec, TraceWriter, slot_rms
 
 H = 16
 LAYERS = 3
@@ -61,6 +63,88 @@ def write_trace(path, *, side="train", seed=0, noise=0.0, hidden=H, seqs=3, leng
         return w
     w.close()
     return None
+
+
+EAGLE_H = 64
+DIM = 8
+EAGLE_SEQS = 6
+EAGLE_LENGTH = 120
+_EAGLE_DTYPES = {0: "float32", 1: "float32", 2: "bfloat16", 3: "float16"}
+
+
+def _eagle_name(b: int) -> str:
+    return f"layer{b}" if b else "embed"
+
+
+def write_eagle(path, *, side="train", sketches=True, refs=False, seed=0, noise=0.0, wrong=False, sketch_only=(),
+                seqs=range(EAGLE_SEQS), flush_rows=None, close=True, meta=None):
+    """An EAGLE-3-like trace (docs/format.md, "Derived sketches" and "Values by reference"):
+    boundaries embed..layer3 (float32, bf16, float16), the target's packed ``aux_hidden_states``
+    (bf16) and the ``draft_input`` the draft consumed: the aux rows but the last of each sequence,
+    a few of them changed in their last bit (none in every third sequence).
+
+    ``sketches=False``: valued tensors are stored without a sketch (the reader derives them).
+    ``refs``: ``draft_input`` takes its values by reference to ``aux_hidden_states`` (the changed
+    rows stored; the second of every three sequences appended without ``values_ref``, all rows
+    given; the third with every row a reference, ``values=None``) and stores no sketch; the values
+    read back are those of ``refs=False``. ``sketch_only``: tensors stored as sketch + RMS alone (the
+    sketch computed per append, as the recorders do). ``wrong``: the aux's slot 1 holds layer3.
+    ``seqs``: which sequences (a DP rank's share). ``close=False`` returns the open writer."""
+    H, length = EAGLE_H, EAGLE_LENGTH
+    base = np.random.default_rng(1234)
+    rng = np.random.default_rng(seed)
+    w = TraceWriter(path, side=side, producer="tests/tracegen.py", model={"num_layers": 3, "hidden_size": H},
+                    sketch_dim=DIM, flush_rows=flush_rows, flush_seconds=None, meta=meta)
+    for b in range(4):
+        only = _eagle_name(b) in sketch_only
+        w.define_tensor(_eagle_name(b), H, kind="boundary", boundary=b, dtype=_EAGLE_DTYPES[b], values=not only,
+                        sketch=sketches or only)
+    slots = SlotSpec(["layer1", "layer2"], raw_ids=[1, 2], convention="boundary")
+    w.define_tensor("aux_hidden_states", 2 * H, kind="packed", slots=slots, slot_width=H, dtype="bfloat16",
+                    role="aux", sketch=sketches)
+    w.define_tensor("draft_input", 2 * H, kind="packed", slots=slots, slot_width=H, dtype="bfloat16",
+                    role="draft_input", sketch=sketches and not refs,
+                    values_source="aux_hidden_states" if refs else None)
+    held = ("layer1", "layer3") if wrong else ("layer1", "layer2")
+    wanted = set(seqs)
+    aux_rows = 0
+    for s in range(EAGLE_SEQS):
+        ids = base.integers(1, 500, length)
+        st = {}
+        for b in range(4):
+            x = base.standard_normal((length, H)).astype(np.float32)
+            x += noise * rng.standard_normal(x.shape).astype(np.float32)
+            st[_eagle_name(b)] = x
+        if s not in wanted:
+            continue
+        rows = w.add_tokens(f"seq-{s}", np.arange(length), ids, "train" if side == "train" else "prefill", step=s)
+        for b in range(4):
+            name, x = _eagle_name(b), st[_eagle_name(b)]
+            if name in sketch_only:
+                w.append(name, rows, sketch=sketch_np(x, H, DIM, w.sketch_seed), rms=np.sqrt((x * x).mean(1)))
+            elif _EAGLE_DTYPES[b] == "bfloat16":
+                w.append(name, rows, f32_to_bf16_bits(x))
+            else:
+                w.append(name, rows, x.astype(_EAGLE_DTYPES[b]))
+        aux = f32_to_bf16_bits(np.concatenate([st[h] for h in held], axis=1))
+        w.append("aux_hidden_states", rows, aux)
+        draft = aux[:-1].copy()
+        changed = (np.arange(length - 1) % 6 == 5) & (s % 3 != 2)
+        draft[changed] ^= np.uint16(1)
+        if not refs:
+            w.append("draft_input", rows[:-1], draft)
+        elif s % 3 == 1:   # every row given (no values_ref): the writer computes the RMS
+            w.append("draft_input", rows[:-1], draft)
+        else:
+            ref = aux_rows + np.arange(length - 1)
+            ref[changed] = -1
+            w.append("draft_input", rows[:-1], draft[changed] if changed.any() else None, values_ref=ref,
+                     rms=slot_rms(to_float32(draft, "bfloat16"), H))
+        aux_rows += length
+    if not close:
+        return w
+    w.close()
+    return path
 
 
 def write_pair(d, **kw) -> tuple[str, str]:

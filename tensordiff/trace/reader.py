@@ -21,16 +21,19 @@ from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED
 from ..vocab import REGIMES
 from . import recover
 from .budget import Budget, vlen_string_bytes
-from .reads import RowReads, _Parts
+from .reads import DerivedSketch, RefValues, RowReads, _Parts
 from .schema import (
     MAX_ATTRS,
+    MAX_CHUNK_BYTES,
     MAX_KEY_CHARS,
     MAX_SEQUENCES,
     MAX_SKETCH_DIM,
     MAX_TENSORS,
     MAX_WIDTH,
     READ_CACHE_BYTES,
+    SCHEMA_REFS,
     SCHEMA_VERSION,
+    SCHEMA_VERSIONS,
     TOKEN_DTYPE,
     TensorInfo,
 )
@@ -47,10 +50,13 @@ from .validate import (
     check_tensor_name,
     check_token_table,
     check_token_values,
+    check_values_ref,
     clean_text,
+    encode_refs,
     follow,
     short,
     tensor_attrs,
+    values_source_attr,
 )
 
 if TYPE_CHECKING:
@@ -187,9 +193,9 @@ class TraceReader(RowReads):
         if "tensordiff_schema" not in a:
             raise TraceFileError("an HDF5 file but not a tensordiff trace (no tensordiff_schema attribute)")
         schema = attr_int(a, "tensordiff_schema")
-        if schema != SCHEMA_VERSION:
-            raise TraceFileError(f"unknown trace schema version {schema} (this tensordiff reads version "
-                                 f"{SCHEMA_VERSION}); upgrade tensordiff or re-record")
+        if schema not in SCHEMA_VERSIONS:
+            raise TraceFileError(f"unknown trace schema version {schema} (this tensordiff reads versions "
+                                 f"{SCHEMA_VERSION} to {SCHEMA_VERSIONS[-1]}); upgrade tensordiff or re-record")
         self.schema = schema
         self.side = attr_str(a, "side", "other", budget=self._budget)
         self.producer = attr_str(a, "producer", "", budget=self._budget)[:4096]
@@ -222,7 +228,7 @@ class TraceReader(RowReads):
             # committed, so nothing is lost, whatever state the rest of the file is in
             self.tokens = np.empty(0, TOKEN_DTYPE)
             self.sequences = []
-            self.tensors, self._rows, self._ds = {}, {}, {}
+            self.tensors, self._rows, self._ds, self._refs = {}, {}, {}, {}
             self.recovered = {"tokens": 0, "tensor_rows": {}, "dropped_tokens": 0, "dropped_tensor_rows": 0}
             self.recovered_note = recover.NOTHING_COMMITTED
 
@@ -282,6 +288,7 @@ class TraceReader(RowReads):
         self._rows = {}
         self._rows_seen: dict[tuple[int, int, int, int], np.ndarray] = {}
         self._ds = {}
+        self._refs = {}
         dropped = [on_disk_tok - n_tok, 0]
         total = len(tg)
         self._tick(0, total)
@@ -295,8 +302,9 @@ class TraceReader(RowReads):
                     raise
                 # defined after the last commit and left unreadable by the kill: nothing of it was committed
                 self.skipped.append(name)
-                for d in (self.tensors, self._rows, self._ds):
+                for d in (self.tensors, self._rows, self._ds, self._refs):
                     d.pop(name, None)
+        self._resolve_refs(tg, dropped)
         if not self.complete:
             self.recovered_note = recover.recovered_note(
                 n_tok, sum(t.rows for t in self.tensors.values()), len(self.tensors), committed=self._committed,
@@ -368,7 +376,24 @@ class TraceReader(RowReads):
             dsets[part] = ds
         if "values" not in dsets and "sketch" not in dsets:
             raise TraceFileError(f"tensor {name!r} has neither values nor a sketch")
-        lengths = {p: int(d.shape[0]) for p, d in dsets.items()}
+        # values by reference (schema 2): per row a source row or -1, the values dataset holds the -1 rows
+        source = values_source_attr(ga, name, self._budget)
+        ref_ds = follow(g, "values_ref", f"{name}/values_ref")
+        if ref_ds is not None and source is None:
+            raise TraceFileError(f"tensor {name!r} has a values_ref dataset but no values_source attribute")
+        if source is not None:
+            if self.schema < SCHEMA_REFS:
+                raise TraceFileError(f"tensor {name!r} takes values by reference (values_source), a schema "
+                                     f"{SCHEMA_REFS} feature, but the trace says schema {self.schema}")
+            if ref_ds is None:
+                raise TraceFileError(f"tensor {name!r} has a values_source but no values_ref dataset")
+            check_values_ref(ref_ds, name)
+            if "values" not in dsets:
+                raise TraceFileError(f"tensor {name!r} takes values by reference but has no values dataset (the "
+                                     "values of its own rows)")
+        lengths = {p: int(d.shape[0]) for p, d in dsets.items() if not (source is not None and p == "values")}
+        if ref_ds is not None:
+            lengths["values_ref"] = int(ref_ds.shape[0])
         n = min(lengths.values())
         on_disk = max(lengths.values())
         committed = attr_int(ga, "flushed_rows", default=-1, where=where) if self._committed else -1
@@ -386,7 +411,9 @@ class TraceReader(RowReads):
             if part == "rows":
                 self._budget.table(ds, n, f"{name}/rows")
             else:
-                self._budget.stream(ds, n, f"{name}/{part}")
+                self._budget.stream(ds, min(n, int(ds.shape[0])), f"{name}/{part}")
+        if ref_ds is not None:
+            self._budget.table(ref_ds, n, f"{name}/values_ref")
         rows = np.empty(n, np.int64)
         if n and n == lengths["rows"]:   # the whole index, converted by HDF5 into one int64 buffer
             rows_ds.id.read(h5s.ALL, h5s.ALL, rows, dxpl=rows_ds._dxpl)
@@ -398,12 +425,32 @@ class TraceReader(RowReads):
             good = (rows >= 0) & (rows < n_tok)
             n = int(np.argmin(good)) if not good.all() else n
             rows = rows[:n]
+        if ref_ds is not None:
+            assert source is not None
+            ref = np.empty(n, np.int64)
+            if n:
+                ref_ds.read_direct(ref, np.s_[0:n])
+            enc = encode_refs(ref, int(dsets["values"].shape[0]), name, exact=self.complete)
+            n = len(enc)
+            rows = rows[:n]
+            self._refs[name] = (source, enc)
         dropped[1] += on_disk - n
         self._rows[name] = self._shared_rows(rows)
         # each object has one name (follow checked): its path is the one it was opened by
         prefix = f"{self._tensors_path}/{name}/"
         paths = {part: prefix + part for part in dsets}
-        self._ds[name] = _Parts(self, paths)
+        if ref_ds is not None:
+            paths["values_ref"] = prefix + "values_ref"   # (loaded at open; listed for the probe's walk)
+        # a tensor with values but no sketch: its sketch is derived from the values on read (one row
+        # of it must fit a chunk's bound, as a stored sketch's must)
+        derived = ("values" in dsets and "sketch" not in dsets
+                   and ta.slot_count * self.sketch_dim * 4 <= MAX_CHUNK_BYTES)
+        virtual: dict[str, Callable[[], Any]] = {}
+        if derived:
+            virtual["sketch"] = lambda: DerivedSketch(self, name, self.tensors[name], self.sketch_dim, self.sketch_seed)
+        if source is not None:
+            virtual["values"] = lambda: self._ref_values(name)
+        self._ds[name] = _Parts(self, paths, virtual)
         user_attrs = {}
         for k2 in ga:
             if k2.startswith("user."):
@@ -413,12 +460,66 @@ class TraceReader(RowReads):
             slot_width=ta.slot_width, slot_labels=ta.slot_labels, raw_ids=ta.raw_ids,
             convention=attr_str(ga, "convention", "", where, self._budget)[:256] or None,
             order=attr_float(ga, "order", 0.0, where), token_offset=ta.token_offset,
-            role=attr_str(ga, "role", "", where, self._budget)[:256], has_values="values" in dsets, has_sketch="sketch" in dsets,
-            boundary=ta.boundary, attrs=user_attrs,
+            role=attr_str(ga, "role", "", where, self._budget)[:256], has_values="values" in dsets,
+            has_sketch="sketch" in dsets or derived, boundary=ta.boundary, attrs=user_attrs, sketch_derived=derived,
+            values_source=source,
         )
         for part, ds in dsets.items():   # open for the reads that follow (at most OPEN_DATASETS stay open)
             if part != "rows":
                 self._keep_open(paths[part], ds)
+
+    def _resolve_refs(self, tg: Any, dropped: list[int]) -> None:
+        """Check every tensor with values by reference against its source, once all are loaded: the
+        source is a tensor of this trace that holds its values (no chains), of the same width, dtype
+        and slots, and every reference is one of its rows. A complete trace with a reference past
+        the source's rows is refused; a recovered one keeps the rows up to the first such."""
+        for name, (source, enc) in list(self._refs.items()):
+            info = self.tensors.get(name)
+            if info is None:
+                continue
+            try:
+                src = self.tensors.get(source)
+                n_src = 0
+                if src is None:
+                    if self.complete:
+                        raise TraceFileError(f"tensor {name!r}: its values_source {source!r} is not a tensor of this trace")
+                else:
+                    if source in self._refs:
+                        raise TraceFileError(f"tensor {name!r}: its values_source {source!r} takes its values by reference "
+                                             "too; a source must hold its values")
+                    if not src.has_values:
+                        raise TraceFileError(f"tensor {name!r}: its values_source {source!r} has no values")
+                    if (src.width, src.dtype, src.slot_count, src.slot_width) != (
+                            info.width, info.dtype, info.slot_count, info.slot_width):
+                        raise TraceFileError(
+                            f"tensor {name!r}: its values_source {source!r} is {src.dtype} of width {src.width} "
+                            f"({src.slot_count} x {src.slot_width}), not {info.dtype} of width {info.width} "
+                            f"({info.slot_count} x {info.slot_width}) like it")
+                    n_src = src.rows
+            except TraceFileError:
+                if self.complete or not self._committed or self._tensor_committed(tg, name):
+                    raise
+                self.skipped.append(name)   # defined after the last commit: nothing of it was committed
+                for d in (self.tensors, self._rows, self._ds, self._refs):
+                    d.pop(name, None)
+                continue
+            past = enc >= n_src
+            if past.any():
+                if self.complete:
+                    raise TraceFileError(f"tensor {name!r}: values_ref points at row {int(enc[past][0])} of {source!r}, "
+                                         f"which has {n_src} rows")
+                n = int(np.argmax(past))   # recovered: the rows whose references resolve
+                dropped[1] += info.rows - n
+                info.rows = n
+                self._rows[name] = self._rows[name][:n]
+                self._refs[name] = (source, enc[:n])
+
+    def _ref_values(self, name: str) -> RefValues:
+        """The values part of a tensor with values by reference (made on first use)."""
+        source, enc = self._refs[name]
+        own = self._ds[name].stored()["values"]
+        ds = self._dataset(own)
+        return RefValues(self, name, own, source, enc, ds.shape[1], ds.dtype, ds.chunks)
 
     def _shared_rows(self, rows: np.ndarray) -> np.ndarray:
         """One array for equal row indexes: the tensors of a trace usually cover the same token
@@ -497,9 +598,15 @@ def tensor_entries(tensors: Mapping[str, TensorInfo]) -> list[dict[str, Any]]:
     """The tensors as ``info`` lists them, in forward order."""
     out = []
     for info in sorted(tensors.values(), key=lambda i: (i.order, i.name)):
+        # "values"/"sketch": what the file stores; a sketch the reader derives from the values is
+        # "sketch_derived" (it reads like a stored one)
         entry: dict[str, Any] = {"name": info.name, "kind": info.kind, "label": info.label, "dtype": info.dtype,
                                  "shape": [info.rows, info.width], "order": info.order, "values": info.has_values,
-                                 "sketch": info.has_sketch, "role": info.role}
+                                 "sketch": info.stored_sketch, "role": info.role}
+        if info.sketch_derived:
+            entry["sketch_derived"] = True
+        if info.values_source:
+            entry["values_source"] = info.values_source   # rows' values by reference to that tensor
         if info.slot_count > 1 or info.slot_labels:
             entry.update(slots=info.slot_count, slot_width=info.slot_width, slot_labels=info.slot_labels,
                          raw_ids=info.raw_ids, convention=info.convention)

@@ -17,6 +17,7 @@ from h5py import h5i, h5o  # type: ignore[import-untyped, unused-ignore]
 
 from ..dtypes import to_float32
 from ..errors import TraceFileError
+from ..sketch import sketch_rows
 from .schema import TensorInfo, slot_rms
 from .validate import short
 
@@ -24,24 +25,224 @@ _SPAN_BYTES = 4 << 20  # scattered reads: read a span this large whole, then pic
 OPEN_DATASETS = 64     # datasets kept open at once (see RowReads._dataset)
 
 
-class _Parts(Mapping[str, Any]):
-    """A tensor's datasets (``rows``, ``values``, ``sketch``, ``rms``) by part, opened on use."""
+_INNER = ("values_ref",)   # datasets the reader reads for a part, not parts themselves
 
-    def __init__(self, reader: RowReads, paths: dict[str, str]):
+
+class _Parts(Mapping[str, Any]):
+    """A tensor's parts (``rows``, ``values``, ``sketch``, ``rms``) by name: its datasets, opened on
+    use, and the parts the reader resolves (a sketch derived from the values: :class:`DerivedSketch`),
+    made on first use. ``paths`` are the datasets in the file; ``virtual`` the resolved parts."""
+
+    def __init__(self, reader: RowReads, paths: dict[str, str], virtual: Mapping[str, Callable[[], Any]] | None = None):
         self._reader = reader
         self._paths = paths
+        self._virtual = dict(virtual or {})
+        self._made: dict[str, Any] = {}
 
     def __getitem__(self, part: str) -> Any:
+        make = self._virtual.get(part)
+        if make is not None:
+            got = self._made.get(part)
+            if got is None:
+                got = self._made[part] = make()
+            return got
+        if part in _INNER:
+            raise KeyError(part)
         return self._reader._dataset(self._paths[part])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._paths)
+        return iter(dict.fromkeys([*(p for p in self._paths if p not in _INNER), *self._virtual]))
 
     def __len__(self) -> int:
-        return len(self._paths)
+        return len(list(iter(self)))
 
     def __contains__(self, part: object) -> bool:
-        return part in self._paths
+        return (part in self._paths and part not in _INNER) or part in self._virtual
+
+    def stored(self) -> dict[str, str]:
+        """The parts that are datasets in the file, by part: their paths."""
+        return dict(self._paths)
+
+
+_DERIVE_BYTES = 8 << 20   # a derived sketch is computed in blocks of at most this many float32 bytes (values or sketch)
+
+
+class _Resolved:
+    """A read-only part the reader computes (not a dataset in the file), with what the reads and the
+    diff use of an h5py dataset: ``shape``, ``dtype``, ``chunks``, ``ndim``, ``[]`` with a slice, an
+    integer or an index array (any order, repeats), ``read_direct``. Subclasses give
+    :meth:`rows` (a run into a buffer) and :meth:`take` (any rows)."""
+
+    derived = True
+    name: str
+    shape: tuple[int, int]
+    dtype: np.dtype[Any]
+    chunks: tuple[int, int]
+    ndim = 2
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _dest(self, n: int, out: np.ndarray | None) -> np.ndarray:
+        """``out`` as an [n, width] array of this part's dtype (a new one when it does not fit)."""
+        size = n * self.shape[1]
+        if out is not None and out.dtype == self.dtype and out.size >= size and out.flags.c_contiguous:
+            return out.reshape(-1)[:size].reshape(n, self.shape[1])
+        return np.empty((n, self.shape[1]), self.dtype)
+
+    def rows(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def _check(self, idx: np.ndarray) -> np.ndarray:
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.shape[0]):
+            raise IndexError(f"rows out of range for {self.name} ({self.shape[0]} rows)")
+        return idx
+
+    def __getitem__(self, sel: Any) -> np.ndarray:
+        rest: tuple[Any, ...] = ()
+        if isinstance(sel, tuple):
+            sel, rest = (sel[0], sel[1:]) if sel else (slice(None), ())
+        n = self.shape[0]
+        got: np.ndarray
+        if isinstance(sel, slice):
+            lo, hi, step = sel.indices(n)
+            got = self.rows(lo, max(lo, hi)) if step == 1 else self.take(np.arange(lo, hi, step))
+        elif isinstance(sel, (int, np.integer)):
+            i = int(sel) + (n if int(sel) < 0 else 0)
+            if not 0 <= i < n:
+                raise IndexError(f"row {int(sel)} out of range for {self.name} ({n} rows)")
+            got = self.rows(i, i + 1)[0]
+        else:
+            idx = np.asarray(sel)
+            if idx.dtype == np.bool_:
+                idx = np.flatnonzero(idx)
+            got = self.take(self._check(idx))
+        return got[rest] if rest else got
+
+    def read_direct(self, dest: np.ndarray, source_sel: Any = None, dest_sel: Any = None) -> None:
+        """Rows ``source_sel`` (a slice; all when None) into ``dest`` (h5py's ``read_direct``)."""
+        sel = source_sel if source_sel is not None else slice(None)
+        target = dest if dest_sel is None else dest[dest_sel]
+        if isinstance(sel, slice) and sel.step in (None, 1) and target.flags.c_contiguous and target.dtype == self.dtype:
+            lo, hi, _ = sel.indices(self.shape[0])
+            got = self.rows(lo, max(lo, hi), target)
+            if not np.may_share_memory(got, target):
+                target[...] = got.reshape(target.shape)
+            return
+        target[...] = self[sel]
+
+
+class DerivedSketch(_Resolved):
+    """The sketch of a tensor stored with full values but no sketch, computed from the values as
+    TraceWriter computes the sketches it owes: :func:`tensordiff.sketch.sketch_rows` of the float32
+    values, one block of ``block`` rows at a time (the values' chunk rows, aligned at multiples of
+    it, the last block zero-padded), so a row's sketch is the same whatever the read that asks for
+    it, and equal to the one the writer would have stored. Memory: one block of values and of
+    sketch at a time (the last block computed is kept, one per reader)."""
+
+    def __init__(self, reader: RowReads, name: str, info: TensorInfo, dim: int, seed: int):
+        values = reader._ds[name]["values"]
+        self._reader, self._tensor, self._info = reader, name, info
+        self._dim, self._seed = int(dim), int(seed)
+        self._vdtype = np.dtype(values.dtype)
+        kd = info.slot_count * self._dim
+        cr = int(values.chunks[0]) if getattr(values, "chunks", None) else 128
+        self.block = max(1, min(cr, _DERIVE_BYTES // (4 * max(info.width, kd))))
+        self.name = f"{getattr(values, 'name', name)} (sketch derived)"
+        self.shape = (int(info.rows), kd)
+        self.dtype = np.dtype(np.float32)
+        self.chunks = (self.block, kd)
+
+    def _block(self, b: int) -> np.ndarray:
+        """The sketch rows of block ``b`` (rows [b*block, ...) of the tensor)."""
+        key = (self._tensor, self._dim, self._seed, b)
+        last = self._reader.__dict__.get("_derived_last")
+        if last is not None and last[0] == key and last[1] is self:
+            out: np.ndarray = last[2]
+            return out
+        bs, info = self.block, self._info
+        lo, hi = b * bs, min(self.shape[0], (b + 1) * bs)
+        buf = np.zeros((bs, info.width), self._vdtype)
+        self._reader._read_ds(self._reader._ds[self._tensor]["values"], np.s_[lo:hi], buf[:hi - lo],
+                              f"{self._tensor}/values")
+        sk = sketch_rows(to_float32(buf, info.dtype), info.slot_width, self._dim, self._seed)
+        out = np.ascontiguousarray(sk[:hi - lo], dtype=np.float32)
+        self._reader.__dict__["_derived_last"] = (key, self, out)
+        return out
+
+    def rows(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        if lo < 0 or hi > self.shape[0]:
+            raise IndexError(f"rows {lo}..{hi} out of range for {self.name} ({self.shape[0]} rows)")
+        dest = self._dest(max(0, hi - lo), out)
+        bs = self.block
+        for b in range(lo // bs, (hi - 1) // bs + 1 if hi > lo else lo // bs):
+            a0, a1 = max(lo, b * bs), min(hi, (b + 1) * bs)
+            dest[a0 - lo:a1 - lo] = self._block(b)[a0 - b * bs:a1 - b * bs]
+        return dest
+
+    def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        idx = self._check(idx)
+        dest = self._dest(len(idx), out)
+        if not len(idx):
+            return dest
+        blocks = idx // self.block
+        order = np.argsort(blocks, kind="stable")
+        sb = blocks[order]
+        cuts = np.flatnonzero(np.diff(sb)) + 1
+        for pos in np.split(order, cuts):
+            b = int(blocks[pos[0]])
+            dest[pos] = self._block(b)[idx[pos] - b * self.block]
+        return dest
+
+
+_PIECE_BYTES = 4 << 20   # values by reference are resolved in pieces of about this many bytes
+
+
+class RefValues(_Resolved):
+    """The values of a tensor that takes some rows' values by reference (``values_source``): a row
+    whose ``values_ref`` is -1 reads the next row of its own values dataset, any other reads that
+    row of the source tensor's values. ``enc`` (loaded and checked at open): per row, the source row,
+    or ``-1 - i`` for the i-th row of its own values. Read in pieces of about 4 MiB, each piece's own
+    rows and source rows read as the reader reads any rows (runs straight into the buffer)."""
+
+    def __init__(self, reader: RowReads, name: str, own_path: str, source: str, enc: np.ndarray, width: int,
+                 dtype: np.dtype[Any], chunks: tuple[int, ...] | None):
+        self._reader, self._tensor, self._own, self._source, self._enc = reader, name, own_path, source, enc
+        self.name = f"{own_path} (rows by reference to {source})"
+        self.shape = (len(enc), int(width))
+        self.dtype = np.dtype(dtype)
+        self.chunks = (int(chunks[0]) if chunks else 128, int(width))
+
+    def rows(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        if lo < 0 or hi > self.shape[0]:
+            raise IndexError(f"rows {lo}..{hi} out of range for {self.name} ({self.shape[0]} rows)")
+        return self.take(np.arange(lo, max(lo, hi), dtype=np.int64), out)
+
+    def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        idx = self._check(idx)
+        dest = self._dest(len(idx), out)
+        r = self._reader
+        what = f"{self._tensor}/values"
+        piece = max(1, _PIECE_BYTES // max(1, self.shape[1] * self.dtype.itemsize))
+        for s0 in range(0, len(idx), piece):
+            e = self._enc[idx[s0:s0 + piece]]
+            d = dest[s0:s0 + len(e)]
+            own = e < 0
+            if own.all():
+                got = r._take(r._dataset(self._own), -1 - e, d, what)
+            elif not own.any():
+                got = r._take(r._ds[self._source]["values"], e, d, f"{self._source}/values")
+            else:
+                d[own] = r._take(r._dataset(self._own), -1 - e[own], None, what)
+                d[~own] = r._take(r._ds[self._source]["values"], e[~own], None, f"{self._source}/values")
+                continue
+            if not np.may_share_memory(got, d):
+                d[...] = got
+        return dest
 
 
 class RowReads:
@@ -53,6 +254,7 @@ class RowReads:
     tensors: dict[str, TensorInfo]
     _rows: dict[str, np.ndarray]
     _ds: dict[str, _Parts]
+    _refs: dict[str, tuple[str, np.ndarray]]   # values by reference: (source, encoded values_ref) by tensor
     _open: OrderedDict[str, Any]
     _tick: Callable[[int, int], None]
 
@@ -89,6 +291,8 @@ class RowReads:
         stalls the threads measuring the previous block; a pread releases it. Only for plain
         files and datasets chunked by whole rows without filters whose chunks all lie inside the
         file at their full size (else False: the caller reads through h5py)."""
+        if getattr(ds, "derived", False):
+            return False   # a part the reader computes: no chunks in the file
         fd = self._direct_fd()
         table = self._chunk_table(ds) if fd is not None else None
         if fd is None or table is None or hi <= lo:
@@ -127,6 +331,8 @@ class RowReads:
 
     def _chunk_table(self, ds: Any) -> tuple[int, np.ndarray] | None:
         """(rows per chunk, byte offset of each chunk or -1) of a dataset fit for direct reads."""
+        if not isinstance(ds, h5py.Dataset):
+            return None   # a part the reader computes (DerivedSketch): read through its own methods
         cache: dict[str, tuple[int, np.ndarray] | None] = self.__dict__.setdefault("_chunk_tables", {})
         key = ds.name
         if key in cache:
@@ -164,6 +370,11 @@ class RowReads:
             ds = self._ds[name][part]
         except KeyError:
             raise TraceFileError(f"tensor {name!r} has no {part}", self.path) from None
+        return self._read_ds(ds, sel, out, f"{name}/{part}")
+
+    def _read_ds(self, ds: Any, sel: Any, out: np.ndarray | None, what: str) -> np.ndarray:
+        """``ds[sel]`` (a dataset or a part the reader computes); a slice with ``out`` is read into
+        ``out`` (its first rows, viewed in the dataset's row shape), straight from the file when it can."""
         try:
             if out is not None and isinstance(sel, slice):
                 n = len(range(*sel.indices(ds.shape[0])))
@@ -175,7 +386,7 @@ class RowReads:
             block: np.ndarray = ds[sel]
             return block
         except (OSError, ValueError, TypeError) as e:
-            raise TraceFileError(f"cannot read {name}/{part}, the file is damaged ({short(e)})", self.path) from None
+            raise TraceFileError(f"cannot read {what}, the file is damaged ({short(e)})", self.path) from None
 
     def read_values(self, name: str, start: int = 0, stop: int | None = None, *, raw: bool = False) -> np.ndarray:
         """Rows [start, stop) of a tensor's full values as float32 (``raw=True``: stored form)."""
@@ -192,17 +403,27 @@ class RowReads:
         ds = self._ds[name].get(part)
         if ds is None:
             raise TraceFileError(f"tensor {name!r} has no {part}", self.path)
+        return self._take(ds, idx, out, f"{name}/{part}")
+
+    def _take(self, ds: Any, idx: np.ndarray, out: np.ndarray | None, what: str) -> np.ndarray:
+        """:meth:`read_at` of one dataset (or part the reader computes)."""
         if len(idx) == 0:
             return np.empty((0,) + ds.shape[1:], ds.dtype)
         lo, hi = int(idx[0]), int(idx[-1]) + 1
         if hi - lo == len(idx) and (len(idx) == 1 or np.all(np.diff(idx) == 1)):
             # the common case: a run of rows, read straight into ``out`` (same dtype) when given
-            return self._read(name, part, np.s_[lo:hi], out)
+            return self._read_ds(ds, np.s_[lo:hi], out, what)
+        if getattr(ds, "derived", False):   # computed block by block, in any order
+            try:
+                got: np.ndarray = ds.take(idx, out)
+            except (IndexError, ValueError) as e:
+                raise TraceFileError(f"cannot read {what} ({short(e)})", self.path) from None
+            return got
         uniq, inv = np.unique(idx, return_inverse=True)
         lo, hi = int(uniq[0]), int(uniq[-1]) + 1
         row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
         if (hi - lo) * row_bytes <= _SPAN_BYTES or hi - lo <= 4 * len(uniq):
-            block = self._read(name, part, np.s_[lo:hi])[uniq - lo]
+            block = self._read_ds(ds, np.s_[lo:hi], None, what)[uniq - lo]
         else:
             cr = ds.chunks[0] if ds.chunks else max(1, _SPAN_BYTES // row_bytes)
             block = np.empty((len(uniq),) + ds.shape[1:], ds.dtype)
@@ -211,7 +432,7 @@ class RowReads:
             for part_idx in np.split(np.arange(len(uniq)), cuts):
                 u = uniq[part_idx]
                 a0, a1 = int(u[0]), int(u[-1]) + 1
-                block[part_idx] = self._read(name, part, np.s_[a0:a1])[u - a0]
+                block[part_idx] = self._read_ds(ds, np.s_[a0:a1], None, what)[u - a0]
         picked: np.ndarray = block[inv]
         return picked
 
@@ -223,12 +444,17 @@ class RowReads:
         return block if raw else to_float32(block, self.tensors[name].dtype, out)
 
     def read_sketch(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows [start, stop) of a tensor's sketch, stored or derived from its values (float32)."""
+        rows = self.tensors[name].rows
+        stop = rows if stop is None else min(stop, rows)
         return np.asarray(self._read(name, "sketch", np.s_[start:stop]), dtype=np.float32)
 
     def read_rms(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         if "rms" not in self._ds[name]:
             vals = self.read_values(name, start, stop)
             return slot_rms(vals, self.tensors[name].slot_width)
+        rows = self.tensors[name].rows
+        stop = rows if stop is None else min(stop, rows)
         return np.asarray(self._read(name, "rms", np.s_[start:stop]), dtype=np.float32)
 
     def touch(self) -> None:
@@ -237,15 +463,18 @@ class RowReads:
         reading its data, for chunked datasets without filters; the first and last row are read
         for others (the filter pipeline runs on them too)."""
         total = len(self.tensors)
+        refs = getattr(self, "_refs", {})
         for done, (name, info) in enumerate(self.tensors.items()):
             self._tick(done, total)
             if info.rows:
-                for part in self._ds[name]:
-                    if part != "rows":
-                        self._touch_ends(name, part, info.rows)
+                for part, path in self._ds[name].stored().items():   # the datasets in the file
+                    rows = info.rows
+                    if part == "values" and name in refs:   # values by reference: its own rows only
+                        rows = int(np.count_nonzero(refs[name][1] < 0))
+                    if part != "rows" and rows:
+                        self._touch_ends(f"{name}/{part}", self._dataset(path), rows)
 
-    def _touch_ends(self, name: str, part: str, rows: int) -> None:
-        ds = self._ds[name][part]
+    def _touch_ends(self, what: str, ds: Any, rows: int) -> None:
         chunks = ds.chunks
         lookup = getattr(ds.id, "get_chunk_info_by_coord", None)
         if chunks and lookup is not None and not ds._filters:
@@ -255,9 +484,8 @@ class RowReads:
                     lookup((r,) + zero)
                 return
             except (OSError, ValueError, TypeError, RuntimeError, KeyError) as e:
-                raise TraceFileError(f"cannot read {name}/{part}, the file is damaged ({short(e)})",
-                                     self.path) from None
-        self._read(name, part, np.s_[0:1])
-        self._read(name, part, np.s_[rows - 1:rows])
+                raise TraceFileError(f"cannot read {what}, the file is damaged ({short(e)})", self.path) from None
+        self._read_ds(ds, np.s_[0:1], None, what)
+        self._read_ds(ds, np.s_[rows - 1:rows], None, what)
 
     _touch = touch  # the name the probe used before the package split

@@ -1,7 +1,7 @@
 """What a trace is: the schema version, the kinds and sides, the token-table layout, the records
 the reader hands out (:class:`TensorInfo`, :class:`SlotSpec`) and the limits every reader enforces.
 
-Layout (schema 1; documented for people in docs/format.md)::
+Layout (schema 1, and 2 where a tensor takes values by reference; docs/format.md)::
 
     /                         attrs: tensordiff_schema, side, producer, created, model (json),
                               versions (json), user_meta (json), sketch_seed, sketch_dim,
@@ -11,11 +11,15 @@ Layout (schema 1; documented for people in docs/format.md)::
     /tokens                   [R] compound: seq (i4), position (i8), token (i8), regime (u1), step (i4)
     /tensors/<name>/rows      [n] i8: row of /tokens that each tensor row belongs to
     /tensors/<name>/values    [n, width] full values (bf16 as uint16 bits), optional
-    /tensors/<name>/sketch    [n, slots*d] f4 seeded projection per slot, optional
+    /tensors/<name>/sketch    [n, slots*d] f4 seeded projection per slot, optional (absent with
+                              values: the reader derives it, tensordiff/trace/reads.py DerivedSketch)
     /tensors/<name>/rms       [n, slots] f4 per-token RMS of each slot
+    /tensors/<name>/values_ref  [n] i8, only with the values_source attribute (schema 2): per row, the
+                              row of tensor values_source holding its values, or -1 (its own, the next
+                              row of values, which then holds only those rows)
     /tensors/<name>           attrs: kind, dtype, width, slot_count, slot_width, slot_labels,
                               slot_boundaries, raw_ids, convention, order, token_offset, role,
-                              flushed_rows, user.*
+                              flushed_rows, values_source, user.*
 
 numpy only (no h5py): the writer, the reader and the importers share these definitions.
 """
@@ -29,7 +33,9 @@ import numpy as np
 
 from ..vocab import boundary_label, parse_label
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1      # what a trace says when it uses no later feature (what every schema-1 reader reads)
+SCHEMA_REFS = 2         # a trace in which a tensor takes values by reference (values_source, values_ref)
+SCHEMA_VERSIONS = (SCHEMA_VERSION, SCHEMA_REFS)   # the versions this reader reads
 SIDES = ("train", "serve", "other")
 KINDS = ("boundary", "final_norm", "packed", "other")
 TOKEN_DTYPE = np.dtype([("seq", "<i4"), ("position", "<i8"), ("token", "<i8"),
@@ -92,9 +98,16 @@ class TensorInfo:
     token_offset: int
     role: str
     has_values: bool
-    has_sketch: bool
+    has_sketch: bool   # stored, or derivable from the values (``sketch_derived``)
     boundary: int | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    sketch_derived: bool = False   # no sketch stored: the reader computes it from the values
+    values_source: str | None = None   # rows' values taken by reference from this tensor (values_ref)
+
+    @property
+    def stored_sketch(self) -> bool:
+        """Whether the file holds a sketch dataset (not one the reader derives from the values)."""
+        return self.has_sketch and not self.sketch_derived
 
     @property
     def label(self) -> str:

@@ -507,3 +507,69 @@ def tensor_attrs(ga: Any, name: str, budget: Budget | None = None) -> TensorAttr
         raise TraceFileError(f"tensor {name!r}: token_offset {token_offset} out of range")
     return TensorAttrs(kind=kind, dtype=dtype, width=width, slot_count=k, slot_width=sw, slot_labels=labels,
                        raw_ids=raw_ids, boundary=boundary, token_offset=token_offset)
+
+
+# -- values by reference -----------------------------------------------------------------------
+
+
+def values_source_attr(ga: Any, name: str, budget: Budget | None = None) -> str | None:
+    """A tensor's ``values_source`` attribute: the name of the tensor it takes values from by
+    reference, checked as a name (it is looked up among the trace's tensors, never as a path); None
+    when it has none."""
+    if attr_get(ga, "values_source", f" of tensor {name!r}") is MISSING:
+        return None
+    source = attr_str(ga, "values_source", where=f" of tensor {name!r}", budget=budget)
+    problem = tensor_name_problem(source)
+    if problem:
+        raise TraceFileError(f"tensor {name!r}: values_source is not a tensor name ({problem})")
+    if source == name:
+        raise TraceFileError(f"tensor {name!r} takes its values by reference from itself")
+    return source
+
+
+def check_values_ref(ds: Any, name: str) -> None:
+    if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.dtype.kind != "i":
+        raise TraceFileError(f"tensor {name!r}: values_ref is not a 1-D integer dataset ({getattr(ds, 'dtype', None)}, "
+                             f"shape {getattr(ds, 'shape', None)}); expected one source row or -1 per row")
+
+
+_REF_BLOCK = 1 << 20   # values_ref entries encoded per step (in place: no copy of the column)
+
+
+def encode_refs(ref: np.ndarray, own_rows: int, name: str, exact: bool) -> np.ndarray:
+    """A values_ref column (int64, changed in place) as the reader keeps it: a referenced row's
+    source row as is, the i-th row of the tensor's own values (the i-th -1 entry) as ``-1 - i``.
+    ``own_rows``: the rows of its own values dataset. ``exact`` (a complete trace): every entry must
+    be -1 or a row index, and the -1 entries exactly ``own_rows``; otherwise (a recovered trace) the
+    rows before the first that breaks either are kept (a shorter view is returned)."""
+    seen = 0
+    n = len(ref)
+    for lo in range(0, n, _REF_BLOCK):
+        blk = ref[lo:lo + _REF_BLOCK]
+        below = blk < -1
+        keep = len(blk)
+        if below.any():
+            keep = int(np.argmax(below))
+            if exact:
+                raise TraceFileError(f"tensor {name!r}: values_ref holds {int(blk[keep])}, expected -1 (its own "
+                                     "values) or a row of its values_source")
+        blk = blk[:keep]
+        own = blk == -1
+        count = np.cumsum(own, dtype=np.int64)
+        count += seen
+        if len(count) and int(count[-1]) > own_rows:
+            if exact:
+                raise TraceFileError(f"tensor {name!r}: values_ref has more rows of its own values (-1) than its "
+                                     f"values dataset holds ({own_rows})")
+            keep = int(np.searchsorted(count, own_rows, side="right"))
+            blk, own, count = blk[:keep], own[:keep], count[:keep]
+        blk[own] = -count[own]
+        seen = int(count[-1]) if len(count) else seen
+        if keep < min(_REF_BLOCK, n - lo):
+            n = lo + keep
+            break
+    if exact and seen != own_rows:
+        raise TraceFileError(f"tensor {name!r}: values_ref has {seen} rows of its own values (-1), but its values "
+                             f"dataset holds {own_rows}")
+    out: np.ndarray = ref[:n]
+    return out

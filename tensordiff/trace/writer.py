@@ -26,6 +26,7 @@ from .schema import (
     KINDS,
     MAX_KEY_CHARS,
     MAX_NAME_CHARS,
+    SCHEMA_REFS,
     SCHEMA_VERSION,
     SIDES,
     TOKEN_DTYPE,
@@ -217,13 +218,22 @@ class _Tensor:
     the caller switches to supplying them, or at a flush."""
 
     __slots__ = ("values", "sketch", "rms", "rows", "width", "slot_width", "k", "dtype", "sd",
-                 "sketch_width", "pend_sketch", "pend_rms")
+                 "sketch_width", "pend_sketch", "pend_rms", "ref", "own", "source", "source_name")
 
     def __init__(self, apps: dict[str, _Appender], width: int, slot_width: int, dtype: str, sketch_width: int):
         self.values = apps.get("values")
         self.sketch = apps.get("sketch")
         self.rms = apps["rms"]
         self.rows = apps["rows"]
+        # a tensor whose values are by reference (values_source): ``ref`` appends its values_ref
+        # rows, ``own`` the rows of values it holds itself (fewer than its rows), and ``values`` is
+        # None, so that neither the compiled path nor the writer's own sketch/RMS take its appends
+        self.ref = apps.get("values_ref")
+        self.own: _Appender | None = None
+        self.source: _Tensor | None = None
+        self.source_name = ""
+        if self.ref is not None:
+            self.own, self.values = self.values, None
         self.width = width
         self.slot_width = slot_width
         self.k = width // slot_width
@@ -333,13 +343,20 @@ class TraceWriter:
                       boundary: int | None = None, slots: SlotSpec | None = None,
                       slot_width: int | None = None, order: float | None = None,
                       token_offset: int = 0, role: str = "", values: bool = True,
-                      sketch: bool = True, attrs: dict[str, Any] | None = None) -> None:
+                      sketch: bool = True, attrs: dict[str, Any] | None = None,
+                      values_source: str | None = None) -> None:
         """Declare a tensor before appending to it.
 
         kind: ``boundary`` (give ``boundary``), ``final_norm``, ``packed`` (give ``slots``; the
         slot width defaults to the model's hidden size) or ``other``. ``values=False`` keeps only
-        the sketch and RMS (a cheap catalog entry). ``token_offset=1`` says row t was paired with
+        the sketch and RMS (a cheap catalog entry); ``sketch=False`` with values keeps no sketch
+        (the reader derives it from the values). ``token_offset=1`` says row t was paired with
         token t+1 (a draft's input).
+
+        ``values_source``: a tensor defined before this one, holding values itself (not by
+        reference), of the same width, dtype, slot count and slot width. Rows of this tensor may
+        then take their values from rows of that one instead of storing them again (``append``'s
+        ``values_ref``); the trace says schema 2 (docs/format.md, "Values by reference").
         """
         problem = tensor_name_problem(name) if isinstance(name, str) else "a tensor name must be a string"
         if problem:
@@ -367,6 +384,7 @@ class TraceWriter:
         k = width // sw
         if kind == "boundary" and (boundary is None or boundary < 0):
             raise ValueError("a boundary tensor needs boundary >= 0")
+        src = self._values_source(name, values_source, values, width, dtype, k, sw)
         if order is None:
             n = self.model.get("num_layers")
             if kind == "boundary" and boundary is not None:
@@ -401,6 +419,12 @@ class TraceWriter:
             ga[f"user.{key}"] = json.dumps(val)
         apps: dict[str, _Appender] = {}
         apps["rows"] = _Appender(g.create_dataset("rows", shape=(0,), maxshape=(None,), chunks=(4096,), dtype="<i8"))
+        if src is not None:
+            ga["values_source"] = values_source
+            apps["values_ref"] = _Appender(g.create_dataset("values_ref", shape=(0,), maxshape=(None,), chunks=(4096,),
+                                                            dtype="<i8"))
+            if self.f.attrs["tensordiff_schema"] != SCHEMA_REFS:
+                self.f.attrs.modify("tensordiff_schema", SCHEMA_REFS)   # a schema-1 reader must refuse it
         if values:
             sd = storage_dtype(dtype)
             cr = _chunk_rows(width * sd.itemsize)
@@ -417,8 +441,30 @@ class TraceWriter:
         t = _Tensor(apps, width, sw, dtype, self.sketch_dim * k)
         if t.values is not None:
             t.values.on_full = lambda: self._derive(t)
+        if src is not None:
+            t.source, t.source_name = src, str(values_source)
         self._state[name] = t
         self._specs[name] = {"width": width, "slot_width": sw, "k": k, "dtype": dtype}
+
+    def _values_source(self, name: str, source: str | None, values: bool, width: int, dtype: str, k: int,
+                       sw: int) -> _Tensor | None:
+        """The state of ``define_tensor``'s ``values_source`` after checking it can be one (None: none)."""
+        if source is None:
+            return None
+        src = self._state.get(source) if isinstance(source, str) else None
+        if src is None:
+            raise ValueError(f"{name}: values_source {source!r} is not a tensor defined before it")
+        if not values:
+            raise ValueError(f"{name}: values_source needs values=True (rows not taken from {source!r} are stored)")
+        if src.ref is not None:
+            raise ValueError(f"{name}: values_source {source!r} takes its values by reference itself; a source must "
+                             "hold its values")
+        if src.values is None:
+            raise ValueError(f"{name}: values_source {source!r} was defined with values=False")
+        if (src.width, src.dtype, src.k, src.slot_width) != (width, dtype, k, sw):
+            raise ValueError(f"{name}: values_source {source!r} is {src.dtype} of width {src.width} ({src.k} x "
+                             f"{src.slot_width} slots), not {dtype} of width {width} ({k} x {sw} slots)")
+        return src
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -511,17 +557,27 @@ class TraceWriter:
         return np.arange(start, start + n, dtype=np.int64)
 
     def append(self, name: str, rows: np.ndarray | Sequence[int], values: np.ndarray | None = None, *,
-               sketch: np.ndarray | None = None, rms: np.ndarray | None = None) -> None:
+               values_ref: np.ndarray | Sequence[int] | None = None, sketch: np.ndarray | None = None,
+               rms: np.ndarray | None = None) -> None:
         """Append tensor rows. ``values`` [n, width] in the tensor's storage form (bf16 as uint16
         bits) or float; ``sketch``/``rms`` are computed by the writer from ``values`` when not
         given, in batches of one values chunk (when the chunk fills, or at a flush), from the same
-        float32 conversion of the stored values."""
+        float32 conversion of the stored values.
+
+        ``values_ref`` (a tensor defined with ``values_source`` only): one int per row, the row of
+        the source tensor (0-based, in the order its rows were appended, already appended) whose
+        values this row has, or -1 for a row whose values are given: ``values`` then holds exactly
+        the -1 rows, in order ([count, width]; None when every row refers). With ``values_ref``,
+        ``rms`` is required for all n rows, and ``sketch`` is when the tensor stores one (the
+        writer computes neither for rows it does not hold). Without it every row is given."""
         t = self._state.get(name)
         # the recorders' call (values, RMS and, where the tensor has one, the sketch given, none
         # owed by the writer) in one compiled copy into every buffer; put_rows takes it only whole
         # (every array in its buffer's form, row indices in the token table, room left in every
-        # chunk) and otherwise changes nothing: the checked path below does the rest
-        if t is not None and values is not None and rms is not None and t.pend_rms is None and t.values is not None:
+        # chunk) and otherwise changes nothing: the checked path below does the rest (a tensor
+        # with values by reference has ``values`` None: always the checked path)
+        if (values_ref is None and t is not None and values is not None and rms is not None and t.pend_rms is None
+                and t.values is not None):
             tok = self._tokens
             limit = tok.base + tok.rb.fill
             sapp = t.sketch
@@ -548,6 +604,11 @@ class TraceWriter:
                 bad = int(rows.view(np.uint64).max()) >= n_tok
             if bad:
                 raise ValueError(f"{name}: row indices must point into the token table (0..{n_tok - 1})")
+        if t.ref is not None:
+            self._append_ref(name, t, rows, values, values_ref, sketch, rms)
+            return
+        if values_ref is not None:
+            raise ValueError(f"{name}: values_ref given, but {name} was defined without values_source")
         vapp = t.values
         nxt = -1  # the values row these rows start at
         if values is not None:
@@ -598,6 +659,69 @@ class TraceWriter:
             t.rms.append(rms)
         if values is not None and vapp is not None:
             vapp.append(values)
+        t.rows.append(rows)
+        self._dirty = True
+        self._appended = True
+
+    def _append_ref(self, name: str, t: _Tensor, rows: np.ndarray, values: np.ndarray | None,
+                    values_ref: np.ndarray | Sequence[int] | None, sketch: np.ndarray | None,
+                    rms: np.ndarray | None) -> None:
+        """:meth:`append` to a tensor with values by reference (``rows`` checked): every array is
+        checked before any dataset gets a row."""
+        n = len(rows)
+        src = t.source
+        own_app, ref_app = t.own, t.ref
+        assert src is not None and own_app is not None and ref_app is not None
+        if values_ref is None:
+            ref = np.full(n, -1, np.int64)
+        else:
+            arr = np.asarray(values_ref)
+            if arr.shape != (n,):
+                raise ValueError(f"{name}: values_ref has shape {arr.shape}, expected ({n},): one entry per row")
+            if arr.dtype.kind not in "iu":
+                raise ValueError(f"{name}: values_ref must be integers (rows of {t.source_name!r}, or -1), got {arr.dtype}")
+            n_src = src.rows.rows
+            if n and (int(arr.min()) < -1 or int(arr.max()) >= n_src):
+                raise ValueError(f"{name}: values_ref entries must be -1 (values given) or a row of {t.source_name!r} "
+                                 f"appended before (0..{n_src - 1}); got {int(arr.min())}..{int(arr.max())}")
+            ref = arr.astype(np.int64)
+        m = int(np.count_nonzero(ref == -1))
+        if values is None:
+            if m:
+                raise ValueError(f"{name}: {m} rows have values_ref -1: give their values")
+            values = np.empty((0, t.width), t.sd)
+        else:
+            values = np.asarray(values)
+            if values.shape != (m, t.width):
+                raise ValueError(f"{name}: values shape {values.shape}, expected {(m, t.width)} (the rows whose "
+                                 "values_ref is -1)")
+            if values.dtype != t.sd:
+                if t.dtype == "bfloat16":
+                    raise ValueError(f"{name}: bfloat16 values must be given as their uint16 bits")
+                values = values.astype(t.sd)
+        if rms is None:
+            if values_ref is not None:
+                raise ValueError(f"{name}: give rms= for all {n} rows with values_ref (the writer does not hold "
+                                 "the referenced rows)")
+            rms = slot_rms(to_float32(values, t.dtype), t.slot_width)   # every row given: as the writer's own
+        else:
+            rms = np.asarray(rms, dtype=np.float32)
+            if rms.size != n * t.k:
+                raise ValueError(f"{name}: rms shape {rms.shape}, expected {(n, t.k)}")
+            rms = rms.reshape(n, t.k)
+        sapp = t.sketch
+        if sapp is not None:
+            if sketch is None:
+                raise ValueError(f"{name}: give sketch= (a tensor with values by reference that stores a sketch gets "
+                                 "it from the caller; defined with sketch=False, the reader derives it)")
+            sketch = np.asarray(sketch, dtype=np.float32)
+            if sketch.shape != (n, t.sketch_width):
+                raise ValueError(f"{name}: sketch shape {sketch.shape}, expected {(n, t.sketch_width)}")
+            sapp.append(sketch)
+        t.rms.append(rms)
+        if m:
+            own_app.append(values)
+        ref_app.append(ref)
         t.rows.append(rows)
         self._dirty = True
         self._appended = True
@@ -682,7 +806,8 @@ class TraceWriter:
         self._write_buffered()
         counts = {}
         for name, apps in self._tensors.items():
-            n = min(app.rows for app in apps.values())
+            own = self._state[name].own   # (values by reference: its own values are fewer rows)
+            n = min(app.rows for app in apps.values() if app is not own)
             counts[name] = n
             if self.flushed["tensors"].get(name) != n:
                 self.f["tensors"][name].attrs.modify("flushed_rows", np.int64(n))

@@ -146,7 +146,12 @@ def virtual_tensor(name: str, holders: list[Member], members: Sequence[Member], 
                 order = np.argsort(c, kind="stable")
                 held[m.shard] = (c[order], np.concatenate([prev[1], new[1]])[order],
                                  np.concatenate([prev[2], new[2]])[order])
-    info = dataclasses.replace(i0, rows=start)
+    # a sketch stored by some members and derived from the values by others reads alike; the set's
+    # is derived (not all stored) when any member derives it
+    derived = any(m.reader.tensors[name].sketch_derived for m in holders)
+    # likewise values by reference: the members' reads resolve them; the set names a source if any does
+    source = next((m.reader.tensors[name].values_source for m in holders if m.reader.tensors[name].values_source), None)
+    info = dataclasses.replace(i0, rows=start, sketch_derived=derived, values_source=source)
     parts: dict[str, PartShape] = {}
     for part in ("values", "sketch", "rms"):
         dsets = [m.reader._ds[name].get(part) for m in holders]
