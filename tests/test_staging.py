@@ -73,9 +73,18 @@ def _datasets(path):
 
 @pytest.mark.parametrize("stage_bytes", [1, 4096, 1 << 16, 1 << 30])
 def test_staged_recording_writes_what_the_unstaged_one_writes(tmp_path, stage_bytes):
+    """Row for row the same trace; draft_input's rows that repeat aux's bits (the same rows of the
+    same tensor) take their values from aux's rows instead of storing them again."""
     _record(tmp_path / "a.h5", 0)
     stats = _record(tmp_path / "b.h5", stage_bytes)
     want, got = _datasets(tmp_path / "a.h5"), _datasets(tmp_path / "b.h5")
+    ref = got.pop("draft_input/values_ref")
+    own = got.pop("draft_input/values")
+    assert (ref >= 0).sum() > 0 and len(own) == (ref < 0).sum() < len(ref)  # stored once
+    with TraceReader(str(tmp_path / "b.h5")) as r:
+        assert r.tensors["draft_input"].values_source == "aux"
+        got["draft_input/values"] = r.read_values("draft_input", raw=True)
+        np.testing.assert_array_equal(got["draft_input/values"][ref >= 0], got["aux/values"][ref[ref >= 0]])
     assert got.keys() == want.keys()
     for key, a in want.items():
         b = got[key]
@@ -99,7 +108,9 @@ def test_the_engines_tensors_are_copied(tmp_path):
     want, got = _datasets(tmp_path / "a.h5"), _datasets(tmp_path / "b.h5")
     np.testing.assert_array_equal(got["aux/values"], want["aux/values"])
     np.testing.assert_array_equal(got["target_topk/values"], want["target_topk/values"])
-    # draft_input is recorded after the write: it holds the doubled values, not aux's
+    # draft_input is recorded after the write: it holds the doubled values, not aux's, and refers
+    # to no aux row
+    assert (got["draft_input/values_ref"] == -1).all()
     np.testing.assert_array_equal(got["draft_input/values"], want["draft_input/values"] * 2)
 
 

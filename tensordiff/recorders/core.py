@@ -44,7 +44,7 @@ from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, projection
 from ..trace import SlotSpec, TraceWriter
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .sampling import Sampling, SequenceEnds
-from .staging import Later, Staged, TopkJob, compute_jobs
+from .staging import Later, Staged, TopkJob, compute_jobs, host_f32
 from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
 
 __all__ = ["Later", "Recorder", "Sampling", "TopkJob", "logical_dtype", "to_storage", "topk_rows"]
@@ -60,6 +60,9 @@ class _Spec:
     values: bool
     sketch: bool
     plain: bool = False  # rows that are not states (Recorder.plain): values only, RMS 0
+    abs_rms: bool = False  # plain, one column: its RMS is the absolute value (not 0)
+    source: str | None = None  # values_source: rows may take their values from this tensor's rows
+    count: int = 0       # rows recorded so far (written or staged): the index of the next row
 
 
 @dataclass
@@ -119,11 +122,15 @@ REMEMBER_MAX_BYTES = 32 << 20
 def _tensor_key(t: torch.Tensor) -> tuple:
     """What identifies a tensor: its storage address, layout, dtype, device and version counter
     (bumped by every in-place write; None for inference tensors, which have none)."""
-    try:
-        version = t._version
-    except RuntimeError:
-        version = None
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), version)
+    version = None if t.is_inference() else t._version
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, version)
+
+
+def _plain_rms(spec: _Spec, vals: np.ndarray) -> np.ndarray:
+    """The RMS column of rows that are not states: 0, or a one-column tensor's absolute value."""
+    if spec.abs_rms:
+        return np.abs(vals).astype(np.float32).reshape(len(vals), 1)
+    return np.zeros((len(vals), 1), dtype=np.float32)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -299,7 +306,12 @@ class Recorder:
         self._n_rows = end
         return out
 
-    def _check_pairs(self, name: str, rows: np.ndarray, token_offset: int) -> None:
+    def _check_pairs(self, name: str, rows: np.ndarray, keep: np.ndarray, token_offset: int) -> None:
+        """Refuse rows ``rows[keep]`` paired past their train sequence's end (:class:`SequenceEnds`);
+        nothing to check at offset 0 or before any train sequence was added."""
+        if token_offset <= 0 or not self._ends.index:
+            return
+        rows = rows[keep]
         if rows.size and int(rows.max()) < self._n_rows:
             self._ends.check(name, rows, self._positions, token_offset)
 
@@ -314,8 +326,10 @@ class Recorder:
     def define(self, name: str, width: int, *, dtype: str = "float32", kind: str = "other",
                boundary: int | None = None, slots: SlotSpec | None = None, slot_width: int | None = None,
                token_offset: int = 0, role: str = "", values: bool | None = None,
-               order: float | None = None, attrs: dict | None = None) -> bool:
-        """Declare a tensor (``record`` does it on first use). Returns False when filtered out."""
+               order: float | None = None, attrs: dict | None = None, values_source: str | None = None) -> bool:
+        """Declare a tensor (``record`` does it on first use). Returns False when filtered out.
+        ``values_source``: a tensor whose rows this one's rows may take their values from
+        (:meth:`record`'s ``reuse``, with staging; the writer's ``values_source``)."""
         if name in self._specs:
             return True
         if not self.wants(name):
@@ -327,10 +341,15 @@ class Recorder:
             sw = int(slot_width or self.writer.hidden_size or 0)
         else:
             sw = int(width)
+        src = self._specs.get(values_source) if values_source is not None else None
+        if src is None or not (vals and src.values and src.source is None and not src.plain
+                               and (src.width, src.dtype, src.slot_width) == (int(width), dtype, sw)):
+            values_source = None  # nothing to take values from: every row stores its own
         self.writer.define_tensor(name, width, kind=kind, dtype=dtype, boundary=boundary, slots=slots,
                                   slot_width=sw if kind == "packed" else None, order=order,
-                                  token_offset=token_offset, role=role, values=vals, sketch=sk, attrs=attrs)
-        self._specs[name] = _Spec(name, int(width), sw, int(width) // sw, dtype, vals, sk)
+                                  token_offset=token_offset, role=role, values=vals, sketch=sk, attrs=attrs,
+                                  values_source=values_source)
+        self._specs[name] = _Spec(name, int(width), sw, int(width) // sw, dtype, vals, sk, source=values_source)
         self._offsets[name] = int(token_offset)
         return True
 
@@ -378,9 +397,26 @@ class Recorder:
         if len(rows) != x.shape[0]:
             raise ValueError(f"{name}: {x.shape[0]} tensor rows but {len(rows)} token rows")
         keep = rows >= 0
-        self._check_pairs(name, rows[keep], self._offsets.get(name, token_offset))
+        self._check_pairs(name, rows, keep, self._offsets.get(name, token_offset))
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
+        staged = self.stage_bytes > 0 and x.device.type == "cpu"
+        if name not in self._specs and not self.define(
+                name, width, dtype=logical_dtype(x.dtype), kind=kind, boundary=boundary, slots=slots,
+                slot_width=slot_width, token_offset=token_offset, role=role, values=values, order=order,
+                attrs=attrs, values_source=reuse if staged else None):
+            return 0
+        spec = self._specs[name]
+        if width != spec.width:
+            raise ValueError(f"{name}: width {width}, but it was defined with width {spec.width}")
+        if staged:
+            n = self._stage(name, spec, src, x, rows, keep, memo, remember, reuse)
+            if n:
+                self.stats.calls += 1
+                self.stats.rows += n
+                self.stats.bytes_values += n * width * TORCH_DTYPES[spec.dtype].itemsize if spec.values else 0
+            self.stats.seconds += time.perf_counter() - t0
+            return n
         idx = None
         private = False    # x no longer shares memory with ``tensor``
         if not keep.all():
@@ -388,14 +424,6 @@ class Recorder:
             rows = rows[idx]
             x = x.index_select(0, torch.from_numpy(idx).to(x.device))
             private = True
-        if name not in self._specs and not self.define(
-                name, width, dtype=logical_dtype(x.dtype), kind=kind, boundary=boundary, slots=slots,
-                slot_width=slot_width, token_offset=token_offset, role=role, values=values, order=order,
-                attrs=attrs):
-            return 0
-        spec = self._specs[name]
-        if width != spec.width:
-            raise ValueError(f"{name}: width {width}, but it was defined with width {spec.width}")
         n = len(rows)
         if n == 0:
             self.stats.seconds += time.perf_counter() - t0
@@ -404,13 +432,6 @@ class Recorder:
         if x.dtype != want_dtype:
             x = x.to(want_dtype)
             private = True
-        if self.stage_bytes and x.device.type == "cpu":
-            self._stage(name, spec, src, x, rows, idx, private, memo, remember)
-            self.stats.calls += 1
-            self.stats.rows += n
-            self.stats.bytes_values += n * width * x.element_size() if spec.values else 0
-            self.stats.seconds += time.perf_counter() - t0
-            return n
         xf = x if x.dtype == torch.float32 else x.float()
         private = private or xf is not x
         x2 = xf.reshape(n * spec.slots, spec.slot_width)  # one row per (token, slot)
@@ -450,6 +471,7 @@ class Recorder:
                                sketch=sk.numpy() if sk is not None else None, rms=rms)
         if remember and key is not None and sk is not None and xn.nbytes <= REMEMBER_MAX_BYTES:
             self._memo[name] = _Memo(src, key, idx, slots, sk, xn if private else xn.copy())
+        spec.count += n
         self.stats.calls += 1
         self.stats.rows += n
         self.stats.bytes_values += nbytes
@@ -459,12 +481,32 @@ class Recorder:
     # -- staging (stage_bytes > 0) -----------------------------------------------------------
 
     def _stage(self, name: str, spec: _Spec, src: torch.Tensor, x: torch.Tensor, rows: np.ndarray,
-               idx: np.ndarray | None, private: bool, memo: _Memo | None, remember: bool) -> None:
-        """Stage the kept rows ``x`` (CPU, the stored dtype) of one record call: a private copy in
-        the stored form, or, when they are the very bits of the remembered call ``memo`` (same
-        tensor, same rows, every bit equal), that call's copy, whose RMS and sketch are reused."""
-        data = to_storage(x)  # a view of x where x is contiguous
-        owned = private or not x.is_contiguous()
+               keep: np.ndarray, memo: _Memo | None, remember: bool, reuse: str | None) -> int:
+        """Stage the kept rows (``keep``) of one record call's CPU tensor ``x`` [n, width]: a
+        private copy in the stored form (rows picked with numpy: no torch op, no thread pool), or,
+        when they are the very bits of the remembered call ``memo`` (same tensor, same rows, every
+        bit equal), that call's copy, whose RMS and sketch are reused, and whose rows this call's
+        rows take their values from where the tensor was defined with that call's tensor as its
+        ``values_source`` (the trace stores them once). Returns the rows staged."""
+        want = TORCH_DTYPES[spec.dtype]
+        owned = False  # data no longer shares memory with ``tensor``
+        if x.dtype != want:
+            x = x.to(want)
+            owned = True
+        elif not x.is_contiguous():
+            x = x.contiguous()
+            owned = True
+        data = to_storage(x)  # a view of x
+        idx = None
+        if not keep.all():
+            idx = np.flatnonzero(keep)
+            rows = rows[idx]
+            data = data[idx]
+            owned = True
+        else:
+            rows = rows.copy()  # the caller's array: it may change before the rows are written
+        if not len(rows):
+            return 0
         key = _tensor_key(src) if memo is not None or remember else None
         same = None
         if memo is not None and memo.staged is not None and memo.key == key:
@@ -473,15 +515,18 @@ class Recorder:
                     and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))
                     and np.array_equal(_bits(old), _bits(data))):
                 same = memo.staged
-        if idx is None:
-            rows = rows.copy()  # the caller's array: it may change before the rows are written
         if same is not None:
             entry = Staged(rows, data=same.data, same=same)
+            if spec.source is not None and spec.source == reuse:
+                entry.ref = np.arange(same.first, same.first + len(rows), dtype=np.int64)
         else:
             entry = Staged(rows, data=data if owned else data.copy())
+        entry.first = spec.count
+        spec.count += len(rows)
         if remember and entry.data is not None and entry.data.nbytes <= REMEMBER_MAX_BYTES:
             self._memo[name] = _Memo(src, key or _tensor_key(src), idx, (), None, None, staged=entry)
         self._stage_entry(name, entry)
+        return len(rows)
 
     def _stage_entry(self, name: str, entry: Staged) -> None:
         self._staged.setdefault(name, []).append(entry)
@@ -560,29 +605,36 @@ class Recorder:
             if vals.shape != (len(rows), spec.width):
                 raise ValueError(f"{name}: a staged table of shape {vals.shape} for {len(rows)} rows of width {spec.width}")
             self.writer.append(name, rows, vals.astype(np.float32 if spec.dtype == "float32" else np.float64, copy=False),
-                               rms=np.zeros((len(rows), 1), dtype=np.float32))
+                               rms=_plain_rms(spec, vals))
+            return
+        sk = cat([e.sketch for e in entries]) if spec.sketch else None  # type: ignore[misc]
+        rms = cat([e.rms for e in entries])  # type: ignore[misc]
+        if spec.source is not None:  # rows that repeat a source row's bits refer to it; the others hold theirs
+            own = [e.data for e in entries if e.ref is None]
+            ref = cat([e.ref if e.ref is not None else np.full(len(e.rows), -1, dtype=np.int64) for e in entries])
+            self.writer.append(name, rows, cat(own) if own else None, values_ref=ref,  # type: ignore[arg-type]
+                               sketch=sk, rms=rms)
             return
         vals = cat([e.data for e in entries]) if spec.values else None  # type: ignore[misc]
-        sk = cat([e.sketch for e in entries]) if spec.sketch else None  # type: ignore[misc]
-        self.writer.append(name, rows, vals, sketch=sk, rms=cat([e.rms for e in entries]))  # type: ignore[misc]
+        self.writer.append(name, rows, vals, sketch=sk, rms=rms)
 
     def topk_job(self, k: int, *, logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                 head: tuple | None = None, id_map: torch.Tensor | None = None, owned: bool = False) -> TopkJob:
-        """A :class:`~tensordiff.recorders.staging.TopkJob` for ``logits`` [..., V] (or ``hidden``
-        rows times ``head``): with staging on and the data on the CPU, the table is computed with
-        every other pending job of its group at the next drain (or when first read) from a private
-        copy (``owned=True``: the tensor given is the caller's own copy, kept as it is); otherwise
-        it is computed now."""
+                 head: tuple | None = None, id_map: torch.Tensor | None = None,
+                 rows: np.ndarray | None = None) -> TopkJob:
+        """A :class:`~tensordiff.recorders.staging.TopkJob` for the rows ``rows`` (None: all) of
+        ``logits`` [n, V] (or of ``hidden`` [n, H] times ``head``): with staging on and the data
+        on the CPU, the table is computed with every other pending job of its group at the next
+        drain (or when first read), from a private float32 copy (the engine may reuse or overwrite
+        its own tensor before that); otherwise it is computed now."""
         src = logits if logits is not None else hidden
         if src is None:
             raise ValueError("topk_job needs logits or hidden")
         x = src.detach().reshape(-1, src.shape[-1])
         later = self.stage_bytes > 0 and x.device.type == "cpu"
-        if later and logits is not None and x.dtype != torch.float32:
-            x = x.float()  # a private float32 copy
-        elif later and (not owned or not x.is_contiguous()):
-            # a private copy: the engine may reuse or overwrite its own tensor before the drain
-            x = x.clone(memory_format=torch.contiguous_format)
+        if later:
+            x = host_f32(x, rows)
+        elif rows is not None:
+            x = x.index_select(0, torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(x.device))
         job = TopkJob(k, logits=x if logits is not None else None, hidden=x if logits is None else None, head=head,
                       id_map=id_map, pending=self._jobs if later else None)
         if not later:
@@ -684,11 +736,13 @@ class Recorder:
         return True
 
     def plain(self, name: str, values: np.ndarray | torch.Tensor | Later, rows, *, role: str, token_offset: int = 0,
-              dtype: str = "float64", order: float | None = None, attrs: dict | None = None) -> int:
+              dtype: str = "float64", order: float | None = None, attrs: dict | None = None,
+              rms: str = "zero") -> int:
         """Record rows that are not states (token ids, top-k tables, verify counts): full values
-        only, no sketch, RMS 0. Same row rules as :meth:`record` (-1 skipped, sampling applied).
-        ``values``: [len(rows), width], or a :class:`~tensordiff.recorders.staging.Later` giving
-        that table when it is written (staging) or now."""
+        only, no sketch, RMS 0 (``rms="abs"``: a one-column tensor's RMS, its absolute value). Same
+        row rules as :meth:`record` (-1 skipped, sampling applied). ``values``: [len(rows), width],
+        or a :class:`~tensordiff.recorders.staging.Later` giving that table when it is written
+        (staging) or now."""
         if not self._accepts(name):
             return 0
         t0 = time.perf_counter()
@@ -704,7 +758,7 @@ class Recorder:
         else:
             vals = None  # computed at the drain (staging) or below
         keep = rows >= 0
-        self._check_pairs(name, rows[keep], self._offsets.get(name, token_offset))
+        self._check_pairs(name, rows, keep, self._offsets.get(name, token_offset))
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
         if name not in self._specs:
@@ -712,7 +766,9 @@ class Recorder:
             width = int(vals.shape[-1]) if later is None else later.width
             self.writer.define_tensor(name, width, kind="other", dtype=dtype, role=role, token_offset=token_offset,
                                       values=True, sketch=False, order=order, attrs=attrs)
-            self._specs[name] = _Spec(name, width, width, 1, dtype, True, False, plain=True)
+            if rms == "abs" and width != 1:
+                raise ValueError(f"{name}: rms='abs' is for one-column tensors, not width {width}")
+            self._specs[name] = _Spec(name, width, width, 1, dtype, True, False, plain=True, abs_rms=rms == "abs")
         spec = self._specs[name]
         got = int(vals.shape[-1]) if later is None else later.width
         if got != spec.width:
@@ -734,8 +790,8 @@ class Recorder:
                     raise ValueError(f"{name}: a table of shape {vals.shape} for {len(rows)} rows of width {spec.width}")
             if n < len(keep):  # a copy of the kept rows only where some are dropped
                 rows, vals = rows[keep], vals[keep]
-            self.writer.append(name, rows, vals.astype(np.float32 if dtype == "float32" else np.float64, copy=False),
-                               rms=np.zeros((n, 1), dtype=np.float32))
+            self.writer.append(name, rows, vals.astype(np.float32 if spec.dtype == "float32" else np.float64, copy=False),
+                               rms=_plain_rms(spec, vals))
             self.stats.calls += 1
             self.stats.rows += n
         self.stats.seconds += time.perf_counter() - t0

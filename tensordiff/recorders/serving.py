@@ -71,8 +71,8 @@ def model_facts(model_config, num_layers: int, hidden_size: int, architecture, p
 
 def open_recorder(cfg, path: str, *, engine: str, version: str, torch_version: str, model: dict, meta: dict):
     """The recording rank's :class:`~tensordiff.recorders.core.Recorder` at ``path`` (its directory
-    made), with the environment's flush interval, compression, sketch and sampling, and the engine's
-    and torch's versions in ``versions_serve``."""
+    made), with the environment's flush interval, compression, sketch, sampling and staging, and the
+    engine's and torch's versions in ``versions_serve``."""
     from .core import Recorder, Sampling
 
     wkw: dict = {"flush_seconds": cfg.flush_seconds}
@@ -84,29 +84,20 @@ def open_recorder(cfg, path: str, *, engine: str, version: str, torch_version: s
     if cfg.sketch_seed is not None:
         kw["sketch_seed"] = cfg.sketch_seed
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # sketch=False: tensors that keep full values store no sketch (a reader derives it from the
+    # values); the catalog's sketch-only states keep theirs
     rec = Recorder(path, side="serve", producer=f"tensordiff {engine} plugin ({engine} {version})",
                    model=model, meta=meta, values=cfg.values, sample=Sampling(every=cfg.sample_every),
-                   stage_bytes=cfg.stage_bytes, writer_kwargs=wkw, **kw)
+                   sketch=False, stage_bytes=cfg.stage_bytes, writer_kwargs=wkw, **kw)
     rec.writer.set_attr(None, "versions_serve", {engine: version, "torch": torch_version})
     return rec
 
 
 def record_draft_ids(st, name: str, ids, rows, what: str) -> None:
     """The input id each draft row was paired with (token t+1), as the one-column float64 tensor
-    ``name``: rows ``-1`` (not kept) and positions the sampling skips are dropped; the tensor is
-    defined on the first call (``st.draft_ids_defined``), with ``what`` as its description."""
+    ``name`` (RMS: the id's absolute value): rows ``-1`` (not kept) and positions the sampling
+    skips are dropped; ``what`` describes it."""
     import numpy as np
 
-    rec = st.rec
-    keep = rows >= 0
-    if not rec.sample.keeps_all:
-        keep &= rec.sample.mask(rec.positions_of(np.where(keep, rows, 0)))
-    if not keep.any():
-        return
-    w = rec.writer
-    if not st.draft_ids_defined:
-        st.draft_ids_defined = True
-        w.define_tensor(name, 1, kind="other", dtype="float64", role="draft_input_ids", token_offset=1,
-                        values=True, sketch=False, attrs={"what": what})
-    vals = ids[keep].astype(np.float64)[:, None]
-    w.append(name, rows[keep], vals, rms=np.abs(vals).astype(np.float32))
+    st.rec.plain(name, np.asarray(ids, dtype=np.float64).reshape(-1, 1), rows, role="draft_input_ids",
+                 token_offset=1, attrs={"what": what}, rms="abs")

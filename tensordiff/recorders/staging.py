@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from .. import conventions
+from ..dtypes import bf16_bits_to_f32
 from .storage import topk_rows
 
-__all__ = ["HEAD_CHUNK_ROWS", "Later", "Staged", "TopkJob", "compute_jobs"]
+__all__ = ["HEAD_CHUNK_ROWS", "Later", "Staged", "TopkJob", "compute_jobs", "host_f32"]
 
 # rows whose logits a job computes from hidden states at once (bounded memory: this many x vocab)
 HEAD_CHUNK_ROWS = 512
@@ -62,7 +63,8 @@ class Staged:
     copy of the kept rows in the stored form, [n, width]) and, where an earlier call held the same
     bits (``Recorder.record(..., reuse=)``), ``same`` (that call: its RMS and sketch are reused);
     for rows that are not states, ``plain`` (a float64 array, or a :class:`Later` with ``keep``,
-    the mask of the rows passed that are kept)."""
+    the mask of the rows passed that are kept). ``ref``: the rows of the tensor's values source
+    that hold these rows' values (the trace refers to them instead of storing them again)."""
 
     rows: np.ndarray
     data: np.ndarray | None = None
@@ -71,6 +73,8 @@ class Staged:
     keep: np.ndarray | None = None
     rms: np.ndarray | None = None
     sketch: np.ndarray | None = None
+    first: int = 0                  # the tensor's row index of this call's first row
+    ref: np.ndarray | None = None   # the source tensor's rows these rows take their values from
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +157,21 @@ class TopkJob:
     def _set(self, table: np.ndarray) -> None:
         self._table = table
         self.logits = self.hidden = None  # the inputs are no longer needed
+
+
+def host_f32(t: torch.Tensor, rows: np.ndarray | None = None) -> torch.Tensor:
+    """A private float32 copy of the rows ``rows`` (None: all) of a CPU tensor [n, d], made with
+    numpy (no torch op: inside an engine each one pays for the intra-op thread pool)."""
+    x = t.detach()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if x.dtype == torch.bfloat16:
+        bits = x.view(torch.int16).numpy().view(np.uint16)
+        out = bf16_bits_to_f32(bits[rows] if rows is not None else bits)
+    else:
+        a = x.numpy()
+        out = a[rows].astype(np.float32, copy=False) if rows is not None else a.astype(np.float32)
+    return torch.from_numpy(out)
 
 
 def _ident(t: Any) -> Any:

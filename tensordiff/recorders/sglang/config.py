@@ -33,6 +33,7 @@ class Config:
     topk: int = 20
     profile: str | None = None  # TENSORDIFF_PROFILE: a cProfile stats file of the plugin's own code
     stage_mb: float = 64.0      # TENSORDIFF_STAGE_MB: CPU work staged and done in batches up to this (0: off)
+    _wants: dict = field(default_factory=dict, repr=False, compare=False)  # wants_values by name
 
     @property
     def stage_bytes(self) -> int:
@@ -99,7 +100,10 @@ class Config:
     def wants_values(self, name: str) -> bool:
         if isinstance(self.values, bool):
             return self.values
-        return any(fnmatch.fnmatchcase(name, p) for p in self.values)
+        got = self._wants.get(name)
+        if got is None:  # once per name: the hooks ask on every pass
+            got = self._wants[name] = any(fnmatch.fnmatchcase(name, p) for p in self.values)
+        return got
 
 
 def rank_path(path: str, suffix: str) -> str:

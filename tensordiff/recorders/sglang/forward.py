@@ -32,7 +32,9 @@ from .state import STATE, Pass, log
 def to_numpy(t):
     import torch
     if isinstance(t, torch.Tensor):
-        return t.detach().reshape(-1).cpu().numpy()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        return t.detach().numpy().reshape(-1)
     import numpy as np
     return np.asarray(t).reshape(-1)
 

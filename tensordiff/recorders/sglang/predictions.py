@@ -130,8 +130,6 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
     :data:`~tensordiff.recorders.staging.HEAD_CHUNK_ROWS` rows at a time. Either is a top-k job
     of the recorder: with staging (the plugin's default on the CPU) it is computed with every
     other pending job at the next drain."""
-    import torch
-
     st = STATE
     k = st.cfg.topk
     if captured is None:
@@ -143,11 +141,7 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
         return None, None
     logits = getattr(out, "next_token_logits", None)
     if logits is not None and logits.shape[0] == n_rows:
-        if need is None:
-            job = st.rec.topk_job(k, logits=logits, id_map=id_map)
-        else:
-            job = st.rec.topk_job(k, logits=logits.index_select(0, torch.from_numpy(need).to(logits.device)),
-                                  id_map=id_map, owned=True)
+        job = st.rec.topk_job(k, logits=logits, id_map=id_map, rows=need)
         return PassTable(job, n_rows, need), logits
     if hs is None or hs.shape[0] != n_rows:
         st.warn_once(f"logits-rows-{what}", "%s: the logits processor saw %s rows for %d tokens; not recorded", what,
@@ -161,11 +155,8 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
         return None, None
     scale = getattr(module, "logit_scale", None)
     cap = getattr(module, "final_logit_softcapping", None)
-    owned = need is not None
-    if need is not None:
-        hs = hs.index_select(0, torch.from_numpy(need).to(hs.device))
     job = st.rec.topk_job(k, hidden=hs, head=(w, None if vocab is None else int(vocab), scale, cap),
-                          id_map=id_map, owned=owned)
+                          id_map=id_map, rows=need)
     return PassTable(job, n_rows, need), None
 
 

@@ -73,7 +73,6 @@ class State(ServeState):
         self.shift_mismatched = 0
         self.dropped_rows = 0
         self.draft_unmatched = 0
-        self.draft_ids_defined = False
         self.unkeyed_passes = 0
         self.seconds = 0.0         # wall time inside the plugin's recording code
         self.seconds_by_topk: dict[int, float] = {}  # of which, by the top-k in force (tensordiff_resume topk=)

@@ -69,7 +69,6 @@ class State(ServeState):
         self.ctx: Step | None = None   # the step whose forward the catalog taps see
         self.catalog_handles: list = []
         self.draft_ctx: dict | None = None
-        self.draft_ids_defined = False
         self.keys: dict[str, str] = {}  # internal request id -> sequence key
         self.key_owner: dict[str, str] = {}
         self.warned: set[str] = set()
