@@ -49,6 +49,7 @@ class ServeState:
         """The last step of a clean close: the stats attribute (``_write_stats``, the subclass's),
         the trace closed, the catalog taps removed. A failure is logged, never raised."""
         try:
+            self.rec.write_staged()  # first: the statistics then count what it wrote
             self._write_stats()
             self.rec.close()
             self.log.info("tensordiff: trace closed: %s", self.rec.writer.path)

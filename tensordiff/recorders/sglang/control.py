@@ -24,6 +24,15 @@ def hook_on_idle(result, scheduler, *args, **kwargs):
         st.end(t0)
 
 
+def _timed_flush(st) -> None:
+    """A flush asked for by an RPC, timed like the idle flush (its writes are the plugin's cost)."""
+    t0 = st.begin()
+    try:
+        st.flush()
+    finally:
+        st.end(t0)
+
+
 def set_topk(k) -> None:
     """Predictions off (0) or back on (the start-up k) for the passes that follow. Another k is
     refused: a trace's top-k tables keep one width, and with ``TENSORDIFF_TOPK=0`` at start-up the
@@ -49,14 +58,15 @@ def hook_rpc(original, scheduler, recv_req, *args, **kwargs):
         if method == "tensordiff_close":
             st.close()
         elif method == "tensordiff_flush":
-            st.flush()
+            _timed_flush(st)
         elif method == "tensordiff_pause":
-            st.flush()
+            _timed_flush(st)
             st.paused = True
             st.last_target = st.pending_verify = None
         elif method == "tensordiff_resume":
             params = getattr(recv_req, "parameters", None) or {}
             if "topk" in params:
+                _timed_flush(st)  # what the passes before recorded is written (and timed) under their k
                 set_topk(params["topk"])
             st.paused = False
             st.last_target = st.pending_verify = None

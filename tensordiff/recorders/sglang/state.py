@@ -130,7 +130,10 @@ class State(ServeState):
                 log.exception("tensordiff: closing the trace after the error failed")
 
     def flush(self) -> None:
+        """Write what is staged, then the statistics, and flush the trace (the caller times it:
+        see :func:`.control.hook_on_idle` and :func:`.control.hook_rpc`)."""
         if self.rec is not None and not self.closed and not self.broken and self.dirty:
+            self.rec.write_staged()
             self._write_stats()
             self.rec.flush()
             self.dirty = False
@@ -153,6 +156,13 @@ class State(ServeState):
         if self.rec is None or self.closed:
             self.closed = True
             return
+        if not self.broken:  # what is staged is written in a timed section: plugin_seconds counts it
+            t0 = self.begin()
+            try:
+                self.rec.write_staged()
+            except Exception as e:  # noqa: BLE001
+                self.fail("close", e)
+            self.end(t0)
         self.closed = True
         self.dump_profile()
         if self.broken:
