@@ -447,6 +447,63 @@ def test_eagle_records_predictions_fc_output_and_verify_steps(eagle_run, eagle_t
         np.testing.assert_array_equal(c[:, K * dw + j * tw], steps[:, 3 + K + j])
 
 
+@pytest.fixture(scope="module")
+def eagle_run_at_once(models, tmp_path_factory):
+    """The EAGLE-3 run again with TENSORDIFF_STAGE_MB=0: every pass recorded in its hooks, nothing
+    copied, queued or staged (what the plugin does on an accelerator)."""
+    tmp = tmp_path_factory.mktemp("eagle-at-once")
+    argv = [sys.executable, "-c", _EAGLE_RUNNER.format(tests=str(HERE)), *_serve_argv(models, tmp, "eagle"),
+            "--draft", str(models["draft"]), "--attention-backend", "intel_amx"]
+    env = _env()
+    env["TENSORDIFF_STAGE_MB"] = "0"
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _load_run(tmp, "eagle")
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_queued_passes_record_what_passes_recorded_at_once_record(eagle_run, eagle_run_at_once):
+    """The default on the CPU (passes snapshotted in the hooks, recorded later in a batch) and
+    every pass recorded in its own hooks give the same trace: token table, rows of every tensor,
+    values (through the reader: draft_input by reference in the first, stored in both ways in the
+    second), verify and chain tables, counts. Top-k tables differ only where a batched lm_head
+    product rounds differently (float32)."""
+    import h5py
+
+    from tensordiff.trace import TraceReader
+
+    assert eagle_run["full"] == eagle_run_at_once["full"]
+    with TraceReader(eagle_run["trace"]) as q, TraceReader(eagle_run_at_once["trace"]) as a:
+        np.testing.assert_array_equal(q.tokens[()], a.tokens[()])
+        assert list(q.sequences) == list(a.sequences)
+        assert sorted(q.tensors) == sorted(a.tensors)
+        for name, info in a.tensors.items():
+            np.testing.assert_array_equal(q.token_rows(name), a.token_rows(name), err_msg=name)
+            if not info.has_values:
+                np.testing.assert_allclose(q.read_sketch(name), a.read_sketch(name), rtol=1e-5, atol=1e-5,
+                                           err_msg=name)
+                continue
+            vq, va = q.read_values(name, raw=True), a.read_values(name, raw=True)
+            if name in ("target_topk", "draft_topk"):  # ids | log-probs | logsumexp
+                k = (info.width - 1) // 2
+                assert (vq[:, :k] == va[:, :k]).mean() > 0.999, name
+                np.testing.assert_allclose(vq[:, k:], va[:, k:], rtol=1e-5, atol=1e-5, err_msg=name)
+            elif name in ("spec_verify", "spec_chain"):
+                np.testing.assert_allclose(vq, va, rtol=1e-5, atol=1e-5, err_msg=name)
+            else:
+                np.testing.assert_array_equal(vq, va, err_msg=name)
+            np.testing.assert_array_equal(q.read_rms(name), a.read_rms(name), err_msg=name)
+        assert q.tensors["draft_input"].values_source == "aux_hidden_states"
+        sq, sa = (json.loads(r.f.attrs["tensordiff_sglang"]) for r in (q, a))
+        for key in ("draft_shift_checked", "draft_shift_mismatched", "rows_dropped", "verify_steps",
+                    "draft_passes_unmatched", "passes_without_request_ids"):
+            assert sq[key] == sa[key], key
+    with h5py.File(eagle_run_at_once["trace"], "r") as f:  # recorded at once: no staging, no references
+        assert "values_ref" not in f["tensors/draft_input"]
+
+
 @pytest.mark.sglang
 @pytest.mark.slow
 @needs_sglang

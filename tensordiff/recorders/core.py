@@ -368,7 +368,7 @@ class Recorder:
                kind: str = "other", boundary: int | None = None, slots: SlotSpec | None = None,
                slot_width: int | None = None, token_offset: int = 0, role: str = "",
                values: bool | None = None, order: float | None = None, attrs: dict | None = None,
-               remember: bool = False, reuse: str | None = None) -> int:
+               remember: bool = False, reuse: str | None = None, private: bool = False) -> int:
         """Record ``tensor`` [..., width] whose leading dims flatten to one row per entry of
         ``rows`` (same shape as the leading dims; a row of -1 is padding and is skipped).
         The first call defines the tensor with the given kind/slots/role. Returns rows recorded.
@@ -380,7 +380,10 @@ class Recorder:
         storage, layout, dtype and version counter), the same tensor rows are kept, sliced into the
         same slots, and every bit of those rows equals the remembered copy, that call's sketch is
         written again instead of being computed again (the same bits: the same product of the same
-        rows); otherwise it is computed. Values are always written."""
+        rows); otherwise it is computed. Values are always written.
+
+        ``private=True``: ``tensor`` is the caller's own copy, which nobody writes to any more (a
+        snapshot): staging keeps it as it is instead of copying it again."""
         if not self._accepts(name):
             return 0
         t0 = time.perf_counter()
@@ -410,7 +413,7 @@ class Recorder:
         if width != spec.width:
             raise ValueError(f"{name}: width {width}, but it was defined with width {spec.width}")
         if staged:
-            n = self._stage(name, spec, src, x, rows, keep, memo, remember, reuse)
+            n = self._stage(name, spec, src, x, rows, keep, memo, remember, reuse, private)
             if n:
                 self.stats.calls += 1
                 self.stats.rows += n
@@ -481,7 +484,7 @@ class Recorder:
     # -- staging (stage_bytes > 0) -----------------------------------------------------------
 
     def _stage(self, name: str, spec: _Spec, src: torch.Tensor, x: torch.Tensor, rows: np.ndarray,
-               keep: np.ndarray, memo: _Memo | None, remember: bool, reuse: str | None) -> int:
+               keep: np.ndarray, memo: _Memo | None, remember: bool, reuse: str | None, private: bool) -> int:
         """Stage the kept rows (``keep``) of one record call's CPU tensor ``x`` [n, width]: a
         private copy in the stored form (rows picked with numpy: no torch op, no thread pool), or,
         when they are the very bits of the remembered call ``memo`` (same tensor, same rows, every
@@ -489,7 +492,7 @@ class Recorder:
         rows take their values from where the tensor was defined with that call's tensor as its
         ``values_source`` (the trace stores them once). Returns the rows staged."""
         want = TORCH_DTYPES[spec.dtype]
-        owned = False  # data no longer shares memory with ``tensor``
+        owned = private  # data shares no memory with a tensor the engine may still write
         if x.dtype != want:
             x = x.to(want)
             owned = True
@@ -620,18 +623,19 @@ class Recorder:
 
     def topk_job(self, k: int, *, logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
                  head: tuple | None = None, id_map: torch.Tensor | None = None,
-                 rows: np.ndarray | None = None) -> TopkJob:
+                 rows: np.ndarray | None = None, private: bool = False) -> TopkJob:
         """A :class:`~tensordiff.recorders.staging.TopkJob` for the rows ``rows`` (None: all) of
         ``logits`` [n, V] (or of ``hidden`` [n, H] times ``head``): with staging on and the data
         on the CPU, the table is computed with every other pending job of its group at the next
         drain (or when first read), from a private float32 copy (the engine may reuse or overwrite
-        its own tensor before that); otherwise it is computed now."""
+        its own tensor before that; ``private=True``: the caller's own float32 copy, kept as it
+        is); otherwise it is computed now."""
         src = logits if logits is not None else hidden
         if src is None:
             raise ValueError("topk_job needs logits or hidden")
         x = src.detach().reshape(-1, src.shape[-1])
         later = self.stage_bytes > 0 and x.device.type == "cpu"
-        if later:
+        if later and not (private and rows is None and x.dtype == torch.float32 and x.is_contiguous()):
             x = host_f32(x, rows)
         elif rows is not None:
             x = x.index_select(0, torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(x.device))
@@ -695,13 +699,13 @@ class Recorder:
     def packed(self, name: str, parts: torch.Tensor | Sequence[torch.Tensor], rows, *, labels: Sequence[str],
                raw_ids: Sequence[int] | None = None, convention: str | None = None, token_offset: int = 1,
                role: str = "draft_input", values: bool | None = None, attrs: dict | None = None,
-               remember: bool = False, reuse: str | None = None) -> int:
+               remember: bool = False, reuse: str | None = None, private: bool = False) -> int:
         """Record a packed tensor: either the list of states a pipeline passes to its
         ``torch.cat(..., dim=-1)`` or the concatenated tensor itself. ``labels`` state what each slot
         holds (``embed``, ``layer<b>``, ``final_norm``); ``raw_ids`` and ``convention`` are the
         configured ids and the convention that turned them into those labels. ``token_offset=1``:
         row t (state at position t) is paired with token t+1, as a draft's input is.
-        ``remember`` / ``reuse``: as :meth:`record`."""
+        ``remember`` / ``reuse`` / ``private``: as :meth:`record`."""
         labels = [str(x) for x in labels]
         if tuple(labels) not in self._labels_ok:  # each distinct slot list is checked once
             for lab in labels:
@@ -723,7 +727,8 @@ class Recorder:
         slots = SlotSpec(labels=labels, raw_ids=[int(i) for i in raw_ids] if raw_ids is not None else None,
                          convention=convention)
         return self.record(name, x, rows, kind="packed", slots=slots, slot_width=sw, token_offset=token_offset,
-                           role=role, values=values, attrs=attrs, remember=remember, reuse=reuse)
+                           role=role, values=values, attrs=attrs, remember=remember, reuse=reuse,
+                           private=private and isinstance(parts, torch.Tensor))
 
     def _accepts(self, name: str) -> bool:
         """Whether a record call for ``name`` goes ahead: the recorder is open and the name is

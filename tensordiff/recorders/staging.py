@@ -32,7 +32,7 @@ from .. import conventions
 from ..dtypes import bf16_bits_to_f32
 from .storage import topk_rows
 
-__all__ = ["HEAD_CHUNK_ROWS", "Later", "Staged", "TopkJob", "compute_jobs", "host_f32"]
+__all__ = ["HEAD_CHUNK_ROWS", "Later", "Staged", "TopkJob", "compute_jobs", "host_copy", "host_f32", "same_bits"]
 
 # rows whose logits a job computes from hidden states at once (bounded memory: this many x vocab)
 HEAD_CHUNK_ROWS = 512
@@ -157,6 +157,26 @@ class TopkJob:
     def _set(self, table: np.ndarray) -> None:
         self._table = table
         self.logits = self.hidden = None  # the inputs are no longer needed
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A private contiguous copy of a CPU tensor, same dtype, made with numpy (no torch op)."""
+    x = t.detach()
+    if x.dtype == torch.bfloat16:
+        return torch.from_numpy(np.array(x.view(torch.int16).numpy())).view(torch.bfloat16)
+    return torch.from_numpy(np.array(x.numpy()))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two CPU tensors of one shape and dtype hold the same bits (NaN payloads included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    x, y = a.detach(), b.detach()
+    if x.dtype == torch.bfloat16:
+        x, y = x.view(torch.int16), y.view(torch.int16)
+    xa, ya = x.numpy(), y.numpy()
+    u = f"u{xa.dtype.itemsize}"
+    return bool((xa.view(u) == ya.view(u)).all())
 
 
 def host_f32(t: torch.Tensor, rows: np.ndarray | None = None) -> torch.Tensor:

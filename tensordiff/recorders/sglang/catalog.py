@@ -61,8 +61,10 @@ def _tap(kind: str, b: int | None, value) -> None:
             st.warn_once(f"tap-rows-{b}", "catalog tap %s: %d rows for %d tokens; skipped",
                          kind if b is None else b, value.shape[0], len(rows))
             return
-        if st.ctx_stash is not None:  # verify pass: keep until the accepted rows are known
-            st.ctx_stash.append((kind, b, value.detach().clone()))
+        if st.ctx_stash is not None:  # kept until the pass's rows are known (its verify result, or its replay)
+            from ..staging import host_copy
+
+            st.ctx_stash.append((kind, b, host_copy(value) if value.device.type == "cpu" else value.detach().clone()))
             return
         record_catalog(kind, b, value, rows)
     except Exception as e:  # noqa: BLE001

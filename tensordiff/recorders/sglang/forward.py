@@ -26,7 +26,7 @@ from .predictions import (
     record_fc,
     record_topk,
 )
-from .state import STATE, Pass, log
+from .state import STATE, Pass
 
 
 def to_numpy(t):
@@ -77,25 +77,38 @@ def regime_of(mode) -> str:
 
 
 def hook_forward(original, runner, forward_batch, *args, **kwargs):
+    """Around ``ModelRunner.forward``: capture the pass (:mod:`.capture`) and record it, now or
+    when the queue of captured passes is replayed."""
     st = STATE
     if not st.active or forward_batch.forward_mode.is_idle():
         return original(runner, forward_batch, *args, **kwargs)
+    import numpy as np
+
+    from .capture import capture_draft, capture_keys, capture_target, copying
+
     if getattr(runner, "is_draft_worker", False):
         st.fc_out = st.draft_logits = None
         out = original(runner, forward_batch, *args, **kwargs)
         t0 = st.begin()
         try:
-            record_draft(runner, forward_batch)
+            copy = copying(forward_batch.input_ids)
+            snap = capture_draft(forward_batch, copy)
+            if snap is not None:
+                st.later(replay_draft, snap, copy)
         except Exception as e:  # noqa: BLE001
             st.fail("draft pass", e)
+        st.fc_out = st.draft_logits = None
         st.end(t0)
         return out
     t0 = st.begin()
     try:
-        pre = before_target(runner, forward_batch)
+        keys = capture_keys(runner, forward_batch)
     except Exception as e:  # noqa: BLE001
         st.fail("target pass", e)
         return original(runner, forward_batch, *args, **kwargs)
+    if keys is not None:  # catalog taps during the forward: kept until the pass's rows are known
+        st.ctx_rows = np.full(len(keys.ids), -1, dtype=np.int64)
+        st.ctx_stash = keys.stash
     st.end(t0)
     st.target_logits = None
     try:
@@ -104,59 +117,76 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
         st.ctx_rows = None
         st.ctx_stash = None
     t0 = st.begin()
-    if pre is not None and st.active:
+    if keys is not None and st.active:
         try:
-            after_target(runner, forward_batch, out, pre)
+            copy = copying(forward_batch.input_ids)
+            st.later(replay_target, capture_target(forward_batch, out, keys, copy), copy)
         except Exception as e:  # noqa: BLE001
             st.fail("target pass", e)
+    st.target_logits = None
     st.end(t0)
     return out
 
 
-def before_target(runner, fb) -> Pass | None:
+def start_pass(keys) -> Pass:
+    """The pass of captured keys: its token rows added now, except a verify pass's (added once
+    the verify result says which rows stay); the catalog values taken during its forward recorded
+    once its rows are known."""
     import numpy as np
 
+    from .catalog import record_catalog
+
     st = STATE
-    ids = to_numpy(fb.input_ids).astype(np.int64)
-    pos = to_numpy(fb.positions).astype(np.int64) if fb.positions is not None else None
-    n = len(ids)
-    segs = segments(fb, n)
-    if segs is None or pos is None or len(pos) != n:
-        st.unkeyed_passes += 1  # e.g. a warm-up pass without requests: nothing to key its rows by
-        log.debug("tensordiff: a %s pass without request ids or row counts; not recorded", fb.forward_mode.name)
-        return None
-    regime = regime_of(fb.forward_mode)
-    step = int(getattr(runner, "forward_pass_id", 0)) + 1  # the id ModelRunner.forward is about to take
+    n = len(keys.ids)
     rid_rows = np.empty(n, dtype=object)
-    for rid, s, c in segs:
+    for rid, s, c in keys.segs:
         rid_rows[s:s + c] = rid
-    p = Pass(hs=None, rows=np.full(n, -1, dtype=np.int64), keys=(rid_rows, pos, ids), segments=segs,
-             step=step, regime=regime)
-    if regime == "target_verify":
-        st.ctx_stash = p.stash  # rows are committed once the verify result is known
-        st.ctx_rows = p.rows
-    else:
-        p.rows[:] = st.rec.add_token_runs([rid for rid, _, _ in segs], [c for _, _, c in segs], pos, ids,
-                                          regime=regime, step=step)
+    p = Pass(hs=None, rows=np.full(n, -1, dtype=np.int64), keys=(rid_rows, keys.pos, keys.ids), segments=keys.segs,
+             step=keys.step, regime=keys.regime, stash=keys.stash, private=keys.private)
+    if keys.regime != "target_verify":
+        p.rows[:] = st.rec.add_token_runs([rid for rid, _, _ in keys.segs], [c for _, _, c in keys.segs], keys.pos,
+                                          keys.ids, regime=keys.regime, step=keys.step)
         p.committed = True
         st.dirty = True
-        st.ctx_rows = p.rows
+        for kind, b, value in p.stash:
+            record_catalog(kind, b, value, p.rows)
+        p.stash = []
     return p
 
 
-def after_target(runner, fb, out, p: Pass) -> None:
+def replay_target(snap) -> None:
+    """Record a captured target pass (:func:`.capture.capture_target`)."""
+    st = STATE
+    p = start_pass(snap.keys)
+    st.target_logits = snap.logits
+    after_target(snap.keys.mode, snap, p)
+
+
+def replay_draft(snap) -> None:
+    """Record a captured draft pass (:func:`.capture.capture_draft`)."""
+    st = STATE
+    st.fc_out, st.draft_logits = snap.fc_out, snap.draft_logits
+    try:
+        record_draft(None, snap)
+    finally:
+        st.fc_out = st.draft_logits = None
+
+
+def after_target(mode: str, out, p: Pass) -> None:
+    """A target pass after its forward: its aux hidden states (``out.logits_output``), its top-k
+    predictions; a verify pass waits for its verify result, the others are recorded."""
     st = STATE
     if getattr(out, "can_run_graph", False):
         st.graph_passes += 1
         if st.cfg.catalog:
             st.warn_once("graph-pass", "a %s pass ran as a CUDA graph: the catalog taps did not see it "
-                         "(aux_hidden_states and draft_input are still recorded)", fb.forward_mode.name)
+                         "(aux_hidden_states and draft_input are still recorded)", mode)
     lo = getattr(out, "logits_output", None)
     hs = getattr(lo, "hidden_states", None) if lo is not None else None
     if st.labels is not None:
         if hs is None:
             st.warn_once("no-aux", "a %s pass returned no aux hidden states (was --return-hidden-states-mode "
-                         "changed?); its rows have token keys only", fb.forward_mode.name)
+                         "changed?); its rows have token keys only", mode)
         elif hs.shape[0] != len(p.rows):
             st.warn_once("aux-rows", "aux hidden states have %d rows for %d tokens; not recorded",
                          hs.shape[0], len(p.rows))
@@ -170,7 +200,7 @@ def after_target(runner, fb, out, p: Pass) -> None:
         st.pending_verify = p
         return
     if p.hs is not None:
-        record_aux(p.hs, p.rows)
+        record_aux(p.hs, p.rows, p.private)
     if p.pred is not None:
         record_topk(TARGET_TOPK, p.pred, p.rows, 0, "target logits (logits processor)")
 
@@ -205,7 +235,8 @@ def _target_predictions(p: Pass) -> None:
     p.logit_next = g.astype(np.float64)
 
 
-def record_aux(hs, rows) -> None:
+def record_aux(hs, rows, private: bool = False) -> None:
+    """``aux_hidden_states`` rows (``private``: ``hs`` is a snapshot's copy, kept as it is)."""
     st = STATE
     width = hs.shape[-1]
     k = len(st.labels)
@@ -214,7 +245,7 @@ def record_aux(hs, rows) -> None:
         st.warn_once("aux-width", "aux hidden states are %d wide, not %d slots x %d; not recorded", width, k, h)
         return
     st.rec.packed(AUX, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
-                  token_offset=0, role="aux", values=st.cfg.wants_values(AUX), remember=True,
+                  token_offset=0, role="aux", values=st.cfg.wants_values(AUX), remember=True, private=private,
                   attrs={"source": "logits_output.hidden_states (target, packed aux capture)"})
     st.dirty = True
 
@@ -236,7 +267,10 @@ def record_draft(runner, fb) -> None:
     if hs.shape[-1] != len(st.labels) * h:
         return  # not the target's packed aux states
     p = st.last_target
-    if p is None or p.hs is None or not same_tensor(hs, p.hs) or not p.committed:
+    matched = getattr(fb, "tensordiff_matched", None)  # decided at capture (a snapshot: copies)
+    if matched is None:
+        matched = p is not None and p.hs is not None and same_tensor(hs, p.hs)
+    if p is None or p.hs is None or not matched or not p.committed:
         st.draft_unmatched += 1
         st.warn_once("draft-unmatched", "a draft-extend pass whose hidden states are not the last target pass's; "
                      "not recorded")
@@ -269,14 +303,15 @@ def record_draft(runner, fb) -> None:
             st.warn_once("shift", "draft input ids are not the target's tokens shifted by one (request %s)",
                          p.keys[0][bad[0]])
     rec = st.rec
+    private = bool(getattr(fb, "tensordiff_private", False))  # a snapshot's copies, kept as they are
     n = rec.packed(DRAFT, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
-                   token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=AUX,
+                   token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=AUX, private=private,
                    attrs={"source": "draft runner forward_batch.spec_info.hidden_states (the fc input)"})
     if n:
         _record_draft_ids(ids, rows)
         fc = st.fc_out
         if fc is not None and fc.shape[0] == len(rows):
-            record_fc(fc, rows)
+            record_fc(fc, rows, private)
         elif fc is not None:
             st.warn_once("fc-rows", "draft fc output has %d rows for %d draft rows; not recorded", fc.shape[0], len(rows))
         if st.cfg.topk > 0:

@@ -141,7 +141,8 @@ def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
         return None, None
     logits = getattr(out, "next_token_logits", None)
     if logits is not None and logits.shape[0] == n_rows:
-        job = st.rec.topk_job(k, logits=logits, id_map=id_map, rows=need)
+        job = st.rec.topk_job(k, logits=logits, id_map=id_map, rows=need,
+                              private=bool(getattr(out, "tensordiff_private", False)))
         return PassTable(job, n_rows, need), logits
     if hs is None or hs.shape[0] != n_rows:
         st.warn_once(f"logits-rows-{what}", "%s: the logits processor saw %s rows for %d tokens; not recorded", what,
@@ -212,10 +213,10 @@ def record_topk(name: str, table: PassTable, rows, token_offset: int, source: st
     st.dirty = True
 
 
-def record_fc(fc_out, rows) -> None:
+def record_fc(fc_out, rows, private: bool = False) -> None:
     st = STATE
     n = st.model.get("num_layers") or 0
     st.rec.record(conventions.DRAFT_FC, fc_out, rows, kind="other", role=conventions.DRAFT_FC, token_offset=1,
-                  order=n + 0.8, values=st.cfg.wants_values(conventions.DRAFT_FC),
+                  order=n + 0.8, values=st.cfg.wants_values(conventions.DRAFT_FC), private=private,
                   attrs={"source": "draft model.fc output on draft-extend passes"})
     st.dirty = True

@@ -30,6 +30,7 @@ class Pass:
     regime: str
     stash: list = field(default_factory=list)  # verify: [(kind, boundary, tensor)] of catalog taps
     committed: bool = False
+    private: bool = False   # hs is a snapshot's copy (:mod:`.capture`), not the engine's tensor
     pred: Any = None        # the top-k rows of the target's predictions (predictions.PassTable), or None
     logit_next: Any = None  # verify: the target's logit of the next input token of each row (numpy)
     _bounds: Any = None
@@ -87,6 +88,12 @@ class State(ServeState):
         self.verify_steps = 0
         self.chain: dict[str, list] = {}  # request -> the draft's top-k rows at draft positions 0, 1, ...
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
+        # capture (:mod:`.capture`): the aux tensor a draft extend is matched against (the engine's
+        # tensor, the snapshot's), and the passes captured but not recorded yet
+        self.cap_aux: tuple = (None, None)
+        self.queue: list = []
+        self.queue_bytes = 0
+        self.queue_since = 0.0
 
     def begin(self) -> float:
         """Start of a section of the plugin's own code (counted in ``plugin_seconds``)."""
@@ -119,6 +126,35 @@ class State(ServeState):
         except Exception:  # noqa: BLE001
             log.exception("tensordiff: writing the profile failed")
 
+    def later(self, fn, snap, queue: bool) -> None:
+        """Record a captured pass: ``fn(snap)`` now (``queue`` False: nothing was copied), or once
+        the queue is replayed (:meth:`replay`): at a flush, when the queue holds half of
+        ``TENSORDIFF_STAGE_MB``, or when its first pass is older than ``TENSORDIFF_FLUSH_SECONDS``.
+        Passes are recorded in the order they were captured."""
+        self.queue.append((fn, snap))
+        self.dirty = True
+        if not queue:
+            self.replay()
+            return
+        now = time.monotonic()
+        if len(self.queue) == 1:
+            self.queue_since = now
+        self.queue_bytes += getattr(snap, "nbytes", 0)
+        if self.queue_bytes > self.cfg.stage_bytes // 2 or now - self.queue_since >= self.cfg.flush_seconds:
+            self.replay()
+
+    def replay(self) -> None:
+        """Record every queued pass, in order (an error stops recording, as in a hook)."""
+        q, self.queue, self.queue_bytes = self.queue, [], 0
+        for fn, snap in q:
+            if self.rec is None or self.closed or self.broken:
+                return
+            try:
+                fn(snap)
+            except Exception as e:  # noqa: BLE001
+                self.fail(f"recording a captured pass ({getattr(fn, '__name__', fn)})", e)
+                return
+
     def fail(self, where: str, e: BaseException) -> None:
         """A recording error never reaches the engine: log it, stop recording, keep the trace."""
         log.exception("tensordiff: recording stopped (error in %s): %s", where, e)
@@ -132,6 +168,8 @@ class State(ServeState):
     def flush(self) -> None:
         """Write what is staged, then the statistics, and flush the trace (the caller times it:
         see :func:`.control.hook_on_idle` and :func:`.control.hook_rpc`)."""
+        if self.queue:
+            self.replay()
         if self.rec is not None and not self.closed and not self.broken and self.dirty:
             self.rec.write_staged()
             self._write_stats()
@@ -156,9 +194,10 @@ class State(ServeState):
         if self.rec is None or self.closed:
             self.closed = True
             return
-        if not self.broken:  # what is staged is written in a timed section: plugin_seconds counts it
+        if not self.broken:  # what is queued and staged is written in a timed section: plugin_seconds counts it
             t0 = self.begin()
             try:
+                self.replay()
                 self.rec.write_staged()
             except Exception as e:  # noqa: BLE001
                 self.fail("close", e)

@@ -20,18 +20,39 @@ from .state import STATE, Pass
 
 
 def hook_verify(result, worker, batch, *args, **kwargs):
+    """After ``EAGLEWorkerV2.verify``: capture the verify result (:mod:`.capture`) and commit the
+    held verify pass with it, now or when the queue of captured passes is replayed."""
+    from .capture import capture_verify, copying
+
     st = STATE
-    p = st.pending_verify
-    st.pending_verify = None
-    if p is None or not st.active:
+    if not st.active:
         return
     t0 = st.begin()
     try:
-        commit_verify(p, result, batch)
+        copy = copying(getattr(result, "accept_lens", None))
+        res, bat, nbytes = capture_verify(result, batch, copy)
+        snap = _Verify(res, bat, nbytes)
+        st.later(replay_verify, snap, copy)
     except Exception as e:  # noqa: BLE001
         st.fail("verify result", e)
     st.end(t0)
     return
+
+
+class _Verify:
+    __slots__ = ("batch", "nbytes", "result")
+
+    def __init__(self, result, batch, nbytes: int):
+        self.result, self.batch, self.nbytes = result, batch, nbytes
+
+
+def replay_verify(snap: _Verify) -> None:
+    """Commit the verify pass held since its forward with its (captured) verify result."""
+    st = STATE
+    p = st.pending_verify
+    st.pending_verify = None
+    if p is not None:
+        commit_verify(p, snap.result, snap.batch)
 
 
 def commit_verify(p: Pass, result, batch) -> None:
