@@ -124,8 +124,9 @@ def test_the_queue_records_at_its_byte_bound_its_age_and_a_flush(st, monkeypatch
     assert done == [0, 1] and st.queue == []
     st.later(fn, SimpleNamespace(i=2, nbytes=10), queue=True)
     monkeypatch.setattr(st, "queue_since", time.monotonic() - st.cfg.flush_seconds - 1)
-    st.later(fn, SimpleNamespace(i=3, nbytes=10), queue=True)  # the first is older than the flush interval
-    assert done == [0, 1, 2, 3]
+    flushes = st.rec.writer.flush_count
+    st.later(fn, SimpleNamespace(i=3, nbytes=10), queue=True)  # the first is older than the flush interval:
+    assert done == [0, 1, 2, 3] and st.rec.writer.flush_count == flushes + 1  # recorded and flushed
     st.later(fn, SimpleNamespace(i=4, nbytes=10), queue=True)
     st.flush()
     assert done == [0, 1, 2, 3, 4]

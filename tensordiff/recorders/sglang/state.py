@@ -129,8 +129,9 @@ class State(ServeState):
     def later(self, fn, snap, queue: bool) -> None:
         """Record a captured pass: ``fn(snap)`` now (``queue`` False: nothing was copied), or once
         the queue is replayed (:meth:`replay`): at a flush, when the queue holds half of
-        ``TENSORDIFF_STAGE_MB``, or when its first pass is older than ``TENSORDIFF_FLUSH_SECONDS``.
-        Passes are recorded in the order they were captured."""
+        ``TENSORDIFF_STAGE_MB``, or when its first pass is older than ``TENSORDIFF_FLUSH_SECONDS``
+        (then the trace is flushed too: a server killed while busy loses at most that interval,
+        as before the queue). Passes are recorded in the order they were captured."""
         self.queue.append((fn, snap))
         self.dirty = True
         if not queue:
@@ -140,7 +141,9 @@ class State(ServeState):
         if len(self.queue) == 1:
             self.queue_since = now
         self.queue_bytes += getattr(snap, "nbytes", 0)
-        if self.queue_bytes > self.cfg.stage_bytes // 2 or now - self.queue_since >= self.cfg.flush_seconds:
+        if now - self.queue_since >= self.cfg.flush_seconds:
+            self.flush()
+        elif self.queue_bytes > self.cfg.stage_bytes // 2:
             self.replay()
 
     def replay(self) -> None:
