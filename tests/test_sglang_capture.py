@@ -50,7 +50,8 @@ def st(monkeypatch, tmp_path):
     for name, value in (("cfg", Config(path=str(tmp_path / "s.h5"), topk=0, stage_mb=1.0)), ("rec", rec),
                         ("labels", LABELS), ("raw_ids", [0, 1, 2]), ("convention", "sglang-llama"),
                         ("model", {"num_layers": 4, "hidden_size": H}), ("warned", set()), ("queue", []),
-                        ("queue_bytes", 0), ("cap_aux", (None, None)), ("fc_out", None), ("draft_logits", None),
+                        ("queue_bytes", 0), ("cap_aux", (None, None, None)), ("cap_seq", 0), ("cap_verify_seq", None),
+                        ("fc_out", None), ("draft_logits", None),
                         ("last_target", None), ("closed", False), ("broken", False), ("paused", False),
                         ("draft_unmatched", 0), ("shift_checked", 0), ("shift_mismatched", 0), ("chain", {})):
         monkeypatch.setattr(STATE, name, value)
@@ -75,13 +76,13 @@ def test_a_draft_extend_fed_the_targets_tensor_refers_to_its_rows_only_with_the_
     ids = np.arange(n, dtype=np.int64) + 10
     rows = st.rec.add_tokens("r", np.arange(n), ids, regime="prefill")
     keys = capture.Keys(ids=ids, pos=np.arange(n), segs=[("r", 0, n)], regime="prefill", step=1, mode="EXTEND",
-                        stash=[], private=True)
+                        stash=[], private=True, seq=7)
     snap_t = capture.capture_target(None, SimpleNamespace(logits_output=SimpleNamespace(hidden_states=live)), keys,
                                     copy=True)
     aux_copy = snap_t.logits_output.hidden_states
-    assert aux_copy is not live and st.cap_aux == (live, aux_copy)
+    assert aux_copy is not live and st.cap_aux == (live, aux_copy, 7)
     p = Pass(hs=aux_copy, rows=rows, keys=(np.array(["r"] * n, dtype=object), np.arange(n), ids),
-             segments=[("r", 0, n)], step=1, regime="prefill", committed=True, private=True)
+             segments=[("r", 0, n)], step=1, regime="prefill", committed=True, private=True, seq=7)
     st.last_target = p
     forward.record_aux(aux_copy, rows, private=True)
     want = live.clone()
@@ -152,9 +153,32 @@ def test_an_error_in_a_queued_pass_stops_recording_and_keeps_the_trace(st, tmp_p
         assert r.tensors["s"].rows == 3 and "RuntimeError: boom" in r.f.attrs["recording_error"]
 
 
+def test_a_draft_extend_is_never_filed_under_another_pass(st):
+    """A verify step whose target pass was not recorded (no request ids: not keyed): the draft
+    extend after it is fed that step's states, not the last recorded pass's, and is not recorded
+    on the last recorded pass's rows (the pass number, not the tensor's address, decides)."""
+    n = 4
+    live = torch.randn(n, 3 * H)
+    st.cap_aux, st.cap_verify_seq = (live, live.clone(), 3), None  # pass 3 recorded; the next verify pass was not
+    res, _, _ = capture.capture_verify(SimpleNamespace(accept_lens=torch.tensor([n]), accept_index=None,
+                                                       logits_output=SimpleNamespace(hidden_states=live)),
+                                       SimpleNamespace(reqs=[]), copy=True)
+    assert st.cap_aux == (None, None, None) and res.logits_output.hidden_states is None
+    snap = capture.capture_draft(_draft_fb(live, np.arange(n, dtype=np.int64)), copy=True)
+    assert not snap.tensordiff_matched and snap.tensordiff_seq is None
+    st.last_target = Pass(hs=live, rows=np.arange(n), keys=(None, np.arange(n), np.arange(n)), segments=[("r", 0, n)],
+                          step=1, regime="target_verify", committed=True, seq=3)
+    forward.record_draft(None, snap)
+    assert st.draft_unmatched == 1
+    # and a snapshot that names another pass than the last one recorded is refused the same way
+    snap.tensordiff_matched, snap.tensordiff_seq = True, 4
+    forward.record_draft(None, snap)
+    assert st.draft_unmatched == 2
+
+
 def test_a_verify_result_is_numpy_and_the_requests_limits_only(st):
     live = torch.randn(4, 3 * H)
-    st.cap_aux = (live, live.clone())
+    st.cap_aux, st.cap_verify_seq = (live, live.clone(), 5), 5
     req = SimpleNamespace(rid="r", origin_input_ids=[1] * 7, sampling_params=SimpleNamespace(max_new_tokens=3),
                           output_ids=[5, 6])
     result = SimpleNamespace(accept_lens=torch.tensor([2, 1]), accept_index=torch.tensor([[0, 1], [2, -1]]),
@@ -167,8 +191,10 @@ def test_a_verify_result_is_numpy_and_the_requests_limits_only(st):
     from tensordiff.recorders.sglang.verify import position_limit
     assert position_limit(bat.reqs[0]) == 10 and position_limit(bat.reqs[1]) is None
     other = torch.randn(4, 3 * H)  # re-laid out in another tensor: that one is copied
+    st.cap_verify_seq = 6
+    st.cap_aux = (live, live.clone(), 6)
     res, _, nbytes = capture.capture_verify(SimpleNamespace(accept_lens=torch.tensor([1]), accept_index=None,
                                                             logits_output=SimpleNamespace(hidden_states=other)),
                                             SimpleNamespace(reqs=[]), copy=True)
-    assert nbytes == other.numel() * 4 and st.cap_aux[0] is other
+    assert nbytes == other.numel() * 4 and st.cap_aux[0] is other and st.cap_aux[2] == 6
     np.testing.assert_array_equal(res.logits_output.hidden_states.numpy(), other.numpy())

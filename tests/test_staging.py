@@ -91,9 +91,6 @@ def test_staged_recording_writes_what_the_unstaged_one_writes(tmp_path, stage_by
         assert a.shape == b.shape and a.dtype == b.dtype, key
         if key.endswith("/sketch"):  # one product over many calls: float32 rounding of another summation
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=key)
-        elif key == "head_topk/values":  # logits from one lm_head product over many calls: likewise
-            np.testing.assert_array_equal(b[:, :4], a[:, :4], err_msg=key)  # the same ids
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=key)
         else:
             np.testing.assert_array_equal(b, a, err_msg=key)
     assert stats.sketch_reused > 0  # draft_input's repeats of aux's bits took aux's sketch

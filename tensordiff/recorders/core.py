@@ -20,7 +20,8 @@ Where the data lives on a GPU, the sketch and RMS are computed there and the row
 pinned host memory with ``non_blocking=True``; a CUDA event marks each copy, and the rows reach
 the writer once their event has completed (checked at every later call, forced at ``flush``/
 ``close`` or when more than ``max_pending_bytes`` wait). On the CPU the rows go to the writer
-directly (the writer copies them into its chunk buffer, nothing else is copied).
+directly (the writer copies them into its chunk buffer, nothing else is copied), or, with
+``stage_bytes``, are staged and written in batches (:mod:`.staging`).
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ class _Memo:
     staged: Staged | None = None  # staging: the staged call (its private copy is the bits compared)
 
 
-# slot rows up to this many bytes (float32) are remembered for reuse; larger calls (a long
-# prefill) are sketched again rather than held twice
+# slot rows up to this many bytes (float32; with staging, in their stored form) are remembered
+# for reuse; larger calls (a long prefill) are sketched (and stored) again rather than held twice
 REMEMBER_MAX_BYTES = 32 << 20
 
 
@@ -205,6 +206,7 @@ class Recorder:
         if int(stage_bytes) < 0:
             raise ValueError("stage_bytes must be >= 0")
         self.stage_bytes = int(stage_bytes)
+        self._failed: str | None = None                  # a staged batch failed to be written: refuse further calls
         self._staged: dict[str, list[Staged]] = {}       # staged calls per tensor, in call order
         self._staged_bytes = 0
         self._jobs: list[TopkJob] = []                   # top-k jobs not computed yet
@@ -240,6 +242,7 @@ class Recorder:
                    regime: str | int = "train", step: int = 0) -> np.ndarray:
         """Add one sequence's token rows; returns their row indices for :meth:`record`.
         ``positions`` defaults to ``0..len(tokens)-1``."""
+        self._check_failed()
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.detach().reshape(-1).cpu().numpy()
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -249,7 +252,7 @@ class Recorder:
             positions = positions.detach().reshape(-1).cpu().numpy()
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if (self._staged or self._jobs) and self.writer.flush_triggered(len(positions)):
-            self._drain_staged()  # the flush this add triggers then holds the staged steps whole
+            self.write_staged()  # the flush this add triggers then holds the staged steps whole
         rows = self.writer.add_tokens(seq, positions, tokens, regime=regime, step=step)
         end = self._n_rows + len(rows)
         if end > len(self._positions):
@@ -270,13 +273,14 @@ class Recorder:
         ``seqs[i]``, in order, from the concatenated ``positions`` and ``tokens``; returns every
         row index (what the calls one by one return, concatenated). One call per engine pass
         instead of one per request."""
+        self._check_failed()
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         n = len(positions)
         if len(tokens) != n or int(np.sum(counts)) != n:
             raise ValueError(f"{n} positions, {len(tokens)} tokens and {int(np.sum(counts))} counted rows")
         if (self._staged or self._jobs) and self.writer.flush_triggered(n):
-            self._drain_staged()  # the flush these adds may trigger then holds the staged steps whole
+            self.write_staged()  # the flush these adds may trigger then holds the staged steps whole
         start = self._n_rows
         out = np.empty(n, dtype=np.int64)
         add = self.writer.add_tokens
@@ -511,8 +515,9 @@ class Recorder:
         if not len(rows):
             return 0
         key = _tensor_key(src) if memo is not None or remember else None
+        layout = (spec.slots, spec.slot_width, spec.dtype)
         same = None
-        if memo is not None and memo.staged is not None and memo.key == key:
+        if memo is not None and memo.staged is not None and memo.key == key and memo.slots == layout:
             old = memo.staged.data
             if (old is not None and old.shape == data.shape and old.dtype == data.dtype
                     and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))
@@ -527,7 +532,7 @@ class Recorder:
         entry.first = spec.count
         spec.count += len(rows)
         if remember and entry.data is not None and entry.data.nbytes <= REMEMBER_MAX_BYTES:
-            self._memo[name] = _Memo(src, key or _tensor_key(src), idx, (), None, None, staged=entry)
+            self._memo[name] = _Memo(src, key or _tensor_key(src), idx, layout, None, None, staged=entry)
         self._stage_entry(name, entry)
         return len(rows)
 
@@ -540,7 +545,19 @@ class Recorder:
     def _drain_staged(self) -> None:
         """Everything staged to the writer: the pending top-k jobs (one batch per group), the
         RMS and sketch of every staged state (one product per tensor; a call that repeats a
-        remembered call's bits takes that call's), then one append per tensor."""
+        remembered call's bits takes that call's), then one append per tensor. A failure leaves
+        the recorder refusing further calls (rows counted as staged were not written)."""
+        self._check_failed()
+        try:
+            self._write_staged_batch()
+        except BaseException as e:
+            self._failed = f"{type(e).__name__}: {e}"[:300]
+            self._staged.clear()
+            self._jobs.clear()
+            self._memo.clear()
+            raise
+
+    def _write_staged_batch(self) -> None:
         if self._jobs:
             compute_jobs(self._jobs)
         staged, self._staged = self._staged, {}
@@ -630,6 +647,7 @@ class Recorder:
         drain (or when first read), from a private float32 copy (the engine may reuse or overwrite
         its own tensor before that; ``private=True``: the caller's own float32 copy, kept as it
         is); otherwise it is computed now."""
+        self._check_failed()
         src = logits if logits is not None else hidden
         if src is None:
             raise ValueError("topk_job needs logits or hidden")
@@ -646,7 +664,7 @@ class Recorder:
         else:
             self._staged_bytes += job.nbytes
             if self._staged_bytes > self.stage_bytes:
-                self._drain_staged()
+                self.write_staged()
         return job
 
     def _submit_async(self, name, rows, vals, sk, rms, device, nbytes) -> None:
@@ -685,16 +703,18 @@ class Recorder:
     # -- vocabulary helpers ----------------------------------------------------------------
 
     def boundary(self, b: int, tensor: torch.Tensor, rows, *, role: str = "catalog",
-                 values: bool | None = None, name: str | None = None, attrs: dict | None = None) -> int:
+                 values: bool | None = None, name: str | None = None, attrs: dict | None = None,
+                 private: bool = False) -> int:
         """Record boundary ``b`` (the residual stream entering decoder layer b, PRE-norm even for
-        b = N) under its label (``embed``, ``layer<b>``)."""
+        b = N) under its label (``embed``, ``layer<b>``). ``private``: as :meth:`record`."""
         return self.record(name or boundary_label(b), tensor, rows, kind="boundary", boundary=int(b),
-                           role=role, values=values, attrs=attrs)
+                           role=role, values=values, attrs=attrs, private=private)
 
     def final_norm(self, tensor: torch.Tensor, rows, *, role: str = "catalog", values: bool | None = None,
-                   name: str = FINAL_NORM, attrs: dict | None = None) -> int:
+                   name: str = FINAL_NORM, attrs: dict | None = None, private: bool = False) -> int:
         """Record the post-final-norm state (the lm_head input) as ``final_norm``."""
-        return self.record(name, tensor, rows, kind="final_norm", role=role, values=values, attrs=attrs)
+        return self.record(name, tensor, rows, kind="final_norm", role=role, values=values, attrs=attrs,
+                           private=private)
 
     def packed(self, name: str, parts: torch.Tensor | Sequence[torch.Tensor], rows, *, labels: Sequence[str],
                raw_ids: Sequence[int] | None = None, convention: str | None = None, token_offset: int = 1,
@@ -730,11 +750,17 @@ class Recorder:
                            role=role, values=values, attrs=attrs, remember=remember, reuse=reuse,
                            private=private and isinstance(parts, torch.Tensor))
 
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            # the rows staged before the failure are lost, so row indices counted since would be wrong
+            raise RuntimeError(f"recorder stopped: writing staged rows failed ({self._failed})")
+
     def _accepts(self, name: str) -> bool:
         """Whether a record call for ``name`` goes ahead: the recorder is open and the name is
         defined or wanted (a skipped name is counted in the stats)."""
         if self._closed:
             raise RuntimeError("recorder is closed")
+        self._check_failed()
         if name not in self._specs and not self.wants(name):
             self.stats.skipped_names.add(name)
             return False
@@ -848,10 +874,9 @@ class Recorder:
         given, failed = error, None
         try:
             try:
-                self._drain_staged()
+                if self._failed is None:
+                    self._drain_staged()
             except Exception as e:  # noqa: BLE001 - the rows written before stay readable
-                self._staged.clear()
-                self._jobs.clear()
                 failed = e
                 error = error or e
             self._drain(until_bytes=0)

@@ -9,7 +9,8 @@ valid: it checks and keys its rows and copies what it records into private memor
 for every staged call at once when the staged bytes reach the bound, before the writer commits a
 flush, and at ``flush``/``close``: one top-k per group of logits, one RMS and one sketch product
 per tensor, one append per tensor. What is written is what the unstaged path writes, row for row,
-in the same order per tensor (tests/test_staging.py compares the two files).
+in the same order per tensor: values, RMS and top-k tables bit for bit, sketches within the
+float32 rounding of one larger product (tests/test_staging.py compares the two files).
 
 * :class:`Staged`: one staged call of a tensor (its kept token rows and a private copy of its
   rows in the stored form, or a :class:`Later` table for rows that are not states).
@@ -89,8 +90,9 @@ class Staged:
 class TopkJob:
     """The top-k table (:func:`~tensordiff.recorders.storage.topk_rows`: [m, 2k+1] float64, ids |
     log-probabilities | logsumexp) of ``m`` rows of logits, computed on first use of
-    :attr:`table`, together with every other pending job of the same group (one top-k call, one
-    logsumexp, one lm_head product per group instead of one per pass).
+    :attr:`table`, together with every other pending job of the same group (one top-k call and one
+    logsumexp per group instead of one per pass; the lm_head product of ``hidden`` rows stays one
+    per job, so its rounding never depends on which jobs were batched).
 
     ``logits`` [m, V]: a private float32 copy (the engine may overwrite its own). Or ``hidden``
     [m, H] with ``head`` = (lm_head weight [V', H], vocab V or None, logit scale or None, final
@@ -208,16 +210,22 @@ def compute_jobs(jobs: list[TopkJob]) -> None:
         groups.setdefault(j.group(), []).append(j)
     for members in groups.values():
         first = members[0]
-        if first.logits is not None:
-            parts: Sequence[torch.Tensor] = [j.logits for j in members]  # type: ignore[misc]
-            x = parts[0] if len(parts) == 1 else torch.cat(parts)
-            table = _as_numpy(topk_rows(x, first.k, first.id_map))
-        else:
-            table = _head_topk([j.hidden for j in members], first.head, first.k, first.id_map)  # type: ignore[misc]
+        if first.logits is None:
+            # logits from hidden rows: one product per job (a BLAS rounds a row differently with the
+            # row count of the product, and which jobs share a batch depends on when it is drained)
+            for j in members:
+                j._set(_head_topk(j.hidden, j.head, j.k, j.id_map))  # type: ignore[arg-type]
+            continue
+        parts: Sequence[torch.Tensor] = [j.logits for j in members]  # type: ignore[misc]
+        x = parts[0] if len(parts) == 1 else torch.cat(parts)
+        table = _as_numpy(topk_rows(x, first.k, first.id_map))  # row by row: the same for any batch
+        if len(members) == 1:
+            first._set(table)
+            continue
         start = 0
         for j in members:
             n = j.rows
-            j._set(table[start:start + n])
+            j._set(table[start:start + n].copy())  # its own rows only: a job held on keeps no batch alive
             start += n
 
 
@@ -225,11 +233,10 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
-def _head_topk(hidden: list[torch.Tensor], head: tuple, k: int, id_map: torch.Tensor | None) -> np.ndarray:
-    """Top-k rows of ``cat(hidden) @ weight.T`` (cut to the vocabulary, scaled, capped), computed
+def _head_topk(h: torch.Tensor, head: tuple, k: int, id_map: torch.Tensor | None) -> np.ndarray:
+    """Top-k rows of ``h @ weight.T`` (cut to the vocabulary, scaled, capped), computed
     HEAD_CHUNK_ROWS rows at a time."""
     w, vocab, scale, cap = head
-    h = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
     parts = []
     with torch.no_grad():
         for s in range(0, h.shape[0], HEAD_CHUNK_ROWS):

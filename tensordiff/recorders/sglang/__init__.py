@@ -16,6 +16,8 @@ one module per job:
 :mod:`.catalog`     per-boundary taps on the target model (``TENSORDIFF_CATALOG=1``, eager passes)
 :mod:`.forward`     AROUND ``ModelRunner.forward``: token keys, ``aux_hidden_states`` (target),
                     ``draft_input`` + ``draft_input_ids`` (draft-extend passes)
+:mod:`.capture`     what each hook takes from the engine: on the CPU a snapshot of the pass, queued
+                    and recorded later in a batch (at idle, a flush, a bound), elsewhere at once
 :mod:`.predictions` taps on the draft's ``fc`` and each model's logits processor: ``draft_fc_output``,
                     ``target_topk``, ``draft_topk`` (top-k ids, log-probs, logsumexp)
 :mod:`.verify`      AFTER ``EAGLEWorkerV2.verify``: commits the accepted verify rows; ``spec_verify``

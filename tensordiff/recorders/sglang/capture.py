@@ -20,7 +20,7 @@ snapshot then holds that same copy, so the recorder stores the rows once.
 
 A snapshot quacks like the engine object it stands for: the record functions read the same
 attributes. Where the engine runs on an accelerator, or with ``TENSORDIFF_STAGE_MB=0``, nothing is
-copied and each pass is recorded at once, as before.
+copied and each pass is recorded in its own hooks (catalog taps included), as before the queue.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .state import STATE, log
 
 def copying(t) -> bool:
     """Whether passes on tensor ``t``'s device are snapshotted and queued (CPU, staging on)."""
-    return STATE.cfg.stage_mb > 0 and (t is None or t.device.type == "cpu")
+    return STATE.cfg.stage_bytes > 0 and (t is None or t.device.type == "cpu")
 
 
 def _nbytes(*ts) -> int:
@@ -55,7 +55,8 @@ class Keys(SimpleNamespace):
     """A target pass's keys, taken before the forward: ``ids``, ``pos`` (int64), ``segs``
     [(rid, first row, rows)], ``regime``, ``step``, ``mode`` (the forward mode's name) and
     ``stash`` (catalog tap values of the pass: recorded once its rows are known), ``private``
-    (the pass is snapshotted: its tensors are copies)."""
+    (the pass is snapshotted: its tensors are copies), ``seq`` (its number: a draft extend is
+    matched with the pass it was fed by)."""
 
 
 def capture_keys(runner, fb) -> Keys | None:
@@ -72,8 +73,9 @@ def capture_keys(runner, fb) -> Keys | None:
         log.debug("tensordiff: a %s pass without request ids or row counts; not recorded", fb.forward_mode.name)
         return None
     step = int(getattr(runner, "forward_pass_id", 0)) + 1  # the id ModelRunner.forward is about to take
+    st.cap_seq += 1
     return Keys(ids=ids, pos=pos, segs=segs, regime=regime_of(fb.forward_mode), step=step,
-                mode=fb.forward_mode.name, stash=[], private=copying(fb.input_ids))
+                mode=fb.forward_mode.name, stash=[], private=copying(fb.input_ids), seq=st.cap_seq)
 
 
 def logits_snapshot(captured, n_rows: int | None, copy: bool):
@@ -84,12 +86,12 @@ def logits_snapshot(captured, n_rows: int | None, copy: bool):
     does not change)."""
     if captured is None or not copy:
         return captured
-    from ..staging import host_copy
+    from ..staging import host_copy, host_f32
 
     module, hs, head, out = captured
     logits = getattr(out, "next_token_logits", None)
-    if logits is not None and (n_rows is None or logits.shape[0] == n_rows):
-        return module, None, head, SimpleNamespace(next_token_logits=host_copy(logits), tensordiff_private=True)
+    if logits is not None and (n_rows is None or logits.shape[0] == n_rows):  # float32: what the top-k reads
+        return module, None, head, SimpleNamespace(next_token_logits=host_f32(logits), tensordiff_private=True)
     return module, (host_copy(hs) if hs is not None else None), head, SimpleNamespace(next_token_logits=None)
 
 
@@ -104,9 +106,10 @@ def capture_target(fb, out, keys: Keys, copy: bool) -> SimpleNamespace:
     hs = getattr(lo, "hidden_states", None) if lo is not None else None
     aux = host_copy(hs) if copy and hs is not None else hs
     valid = hs is not None and st.labels is not None and hs.shape[0] == len(keys.ids)
-    st.cap_aux = (hs, aux) if valid else (None, None)
+    st.cap_aux = (hs, aux, keys.seq) if valid else (None, None, None)
+    st.cap_verify_seq = keys.seq if keys.regime == "target_verify" else None
     n = len(keys.ids)
-    logits = logits_snapshot(st.target_logits, n, copy)
+    logits = logits_snapshot(st.target_logits, n, copy) if st.cfg.topk > 0 else None  # no predictions: no copy
     st.target_logits = None
     snap = SimpleNamespace(keys=keys, can_run_graph=bool(getattr(out, "can_run_graph", False)),
                            logits_output=SimpleNamespace(hidden_states=aux), logits=logits)
@@ -128,20 +131,24 @@ def capture_verify(result, batch, copy: bool) -> tuple[Any, Any, int]:
 
     st = STATE
     hs_after = getattr(getattr(result, "logits_output", None), "hidden_states", None)
+    seq, st.cap_verify_seq = st.cap_verify_seq, None
+    live, aux, _ = st.cap_aux
+    if seq is None or live is None:  # no verify pass recorded for it: a draft extend after it is not matched
+        st.cap_aux = (None, None, None)
+        hs_after = None
     if not copy:
-        if hs_after is not None and not same_tensor(hs_after, st.cap_aux[0]):
-            st.cap_aux = (hs_after, hs_after)
+        if hs_after is not None and not same_tensor(hs_after, live):
+            st.cap_aux = (hs_after, hs_after, seq)
         return result, batch, 0
     from ..staging import host_copy
 
-    live, aux = st.cap_aux
     nbytes = 0
     if hs_after is not None:
-        if live is not None and same_tensor(hs_after, live):
+        if same_tensor(hs_after, live):
             hs_after = aux
         else:  # SGLang laid the accepted paths out in another tensor: the draft reads that one
             copied = host_copy(hs_after)
-            st.cap_aux = (hs_after, copied)
+            st.cap_aux = (hs_after, copied, seq)
             hs_after, nbytes = copied, _nbytes(copied)
     acc_index = getattr(result, "accept_index", None)
     res = SimpleNamespace(accept_lens=_np_ids(result.accept_lens),
@@ -174,10 +181,11 @@ def capture_draft(fb, copy: bool) -> SimpleNamespace | None:
     rids = getattr(fb, "rids", None)
     rids = list(rids) if rids is not None else None
     if not (mode.is_extend() or mode.is_draft_extend_v2()) or mode.is_target_verify():
-        if mode.is_target_verify():
-            return None
+        if mode.is_target_verify() or st.cfg.topk <= 0 or not st.spec_chain:
+            return None  # a draft decode step is recorded only as a chain position's distribution
         logits = logits_snapshot(st.draft_logits, None, copy)
-        snap = SimpleNamespace(forward_mode=mode, rids=rids, draft_logits=logits, fc_out=None)
+        snap = SimpleNamespace(forward_mode=mode, rids=rids, draft_logits=logits, fc_out=None,
+                               tensordiff_private=copy)
         snap.nbytes = _nbytes(*_logit_parts(logits)) if copy else 0
         return snap
     spec = getattr(fb, "spec_info", None)
@@ -187,14 +195,15 @@ def capture_draft(fb, copy: bool) -> SimpleNamespace | None:
     h = st.model.get("hidden_size") or 0
     if hs.shape[-1] != len(st.labels) * h:
         return None  # not the target's packed aux states
-    live, aux = st.cap_aux
+    live, aux, seq = st.cap_aux
     matched = live is not None and same_tensor(hs, live)
     fc = st.fc_out
     n_acc = getattr(spec, "num_accept_tokens", None)
     ids = fb.input_ids
+    logits = st.draft_logits if st.cfg.topk > 0 else None
     nbytes = 0
-    if copy:
-        if matched and aux is not None and same_bits(hs, aux):
+    if copy and matched:
+        if aux is not None and same_bits(hs, aux):
             hs = aux  # stored once: the recorder refers to the target's rows
         else:
             hs = host_copy(hs)
@@ -202,9 +211,12 @@ def capture_draft(fb, copy: bool) -> SimpleNamespace | None:
         fc = host_copy(fc) if fc is not None else None
         n_acc = _np_ids(n_acc)
         ids = _np_ids(ids)
-    logits = logits_snapshot(st.draft_logits, len(ids), copy)
+        logits = logits_snapshot(logits, len(ids), copy)
+    elif copy:  # not fed the last target pass's states: recorded as unmatched, nothing to copy
+        fc = logits = None
+        n_acc, ids = _np_ids(n_acc), _np_ids(ids)
     snap = SimpleNamespace(forward_mode=mode, rids=rids, input_ids=ids, tensordiff_matched=matched,
-                           tensordiff_private=copy,
+                           tensordiff_private=copy, tensordiff_seq=seq if matched else None,
                            spec_info=SimpleNamespace(hidden_states=hs, num_accept_tokens=n_acc),
                            fc_out=fc, draft_logits=logits)
     snap.nbytes = nbytes + _nbytes(fc, *_logit_parts(logits)) if copy else 0

@@ -7,7 +7,8 @@ A pre-hook on every decoder layer passes SGLang's own capture callback (``captur
 layers that take ``(positions, hidden_states, forward_batch, residual)``: ``hidden_states +
 residual``); a forward hook on the final norm records its input and output. They run in Python, so
 they see eager passes only: a CUDA-graph replay runs none of them (the forward hook says so once).
-On a target-verify pass the tapped values are held until the verify result says which rows stay.
+On a target-verify pass the tapped values are held until the verify result says which rows stay,
+and on a snapshotted pass (:mod:`.capture`) until the pass is recorded.
 """
 
 from __future__ import annotations
@@ -73,13 +74,14 @@ def _tap(kind: str, b: int | None, value) -> None:
         st.end(t0)
 
 
-def record_catalog(kind: str, b: int | None, value, rows) -> None:
+def record_catalog(kind: str, b: int | None, value, rows, private: bool = False) -> None:
+    """A catalog state's rows (``private``: ``value`` is the tap's own copy, kept as it is)."""
     st = STATE
     if kind == "final_norm":
-        st.rec.final_norm(value, rows, values=st.cfg.wants_values("final_norm"))
+        st.rec.final_norm(value, rows, values=st.cfg.wants_values("final_norm"), private=private)
     else:
         from ...vocab import boundary_label
-        st.rec.boundary(b, value, rows, values=st.cfg.wants_values(boundary_label(b)))
+        st.rec.boundary(b, value, rows, values=st.cfg.wants_values(boundary_label(b)), private=private)
     st.dirty = True
 
 

@@ -25,10 +25,14 @@ def hook_on_idle(result, scheduler, *args, **kwargs):
 
 
 def _timed_flush(st) -> None:
-    """A flush asked for by an RPC, timed like the idle flush (its writes are the plugin's cost)."""
+    """A flush asked for by an RPC, timed like the idle flush (its writes are the plugin's cost).
+    A failure stops recording, as in a hook (the RPC's answer then says why)."""
     t0 = st.begin()
     try:
         st.flush()
+    except Exception as e:
+        st.fail("flush", e)
+        raise
     finally:
         st.end(t0)
 
@@ -65,8 +69,8 @@ def hook_rpc(original, scheduler, recv_req, *args, **kwargs):
             st.last_target = st.pending_verify = None
         elif method == "tensordiff_resume":
             params = getattr(recv_req, "parameters", None) or {}
+            _timed_flush(st)  # the passes before are recorded (and timed) under their own k first
             if "topk" in params:
-                _timed_flush(st)  # what the passes before recorded is written (and timed) under their k
                 set_topk(params["topk"])
             st.paused = False
             st.last_target = st.pending_verify = None

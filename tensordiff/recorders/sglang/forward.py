@@ -101,15 +101,26 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
         st.end(t0)
         return out
     t0 = st.begin()
+    keys = pre = None
+    copy = False
     try:
         keys = capture_keys(runner, forward_batch)
+        if keys is None:  # not recorded: no draft extend may be matched with an older pass
+            st.cap_aux, st.cap_verify_seq = (None, None, None), None
+        else:
+            copy = copying(forward_batch.input_ids)
+            if copy:  # catalog taps during the forward: kept until the pass is recorded
+                st.ctx_rows = np.full(len(keys.ids), -1, dtype=np.int64)
+                st.ctx_stash = keys.stash
+            else:  # recorded in its hooks, as always: its rows now (a verify pass's stay -1)
+                pre = start_pass(keys)
+                st.ctx_rows = pre.rows
+                st.ctx_stash = pre.stash if pre.regime == "target_verify" else None
     except Exception as e:  # noqa: BLE001
         st.fail("target pass", e)
-        return original(runner, forward_batch, *args, **kwargs)
-    if keys is not None:  # catalog taps during the forward: kept until the pass's rows are known
-        st.ctx_rows = np.full(len(keys.ids), -1, dtype=np.int64)
-        st.ctx_stash = keys.stash
-    st.end(t0)
+        keys = None
+    finally:
+        st.end(t0)
     st.target_logits = None
     try:
         out = original(runner, forward_batch, *args, **kwargs)
@@ -119,8 +130,11 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
     t0 = st.begin()
     if keys is not None and st.active:
         try:
-            copy = copying(forward_batch.input_ids)
-            st.later(replay_target, capture_target(forward_batch, out, keys, copy), copy)
+            snap = capture_target(forward_batch, out, keys, copy)
+            if copy:
+                st.later(replay_target, snap, True)
+            else:
+                st.later(lambda s: _finish_target(s, pre), snap, False)
         except Exception as e:  # noqa: BLE001
             st.fail("target pass", e)
     st.target_logits = None
@@ -130,8 +144,8 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
 
 def start_pass(keys) -> Pass:
     """The pass of captured keys: its token rows added now, except a verify pass's (added once
-    the verify result says which rows stay); the catalog values taken during its forward recorded
-    once its rows are known."""
+    the verify result says which rows stay); the catalog values its forward stashed (a snapshotted
+    pass's) recorded once its rows are known."""
     import numpy as np
 
     from .catalog import record_catalog
@@ -142,23 +156,25 @@ def start_pass(keys) -> Pass:
     for rid, s, c in keys.segs:
         rid_rows[s:s + c] = rid
     p = Pass(hs=None, rows=np.full(n, -1, dtype=np.int64), keys=(rid_rows, keys.pos, keys.ids), segments=keys.segs,
-             step=keys.step, regime=keys.regime, stash=keys.stash, private=keys.private)
+             step=keys.step, regime=keys.regime, stash=keys.stash, private=keys.private, seq=keys.seq)
     if keys.regime != "target_verify":
         p.rows[:] = st.rec.add_token_runs([rid for rid, _, _ in keys.segs], [c for _, _, c in keys.segs], keys.pos,
                                           keys.ids, regime=keys.regime, step=keys.step)
         p.committed = True
         st.dirty = True
         for kind, b, value in p.stash:
-            record_catalog(kind, b, value, p.rows)
+            record_catalog(kind, b, value, p.rows, private=p.private)
         p.stash = []
     return p
 
 
 def replay_target(snap) -> None:
-    """Record a captured target pass (:func:`.capture.capture_target`)."""
-    st = STATE
-    p = start_pass(snap.keys)
-    st.target_logits = snap.logits
+    """Record a snapshotted target pass (:func:`.capture.capture_target`)."""
+    _finish_target(snap, start_pass(snap.keys))
+
+
+def _finish_target(snap, p: Pass) -> None:
+    STATE.target_logits = snap.logits
     after_target(snap.keys.mode, snap, p)
 
 
@@ -251,6 +267,7 @@ def record_aux(hs, rows, private: bool = False) -> None:
 
 
 def record_draft(runner, fb) -> None:
+    """A draft pass (``fb``: the engine's forward batch, or its snapshot; ``runner`` unused)."""
     import numpy as np
 
     st = STATE
@@ -267,9 +284,13 @@ def record_draft(runner, fb) -> None:
     if hs.shape[-1] != len(st.labels) * h:
         return  # not the target's packed aux states
     p = st.last_target
-    matched = getattr(fb, "tensordiff_matched", None)  # decided at capture (a snapshot: copies)
-    if matched is None:
+    if getattr(fb, "tensordiff_private", False):  # a snapshot: matched at capture (copies cannot tell)
+        matched = bool(getattr(fb, "tensordiff_matched", False))
+    else:
         matched = p is not None and p.hs is not None and same_tensor(hs, p.hs)
+    seq = getattr(fb, "tensordiff_seq", None)
+    if seq is not None and (p is None or p.seq != seq):
+        matched = False  # fed the states of another pass than the last one recorded
     if p is None or p.hs is None or not matched or not p.committed:
         st.draft_unmatched += 1
         st.warn_once("draft-unmatched", "a draft-extend pass whose hidden states are not the last target pass's; "

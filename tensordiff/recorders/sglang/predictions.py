@@ -17,10 +17,11 @@ Taps (module hooks installed at start-up, on the target's and the draft's models
   token t+1) and ``draft_topk`` (row t predicts token t+2; draft ids mapped to the target
   vocabulary through the draft's hot-token map), layouts in :mod:`tensordiff.conventions`.
 
-The hooks keep references only; the work happens after the pass, when the plugin records: each
-table is a top-k job of the recorder (:class:`~tensordiff.recorders.staging.TopkJob`), which with
-staging on (the plugin's default on the CPU) is computed in one batch with the other passes' jobs
-when the recorder drains its staged work.
+The hooks keep references only (a snapshotted pass, :mod:`.capture`, copies of the logits or the
+final hidden states); the work happens when the pass is recorded: each table is a top-k job of
+the recorder (:class:`~tensordiff.recorders.staging.TopkJob`), which with staging on (the plugin's
+default on the CPU) is computed in one batch with the other passes' jobs when the recorder drains
+its staged work.
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ def chain_step(fb) -> None:
     m = st.draft_id_map
     if m is not None and m.device != logits.device:
         m = st.draft_id_map = m.to(logits.device)
-    job = st.rec.topk_job(st.cfg.topk, logits=logits, id_map=m)
+    job = st.rec.topk_job(st.cfg.topk, logits=logits, id_map=m,
+                          private=bool(getattr(cap[3], "tensordiff_private", False)))
     for i, rid in enumerate(rids):
         c = st.chain.get(str(rid))
         if c is not None:

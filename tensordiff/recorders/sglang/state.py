@@ -28,9 +28,10 @@ class Pass:
     segments: list  # [(rid, start, count)]
     step: int
     regime: str
-    stash: list = field(default_factory=list)  # verify: [(kind, boundary, tensor)] of catalog taps
+    stash: list = field(default_factory=list)  # [(kind, boundary, tensor)] of catalog taps held until the rows are known
     committed: bool = False
     private: bool = False   # hs is a snapshot's copy (:mod:`.capture`), not the engine's tensor
+    seq: int = 0            # the capture's number of the pass (draft extends are matched with it)
     pred: Any = None        # the top-k rows of the target's predictions (predictions.PassTable), or None
     logit_next: Any = None  # verify: the target's logit of the next input token of each row (numpy)
     _bounds: Any = None
@@ -90,7 +91,9 @@ class State(ServeState):
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
         # capture (:mod:`.capture`): the aux tensor a draft extend is matched against (the engine's
         # tensor, the snapshot's), and the passes captured but not recorded yet
-        self.cap_aux: tuple = (None, None)
+        self.cap_aux: tuple = (None, None, None)  # (engine's tensor, snapshot's, the pass's number)
+        self.cap_seq = 0                # target passes captured so far
+        self.cap_verify_seq: int | None = None  # a captured verify pass waiting for its verify result
         self.queue: list = []
         self.queue_bytes = 0
         self.queue_since = 0.0
@@ -130,7 +133,7 @@ class State(ServeState):
         """Record a captured pass: ``fn(snap)`` now (``queue`` False: nothing was copied), or once
         the queue is replayed (:meth:`replay`): at a flush, when the queue holds half of
         ``TENSORDIFF_STAGE_MB``, or when its first pass is older than ``TENSORDIFF_FLUSH_SECONDS``
-        (then the trace is flushed too: a server killed while busy loses at most that interval,
+        (then the trace is flushed too: a server killed while busy loses about one flush interval,
         as before the queue). Passes are recorded in the order they were captured."""
         self.queue.append((fn, snap))
         self.dirty = True
@@ -201,7 +204,8 @@ class State(ServeState):
             t0 = self.begin()
             try:
                 self.replay()
-                self.rec.write_staged()
+                if not self.broken:
+                    self.rec.flush()
             except Exception as e:  # noqa: BLE001
                 self.fail("close", e)
             self.end(t0)

@@ -102,19 +102,19 @@ def commit_verify(p: Pass, result, batch) -> None:
     st.dirty = True
     hs_after = getattr(getattr(result, "logits_output", None), "hidden_states", None)
     view = Pass(hs=hs_after, rows=view_rows, keys=(rid_rows, view_pos, view_ids), segments=p.segments,
-                step=p.step, regime=p.regime, committed=True, _bounds=p._bounds)
+                step=p.step, regime=p.regime, committed=True, _bounds=p._bounds, private=p.private, seq=p.seq)
     st.last_target = view
     if not len(sel):
         p.stash.clear()
         return
     if p.hs is not None:
-        record_aux(p.hs, p.rows)
+        record_aux(p.hs, p.rows, p.private)
     if p.pred is not None:
         record_topk(TARGET_TOPK, p.pred, p.rows, 0, "target logits (logits processor), accepted verify rows")
     if st.spec_chain:
         _steps_and_chains(p, starts, counts, acc)
     for kind, b, value in p.stash:
-        record_catalog(kind, b, value, p.rows)
+        record_catalog(kind, b, value, p.rows, private=True)  # the taps' own copies
     p.stash.clear()
 
 

@@ -108,6 +108,7 @@ class State(ServeState):
             if self.rec is None or self.closed or self.broken:
                 return
             if force or (self.dirty and time.monotonic() - self.last_flush >= self.cfg.flush_seconds):
+                self.rec.write_staged()  # first: the statistics then count what it wrote
                 self._write_stats()
                 self.rec.flush()
                 self.dirty = False
