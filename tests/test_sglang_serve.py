@@ -466,10 +466,10 @@ def eagle_run_at_once(models, tmp_path_factory):
 @needs_sglang
 def test_queued_passes_record_what_passes_recorded_at_once_record(eagle_run, eagle_run_at_once):
     """The default on the CPU (passes snapshotted in the hooks, recorded later in a batch) and
-    every pass recorded in its own hooks give the same trace: token table, rows of every tensor,
-    values (through the reader: draft_input by reference in the first, stored in both ways in the
-    second), verify and chain tables, counts. Top-k tables differ only where a batched lm_head
-    product rounds differently (float32)."""
+    every pass recorded in its own hooks give the same trace, bit for bit: token table, rows of
+    every tensor, values (through the reader: draft_input by reference in the first, stored in the
+    second), top-k, verify and chain tables, RMS, counts. Only the sketch-only catalog states
+    differ, by the float32 rounding of one sketch product over many passes."""
     import h5py
 
     from tensordiff.trace import TraceReader
@@ -485,15 +485,7 @@ def test_queued_passes_record_what_passes_recorded_at_once_record(eagle_run, eag
                 np.testing.assert_allclose(q.read_sketch(name), a.read_sketch(name), rtol=1e-5, atol=1e-5,
                                            err_msg=name)
                 continue
-            vq, va = q.read_values(name, raw=True), a.read_values(name, raw=True)
-            if name in ("target_topk", "draft_topk"):  # ids | log-probs | logsumexp
-                k = (info.width - 1) // 2
-                assert (vq[:, :k] == va[:, :k]).mean() > 0.999, name
-                np.testing.assert_allclose(vq[:, k:], va[:, k:], rtol=1e-5, atol=1e-5, err_msg=name)
-            elif name in ("spec_verify", "spec_chain"):
-                np.testing.assert_allclose(vq, va, rtol=1e-5, atol=1e-5, err_msg=name)
-            else:
-                np.testing.assert_array_equal(vq, va, err_msg=name)
+            np.testing.assert_array_equal(q.read_values(name, raw=True), a.read_values(name, raw=True), err_msg=name)
             np.testing.assert_array_equal(q.read_rms(name), a.read_rms(name), err_msg=name)
         assert q.tensors["draft_input"].values_source == "aux_hidden_states"
         sq, sa = (json.loads(r.f.attrs["tensordiff_sglang"]) for r in (q, a))
