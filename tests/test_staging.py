@@ -178,3 +178,28 @@ def test_a_failed_drain_keeps_what_was_written_and_says_so(tmp_path):
     with TraceReader(str(path)) as r:
         assert r.tensors["s"].rows == 4
         assert "recording_error" in r.f.attrs and not r.f.attrs["complete"]
+
+
+@pytest.mark.parametrize("budget", [1, 50, 1 << 20])
+def test_lm_head_jobs_rank_in_batches_and_equal_each_job_alone(monkeypatch, budget):
+    """Jobs whose logits come from hidden rows: one product per job (in chunks of its own rows),
+    their top-k ranked in batches of any size: bit for bit each job computed alone."""
+    import tensordiff.recorders.staging as st
+
+    monkeypatch.setattr(st, "HEAD_CHUNK_ROWS", 3)
+    monkeypatch.setattr(st, "HEAD_BATCH_ELEMENTS", budget)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(37, H, generator=g)
+    head = (w, 30, 0.5, 20.0)  # padded vocabulary, a logit scale, soft-capping
+    hs = [torch.randn(n, H, generator=g) for n in (7, 1, 4)]
+    alone = []
+    for h in hs:
+        j = TopkJob(6, hidden=h, head=head)
+        compute_jobs([j])
+        alone.append(j.table)
+    pending: list[TopkJob] = []
+    jobs = [TopkJob(6, hidden=h, head=head, pending=pending) for h in hs]
+    compute_jobs(pending)
+    for j, want in zip(jobs, alone):
+        np.testing.assert_array_equal(j.table, want)
+        assert j.table.shape == (len(want), 13) and (j.table[:, :6] < 30).all()

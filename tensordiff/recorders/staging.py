@@ -211,10 +211,7 @@ def compute_jobs(jobs: list[TopkJob]) -> None:
     for members in groups.values():
         first = members[0]
         if first.logits is None:
-            # logits from hidden rows: one product per job (a BLAS rounds a row differently with the
-            # row count of the product, and which jobs share a batch depends on when it is drained)
-            for j in members:
-                j._set(_head_topk(j.hidden, j.head, j.k, j.id_map))  # type: ignore[arg-type]
+            _head_jobs(members)
             continue
         parts: Sequence[torch.Tensor] = [j.logits for j in members]  # type: ignore[misc]
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -233,19 +230,57 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
-def _head_topk(h: torch.Tensor, head: tuple, k: int, id_map: torch.Tensor | None) -> np.ndarray:
-    """Top-k rows of ``h @ weight.T`` (cut to the vocabulary, scaled, capped), computed
-    HEAD_CHUNK_ROWS rows at a time."""
+# logits of hidden-row jobs ranked at once (float32 elements: bounded memory)
+HEAD_BATCH_ELEMENTS = 8 << 20
+
+
+def _head_logits(h: torch.Tensor, head: tuple) -> torch.Tensor:
+    """``h @ weight.T`` cut to the vocabulary, scaled and soft-capped as the engine's logits
+    processor does."""
     w, vocab, scale, cap = head
-    parts = []
+    x = h.to(w.dtype) @ w.T
+    if vocab is not None and x.shape[-1] > int(vocab):
+        x = x[:, : int(vocab)]  # padded vocabulary
+    if scale is not None:
+        x = x * scale
+    if cap:
+        x = torch.tanh(x / cap) * cap
+    return x
+
+
+def _head_jobs(members: list[TopkJob]) -> None:
+    """Jobs of one lm_head whose logits come from hidden rows. The product is one per job, in
+    chunks of HEAD_CHUNK_ROWS of its rows, as a job computed alone would make it (a BLAS rounds a
+    row differently with the row count of the product, and which jobs share a drain depends on
+    timing); the top-k of those logits runs once per HEAD_BATCH_ELEMENTS (row by row: the same in
+    any batch)."""
+    first = members[0]
+    parts: dict[int, list[np.ndarray]] = {id(j): [] for j in members}
+    pending: list[tuple[TopkJob, torch.Tensor]] = []
+    held = 0
+
+    def rank() -> None:
+        x = pending[0][1] if len(pending) == 1 else torch.cat([c for _, c in pending])
+        table = _as_numpy(topk_rows(x, first.k, first.id_map))
+        start = 0
+        for j, c in pending:
+            parts[id(j)].append(table[start:start + len(c)])
+            start += len(c)
+        pending.clear()
+
     with torch.no_grad():
-        for s in range(0, h.shape[0], HEAD_CHUNK_ROWS):
-            x = h[s:s + HEAD_CHUNK_ROWS].to(w.dtype) @ w.T
-            if vocab is not None and x.shape[-1] > int(vocab):
-                x = x[:, : int(vocab)]  # padded vocabulary
-            if scale is not None:
-                x = x * scale
-            if cap:
-                x = torch.tanh(x / cap) * cap
-            parts.append(_as_numpy(topk_rows(x, k, id_map)))
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        for j in members:
+            h = j.hidden
+            assert h is not None
+            for s in range(0, h.shape[0], HEAD_CHUNK_ROWS):
+                x = _head_logits(h[s:s + HEAD_CHUNK_ROWS], first.head)  # type: ignore[arg-type]
+                pending.append((j, x))
+                held += x.numel()
+                if held >= HEAD_BATCH_ELEMENTS:
+                    rank()
+                    held = 0
+        if pending:
+            rank()
+    for j in members:
+        got = parts[id(j)]
+        j._set(np.concatenate(got) if len(got) != 1 else got[0].copy())
