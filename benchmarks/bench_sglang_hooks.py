@@ -116,6 +116,7 @@ def main(argv=None) -> int:
             if len(rec._staged) and rec._staged_bytes > (48 << 20):
                 rec.write_staged()  # outside the timed steps, as the idle flush would
         rec.close()
+        STATE.rec, STATE.closed = None, True  # closed here: nothing left for the plugin's exit hook
     med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     figures = {"back_to_back_us": med["back_to_back"], "after_pass_us": med["after_pass"],
                "after_pass_ratio": med["after_pass"] / med["back_to_back"]}
