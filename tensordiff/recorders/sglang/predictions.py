@@ -27,7 +27,12 @@ its staged work.
 from __future__ import annotations
 
 from ... import conventions
+from .. import prediction_tables as tables
+from ..prediction_tables import PassTable
 from .state import STATE
+
+__all__ = ["PassTable", "chain_start", "chain_step", "install_prediction_taps", "kept_rows", "prediction_rows",
+           "record_fc", "record_topk"]
 
 
 def install_prediction_taps(runner, draft: bool) -> None:
@@ -69,56 +74,8 @@ def _logits_hook(draft: bool):
 
 
 def kept_rows(rows):
-    """Indices of the rows of a pass the recorder will keep: a trace row (not -1) at a position
-    the sampling keeps. Top-k tables are computed for these rows only."""
-    import numpy as np
-
-    rec = STATE.rec
-    keep = rows >= 0
-    if not rec.sample.keeps_all:
-        keep &= rec.sample.mask(rec.positions_of(np.where(keep, rows, 0)))
-    return np.flatnonzero(keep)
-
-
-class PassTable:
-    """The top-k rows of one pass: ``job`` (a :class:`~tensordiff.recorders.staging.TopkJob`)
-    holds the rows ``need`` of the pass's ``n_rows`` (None: every row), computed when the
-    recorder drains its staged work (or on first read)."""
-
-    __slots__ = ("job", "n_rows", "need")
-
-    def __init__(self, job, n_rows: int, need):
-        self.job = job
-        self.n_rows = int(n_rows)
-        self.need = need
-
-    @property
-    def width(self) -> int:
-        return self.job.width
-
-    def full(self):
-        """[n_rows, width] float64, NaN in rows not computed."""
-        import numpy as np
-
-        t = self.job.table
-        if self.need is None:
-            return t
-        out = np.full((self.n_rows, t.shape[1]), np.nan)
-        out[self.need] = t
-        return out
-
-    def ref(self, r: int):
-        """(job, row of its table) of pass row ``r``, or None where that row is not computed."""
-        import numpy as np
-
-        if self.need is None:
-            return self.job, int(r)
-        i = int(np.searchsorted(self.need, r))
-        return (self.job, i) if i < len(self.need) and int(self.need[i]) == int(r) else None
-
-    def rows_of(self, rows):
-        """The trace rows of the computed rows, given the pass's trace rows."""
-        return rows if self.need is None else rows[self.need]
+    """Indices of the rows of a pass the recorder will keep (:func:`..prediction_tables.kept_rows`)."""
+    return tables.kept_rows(STATE.rec, rows)
 
 
 def prediction_rows(captured, n_rows: int, what: str, id_map=None, need=None):
@@ -202,23 +159,8 @@ def chain_step(fb) -> None:
 def record_topk(name: str, table: PassTable, rows, token_offset: int, source: str) -> None:
     """Append the top-k rows of ``table`` (from :func:`prediction_rows`) for the pass's token
     ``rows`` (-1 skipped; rows whose predictions were not computed are not recorded)."""
-    from ..staging import Later
-
-    st = STATE
-    n = st.model.get("num_layers") or 0
-    order = {conventions.TARGET_TOPK: n + 0.6, conventions.DRAFT_TOPK: n + 0.9}[name]
-    job = table.job
-    st.rec.plain(name, Later(table.width, lambda: job.table), table.rows_of(rows), role=name,
-                 token_offset=token_offset, order=order,
-                 attrs={"layout": "ids[0:k] | logprobs[k:2k] | logsumexp[2k]",
-                        "k": conventions.topk_k(table.width), "source": source})
-    st.dirty = True
+    tables.record_topk(STATE, name, table, rows, token_offset, source)
 
 
 def record_fc(fc_out, rows, private: bool = False) -> None:
-    st = STATE
-    n = st.model.get("num_layers") or 0
-    st.rec.record(conventions.DRAFT_FC, fc_out, rows, kind="other", role=conventions.DRAFT_FC, token_offset=1,
-                  order=n + 0.8, values=st.cfg.wants_values(conventions.DRAFT_FC), private=private,
-                  attrs={"source": "draft model.fc output on draft-extend passes"})
-    st.dirty = True
+    tables.record_fc(STATE, fc_out, rows, "draft model.fc output on draft-extend passes", private)

@@ -6,13 +6,8 @@ rejected draft tokens, so a row never claims a token for a position that the req
 
 from __future__ import annotations
 
-from ...conventions import (
-    SPEC_CHAIN,
-    SPEC_VERIFY,
-    TARGET_TOPK,
-    spec_verify_drafts,
-    spec_verify_width,
-)
+from ...conventions import SPEC_VERIFY, TARGET_TOPK
+from .. import prediction_tables as tables
 from .catalog import record_catalog
 from .forward import record_aux, to_numpy
 from .predictions import record_topk
@@ -240,32 +235,11 @@ def _steps_and_chains(p: Pass, starts, counts, acc) -> None:
 
 
 def _record_steps(rows, steps, width: int) -> None:
-    st = STATE
-    if st.spec_k is None:
-        st.spec_k = spec_verify_drafts(width)
-    if width != spec_verify_width(st.spec_k):
-        st.warn_once("spec-k", "a verify step with another number of draft tokens than %d; not recorded", st.spec_k)
-        return
-    n = st.model.get("num_layers") or 0
-    st.rec.plain(SPEC_VERIFY, steps, rows, role=SPEC_VERIFY, order=n + 0.95,
-                 attrs={"layout": "accepted, K, first_rejected (-1: none), draft_tokens[K], target_top1[K], "
-                                  "target_logprob_of_draft[K]", "k": st.spec_k,
-                        "what": "one row per verify step, on the token row of the step's first (verified) row"})
-    st.verify_steps += len(rows)
-    st.dirty = True
+    tables.record_steps(STATE, rows, steps, width)
 
 
 def _record_chains(rows, table, dw: int, tw: int, k: int) -> None:
-    """``spec_chain``: per verify step, [draft top-k rows of positions 0..K-1 | target top-k rows
-    of verify rows 0..K-1], flat."""
-    st = STATE
-    n = st.model.get("num_layers") or 0
-    st.rec.plain(SPEC_CHAIN, table, rows, role=SPEC_CHAIN, order=n + 0.96,
-                 attrs={"layout": "K draft top-k rows (draft positions 0..K-1), then K target top-k rows (verify rows "
-                                  "0..K-1); each row ids | logprobs | logsumexp",
-                        "K": k, "draft_width": dw, "target_width": tw,
-                        "what": "one row per verify step, on the token row of its spec_verify row"})
-    st.dirty = True
+    tables.record_chains(STATE, rows, table, dw, tw, k)
 
 
 def position_limit(req) -> int | None:

@@ -1,0 +1,119 @@
+"""The prediction tables both serve plugins (:mod:`.sglang`, :mod:`.vllm`) write, engine-agnostic:
+a pass's top-k rows (:class:`PassTable`), ``target_topk`` / ``draft_topk``, ``draft_fc_output``,
+``spec_verify`` and ``spec_chain`` (layouts in :mod:`tensordiff.conventions` and
+docs/recorders.md). Each function takes the plugin's state ``st`` (its ``rec``, ``model``,
+``cfg``, ``spec_k``, ``verify_steps`` and ``dirty``).
+
+Standard library only at import time (every engine process that loads a plugin imports this);
+numpy and the recorder core are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+from .. import conventions
+
+
+class PassTable:
+    """The top-k rows of one pass: ``job`` (a :class:`~tensordiff.recorders.staging.TopkJob`)
+    holds the rows ``need`` of the pass's ``n_rows`` (None: every row), computed when the
+    recorder drains its staged work (or on first read)."""
+
+    __slots__ = ("job", "n_rows", "need")
+
+    def __init__(self, job, n_rows: int, need):
+        self.job = job
+        self.n_rows = int(n_rows)
+        self.need = need
+
+    @property
+    def width(self) -> int:
+        return self.job.width
+
+    def full(self):
+        """[n_rows, width] float64, NaN in rows not computed."""
+        import numpy as np
+
+        t = self.job.table
+        if self.need is None:
+            return t
+        out = np.full((self.n_rows, t.shape[1]), np.nan)
+        out[self.need] = t
+        return out
+
+    def ref(self, r: int):
+        """(job, row of its table) of pass row ``r``, or None where that row is not computed."""
+        import numpy as np
+
+        if self.need is None:
+            return self.job, int(r)
+        i = int(np.searchsorted(self.need, r))
+        return (self.job, i) if i < len(self.need) and int(self.need[i]) == int(r) else None
+
+    def rows_of(self, rows):
+        """The trace rows of the computed rows, given the pass's trace rows."""
+        return rows if self.need is None else rows[self.need]
+
+
+def kept_rows(rec, rows):
+    """Indices of the rows of a pass the recorder will keep: a trace row (not -1) at a position
+    the sampling keeps. Top-k tables are computed for these rows only."""
+    import numpy as np
+
+    keep = rows >= 0
+    if not rec.sample.keeps_all:
+        keep &= rec.sample.mask(rec.positions_of(np.where(keep, rows, 0)))
+    return np.flatnonzero(keep)
+
+
+def record_topk(st, name: str, table: PassTable, rows, token_offset: int, source: str) -> None:
+    """Append the top-k rows of ``table`` for the pass's token ``rows`` (-1 skipped; rows whose
+    predictions were not computed are not recorded)."""
+    from .staging import Later
+
+    n = st.model.get("num_layers") or 0
+    order = {conventions.TARGET_TOPK: n + 0.6, conventions.DRAFT_TOPK: n + 0.9}[name]
+    job = table.job
+    st.rec.plain(name, Later(table.width, lambda: job.table), table.rows_of(rows), role=name,
+                 token_offset=token_offset, order=order,
+                 attrs={"layout": "ids[0:k] | logprobs[k:2k] | logsumexp[2k]",
+                        "k": conventions.topk_k(table.width), "source": source})
+    st.dirty = True
+
+
+def record_fc(st, fc_out, rows, source: str, private: bool = False) -> None:
+    """``draft_fc_output``: the draft's fc output on the rows of ``draft_input`` (token_offset 1)."""
+    n = st.model.get("num_layers") or 0
+    st.rec.record(conventions.DRAFT_FC, fc_out, rows, kind="other", role=conventions.DRAFT_FC, token_offset=1,
+                  order=n + 0.8, values=st.cfg.wants_values(conventions.DRAFT_FC), private=private,
+                  attrs={"source": source})
+    st.dirty = True
+
+
+def record_steps(st, rows, steps, width: int) -> None:
+    """``spec_verify``: one row per verify step, [accepted, K, first rejected or -1, draft tokens,
+    the target's top-1 at each draft position, the target's log-prob of each draft token]
+    (``steps``: an array or a :class:`~tensordiff.recorders.staging.Later`)."""
+    if st.spec_k is None:
+        st.spec_k = conventions.spec_verify_drafts(width)
+    if width != conventions.spec_verify_width(st.spec_k):
+        st.warn_once("spec-k", "a verify step with another number of draft tokens than %d; not recorded", st.spec_k)
+        return
+    n = st.model.get("num_layers") or 0
+    st.rec.plain(conventions.SPEC_VERIFY, steps, rows, role=conventions.SPEC_VERIFY, order=n + 0.95,
+                 attrs={"layout": "accepted, K, first_rejected (-1: none), draft_tokens[K], target_top1[K], "
+                                  "target_logprob_of_draft[K]", "k": st.spec_k,
+                        "what": "one row per verify step, on the token row of the step's first (verified) row"})
+    st.verify_steps += len(rows)
+    st.dirty = True
+
+
+def record_chains(st, rows, table, dw: int, tw: int, k: int) -> None:
+    """``spec_chain``: per verify step, [draft top-k rows of positions 0..K-1 | target top-k rows
+    of verify rows 0..K-1], flat."""
+    n = st.model.get("num_layers") or 0
+    st.rec.plain(conventions.SPEC_CHAIN, table, rows, role=conventions.SPEC_CHAIN, order=n + 0.96,
+                 attrs={"layout": "K draft top-k rows (draft positions 0..K-1), then K target top-k rows (verify rows "
+                                  "0..K-1); each row ids | logprobs | logsumexp",
+                        "K": k, "draft_width": dw, "target_width": tw,
+                        "what": "one row per verify step, on the token row of its spec_verify row"})
+    st.dirty = True
