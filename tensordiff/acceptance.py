@@ -311,7 +311,12 @@ def analyse(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps,
     steps = {"a": verify_steps(ra), "b": verify_steps(rb)}
     if not any(teach.values()) and not any(steps.values()):
         return None
-    side = "b" if (steps["b"] or teach["b"]) else "a"
+    # the side whose acceptance is measured: the one with verify steps (serve), in either argument
+    # order; else the one with draft predictions, B first
+    if steps["b"] or steps["a"]:
+        side = "b" if steps["b"] else "a"
+    else:
+        side = "b" if teach["b"] else "a"
     reader = rb if side == "b" else ra
     cross = {n: c for n in (TARGET_TOPK, DRAFT_TOPK) if (c := across(ra, rb, al, maps, n)) is not None}
     compared = {p.name_a for p in stats if p.tokens} | {p.name_b for p in stats if p.tokens}

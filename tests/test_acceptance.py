@@ -113,13 +113,17 @@ def test_verify_steps_per_draft_position(tmp_path):
     assert p1["kl_lb"] > 0.1 and p1["overlap"] < 1.0
 
 
-def test_wiring_agrees_and_the_draft_disagrees(tmp_path):
+@pytest.mark.parametrize("serve_first", [False, True], ids=["train_serve", "serve_train"])
+def test_wiring_agrees_and_the_draft_disagrees(tmp_path, serve_first):
+    """In either argument order: the acceptance measured is the side with verify steps (serve),
+    even when the other side (train) holds draft predictions too."""
     a = _write(tmp_path / "a.h5", side="train")
     b = _write(tmp_path / "b.h5", side="serve", steps=STEPS)
-    res = diff_traces(a, b)
+    res = diff_traces(b, a) if serve_first else diff_traces(a, b)
     f = _acceptance(res)
     assert res.exit_code == 0 and f.severity == Severity.WARNING and f.details.verdict == "agree"
-    assert "training-quality problem, not wiring" in f.message and "acceptance 1.75" in f.message
+    assert "training-quality problem, not wiring" in f.message and "acceptance 1.75 on serve" in f.message
+    assert f.details.steps == len(STEPS) and f.details.side == "serve"
     assert f.details.cross[cv.TARGET_TOPK]["top1"] == 1.0 and f.details.draft_disagrees
     # prediction tensors are not compared as states
     assert not {p.name_a for p in res.pairs} & {cv.TARGET_TOPK, cv.DRAFT_TOPK, cv.SPEC_VERIFY}
