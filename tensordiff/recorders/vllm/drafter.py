@@ -15,6 +15,7 @@ import time
 from .. import serving
 from .config import DRAFT, DRAFT_IDS
 from .forward import to_numpy
+from .predictions import record_draft_predictions
 from .state import STATE, Step
 
 _PROPOSE_SIG: dict = {}
@@ -40,7 +41,8 @@ def hook_propose(original, proposer, *args, **kwargs):
             if qsl is None:
                 qsl = getattr(cad, "query_start_loc", None)
             ctx = {"hs": hs, "pos": b.get("target_positions"), "tok": b.get("target_token_ids"),
-                   "qsl": qsl, "ids": None, "step": st.last}
+                   "qsl": qsl, "ids": None, "step": st.last, "fc": None, "outs": [], "sample": None,
+                   "aligned": False}
     except Exception as e:  # noqa: BLE001
         st.fail("draft pass", e)
     st.draft_ctx = ctx
@@ -61,13 +63,18 @@ def hook_propose(original, proposer, *args, **kwargs):
 
 def hook_set_inputs_first_pass(out, proposer, *args, **kwargs) -> None:
     ctx = STATE.draft_ctx
-    if ctx is None or ctx["ids"] is not None:
+    if ctx is None or ctx.get("seen"):
         return
+    ctx["seen"] = True
     try:
         num_tokens = int(out[0])
         buf = getattr(proposer, "input_ids", None)
-        if buf is not None and not getattr(proposer, "needs_extra_input_slots", False):
-            ctx["ids"] = to_numpy(buf[:num_tokens]).copy()
+        if not getattr(proposer, "needs_extra_input_slots", False):  # the draft pass's rows are draft_input's
+            ctx["aligned"] = True
+            if out[1] is not None:  # token_indices_to_sample: each request's row its first draft token comes from
+                ctx["sample"] = to_numpy(out[1]).copy()
+            if buf is not None:
+                ctx["ids"] = to_numpy(buf[:num_tokens]).copy()
     except Exception:  # noqa: BLE001
         ctx["ids"] = None
 
@@ -122,6 +129,11 @@ def record_draft(ctx: dict) -> None:
                                          "combine_hidden_states (the draft's fc)"})
     if got and ids is not None:
         record_draft_ids(ids, rows)
+    if got:
+        req_keys: list = [None] * (len(qsl) - 1)
+        for seg, bi in zip(step.segments, step.batch_idx):
+            req_keys[bi] = seg[0]
+        record_draft_predictions(ctx, rows, n, req_keys)
     st.dirty = True
 
 

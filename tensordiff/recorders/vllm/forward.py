@@ -88,6 +88,10 @@ def hook_model_forward(original, runner, *args, **kwargs):
             elif st.labels is not None:
                 st.warn_once("aux-shape", "the model returned %d aux states for %d slots; not recorded",
                              len(aux), len(st.labels))
+            if st.target_head is not None:
+                step.hidden = out[0]  # until the step is sampled (top-k of the rows it keeps)
+        elif st.target_head is not None and hasattr(out, "shape"):
+            step.hidden = out
         st.pending = step
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)

@@ -117,6 +117,9 @@ def setup(runner) -> None:
                            model=st.model, meta=meta)
     log.info("tensordiff: recording to %s (slots %s from draft ids %s, vllm)", path, st.labels, raw)
     threading.Thread(target=idle_flusher, args=(st,), name="tensordiff-idle-flush", daemon=True).start()
+    from .predictions import install_prediction_taps
+
+    install_prediction_taps(runner, model)
     if captured is None and not cfg.catalog:
         st.warn_once("nothing", "this engine captures no aux hidden states (no EAGLE-3 draft) and TENSORDIFF_CATALOG "
                      "is off: only token rows are recorded")

@@ -39,6 +39,7 @@ class Step:
         self.prompts: dict = {}       # segment -> prompt token ids (prefill segments)
         self.batch_idx: list = []     # per segment: the request's index in the batch (sampler row)
         self.num_reqs = 0             # requests in the batch, scheduled tokens or not
+        self.hidden = None            # torch [>=T, H] the target's final hidden states (top-k predictions)
 
 
 class State(ServeState):
@@ -78,6 +79,14 @@ class State(ServeState):
         self.shift_mismatched = 0
         self.draft_unmatched = 0
         self.seconds = 0.0
+        # predictions (:mod:`.predictions`)
+        self.target_head: tuple | None = None  # (lm_head weight, vocab, scale, cap) of the target
+        self.draft_head: tuple | None = None
+        self.draft_id_map = None        # torch int64 [draft vocab]: draft id -> target id
+        self.chain: dict = {}           # seq key -> [(top-k job, row)] per draft position, for its next verify
+        self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
+        self.verify_steps = 0
+        self.prediction_taps = 0        # of catalog_handles: the prediction hooks (removed at close with the catalog's)
 
     def fail(self, where: str, e: BaseException) -> None:
         """A recording error never reaches the engine: log it, stop recording, keep the trace."""
@@ -87,6 +96,7 @@ class State(ServeState):
                 return
             self.broken = True
             self.pending = self.last = self.ctx = None
+            self.chain = {}
             if self.rec is not None and not self.closed:
                 try:
                     self._write_stats()
@@ -98,7 +108,8 @@ class State(ServeState):
         self.rec.writer.set_attr(None, "tensordiff_vllm", {
             "rows": self.rows_written, "rows_dropped": self.rows_dropped,
             "draft_shift_checked": self.shift_checked, "draft_shift_mismatched": self.shift_mismatched,
-            "draft_passes_unmatched": self.draft_unmatched, "catalog_taps": len(self.catalog_handles),
+            "draft_passes_unmatched": self.draft_unmatched, "catalog_taps": len(self.catalog_handles) - self.prediction_taps,
+            "verify_steps": self.verify_steps, "topk": self.cfg.topk,
             "plugin_seconds": round(self.seconds, 6), "recorder_seconds": round(self.rec.stats.seconds, 6),
             **self.attrs,
         })

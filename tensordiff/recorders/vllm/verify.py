@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from .config import AUX
+from .predictions import commit_predictions
 from .state import STATE, Step
 
 
@@ -53,6 +54,7 @@ def commit(step: Step, sampled) -> None:
     rec = st.rec
     T = len(step.pos)
     step.rows = np.full(T, -1, dtype=np.int64)
+    spec = []  # verify segments whose sampling was seen: (key, first row, K, accepted drafts)
     for i, ((key, s, c, n_spec, _), regime) in enumerate(zip(step.segments, step.regimes)):
         keep = np.arange(s, s + c)
         bi = step.batch_idx[i]  # the sampler's row of this request
@@ -61,6 +63,7 @@ def commit(step: Step, sampled) -> None:
         if n_spec and regime == "target_verify":
             if got is not None:
                 keep = keep[:max(1, len(got))]  # accepted drafts + the bonus token
+                spec.append((key, s, n_spec, min(max(len(got) - 1, 0), n_spec)))
             else:
                 keep = keep[:1]  # only the request's last token is certainly kept
         lim = step.limits[i]
@@ -92,6 +95,7 @@ def commit(step: Step, sampled) -> None:
             rec.boundary(b, value, step.rows, values=st.cfg.wants_values(boundary_label(b)))
     step.stash.clear()
     step.aux = None
+    commit_predictions(step, [v for v in spec if step.rows[v[1]] >= 0])
     st.last = step
 
 

@@ -1,0 +1,247 @@
+"""Predictions inside vLLM: what the draft computes and what the target predicts, per token, and
+where in the draft chain the target rejects (docs/recorders.md, "Predictions"; the SGLang plugin's
+:mod:`tensordiff.recorders.sglang.predictions` records the same tensors).
+
+Taps, installed at start-up (:func:`install_prediction_taps`):
+
+* the draft's ``model.fc`` (a forward hook): inside ``propose`` its output is what
+  ``combine_hidden_states`` made of ``draft_input``, recorded as ``draft_fc_output`` on the
+  ``draft_input`` rows;
+* the draft model itself (a forward hook): inside ``propose`` its first call is the pass over every
+  ``draft_input`` row (teacher-forced: row t from the target's states at t and token t+1), its
+  later calls are the draft decode steps, one row per request. The first call's rows give
+  ``draft_topk`` (row t predicts token t+2); each request's sampled row of it (draft position 0)
+  and its rows of the later calls (draft positions 1..K-1) are the draft's side of the request's
+  next ``spec_chain`` row;
+* the target: the final hidden states ``_model_forward`` returns (:mod:`.forward` keeps a
+  reference until the step is sampled).
+
+vLLM computes logits only for the rows it samples (a prefill's last row, every verify row, a
+draft pass's sampled rows), so the plugin computes the logits of the rows it keeps itself: the
+rows' final hidden states times the model's ``lm_head`` weight, cut to the vocabulary and scaled
+(and soft-capped) as vLLM's ``LogitsProcessor`` does. Each table is a top-k job of the recorder
+(:class:`~tensordiff.recorders.staging.TopkJob`): with staging on (the default on the CPU) it is
+computed from a private copy of those rows with the other pending jobs at the next drain. A draft
+with a reduced vocabulary has its ids mapped to the target's through its ``draft_id_to_target_id``
+(``d2t``), as vLLM's ``compute_logits`` does. A vocab-sharded ``lm_head`` (tensor parallelism) or
+a logits processor that takes logits as input gets no top-k tables, with a warning.
+
+At the commit of a target step (:mod:`.verify`) each verify segment whose first row is kept gets a
+``spec_verify`` row (accepted drafts from the sampler's valid tokens, the first rejected
+position, the draft tokens, the target's top-1 and log-prob of each draft token) and, when the
+previous ``propose`` gave its chain, a ``spec_chain`` row.
+"""
+
+from __future__ import annotations
+
+from ... import conventions
+from .. import prediction_tables as tables
+from ..prediction_tables import PassTable
+from .state import STATE
+
+
+def install_prediction_taps(runner, model) -> None:
+    """The target's lm_head for ``target_topk``; the draft's fc and forward hooks (an EAGLE-3
+    drafter only)."""
+    st = STATE
+    k = st.cfg.topk
+    if k > 0:
+        st.target_head = head_of(model, "target")
+    drafter = getattr(runner, "drafter", None)
+    dm = getattr(drafter, "model", None)
+    if dm is None or st.labels is None or not hasattr(dm, "register_forward_hook"):
+        return
+    fc = getattr(getattr(dm, "model", None), "fc", None)
+    if fc is not None and hasattr(fc, "register_forward_hook"):
+        st.catalog_handles.append(fc.register_forward_hook(_fc_hook))
+        st.prediction_taps += 1
+    else:
+        st.warn_once("no-fc", "the draft model has no model.fc: no %s recorded", conventions.DRAFT_FC)
+    if k <= 0:
+        return
+    head = head_of(dm, "draft")
+    if head is None:
+        return
+    st.draft_head = head
+    d2t = getattr(dm, "draft_id_to_target_id", None)
+    if d2t is not None:
+        import torch
+
+        d2t = d2t.detach().reshape(-1).to("cpu", torch.int64)
+        st.draft_id_map = d2t + torch.arange(len(d2t), dtype=torch.int64)
+    st.catalog_handles.append(dm.register_forward_hook(_draft_hook))
+    st.prediction_taps += 1
+
+
+def head_of(model, what: str):
+    """(lm_head weight, vocabulary, scale or None, soft cap or None) of a vLLM model, the
+    ``head`` of a :meth:`~tensordiff.recorders.core.Recorder.topk_job`; None (with a warning)
+    when the plugin cannot compute the logits the model would."""
+    st = STATE
+    lm = getattr(model, "lm_head", None)
+    lp = getattr(model, "logits_processor", None)
+    w = getattr(lm, "weight", None)
+    name = conventions.DRAFT_TOPK if what == "draft" else conventions.TARGET_TOPK
+    if w is None or lp is None or getattr(w, "dim", lambda: 0)() != 2:
+        st.warn_once(f"no-head-{what}", "the %s model has no plain lm_head and logits_processor: no %s recorded",
+                     what, name)
+        return None
+    vocab = int(getattr(lp, "org_vocab_size", 0) or getattr(lp, "vocab_size", 0) or w.shape[0])
+    if getattr(lp, "logits_as_input", False) or w.shape[0] < vocab:
+        st.warn_once(f"shard-{what}", "the %s model's lm_head is vocab-sharded (or its logits processor takes "
+                     "logits): no %s recorded", what, name)
+        return None
+    scale = float(getattr(lp, "scale", 1.0) or 1.0)
+    cap = getattr(lp, "soft_cap", None)
+    if cap is not None and scale != 1.0:  # vLLM caps, then scales; the recorder's head scales, then caps
+        st.warn_once(f"cap-{what}", "the %s model's logits are soft-capped and scaled: no %s recorded", what, name)
+        return None
+    return w, vocab, (None if scale == 1.0 else scale), (float(cap) if cap else None)
+
+
+def _fc_hook(module, args, output) -> None:
+    ctx = STATE.draft_ctx
+    if ctx is not None and ctx.get("fc") is None:
+        ctx["fc"] = output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _draft_hook(module, args, output) -> None:
+    ctx = STATE.draft_ctx
+    if ctx is not None:
+        ctx["outs"].append(output[0] if isinstance(output, (tuple, list)) else output)
+
+
+def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
+    """After ``draft_input`` is recorded on ``rows`` (the draft pass's first ``n`` rows): the fc
+    output, the draft's top-k on the rows kept, and each request's chain for its next verify
+    step (``keys``: the sequence key of each request of the drafter batch, None where none)."""
+    import numpy as np
+
+    st = STATE
+    fc = ctx.get("fc")
+    if fc is not None and fc.shape[0] >= n:
+        tables.record_fc(st, fc[:n], rows, "draft model.fc output (combine_hidden_states) in propose")
+    st.chain = {}
+    outs = ctx["outs"]
+    if st.draft_head is None or not ctx.get("aligned") or not outs or outs[0].shape[0] < n:
+        return
+    k = st.cfg.topk
+    rec = st.rec
+    h0 = outs[0][:n]
+    need = tables.kept_rows(rec, rows)
+    if len(need):
+        job = rec.topk_job(k, hidden=h0, head=st.draft_head, id_map=st.draft_id_map, rows=need)
+        tables.record_topk(st, conventions.DRAFT_TOPK, PassTable(job, n, need), rows, 1,
+                           "draft model's final hidden states in propose times its lm_head, mapped to target ids")
+    sample = ctx.get("sample")
+    if sample is None:
+        return
+    sample = np.asarray(sample, dtype=np.int64)
+    b = len(sample)
+    if b != len(keys) or not len(sample) or sample.max() >= n or sample.min() < 0:
+        return
+    jobs = [rec.topk_job(k, hidden=h0, head=st.draft_head, id_map=st.draft_id_map, rows=sample)]
+    for o in outs[1:]:  # the draft decode steps: one row per request
+        if o.shape[0] < b:
+            st.warn_once("chain", "a draft decode step without one row per request; draft positions after 0 get "
+                         "no distributions")
+            return
+        jobs.append(rec.topk_job(k, hidden=o[:b], head=st.draft_head, id_map=st.draft_id_map))
+    st.chain = {key: [(job, i) for job in jobs] for i, key in enumerate(keys) if key is not None}
+
+
+def commit_predictions(step, spec: list) -> None:
+    """At the commit of ``step`` (its ``rows`` set): ``target_topk`` on the kept rows, and the
+    ``spec_verify`` / ``spec_chain`` rows of the verify segments ``spec`` = [(sequence key, first
+    row, K, accepted drafts)] (segments whose first row is kept and whose sampling was seen)."""
+    import numpy as np
+
+    st = STATE
+    rec = st.rec
+    rows = step.rows
+    T = len(rows)
+    hidden, step.hidden = step.hidden, None
+    pred = None
+    if st.target_head is not None and hidden is not None and hidden.shape[0] >= T:
+        need = tables.kept_rows(rec, rows)
+        extra = [np.arange(s, s + K, dtype=np.int64) for _, s, K, _ in spec]
+        allneed = np.union1d(need, np.concatenate(extra)) if extra else need
+        if len(allneed):
+            job = rec.topk_job(st.cfg.topk, hidden=hidden[:T], head=st.target_head, rows=allneed)
+            pred = PassTable(job, T, allneed)
+            if len(need):
+                tables.record_topk(st, conventions.TARGET_TOPK, pred, rows, 0,
+                                   "target final hidden states (_model_forward) times its lm_head, rows kept")
+    by_k: dict[int, list] = {}
+    for seg in spec:
+        if seg[2] > 0:
+            by_k.setdefault(seg[2], []).append(seg)
+    for K, segs in sorted(by_k.items()):
+        _steps_and_chains(step, K, segs, pred, hidden)
+
+
+def _steps_and_chains(step, K: int, segs: list, pred, hidden) -> None:
+    import numpy as np
+
+    from ..staging import Later
+
+    st = STATE
+    m = len(segs)
+    starts = np.array([s for _, s, _, _ in segs], dtype=np.int64)
+    acc = np.array([a for _, _, _, a in segs], dtype=np.int64)
+    steps = np.full((m, 3 + 3 * K), np.nan)
+    steps[:, 0] = acc
+    steps[:, 1] = K
+    steps[:, 2] = np.where(acc < K, acc, -1)
+    at = starts[:, None] + np.arange(K, dtype=np.int64)[None, :]  # verify rows 0..K-1 of each segment
+    steps[:, 3:3 + K] = step.ids[at + 1]  # the draft tokens: the inputs of verify rows 1..K
+    rows = step.rows[starts]
+    chains = [st.chain.pop(key, None) for key, _, _, _ in segs]
+    if pred is None:
+        tables.record_steps(st, rows, steps, steps.shape[1])
+        return
+    logit_next = _logits_at(hidden, at.reshape(-1), steps[:, 3:3 + K].reshape(-1).astype(np.int64), st.target_head)
+
+    def blocks():
+        """The target's top-k rows at each segment's draft positions [m, K, width]."""
+        return pred.full()[at]
+
+    def step_rows():
+        b = blocks()
+        steps[:, 3 + K:3 + 2 * K] = b[:, :, 0]
+        steps[:, 3 + 2 * K:] = logit_next.reshape(m, K) - b[:, :, -1]
+        return steps
+
+    tables.record_steps(st, rows, Later(steps.shape[1], step_rows), steps.shape[1])
+    got = [j for j, ch in enumerate(chains) if ch is not None and len(ch) == K]
+    if not got:
+        return
+    dw = chains[got[0]][0][0].width
+    got = [j for j in got if all(job.width == dw for job, _ in chains[j])]
+    tw = pred.width
+    picked = [chains[j] for j in got]
+
+    def chain_rows():
+        draft = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in picked]).reshape(len(picked), -1)
+        return np.concatenate([draft, blocks()[got].reshape(len(got), -1)], axis=1)
+
+    tables.record_chains(st, rows[got], Later(K * (dw + tw), chain_rows), dw, tw, K)
+
+
+def _logits_at(hidden, at, tokens, head):
+    """The logit of token ``tokens[i]`` at pass row ``at[i]`` (float64), as the recorder's head
+    computes a row's logits (the log-prob of each draft token, in or out of the top-k)."""
+    import numpy as np
+    import torch
+
+    w, vocab, scale, cap = head
+    if not len(at) or tokens.max() >= vocab or tokens.min() < 0:
+        return np.full(len(at), np.nan)
+    dev = hidden.device
+    h = hidden.index_select(0, torch.from_numpy(at).to(dev)).to(w.dtype).float()  # the head's input dtype
+    x = (h * w.index_select(0, torch.from_numpy(tokens).to(w.device)).float()).sum(-1)
+    if scale is not None:
+        x = x * scale
+    if cap:
+        x = torch.tanh(x / cap) * cap
+    return x.detach().to("cpu", torch.float64).numpy()

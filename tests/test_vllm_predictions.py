@@ -1,0 +1,209 @@
+"""The vLLM plugin's prediction tables without an engine (the real-engine checks are in
+test_vllm_serve.py): a target step committed after its sampling records ``target_topk`` on its
+kept rows and a ``spec_verify`` / ``spec_chain`` row per verify segment, whose target columns come
+from every draft position's row, rejected ones included; the draft's pass gives
+``draft_fc_output``, ``draft_topk`` (ids through the draft's ``d2t``) and the chain of the next
+verify; lm_heads the plugin cannot reproduce get no tables.
+
+The plugin's hooks, ``commit`` and ``record_draft_predictions``, run as the engine runs them; the
+recorder is the real one writing a real trace (staging on and off); torch's own top-k and
+logsumexp are the reference.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tensordiff import conventions as cv  # noqa: E402
+from tensordiff.recorders.core import Recorder  # noqa: E402
+from tensordiff.recorders.vllm import predictions as pr  # noqa: E402
+from tensordiff.recorders.vllm import verify  # noqa: E402
+from tensordiff.recorders.vllm.config import Config  # noqa: E402
+from tensordiff.recorders.vllm.state import STATE, Step  # noqa: E402
+from tensordiff.trace import TraceReader  # noqa: E402
+
+V, H, K, TOPK = 50, 16, 2, 5
+
+
+def _head(seed=0, vocab=V, rows=None):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows or vocab, H, generator=g)
+
+
+@pytest.fixture(params=[0, 1 << 20], ids=["at_once", "staged"])
+def st(request, monkeypatch, tmp_path):
+    """STATE with top-5 predictions, a target lm_head of V tokens and a real recorder."""
+    path = tmp_path / "v.h5"
+    rec = Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=request.param)
+    w = _head()
+    for name, value in (("cfg", Config(path=str(path), topk=TOPK)), ("rec", rec), ("warned", set()),
+                        ("model", {"num_layers": 4, "hidden_size": H}), ("labels", None), ("chain", {}),
+                        ("spec_k", None), ("verify_steps", 0), ("rows_written", 0), ("rows_dropped", 0),
+                        ("target_head", (w, V, None, None)), ("draft_head", None), ("draft_id_map", None),
+                        ("last", None), ("dirty", False), ("paused", False), ("closed", False), ("broken", False)):
+        monkeypatch.setattr(STATE, name, value)
+    yield SimpleNamespace(rec=rec, path=path, w=w)
+    rec.close()  # (a no-op when the test closed it)
+
+
+def _step(hidden):
+    """Request p: a partial prefill chunk (positions 0..3 of a 10-token prompt); request v: a
+    verify of its last token 40 and draft tokens 7, 9 at positions 20..22."""
+    ids = np.array([11, 12, 13, 14, 40, 7, 9], dtype=np.int64)
+    pos = np.array([0, 1, 2, 3, 20, 21, 22], dtype=np.int64)
+    s = Step(1, [("p", 0, 4, 0, "p-1"), ("v", 4, 3, K, "v-1")], pos, ids, ["prefill", "target_verify"], [10, 5],
+             [None, None])
+    s.batch_idx = [0, 1]
+    s.num_reqs = 2
+    s.prompts = {0: list(range(11, 21))}
+    s.hidden = hidden
+    return s
+
+
+def _tables(logits):
+    lse = torch.logsumexp(logits.double(), -1)
+    top = torch.topk(logits.double(), TOPK, -1)
+    return top.indices.numpy(), (top.values - lse[:, None]).numpy(), lse.numpy()
+
+
+def _read(path):
+    with TraceReader(str(path)) as r:
+        return {n: (r.token_rows(n), r.read_values(n, raw=True)) for n in r.tensors}, dict(r.tensors)
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 2])
+def test_a_verify_step_records_its_kept_rows_and_every_draft_positions_target_columns(st, accepted):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, H, generator=g)  # two rows of padding, as vLLM's padded batches have
+    step = _step(hidden)
+    chain_logits = torch.randn(2, V, generator=g)
+    jobs = [st.rec.topk_job(TOPK, logits=chain_logits[i:i + 1]) for i in range(K)]
+    STATE.chain = {"v": [(jobs[0], 0), (jobs[1], 0)], "gone": [(jobs[0], 0)]}
+    sampled = np.full((2, K + 1), -1, dtype=np.int64)
+    sampled[1, :accepted + 1] = 5  # the sampler's valid tokens: the accepted drafts and one more
+    verify.commit(step, sampled)
+    st.rec.close()
+    got, info = _read(st.path)
+    logits = hidden[:7] @ st.w.T
+    ids, lp, lse = _tables(logits)
+    kept = list(range(4)) + list(range(4, 4 + accepted + 1))
+    rows, vals = got[cv.TARGET_TOPK]
+    assert len(rows) == len(kept)
+    np.testing.assert_array_equal(vals[:, :TOPK], ids[kept])
+    np.testing.assert_allclose(vals[:, TOPK:2 * TOPK], lp[kept], atol=1e-5)
+    np.testing.assert_allclose(vals[:, 2 * TOPK], lse[kept], rtol=1e-6)
+    (srow,), (sv,) = got[cv.SPEC_VERIFY]
+    assert srow == 4 and info[cv.SPEC_VERIFY].token_offset == 0
+    assert list(sv[:5]) == [accepted, K, accepted if accepted < K else -1, 7, 9]
+    # the target's top-1 at draft positions 0 and 1 (rows 4 and 5, whether kept or not) and its
+    # log-prob of the draft tokens 7 and 9 there, in its top-k or not
+    np.testing.assert_array_equal(sv[5:7], ids[[4, 5], 0])
+    want_lp = (logits[[4, 5], [7, 9]].double() - torch.logsumexp(logits[[4, 5]].double(), -1)).numpy()
+    np.testing.assert_allclose(sv[7:9], want_lp, atol=1e-5)
+    (crow,), (ch,) = got[cv.SPEC_CHAIN]
+    w = cv.topk_width(TOPK)
+    assert crow == 4 and info[cv.SPEC_CHAIN].attrs["K"] == K and ch.shape == (2 * K * w,)
+    np.testing.assert_array_equal(ch[:w], jobs[0].table[0])
+    np.testing.assert_array_equal(ch[w:2 * w], jobs[1].table[0])
+    np.testing.assert_allclose(ch[2 * w:3 * w], np.concatenate([ids[4], lp[4], [lse[4]]]), atol=1e-5)
+    np.testing.assert_allclose(ch[3 * w:], np.concatenate([ids[5], lp[5], [lse[5]]]), atol=1e-5)
+    assert STATE.verify_steps == 1 and "v" not in STATE.chain  # a chain is used by one verify step
+    assert STATE.rows_dropped == K - accepted
+
+
+def test_without_top_k_a_verify_step_keeps_its_counts(st, monkeypatch):
+    """TENSORDIFF_TOPK=0: no target_topk or spec_chain; spec_verify keeps the accepted count, the
+    first rejected position and the draft tokens, the target's columns NaN."""
+    monkeypatch.setattr(STATE, "target_head", None)
+    step = _step(None)
+    sampled = np.array([[-1, -1, -1], [5, 5, -1]], dtype=np.int64)
+    verify.commit(step, sampled)
+    st.rec.close()
+    got, _ = _read(st.path)
+    assert cv.TARGET_TOPK not in got and cv.SPEC_CHAIN not in got
+    (sv,) = got[cv.SPEC_VERIFY][1]
+    assert list(sv[:5]) == [1, K, 1, 7, 9] and np.isnan(sv[5:]).all()
+
+
+def test_an_unseen_sampling_result_records_no_verify_step(st):
+    """A step committed without its sampling result (the next step came first): only the verify
+    segment's first row is kept, with its prediction; no spec_verify row claims an acceptance."""
+    step = _step(torch.randn(7, H, generator=torch.Generator().manual_seed(2)))
+    verify.commit(step, None)
+    st.rec.close()
+    got, _ = _read(st.path)
+    assert cv.SPEC_VERIFY not in got and len(got[cv.TARGET_TOPK][0]) == 5
+
+
+def test_the_draft_pass_records_fc_output_draft_topk_and_the_next_chain(st, monkeypatch):
+    """Draft rows on the target rows of the same (request, position); the draft's ids mapped to the
+    target's through d2t; each request's chain from its sampled row of the first pass and its
+    rows of the decode steps."""
+    g = torch.Generator().manual_seed(3)
+    step = _step(None)
+    verify.commit(step, np.array([[-1, -1, -1], [5, 5, 5]], dtype=np.int64))  # every draft accepted
+    dv = 8
+    wd = torch.randn(dv, H, generator=g)
+    d2t = torch.tensor([3, 3, 5, 10, 10, 20, 30, 41])  # target id = draft id + d2t
+    id_map = d2t + torch.arange(dv)
+    monkeypatch.setattr(STATE, "draft_head", (wd, dv, None, None))
+    monkeypatch.setattr(STATE, "draft_id_map", id_map)
+    n = 7
+    fc = torch.randn(n, H, generator=g)
+    h0, h1 = torch.randn(n + 1, H, generator=g), torch.randn(3, H, generator=g)
+    rows = step.rows.copy()
+    ctx = {"fc": fc, "outs": [h0, h1], "sample": np.array([3, 6]), "aligned": True}
+    pr.record_draft_predictions(ctx, rows, n, ["p", "v"])
+    chain = STATE.chain
+    assert sorted(chain) == ["p", "v"] and [i for _, i in chain["v"]] == [1, 1]
+    first = chain["v"][0][0].table[1]  # v's sampled row of the first pass, row 6
+    want = (h0[6:7] @ wd.T)
+    np.testing.assert_array_equal(first[:TOPK], id_map[torch.topk(want, TOPK, -1).indices[0]].numpy())
+    st.rec.close()
+    got, info = _read(st.path)
+    np.testing.assert_array_equal(got[cv.DRAFT_FC][0], rows)
+    np.testing.assert_allclose(got[cv.DRAFT_FC][1], fc.numpy(), rtol=1e-6)
+    assert info[cv.DRAFT_FC].token_offset == 1 and info[cv.DRAFT_TOPK].token_offset == 1
+    drows, dvals = got[cv.DRAFT_TOPK]
+    np.testing.assert_array_equal(drows, rows)
+    logits = h0[:n] @ wd.T
+    np.testing.assert_array_equal(dvals[:, :TOPK], id_map[torch.topk(logits, TOPK, -1).indices].numpy())
+    np.testing.assert_allclose(dvals[:, 2 * TOPK], torch.logsumexp(logits.double(), -1).numpy(), rtol=1e-6)
+
+
+def test_a_draft_pass_whose_rows_are_not_draft_inputs_gets_no_draft_predictions(st, monkeypatch):
+    """Extra input slots in the draft pass (rows that are not draft_input's): the fc output is still
+    recorded (it is computed on draft_input's rows), draft_topk and the chain are not."""
+    step = _step(None)
+    verify.commit(step, np.array([[-1, -1, -1], [5, 5, 5]], dtype=np.int64))
+    monkeypatch.setattr(STATE, "draft_head", (_head(4, vocab=8), 8, None, None))
+    STATE.chain = {"v": []}
+    ctx = {"fc": torch.zeros(7, H), "outs": [torch.zeros(9, H)], "sample": np.array([3, 6]), "aligned": False}
+    pr.record_draft_predictions(ctx, step.rows.copy(), 7, ["p", "v"])
+    assert STATE.chain == {}
+    st.rec.close()
+    got, _ = _read(st.path)
+    assert cv.DRAFT_FC in got and cv.DRAFT_TOPK not in got
+
+
+def _model(weight, **lp):
+    defaults = {"org_vocab_size": V, "vocab_size": V, "scale": 1.0, "soft_cap": None, "logits_as_input": False}
+    return SimpleNamespace(lm_head=SimpleNamespace(weight=weight), logits_processor=SimpleNamespace(**{**defaults, **lp}))
+
+
+def test_lm_heads_the_plugin_cannot_reproduce_get_no_tables(monkeypatch):
+    monkeypatch.setattr(STATE, "warned", set())
+    w = _head(rows=V + 14)  # vLLM pads the vocabulary: the logits are cut to org_vocab_size
+    assert pr.head_of(_model(w), "target") == (w, V, None, None)
+    assert pr.head_of(_model(w, scale=0.5), "target")[2] == 0.5
+    assert pr.head_of(_model(w, soft_cap=30.0), "target")[3] == 30.0
+    assert pr.head_of(_model(_head(rows=V // 2)), "target") is None  # vocab-sharded (TP > 1)
+    assert pr.head_of(_model(w, logits_as_input=True), "draft") is None
+    assert pr.head_of(_model(w, scale=0.5, soft_cap=30.0), "draft") is None  # capped, then scaled
+    assert pr.head_of(SimpleNamespace(), "draft") is None
+    assert {"shard-target", "shard-draft", "cap-draft", "no-head-draft"} <= STATE.warned
