@@ -207,3 +207,35 @@ def test_lm_heads_the_plugin_cannot_reproduce_get_no_tables(monkeypatch):
     assert pr.head_of(_model(w, scale=0.5, soft_cap=30.0), "draft") is None  # capped, then scaled
     assert pr.head_of(SimpleNamespace(), "draft") is None
     assert {"shard-target", "shard-draft", "cap-draft", "no-head-draft"} <= STATE.warned
+
+
+def test_resume_turns_predictions_off_and_on_again_and_says_the_plugins_seconds(st, monkeypatch):
+    """collective_rpc("tensordiff_resume", kwargs={"topk": 0 | k}): predictions off, then on again
+    with the start-up k; another k is refused (a trace's top-k tables keep one width). Every RPC
+    returns the Worker's plugin_seconds, which count the flush it asked for."""
+    from tensordiff.recorders.vllm import control
+
+    monkeypatch.setattr(STATE, "start_topk", None)
+    monkeypatch.setattr(STATE, "seconds", 1.5)
+    monkeypatch.setattr(STATE, "role", "record")
+    resume, pause = control.rpc_method("tensordiff_resume"), control.rpc_method("tensordiff_pause")
+    STATE.chain = {"v": []}
+    out = resume(None, topk=0)
+    assert STATE.cfg.topk == 0 and STATE.chain == {} and not STATE.paused
+    assert out["topk"] == 0 and out["plugin_seconds"] >= 1.5 and out["recording"]
+    step = _step(torch.randn(7, H))
+    verify.commit(step, np.array([[-1, -1, -1], [5, 5, -1]], dtype=np.int64))  # no top-k while off
+    with pytest.raises(ValueError, match="only 0 or the start-up"):
+        resume(None, topk=7)
+    assert resume(None, topk=TOPK)["topk"] == TOPK
+    step = _step(torch.randn(7, H))
+    step.segments = [("q", 0, 4, 0, "q-1"), ("w", 4, 3, K, "w-1")]
+    verify.commit(step, np.array([[-1, -1, -1], [5, 5, -1]], dtype=np.int64))
+    before = STATE.seconds
+    out = pause(None)
+    assert STATE.paused and out["plugin_seconds"] > before  # the pause's flush wrote the staged rows, timed
+    st.rec.close()
+    got, _ = _read(st.path)
+    tr = got[cv.TARGET_TOPK][0]
+    assert list(tr) == list(range(6, 12))  # only the second step's kept rows (4 prefill, 2 verify)
+    assert len(got[cv.SPEC_VERIFY][0]) == 2 and np.isnan(got[cv.SPEC_VERIFY][1][0, 5:]).all()

@@ -1,8 +1,10 @@
 """Control: the methods the plugin adds to vLLM's ``WorkerBase`` so that ``collective_rpc(
 "tensordiff_close" | "tensordiff_flush" | "tensordiff_pause" | "tensordiff_resume")`` reaches the
-recording Worker; BEFORE ``WorkerWrapperBase.shutdown`` (and ``atexit``, see :mod:`.state`) closes
-the trace; and the idle flusher, a thread that flushes the trace once the engine has been idle for
-a second (vLLM runs no step, so no hook, while it waits for requests).
+recording Worker (each returns the Worker's ``recording``, ``path``, ``rows``, ``plugin_seconds``
+and ``topk``; ``tensordiff_resume`` takes ``topk=0`` or the start-up k: predictions off or on
+again); BEFORE ``WorkerWrapperBase.shutdown`` (and ``atexit``, see :mod:`.state`) closes the trace;
+and the idle flusher, a thread that flushes the trace once the engine has been idle for a second
+(vLLM runs no step, so no hook, while it waits for requests).
 """
 
 from __future__ import annotations
@@ -27,10 +29,31 @@ def rpc_method(name: str):
             st.paused = True
             st.pending = None
         elif name == "tensordiff_resume":
+            st.flush(force=True)  # what was recorded before is written (and timed) under its own k first
+            if "topk" in kwargs:
+                set_topk(kwargs["topk"])
             st.paused = False
-        return {"recording": st.role == "record", "path": st.path, "rows": st.rows_written}
+        return {"recording": st.role == "record", "path": st.path, "rows": st.rows_written,
+                "plugin_seconds": round(st.seconds, 6), "topk": st.cfg.topk if st.cfg is not None else None}
     method.__name__ = name
     return method
+
+
+def set_topk(k) -> None:
+    """Predictions off (0) or back on (the start-up k) for the steps that follow
+    (``collective_rpc("tensordiff_resume", kwargs={"topk": 0})``). Another k is refused: a trace's
+    top-k tables keep one width."""
+    st = STATE
+    if st.cfg is None:
+        return
+    if st.start_topk is None:
+        st.start_topk = st.cfg.topk
+    k = int(k)
+    if k not in (0, st.start_topk):
+        raise ValueError(f"topk={k}: only 0 or the start-up TENSORDIFF_TOPK ({st.start_topk}) can be set")
+    with st.lock:
+        st.cfg.topk = k
+        st.chain = {}
 
 
 def hook_shutdown(wrapper, *args, **kwargs) -> None:

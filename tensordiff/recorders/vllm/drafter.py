@@ -96,31 +96,29 @@ def record_draft(ctx: dict) -> None:
         st.warn_once("draft-unmatched", "a drafter batch of %d requests does not match the target step's %d; "
                      "not recorded", len(qsl) - 1, step.num_reqs)
         return
-    # draft row j -> the target row of the same (request, position) in the step the drafter reads
-    by_key = {}
-    for key, s, c, _, _ in step.segments:
-        for j in range(s, s + c):
-            by_key[(key, int(step.pos[j]))] = int(step.rows[j])
+    # draft row j -> the target row of the same (request, position) in the step the drafter reads,
+    # and the token the target has at the next position (the draft shift check): array operations
+    # per request
     rows = np.full(n, -1, dtype=np.int64)
-    keys = [None] * n
-    for seg, bi in zip(step.segments, step.batch_idx):
-        key = seg[0]
-        for j in range(int(qsl[bi]), int(qsl[bi + 1])):
-            rows[j] = by_key.get((key, int(pos[j])), -1)
-            keys[j] = key
+    want = np.full(n, -1, dtype=np.int64)  # -1: not known
+    owner = np.full(n, -1, dtype=np.int64)  # the segment of each draft row
+    for i, (seg, bi) in enumerate(zip(step.segments, step.batch_idx)):
+        j0, j1 = int(qsl[bi]), int(qsl[bi + 1])
+        if j1 > j0:
+            rows[j0:j1], want[j0:j1] = target_rows(step, seg, pos[j0:j1])
+            owner[j0:j1] = i
     if not (rows >= 0).any():
         return
     ids = ctx["ids"]
     if ids is not None and len(ids) >= n:
         ids = ids[:n].astype(np.int64)
-        for j in np.flatnonzero(rows >= 0):
-            want = step.next_tok.get((keys[j], int(pos[j]) + 1))
-            if want is None:
-                continue
-            st.shift_checked += 1
-            if int(ids[j]) != want:
-                st.shift_mismatched += 1
-                st.warn_once("shift", "draft input ids are not the target's tokens shifted by one (request %s)", keys[j])
+        check = (rows >= 0) & (want >= 0)
+        bad = np.flatnonzero(check & (ids != want))
+        st.shift_checked += int(np.count_nonzero(check))
+        if len(bad):
+            st.shift_mismatched += len(bad)
+            st.warn_once("shift", "draft input ids are not the target's tokens shifted by one (request %s)",
+                         step.segments[int(owner[bad[0]])][0])
     else:
         ids = None
     got = st.rec.packed(DRAFT, hs[:n], rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
@@ -135,6 +133,42 @@ def record_draft(ctx: dict) -> None:
             req_keys[bi] = seg[0]
         record_draft_predictions(ctx, rows, n, req_keys)
     st.dirty = True
+
+
+def target_rows(step: Step, seg, dpos):
+    """For draft rows of request ``seg`` at positions ``dpos``: (the trace row of the target row at
+    the same position in ``step``, -1 where none or dropped; the target's token at the next
+    position, -1 where not known). The next token is the kept target row's input id there, or the
+    token after the last kept row (:func:`~tensordiff.recorders.vllm.verify.commit` notes it: the
+    next prompt token of a partial prefill, or the token the target sampled)."""
+    import numpy as np
+
+    key, s, c = seg[0], seg[1], seg[2]
+    sp = step.pos[s:s + c]
+    m = len(dpos)
+    if c and (np.diff(sp) == 1).all():  # a request's rows of a step are consecutive positions
+        idx = dpos - sp[0]
+        inside = (idx >= 0) & (idx < c)
+        at = s + np.clip(idx, 0, c - 1)
+        rows = np.where(inside, step.rows[at], -1)
+        nxt = s + np.clip(idx + 1, 0, c - 1)
+        want = np.where(inside & (idx + 1 < c) & (step.rows[nxt] >= 0), step.ids[nxt], -1)
+    else:
+        where = {int(p): s + x for x, p in enumerate(sp)}
+        rows = np.full(m, -1, dtype=np.int64)
+        want = np.full(m, -1, dtype=np.int64)
+        for t, p in enumerate(dpos.tolist()):
+            x = where.get(p)
+            if x is not None:
+                rows[t] = step.rows[x]
+            y = where.get(p + 1)
+            if y is not None and step.rows[y] >= 0:
+                want[t] = step.ids[y]
+    for t in np.flatnonzero((rows >= 0) & (want < 0)):
+        tok = step.next_tok.get((key, int(dpos[t]) + 1))
+        if tok is not None:
+            want[t] = tok
+    return rows, want
 
 
 def record_draft_ids(ids, rows) -> None:

@@ -88,9 +88,9 @@ def hook_model_forward(original, runner, *args, **kwargs):
             elif st.labels is not None:
                 st.warn_once("aux-shape", "the model returned %d aux states for %d slots; not recorded",
                              len(aux), len(st.labels))
-            if st.target_head is not None:
+            if st.target_head is not None and st.cfg.topk > 0:
                 step.hidden = out[0]  # until the step is sampled (top-k of the rows it keeps)
-        elif st.target_head is not None and hasattr(out, "shape"):
+        elif st.target_head is not None and st.cfg.topk > 0 and hasattr(out, "shape"):
             step.hidden = out
         st.pending = step
     except Exception as e:  # noqa: BLE001

@@ -123,7 +123,7 @@ def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
         tables.record_fc(st, fc[:n], rows, "draft model.fc output (combine_hidden_states) in propose")
     st.chain = {}
     outs = ctx["outs"]
-    if st.draft_head is None or not ctx.get("aligned") or not outs or outs[0].shape[0] < n:
+    if st.draft_head is None or st.cfg.topk <= 0 or not ctx.get("aligned") or not outs or outs[0].shape[0] < n:
         return
     k = st.cfg.topk
     rec = st.rec
@@ -162,7 +162,7 @@ def commit_predictions(step, spec: list) -> None:
     T = len(rows)
     hidden, step.hidden = step.hidden, None
     pred = None
-    if st.target_head is not None and hidden is not None and hidden.shape[0] >= T:
+    if st.target_head is not None and st.cfg.topk > 0 and hidden is not None and hidden.shape[0] >= T:
         need = tables.kept_rows(rec, rows)
         extra = [np.arange(s, s + K, dtype=np.int64) for _, s, K, _ in spec]
         allneed = np.union1d(need, np.concatenate(extra)) if extra else need

@@ -35,7 +35,7 @@ class Step:
         self.aux = None               # torch [T, K*H]
         self.stash: list = []         # catalog: [(kind, boundary, tensor [T, H])]
         self.rows = None              # np.int64 [T] trace rows, -1 dropped (after commit)
-        self.next_tok: dict = {}      # (seq, pos) -> token, for the draft shift check
+        self.next_tok: dict = {}      # (seq, pos) -> token after each request's last kept row (draft shift check)
         self.prompts: dict = {}       # segment -> prompt token ids (prefill segments)
         self.batch_idx: list = []     # per segment: the request's index in the batch (sampler row)
         self.num_reqs = 0             # requests in the batch, scheduled tokens or not
@@ -86,6 +86,7 @@ class State(ServeState):
         self.chain: dict = {}           # seq key -> [(top-k job, row)] per draft position, for its next verify
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
         self.verify_steps = 0
+        self.start_topk: int | None = None  # TENSORDIFF_TOPK at start-up (a resume may set 0 or it again)
         self.prediction_taps = 0        # of catalog_handles: the prediction hooks (removed at close with the catalog's)
 
     def fail(self, where: str, e: BaseException) -> None:
@@ -115,15 +116,19 @@ class State(ServeState):
         })
 
     def flush(self, force: bool = False) -> None:
+        """Write what is staged and flush the trace (when due, or ``force``); the time it takes is
+        the plugin's own (``plugin_seconds``), from any caller: a hook, an RPC, the idle flusher."""
         with self.lock:
             if self.rec is None or self.closed or self.broken:
                 return
             if force or (self.dirty and time.monotonic() - self.last_flush >= self.cfg.flush_seconds):
+                t0 = time.perf_counter()
                 self.rec.write_staged()  # first: the statistics then count what it wrote
                 self._write_stats()
                 self.rec.flush()
                 self.dirty = False
                 self.last_flush = time.monotonic()
+                self.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         with self.lock:

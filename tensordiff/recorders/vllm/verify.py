@@ -29,11 +29,14 @@ def hook_sample(out, runner, *args, **kwargs) -> None:
         sampled = to_numpy_2d(sampled) if sampled is not None else None
         with st.lock:
             commit(step, sampled)
-        st.flush()
-        st.last_activity = time.monotonic()
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
     st.seconds += time.perf_counter() - t0
+    try:
+        st.flush()  # when due (it times itself)
+        st.last_activity = time.monotonic()
+    except Exception as e:  # noqa: BLE001
+        st.fail("target step", e)
 
 
 def to_numpy_2d(t):
@@ -73,10 +76,9 @@ def commit(step: Step, sampled) -> None:
         if len(keep):
             step.rows[keep] = rec.add_tokens(key, step.pos[keep], step.ids[keep], regime=regime, step=step.step)
             st.rows_written += len(keep)
-            for j in keep:
-                step.next_tok[(key, int(step.pos[j]))] = int(step.ids[j])
-            # the token after the last kept row: the next prompt token of a partial prefill, or the
-            # token the target sampled
+            # the token after the last kept row (the drafter's shift check reads the kept rows' own
+            # ids from the step): the next prompt token of a partial prefill, or the token the target
+            # sampled
             last = int(step.pos[keep[-1]]) + 1
             if last < step.prompt_lens[i]:
                 rs_tok = prompt_token(step, i, last)
