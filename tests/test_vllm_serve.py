@@ -341,6 +341,11 @@ def test_vllm_records_predictions_fc_output_and_verify_steps(vllm_run, vtrace, m
     np.testing.assert_array_equal(tr.rows(cv.DRAFT_FC)[0], drows)
     np.testing.assert_array_equal(tr.rows(cv.DRAFT_TOPK)[0], drows)
     np.testing.assert_array_equal(tr.rows(cv.TARGET_TOPK)[0], np.arange(len(tr.pos)))  # every kept row
+    # the draft is fed the very bits of the target's aux rows: the trace stores them once, by reference
+    assert r.tensors["draft_input"].values_source == "aux_hidden_states"
+    np.testing.assert_array_equal(r.read_values("draft_input", raw=True),
+                                  r.read_values("aux_hidden_states", raw=True)[np.searchsorted(
+                                      r.token_rows("aux_hidden_states"), drows)])
     # the draft's ids are target ids (its d2t applied): the two tokens of its vocabulary
     dv = r.read_values(cv.DRAFT_TOPK, raw=True)
     assert set(np.unique(dv[:, :2]).astype(int)) == set(models["vocab"])

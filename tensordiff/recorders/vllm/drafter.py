@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from .. import serving
-from .config import DRAFT, DRAFT_IDS
+from .config import AUX, DRAFT, DRAFT_IDS
 from .forward import to_numpy
 from .predictions import record_draft_predictions
 from .state import STATE, Step
@@ -121,8 +121,18 @@ def record_draft(ctx: dict) -> None:
                          step.segments[int(owner[bad[0]])][0])
     else:
         ids = None
-    got = st.rec.packed(DRAFT, hs[:n], rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
-                        token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT),
+    src, reuse = hs[:n], None
+    aux = step.aux
+    if aux is not None and st.rec.stage_bytes > 0 and aux.shape == src.shape and np.array_equal(rows, step.rows):
+        from ..staging import same_bits
+
+        if src.device.type == "cpu" and same_bits(src, aux):
+            # the draft is fed the very bits of the target's aux rows: the trace stores them once
+            # (draft_input's rows refer to aux_hidden_states' rows; the reader resolves them)
+            src, reuse = aux, AUX
+    step.aux = None
+    got = st.rec.packed(DRAFT, src, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
+                        token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=reuse,
                         attrs={"source": "drafter propose(target_hidden_states): the input of "
                                          "combine_hidden_states (the draft's fc)"})
     if got and ids is not None:

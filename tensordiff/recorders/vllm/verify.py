@@ -95,8 +95,7 @@ def commit(step: Step, sampled) -> None:
         else:
             from ...vocab import boundary_label
             rec.boundary(b, value, step.rows, values=st.cfg.wants_values(boundary_label(b)))
-    step.stash.clear()
-    step.aux = None
+    step.stash.clear()  # step.aux is kept for the drafter: draft_input may repeat its bits (drafter.py)
     commit_predictions(step, [v for v in spec if step.rows[v[1]] >= 0])
     st.last = step
 
@@ -114,6 +113,6 @@ def record_aux(aux, rows) -> None:
                      aux.shape[-1], len(st.labels), h)
         return
     st.rec.packed(AUX, aux, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
-                  token_offset=0, role="aux", values=st.cfg.wants_values(AUX),
+                  token_offset=0, role="aux", values=st.cfg.wants_values(AUX), remember=True,
                   attrs={"source": "target model aux_hidden_states (EagleModelMixin._maybe_add_hidden_state), "
                                    "packed in capture order"})
