@@ -333,8 +333,11 @@ def analyse(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps,
         d.steps = vs["steps"]
         d.accept_length = vs["accept_length"]
         d.per_position = vs["per_position"]
-    d.draft_top1 = (t.get("all") or {}).get("top1")
-    d.draft_kl = (t.get("all") or {}).get("kl_lb")
+    # the draft's own agreement with the target (teacher-forced): this side's, or where it recorded
+    # no draft predictions (a serve engine that could not) the other side's, on the same inputs
+    tt = t.get("all") or (teach["a" if side == "b" else "b"] or {}).get("all") or {}
+    d.draft_top1 = tt.get("top1")
+    d.draft_kl = tt.get("kl_lb")
     d.draft_disagrees = d.draft_top1 is not None and d.draft_top1 < LOW_AGREEMENT
     sev = Severity.WARNING
     if upstream is not None:

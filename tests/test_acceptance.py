@@ -46,7 +46,8 @@ def test_kl_lower_bound_is_a_lower_bound_and_exact_with_the_whole_vocabulary():
     assert (far > 0).all() and (far <= _kl(p, -p) + 1e-9).all() and far.mean() > 0.3
 
 
-def _write(path, *, side, fc_scale=1.0, target_noise=0.0, draft_good=False, with_fc=True, steps=None, seed=0):
+def _write(path, *, side, fc_scale=1.0, target_noise=0.0, draft_good=False, with_fc=True, steps=None, seed=0,
+           with_draft=True):
     """One sequence of 24 tokens: draft_input [layer1, layer3], draft_fc_output, target_topk at every
     row, draft_topk at rows 0..22 (row t predicts token t+2), and optionally spec_verify rows."""
     rng = np.random.default_rng(7)
@@ -71,8 +72,10 @@ def _write(path, *, side, fc_scale=1.0, target_noise=0.0, draft_good=False, with
     w.append(cv.TARGET_TOPK, rows, _table(tl, 5), rms=np.zeros((L, 1), np.float32))
     # the draft at row t predicts token t+2: the target's row t+1
     dl = np.roll(tlog, -1, axis=0) if draft_good else np.random.default_rng(3).normal(size=tlog.shape) * 3
-    w.define_tensor(cv.DRAFT_TOPK, cv.topk_width(5), dtype="float64", role=cv.DRAFT_TOPK, token_offset=1, sketch=False)
-    w.append(cv.DRAFT_TOPK, rows[:-1], _table(dl, 5)[:-1], rms=np.zeros((L - 1, 1), np.float32))
+    if with_draft:
+        w.define_tensor(cv.DRAFT_TOPK, cv.topk_width(5), dtype="float64", role=cv.DRAFT_TOPK, token_offset=1,
+                        sketch=False)
+        w.append(cv.DRAFT_TOPK, rows[:-1], _table(dl, 5)[:-1], rms=np.zeros((L - 1, 1), np.float32))
     if steps is not None:
         w.define_tensor(cv.SPEC_VERIFY, cv.spec_verify_width(K), dtype="float64", role=cv.SPEC_VERIFY, sketch=False)
         w.append(cv.SPEC_VERIFY, rows[:len(steps)], np.array(steps, dtype=np.float64),
@@ -127,6 +130,19 @@ def test_wiring_agrees_and_the_draft_disagrees(tmp_path, serve_first):
     assert f.details.cross[cv.TARGET_TOPK]["top1"] == 1.0 and f.details.draft_disagrees
     # prediction tensors are not compared as states
     assert not {p.name_a for p in res.pairs} & {cv.TARGET_TOPK, cv.DRAFT_TOPK, cv.SPEC_VERIFY}
+
+
+@pytest.mark.parametrize("serve_first", [False, True], ids=["train_serve", "serve_train"])
+def test_a_serve_side_without_draft_predictions_takes_the_other_sides_draft_agreement(tmp_path, serve_first):
+    """Serve recorded verify steps but no draft_topk (an engine whose lm_head the plugin could not
+    reproduce): the draft's teacher-forced agreement comes from the train side, on the same inputs,
+    so a draft that disagrees is still named as the cause, never an 'agree' note."""
+    a = _write(tmp_path / "a.h5", side="train")
+    b = _write(tmp_path / "b.h5", side="serve", steps=STEPS, with_draft=False)
+    f = _acceptance(diff_traces(b, a) if serve_first else diff_traces(a, b))
+    assert f.details.verdict == "agree" and f.details.side == "serve" and f.details.steps == len(STEPS)
+    assert f.details.draft_disagrees and f.severity == Severity.WARNING
+    assert "training-quality problem, not wiring" in f.message
 
 
 def test_a_good_draft_is_said_to_agree(tmp_path):

@@ -43,6 +43,8 @@ def st(request, monkeypatch, tmp_path):
     w = _head()
     for name, value in (("cfg", Config(path=str(path), topk=TOPK)), ("rec", rec), ("warned", set()),
                         ("model", {"num_layers": 4, "hidden_size": H}), ("labels", None), ("chain", {}),
+                        ("chain_step", None), ("start_topk", None), ("seconds", 0.0), ("shift_checked", 0),
+                        ("shift_mismatched", 0), ("raw_ids", None), ("convention", "vllm"),
                         ("spec_k", None), ("verify_steps", 0), ("rows_written", 0), ("rows_dropped", 0),
                         ("target_head", (w, V, None, None)), ("draft_head", None), ("draft_id_map", None),
                         ("last", None), ("dirty", False), ("paused", False), ("closed", False), ("broken", False)):
@@ -84,6 +86,7 @@ def test_a_verify_step_records_its_kept_rows_and_every_draft_positions_target_co
     chain_logits = torch.randn(2, V, generator=g)
     jobs = [st.rec.topk_job(TOPK, logits=chain_logits[i:i + 1]) for i in range(K)]
     STATE.chain = {"v": [(jobs[0], 0), (jobs[1], 0)], "gone": [(jobs[0], 0)]}
+    STATE.chain_step = step.step - 1  # drafted by the propose right before this step
     sampled = np.full((2, K + 1), -1, dtype=np.int64)
     sampled[1, :accepted + 1] = 5  # the sampler's valid tokens: the accepted drafts and one more
     verify.commit(step, sampled)
@@ -113,7 +116,23 @@ def test_a_verify_step_records_its_kept_rows_and_every_draft_positions_target_co
     np.testing.assert_allclose(ch[2 * w:3 * w], np.concatenate([ids[4], lp[4], [lse[4]]]), atol=1e-5)
     np.testing.assert_allclose(ch[3 * w:], np.concatenate([ids[5], lp[5], [lse[5]]]), atol=1e-5)
     assert STATE.verify_steps == 1 and "v" not in STATE.chain  # a chain is used by one verify step
+    assert "gone" in STATE.chain  # a request this step does not verify: its chain is not written anywhere
     assert STATE.rows_dropped == K - accepted
+
+
+@pytest.mark.parametrize("drafted", [None, -2, 0], ids=["no_propose", "older_propose", "this_steps_propose"])
+def test_a_chain_not_drafted_right_before_the_verify_step_is_not_written(st, drafted):
+    """Chains from a propose other than the one right before the step (a pause between, a step
+    committed late, the chain of the step itself) would pair another step's draft distributions
+    with this step's draft tokens: no spec_chain row; spec_verify is written."""
+    step = _step(torch.randn(7, H, generator=torch.Generator().manual_seed(5)))
+    job = st.rec.topk_job(TOPK, logits=torch.randn(1, V))
+    STATE.chain = {"v": [(job, 0), (job, 0)]}
+    STATE.chain_step = None if drafted is None else step.step + drafted
+    verify.commit(step, np.array([[-1, -1, -1], [5, 5, -1]], dtype=np.int64))
+    st.rec.close()
+    got, _ = _read(st.path)
+    assert cv.SPEC_CHAIN not in got and len(got[cv.SPEC_VERIFY][0]) == 1
 
 
 def test_without_top_k_a_verify_step_keeps_its_counts(st, monkeypatch):
@@ -157,13 +176,15 @@ def test_the_draft_pass_records_fc_output_draft_topk_and_the_next_chain(st, monk
     fc = torch.randn(n, H, generator=g)
     h0, h1 = torch.randn(n + 1, H, generator=g), torch.randn(3, H, generator=g)
     rows = step.rows.copy()
-    ctx = {"fc": fc, "outs": [h0, h1], "sample": np.array([3, 6]), "aligned": True}
+    ctx = {"fc": fc, "outs": [h0, h1], "sample": np.array([3, 6]), "aligned": True, "step": step}
     pr.record_draft_predictions(ctx, rows, n, ["p", "v"])
     chain = STATE.chain
-    assert sorted(chain) == ["p", "v"] and [i for _, i in chain["v"]] == [1, 1]
-    first = chain["v"][0][0].table[1]  # v's sampled row of the first pass, row 6
-    want = (h0[6:7] @ wd.T)
-    np.testing.assert_array_equal(first[:TOPK], id_map[torch.topk(want, TOPK, -1).indices[0]].numpy())
+    assert sorted(chain) == ["p", "v"] and [i for _, i in chain["v"]] == [1, 1] and STATE.chain_step == step.step
+    for pos_, h in ((0, h0[6:7]), (1, h1[1:2])):  # v: its sampled row of the first pass (6), then decode row 1
+        t = chain["v"][pos_][0].table[chain["v"][pos_][1]]
+        want = h @ wd.T
+        np.testing.assert_array_equal(t[:TOPK], id_map[torch.topk(want, TOPK, -1).indices[0]].numpy())
+        np.testing.assert_allclose(t[2 * TOPK], torch.logsumexp(want.double(), -1).numpy()[0], rtol=1e-6)
     st.rec.close()
     got, info = _read(st.path)
     np.testing.assert_array_equal(got[cv.DRAFT_FC][0], rows)
@@ -183,7 +204,8 @@ def test_a_draft_pass_whose_rows_are_not_draft_inputs_gets_no_draft_predictions(
     verify.commit(step, np.array([[-1, -1, -1], [5, 5, 5]], dtype=np.int64))
     monkeypatch.setattr(STATE, "draft_head", (_head(4, vocab=8), 8, None, None))
     STATE.chain = {"v": []}
-    ctx = {"fc": torch.zeros(7, H), "outs": [torch.zeros(9, H)], "sample": np.array([3, 6]), "aligned": False}
+    ctx = {"fc": torch.zeros(7, H), "outs": [torch.zeros(9, H)], "sample": np.array([3, 6]), "aligned": False,
+           "step": step}
     pr.record_draft_predictions(ctx, step.rows.copy(), 7, ["p", "v"])
     assert STATE.chain == {}
     st.rec.close()
@@ -222,7 +244,7 @@ def test_resume_turns_predictions_off_and_on_again_and_says_the_plugins_seconds(
     STATE.chain = {"v": []}
     out = resume(None, topk=0)
     assert STATE.cfg.topk == 0 and STATE.chain == {} and not STATE.paused
-    assert out["topk"] == 0 and out["plugin_seconds"] >= 1.5 and out["recording"]
+    assert out["topk"] == 0 and out["plugin_seconds"] == round(STATE.seconds, 6) and out["recording"]
     step = _step(torch.randn(7, H))
     verify.commit(step, np.array([[-1, -1, -1], [5, 5, -1]], dtype=np.int64))  # no top-k while off
     with pytest.raises(ValueError, match="only 0 or the start-up"):
@@ -239,3 +261,45 @@ def test_resume_turns_predictions_off_and_on_again_and_says_the_plugins_seconds(
     tr = got[cv.TARGET_TOPK][0]
     assert list(tr) == list(range(6, 12))  # only the second step's kept rows (4 prefill, 2 verify)
     assert len(got[cv.SPEC_VERIFY][0]) == 2 and np.isnan(got[cv.SPEC_VERIFY][1][0, 5:]).all()
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same_bits", "other_bits"])
+def test_the_drafter_pass_maps_rows_checks_the_shift_and_stores_repeated_bits_once(st, monkeypatch, same):
+    """drafter.record_draft as the propose hook runs it: draft row j on the target row of the same
+    (request, position), the rejected draft's row dropped; the shift check against the next kept
+    row's token, the next prompt token and the sampled token; draft_input rows that repeat the aux
+    rows' bits refer to them (staging on), other bits are stored; draft_topk on the kept rows only."""
+    import h5py
+
+    from tensordiff.recorders.vllm import drafter
+
+    g = torch.Generator().manual_seed(6)
+    monkeypatch.setattr(STATE, "labels", ["layer1", "layer3"])
+    monkeypatch.setattr(STATE, "raw_ids", [1, 3])
+    monkeypatch.setattr(STATE, "draft_head", (_head(7, vocab=8), 8, None, None))
+    step = _step(torch.randn(7, H, generator=g))
+    step.aux = torch.randn(7, 2 * H, generator=g)
+    verify.commit(step, np.array([[-1, -1, -1], [5, 5, -1]], dtype=np.int64))  # v: 1 draft accepted, row 6 dropped
+    hs = step.aux.clone() if same else step.aux + 1
+    # the drafter's ids: row t paired with the token at t+1 (p: prompt tokens 12..15; v: the
+    # accepted draft 7, then the sampled 5); the last one is the rejected row's filler
+    ids = np.array([12, 13, 14, 15, 7, 5, 99] if same else [12, 13, 14, 16, 7, 5, 99])
+    ctx = {"hs": hs, "pos": torch.from_numpy(step.pos), "tok": None, "qsl": torch.tensor([0, 4, 7]), "ids": ids,
+           "step": step, "fc": None, "outs": [torch.randn(7, H, generator=g), torch.randn(2, H, generator=g)],
+           "sample": np.array([3, 5]), "aligned": True}
+    drafter.record_draft(ctx)
+    assert (STATE.shift_checked, STATE.shift_mismatched) == (6, 0 if same else 1)
+    st.rec.close()
+    got, info = _read(st.path)
+    drows, dvals = got["draft_input"]
+    np.testing.assert_array_equal(drows, np.arange(6))
+    np.testing.assert_array_equal(dvals, hs[:6].numpy())
+    np.testing.assert_array_equal(got[cv.DRAFT_TOPK][0], np.arange(6))
+    np.testing.assert_array_equal(got["draft_input_ids"][1][:, 0], ids[:6])
+    by_ref = info["draft_input"].values_source == "aux_hidden_states"
+    with h5py.File(st.path) as f:
+        refs = f["tensors/draft_input/values_ref"][()] if "values_ref" in f["tensors/draft_input"] else None
+    if same and st.rec.stage_bytes:
+        assert by_ref and (refs >= 0).all()
+    else:
+        assert refs is None or (refs < 0).all()

@@ -50,7 +50,7 @@ def tap(kind: str, b: int | None, value) -> None:
     except Exception as e:  # noqa: BLE001
         st.fail("catalog tap", e)
     finally:
-        st.seconds += time.perf_counter() - t0
+        st.add_seconds(time.perf_counter() - t0)
 
 
 def _arg(args, kwargs, i: int, name: str):

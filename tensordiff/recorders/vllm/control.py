@@ -28,10 +28,12 @@ def rpc_method(name: str):
             st.flush(force=True)
             st.paused = True
             st.pending = None
+            st.chain = {}  # drafted while recording; the verify steps after a resume were drafted later
         elif name == "tensordiff_resume":
             st.flush(force=True)  # what was recorded before is written (and timed) under its own k first
             if "topk" in kwargs:
                 set_topk(kwargs["topk"])
+            st.chain = {}
             st.paused = False
         return {"recording": st.role == "record", "path": st.path, "rows": st.rows_written,
                 "plugin_seconds": round(st.seconds, 6), "topk": st.cfg.topk if st.cfg is not None else None}

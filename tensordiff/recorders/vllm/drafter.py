@@ -26,6 +26,7 @@ def hook_propose(original, proposer, *args, **kwargs):
     if not st.active or st.last is None or st.labels is None:
         return original(proposer, *args, **kwargs)
     ctx = None
+    st.chain = {}  # this propose drafts the next verify step's tokens: the chains before are spent
     try:
         import inspect
 
@@ -58,7 +59,7 @@ def hook_propose(original, proposer, *args, **kwargs):
                 st.last_activity = time.monotonic()
             except Exception as e:  # noqa: BLE001
                 st.fail("draft pass", e)
-            st.seconds += time.perf_counter() - t0
+            st.add_seconds(time.perf_counter() - t0)
 
 
 def hook_set_inputs_first_pass(out, proposer, *args, **kwargs) -> None:

@@ -69,7 +69,7 @@ def hook_model_forward(original, runner, *args, **kwargs):
                           kwargs.get("positions", args[1] if len(args) > 1 else None))
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
-    st.seconds += time.perf_counter() - t0
+    st.add_seconds(time.perf_counter() - t0)
     st.ctx = step
     try:
         out = original(runner, *args, **kwargs)
@@ -95,7 +95,7 @@ def hook_model_forward(original, runner, *args, **kwargs):
         st.pending = step
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
-    st.seconds += time.perf_counter() - t0
+    st.add_seconds(time.perf_counter() - t0)
     return out
 
 

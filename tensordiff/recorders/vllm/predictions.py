@@ -99,16 +99,23 @@ def head_of(model, what: str):
     return w, vocab, (None if scale == 1.0 else scale), (float(cap) if cap else None)
 
 
+def _own(x):
+    """``x``, or on an accelerator a copy: a CUDA graph's replay returns its output buffer, which
+    the next replay overwrites before the propose is over (on the CPU every pass makes new
+    tensors, and the recorder's jobs copy the rows they keep when they are made)."""
+    return x if x.device.type == "cpu" else x.detach().clone()
+
+
 def _fc_hook(module, args, output) -> None:
     ctx = STATE.draft_ctx
     if ctx is not None and ctx.get("fc") is None:
-        ctx["fc"] = output[0] if isinstance(output, (tuple, list)) else output
+        ctx["fc"] = _own(output[0] if isinstance(output, (tuple, list)) else output)
 
 
 def _draft_hook(module, args, output) -> None:
     ctx = STATE.draft_ctx
     if ctx is not None:
-        ctx["outs"].append(output[0] if isinstance(output, (tuple, list)) else output)
+        ctx["outs"].append(_own(output[0] if isinstance(output, (tuple, list)) else output))
 
 
 def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
@@ -148,12 +155,14 @@ def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
             return
         jobs.append(rec.topk_job(k, hidden=o[:b], head=st.draft_head, id_map=st.draft_id_map))
     st.chain = {key: [(job, i) for job in jobs] for i, key in enumerate(keys) if key is not None}
+    st.chain_step = ctx["step"].step
 
 
-def commit_predictions(step, spec: list) -> None:
+def commit_predictions(step, spec: list, unseen: bool = False) -> None:
     """At the commit of ``step`` (its ``rows`` set): ``target_topk`` on the kept rows, and the
     ``spec_verify`` / ``spec_chain`` rows of the verify segments ``spec`` = [(sequence key, first
-    row, K, accepted drafts)] (segments whose first row is kept and whose sampling was seen)."""
+    row, K, accepted drafts)] (segments whose first row is kept and whose sampling was seen).
+    ``unseen``: the step's sampling result was not seen (it is committed late)."""
     import numpy as np
 
     st = STATE
@@ -161,6 +170,8 @@ def commit_predictions(step, spec: list) -> None:
     rows = step.rows
     T = len(rows)
     hidden, step.hidden = step.hidden, None
+    if hidden is not None and unseen and hidden.device.type != "cpu":
+        hidden = None  # committed late (its sampling unseen): the engine's buffer may hold a later pass
     pred = None
     if st.target_head is not None and st.cfg.topk > 0 and hidden is not None and hidden.shape[0] >= T:
         need = tables.kept_rows(rec, rows)
@@ -196,7 +207,9 @@ def _steps_and_chains(step, K: int, segs: list, pred, hidden) -> None:
     at = starts[:, None] + np.arange(K, dtype=np.int64)[None, :]  # verify rows 0..K-1 of each segment
     steps[:, 3:3 + K] = step.ids[at + 1]  # the draft tokens: the inputs of verify rows 1..K
     rows = step.rows[starts]
-    chains = [st.chain.pop(key, None) for key, _, _, _ in segs]
+    # a chain is the propose's right before this step (the one that drafted its tokens), or none
+    fresh = st.chain_step is not None and st.chain_step == step.step - 1
+    chains = [st.chain.pop(key, None) if fresh else None for key, _, _, _ in segs]
     if pred is None:
         tables.record_steps(st, rows, steps, steps.shape[1])
         return
@@ -213,19 +226,7 @@ def _steps_and_chains(step, K: int, segs: list, pred, hidden) -> None:
         return steps
 
     tables.record_steps(st, rows, Later(steps.shape[1], step_rows), steps.shape[1])
-    got = [j for j, ch in enumerate(chains) if ch is not None and len(ch) == K]
-    if not got:
-        return
-    dw = chains[got[0]][0][0].width
-    got = [j for j in got if all(job.width == dw for job, _ in chains[j])]
-    tw = pred.width
-    picked = [chains[j] for j in got]
-
-    def chain_rows():
-        draft = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in picked]).reshape(len(picked), -1)
-        return np.concatenate([draft, blocks()[got].reshape(len(got), -1)], axis=1)
-
-    tables.record_chains(st, rows[got], Later(K * (dw + tw), chain_rows), dw, tw, K)
+    tables.record_chain_rows(st, rows, chains, blocks, pred.width, K)
 
 
 def _logits_at(hidden, at, tokens, head):

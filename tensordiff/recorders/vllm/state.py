@@ -84,10 +84,17 @@ class State(ServeState):
         self.draft_head: tuple | None = None
         self.draft_id_map = None        # torch int64 [draft vocab]: draft id -> target id
         self.chain: dict = {}           # seq key -> [(top-k job, row)] per draft position, for its next verify
+        self.chain_step: int | None = None  # the recorded step whose propose made ``chain``
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
         self.verify_steps = 0
         self.start_topk: int | None = None  # TENSORDIFF_TOPK at start-up (a resume may set 0 or it again)
         self.prediction_taps = 0        # of catalog_handles: the prediction hooks (removed at close with the catalog's)
+
+    def add_seconds(self, dt: float) -> None:
+        """Count ``dt`` seconds of the plugin's own time (the hooks' thread and the idle flusher's
+        both add: under the lock)."""
+        with self.lock:
+            self.seconds += dt
 
     def fail(self, where: str, e: BaseException) -> None:
         """A recording error never reaches the engine: log it, stop recording, keep the trace."""
@@ -110,7 +117,8 @@ class State(ServeState):
             "rows": self.rows_written, "rows_dropped": self.rows_dropped,
             "draft_shift_checked": self.shift_checked, "draft_shift_mismatched": self.shift_mismatched,
             "draft_passes_unmatched": self.draft_unmatched, "catalog_taps": len(self.catalog_handles) - self.prediction_taps,
-            "verify_steps": self.verify_steps, "topk": self.cfg.topk,
+            "verify_steps": self.verify_steps, "topk": self.cfg.topk, "topk_at_start": self.start_topk
+            if self.start_topk is not None else self.cfg.topk,
             "plugin_seconds": round(self.seconds, 6), "recorder_seconds": round(self.rec.stats.seconds, 6),
             **self.attrs,
         })

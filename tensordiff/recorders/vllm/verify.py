@@ -31,7 +31,7 @@ def hook_sample(out, runner, *args, **kwargs) -> None:
             commit(step, sampled)
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
-    st.seconds += time.perf_counter() - t0
+    st.add_seconds(time.perf_counter() - t0)
     try:
         st.flush()  # when due (it times itself)
         st.last_activity = time.monotonic()
@@ -70,8 +70,11 @@ def commit(step: Step, sampled) -> None:
             else:
                 keep = keep[:1]  # only the request's last token is certainly kept
         lim = step.limits[i]
+        cut = False
         if lim is not None:
-            keep = keep[step.pos[keep] < lim]
+            within = step.pos[keep] < lim
+            cut = not within.all()  # rows past max_tokens: the sampled token is not at last + 1
+            keep = keep[within]
         st.rows_dropped += c - len(keep)
         if len(keep):
             step.rows[keep] = rec.add_tokens(key, step.pos[keep], step.ids[keep], regime=regime, step=step.step)
@@ -84,7 +87,7 @@ def commit(step: Step, sampled) -> None:
                 rs_tok = prompt_token(step, i, last)
                 if rs_tok is not None:
                     step.next_tok[(key, last)] = rs_tok
-            elif acc is not None and len(acc):
+            elif acc is not None and len(acc) and not cut:
                 step.next_tok[(key, last)] = int(acc[-1])
     st.dirty = True
     if step.aux is not None and (step.rows >= 0).any():
@@ -96,7 +99,7 @@ def commit(step: Step, sampled) -> None:
             from ...vocab import boundary_label
             rec.boundary(b, value, step.rows, values=st.cfg.wants_values(boundary_label(b)))
     step.stash.clear()  # step.aux is kept for the drafter: draft_input may repeat its bits (drafter.py)
-    commit_predictions(step, [v for v in spec if step.rows[v[1]] >= 0])
+    commit_predictions(step, [v for v in spec if step.rows[v[1]] >= 0], unseen=sampled is None)
     st.last = step
 
 
