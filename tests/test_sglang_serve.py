@@ -380,44 +380,19 @@ def _diff_json(a, b) -> tuple[int, dict, str]:
     return proc.returncode, json.loads(proc.stdout), text
 
 
-def _acceptance_of(d: dict) -> dict:
-    found = [f for f in d["findings"] if f["kind"] == "acceptance"]
-    assert len(found) == 1, [f["message"] for f in d["findings"]]
-    return found[0]
-
-
 @pytest.mark.sglang
 @pytest.mark.slow
 @needs_sglang
 def test_eagle_records_predictions_fc_output_and_verify_steps(eagle_run, eagle_trace, models):
     """target_topk is the HF target's top-k at the same token; draft_fc_output / draft_topk sit on
     the draft_input rows; one spec_verify row per verify step of each request."""
-    import torch
-
     from tensordiff import conventions as cv
 
     tr = eagle_trace
     r = tr.r
-    t, d, fc, sv = (r.tensors[n] for n in (cv.TARGET_TOPK, cv.DRAFT_TOPK, cv.DRAFT_FC, cv.SPEC_VERIFY))
-    assert (t.role, t.token_offset, d.role, d.token_offset, fc.role, fc.token_offset) == (
-        cv.TARGET_TOPK, 0, cv.DRAFT_TOPK, 1, cv.DRAFT_FC, 1)
-    assert t.width == cv.topk_width(20) and d.width == cv.topk_width(2)  # the draft's vocabulary has 2 tokens
-    drows, _, _ = tr.rows("draft_input")
-    np.testing.assert_array_equal(tr.rows(cv.DRAFT_FC)[0], drows)
-    np.testing.assert_array_equal(tr.rows(cv.DRAFT_TOPK)[0], drows)
+    drows, sv = sup.assert_prediction_layouts(tr, draft_k=2)  # the draft's vocabulary has 2 tokens
     # the target's predictions equal HF's logits at every recorded row (prefill, verify, decode)
-    _, tseq, tpos = tr.rows(cv.TARGET_TOPK)
-    vals = r.read_values(cv.TARGET_TOPK, raw=True)
-    hf = models["hf"]
-    for key in PROMPTS:
-        full = eagle_run["full"][key]
-        with torch.no_grad():
-            logits = hf(input_ids=torch.tensor([full]), use_cache=False).logits[0].double()
-        m = tseq == key
-        top = torch.topk(logits[tpos[m]], 20, dim=-1)
-        assert (vals[m, :20] == top.indices.numpy()).mean() > 0.99
-        lse = torch.logsumexp(logits[tpos[m]], -1).numpy()
-        np.testing.assert_allclose(vals[m, 40], lse, rtol=1e-4)
+    sup.assert_target_topk_equals_hf(tr, models["hf"], eagle_run["full"])
     # verify steps: as many as SGLang counted, and their accepted tokens make the output
     _, sseq, _ = tr.rows(cv.SPEC_VERIFY)
     steps = r.read_values(cv.SPEC_VERIFY, raw=True)
@@ -427,24 +402,12 @@ def test_eagle_records_predictions_fc_output_and_verify_steps(eagle_run, eagle_t
         mine = steps[sseq == key]
         assert len(mine) == o["spec_verify_ct"]
         assert (1 + mine[:, 0]).sum() >= len(o["output_ids"]) - 1  # the prefill made the first token
-        rej = mine[:, 2]
-        assert ((rej == -1) == (mine[:, 0] == K)).all() and (rej[rej >= 0] == mine[rej >= 0, 0]).all()
-        # greedy: a draft token is accepted exactly when it is the target's top-1
-        for a, row in zip(mine[:, 0].astype(int), mine):
-            agree = row[3:3 + K] == row[3 + K:3 + 2 * K]
-            assert agree[:a].all() and (a == K or not agree[a])
+        sup.assert_greedy_verify_steps(mine, K)
     stats = json.loads(r.f.attrs["tensordiff_sglang"])
     assert stats["verify_steps"] == len(steps)
     # spec_chain: the draft's distribution at each draft position proposed exactly the draft token
     # SGLang verified there (greedy), and the target rows are the verify rows' predictions
-    ch = r.tensors[cv.SPEC_CHAIN]
-    np.testing.assert_array_equal(r.token_rows(cv.SPEC_CHAIN), r.token_rows(cv.SPEC_VERIFY))
-    dw, tw = ch.attrs["draft_width"], ch.attrs["target_width"]
-    assert (ch.attrs["K"], dw, tw, ch.width) == (K, cv.topk_width(2), cv.topk_width(20), K * (dw + tw))
-    c = r.read_values(cv.SPEC_CHAIN, raw=True)
-    for j in range(K):
-        np.testing.assert_array_equal(c[:, j * dw], steps[:, 3 + j])
-        np.testing.assert_array_equal(c[:, K * dw + j * tw], steps[:, 3 + K + j])
+    sup.assert_chains_proposed_the_verified_tokens(r, steps, K, draft_k=2)
 
 
 @pytest.fixture(scope="module")
@@ -510,13 +473,7 @@ def test_from_serve_pairs_every_serve_row_and_an_untrained_draft_is_training_qua
     serve_keys = set(zip(eagle_trace.seq.tolist(), eagle_trace.pos.tolist()))
     assert d["tokens_aligned"] == len(serve_keys)  # every serve row has its train row
     assert not [g for g in d["gaps"] if g["side"] == "b"]
-    f = _acceptance_of(d)
-    det = f["details"]
-    assert det["verdict"] == "agree" and det["draft_disagrees"] and f["severity"] == "warning"
-    assert "training-quality problem, not wiring" in f["message"]
-    assert det["cross"]["target_topk"]["top1"] == 1.0 and det["cross"]["draft_topk"]["top1"] == 1.0
-    assert det["steps"] == sum(o["spec_verify_ct"] for o in eagle_run["outputs"].values())
-    assert "acceptance by draft position" in text and "teacher-forced" in text
+    sup.assert_training_quality(d, text, sum(o["spec_verify_ct"] for o in eagle_run["outputs"].values()))
     (tmp_path / "report.txt").write_text(text)
 
 
@@ -548,15 +505,7 @@ def test_a_draft_normalising_its_fc_input_is_found_at_the_fc_output(norm_run, mo
     train = tmp_path / "train.h5"
     _record_train_from_serve(models, norm_run["trace"], train, models["draft"])  # from the serve trace itself
     rc, d, text = _diff_json(train, norm_run["trace"])
-    assert rc == 1
-    first = d["first_divergence"]
-    assert first["kind"] == "numeric" and first["tensor"] == "draft_fc_output", first["message"]
-    assert all(r["verdict"] == "ok" for r in d["slot_table"])  # the draft input itself agrees
-    f = _acceptance_of(d)
-    assert f["details"]["verdict"] == "upstream"
-    assert d["findings"][f["details"]["upstream_index"]]["message"] == first["message"]
-    assert "first divergence upstream: draft_fc_output diverges" in f["message"]
-    assert "normalisation before fc" in f["message"]
+    sup.assert_found_at_fc_output(rc, d)
     (tmp_path / "report.txt").write_text(text)
 
 

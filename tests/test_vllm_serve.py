@@ -95,16 +95,22 @@ def _load_run(tmp: Path, name: str, proc) -> dict:
 @pytest.fixture(scope="module")
 def vllm_run(models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
+    return _record_vllm(tmp, "vllm", models["target"], models["draft"], models["prompts"], "--catalog")
+
+
+def _record_vllm(tmp: Path, name: str, target, draft, prompts, *extra) -> dict:
+    """`tensordiff record serve --engine vllm` in the vLLM venv: EAGLE-3 with 2 draft tokens,
+    batches of 2, chunked prefill of CHUNK tokens, MAX_NEW new tokens; the loaded run."""
     argv = [str(vsup.vllm_python()), "-m", "tensordiff", "record", "serve", "--engine", "vllm",
-            "--model", str(models["target"]), "--draft", str(models["draft"]), "--prompts", str(models["prompts"]),
-            "--out", str(tmp / "vllm.h5"), "--outputs", str(tmp / "vllm.jsonl"), "--catalog",
+            "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+            "--out", str(tmp / f"{name}.h5"), "--outputs", str(tmp / f"{name}.jsonl"), *extra,
             "--max-new-tokens", str(MAX_NEW), "--batch-size", "2", "--device", "cpu", "--dtype", "float32",
             "--chunked-prefill-size", str(CHUNK), "--speculative-num-steps", "2", "--log-level", "warning"]
     for a in vsup.CPU_ENGINE_ARGS:
         argv += ["--engine-arg", a]
     proc = _run(argv, env=vsup.vllm_env(), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return _load_run(tmp, "vllm", proc)
+    return _load_run(tmp, name, proc)
 
 
 @pytest.fixture(scope="module")
@@ -327,19 +333,11 @@ def test_vllm_records_predictions_fc_output_and_verify_steps(vllm_run, vtrace, m
     one spec_verify row per verify step, whose accepted drafts are exactly the draft tokens that are
     the target's top-1 (greedy) and whose steps make the output; spec_chain's draft rows proposed
     exactly the draft tokens vLLM verified."""
-    import torch
-
     from tensordiff import conventions as cv
 
     tr = vtrace
     r = tr.r
-    t, d, fc, sv = (r.tensors[n] for n in (cv.TARGET_TOPK, cv.DRAFT_TOPK, cv.DRAFT_FC, cv.SPEC_VERIFY))
-    assert (t.role, t.token_offset, d.role, d.token_offset, fc.role, fc.token_offset) == (
-        cv.TARGET_TOPK, 0, cv.DRAFT_TOPK, 1, cv.DRAFT_FC, 1)
-    assert t.width == cv.topk_width(20) and d.width == cv.topk_width(2)  # the draft's vocabulary has 2 tokens
-    drows, _, _ = tr.rows("draft_input")
-    np.testing.assert_array_equal(tr.rows(cv.DRAFT_FC)[0], drows)
-    np.testing.assert_array_equal(tr.rows(cv.DRAFT_TOPK)[0], drows)
+    drows, sv = sup.assert_prediction_layouts(tr, draft_k=2)  # the draft's vocabulary has 2 tokens
     np.testing.assert_array_equal(tr.rows(cv.TARGET_TOPK)[0], np.arange(len(tr.pos)))  # every kept row
     # the draft is fed the very bits of the target's aux rows: the trace stores them once, by reference
     assert r.tensors["draft_input"].values_source == "aux_hidden_states"
@@ -349,40 +347,17 @@ def test_vllm_records_predictions_fc_output_and_verify_steps(vllm_run, vtrace, m
     # the draft's ids are target ids (its d2t applied): the two tokens of its vocabulary
     dv = r.read_values(cv.DRAFT_TOPK, raw=True)
     assert set(np.unique(dv[:, :2]).astype(int)) == set(models["vocab"])
-    _, tseq, tpos = tr.rows(cv.TARGET_TOPK)
-    vals = r.read_values(cv.TARGET_TOPK, raw=True)
-    hf = models["hf"]
-    for key in PROMPTS:
-        full = vllm_run["full"][key]
-        with torch.no_grad():
-            logits = hf(input_ids=torch.tensor([full]), use_cache=False).logits[0].double()
-        m = tseq == key
-        top = torch.topk(logits[tpos[m]], 20, dim=-1)
-        assert (vals[m, :20] == top.indices.numpy()).mean() > 0.99
-        lse = torch.logsumexp(logits[tpos[m]], -1)
-        np.testing.assert_allclose(vals[m, 40], lse.numpy(), rtol=1e-4)
-        np.testing.assert_allclose(vals[m, 20:40], (top.values - lse[:, None]).numpy(), atol=2e-3)
+    sup.assert_target_topk_equals_hf(tr, models["hf"], vllm_run["full"])
     _, sseq, _ = tr.rows(cv.SPEC_VERIFY)
     steps = r.read_values(cv.SPEC_VERIFY, raw=True)
     K = cv.spec_verify_drafts(sv.width)
     assert K == 2 and (steps[:, 1] == K).all() and len(steps) == tr.stats["verify_steps"] > 0
-    rej = steps[:, 2]
-    assert ((rej == -1) == (steps[:, 0] == K)).all() and (rej[rej >= 0] == steps[rej >= 0, 0]).all()
-    for a, row in zip(steps[:, 0].astype(int), steps):  # greedy: accepted exactly while the target's top-1
-        agree = row[3:3 + K] == row[3 + K:3 + 2 * K]
-        assert agree[:a].all() and (a == K or not agree[a]), row
+    sup.assert_greedy_verify_steps(steps, K)
     for key, o in vllm_run["outputs"].items():  # the prefill made the first token, each step 1 + accepted
         made = 1 + (1 + steps[sseq == key, 0]).sum()
         last = 1 + steps[sseq == key, 0][-1]
         assert made >= len(o["output_ids"]) > made - last, (key, made, len(o["output_ids"]))
-    ch = r.tensors[cv.SPEC_CHAIN]
-    np.testing.assert_array_equal(r.token_rows(cv.SPEC_CHAIN), r.token_rows(cv.SPEC_VERIFY))
-    dw, tw = ch.attrs["draft_width"], ch.attrs["target_width"]
-    assert (ch.attrs["K"], dw, tw, ch.width) == (K, cv.topk_width(2), cv.topk_width(20), K * (dw + tw))
-    c = r.read_values(cv.SPEC_CHAIN, raw=True)
-    for j in range(K):
-        np.testing.assert_array_equal(c[:, j * dw], steps[:, 3 + j])
-        np.testing.assert_array_equal(c[:, K * dw + j * tw], steps[:, 3 + K + j])
+    c, dw, tw = sup.assert_chains_proposed_the_verified_tokens(r, steps, K, draft_k=2)
     # the target's log-prob of each draft token (computed for the token, in the top-k or not): the
     # top-1's where the draft token is the top-1, below it elsewhere
     kt = cv.topk_k(tw)
@@ -397,12 +372,6 @@ def _diff_json(a, b) -> tuple[int, dict, str]:
     proc = _td("diff", str(a), str(b), "--json")
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     return proc.returncode, json.loads(proc.stdout), _td("diff", str(a), str(b)).stdout
-
-
-def _acceptance_of(d: dict) -> dict:
-    found = [f for f in d["findings"] if f["kind"] == "acceptance"]
-    assert len(found) == 1, [f["message"] for f in d["findings"]]
-    return found[0]
 
 
 def _record_train_from_serve(models, source, out: Path, draft) -> None:
@@ -429,13 +398,7 @@ def test_from_vllm_outputs_pairs_every_row_and_an_untrained_draft_is_training_qu
     serve_side = "b" if order == "train_serve" else "a"
     assert d["tokens_aligned"] == len(set(zip(vtrace.seq.tolist(), vtrace.pos.tolist())))
     assert not [g for g in d["gaps"] if g["side"] == serve_side]  # every serve row has its train row
-    f = _acceptance_of(d)
-    det = f["details"]
-    assert det["verdict"] == "agree" and det["draft_disagrees"] and f["severity"] == "warning", f["message"]
-    assert "training-quality problem, not wiring" in f["message"]
-    assert det["cross"]["target_topk"]["top1"] == 1.0 and det["cross"]["draft_topk"]["top1"] == 1.0
-    assert det["steps"] == vtrace.stats["verify_steps"]
-    assert "acceptance by draft position" in text and "teacher-forced" in text
+    sup.assert_training_quality(d, text, vtrace.stats["verify_steps"])
     compared = {p["name_a"] for p in d["tensors"]}
     assert {"draft_input", "draft_fc_output"} <= compared
 
@@ -455,16 +418,7 @@ def vllm_norm_run(models, tmp_path_factory):
     (draft / "config.json").write_text(json.dumps(cfg))
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": k, "input_ids": PROMPTS[k]}) + "\n" for k in ("A", "B")))
-    argv = [str(vsup.vllm_python()), "-m", "tensordiff", "record", "serve", "--engine", "vllm",
-            "--model", str(models["target"]), "--draft", str(draft), "--prompts", str(prompts),
-            "--out", str(tmp / "norm.h5"), "--outputs", str(tmp / "norm.jsonl"),
-            "--max-new-tokens", str(MAX_NEW), "--batch-size", "2", "--device", "cpu", "--dtype", "float32",
-            "--chunked-prefill-size", str(CHUNK), "--speculative-num-steps", "2", "--log-level", "warning"]
-    for a in vsup.CPU_ENGINE_ARGS:
-        argv += ["--engine-arg", a]
-    proc = _run(argv, env=vsup.vllm_env(), timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return _load_run(tmp, "norm", proc)
+    return _record_vllm(tmp, "norm", models["target"], draft, prompts)
 
 
 @pytest.mark.vllm
@@ -474,15 +428,7 @@ def test_a_draft_normalising_its_fc_input_is_found_at_the_fc_output_in_vllm(vllm
     train = tmp_path / "train.h5"
     _record_train_from_serve(models, vllm_norm_run["trace"], train, models["draft"])  # from the serve trace itself
     rc, d, text = _diff_json(train, vllm_norm_run["trace"])
-    assert rc == 1
-    first = d["first_divergence"]
-    assert first["kind"] == "numeric" and first["tensor"] == "draft_fc_output", first["message"]
-    assert all(r["verdict"] == "ok" for r in d["slot_table"])  # the draft input itself agrees
-    f = _acceptance_of(d)
-    assert f["details"]["verdict"] == "upstream"
-    assert d["findings"][f["details"]["upstream_index"]]["message"] == first["message"]
-    assert "first divergence upstream: draft_fc_output diverges" in f["message"]
-    assert "normalisation before fc" in f["message"]
+    sup.assert_found_at_fc_output(rc, d)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -107,6 +107,29 @@ def record_steps(st, rows, steps, width: int) -> None:
     st.dirty = True
 
 
+def record_chain_rows(st, rows, chains: list, blocks, tw: int, k: int) -> None:
+    """``spec_chain`` rows of the verify steps (token ``rows``) whose chain is whole: ``chains[j]``
+    the k (top-k job, row) of step j's draft positions (None: not known), all of one width;
+    ``blocks()`` the target's top-k rows at every step's draft positions [len(rows), k, tw]. The
+    table is filled when the rows are written."""
+    import numpy as np
+
+    from .staging import Later
+
+    got = [j for j, ch in enumerate(chains) if ch is not None and len(ch) == k]
+    if not got:
+        return
+    dw = chains[got[0]][0][0].width
+    got = [j for j in got if all(job.width == dw for job, _ in chains[j])]
+    picked = [chains[j] for j in got]
+
+    def chain_rows():
+        draft = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in picked]).reshape(len(picked), -1)
+        return np.concatenate([draft, blocks()[got].reshape(len(got), -1)], axis=1)
+
+    record_chains(st, rows[got], Later(k * (dw + tw), chain_rows), dw, tw, k)
+
+
 def record_chains(st, rows, table, dw: int, tw: int, k: int) -> None:
     """``spec_chain``: per verify step, [draft top-k rows of positions 0..K-1 | target top-k rows
     of verify rows 0..K-1], flat."""

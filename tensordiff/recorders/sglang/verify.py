@@ -219,27 +219,11 @@ def _steps_and_chains(p: Pass, starts, counts, acc) -> None:
         return steps
 
     _record_steps(rows, Later(steps.shape[1], step_rows), steps.shape[1])
-    got = [j for j, ch in enumerate(chains) if ch is not None and len(ch) == k]
-    if not got:
-        return
-    dw = chains[got[0]][0][0].width
-    got = [j for j in got if all(job.width == dw for job, _ in chains[j])]
-    tw = pred.width
-    picked = [chains[j] for j in got]
-
-    def chain_rows():
-        draft = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in picked]).reshape(len(picked), -1)
-        return np.concatenate([draft, blocks()[got].reshape(len(got), -1)], axis=1)
-
-    _record_chains(rows[got], Later(k * (dw + tw), chain_rows), dw, tw, k)
+    tables.record_chain_rows(STATE, rows, chains, blocks, pred.width, k)
 
 
 def _record_steps(rows, steps, width: int) -> None:
     tables.record_steps(STATE, rows, steps, width)
-
-
-def _record_chains(rows, table, dw: int, tw: int, k: int) -> None:
-    tables.record_chains(STATE, rows, table, dw, tw, k)
 
 
 def position_limit(req) -> int | None:
