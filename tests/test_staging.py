@@ -203,3 +203,27 @@ def test_lm_head_jobs_rank_in_batches_and_equal_each_job_alone(monkeypatch, budg
     for j, want in zip(jobs, alone):
         np.testing.assert_array_equal(j.table, want)
         assert j.table.shape == (len(want), 13) and (j.table[:, :6] < 30).all()
+
+
+def test_a_private_snapshot_is_taken_again_without_comparing_its_bits(tmp_path, monkeypatch):
+    """A remembered call's tensor given as the caller's private copy (``private=True``, staged as
+    it is) and named again with all its rows: the staged copy is that very memory, so the rows refer
+    to it without a bit comparison. Given without ``private`` (the recorder stages a copy), the
+    same tensor's bits are compared with that copy first; both refer to the aux rows."""
+    from tensordiff.recorders import core
+
+    compared = []
+    bits = core._bits
+    monkeypatch.setattr(core, "_bits", lambda a: compared.append(a.shape) or bits(a))
+    x = torch.randn(6, 3 * H, generator=torch.Generator().manual_seed(1))
+    with Recorder(tmp_path / "p.h5", side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=1 << 20,
+                  values=["aux", "draft_input"]) as rec:
+        for step, private in enumerate((True, False)):
+            rows = rec.add_tokens(f"r{step}", np.arange(6), np.arange(6), regime="prefill")
+            rec.packed("aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True, private=private)
+            rec.packed("draft_input", x, rows, labels=LABELS, token_offset=1, reuse="aux")
+            assert len(compared) == (0 if private else 2), compared
+    got = _datasets(tmp_path / "p.h5")
+    np.testing.assert_array_equal(got["draft_input/values_ref"], np.arange(12))
+    with TraceReader(str(tmp_path / "p.h5")) as r:
+        np.testing.assert_array_equal(r.read_values("draft_input", raw=True), np.concatenate([x.numpy()] * 2))

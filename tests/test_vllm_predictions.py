@@ -159,7 +159,8 @@ def test_an_unseen_sampling_result_records_no_verify_step(st):
     assert cv.SPEC_VERIFY not in got and len(got[cv.TARGET_TOPK][0]) == 5
 
 
-def test_the_draft_pass_records_fc_output_draft_topk_and_the_next_chain(st, monkeypatch):
+@pytest.mark.parametrize("sampled_kept", [True, False], ids=["sampled_row_kept", "sampled_row_not_kept"])
+def test_the_draft_pass_records_fc_output_draft_topk_and_the_next_chain(st, monkeypatch, sampled_kept):
     """Draft rows on the target rows of the same (request, position); the draft's ids mapped to the
     target's through d2t; each request's chain from its sampled row of the first pass and its
     rows of the decode steps."""
@@ -176,10 +177,16 @@ def test_the_draft_pass_records_fc_output_draft_topk_and_the_next_chain(st, monk
     fc = torch.randn(n, H, generator=g)
     h0, h1 = torch.randn(n + 1, H, generator=g), torch.randn(3, H, generator=g)
     rows = step.rows.copy()
+    if not sampled_kept:
+        rows[6] = -1  # v's sampled row has no trace row (as a sampling that drops its position): no draft_topk row
     ctx = {"fc": fc, "outs": [h0, h1], "sample": np.array([3, 6]), "aligned": True, "step": step}
     pr.record_draft_predictions(ctx, rows, n, ["p", "v"])
     chain = STATE.chain
-    assert sorted(chain) == ["p", "v"] and [i for _, i in chain["v"]] == [1, 1] and STATE.chain_step == step.step
+    assert sorted(chain) == ["p", "v"] and STATE.chain_step == step.step
+    # position 0 is the draft_topk table's own row where that row is kept (no second product), a
+    # job of the sampled rows not kept otherwise; position 1 is row 1 of the decode step's job
+    assert [i for _, i in chain["v"]] == ([6, 1] if sampled_kept else [0, 1])
+    assert (chain["v"][0][0] is chain["p"][0][0]) == sampled_kept
     for pos_, h in ((0, h0[6:7]), (1, h1[1:2])):  # v: its sampled row of the first pass (6), then decode row 1
         t = chain["v"][pos_][0].table[chain["v"][pos_][1]]
         want = h @ wd.T
@@ -187,12 +194,13 @@ def test_the_draft_pass_records_fc_output_draft_topk_and_the_next_chain(st, monk
         np.testing.assert_allclose(t[2 * TOPK], torch.logsumexp(want.double(), -1).numpy()[0], rtol=1e-6)
     st.rec.close()
     got, info = _read(st.path)
-    np.testing.assert_array_equal(got[cv.DRAFT_FC][0], rows)
-    np.testing.assert_allclose(got[cv.DRAFT_FC][1], fc.numpy(), rtol=1e-6)
+    kept = rows >= 0
+    np.testing.assert_array_equal(got[cv.DRAFT_FC][0], rows[kept])
+    np.testing.assert_allclose(got[cv.DRAFT_FC][1], fc.numpy()[kept], rtol=1e-6)
     assert info[cv.DRAFT_FC].token_offset == 1 and info[cv.DRAFT_TOPK].token_offset == 1
     drows, dvals = got[cv.DRAFT_TOPK]
-    np.testing.assert_array_equal(drows, rows)
-    logits = h0[:n] @ wd.T
+    np.testing.assert_array_equal(drows, rows[kept])
+    logits = (h0[:n] @ wd.T)[torch.from_numpy(kept)]
     np.testing.assert_array_equal(dvals[:, :TOPK], id_map[torch.topk(logits, TOPK, -1).indices].numpy())
     np.testing.assert_allclose(dvals[:, 2 * TOPK], torch.logsumexp(logits.double(), -1).numpy(), rtol=1e-6)
 

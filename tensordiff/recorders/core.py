@@ -139,6 +139,12 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(f"u{a.dtype.itemsize}")
 
 
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays view the very same elements (address, shape, strides, dtype)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
+            and a.strides == b.strides and a.dtype == b.dtype)
+
+
 def _match(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
@@ -521,7 +527,9 @@ class Recorder:
             old = memo.staged.data
             if (old is not None and old.shape == data.shape and old.dtype == data.dtype
                     and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))
-                    and np.array_equal(_bits(old), _bits(data))):
+                    # the staged copy itself (a private snapshot, kept as it is: nobody writes it), or
+                    # every bit equal
+                    and (_same_memory(old, data) or np.array_equal(_bits(old), _bits(data)))):
                 same = memo.staged
         if same is not None:
             entry = Staged(rows, data=same.data, same=same)

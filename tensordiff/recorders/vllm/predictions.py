@@ -136,9 +136,11 @@ def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
     rec = st.rec
     h0 = outs[0][:n]
     need = tables.kept_rows(rec, rows)
+    table = None
     if len(need):
         job = rec.topk_job(k, hidden=h0, head=st.draft_head, id_map=st.draft_id_map, rows=need)
-        tables.record_topk(st, conventions.DRAFT_TOPK, PassTable(job, n, need), rows, 1,
+        table = PassTable(job, n, need)
+        tables.record_topk(st, conventions.DRAFT_TOPK, table, rows, 1,
                            "draft model's final hidden states in propose times its lm_head, mapped to target ids")
     sample = ctx.get("sample")
     if sample is None:
@@ -147,14 +149,21 @@ def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
     b = len(sample)
     if b != len(keys) or not len(sample) or sample.max() >= n or sample.min() < 0:
         return
-    jobs = [rec.topk_job(k, hidden=h0, head=st.draft_head, id_map=st.draft_id_map, rows=sample)]
+    # draft position 0: each request's sampled row of the first pass, a draft_topk row where it is kept
+    first = [table.ref(r) if table is not None else None for r in sample.tolist()]
+    missing = [i for i, ref in enumerate(first) if ref is None and keys[i] is not None]
+    if missing:
+        extra = rec.topk_job(k, hidden=h0, head=st.draft_head, id_map=st.draft_id_map, rows=sample[missing])
+        for j, i in enumerate(missing):
+            first[i] = (extra, j)
+    jobs = []
     for o in outs[1:]:  # the draft decode steps: one row per request
         if o.shape[0] < b:
             st.warn_once("chain", "a draft decode step without one row per request; draft positions after 0 get "
                          "no distributions")
             return
         jobs.append(rec.topk_job(k, hidden=o[:b], head=st.draft_head, id_map=st.draft_id_map))
-    st.chain = {key: [(job, i) for job in jobs] for i, key in enumerate(keys) if key is not None}
+    st.chain = {key: [first[i]] + [(job, i) for job in jobs] for i, key in enumerate(keys) if key is not None}
     st.chain_step = ctx["step"].step
 
 
@@ -235,14 +244,12 @@ def _logits_at(hidden, at, tokens, head):
     import numpy as np
     import torch
 
+    from ..staging import head_scale
+
     w, vocab, scale, cap = head
     if not len(at) or tokens.max() >= vocab or tokens.min() < 0:
         return np.full(len(at), np.nan)
     dev = hidden.device
     h = hidden.index_select(0, torch.from_numpy(at).to(dev)).to(w.dtype).float()  # the head's input dtype
     x = (h * w.index_select(0, torch.from_numpy(tokens).to(w.device)).float()).sum(-1)
-    if scale is not None:
-        x = x * scale
-    if cap:
-        x = torch.tanh(x / cap) * cap
-    return x.detach().to("cpu", torch.float64).numpy()
+    return head_scale(x, scale, cap).detach().to("cpu", torch.float64).numpy()

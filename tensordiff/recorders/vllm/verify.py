@@ -117,5 +117,6 @@ def record_aux(aux, rows) -> None:
         return
     st.rec.packed(AUX, aux, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
                   token_offset=0, role="aux", values=st.cfg.wants_values(AUX), remember=True,
+                  private=True,  # the step's own torch.cat of the aux states: nobody writes it
                   attrs={"source": "target model aux_hidden_states (EagleModelMixin._maybe_add_hidden_state), "
                                    "packed in capture order"})
