@@ -102,3 +102,15 @@ def record_draft_ids(st, name: str, ids, rows, what: str) -> None:
 
     st.rec.plain(name, np.asarray(ids, dtype=np.float64).reshape(-1, 1), rows, role="draft_input_ids",
                  token_offset=1, attrs={"what": what}, rms="abs")
+
+
+def resume_topk(st: Any, k: Any) -> int:
+    """The top-k a ``tensordiff_resume`` asks for, checked: 0 (predictions off) or the start-up
+    ``TENSORDIFF_TOPK`` (on again); another k is refused, since a trace's top-k tables keep one
+    width. ``st``: the plugin's state (its ``cfg`` and ``start_topk``)."""
+    if st.start_topk is None:
+        st.start_topk = st.cfg.topk
+    k = int(k)
+    if k not in (0, st.start_topk):
+        raise ValueError(f"topk={k}: only 0 or the start-up TENSORDIFF_TOPK ({st.start_topk}) can be set")
+    return k

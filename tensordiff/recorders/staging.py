@@ -241,6 +241,11 @@ def _head_logits(h: torch.Tensor, head: tuple) -> torch.Tensor:
     x = h.to(w.dtype) @ w.T
     if vocab is not None and x.shape[-1] > int(vocab):
         x = x[:, : int(vocab)]  # padded vocabulary
+    return head_scale(x, scale, cap)
+
+
+def head_scale(x: torch.Tensor, scale: float | None, cap: float | None) -> torch.Tensor:
+    """Logits ``x`` scaled and soft-capped as a ``head``'s logits processor does."""
     if scale is not None:
         x = x * scale
     if cap:

@@ -7,6 +7,7 @@ bench_sglang_overhead.py uses to time both in one run); other RPCs pass through.
 
 from __future__ import annotations
 
+from ..serving import resume_topk
 from .config import RPC_PREFIX
 from .state import STATE, log
 
@@ -42,12 +43,7 @@ def set_topk(k) -> None:
     refused: a trace's top-k tables keep one width, and with ``TENSORDIFF_TOPK=0`` at start-up the
     logits taps were never installed."""
     st = STATE
-    if st.start_topk is None:
-        st.start_topk = st.cfg.topk
-    k = int(k)
-    if k not in (0, st.start_topk):
-        raise ValueError(f"topk={k}: only 0 or the start-up TENSORDIFF_TOPK ({st.start_topk}) can be set")
-    st.cfg.topk = k
+    st.cfg.topk = resume_topk(st, k)
     st.chain.clear()
     st.target_logits = st.draft_logits = None
 

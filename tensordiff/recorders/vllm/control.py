@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from ..serving import resume_topk
 from .state import STATE, State
 
 RPC_METHODS = ("tensordiff_close", "tensordiff_flush", "tensordiff_pause", "tensordiff_resume")
@@ -48,11 +49,7 @@ def set_topk(k) -> None:
     st = STATE
     if st.cfg is None:
         return
-    if st.start_topk is None:
-        st.start_topk = st.cfg.topk
-    k = int(k)
-    if k not in (0, st.start_topk):
-        raise ValueError(f"topk={k}: only 0 or the start-up TENSORDIFF_TOPK ({st.start_topk}) can be set")
+    k = resume_topk(st, k)
     with st.lock:
         st.cfg.topk = k
         st.chain = {}
