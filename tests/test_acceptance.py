@@ -46,15 +46,24 @@ def test_kl_lower_bound_is_a_lower_bound_and_exact_with_the_whole_vocabulary():
     assert (far > 0).all() and (far <= _kl(p, -p) + 1e-9).all() and far.mean() > 0.3
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to bfloat16 (nearest even), as float64: what a bf16 engine's logits hold."""
+    u = x.astype(np.float32).view(np.uint32)
+    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return u.view(np.float32).astype(np.float64)
+
+
 def _write(path, *, side, fc_scale=1.0, target_noise=0.0, draft_good=False, with_fc=True, steps=None, seed=0,
-           with_draft=True):
+           with_draft=True, model_seed=7, peaked=False, bf16=False):
     """One sequence of 24 tokens: draft_input [layer1, layer3], draft_fc_output, target_topk at every
     row, draft_topk at rows 0..22 (row t predicts token t+2), and optionally spec_verify rows."""
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(model_seed)
     L = 24
     toks = rng.integers(0, V, L)
     states = {b: rng.normal(size=(L, H)).astype(np.float32) for b in range(N + 1)}
     tlog = rng.normal(size=(L, V)) * 3
+    if peaked:  # a trained model's logits: one confident token per row, by a margin that varies
+        tlog[np.arange(L), rng.integers(0, V, L)] += rng.lognormal(1.5, 0.6, L)
     w = TraceWriter(str(path), side=side, model={"num_layers": N, "hidden_size": H})
     rows = w.add_tokens("s", np.arange(L), toks, "train" if side == "train" else "prefill")
     for b in range(N + 1):
@@ -68,10 +77,14 @@ def _write(path, *, side, fc_scale=1.0, target_noise=0.0, draft_good=False, with
         w.define_tensor(cv.DRAFT_FC, H, role=cv.DRAFT_FC, token_offset=1, order=N + 0.8)
         w.append(cv.DRAFT_FC, rows[:-1], fc.astype(np.float32))
     tl = tlog + np.random.default_rng(seed).normal(size=tlog.shape) * target_noise
+    if bf16:
+        tl = _bf16(tl)
     w.define_tensor(cv.TARGET_TOPK, cv.topk_width(5), dtype="float64", role=cv.TARGET_TOPK, sketch=False)
     w.append(cv.TARGET_TOPK, rows, _table(tl, 5), rms=np.zeros((L, 1), np.float32))
     # the draft at row t predicts token t+2: the target's row t+1
     dl = np.roll(tlog, -1, axis=0) if draft_good else np.random.default_rng(3).normal(size=tlog.shape) * 3
+    if bf16:
+        dl = _bf16(dl)
     if with_draft:
         w.define_tensor(cv.DRAFT_TOPK, cv.topk_width(5), dtype="float64", role=cv.DRAFT_TOPK, token_offset=1,
                         sketch=False)
@@ -170,6 +183,27 @@ def test_target_predictions_that_differ_are_the_cause(tmp_path):
     f = _acceptance(res)
     assert f.details.verdict == "target" and f.severity == Severity.DIVERGENCE and res.exit_code == 1
     assert "the target's predictions differ between train and serve" in f.message
+
+
+@pytest.mark.parametrize("serve_first", [False, True], ids=["train_serve", "serve_train"])
+def test_false_alarm_sweep_trained_looking_predictions_with_bf16_logits_never_diverge(tmp_path, serve_first):
+    """Correct wiring, 20 models whose logits look trained (one confident token per row, margins
+    that vary), the serve side's predictions rounded to bf16: never a divergence, never a verdict on
+    the wiring that blames the target or the draft; mostly 'agree', and where a bf16 rounding flips
+    a close top-1 'close' (no verdict) at most."""
+    verdicts = []
+    for m in range(20):
+        kw = {"model_seed": 100 + m, "peaked": True, "draft_good": True}
+        a = _write(tmp_path / f"a{m}.h5", side="train", **kw)
+        b = _write(tmp_path / f"b{m}.h5", side="serve", steps=STEPS, bf16=True, **kw)
+        res = diff_traces(b, a) if serve_first else diff_traces(a, b)
+        f = _acceptance(res)
+        assert res.exit_code == 0 and f.severity != Severity.DIVERGENCE, (m, f.message)
+        assert f.details.verdict in ("agree", "close"), (m, f.message)
+        assert f.details.side == "serve" and f.details.steps == len(STEPS)
+        assert f.details.cross[cv.TARGET_TOPK]["kl_lb"] > 0  # the bf16 rounding is there to be seen
+        verdicts.append(f.details.verdict)
+    assert verdicts.count("agree") >= 15, verdicts
 
 
 def test_target_predictions_that_nearly_agree_give_no_verdict(tmp_path):
