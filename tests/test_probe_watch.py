@@ -160,6 +160,57 @@ def test_a_child_without_reports_is_stuck_by_the_wall_clock_at_last(monkeypatch)
     assert status == "stuck", lines
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc (Linux)")
+def test_a_watcher_descheduled_after_its_select_does_not_call_a_reporting_child_stuck(monkeypatch):
+    """The watcher's select finds the pipe empty, then the watcher loses its core for longer than
+    the stall timeout while the child works and reports: the child's CPU clock then says "stuck",
+    but its reports wait in the pipe. That is progress (CI called a valid trace damaged this way,
+    TENSORDIFF_OPEN_TIMEOUT=1, on a loaded 2-core machine)."""
+    import importlib
+    import select as select_mod
+    import time as _time
+
+    probe_mod = importlib.import_module("tensordiff.trace.probe")
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # reports every 20 ms while it burns CPU, for 3 s
+        try:
+            os.close(rfd)
+            os.write(wfd, b"P0 some.h5\nN200\n")
+            end = _time.monotonic() + 3.0
+            last = 0.0
+            while (now := _time.monotonic()) < end:
+                if now - last > 0.02:
+                    last = now
+                    os.write(wfd, b"T1\n")
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    calls = [0]
+
+    class Descheduled:
+        """select.select, but its third wait returns nothing after 1.5 s (the watcher lost its
+        core right after the select found the pipe empty)."""
+
+        @staticmethod
+        def select(r, w, x, timeout=None):
+            if timeout:
+                calls[0] += 1
+                if calls[0] == 3:
+                    _time.sleep(1.5)
+                    return [], [], []
+            return select_mod.select(r, w, x, timeout)
+
+    monkeypatch.setattr(probe_mod, "select", Descheduled)
+    try:
+        status, state, lines = probe_mod._watch(pid, rfd, 1.0)
+    finally:
+        os.close(rfd)
+    assert status != "stuck" and os.WIFEXITED(status), (status, lines[-3:])
+    assert calls[0] > 3
+    assert state is not None and state.path == "some.h5"
+
+
 def _count_opens(tmp_path, monkeypatch):
     log = tmp_path / "opens.log"
     orig = TraceReader.__init__

@@ -206,14 +206,21 @@ def _watch(pid: int, rfd: int, stall: float, expect: set[str] | None = None
                     state = _follow(lines[-1], state, now)
             return st, state, lines
         if state is not None:
-            if clock.stuck(now):
+            if clock.stuck(now) and not _waiting(rfd):
                 return _kill(pid, "stuck"), state, lines
             # too slow only while it visibly makes progress: a child gone silent is stuck or not
             # by its clock, not called valid-but-big because a loaded machine slowed its loop
             if now - clock.wall <= stall and now - state.started > allowance(stall, state.size, state.tensors):
                 return _kill(pid, "slow"), state, lines
-        elif expect is None and clock.stuck(now):
+        elif expect is None and clock.stuck(now) and not _waiting(rfd):
             return _kill(pid, "stuck"), state, lines
+
+
+def _waiting(rfd: int) -> bool:
+    """Whether a report waits in the pipe. Asked after the clock (which reads the child's CPU
+    time) says stuck: a watcher descheduled between its ``select`` and that reading (a loaded
+    machine) meets a child that reported meanwhile, which is progress, not a stuck library."""
+    return bool(select.select([rfd], [], [], 0)[0])
 
 
 def _kill(pid: int, why: str) -> str:
