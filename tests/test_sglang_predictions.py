@@ -108,6 +108,7 @@ def test_rows_sglang_computed_no_logits_for_come_from_the_lm_head(state, monkeyp
     _check(full, logits, need)
     assert np.isnan(full[[1, 4, 5]]).all()
     assert (full[need, :K] < 40).all()
+    assert table.full() is full   # made once: a verify pass's spec_verify and spec_chain rows both read it
     _check(again.full(), logits, np.array([1, 5]))
 
 

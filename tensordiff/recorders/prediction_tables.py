@@ -18,27 +18,30 @@ class PassTable:
     holds the rows ``need`` of the pass's ``n_rows`` (None: every row), computed when the
     recorder drains its staged work (or on first read)."""
 
-    __slots__ = ("job", "n_rows", "need")
+    __slots__ = ("_full", "job", "n_rows", "need")
 
     def __init__(self, job, n_rows: int, need):
         self.job = job
         self.n_rows = int(n_rows)
         self.need = need
+        self._full = None
 
     @property
     def width(self) -> int:
         return self.job.width
 
     def full(self):
-        """[n_rows, width] float64, NaN in rows not computed."""
+        """[n_rows, width] float64, NaN in rows not computed (made once: a verify pass's
+        spec_verify and spec_chain rows both read it)."""
         import numpy as np
 
         t = self.job.table
         if self.need is None:
             return t
-        out = np.full((self.n_rows, t.shape[1]), np.nan)
-        out[self.need] = t
-        return out
+        if self._full is None:
+            self._full = np.full((self.n_rows, t.shape[1]), np.nan)
+            self._full[self.need] = t
+        return self._full
 
     def ref(self, r: int):
         """(job, row of its table) of pass row ``r``, or None where that row is not computed."""
