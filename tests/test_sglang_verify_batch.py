@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 from tensordiff.conventions import SPEC_CHAIN, SPEC_VERIFY  # noqa: E402
 from tensordiff.recorders.sglang import forward, verify  # noqa: E402
-from tensordiff.recorders.sglang.predictions import PassTable  # noqa: E402
+from tensordiff.recorders.prediction_tables import PassTable  # noqa: E402
 from tensordiff.recorders.sglang.state import STATE, Pass  # noqa: E402
 from tensordiff.recorders.staging import Later  # noqa: E402
 

@@ -31,9 +31,6 @@ from .. import prediction_tables as tables
 from ..prediction_tables import PassTable
 from .state import STATE
 
-__all__ = ["PassTable", "chain_start", "chain_step", "install_prediction_taps", "kept_rows", "prediction_rows",
-           "record_fc", "record_topk"]
-
 
 def install_prediction_taps(runner, draft: bool) -> None:
     """Hooks on the model's logits processor (and, for the draft, its fc)."""

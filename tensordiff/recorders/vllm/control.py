@@ -44,15 +44,14 @@ def rpc_method(name: str):
 
 def set_topk(k) -> None:
     """Predictions off (0) or back on (the start-up k) for the steps that follow
-    (``collective_rpc("tensordiff_resume", kwargs={"topk": 0})``). Another k is refused: a trace's
-    top-k tables keep one width."""
+    (``collective_rpc("tensordiff_resume", kwargs={"topk": 0})``, which also drops the chains).
+    Another k is refused: a trace's top-k tables keep one width."""
     st = STATE
     if st.cfg is None:
         return
     k = resume_topk(st, k)
     with st.lock:
         st.cfg.topk = k
-        st.chain = {}
 
 
 def hook_shutdown(wrapper, *args, **kwargs) -> None:
