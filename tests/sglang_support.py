@@ -518,6 +518,19 @@ def assert_training_quality(d: dict, text: str, steps: int) -> None:
     assert "acceptance by draft position" in text and "teacher-forced" in text
 
 
+def norm_before_fc_draft(draft: str | os.PathLike, dst: Path) -> Path:
+    """A copy of the EAGLE-3 ``draft`` whose config says norm_before_fc (sglang#32334; both engines
+    read it from eagle_config): the engine normalises the packed input before fc, while a trainer
+    of the same weights did not."""
+    import shutil
+
+    shutil.copytree(draft, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["eagle_config"]["norm_before_fc"] = True
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
 def assert_found_at_fc_output(rc: int, d: dict) -> None:
     """A draft that normalises its fc input on one side only: the first divergence is
     draft_fc_output (the draft input agrees), and the acceptance finding names it upstream as a

@@ -482,14 +482,8 @@ def norm_run(models, tmp_path_factory):
     """EAGLE-3 with a draft whose config says norm_before_fc (sglang#32334): SGLang normalises the
     packed input before fc; the trainer of the same weights did not. Prompts A and B (no radix hit,
     so the serve trace itself holds every position)."""
-    import shutil
-
     tmp = tmp_path_factory.mktemp("norm")
-    draft = tmp / "draft-norm"
-    shutil.copytree(models["draft"], draft)
-    cfg = json.loads((draft / "config.json").read_text())
-    cfg["eagle_config"]["norm_before_fc"] = True
-    (draft / "config.json").write_text(json.dumps(cfg))
+    draft = sup.norm_before_fc_draft(models["draft"], tmp / "draft-norm")
     argv = [sys.executable, "-c", _EAGLE_RUNNER.format(tests=str(HERE)),
             *_serve_argv(models, tmp, "norm", prompts={"A": PROMPT_A, "B": PROMPT_B}),
             "--draft", str(draft), "--attention-backend", "intel_amx"]

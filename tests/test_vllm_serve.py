@@ -408,14 +408,8 @@ def vllm_norm_run(models, tmp_path_factory):
     """vLLM with a draft whose config says norm_before_fc (sglang#32334; vLLM reads it from
     eagle_config too): vLLM normalises the packed input before fc; the trainer of the same weights
     did not. Prompts A and B, no catalog."""
-    import shutil
-
     tmp = tmp_path_factory.mktemp("vllm-norm")
-    draft = tmp / "draft-norm"
-    shutil.copytree(models["draft"], draft)
-    cfg = json.loads((draft / "config.json").read_text())
-    cfg["eagle_config"]["norm_before_fc"] = True
-    (draft / "config.json").write_text(json.dumps(cfg))
+    draft = sup.norm_before_fc_draft(models["draft"], tmp / "draft-norm")
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": k, "input_ids": PROMPTS[k]}) + "\n" for k in ("A", "B")))
     return _record_vllm(tmp, "norm", models["target"], draft, prompts)
