@@ -112,14 +112,7 @@ def test_compressed_token_table(tmp_path, baseline):
 def test_many_tensors_do_not_cost_a_chunk_cache_each(tmp_path, baseline):
     """1500 small tensors: every dataset open at once cost ~100 KB of HDF5 chunk cache each
     (500 MB here, 40 GB at the 100k-tensor limit); the reader keeps a bounded set open."""
-    from tensordiff.trace.reader import TraceReader
-
-    p = hostile.many_tensors(str(tmp_path / "t.h5"), tensors=2000)
-    t0 = time.monotonic()
-    with TraceReader(p) as r:   # what the watched open does: load every tensor, touch both ends
-        r.touch()
-    opened = time.monotonic() - t0
-    assert opened > 1.5, f"the open took {opened:.2f} s: too fast to outlast the 1 s stall timeout"
+    p = hostile.many_tensors(str(tmp_path / "t.h5"), tensors=1500)
     rc, out, err, rss = hostile.peak_rss(["info", p], env={"TENSORDIFF_OPEN_TIMEOUT": "600"})
     assert rc == 0, err
     assert rss <= baseline + RSS_HEADROOM_MIB, f"peak RSS {rss} MiB, baseline {baseline} MiB"
