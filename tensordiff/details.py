@@ -27,16 +27,7 @@ def _plain(v: Any) -> Any:
 
 @dataclass
 class Record:
-    """A dataclass with a JSON form. ``get`` and ``[key]`` read a field like a dict key (for
-    callers written when details were dicts)."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in self.__dataclass_fields__ else default
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.__dataclass_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
+    """A dataclass with a JSON form; its fields are read as attributes."""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -347,7 +347,7 @@ class Differ:
         basis = self._basis(ia, ib, ma, mb, both, label, sp.findings)
         if basis is None:
             st.compared = False
-            st.not_compared = sp.findings[-1].details.get("reason_text") or "not comparable"
+            st.not_compared = getattr(sp.findings[-1].details, "reason_text", "") or "not comparable"
             return sp, None
         st.basis = sp.basis = basis
         return sp, (basis, k, depth, both_idx, ma, mb)

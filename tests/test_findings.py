@@ -58,7 +58,7 @@ def test_kinds_and_severities_compare_as_strings():
     assert {"warning": 1}[f.severity] == 1 and Severity.DIVERGENCE.glyph == "✗"
     # old-style construction: strings and a details dict are turned into the typed forms
     g = Finding("token_shift", "divergence", details={"shift": 1, "sequences": 2, "of": 3})
-    assert g.kind is Kind.TOKEN_SHIFT and isinstance(g.details, ShiftDetails) and g.details["shift"] == 1
+    assert g.kind is Kind.TOKEN_SHIFT and isinstance(g.details, ShiftDetails) and g.details.shift == 1
     assert g.message.startswith("token shift of 1: B positions are A positions +1 in 2 of 3 sequences")
 
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tensordiff.errors import TraceError
+from tensordiff.errors import IncompatibleTracesError
 from tensordiff.findings import DiffResult, Finding
 from tensordiff.summary import SummaryWriter
 from tensordiff.trace import SlotSpec, TraceWriter
@@ -170,8 +170,8 @@ async def test_opens_on_first_divergence(pair, pair_result):
         col = column_of(app)
         if first.tensor is not None:
             assert col.matches(first.tensor, first.slot)
-        if first.details.get("token_index") is not None:
-            assert app.heatmap.cursor_row == first.details["token_index"]
+        if first.details.token_index is not None:
+            assert app.heatmap.cursor_row == first.details.token_index
         detail = app.detail_text.plain
         assert first.message in detail
         assert "cos" in detail and "rel err" in detail and "max abs" in detail
@@ -575,7 +575,7 @@ async def test_quit_during_scan(fixture_pair):
 
 async def test_diff_error_exits_2(fixture_pair):
     def bad(a, b, opts):
-        raise TraceError("no common tokens: nothing matches")
+        raise IncompatibleTracesError("no common tokens: nothing matches")
 
     app = TensordiffApp(*fixture_pair, diff_fn=bad)
     async with app.run_test(size=SIZE) as pilot:
@@ -583,8 +583,40 @@ async def test_diff_error_exits_2(fixture_pair):
             if app.diff_error is not None:
                 break
             await pilot.pause(0.02)
-    assert isinstance(app.diff_error, TraceError)
+    assert isinstance(app.diff_error, IncompatibleTracesError)
     assert app.return_value == 2
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_bug_in_the_diff_is_unexpected_not_bad_input(monkeypatch, capsys, tmp_path, fixture_pair, debug):
+    """An error of tensordiff's own (not a TensordiffError) under the TUI takes the CLI's
+    "unexpected" path with its traceback hint (TENSORDIFF_DEBUG=1: the original traceback), never
+    the one line of bad input; bad input under the TUI stays one line."""
+    from tensordiff import cli
+    from tensordiff.tui import app as tui
+
+    def buggy(a, b, opts):
+        raise RuntimeError("boom in the diff")
+
+    monkeypatch.setattr(tui, "run_diff", buggy)
+    monkeypatch.delenv("TENSORDIFF_DEBUG", raising=False)
+    out = str(tmp_path / "s.svg")
+    if debug:
+        monkeypatch.setenv("TENSORDIFF_DEBUG", "1")
+        with pytest.raises(RuntimeError, match="boom in the diff"):
+            cli.main(["tui", *fixture_pair, "--screenshot", out])
+        return
+    assert cli.main(["tui", *fixture_pair, "--screenshot", out]) == 2
+    err = capsys.readouterr().err
+    assert "unexpected RuntimeError: boom in the diff" in err and "TENSORDIFF_DEBUG=1" in err, err
+
+    def bad(a, b, opts):
+        raise IncompatibleTracesError("no common tokens: nothing matches")
+
+    monkeypatch.setattr(tui, "run_diff", bad)
+    assert cli.main(["tui", *fixture_pair, "--screenshot", out]) == 2
+    err = capsys.readouterr().err
+    assert "no common tokens: nothing matches" in err and "unexpected" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_cli_routes_to_tui(monkeypatch, fixture_pair):
@@ -708,7 +740,7 @@ def test_progress_messages_are_throttled(fixture_pair):
             opts.progress("comparing tensors", i, 2000)
         opts.progress("comparing tensors", 2000, 2000)
         opts.progress("identifying slots", 0, 3)
-        raise TraceError("stop here")
+        raise IncompatibleTracesError("stop here")
 
     t = DiffThread(*fixture_pair, DiffOptions(), chatty, posted.append)
     t.run()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import TraceError
+from ..errors import UsageError
 
 FORMAT_CHOICES = ("auto", "specforge", "speculators", "sglang-dump", "vllm-hidden-states", "trtllm", "modelopt")
 
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     as_labels = {}
     for item in args.as_labels or []:
         if "=" not in item:
-            raise TraceError(f"--as {item!r}: expected NAME=LABEL")
+            raise UsageError(f"--as {item!r}: expected NAME=LABEL")
         name, label = item.rsplit("=", 1)
         as_labels[name] = label
     ids = args.aux_ids
@@ -66,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
     fmt = args.format
     if sources and sources[0] in FORMAT_CHOICES[1:] and not os.path.exists(sources[0]):
         if fmt != "auto" and fmt != sources[0]:
-            raise TraceError(f"format given twice: {sources[0]} and --format {fmt}")
+            raise UsageError(f"format given twice: {sources[0]} and --format {fmt}")
         fmt = sources.pop(0)
         if not sources:
-            raise TraceError(f"import {fmt}: give the files or directories to import")
+            raise UsageError(f"import {fmt}: give the files or directories to import")
     check_output_path(args.out, sources, "--out")
     from .importers import ENGINE_FORMATS, detect_engine_format, import_engine_files
 

@@ -46,7 +46,7 @@ from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
 from ..diff import DiffOptions
-from ..errors import TraceError, UsageError
+from ..errors import TensordiffError, UsageError
 from ..findings import DiffResult
 from ..fmt import progress_unit
 from ..summary import SummaryReader, read_columns
@@ -327,7 +327,7 @@ class TensordiffApp(App[int]):
         self._stop_live()
         self.heatmap.summary, self.heatmap.blocks = None, None
         self.heatmap.show_message("the diff failed: no verdict")
-        msg = str(err) if isinstance(err, TraceError) else f"{type(err).__name__}: {err}"
+        msg = str(err) if isinstance(err, TensordiffError) else f"{type(err).__name__}: {err}"
         self._w_headline.update(Text(f"diff failed: {msg}", style="bold red"))
         self.exit(2)
 
@@ -337,7 +337,7 @@ class TensordiffApp(App[int]):
         self._stop_live()
         try:
             self.summary = SummaryReader(self.summary_path) if self.summary_path else None
-        except TraceError as e:
+        except TensordiffError as e:
             self._on_diff_error(e)
             return
         self.columns = read_columns(self.summary) if self.summary else []
@@ -439,7 +439,7 @@ class TensordiffApp(App[int]):
                 if col_pos is None:
                     self.notify(f"{c.label} is hidden by the filter", severity="warning", timeout=3)
                 break
-        row = f.details.get("token_index") if f.details else None
+        row = f.details.token_index if f.details else None
         if row is None or row < 0:
             row = None
         if row is not None or col_pos is not None:
@@ -696,7 +696,9 @@ class TensordiffApp(App[int]):
 def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None, *,
             token_text: TokenText | None = None) -> int:
     """Run the TUI; returns the exit code (1 divergence, 0 agree, 130 quit before the diff ended).
-    A diff that fails on bad input re-raises its TraceError after the screen is restored."""
+    A diff that fails re-raises its error after the screen is restored: bad input (a
+    :class:`~tensordiff.errors.TensordiffError`) becomes the CLI's one line, anything else its
+    "unexpected" line with the traceback hint."""
     app = TensordiffApp(path_a, path_b, options, token_text=token_text)
     try:
         code = app.run()
@@ -711,9 +713,7 @@ def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None, *,
                 sys.stderr.flush()
                 t.join()
     if app.diff_error is not None:
-        if isinstance(app.diff_error, TraceError):
-            raise app.diff_error
-        raise TraceError(f"the diff failed: {type(app.diff_error).__name__}: {app.diff_error}")
+        raise app.diff_error
     return app.exit_code() if code is None else int(code)
 
 
@@ -730,10 +730,7 @@ def save_screenshot(path_a: str, path_b: str, out: str, size: tuple[int, int] = 
             while not app.ready and app.diff_error is None:
                 await pilot.pause(0.05)
             if app.diff_error is not None:
-                err = app.diff_error
-                if isinstance(err, TraceError):
-                    raise err
-                raise TraceError(f"the diff failed: {type(err).__name__}: {err}")
+                raise app.diff_error   # as run_tui: a bug is not bad input
             while app.vectors_for != app.cell:
                 await pilot.pause(0.05)
             await pilot.pause()

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from rich.text import Text
 
-from ..findings import DiffResult, Finding, Kind
+from ..findings import DiffResult, Finding, IdentityDetails, Kind
 from ..fmt import OK_GLYPH, SEVERITY_GLYPH, number
 from ..summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
 from .data import BARS, N_LEVELS, Column, column_findings, slot_row
@@ -113,15 +113,16 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
             (": ", "dim"), (f"{res.side_b} ", "yellow"), f"holds {held} (claims {srow.claimed_b or '-'}), ",
             (f"{res.side_a} ", "cyan"), f"holds {srow.held_a or '?'} (claims {srow.claimed_a or '-'})",
             ("  score ", "dim"), fmt(srow.score_b, 3), ("  margin ", "dim"), fmt(srow.margin_b, 3)))
-    cands = (f.details.get("candidates") if f is not None and f.details else None) or (srow.candidates_b if srow else None)
+    cands = (f.details.candidates if f is not None and isinstance(f.details, IdentityDetails) else None) or \
+        (srow.candidates_b if srow else None)
     if cands:
         t = Text("candidates ", style="dim")
         for i, c in enumerate(cands[:4]):
             if i:
                 t.append(" · ", style="dim")
-            off = c.get("offset") or 0
-            t.append(f"{c.get('label')}{f' ({off:+d})' if off else ''}", style="bold" if i == 0 else "")
-            t.append(f" {fmt(c.get('score'), 3)} (cos {fmt(c.get('cos'), 3)}, rms {fmt(c.get('rms_agreement'), 3)})")
+            off = c.offset or 0
+            t.append(f"{c.label}{f' ({off:+d})' if off else ''}", style="bold" if i == 0 else "")
+            t.append(f" {fmt(c.score, 3)} (cos {fmt(c.cos, 3)}, rms {fmt(c.rms_agreement, 3)})")
         lines.append(t)
     if vectors is not None:
         va, vb, note = vectors

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ... import conventions
-from ...errors import SourceFileError, TraceError, UsageError
+from ...errors import SourceFileError, TensordiffError, UsageError
 from ...vocab import boundary_label, parse_label
 from ..core import Recorder, logical_dtype
 from .common import ImportResult, as_2d, check_out_dir, discard, draft_rows, open_trace
@@ -57,7 +57,7 @@ def detect_engine_format(sources: Sequence[str | os.PathLike]) -> str | None:
         return None
     try:
         data = load_torch_file(probe)
-    except TraceError:
+    except TensordiffError:
         return None
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], dict) and "hidden_state_features" in data[0]:
         return "trtllm"

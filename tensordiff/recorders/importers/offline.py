@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ... import conventions
-from ...errors import TraceError
+from ...errors import SourceFileError, UsageError
 from ...vocab import boundary_label
 from ..core import Recorder, logical_dtype
 from ..hf import DraftPlan, plan_draft_input
@@ -63,13 +63,13 @@ def plan_for(fmt: str, *, slots: int, hidden: int, ids, convention, num_layers, 
         if len(labels) != want:
             what = ("states but the file's list holds {} (the aux states and the verifier state)"
                     if fmt == "speculators" else "slots but the packed input holds {}")
-            raise TraceError(f"--labels names {len(labels)} {what.format(want)}", path)
+            raise UsageError(f"--labels names {len(labels)} {what.format(want)}", path)
         try:
             return conventions.plan_from_labels(labels, verifier_last=fmt == "speculators")
         except ValueError as e:
-            raise TraceError(str(e)) from None
+            raise UsageError(str(e)) from None
     if num_layers is None and (ids is None or convention == "eagle"):
-        raise TraceError("the file does not say which layers it holds: give --aux-ids (with --convention), "
+        raise UsageError("the file does not say which layers it holds: give --aux-ids (with --convention), "
                          "--labels, or --num-layers for the default ids", path)
     n = int(num_layers) if num_layers is not None else 10**6
     conv = convention or ("specforge" if fmt == "specforge" else "speculators-legacy")
@@ -79,12 +79,12 @@ def plan_for(fmt: str, *, slots: int, hidden: int, ids, convention, num_layers, 
     try:
         plan = plan_draft_input(conv, ids, n, prepend_embed=prepend_embed, ids_name_verifier=names_verifier)
     except ValueError as e:
-        raise TraceError(str(e)) from None
+        raise UsageError(str(e)) from None
     if num_layers is None and (plan.verifier == boundary_label(n)):
-        raise TraceError("the verifier state's layer depends on the model depth: give --num-layers "
+        raise UsageError("the verifier state's layer depends on the model depth: give --num-layers "
                          "(or the verifier's id as the last of --aux-ids, or --labels)", path)
     if len(plan.fed) != slots:
-        raise TraceError(f"the packed input holds {slots} slots of {hidden}, but {conv} ids "
+        raise UsageError(f"the packed input holds {slots} slots of {hidden}, but {conv} ids "
                          f"{list(ids) if ids is not None else 'default'} select {len(plan.fed)}: {list(plan.fed)}", path)
     return plan
 
@@ -116,10 +116,10 @@ def import_hidden_state_files(fmt: str, parse: Callable[[Any, str, str], Sample]
                     k = len(labels) if labels else (len(ids) if ids is not None else 3)
                     hidden = int(s.draft.shape[-1]) // k
                 if hidden_size and int(hidden_size) != hidden:
-                    raise TraceError(f"the file's states are {hidden} wide, not --hidden-size {hidden_size}", path)
+                    raise SourceFileError(f"the file's states are {hidden} wide, not --hidden-size {hidden_size}", path)
                 width = int(s.draft.shape[-1])
                 if width % hidden:
-                    raise TraceError(f"the packed input is {width} wide, not a multiple of the hidden size {hidden}", path)
+                    raise SourceFileError(f"the packed input is {width} wide, not a multiple of the hidden size {hidden}", path)
                 plan = plan_for(fmt, slots=width // hidden, hidden=hidden, ids=ids, convention=convention,
                                 num_layers=num_layers, labels=labels, prepend_embed=prepend_embed, path=path)
                 model = {"num_layers": int(num_layers) if num_layers is not None else None, "hidden_size": hidden,
@@ -128,7 +128,7 @@ def import_hidden_state_files(fmt: str, parse: Callable[[Any, str, str], Sample]
                 result.plan = plan.as_attrs()
             H = rec.model["hidden_size"]
             if s.draft.shape[-1] != H * len(plan.fed):
-                raise TraceError(f"packed input is {s.draft.shape[-1]} wide; the first file's was {H * len(plan.fed)}", path)
+                raise SourceFileError(f"packed input is {s.draft.shape[-1]} wide; the first file's was {H * len(plan.fed)}", path)
             rows = rec.add_tokens(key, None, s.ids, regime="train")
             rec.packed("draft_input", s.draft, draft_rows(rows), labels=list(plan.fed),
                        raw_ids=list(plan.raw_ids) if plan.raw_ids is not None else None,
@@ -136,12 +136,12 @@ def import_hidden_state_files(fmt: str, parse: Callable[[Any, str, str], Sample]
                        attrs={"draft_plan": plan.as_attrs(), "source_format": fmt})
             if s.verifier is not None:
                 if s.verifier.shape[-1] != H:
-                    raise TraceError(f"verifier state is {s.verifier.shape[-1]} wide, expected {H}", path)
+                    raise SourceFileError(f"verifier state is {s.verifier.shape[-1]} wide, expected {H}", path)
                 rec.record("verifier_last", s.verifier, rows, kind="other", role="verifier_target",
                            attrs={"label": plan.verifier, "source_format": fmt})
             if s.final_norm is not None:
                 if s.final_norm.shape[-1] != H:
-                    raise TraceError(f"hidden_state is {s.final_norm.shape[-1]} wide, expected {H}", path)
+                    raise SourceFileError(f"hidden_state is {s.final_norm.shape[-1]} wide, expected {H}", path)
                 rec.final_norm(s.final_norm, rows, attrs={"source_format": fmt})
             result.files += 1
             result.sequences += 1
@@ -151,6 +151,6 @@ def import_hidden_state_files(fmt: str, parse: Callable[[Any, str, str], Sample]
             rec.close(e)
         raise
     if rec is None:
-        raise TraceError("no files to import")
+        raise UsageError("no files to import")
     result.tensors = rec.defined
     rec.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import TraceError
+from ...errors import SourceFileError
 from .common import as_2d, token_ids
 from .offline import Sample
 
@@ -18,7 +18,7 @@ PATTERNS = ("*.ckpt", "*.ckpt.gz")
 
 def specforge_sample(d: Any, path: str, key: str) -> Sample:
     if not isinstance(d, dict) or "aux_hidden_state" not in d:
-        raise TraceError("not a SpecForge hidden-state file (no aux_hidden_state)", path)
+        raise SourceFileError("not a SpecForge hidden-state file (no aux_hidden_state)", path)
     ids = token_ids(d, path)
     aux = as_2d(d["aux_hidden_state"], "aux_hidden_state", path, len(ids))
     fn = d.get("hidden_state")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ...errors import TraceError
+from ...errors import SourceFileError
 from .common import as_2d, token_ids
 from .offline import Sample
 
@@ -21,7 +21,7 @@ PATTERNS = ("*.pt", "*.pt.gz")
 
 def speculators_sample(d: Any, path: str, key: str) -> Sample:
     if not isinstance(d, dict):
-        raise TraceError(f"not a speculators data file (a {type(d).__name__}, not a dict)", path)
+        raise SourceFileError(f"not a speculators data file (a {type(d).__name__}, not a dict)", path)
     ids = token_ids(d, path)
     L = len(ids)
     if "hidden_states" in d:
@@ -30,24 +30,25 @@ def speculators_sample(d: Any, path: str, key: str) -> Sample:
             while hs.ndim > 3 and hs.shape[0] == 1:
                 hs = hs[0]
             if hs.ndim != 3 or hs.shape[0] != L:
-                raise TraceError(f"hidden_states has shape {list(hs.shape)}, expected [L={L}, K, H] or a list of [L, H]", path)
+                raise SourceFileError(f"hidden_states has shape {list(hs.shape)}, expected [L={L}, K, H] or a list of [L, H]",
+                                      path)
             parts = [hs[:, i] for i in range(hs.shape[1])]
         elif isinstance(hs, (list, tuple)):
             parts = [as_2d(t, f"hidden_states[{i}]", path, L) for i, t in enumerate(hs)]
         else:
-            raise TraceError(f"hidden_states is a {type(hs).__name__}, expected a list of tensors or [L, K, H]", path)
+            raise SourceFileError(f"hidden_states is a {type(hs).__name__}, expected a list of tensors or [L, K, H]", path)
         if len(parts) < 2:
-            raise TraceError(f"hidden_states holds {len(parts)} state(s); the trainer needs aux states + the "
+            raise SourceFileError(f"hidden_states holds {len(parts)} state(s); the trainer needs aux states + the "
                              "verifier state", path)
         widths = {int(p.shape[-1]) for p in parts}
         if len(widths) != 1:
-            raise TraceError(f"hidden_states entries differ in width {sorted(widths)}", path)
+            raise SourceFileError(f"hidden_states entries differ in width {sorted(widths)}", path)
         if not parts[0].is_floating_point():
-            raise TraceError("hidden_states is not floating point", path)
+            raise SourceFileError("hidden_states is not floating point", path)
         draft = torch.cat(parts[:-1], dim=-1)
         return Sample(key, ids, draft, parts[-1], None, len(parts) - 1)
     if "hidden_state" in d and "target" in d:  # v0
         draft = as_2d(d["hidden_state"], "hidden_state", path, L)
         tgt = as_2d(d["target"], "target", path, L)
         return Sample(key, ids, draft, tgt, None, 0)
-    raise TraceError("not a speculators data file (no hidden_states)", path)
+    raise SourceFileError("not a speculators data file (no hidden_states)", path)
