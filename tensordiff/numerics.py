@@ -21,11 +21,7 @@ from .dtypes import to_float32
 from .tolerances import Tolerance
 from .vocab import REGIMES
 
-try:
-    from . import _kernels
-except ImportError as _e:  # a source checkout that was never built
-    raise ImportError("tensordiff's compiled kernel (tensordiff/_kernels.c) is not built: "
-                      "run scripts/setup.sh core, or pip install -e . again") from _e
+from . import kernels as _kernels
 
 WORST_TOKENS = 20
 BLOCK_BYTES = 8 << 20   # stored bytes per side of one diff block (see rows_per_block)

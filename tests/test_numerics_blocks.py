@@ -12,6 +12,9 @@ import pytest
 from tensordiff.dtypes import f32_to_bf16_bits, to_float32
 from tensordiff.numerics import BlockMetrics, rows_per_block
 
+# every test on the compiled kernels and on their numpy versions (conftest.kernel_path)
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 
 def stored(x: np.ndarray, dtype: str) -> np.ndarray:
     return f32_to_bf16_bits(x) if dtype == "bfloat16" else x.astype({"float16": np.float16, "float32": np.float32,
