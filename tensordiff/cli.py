@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from . import __version__
-from .errors import IncompatibleTracesError, TensordiffError, UsageError
+from .errors import TensordiffError, UsageError
 
 EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_CODES = ("exit codes: 0 agree (or incomplete: some tensors not compared, said in the verdict), 1 divergence "
@@ -90,17 +90,9 @@ def cmd_info(args) -> int:
 
 def _diff_options(args, summary_path=None):
     from .diff import DiffOptions
-    from .tolerances import ToleranceBook
+    from .tolerances import tolerance_book
 
-    book = ToleranceBook()
-    for t in args.tol or []:   # rules in the order given: the first that matches a tensor wins
-        if "=" not in t and t.endswith(".toml"):
-            book.load_rules(t)
-        else:
-            book.add_rule(*ToleranceBook.parse_override(t))
-    book.allow_failed += args.allow_failed or []
-    if args.calibration:
-        book.load_calibration(args.calibration)
+    book = tolerance_book(args.tol or [], allow_failed=args.allow_failed or [], calibration=args.calibration)
     return DiffOptions(tolerances=book, summary_path=summary_path)
 
 
@@ -247,29 +239,11 @@ def cmd_calibrate(args) -> int:
 
 def _run_calibrate(args) -> int:
     from .diff import Differ, DiffOptions
-    from .tolerances import Tolerance, ToleranceBook, calibrate_tolerance, calibration_file
+    from .tolerances import calibrate, calibration_file, measuring_book
 
-    loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
-    with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
+    with Differ(args.a, args.b, DiffOptions(tolerances=measuring_book())) as d:
         res = d.run()
-    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing", "token_mismatch", "replica")
-           and f.severity == "divergence"]
-    if ids:
-        raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
-    tols, warnings = {}, []
-    for p in res.pairs:
-        if not p.compared:
-            warnings.append(f"{p.label}: not compared ({p.not_compared}); no tolerance written")
-            continue
-        for s in range(p.slots):
-            key = f"{p.name_a}[{s}]" if p.slots > 1 else p.name_a
-            tols[key], warn = calibrate_tolerance(key, p.cos_min[s], p.rel_max[s], p.dtype_a, p.dtype_b,
-                                                  p.depth[s], args.margin)
-            if warn:
-                warnings.append(warn)
-    if not tols:
-        raise IncompatibleTracesError("nothing to calibrate on: no tensor was compared on both sides "
-                                      f"({'; '.join(warnings[:3])})")
+    tols, warnings = calibrate(res, args.margin)
     out = calibration_file(args.a, args.b, args.margin, tols, warnings)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(jsonable(out), fh, indent=2)

@@ -33,6 +33,7 @@ from .details import (
     ShiftDetails,
     TokenMismatchDetails,
 )
+from .fmt import percent
 
 __all__ = [
     "DETAILS",
@@ -307,12 +308,9 @@ def _replica(f: Finding, d: ReplicaDetails) -> str:
             "this side's result depends on which copy is read")
 
 
-def _pct(x: float | None) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
-
-
 def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
-    pct = _pct
+    def pct(x: float | None) -> str:
+        return percent(x, 0, "?")
     if d.accept_length is not None:
         pos = ", ".join(f"position {p['position']} {pct(p['rate'])}" for p in d.per_position[:3])
         head = (f"acceptance {d.accept_length:.2f} on {d.side} over {d.steps} verify steps "

@@ -7,11 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..findings import AcceptanceDetails, DiffResult, Kind
-from ..fmt import number
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
+from ..fmt import number, percent
 
 
 def print_acceptance(res: DiffResult, console: Console) -> None:
@@ -26,8 +22,8 @@ def print_acceptance(res: DiffResult, console: Console) -> None:
                     "top-k overlap", "KL(target||draft) >="):
             t.add_column(col)
         for p in d.per_position:
-            t.add_row(str(p["position"]), str(p["reached"]), str(p["accepted"]), _pct(p["rate"]), _pct(p["top1"]),
-                      number(p["target_logprob"]), _pct(p.get("overlap")), number(p.get("kl_lb")))
+            t.add_row(str(p["position"]), str(p["reached"]), str(p["accepted"]), percent(p["rate"]), percent(p["top1"]),
+                      number(p["target_logprob"]), percent(p.get("overlap")), number(p.get("kl_lb")))
         console.print(t)
     for side, teach in ((d.side, d.teacher), (d.side_a if d.side == d.side_b else d.side_b, d.teacher_other)):
         if not teach:
@@ -37,9 +33,9 @@ def print_acceptance(res: DiffResult, console: Console) -> None:
         for col in ("regime", "draft rows", "top-1 agree", "top-k overlap", "KL(target||draft) >="):
             t.add_column(col)
         for reg, e in teach.items():
-            t.add_row(reg, str(e["rows"]), _pct(e["top1"]), _pct(e["overlap"]), number(e["kl_lb"]))
+            t.add_row(reg, str(e["rows"]), percent(e["top1"]), percent(e["overlap"]), number(e["kl_lb"]))
         console.print(t)
     if d.cross:
         console.print(f"{d.side_a} vs {d.side_b}: " + "; ".join(
-            f"{name} top-1 equal on {_pct(c['top1'])} of {c['tokens']} tokens, KL >= {number(c['kl_lb'])}"
+            f"{name} top-1 equal on {percent(c['top1'])} of {c['tokens']} tokens, KL >= {number(c['kl_lb'])}"
             for name, c in d.cross.items()))

@@ -5,9 +5,9 @@ image fetched at view time. It shows what the text report shows (the headline, t
 forward order, acceptance per draft position and per regime when the traces hold draft
 predictions or verify steps, the slot table, per-tensor numerics, worst tokens, tokens and gaps) and the token
 x slot heatmap as a PNG embedded as a data URI, written here with zlib and struct (no imaging
-library). Every verdict and colour is the aligner's (:class:`tensordiff.align.Differ`): the
+library). Every verdict and colour is the diff's (:class:`tensordiff.diff.Differ`): the
 heatmap colours a cell by the per-token flags of the diff summary and shades it by the relative
-error the aligner computed. Numbers computed on sketches (``basis: sketch``) are marked ``≈``.
+error the diff computed. Numbers computed on sketches (``basis: sketch``) are marked ``≈``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 from .. import __version__
 from ..errors import UsageError
 from ..findings import AcceptanceDetails, DiffResult, Finding, Kind
+from ..fmt import percent
 from ..summary import (  # the TUI's column order
     FLAG_BAD,
     FLAG_NONFINITE,
@@ -241,17 +242,13 @@ def _heatmap_section(res: DiffResult, summary: SummaryReader | None, text) -> st
             f'<p class="legend note">{legend}</p><p class="note">{binned}; columns in forward order.</p>')
 
 
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * float(x):.1f}%"
-
-
 def _bar(frac) -> str:
     """A bar filled to ``frac`` (0..1) beside its percentage; green from one half, red below."""
     if frac is None:
         return "-"
     f = max(0.0, min(1.0, float(frac)))
     return (f'<span class="bar" data-frac="{f:.6f}"><span class="{"hi" if f >= 0.5 else "lo"}" '
-            f'style="width:{100 * f:.2f}%"></span></span>{_pct(f)}')
+            f'style="width:{100 * f:.2f}%"></span></span>{percent(f)}')
 
 
 def _acceptance_section(res: DiffResult) -> str:
@@ -267,8 +264,8 @@ def _acceptance_section(res: DiffResult) -> str:
     if d.per_position:
         out.append(f'<p>by draft position on <b>{_e(d.side)}</b>: {d.steps} verify steps, mean acceptance length '
                    f'<b id="accept-length">{_num(d.accept_length, 2)}</b></p>')
-        rows = [[str(p["position"]), str(p["reached"]), str(p["accepted"]), _bar(p.get("rate")), _pct(p.get("top1")),
-                 _num(p.get("target_logprob"), 3), _pct(p.get("overlap")), _num(p.get("kl_lb"), 3)]
+        rows = [[str(p["position"]), str(p["reached"]), str(p["accepted"]), _bar(p.get("rate")), percent(p.get("top1")),
+                 _num(p.get("target_logprob"), 3), percent(p.get("overlap")), _num(p.get("kl_lb"), 3)]
                 for p in d.per_position]
         out.append(_table(["draft position", "steps reaching it", "accepted", "accepted share", "top-1 = target",
                            "target log-prob", "top-k overlap", "KL(target‖draft) ≥"], rows, {1, 2, 4, 5, 6, 7})
@@ -278,13 +275,13 @@ def _acceptance_section(res: DiffResult) -> str:
         if not teach:
             continue
         out.append(f"<p>the draft against the target, teacher-forced (draft position 0), on <b>{_e(side)}</b>, by regime</p>")
-        rows = [[_e(reg), str(e.get("rows", 0)), _bar(e.get("top1")), _pct(e.get("overlap")), _num(e.get("kl_lb"), 3)]
+        rows = [[_e(reg), str(e.get("rows", 0)), _bar(e.get("top1")), percent(e.get("overlap")), _num(e.get("kl_lb"), 3)]
                 for reg, e in teach.items()]
         out.append(_table(["regime", "draft rows", "top-1 agree", "top-k overlap", "KL(target‖draft) ≥"], rows, {1, 3, 4})
                    .replace("<table>", f'<table id="{tid}">', 1))
     if d.cross:
         out.append(f"<p>{_e(d.side_a)} against {_e(d.side_b)} on the aligned tokens</p>")
-        rows = [[f"<code>{_e(name)}</code>", str(c.get("tokens", 0)), _pct(c.get("top1")), _pct(c.get("overlap")),
+        rows = [[f"<code>{_e(name)}</code>", str(c.get("tokens", 0)), percent(c.get("top1")), percent(c.get("overlap")),
                  _num(c.get("kl_lb"), 3)] for name, c in d.cross.items()]
         out.append(_table(["predictions", "tokens", "top-1 equal", "top-k overlap", "KL ≥"], rows, {1, 2, 3, 4})
                    .replace("<table>", '<table id="acceptance-cross">', 1))

@@ -3,9 +3,9 @@
 It opens at once, runs the diff in a background worker thread (a progress bar shows how far it
 is; keys pressed meanwhile are queued and replayed when it ends, never lost), shows in the heatmap
 the rows the diff has compared so far (the rest drawn as pending, never as agreeing), then lands on
-the first divergence. Panes: the findings (the aligner's, in forward order), a tree of tensors and
+the first divergence. Panes: the findings (the diff's, in forward order), a tree of tensors and
 slots coloured by the findings on them, a token x slot heatmap of a per-token metric, and a
-detail pane for the selected cell with the aligner's sentence, identity candidates, the cell's
+detail pane for the selected cell with the diff's sentence, identity candidates, the cell's
 metrics, both token keys and small text plots of the two vectors.
 
 The TUI never judges a tensor itself: every verdict it shows comes from

@@ -3,11 +3,11 @@
 Plain numpy over the diff summary and the two traces, so it is tested and reused without an app:
 the heatmap's metrics and cell codes, the summary's columns and the column filter, the bounded
 block cache over the summary, position and token-id lookup, the go-to parser, the cell reader of
-the detail pane (:class:`VectorSource`), and a column's findings and slot row from the aligner's
+the detail pane (:class:`VectorSource`), and a column's findings and slot row from the diff's
 result. The text the panes show is made in :mod:`tensordiff.tui.text`, the widgets that draw it
 are in :mod:`tensordiff.tui.widgets`, the app in :mod:`tensordiff.tui.app`.
 
-Nothing here judges a tensor: verdicts, sentences and per-token flags are the aligner's.
+Nothing here judges a tensor: verdicts, sentences and per-token flags are the diff's.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ PENDING = 1 + 3 * N_LEVELS
 
 def cell_codes(values: np.ndarray, flags: np.ndarray, metric: Metric) -> np.ndarray:
     """uint8 code of every cell of a block: 0 where the tensor has no row for that token,
-    otherwise 1 + category * N_LEVELS + level (category from the aligner's flags)."""
+    otherwise 1 + category * N_LEVELS + level (category from the diff's flags)."""
     present = ~np.isnan(flags)
     fl = np.where(present, flags, 0).astype(np.int64)
     cat = np.where(fl & FLAG_NONFINITE, CAT_NONFINITE, np.where(fl & FLAG_BAD, CAT_FAIL, CAT_OK))
@@ -523,7 +523,7 @@ class VectorSource:
 
 
 # ----------------------------------------------------------------------------------------------
-# A column's findings and slot row, from the aligner's result
+# A column's findings and slot row, from the diff's result
 # ----------------------------------------------------------------------------------------------
 
 def column_findings(res: DiffResult | None, col: Column) -> list[Finding]:

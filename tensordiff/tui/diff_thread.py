@@ -5,7 +5,7 @@ through which the app's heatmap shows the rows compared so far while the diff ru
 
 A plain thread rather than a Textual worker, so that the app can end (and restore the terminal)
 while the diff is in a long stage: the thread stops at its next progress report, and
-:func:`tensordiff.tui_run.run_tui` joins it. Not a daemon: a daemon thread frozen inside h5py at
+:func:`tensordiff.tui.app.run_tui` joins it. Not a daemon: a daemon thread frozen inside h5py at
 interpreter exit would hold h5py's lock and deadlock the exit.
 """
 
@@ -35,7 +35,7 @@ class Cancelled(Exception):
 
 
 class DiffProgress(Message):
-    """Posted by the diff thread: how far the diff is (a stage of the aligner, done of total)."""
+    """Posted by the diff thread: how far the diff is (a stage of the diff, done of total)."""
 
     def __init__(self, stage: str, done: int, total: int) -> None:
         self.stage = stage
@@ -98,7 +98,7 @@ class DiffThread:
             if stage == "comparing tensors" and self.live is not None:
                 self.live.commit()    # reported after every sink (the summary file too) has the block
             # a message per stage, per end of stage, and at most one per 50 ms in between: the
-            # aligner reports per block, and the UI need not redraw the bar more often than that
+            # diff reports per block, and the UI need not redraw the bar more often than that
             now = time.perf_counter()
             if stage != last[0] or done >= total or now - last[1] >= PROGRESS_INTERVAL_S:
                 last[0], last[1] = stage, now

@@ -1,6 +1,6 @@
 """The text of the TUI's panes: the detail pane's lines, its small plots, numbers (no textual).
 
-Plain functions of the aligner's result and the diff summary, returning rich ``Text``, so they are
+Plain functions of the diff's result and the diff summary, returning rich ``Text``, so they are
 tested without an app; the widgets in :mod:`tensordiff.tui.widgets` show them.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 from rich.text import Text
 
 from ..findings import DiffResult, Finding, IdentityDetails, Kind
-from ..fmt import OK_GLYPH, SEVERITY_GLYPH, number
+from ..fmt import OK_GLYPH, SEVERITY_GLYPH, number, percent
 from ..summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
 from .data import BARS, N_LEVELS, Column, column_findings, slot_row
 from ..vocab import REGIMES
@@ -24,7 +24,7 @@ GLYPH_RANK = {OK_GLYPH[0]: 0, "·": 1, "!": 2, "✗": 3}
 
 
 def column_verdict(res: DiffResult, col: Column) -> tuple[str, str, str]:
-    """(glyph, style, words) from the aligner's findings and slot table for one column."""
+    """(glyph, style, words) from the diff's findings and slot table for one column."""
     fs = column_findings(res, col)
     worst = max(fs, key=lambda f: SEV_RANK.get(f.severity, 0), default=None)
     row = slot_row(res, col)
@@ -59,9 +59,9 @@ def finding_prompt(f: Finding) -> Text:
 def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int, tok,
                  selected: Finding | None, vectors: tuple | None, width: int, token_str: str = "") -> list[Text]:
     """What the detail pane says about one cell: the finding on its column, both token keys, the
-    cell's metrics and the aligner's verdict on it, the slot's identity, the best candidates and,
+    cell's metrics and the diff's verdict on it, the slot's identity, the best candidates and,
     once read (``vectors`` = (a, b, note); None while reading), the plots of the two vectors.
-    ``token_str``: the token as text, when a tokenizer is at hand. Numbers the aligner computed
+    ``token_str``: the token as text, when a tokenizer is at hand. Numbers the diff computed
     on sketches (the pair's ``basis``) are marked ``≈``."""
     lines: list[Text] = []
     fs = column_findings(res, col)
@@ -279,7 +279,7 @@ def acceptance_lines(res: DiffResult | None, width: int) -> list[Text]:
             rate = p.get("rate")
             style = "green" if rate is not None and rate >= 0.5 else "red"
             out.append(Text.assemble(f"{p['position']:>2} ", _bar(rate, bar_w, style),
-                                     f" {_pct(rate):>4}", (f" {p['accepted']}/{p['reached']}", "dim"), no_wrap=True))
+                                     f" {percent(rate, 0):>4}", (f" {p['accepted']}/{p['reached']}", "dim"), no_wrap=True))
     if d.teacher:
         out.append(Text("draft top-1 = target", style="bold"))
         out.append(Text(f"teacher-forced, {d.side}", style="dim"))
@@ -289,11 +289,11 @@ def acceptance_lines(res: DiffResult | None, width: int) -> list[Text]:
         for reg, e in d.teacher.items():
             top1 = e.get("top1")
             style = "green" if top1 is not None and top1 >= 0.5 else "red"
-            out.append(Text.assemble(f"{reg[:lab]:<{lab}} ", _bar(top1, w, style), f" {_pct(top1):>4}", no_wrap=True))
+            out.append(Text.assemble(f"{reg[:lab]:<{lab}} ", _bar(top1, w, style), f" {percent(top1, 0):>4}", no_wrap=True))
     if d.cross:
         out.append(Text(f"{res.side_a} vs {res.side_b} top-1", style="bold"))
         for name, c in d.cross.items():
-            out.append(Text.assemble(f"{name:<12}", f" {_pct(c.get('top1')):>4}",
+            out.append(Text.assemble(f"{name:<12}", f" {percent(c.get('top1'), 0):>4}",
                                      (f" {c.get('tokens', 0)} tok", "dim"), no_wrap=True))
     if d.verdict == "agree":
         words, style = (("wiring agrees; the draft disagrees", "bold yellow") if d.draft_disagrees
@@ -306,5 +306,3 @@ def acceptance_lines(res: DiffResult | None, width: int) -> list[Text]:
     return out
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"

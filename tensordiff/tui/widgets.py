@@ -3,7 +3,7 @@
 The heatmap is a Line-API :class:`~textual.scroll_view.ScrollView`: it renders only the lines on
 screen, reading the diff summary (:class:`tensordiff.summary.SummaryReader`) in blocks of rows
 through a bounded LRU cache, so neither its time to paint nor its memory grows with the trace.
-Nothing here judges a tensor: colours and glyphs show the aligner's per-token flags (fails
+Nothing here judges a tensor: colours and glyphs show the diff's per-token flags (fails
 tolerance, NaN/Inf) and the size of the metric it wrote.
 """
 
@@ -393,7 +393,7 @@ class DetailPane(Static):
 
 
 class TensorTree(Tree):
-    """Every compared tensor, packed ones with a child per slot, marked from the aligner's findings."""
+    """Every compared tensor, packed ones with a child per slot, marked from the diff's findings."""
 
     def show(self, res: DiffResult, columns: list[Column]) -> None:
         tree = self
