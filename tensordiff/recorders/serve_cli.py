@@ -11,20 +11,19 @@ Nothing here imports torch or sglang at module import time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import RecordingError, SourceFileError, TensordiffError, UsageError
 from ..safety import check_output_path
 from .engine_guard import EngineFailed, EngineGuard, kill_children
+from .serve_common import PLUGIN_NAME, _parse_engine_args, add_plugin, engine_environ, write_outputs
 from .train_cli import load_prompts
 
-PLUGIN_NAME = "tensordiff"
 PLUGIN_GROUP = "sglang.srt.plugins"
 
 
@@ -86,54 +85,6 @@ def _plugin_installed() -> bool:
     from importlib.metadata import entry_points
 
     return any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP))
-
-
-def _parse_engine_args(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise UsageError(f"--engine-arg {item!r}: expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        k = k.strip().replace("-", "_")
-        if not k.isidentifier():
-            raise UsageError(f"--engine-arg {item!r}: {k!r} is not an argument name")
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
-    return out
-
-
-def add_plugin(env: dict[str, str], var: str) -> None:
-    """Where ``var`` (``SGLANG_PLUGINS``, ``VLLM_PLUGINS``) restricts the engine's plugins and leaves
-    tensordiff out, ``env`` gets the list with tensordiff added (unset: every plugin loads)."""
-    plugins = os.environ.get(var, "").strip()
-    if plugins and PLUGIN_NAME not in [x.strip() for x in plugins.split(",")]:
-        env[var] = plugins + "," + PLUGIN_NAME
-
-
-@contextlib.contextmanager
-def engine_environ(env: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``env`` set while the engine runs (its processes inherit the environment
-    at spawn), each variable restored (or removed) afterwards."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def write_outputs(path: str | None, outputs: list[dict]) -> None:
-    """``--outputs``: one JSON object per request and line (nothing when not asked for)."""
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            for o in outputs:
-                f.write(json.dumps(o) + "\n")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
