@@ -9,7 +9,7 @@ For each size it writes a synthetic train/serve pair with TraceWriter into a tem
 different states on the two sides; small hidden size, float16, so the files stay modest), then runs
 the app headless (App.run_test, 140x40) in fresh processes and reports:
 
-* first rows (the figure of issue 12): seconds from the app's start until the heatmap has drawn
+* first rows (the figure of the TUI goal in goals.py): seconds from the app's start until the heatmap has drawn
   the first rows the diff has compared (it streams them: the rest of the heatmap is drawn as
   pending), and the stages of the diff before it (opening the traces, aligning the tokens, the
   first block handed to the sinks), timed in the diff thread; the RSS when those rows are drawn,

@@ -1,4 +1,4 @@
-"""Every speed and memory goal of issue 12 (and the SGLang overhead of issue 15), measured and judged.
+"""Every speed and memory goal (and the serve plugins' overhead), measured and judged.
 
 Runs each benchmark script once per configuration, one after the other (never two at once: they
 would load each other), with ``--json FILE``, and judges the figures it wrote against the goals:

@@ -39,5 +39,5 @@ case "$mode" in
 esac
 # tensordiff's bytecode, as pip writes it for a regular (not editable) install: where
 # PYTHONDONTWRITEBYTECODE=1 is set, Python would otherwise compile every module's source on every
-# run (~0.1 s of each CLI call); a module edited later is compiled from its source again
+# run (a noticeable part of a short CLI call; docs/benchmarks.md); a module edited later is compiled from its source again
 .venv/bin/python -m compileall -q tensordiff >/dev/null

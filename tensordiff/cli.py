@@ -297,7 +297,7 @@ CORE_COMMANDS = ("info", "diff", "tui", "report", "calibrate")
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command; given the ``command`` the arguments start with, one of
     :data:`CORE_COMMANDS`, the recorders' commands are left out (their argument definitions are
-    modules of their own, ~40 ms to import from source, never needed to parse a diff)."""
+    modules of their own, slow to import from source and never needed to parse a diff)."""
     p = _Parser(prog="tensordiff", description=(
         "Differential tensor-tracing debugger: record named tensors on two sides, align them by token "
         "and slot, and name the first divergence."), epilog=EXIT_CODES)

@@ -1,4 +1,4 @@
-"""The vectorised token alignment (issue 12: SideTokens without per-row code arrays, every A
+"""The vectorised token alignment (SideTokens without per-row code arrays, every A
 sequence's 3-gram votes and every pair's shifts counted at once) gives exactly the alignment of
 the per-sequence implementation it replaced: pairs, shifts, gaps, mismatches, aligned codes,
 tokens, regimes and row maps, on varied token tables (gaps, shifts, shared prefixes, many
@@ -36,7 +36,7 @@ class _Reader:
 
 
 class _OldSide:
-    """SideTokens before issue 12 (per-row code array kept)."""
+    """SideTokens as it was before the vectorised alignment (per-row code array kept)."""
 
     def __init__(self, r):
         t = r.tokens
@@ -60,7 +60,7 @@ class _OldSide:
 
 
 def _old_align(ra, rb):
-    """align_tokens before issue 12, on the per-sequence candidates of the dict-of-sets index."""
+    """align_tokens before the vectorised alignment, on the per-sequence candidates of the dict-of-sets index."""
     A, B = _OldSide(ra), _OldSide(rb)
     cands = _reference_candidates(A, B)
     cands.sort(key=lambda c: (-c[0], abs(c[2]), c[3], c[4]))
@@ -218,7 +218,7 @@ def test_in_order_table_takes_the_fast_path_and_agrees():
     assert not hasattr(st, "row_code") and not hasattr(st, "last_rows")
 
 
-# -- the same-tables path (issue 12): exactly the general path's alignment, and only where it holds --
+# -- the same-tables path: exactly the general path's alignment, and only where it holds --
 
 
 def _tables(seqs, regime=0):

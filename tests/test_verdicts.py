@@ -1,4 +1,4 @@
-"""Verdicts a user can trust (issue 11), on real trace files of tiny HF Llamas, most of them
+"""Verdicts a user can trust, on real trace files of tiny HF Llamas, most of them
 near-residual (consecutive boundaries at cos 0.99-0.9999, as in a trained deep model): each case
 is a way the diff used to answer wrongly, and a false-alarm sweep of correctly wired pairs."""
 
