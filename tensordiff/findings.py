@@ -14,10 +14,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, TypedDict
 
 from .details import (
     AcceptanceDetails,
+    Basis,
     Candidate,
     Details,
     GapDetails,
@@ -26,12 +27,16 @@ from .details import (
     MissingDetails,
     NonfiniteDetails,
     NumericDetails,
+    OneOf,
     PairingDetails,
+    Ranges,
     Record,
     RecoveredDetails,
     ReplicaDetails,
     ShiftDetails,
+    Side,
     TokenMismatchDetails,
+    ToleranceRecord,
 )
 from .fmt import percent
 
@@ -389,6 +394,63 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
 # ----------------------------------------------------------------------------------------------
 
 
+# -- the diff's records that are plain dicts, as the JSON gives them -----------------------------
+
+
+class RegimeStats(TypedDict):
+    """A tensor pair's figures on the tokens of one regime (``PairStats.by_regime``)."""
+
+    tokens: int
+    failing: int
+    rel_max: float
+
+
+class SideRecord(TypedDict):
+    path: str
+    side: str
+
+
+class _SequencePairBase(TypedDict):
+    a: str
+    b: str
+    shift: int
+    tokens: int
+    only_a: int
+    only_b: int
+
+
+class SequencePair(_SequencePairBase, total=False):
+    """One pair of sequences the alignment made (``DiffResult.sequences``)."""
+
+    mismatched: int
+
+
+class GapRecord(TypedDict):
+    """Tokens on one side only (``DiffResult.gaps``)."""
+
+    seq: str
+    side: Side
+    positions: Ranges
+    count: int
+    reason: str
+
+
+class WorstToken(TypedDict):
+    """One of the worst tokens of the diff (``DiffResult.worst_tokens``)."""
+
+    seq: str
+    position: int
+    seq_b: str
+    position_b: int
+    token: int
+    regime: str
+    token_index: int
+    tensor: str
+    rel: float
+    slot: int
+    cos: float
+
+
 @dataclass
 class SlotRow(Record):
     """One row of the slot table: what a slot of a paired tensor holds on each side."""
@@ -406,10 +468,12 @@ class SlotRow(Record):
     expected: str | None = None
     cos_mean: float | None = None
     rel_max: float | None = None
-    verdict: str = "ok"   # ok | wrong state | wrong label | scaled | unknown state | ambiguous | numeric drift
+    verdict: Annotated[str, OneOf(("ok", "wrong state", "wrong label", "scaled", "unknown state", "ambiguous",
+                                   "numeric drift"))] = "ok"
     offset_a: int = 0
-    outcome_a: str | None = None   # the identity search's outcome on each side (identity.IdentityVerdict)
-    outcome_b: str | None = None
+    # the identity search's outcome on each side (identity.IdentityVerdict)
+    outcome_a: Annotated[str | None, OneOf((None, "holds", "scaled", "no_state", "ambiguous", "none"))] = None
+    outcome_b: Annotated[str | None, OneOf((None, "holds", "scaled", "no_state", "ambiguous", "none"))] = None
 
     def __post_init__(self) -> None:
         self.candidates_b = [c if isinstance(c, Candidate) else Candidate.from_dict(c) for c in self.candidates_b]
@@ -425,8 +489,8 @@ class PairStats(Record):
     order: float = 0.0
     slots: int = 1
     tokens: int = 0
-    basis: str = "values"
-    tolerance: list[dict[str, Any]] = field(default_factory=list)
+    basis: Basis = "values"
+    tolerance: list[Annotated[dict[str, Any], ToleranceRecord]] = field(default_factory=list)
     cos_min: list[float] = field(default_factory=list)
     cos_mean: list[float] = field(default_factory=list)
     rel_max: list[float] = field(default_factory=list)
@@ -434,17 +498,43 @@ class PairStats(Record):
     failing: list[int] = field(default_factory=list)
     nonfinite_a: list[int] = field(default_factory=list)
     nonfinite_b: list[int] = field(default_factory=list)
-    by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
+    by_regime: dict[str, Annotated[dict[str, Any], RegimeStats]] = field(default_factory=dict)
     dtype_a: str = ""
     dtype_b: str = ""
     depth: list[float | None] = field(default_factory=list)   # per slot, for the default tolerance
     compared: bool = True
     not_compared: str = ""        # why not, when not compared
 
+    #: internal fields the JSON leaves out (it lists tensors in forward order already)
+    JSON_OMIT: ClassVar[tuple[str, ...]] = ("order",)
+
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
-        del d["order"]  # internal: the JSON lists tensors in forward order already
+        for k in self.JSON_OMIT:
+            del d[k]
         return d
+
+
+class DiffJSON(TypedDict):
+    """What :meth:`DiffResult.to_dict` gives (``tensordiff diff --json``): the schema's top level."""
+
+    schema_version: Annotated[int, OneOf((SCHEMA_VERSION,))]
+    a: SideRecord
+    b: SideRecord
+    verdict: Annotated[str, OneOf(("divergence", "agree", "incomplete"))]
+    tensors_compared: int
+    exit_code: Annotated[int, OneOf((0, 1))]
+    headline: str
+    first_divergence: Finding | None
+    findings: list[Finding]
+    slot_table: list[SlotRow]
+    tensors: list[PairStats]
+    tokens_aligned: int
+    sequences: list[SequencePair]
+    gaps: list[GapRecord]
+    shifts: dict[str, int]
+    worst_tokens: list[WorstToken]
+    summary_path: str | None
 
 
 @dataclass
@@ -456,11 +546,11 @@ class DiffResult:
     findings: list[Finding]
     slot_table: list[SlotRow]
     pairs: list[PairStats]
-    sequences: list[dict[str, Any]]
-    gaps: list[dict[str, Any]]
+    sequences: list[Annotated[dict[str, Any], SequencePair]]
+    gaps: list[Annotated[dict[str, Any], GapRecord]]
     shifts: dict[str, int]
     tokens_aligned: int
-    worst_tokens: list[dict[str, Any]]
+    worst_tokens: list[Annotated[dict[str, Any], WorstToken]]
     summary_path: str | None = None
     require_complete: bool = False  # `--require-complete`: an incomplete verdict fails (exit 1) too
 

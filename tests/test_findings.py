@@ -84,6 +84,23 @@ def test_json_validates_against_the_committed_schema(pair, wrong):
         assert d["schema_version"] == SCHEMA_VERSION
 
 
+def test_the_committed_schema_is_the_generated_one():
+    """tensordiff/schemas/diff.schema.json is generated from the records (tensordiff.json_schema):
+    a field added to a record without writing the schema again fails here."""
+    from tensordiff import json_schema
+
+    with open(json_schema.PATH, encoding="utf-8") as fh:
+        assert fh.read() == json_schema.dumps(), "run: python -m tensordiff.json_schema"
+    assert json_schema.main(["--check"]) == 0
+    schema = json_schema.build()
+    # one definition per record, each naming every field its to_dict writes
+    from tensordiff.findings import DETAILS, PairStats, SlotRow
+
+    for cls in (*DETAILS.values(), SlotRow):
+        assert schema["$defs"][json_schema.NAMES[cls]]["required"] == list(cls().to_dict())
+    assert schema["$defs"]["tensor"]["required"] == list(PairStats().to_dict())
+
+
 def test_json_has_no_internal_fields(pair, wrong):
     res = diff_traces(*wrong)
     d = res.to_dict()
