@@ -104,6 +104,8 @@ class Severity(_StrEnum):
         return {"divergence": "✗", "warning": "!", "info": "·"}[self.value]
 
 
+#: what the token tables say comes before any tensor's finding, in this order
+_TOKEN_RANK = {Kind.RECOVERED: 0, Kind.TOKEN_SHIFT: 1, Kind.TOKEN_MISMATCH: 2, Kind.GAP: 3}
 # at the same place in forward order, the explanation comes before its symptoms
 _KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.TOKEN_MISMATCH: 0, Kind.PAIRING: 1, Kind.REPLICA: 1, Kind.GAP: 2,
               Kind.MISSING: 3, Kind.NONFINITE: 4, Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7,
@@ -132,7 +134,8 @@ class Finding:
 
     The sentence (:attr:`message`) is rendered from the kind and the details; ``text`` is only for
     findings made outside the diff (a test, another tool) that bring their own sentence.
-    ``order`` (forward order of the tensor) and ``index`` (place in the sorted list) are internal."""
+    ``order`` (forward order of the tensor; unused by the token tables' findings) and ``index``
+    (place in the sorted list, :func:`order_findings`) are internal."""
 
     kind: Kind
     severity: Severity
@@ -166,10 +169,15 @@ class Finding:
     def token_index(self) -> int | None:
         return self.details.token_index
 
-    def sort_key(self) -> tuple[float, int, int, int]:
-        ti = self.details.token_index
-        return (self.order, -1 if self.slot is None else self.slot, _KIND_RANK.get(self.kind, 9),
-                -1 if ti is None else ti)
+    def sort_key(self) -> tuple[int, float, int, int, int]:
+        """Where the finding goes in the report: the token tables' findings first (recovered
+        traces, shifts, mismatched tokens, gaps), then by the tensor's forward order, slot, kind
+        (an explanation before its symptoms) and first token."""
+        ti = -1 if self.details.token_index is None else self.details.token_index
+        rank = _TOKEN_RANK.get(self.kind)
+        if rank is not None:
+            return (0, float(rank), -1, 0, ti)
+        return (1, self.order, -1 if self.slot is None else self.slot, _KIND_RANK.get(self.kind, 9), ti)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind.value, "severity": self.severity.value, "message": self.message}
