@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from .details import (
     AcceptanceDetails,
@@ -57,11 +57,19 @@ __all__ = [
     "Severity",
     "ShiftDetails",
     "SlotRow",
+    "SlotVerdict",
     "TokenMismatchDetails",
+    "Verdict",
     "order_findings",
     "render_sentence",
     "where_token",
 ]
+
+#: a diff's verdict: a divergence was found; every paired tensor compared and none diverges; or
+#: no divergence in what could be compared, but not everything could be
+Verdict = Literal["divergence", "agree", "incomplete"]
+#: what the slot table says of a slot
+SlotVerdict = Literal["ok", "wrong state", "wrong label", "scaled", "unknown state", "ambiguous", "numeric drift"]
 
 #: version of the diff JSON (``tensordiff diff --json``); docs/json.md, schemas/diff.schema.json
 SCHEMA_VERSION = 1
@@ -416,7 +424,7 @@ class SlotRow(Record):
     expected: str | None = None
     cos_mean: float | None = None
     rel_max: float | None = None
-    verdict: str = "ok"   # ok | wrong state | wrong label | scaled | unknown state | ambiguous | numeric drift
+    verdict: SlotVerdict = "ok"
     offset_a: int = 0
     outcome_a: str | None = None   # the identity search's outcome on each side (identity.IdentityVerdict)
     outcome_b: str | None = None
@@ -495,7 +503,7 @@ class DiffResult:
         return sum(1 for p in self.pairs if p.compared)
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Verdict:
         """divergence; agree (every paired tensor compared, none diverges); incomplete (no
         divergence in the tensors compared, but some could not be compared)."""
         if self.divergences:

@@ -231,7 +231,8 @@ def finite_or_zero(x: np.ndarray) -> np.ndarray:
     """x with NaN/Inf replaced by 0, copying only when there are any (one cheap pass)."""
     if np.isfinite(x.sum(dtype=np.float64)):
         return x
-    return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    out: np.ndarray = np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -121,7 +121,8 @@ class SummaryReader:
         self.labels = [str(c.attrs["label"]) for c in self.columns]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        return self.tokens_ds[start:stop]
+        rows: np.ndarray = self.tokens_ds[start:stop]
+        return rows
 
     def block(self, start: int, stop: int, metric: int = 1) -> np.ndarray:
         """[stop-start, n_columns] of one metric (0 cos, 1 rel, 2 maxabs, 3 flags)."""
@@ -131,7 +132,8 @@ class SummaryReader:
         return out
 
     def cell(self, row: int, col: int) -> np.ndarray:
-        return self.columns[col][row]
+        got: np.ndarray = self.columns[col][row]
+        return got
 
     def close(self) -> None:
         self.f.close()
