@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import types
-from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from .details import Candidate, IdentityEvidence, JsonShape, OneOf, ToleranceRecord
 from .findings import (
@@ -78,6 +78,9 @@ def _schema(tp: Any) -> dict[str, Any]:
             elif _is_record(m):
                 out = {"$ref": f"#/$defs/{NAMES[m]}"}
         return out
+    if origin is Literal:
+        values = get_args(tp)
+        return {"const": values[0]} if len(values) == 1 else {"enum": list(values)}
     if origin in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         inner = _schema(args[0]) if len(args) == 1 else {"anyOf": [_schema(a) for a in args]}

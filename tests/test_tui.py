@@ -21,12 +21,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tensordiff.diff import diff_traces
 from tensordiff.errors import IncompatibleTracesError
 from tensordiff.findings import DiffResult, Finding
+from tensordiff.numerics import Metrics
 from tensordiff.summary import SummaryWriter
 from tensordiff.trace import SlotSpec, TraceWriter
 from tensordiff.tui.app import EXIT_INTERRUPTED, TensordiffApp
-from tensordiff.tui.diff_thread import run_diff
 from tensordiff.tui.data import METRICS
 from tensordiff.tui.text import histograms, sparkline
 from tensordiff.tui.widgets import (
@@ -101,7 +102,7 @@ def fixture_diff(fixture_pair, tmp_path_factory):
     from tensordiff.diff import DiffOptions
 
     ref = tmp_path_factory.mktemp("fixture_ref") / "summary.h5"
-    result = run_diff(*fixture_pair, DiffOptions(summary_path=str(ref)))
+    result = diff_traces(*fixture_pair, DiffOptions(summary_path=str(ref)))
 
     def replay(a, b, opts):
         assert (a, b) == fixture_pair
@@ -134,7 +135,7 @@ def pair_result(pair, tmp_path_factory) -> DiffResult:
     from tensordiff.diff import DiffOptions
 
     out = tmp_path_factory.mktemp("ref") / "summary.h5"
-    return run_diff(*pair, DiffOptions(summary_path=str(out)))
+    return diff_traces(*pair, DiffOptions(summary_path=str(out)))
 
 
 async def wait_ready(app: TensordiffApp, pilot, timeout: float = 20.0) -> None:
@@ -560,7 +561,7 @@ async def test_quit_during_scan(fixture_pair):
     def slow_diff(a, b, opts):
         while not gate.wait(0.01):
             opts.progress("comparing tensors", 1, 100)   # raises once the app has quit
-        return run_diff(a, b, opts)
+        return diff_traces(a, b, opts)
 
     app = TensordiffApp(*fixture_pair, diff_fn=slow_diff)
     try:
@@ -598,7 +599,7 @@ def test_a_bug_in_the_diff_is_unexpected_not_bad_input(monkeypatch, capsys, tmp_
     def buggy(a, b, opts):
         raise RuntimeError("boom in the diff")
 
-    monkeypatch.setattr(tui, "run_diff", buggy)
+    monkeypatch.setattr(tui, "diff_traces", buggy)
     monkeypatch.delenv("TENSORDIFF_DEBUG", raising=False)
     out = str(tmp_path / "s.svg")
     if debug:
@@ -613,7 +614,7 @@ def test_a_bug_in_the_diff_is_unexpected_not_bad_input(monkeypatch, capsys, tmp_
     def bad(a, b, opts):
         raise IncompatibleTracesError("no common tokens: nothing matches")
 
-    monkeypatch.setattr(tui, "run_diff", bad)
+    monkeypatch.setattr(tui, "diff_traces", bad)
     assert cli.main(["tui", *fixture_pair, "--screenshot", out]) == 2
     err = capsys.readouterr().err
     assert "no common tokens: nothing matches" in err and "unexpected" not in err and len(err.strip().splitlines()) == 1, err
@@ -673,7 +674,9 @@ def _fake_diff(n: int, k_plain: int = 9):
             blk = np.arange(s0, min(n, s0 + 16384))
             for info, k in [(i, 1) for i in infos] + [(packed, 3)]:
                 rel = rng.random((len(blk), k)).astype(np.float32) * (1e-4 if k == 1 else 2.0)
-                m = {"cos": 1 - rel, "rel": rel, "maxabs": rel * 3, "nonfinite": np.zeros((len(blk), k), bool)}
+                none = np.zeros((len(blk), k), np.int64)
+                m = Metrics(cos=1 - rel, rel=rel, maxabs=rel * 3, nonfinite_a=none, nonfinite_b=none,
+                            nonfinite=none > 0)
                 w.write(info, info, k, blk, m, rel > 1.0)
         w.close()
         return DiffResult(path_a=a, path_b=b, side_a="train", side_b="serve",

@@ -5,7 +5,7 @@ image fetched at view time. It shows what the text report shows (the headline, t
 forward order, acceptance per draft position and per regime when the traces hold draft
 predictions or verify steps, the slot table, per-tensor numerics, worst tokens, tokens and gaps) and the token
 x slot heatmap as a PNG embedded as a data URI, written here with zlib and struct (no imaging
-library). Every verdict and colour is the diff's (:class:`tensordiff.diff.Differ`): the
+library). Every verdict and colour is the diff's (:func:`tensordiff.diff.diff_traces`): the
 heatmap colours a cell by the per-token flags of the diff summary and shades it by the relative
 error the diff computed. Numbers computed on sketches (``basis: sketch``) are marked ``≈``.
 """

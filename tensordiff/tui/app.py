@@ -9,7 +9,7 @@ detail pane for the selected cell with the diff's sentence, identity candidates,
 metrics, both token keys and small text plots of the two vectors.
 
 The TUI never judges a tensor itself: every verdict it shows comes from
-:class:`tensordiff.diff.Differ`. The heatmap reads the diff's per-token summary, written to a
+:func:`tensordiff.diff.diff_traces`. The heatmap reads the diff's per-token summary, written to a
 temporary file that the app deletes on exit, in blocks; while the diff runs, the same file through
 a :class:`tensordiff.tui.data.LiveSummary`, polled every 50 ms.
 
@@ -45,13 +45,13 @@ from textual.widgets import Footer, Input, OptionList, ProgressBar, Static, Tree
 from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
-from ..diff import DiffOptions
+from ..diff import DiffOptions, diff_traces
 from ..errors import TensordiffError, UsageError
 from ..findings import DiffResult
 from ..fmt import progress_unit
 from ..summary import SummaryReader, read_columns
 from ..token_text import TokenText
-from .diff_thread import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread, run_diff
+from .diff_thread import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread
 from .data import (
     GOTO_FORMS,
     METRICS,
@@ -135,7 +135,7 @@ class TensordiffApp(App[int]):
         super().__init__()
         self.path_a, self.path_b = os.fspath(path_a), os.fspath(path_b)
         self.options = options or DiffOptions()
-        self.diff_fn = diff_fn or run_diff
+        self.diff_fn = diff_fn or diff_traces
         self._diff: DiffThread | None = None
         self.screenshot_dir = screenshot_dir or os.getcwd()
         self.summary_path: str | None = self.options.summary_path

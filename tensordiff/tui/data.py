@@ -175,7 +175,7 @@ def planned_columns(ra, rb) -> tuple[list[Column], list[int]]:
     """The summary columns the diff will write, in the order it streams them (index = that
     position), and the position of each one's tensor pair in the diff's order. From the
     aligner's own pairing (:func:`tensordiff.align.pair_tensors`, predictions left to the
-    acceptance check, as :class:`tensordiff.diff.Differ` does); a column it ends up not writing
+    acceptance check, as :func:`tensordiff.diff.diff_traces` does); a column it ends up not writing
     stays pending until the diff ends."""
     from ..acceptance import is_prediction
     from ..align import pair_tensors
@@ -205,7 +205,7 @@ class LiveSummary:
     (:class:`tensordiff.summary.SummaryWriter`, the last sink of a diff) writes it; a block is
     *committed* (its rows shown as compared) only once that sink has written it: at the next
     block (any tensor), at the diff's next "comparing tensors" progress report (which
-    :class:`tensordiff.diff.Differ` makes after every sink has the block; :meth:`commit`) or at
+    :func:`tensordiff.diff.diff_traces` makes after every sink has the block; :meth:`commit`) or at
     :meth:`close`. Per column it keeps one number, the frontier: rows below it are compared (or
     have no row in that tensor: blank), rows at or above it are pending. A tensor pair is known to
     be done when a later pair streams (the diff goes pair by pair); the last pair's tail stays
