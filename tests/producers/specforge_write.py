@@ -8,7 +8,7 @@ and asks for ``torch.cuda.current_device()``, so it cannot run on this CPU. What
 the same capture it drives, ``set_eagle3_layers_to_capture(ids)`` on SGLang's llama, through
 SGLang 0.5.23's CPU engine (``return_aux_hidden_state_layer_ids``): SGLang applies the ``+ 1``
 itself. The final state SpecForge's backend takes from the logits processor (post-norm) comes from
-the HF model, since the CPU engine returns the aux states or the last state, not both. Everything
+the HF model, not from SGLang (the engine is started to return the aux states). Everything
 else is SpecForge's: the capture ids (``resolve_eagle_capture_layers`` from the draft config), the
 record (its eagle3 ``OfflineCaptureLayout.materialize``), the file name scheme of its preparation
 script (``rows_<start>-<end>/data_<i>.ckpt``) and a read-back through its own offline normalizer.
