@@ -107,8 +107,7 @@ def _first_line(text: str) -> str:
 def specforge_runs(work, model_dir, prompts):
     """Two preparations: the draft config's ids left to SpecForge's default, and a misconfigured
     draft config whose ids are one too high."""
-    ss.prepare_cpu_env()  # the SGLang CPU engine (and the sgl_kernel stand-in) for the subprocess
-    env = _env()
+    env = _env()  # the SGLang CPU engine and the sgl_kernel stand-in, for the subprocess only
     env["PYTHONPATH"] = os.pathsep.join([str(ss.STUB_DIR), env["PYTHONPATH"]])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     runs = {}
