@@ -64,15 +64,15 @@ def plan_for_hs(*, slots: int, ids, convention, num_layers, prepend_embed, path:
     ids (the verifier's is then N, ``--include-last-layer``); none: speculators' default
     ``[2, N//2, N-3]`` + N."""
     if prepend_embed:
-        raise TraceError("--prepend-embed models the legacy extractor's .pt lists; hs_<index>.safetensors files were "
+        raise UsageError("--prepend-embed models the legacy extractor's .pt lists; hs_<index>.safetensors files were "
                          "written by vLLM", path)
     if convention not in (None, "vllm", "speculators"):
-        raise TraceError(f"hs_<index>.safetensors files hold vLLM's capture: --convention {convention} does not apply "
+        raise UsageError(f"hs_<index>.safetensors files hold vLLM's capture: --convention {convention} does not apply "
                          "(give --labels to name the states outright)", path)
     given = [int(i) for i in ids] if ids is not None else None
     if given is None or len(given) == slots:
         if num_layers is None:
-            raise TraceError("the verifier state is the last layer's output: give --num-layers (or the launch list "
+            raise UsageError("the verifier state is the last layer's output: give --num-layers (or the launch list "
                              "with the verifier's id as the last of --aux-ids, or --labels)", path)
         n = int(num_layers)
         aux = given if given is not None else [2, n // 2, n - 3]
@@ -81,10 +81,10 @@ def plan_for_hs(*, slots: int, ids, convention, num_layers, prepend_embed, path:
         launch = given
     for i in launch:
         if i < 0 or (num_layers is not None and i > int(num_layers)):
-            raise TraceError(f"layer id {i} is outside 0..{num_layers if num_layers is not None else 'N'}", path)
+            raise UsageError(f"layer id {i} is outside 0..{num_layers if num_layers is not None else 'N'}", path)
     captured = tuple(boundary_label(b) for b in sorted(set(launch)))
     if len(captured) != slots + 1:
-        raise TraceError(f"the file holds {slots} aux state(s) and the verifier state, but the ids {launch} select "
+        raise UsageError(f"the file holds {slots} aux state(s) and the verifier state, but the ids {launch} select "
                          f"{len(captured)} distinct layers: {list(captured)}", path)
     fed = captured[:-1]
     return DraftPlan("vllm", tuple(given) if given is not None else None, captured, fed, captured[-1], fed,
@@ -172,7 +172,7 @@ def import_hidden_state_files(fmt: str, parse: Callable[[Any, str, str], Sample]
                 result.plan = plan.as_attrs()
             H = rec.model["hidden_size"]
             if s.layout != layout:
-                raise TraceError("files of two layouts in one import (hs_<index>.safetensors and .pt): import them "
+                raise SourceFileError("files of two layouts in one import (hs_<index>.safetensors and .pt): import them "
                                  "separately", path)
             if s.draft.shape[-1] != H * len(plan.fed):
                 raise SourceFileError(f"packed input is {s.draft.shape[-1]} wide; the first file's was {H * len(plan.fed)}", path)
