@@ -13,11 +13,13 @@ FORMAT_CHOICES = ("auto", "specforge", "speculators", "sglang-dump", "vllm-hidde
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sources", nargs="+", metavar="SRC",
-                   help="[FORMAT] files or directories: SpecForge .ckpt/.ckpt.gz, speculators .pt, an SGLang "
+                   help="[FORMAT] files or directories: SpecForge .ckpt/.ckpt.gz, speculators .pt or "
+                        "hs_<index>.safetensors, an SGLang "
                         "DUMPER_DIR (or its <exp_name> subdirectory), vLLM extract_hidden_states .safetensors, "
                         "TensorRT-LLM saved hidden states .pt, Model-Optimizer collect_hidden_states .pt; a leading "
                         "format name (specforge, speculators, sglang-dump, vllm-hidden-states, trtllm, modelopt) "
-                        "names the format like --format")
+                        "names the format like --format. Checked against specforge 0.2.0, speculators 0.9.0 "
+                        "(vLLM 0.32.0) and nvidia-modelopt 0.47.0; a file with keys their layouts lack is refused")
     p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write")
     p.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="input format (default: detected)")
     p.add_argument("--side", choices=("train", "serve", "other"),

@@ -28,6 +28,8 @@ def detect_format(sources: Sequence[str | os.PathLike]) -> str:
     if not first.exists():
         raise SourceFileError("no such file or directory", str(first))
     if first.is_dir():
+        if any(speculators.is_hs_file(q.name) for q in first.rglob("hs_*.safetensors")):
+            return "speculators"
         names = [q.name for q in first.rglob("*.pt")][:1000]
         if any(parse_dump_filename(n) for n in names):
             return "sglang-dump"
@@ -38,6 +40,8 @@ def detect_format(sources: Sequence[str | os.PathLike]) -> str:
     else:
         if parse_dump_filename(first.name):
             return "sglang-dump"
+        if speculators.is_hs_file(first.name):
+            return "speculators"
         probe = first
     data = load_torch_file(probe)
     if isinstance(data, dict):
