@@ -280,7 +280,25 @@ def _run_calibrate(args) -> int:
     return EXIT_OK
 
 
+def _check_terminal() -> None:
+    """The interactive TUI needs a terminal on both ends: without one (a CI job, a redirect) the
+    app would write escape codes into a file and wait for keys that never come."""
+    if os.environ.get("TERM") == "dumb":
+        raise UsageError("the TUI cannot draw on TERM=dumb; use `tensordiff diff A B` for the text report, "
+                         "or `tensordiff tui A B --screenshot OUT.svg`")
+    for name, stream in (("stdin", sys.stdin), ("stdout", sys.stdout)):
+        try:
+            tty = stream is not None and stream.isatty()
+        except (ValueError, OSError):
+            tty = False
+        if not tty:
+            raise UsageError(f"the TUI needs a terminal, and {name} is not one; use `tensordiff diff A B` for the "
+                             "text report, or `tensordiff tui A B --screenshot OUT.svg`")
+
+
 def cmd_tui(args) -> int:
+    if not getattr(args, "screenshot", None):
+        _check_terminal()   # before any trace is read: a CI job that runs the TUI fails at once
     try:
         from .tui import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install

@@ -592,6 +592,7 @@ def test_cli_routes_to_tui(monkeypatch, fixture_pair):
 
     seen = []
     monkeypatch.setattr(tui, "run_tui", lambda a, b, opts, token_text=None: seen.append((a, b, opts)) or 1)
+    monkeypatch.setattr(cli, "_check_terminal", lambda: None)   # pytest's stdin is not a terminal
     assert cli.main(["tui", *fixture_pair]) == 1
     assert cli.main(["diff", *fixture_pair, "--tui"]) == 1
     assert [s[:2] for s in seen] == [fixture_pair, fixture_pair]

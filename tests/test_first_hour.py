@@ -1,0 +1,68 @@
+"""What a newcomer met in the first hour: the TUI without a terminal, bad input under --json and in
+the pytest fixture, calibrate on identical traces, numpy warnings, and the small rough edges of the
+text report and help texts."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tracegen import write_trace, write_verdict_pairs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    return write_verdict_pairs(tmp_path_factory.mktemp("firsthour"))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+
+
+def _run(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stdin", subprocess.DEVNULL)
+    kw.setdefault("env", _env())
+    return subprocess.run([sys.executable, "-m", "tensordiff", *args], stderr=subprocess.PIPE, text=True,
+                          timeout=timeout, check=False, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# the TUI without a terminal
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", [["tui"], ["diff", "--tui"]])
+def test_tui_without_a_terminal_is_one_line_and_exit_2(pairs, cmd):
+    """stdin and stdout not a terminal (a CI job): no escape codes, no hang."""
+    t0 = time.monotonic()
+    p = _run(*cmd, *pairs["wrong"], timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 2, p.stderr
+    assert p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and "terminal" in lines[0], p.stderr
+    # the check comes before the traces are read or textual is imported; a loaded machine's
+    # interpreter start-up is most of this
+    assert took < 20, took
+
+
+def test_tui_with_term_dumb_is_one_line_and_exit_2(pairs):
+    """stdin and stdout are a terminal, but TERM=dumb cannot draw the app."""
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.run([sys.executable, "-m", "tensordiff", "tui", *pairs["wrong"]], stdin=slave, stdout=slave,
+                           stderr=subprocess.PIPE, text=True, timeout=60, check=False, env=_env(TERM="dumb"))
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert p.returncode == 2, p.stderr
+    assert len(p.stderr.splitlines()) == 1 and "TERM" in p.stderr, p.stderr
