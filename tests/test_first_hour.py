@@ -66,3 +66,37 @@ def test_tui_with_term_dumb_is_one_line_and_exit_2(pairs):
         os.close(master)
     assert p.returncode == 2, p.stderr
     assert len(p.stderr.splitlines()) == 1 and "TERM" in p.stderr, p.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# the pytest fixture on bad input
+# ----------------------------------------------------------------------------------------------
+
+
+def test_pytest_fixture_bad_input_is_one_line(tmp_path, pairs):
+    """A missing or damaged trace fails the test with the CLI's one line, not a traceback through
+    the diff, reader and validator."""
+    import textwrap
+
+    a, _ = pairs["agree"]
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(b"not hdf5")
+    (tmp_path / "test_pipeline.py").write_text(textwrap.dedent(f"""
+        def test_missing(assert_traces_agree):
+            assert_traces_agree({a!r}, {str(tmp_path / 'nope.h5')!r})
+
+        def test_damaged(assert_traces_agree):
+            assert_traces_agree({a!r}, {str(bad)!r})
+    """))
+    env = _env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "tensordiff.pytest_plugin", "-q", "-p", "no:cacheprovider",
+                        str(tmp_path / "test_pipeline.py")], capture_output=True, text=True, cwd=tmp_path, env=env,
+                       timeout=300, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "2 failed" in out, out
+    assert "Traceback" not in out and "tensordiff/" not in out.replace(str(tmp_path), ""), out
+    for name, words in (("test_missing", "nope.h5"), ("test_damaged", "not an HDF5 file")):
+        block = out.split(f"_ {name} _", 1)[1].split("\n_", 1)[0].split("=====", 1)[0]
+        lines = [x for x in block.splitlines() if x.strip(" _")]
+        assert len(lines) == 1, block
+        assert lines[0].startswith("test_pipeline.py:") and "tensordiff: error:" in lines[0] and words in lines[0], block
