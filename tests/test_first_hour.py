@@ -100,3 +100,27 @@ def test_pytest_fixture_bad_input_is_one_line(tmp_path, pairs):
         lines = [x for x in block.splitlines() if x.strip(" _")]
         assert len(lines) == 1, block
         assert lines[0].startswith("test_pipeline.py:") and "tensordiff: error:" in lines[0] and words in lines[0], block
+
+
+# ----------------------------------------------------------------------------------------------
+# calibrate on a pair with no noise
+# ----------------------------------------------------------------------------------------------
+
+
+def test_calibrate_refuses_bit_identical_traces(pairs, tmp_path):
+    """Tolerances of essentially zero from two copies of one run would fail every later diff."""
+    import shutil
+
+    a, _ = pairs["agree"]
+    copy = tmp_path / "copy.h5"
+    shutil.copyfile(a, copy)
+    out = tmp_path / "tol.json"
+    p = _run("calibrate", a, str(copy), "--out", str(out))
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and "identical" in lines[0] and "no noise" in lines[0], p.stderr
+    assert not out.exists()
+    # an honest pair still calibrates
+    p = _run("calibrate", *pairs["agree"], "--out", str(out))
+    assert p.returncode == 0 and out.exists(), p.stderr
+    assert "identical in all" not in p.stderr
