@@ -439,22 +439,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
+    # `diff --json` answers bad input with a JSON error object on stdout too: a CI step that parses
+    # the output gets what went wrong, not an empty stdout (docs/json.md)
+    as_json = bool(words) and words[0] == "diff" and "--json" in words and "--tui" not in words
     parser = build_parser(words[0] if words else None)
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
-        _err(_usage_hint(parser, sys.argv[1:] if argv is None else argv, str(e)))
-        return EXIT_BAD_INPUT
+        return _fail(_usage_hint(parser, sys.argv[1:] if argv is None else argv, str(e)), "UsageError", as_json)
     except SystemExit as e:  # --help, --version
         return EXIT_BAD_INPUT if e.code not in (0, None) else EXIT_OK
     try:
         return args.func(args)
     except TensordiffError as e:
-        _err(str(e))
-        return EXIT_BAD_INPUT
+        return _fail(str(e), type(e).__name__, as_json)
     except KeyboardInterrupt:
-        _err("interrupted")
-        return 130
+        _clear_progress_line()
+        return _fail("interrupted", "Interrupted", as_json, code=130)
     except BrokenPipeError:
         try:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stdout for the rest of the process
@@ -462,14 +463,37 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return EXIT_OK
     except MemoryError:
-        _err("out of memory")
-        return EXIT_BAD_INPUT
+        return _fail("out of memory", "MemoryError", as_json)
     except Exception as e:
         if os.environ.get("TENSORDIFF_DEBUG"):
             raise
-        _err(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-             "(set TENSORDIFF_DEBUG=1 for a traceback)")
-        return EXIT_BAD_INPUT
+        return _fail(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                     "(set TENSORDIFF_DEBUG=1 for a traceback)", "UnexpectedError", as_json)
+
+
+def _fail(msg: str, kind: str, as_json: bool, code: int = EXIT_BAD_INPUT) -> int:
+    """One line on stderr; with ``diff --json`` also the JSON error object on stdout."""
+    line = _err(msg)
+    if as_json:
+        from .findings import SCHEMA_VERSION
+
+        try:
+            _print_json({"schema_version": SCHEMA_VERSION, "error": {"type": kind, "message": line},
+                         "exit_code": code})
+            sys.stdout.flush()
+        except (BrokenPipeError, OSError):
+            _stdout_to_devnull()
+    return code
+
+
+def _clear_progress_line() -> None:
+    """Ctrl-C lands on the progress bar's line (the terminal echoes ``^C`` there): the error
+    starts on a line of its own."""
+    try:
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\x1b[2K")
+    except (ValueError, OSError):
+        pass
 
 
 def _usage_hint(parser: argparse.ArgumentParser, argv: list[str], msg: str) -> str:
@@ -501,12 +525,14 @@ def _usage_hint(parser: argparse.ArgumentParser, argv: list[str], msg: str) -> s
     return base + ("; " + "; ".join(hints) if hints else "") + f" (see `{target.prog} --help`)"
 
 
-def _err(msg: str) -> None:
+def _err(msg: str) -> str:
+    """Write ``tensordiff: error: MSG`` on stderr; returns MSG as written (one line, made safe)."""
     from .safety import sanitize_for_terminal
 
     msg = sanitize_for_terminal(" ".join(msg.split()))  # messages quote file names and file contents
     sys.stderr.write(f"tensordiff: error: {msg}\n")
     sys.stderr.flush()
+    return msg
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -124,3 +124,31 @@ def test_calibrate_refuses_bit_identical_traces(pairs, tmp_path):
     p = _run("calibrate", *pairs["agree"], "--out", str(out))
     assert p.returncode == 0 and out.exists(), p.stderr
     assert "identical in all" not in p.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# diff --json on bad input
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["missing", "not_hdf5", "bad_flag", "incompatible"])
+def test_diff_json_bad_input_is_a_json_error_object(pairs, tmp_path, case):
+    """A CI step that parses the JSON gets an object saying what went wrong, not an empty stdout."""
+    import jsonschema
+
+    from tensordiff.report import diff_schema
+
+    a, b = pairs["agree"]
+    args = {"missing": [a, str(tmp_path / "nope.h5")], "not_hdf5": [a, str(tmp_path / "x.h5")],
+            "bad_flag": [a, b, "--max-findingz", "3"], "incompatible": [a, str(tmp_path / "other.h5")]}[case]
+    (tmp_path / "x.h5").write_text("hello")
+    if case == "incompatible":
+        write_trace(tmp_path / "other.h5", side="serve", hidden=24)
+    p = _run("diff", *args, "--json")
+    assert p.returncode == 2, p.stderr
+    assert len(p.stderr.splitlines()) == 1, p.stderr   # the one line on stderr as before
+    d = json.loads(p.stdout)
+    assert d["schema_version"] == 1 and d["exit_code"] == 2
+    assert d["error"]["message"] and d["error"]["message"] in p.stderr
+    assert d["error"]["type"] in ("TraceFileError", "UsageError", "IncompatibleTracesError")
+    jsonschema.Draft202012Validator(diff_schema()).validate(d)
