@@ -131,7 +131,7 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
     import random
 
     t_import = time.perf_counter()
-    from tensordiff.tui import TensordiffApp
+    from tensordiff.tui.app import TensordiffApp
 
     out: dict = {"import_s": time.perf_counter() - t_import}
 
@@ -153,7 +153,7 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
 
     if mode == "cli":
         # the real command line: `tensordiff tui A B`, with run_tui swapped for a headless run
-        from tensordiff import tui
+        from tensordiff.tui import app as tui
         from tensordiff.cli import main as cli_main
 
         def headless(a, b, opts, token_text=None) -> int:
@@ -280,7 +280,7 @@ def stream_child(App, path_a: str, path_b: str, mode: str, out: dict) -> dict:
     import dataclasses
     import threading
 
-    from tensordiff.tui_diff import run_diff
+    from tensordiff.tui.diff_thread import run_diff
 
     marks: dict = {}
 

@@ -70,7 +70,7 @@ def progress_bar(enabled: bool):
 
 
 def cmd_info(args) -> int:
-    from .report import make_console, print_info
+    from .report.text import make_console, print_info
     from .trace import probe
 
     from .traceset import index_lines, open_trace, trace_paths
@@ -171,7 +171,7 @@ def _run_diff(args) -> int:
             _print_json(res.to_dict())
             sys.stdout.flush()
         else:
-            from .report import make_console, print_diff   # rich: only for the text report
+            from .report.text import make_console, print_diff   # rich: only for the text report
 
             print_diff(res, make_console(), max_findings=args.max_findings,
                        token_text=_token_text(args, res, model_dirs))
@@ -225,7 +225,7 @@ def cmd_report(args) -> int:
 
 
 def _run_report(args) -> int:
-    from .report_html import make_report
+    from .report.html import make_report
 
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
     res.require_complete = args.require_complete
@@ -314,7 +314,7 @@ def cmd_tui(args) -> int:
     if not getattr(args, "screenshot", None):
         _check_terminal()   # before any trace is read: a CI job that runs the TUI fails at once
     try:
-        from .tui import run_tui
+        from .tui.app import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install
         raise UsageError(f"the TUI needs textual ({e})") from None
     from .safety import check_output_path
@@ -333,7 +333,7 @@ def cmd_tui(args) -> int:
 
     tt = load(args.tokenizer) if getattr(args, "tokenizer", None) else None   # a bad --tokenizer fails before the screen
     if getattr(args, "screenshot", None):
-        from .tui import save_screenshot
+        from .tui.app import save_screenshot
 
         code = save_screenshot(args.a, args.b, args.screenshot, options=opts, token_text=tt)
         print(f"wrote {args.screenshot}")

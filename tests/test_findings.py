@@ -25,7 +25,7 @@ from tensordiff.findings import (
     ShiftDetails,
     render_sentence,
 )
-from tensordiff.report import diff_schema
+from tensordiff.report.text import diff_schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = (os.path.join(ROOT, "traces", "train.h5"), os.path.join(ROOT, "traces", "serve.h5"))

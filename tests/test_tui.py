@@ -25,11 +25,11 @@ from tensordiff.errors import TraceError
 from tensordiff.findings import DiffResult, Finding
 from tensordiff.summary import SummaryWriter
 from tensordiff.trace import SlotSpec, TraceWriter
-from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp
-from tensordiff.tui_diff import run_diff
-from tensordiff.tui_data import METRICS
-from tensordiff.tui_text import histograms, sparkline
-from tensordiff.tui_widgets import (
+from tensordiff.tui.app import EXIT_INTERRUPTED, TensordiffApp
+from tensordiff.tui.diff_thread import run_diff
+from tensordiff.tui.data import METRICS
+from tensordiff.tui.text import histograms, sparkline
+from tensordiff.tui.widgets import (
     CELL_W,
     GUTTER_W,
     HEADER_H,
@@ -499,7 +499,7 @@ def test_recorded_model_directory_gives_token_text(tmp_path):
     with TraceWriter(a, side="train", model={"hidden_size": 4, "path": str(d)}) as w:
         w.define_tensor("embed", 4, kind="boundary", boundary=0)
         w.append("embed", w.add_tokens("s", np.arange(2), [1, 0], "train"), np.ones((2, 4), np.float32))
-    from tensordiff.tui_data import VectorSource
+    from tensordiff.tui.data import VectorSource
 
     src = VectorSource(str(a), str(a))
     tt = src.recorded_token_text()
@@ -588,7 +588,8 @@ async def test_diff_error_exits_2(fixture_pair):
 
 
 def test_cli_routes_to_tui(monkeypatch, fixture_pair):
-    from tensordiff import cli, tui
+    from tensordiff import cli
+    from tensordiff.tui import app as tui
 
     seen = []
     monkeypatch.setattr(tui, "run_tui", lambda a, b, opts, token_text=None: seen.append((a, b, opts)) or 1)
@@ -691,7 +692,7 @@ def test_data_layer_imports_no_textual():
     import subprocess
     import sys
 
-    code = ("import sys, tensordiff.tui_data, tensordiff.tui_text\n"
+    code = ("import sys, tensordiff.tui.data, tensordiff.tui.text\n"
             "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'textual')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"the TUI's data layer pulled in {out}"
@@ -699,7 +700,7 @@ def test_data_layer_imports_no_textual():
 
 def test_progress_messages_are_throttled(fixture_pair):
     from tensordiff.diff import DiffOptions
-    from tensordiff.tui_diff import DiffEnded, DiffProgress, DiffThread
+    from tensordiff.tui.diff_thread import DiffEnded, DiffProgress, DiffThread
 
     posted = []
 
@@ -722,7 +723,7 @@ def test_progress_messages_are_throttled(fixture_pair):
 def test_goto_and_filter_without_app(fixture_diff, fixture_pair, tmp_path):
     from tensordiff.diff import DiffOptions
     from tensordiff.summary import SummaryReader, read_columns
-    from tensordiff.tui_data import filter_columns, resolve_goto
+    from tensordiff.tui.data import filter_columns, resolve_goto
 
     opts = DiffOptions(summary_path=str(tmp_path / "s.h5"), progress=lambda *a: None)
     fixture_diff(*fixture_pair, opts)
@@ -747,7 +748,7 @@ def test_goto_and_filter_without_app(fixture_diff, fixture_pair, tmp_path):
 
 def test_vector_source_reads_the_aligned_row(fixture_pair):
     from tensordiff.trace import TraceReader
-    from tensordiff.tui_data import VectorSource
+    from tensordiff.tui.data import VectorSource
 
     src = VectorSource(*fixture_pair)
     try:

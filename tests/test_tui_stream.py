@@ -16,10 +16,10 @@ import pytest
 
 from tensordiff.diff import Differ, DiffOptions
 from tensordiff.summary import SummaryReader, read_columns
-from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp
-from tensordiff.tui_data import METRICS, PENDING, BlockCache, LiveSummary
-from tensordiff.tui_diff import run_diff
-from tensordiff.tui_widgets import GLYPHS, PENDING_GLYPH, VGLYPHS
+from tensordiff.tui.app import EXIT_INTERRUPTED, TensordiffApp
+from tensordiff.tui.data import METRICS, PENDING, BlockCache, LiveSummary
+from tensordiff.tui.diff_thread import run_diff
+from tensordiff.tui.widgets import GLYPHS, PENDING_GLYPH, VGLYPHS
 
 from test_tui import SIZE, fixture_pair, wait_ready  # noqa: F401 - the session fixture
 

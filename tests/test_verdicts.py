@@ -53,7 +53,7 @@ def _valid(res):
 
     from tensordiff.cli import jsonable
     from tensordiff.findings import DiffResult
-    from tensordiff.report import diff_schema
+    from tensordiff.report.text import diff_schema
     d = jsonable(res.to_dict())
     jsonschema.validate(d, diff_schema())
     assert jsonable(DiffResult.from_dict(json.loads(json.dumps(d))).to_dict()) == d

@@ -1,4 +1,4 @@
-"""Widgets and screens of the TUI (see :mod:`tensordiff.tui`); their data is in :mod:`tensordiff.tui_data`.
+"""Widgets and screens of the TUI (see :mod:`tensordiff.tui.app`); their data is in :mod:`tensordiff.tui.data`.
 
 The heatmap is a Line-API :class:`~textual.scroll_view.ScrollView`: it renders only the lines on
 screen, reading the diff summary (:class:`tensordiff.summary.SummaryReader`) in blocks of rows
@@ -25,9 +25,9 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import Input, Static, Tree
 
-from .findings import DiffResult
-from .summary import SummaryReader
-from .tui_data import (
+from ..findings import DiffResult
+from ..summary import SummaryReader
+from .data import (
     LiveSummary,
     BARS,
     CAT_FAIL,
@@ -43,7 +43,7 @@ from .tui_data import (
     filter_columns,
     legend,
 )
-from .tui_text import GLYPH_RANK, column_verdict
+from .text import GLYPH_RANK, column_verdict
 
 CELL_W = 4          # three glyphs and a gap
 PENDING_GLYPH = "░░░"   # a cell the running diff has not compared yet: no bar, no verdict colour
@@ -51,7 +51,7 @@ HEADER_H = 2        # column header lines (sticky)
 GUTTER_W = 22       # "seq:pos token" and a separator
 
 # ----------------------------------------------------------------------------------------------
-# Glyphs and colours of the heatmap's cells (indexed by tui_data.cell_codes)
+# Glyphs and colours of the heatmap's cells (indexed by data.cell_codes)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -4,8 +4,8 @@ Plain numpy over the diff summary and the two traces, so it is tested and reused
 the heatmap's metrics and cell codes, the summary's columns and the column filter, the bounded
 block cache over the summary, position and token-id lookup, the go-to parser, the cell reader of
 the detail pane (:class:`VectorSource`), and a column's findings and slot row from the aligner's
-result. The text the panes show is made in :mod:`tensordiff.tui_text`, the widgets that draw it
-are in :mod:`tensordiff.tui_widgets`, the app in :mod:`tensordiff.tui`.
+result. The text the panes show is made in :mod:`tensordiff.tui.text`, the widgets that draw it
+are in :mod:`tensordiff.tui.widgets`, the app in :mod:`tensordiff.tui.app`.
 
 Nothing here judges a tensor: verdicts, sentences and per-token flags are the aligner's.
 """
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import token_text
-from .align import SideTokens, row_map
-from .findings import DiffResult, Finding, SlotRow
-from .summary import FLAG_BAD, FLAG_NONFINITE, Column, SummaryReader
-from .token_text import TokenText
-from .tokens import token_code
+from .. import token_text
+from ..align import SideTokens, row_map
+from ..findings import DiffResult, Finding, SlotRow
+from ..summary import FLAG_BAD, FLAG_NONFINITE, Column, SummaryReader
+from ..token_text import TokenText
+from ..tokens import token_code
 
 # ----------------------------------------------------------------------------------------------
 # Metrics shown by the heatmap, and the cell codes of a block
@@ -177,9 +177,9 @@ def planned_columns(ra, rb) -> tuple[list[Column], list[int]]:
     aligner's own pairing (:func:`tensordiff.align.pair_tensors`, predictions left to the
     acceptance check, as :class:`tensordiff.diff.Differ` does); a column it ends up not writing
     stays pending until the diff ends."""
-    from .acceptance import is_prediction
-    from .align import pair_tensors
-    from .summary import column_label
+    from ..acceptance import is_prediction
+    from ..align import pair_tensors
+    from ..summary import column_label
 
     pairs, _ = pair_tensors(ra, rb)
     pairs = [(a, b) for a, b in pairs if not (is_prediction(a) or is_prediction(b))]
@@ -453,7 +453,7 @@ class VectorSource:
     def reader(self, side: int):
         with self._lock:
             if self._readers[side] is None:
-                from .traceset import open_trace
+                from ..traceset import open_trace
 
                 self._readers[side] = open_trace(self.paths[side])  # a file or a trace set
             return self._readers[side]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .findings import AcceptanceDetails, DiffResult, Kind
-from .fmt import number
+from ..findings import AcceptanceDetails, DiffResult, Kind
+from ..fmt import number
 
 
 def _pct(x: float | None) -> str:

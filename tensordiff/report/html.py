@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import __version__
-from .errors import UsageError
-from .findings import AcceptanceDetails, DiffResult, Finding, Kind
-from .summary import (  # the TUI's column order
+from .. import __version__
+from ..errors import UsageError
+from ..findings import AcceptanceDetails, DiffResult, Finding, Kind
+from ..summary import (  # the TUI's column order
     FLAG_BAD,
     FLAG_NONFINITE,
     SummaryReader,
@@ -422,8 +422,8 @@ def make_report(path_a: str, path_b: str, out: str, options=None, *, tokenizer: 
     import shutil
     import tempfile
 
-    from .diff import DiffOptions, diff_traces
-    from .token_text import recorded_model_dirs, resolve
+    from ..diff import DiffOptions, diff_traces
+    from ..token_text import recorded_model_dirs, resolve
 
     real = os.path.realpath(out)
     if real in (os.path.realpath(path_a), os.path.realpath(path_b)):

@@ -1,7 +1,7 @@
 """The text of the TUI's panes: the detail pane's lines, its small plots, numbers (no textual).
 
 Plain functions of the aligner's result and the diff summary, returning rich ``Text``, so they are
-tested without an app; the widgets in :mod:`tensordiff.tui_widgets` show them.
+tested without an app; the widgets in :mod:`tensordiff.tui.widgets` show them.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import math
 import numpy as np
 from rich.text import Text
 
-from .findings import DiffResult, Finding, Kind
-from .fmt import OK_GLYPH, SEVERITY_GLYPH, number
-from .summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
-from .tui_data import BARS, N_LEVELS, Column, column_findings, slot_row
-from .vocab import REGIMES
+from ..findings import DiffResult, Finding, Kind
+from ..fmt import OK_GLYPH, SEVERITY_GLYPH, number
+from ..summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
+from .data import BARS, N_LEVELS, Column, column_findings, slot_row
+from ..vocab import REGIMES
 
 SEV_RANK = {"divergence": 3, "warning": 2, "info": 1}
 GLYPH_RANK = {OK_GLYPH[0]: 0, "·": 1, "!": 2, "✗": 3}
@@ -243,7 +243,7 @@ def _bar(frac: float | None, width: int, style: str) -> Text:
 
 def acceptance_finding(res: DiffResult | None) -> Finding | None:
     """The diff's acceptance finding, when it has one with its details."""
-    from .findings import AcceptanceDetails
+    from ..findings import AcceptanceDetails
 
     if res is None:
         return None
@@ -261,7 +261,7 @@ def acceptance_lines(res: DiffResult | None, width: int) -> list[Text]:
     verify steps reaching it that accepted its token), a bar per regime of the draft's
     teacher-forced top-1 agreement with the target, and the verdict in a few words. All from the
     acceptance finding's details (:class:`tensordiff.details.AcceptanceDetails`); [] without one."""
-    from .findings import AcceptanceDetails
+    from ..findings import AcceptanceDetails
 
     f = acceptance_finding(res)
     d = f.details if f is not None else None

@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .findings import DiffResult, Severity
-from .fmt import SEVERITY_GLYPH, number
-from .report_acceptance import print_acceptance
-from .safety import guard_console, sanitize_tree
+from ..findings import DiffResult, Severity
+from ..fmt import SEVERITY_GLYPH, number
+from .acceptance import print_acceptance
+from ..safety import guard_console, sanitize_tree
 
 
 def diff_schema() -> dict:

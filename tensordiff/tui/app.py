@@ -11,19 +11,19 @@ metrics, both token keys and small text plots of the two vectors.
 The TUI never judges a tensor itself: every verdict it shows comes from
 :class:`tensordiff.diff.Differ`. The heatmap reads the diff's per-token summary, written to a
 temporary file that the app deletes on exit, in blocks; while the diff runs, the same file through
-a :class:`tensordiff.tui_data.LiveSummary`, polled every 50 ms.
+a :class:`tensordiff.tui.data.LiveSummary`, polled every 50 ms.
 
 Where things live: this module is the app (layout, keys and actions, what the diff's messages
 do, quit) and its entry points (:func:`run_tui`, :func:`save_screenshot`);
-:mod:`tensordiff.tui_diff` runs the diff in a thread that reports as :class:`DiffProgress` /
-:class:`DiffEnded` messages; :mod:`tensordiff.tui_widgets` the widgets and screens;
-:mod:`tensordiff.tui_data` the data layer (block cache, lookups, go-to, the cell reader) and
-:mod:`tensordiff.tui_text` the text of the panes, neither of which imports textual. This module
+:mod:`tensordiff.tui.diff_thread` runs the diff in a thread that reports as :class:`DiffProgress` /
+:class:`DiffEnded` messages; :mod:`tensordiff.tui.widgets` the widgets and screens;
+:mod:`tensordiff.tui.data` the data layer (block cache, lookups, go-to, the cell reader) and
+:mod:`tensordiff.tui.text` the text of the panes, neither of which imports textual. This module
 is over 500 lines because it is one ``App`` class and the two functions that run it: Textual binds
 keys, actions and message handlers to the app, and cutting the class into mixins would scatter
 one state machine over several files.
 
-Keys: see :data:`tensordiff.tui_widgets.HELP` (``?`` in the app) and docs/tui.md.
+Keys: see :data:`tensordiff.tui.widgets.HELP` (``?`` in the app) and docs/tui.md.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ from textual.widgets import Footer, Input, OptionList, ProgressBar, Static, Tree
 from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
-from .diff import DiffOptions
-from .errors import TraceError, UsageError
-from .findings import DiffResult
-from .fmt import progress_unit
-from .summary import SummaryReader, read_columns
-from .token_text import TokenText
-from .tui_diff import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread, run_diff
-from .tui_data import (
+from ..diff import DiffOptions
+from ..errors import TraceError, UsageError
+from ..findings import DiffResult
+from ..fmt import progress_unit
+from ..summary import SummaryReader, read_columns
+from ..token_text import TokenText
+from .diff_thread import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread, run_diff
+from .data import (
     GOTO_FORMS,
     METRICS,
     Column,
@@ -60,8 +60,8 @@ from .tui_data import (
     VectorSource,
     resolve_goto,
 )
-from .tui_text import acceptance_lines, detail_lines, finding_prompt
-from .tui_widgets import DetailPane, GotoScreen, Heatmap, HelpScreen, TensorTree
+from .text import acceptance_lines, detail_lines, finding_prompt
+from .widgets import DetailPane, GotoScreen, Heatmap, HelpScreen, TensorTree
 
 EXIT_INTERRUPTED = 130   # quit before the diff finished: no verdict
 WIDE = 110               # from this many columns the acceptance pane opens by itself (the -wide breakpoint)
@@ -779,10 +779,10 @@ def svg_to_png(svg: str, out: str) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover - docs helper
-    # python -m tensordiff.tui screenshot A B OUT.svg   (how docs/tui-example.svg is made)
+    # python -m tensordiff.tui.app screenshot A B OUT.svg   (how docs/tui-example.svg is made)
     if len(sys.argv) == 5 and sys.argv[1] == "screenshot":
         save_screenshot(sys.argv[2], sys.argv[3], sys.argv[4])
         print(sys.argv[4])
     else:
-        sys.stderr.write("usage: python -m tensordiff.tui screenshot A B OUT.svg\n")
+        sys.stderr.write("usage: python -m tensordiff.tui.app screenshot A B OUT.svg\n")
         sys.exit(2)

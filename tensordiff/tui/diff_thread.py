@@ -1,6 +1,6 @@
 """The diff as the TUI runs it: in a background thread that reports to the app with Textual
 messages (:class:`DiffProgress`, :class:`DiffEnded`) and stops at its next progress report once
-cancelled. It also hands the diff a :class:`tensordiff.tui_data.LiveSummary` sink (``live``),
+cancelled. It also hands the diff a :class:`tensordiff.tui.data.LiveSummary` sink (``live``),
 through which the app's heatmap shows the rows compared so far while the diff runs.
 
 A plain thread rather than a Textual worker, so that the app can end (and restore the terminal)
@@ -21,9 +21,9 @@ from dataclasses import replace
 
 from textual.message import Message
 
-from .diff import Differ, DiffOptions
-from .findings import DiffResult
-from .tui_data import LiveSummary
+from ..diff import Differ, DiffOptions
+from ..findings import DiffResult
+from .data import LiveSummary
 
 PROGRESS_INTERVAL_S = 0.05
 
