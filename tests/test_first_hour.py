@@ -152,3 +152,69 @@ def test_diff_json_bad_input_is_a_json_error_object(pairs, tmp_path, case):
     assert d["error"]["message"] and d["error"]["message"] in p.stderr
     assert d["error"]["type"] in ("TraceFileError", "UsageError", "IncompatibleTracesError")
     jsonschema.Draft202012Validator(diff_schema()).validate(d)
+
+
+# ----------------------------------------------------------------------------------------------
+# small rough edges of the text report and the JSON
+# ----------------------------------------------------------------------------------------------
+
+
+def test_max_findings_zero_leaves_no_empty_header(pairs):
+    p = _run("diff", *pairs["wrong"], "--max-findings", "0")
+    assert p.returncode == 1, p.stderr
+    lines = p.stdout.splitlines()
+    assert not any(x.rstrip().endswith(":") and x.startswith("findings") for x in lines), p.stdout
+    assert any(x.startswith("findings: 2 divergences, 0 warnings, 2 notes") and "--max-findings" in x for x in lines), \
+        p.stdout
+
+
+def test_no_gaps_says_none(pairs):
+    p = _run("diff", *pairs["agree"])
+    assert p.returncode == 0, p.stderr
+    tokens = " ".join(x for x in p.stdout.splitlines() if x.startswith("tokens:") or x == "divergence")
+    assert "0 tokens" not in tokens and "0 ranges" not in tokens and "gaps: none" in tokens, p.stdout
+
+
+def test_json_identity_finding_names_what_its_side_claims(pairs):
+    """`claimed` is the claim of the side the sentence is about, never null beside claimed_b."""
+    p = _run("diff", *pairs["wrong"], "--json")
+    d = json.loads(p.stdout)
+    ids = [f for f in d["findings"] if f["kind"] == "slot_identity"]
+    assert ids
+    for f in ids:
+        det = f["details"]
+        assert det["claimed"] == det["claimed_b" if det["side"] == "b" else "claimed_a"] is not None, det
+
+
+def test_interrupt_starts_its_own_line(monkeypatch, capsys):
+    """Ctrl-C lands on the progress bar's line: the error must not be glued to `^C`."""
+    from tensordiff import cli
+
+    class Tty:
+        def __init__(self):
+            self.text = ""
+
+        def write(self, s):
+            self.text += s
+            return len(s)
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return True
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(cli, "cmd_info", interrupted)
+    parser = cli.build_parser("info")
+    monkeypatch.setattr(cli, "build_parser", lambda command=None: parser)
+    for a in parser._subparsers._group_actions[0].choices["info"]._actions:
+        if a.dest == "func":
+            a.default = interrupted
+    parser._subparsers._group_actions[0].choices["info"].set_defaults(func=interrupted)
+    assert cli.main(["info", "x.h5"]) == 130
+    assert err.text.startswith("\r\x1b[2K") and err.text.endswith("tensordiff: error: interrupted\n"), repr(err.text)

@@ -562,7 +562,8 @@ class TensordiffApp(App[int]):
             if value:
                 self._defer(f"go to {value}", lambda: self.goto(value))
 
-        self.push_screen(GotoScreen(), done)
+        seqs = self.summary.seq_a if self.summary is not None else []
+        self.push_screen(GotoScreen(seqs[0] if seqs else None), done)
 
     def goto(self, spec: str) -> bool:
         """Move the cursor to a token: ``#INDEX``, ``SEQ:POS``, ``POS`` (current sequence) or

@@ -26,6 +26,7 @@ from textual.strip import Strip
 from textual.widgets import Input, Static, Tree
 
 from ..findings import DiffResult
+from ..safety import sanitize_for_terminal
 from ..summary import SummaryReader
 from .data import (
     LiveSummary,
@@ -473,10 +474,15 @@ class GotoScreen(ModalScreen[str | None]):
     GotoScreen > Vertical { width: 72; height: auto; border: round $accent; padding: 0 1; background: $panel; }
     """
 
+    def __init__(self, seq: str | None = None) -> None:
+        super().__init__()
+        # the example names a sequence of the trace (``p0:12``), not one it does not have
+        self.seq = sanitize_for_terminal(seq)[:24] if seq else "SEQ"
+
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Static(f"go to token: {GOTO_FORMS}")
-            yield Input(placeholder="e.g. 120, s0:120, #5000, t=42", id="goto-input")
+            yield Input(placeholder=f"e.g. 12, {self.seq}:12, #50, t=42", id="goto-input")
 
     def on_mount(self) -> None:
         self.query_one(Input).focus()

@@ -1,0 +1,31 @@
+"""The TUI as a newcomer meets it (through Textual's Pilot): at 80 x 24, numbering that matches
+the text report, two runs of the same side, the go-to example."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_tui import anyio_backend, fixture_app, fixture_diff, fixture_pair, wait_ready  # noqa: F401
+
+from tensordiff.tui.app import TensordiffApp
+from tensordiff.tui.widgets import GotoScreen
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = (str(ROOT / "traces" / "train.h5"), str(ROOT / "traces" / "serve.h5"))
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_goto_example_names_a_sequence_of_the_trace():
+    """The example pair names its sequences p0..p3: the go-to example must not say s0."""
+    app = TensordiffApp(*EXAMPLE, find_tokenizer=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_ready(app, pilot)
+        await pilot.press("g")
+        assert isinstance(app.screen, GotoScreen)
+        placeholder = app.screen.query_one("#goto-input").placeholder
+        assert "p0:" in placeholder and "s0:" not in placeholder, placeholder
+        await pilot.press(*"p1:2", "enter")
+        tok = app.summary.tokens(app.heatmap.cursor_row, app.heatmap.cursor_row + 1)[0]
+        assert app.summary.seq_a[int(tok["seq_a"])] == "p1" and int(tok["pos_a"]) == 2
