@@ -367,12 +367,17 @@ def render_sentence(f: Finding) -> str:
     return fn(f, f.details)
 
 
+_SEVERITY_RANK = {Severity.DIVERGENCE: 0, Severity.WARNING: 1, Severity.INFO: 2}
+
+
 def order_findings(findings: list[Finding]) -> list[Finding]:
-    """Sort in forward order and mark which divergences are inherited from an earlier one."""
-    findings.sort(key=lambda f: f.sort_key())
+    """Sort divergences first, then warnings, then notes, each group in forward order, number them
+    in that order (the ``#i`` every output shows, and the place in the JSON's list), and mark which
+    divergences are inherited from an earlier one."""
+    findings.sort(key=lambda f: f.sort_key())   # forward order: what inheritance reads
+    parent: dict[int, Finding] = {}
     divs: list[Finding] = []
-    for i, f in enumerate(findings):
-        f.index = i
+    for f in findings:
         if f.severity != Severity.DIVERGENCE:
             continue
         for g in divs:
@@ -380,9 +385,16 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
                     f.kind in (Kind.NUMERIC, Kind.NONFINITE)
                     and g.kind in (Kind.NUMERIC, Kind.NONFINITE, Kind.SLOT_IDENTITY)
                     and g.order < f.order and g.seq == f.seq and (g.position or 0) <= (f.position or 0)):
-                f.inherited_from = g.index
+                parent[id(f)] = g
                 break
         divs.append(f)
+    # the order shown: --max-findings and a reader's eye never meet a note before a divergence
+    findings.sort(key=lambda f: _SEVERITY_RANK[f.severity])   # stable: forward order within a group
+    for i, f in enumerate(findings):
+        f.index = i
+    for f in findings:
+        g = parent.get(id(f))
+        f.inherited_from = g.index if g is not None else None
     return findings
 
 

@@ -218,3 +218,31 @@ def test_interrupt_starts_its_own_line(monkeypatch, capsys):
     parser._subparsers._group_actions[0].choices["info"].set_defaults(func=interrupted)
     assert cli.main(["info", "x.h5"]) == 130
     assert err.text.startswith("\r\x1b[2K") and err.text.endswith("tensordiff: error: interrupted\n"), repr(err.text)
+
+
+# ----------------------------------------------------------------------------------------------
+# finding numbers: in the order shown, the same in the text, the JSON and the HTML
+# ----------------------------------------------------------------------------------------------
+
+EXAMPLE = (str(ROOT / "traces" / "train.h5"), str(ROOT / "traces" / "serve.h5"))
+
+
+def test_finding_numbers_follow_the_order_shown(tmp_path):
+    import re
+
+    p = _run("diff", *EXAMPLE, env=_env(COLUMNS="200"))
+    assert p.returncode == 1, p.stderr
+    shown = [int(m.group(1)) for m in re.finditer(r"^ [✗!·] #(\d+) ", p.stdout, re.M)]
+    assert len(shown) >= 4 and shown == list(range(len(shown))), shown
+    d = json.loads(_run("diff", *EXAMPLE, "--json").stdout)
+    sev = [f["severity"] for f in d["findings"]]
+    rank = {"divergence": 0, "warning": 1, "info": 2}
+    assert sev == sorted(sev, key=rank.__getitem__), sev   # the JSON lists them in the same order
+    kinds = re.findall(r"^ [✗!·] #\d+ (\w+):", p.stdout, re.M)
+    assert kinds == [f["kind"] for f in d["findings"]][:len(kinds)], kinds
+    out = tmp_path / "r.html"
+    assert _run("report", *EXAMPLE, "-o", str(out)).returncode == 1
+    html = out.read_text()
+    section = html.split("<h2>Findings", 1)[1].split("<h2>", 1)[0]
+    nums = [int(x) for x in re.findall(r"<td>(\d+)</td>", section)]
+    assert nums == list(range(len(d["findings"]))), nums

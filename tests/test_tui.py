@@ -251,12 +251,13 @@ async def test_next_prev_first(pair, pair_result):
             assert app.selected_finding == first
         for _ in range(n + 2):
             await pilot.press("n")
-        assert app.selected_finding == n - 1       # stops at the last one
+        last = pair_result.divergences[-1].index if pair_result.divergences else n - 1
+        assert app.selected_finding == last       # stops at the last divergence, not on a note
         await pilot.press("f")
         assert app.selected_finding == first
         for _ in range(n + 2):
             await pilot.press("p")
-        assert app.selected_finding == 0
+        assert app.selected_finding == 0          # divergences are listed first
 
 
 async def test_next_moves_to_next_slot(fixture_app):

@@ -29,3 +29,26 @@ async def test_goto_example_names_a_sequence_of_the_trace():
         await pilot.press(*"p1:2", "enter")
         tok = app.summary.tokens(app.heatmap.cursor_row, app.heatmap.cursor_row + 1)[0]
         assert app.summary.seq_a[int(tok["seq_a"])] == "p1" and int(tok["pos_a"]) == 2
+
+
+async def test_findings_numbered_in_the_order_shown_and_n_steps_over_divergences():
+    app = TensordiffApp(*EXAMPLE, find_tokenizer=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_ready(app, pilot)
+        res = app.result
+        assert [f.index for f in res.findings] == list(range(len(res.findings)))
+        fl = app.query_one("#findings")
+        shown = [str(fl.get_option_at_index(i).prompt) for i in range(fl.option_count)]
+        assert [s.split("#", 1)[1].split(" ", 1)[0] for s in shown] == [str(i) for i in range(len(shown))], shown
+        divs = [f.index for f in res.findings if f.severity == "divergence"]
+        assert len(divs) >= 2 and len(res.findings) > len(divs)
+        assert app.selected_finding == divs[0]
+        seen = [app.selected_finding]
+        for _ in range(len(res.findings)):
+            await pilot.press("n")
+            await pilot.pause()
+            seen.append(app.selected_finding)
+        assert set(seen) == set(divs), seen   # never onto a note
+        await pilot.press("p")
+        await pilot.pause()
+        assert app.selected_finding == divs[-2]

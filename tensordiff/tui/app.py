@@ -528,17 +528,21 @@ class TensordiffApp(App[int]):
     # -- actions ---------------------------------------------------------------------------
 
     def _step_finding(self, step: int) -> None:
+        """``n`` / ``p``: the next or previous divergence (every finding when there is none: the
+        notes are a click or an arrow key away in the list)."""
         assert self.result is not None
-        n = len(self.result.findings)
-        if n == 0:
+        fs = self.result.findings
+        if not fs:
             self.notify("no findings: the traces agree")
             return
+        stops = [f.index for f in fs if f.severity == "divergence"] or [f.index for f in fs]
+        what = "divergence" if self.result.divergences else "finding"
         cur = self.selected_finding if self.selected_finding is not None else -1
-        nxt = cur + step
-        if not 0 <= nxt < n:
-            self.notify("last finding" if step > 0 else "first finding", timeout=2)
+        ahead = [i for i in stops if i > cur] if step > 0 else [i for i in stops if i < cur]
+        if not ahead:
+            self.notify(f"last {what}" if step > 0 else f"first {what}", timeout=2)
             return
-        self._select_finding(nxt)
+        self._select_finding(ahead[0] if step > 0 else ahead[-1])
 
     def action_next_finding(self) -> None:
         self._defer("next finding", lambda: self._step_finding(1))
