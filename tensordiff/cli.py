@@ -437,8 +437,28 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+#: numpy's floating-point warnings (``-W`` / PYTHONWARNINGS form: action:message-start:category).
+#: NaN/Inf and overflow in the data are findings of the diff; numpy's own lines about them
+#: ("overflow encountered in divide") are not the tool's words and never reach stderr
+_NUMPY_FP_WARNINGS = tuple(f"ignore:{m} encountered:RuntimeWarning"
+                           for m in ("overflow", "invalid value", "divide by zero", "underflow"))
+
+
+def _quiet_numpy_fp_warnings() -> None:
+    """In this process, and in the worker processes a diff starts (a pool's workers start from
+    the environment, not from this process's filters)."""
+    import warnings
+
+    for spec in _NUMPY_FP_WARNINGS:
+        _, msg, _ = spec.split(":")
+        warnings.filterwarnings("ignore", message=msg, category=RuntimeWarning)
+    have = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+    os.environ["PYTHONWARNINGS"] = ",".join(have + [w for w in _NUMPY_FP_WARNINGS if w not in have])
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
+    _quiet_numpy_fp_warnings()
     # `diff --json` answers bad input with a JSON error object on stdout too: a CI step that parses
     # the output gets what went wrong, not an empty stdout (docs/json.md)
     as_json = bool(words) and words[0] == "diff" and "--json" in words and "--tui" not in words

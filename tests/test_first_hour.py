@@ -246,3 +246,59 @@ def test_finding_numbers_follow_the_order_shown(tmp_path):
     section = html.split("<h2>Findings", 1)[1].split("<h2>", 1)[0]
     nums = [int(x) for x in re.findall(r"<td>(\d+)</td>", section)]
     assert nums == list(range(len(d["findings"]))), nums
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy's warnings never reach stderr: NaN/Inf and overflow are findings
+# ----------------------------------------------------------------------------------------------
+
+
+def _damage(src: str, dst: Path, case: str) -> str:
+    import shutil
+
+    import h5py
+    import numpy as np
+
+    shutil.copyfile(src, dst)
+    rng = np.random.default_rng(0)
+    with h5py.File(dst, "r+") as f:
+        for name in ("embed", "layer1", "layer2", "layer3", "final_norm", "draft_input"):
+            g = f[f"tensors/{name}"]
+            if case == "inf_rms":      # rows whose RMS is Inf
+                r = g["rms"][...]
+                r[3:6] = np.inf
+                g["rms"][...] = r
+            elif case == "huge":       # finite values whose squares overflow
+                v = g["values"][...]
+                if v.dtype == np.float32:
+                    v[2:5] = 3e38
+                    g["values"][...] = v
+                s = g["sketch"][...]
+                s[2:5] = 3e38
+                g["sketch"][...] = s
+            else:                      # random bytes written over the data
+                for k in ("values", "sketch", "rms"):
+                    d = g[k]
+                    raw = rng.integers(0, 256, d.size * d.dtype.itemsize, dtype=np.uint8)
+                    d[...] = raw.view(d.dtype).reshape(d.shape)
+    return str(dst)
+
+
+@pytest.mark.parametrize("case", ["inf_rms", "huge", "garbage"])
+def test_no_numpy_warnings_on_stderr(pairs, tmp_path, case):
+    a, b = pairs["agree"]
+    bad = _damage(b, tmp_path / f"{case}.h5", case)
+    for args in (["diff", a, bad, "-q"], ["report", a, bad, "-o", str(tmp_path / "r.html")]):
+        p = _run(*args)
+        assert p.returncode in (0, 1), p.stderr
+        assert "RuntimeWarning" not in p.stderr and p.stderr.strip() == "", p.stderr
+    if case == "garbage":
+        assert "nonfinite: NaN/Inf" in _run("diff", a, bad).stdout
+
+
+def test_no_numpy_warnings_from_pool_workers(pairs, tmp_path):
+    a, b = pairs["agree"]
+    bad = _damage(b, tmp_path / "garbage.h5", "garbage")
+    p = _run("diff", a, bad, "-q", "--backend", "pool", "--workers", "2", timeout=300)
+    assert p.returncode == 1, p.stderr
+    assert "RuntimeWarning" not in p.stderr and p.stderr.strip() == "", p.stderr
