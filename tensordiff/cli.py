@@ -424,11 +424,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_report)
 
     c = sub.add_parser("calibrate", help="measure the noise floor of two traces of the same wiring and write tolerances",
+                       description="Diff two honest runs of the same wiring (another batch, kernel, engine or dtype) "
+                                   "and write per-tensor tolerances at MARGIN times the numeric noise they show, for "
+                                   "`tensordiff diff --calibration FILE`. Refuses a pair with wiring or token "
+                                   "findings, and a pair identical bit for bit (no noise to measure).",
                        epilog="exit codes: 0 written, 2 bad input (or not a noise-floor pair)")
     c.add_argument("a", metavar="A", help="one trace of the wiring (usually train)")
     c.add_argument("b", metavar="B", help="another run of the same wiring (the numeric noise to allow)")
     c.add_argument("--out", required=True, help="tolerances JSON for `diff --calibration`")
-    c.add_argument("--margin", type=float, default=4.0, help="allowed multiple of the observed error")
+    c.add_argument("--margin", type=float, default=4.0,
+                   help="allowed multiple of the observed error (default: %(default)g)")
     c.set_defaults(func=cmd_calibrate)
 
     if command not in CORE_COMMANDS:

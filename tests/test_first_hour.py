@@ -302,3 +302,47 @@ def test_no_numpy_warnings_from_pool_workers(pairs, tmp_path):
     p = _run("diff", a, bad, "-q", "--backend", "pool", "--workers", "2", timeout=300)
     assert p.returncode == 1, p.stderr
     assert "RuntimeWarning" not in p.stderr and p.stderr.strip() == "", p.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# help texts and the CI recipe
+# ----------------------------------------------------------------------------------------------
+
+
+def test_calibrate_help_describes_itself_and_its_margin():
+    p = _run("calibrate", "--help")
+    assert p.returncode == 0
+    text = " ".join(p.stdout.split())
+    usage_end = text.index("positional arguments")
+    assert "noise" in text[:usage_end].split("[--margin MARGIN]", 1)[-1], text   # a description under the usage
+    assert "default 4" in text or "default: 4" in text, text
+
+
+@pytest.mark.parametrize(("fmt", "words"), [("specforge", ".ckpt"), ("sglang-dump", "DUMPER_DIR"),
+                                            ("vllm-hidden-states", ".safetensors")])
+def test_import_format_help_is_that_formats(fmt, words):
+    p = _run("import", fmt, "--help")
+    assert p.returncode == 0, p.stderr
+    head = "\n".join(p.stdout.splitlines()[:8])
+    assert f"tensordiff import {fmt}" in head and words in head, p.stdout
+    others = {"specforge", "speculators", "sglang-dump", "vllm-hidden-states", "trtllm", "modelopt"} - {fmt}
+    assert not any(f"tensordiff import {o} " in p.stdout for o in others), p.stdout
+
+
+def test_ci_recipe_gives_report_and_diff_the_same_rules():
+    """The uploaded report and the log line must judge with the same tolerances."""
+    import re
+    import shlex
+
+    text = (ROOT / "docs" / "ci.md").read_text()
+    block = text.split("## A CI job", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    opts = {}
+    for line in block.splitlines():
+        m = re.match(r"\s*tensordiff (diff|report) (.*)", line)
+        if m:
+            words = shlex.split(m.group(2).split("|")[0].split("||")[0].split("#")[0])
+            judged = [w for i, w in enumerate(words) if w.startswith("--") and w not in ("-o", "--out")]
+            vals = [words[i + 1] for i, w in enumerate(words) if w in ("--tol", "--calibration", "--allow-failed")]
+            opts[m.group(1)] = (sorted(judged), sorted(vals))
+    assert set(opts) == {"diff", "report"}, block
+    assert opts["diff"] == opts["report"], opts

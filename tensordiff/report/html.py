@@ -319,7 +319,8 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
     parts.append(_heatmap_section(res, summary, text))
 
     nd = len(res.divergences)
-    parts.append(f"<h2>Findings ({nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other), divergences first, each group in forward order</h2>")
+    parts.append(f"<h2>Findings ({nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other), "
+                 "divergences first, each group in forward order</h2>")
     if res.findings:
         rows = []
         for f in res.findings[:max_findings]:
