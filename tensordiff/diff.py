@@ -50,6 +50,7 @@ from .findings import (
     ShiftDetails,
     SlotRow,
     TokenMismatchDetails,
+    name_sides_apart,
     order_findings,
 )
 from .identity import IdentityVerdict, NoiseFloor
@@ -116,6 +117,7 @@ class Differ:
         except TensordiffError:
             self.ra.close()
             raise
+        name_sides_apart(self.ra, self.rb)   # two traces of one side: "A" and "B" in every sentence
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read")
         # identity searches of disagreeing boundaries, scored while the numeric pass runs (see
         # _start_identity); the lock keeps their reads and the block reader's apart

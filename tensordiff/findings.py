@@ -58,6 +58,7 @@ __all__ = [
     "ShiftDetails",
     "SlotRow",
     "TokenMismatchDetails",
+    "name_sides_apart",
     "order_findings",
     "render_sentence",
     "where_token",
@@ -398,6 +399,17 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
     return findings
 
 
+def name_sides_apart(ra: Any, rb: Any) -> None:
+    """Two traces of the same side (two train runs: a regression check) are named ``A`` and ``B``
+    in every sentence, table and header: "train claims layer2; train holds layer1" says nothing.
+    Sets the readers' side names (a trace set's through its first member), before anything reads them."""
+    if ra.side != rb.side:
+        return
+    for r, name in ((ra, "A"), (rb, "B")):
+        members = getattr(r, "members", None)
+        (members[0].reader if members else r).side = name
+
+
 # ----------------------------------------------------------------------------------------------
 # Tables and the result
 # ----------------------------------------------------------------------------------------------
@@ -477,6 +489,13 @@ class DiffResult:
     worst_tokens: list[dict[str, Any]]
     summary_path: str | None = None
     require_complete: bool = False  # `--require-complete`: an incomplete verdict fails (exit 1) too
+
+    def side_tags(self) -> tuple[str, str]:
+        """`` [train]``, `` [serve]`` after each path; nothing when the two traces are of one side
+        and named A and B (:func:`name_sides_apart`): the path already says A= and B=."""
+        if (self.side_a, self.side_b) == ("A", "B"):
+            return "", ""
+        return f" [{self.side_a}]", f" [{self.side_b}]"
 
     @property
     def divergences(self) -> list[Finding]:

@@ -346,3 +346,46 @@ def test_ci_recipe_gives_report_and_diff_the_same_rules():
             opts[m.group(1)] = (sorted(judged), sorted(vals))
     assert set(opts) == {"diff", "report"}, block
     assert opts["diff"] == opts["report"], opts
+
+
+# ----------------------------------------------------------------------------------------------
+# two runs of the same side
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def same_side(tmp_path_factory) -> tuple[str, str]:
+    """Two train runs (the everyday regression check); the second's draft input holds other layers."""
+    d = tmp_path_factory.mktemp("runs")
+    a, b = str(d / "run1.h5"), str(d / "run2.h5")
+    write_trace(a, side="train")
+    write_trace(b, side="train", seed=1, noise=1e-6, packed_labels=("layer2", "layer3"))
+    return a, b
+
+
+def _no_side_word(text: str, what: str) -> None:
+    import re
+
+    # the side named where a sentence or a header means one side (sequences here are named
+    # train-0 and the regime is train: those are not side names)
+    side = (r"\btrain(?:'s| claims| holds| labels| has| positions| pairs| score| margin| keeps|: )|\[train\]"
+            r"|\bon train\b|\bbetween train\b|\btrain and train\b|\btrain vs\b|>train (claims|holds)")
+    bad = [m.group(0) for m in re.finditer(side, text)]
+    assert not bad, f"{what} names both sides 'train': {bad[:5]}\n{text[:3000]}"
+
+
+def test_same_side_wording_in_text_json_and_html(same_side, tmp_path):
+    p = _run("diff", *same_side, env=_env(COLUMNS="200"))
+    assert p.returncode == 1, p.stderr
+    _no_side_word(p.stdout, "the text report")
+    assert "A claims ┃ A holds ┃ B claims ┃ B holds" in p.stdout, p.stdout
+    d = json.loads(_run("diff", *same_side, "--json").stdout)
+    _no_side_word(d["headline"] + "\n".join(f["message"] for f in d["findings"]), "the JSON's sentences")
+    p80 = _run("diff", *same_side, env=_env(COLUMNS="80"))
+    _no_side_word(p80.stdout, "the 80-column text report")
+    assert "A claims layer1, holds layer1; B claims layer2," in p80.stdout, p80.stdout
+    out = tmp_path / "r.html"
+    assert _run("report", *same_side, "-o", str(out)).returncode == 1
+    html = out.read_text()
+    _no_side_word(html.split("<body", 1)[1], "the HTML report")
+    assert "<th>A claims</th>" in html and "<th>B holds</th>" in html, html[:2000]

@@ -52,3 +52,24 @@ async def test_findings_numbered_in_the_order_shown_and_n_steps_over_divergences
         await pilot.press("p")
         await pilot.pause()
         assert app.selected_finding == divs[-2]
+
+
+async def test_same_side_pair_says_a_and_b(tmp_path):
+    """Two train runs: the TUI's header and detail pane say A and B, not train and train."""
+    import re
+
+    from tracegen import write_trace
+
+    a, b = str(tmp_path / "run1.h5"), str(tmp_path / "run2.h5")
+    write_trace(a, side="train")
+    write_trace(b, side="train", seed=1, noise=1e-6, packed_labels=("layer2", "layer3"))
+    app = TensordiffApp(a, b, find_tokenizer=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_ready(app, pilot)
+        detail = app.detail_text.plain
+        assert re.search(r"\bA: \S+ pos \d+", detail) and re.search(r"\bB: \S+ pos \d+", detail), detail
+        shown = "\n".join(str(w.render()) for w in app.query("Static")) + detail
+        side = (r"\btrain(?:'s| claims| holds| labels| has| positions| pairs| score| margin| keeps|: )|\[train\]"
+                r"|\bon train\b|\bbetween train\b|\btrain and train\b|\btrain vs\b")
+        assert not re.search(side, shown), shown
+        assert "B holds layer2" in detail and "A holds layer1" in detail, detail

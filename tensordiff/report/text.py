@@ -159,8 +159,10 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
     first = res.first_divergence
     style = "bold red" if first else ("bold green" if res.verdict == "agree" else "bold yellow")
     console.print(Text(res.headline(), style=style))
+    named = (res.side_a, res.side_b) == ("A", "B")   # two traces of one side, named apart
     console.print(f"verdict: {res.verdict.upper()} (exit {res.exit_code}); {res.compared} of {len(res.pairs)} tensors "
-                  f"compared  A={res.path_a} [{res.side_a}]  B={res.path_b} [{res.side_b}]")
+                  f"compared  A={res.path_a}{'' if named else f' [{res.side_a}]'}  "
+                  f"B={res.path_b}{' (both traces of one side)' if named else f' [{res.side_b}]'}")
     if first is not None and first.tensor is not None and first.position is not None:
         console.print(f"first divergence at: tensor {first.tensor}"
                       + (f" slot {first.slot}" if first.slot is not None else "")

@@ -194,8 +194,8 @@ class TensordiffApp(App[int]):
     def _title_text(self) -> Text:
         a, b = os.path.basename(self.path_a), os.path.basename(self.path_b)
         if self.result is not None:
-            a += f" [{self.result.side_a}]"
-            b += f" [{self.result.side_b}]"
+            a += self.result.side_tags()[0]
+            b += self.result.side_tags()[1]
         return Text.assemble(("tensordiff  ", "bold"), a, "  vs  ", b)
 
     @property
