@@ -73,3 +73,71 @@ async def test_same_side_pair_says_a_and_b(tmp_path):
                 r"|\bon train\b|\bbetween train\b|\btrain and train\b|\btrain vs\b")
         assert not re.search(side, shown), shown
         assert "B holds layer2" in detail and "A holds layer1" in detail, detail
+
+
+# ----------------------------------------------------------------------------------------------
+# 80 x 24
+# ----------------------------------------------------------------------------------------------
+
+
+def screen_lines(app) -> list[str]:
+    """The screen as text lines, from the app's own SVG screenshot (what a snapshot stores)."""
+    import html
+    import re
+    from collections import defaultdict
+
+    svg = app.export_screenshot()
+    rows: dict[float, list[tuple[float, str]]] = defaultdict(list)
+    for m in re.finditer(r'<text class="[^"]*" x="([\d.]+)" y="([\d.]+)"[^>]*>(.*?)</text>', svg):
+        rows[float(m.group(2))].append((float(m.group(1)), html.unescape(m.group(3))))
+    out = []
+    for y in sorted(rows):
+        line = ""
+        for x, t in sorted(rows[y]):
+            line = line.ljust(int(round(x / 12.2))) + t
+        out.append(line.replace("\xa0", " "))
+    return out
+
+
+async def test_80x24_findings_tree_and_headers_readable(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        lines = screen_lines(app)
+        text = "\n".join(lines)
+        # the three divergences are told apart: each names its slot
+        for k in range(3):
+            assert f"draft_input[{k}]" in text, text
+        # the tree keeps what the wrong slot holds
+        assert "holds layer3" in text and "holds layer5" in text, text
+        # the heatmap's header names the packed tensor and each of its slots in full
+        header = next(x for x in lines if "[0]" in x and "[2]" in x and "L5" in x)
+        assert "[0] [1] [2]" in header, header
+        assert any("draft_input" in x for x in lines[lines.index(header) - 1:lines.index(header)]), text
+
+
+async def test_80x24_help_fits(fixture_app):
+    app = fixture_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        text = "\n".join(screen_lines(app))
+        for key in ("n / p", "f", "g", "/", "m", "a", "[", "< >", "s", "?", "q"):
+            assert key in text, text
+        for words in ("quit", "screenshot", "hide", "this help", "Esc closes"):
+            assert words in text, text
+
+
+def test_snapshot_80x24(snap_compare, fixture_app):
+    async def ready(pilot):
+        await wait_ready(pilot.app, pilot)
+
+    assert snap_compare(fixture_app(), terminal_size=(80, 24), run_before=ready)
+
+
+def test_snapshot_80x24_help(snap_compare, fixture_app):
+    async def ready(pilot):
+        await wait_ready(pilot.app, pilot)
+
+    assert snap_compare(fixture_app(), press=["question_mark"], terminal_size=(80, 24), run_before=ready)
