@@ -389,3 +389,30 @@ def test_same_side_wording_in_text_json_and_html(same_side, tmp_path):
     html = out.read_text()
     _no_side_word(html.split("<body", 1)[1], "the HTML report")
     assert "<th>A claims</th>" in html and "<th>B holds</th>" in html, html[:2000]
+
+
+# ----------------------------------------------------------------------------------------------
+# the README's first screen
+# ----------------------------------------------------------------------------------------------
+
+_COMMIT = r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"
+
+
+def test_readme_first_screen_is_what_a_user_needs():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    first = "\n".join(text.splitlines()[:45])
+    assert "differential tensor-tracing debugger" in first
+    assert "scripts/setup.sh core && .venv/bin/tensordiff diff traces/train.h5 traces/serve.h5" in first
+    assert "scripts/test.sh" in first
+    assert "| what | what it costs" in first            # what it costs, in one table
+    assert "slot 0 of draft_input holds layer3 where embed was expected" in first
+    # measurement history lives in docs/benchmarks.md, not in a user's README or the TUI's page
+    for doc in ("README.md", "docs/tui.md"):
+        body = (ROOT / doc).read_text()
+        assert not re.findall(_COMMIT, body), (doc, re.findall(_COMMIT, body)[:5])
+        assert not re.search(r"load( average)? \d|load \d|1-min load", body), doc
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    for figure in ("**31.1x**", "**1.74x**", "**0.43 s**", "**3.5-5.1%**", "**99.5 MB**", "### First paint, browsing, quit"):
+        assert figure in bench, figure
