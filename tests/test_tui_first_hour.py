@@ -1,3 +1,4 @@
+# ruff: noqa: F811
 """The TUI as a newcomer meets it (through Textual's Pilot): at 80 x 24, numbering that matches
 the text report, two runs of the same side, the go-to example."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+# the fixtures of test_tui.py, shared by importing them (a test's parameter then shadows the import)
 from test_tui import anyio_backend, fixture_app, fixture_diff, fixture_pair, wait_ready  # noqa: F401
 
 from tensordiff.tui.app import TensordiffApp
