@@ -98,16 +98,26 @@ def record_serve(out: Path, model: Path, draft: Path, prompts: Path) -> dict:
 def compact(path: Path) -> None:
     """Rewrite a trace with the same content, its datasets chunked to their length and gzipped.
 
-    Storage layout only (an ``h5repack``): every attribute, row and value is copied as it is. The
-    writer allocates chunks of up to 512 rows per dataset for streaming; for a trace of a few dozen
-    rows that is mostly empty space, which the shipped example does not need."""
+    Storage layout (an ``h5repack``): every row and value is copied as it is, and every attribute,
+    but for one change: the paths the recorders write (model, draft, prompts) are made relative to
+    the repository (``traces/model``), so the committed pair names no directory of the machine that
+    recorded it. The writer allocates chunks of up to 512 rows per dataset for streaming; for a
+    trace of a few dozen rows that is mostly empty space, which the shipped example does not need."""
     import h5py
 
     tmp = path.with_suffix(".tmp.h5")
+    root = str(REPO) + os.sep
+
+    def rel(v):
+        if isinstance(v, bytes) and root.encode() in v:
+            return v.replace(root.encode(), b"")
+        if isinstance(v, str) and root in v:
+            return v.replace(root, "")
+        return v
 
     def copy(src, dst) -> None:
         for k, v in src.attrs.items():
-            dst.attrs[k] = v
+            dst.attrs[k] = rel(v)
         for name, obj in src.items():
             if isinstance(obj, h5py.Group):
                 copy(obj, dst.create_group(name))
@@ -120,7 +130,7 @@ def compact(path: Path) -> None:
             ds = dst.create_dataset(name, data=data, dtype=obj.dtype, chunks=(rows,) + obj.shape[1:] if rows else None,
                                     maxshape=(None,) + obj.shape[1:] if rows else None, **kw)
             for k, v in obj.attrs.items():
-                ds.attrs[k] = v
+                ds.attrs[k] = rel(v)
 
     with h5py.File(path, "r") as src, h5py.File(tmp, "w") as dst:
         copy(src, dst)

@@ -232,19 +232,20 @@ def test_finding_numbers_follow_the_order_shown(tmp_path):
 
     p = _run("diff", *EXAMPLE, env=_env(COLUMNS="200"))
     assert p.returncode == 1, p.stderr
-    shown = [int(m.group(1)) for m in re.finditer(r"^ [✗!·] #(\d+) ", p.stdout, re.M)]
+    block = p.stdout.split("\nfindings (", 1)[1].split("\ntokens:", 1)[0].split("\nacceptance by", 1)[0]
+    shown = [int(m.group(1)) for m in re.finditer(r"^\s*[✗!·] #(\d+) ", block, re.M)]
     assert len(shown) >= 4 and shown == list(range(len(shown))), shown
     d = json.loads(_run("diff", *EXAMPLE, "--json").stdout)
     sev = [f["severity"] for f in d["findings"]]
     rank = {"divergence": 0, "warning": 1, "info": 2}
     assert sev == sorted(sev, key=rank.__getitem__), sev   # the JSON lists them in the same order
-    kinds = re.findall(r"^ [✗!·] #\d+ (\w+):", p.stdout, re.M)
+    kinds = re.findall(r"^\s*[✗!·] #\d+ (\w+):", block, re.M)
     assert kinds == [f["kind"] for f in d["findings"]][:len(kinds)], kinds
     out = tmp_path / "r.html"
     assert _run("report", *EXAMPLE, "-o", str(out)).returncode == 1
     html = out.read_text()
     section = html.split("<h2>Findings", 1)[1].split("<h2>", 1)[0]
-    nums = [int(x) for x in re.findall(r"<td>(\d+)</td>", section)]
+    nums = [int(x) for x in re.findall(r'class="sev-\w+">[^<]*</span></td><td>(\d+)</td>', section)]
     assert nums == list(range(len(d["findings"]))), nums
 
 
@@ -416,3 +417,30 @@ def test_readme_first_screen_is_what_a_user_needs():
     bench = (ROOT / "docs" / "benchmarks.md").read_text()
     for figure in ("**31.1x**", "**1.74x**", "**0.43 s**", "**3.5-5.1%**", "**99.5 MB**", "### First paint, browsing, quit"):
         assert figure in bench, figure
+
+
+# ----------------------------------------------------------------------------------------------
+# the example pair shows acceptance
+# ----------------------------------------------------------------------------------------------
+
+
+def test_example_pair_has_predictions_and_shows_acceptance():
+    import h5py
+
+    with h5py.File(EXAMPLE[0], "r") as f:
+        train = set(f["tensors"])
+    with h5py.File(EXAMPLE[1], "r") as f:
+        serve = set(f["tensors"])
+    assert {"target_topk", "draft_topk", "draft_fc_output"} <= train, train
+    assert {"target_topk", "draft_topk", "draft_fc_output"} <= serve and any("verify" in t for t in serve), serve
+    assert sum(p.stat().st_size for p in (ROOT / "traces").glob("*") if p.is_file()) < 4_000_000
+    p = _run("diff", *EXAMPLE, env=_env(COLUMNS="120"))
+    assert p.returncode == 1, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "slot 0 of draft_input holds layer3 where embed was expected"   # the same first line
+    acc = [x for x in lines if "acceptance:" in x]
+    assert acc and "verify steps" in acc[0], p.stdout
+    assert "first divergence upstream: slot 0 of draft_input holds layer3" in " ".join(p.stdout.split()), p.stdout
+    assert any(x.startswith("acceptance by draft position") for x in lines), p.stdout
+    readme = "\n".join((ROOT / "README.md").read_text().splitlines()[:45])
+    assert "acceptance" in readme and "verify steps" in readme, readme
