@@ -93,6 +93,15 @@ def svg_text(svg: str) -> list[str]:
     return out
 
 
+_SCROLLBAR = re.compile(r"[▁▂▃▄▅▆▇█▉▊▋▌▍▎▏]{1,2}(?= ?│)")
+
+
+def comparable(lines: list[str]) -> list[str]:
+    """The screen's text without the scrollbars' thumbs (the block glyphs just inside a pane's right
+    border): where a thumb sits depends on when the screenshot was taken, not on what it shows."""
+    return [_SCROLLBAR.sub(lambda m: " " * len(m.group(0)), line) for line in lines]
+
+
 # ----------------------------------------------------------------------------------------------
 # the HTML report
 
@@ -159,7 +168,7 @@ def report_png(out: Path) -> None:
 def stale() -> list[str]:
     """Which committed pictures differ from what this script makes now (empty: none)."""
     bad = []
-    if svg_text(TUI_SVG.read_text(encoding="utf-8")) != svg_text(tui_svg()):
+    if comparable(svg_text(TUI_SVG.read_text(encoding="utf-8"))) != comparable(svg_text(tui_svg())):
         bad.append(str(TUI_SVG.relative_to(REPO)))
     with tempfile.TemporaryDirectory(prefix="tensordiff-docs-") as d:
         page = Path(d) / "report.html"

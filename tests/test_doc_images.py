@@ -16,8 +16,8 @@ import make_doc_images as docs  # noqa: E402
 
 
 def test_tui_example_svg_is_current():
-    committed = docs.svg_text(docs.TUI_SVG.read_text(encoding="utf-8"))
-    now = docs.svg_text(docs.tui_svg())
+    committed = docs.comparable(docs.svg_text(docs.TUI_SVG.read_text(encoding="utf-8")))
+    now = docs.comparable(docs.svg_text(docs.tui_svg()))
     assert len(now) == docs.TUI_SIZE[1]
     assert committed == now, ("docs/tui-example.svg is stale: run scripts/make_doc_images.py\n"
                               + "\n".join(f"- {a}\n+ {b}" for a, b in zip(committed, now) if a != b))
@@ -30,6 +30,15 @@ def test_report_example_png_is_current(tmp_path):
     docs.report_html(page)
     assert docs.png_fingerprint(data) == docs.report_fingerprint(page.read_text()), \
         "docs/report-example.png is stale: run scripts/make_doc_images.py"
+
+
+def test_svg_comparison_sees_a_changed_word_not_a_scrollbar():
+    lines = docs.svg_text(docs.TUI_SVG.read_text(encoding="utf-8"))
+    i = next(k for k, x in enumerate(lines) if "holds layer3" in x)
+    moved = [x.replace(" │", "▇│", 1) if k == i else x for k, x in enumerate(lines)]
+    assert docs.comparable(moved) == docs.comparable(lines) or "▇│" not in moved[i]
+    changed = [x.replace("holds layer3", "holds layer4") if k == i else x for k, x in enumerate(lines)]
+    assert docs.comparable(changed) != docs.comparable(lines)
 
 
 def test_fingerprint_sees_a_changed_sentence(tmp_path):
