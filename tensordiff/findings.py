@@ -394,8 +394,8 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
     for i, f in enumerate(findings):
         f.index = i
     for f in findings:
-        g = parent.get(id(f))
-        f.inherited_from = g.index if g is not None else None
+        up = parent.get(id(f))
+        f.inherited_from = up.index if up is not None else None
     return findings
 
 
