@@ -136,7 +136,7 @@ def test_diff_json_bad_input_is_a_json_error_object(pairs, tmp_path, case):
     """A CI step that parses the JSON gets an object saying what went wrong, not an empty stdout."""
     import jsonschema
 
-    from tensordiff.report import diff_schema
+    from tensordiff.report.text import diff_schema
 
     a, b = pairs["agree"]
     args = {"missing": [a, str(tmp_path / "nope.h5")], "not_hdf5": [a, str(tmp_path / "x.h5")],
