@@ -42,6 +42,7 @@ import sglang_support as sup  # noqa: E402
 AUX_IDS = [2, 4, 6]
 MAX_NEW_TOKENS = 4
 SKETCH_DIM = 64  # both sides; smaller than the default 128 to keep the committed pair small
+TOPK = 20        # both sides: target_topk and draft_topk, for the acceptance analysis
 EXPECTED = "slot 0 of draft_input holds layer3 where embed was expected"
 
 
@@ -62,8 +63,10 @@ def pick_draft_vocab(model_dir: Path, prompts: list[dict], n: int = 2) -> list[i
     return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
 
 
-def record_train(out: Path, model: Path, prompts: Path) -> None:
+def record_train(out: Path, model: Path, prompts: Path, draft: Path) -> None:
+    # with the draft: its fc output and top-k predictions beside the target's (the acceptance analysis)
     cmd = [sys.executable, "-m", "tensordiff", "record", "train", "--model", str(model), "--prompts", str(prompts),
+           "--draft", str(draft), "--topk", str(TOPK),
            "--aux-ids", *map(str, AUX_IDS), "--convention", "speculators-legacy", "--prepend-embed",
            "--dtype", "float32", "--device", "cpu", "--values", "none", "--sketch-dim", str(SKETCH_DIM),
            "--no-progress", "--out", str(out / "train.h5")]
@@ -78,7 +81,7 @@ def record_serve(out: Path, model: Path, draft: Path, prompts: Path) -> dict:
             "--catalog", "--values", "draft_input", "--sketch-dim", str(SKETCH_DIM),
             "--max-new-tokens", str(MAX_NEW_TOKENS), "--device", "cpu", "--dtype", "float32",
             "--attention-backend", "intel_amx", "--mem-fraction-static", "0.1", "--max-total-tokens", "2048",
-            "--chunked-prefill-size", "256", "--outputs", str(out / "serve_outputs.jsonl")]
+            "--chunked-prefill-size", "256", "--topk", str(TOPK), "--outputs", str(out / "serve_outputs.jsonl")]
     print("$ tensordiff record serve", " ".join(os.path.relpath(a, REPO) if a.startswith(str(REPO)) else a
                                                 for a in argv), flush=True)
     p = argparse.ArgumentParser()
@@ -95,16 +98,26 @@ def record_serve(out: Path, model: Path, draft: Path, prompts: Path) -> dict:
 def compact(path: Path) -> None:
     """Rewrite a trace with the same content, its datasets chunked to their length and gzipped.
 
-    Storage layout only (an ``h5repack``): every attribute, row and value is copied as it is. The
-    writer allocates chunks of up to 512 rows per dataset for streaming; for a trace of a few dozen
-    rows that is mostly empty space, which the shipped example does not need."""
+    Storage layout (an ``h5repack``): every row and value is copied as it is, and every attribute,
+    but for one change: the paths the recorders write (model, draft, prompts) are made relative to
+    the repository (``traces/model``), so the committed pair names no directory of the machine that
+    recorded it. The writer allocates chunks of up to 512 rows per dataset for streaming; for a
+    trace of a few dozen rows that is mostly empty space, which the shipped example does not need."""
     import h5py
 
     tmp = path.with_suffix(".tmp.h5")
+    root = str(REPO) + os.sep
+
+    def rel(v):
+        if isinstance(v, bytes) and root.encode() in v:
+            return v.replace(root.encode(), b"")
+        if isinstance(v, str) and root in v:
+            return v.replace(root, "")
+        return v
 
     def copy(src, dst) -> None:
         for k, v in src.attrs.items():
-            dst.attrs[k] = v
+            dst.attrs[k] = rel(v)
         for name, obj in src.items():
             if isinstance(obj, h5py.Group):
                 copy(obj, dst.create_group(name))
@@ -117,7 +130,7 @@ def compact(path: Path) -> None:
             ds = dst.create_dataset(name, data=data, dtype=obj.dtype, chunks=(rows,) + obj.shape[1:] if rows else None,
                                     maxshape=(None,) + obj.shape[1:] if rows else None, **kw)
             for k, v in obj.attrs.items():
-                ds.attrs[k] = v
+                ds.attrs[k] = rel(v)
 
     with h5py.File(path, "r") as src, h5py.File(tmp, "w") as dst:
         copy(src, dst)
@@ -142,7 +155,7 @@ def main(argv=None) -> int:
             vocab = pick_draft_vocab(model, prompts)
             print(f"draft vocabulary (target ids): {vocab}")
             sup.make_tiny_eagle3_draft(draft, model, aux_layer_ids=AUX_IDS, seed=1, draft_vocab=vocab)
-        record_train(out, model, ppath)
+        record_train(out, model, ppath, draft)
         res = record_serve(out, model, draft, ppath)
         acc = [o.get("spec_accept_length") for o in res["outputs"]]
         print(f"serve: accept lengths per request {acc}")

@@ -287,16 +287,22 @@ def _diverges(f: Finding) -> bool:
     return f.severity == Severity.DIVERGENCE or (f.text or "").startswith(ALLOWED_PREFIX)
 
 
+def _first_diverging(findings: list[Finding]) -> Finding | None:
+    """The first finding in forward order that diverges (or would, but for --allow-failed): the
+    list itself is ordered divergences first."""
+    return min((f for f in findings if _diverges(f)), key=lambda f: f.sort_key(), default=None)
+
+
 def add_finding(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
                 stats: list[PairStats]) -> list[Finding]:
-    """``findings`` (in forward order) with the acceptance finding added, in forward order again;
+    """``findings`` (as :func:`order_findings` leaves them) with the acceptance finding added, ordered again;
     its ``upstream_index`` is the upstream finding's index in the returned list."""
     f = analyse(ra, rb, al, maps, findings, stats)
     if f is None:
         return findings
     d = f.details
     assert isinstance(d, AcceptanceDetails)
-    up = next((g for g in findings if _diverges(g)), None) if d.verdict == "upstream" else None
+    up = _first_diverging(findings) if d.verdict == "upstream" else None
     out = order_findings(findings + [f])
     if up is not None:
         d.upstream_index = up.index
@@ -306,7 +312,7 @@ def add_finding(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowM
 def analyse(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
             stats: list[PairStats]) -> Finding | None:
     """The acceptance finding of a diff (None when neither side recorded draft predictions or
-    verify steps). ``findings`` in forward order; ``stats`` the compared tensor pairs."""
+    verify steps). ``findings`` as :func:`order_findings` leaves them; ``stats`` the compared tensor pairs."""
     teach = {"a": teacher_forced(ra), "b": teacher_forced(rb)}
     steps = {"a": verify_steps(ra), "b": verify_steps(rb)}
     if not any(teach.values()) and not any(steps.values()):
@@ -323,7 +329,7 @@ def analyse(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps,
     not_compared = [n for n in UPSTREAM if n not in compared]
     if TARGET_TOPK not in cross or not cross[TARGET_TOPK]["tokens"]:
         not_compared.append(TARGET_TOPK)
-    upstream = next((f for f in findings if _diverges(f)), None)
+    upstream = _first_diverging(findings)
     order = float((ra.num_layers or 0) + 0.99)
     t = teach[side] or {}
     d = AcceptanceDetails(side=reader.side, side_a=ra.side, side_b=rb.side, teacher=t, teacher_other=teach[

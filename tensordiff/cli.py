@@ -18,9 +18,10 @@ from typing import NoReturn
 from . import __version__
 from .errors import TensordiffError, UsageError
 
-EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_CODES = ("exit codes: 0 agree (or incomplete: some tensors not compared, said in the verdict), 1 divergence "
-              "found, 2 bad input or nothing compared (one line on stderr)")
+              "found, 2 bad input or nothing compared (one line on stderr), 3 an error of tensordiff's own (a bug: "
+              "one line, TENSORDIFF_DEBUG=1 for its traceback)")
 EXIT_CODES_STRICT = EXIT_CODES.replace("1 divergence found", "1 divergence found (or incomplete with --require-complete)")
 
 
@@ -253,7 +254,25 @@ def _run_calibrate(args) -> int:
     return EXIT_OK
 
 
+def _check_terminal() -> None:
+    """The interactive TUI needs a terminal on both ends: without one (a CI job, a redirect) the
+    app would write escape codes into a file and wait for keys that never come."""
+    if os.environ.get("TERM") == "dumb":
+        raise UsageError("the TUI cannot draw on TERM=dumb; use `tensordiff diff A B` for the text report, "
+                         "or `tensordiff tui A B --screenshot OUT.svg`")
+    for name, stream in (("stdin", sys.stdin), ("stdout", sys.stdout)):
+        try:
+            tty = stream is not None and stream.isatty()
+        except (ValueError, OSError):
+            tty = False
+        if not tty:
+            raise UsageError(f"the TUI needs a terminal, and {name} is not one; use `tensordiff diff A B` for the "
+                             "text report, or `tensordiff tui A B --screenshot OUT.svg`")
+
+
 def cmd_tui(args) -> int:
+    if not getattr(args, "screenshot", None):
+        _check_terminal()   # before any trace is read: a CI job that runs the TUI fails at once
     try:
         from .tui.app import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install
@@ -365,11 +384,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_report)
 
     c = sub.add_parser("calibrate", help="measure the noise floor of two traces of the same wiring and write tolerances",
+                       description="Diff two honest runs of the same wiring (another batch, kernel, engine or dtype) "
+                                   "and write per-tensor tolerances at MARGIN times the numeric noise they show, for "
+                                   "`tensordiff diff --calibration FILE`. Refuses a pair with wiring or token "
+                                   "findings, and a pair identical bit for bit (no noise to measure).",
                        epilog="exit codes: 0 written, 2 bad input (or not a noise-floor pair)")
     c.add_argument("a", metavar="A", help="one trace of the wiring (usually train)")
     c.add_argument("b", metavar="B", help="another run of the same wiring (the numeric noise to allow)")
     c.add_argument("--out", required=True, help="tolerances JSON for `diff --calibration`")
-    c.add_argument("--margin", type=float, default=4.0, help="allowed multiple of the observed error")
+    c.add_argument("--margin", type=float, default=4.0,
+                   help="allowed multiple of the observed error (default: %(default)g)")
     c.set_defaults(func=cmd_calibrate)
 
     if command not in CORE_COMMANDS:
@@ -378,24 +402,45 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+#: numpy's floating-point warnings (``-W`` / PYTHONWARNINGS form: action:message-start:category).
+#: NaN/Inf and overflow in the data are findings of the diff; numpy's own lines about them
+#: ("overflow encountered in divide") are not the tool's words and never reach stderr
+_NUMPY_FP_WARNINGS = tuple(f"ignore:{m} encountered:RuntimeWarning"
+                           for m in ("overflow", "invalid value", "divide by zero", "underflow"))
+
+
+def _quiet_numpy_fp_warnings() -> None:
+    """In this process, and in the worker processes a diff starts (a pool's workers start from
+    the environment, not from this process's filters)."""
+    import warnings
+
+    for spec in _NUMPY_FP_WARNINGS:
+        _, msg, _ = spec.split(":")
+        warnings.filterwarnings("ignore", message=msg, category=RuntimeWarning)
+    have = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+    os.environ["PYTHONWARNINGS"] = ",".join(have + [w for w in _NUMPY_FP_WARNINGS if w not in have])
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
+    _quiet_numpy_fp_warnings()
+    # `diff --json` answers bad input with a JSON error object on stdout too: a CI step that parses
+    # the output gets what went wrong, not an empty stdout (docs/json.md)
+    as_json = bool(words) and words[0] == "diff" and "--json" in words and "--tui" not in words
     parser = build_parser(words[0] if words else None)
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
-        _err(_usage_hint(parser, sys.argv[1:] if argv is None else argv, str(e)))
-        return EXIT_BAD_INPUT
+        return _fail(_usage_hint(parser, sys.argv[1:] if argv is None else argv, str(e)), "UsageError", as_json)
     except SystemExit as e:  # --help, --version
         return EXIT_BAD_INPUT if e.code not in (0, None) else EXIT_OK
     try:
         return args.func(args)
     except TensordiffError as e:
-        _err(str(e))
-        return EXIT_BAD_INPUT
+        return _fail(str(e), type(e).__name__, as_json)
     except KeyboardInterrupt:
-        _err("interrupted")
-        return 130
+        _clear_progress_line()
+        return _fail("interrupted", "Interrupted", as_json, code=130)
     except BrokenPipeError:
         try:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stdout for the rest of the process
@@ -403,14 +448,37 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return EXIT_OK
     except MemoryError:
-        _err("out of memory")
-        return EXIT_BAD_INPUT
+        return _fail("out of memory", "MemoryError", as_json)
     except Exception as e:
         if os.environ.get("TENSORDIFF_DEBUG"):
             raise
-        _err(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
-             "(set TENSORDIFF_DEBUG=1 for a traceback)")
-        return EXIT_BAD_INPUT
+        return _fail(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                     "(set TENSORDIFF_DEBUG=1 for a traceback)", "UnexpectedError", as_json, code=EXIT_INTERNAL)
+
+
+def _fail(msg: str, kind: str, as_json: bool, code: int = EXIT_BAD_INPUT) -> int:
+    """One line on stderr; with ``diff --json`` also the JSON error object on stdout."""
+    line = _err(msg)
+    if as_json:
+        from .findings import SCHEMA_VERSION
+
+        try:
+            _print_json({"schema_version": SCHEMA_VERSION, "error": {"type": kind, "message": line},
+                         "exit_code": code})
+            sys.stdout.flush()
+        except (BrokenPipeError, OSError):
+            _stdout_to_devnull()
+    return code
+
+
+def _clear_progress_line() -> None:
+    """Ctrl-C lands on the progress bar's line (the terminal echoes ``^C`` there): the error
+    starts on a line of its own."""
+    try:
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\x1b[2K")
+    except (ValueError, OSError):
+        pass
 
 
 def _usage_hint(parser: argparse.ArgumentParser, argv: list[str], msg: str) -> str:
@@ -442,12 +510,14 @@ def _usage_hint(parser: argparse.ArgumentParser, argv: list[str], msg: str) -> s
     return base + ("; " + "; ".join(hints) if hints else "") + f" (see `{target.prog} --help`)"
 
 
-def _err(msg: str) -> None:
+def _err(msg: str) -> str:
+    """Write ``tensordiff: error: MSG`` on stderr; returns MSG as written (one line, made safe)."""
     from .safety import sanitize_for_terminal
 
     msg = sanitize_for_terminal(" ".join(msg.split()))  # messages quote file names and file contents
     sys.stderr.write(f"tensordiff: error: {msg}\n")
     sys.stderr.flush()
+    return msg
 
 
 if __name__ == "__main__":  # pragma: no cover

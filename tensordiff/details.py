@@ -254,6 +254,13 @@ class IdentityDetails(Details):
             self.evidence = IdentityEvidence.from_dict(self.evidence)
 
 
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if d["claimed"] is None:   # what the side the sentence is about labels the slot
+            d["claimed"] = self.claimed_a if self.side == "a" else self.claimed_b
+        return d
+
+
 @dataclass
 class LabelDetails(Details):
     claimed: str = ""

@@ -47,6 +47,8 @@ __all__ = [
     "Candidate",
     "Details",
     "DiffResult",
+    "ErrorInfo",
+    "ErrorJSON",
     "Finding",
     "GapDetails",
     "IdentityDetails",
@@ -66,6 +68,7 @@ __all__ = [
     "SlotVerdict",
     "TokenMismatchDetails",
     "Verdict",
+    "name_sides_apart",
     "order_findings",
     "render_sentence",
     "where_token",
@@ -386,12 +389,17 @@ def render_sentence(f: Finding) -> str:
     return fn(f, f.details)
 
 
+_SEVERITY_RANK = {Severity.DIVERGENCE: 0, Severity.WARNING: 1, Severity.INFO: 2}
+
+
 def order_findings(findings: list[Finding]) -> list[Finding]:
-    """Sort in forward order and mark which divergences are inherited from an earlier one."""
-    findings.sort(key=lambda f: f.sort_key())
+    """Sort divergences first, then warnings, then notes, each group in forward order, number them
+    in that order (the ``#i`` every output shows, and the place in the JSON's list), and mark which
+    divergences are inherited from an earlier one."""
+    findings.sort(key=lambda f: f.sort_key())   # forward order: what inheritance reads
+    parent: dict[int, Finding] = {}
     divs: list[Finding] = []
-    for i, f in enumerate(findings):
-        f.index = i
+    for f in findings:
         if f.severity != Severity.DIVERGENCE:
             continue
         for g in divs:
@@ -399,10 +407,28 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
                     f.kind in (Kind.NUMERIC, Kind.NONFINITE)
                     and g.kind in (Kind.NUMERIC, Kind.NONFINITE, Kind.SLOT_IDENTITY)
                     and g.order < f.order and g.seq == f.seq and (g.position or 0) <= (f.position or 0)):
-                f.inherited_from = g.index
+                parent[id(f)] = g
                 break
         divs.append(f)
+    # the order shown: --max-findings and a reader's eye never meet a note before a divergence
+    findings.sort(key=lambda f: _SEVERITY_RANK[f.severity])   # stable: forward order within a group
+    for i, f in enumerate(findings):
+        f.index = i
+    for f in findings:
+        up = parent.get(id(f))
+        f.inherited_from = up.index if up is not None else None
     return findings
+
+
+def name_sides_apart(ra: Any, rb: Any) -> None:
+    """Two traces of the same side (two train runs: a regression check) are named ``A`` and ``B``
+    in every sentence, table and header: "train claims layer2; train holds layer1" says nothing.
+    Sets the readers' side names (a trace set's through its first member), before anything reads them."""
+    if ra.side != rb.side:
+        return
+    for r, name in ((ra, "A"), (rb, "B")):
+        members = getattr(r, "members", None)
+        (members[0].reader if members else r).side = name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,6 +556,25 @@ class PairStats(Record):
         return d
 
 
+class ErrorInfo(TypedDict):
+    """What went wrong, in an error object (``ErrorJSON``)."""
+
+    #: the kind of error: TraceFileError, TraceBusyError, SourceFileError, IncompatibleTracesError,
+    #: UsageError, RecordingError, Interrupted, MemoryError or UnexpectedError (a bug of tensordiff's)
+    type: str
+    #: the line printed on stderr after 'tensordiff: error: '
+    message: str
+
+
+class ErrorJSON(TypedDict):
+    """What ``tensordiff diff --json`` prints instead of a result on bad input (exit 2), an
+    interrupt (exit 130) or an error of its own (exit 3): the same line as on stderr, as JSON."""
+
+    schema_version: Annotated[int, OneOf((SCHEMA_VERSION,))]
+    error: ErrorInfo
+    exit_code: Annotated[int, OneOf((2, 3, 130))]
+
+
 class DiffJSON(TypedDict):
     """What :meth:`DiffResult.to_dict` gives (``tensordiff diff --json``): the schema's top level."""
 
@@ -568,6 +613,13 @@ class DiffResult:
     worst_tokens: list[Annotated[dict[str, Any], WorstToken]]
     summary_path: str | None = None
     require_complete: bool = False  # `--require-complete`: an incomplete verdict fails (exit 1) too
+
+    def side_tags(self) -> tuple[str, str]:
+        """`` [train]``, `` [serve]`` after each path; nothing when the two traces are of one side
+        and named A and B (:func:`name_sides_apart`): the path already says A= and B=."""
+        if (self.side_a, self.side_b) == ("A", "B"):
+            return "", ""
+        return f" [{self.side_a}]", f" [{self.side_b}]"
 
     @property
     def divergences(self) -> list[Finding]:

@@ -27,6 +27,8 @@ from .findings import (
     DETAILS,
     SCHEMA_VERSION,
     DiffJSON,
+    ErrorInfo,
+    ErrorJSON,
     Finding,
     GapRecord,
     PairStats,
@@ -44,6 +46,7 @@ NAMES: dict[Any, str] = {
     SideRecord: "side", Candidate: "candidate", ToleranceRecord: "tolerance", Finding: "finding",
     SlotRow: "slot_row", PairStats: "tensor", SequencePair: "sequence_pair", GapRecord: "gap",
     WorstToken: "worst_token", IdentityEvidence: "identity_evidence", RegimeStats: "regime_stats",
+    DiffJSON: "result", ErrorJSON: "error", ErrorInfo: "error_info",
     **{cls: f"details_{kind.value}" for kind, cls in DETAILS.items()},
 }
 _PRIMITIVES = {str: "string", int: "integer", bool: "boolean", float: "number"}
@@ -142,15 +145,16 @@ def _finding() -> dict[str, Any]:
 
 def build() -> dict[str, Any]:
     """The schema, with one definition per record, in the order of :data:`NAMES`."""
-    top = _record(DiffJSON)
     defs = {name: (_finding() if cls is Finding else _record(cls)) for cls, name in NAMES.items()}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://tensordiff.invalid/schemas/diff.schema.json",
         "title": "tensordiff diff --json",
-        "description": f"The result of `tensordiff diff --json`, schema_version {SCHEMA_VERSION}. Field by field in "
-                       "docs/json.md. Generated from the records (python -m tensordiff.json_schema): do not edit.",
-        **top,
+        "description": f"The output of `tensordiff diff --json`, schema_version {SCHEMA_VERSION}: the result of a diff, "
+                       "or, on bad input (exit 2), an error of tensordiff's own (exit 3) or an interrupt (exit 130), an "
+                       "error object. Field by field in docs/json.md. Generated from the records "
+                       "(python -m tensordiff.json_schema): do not edit.",
+        "oneOf": [{"$ref": "#/$defs/result"}, {"$ref": "#/$defs/error"}],
         "$defs": defs,
     }
 

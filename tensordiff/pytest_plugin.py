@@ -61,7 +61,19 @@ def assert_traces_agree(pytestconfig: pytest.Config):
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     testing = sys.modules.get("tensordiff.testing")
-    if testing is None or call.excinfo is None or not isinstance(call.excinfo.value, testing.TracesDisagree):
+    if testing is None or call.excinfo is None:
+        return
+    from .errors import TensordiffError
+
+    err = call.excinfo.value
+    if isinstance(err, testing.TracesDisagree):
+        words = str(err)
+    elif isinstance(err, TensordiffError) and _raised_by_tensordiff(call.excinfo.traceback):
+        # bad input (a missing or damaged trace): the CLI's one line, not a traceback through the reader
+        from .safety import sanitize_for_terminal
+
+        words = f"tensordiff: error: {sanitize_for_terminal(' '.join(str(err).split()))}"
+    else:
         return
     report = outcome.get_result()
     # where in the test it was asserted (the last frame in the test's file), then the diff's words
@@ -69,4 +81,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     for entry in call.excinfo.traceback:
         if str(entry.path) == str(item.path):
             where = f"{item.path.name}:{entry.lineno + 1}: "
-    report.longrepr = f"{where}{call.excinfo.value}"
+    report.longrepr = f"{where}{words}"
+
+
+def _raised_by_tensordiff(tb) -> bool:
+    """Whether the error came out of ``assert_traces_agree`` (a test's own use of tensordiff's
+    classes keeps pytest's report)."""
+    return any(entry.frame.code.name in ("assert_traces_agree", "check") and "tensordiff" in str(entry.path)
+               for entry in tb)

@@ -40,7 +40,7 @@ def failure_message(res: DiffResult, divergences: list[Finding], max_findings: i
     """The headline, where it is, and the first divergences (then how many more)."""
     first = divergences[0]
     lines = [f"traces disagree: {first.message}",
-             f"  A = {res.path_a} [{res.side_a}]   B = {res.path_b} [{res.side_b}]"]
+             f"  A = {res.path_a}{res.side_tags()[0]}   B = {res.path_b}{res.side_tags()[1]}"]
     if first.tensor is not None and first.position is not None:
         lines.append(f"  first divergence at: tensor {first.tensor}" + (f" slot {first.slot}" if first.slot is not None else "")
                      + f", seq {first.seq}, position {first.position}, token {first.token}")
@@ -86,7 +86,7 @@ def incomplete_message(res: DiffResult, max_findings: int = 5) -> str:
     """The headline and the tensors that could not be compared, with why."""
     missing = [p for p in res.pairs if not p.compared]
     lines = [f"traces not fully compared: {res.headline()}",
-             f"  A = {res.path_a} [{res.side_a}]   B = {res.path_b} [{res.side_b}]"]
+             f"  A = {res.path_a}{res.side_tags()[0]}   B = {res.path_b}{res.side_tags()[1]}"]
     for p in missing[:max_findings]:
         name = p.name_a if p.name_a == p.name_b or not p.name_b else f"{p.name_a or '-'} vs {p.name_b}"
         lines.append(f"  ? {name}: {p.not_compared or 'not compared'}")

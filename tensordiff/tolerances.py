@@ -350,16 +350,31 @@ def calibrate(res: DiffResult, margin: float) -> tuple[dict[str, Tolerance], lis
         raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
     tols: dict[str, Tolerance] = {}
     warnings: list[str] = []
+    identical: list[str] = []
+    compared = [p for p in res.pairs if p.compared]
+    # a pair that is equal bit for bit measures no noise: its tolerances would be essentially zero
+    # and fail every later diff of honest runs
+    if compared and all(r == 0.0 for p in compared for r in p.rel_max[:p.slots]):
+        raise IncompatibleTracesError(
+            f"no noise measured: the two traces are identical in all {len(compared)} compared tensors; calibrate on "
+            "two honest runs of the same wiring (another batch, kernel, engine or dtype), not on copies of one run")
     for p in res.pairs:
         if not p.compared:
             warnings.append(f"{p.label}: not compared ({p.not_compared}); no tolerance written")
             continue
         for s in range(p.slots):
             key = f"{p.name_a}[{s}]" if p.slots > 1 else p.name_a
+            if p.rel_max[s] == 0.0:
+                identical.append(key)
+                continue
             tols[key], warn = calibrate_tolerance(key, p.cos_min[s], p.rel_max[s], p.dtype_a, p.dtype_b,
                                                   p.depth[s], margin)
             if warn:
                 warnings.append(warn)
+    if identical:
+        warnings.append(f"no noise measured on {len(identical)} tensors, identical on both sides "
+                        f"({', '.join(identical[:4])}{', ...' if len(identical) > 4 else ''}); no tolerance written "
+                        "for them (the defaults apply)")
     if not tols:
         raise IncompatibleTracesError("nothing to calibrate on: no tensor was compared on both sides "
                                       f"({'; '.join(warnings[:3])})")

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
 from tensordiff.cli import main
-from tracegen import assert_clean_exit, run_isolated, write_eagle, write_pair, write_trace
+from tracegen import assert_clean_exit, write_eagle, write_pair, write_trace
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(capsys, *argv) -> tuple[int, str]:
@@ -434,9 +440,18 @@ def test_tui_rejects_bad_trace_before_starting(good, tmp_path, which, expect):
     p = tmp_path / "x.h5"
     if which == "text":
         p.write_text("hello")
-    rc, out, err = run_isolated(["tui", good["a"], str(p)], timeout=60)
-    assert_clean_exit(rc, out, err, "tui")
-    assert rc == 2 and expect in err, err
+    # on a terminal (a pseudo-terminal): without one the TUI refuses before it reads any trace
+    master, slave = pty.openpty()
+    try:
+        r = subprocess.run([sys.executable, "-m", "tensordiff", "tui", good["a"], str(p)], stdin=slave, stdout=slave,
+                           stderr=subprocess.PIPE, text=True, timeout=60, check=False,
+                           env=dict(os.environ, TERM="xterm-256color",
+                                    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert_clean_exit(r.returncode, "", r.stderr, "tui")
+    assert r.returncode == 2 and expect in r.stderr, r.stderr
 
 
 # ----------------------------------------------------------------------------------------------

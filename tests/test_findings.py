@@ -203,6 +203,9 @@ def test_token_table_findings_come_first_whatever_a_tensors_order():
     mismatch = Finding(Kind.TOKEN_MISMATCH, Severity.DIVERGENCE, seq="s0", details=TokenMismatchDetails(seq="s0"))
     recovered = Finding(Kind.RECOVERED, Severity.INFO, details=RecoveredDetails(side="serve"))
     early = Finding(Kind.NUMERIC, Severity.DIVERGENCE, tensor="embed", order=-5.0, details=NumericDetails())
+    forward = sorted([early, gap, mismatch, shift, recovered], key=lambda f: f.sort_key())
+    assert [f.kind for f in forward] == [Kind.RECOVERED, Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH, Kind.GAP, Kind.NUMERIC]
+    # shown divergences first, then notes, each group in that forward order, numbered as shown
     got = order_findings([early, gap, mismatch, shift, recovered])
-    assert [f.kind for f in got] == [Kind.RECOVERED, Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH, Kind.GAP, Kind.NUMERIC]
+    assert [f.kind for f in got] == [Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH, Kind.NUMERIC, Kind.RECOVERED, Kind.GAP]
     assert [f.index for f in got] == [0, 1, 2, 3, 4]

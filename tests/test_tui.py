@@ -252,12 +252,13 @@ async def test_next_prev_first(pair, pair_result):
             assert app.selected_finding == first
         for _ in range(n + 2):
             await pilot.press("n")
-        assert app.selected_finding == n - 1       # stops at the last one
+        last = pair_result.divergences[-1].index if pair_result.divergences else n - 1
+        assert app.selected_finding == last       # stops at the last divergence, not on a note
         await pilot.press("f")
         assert app.selected_finding == first
         for _ in range(n + 2):
             await pilot.press("p")
-        assert app.selected_finding == 0
+        assert app.selected_finding == 0          # divergences are listed first
 
 
 async def test_next_moves_to_next_slot(fixture_app):
@@ -607,7 +608,7 @@ def test_a_bug_in_the_diff_is_unexpected_not_bad_input(monkeypatch, capsys, tmp_
         with pytest.raises(RuntimeError, match="boom in the diff"):
             cli.main(["tui", *fixture_pair, "--screenshot", out])
         return
-    assert cli.main(["tui", *fixture_pair, "--screenshot", out]) == 2
+    assert cli.main(["tui", *fixture_pair, "--screenshot", out]) == cli.EXIT_INTERNAL == 3
     err = capsys.readouterr().err
     assert "unexpected RuntimeError: boom in the diff" in err and "TENSORDIFF_DEBUG=1" in err, err
 
@@ -626,6 +627,7 @@ def test_cli_routes_to_tui(monkeypatch, fixture_pair):
 
     seen = []
     monkeypatch.setattr(tui, "run_tui", lambda a, b, opts, token_text=None: seen.append((a, b, opts)) or 1)
+    monkeypatch.setattr(cli, "_check_terminal", lambda: None)   # pytest's stdin is not a terminal
     assert cli.main(["tui", *fixture_pair]) == 1
     assert cli.main(["diff", *fixture_pair, "--tui"]) == 1
     assert [s[:2] for s in seen] == [fixture_pair, fixture_pair]

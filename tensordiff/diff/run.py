@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..catalog import IdentitySearch
 from ..errors import TensordiffError
-from ..findings import DiffResult, Finding
+from ..findings import DiffResult, Finding, name_sides_apart
 from ..numerics import WorstTokens
 from ..progress import Progress, Stage
 from ..trace import TraceSource
@@ -59,6 +59,7 @@ def diff_sources(a: TraceSource, b: TraceSource, options: DiffOptions | None = N
                  counters: RunCounters | None = None) -> DiffResult:
     """Diff two open traces: plan, replicas, stream, judge."""
     opt = options or DiffOptions()
+    name_sides_apart(a, b)   # two traces of one side: "A" and "B" in every sentence
 
     def progress(stage: Stage, done: int, total: int) -> None:
         if opt.progress is not None:

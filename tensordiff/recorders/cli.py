@@ -33,9 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, (module, help_) in RECORD_COMMANDS.items():
         p = rsub.add_parser(name, help=help_, description=help_)
         p.set_defaults(func=_add_args(module, p))
-    imp = sub.add_parser("import", help="convert files users already have (SpecForge, speculators, SGLang dumps) to a trace",
-                         description="Convert SpecForge offline hidden states, speculators data files or an SGLang "
-                                     "dumper directory into a tensordiff trace.")
+    imp = sub.add_parser("import", help="convert files users already have (SpecForge, speculators, SGLang dumps, vLLM, "
+                                        "TensorRT-LLM, Model-Optimizer) to a trace", add_help=False,
+                         description="Convert SpecForge offline hidden states, speculators data files, an SGLang "
+                                     "dumper directory, vLLM extract_hidden_states, TensorRT-LLM or Model-Optimizer "
+                                     "files into a tensordiff trace. `tensordiff import FORMAT --help`: one format.")
     imp.set_defaults(func=_add_args(IMPORT_MODULE, imp))
 
 

@@ -11,7 +11,60 @@ from ..errors import UsageError
 FORMAT_CHOICES = ("auto", "specforge", "speculators", "sglang-dump", "vllm-hidden-states", "trtllm", "modelopt")
 
 
+#: ``tensordiff import FORMAT --help``: what that format's SRC is, the options that apply, an example
+FORMAT_HELP = {
+    "specforge": ("SpecForge offline hidden states (prepare_hidden_states.py output): .ckpt or .ckpt.gz files, or a "
+                  "directory of them", "--aux-ids (or --draft-config), --convention, --labels, --num-layers, "
+                  "--hidden-size, --side (default train), --limit, --no-values",
+                  "tensordiff import specforge /data/specforge_hidden_states/ --aux-ids 1 29 57 --out train.h5"),
+    "speculators": ("speculators data files (.pt from its hidden-state extractor), or a directory of them",
+                    "--aux-ids (or --draft-config), --num-layers, --convention, --prepend-embed, --labels, "
+                    "--hidden-size, --side (default train), --limit, --no-values",
+                    "tensordiff import speculators /data/spec_data/ --aux-ids 2 4 6 --num-layers 8 --out train.h5"),
+    "sglang-dump": ("an SGLang DUMPER_DIR (SGLANG_DUMPER_DIR of a dumper run) or its <exp_name> subdirectory",
+                    "--rank, --names, --as NAME=LABEL, --include-recompute, --side (default serve), --limit, "
+                    "--no-values",
+                    "tensordiff import sglang-dump /tmp/dumper/ --as hidden_states@layer_id=20=layer21 --out serve.h5"),
+    "vllm-hidden-states": ("vLLM extract_hidden_states .safetensors files, or a directory of them",
+                           "--aux-ids, --num-layers, --convention, --labels, --hidden-size, --side, --limit, "
+                           "--no-values",
+                           "tensordiff import vllm-hidden-states /tmp/hidden_states/ --aux-ids 2 16 29 --num-layers 32 "
+                           "--out serve.h5"),
+    "trtllm": ("TensorRT-LLM saved hidden states (.pt), or a directory of them",
+               "--aux-ids, --num-layers, --convention, --labels, --hidden-size, --side, --limit, --no-values",
+               "tensordiff import trtllm /data/trt_states/ --aux-ids 1 15 28 -1 --num-layers 32 --out serve.h5"),
+    "modelopt": ("Model-Optimizer collect_hidden_states .pt files, or a directory of them",
+                 "--num-layers, --aux-ids, --convention, --labels, --hidden-size, --side, --limit, --no-values",
+                 "tensordiff import modelopt /data/modelopt_states/ --num-layers 32 --out train.h5"),
+}
+
+
+class _FormatHelp(argparse.Action):
+    """``-h/--help``: after a format name (``import specforge --help``) that format's help, else
+    the whole command's."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):  # noqa: A002
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import sys
+
+        words = getattr(namespace, "sources", None) or []
+        fmt = words[0] if words and words[0] in FORMAT_HELP else getattr(namespace, "format", None)
+        if fmt in FORMAT_HELP:
+            src, opts, example = FORMAT_HELP[fmt]
+            sys.stdout.write(f"usage: tensordiff import {fmt} SRC [SRC ...] --out T.h5 [options]\n\n"
+                             f"Convert {fmt} files into a tensordiff trace.\n\n"
+                             f"SRC: {src}\noptions that apply: {opts}\nexample:\n  {example}\n\n"
+                             "every option: tensordiff import --help\n")
+        else:
+            parser.print_help()
+        parser.exit()
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-h", "--help", action=_FormatHelp,
+                   help="show this help (after a format name, that format's: tensordiff import specforge --help)")
     p.add_argument("sources", nargs="+", metavar="SRC",
                    help="[FORMAT] files or directories: SpecForge .ckpt/.ckpt.gz, speculators .pt or "
                         "hs_<index>.safetensors, an SGLang "

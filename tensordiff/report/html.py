@@ -300,8 +300,9 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
     text = token_text
     head = (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>tensordiff: {_e(res.headline())}"
             f"</title><style>{CSS}</style></head><body>")
-    meta = (f"<h1>tensordiff report</h1><p class=\"meta\">A = <code>{_e(res.path_a)}</code> [{_e(res.side_a)}] · "
-            f"B = <code>{_e(res.path_b)}</code> [{_e(res.side_b)}] · tensordiff {_e(__version__)} · "
+    tag_a, tag_b = res.side_tags()
+    meta = (f"<h1>tensordiff report</h1><p class=\"meta\">A = <code>{_e(res.path_a)}</code>{_e(tag_a)} · "
+            f"B = <code>{_e(res.path_b)}</code>{_e(tag_b)} · tensordiff {_e(__version__)} · "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}</p>")
     parts = [head, meta]
     cls = "div" if first else "ok"
@@ -316,7 +317,8 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
     parts.append(_heatmap_section(res, summary, text))
 
     nd = len(res.divergences)
-    parts.append(f"<h2>Findings ({nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other), in forward order</h2>")
+    parts.append(f"<h2>Findings ({nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other), "
+                 "divergences first, each group in forward order</h2>")
     if res.findings:
         rows = []
         for f in res.findings[:max_findings]:

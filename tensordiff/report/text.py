@@ -159,8 +159,10 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
     first = res.first_divergence
     style = "bold red" if first else ("bold green" if res.verdict == "agree" else "bold yellow")
     console.print(Text(res.headline(), style=style))
+    named = (res.side_a, res.side_b) == ("A", "B")   # two traces of one side, named apart
     console.print(f"verdict: {res.verdict.upper()} (exit {res.exit_code}); {res.compared} of {len(res.pairs)} tensors "
-                  f"compared  A={res.path_a} [{res.side_a}]  B={res.path_b} [{res.side_b}]")
+                  f"compared  A={res.path_a}{'' if named else f' [{res.side_a}]'}  "
+                  f"B={res.path_b}{' (both traces of one side)' if named else f' [{res.side_b}]'}")
     if first is not None and first.tensor is not None and first.position is not None:
         console.print(f"first divergence at: tensor {first.tensor}"
                       + (f" slot {first.slot}" if first.slot is not None else "")
@@ -180,12 +182,13 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
     divs = [f for f in res.findings if f.severity == Severity.DIVERGENCE]
     warns = [f for f in res.findings if f.severity == Severity.WARNING]
     infos = [f for f in res.findings if f.severity == Severity.INFO]
-    if res.findings:
+    counts = f"{_plural(len(divs), 'divergence')}, {_plural(len(warns), 'warning')}, {_plural(len(infos), 'note')}"
+    if res.findings and max_findings <= 0:
+        console.print(Text(f"findings: {counts} (none listed: --max-findings {max_findings}; see --json)", style="bold"))
+    elif res.findings:
         # divergences first, then warnings, then notes, each in forward order: --max-findings
         # never hides a divergence behind notes
-        console.print(Text(f"findings ({_plural(len(divs), 'divergence')}, {_plural(len(warns), 'warning')}, "
-                           f"{_plural(len(infos), 'note')}), divergences first, each group in forward order:",
-                           style="bold"))
+        console.print(Text(f"findings ({counts}), divergences first, each group in forward order:", style="bold"))
         g = Table.grid(padding=(0, 1))   # the sentence wraps by words, under itself
         g.add_column(no_wrap=True, justify="right")
         g.add_column()
@@ -195,7 +198,7 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
             inh = f"  [{note}]" if note else ""
             g.add_row(Text(f" {mark} #{f.index}", style=style), Text(f"{_sentence(f)}{inh}", style=style))
         console.print(g)
-        if len(res.findings) > max_findings:
+        if len(res.findings) > max_findings > 0:
             console.print(f"   ... {len(res.findings) - max_findings} more (see --json)")
 
     print_acceptance(res, console)
@@ -203,9 +206,10 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
     nseq = len(res.sequences)
     shift_txt = ", ".join(f"shift {k}: {v}" for k, v in sorted(res.shifts.items(), key=lambda kv: int(kv[0])))
     gap_tokens = sum(g["count"] for g in res.gaps)
+    gaps = (f"gaps: {_plural(gap_tokens, 'token')} on one side only ({_plural(len(res.gaps), 'range')}), "
+            "not counted as divergence") if res.gaps else "gaps: none"
     console.print(f"tokens: {res.tokens_aligned} aligned in {_plural(nseq, 'sequence pair')} ({shift_txt or 'none'}); "
-                  f"gaps: {_plural(gap_tokens, 'token')} on one side only ({_plural(len(res.gaps), 'range')}), "
-                  "not counted as divergence")
+                  + gaps)
 
     t = _tensor_table(res, narrow=False)
     console.print(t if _fits(console, t) else _tensor_table(res, narrow=True))

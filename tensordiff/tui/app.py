@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from rich.text import Text
-from textual import on
+from textual import events, on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -92,6 +92,7 @@ class TensordiffApp(App[int]):
     Screen.-narrow #left { width: 28; }
     #left.collapsed { display: none; }
     #findings { height: 45%; border: round $primary; text-wrap: nowrap; text-overflow: ellipsis; }
+    Screen.-narrow #findings { text-wrap: wrap; }
     #tree { height: 1fr; border: round $primary; }
     #right { width: 1fr; }
     #filter { display: none; height: 3; }
@@ -164,6 +165,7 @@ class TensordiffApp(App[int]):
         self.last_screenshot: str | None = None
         self.acceptance_lines: list[Text] = []
         self._left_hidden_for_acceptance = False
+        self._findings_compact: bool | None = None   # the findings list's and tree's form (narrow screen)
         # token text: the tokenizer given (--tokenizer), else the model directory a trace records
         # (looked for once, in the detail worker: loading a tokenizer may take seconds)
         self.token_text = token_text
@@ -194,8 +196,8 @@ class TensordiffApp(App[int]):
     def _title_text(self) -> Text:
         a, b = os.path.basename(self.path_a), os.path.basename(self.path_b)
         if self.result is not None:
-            a += f" [{self.result.side_a}]"
-            b += f" [{self.result.side_b}]"
+            a += self.result.side_tags()[0]
+            b += self.result.side_tags()[1]
         return Text.assemble(("tensordiff  ", "bold"), a, "  vs  ", b)
 
     @property
@@ -347,10 +349,10 @@ class TensordiffApp(App[int]):
         self._w_headline.update(
             Text(("first divergence: " if first else "") + res.headline(), style="bold red" if first else "bold green"))
         fl = self._w_findings
-        fl.set_options([Option(finding_prompt(f)) for f in res.findings])
+        self._fill_findings()
         nd = len(res.divergences)
         fl.border_title = f"findings: {nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other"
-        self._w_tree.show(res, self.columns)
+        self._w_tree.show(res, self.columns, compact=self.size.width < WIDE)
         if self.summary is not None:
             self.heatmap.attach(self.summary, self.columns)
             if self._filter_text:
@@ -365,6 +367,26 @@ class TensordiffApp(App[int]):
         queued, self.pending = self.pending, []
         for _what, fn in queued:
             fn()
+
+    def _fill_findings(self) -> None:
+        """The findings list: one line each on a wide screen; on a narrow one (80 columns) each
+        wrapped, ``slot K of T`` as ``T[K]``, so that findings on different slots read apart."""
+        if self.result is None:
+            return
+        compact = self.size.width < WIDE
+        if compact == self._findings_compact:
+            return
+        self._findings_compact = compact
+        fl = self._w_findings
+        keep = fl.highlighted
+        fl.set_options([Option(finding_prompt(f, compact)) for f in self.result.findings])
+        if keep is not None and keep < fl.option_count:
+            fl.highlighted = keep
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self.ready and self.result is not None and (self.size.width < WIDE) != self._findings_compact:
+            self._fill_findings()
+            self._w_tree.show(self.result, self.columns, compact=self.size.width < WIDE)
 
     def _show_acceptance(self, res: DiffResult) -> None:
         """Fill the acceptance pane from the acceptance finding; shown at once on a wide screen,
@@ -528,17 +550,21 @@ class TensordiffApp(App[int]):
     # -- actions ---------------------------------------------------------------------------
 
     def _step_finding(self, step: int) -> None:
+        """``n`` / ``p``: the next or previous divergence (every finding when there is none: the
+        notes are a click or an arrow key away in the list)."""
         assert self.result is not None
-        n = len(self.result.findings)
-        if n == 0:
+        fs = self.result.findings
+        if not fs:
             self.notify("no findings: the traces agree")
             return
+        stops = [f.index for f in fs if f.severity == "divergence"] or [f.index for f in fs]
+        what = "divergence" if self.result.divergences else "finding"
         cur = self.selected_finding if self.selected_finding is not None else -1
-        nxt = cur + step
-        if not 0 <= nxt < n:
-            self.notify("last finding" if step > 0 else "first finding", timeout=2)
+        ahead = [i for i in stops if i > cur] if step > 0 else [i for i in stops if i < cur]
+        if not ahead:
+            self.notify(f"last {what}" if step > 0 else f"first {what}", timeout=2)
             return
-        self._select_finding(nxt)
+        self._select_finding(ahead[0] if step > 0 else ahead[-1])
 
     def action_next_finding(self) -> None:
         self._defer("next finding", lambda: self._step_finding(1))
@@ -562,7 +588,8 @@ class TensordiffApp(App[int]):
             if value:
                 self._defer(f"go to {value}", lambda: self.goto(value))
 
-        self.push_screen(GotoScreen(), done)
+        seqs = self.summary.seq_a if self.summary is not None else []
+        self.push_screen(GotoScreen(seqs[0] if seqs else None), done)
 
     def goto(self, spec: str) -> bool:
         """Move the cursor to a token: ``#INDEX``, ``SEQ:POS``, ``POS`` (current sequence) or

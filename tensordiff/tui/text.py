@@ -6,6 +6,8 @@ tested without an app; the widgets in :mod:`tensordiff.tui.widgets` show them.
 
 from __future__ import annotations
 
+import re
+
 import itertools
 import math
 
@@ -42,12 +44,24 @@ def column_verdict(res: DiffResult, col: Column) -> tuple[str, str, str]:
     return g, s, words
 
 
-def finding_prompt(f: Finding) -> Text:
+_SLOT_OF = re.compile(r"\bslot (\d+) of (\S+)")
+
+
+def compact_sentence(message: str) -> str:
+    """The sentence with ``slot K of T`` written ``T[K]``: on a narrow pane the words that tell
+    two findings apart come first."""
+    return _SLOT_OF.sub(lambda m: f"{m.group(2)}[{m.group(1)}]", message)
+
+
+def finding_prompt(f: Finding, compact: bool = False) -> Text:
+    """One finding in the list: on one line cut at the pane's edge, or (``compact``, a narrow
+    screen) wrapped over as many lines as it needs, ``slot K of T`` written ``T[K]``."""
     glyph, style = SEVERITY_GLYPH.get(f.severity, ("?", ""))
-    t = Text(no_wrap=True, overflow="ellipsis")
+    t = Text(no_wrap=not compact, overflow="fold" if compact else "ellipsis")
     t.append(f"{glyph} ", style=style)
     t.append(f"#{f.index} ", style="dim")
-    t.append(f.message, style="bold" if f.severity == "divergence" and f.inherited_from is None else "")
+    t.append(compact_sentence(f.message) if compact else f.message,
+             style="bold" if f.severity == "divergence" and f.inherited_from is None else "")
     return t
 
 

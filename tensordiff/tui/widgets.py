@@ -26,6 +26,7 @@ from textual.strip import Strip
 from textual.widgets import Input, Static, Tree
 
 from ..findings import DiffResult
+from ..safety import sanitize_for_terminal
 from ..summary import SummaryReader
 from .data import (
     LiveSummary,
@@ -254,6 +255,11 @@ class Heatmap(ScrollView, can_focus=True):
             x = cx
         elif cx + CELL_W > sx + w:
             x = -(-(cx + CELL_W - w) // CELL_W) * CELL_W   # whole cells at the left edge
+        g0, g1 = self._group_of(self.cursor_col)
+        if (g1 - g0) * CELL_W <= w:   # the cursor's packed tensor whole: its header and every slot readable
+            if g1 * CELL_W > x + w:
+                x = -(-(g1 * CELL_W - w) // CELL_W) * CELL_W
+            x = min(x, g0 * CELL_W)
         max_y = max(0, self.n_rows + HEADER_H - self.scrollable_content_region.height)
         max_x = max(0, GUTTER_W + (len(self.shown) + 1) * CELL_W - self.scrollable_content_region.width)
         max_x -= max_x % CELL_W
@@ -261,6 +267,19 @@ class Heatmap(ScrollView, can_focus=True):
         x = max(0, min(x, max_x))
         if (x, y) != (sx, sy):
             self.scroll_to(x=x, y=y, animate=False, immediate=True, force=True)
+
+    def _group_of(self, col: int) -> tuple[int, int]:
+        """The shown columns [g0, g1) of the packed tensor column ``col`` belongs to (itself alone
+        when it is not packed)."""
+        if not 0 <= col < len(self.shown) or not self.shown[col].packed:
+            return col, col + 1
+        name = self.shown[col].tensor_a
+        g0, g1 = col, col + 1
+        while g0 > 0 and self.shown[g0 - 1].packed and self.shown[g0 - 1].tensor_a == name:
+            g0 -= 1
+        while g1 < len(self.shown) and self.shown[g1].packed and self.shown[g1].tensor_a == name:
+            g1 += 1
+        return g0, g1
 
     def action_move(self, drow: int, dcol: int) -> None:
         self.move_to(self.cursor_row + drow, self.cursor_col + dcol)
@@ -395,7 +414,9 @@ class DetailPane(Static):
 class TensorTree(Tree):
     """Every compared tensor, packed ones with a child per slot, marked from the diff's findings."""
 
-    def show(self, res: DiffResult, columns: list[Column]) -> None:
+    def show(self, res: DiffResult, columns: list[Column], compact: bool = False) -> None:
+        """``compact`` (a narrow screen): a slot's line says what it holds first (``✗ 0 holds
+        layer3 (embed)``), so the pane's edge cuts the claim, not the finding."""
         tree = self
         tree.clear()
         groups: dict[str, list[Column]] = {}
@@ -411,6 +432,11 @@ class TensorTree(Tree):
             node = tree.root.add(Text.assemble((g, s), " ", name, (f"  {len(cols)} slots", "dim")),
                                  data=cols[0].index, expand=True)
             for c, (g2, s2, words) in zip(cols, verdicts):
+                if compact:
+                    claim = f" ({c.slot_label})" if c.slot_label else ""
+                    node.add_leaf(Text.assemble((g2, s2), f" {c.slot} ", (words, s2 or ""), (claim, "dim")),
+                                  data=c.index)
+                    continue
                 claim = f" = {c.slot_label}" if c.slot_label else ""
                 node.add_leaf(Text.assemble((g2, s2), f" slot {c.slot}{claim}", (f"  {words}", "dim")), data=c.index)
 
@@ -421,7 +447,7 @@ class TensorTree(Tree):
 
 
 HELP = [
-    ("n / p", "next / previous finding"),
+    ("n / p", "next / previous divergence (every finding when there is none)"),
     ("f", "jump to the first divergence"),
     ("g", "go to a token: #INDEX (aligned row), SEQ:POS, POS (in the current sequence) or t=TOKEN_ID"),
     ("/", "filter tensors: comma-separated substrings of column labels (empty: all); Enter or Esc closes"),
@@ -433,6 +459,23 @@ HELP = [
     ("s", "save a screenshot (SVG) in the current directory (also from this help)"),
     ("?", "this help"),
     ("q", "quit (exit code: 1 divergence, 0 agree, 130 quit before the diff finished)"),
+]
+
+
+#: the keys in a few words, two to a line: the help of a small screen (80 x 24) fits without scrolling
+HELP_SHORT = [
+    ("n / p", "next / prev divergence"),
+    ("f", "first divergence"),
+    ("g", "go to #ROW, SEQ:POS, t=ID"),
+    ("/", "filter columns"),
+    ("m", "heatmap metric"),
+    ("a", "acceptance pane"),
+    ("arrows PgUp/Dn", "move the cursor"),
+    ("Tab / Enter", "next pane / pick"),
+    ("[ / < >", "hide / resize panes"),
+    ("s", "screenshot (SVG)"),
+    ("?", "this help"),
+    ("q", "quit"),
 ]
 
 
@@ -449,16 +492,27 @@ class HelpScreen(ModalScreen[None]):
         from rich.console import Group
         from rich.table import Table
 
-        table = Table(box=None, show_header=False, padding=(0, 2, 0, 0), expand=True)
-        table.add_column(style="bold cyan", no_wrap=True, justify="right")
-        table.add_column(ratio=1)
-        for k, what in HELP:
-            table.add_row(k, what)
-        legend = Text("Colours and glyphs are the aligner's: red / ✗ a divergence, yellow / ! a warning, "
-                      "green / ✓ nothing found. Heatmap bars grow with the metric (log scale); in verdict "
-                      "mode ··· is ok and ███ fails tolerance; !!! NaN/Inf; blank: no row for that token; "
-                      "░░░ (while the diff runs) not compared yet. "
-                      "Esc closes.", style="dim")
+        small = self.app.size.height < 32 or self.app.size.width < 100
+        table = Table(box=None, show_header=False, padding=(0, 1 if small else 2, 0, 0), expand=True)
+        if small:   # two keys to a line, in a few words each
+            for _ in range(2):
+                table.add_column(style="bold cyan", no_wrap=True, justify="right")
+                table.add_column(ratio=1)
+            half = (len(HELP_SHORT) + 1) // 2
+            for (k1, w1), right in zip(HELP_SHORT[:half], [*HELP_SHORT[half:], ("", "")]):
+                table.add_row(k1, w1, *right)
+            legend = Text("Esc closes. red ✗ divergence, yellow ! warning, green ✓ ok; bars grow with the "
+                          "metric (log scale); !!! NaN/Inf; ░░░ not compared yet (docs/tui.md).", style="dim")
+        else:
+            table.add_column(style="bold cyan", no_wrap=True, justify="right")
+            table.add_column(ratio=1)
+            for k, what in HELP:
+                table.add_row(k, what)
+            legend = Text("Colours and glyphs are the aligner's: red / ✗ a divergence, yellow / ! a warning, "
+                          "green / ✓ nothing found. Heatmap bars grow with the metric (log scale); in verdict "
+                          "mode ··· is ok and ███ fails tolerance; !!! NaN/Inf; blank: no row for that token; "
+                          "░░░ (while the diff runs) not compared yet. "
+                          "Esc closes.", style="dim")
         with VerticalScroll():
             yield Static(Group(Text("tensordiff keys\n", style="bold"), table, Text(""), legend))
 
@@ -473,10 +527,15 @@ class GotoScreen(ModalScreen[str | None]):
     GotoScreen > Vertical { width: 72; height: auto; border: round $accent; padding: 0 1; background: $panel; }
     """
 
+    def __init__(self, seq: str | None = None) -> None:
+        super().__init__()
+        # the example names a sequence of the trace (``p0:12``), not one it does not have
+        self.seq = sanitize_for_terminal(seq)[:24] if seq else "SEQ"
+
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Static(f"go to token: {GOTO_FORMS}")
-            yield Input(placeholder="e.g. 120, s0:120, #5000, t=42", id="goto-input")
+            yield Input(placeholder=f"e.g. 12, {self.seq}:12, #50, t=42", id="goto-input")
 
     def on_mount(self) -> None:
         self.query_one(Input).focus()
