@@ -221,18 +221,19 @@ def _apply(rule: Rule, m: re.Match[str], path: str, num_layers: int | None) -> M
         n = _fill(t, b, num_layers)
         if n is None:
             return None
-        names.append(n)
+        st = parse_state(n)
+        names.append(boundary_label(st.layer) if st.kind == "boundary" else n)  # boundary 0 is embed
     return Mapped(path, rule.direction, tuple(names), rule.split)
 
 
-def canonical(path: str, direction: str, impl: str, num_layers: int | None = None,
+def canonical(path: str, direction: str, impl: str | None, num_layers: int | None = None,
               rules: Sequence[Rule] = ()) -> Mapped | None:
     """The canonical names of module ``path``'s ``direction`` value under implementation ``impl``
-    (user ``rules`` first); None when nothing maps it. A boundary past ``num_layers`` maps to
+    (user ``rules`` first; ``impl`` None: the user rules only); None when nothing maps it. A boundary past ``num_layers`` maps to
     nothing (a layer output beyond the last is the final norm's input)."""
-    if impl not in RULES:
+    if impl is not None and impl not in RULES:
         raise ValueError(f"unknown implementation {impl!r}; one of {', '.join(IMPLEMENTATIONS)}")
-    for rule in (*rules, *RULES[impl]):
+    for rule in (*rules, *(RULES[impl] if impl is not None else ())):
         if rule.direction != direction:
             continue
         m = re.fullmatch(rule.pattern, path)
@@ -292,6 +293,3 @@ def split_widths(split: str, width: int, config: dict) -> list[int]:
         return [nh * unit, nkv * unit, nkv * unit]
     raise ValueError(f"not a width split: {split!r}")
 
-
-def boundary_name(b: int | None) -> str:
-    return boundary_label(b)

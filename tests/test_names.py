@@ -31,7 +31,8 @@ def test_zoom_spec():
 
 HF = {
     ("model.embed_tokens", "output"): ("embed",),
-    ("model.layers.0", "input"): ("layer0",),
+    ("model.layers.0", "input"): ("embed",),
+    ("model.layers.2", "input"): ("layer2",),
     ("model.layers.3", "output"): ("layer4",),
     ("model.norm", "input"): ("layer8",),
     ("model.norm", "output"): ("final_norm",),
