@@ -100,3 +100,36 @@ def test_unknown_model_keeps_module_paths(tmp_path):
     assert hooks.implementation is None
     with TraceReader(str(tmp_path / "u.h5")) as r:
         assert set(r.tensors) == {"0.output"}
+
+
+# ----------------------------------------------------------------------------------------------
+# `record train` on a small model: default aux ids that collide warn in one line
+# ----------------------------------------------------------------------------------------------
+
+
+def test_colliding_default_aux_ids_warn_in_one_line(tmp_path, model, capsys):
+    import json
+
+    from tensordiff.cli import main
+
+    d = tmp_path / "m"
+    model.save_pretrained(d)
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"id": "a", "input_ids": list(range(1, 9))}) + "\n")
+    assert main(["record", "train", "--model", str(d), "--prompts", str(p), "--out", str(tmp_path / "t.h5"),
+                 "--no-progress", "--topk", "0"]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "collide" in ln]
+    assert len(err) == 1, err
+    assert "[layer2, layer3, layer3]" in err[0] and "default" in err[0] and "--aux-ids" in err[0]
+    # ids given that do not collide: no warning
+    assert main(["record", "train", "--model", str(d), "--prompts", str(p), "--out", str(tmp_path / "u.h5"),
+                 "--no-progress", "--topk", "0", "--aux-ids", "0", "2", "4"]) == 0
+    assert "collide" not in capsys.readouterr().err
+
+
+def test_collision_note_is_pure():
+    from tensordiff.conventions import collision_note, plan_draft_input
+
+    note = collision_note(plan_draft_input("specforge", None, 6))
+    assert note is not None and "layer3" in note
+    assert collision_note(plan_draft_input("specforge", [1, 3, 5], 32)) is None

@@ -401,6 +401,9 @@ def run(args: argparse.Namespace) -> int:
                                     boundaries=args.boundaries)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        note = conventions.collision_note(plan)
+        if note is not None:
+            print(f"tensordiff: warning: {note}", file=sys.stderr)
     info["path"] = os.path.abspath(args.model)
     sample = Sampling(every=args.sample_every, positions=frozenset(args.positions) if args.positions else None)
     meta = {"prompts": os.path.abspath(args.prompts or args.from_serve), "command": "record train",
