@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .vocab import FINAL_NORM, boundary_label
 
@@ -276,7 +277,7 @@ def parse_user_rule(spec: str) -> Rule:
     return Rule(pattern, direction, (target,))
 
 
-def split_widths(split: str, width: int, config: dict) -> list[int]:
+def split_widths(split: str, width: int, config: dict[str, Any]) -> list[int]:
     """Widths of the parts of a fused value (``qkv``: heads : kv_heads : kv_heads, also per
     tensor-parallel shard; ``gate_up``: halves)."""
     if split == "gate_up":

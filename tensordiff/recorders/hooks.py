@@ -95,13 +95,14 @@ class ModuleHookRecorder:
     implementation name (``hf``, ``sglang``, ``vllm``) forces that table; False keeps module
     paths. ``rules``: user rules (``REGEX=NAME`` strings or :class:`tensordiff.names.Rule`), tried
     first, for models the table does not know. :attr:`implementation` says which table was used.
+    ``only_mapped``: hook only the values that get a canonical name (a zoom's bounded set).
     """
 
     def __init__(self, module: torch.nn.Module, recorder: Recorder, patterns: Sequence[str] = ("*",), *,
                  capture: str = "output", exclude: Sequence[str] = (),
                  name_fn: Callable[[str, str], str] | None = None,
                  define_kwargs: Callable[[str], dict] | None = None, attach: bool = True,
-                 canonical: bool | str = True, rules: Sequence[str | canon.Rule] = ()):
+                 canonical: bool | str = True, rules: Sequence[str | canon.Rule] = (), only_mapped: bool = False):
         if capture not in ("output", "input", "both"):
             raise ValueError("capture must be 'output', 'input' or 'both'")
         if isinstance(patterns, str):
@@ -113,6 +114,7 @@ class ModuleHookRecorder:
         self.capture = capture
         self.name_fn = name_fn or (lambda qual, direction: f"{qual or 'root'}.{direction}")
         self.define_kwargs = define_kwargs or (lambda name: {})
+        self.only_mapped = only_mapped
         self.rules = [r if isinstance(r, canon.Rule) else canon.parse_user_rule(r) for r in rules]
         self.config = _model_config(module)
         self.num_layers: int | None = self.config.get("num_hidden_layers")
@@ -177,6 +179,8 @@ class ModuleHookRecorder:
                     m = None
                 if m is not None:
                     claimed |= set(m.names)
+                elif self.only_mapped:
+                    continue
                 if direction == "input":
                     self._handles.append(mod.register_forward_pre_hook(self._pre_hook(qual, m), with_kwargs=True))
                 else:
