@@ -30,6 +30,9 @@ def dirs(tmp_path_factory):
     with torch.no_grad():   # the "port": layer 3's up projection scaled by 1.05
         m.model.layers[3].mlp.up_proj.weight.mul_(1.05)
     m.save_pretrained(root / "port")
+    r = near_residual_llama(6)   # another "port": rope theta 10000 -> 20000
+    r.config.rope_parameters["rope_theta"] = 20000.0
+    r.save_pretrained(root / "rope")
     g = torch.Generator().manual_seed(7)
     p = root / "p.jsonl"
     p.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": torch.randint(0, 256, (16 + i,), generator=g).tolist()})
@@ -68,9 +71,8 @@ def test_zoom_records_the_layers_taps_only(dirs, tmp_path):
         qr, _ = ml.apply_rotary_pos_emb(q, k, *seen["pe"])
     want = qr.transpose(1, 2).reshape(len(ids), -1).numpy()
     with TraceReader(str(out)) as r:
-        got = r.read_values("layer3.q_rope")[: len(ids)] if hasattr(r, "read_values") else None
-    if got is not None:
-        assert abs(got - want).max() < 1e-5
+        got = r.read_values("layer3.q_rope")[: len(ids)]
+    assert abs(got - want).max() < 1e-5
 
 
 def test_zoom_names_the_first_op_that_differs(dirs, tmp_path):
@@ -90,3 +92,14 @@ def test_zoom_bad_layer_is_one_line(dirs, tmp_path, capsys):
         assert _record(dirs, "ref", tmp_path / "x.h5", "--zoom", bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--zoom" in err[0], err
+
+
+def test_zoom_into_layer0_names_the_rotary_of_a_rope_theta_port(dirs, tmp_path):
+    """Every layer's attention uses the rotary: boundary layer1 diverges first; zoomed into layer 0,
+    q and k agree and q_rope is the first op out of the noise."""
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    assert _record(dirs, "ref", a, "--zoom", "layer0") == 0
+    assert _record(dirs, "rope", b, "--zoom", "layer0") == 0
+    res = diff_traces(str(a), str(b))
+    assert res.exit_code == 1
+    assert res.first_divergence.tensor == "layer0.q_rope", res.first_divergence.message
