@@ -103,3 +103,29 @@ def test_zoom_into_layer0_names_the_rotary_of_a_rope_theta_port(dirs, tmp_path):
     res = diff_traces(str(a), str(b))
     assert res.exit_code == 1
     assert res.first_divergence.tensor == "layer0.q_rope", res.first_divergence.message
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+def test_zoom_covers_qwen3_and_moe_layouts(tmp_path, arch):
+    import transformers
+
+    from tensordiff.recorders.core import Recorder
+    from tensordiff.recorders.hf import HFExtractorRecorder, model_info
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if arch == "qwen3":
+        m = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common)).eval()
+        want = DENSE_TAPS
+    else:
+        m = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                                       **common)).eval()
+        want = [t for t in TAPS if t not in ("mlp_gate", "mlp_up", "mlp_act")]   # experts are not one MLP
+    with Recorder(str(tmp_path / "z.h5"), side="train", model=model_info(m)) as rec:
+        HFExtractorRecorder(m, rec, None, topk=0, zoom=2).run("s", torch.arange(10))
+    with TraceReader(str(tmp_path / "z.h5")) as r:
+        taps = sorted((n for n in r.tensors if "." in n), key=lambda n: r.tensors[n].order)
+        assert taps == [f"layer2.{t}" for t in want]
+        if arch == "mixtral":
+            assert r.tensors["layer2.router"].width == 4
