@@ -40,6 +40,7 @@ from .vocab import FINAL_NORM
 FINGERPRINT_FORMAT = "tensordiff.weights.fingerprint/1"
 SAMPLES = 8
 MAX_HEADER = 100 << 20
+MAX_FINGERPRINT_FILE = 1 << 30
 
 _DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
            "I8": "i1", "U8": "u1", "BOOL": "?"}
@@ -208,7 +209,7 @@ class Checkpoint:
 
 def load(path: str) -> Checkpoint:
     """A checkpoint (safetensors) or a fingerprint file, as parameters keyed canonically."""
-    if os.path.isfile(path) and not path.endswith(".safetensors"):
+    if os.path.exists(path) and not os.path.isdir(path) and not path.endswith(".safetensors"):
         return load_fingerprints(path)
     cfg = _config(path)
     n = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else None
@@ -243,10 +244,12 @@ def save_fingerprints(ck: Checkpoint, out: str) -> int:
 
 
 def load_fingerprints(path: str) -> Checkpoint:
+    from .safety import read_regular_file_bounded
+
+    raw = read_regular_file_bounded(path, MAX_FINGERPRINT_FILE, "fingerprint file")
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError, UnicodeDecodeError):
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
         raise SourceFileError("neither a safetensors checkpoint nor a fingerprint file", path) from None
     if not isinstance(doc, dict) or doc.get("format") != FINGERPRINT_FORMAT or not isinstance(doc.get("parameters"), list):
         raise SourceFileError(f"not a fingerprint file (format {FINGERPRINT_FORMAT})", path)

@@ -87,7 +87,7 @@ def test_fingerprints_record_and_compare_the_same(ckpts, tmp_path, capsys):
     assert "layer2 mlp_up" in first and "fingerprint" in first, first
 
 
-@pytest.mark.parametrize("case", ["missing", "not-safetensors", "bad-header"])
+@pytest.mark.parametrize("case", ["missing", "not-safetensors", "bad-header", "bad-fingerprint", "fifo"])
 def test_bad_input_is_one_line_exit_2(ckpts, tmp_path, capsys, case):
     b = tmp_path / "b"
     b.mkdir()
@@ -96,6 +96,12 @@ def test_bad_input_is_one_line_exit_2(ckpts, tmp_path, capsys, case):
     elif case == "bad-header":
         (b / "model.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
     target = str(tmp_path / "nope") if case == "missing" else str(b)
+    if case == "bad-fingerprint":
+        target = str(tmp_path / "fp.json")
+        (tmp_path / "fp.json").write_text('{"format": "something else"}')
+    elif case == "fifo":
+        target = str(tmp_path / "pipe")
+        os.mkfifo(target)
     assert main(["weights", str(ckpts / "ref"), target]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("tensordiff: error:"), err
