@@ -167,7 +167,7 @@ class ModuleHookRecorder:
         if self._handles:
             return self
         matched = set(self.matched)
-        claimed: set[str] = set()  # a boundary reached twice (layer b's output, layer b+1's input) is named once
+        claimed: set[str] = set()
         for qual, mod in self.module.named_modules():
             if qual not in matched:
                 continue
@@ -176,7 +176,7 @@ class ModuleHookRecorder:
                     continue
                 m = self.mapping(qual, direction)
                 if m is not None and claimed & set(m.names):
-                    m = None
+                    continue  # the same state again (layer b's output is layer b+1's input): recorded once
                 if m is not None:
                     claimed |= set(m.names)
                 elif self.only_mapped:
