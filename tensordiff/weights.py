@@ -216,31 +216,47 @@ def load(path: str) -> Checkpoint:
     params: dict[str, Param] = {}
     for f in _files(path):
         for name, dtype, arr in read_safetensors(f):
-            got = _param_ops(name)
-            if got is None:
-                parts: list[tuple[str | None, np.ndarray]] = [(None, arr)]
-            elif got[1] is None:
-                parts = [(got[0][0], arr)]
-            else:
-                try:
-                    widths = names.split_widths(got[1], int(arr.shape[0]), cfg)
-                except (ValueError, IndexError) as e:
-                    raise SourceFileError(f"tensor {name!r}: {e} (config.json beside it gives the heads)", f) from None
-                cuts = np.cumsum(widths)[:-1]
-                parts = list(zip(got[0], np.split(arr, cuts, axis=0)))
-            for canon, part in parts:
-                key = f"{canon}.{name.rpartition('.')[2]}" if canon is not None else name
-                params[key] = Param(key, name, canon, dtype, part)
+            try:
+                for p in params_of(name, dtype, arr, cfg):
+                    params[p.key] = p
+            except ValueError as e:
+                raise SourceFileError(f"tensor {name!r}: {e} (config.json beside it gives the heads)", f) from None
     return Checkpoint(path, params, n)
 
 
+def params_of(name: str, dtype: str, arr: np.ndarray, config: dict[str, Any]) -> list[Param]:
+    """One stored parameter as the keyed parameters it holds (a fused one split along its rows by
+    the heads of ``config``): what a checkpoint and a recorder fingerprinting a live model share."""
+    got = _param_ops(name)
+    if got is None:
+        parts: list[tuple[str | None, np.ndarray]] = [(None, arr)]
+    elif got[1] is None:
+        parts = [(got[0][0], arr)]
+    else:
+        if arr.ndim < 1:
+            raise ValueError("a fused parameter with no rows")
+        widths = names.split_widths(got[1], int(arr.shape[0]), config)
+        cuts = np.cumsum(widths)[:-1]
+        parts = list(zip(got[0], np.split(arr, cuts, axis=0)))
+    out = []
+    for canon, part in parts:
+        key = f"{canon}.{name.rpartition('.')[2]}" if canon is not None else name
+        out.append(Param(key, name, canon, dtype, part))
+    return out
+
+
+def fingerprints_doc(params: list[Param], num_layers: int | None, source: str) -> dict[str, Any]:
+    """The fingerprint file's object: parameters in forward order."""
+    ck = Checkpoint(source, {p.key: p for p in params}, num_layers)
+    return {"format": FINGERPRINT_FORMAT, "source": source, "num_layers": num_layers,
+            "parameters": [p.fingerprint() for p in _in_order(ck)]}
+
+
 def save_fingerprints(ck: Checkpoint, out: str) -> int:
-    entries = [p.fingerprint() for p in _in_order(ck)]
-    doc = {"format": FINGERPRINT_FORMAT, "source": os.path.basename(os.path.abspath(ck.path)),
-           "num_layers": ck.num_layers, "parameters": entries}
+    doc = fingerprints_doc(list(ck.params.values()), ck.num_layers, os.path.basename(os.path.abspath(ck.path)))
     with open(out, "w", encoding="utf-8") as f:
         json.dump(doc, f)
-    return len(entries)
+    return len(doc["parameters"])
 
 
 def load_fingerprints(path: str) -> Checkpoint:

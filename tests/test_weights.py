@@ -116,3 +116,19 @@ def test_param_names_map_to_layer_and_op():
     assert weights.param_key("lm_head.weight") == (None, "weight")
     assert os.path.basename(weights.__file__) == "weights.py"
     assert np is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_live_models_fingerprints_equal_its_checkpoints(tmp_path, dtype, capsys):
+    """One format: fingerprinting the model in memory gives the hashes its saved safetensors give."""
+    from tensordiff.recorders.weights_fp import model_fingerprints
+
+    m = near_residual_llama(2).to(dtype)
+    m.save_pretrained(tmp_path / "ck")
+    doc = model_fingerprints(m)
+    (tmp_path / "live.json").write_text(json.dumps(doc))
+    disk = {p.key: p.fingerprint() for p in weights.load(str(tmp_path / "ck")).params.values()}
+    live = {e["key"]: e for e in doc["parameters"] if e["key"] in disk}
+    assert set(live) == set(disk)
+    assert all(live[k]["sha256"] == disk[k]["sha256"] and live[k]["samples"] == disk[k]["samples"] for k in disk)
+    assert main(["weights", str(tmp_path / "live.json"), str(tmp_path / "ck")]) == 0
