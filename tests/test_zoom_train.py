@@ -129,3 +129,30 @@ def test_zoom_covers_qwen3_and_moe_layouts(tmp_path, arch):
         assert taps == [f"layer2.{t}" for t in want]
         if arch == "mixtral":
             assert r.tensors["layer2.router"].width == 4
+
+
+def test_name_rules_zoom_into_a_layout_the_table_does_not_know(tmp_path, capsys):
+    """GPT-2 (transformer.h.<b>, fused c_attn): user rules name its taps; without rules the zoom
+    refuses it in one line."""
+    import transformers
+
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=3, n_head=4,
+                                                             n_positions=64)).eval()
+    d = tmp_path / "gpt2"
+    m.save_pretrained(d)
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"id": "a", "input_ids": list(range(1, 12))}) + "\n")
+    base = ["record", "train", "--model", str(d), "--prompts", str(p), "--no-progress", "--topk", "0",
+            "--no-draft-input", "--zoom", "layer1"]
+    assert main([*base, "--out", str(tmp_path / "x.h5")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("tensordiff")]
+    assert len(err) == 1 and "--name-rule" in err[0], err
+    rules = [r"transformer\.h\.(\d+)\.ln_1=attn_norm", r"transformer\.h\.(\d+)\.attn=attn_out",
+             r"transformer\.h\.(\d+)\.ln_2=mlp_norm", r"transformer\.h\.(\d+)\.mlp=mlp_out"]
+    out = tmp_path / "g.h5"
+    assert main([*base, "--out", str(out), *(x for r in rules for x in ("--name-rule", r))]) == 0
+    with TraceReader(str(out)) as r:
+        taps = sorted((n for n in r.tensors if "." in n), key=lambda n: r.tensors[n].order)
+        assert taps == ["layer1.attn_norm", "layer1.attn_out", "layer1.mlp_norm", "layer1.mlp_out"]
+        assert r.tensors["layer1.mlp_out"].attrs["module_path"] == "transformer.h.1.mlp.output"

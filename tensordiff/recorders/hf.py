@@ -134,7 +134,8 @@ class HFExtractorRecorder:
 
     def __init__(self, model: torch.nn.Module, recorder: Recorder, plan: DraftPlan | None = None, *,
                  values: str | Iterable[str] = "slots", catalog: bool = True, draft_name: str = "draft_input",
-                 topk: int = conventions.DEFAULT_TOPK, draft: Any = None, zoom: int | None = None):
+                 topk: int = conventions.DEFAULT_TOPK, draft: Any = None, zoom: int | None = None,
+                 name_rules: Sequence[str] = ()):
         self.model = model
         self.recorder = recorder
         self.plan = plan
@@ -173,7 +174,7 @@ class HFExtractorRecorder:
         self.zoom = None
         if zoom is not None:
             from .zoom import ZoomRecorder
-            self.zoom = ZoomRecorder(model, recorder, int(zoom), self.layers_path, self.num_layers)
+            self.zoom = ZoomRecorder(model, recorder, int(zoom), self.layers_path, self.num_layers, rules=name_rules)
         self._ids: torch.Tensor | None = None
         self._rows: np.ndarray | None = None
         self._held: dict[str, torch.Tensor] = {}

@@ -66,7 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--zoom", metavar="LAYER",
                    help="also record the sub-layer taps of this decoder layer (layer3: attn_norm, q, k, v, q_rope, "
                         "k_rope, attn_out, mlp_norm, mlp_gate, mlp_up, mlp_act, mlp_out; router for MoE) as "
-                        "layer3.<tap>; HF Llama-family layouts (Llama, Mistral, Qwen2/3, Mixtral, DeepSeek)")
+                        "layer3.<tap>; HF Llama-family layouts (Llama, Mistral, Qwen2/3, Mixtral, DeepSeek), "
+                        "others with --name-rule")
+    g.add_argument("--name-rule", action="append", default=[], metavar="REGEX=TAP",
+                   help="with --zoom: name a module the table does not know, e.g. 'transformer\\.h\\.(\\d+)\\.mlp=mlp_out' "
+                        "(REGEX matches the whole module path, its first group is the layer; REGEX:input=TAP for "
+                        "the module's input); repeatable")
     g.add_argument("--sample-every", type=int, default=1, metavar="K",
                    help="record token positions p with p %% K == 0 only (default 1: all)")
     g.add_argument("--positions", type=int, nargs="+", metavar="P", help="also (or with --sample-every 0: only) these positions")
@@ -365,6 +370,16 @@ def run(args: argparse.Namespace) -> int:
             zoom = parse_zoom(args.zoom)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    name_rules = list(getattr(args, "name_rule", None) or [])
+    if name_rules:
+        if zoom is None:
+            raise UsageError("--name-rule names the modules of a --zoom: give --zoom too")
+        from ..names import parse_user_rule
+        for r in name_rules:
+            try:
+                parse_user_rule(r)
+            except ValueError as e:
+                raise UsageError(f"--name-rule: {e}") from None
     ids = args.aux_ids
     if args.topk is not None and args.topk < 0:
         raise UsageError("--topk must be >= 0")
@@ -438,7 +453,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             draft = _load_draft(args.draft, model) if args.draft else None
-            hf = HFExtractorRecorder(model, rec, plan, values=args.values, topk=args.topk, draft=draft, zoom=zoom)
+            hf = HFExtractorRecorder(model, rec, plan, values=args.values, topk=args.topk, draft=draft, zoom=zoom,
+                                     name_rules=name_rules)
         except ValueError as e:
             if str(e).startswith("--zoom"):
                 raise UsageError(str(e)) from None

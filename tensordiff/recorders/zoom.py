@@ -16,6 +16,7 @@ there; one that inlines another rotary inside ``forward`` does not (the recorded
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,18 +34,19 @@ class ZoomRecorder:
     ``model`` whose decoder layers live at ``layers_path`` (e.g. ``model.layers``)."""
 
     def __init__(self, model: torch.nn.Module, recorder: Recorder, layer: int, layers_path: str,
-                 num_layers: int):
+                 num_layers: int, rules: Sequence[str | canon.Rule] = ()):
         if not 0 <= layer < num_layers:
             raise ValueError(f"--zoom layer{layer}: the model has decoder layers 0..{num_layers - 1}")
         self.layer = layer
         self.recorder = recorder
         prefix = f"{layers_path}.{layer}"
         self.hooks = ModuleHookRecorder(model, recorder, [f"{prefix}.*"], capture="both", canonical="hf",
-                                        only_mapped=True, attach=False)
+                                        only_mapped=True, attach=False, rules=rules)
         mapped = [q for q in self.hooks.matched
                   if self.hooks.mapping(q, "output") is not None or self.hooks.mapping(q, "input") is not None]
         if not mapped:
-            raise ValueError(f"--zoom: no module of {prefix} maps to a tap (not a Llama-family layout)")
+            raise ValueError(f"--zoom: no module of {prefix} maps to a tap (not a layout the name table knows); "
+                             "name its modules with --name-rule REGEX=TAP")
         self.attn = _get(model, f"{prefix}.self_attn")
         self.order = {t: canon.parse_state(canon.tap_name(layer, t)).order(num_layers) for t in canon.TAPS}
         self.rows: np.ndarray | None = None
