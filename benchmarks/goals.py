@@ -69,6 +69,7 @@ RUNS = [
     Run("identity", "bench_identity.py"),
     Run("memory", "bench_memory.py"),
     Run("write", "bench_write.py"),
+    Run("zoom", "bench_zoom.py"),
     Run("tui", "bench_tui.py"),
     Run("sglang-eagle", "bench_sglang_overhead.py", ("--mode", "eagle", "--rounds", "5")),
 ]
@@ -92,6 +93,7 @@ GOALS += [
     Goal("peak RSS: 3 x 4096 packed tensor", "memory", "rss_mb_packed_3x4096", "<=", 300, " MB"),
     Goal("peak RSS: 1M tokens narrow", "memory", "rss_mb_1m_narrow", "<=", 300, " MB"),
     Goal("writer on the recorder path vs raw appends", "write", "recorder_vs_raw", ">=", 0.8, "x"),
+    Goal("zoom: recording one layer's taps vs the plain recording", "zoom", "zoom_ratio", "<=", 2.0, "x"),
     Goal("TUI: first real heatmap rows at 1M tokens", "tui", "first_rows_s_1m", "<=", 1.0, " s"),
     Goal("SGLang plugin time, EAGLE-3 with predictions (issue 15; 5.3% stated before the taps)", "sglang-eagle",
          "plugin_share", "<=", 0.053),

@@ -227,6 +227,26 @@ def _run_report(args) -> int:
     return res.exit_code
 
 
+def cmd_weights(args) -> int:
+    """Compare two checkpoints (or fingerprints) parameter by parameter; or write fingerprints."""
+    from . import weights
+    from .safety import check_output_path
+
+    if args.b is None and not args.fingerprint:
+        raise UsageError("give B to compare with, or --fingerprint FILE to write A's fingerprints")
+    a = weights.load(args.a)
+    if args.fingerprint:
+        check_output_path(args.fingerprint, [args.a, args.b], "--fingerprint")
+        count = weights.save_fingerprints(a, args.fingerprint)
+        print(f"wrote the fingerprints of {count} parameters -> {args.fingerprint}")
+        if args.b is None:
+            return EXIT_OK
+    res = weights.compare(a, weights.load(args.b))
+    for line in res.lines():
+        print(line)
+    return res.exit_code
+
+
 def cmd_calibrate(args) -> int:
     """Diff a noise-floor pair (same wiring, honest numeric differences) and write tolerances."""
     from .safety import check_output_path
@@ -309,7 +329,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 #: the commands of this module; any other (record, import) is the recorders' (see build_parser)
-CORE_COMMANDS = ("info", "diff", "tui", "report", "calibrate")
+CORE_COMMANDS = ("info", "diff", "tui", "report", "calibrate", "weights")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -395,6 +415,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--margin", type=float, default=4.0,
                    help="allowed multiple of the observed error (default: %(default)g)")
     c.set_defaults(func=cmd_calibrate)
+
+    w = sub.add_parser("weights", help="compare two checkpoints parameter by parameter and name the first that differs",
+                       epilog="exit codes: 0 every parameter equal, 1 a parameter differs, 2 bad input")
+    w.add_argument("a", metavar="A", help="reference: a safetensors checkpoint (directory or file) or a fingerprint file")
+    w.add_argument("b", metavar="B", nargs="?", help="the other checkpoint or fingerprint file (HF or fused engine layout)")
+    w.add_argument("--fingerprint", metavar="FILE", help="write A's weight fingerprints (hash, norm, samples) as JSON")
+    w.set_defaults(func=cmd_weights)
 
     if command not in CORE_COMMANDS:
         from .recorders.cli import register

@@ -226,6 +226,23 @@ def plan_draft_input(convention: str, ids: Sequence[int] | None, num_layers: int
 
 
 
+def collision_note(plan: DraftPlan) -> str | None:
+    """One line when the draft input's slots repeat a state (the default ids ``[2, N//2, N-3]``
+    collide on models of fewer than 8 layers: 6 layers give ``[layer2, layer3, layer3]``), saying
+    which ids were used; None when every slot holds a different state."""
+    fed = list(plan.fed)
+    dup = sorted({lab for lab in fed if fed.count(lab) > 1}, key=fed.index)
+    if not dup:
+        return None
+    if plan.raw_ids is None:
+        bs = [parse_label(lab) for lab in fed]
+        ids = f"the default ids [2, N//2, N-3] = {bs}" if None not in bs else "the given states"
+    else:
+        ids = f"ids {list(plan.raw_ids)} under {plan.convention}"
+    return (f"draft input slots collide: {ids} select [{', '.join(fed)}], {', '.join(dup)} more than once; "
+            "give --aux-ids (or --boundaries) that name different states")
+
+
 # ----------------------------------------------------------------------------------------------
 # Prediction tensors: what the draft computes and what the target accepts (acceptance analysis)
 # ----------------------------------------------------------------------------------------------

@@ -143,12 +143,28 @@ def test_module_hooks_record_layer_outputs_and_inputs(tmp_path):
             with torch.no_grad():
                 out = model(ids, output_hidden_states=True)
         assert hooks.matched == [f"model.layers.{i}" for i in range(4)]
+        assert hooks.implementation == "hf"
     with TraceReader(p) as r:
-        for i in range(4):
-            np.testing.assert_array_equal(r.read_values(f"model.layers.{i}.input"), out.hidden_states[i][0].numpy())
-        for i in range(3):  # HF index 4 = N is post-norm; the last layer's output is pre-norm
-            np.testing.assert_array_equal(r.read_values(f"model.layers.{i}.output"), out.hidden_states[i + 1][0].numpy())
-        assert not np.array_equal(r.read_values("model.layers.3.output"), out.hidden_states[4][0].numpy())
+        # a known model's values get canonical names: boundary b+1 is layer b's output (first claimed),
+        # boundary 0 layer 0's input; layer b+1's input, the same state, is not recorded again
+        for b in range(4):
+            name = "embed" if b == 0 else f"layer{b}"
+            np.testing.assert_array_equal(r.read_values(name), out.hidden_states[b][0].numpy())
+            assert r.tensors[name].kind == "boundary" and r.tensors[name].boundary == b
+        assert r.tensors["layer2"].attrs["module_path"] == "model.layers.1.output"
+        assert set(r.tensors) == {"embed", "layer1", "layer2", "layer3", "layer4"}
+        # HF index 4 = N is post-norm; the last layer's output is boundary 4, pre-norm
+        assert not np.array_equal(r.read_values("layer4"), out.hidden_states[4][0].numpy())
+    p2 = tmp_path / "paths.h5"
+    with _rec(p2) as rec:
+        with ModuleHookRecorder(model, rec, ["model.layers.*"], capture="both", exclude=["model.layers.*.*"],
+                                canonical=False) as hooks:
+            hooks.tokens("s", ids[0])
+            with torch.no_grad():
+                model(ids)
+    with TraceReader(p2) as r:   # canonical=False keeps module paths
+        np.testing.assert_array_equal(r.read_values("model.layers.0.input"), out.hidden_states[0][0].numpy())
+        np.testing.assert_array_equal(r.read_values("model.layers.2.output"), out.hidden_states[3][0].numpy())
 
 
 def test_module_hooks_padded_batch_and_skipped_shapes(tmp_path):

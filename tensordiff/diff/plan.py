@@ -30,6 +30,7 @@ from ..findings import (
     ShiftDetails,
     TokenMismatchDetails,
 )
+from ..names import maybe_state
 from ..numerics import rows_per_block
 from ..progress import Progress, Stage
 from ..tolerances import Tolerance, ToleranceBook
@@ -214,6 +215,9 @@ def depth_of(a: TraceSource, b: TraceSource, info: TensorInfo, slot: int) -> flo
         return float(info.boundary)
     if info.kind == "final_norm":
         return float(L) if L is not None else None
+    tap = maybe_state(info.name) if info.kind == "other" else None
+    if tap is not None and tap.kind == "tap":  # a sub-layer tap of layer b: between boundaries b and b+1
+        return tap.depth(L)
     labels = info.slot_labels or []
     if slot < len(labels):
         try:

@@ -9,6 +9,8 @@ For each token sequence it records, through a :class:`~.core.Recorder`:
 * with a ``draft`` (:class:`~.eagle3.Eagle3Draft`): ``draft_fc_output`` (what the draft's fc
   computes from the draft input) and ``draft_topk`` (its predictions), teacher-forced on the
   draft input as training runs it (names and layouts: :mod:`tensordiff.conventions`);
+* with ``zoom=b``: the sub-layer taps of decoder layer b (``layer<b>.q`` ...,
+  :mod:`~.zoom`);
 * ``draft_input`` (role ``draft_input``): the packed ``[T, K*H]`` tensor the draft is fed, built
   as a named pipeline builds it (a :class:`~tensordiff.conventions.DraftPlan` from
   :func:`tensordiff.conventions.plan_draft_input`), with the slot labels of what it
@@ -132,7 +134,8 @@ class HFExtractorRecorder:
 
     def __init__(self, model: torch.nn.Module, recorder: Recorder, plan: DraftPlan | None = None, *,
                  values: str | Iterable[str] = "slots", catalog: bool = True, draft_name: str = "draft_input",
-                 topk: int = conventions.DEFAULT_TOPK, draft: Any = None):
+                 topk: int = conventions.DEFAULT_TOPK, draft: Any = None, zoom: int | None = None,
+                 name_rules: Sequence[str] = ()):
         self.model = model
         self.recorder = recorder
         self.plan = plan
@@ -168,6 +171,10 @@ class HFExtractorRecorder:
             raise ValueError("a draft needs the draft-input plan (what it is fed)")
         if draft is not None and draft.num_aux != len(plan.fed):
             raise ValueError(f"the draft's fc takes {draft.num_aux} states but the plan feeds {len(plan.fed)}")
+        self.zoom = None
+        if zoom is not None:
+            from .zoom import ZoomRecorder
+            self.zoom = ZoomRecorder(model, recorder, int(zoom), self.layers_path, self.num_layers, rules=name_rules)
         self._ids: torch.Tensor | None = None
         self._rows: np.ndarray | None = None
         self._held: dict[str, torch.Tensor] = {}
@@ -182,12 +189,16 @@ class HFExtractorRecorder:
             self._handles.append(self.layers[b].register_forward_pre_hook(self._layer_hook(b), with_kwargs=True))
         self._handles.append(self.norm.register_forward_pre_hook(self._layer_hook(self.num_layers), with_kwargs=True))
         self._handles.append(self.norm.register_forward_hook(self._norm_out_hook))
+        if self.zoom is not None:
+            self.zoom.attach()
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         if self.topk > 0 and isinstance(head, torch.nn.Module):
             self._handles.append(head.register_forward_hook(self._logits_hook))
         return self
 
     def detach(self) -> None:
+        if self.zoom is not None:
+            self.zoom.detach()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -252,6 +263,8 @@ class HFExtractorRecorder:
         attached_here = not self._handles
         self.attach()
         self._rows = rows
+        if self.zoom is not None:
+            self.zoom.set_rows(rows)
         if isinstance(input_ids, torch.Tensor):
             self._ids = input_ids.detach().reshape(rows.shape).cpu()
         else:
@@ -263,6 +276,8 @@ class HFExtractorRecorder:
                 self._record_draft(rows)
         finally:
             self._rows = None
+            if self.zoom is not None:
+                self.zoom.set_rows(None)
             self._ids = None
             self._held = {}
             if attached_here:

@@ -6,8 +6,14 @@ their qualified names (``model.layers.*``, ``*.mlp``), through a :class:`~.core.
 ...     hooks.tokens("sample-0", input_ids)          # token rows for the next forward
 ...     model(input_ids[None])
 
-Each matched module records one tensor per direction, named ``<qualified name>.input`` or
-``<qualified name>.output`` (or whatever ``name_fn`` returns). From a tuple/list the first tensor
+Each matched module records one tensor per direction. When the recorder knows the model (an HF
+transformers, SGLang or vLLM model of a family in :data:`tensordiff.names.KNOWN_MODEL_TYPES`, or
+user ``rules``), values the table of :mod:`tensordiff.names` maps get their canonical name
+(``embed``, ``layer4``, ``final_norm`` as boundaries; ``layer3.q`` ... as sub-layer taps with their
+forward order) and the module path as the ``module_path`` attribute, so the trace compares with
+every other recorder's; fused values (``qkv_proj``, ``gate_up_proj``, a rotary ``(q, k)``) are
+split. Everything else is named ``<qualified name>.input`` or ``<qualified name>.output`` (or
+whatever ``name_fn`` returns, which turns canonical names off). From a tuple/list the first tensor
 is taken, from a dict or ``ModelOutput`` ``last_hidden_state`` or the first tensor; for inputs
 the first positional tensor, else the ``hidden_states`` keyword, else the first tensor keyword.
 A tensor whose leading dims do not hold one row per current token row is skipped, once noted in
@@ -24,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import names as canon
 from .core import Recorder
 
 __all__ = ["ModuleHookRecorder", "batch_rows", "first_tensor"]
@@ -83,12 +90,19 @@ class ModuleHookRecorder:
     may return extra :meth:`Recorder.record` keywords (kind/boundary/role/values) per tensor.
     Token rows: call :meth:`tokens` (one sequence) or :meth:`batch` (padded batch), or
     :meth:`set_rows` with rows you added yourself; a forward with no rows set records nothing.
+
+    ``canonical``: True (default) names what the table maps when the model is known; an
+    implementation name (``hf``, ``sglang``, ``vllm``) forces that table; False keeps module
+    paths. ``rules``: user rules (``REGEX=NAME`` strings or :class:`tensordiff.names.Rule`), tried
+    first, for models the table does not know. :attr:`implementation` says which table was used.
+    ``only_mapped``: hook only the values that get a canonical name (a zoom's bounded set).
     """
 
     def __init__(self, module: torch.nn.Module, recorder: Recorder, patterns: Sequence[str] = ("*",), *,
                  capture: str = "output", exclude: Sequence[str] = (),
                  name_fn: Callable[[str, str], str] | None = None,
-                 define_kwargs: Callable[[str], dict] | None = None, attach: bool = True):
+                 define_kwargs: Callable[[str], dict] | None = None, attach: bool = True,
+                 canonical: bool | str = True, rules: Sequence[str | canon.Rule] = (), only_mapped: bool = False):
         if capture not in ("output", "input", "both"):
             raise ValueError("capture must be 'output', 'input' or 'both'")
         if isinstance(patterns, str):
@@ -100,6 +114,16 @@ class ModuleHookRecorder:
         self.capture = capture
         self.name_fn = name_fn or (lambda qual, direction: f"{qual or 'root'}.{direction}")
         self.define_kwargs = define_kwargs or (lambda name: {})
+        self.only_mapped = only_mapped
+        self.rules = [r if isinstance(r, canon.Rule) else canon.parse_user_rule(r) for r in rules]
+        self.config = _model_config(module)
+        self.num_layers: int | None = self.config.get("num_hidden_layers")
+        self.implementation: str | None = None
+        if name_fn is None and canonical:
+            self.implementation = (canonical if isinstance(canonical, str) else _known_implementation(module, self.config))
+            if self.implementation is not None and self.implementation not in canon.RULES:
+                raise ValueError(f"canonical: unknown implementation {self.implementation!r}")
+        self._canon_on = name_fn is None and bool(canonical) and (self.implementation is not None or bool(self.rules))
         self.rows: np.ndarray | None = None
         self.skipped: dict[str, str] = {}
         self._handles: list = []
@@ -133,17 +157,34 @@ class ModuleHookRecorder:
 
     # -- hooks -----------------------------------------------------------------------------
 
+    def mapping(self, qual: str, direction: str) -> canon.Mapped | None:
+        """The canonical names this module's value records under (None: its module path)."""
+        if not self._canon_on:
+            return None
+        return canon.canonical(qual, direction, self.implementation, self.num_layers, self.rules)
+
     def attach(self) -> ModuleHookRecorder:
         if self._handles:
             return self
         matched = set(self.matched)
+        claimed: set[str] = set()
         for qual, mod in self.module.named_modules():
             if qual not in matched:
                 continue
-            if self.capture in ("input", "both"):
-                self._handles.append(mod.register_forward_pre_hook(self._pre_hook(qual), with_kwargs=True))
-            if self.capture in ("output", "both"):
-                self._handles.append(mod.register_forward_hook(self._post_hook(qual)))
+            for direction in ("output", "input"):
+                if self.capture not in (direction, "both"):
+                    continue
+                m = self.mapping(qual, direction)
+                if m is not None and claimed & set(m.names):
+                    continue  # the same state again (layer b's output is layer b+1's input): recorded once
+                if m is not None:
+                    claimed |= set(m.names)
+                elif self.only_mapped:
+                    continue
+                if direction == "input":
+                    self._handles.append(mod.register_forward_pre_hook(self._pre_hook(qual, m), with_kwargs=True))
+                else:
+                    self._handles.append(mod.register_forward_hook(self._post_hook(qual, m)))
         return self
 
     def detach(self) -> None:
@@ -151,26 +192,79 @@ class ModuleHookRecorder:
             h.remove()
         self._handles.clear()
 
-    def _pre_hook(self, qual: str):
+    def _pre_hook(self, qual: str, mapped: canon.Mapped | None = None):
         name = self.name_fn(qual, "input")
 
         def hook(mod, args, kwargs):
+            if mapped is not None and mapped.split is not None:
+                self._record_mapped(mapped, (*args, *kwargs.values()))
+                return
             t = first_tensor(args)
             if t is None:
                 t = kwargs.get("hidden_states") if isinstance(kwargs.get("hidden_states"), torch.Tensor) else None
             if t is None:
                 t = first_tensor(kwargs)
-            self._record(name, t)
+            if mapped is not None:
+                self._record_mapped(mapped, t)
+            else:
+                self._record(name, t)
         return hook
 
-    def _post_hook(self, qual: str):
+    def _post_hook(self, qual: str, mapped: canon.Mapped | None = None):
         name = self.name_fn(qual, "output")
 
         def hook(mod, args, output):
-            self._record(name, first_tensor(output))
+            if mapped is not None:
+                self._record_mapped(mapped, output if mapped.split in ("sum", "tuple") else first_tensor(output))
+            else:
+                self._record(name, first_tensor(output))
         return hook
 
-    def _record(self, name: str, t: torch.Tensor | None) -> None:
+    def _record_mapped(self, m: canon.Mapped, value: Any) -> None:
+        if self.rows is None:
+            return
+        key = f"{m.path}.{m.direction}"
+        if key in self.skipped:
+            return
+        parts: list[torch.Tensor | None]
+        if m.split in ("sum", "tuple"):
+            ts = [v for v in value if isinstance(v, torch.Tensor)] if isinstance(value, (tuple, list)) else [value]
+            if m.split == "sum":
+                parts = [ts[0] + ts[1] if len(ts) >= 2 and ts[1].shape == ts[0].shape else (ts[0] if ts else None)]
+            else:
+                parts = list(ts[: len(m.names)])
+                if len(parts) != len(m.names):
+                    self._skip(key, f"holds {len(parts)} tensors, not {len(m.names)} ({', '.join(m.names)})")
+                    return
+        elif m.split is not None:
+            t = value if isinstance(value, torch.Tensor) else None
+            if t is None:
+                self._skip(key, "no tensor in the value")
+                return
+            try:
+                widths = canon.split_widths(m.split, int(t.shape[-1]), self.config)
+            except ValueError as e:
+                self._skip(key, str(e))
+                return
+            parts = list(torch.split(t, widths, dim=-1))
+        else:
+            parts = [value]
+        for name, t in zip(m.names, parts):
+            st = canon.parse_state(name)
+            attrs = {"module_path": key}
+            kw: dict[str, Any]
+            if st.kind == "boundary":
+                kw = {"kind": "boundary", "boundary": st.layer, "role": "catalog"}
+            elif st.kind == "final_norm":
+                kw = {"kind": "final_norm", "role": "catalog"}
+            else:
+                kw = {"kind": "other", "order": st.order(self.num_layers), "role": "tap"}
+                attrs.update(layer=st.layer, tap=st.tap)
+            kw.update(self.define_kwargs(name))
+            kw["attrs"] = {**attrs, **(kw.get("attrs") or {})}
+            self._record(name, t, **kw)
+
+    def _record(self, name: str, t: torch.Tensor | None, **kw: Any) -> None:
         if self.rows is None or name in self.skipped:
             return
         if t is None:
@@ -184,7 +278,7 @@ class ModuleHookRecorder:
         if t.ndim < 2 or lead != n:
             self._skip(name, f"shape {tuple(t.shape)} does not hold one row per token ({n} rows)")
             return
-        self.recorder.record(name, t, self.rows, **self.define_kwargs(name))
+        self.recorder.record(name, t, self.rows, **(kw or self.define_kwargs(name)))
 
     def _skip(self, name: str, why: str) -> None:
         self.skipped[name] = why
@@ -195,3 +289,29 @@ class ModuleHookRecorder:
 
     def __exit__(self, *exc) -> None:
         self.detach()
+
+
+def _model_config(module: torch.nn.Module) -> dict:
+    """The (text) config of an HF, SGLang or vLLM model as a dict ({} when it has none)."""
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        inner = getattr(module, "model", None)
+        cfg = getattr(inner, "config", None)
+    if cfg is None:
+        return {}
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    out = {}
+    for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "model_type", "hidden_size"):
+        v = getattr(cfg, k, None)
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def _known_implementation(module: torch.nn.Module, config: dict) -> str | None:
+    """``hf``/``sglang``/``vllm`` when the model's class comes from there and its family is in the
+    table (:data:`tensordiff.names.KNOWN_MODEL_TYPES`); None otherwise."""
+    impl = canon.implementation_of(type(module).__module__)
+    if impl is None or config.get("model_type") not in canon.KNOWN_MODEL_TYPES:
+        return None
+    return impl

@@ -63,6 +63,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--values", default="slots", metavar="WHICH",
                    help="catalog states with full values: slots (default: the states the draft plan captures, "
                         "plus final_norm), all, none, or labels (embed,layer3,final_norm); sketches are kept for all")
+    g.add_argument("--zoom", metavar="LAYER",
+                   help="also record the sub-layer taps of this decoder layer (layer3: attn_norm, q, k, v, q_rope, "
+                        "k_rope, attn_out, mlp_norm, mlp_gate, mlp_up, mlp_act, mlp_out; router for MoE) as "
+                        "layer3.<tap>; HF Llama-family layouts (Llama, Mistral, Qwen2/3, Mixtral, DeepSeek), "
+                        "others with --name-rule")
+    g.add_argument("--name-rule", action="append", default=[], metavar="REGEX=TAP",
+                   help="with --zoom: name a module the table does not know, e.g. 'transformer\\.h\\.(\\d+)\\.mlp=mlp_out' "
+                        "(REGEX matches the whole module path, its first group is the layer; REGEX:input=TAP for "
+                        "the module's input); repeatable")
     g.add_argument("--sample-every", type=int, default=1, metavar="K",
                    help="record token positions p with p %% K == 0 only (default 1: all)")
     g.add_argument("--positions", type=int, nargs="+", metavar="P", help="also (or with --sample-every 0: only) these positions")
@@ -354,6 +363,23 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--sample-every must be >= 0")
     if args.sample_every == 0 and not args.positions:
         raise UsageError("--sample-every 0 records only --positions: give some")
+    zoom = None
+    if getattr(args, "zoom", None) is not None:
+        from ..names import parse_zoom
+        try:
+            zoom = parse_zoom(args.zoom)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    name_rules = list(getattr(args, "name_rule", None) or [])
+    if name_rules:
+        if zoom is None:
+            raise UsageError("--name-rule names the modules of a --zoom: give --zoom too")
+        from ..names import parse_user_rule
+        for r in name_rules:
+            try:
+                parse_user_rule(r)
+            except ValueError as e:
+                raise UsageError(f"--name-rule: {e}") from None
     ids = args.aux_ids
     if args.topk is not None and args.topk < 0:
         raise UsageError("--topk must be >= 0")
@@ -393,6 +419,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise RecordingError(str(e), args.model) from None
     n_layers = info["num_layers"]
+    if zoom is not None and not 0 <= zoom < n_layers:
+        raise UsageError(f"--zoom layer{zoom}: the model has decoder layers 0..{n_layers - 1}")
     plan = None
     if not args.no_draft_input:
         try:
@@ -401,6 +429,9 @@ def run(args: argparse.Namespace) -> int:
                                     boundaries=args.boundaries)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        note = conventions.collision_note(plan)
+        if note is not None:
+            print(f"tensordiff: warning: {note}", file=sys.stderr)
     info["path"] = os.path.abspath(args.model)
     sample = Sampling(every=args.sample_every, positions=frozenset(args.positions) if args.positions else None)
     meta = {"prompts": os.path.abspath(args.prompts or args.from_serve), "command": "record train",
@@ -422,8 +453,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             draft = _load_draft(args.draft, model) if args.draft else None
-            hf = HFExtractorRecorder(model, rec, plan, values=args.values, topk=args.topk, draft=draft)
+            hf = HFExtractorRecorder(model, rec, plan, values=args.values, topk=args.topk, draft=draft, zoom=zoom,
+                                     name_rules=name_rules)
         except ValueError as e:
+            if str(e).startswith("--zoom"):
+                raise UsageError(str(e)) from None
             raise RecordingError(str(e)) from None
         with _Progress(total, n_prompts=len(prompts), enabled=not args.no_progress) as bar:
             for key, toks in prompts:
