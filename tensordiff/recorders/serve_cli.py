@@ -340,11 +340,25 @@ def _print_summary(res: dict) -> None:
     from ..trace import TraceReader
 
     path = res["trace"]
-    with TraceReader(path) as r:
-        s = r.summary()
+    files = res.get("files") or [path]
+    if len(files) > 1:  # one file per rank: read as one trace (the set checks they are one recording)
+        from ..traceset import TraceSet, index_lines
+
+        with TraceSet(files) as ts:
+            s = ts.summary()
+        size = sum(os.path.getsize(f) for f in files)
+        where = f"{len(files)} per-rank files in {os.path.dirname(path) or '.'}"
+    else:
+        with TraceReader(path) as r:
+            s = r.summary()
+        size = os.path.getsize(path)
+        where = path
     toks = s["tokens"]
     print(f"recorded {len(res['outputs'])} request(s), {toks['rows']} token rows, {len(s['tensors'])} tensors -> "
-          f"{path} ({os.path.getsize(path) / 1e6:.1f} MB, {res['seconds']:.1f} s)")
+          f"{where} ({size / 1e6:.1f} MB, {res['seconds']:.1f} s)")
+    if len(files) > 1:
+        for line in index_lines(s["set"]):
+            print(line)
     for t in s["tensors"]:
         if t["kind"] == "packed":
             print(f"  {t['name']}: slots [{', '.join(t['slot_labels'])}] from draft ids {t.get('raw_ids')} "
