@@ -92,7 +92,9 @@ def head_of(model, what: str):
     if getattr(lp, "logits_as_input", False):
         st.warn_once(f"shard-{what}", "the %s model's logits processor takes logits: no %s recorded", what, name)
         return None
-    if w.shape[0] < vocab:
+    if int(getattr(lm, "tp_size", 1) or 1) > 1 or w.shape[0] < vocab:
+        # each TP rank holds a shard of the padded vocabulary, even where one shard is as wide as
+        # the vocabulary (a draft's small one): rank k's rows are other tokens, or padding
         w = gathered_head(lm, w, vocab, what, name)
         if w is None:
             return None
