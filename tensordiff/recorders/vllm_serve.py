@@ -150,6 +150,9 @@ def record(args: argparse.Namespace, prompts: list[tuple[str, list[int]]], env: 
     env.setdefault("VLLM_LOGGING_LEVEL", str(args.log_level).upper())
     if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:  # the recorder taps the V1 model runner
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    # vLLM logs to stdout by default; on stderr its workers' errors reach the guard's tail (the one
+    # line of a failure names them) and stdout keeps this command's summary only
+    env.setdefault("VLLM_LOGGING_STREAM", os.environ.get("VLLM_LOGGING_STREAM") or "ext://sys.stderr")
     world = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
     if args.device == "cpu" and world > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         bind = cpu_threads_bind(world)
