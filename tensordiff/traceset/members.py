@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def check_meta_ranks(m: Member) -> None:
                                           f"{axis}_rank {want}: a renamed file?", m.path)
 
 
-def _facts(m: Member) -> dict:
+def _facts(m: Member) -> dict[str, Any]:
     f = m.reader.user_meta.get("ranks")
     return f if isinstance(f, dict) else {}
 
