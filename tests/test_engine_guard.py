@@ -42,3 +42,24 @@ def test_without_an_engine_line_the_exception_itself_is_the_cause():
         err = g.error(RuntimeError("Engine core initialization failed.\nmore"), "run")
     assert str(err).startswith("the vLLM engine failed while recording: RuntimeError: Engine core initialization "
                                "failed.;"), str(err)
+
+
+# vLLM at PP=2 on the CPU with eager passes: stage 1's bare `assert` is the root cause, the engine
+# core's KeyError after it is not
+VLLM_PP2_RUN = (
+    "(Worker_PP1 pid=31878) ERROR 12-03 20:04:30 [multiproc_executor.py:1063]   File \"gpu_model_runner.py\", "
+    "line 3174, in sync_and_gather_intermediate_tensors\n"
+    "(Worker_PP1 pid=31878) ERROR 12-03 20:04:30 [multiproc_executor.py:1063]     assert self.intermediate_tensors "
+    "is not None\n"
+    "(Worker_PP1 pid=31878) ERROR 12-03 20:04:30 [multiproc_executor.py:1063]            ^^^^^^^^^^^^^^^^^^^^^^^^\n"
+    "(Worker_PP1 pid=31878) ERROR 12-03 20:04:30 [multiproc_executor.py:1063] AssertionError\n"
+    "(EngineCore pid=31424) ERROR 12-03 20:04:30 [core.py:1512] KeyError: 'A-bb92862f'\n"
+)
+
+
+def test_a_bare_assert_names_the_line_it_failed_on():
+    with EngineGuard("vLLM") as g:
+        os.write(2, VLLM_PP2_RUN.encode())
+        err = g.error(RuntimeError("EngineCore encountered an issue."), "run")
+    assert str(err).startswith("the vLLM engine failed while recording: AssertionError (assert "
+                               "self.intermediate_tensors is not None);"), str(err)
