@@ -6,6 +6,7 @@ exactly the serial diff's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -77,6 +79,14 @@ def _wait_started(p: subprocess.Popen, log: str, timeout: float) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
+    with local_cluster() as address:
+        yield address
+
+
+@contextlib.contextmanager
+def local_cluster(hosts: tuple[str, ...] = HOSTS) -> Iterator[str]:
+    """A head and a second node on loopback (node k carries the resource ``host:hosts[k]``),
+    connected; both process groups stopped on the way out. Other test modules start it too."""
     tmp = tempfile.mkdtemp(prefix="/tmp/tdray")  # short: Ray's socket paths must fit 107 bytes
     port = _free_port()
     # loopback only: no token authentication (a token file another Ray session left in ~/.ray would
@@ -89,11 +99,11 @@ def cluster():
     procs = []
     try:
         procs.append(_ray_start(["--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", tmp,
-                                 "--resources", json.dumps({f"host:{HOSTS[0]}": 1}), *common], env,
+                                 "--resources", json.dumps({f"host:{hosts[0]}": 1}), *common], env,
                                 os.path.join(tmp, "head.log")))
         address = f"127.0.0.1:{port}"
         _wait_started(procs[0], os.path.join(tmp, "head.log"), 240)
-        procs.append(_ray_start(["--address", address, "--resources", json.dumps({f"host:{HOSTS[1]}": 1}), *common],
+        procs.append(_ray_start(["--address", address, "--resources", json.dumps({f"host:{hosts[1]}": 1}), *common],
                                 env, os.path.join(tmp, "node.log")))
         _wait_started(procs[1], os.path.join(tmp, "node.log"), 240)
         ray.init(address=address, include_dashboard=False, log_to_driver=False)

@@ -46,9 +46,9 @@ def test_rank_facts_name_the_host(monkeypatch):
     record, suffix, facts = _plan(monkeypatch, "node-x", dp=1, dp_size=2)
     assert (record, suffix) == (True, ".dp1")
     assert facts["host"] == "node-x" and facts["dp_rank"] == 1 and facts["dp_size"] == 2
-    # a TP replica that does not record still says where it runs
+    # a TP replica records its own file (the set compares the replicas) and says where it runs
     record, suffix, facts = _plan(monkeypatch, "node-y", tp=1, tp_size=2)
-    assert not record and facts["host"] == "node-y"
+    assert (record, suffix) == (True, ".tp1") and facts["host"] == "node-y" and facts["replicated"]
     monkeypatch.undo()
     assert rank_plan(SimpleNamespace(server_args=None))[2]["host"] == socket.gethostname()
 

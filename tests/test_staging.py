@@ -228,3 +228,23 @@ def test_a_private_snapshot_is_taken_again_without_comparing_its_bits(tmp_path, 
     np.testing.assert_array_equal(got["draft_input/values_ref"], np.arange(12))
     with TraceReader(str(tmp_path / "p.h5")) as r:
         np.testing.assert_array_equal(r.read_values("draft_input", raw=True), np.concatenate([x.numpy()] * 2))
+
+
+def test_rows_referring_to_a_source_are_appended_after_it_in_a_batch(tmp_path):
+    """A batch that staged draft_input's rows (referring to aux rows) before that batch's aux rows:
+    the drafter's pass on step s is staged after a drain, before step s+1's aux. The batch appends
+    aux first, so every reference names a row already written."""
+    x0 = torch.randn(4, 3 * H, generator=torch.Generator().manual_seed(2))
+    x1 = torch.randn(3, 3 * H, generator=torch.Generator().manual_seed(3))
+    with Recorder(tmp_path / "o.h5", side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=1 << 20,
+                  values=["aux", "draft_input"]) as rec:
+        r0 = rec.add_tokens("a", np.arange(4), np.arange(4), regime="prefill")
+        rec.packed("aux", x0, r0, labels=LABELS, token_offset=0, role="aux", remember=True)
+        rec.write_staged()
+        rec.packed("draft_input", x0, r0, labels=LABELS, token_offset=1, reuse="aux")  # staged before aux's next rows
+        r1 = rec.add_tokens("b", np.arange(3), np.arange(3), regime="prefill")
+        rec.packed("aux", x1, r1, labels=LABELS, token_offset=0, role="aux", remember=True)
+        rec.packed("draft_input", x1, r1, labels=LABELS, token_offset=1, reuse="aux")
+    with TraceReader(str(tmp_path / "o.h5")) as r:
+        assert r.complete
+        np.testing.assert_array_equal(r.read_values("draft_input", raw=True), np.concatenate([x0.numpy(), x1.numpy()]))

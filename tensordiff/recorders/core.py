@@ -604,7 +604,9 @@ class Recorder:
                     e.sketch = src.sketch
                     self.stats.sketch_reused += 1
             self._derive(spec, again)
-        for name, entries in staged.items():
+        # a tensor whose rows refer to a source tensor's rows is appended after that source: the
+        # batch may have staged the referring rows first (a drafter pass between two target steps)
+        for name, entries in sorted(staged.items(), key=lambda kv: self._specs[kv[0]].source is not None):
             self._append_staged(name, self._specs[name], entries)
 
     def _derive(self, spec: _Spec, entries: list[Staged]) -> None:

@@ -15,6 +15,10 @@ process tree, itself included: exit 137, no message from tensordiff, a half-writ
   children logged (``ValueError: EAGLE is not supported in decode attention backend
   torch_native``), and a hint for the causes it knows.
 
+vLLM's processes log with a prefix (``(EngineCore pid=12) ERROR 12-03 19:12:15 [core.py:1510]
+AssertionError: ...``): the guard reads the message after it, and skips exceptions logged at
+WARNING or below (ones the engine went on from).
+
 Nothing here imports an engine.
 """
 
@@ -35,7 +39,11 @@ from ..errors import RecordingError
 from ..safety import sanitize_for_terminal
 
 TAIL_BYTES = 64 << 10
-_EXC_LINE = re.compile(r"^\s*((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)): (.+)$")
+_EXC_LINE = re.compile(r"^\s*((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt))(?:: (.+))?\s*$")
+# vLLM's log prefix: "(EngineCore pid=12) ERROR 12-03 19:12:15 [core.py:1510] " (the process tag
+# and the level are optional); the message after it is what a line without a prefix would be
+_LOG_PREFIX = re.compile(r"^\s*(?:\([\w.:-]+ pid=\d+\)\s*)?(?:(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+"
+                         r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?")
 
 
 class EngineFailed(BaseException):
@@ -166,10 +174,23 @@ class EngineGuard:
         cause comes first; what the teardown raises after it (a half-written trace, a closed
         pipe) comes later and is not the cause."""
         self._tail.drain()
+        code = ""   # the last source line of the traceback being read: what a bare exception failed on
         for line in self._tail.text().splitlines():
-            m = _EXC_LINE.match(line)
+            p = _LOG_PREFIX.match(line)
+            if p is not None and p.group(1) in ("DEBUG", "INFO", "WARNING"):
+                continue  # an exception an engine logged and went on from (vLLM's warm-up) is no cause
+            text = line[p.end():] if p is not None else line
+            m = _EXC_LINE.match(text)
             if m and "Traceback" not in line:
-                return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
+                name = m.group(1).rsplit(".", 1)[-1]
+                if m.group(2):
+                    return f"{name}: {m.group(2).strip()}"
+                if code:  # a bare `assert`: the line it failed on says what
+                    return f"{name} ({code})"
+                continue
+            t = text.strip()
+            if t and not t.startswith(("File ", "Traceback")) and set(t) - set("^~ "):
+                code = t[:200]
         return None
 
     def error(self, exc: BaseException | None, while_: str = "start") -> RecordingError:

@@ -222,20 +222,28 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
                          "install the package (pip install -e . or pip install 'tensordiff[sglang]')")
     if args.device == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read once, when sglang is first imported
+    from .vllm_serve import cpu_threads_bind, rank_files
+
     kwargs = engine_kwargs(args)
     env = plugin_env(args)
     out_path = env["TENSORDIFF_TRACE"]
-    if os.path.exists(out_path):
-        os.remove(out_path)
+    for old in rank_files(out_path):  # this run's files only (one per rank where TP > 1)
+        os.remove(old)
+    world = int(kwargs.get("tp_size") or 1) * int(kwargs.get("pp_size") or 1)
+    if args.device == "cpu" and world > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        bind = cpu_threads_bind(world)  # SGLang wants a NUMA node per rank unless told the CPUs
+        if bind is not None:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = bind
     with engine_environ(env):  # the scheduler process inherits the environment at spawn
         t0 = time.perf_counter()
         outputs = _run_sglang(args, prompts, kwargs, out_path, start_engine)
     dt = time.perf_counter() - t0
-    if not os.path.exists(out_path):
+    files = rank_files(out_path)
+    if not files:
         raise RecordingError("the engine ran but wrote no trace: the plugin did not load in its scheduler process "
                          "(is SGLANG_PLUGINS excluding it?) or this rank does not record", out_path)
     write_outputs(args.outputs, outputs)
-    return {"outputs": outputs, "trace": out_path, "seconds": dt}
+    return {"outputs": outputs, "trace": files[0], "files": files, "seconds": dt}
 
 
 def _run_sglang(args, prompts, kwargs, out_path, start_engine) -> list[dict]:
@@ -253,7 +261,10 @@ def _run_sglang(args, prompts, kwargs, out_path, start_engine) -> list[dict]:
             if isinstance(e, TensordiffError):
                 raise
             kill_children(guard.children_before)
-            _remove_partial(out_path)  # nothing was recorded: no half-written trace is left behind
+            from .vllm_serve import rank_files
+
+            for f in rank_files(out_path) or [out_path]:
+                _remove_partial(f)  # nothing was recorded: no half-written trace is left behind
             raise guard.error(e, "start") from None
         guard.started()
         step = args.batch_size or len(prompts)
@@ -291,11 +302,25 @@ def _print_summary(res: dict) -> None:
     from ..trace import TraceReader
 
     path = res["trace"]
-    with TraceReader(path) as r:
-        s = r.summary()
+    files = res.get("files") or [path]
+    if len(files) > 1:  # one file per rank: read as one trace (the set checks they are one recording)
+        from ..traceset import TraceSet, index_lines
+
+        with TraceSet(files) as ts:
+            s = ts.summary()
+        size = sum(os.path.getsize(f) for f in files)
+        where = f"{len(files)} per-rank files in {os.path.dirname(path) or '.'}"
+    else:
+        with TraceReader(path) as r:
+            s = r.summary()
+        size = os.path.getsize(path)
+        where = path
     toks = s["tokens"]
     print(f"recorded {len(res['outputs'])} request(s), {toks['rows']} token rows, {len(s['tensors'])} tensors -> "
-          f"{path} ({os.path.getsize(path) / 1e6:.1f} MB, {res['seconds']:.1f} s)")
+          f"{where} ({size / 1e6:.1f} MB, {res['seconds']:.1f} s)")
+    if len(files) > 1:
+        for line in index_lines(s["set"]):
+            print(line)
     for t in s["tensors"]:
         if t["kind"] == "packed":
             print(f"  {t['name']}: slots [{', '.join(t['slot_labels'])}] from draft ids {t.get('raw_ids')} "

@@ -84,9 +84,55 @@ def _default_start_engine(**kwargs):
     return vllm.LLM(**kwargs)
 
 
+def rank_files(out_path: str) -> list[str]:
+    """The files a run with ``--out out_path`` wrote: ``out_path`` itself (one rank), or its
+    per-rank files (``serve.tp1.h5``, ``serve.pp0.tp1.h5``, ...: the plugin's rank suffixes), in
+    rank order."""
+    from ..traceset.paths import member_sort_key, parse_ranks
+
+    root, ext = os.path.splitext(out_path)
+    d = os.path.dirname(out_path) or "."
+    found = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        names = []
+    for n in names:
+        p = os.path.join(d, n)
+        if not n.startswith(os.path.basename(root) + ".") or not n.endswith(ext) or not os.path.isfile(p):
+            continue
+        try:
+            base, ranks = parse_ranks(p)
+        except UsageError:
+            continue
+        if ranks and base == root:
+            found.append(p)
+    if os.path.isfile(out_path):
+        found.append(out_path)
+    return sorted(found, key=member_sort_key)
+
+
+def cpu_threads_bind(world: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``world`` CPU workers on one machine: the CPUs this
+    process may run on, split into ``world`` contiguous groups (``"0|1"`` for two CPUs). vLLM's
+    automatic binding wants a NUMA node per worker ("Not enough allowed NUMA nodes to bind threads
+    of 2 local CPUWorkers"), which a one-node machine does not have. None when there are fewer
+    CPUs than workers."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    if world < 2 or len(cpus) < world:
+        return None
+    per = len(cpus) // world
+    groups = [cpus[i * per:(i + 1) * per] for i in range(world)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
 def record(args: argparse.Namespace, prompts: list[tuple[str, list[int]]], env: dict[str, str],
            start_engine: Callable[..., Any] | None = None) -> dict:
-    """Run ``vllm.LLM`` with the recorder over ``prompts``; returns {"outputs", "trace", "seconds"}."""
+    """Run ``vllm.LLM`` with the recorder over ``prompts``; returns {"outputs", "trace" (the one
+    file, or the first of the per-rank files), "files" (every file written), "seconds"}."""
     check(args)
     import importlib.util
 
@@ -104,60 +150,92 @@ def record(args: argparse.Namespace, prompts: list[tuple[str, list[int]]], env: 
     env.setdefault("VLLM_LOGGING_LEVEL", str(args.log_level).upper())
     if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:  # the recorder taps the V1 model runner
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    # vLLM logs to stdout by default; on stderr its workers' errors reach the guard's tail (the one
+    # line of a failure names them) and stdout keeps this command's summary only
+    env.setdefault("VLLM_LOGGING_STREAM", os.environ.get("VLLM_LOGGING_STREAM") or "ext://sys.stderr")
+    world = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+    if args.device == "cpu" and world > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        bind = cpu_threads_bind(world)
+        if bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     add_plugin(env, "VLLM_PLUGINS")
     out_path = env["TENSORDIFF_TRACE"]
-    if os.path.exists(out_path):
-        os.remove(out_path)
+    for old in rank_files(out_path):  # this run's files only: a stale rank would not be of this run
+        os.remove(old)
     with engine_environ(env):  # the engine's processes inherit the environment at spawn
         t0 = time.perf_counter()
         outputs = _run_vllm(args, prompts, kwargs, start_engine)
     dt = time.perf_counter() - t0
-    if not os.path.exists(out_path):
+    files = rank_files(out_path)
+    if not files:
         raise RecordingError("the engine ran but wrote no trace: the plugin did not load in its Worker process "
                              "(is VLLM_PLUGINS excluding it?), vLLM ran its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), "
                              "or this rank does not record", out_path)
     write_outputs(args.outputs, outputs)
-    return {"outputs": outputs, "trace": out_path, "seconds": dt}
+    return {"outputs": outputs, "trace": files[0], "files": files, "seconds": dt}
+
+
+#: (pattern on the engine's first error line, what to do)
+VLLM_HINTS = [
+    (r"NUMA nodes to bind threads", "set VLLM_CPU_OMP_THREADS_BIND to one CPU list per rank, e.g. \"0|1\" for two "
+     "ranks (vLLM binds a NUMA node per CPU worker by default)"),
+    (r"Unsupported CPU attention configuration", "the model's head_dim is one vLLM's CPU attention does not take "
+     "(an AVX2 build refused 16 and ran 64)"),
+    (r"out of memory|OutOfMemory|No available memory", "lower --mem-fraction-static or give --engine-arg "
+     "kv_cache_memory_bytes=N"),
+]
 
 
 def _run_vllm(args, prompts, kwargs, start_engine) -> list[dict]:
-    """Start ``vllm.LLM``, step every prompt to its end, close the trace, shut the engine down."""
+    """Start ``vllm.LLM``, step every prompt to its end, close the trace, shut the engine down.
+    A failed start, or a step that fails, is one line naming the engine's own first error (the
+    first exception its processes logged: the workers' root cause, not the engine core's
+    "initialization failed" that follows it)."""
+    from .engine_guard import EngineGuard
+
     llm = None
     outputs: list[dict] = []
-    try:
+    guard = EngineGuard("vLLM", VLLM_HINTS, "see vLLM's messages above; check --device, --tp-size and --engine-arg")
+    with guard:
         try:
-            llm = (start_engine or _default_start_engine)(**kwargs)
-        except (ValueError, TypeError, RuntimeError, OSError) as e:
-            msg = str(e).strip().splitlines()
-            raise RecordingError(f"vLLM did not start: {(msg[-1] if msg else type(e).__name__)[:300]}") from None
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        sp = SamplingParams(temperature=float(args.temperature), max_tokens=int(args.max_new_tokens),
-                            detokenize=False, seed=args.random_seed)
-        eng = llm.llm_engine
-        step = args.batch_size or len(prompts)
-        for i in range(0, len(prompts), step):
-            chunk = prompts[i:i + step]
-            for key, ids in chunk:
-                eng.add_request(key, TokensPrompt(prompt_token_ids=list(ids)), sp)
-            done: dict[str, Any] = {}
-            while eng.has_unfinished_requests():
-                for o in eng.step():
-                    if o.finished:
-                        done[o.request_id] = o
-            for key, ids in chunk:
-                o = done.get(key)
-                outputs.append({"id": key, "input_ids": list(ids),
-                                "output_ids": list(o.outputs[0].token_ids) if o is not None else [],
-                                "cached_tokens": getattr(o, "num_cached_tokens", None) if o is not None else None})
-        llm.collective_rpc("tensordiff_close")
-    finally:
-        if llm is not None:
             try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
+                llm = (start_engine or _default_start_engine)(**kwargs)
+            except Exception as e:  # noqa: BLE001 - any failure of the engine's start is its error, in one line
+                raise guard.error(e, "start") from None
+            guard.started()
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            sp = SamplingParams(temperature=float(args.temperature), max_tokens=int(args.max_new_tokens),
+                                detokenize=False, seed=args.random_seed)
+            eng = llm.llm_engine
+            step = args.batch_size or len(prompts)
+            try:
+                for i in range(0, len(prompts), step):
+                    chunk = prompts[i:i + step]
+                    for key, ids in chunk:
+                        eng.add_request(key, TokensPrompt(prompt_token_ids=list(ids)), sp)
+                    done: dict[str, Any] = {}
+                    while eng.has_unfinished_requests():
+                        for o in eng.step():
+                            if o.finished:
+                                done[o.request_id] = o
+                    for key, ids in chunk:
+                        o = done.get(key)
+                        outputs.append({"id": key, "input_ids": list(ids),
+                                        "output_ids": list(o.outputs[0].token_ids) if o is not None else [],
+                                        "cached_tokens": getattr(o, "num_cached_tokens", None) if o is not None else None})
+                llm.collective_rpc("tensordiff_close")
+            except Exception as e:  # noqa: BLE001 - the engine died while recording (EngineDeadError, ...)
+                if isinstance(e, (RecordingError, UsageError)):
+                    raise
+                raise guard.error(e, "run") from None
+        finally:
+            if llm is not None:
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception:  # noqa: BLE001
+                    pass
     return outputs
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -67,8 +68,31 @@ def check_meta_ranks(m: Member) -> None:
                                           f"{axis}_rank {want}: a renamed file?", m.path)
 
 
+def _facts(m: Member) -> dict[str, Any]:
+    f = m.reader.user_meta.get("ranks")
+    return f if isinstance(f, dict) else {}
+
+
+def check_one_run(members: Sequence[Member], path: str) -> None:
+    """The per-rank files of one engine run: the same run id where the recorders wrote one (the
+    vLLM plugin: the engine's ``instance_id``), and all closed cleanly or none (a rank that died
+    while the others finished would make a set of unequal parts)."""
+    runs = {(str(_facts(m)["run"]), m.name) for m in members if _facts(m).get("run")}
+    if len({r for r, _ in runs}) > 1:
+        (ra, na), (rb, nb) = sorted(runs)[0], next(x for x in sorted(runs) if x[0] != sorted(runs)[0][0])
+        raise IncompatibleTracesError(f"trace set mixes engine runs: {na} is from run {ra}, {nb} from run {rb}; "
+                                      "give the files of one run", path)
+    done = [m for m in members if m.reader.complete]
+    cut = [m for m in members if not m.reader.complete]
+    if done and cut:
+        raise IncompatibleTracesError(f"{cut[0].name} was not closed cleanly (its process died while recording?) but "
+                                      f"{done[0].name} was: the set's ranks would hold different parts of the run; "
+                                      "name the complete files on their own to compare them", path)
+
+
 def check_headers(members: Sequence[Member], path: str) -> None:
-    """One side, one model, one sketch projection."""
+    """One side, one model, one sketch projection, one run."""
+    check_one_run(members, path)
     first = members[0]
     r0 = first.reader
     for m in members[1:]:

@@ -63,7 +63,36 @@ def merge_tokens(members: Sequence[Member], path: str) -> tuple[list[str], np.nd
             canon.append((uniq, m.reader.tokens["token"][last].astype(np.int64), m))
     _check_shards_disjoint(canon, sequences, path)
     _check_tokens_agree(canon, members, sequences, path)
+    _check_replicas_complete(members, sequences, path)
     return sequences, tokens
+
+
+def _check_replicas_complete(members: Sequence[Member], sequences: Sequence[str], path: str) -> None:
+    """TP ranks whose recorder says their states are replicated (``ranks.replicated``) hold the
+    same tokens: a rank that holds fewer stopped early or dropped rows, and the set would compare
+    only what both hold (a partial check that reads as a whole one)."""
+    groups: dict[tuple[str, int], list[Member]] = {}
+    for m in members:
+        facts = m.reader.user_meta.get("ranks")
+        if "tp" in m.ranks and isinstance(facts, dict) and facts.get("replicated") is True:
+            groups.setdefault((m.shard, m.ranks.get("pp", 0)), []).append(m)
+    for group in groups.values():
+        group.sort(key=lambda m: m.ranks["tp"])
+        a = group[0]
+        ua = np.unique(a.codes)
+        for b in group[1:]:
+            ub = np.unique(b.codes)
+            if len(ua) == len(ub) and np.array_equal(ua, ub):
+                continue
+            only_a, only_b = np.setdiff1d(ua, ub), np.setdiff1d(ub, ua)
+            x, holder, other = (only_a, a, b) if len(only_a) else (only_b, b, a)
+            code = int(x[0])
+            raise IncompatibleTracesError(
+                f"TP ranks of one recording hold different tokens: {other.name} lacks {len(x)} of the "
+                f"{len(ua) if holder is a else len(ub)} tokens {holder.name} holds (first: sequence "
+                f"{sequences[code >> SEQ_BITS]} position {code & POS_MASK})"
+                + (f", and holds {len(only_b)} that {a.name} lacks" if len(only_a) and len(only_b) else "")
+                + "; replicated ranks record every token: a rank stopped early, or the files are not of one run", path)
 
 
 def _check_shards_disjoint(canon: _Canon, sequences: Sequence[str], path: str) -> None:

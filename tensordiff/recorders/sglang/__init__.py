@@ -12,7 +12,7 @@ one module per job:
 :mod:`.config`      the ``TENSORDIFF_*`` environment, tensor names, per-rank trace paths
 :mod:`.startup`     AROUND ``ModelRunner.init_attention_backends``: the resolved ``layers_to_capture``
                     next to the raw draft ids and the model file's id convention; opens the trace
-:mod:`.ranks`       which rank records (TP rank 0 unless DP attention / context parallelism)
+:mod:`.ranks`       each rank's file (``.tp<r>`` where TP > 1) and rank facts
 :mod:`.catalog`     per-boundary taps on the target model (``TENSORDIFF_CATALOG=1``, eager passes)
 :mod:`.forward`     AROUND ``ModelRunner.forward``: token keys, ``aux_hidden_states`` (target),
                     ``draft_input`` + ``draft_input_ids`` (draft-extend passes)

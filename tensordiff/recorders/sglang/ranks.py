@@ -1,8 +1,8 @@
 """Rank plan: which process of a parallel server records, and into which file.
 
-Hidden states are replicated across TP ranks, so one rank (TP rank 0 of each PP stage / DP replica)
-records; with DP attention or context parallelism each rank holds its own rows and writes its own
-file (``trace.tp<r>.h5``). The rank facts name the host that wrote the file
+Every rank records its own file (``trace.tp<r>.h5`` where TP > 1): hidden states are replicated
+across TP ranks, and a trace set checks the replicas bit for bit; with DP attention or context
+parallelism each rank holds its own rows. The rank facts name the host that wrote the file
 (``socket.gethostname()``): a trace set's index reads it, and the Ray backend places each task on
 the node that holds its shard (:mod:`tensordiff.traceset`, :mod:`tensordiff.ray_backend`).
 """
@@ -59,6 +59,6 @@ def rank_plan(runner) -> tuple[bool, str, dict]:
         suffix += f".dp{dp}"
     if pp_size > 1:
         suffix += f".pp{pp}"
-    if replicated:
-        return tp == 0, suffix, facts
+    # every TP rank records its own file: replicated ranks are compared bit for bit by the trace
+    # set (a difference between them is a finding), DP-attention ranks hold their own tokens
     return True, suffix + (f".tp{tp}" if tp_size > 1 else ""), facts

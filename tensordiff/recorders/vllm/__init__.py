@@ -7,8 +7,8 @@ EngineCore, every Worker; ``VLLM_PLUGINS=a,b`` restricts which); tensordiff decl
 ``TENSORDIFF_TRACE`` names a trace file (the same variables as the SGLang plugin, see
 :class:`tensordiff.recorders.sglang.config.Config`). Then it wraps methods of vLLM's V1 model
 runner and drafter (vLLM has no hook registry: a general plugin wraps methods, once per process).
-Only a Worker process ever runs them, and only TP rank 0 of the last pipeline stage records. One
-module per job:
+Only a Worker process ever runs them; every Worker records its own file (per-rank suffixes where a
+parallel size is above 1, read as one trace by :mod:`tensordiff.traceset`). One module per job:
 
 =================== ===============================================================================
 :mod:`.registry`    the entry point and the table of wrapped methods (:data:`HOOK_TARGETS`)
@@ -16,7 +16,7 @@ module per job:
 :mod:`.startup`     on the first step: the resolved ``aux_hidden_state_layers`` next to the raw
                     draft ids and the ``vllm`` convention, opens the trace; AFTER
                     ``WorkerWrapperBase.init_device``: refuses vLLM's V2 model runner
-:mod:`.ranks`       which Worker records (TP rank 0 of the last PP stage, one file per DP replica)
+:mod:`.ranks`       each Worker's file (``.dp<r>.pp<s>.tp<t>`` suffixes) and rank facts (host, run)
 :mod:`.catalog`     per-boundary taps on the target model (``TENSORDIFF_CATALOG=1``, eager mode)
 :mod:`.forward`     AROUND ``GPUModelRunner.execute_model`` and ``_model_forward``: token keys and
                     ``aux_hidden_states`` of each target step, held until it is sampled

@@ -23,8 +23,10 @@ rows' final hidden states times the model's ``lm_head`` weight, cut to the vocab
 (:class:`~tensordiff.recorders.staging.TopkJob`): with staging on (the default on the CPU) it is
 computed from a private copy of those rows with the other pending jobs at the next drain. A draft
 with a reduced vocabulary has its ids mapped to the target's through its ``draft_id_to_target_id``
-(``d2t``), as vLLM's ``compute_logits`` does. A vocab-sharded ``lm_head`` (tensor parallelism) or
-a logits processor that takes logits as input gets no top-k tables, with a warning.
+(``d2t``), as vLLM's ``compute_logits`` does. A vocab-sharded ``lm_head`` (tensor parallelism) is
+gathered from the TP ranks once at start-up (:func:`gathered_head`), so every rank's file holds the
+same tables at any TP size; a logits processor that takes logits as input gets no top-k tables,
+with a warning.
 
 At the commit of a target step (:mod:`.verify`) each verify segment whose first row is kept gets a
 ``spec_verify`` row (accepted drafts from the sampler's valid tokens, the first rejected
@@ -87,16 +89,41 @@ def head_of(model, what: str):
                      what, name)
         return None
     vocab = int(getattr(lp, "org_vocab_size", 0) or getattr(lp, "vocab_size", 0) or w.shape[0])
-    if getattr(lp, "logits_as_input", False) or w.shape[0] < vocab:
-        st.warn_once(f"shard-{what}", "the %s model's lm_head is vocab-sharded (or its logits processor takes "
-                     "logits): no %s recorded", what, name)
+    if getattr(lp, "logits_as_input", False):
+        st.warn_once(f"shard-{what}", "the %s model's logits processor takes logits: no %s recorded", what, name)
         return None
+    if int(getattr(lm, "tp_size", 1) or 1) > 1 or w.shape[0] < vocab:
+        # each TP rank holds a shard of the padded vocabulary, even where one shard is as wide as
+        # the vocabulary (a draft's small one): rank k's rows are other tokens, or padding
+        w = gathered_head(lm, w, vocab, what, name)
+        if w is None:
+            return None
     scale = float(getattr(lp, "scale", 1.0) or 1.0)
     cap = getattr(lp, "soft_cap", None)
     if cap is not None and scale != 1.0:  # vLLM caps, then scales; the recorder's head scales, then caps
         st.warn_once(f"cap-{what}", "the %s model's logits are soft-capped and scaled: no %s recorded", what, name)
         return None
     return w, vocab, (None if scale == 1.0 else scale), (float(cap) if cap else None)
+
+
+def gathered_head(lm, w, vocab: int, what: str, name: str):
+    """The whole ``lm_head`` weight of a vocab-sharded head (tensor parallelism): every TP rank's
+    shard, gathered once at start-up, cut to the vocabulary. vLLM pads the vocabulary to whole
+    shards and gathers the logits of the shards in rank order (``LogitsProcessor._get_logits``),
+    so the shards in rank order are the padded vocabulary. Every TP rank of the stage runs this at
+    the same step (its first scheduled one), so the collective is matched. Costs one copy of the
+    head per rank; None (with a warning) where the layout is not that plain."""
+    st = STATE
+    tp = int(getattr(lm, "tp_size", 1) or 1)
+    if tp <= 1 or int(getattr(lm, "num_added_embeddings", 0) or 0) > 0 or w.shape[0] * tp < vocab:
+        st.warn_once(f"shard-{what}", "the %s model's lm_head is vocab-sharded in a layout the recorder does not "
+                     "gather (added vocabulary, or %d rows x %d ranks < %d): no %s recorded", what, w.shape[0], tp,
+                     vocab, name)
+        return None
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    full = tensor_model_parallel_all_gather(w.detach().contiguous(), dim=0)
+    return full[:vocab]
 
 
 def _own(x):
