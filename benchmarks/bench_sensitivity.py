@@ -6,7 +6,7 @@ bf16 and fp16; with ``--engines``, EAGLE-3 serve runs in real SGLang and vLLM on
 (benchmarks/trace_edit.py: the real reader and writer), re-records with one layer's weights
 perturbed, and runs ``tensordiff diff --json`` on every pair in both argument orders:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_sensitivity.py [--quick] [--engines sglang vllm]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_sensitivity.py [--quick | --correct-only] [--engines sglang vllm]
         [--model DIR --draft DIR] [--prompts FILE] [--extra-model DIR ...] [--dir D] [--keep] [--json FILE]
 
 Cases (the bug on the bf16 side; A = fp32 reference, B = bf16 with the bug):
@@ -80,20 +80,25 @@ class Model:
     aux_ids: list[int]
 
 
-def _trained(root: Path, layers: int) -> Model | None:
-    """The trained tiny Llama and its EAGLE-3 draft (tests/trained.py), where it exists."""
-    try:
-        import trained  # type: ignore[import-not-found]
-    except ImportError:
+def _trained(layers: int) -> tuple[Model, Path | None] | None:
+    """The trained tiny Llama, its EAGLE-3 draft and held-out prompts, built (once, cached) by
+    scripts/train_tiny_models.py where that script exists and trains a model of this depth."""
+    script = REPO / "scripts" / "train_tiny_models.py"
+    if not script.exists():
         return None
-    fn = getattr(trained, "bench_models", None)
-    if fn is None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_train_tiny_models", script)
+    if spec is None or spec.loader is None:
         return None
-    got = fn(root, layers=layers)
-    if got is None:
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    if int(mod.CONFIG.get("num_hidden_layers", 0)) != layers:
         return None
-    target, draft = Path(got[0]), Path(got[1])
-    return _model(target, draft, f"trained {layers}L")
+    out = Path(mod.trained_dir(log=lambda *_: None))
+    prompts = out / "prompts.jsonl"
+    return _model(out / "target", out / "draft", f"trained {layers}L"), prompts if prompts.exists() else None
 
 
 def _model(target: Path, draft: Path, label: str) -> Model:
@@ -274,12 +279,12 @@ class Case:
     a: str                      # trace paths in the "A B" order
     b: str
     place: str = ""             # regex the headline must match to name the injected place
-    tensor: str = ""            # the injected tensor (and slot): a divergence finding there is "found"
-    slot: int | None = None
     x_noise: float = float("nan")
     correct: bool = False
     note: str = ""
     results: dict[str, dict[str, Any]] = field(default_factory=dict)  # order -> {rc, headline}
+    tensor: str = ""            # the injected tensor (and slot): a divergence finding there is "found"
+    slot: int | None = None
 
 
 def _slot(x: np.ndarray, s: int, H: int) -> slice:
@@ -461,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-model", nargs="*", default=[], metavar="DIR=DRAFT",
                     help="more models (other depths) for the correct pairs: TARGET_DIR=DRAFT_DIR")
     ap.add_argument("--prompts", help="JSONL prompts (default: seeded token ids)")
+    ap.add_argument("--correct-only", action="store_true", help="no injected bugs: the noise table and correct pairs")
     ap.add_argument("--engines", nargs="*", default=[], choices=["sglang", "vllm"],
                     help="also record correct serve/train pairs in these real engines (CPU)")
     ap.add_argument("--engine-dtypes", nargs="*", default=["bfloat16", "float32"])
@@ -475,13 +481,19 @@ def main(argv: list[str] | None = None) -> int:
     d.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
+        held_out: Path | None = None
         if a.model:
             model = _model(Path(a.model), Path(a.draft), Path(a.model).name)
         else:
-            model = _trained(d / "models", a.layers) or _random(d / "models", a.layers)
+            got = _trained(a.layers)
+            model, held_out = got if got is not None else (_random(d / "models", a.layers), None)
         vocab = int(json.loads((model.target / "config.json").read_text())["vocab_size"])
-        prompts = load_prompts(a.prompts) if a.prompts else default_prompts(2 if a.quick else 6,
-                                                                              32 if a.quick else 64, vocab)
+        if a.prompts or held_out:
+            prompts = load_prompts(str(a.prompts or held_out))
+            if a.quick:
+                prompts = dict(list(prompts.items())[:3])
+        else:
+            prompts = default_prompts(2 if a.quick else 6, 32 if a.quick else 64, vocab)
         pfile = d / "prompts.jsonl"
         pfile.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in prompts.items()))
         print(f"model: {model.label} ({model.target}), draft ids {model.aux_ids}; "
@@ -491,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         st = {dt: states(p) for dt, p in base.items()}
         noise = {f"HF {SHORT[dt]}": noise_rows(st["float32"], st[dt]) for dt in DTYPES[1:]}
         neigh = neighbour_cos(st["float32"])
-        cases = make_cases(d, model, base, st, a.quick, pfile, a.seed)
+        cases = [] if a.correct_only else make_cases(d, model, base, st, a.quick, pfile, a.seed)
         # correct pairs
         for x, y in (("float32", "bfloat16"), ("float32", "float16"), ("bfloat16", "float16")):
             cases.append(Case("correct", 0, str(base[x]), str(base[y]), correct=True,
