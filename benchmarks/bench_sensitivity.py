@@ -80,25 +80,15 @@ class Model:
     aux_ids: list[int]
 
 
-def _trained(layers: int) -> tuple[Model, Path | None] | None:
-    """The trained tiny Llama, its EAGLE-3 draft and held-out prompts, built (once, cached) by
-    scripts/train_tiny_models.py where that script exists and trains a model of this depth."""
-    script = REPO / "scripts" / "train_tiny_models.py"
-    if not script.exists():
-        return None
-    import importlib.util
+def _trained(layers: int) -> tuple[Model, dict[str, list[int]]] | None:
+    """The trained tiny Llama, its EAGLE-3 draft and held-out prompts (scripts/train_tiny_models.py,
+    through tests/sglang_support.py), where that script exists and trains a model of this depth."""
+    import sglang_support as sup
 
-    spec = importlib.util.spec_from_file_location("_train_tiny_models", script)
-    if spec is None or spec.loader is None:
+    got = sup.trained_models()
+    if got is None or got["layers"] != layers:
         return None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    if int(mod.CONFIG.get("num_hidden_layers", 0)) != layers:
-        return None
-    out = Path(mod.trained_dir(log=lambda *_: None))
-    prompts = out / "prompts.jsonl"
-    return _model(out / "target", out / "draft", f"trained {layers}L"), prompts if prompts.exists() else None
+    return _model(got["target"], got["draft"], f"trained {layers}L"), got["prompts"]
 
 
 def _model(target: Path, draft: Path, label: str) -> Model:
@@ -462,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke test: fewer magnitudes, 2 short prompts, HF only")
     ap.add_argument("--model", help="target checkpoint directory (default: the trained tiny Llama, else random)")
     ap.add_argument("--draft", help="its EAGLE-3 draft directory (with --model)")
+    ap.add_argument("--label", help="the model's name in the tables (with --model)")
     ap.add_argument("--layers", type=int, default=8, help="depth of the default model")
     ap.add_argument("--extra-model", nargs="*", default=[], metavar="DIR=DRAFT",
                     help="more models (other depths) for the correct pairs: TARGET_DIR=DRAFT_DIR")
@@ -481,15 +472,15 @@ def main(argv: list[str] | None = None) -> int:
     d.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
-        held_out: Path | None = None
+        held_out: dict[str, list[int]] = {}
         if a.model:
-            model = _model(Path(a.model), Path(a.draft), Path(a.model).name)
+            model = _model(Path(a.model), Path(a.draft), a.label or Path(a.model).name)
         else:
             got = _trained(a.layers)
-            model, held_out = got if got is not None else (_random(d / "models", a.layers), None)
+            model, held_out = got if got is not None else (_random(d / "models", a.layers), {})
         vocab = int(json.loads((model.target / "config.json").read_text())["vocab_size"])
         if a.prompts or held_out:
-            prompts = load_prompts(str(a.prompts or held_out))
+            prompts = load_prompts(a.prompts) if a.prompts else held_out
             if a.quick:
                 prompts = dict(list(prompts.items())[:3])
         else:
@@ -527,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             fn = sup.sglang_serve_pair if eng == "sglang" else vsup.vllm_serve_pair
             for dt in a.engine_dtypes:
                 try:
-                    pair = fn(model.target, model.draft, prompts, d / eng, dtype=dt, all_values=True)
+                    pair = fn(model.target, model.draft, prompts, d / eng, dtype=dt, all_values=True, max_new_tokens=16)
                 except (RuntimeError, subprocess.SubprocessError) as e:
                     print(f"{eng} {SHORT[dt]}: no recording ({str(e).strip().splitlines()[-1][:200]})", flush=True)
                     continue

