@@ -21,9 +21,15 @@ Cases (the bug on the bf16 side; A = fp32 reference, B = bf16 with the bug):
 - ``weight``: decoder layer k's linear weights get eps std(W) noise, re-recorded in bf16;
   the first boundary it changes is layer k+1.
 
-Correct pairs (every exit 1 is a false alarm): HF fp32/bf16/fp16 against each other, an equal
-duplicate, each engine's serve in bf16 and fp32 against the fp32 train side, and each
-``--extra-model`` (another depth) in bf16 and fp16 against fp32; all in both argument orders.
+Correct pairs (every exit 1 is a false alarm): HF fp32/bf16/fp16 against each other, fp32
+recorded twice, an equal duplicate, each engine's EAGLE-3 serve run in each ``--engine-dtypes``
+(16 new tokens per prompt, every tensor with values on both sides) against ``record train
+--from-serve`` in fp32 (tests/sglang_support.py ``sglang_serve_pair``, tests/vllm_support.py
+``vllm_serve_pair``), and each ``--extra-model`` (another depth) in bf16 and fp16 against fp32;
+all in both argument orders.
+
+The model: ``--model``/``--draft``, else the trained tiny Llama of scripts/train_tiny_models.py
+(its held-out prompts), else a random-weight one (said in the tables: not a reference for noise).
 
 Magnitude: ``x noise`` is the injected error of the state, rms over tokens of |inj_t - b_t| / |a_t|,
 over the noise floor of that state in the pair, rms over tokens of |b_t - a_t| / |a_t| (bf16 against
@@ -301,14 +307,7 @@ def make_cases(d: Path, model: Model, base: dict[str, Path], st: dict[str, dict]
         sl = _slot(di_b, edit_slot, H)
         x = rel_rms(new - di_b[:, sl], di_a[:, sl]) / noise_of(edit_slot)
         path = d / f"{name}.h5"
-
-        def edit(tname: str, trows: np.ndarray, vals: np.ndarray) -> np.ndarray | None:
-            if tname != "draft_input":
-                return None
-            vals[:, sl] = new
-            return vals
-
-        copy_trace(bf_path, str(path), edit)
+        copy_trace(bf_path, str(path), _slot_edit(sl, new))
         cases.append(Case(kind, mag, ref_path, str(path), place, x, note=note, tensor="draft_input", slot=edit_slot))
 
     def slot_place(s: int) -> str:
