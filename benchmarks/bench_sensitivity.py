@@ -460,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", nargs="*", default=[], choices=["sglang", "vllm"],
                     help="also record correct serve/train pairs in these real engines (CPU)")
     ap.add_argument("--engine-dtypes", nargs="*", default=["bfloat16", "float32"])
+    ap.add_argument("--pair", nargs="*", default=[], metavar="NOTE=A.h5,B.h5",
+                    help="more correct pairs recorded elsewhere (A: the fp32 reference side)")
     ap.add_argument("--dir", help="work directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the traces")
     ap.add_argument("--seed", type=int, default=0)
@@ -524,6 +526,13 @@ def main(argv: list[str] | None = None) -> int:
                 noise[f"{eng} {SHORT[dt]}"] = noise_rows(states(Path(pair["train"])), states(Path(pair["serve"])))
                 cases.append(Case("correct", 0, pair["train"], pair["serve"], correct=True,
                                   note=f"{eng} serve {SHORT[dt]} vs record train fp32, {model.label}"))
+        for spec in a.pair:
+            note, _, paths = spec.rpartition("=")
+            pa, _, pb = paths.partition(",")
+            if not note or not pb:
+                raise ValueError(f"--pair takes NOTE=A.h5,B.h5, not {spec!r}")
+            noise[note] = noise_rows(states(Path(pa)), states(Path(pb)))
+            cases.append(Case("correct", 0, pa, pb, correct=True, note=note))
         for c in cases:
             run_case(c)
     except (OSError, RuntimeError, ValueError, KeyError) as e:

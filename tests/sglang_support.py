@@ -663,10 +663,13 @@ def write_prompts(path: Path, prompts: dict[str, Sequence[int]]) -> Path:
 def record_eagle_serve(target: str | os.PathLike, draft: str | os.PathLike, prompts: dict[str, Sequence[int]],
                        out_dir: Path, name: str, *, dtype: str = "bfloat16", max_new_tokens: int = 6,
                        chunk: int = 32, batch_size: int = 2, catalog: bool = True, values: str | None = None,
-                       timeout: float = 900) -> dict:
+                       mem_fraction_static: float = 0.3, timeout: float = 900) -> dict:
     """EAGLE-3 in real SGLang on the CPU (``serve_cli.record``, intel_amx), the model in ``dtype``:
     ``{"trace", "outputs" (the --outputs JSONL), "full" (key -> prompt + output ids)}``. ``values``:
-    the tensors that keep values (``--values``; default: the plugin's)."""
+    the tensors that keep values (``--values``; default: the plugin's). ``mem_fraction_static``: on
+    the CPU, SGLang sizes the KV cache from the machine memory still available after loading the
+    weights, less (1 - this) of what was available before; other processes taking memory in
+    between leave none at 0.1 (``max_total_tokens`` bounds the cache whatever the fraction)."""
     import subprocess
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -675,7 +678,7 @@ def record_eagle_serve(target: str | os.PathLike, draft: str | os.PathLike, prom
     argv = [sys.executable, "-c", EAGLE_RUNNER.format(tests=str(HERE)), "--model", str(target),
             "--draft", str(draft), "--prompts", str(pfile), "--out", str(trace), "--outputs", str(outputs),
             "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size), "--device", "cpu",
-            "--dtype", dtype, "--chunked-prefill-size", str(chunk), "--mem-fraction-static", "0.1",
+            "--dtype", dtype, "--chunked-prefill-size", str(chunk), "--mem-fraction-static", str(mem_fraction_static),
             "--max-total-tokens", "2048", "--log-level", "error", "--attention-backend", "intel_amx"]
     if catalog:
         argv.append("--catalog")
