@@ -521,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     pair = fn(model.target, model.draft, prompts, d / eng, dtype=dt, all_values=True, max_new_tokens=16)
                 except (RuntimeError, subprocess.SubprocessError) as e:
-                    print(f"{eng} {SHORT[dt]}: no recording ({str(e).strip().splitlines()[-1][:200]})", flush=True)
+                    why = [ln for ln in str(e).splitlines() if "Error" in ln or "error" in ln][-3:]
+                    print(f"{eng} {SHORT[dt]}: no recording: " + " / ".join(ln.strip()[:200] for ln in why), flush=True)
                     continue
                 noise[f"{eng} {SHORT[dt]}"] = noise_rows(states(Path(pair["train"])), states(Path(pair["serve"])))
                 cases.append(Case("correct", 0, pair["train"], pair["serve"], correct=True,
