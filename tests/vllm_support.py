@@ -65,6 +65,7 @@ def record_eagle_serve(target, draft, prompts: dict, out_dir: Path, name: str, *
     import sglang_support as sup
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    draft = full_vocab_draft(Path(draft), out_dir / f"{name}-draft")
     pfile = sup.write_prompts(out_dir / f"{name}-prompts.jsonl", prompts)
     trace, outputs = out_dir / f"{name}.h5", out_dir / f"{name}.jsonl"
     argv = [str(vllm_python()), "-m", "tensordiff", "record", "serve", "--engine", "vllm", "--model", str(target),
@@ -98,3 +99,27 @@ def vllm_serve_pair(target, draft, prompts: dict, out_dir: Path, *, dtype: str =
                                         draft, "vllm", dtype=train_dtype,
                                         extra=("--values", "all") if all_values else ())
     return {"train": str(train), "serve": run["trace"], "run": run}
+
+
+def full_vocab_draft(draft: Path, dst: Path) -> Path:
+    """``draft`` as vLLM loads it: a draft over the target's whole vocabulary has no vocabulary map
+    in vLLM's Eagle3LlamaForCausalLM (``d2t`` / ``t2d`` in the checkpoint are refused: "no module or
+    parameter named 'draft_id_to_target_id'"), so a copy without them (they map every id to itself);
+    any other draft as it is."""
+    import json
+    import shutil
+
+    cfg = json.loads((draft / "config.json").read_text())
+    if int(cfg.get("draft_vocab_size") or cfg["vocab_size"]) != int(cfg["vocab_size"]):
+        return draft
+    from safetensors.numpy import load_file, save_file
+
+    files = sorted(draft.glob("*.safetensors"))
+    if not any({"d2t", "t2d"} & set(load_file(str(f))) for f in files):
+        return draft
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(draft, dst)
+    for f in sorted(dst.glob("*.safetensors")):
+        sd = load_file(str(f))
+        save_file({k: v for k, v in sd.items() if k not in ("d2t", "t2d")}, str(f))
+    return dst
