@@ -692,6 +692,15 @@ def record_eagle_serve(target: str | os.PathLike, draft: str | os.PathLike, prom
 
 
 def load_serve_run(trace: Path, outputs: Path) -> dict:
+    """The run's outputs and trace; a trace the plugin did not close cleanly (it stopped recording on
+    an error: ``recording_error``) is an error here, not a shorter trace to compare."""
+    import h5py
+
+    with h5py.File(trace, "r") as f:
+        if not bool(f.attrs.get("complete", False)):
+            err = f.attrs.get("recording_error")
+            raise RuntimeError(f"the serve trace {trace} was not closed cleanly"
+                               + (f": recording_error {err}" if err is not None else ""))
     outs = [json.loads(line) for line in outputs.read_text().splitlines()]
     return {"trace": str(trace), "outputs": str(outputs), "by_id": {o["id"]: o for o in outs},
             "full": {o["id"]: o["input_ids"] + o["output_ids"] for o in outs}}
