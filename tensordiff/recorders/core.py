@@ -595,8 +595,11 @@ class Recorder:
                     e.sketch = src.sketch
                     self.stats.sketch_reused += 1
             self._derive(spec, again)
-        for name, entries in staged.items():
-            self._append_staged(name, self._specs[name], entries)
+        # a tensor whose rows take values from its values_source goes after that source: a batch
+        # can begin with such rows (their source rows written by the drain before) and then stage
+        # new source rows before rows that refer to them
+        for name in sorted(staged, key=lambda n: self._specs[n].source is not None):
+            self._append_staged(name, self._specs[name], staged[name])
 
     def _derive(self, spec: _Spec, entries: list[Staged]) -> None:
         """RMS (and the sketch, where the tensor has one) of staged states, one product for all."""
