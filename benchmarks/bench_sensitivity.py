@@ -512,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                 p = record_hf(em, pfile, dt, d / f"extra-{em.layers}L-{SHORT[dt]}.h5")
                 noise[f"HF {SHORT[dt]} {em.label}"] = noise_rows(est, states(p))
                 cases.append(Case("correct", 0, str(e32), str(p), correct=True, note=f"HF fp32 vs {SHORT[dt]}, {em.label}"))
+        missing: list[str] = []
         for eng in a.engines:
             import sglang_support as sup
             import vllm_support as vsup
@@ -523,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                 except (RuntimeError, subprocess.SubprocessError) as e:
                     why = [ln for ln in str(e).splitlines() if "Error" in ln or "error" in ln][-3:]
                     print(f"{eng} {SHORT[dt]}: no recording: " + " / ".join(ln.strip()[:200] for ln in why), flush=True)
+                    missing.append(f"{eng} {SHORT[dt]}")
                     continue
                 noise[f"{eng} {SHORT[dt]}"] = noise_rows(states(Path(pair["train"])), states(Path(pair["serve"])))
                 cases.append(Case("correct", 0, pair["train"], pair["serve"], correct=True,
@@ -544,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(d, ignore_errors=True)
 
     figures = report(model, noise, neigh, cases, time.monotonic() - t0)
+    figures["engine_pairs_missing"] = len(missing)
+    if missing:
+        print(f"engine pairs not recorded: {', '.join(missing)}")
     res.write(a.json, figures)
     return 0
 

@@ -100,6 +100,8 @@ GOALS += [
     # issue 26: the verdict against injected bugs and correct pairs of real recordings
     Goal("sensitivity: false alarms on correct pairs (HF, SGLang, vLLM; both orders)", "sensitivity",
          "false_alarms", "==", 0),
+    Goal("sensitivity: every engine pair recorded (SGLang, vLLM in bf16 and fp32)", "sensitivity",
+         "engine_pairs_missing", "==", 0),
     Goal("sensitivity: bugs at >= 3x the noise floor detected", "sensitivity", "detected_at_3x", ">=", 1.0),
     Goal("sensitivity: bugs at >= 3x the noise floor named in the first sentence", "sensitivity", "named_at_3x",
          ">=", 1.0),
