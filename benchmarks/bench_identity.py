@@ -1,4 +1,4 @@
-"""Identity search time (issue 12: <= 0.5 s at 100k tokens, <= 2 s at 1M tokens, with 62 catalog
+"""Identity search time (goal: <= 0.5 s at 100k tokens, <= 2 s at 1M tokens, with 62 catalog
 states per side and a 3-slot packed tensor).
 
 Writes a seeded pair (benchmarks/model_pair.py): 60 layers, boundaries embed..layer60 plus

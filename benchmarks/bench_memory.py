@@ -1,4 +1,4 @@
-"""Peak memory of ``tensordiff diff`` (issue 12: <= 300 MB whatever the tensor count, width or
+"""Peak memory of ``tensordiff diff`` (goal: <= 300 MB whatever the tensor count, width or
 token count).
 
 Each case writes a seeded pair (benchmarks/model_pair.py: a trained-looking residual stream, bf16,

@@ -1,4 +1,4 @@
-"""Narrow tensors (issue 12: >= 1M tokens/s per tensor pair at 1M tokens x 8 wide).
+"""Narrow tensors (goal: >= 1M tokens/s per tensor pair at 1M tokens x 8 wide).
 
 Writes a seeded pair (benchmarks/model_pair.py): ``--layers`` boundaries x ``--tokens`` tokens x
 ``--hidden`` wide, bf16, sequences of 1024 tokens, side B with +-1 ulp noise and one corrupted

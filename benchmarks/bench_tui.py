@@ -9,7 +9,7 @@ For each size it writes a synthetic train/serve pair with TraceWriter into a tem
 different states on the two sides; small hidden size, float16, so the files stay modest), then runs
 the app headless (App.run_test, 140x40) in fresh processes and reports:
 
-* first rows (the figure of issue 12): seconds from the app's start until the heatmap has drawn
+* first rows (the figure of the TUI goal in goals.py): seconds from the app's start until the heatmap has drawn
   the first rows the diff has compared (it streams them: the rest of the heatmap is drawn as
   pending), and the stages of the diff before it (opening the traces, aligning the tokens, the
   first block handed to the sinks), timed in the diff thread; the RSS when those rows are drawn,
@@ -131,7 +131,7 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
     import random
 
     t_import = time.perf_counter()
-    from tensordiff.tui import TensordiffApp
+    from tensordiff.tui.app import TensordiffApp
 
     out: dict = {"import_s": time.perf_counter() - t_import}
 
@@ -153,7 +153,7 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
 
     if mode == "cli":
         # the real command line: `tensordiff tui A B`, with run_tui swapped for a headless run
-        from tensordiff import tui
+        from tensordiff.tui import app as tui
         from tensordiff.cli import main as cli_main
 
         def headless(a, b, opts, token_text=None) -> int:
@@ -280,7 +280,7 @@ def stream_child(App, path_a: str, path_b: str, mode: str, out: dict) -> dict:
     import dataclasses
     import threading
 
-    from tensordiff.tui_diff import run_diff
+    from tensordiff.diff import diff_traces
 
     marks: dict = {}
 
@@ -302,7 +302,7 @@ def stream_child(App, path_a: str, path_b: str, mode: str, out: dict) -> dict:
 
         sinks = [lambda al, ra, rb: (marks.setdefault("tokens aligned", time.perf_counter()), First())[1]]
         sinks += [] if mode == "unstreamed" else list(opts.sinks)
-        return run_diff(a, b, dataclasses.replace(opts, progress=progress, sinks=sinks))
+        return diff_traces(a, b, dataclasses.replace(opts, progress=progress, sinks=sinks))
 
     async def go() -> None:
         t_app = time.perf_counter()

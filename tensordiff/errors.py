@@ -43,9 +43,5 @@ class RecordingError(TensordiffError):
     """A recording that could not be made: the engine or model would not start or load."""
 
 
-#: The name the first version used for every bad input. Kept so that ``except TraceError`` in
-#: users' code still catches all of them; new code raises one of the subclasses above.
-TraceError = TensordiffError
-
 __all__ = ["TensordiffError", "TraceFileError", "TraceBusyError", "SourceFileError",
-           "IncompatibleTracesError", "UsageError", "RecordingError", "TraceError"]
+           "IncompatibleTracesError", "UsageError", "RecordingError"]

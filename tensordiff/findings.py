@@ -14,10 +14,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
 from .details import (
     AcceptanceDetails,
+    Basis,
     Candidate,
     Details,
     GapDetails,
@@ -26,13 +27,18 @@ from .details import (
     MissingDetails,
     NonfiniteDetails,
     NumericDetails,
+    OneOf,
     PairingDetails,
+    Ranges,
     Record,
     RecoveredDetails,
     ReplicaDetails,
     ShiftDetails,
+    Side,
     TokenMismatchDetails,
+    ToleranceRecord,
 )
+from .fmt import percent
 
 __all__ = [
     "DETAILS",
@@ -57,11 +63,19 @@ __all__ = [
     "Severity",
     "ShiftDetails",
     "SlotRow",
+    "SlotVerdict",
     "TokenMismatchDetails",
+    "Verdict",
     "order_findings",
     "render_sentence",
     "where_token",
 ]
+
+#: a diff's verdict: a divergence was found; every paired tensor compared and none diverges; or
+#: no divergence in what could be compared, but not everything could be
+Verdict = Literal["divergence", "agree", "incomplete"]
+#: what the slot table says of a slot
+SlotVerdict = Literal["ok", "wrong state", "wrong label", "scaled", "unknown state", "ambiguous", "numeric drift"]
 
 #: version of the diff JSON (``tensordiff diff --json``); docs/json.md, schemas/diff.schema.json
 SCHEMA_VERSION = 1
@@ -104,6 +118,8 @@ class Severity(_StrEnum):
         return {"divergence": "✗", "warning": "!", "info": "·"}[self.value]
 
 
+#: what the token tables say comes before any tensor's finding, in this order
+_TOKEN_RANK = {Kind.RECOVERED: 0, Kind.TOKEN_SHIFT: 1, Kind.TOKEN_MISMATCH: 2, Kind.GAP: 3}
 # at the same place in forward order, the explanation comes before its symptoms
 _KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.TOKEN_MISMATCH: 0, Kind.PAIRING: 1, Kind.REPLICA: 1, Kind.GAP: 2,
               Kind.MISSING: 3, Kind.NONFINITE: 4, Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7,
@@ -132,7 +148,8 @@ class Finding:
 
     The sentence (:attr:`message`) is rendered from the kind and the details; ``text`` is only for
     findings made outside the diff (a test, another tool) that bring their own sentence.
-    ``order`` (forward order of the tensor) and ``index`` (place in the sorted list) are internal."""
+    ``order`` (forward order of the tensor; unused by the token tables' findings) and ``index``
+    (place in the sorted list, :func:`order_findings`) are internal."""
 
     kind: Kind
     severity: Severity
@@ -166,10 +183,15 @@ class Finding:
     def token_index(self) -> int | None:
         return self.details.token_index
 
-    def sort_key(self) -> tuple[float, int, int, int]:
-        ti = self.details.token_index
-        return (self.order, -1 if self.slot is None else self.slot, _KIND_RANK.get(self.kind, 9),
-                -1 if ti is None else ti)
+    def sort_key(self) -> tuple[int, float, int, int, int]:
+        """Where the finding goes in the report: the token tables' findings first (recovered
+        traces, shifts, mismatched tokens, gaps), then by the tensor's forward order, slot, kind
+        (an explanation before its symptoms) and first token."""
+        ti = -1 if self.details.token_index is None else self.details.token_index
+        rank = _TOKEN_RANK.get(self.kind)
+        if rank is not None:
+            return (0, float(rank), -1, 0, ti)
+        return (1, self.order, -1 if self.slot is None else self.slot, _KIND_RANK.get(self.kind, 9), ti)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind.value, "severity": self.severity.value, "message": self.message}
@@ -307,12 +329,9 @@ def _replica(f: Finding, d: ReplicaDetails) -> str:
             "this side's result depends on which copy is read")
 
 
-def _pct(x: float | None) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
-
-
 def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
-    pct = _pct
+    def pct(x: float | None) -> str:
+        return percent(x, 0, "?")
     if d.accept_length is not None:
         pos = ", ".join(f"position {p['position']} {pct(p['rate'])}" for p in d.per_position[:3])
         head = (f"acceptance {d.accept_length:.2f} on {d.side} over {d.steps} verify steps "
@@ -391,6 +410,63 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
 # ----------------------------------------------------------------------------------------------
 
 
+# -- the diff's records that are plain dicts, as the JSON gives them -----------------------------
+
+
+class RegimeStats(TypedDict):
+    """A tensor pair's figures on the tokens of one regime (``PairStats.by_regime``)."""
+
+    tokens: int
+    failing: int
+    rel_max: float
+
+
+class SideRecord(TypedDict):
+    path: str
+    side: str
+
+
+class _SequencePairBase(TypedDict):
+    a: str
+    b: str
+    shift: int
+    tokens: int
+    only_a: int
+    only_b: int
+
+
+class SequencePair(_SequencePairBase, total=False):
+    """One pair of sequences the alignment made (``DiffResult.sequences``)."""
+
+    mismatched: int
+
+
+class GapRecord(TypedDict):
+    """Tokens on one side only (``DiffResult.gaps``)."""
+
+    seq: str
+    side: Side
+    positions: Ranges
+    count: int
+    reason: str
+
+
+class WorstToken(TypedDict):
+    """One of the worst tokens of the diff (``DiffResult.worst_tokens``)."""
+
+    seq: str
+    position: int
+    seq_b: str
+    position_b: int
+    token: int
+    regime: str
+    token_index: int
+    tensor: str
+    rel: float
+    slot: int
+    cos: float
+
+
 @dataclass
 class SlotRow(Record):
     """One row of the slot table: what a slot of a paired tensor holds on each side."""
@@ -408,10 +484,11 @@ class SlotRow(Record):
     expected: str | None = None
     cos_mean: float | None = None
     rel_max: float | None = None
-    verdict: str = "ok"   # ok | wrong state | wrong label | scaled | unknown state | ambiguous | numeric drift
+    verdict: SlotVerdict = "ok"
     offset_a: int = 0
-    outcome_a: str | None = None   # the identity search's outcome on each side (identity.IdentityVerdict)
-    outcome_b: str | None = None
+    # the identity search's outcome on each side (identity.IdentityVerdict)
+    outcome_a: Annotated[str | None, OneOf((None, "holds", "scaled", "no_state", "ambiguous", "none"))] = None
+    outcome_b: Annotated[str | None, OneOf((None, "holds", "scaled", "no_state", "ambiguous", "none"))] = None
 
     def __post_init__(self) -> None:
         self.candidates_b = [c if isinstance(c, Candidate) else Candidate.from_dict(c) for c in self.candidates_b]
@@ -427,8 +504,8 @@ class PairStats(Record):
     order: float = 0.0
     slots: int = 1
     tokens: int = 0
-    basis: str = "values"
-    tolerance: list[dict[str, Any]] = field(default_factory=list)
+    basis: Basis = "values"
+    tolerance: list[Annotated[dict[str, Any], ToleranceRecord]] = field(default_factory=list)
     cos_min: list[float] = field(default_factory=list)
     cos_mean: list[float] = field(default_factory=list)
     rel_max: list[float] = field(default_factory=list)
@@ -436,17 +513,43 @@ class PairStats(Record):
     failing: list[int] = field(default_factory=list)
     nonfinite_a: list[int] = field(default_factory=list)
     nonfinite_b: list[int] = field(default_factory=list)
-    by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
+    by_regime: dict[str, Annotated[dict[str, Any], RegimeStats]] = field(default_factory=dict)
     dtype_a: str = ""
     dtype_b: str = ""
     depth: list[float | None] = field(default_factory=list)   # per slot, for the default tolerance
     compared: bool = True
     not_compared: str = ""        # why not, when not compared
 
+    #: internal fields the JSON leaves out (it lists tensors in forward order already)
+    JSON_OMIT: ClassVar[tuple[str, ...]] = ("order",)
+
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
-        del d["order"]  # internal: the JSON lists tensors in forward order already
+        for k in self.JSON_OMIT:
+            del d[k]
         return d
+
+
+class DiffJSON(TypedDict):
+    """What :meth:`DiffResult.to_dict` gives (``tensordiff diff --json``): the schema's top level."""
+
+    schema_version: Annotated[int, OneOf((SCHEMA_VERSION,))]
+    a: SideRecord
+    b: SideRecord
+    verdict: Verdict
+    tensors_compared: int
+    exit_code: Annotated[int, OneOf((0, 1))]
+    headline: str
+    first_divergence: Finding | None
+    findings: list[Finding]
+    slot_table: list[SlotRow]
+    tensors: list[PairStats]
+    tokens_aligned: int
+    sequences: list[SequencePair]
+    gaps: list[GapRecord]
+    shifts: dict[str, int]
+    worst_tokens: list[WorstToken]
+    summary_path: str | None
 
 
 @dataclass
@@ -458,11 +561,11 @@ class DiffResult:
     findings: list[Finding]
     slot_table: list[SlotRow]
     pairs: list[PairStats]
-    sequences: list[dict[str, Any]]
-    gaps: list[dict[str, Any]]
+    sequences: list[Annotated[dict[str, Any], SequencePair]]
+    gaps: list[Annotated[dict[str, Any], GapRecord]]
     shifts: dict[str, int]
     tokens_aligned: int
-    worst_tokens: list[dict[str, Any]]
+    worst_tokens: list[Annotated[dict[str, Any], WorstToken]]
     summary_path: str | None = None
     require_complete: bool = False  # `--require-complete`: an incomplete verdict fails (exit 1) too
 
@@ -487,7 +590,7 @@ class DiffResult:
         return sum(1 for p in self.pairs if p.compared)
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Verdict:
         """divergence; agree (every paired tensor compared, none diverges); incomplete (no
         divergence in the tensors compared, but some could not be compared)."""
         if self.divergences:

@@ -31,6 +31,11 @@ def number(x: object, nd: int = 4, sci: int = 2) -> str:
     return f"{v:.{nd}f}"
 
 
+def percent(x: object, nd: int = 1, missing: str = "-") -> str:
+    """A fraction (0..1) as a percentage with ``nd`` decimals; ``missing`` for None."""
+    return missing if x is None else f"{100 * float(x):.{nd}f}%"  # type: ignore[arg-type]
+
+
 #: what a progress count of a diff stage counts (the CLI's bar and the TUI's label)
 PROGRESS_UNITS = {"identifying slots": "candidates", "aligning tokens": "steps"}
 

@@ -23,13 +23,13 @@ from collections.abc import Iterable, Mapping
 
 from .diff import DiffOptions, diff_traces
 from .findings import DiffResult, Finding
-from .tolerances import ToleranceBook
+from .tolerances import ToleranceBook, tolerance_book
 
 __all__ = ["TracesDisagree", "assert_traces_agree", "failure_message"]
 
 
 class TracesDisagree(AssertionError):
-    """Two traces diverge. ``result`` is the diff (:class:`tensordiff.align.DiffResult`)."""
+    """Two traces diverge. ``result`` is the diff (:class:`tensordiff.findings.DiffResult`)."""
 
     def __init__(self, message: str, result: DiffResult):
         super().__init__(message)
@@ -56,30 +56,15 @@ def failure_message(res: DiffResult, divergences: list[Finding], max_findings: i
 def _book(tol, calibration: str | None, allow) -> ToleranceBook:
     """The CLI's rules: ``--tol`` strings (or a TOML file) and ``(pattern, (min_cos, max_rel))``
     items in order (the first rule that matches wins), then ``--allow-failed`` patterns."""
+    allowed = [allow] if isinstance(allow, str) else list(allow)
     if isinstance(tol, ToleranceBook):
         book = tol
-    else:
-        book = ToleranceBook()
-        if tol is None:
-            items: list = []
-        elif isinstance(tol, str):
-            items = [tol]
-        elif isinstance(tol, Mapping):
-            items = list(tol.items())
-        else:
-            items = list(tol)
-        for it in items:
-            if isinstance(it, str) and "=" not in it and it.endswith(".toml"):
-                book.load_rules(it)
-            elif isinstance(it, str):
-                book.add_rule(*ToleranceBook.parse_override(it))
-            else:
-                name, (c, r) = it
-                book.add_rule(*ToleranceBook.parse_override(f"{name}={float(c)},{float(r)}"))
-    if calibration:
-        book.load_calibration(os.fspath(calibration))
-    book.allow_failed += [allow] if isinstance(allow, str) else list(allow)
-    return book
+        if calibration:
+            book.load_calibration(os.fspath(calibration))
+        book.allow_failed += allowed
+        return book
+    items = [] if tol is None else [tol] if isinstance(tol, str) else list(tol.items()) if isinstance(tol, Mapping) else list(tol)
+    return tolerance_book(items, allow_failed=allowed, calibration=calibration)
 
 
 def assert_traces_agree(a, b, *, tol=None, allow: Iterable[str] | str = (), calibration=None,

@@ -12,13 +12,13 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import EPS
-from .errors import SourceFileError, UsageError
-from .findings import ALLOWED_PREFIX, Finding, Severity
+from .errors import IncompatibleTracesError, SourceFileError, UsageError
+from .findings import ALLOWED_PREFIX, DiffResult, Finding, Severity
 from .safety import read_regular_file_bounded
 
 #: version of the calibration file written by ``tensordiff calibrate``
@@ -304,3 +304,63 @@ def calibration_file(a: str, b: str, margin: float, tolerances: dict[str, Tolera
     """The JSON object ``tensordiff calibrate`` writes (read back by :meth:`ToleranceBook.load_calibration`)."""
     return {"schema_version": CALIBRATION_VERSION, "a": a, "b": b, "margin": margin,
             "tolerances": {k: t.to_dict() for k, t in tolerances.items()}, "warnings": list(warnings or [])}
+
+
+#: a rule as ``tolerance_book`` takes it: ``PATTERN=MIN_COS,MAX_REL``, a TOML file of rules, or
+#: ``(pattern, (min_cos, max_rel))``
+Rule = str | tuple[str, Sequence[float]]
+
+
+def tolerance_book(rules: Iterable[Rule] = (), *, allow_failed: Iterable[str] = (),
+                   calibration: str | os.PathLike[str] | None = None) -> ToleranceBook:
+    """The book of ``tensordiff diff --tol ... --allow-failed ... --calibration F`` and of
+    ``assert_traces_agree``: the rules in the order given (the first that matches a tensor wins),
+    the patterns whose failures are allowed, then the calibration file."""
+    book = ToleranceBook()
+    for it in rules:
+        if isinstance(it, str) and "=" not in it and it.endswith(".toml"):
+            book.load_rules(it)
+        elif isinstance(it, str):
+            book.add_rule(*ToleranceBook.parse_override(it))
+        else:
+            name, (c, r) = it
+            book.add_rule(*ToleranceBook.parse_override(f"{name}={float(c)},{float(r)}"))
+    book.allow_failed += list(allow_failed)
+    if calibration:
+        book.load_calibration(os.fspath(calibration))
+    return book
+
+
+def measuring_book() -> ToleranceBook:
+    """The book of a calibration run: every tensor passes, so the diff reports every pair's worst
+    cosine and relative error instead of stopping at a tolerance."""
+    return ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
+
+
+#: findings that say two traces are not two runs of the same wiring (no noise floor to measure)
+_NOT_A_NOISE_PAIR = ("slot_identity", "token_shift", "pairing", "token_mismatch", "replica")
+
+
+def calibrate(res: DiffResult, margin: float) -> tuple[dict[str, Tolerance], list[str]]:
+    """The tolerances ``tensordiff calibrate`` writes from a diff under :func:`measuring_book`:
+    one per compared tensor (per slot of a packed one), ``margin`` times its noise floor, and the
+    warnings to print. A pair that is not the same wiring, or that compares nothing, is refused."""
+    ids = [f for f in res.findings if f.kind in _NOT_A_NOISE_PAIR and f.severity == "divergence"]
+    if ids:
+        raise IncompatibleTracesError(f"not a noise-floor pair: {ids[0].message}; calibrate on two runs of the same wiring")
+    tols: dict[str, Tolerance] = {}
+    warnings: list[str] = []
+    for p in res.pairs:
+        if not p.compared:
+            warnings.append(f"{p.label}: not compared ({p.not_compared}); no tolerance written")
+            continue
+        for s in range(p.slots):
+            key = f"{p.name_a}[{s}]" if p.slots > 1 else p.name_a
+            tols[key], warn = calibrate_tolerance(key, p.cos_min[s], p.rel_max[s], p.dtype_a, p.dtype_b,
+                                                  p.depth[s], margin)
+            if warn:
+                warnings.append(warn)
+    if not tols:
+        raise IncompatibleTracesError("nothing to calibrate on: no tensor was compared on both sides "
+                                      f"({'; '.join(warnings[:3])})")
+    return tols, warnings

@@ -13,3 +13,16 @@ def pytest_runtest_makereport(item, call):
     if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI, which must run every test: {report.longrepr}"
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def kernel_path(request):
+    """Run a test on the compiled kernels and on their numpy versions (tensordiff.kernels): an
+    install without a C compiler takes the numpy path, and it must give the same results."""
+    from tensordiff import kernels
+
+    if request.param == "compiled" and not kernels.BUILT:
+        pytest.skip("the compiled kernels are not built")
+    was = kernels.use_numpy(request.param == "numpy")
+    yield request.param
+    kernels.use_numpy(was)

@@ -244,7 +244,7 @@ def test_acceptance_finding_round_trips_and_validates(tmp_path):
     import jsonschema
 
     from tensordiff.findings import DiffResult
-    from tensordiff.report import diff_schema
+    from tensordiff.report.text import diff_schema
 
     a = _write(tmp_path / "a.h5", side="train")
     b = _write(tmp_path / "b.h5", side="serve", steps=STEPS)

@@ -1,5 +1,5 @@
 """The aligner's numpy 3-gram index gives exactly the candidates of the dict-of-sets index it
-replaced (issue 12), including which B sequences make the top 8 when votes tie at the cut."""
+replaced, including which B sequences make the top 8 when votes tie at the cut."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class _Side:
 
 
 def _reference(A, B):
-    """The index before issue 12: a Python set of B sequences per 3-gram hash, a dict of votes."""
+    """The index the numpy one replaced: a Python set of B sequences per 3-gram hash, a dict of votes."""
     index = defaultdict(set)
     for sb, (_pb, tb) in B.seqs.items():
         for h in _ngram_hashes(tb).tolist():

@@ -1,4 +1,4 @@
-"""What a new user meets at the command line (issue 16): the verdict's exit code through a closed
+"""What a new user meets at the command line: the verdict's exit code through a closed
 pipe, help texts, usage errors that name the subcommand and suggest, the swapped-arguments hint,
 tolerance rules (globs, regexes, TOML, first match wins, a rule that matches nothing is an error),
 --allow-failed, the 80-column text report, all-NaN rows, `report`, `tui --screenshot`, token text.

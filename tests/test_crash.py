@@ -33,7 +33,7 @@ import time
 import numpy as np
 import pytest
 
-from tensordiff.errors import TraceError
+from tensordiff.errors import TraceFileError
 from tensordiff.trace import TraceReader, TraceWriter
 from tracegen import assert_clean_exit, run_isolated
 
@@ -139,7 +139,7 @@ def _recovered(r: dict, ref: str, ctx: str) -> dict | None:
     0-byte file, a header cut short): then nothing was committed, and the CLI must say so in one line."""
     try:
         return crash_recorder.check_recovered(r["path"], ref)
-    except TraceError as e:
+    except TraceFileError as e:
         assert r["flushed_tokens"] == 0, f"{ctx}: {r['flushed_tokens']} token rows were flushed, yet: {e}"
         rc, out, err = run_isolated(["info", r["path"]], timeout=60)
         assert_clean_exit(rc, out, err, ctx)

@@ -25,7 +25,7 @@ from tensordiff.findings import (
     ShiftDetails,
     render_sentence,
 )
-from tensordiff.report import diff_schema
+from tensordiff.report.text import diff_schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = (os.path.join(ROOT, "traces", "train.h5"), os.path.join(ROOT, "traces", "serve.h5"))
@@ -58,7 +58,7 @@ def test_kinds_and_severities_compare_as_strings():
     assert {"warning": 1}[f.severity] == 1 and Severity.DIVERGENCE.glyph == "✗"
     # old-style construction: strings and a details dict are turned into the typed forms
     g = Finding("token_shift", "divergence", details={"shift": 1, "sequences": 2, "of": 3})
-    assert g.kind is Kind.TOKEN_SHIFT and isinstance(g.details, ShiftDetails) and g.details["shift"] == 1
+    assert g.kind is Kind.TOKEN_SHIFT and isinstance(g.details, ShiftDetails) and g.details.shift == 1
     assert g.message.startswith("token shift of 1: B positions are A positions +1 in 2 of 3 sequences")
 
 
@@ -82,6 +82,23 @@ def test_json_validates_against_the_committed_schema(pair, wrong):
         errors = [f"{e.json_path}: {e.message}" for e in v.iter_errors(d)]
         assert not errors, errors[:5]
         assert d["schema_version"] == SCHEMA_VERSION
+
+
+def test_the_committed_schema_is_the_generated_one():
+    """tensordiff/schemas/diff.schema.json is generated from the records (tensordiff.json_schema):
+    a field added to a record without writing the schema again fails here."""
+    from tensordiff import json_schema
+
+    with open(json_schema.PATH, encoding="utf-8") as fh:
+        assert fh.read() == json_schema.dumps(), "run: python -m tensordiff.json_schema"
+    assert json_schema.main(["--check"]) == 0
+    schema = json_schema.build()
+    # one definition per record, each naming every field its to_dict writes
+    from tensordiff.findings import DETAILS, PairStats, SlotRow
+
+    for cls in (*DETAILS.values(), SlotRow):
+        assert schema["$defs"][json_schema.NAMES[cls]]["required"] == list(cls().to_dict())
+    assert schema["$defs"]["tensor"]["required"] == list(PairStats().to_dict())
 
 
 def test_json_has_no_internal_fields(pair, wrong):
@@ -175,3 +192,17 @@ def test_default_tolerance_grows_with_depth_to_a_cap():
     assert t[0].max_rel < t[1].max_rel < t[2].max_rel == t[3].max_rel <= 0.6
     assert default_tolerance("bfloat16", "bfloat16", 8).max_rel > t[1].max_rel   # both sides round
     assert default_tolerance("float32", "float32", 0).min_cos == 1 - 1e-6
+
+
+def test_token_table_findings_come_first_whatever_a_tensors_order():
+    """The sort key ranks what the token tables say (recovered, shift, mismatch, gap) before any
+    tensor's finding, even one recorded with a negative forward order."""
+    from tensordiff.findings import GapDetails, RecoveredDetails, TokenMismatchDetails, order_findings
+    gap = Finding(Kind.GAP, Severity.INFO, seq="s0", details=GapDetails(seq="s0"))
+    shift = Finding(Kind.TOKEN_SHIFT, Severity.DIVERGENCE, seq="s0", details=ShiftDetails(shift=1))
+    mismatch = Finding(Kind.TOKEN_MISMATCH, Severity.DIVERGENCE, seq="s0", details=TokenMismatchDetails(seq="s0"))
+    recovered = Finding(Kind.RECOVERED, Severity.INFO, details=RecoveredDetails(side="serve"))
+    early = Finding(Kind.NUMERIC, Severity.DIVERGENCE, tensor="embed", order=-5.0, details=NumericDetails())
+    got = order_findings([early, gap, mismatch, shift, recovered])
+    assert [f.kind for f in got] == [Kind.RECOVERED, Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH, Kind.GAP, Kind.NUMERIC]
+    assert [f.index for f in got] == [0, 1, 2, 3, 4]

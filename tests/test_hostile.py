@@ -1,4 +1,4 @@
-"""Hostile and huge inputs (issue 13; docs/robustness.md, "Hostile inputs"): files crafted to
+"""Hostile and huge inputs (docs/robustness.md, "Hostile inputs"): files crafted to
 exhaust memory, hang the CLI, inject terminal escapes or destroy an input. One test per class,
 each bounded in time; memory is measured as the peak RSS of a fresh interpreter running the
 command (and of its probe child) against a baseline run of the same command on a valid trace.

@@ -1,4 +1,4 @@
-"""The batched identity scoring (issue 12): a batch of candidates at several offsets scored against
+"""The batched identity scoring: a batch of candidates at several offsets scored against
 every slot at once must give the numbers that scoring each (candidate, slot) alone gives, to the
 bit; and the search's read path (one read per run of a candidate's rows at every offset, scored in
 batches, candidates visited in alternating directions) must decide exactly as before."""

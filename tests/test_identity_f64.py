@@ -16,6 +16,9 @@ from tensordiff.identity import CandidateRows, SlotStack, clean, row_norms, scor
 from tensordiff.numerics import row_dots
 from test_identity_batch import _same, _targets
 
+# every test on the compiled kernels and on their numpy versions (conftest.kernel_path)
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 
 @pytest.mark.parametrize("w", [1, 2, 3, 7, 8, 9, 100, 1000, 4095, 4096, 8192, 8193, 20000])
 def test_float64_rows_sum_as_the_float32_rows(w):

@@ -1,4 +1,4 @@
-"""The streamed identity search (issue 12): each candidate scored as it is read, row maps built
+"""The streamed identity search: each candidate scored as it is read, row maps built
 once per diff. It must decide exactly as the batch rule on every candidate's rows at once."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def pair(tmp_path_factory):
 
 
 def _batch(search, side, info, slot, sample, floor):
-    """The rule on every candidate's rows at once, gathered as the search did before issue 12."""
+    """The rule on every candidate's rows at once, gathered as the search did before it streamed."""
     r_self = search.ra if side == "a" else search.rb
     maps = search.maps
     (rows_self,) = maps.rows_at(side, info.name, [sample])

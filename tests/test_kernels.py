@@ -1,12 +1,14 @@
 """The compiled kernel (tensordiff/_kernels.c): float64 sums of stored rows, the same bits on the
-AVX2 and the portable path, exact against a float64 reference, strict about the buffers it takes."""
+AVX2 and the portable path, exact against a float64 reference, strict about the buffers it takes;
+its numpy versions (tensordiff.kernels, an install without a C compiler) give the same bits; an
+install without a C compiler succeeds and says once that it runs on numpy."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tensordiff import _kernels
+from tensordiff import _kernels, kernels
 from tensordiff.dtypes import f32_to_bf16_bits, to_float32
 
 KINDS = {0: "float32", 1: "bfloat16"}
@@ -92,6 +94,101 @@ def test_bad_buffers_are_refused():
         _kernels.row_sums(a, 2, a, 1, 1, 16, *out)
     with pytest.raises(BufferError):
         _kernels.row_sums(a, 1, a, 1, 1, 16, *out[:3], bytes(16))          # a read-only output
+
+
+# -- the numpy path (tensordiff.kernels without the extension) ---------------------------------
+
+
+@pytest.mark.parametrize("ka,kb", [(0, 0), (1, 1), (0, 1), (1, 0)])
+@pytest.mark.parametrize("n,k,w,extra", [(64, 1, 4096, 0), (30, 3, 37, 5), (20, 2, 7, 0), (9, 4, 8, 3), (5, 1, 0, 2)])
+def test_numpy_row_sums_give_the_compiled_bits(rng, ka, kb, n, k, w, extra):
+    x = (rng.standard_normal((n, k * w + extra)) * rng.lognormal(0, 3, (n, 1))).astype(np.float32)
+    y = (x + 1e-3 * rng.standard_normal(x.shape)).astype(np.float32)
+    if x.size:
+        x.flat[0], y.flat[-1], x.flat[x.size // 2] = np.nan, np.inf, 3e38
+    a, b = stored(x, ka), stored(y, kb)
+    compiled = sums(a, ka, b, kb, k, w, simd=True)
+    out = [np.zeros((n, k)), np.zeros((n, k)), np.zeros((n, k)), np.zeros((n, k), np.float32)]
+    kernels._np_row_sums(a[1:], ka, b[1:], kb, k, w, *[o[1:] for o in out])   # a view with a row stride
+    kernels._np_row_sums(a[:1], ka, b[:1], kb, k, w, *[o[:1] for o in out])
+    for p, q in zip(compiled, out):
+        assert p.dtype == q.dtype and np.array_equal(p, q, equal_nan=True)
+
+
+@pytest.mark.parametrize("w", [1, 7, 8, 1000, 8193])
+@pytest.mark.parametrize("dx,dc", [(np.float32, np.float32), (np.float32, np.float64), (np.float64, np.float64)])
+def test_numpy_row_dots_give_the_compiled_bits(rng, w, dx, dc):
+    x = (rng.standard_normal((40, w)) * rng.lognormal(0, 4, (40, 1))).astype(dx)
+    c = rng.standard_normal((40, w)).astype(dc)
+    x[0, 0] = -0.0
+    c[1, :] = -0.0
+    x[2], c[2] = np.abs(x[2]), -0.0     # products of -0.0 alone: the sum is +0.0
+    want, got = np.empty(40), np.empty(40)
+    _kernels.row_dots(x, c, want)
+    kernels._np_row_dots(x, c, got)
+    assert np.array_equal(want.view(np.uint64), got.view(np.uint64))
+
+
+def test_numpy_topk_ranks_as_the_compiled_one(rng):
+    base = [1.0, 3.0, 3.0, 2.0, 3.0, np.nan, 0.0, np.nan, -np.inf, np.inf, -0.0, 0.0, -np.inf]
+    rows = [base, [np.nan] * 13, [5.0] * 13, [-np.inf] * 13, [-0.0, 0.0] * 6 + [0.0]]
+    for x in (np.array(rows, np.float32), rng.integers(0, 4, (6, 1000)).astype(np.float32),
+              rng.standard_normal((5, 3000)).astype(np.float32)):
+        for k in (1, 4, 13):
+            v, i = ktopk(x, k)
+            nv, ni = np.full_like(v, 7.0), np.full_like(i, -1)
+            kernels._np_topk(x, k, nv, ni)
+            assert same_bits(v, nv) and np.array_equal(i, ni), k
+
+
+def test_use_numpy_switches_the_sums(rng):
+    from tensordiff.numerics import row_dots
+
+    x = rng.standard_normal((3, 20)).astype(np.float32)
+    was = kernels.use_numpy(True)
+    try:
+        assert not kernels.compiled()
+        numpy_sums = row_dots(x, x)
+    finally:
+        kernels.use_numpy(was)
+    assert kernels.compiled() and np.array_equal(row_dots(x, x), numpy_sums)
+
+
+def test_an_install_without_a_c_compiler_works_on_numpy(tmp_path):
+    """setup.py builds the extension as optional: with no working compiler the build succeeds
+    without it; tensordiff then diffs on the numpy path, says so once on stderr, and its --json is
+    the compiled path's, byte for byte."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copy(os.path.join(repo, "setup.py"), tmp_path)
+    shutil.copy(os.path.join(repo, "pyproject.toml"), tmp_path)
+    shutil.copy(os.path.join(repo, "README.md"), tmp_path)
+    shutil.copytree(os.path.join(repo, "tensordiff"), tmp_path / "tensordiff",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    env = dict(os.environ, CC="false", PYTHONPATH=str(tmp_path))
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not list((tmp_path / "tensordiff").glob("_kernels*.so"))
+    # the shared venv's editable install would still find a built extension elsewhere: the run
+    # "without it" hides tensordiff._kernels from the import system instead
+    a, b = os.path.join(repo, "traces", "train.h5"), os.path.join(repo, "traces", "serve.h5")
+    run = ("import sys\n{hide}from tensordiff.cli import main\n"
+           f"sys.exit(main(['diff', {a!r}, {b!r}, '--json']))\n")
+    env = dict(os.environ, PYTHONPATH=repo)
+    env.pop("TENSORDIFF_NUMPY_KERNELS", None)
+    bare = subprocess.run([sys.executable, "-c", run.format(hide="sys.modules['tensordiff._kernels'] = None\n")],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    built = subprocess.run([sys.executable, "-c", run.format(hide="")], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert bare.returncode == built.returncode and bare.returncode in (0, 1), bare.stderr[-2000:]
+    assert bare.stdout == built.stdout
+    notes = [ln for ln in bare.stderr.splitlines() if "compiled kernels are not built" in ln]
+    assert len(notes) == 1 and "compiled kernels" not in built.stderr, bare.stderr
 
 
 # -- topk: the recorders' top-k of float32 rows -------------------------------------------------

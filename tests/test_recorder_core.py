@@ -316,3 +316,17 @@ def test_add_token_runs_is_add_tokens_one_sequence_at_a_time(tmp_path, regime):
             tables.append((r.tokens[()], list(r.sequences)))
     np.testing.assert_array_equal(tables[0][0], tables[1][0])
     assert tables[0][1] == tables[1][1]
+
+
+def test_the_public_recorder_api_has_no_speed_knobs():
+    """remember / reuse / private are the serve plugins' (tensordiff.recorders.serving), not the
+    public Recorder API that docs/recorders.md shows."""
+    import inspect
+
+    from tensordiff.recorders import serving
+    from tensordiff.recorders.core import Recorder
+
+    for meth in (Recorder.record, Recorder.packed, Recorder.boundary, Recorder.final_norm):
+        assert not {"remember", "reuse", "private"} & set(inspect.signature(meth).parameters), meth.__name__
+    for fn in (serving.record, serving.packed, serving.boundary, serving.final_norm):
+        assert "private" in inspect.signature(fn).parameters

@@ -26,7 +26,7 @@ import pytest
 from tracegen import tokenizer_dir, write_trace
 
 from tensordiff.diff import DiffOptions, diff_traces
-from tensordiff.report_html import (
+from tensordiff.report.html import (
     FAIL_HI,
     FAIL_LO,
     OK_HI,
@@ -207,7 +207,7 @@ def chromium(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
 
 
 def test_chromium_renders_the_report(tmp_path):
-    from tensordiff.report_html import CELL_W
+    from tensordiff.report.html import CELL_W
 
     a, b = _pair(tmp_path, diverge=True)
     out = tmp_path / "report.html"

@@ -2,7 +2,7 @@
 
 * ``topk_rows`` takes the logsumexp from the top-1 column instead of torch's own max pass: the
   same bits as ``torch.logsumexp`` (infinite and NaN rows included);
-* ``Recorder.record(..., remember=True)`` / ``record(..., reuse=NAME)``: ``draft_input`` is the
+* ``serving.packed(rec, ..., remember=True)`` / ``(..., reuse=NAME)`` (the serve plugins' speed knobs): ``draft_input`` is the
   very tensor ``aux_hidden_states`` was recorded from, so its sketch is written again instead of
   computed again, bit for bit the sketch a second product gives; any difference (other rows, an
   in-place write, another tensor, other slots) computes it;
@@ -19,6 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tensordiff.recorders import serving  # noqa: E402
 from tensordiff.recorders.core import Recorder  # noqa: E402
 from tensordiff.recorders.sglang import control  # noqa: E402
 from tensordiff.recorders.sglang.config import Config  # noqa: E402
@@ -97,11 +98,11 @@ def _pair(path, aux, draft, aux_rows, draft_rows, reuse: bool):
     """Record ``aux`` as aux_hidden_states and ``draft`` as draft_input, with or without reuse."""
     with _rec(path) as rec:
         rec.add_tokens("s", None, list(range(len(aux_rows) + 1)))  # one more: draft row t pairs with t+1
-        rec.packed("aux_hidden_states", aux, aux_rows, labels=LABELS, token_offset=0, role="aux", remember=reuse)
+        serving.packed(rec, "aux_hidden_states", aux, aux_rows, labels=LABELS, token_offset=0, role="aux", remember=reuse)
         if callable(draft):
             draft = draft()
-        rec.packed("draft_input", draft, draft_rows, labels=LABELS, token_offset=1, reuse="aux_hidden_states"
-                   if reuse else None)
+        serving.packed(rec, "draft_input", draft, draft_rows, labels=LABELS, token_offset=1,
+                       reuse="aux_hidden_states" if reuse else None)
         stats = rec.stats
     with TraceReader(path) as r:
         return stats, {n: (r.read_values(n), r.read_sketch(n), r.read_rms(n), r.token_rows(n))

@@ -543,22 +543,28 @@ def test_plugin_registers_no_hook_without_tensordiff_trace(tmp_path):
 
 
 def test_register_without_env_imports_nothing():
-    """Every module of the plugin package (and the old single-module path) imports neither torch
-    nor sglang; register() without TENSORDIFF_TRACE imports them neither."""
+    """Every module of the plugin package imports neither torch nor sglang; register() without
+    TENSORDIFF_TRACE imports them neither."""
     code = ("import os, sys, pkgutil, importlib\nos.environ.pop('TENSORDIFF_TRACE', None)\n"
-            "from tensordiff.recorders import sglang, sglang_plugin, serve_cli\n"
+            "from tensordiff.recorders import sglang, serve_cli\n"
             "for m in pkgutil.iter_modules(sglang.__path__): importlib.import_module('tensordiff.recorders.sglang.' + m.name)\n"
-            "assert sglang_plugin.register() is None and sglang.register() is None\n"
+            "assert sglang.register() is None\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert out.strip() == "[]", out
 
 
-def test_old_plugin_path_is_an_alias_of_the_package():
-    from tensordiff.recorders import sglang, sglang_plugin
+def test_the_entry_point_names_the_package():
+    """The entry point names the package's register; the old single-module path is gone."""
+    import importlib.util
+    import tomllib
 
-    assert sglang_plugin.register is sglang.register and sglang_plugin.Config is sglang.Config
-    assert sglang_plugin.HOOK_TARGETS == sglang.HOOK_TARGETS
+    from tensordiff.recorders import sglang
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as fh:
+        eps = tomllib.load(fh)["project"]["entry-points"]["sglang.srt.plugins"]
+    assert eps == {"tensordiff": "tensordiff.recorders.sglang:register"}
+    assert importlib.util.find_spec("tensordiff.recorders.sglang_plugin") is None
     table = sglang.hook_table()
     assert [t for t, _, _ in table] == list(sglang.HOOK_TARGETS)
     assert [k for _, _, k in table] == ["AROUND", "AROUND", "AFTER", "AFTER", "AROUND"]

@@ -279,7 +279,7 @@ def test_draft_filler_shift_check_and_chain_start_are_the_per_request_loop(st, m
     monkeypatch.setattr(STATE, "labels", ["layer1"])
     monkeypatch.setattr(STATE, "model", {"hidden_size": 4, "num_layers": 4})
     monkeypatch.setattr(STATE, "cfg", SimpleNamespace(topk=3, wants_values=lambda name: True))
-    monkeypatch.setattr(STATE, "rec", SimpleNamespace(packed=lambda *a, **k: 1))
+    monkeypatch.setattr(STATE, "rec", SimpleNamespace(_packed=lambda *a, **k: 1))  # what serving.packed calls
     monkeypatch.setattr(STATE, "fc_out", None)
     hs = torch.zeros(n, 4)
     p.hs = hs

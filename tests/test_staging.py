@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tensordiff.recorders import serving  # noqa: E402
 from tensordiff.recorders.core import Recorder  # noqa: E402
 from tensordiff.recorders.staging import Later, TopkJob, compute_jobs  # noqa: E402
 from tensordiff.recorders.storage import topk_rows  # noqa: E402
@@ -44,13 +45,13 @@ def _record(path, stage_bytes: int, steps: int = 30, *, flush_rows=None, edit_af
                 pos[rid] += n_per
             rows = np.concatenate(rows)
             x = torch.randn(len(rows), 3 * H, generator=g)
-            rec.packed("aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True)
+            serving.packed(rec, "aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True)
             if edit_after:
                 x.mul_(2.0)  # the engine reuses its buffer: what was recorded must not change
             drows = rows.copy()
             if step % 2:
                 drows[::4] = -1  # other rows than aux's: its sketch is not reused
-            rec.packed("draft_input", x, drows, labels=LABELS, token_offset=1, reuse="aux")
+            serving.packed(rec, "draft_input", x, drows, labels=LABELS, token_offset=1, reuse="aux")
             rec.record("fc", torch.randn(len(rows), H, generator=g).to(torch.bfloat16), rows, token_offset=1)
             rec.boundary(2, torch.randn(len(rows), H, generator=g), rows)
             logits = torch.randn(len(rows), 40, generator=g) * 3
@@ -220,8 +221,8 @@ def test_a_private_snapshot_is_taken_again_without_comparing_its_bits(tmp_path, 
                   values=["aux", "draft_input"]) as rec:
         for step, private in enumerate((True, False)):
             rows = rec.add_tokens(f"r{step}", np.arange(6), np.arange(6), regime="prefill")
-            rec.packed("aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True, private=private)
-            rec.packed("draft_input", x, rows, labels=LABELS, token_offset=1, reuse="aux")
+            serving.packed(rec, "aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True, private=private)
+            serving.packed(rec, "draft_input", x, rows, labels=LABELS, token_offset=1, reuse="aux")
             assert len(compared) == (0 if private else 2), compared
     got = _datasets(tmp_path / "p.h5")
     np.testing.assert_array_equal(got["draft_input/values_ref"], np.arange(12))

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensordiff.dtypes import bf16_bits_to_f32, f32_to_bf16_bits, storage_dtype
-from tensordiff.errors import TraceError
+from tensordiff.errors import TraceFileError
 from tensordiff.sketch import sketch_np
 from tensordiff.trace import SCHEMA_VERSION, SlotSpec, TraceReader, TraceWriter
 
@@ -132,12 +132,12 @@ def test_reader_unknown_schema_and_not_a_trace(tmp_path):
         w.define_tensor("t", 4)
     with h5py.File(p, "a") as f:
         f.attrs["tensordiff_schema"] = SCHEMA_VERSION + 98
-    with pytest.raises(TraceError, match="unknown trace schema version 99"):
+    with pytest.raises(TraceFileError, match="unknown trace schema version 99"):
         TraceReader(p)
     q = tmp_path / "plain.h5"
     with h5py.File(q, "w") as f:
         f["x"] = np.zeros(3)
-    with pytest.raises(TraceError, match="not a tensordiff trace"):
+    with pytest.raises(TraceFileError, match="not a tensordiff trace"):
         TraceReader(q)
 
 

@@ -144,7 +144,7 @@ def test_replica_mismatch_is_a_divergence_of_the_diff(tmp_path, recs, ref):
     rev = diff(d, ref["train"])
     assert [x["kind"] for x in rev["findings"] if x["severity"] == "divergence"] == ["replica"]
     jsonschema = pytest.importorskip("jsonschema")
-    from tensordiff.report import diff_schema
+    from tensordiff.report.text import diff_schema
 
     jsonschema.validate(jsonable(diff_traces(ref["train"], d).to_dict()), diff_schema())
 
@@ -267,7 +267,7 @@ def test_glob_without_matches(tmp_path):
 
 def test_tui_vectors_read_from_a_set(tmp_path, recs, ref):
     """The TUI's vector pane reads a row of a set like a row of the one file."""
-    from tensordiff.tui_data import VectorSource
+    from tensordiff.tui.data import VectorSource
 
     d = str(tmp_path / "s")
     write_ranks(d, recs["serve"], dp=2, pp=2)

@@ -21,15 +21,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tensordiff.errors import TraceError
+from tensordiff.diff import diff_traces
+from tensordiff.errors import IncompatibleTracesError
 from tensordiff.findings import DiffResult, Finding
+from tensordiff.numerics import Metrics
 from tensordiff.summary import SummaryWriter
 from tensordiff.trace import SlotSpec, TraceWriter
-from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp
-from tensordiff.tui_diff import run_diff
-from tensordiff.tui_data import METRICS
-from tensordiff.tui_text import histograms, sparkline
-from tensordiff.tui_widgets import (
+from tensordiff.tui.app import EXIT_INTERRUPTED, TensordiffApp
+from tensordiff.tui.data import METRICS
+from tensordiff.tui.text import histograms, sparkline
+from tensordiff.tui.widgets import (
     CELL_W,
     GUTTER_W,
     HEADER_H,
@@ -101,7 +102,7 @@ def fixture_diff(fixture_pair, tmp_path_factory):
     from tensordiff.diff import DiffOptions
 
     ref = tmp_path_factory.mktemp("fixture_ref") / "summary.h5"
-    result = run_diff(*fixture_pair, DiffOptions(summary_path=str(ref)))
+    result = diff_traces(*fixture_pair, DiffOptions(summary_path=str(ref)))
 
     def replay(a, b, opts):
         assert (a, b) == fixture_pair
@@ -134,7 +135,7 @@ def pair_result(pair, tmp_path_factory) -> DiffResult:
     from tensordiff.diff import DiffOptions
 
     out = tmp_path_factory.mktemp("ref") / "summary.h5"
-    return run_diff(*pair, DiffOptions(summary_path=str(out)))
+    return diff_traces(*pair, DiffOptions(summary_path=str(out)))
 
 
 async def wait_ready(app: TensordiffApp, pilot, timeout: float = 20.0) -> None:
@@ -170,8 +171,8 @@ async def test_opens_on_first_divergence(pair, pair_result):
         col = column_of(app)
         if first.tensor is not None:
             assert col.matches(first.tensor, first.slot)
-        if first.details.get("token_index") is not None:
-            assert app.heatmap.cursor_row == first.details["token_index"]
+        if first.details.token_index is not None:
+            assert app.heatmap.cursor_row == first.details.token_index
         detail = app.detail_text.plain
         assert first.message in detail
         assert "cos" in detail and "rel err" in detail and "max abs" in detail
@@ -499,7 +500,7 @@ def test_recorded_model_directory_gives_token_text(tmp_path):
     with TraceWriter(a, side="train", model={"hidden_size": 4, "path": str(d)}) as w:
         w.define_tensor("embed", 4, kind="boundary", boundary=0)
         w.append("embed", w.add_tokens("s", np.arange(2), [1, 0], "train"), np.ones((2, 4), np.float32))
-    from tensordiff.tui_data import VectorSource
+    from tensordiff.tui.data import VectorSource
 
     src = VectorSource(str(a), str(a))
     tt = src.recorded_token_text()
@@ -560,7 +561,7 @@ async def test_quit_during_scan(fixture_pair):
     def slow_diff(a, b, opts):
         while not gate.wait(0.01):
             opts.progress("comparing tensors", 1, 100)   # raises once the app has quit
-        return run_diff(a, b, opts)
+        return diff_traces(a, b, opts)
 
     app = TensordiffApp(*fixture_pair, diff_fn=slow_diff)
     try:
@@ -575,7 +576,7 @@ async def test_quit_during_scan(fixture_pair):
 
 async def test_diff_error_exits_2(fixture_pair):
     def bad(a, b, opts):
-        raise TraceError("no common tokens: nothing matches")
+        raise IncompatibleTracesError("no common tokens: nothing matches")
 
     app = TensordiffApp(*fixture_pair, diff_fn=bad)
     async with app.run_test(size=SIZE) as pilot:
@@ -583,12 +584,45 @@ async def test_diff_error_exits_2(fixture_pair):
             if app.diff_error is not None:
                 break
             await pilot.pause(0.02)
-    assert isinstance(app.diff_error, TraceError)
+    assert isinstance(app.diff_error, IncompatibleTracesError)
     assert app.return_value == 2
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_bug_in_the_diff_is_unexpected_not_bad_input(monkeypatch, capsys, tmp_path, fixture_pair, debug):
+    """An error of tensordiff's own (not a TensordiffError) under the TUI takes the CLI's
+    "unexpected" path with its traceback hint (TENSORDIFF_DEBUG=1: the original traceback), never
+    the one line of bad input; bad input under the TUI stays one line."""
+    from tensordiff import cli
+    from tensordiff.tui import app as tui
+
+    def buggy(a, b, opts):
+        raise RuntimeError("boom in the diff")
+
+    monkeypatch.setattr(tui, "diff_traces", buggy)
+    monkeypatch.delenv("TENSORDIFF_DEBUG", raising=False)
+    out = str(tmp_path / "s.svg")
+    if debug:
+        monkeypatch.setenv("TENSORDIFF_DEBUG", "1")
+        with pytest.raises(RuntimeError, match="boom in the diff"):
+            cli.main(["tui", *fixture_pair, "--screenshot", out])
+        return
+    assert cli.main(["tui", *fixture_pair, "--screenshot", out]) == 2
+    err = capsys.readouterr().err
+    assert "unexpected RuntimeError: boom in the diff" in err and "TENSORDIFF_DEBUG=1" in err, err
+
+    def bad(a, b, opts):
+        raise IncompatibleTracesError("no common tokens: nothing matches")
+
+    monkeypatch.setattr(tui, "diff_traces", bad)
+    assert cli.main(["tui", *fixture_pair, "--screenshot", out]) == 2
+    err = capsys.readouterr().err
+    assert "no common tokens: nothing matches" in err and "unexpected" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_cli_routes_to_tui(monkeypatch, fixture_pair):
-    from tensordiff import cli, tui
+    from tensordiff import cli
+    from tensordiff.tui import app as tui
 
     seen = []
     monkeypatch.setattr(tui, "run_tui", lambda a, b, opts, token_text=None: seen.append((a, b, opts)) or 1)
@@ -640,7 +674,9 @@ def _fake_diff(n: int, k_plain: int = 9):
             blk = np.arange(s0, min(n, s0 + 16384))
             for info, k in [(i, 1) for i in infos] + [(packed, 3)]:
                 rel = rng.random((len(blk), k)).astype(np.float32) * (1e-4 if k == 1 else 2.0)
-                m = {"cos": 1 - rel, "rel": rel, "maxabs": rel * 3, "nonfinite": np.zeros((len(blk), k), bool)}
+                none = np.zeros((len(blk), k), np.int64)
+                m = Metrics(cos=1 - rel, rel=rel, maxabs=rel * 3, nonfinite_a=none, nonfinite_b=none,
+                            nonfinite=none > 0)
                 w.write(info, info, k, blk, m, rel > 1.0)
         w.close()
         return DiffResult(path_a=a, path_b=b, side_a="train", side_b="serve",
@@ -690,7 +726,7 @@ def test_data_layer_imports_no_textual():
     import subprocess
     import sys
 
-    code = ("import sys, tensordiff.tui_data, tensordiff.tui_text\n"
+    code = ("import sys, tensordiff.tui.data, tensordiff.tui.text\n"
             "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'textual')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"the TUI's data layer pulled in {out}"
@@ -698,7 +734,7 @@ def test_data_layer_imports_no_textual():
 
 def test_progress_messages_are_throttled(fixture_pair):
     from tensordiff.diff import DiffOptions
-    from tensordiff.tui_diff import DiffEnded, DiffProgress, DiffThread
+    from tensordiff.tui.diff_thread import DiffEnded, DiffProgress, DiffThread
 
     posted = []
 
@@ -707,7 +743,7 @@ def test_progress_messages_are_throttled(fixture_pair):
             opts.progress("comparing tensors", i, 2000)
         opts.progress("comparing tensors", 2000, 2000)
         opts.progress("identifying slots", 0, 3)
-        raise TraceError("stop here")
+        raise IncompatibleTracesError("stop here")
 
     t = DiffThread(*fixture_pair, DiffOptions(), chatty, posted.append)
     t.run()
@@ -721,7 +757,7 @@ def test_progress_messages_are_throttled(fixture_pair):
 def test_goto_and_filter_without_app(fixture_diff, fixture_pair, tmp_path):
     from tensordiff.diff import DiffOptions
     from tensordiff.summary import SummaryReader, read_columns
-    from tensordiff.tui_data import filter_columns, resolve_goto
+    from tensordiff.tui.data import filter_columns, resolve_goto
 
     opts = DiffOptions(summary_path=str(tmp_path / "s.h5"), progress=lambda *a: None)
     fixture_diff(*fixture_pair, opts)
@@ -746,7 +782,7 @@ def test_goto_and_filter_without_app(fixture_diff, fixture_pair, tmp_path):
 
 def test_vector_source_reads_the_aligned_row(fixture_pair):
     from tensordiff.trace import TraceReader
-    from tensordiff.tui_data import VectorSource
+    from tensordiff.tui.data import VectorSource
 
     src = VectorSource(*fixture_pair)
     try:

@@ -1,4 +1,4 @@
-"""Verdicts a user can trust (issue 11), on real trace files of tiny HF Llamas, most of them
+"""Verdicts a user can trust, on real trace files of tiny HF Llamas, most of them
 near-residual (consecutive boundaries at cos 0.99-0.9999, as in a trained deep model): each case
 is a way the diff used to answer wrongly, and a false-alarm sweep of correctly wired pairs."""
 
@@ -53,7 +53,7 @@ def _valid(res):
 
     from tensordiff.cli import jsonable
     from tensordiff.findings import DiffResult
-    from tensordiff.report import diff_schema
+    from tensordiff.report.text import diff_schema
     d = jsonable(res.to_dict())
     jsonschema.validate(d, diff_schema())
     assert jsonable(DiffResult.from_dict(json.loads(json.dumps(d))).to_dict()) == d

@@ -441,7 +441,7 @@ print("INERT", hasattr(GPUModelRunner.execute_model, "__tensordiff_wrapped__"))
 plugins.plugins_loaded = False
 os.environ["TENSORDIFF_TRACE"] = os.path.join({tmp!r}, "never.h5")
 load_general_plugins()
-from tensordiff.recorders import vllm_plugin
+from tensordiff.recorders import vllm as td_vllm
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm.v1.worker.worker_base import WorkerBase
 wrapped = [getattr(GPUModelRunner, m) for m in ("execute_model", "_model_forward", "_sample")]
@@ -449,7 +449,7 @@ wrapped += [getattr(SpecDecodeBaseProposer, m) for m in ("propose", "set_inputs_
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 wrapped += [WorkerWrapperBase.shutdown, WorkerWrapperBase.init_device]
 print("ACTIVE", all(hasattr(w, "__tensordiff_wrapped__") for w in wrapped),
-      all(hasattr(WorkerBase, m) for m in vllm_plugin.RPC_METHODS), os.path.exists(os.environ["TENSORDIFF_TRACE"]))
+      all(hasattr(WorkerBase, m) for m in td_vllm.RPC_METHODS), os.path.exists(os.environ["TENSORDIFF_TRACE"]))
 """
 
 
@@ -467,15 +467,15 @@ def test_plugin_wraps_nothing_without_tensordiff_trace(tmp_path):
 
 def test_vllm_plugin_imports_nothing_without_env():
     code = ("import os, sys\nos.environ.pop('TENSORDIFF_TRACE', None)\n"
-            "from tensordiff.recorders import vllm_plugin, vllm_serve\n"
-            "assert vllm_plugin.register() is None\n"
+            "from tensordiff.recorders import vllm, vllm_serve\n"
+            "assert vllm.register() is None\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers')))")
     out = _run([sys.executable, "-c", code], check=True).stdout
     assert out.strip() == "[]", out
 
 
-def test_vllm_plugin_package_entry_point_and_alias():
-    """The entry point names the package's register; the old module path is an alias of it; the
+def test_vllm_plugin_package_entry_point():
+    """The entry point names the package's register; the old module path is gone; the
     table of wrapped methods follows HOOK_TARGETS; importing every job module loads no torch/vllm."""
     import tomllib
 
@@ -483,9 +483,11 @@ def test_vllm_plugin_package_entry_point_and_alias():
         eps = tomllib.load(fh)["project"]["entry-points"]["vllm.general_plugins"]
     assert eps == {"tensordiff": "tensordiff.recorders.vllm:register"}
     code = ("import sys\n"
-            "from tensordiff.recorders import vllm, vllm_plugin\n"
+            "import importlib.util\n"
+            "from tensordiff.recorders import vllm\n"
             "from tensordiff.recorders.vllm import catalog, control, drafter, forward, ranks, startup, state, verify\n"
-            "assert vllm_plugin.register is vllm.register and vllm_plugin.RPC_METHODS == control.RPC_METHODS\n"
+            "assert importlib.util.find_spec('tensordiff.recorders.vllm_plugin') is None\n"
+            "assert vllm.RPC_METHODS == control.RPC_METHODS\n"
             "table = vllm.hook_table()\n"
             "assert [t for t, _, _ in table] == list(vllm.HOOK_TARGETS), table\n"
             "assert [k for _, k, _ in table] == ['around', 'around', 'after', 'around', 'after', 'before', 'after']\n"

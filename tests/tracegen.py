@@ -212,7 +212,7 @@ def _preload() -> None:
     global _PRELOADED
     if not _PRELOADED:
         import tensordiff.align  # noqa: F401
-        import tensordiff.report  # noqa: F401
+        import tensordiff.report.text  # noqa: F401
         from tensordiff.cli import build_parser
 
         build_parser()

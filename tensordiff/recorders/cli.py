@@ -49,7 +49,7 @@ def _add_args(module: str, parser: argparse.ArgumentParser):
         reason = f"{e}"
 
         def unavailable(args: argparse.Namespace) -> int:
-            from ..errors import TraceError
-            raise TraceError(f"this command is unavailable in this install ({reason})")
+            from ..errors import UsageError
+            raise UsageError(f"this command is unavailable in this install ({reason})")
         return unavailable
     return _lazy(module)

@@ -100,7 +100,7 @@ class RecorderStats:
 @dataclass
 class _Memo:
     """The sketch of one record call, kept for a later call on the same tensor
-    (``record(..., remember=True)`` / ``record(..., reuse=NAME)``). ``tensor`` is held so that
+    (``_record(..., remember=True)`` / ``_record(..., reuse=NAME)``, the serve plugins' knobs). ``tensor`` is held so that
     its storage cannot be freed and reused by another tensor with the same address; ``bits`` is a
     private copy of the float32 slot rows the sketch was computed from, because an inference
     tensor has no version counter and an in-place write can keep every row's RMS (a sign flip, a
@@ -339,7 +339,7 @@ class Recorder:
                order: float | None = None, attrs: dict | None = None, values_source: str | None = None) -> bool:
         """Declare a tensor (``record`` does it on first use). Returns False when filtered out.
         ``values_source``: a tensor whose rows this one's rows may take their values from
-        (:meth:`record`'s ``reuse``, with staging; the writer's ``values_source``)."""
+        (:meth:`_record`'s ``reuse``, with staging; the writer's ``values_source``)."""
         if name in self._specs:
             return True
         if not self.wants(name):
@@ -377,11 +377,20 @@ class Recorder:
     def record(self, name: str, tensor: torch.Tensor, rows: np.ndarray | Sequence[int], *,
                kind: str = "other", boundary: int | None = None, slots: SlotSpec | None = None,
                slot_width: int | None = None, token_offset: int = 0, role: str = "",
-               values: bool | None = None, order: float | None = None, attrs: dict | None = None,
-               remember: bool = False, reuse: str | None = None, private: bool = False) -> int:
+               values: bool | None = None, order: float | None = None, attrs: dict | None = None) -> int:
         """Record ``tensor`` [..., width] whose leading dims flatten to one row per entry of
         ``rows`` (same shape as the leading dims; a row of -1 is padding and is skipped).
-        The first call defines the tensor with the given kind/slots/role. Returns rows recorded.
+        The first call defines the tensor with the given kind/slots/role. Returns rows recorded."""
+        return self._record(name, tensor, rows, kind=kind, boundary=boundary, slots=slots, slot_width=slot_width,
+                            token_offset=token_offset, role=role, values=values, order=order, attrs=attrs)
+
+    def _record(self, name: str, tensor: torch.Tensor, rows: np.ndarray | Sequence[int], *,
+                kind: str = "other", boundary: int | None = None, slots: SlotSpec | None = None,
+                slot_width: int | None = None, token_offset: int = 0, role: str = "",
+                values: bool | None = None, order: float | None = None, attrs: dict | None = None,
+                remember: bool = False, reuse: str | None = None, private: bool = False) -> int:
+        """:meth:`record` with the serve plugins' speed knobs, which only they use (through
+        :mod:`tensordiff.recorders.serving`); what is written is the same with or without them.
 
         ``remember=True`` (CPU tensors, slot rows up to :data:`REMEMBER_MAX_BYTES`) keeps this
         call's sketch, a private copy of the rows it sketched and a reference to ``tensor`` until
@@ -714,29 +723,33 @@ class Recorder:
     # -- vocabulary helpers ----------------------------------------------------------------
 
     def boundary(self, b: int, tensor: torch.Tensor, rows, *, role: str = "catalog",
-                 values: bool | None = None, name: str | None = None, attrs: dict | None = None,
-                 private: bool = False) -> int:
+                 values: bool | None = None, name: str | None = None, attrs: dict | None = None) -> int:
         """Record boundary ``b`` (the residual stream entering decoder layer b, PRE-norm even for
-        b = N) under its label (``embed``, ``layer<b>``). ``private``: as :meth:`record`."""
+        b = N) under its label (``embed``, ``layer<b>``)."""
         return self.record(name or boundary_label(b), tensor, rows, kind="boundary", boundary=int(b),
-                           role=role, values=values, attrs=attrs, private=private)
+                           role=role, values=values, attrs=attrs)
 
     def final_norm(self, tensor: torch.Tensor, rows, *, role: str = "catalog", values: bool | None = None,
-                   name: str = FINAL_NORM, attrs: dict | None = None, private: bool = False) -> int:
+                   name: str = FINAL_NORM, attrs: dict | None = None) -> int:
         """Record the post-final-norm state (the lm_head input) as ``final_norm``."""
-        return self.record(name, tensor, rows, kind="final_norm", role=role, values=values, attrs=attrs,
-                           private=private)
+        return self.record(name, tensor, rows, kind="final_norm", role=role, values=values, attrs=attrs)
 
     def packed(self, name: str, parts: torch.Tensor | Sequence[torch.Tensor], rows, *, labels: Sequence[str],
                raw_ids: Sequence[int] | None = None, convention: str | None = None, token_offset: int = 1,
-               role: str = "draft_input", values: bool | None = None, attrs: dict | None = None,
-               remember: bool = False, reuse: str | None = None, private: bool = False) -> int:
+               role: str = "draft_input", values: bool | None = None, attrs: dict | None = None) -> int:
         """Record a packed tensor: either the list of states a pipeline passes to its
         ``torch.cat(..., dim=-1)`` or the concatenated tensor itself. ``labels`` state what each slot
         holds (``embed``, ``layer<b>``, ``final_norm``); ``raw_ids`` and ``convention`` are the
         configured ids and the convention that turned them into those labels. ``token_offset=1``:
-        row t (state at position t) is paired with token t+1, as a draft's input is.
-        ``remember`` / ``reuse`` / ``private``: as :meth:`record`."""
+        row t (state at position t) is paired with token t+1, as a draft's input is."""
+        return self._packed(name, parts, rows, labels=labels, raw_ids=raw_ids, convention=convention,
+                            token_offset=token_offset, role=role, values=values, attrs=attrs)
+
+    def _packed(self, name: str, parts: torch.Tensor | Sequence[torch.Tensor], rows, *, labels: Sequence[str],
+                raw_ids: Sequence[int] | None = None, convention: str | None = None, token_offset: int = 1,
+                role: str = "draft_input", values: bool | None = None, attrs: dict | None = None,
+                remember: bool = False, reuse: str | None = None, private: bool = False) -> int:
+        """:meth:`packed` with the speed knobs of :meth:`_record`."""
         labels = [str(x) for x in labels]
         if tuple(labels) not in self._labels_ok:  # each distinct slot list is checked once
             for lab in labels:
@@ -757,9 +770,9 @@ class Recorder:
             raise ValueError(f"{name}: slot width {sw} differs from the model's hidden size {self.writer.hidden_size}")
         slots = SlotSpec(labels=labels, raw_ids=[int(i) for i in raw_ids] if raw_ids is not None else None,
                          convention=convention)
-        return self.record(name, x, rows, kind="packed", slots=slots, slot_width=sw, token_offset=token_offset,
-                           role=role, values=values, attrs=attrs, remember=remember, reuse=reuse,
-                           private=private and isinstance(parts, torch.Tensor))
+        return self._record(name, x, rows, kind="packed", slots=slots, slot_width=sw, token_offset=token_offset,
+                            role=role, values=values, attrs=attrs, remember=remember, reuse=reuse,
+                            private=private and isinstance(parts, torch.Tensor))
 
     def _check_failed(self) -> None:
         if self._failed is not None:

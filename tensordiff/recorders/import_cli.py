@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import TraceError
+from ..errors import UsageError
 
 FORMAT_CHOICES = ("auto", "specforge", "speculators", "sglang-dump", "vllm-hidden-states", "trtllm", "modelopt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sources", nargs="+", metavar="SRC",
-                   help="[FORMAT] files or directories: SpecForge .ckpt/.ckpt.gz, speculators .pt, an SGLang "
+                   help="[FORMAT] files or directories: SpecForge .ckpt/.ckpt.gz, speculators .pt or "
+                        "hs_<index>.safetensors, an SGLang "
                         "DUMPER_DIR (or its <exp_name> subdirectory), vLLM extract_hidden_states .safetensors, "
                         "TensorRT-LLM saved hidden states .pt, Model-Optimizer collect_hidden_states .pt; a leading "
                         "format name (specforge, speculators, sglang-dump, vllm-hidden-states, trtllm, modelopt) "
-                        "names the format like --format")
+                        "names the format like --format. Checked against specforge 0.2.0, speculators 0.9.0 "
+                        "(vLLM 0.32.0) and nvidia-modelopt 0.47.0; a file with keys their layouts lack is refused")
     p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write")
     p.add_argument("--format", default="auto", choices=FORMAT_CHOICES, help="input format (default: detected)")
     p.add_argument("--side", choices=("train", "serve", "other"),
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     as_labels = {}
     for item in args.as_labels or []:
         if "=" not in item:
-            raise TraceError(f"--as {item!r}: expected NAME=LABEL")
+            raise UsageError(f"--as {item!r}: expected NAME=LABEL")
         name, label = item.rsplit("=", 1)
         as_labels[name] = label
     ids = args.aux_ids
@@ -66,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
     fmt = args.format
     if sources and sources[0] in FORMAT_CHOICES[1:] and not os.path.exists(sources[0]):
         if fmt != "auto" and fmt != sources[0]:
-            raise TraceError(f"format given twice: {sources[0]} and --format {fmt}")
+            raise UsageError(f"format given twice: {sources[0]} and --format {fmt}")
         fmt = sources.pop(0)
         if not sources:
-            raise TraceError(f"import {fmt}: give the files or directories to import")
+            raise UsageError(f"import {fmt}: give the files or directories to import")
     check_output_path(args.out, sources, "--out")
     from .importers import ENGINE_FORMATS, detect_engine_format, import_engine_files
 

@@ -11,6 +11,7 @@ numpy and the recorder core are imported inside the functions that need them.
 from __future__ import annotations
 
 from .. import conventions
+from . import serving
 
 
 class PassTable:
@@ -86,9 +87,9 @@ def record_topk(st, name: str, table: PassTable, rows, token_offset: int, source
 def record_fc(st, fc_out, rows, source: str, private: bool = False) -> None:
     """``draft_fc_output``: the draft's fc output on the rows of ``draft_input`` (token_offset 1)."""
     n = st.model.get("num_layers") or 0
-    st.rec.record(conventions.DRAFT_FC, fc_out, rows, kind="other", role=conventions.DRAFT_FC, token_offset=1,
-                  order=n + 0.8, values=st.cfg.wants_values(conventions.DRAFT_FC), private=private,
-                  attrs={"source": source})
+    serving.record(st.rec, conventions.DRAFT_FC, fc_out, rows, kind="other", role=conventions.DRAFT_FC, token_offset=1,
+                   order=n + 0.8, values=st.cfg.wants_values(conventions.DRAFT_FC), private=private,
+                   attrs={"source": source})
     st.dirty = True
 
 

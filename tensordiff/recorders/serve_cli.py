@@ -1,6 +1,6 @@
 """``tensordiff record serve``: run an offline ``sglang.Engine`` with the tensordiff plugin.
 
-The engine's scheduler process loads the plugin (:mod:`tensordiff.recorders.sglang_plugin`) by its
+The engine's scheduler process loads the plugin (:mod:`tensordiff.recorders.sglang`) by its
 entry point and records there; this process only sets ``TENSORDIFF_*`` in the environment the
 scheduler inherits, sends the prompts, and asks the scheduler to close the trace
 (``engine.collective_rpc("tensordiff_close")``) before shutting the engine down.
@@ -11,20 +11,19 @@ Nothing here imports torch or sglang at module import time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from ..errors import TensordiffError, TraceError
+from ..errors import RecordingError, SourceFileError, TensordiffError, UsageError
 from ..safety import check_output_path
 from .engine_guard import EngineFailed, EngineGuard, kill_children
+from .serve_common import PLUGIN_NAME, _parse_engine_args, add_plugin, engine_environ, write_outputs
 from .train_cli import load_prompts
 
-PLUGIN_NAME = "tensordiff"
 PLUGIN_GROUP = "sglang.srt.plugins"
 
 
@@ -88,54 +87,6 @@ def _plugin_installed() -> bool:
     return any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP))
 
 
-def _parse_engine_args(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise TraceError(f"--engine-arg {item!r}: expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        k = k.strip().replace("-", "_")
-        if not k.isidentifier():
-            raise TraceError(f"--engine-arg {item!r}: {k!r} is not an argument name")
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
-    return out
-
-
-def add_plugin(env: dict[str, str], var: str) -> None:
-    """Where ``var`` (``SGLANG_PLUGINS``, ``VLLM_PLUGINS``) restricts the engine's plugins and leaves
-    tensordiff out, ``env`` gets the list with tensordiff added (unset: every plugin loads)."""
-    plugins = os.environ.get(var, "").strip()
-    if plugins and PLUGIN_NAME not in [x.strip() for x in plugins.split(",")]:
-        env[var] = plugins + "," + PLUGIN_NAME
-
-
-@contextlib.contextmanager
-def engine_environ(env: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``env`` set while the engine runs (its processes inherit the environment
-    at spawn), each variable restored (or removed) afterwards."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def write_outputs(path: str | None, outputs: list[dict]) -> None:
-    """``--outputs``: one JSON object per request and line (nothing when not asked for)."""
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            for o in outputs:
-                f.write(json.dumps(o) + "\n")
-
-
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``sglang.Engine`` keyword arguments for these options."""
     kw: dict[str, Any] = {
@@ -187,34 +138,34 @@ def plugin_env(args: argparse.Namespace) -> dict[str, str]:
 
 def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
     if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise TraceError("model directory not found or has no config.json (give a local directory)", args.model)
+        raise UsageError("model directory not found or has no config.json (give a local directory)", args.model)
     if args.draft and (not os.path.isdir(args.draft) or not os.path.isfile(os.path.join(args.draft, "config.json"))):
-        raise TraceError("draft directory not found or has no config.json", args.draft)
+        raise UsageError("draft directory not found or has no config.json", args.draft)
     if args.draft and args.aux_ids:
-        raise TraceError("--aux-ids is for capture-only mode; with --draft the ids come from the draft's config")
+        raise UsageError("--aux-ids is for capture-only mode; with --draft the ids come from the draft's config")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
-        raise TraceError("output directory does not exist", out_dir)
+        raise UsageError("output directory does not exist", out_dir)
     check_output_path(args.out, [args.prompts, args.outputs], "--out")  # it is removed before the engine starts
     if args.outputs:
         check_output_path(args.outputs, [args.prompts, args.out], "--outputs")
     if args.max_new_tokens < 1:
-        raise TraceError("--max-new-tokens must be >= 1")
+        raise UsageError("--max-new-tokens must be >= 1")
     if args.sample_every < 1:
-        raise TraceError("--sample-every must be >= 1")
+        raise UsageError("--sample-every must be >= 1")
     if args.topk is not None and args.topk < 0:
-        raise TraceError("--topk must be >= 0")
+        raise UsageError("--topk must be >= 0")
     if args.batch_size < 0:
-        raise TraceError("--batch-size must be >= 0")
+        raise UsageError("--batch-size must be >= 0")
     if args.values is not None and not args.values.strip():
-        raise TraceError("--values: give comma-separated globs, all or none")
+        raise UsageError("--values: give comma-separated globs, all or none")
 
     def tokenizer_loader():
         try:
             from transformers import AutoTokenizer
             return AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         except Exception as e:  # noqa: BLE001
-            raise TraceError(f"text prompts need a tokenizer in the model directory ({str(e).splitlines()[0][:200]})",
+            raise UsageError(f"text prompts need a tokenizer in the model directory ({str(e).splitlines()[0][:200]})",
                              args.model) from None
 
     prompts = load_prompts(args.prompts, tokenizer_loader)
@@ -225,10 +176,10 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
             cfg = json.load(f)
         vocab = int((cfg.get("text_config") or cfg).get("vocab_size") or 0)
     except (OSError, ValueError, TypeError):
-        raise TraceError("cannot read the model's config.json", args.model) from None
+        raise RecordingError("cannot read the model's config.json", args.model) from None
     for k, ids in prompts:
         if vocab and max(ids) >= vocab:
-            raise TraceError(f"prompt {k} has token id {max(ids)}, outside the model's vocabulary of {vocab}", args.prompts)
+            raise SourceFileError(f"prompt {k} has token id {max(ids)}, outside the model's vocabulary of {vocab}", args.prompts)
     return prompts
 
 
@@ -267,7 +218,7 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
         from . import vllm_serve
         return vllm_serve.record(args, prompts, plugin_env(args), start_engine)
     if not _plugin_installed():
-        raise TraceError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "
+        raise RecordingError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "
                          "install the package (pip install -e . or pip install 'tensordiff[sglang]')")
     if args.device == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read once, when sglang is first imported
@@ -281,7 +232,7 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
         outputs = _run_sglang(args, prompts, kwargs, out_path, start_engine)
     dt = time.perf_counter() - t0
     if not os.path.exists(out_path):
-        raise TraceError("the engine ran but wrote no trace: the plugin did not load in its scheduler process "
+        raise RecordingError("the engine ran but wrote no trace: the plugin did not load in its scheduler process "
                          "(is SGLANG_PLUGINS excluding it?) or this rank does not record", out_path)
     write_outputs(args.outputs, outputs)
     return {"outputs": outputs, "trace": out_path, "seconds": dt}

@@ -114,3 +114,38 @@ def resume_topk(st: Any, k: Any) -> int:
     if k not in (0, st.start_topk):
         raise ValueError(f"topk={k}: only 0 or the start-up TENSORDIFF_TOPK ({st.start_topk}) can be set")
     return k
+
+
+# -- the recorder's speed knobs (the serve plugins' only) ---------------------------------------
+# A serve plugin records the same states many times a second: ``remember`` / ``reuse`` let the
+# draft's input reuse the sketch of the aux states it was made from, and ``private`` says a tensor
+# is the plugin's own snapshot (staging keeps it instead of copying it again). They change how
+# fast, never what is written, so they are not part of the public Recorder API (docs/recorders.md).
+
+
+def record(rec: Any, name: str, tensor: Any, rows: Any, *, remember: bool = False, reuse: str | None = None,
+           private: bool = False, **kw: Any) -> int:
+    """``rec.record(name, tensor, rows, **kw)`` with the speed knobs (see ``Recorder._record``)."""
+    return int(rec._record(name, tensor, rows, remember=remember, reuse=reuse, private=private, **kw))
+
+
+def packed(rec: Any, name: str, parts: Any, rows: Any, *, remember: bool = False, reuse: str | None = None,
+           private: bool = False, **kw: Any) -> int:
+    """``rec.packed(name, parts, rows, **kw)`` with the speed knobs."""
+    return int(rec._packed(name, parts, rows, remember=remember, reuse=reuse, private=private, **kw))
+
+
+def boundary(rec: Any, b: int, tensor: Any, rows: Any, *, private: bool = False, values: bool | None = None) -> int:
+    """``rec.boundary(b, tensor, rows, values=values)``, ``private`` as in :func:`record`."""
+    from ..vocab import boundary_label
+
+    return int(rec._record(boundary_label(b), tensor, rows, kind="boundary", boundary=int(b), role="catalog",
+                           values=values, private=private))
+
+
+def final_norm(rec: Any, tensor: Any, rows: Any, *, private: bool = False, values: bool | None = None) -> int:
+    """``rec.final_norm(tensor, rows, values=values)``, ``private`` as in :func:`record`."""
+    from ..vocab import FINAL_NORM
+
+    return int(rec._record(FINAL_NORM, tensor, rows, kind="final_norm", role="catalog", values=values,
+                           private=private))

@@ -62,7 +62,7 @@ class Later:
 class Staged:
     """One staged call of one tensor: its kept token ``rows``; for states, ``data`` (a private
     copy of the kept rows in the stored form, [n, width]) and, where an earlier call held the same
-    bits (``Recorder.record(..., reuse=)``), ``same`` (that call: its RMS and sketch are reused);
+    bits (``Recorder._record(..., reuse=)``), ``same`` (that call: its RMS and sketch are reused);
     for rows that are not states, ``plain`` (a float64 array, or a :class:`Later` with ``keep``,
     the mask of the rows passed that are kept). ``ref``: the rows of the tensor's values source
     that hold these rows' values (the trace refers to them instead of storing them again)."""

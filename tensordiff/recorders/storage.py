@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from .. import conventions
-from .._kernels import topk as _topk_f32
+from ..kernels import topk as _topk_f32
 
 __all__ = ["TORCH_DTYPES", "logical_dtype", "to_storage", "topk_rows"]
 

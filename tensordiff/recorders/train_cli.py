@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from .. import conventions
-from ..errors import TraceError
+from ..errors import RecordingError, SourceFileError, TraceFileError, UsageError
 
 CONVENTION_CHOICES = conventions.planning_choices()
 
@@ -85,18 +85,18 @@ def _read_draft_ids(path: str) -> list[int] | None:
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
     except OSError as e:
-        raise TraceError(f"cannot read the draft config ({e.strerror or e})", path) from None
+        raise SourceFileError(f"cannot read the draft config ({e.strerror or e})", path) from None
     except ValueError:
-        raise TraceError("the draft config is not JSON", path) from None
+        raise SourceFileError("the draft config is not JSON", path) from None
     if not isinstance(cfg, dict):
-        raise TraceError("the draft config is not a JSON object", path)
+        raise SourceFileError("the draft config is not a JSON object", path)
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         return None
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        raise TraceError("eagle_aux_hidden_state_layer_ids is not a list of integers", path)
+        raise SourceFileError("eagle_aux_hidden_state_layer_ids is not a list of integers", path)
     return ids
 
 
@@ -106,9 +106,9 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
         with open(path, encoding="utf-8") as f:
             lines = list(f)
     except OSError as e:
-        raise TraceError(f"cannot read prompts ({e.strerror or e})", path) from None
+        raise SourceFileError(f"cannot read prompts ({e.strerror or e})", path) from None
     except UnicodeDecodeError:
-        raise TraceError("prompts file is not UTF-8 text", path) from None
+        raise SourceFileError("prompts file is not UTF-8 text", path) from None
     out: list[tuple[str, list[int]]] = []
     tok = None
     for n, line in enumerate(lines, 1):
@@ -118,7 +118,7 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
         try:
             obj = json.loads(line)
         except ValueError:
-            raise TraceError(f"line {n} is not JSON", path) from None
+            raise SourceFileError(f"line {n} is not JSON", path) from None
         key = f"prompt-{len(out)}"
         text = None
         ids = None
@@ -138,21 +138,21 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
         if ids is not None:
             if not isinstance(ids, list) or not ids or not all(
                     isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-                raise TraceError(f"line {n}: token ids must be a non-empty list of non-negative integers", path)
+                raise SourceFileError(f"line {n}: token ids must be a non-empty list of non-negative integers", path)
         elif isinstance(text, str):
             if tok is None:
                 tok = tokenizer_loader()
             ids = list(tok(text, add_special_tokens=True)["input_ids"])
             if not ids:
-                raise TraceError(f"line {n}: the text tokenizes to nothing", path)
+                raise SourceFileError(f"line {n}: the text tokenizes to nothing", path)
         else:
-            raise TraceError(f"line {n}: expected token ids, {{\"input_ids\": [...]}} or {{\"text\": \"...\"}}", path)
+            raise SourceFileError(f"line {n}: expected token ids, {{\"input_ids\": [...]}} or {{\"text\": \"...\"}}", path)
         out.append((key, ids))
     if not out:
-        raise TraceError("no prompts in the file", path)
+        raise SourceFileError("no prompts in the file", path)
     keys = [k for k, _ in out]
     if len(set(keys)) != len(keys):
-        raise TraceError("prompt ids repeat; every \"id\" must be unique", path)
+        raise SourceFileError("prompt ids repeat; every \"id\" must be unique", path)
     return out
 
 
@@ -163,7 +163,7 @@ def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
         with open(path, "rb") as f:
             magic = f.read(8)
     except OSError as e:
-        raise TraceError(f"cannot read the serve run ({e.strerror or e})", path) from None
+        raise SourceFileError(f"cannot read the serve run ({e.strerror or e})", path) from None
     if magic == b"\x89HDF\r\n\x1a\n":
         return _sequences_of_trace(path)
     out: list[tuple[str, list[int]]] = []
@@ -171,23 +171,23 @@ def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
         with open(path, encoding="utf-8") as f:
             lines = [ln for ln in f if ln.strip()]
     except UnicodeDecodeError:
-        raise TraceError("neither a serve trace nor a JSONL outputs file", path) from None
+        raise SourceFileError("neither a serve trace nor a JSONL outputs file", path) from None
     for n, line in enumerate(lines, 1):
         try:
             o = json.loads(line)
         except ValueError:
-            raise TraceError(f"line {n} is not JSON", path) from None
+            raise SourceFileError(f"line {n} is not JSON", path) from None
         ids, outs = (o.get("input_ids"), o.get("output_ids")) if isinstance(o, dict) else (None, None)
         ok = all(isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
                  for x in (ids, outs))
         if not ok or not ids:
-            raise TraceError(f"line {n}: expected {{\"id\", \"input_ids\": [...], \"output_ids\": [...]}} "
+            raise SourceFileError(f"line {n}: expected {{\"id\", \"input_ids\": [...], \"output_ids\": [...]}} "
                              "as record serve --outputs writes", path)
         out.append((str(o.get("id", f"request-{n - 1}")), list(ids) + list(outs)))
     if not out:
-        raise TraceError("no requests in the outputs file", path)
+        raise SourceFileError("no requests in the outputs file", path)
     if len({k for k, _ in out}) != len(out):
-        raise TraceError("request ids repeat in the outputs file", path)
+        raise SourceFileError("request ids repeat in the outputs file", path)
     return out
 
 
@@ -210,14 +210,14 @@ def _sequences_of_trace(path: str) -> list[tuple[str, list[int]]]:
         key = seqs[int(s)]
         dup = np.diff(p) == 0
         if (k[1:][dup] != k[:-1][dup]).any():
-            raise TraceError(f"sequence {key} holds two different tokens at one position", path)
+            raise TraceFileError(f"sequence {key} holds two different tokens at one position", path)
         if up[0] != 0 or up[-1] != len(up) - 1:
             missing = 0 if up[0] != 0 else int(up[np.flatnonzero(np.diff(up) != 1)[0]] + 1)
-            raise TraceError(f"sequence {key} has no row at position {missing} (a radix-cache hit computes no "
+            raise TraceFileError(f"sequence {key} has no row at position {missing} (a radix-cache hit computes no "
                              "prefix rows): give the --outputs file record serve wrote instead", path)
         out.append((key, [int(x) for x in k[first]]))
     if not out:
-        raise TraceError("the serve trace holds no tokens", path)
+        raise TraceFileError("the serve trace holds no tokens", path)
     return out
 
 
@@ -227,7 +227,7 @@ def _load_draft(path: str, model):
     try:
         draft = load_eagle3_draft(path)
     except (ValueError, OSError, KeyError) as e:
-        raise TraceError(f"cannot load the draft ({_first_line(e)})", path) from None
+        raise RecordingError(f"cannot load the draft ({_first_line(e)})", path) from None
     p = next(model.parameters())
     return draft.to(p.device, p.dtype)
 
@@ -260,7 +260,7 @@ def refuse_draft_as_model(path: str) -> None:
         return  # no directory or no readable config: _load_config says so
     why = eagle3_draft_reason(cfg) if isinstance(cfg, dict) else None
     if why is not None:
-        raise TraceError(f"is an EAGLE-3 draft ({why}); --model takes the target model, pass the draft with --draft",
+        raise UsageError(f"is an EAGLE-3 draft ({why}); --model takes the target model, pass the draft with --draft",
                          path)
 
 
@@ -268,11 +268,11 @@ def _load_config(path: str):
     from transformers import AutoConfig
 
     if not os.path.isdir(path):
-        raise TraceError("model directory not found (give a local directory; nothing is downloaded)", path)
+        raise UsageError("model directory not found (give a local directory; nothing is downloaded)", path)
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TraceError(f"cannot read the model config ({_first_line(e)})", path) from None
+        raise RecordingError(f"cannot read the model config ({_first_line(e)})", path) from None
 
 
 def _load_model(path: str, dtype: str, device: str):
@@ -285,13 +285,13 @@ def _load_model(path: str, dtype: str, device: str):
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kw)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise TraceError(f"cannot load the model ({_first_line(e)})", path) from None
+        raise RecordingError(f"cannot load the model ({_first_line(e)})", path) from None
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         model = model.to(device).eval()
     except (RuntimeError, AssertionError) as e:
-        raise TraceError(f"cannot move the model to {device} ({_first_line(e)})") from None
+        raise RecordingError(f"cannot move the model to {device} ({_first_line(e)})") from None
     return model
 
 
@@ -347,20 +347,20 @@ def run(args: argparse.Namespace) -> int:
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
-        raise TraceError("output directory does not exist", out_dir)
+        raise UsageError("output directory does not exist", out_dir)
     # never overwrite an input (the prompts, the serve trace or outputs file it replays)
     check_output_path(args.out, [args.prompts, getattr(args, "from_serve", None)], "--out")
     if args.sample_every is not None and args.sample_every < 0:
-        raise TraceError("--sample-every must be >= 0")
+        raise UsageError("--sample-every must be >= 0")
     if args.sample_every == 0 and not args.positions:
-        raise TraceError("--sample-every 0 records only --positions: give some")
+        raise UsageError("--sample-every 0 records only --positions: give some")
     ids = args.aux_ids
     if args.topk is not None and args.topk < 0:
-        raise TraceError("--topk must be >= 0")
+        raise UsageError("--topk must be >= 0")
     if args.draft and args.no_draft_input:
-        raise TraceError("--draft runs the draft on draft_input: drop --no-draft-input")
+        raise UsageError("--draft runs the draft on draft_input: drop --no-draft-input")
     if args.draft and not os.path.isfile(os.path.join(args.draft, "config.json")):
-        raise TraceError("draft directory not found or has no config.json", args.draft)
+        raise UsageError("draft directory not found or has no config.json", args.draft)
     if ids is None and (args.draft_config or args.draft):
         ids = _read_draft_ids(args.draft_config or os.path.join(args.draft, "config.json"))
 
@@ -369,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise TraceError(f"text prompts need a tokenizer in the model directory ({_first_line(e)})",
+            raise UsageError(f"text prompts need a tokenizer in the model directory ({_first_line(e)})",
                              args.model) from None
 
     cfg = _load_config(args.model)
@@ -379,19 +379,19 @@ def run(args: argparse.Namespace) -> int:
         prompts = prompts[: max(0, args.limit)]
     if args.max_len is not None:
         if args.max_len < 1:
-            raise TraceError("--max-len must be >= 1")
+            raise UsageError("--max-len must be >= 1")
         prompts = [(k, v[: args.max_len]) for k, v in prompts]
     text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
     vocab = getattr(text_cfg, "vocab_size", None)
     for k, v in prompts:
         if vocab and max(v) >= vocab:
-            raise TraceError(f"prompt {k} has token id {max(v)}, outside the model's vocabulary of {vocab}", args.prompts)
+            raise SourceFileError(f"prompt {k} has token id {max(v)}, outside the model's vocabulary of {vocab}", args.prompts)
 
     model = _load_model(args.model, args.dtype, args.device)
     try:
         info = model_info(model)
     except ValueError as e:
-        raise TraceError(str(e), args.model) from None
+        raise RecordingError(str(e), args.model) from None
     n_layers = info["num_layers"]
     plan = None
     if not args.no_draft_input:
@@ -400,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
                                     hf_index_n_post_norm=True if args.hf_index_n_post_norm else None,
                                     boundaries=args.boundaries)
         except ValueError as e:
-            raise TraceError(str(e)) from None
+            raise UsageError(str(e)) from None
     info["path"] = os.path.abspath(args.model)
     sample = Sampling(every=args.sample_every, positions=frozenset(args.positions) if args.positions else None)
     meta = {"prompts": os.path.abspath(args.prompts or args.from_serve), "command": "record train",
@@ -416,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
         rec = Recorder(args.out, side="train", producer=f"tensordiff record train (transformers {transformers.__version__})",
                        model=info, meta=meta, sample=sample, **wkw)
     except OSError as e:
-        raise TraceError(f"cannot create the trace file ({_first_line(e)})", args.out) from None
+        raise UsageError(f"cannot create the trace file ({_first_line(e)})", args.out) from None
     t0 = time.perf_counter()
     total = sum(len(v) for _, v in prompts)
     try:
@@ -424,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
             draft = _load_draft(args.draft, model) if args.draft else None
             hf = HFExtractorRecorder(model, rec, plan, values=args.values, topk=args.topk, draft=draft)
         except ValueError as e:
-            raise TraceError(str(e)) from None
+            raise RecordingError(str(e)) from None
         with _Progress(total, n_prompts=len(prompts), enabled=not args.no_progress) as bar:
             for key, toks in prompts:
                 hf.run(key, torch.tensor(toks, dtype=torch.long))

@@ -51,7 +51,7 @@ def check(args: argparse.Namespace) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments for these options."""
-    from .serve_cli import _parse_engine_args
+    from .serve_common import _parse_engine_args
 
     kw: dict[str, Any] = {
         "model": os.path.abspath(args.model),
@@ -90,7 +90,7 @@ def record(args: argparse.Namespace, prompts: list[tuple[str, list[int]]], env: 
     check(args)
     import importlib.util
 
-    from .serve_cli import add_plugin, engine_environ, write_outputs
+    from .serve_common import add_plugin, engine_environ, write_outputs
 
     if importlib.util.find_spec("vllm") is None:
         raise RecordingError("vLLM is not installed in this Python environment: run this command with the vLLM "

@@ -44,7 +44,7 @@ from .validate import CHECKED, FileIdentity
 
 PROBE_SECONDS = 60.0        # no report for this long: the HDF5 library is stuck (TENSORDIFF_OPEN_TIMEOUT)
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 86400.0
-PER_TENSOR_SECONDS = 0.05   # allowance per tensor, on top of the stall timeout (measured ~3 ms each)
+PER_TENSOR_SECONDS = 0.05   # allowance per tensor, on top of the stall timeout (far above what a tensor's checks take)
 READ_BYTES_PER_SECOND = 200e6
 TICK_SECONDS = 0.2          # the child reports at most this often
 WALL_FACTOR = 10.0          # no report for this many stall timeouts of wall time: stuck, whatever the CPU says

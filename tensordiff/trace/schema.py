@@ -45,8 +45,8 @@ TOKEN_COLUMNS = ("seq", "position", "token", "regime", "step")
 # -- sizes the writer uses ---------------------------------------------------------------------
 CHUNK_BYTES = 1 << 20        # values are chunked in blocks of about this many bytes
 # Chunk cache per open dataset. HDF5 2.0 defaults to 8 MiB each; a diff holds every tensor of both
-# traces open and reads in whole-chunk blocks, so a cache mostly costs memory (~580 MB for 64
-# tensors measured). One chunk's worth keeps compressed scattered reads from re-inflating.
+# traces open and reads in whole-chunk blocks, so a cache mostly costs memory (8 MiB per open
+# dataset, both sides' tensors at once). One chunk's worth keeps compressed scattered reads from re-inflating.
 READ_CACHE_BYTES = 1 << 20
 
 # -- limits every reader enforces (docs/robustness.md) -----------------------------------------

@@ -17,7 +17,7 @@ import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
 
 from .. import __version__
-from .._kernels import Rows, put_rows, put_tokens
+from ..kernels import Rows, put_rows, put_tokens
 from ..dtypes import LOGICAL_DTYPES, storage_dtype, to_float32
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, sketch_rows
 from ..vocab import REGIME_CODE, REGIMES, regime_code

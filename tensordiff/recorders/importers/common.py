@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ...errors import TraceError
+from ...errors import SourceFileError, TensordiffError, UsageError
 from ...safety import sanitize_for_terminal
 from ..core import Recorder, Sampling
 from .files import short
@@ -51,15 +51,15 @@ class ImportResult:
 def as_2d(t: Any, what: str, path: str, length: int | None = None) -> torch.Tensor:
     """``t`` as a floating-point [L, width] tensor (leading 1s dropped), ``length`` rows if given."""
     if not isinstance(t, torch.Tensor):
-        raise TraceError(f"{what} is a {type(t).__name__}, not a tensor", path)
+        raise SourceFileError(f"{what} is a {type(t).__name__}, not a tensor", path)
     while t.ndim > 2 and t.shape[0] == 1:
         t = t[0]
     if t.ndim != 2:
-        raise TraceError(f"{what} has shape {list(t.shape)}, expected [L, width] (or [1, L, width])", path)
+        raise SourceFileError(f"{what} has shape {list(t.shape)}, expected [L, width] (or [1, L, width])", path)
     if length is not None and t.shape[0] != length:
-        raise TraceError(f"{what} has {t.shape[0]} rows but input_ids has {length} tokens", path)
+        raise SourceFileError(f"{what} has {t.shape[0]} rows but input_ids has {length} tokens", path)
     if not t.is_floating_point():
-        raise TraceError(f"{what} has dtype {t.dtype}, expected floating point", path)
+        raise SourceFileError(f"{what} has dtype {t.dtype}, expected floating point", path)
     return t
 
 
@@ -67,17 +67,17 @@ def token_ids(d: dict, path: str) -> np.ndarray:
     """The one sequence of ``input_ids`` a draft trainer's file holds, as int64."""
     t = d.get("input_ids")
     if t is None:
-        raise TraceError("no input_ids in the file", path)
+        raise SourceFileError("no input_ids in the file", path)
     if isinstance(t, (list, tuple)):
         t = torch.as_tensor(t)
     if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex():
-        raise TraceError("input_ids is not an integer tensor", path)
+        raise SourceFileError("input_ids is not an integer tensor", path)
     if t.ndim > 1:
         if sum(s != 1 for s in t.shape[:-1]):
-            raise TraceError(f"input_ids has shape {list(t.shape)}; one sequence per file expected", path)
+            raise SourceFileError(f"input_ids has shape {list(t.shape)}; one sequence per file expected", path)
         t = t.reshape(-1)
     if t.numel() == 0:
-        raise TraceError("input_ids is empty", path)
+        raise SourceFileError("input_ids is empty", path)
     return t.to(torch.int64).numpy()
 
 
@@ -94,7 +94,7 @@ def draft_rows(rows: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
-def check_out_dir(out: str | os.PathLike, error: type[TraceError] = TraceError) -> None:
+def check_out_dir(out: str | os.PathLike, error: type[TensordiffError] = UsageError) -> None:
     """The directory the trace goes into must exist (checked before anything is read)."""
     out_dir = os.path.dirname(os.path.abspath(os.fspath(out)))
     if not os.path.isdir(out_dir):
@@ -103,7 +103,7 @@ def check_out_dir(out: str | os.PathLike, error: type[TraceError] = TraceError) 
 
 def open_trace(out: str | os.PathLike, *, side: str, fmt: str, sources: Sequence[str | os.PathLike], model: dict,
                meta: dict, sample: Sampling | None = None, values: bool | Sequence[str] | None = None,
-               error: type[TraceError] = TraceError) -> Recorder:
+               error: type[TensordiffError] = UsageError) -> Recorder:
     """The recorder of an import into ``out``: the producer names the format, the metadata where
     the data came from (``imported_from``, ``format``, then ``meta``). A trace that cannot be
     created raises ``error`` with one line."""

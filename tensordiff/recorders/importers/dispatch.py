@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from ...errors import SourceFileError, TraceError
+from ...errors import SourceFileError, UsageError
 from ...vocab import parse_label
 from ..core import Recorder, Sampling
 from . import specforge, speculators
@@ -26,18 +26,22 @@ def detect_format(sources: Sequence[str | os.PathLike]) -> str:
     """``specforge``, ``speculators`` or ``sglang-dump``, from names and the first file's keys."""
     first = Path(sources[0])
     if not first.exists():
-        raise TraceError("no such file or directory", str(first))
+        raise SourceFileError("no such file or directory", str(first))
     if first.is_dir():
+        if any(speculators.is_hs_file(q.name) for q in first.rglob("hs_*.safetensors")):
+            return "speculators"
         names = [q.name for q in first.rglob("*.pt")][:1000]
         if any(parse_dump_filename(n) for n in names):
             return "sglang-dump"
         ckpts = next(iter(first.rglob("*.ckpt")), None) or next(iter(first.rglob("*.ckpt.gz")), None)
         probe = ckpts or next(iter(sorted(first.rglob("*.pt"), key=natural_key)), None)
         if probe is None:
-            raise TraceError("no .ckpt, .ckpt.gz or .pt files in this directory", str(first))
+            raise SourceFileError("no .ckpt, .ckpt.gz or .pt files in this directory", str(first))
     else:
         if parse_dump_filename(first.name):
             return "sglang-dump"
+        if speculators.is_hs_file(first.name):
+            return "speculators"
         probe = first
     data = load_torch_file(probe)
     if isinstance(data, dict):
@@ -48,7 +52,7 @@ def detect_format(sources: Sequence[str | os.PathLike]) -> str:
         if "value" in data and "meta" in data:
             return "sglang-dump"
     keys = sorted(map(str, data.keys()))[:8] if isinstance(data, dict) else type(data).__name__
-    raise TraceError(f"unrecognised file: neither SpecForge (aux_hidden_state), speculators (hidden_states) "
+    raise SourceFileError(f"unrecognised file: neither SpecForge (aux_hidden_state), speculators (hidden_states) "
                      f"nor an SGLang dump (value, meta); found {keys}", str(probe))
 
 
@@ -61,17 +65,17 @@ def import_files(sources: Sequence[str | os.PathLike], out: str | os.PathLike, *
                  meta: dict | None = None) -> ImportResult:
     """Convert ``sources`` (files or directories) of one format into the trace ``out``."""
     if not sources:
-        raise TraceError("nothing to import: give files or directories")
+        raise UsageError("nothing to import: give files or directories")
     if fmt == "auto":
         fmt = detect_format(sources)
     if fmt not in FORMATS:
-        raise TraceError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+        raise UsageError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
     if as_labels:
         for lab in as_labels.values():
             try:
                 parse_label(lab)
             except ValueError as e:
-                raise TraceError(str(e)) from None
+                raise UsageError(str(e)) from None
     side = side or ("serve" if fmt == "sglang-dump" else "train")
     result = ImportResult(format=fmt, out=os.fspath(out))
     check_out_dir(out)

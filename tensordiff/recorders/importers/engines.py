@@ -26,11 +26,13 @@ import numpy as np
 import torch
 
 from ... import conventions
-from ...errors import SourceFileError, TraceError, UsageError
+from ...errors import SourceFileError, TensordiffError, UsageError
 from ...vocab import boundary_label, parse_label
 from ..core import Recorder, logical_dtype
 from .common import ImportResult, as_2d, check_out_dir, discard, draft_rows, open_trace
 from .files import expand, load_safetensors_file, load_torch_file, natural_key
+from .layouts import CHECKED_AGAINST, check_keys
+from .speculators import is_hs_file
 
 #: Formats these importers add; ``import_cli`` dispatches them to :func:`import_engine_files`.
 ENGINE_FORMATS = ("vllm-hidden-states", "trtllm", "modelopt")
@@ -44,20 +46,23 @@ def detect_engine_format(sources: Sequence[str | os.PathLike]) -> str | None:
     if not first.exists():
         return None
     if first.is_dir():
-        if next(iter(first.rglob("*.safetensors")), None) is not None:
+        found = [q.name for q in first.rglob("*.safetensors")][:1000]
+        if found and all(is_hs_file(n) for n in found):
+            return None  # speculators 0.9.0's hs_<index>.safetensors: the speculators importer's
+        if found:
             return "vllm-hidden-states"
         probe = next(iter(sorted(first.rglob("*.pt"), key=natural_key)), None)
         if probe is None:
             return None
     else:
         if first.name.endswith(".safetensors"):
-            return "vllm-hidden-states"
+            return None if is_hs_file(first.name) else "vllm-hidden-states"
         probe = first
     if not probe.name.endswith(".pt"):
         return None
     try:
         data = load_torch_file(probe)
-    except TraceError:
+    except TensordiffError:
         return None
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], dict) and "hidden_state_features" in data[0]:
         return "trtllm"
@@ -167,6 +172,10 @@ def _records(fmt: str, files: list[Path], hidden_size: int | None) -> Any:
             if not isinstance(d, dict) or "aux_hidden_states" not in d or "input_ids" not in d:
                 raise SourceFileError("not a Model-Optimizer collect_hidden_states file (needs input_ids and "
                                       "aux_hidden_states)", path)
+            check_keys("modelopt", d, path, "a Model-Optimizer hidden-state file")
+            prenorm = d.get("hidden_states_prenorm", False)
+            if not isinstance(prenorm, bool):
+                raise SourceFileError(f"hidden_states_prenorm is a {type(prenorm).__name__}, not a bool", path)
             ids = _int_ids(d["input_ids"], "input_ids", path)
             aux = as_2d(d["aux_hidden_states"], "aux_hidden_states", path, len(ids))
             fin = d.get("hidden_states")
@@ -179,7 +188,7 @@ def _records(fmt: str, files: list[Path], hidden_size: int | None) -> Any:
             key = str(d.get("conversation_id", stem))
             key = key if key not in seen else stem
             seen.add(key)
-            yield path, key, ids, aux, int(aux.shape[-1]) // H, {"final": fin}
+            yield path, key, ids, aux, int(aux.shape[-1]) // H, {"final": fin, "prenorm": prenorm}
 
 
 def import_engine_files(sources: Sequence[str | os.PathLike], out: str | os.PathLike, *, fmt: str,
@@ -225,8 +234,17 @@ def import_engine_files(sources: Sequence[str | os.PathLike], out: str | os.Path
             rows = rec.add_tokens(key, None, ids, regime="prefill" if side == "serve" else "train")
             if fmt == "modelopt":
                 rec.packed("draft_input", packed, draft_rows(rows), labels=lab, raw_ids=raw, convention=conv,
-                           token_offset=1, role="draft_input", attrs={"source_format": fmt})
-                if extra.get("final") is not None:
+                           token_offset=1, role="draft_input",
+                           attrs={"source_format": fmt, "checked_against": CHECKED_AGAINST[fmt]})
+                if extra.get("final") is not None and extra.get("prenorm"):
+                    # the dump says its hidden_states is the last layer's output before the final
+                    # norm (modelopt's OfflineSupervisedDataset re-applies the norm for it)
+                    if num_layers is None:
+                        raise UsageError("this Model-Optimizer dump holds the pre-norm last state "
+                                         "(hidden_states_prenorm): give --num-layers to name its boundary")
+                    rec.boundary(int(num_layers), extra["final"], rows,
+                                 attrs={"source_format": fmt, "source": "hidden_states (hidden_states_prenorm)"})
+                elif extra.get("final") is not None:
                     rec.final_norm(extra["final"], rows, attrs={"source_format": fmt})
             else:
                 rec.packed("aux_hidden_states", packed, rows, labels=lab, raw_ids=raw, convention=conv,

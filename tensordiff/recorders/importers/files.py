@@ -3,7 +3,7 @@ import), the header checked before anything is loaded or decompressed, ``torch.l
 ``weights_only=True`` only (never arbitrary pickled objects), a gzip decompressed to a temporary
 file under a ratio cap (no bombs), ``safetensors`` loaded as tensors only; directories expanded
 without following symbolic links out of them. Every failure is one line
-(:class:`~tensordiff.errors.SourceFileError` or :class:`~tensordiff.errors.TraceError`).
+(:class:`~tensordiff.errors.SourceFileError`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ...errors import SourceFileError, TraceError
+from ...errors import SourceFileError
 
 _SHORT = 200
 
@@ -172,10 +172,10 @@ def expand(sources: Sequence[str | os.PathLike], patterns: Sequence[str],
             found = [q for q in p.rglob("*") if q.is_file() and any(fnmatch.fnmatch(q.name, pat) for pat in patterns)
                      and inside(q, p, skipped)]
             if not found:
-                raise TraceError(f"no {' or '.join(patterns)} files in this directory", str(p))
+                raise SourceFileError(f"no {' or '.join(patterns)} files in this directory", str(p))
             files.extend(sorted(found, key=natural_key))
         elif p.exists():
             files.append(p)
         else:
-            raise TraceError("no such file or directory", str(p))
+            raise SourceFileError("no such file or directory", str(p))
     return files

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ...errors import SourceFileError, TraceError
+from ...errors import SourceFileError, UsageError
 from ...trace.schema import MAX_KEY_CHARS
 from ...trace.validate import tensor_name_problem
 from ...vocab import FINAL_NORM, parse_label
@@ -100,7 +100,7 @@ def import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resul
         cand = ([p] if p.is_file() else [q for q in sorted(p.rglob("*.pt"), key=natural_key)
                                           if inside(q, p, result.skipped)] if p.is_dir() else None)
         if cand is None:
-            raise TraceError("no such file or directory", str(p))
+            raise SourceFileError("no such file or directory", str(p))
         for q in cand:
             tags = parse_dump_filename(q.name)
             if tags is None:
@@ -109,20 +109,20 @@ def import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resul
             entries.append((tags, q))
             exps.add(str(q.parent))
     if not entries:
-        raise TraceError("no SGLang dumper files (step=..___rank=..___name=...pt) found", str(sources[0]))
+        raise SourceFileError("no SGLang dumper files (step=..___rank=..___name=...pt) found", str(sources[0]))
     if len(exps) > 1:
-        raise TraceError(f"dumps of {len(exps)} experiments (directories) found; import one: "
+        raise UsageError(f"dumps of {len(exps)} experiments (directories) found; import one: "
                          + ", ".join(sorted(exps)[:4]))
 
     def num(tags, k, default=0):
         try:
             return int(tags.get(k, default))
         except ValueError:
-            raise TraceError(f"dump tag {k}={tags.get(k)!r} is not an integer") from None
+            raise SourceFileError(f"dump tag {k}={tags.get(k)!r} is not an integer") from None
     ranks = sorted({num(t, "rank") for t, _ in entries})
     use_rank = ranks[0] if rank is None else int(rank)
     if use_rank not in ranks:
-        raise TraceError(f"no dumps of rank {use_rank}; ranks present: {ranks}")
+        raise UsageError(f"no dumps of rank {use_rank}; ranks present: {ranks}")
     steps: dict[int, list] = {}
     for tags, q in entries:
         if num(tags, "rank") != use_rank:
@@ -142,7 +142,7 @@ def import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resul
             for _, tags, q in items:
                 obj = load_torch_file(q)
                 if not isinstance(obj, dict) or "value" not in obj:
-                    raise TraceError("not an SGLang dump (no 'value' entry)", str(q))
+                    raise SourceFileError("not an SGLang dump (no 'value' entry)", str(q))
                 result.files += 1
                 nm = tags["name"]
                 if nm in _CORE:
@@ -160,17 +160,17 @@ def import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resul
                 continue
             ids = _to_np_int(core.get("input_ids"))
             if ids is None:
-                raise TraceError(f"step {step} has no input_ids dump: dump the forward batch's core fields "
+                raise SourceFileError(f"step {step} has no input_ids dump: dump the forward batch's core fields "
                                  "(input_ids, positions, seq_lens, rids) with the tensors")
             T = len(ids)
             pos = _to_np_int(core.get("positions"))
             seq_lens = _to_np_int(core.get("seq_lens"))
             if pos is None:
                 if seq_lens is not None and len(seq_lens) > 1:
-                    raise TraceError(f"step {step} has {len(seq_lens)} sequences but no positions dump")
+                    raise SourceFileError(f"step {step} has {len(seq_lens)} sequences but no positions dump")
                 pos = np.arange(T, dtype=np.int64)
             if len(pos) != T:
-                raise TraceError(f"step {step}: {len(pos)} positions for {T} input_ids")
+                raise SourceFileError(f"step {step}: {len(pos)} positions for {T} input_ids")
             segs = _split_segments(pos, seq_lens)
             rids = core.get("rids")
             rids = list(rids) if isinstance(rids, (list, tuple)) and len(rids) == len(segs) else None
@@ -217,7 +217,7 @@ def import_sglang_dump(sources, make_recorder: Callable[[dict], Recorder], resul
             rec.close(e)
         raise
     if rec is None:
-        raise TraceError("the dumps hold no tensors besides the forward batch's fields")
+        raise SourceFileError("the dumps hold no tensors besides the forward batch's fields")
     if not rec.defined:
         rec.close()
         why = "; ".join(f"{k} ({v})" for k, v in list(result.skipped.items())[:3])

@@ -2,8 +2,8 @@
 
 SGLang loads every ``sglang.srt.plugins`` entry point in each of its processes (``SGLANG_PLUGINS``
 restricts which); tensordiff declares ``tensordiff = "tensordiff.recorders.sglang:register"``
-(``tensordiff.recorders.sglang_plugin:register``, the older target, is an alias that keeps
-working). :func:`register` does nothing at all unless ``TENSORDIFF_TRACE`` names a trace file.
+(an install whose entry point still names ``tensordiff.recorders.sglang_plugin`` is reinstalled
+with ``pip install -e .``). :func:`register` does nothing at all unless ``TENSORDIFF_TRACE`` names a trace file.
 Then it registers these hooks through SGLang's ``HookRegistry`` (nothing else in SGLang is patched);
 one module per job:
 

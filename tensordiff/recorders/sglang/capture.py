@@ -61,7 +61,7 @@ class Keys(SimpleNamespace):
 
 def capture_keys(runner, fb) -> Keys | None:
     """The keys of a target pass (None: a pass without request ids or row counts, not recorded)."""
-    from .forward import regime_of, segments
+    from .batch import regime_of, segments
 
     st = STATE
     ids = _np_ids(fb.input_ids)
@@ -127,7 +127,7 @@ def capture_verify(result, batch, copy: bool) -> tuple[Any, Any, int]:
     """(result, batch, bytes) of a verify step: accept lengths and index as numpy, the hidden states
     the draft extend will read (the target pass's snapshot where they are the same tensor), and per
     request what its position limit needs."""
-    from .forward import same_tensor
+    from .batch import same_tensor
 
     st = STATE
     hs_after = getattr(getattr(result, "logits_output", None), "hidden_states", None)
@@ -174,7 +174,7 @@ def capture_draft(fb, copy: bool) -> SimpleNamespace | None:
     input ids, accept lengths, fc output and logits; ``tensordiff_matched`` says whether it was fed
     the target's tensor (decided now: the record function cannot tell copies apart)."""
     from ..staging import host_copy, same_bits
-    from .forward import same_tensor
+    from .batch import same_tensor
 
     st = STATE
     mode = fb.forward_mode

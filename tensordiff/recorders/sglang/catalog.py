@@ -13,6 +13,7 @@ and on a snapshotted pass (:mod:`.capture`) until the pass is recorded.
 
 from __future__ import annotations
 
+from .. import serving
 from .state import STATE
 
 
@@ -78,10 +79,10 @@ def record_catalog(kind: str, b: int | None, value, rows, private: bool = False)
     """A catalog state's rows (``private``: ``value`` is the tap's own copy, kept as it is)."""
     st = STATE
     if kind == "final_norm":
-        st.rec.final_norm(value, rows, values=st.cfg.wants_values("final_norm"), private=private)
+        serving.final_norm(st.rec, value, rows, values=st.cfg.wants_values("final_norm"), private=private)
     else:
         from ...vocab import boundary_label
-        st.rec.boundary(b, value, rows, values=st.cfg.wants_values(boundary_label(b)), private=private)
+        serving.boundary(st.rec, b, value, rows, values=st.cfg.wants_values(boundary_label(b)), private=private)
     st.dirty = True
 
 

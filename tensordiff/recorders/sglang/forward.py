@@ -17,7 +17,9 @@ and are dropped.
 from __future__ import annotations
 
 from ...conventions import DRAFT_TOPK, TARGET_TOPK
+from .. import serving
 from ..serving import record_draft_ids
+from .batch import same_tensor, to_numpy
 from .config import AUX, DRAFT, DRAFT_IDS
 from .predictions import (
     chain_start,
@@ -28,52 +30,6 @@ from .predictions import (
 )
 from .state import STATE, Pass
 
-
-def to_numpy(t):
-    import torch
-    if isinstance(t, torch.Tensor):
-        if t.device.type != "cpu":
-            t = t.cpu()
-        return t.detach().numpy().reshape(-1)
-    import numpy as np
-    return np.asarray(t).reshape(-1)
-
-
-def segments(fb, n_rows: int) -> list[tuple[str, int, int]] | None:
-    """[(rid, first row, row count)] of a target pass, in batch order."""
-    rids = getattr(fb, "rids", None)
-    if not rids:
-        return None
-    mode = fb.forward_mode
-    bs = len(rids)
-    if mode.is_decode():
-        counts = [1] * bs
-    elif mode.is_target_verify():
-        if n_rows % bs:
-            return None
-        counts = [n_rows // bs] * bs
-    else:
-        counts = getattr(fb, "extend_seq_lens_cpu", None)
-        if counts is None and getattr(fb, "extend_seq_lens", None) is not None:
-            counts = to_numpy(fb.extend_seq_lens).tolist()
-        if counts is None:
-            return None
-        counts = [int(c) for c in counts]
-    if sum(counts) != n_rows or len(counts) != bs:
-        return None
-    out, start = [], 0
-    for rid, c in zip(rids, counts):
-        out.append((str(rid), start, c))
-        start += c
-    return out
-
-
-def regime_of(mode) -> str:
-    if mode.is_decode():
-        return "decode"
-    if mode.is_target_verify():
-        return "target_verify"
-    return "prefill"
 
 
 def hook_forward(original, runner, forward_batch, *args, **kwargs):
@@ -260,7 +216,7 @@ def record_aux(hs, rows, private: bool = False) -> None:
     if k * h != width:
         st.warn_once("aux-width", "aux hidden states are %d wide, not %d slots x %d; not recorded", width, k, h)
         return
-    st.rec.packed(AUX, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
+    serving.packed(st.rec, AUX, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
                   token_offset=0, role="aux", values=st.cfg.wants_values(AUX), remember=True, private=private,
                   attrs={"source": "logits_output.hidden_states (target, packed aux capture)"})
     st.dirty = True
@@ -325,7 +281,7 @@ def record_draft(runner, fb) -> None:
                          p.keys[0][bad[0]])
     rec = st.rec
     private = bool(getattr(fb, "tensordiff_private", False))  # a snapshot's copies, kept as they are
-    n = rec.packed(DRAFT, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
+    n = serving.packed(rec, DRAFT, hs, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
                    token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=AUX, private=private,
                    attrs={"source": "draft runner forward_batch.spec_info.hidden_states (the fc input)"})
     if n:
@@ -373,12 +329,3 @@ def last_accepted_rows(p: Pass, acc):
 def _record_draft_ids(ids, rows) -> None:
     """The input id each draft row was paired with (token t+1), as a one-column float64 tensor."""
     record_draft_ids(STATE, DRAFT_IDS, ids, rows, "the input token id paired with each draft_input row (token t+1)")
-
-
-def same_tensor(a, b) -> bool:
-    if a is b:
-        return True
-    try:
-        return a.shape == b.shape and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
-    except Exception:  # noqa: BLE001
-        return False

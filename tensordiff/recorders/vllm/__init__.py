@@ -2,8 +2,8 @@
 
 vLLM calls every ``vllm.general_plugins`` entry point in each of its processes (the caller, the
 EngineCore, every Worker; ``VLLM_PLUGINS=a,b`` restricts which); tensordiff declares
-``tensordiff = "tensordiff.recorders.vllm:register"`` (``tensordiff.recorders.vllm_plugin:register``,
-the older target, is an alias that keeps working). :func:`register` does nothing at all unless
+``tensordiff = "tensordiff.recorders.vllm:register"`` (an install whose entry point still names
+``tensordiff.recorders.vllm_plugin`` is reinstalled with ``pip install -e .``). :func:`register` does nothing at all unless
 ``TENSORDIFF_TRACE`` names a trace file (the same variables as the SGLang plugin, see
 :class:`tensordiff.recorders.sglang.config.Config`). Then it wraps methods of vLLM's V1 model
 runner and drafter (vLLM has no hook registry: a general plugin wraps methods, once per process).

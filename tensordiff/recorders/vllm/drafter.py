@@ -132,7 +132,7 @@ def record_draft(ctx: dict) -> None:
             # (draft_input's rows refer to aux_hidden_states' rows; the reader resolves them)
             src, reuse = aux, AUX
     step.aux = None
-    got = st.rec.packed(DRAFT, src, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
+    got = serving.packed(st.rec, DRAFT, src, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
                         token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=reuse,
                         attrs={"source": "drafter propose(target_hidden_states): the input of "
                                          "combine_hidden_states (the draft's fc)"})

@@ -92,7 +92,7 @@ def hook_model_forward(original, runner, *args, **kwargs):
                 step.hidden = out[0]  # until the step is sampled (top-k of the rows it keeps)
         elif st.target_head is not None and st.cfg.topk > 0 and hasattr(out, "shape"):
             step.hidden = out
-        st.pending = step
+        st.pending, st.commit_pending = step, commit
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
     st.add_seconds(time.perf_counter() - t0)

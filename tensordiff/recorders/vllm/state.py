@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+from typing import Any
 
 from ..serving import ServeState
 from .config import Config
@@ -66,6 +67,9 @@ class State(ServeState):
         self.sched = None             # the scheduler output of the running execute_model
         self.forwarded = False
         self.pending: Step | None = None
+        # how the pending step is committed (verify.commit, handed over by forward with the step, so
+        # that this module imports neither)
+        self.commit_pending: Any = None
         self.last: Step | None = None  # the committed step the drafter reads
         self.ctx: Step | None = None   # the step whose forward the catalog taps see
         self.catalog_handles: list = []
@@ -146,11 +150,9 @@ class State(ServeState):
         if self.rec is None or self.closed:
             self.closed = True
             return
-        if not self.broken and self.pending is not None:
-            from .verify import commit  # the held step, as if its sampling result said nothing
-
-            try:
-                commit(self.pending, None)
+        if not self.broken and self.pending is not None and self.commit_pending is not None:
+            try:  # the held step, as if its sampling result said nothing
+                self.commit_pending(self.pending, None)
             except Exception as e:  # noqa: BLE001
                 self.fail("close", e)
         self.closed = True

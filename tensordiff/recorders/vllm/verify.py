@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from .. import serving
 from .config import AUX
 from .predictions import commit_predictions
 from .state import STATE, Step
@@ -115,7 +116,7 @@ def record_aux(aux, rows) -> None:
         st.warn_once("aux-width", "aux hidden states are %d wide, not %d slots x %d; not recorded",
                      aux.shape[-1], len(st.labels), h)
         return
-    st.rec.packed(AUX, aux, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
+    serving.packed(st.rec, AUX, aux, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
                   token_offset=0, role="aux", values=st.cfg.wants_values(AUX), remember=True,
                   private=True,  # the step's own torch.cat of the aux states: nobody writes it
                   attrs={"source": "target model aux_hidden_states (EagleModelMixin._maybe_add_hidden_state), "

@@ -1,0 +1,489 @@
+"""Widgets and screens of the TUI (see :mod:`tensordiff.tui.app`); their data is in :mod:`tensordiff.tui.data`.
+
+The heatmap is a Line-API :class:`~textual.scroll_view.ScrollView`: it renders only the lines on
+screen, reading the diff summary (:class:`tensordiff.summary.SummaryReader`) in blocks of rows
+through a bounded LRU cache, so neither its time to paint nor its memory grows with the trace.
+Nothing here judges a tensor: colours and glyphs show the diff's per-token flags (fails
+tolerance, NaN/Inf) and the size of the metric it wrote.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual import events, on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.geometry import Size
+from textual.message import Message
+from textual.screen import ModalScreen
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+from textual.widgets import Input, Static, Tree
+
+from ..findings import DiffResult
+from ..summary import SummaryReader
+from .data import (
+    LiveSummary,
+    BARS,
+    CAT_FAIL,
+    CAT_NONFINITE,
+    CAT_OK,
+    GOTO_FORMS,
+    METRICS,
+    N_LEVELS,
+    PENDING,
+    BlockCache,
+    Column,
+    Metric,
+    filter_columns,
+    legend,
+)
+from .text import GLYPH_RANK, column_verdict
+
+CELL_W = 4          # three glyphs and a gap
+PENDING_GLYPH = "░░░"   # a cell the running diff has not compared yet: no bar, no verdict colour
+HEADER_H = 2        # column header lines (sticky)
+GUTTER_W = 22       # "seq:pos token" and a separator
+
+# ----------------------------------------------------------------------------------------------
+# Glyphs and colours of the heatmap's cells (indexed by data.cell_codes)
+# ----------------------------------------------------------------------------------------------
+
+
+def _mix(c1: tuple[int, int, int], c2: tuple[int, int, int], t: float) -> str:
+    r, g, b = (round(a + (b_ - a) * t) for a, b_ in zip(c1, c2))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def _cell_tables(verdict_mode: bool) -> tuple[list[str], list[Style]]:
+    glyphs = ["   "]
+    styles = [Style()]
+    for cat in (CAT_OK, CAT_FAIL, CAT_NONFINITE):
+        for lvl in range(N_LEVELS):
+            t = lvl / (N_LEVELS - 1)
+            if cat == CAT_NONFINITE:
+                glyphs.append("!!!")
+                styles.append(Style(color="#ff40ff", bold=True))
+                continue
+            if verdict_mode:
+                glyphs.append("···" if cat == CAT_OK else "███")
+            else:
+                glyphs.append(BARS[lvl] * 3)
+            if cat == CAT_OK:
+                styles.append(Style(color=_mix((46, 125, 50), (192, 202, 51), t)))
+            else:
+                styles.append(Style(color=_mix((255, 183, 77), (255, 23, 68), t), bold=lvl >= N_LEVELS - 2))
+    assert len(glyphs) == PENDING
+    glyphs.append(PENDING_GLYPH)
+    styles.append(Style(color="#6c7a89", dim=True))
+    return glyphs, styles
+
+
+GLYPHS, STYLES = _cell_tables(False)
+VGLYPHS, VSTYLES = _cell_tables(True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The heatmap
+# ----------------------------------------------------------------------------------------------
+
+
+class Heatmap(ScrollView, can_focus=True):
+    """token x slot heatmap: one line per aligned token, one cell per tensor/slot column."""
+
+    BINDINGS: ClassVar[list] = [
+        Binding("up", "move(-1, 0)", "up", show=False),
+        Binding("down", "move(1, 0)", "down", show=False),
+        Binding("left", "move(0, -1)", "left", show=False),
+        Binding("right", "move(0, 1)", "right", show=False),
+        Binding("pageup", "page(-1)", "page up", show=False),
+        Binding("pagedown", "page(1)", "page down", show=False),
+        Binding("home", "edge(0)", "first token", show=False),
+        Binding("end", "edge(1)", "last token", show=False),
+    ]
+
+    DEFAULT_CSS = """
+    Heatmap { background: $surface; width: 1fr; height: 1fr; }
+    """
+
+    class CellSelected(Message):
+        """The cursor moved to (row, column); ``column`` is a summary column index."""
+
+        def __init__(self, row: int, column: int) -> None:
+            self.row = row
+            self.column = column
+            super().__init__()
+
+    def __init__(self, *, block_rows: int = 256, max_blocks: int = 24, **kw) -> None:
+        super().__init__(**kw)
+        self.block_rows = block_rows
+        self.max_blocks = max_blocks
+        self.summary: SummaryReader | None = None
+        self.blocks: BlockCache | None = None
+        self.columns: list[Column] = []       # all, forward order
+        self.shown: list[Column] = []       # after the filter
+        self.metric = METRICS[0]
+        self.cursor_row = 0
+        self.cursor_col = 0                   # index into self.shown
+        self.message_lines: list[str] = ["diff running..."]
+        self._seq_names: list[str] = []
+        self.live = False                     # showing a summary the diff is still writing
+
+    # -- data ------------------------------------------------------------------------------
+
+    def attach(self, summary: SummaryReader | LiveSummary, columns: list[Column], *, live: bool = False) -> None:
+        """Show a summary: the finished one, or (``live``) the one the diff is writing, whose
+        cells not compared yet are drawn as pending (``░░░``)."""
+        self.live = live
+        self.summary = summary
+        self.blocks = BlockCache(summary, self.block_rows, self.max_blocks)
+        self.columns = list(columns)
+        self.shown = list(columns)
+        self._seq_names = list(summary.seq_a)
+        self.cursor_row = 0
+        self.cursor_col = 0
+        self._update_virtual()
+        self.refresh()
+
+    def rows_changed(self, lo: int, hi: int) -> None:
+        """The running diff has compared more cells in rows lo..hi-1: redraw them."""
+        if self.blocks is not None:
+            self.blocks.invalidate(lo, hi)
+            sy = self.scroll_offset.y
+            if lo < sy + self.page_rows and hi > sy:
+                self.refresh()
+
+    def show_message(self, *lines: str) -> None:
+        self.message_lines = list(lines)
+        self.refresh()
+
+    def on_resize(self, event: events.Resize) -> None:
+        # a smaller window must not leave the cursor row (or column) out of view
+        if self.summary is not None and self.shown:
+            self._scroll_into_view()
+
+    def _update_virtual(self) -> None:
+        n = self.summary.n if self.summary is not None else 0
+        # one blank cell of padding: the last column shows whole at the rightmost scroll
+        self.virtual_size = Size(GUTTER_W + (len(self.shown) + 1) * CELL_W, n + HEADER_H)
+
+    @property
+    def n_rows(self) -> int:
+        return self.summary.n if self.summary is not None else 0
+
+    @property
+    def column(self) -> Column | None:
+        return self.shown[self.cursor_col] if self.shown else None
+
+    def set_filter(self, text: str) -> int:
+        """Show only columns whose label contains one of the comma-separated terms (case-blind);
+        an empty filter shows all. Returns the number of visible columns."""
+        current = self.column
+        self.shown = filter_columns(self.columns, text)
+        if current is not None and current in self.shown:
+            self.cursor_col = self.shown.index(current)
+        else:
+            self.cursor_col = 0
+        self._update_virtual()
+        self.refresh()
+        if self.shown:
+            self._scroll_into_view()
+            self._post()
+        return len(self.shown)
+
+    def set_metric(self, metric: Metric) -> None:
+        self.metric = metric
+        self.refresh()
+
+    def column_position(self, summary_column: int) -> int | None:
+        for i, c in enumerate(self.shown):
+            if c.index == summary_column:
+                return i
+        return None
+
+    # -- cursor ----------------------------------------------------------------------------
+
+    def move_to(self, row: int | None = None, col: int | None = None, *, center: bool = False) -> None:
+        """Put the cursor on (row, visible column); None keeps that coordinate."""
+        if self.summary is None or not self.shown:
+            return
+        old_row, old_offset = self.cursor_row, self.scroll_offset
+        if row is not None:
+            self.cursor_row = max(0, min(int(row), self.n_rows - 1))
+        if col is not None:
+            self.cursor_col = max(0, min(int(col), len(self.shown) - 1))
+        self._scroll_into_view(center=center)
+        if self.scroll_offset == old_offset:
+            # only the lines that show the cursor change: old and new row, the column header
+            sy = self.scroll_offset.y
+            self.refresh_line(old_row + HEADER_H)
+            self.refresh_line(self.cursor_row + HEADER_H)
+            self.refresh_line(sy + HEADER_H - 1)
+        else:
+            self.refresh()
+        self._post()
+
+    def _post(self) -> None:
+        if self.column is not None:
+            self.post_message(self.CellSelected(self.cursor_row, self.column.index))
+
+    @property
+    def page_rows(self) -> int:
+        return max(1, self.scrollable_content_region.height - HEADER_H)
+
+    def _scroll_into_view(self, center: bool = False) -> None:
+        sx, sy = self.scroll_offset
+        h = self.page_rows
+        r = self.cursor_row
+        y = sy
+        if center and not (sy <= r < sy + h):
+            y = r - h // 2
+        elif r < sy:
+            y = r
+        elif r >= sy + h:
+            y = r - h + 1
+        w = max(1, self.scrollable_content_region.width - GUTTER_W)
+        cx = self.cursor_col * CELL_W
+        x = sx
+        if cx < sx:
+            x = cx
+        elif cx + CELL_W > sx + w:
+            x = -(-(cx + CELL_W - w) // CELL_W) * CELL_W   # whole cells at the left edge
+        max_y = max(0, self.n_rows + HEADER_H - self.scrollable_content_region.height)
+        max_x = max(0, GUTTER_W + (len(self.shown) + 1) * CELL_W - self.scrollable_content_region.width)
+        max_x -= max_x % CELL_W
+        y = max(0, min(y, max_y))
+        x = max(0, min(x, max_x))
+        if (x, y) != (sx, sy):
+            self.scroll_to(x=x, y=y, animate=False, immediate=True, force=True)
+
+    def action_move(self, drow: int, dcol: int) -> None:
+        self.move_to(self.cursor_row + drow, self.cursor_col + dcol)
+
+    def action_page(self, direction: int) -> None:
+        self.move_to(self.cursor_row + direction * self.page_rows)
+
+    def action_edge(self, end: int) -> None:
+        self.move_to(self.n_rows - 1 if end else 0)
+
+    def cell_at(self, x: int, y: int) -> tuple[int | None, int | None]:
+        """(row, visible column) under a content-relative point; None where it is not a cell."""
+        sx, sy = self.scroll_offset
+        row = sy + y - HEADER_H if y >= HEADER_H else None
+        col = (x - GUTTER_W + sx) // CELL_W if x >= GUTTER_W else None
+        if row is not None and not 0 <= row < self.n_rows:
+            row = None
+        if col is not None and not 0 <= col < len(self.shown):
+            col = None
+        return row, col
+
+    async def on_click(self, event: events.Click) -> None:
+        off = event.get_content_offset(self)
+        if off is None or self.summary is None:
+            return
+        row, col = self.cell_at(off.x, off.y)
+        if row is None and col is None:
+            return
+        self.focus()
+        self.move_to(row, col)
+
+    # -- rendering -------------------------------------------------------------------------
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        base = self.rich_style
+        if self.summary is None or not self.shown:
+            lines = self.message_lines if self.summary is None else ["no column matches the filter (press / to change it)"]
+            text = lines[y] if y < len(lines) else ""
+            return Strip([Segment(text[:width].ljust(width), base)], width)
+        sx, sy = self.scroll_offset
+        cells_w = max(0, width - GUTTER_W)
+        c0 = sx // CELL_W
+        c1 = min(len(self.shown), c0 + cells_w // CELL_W + 2)
+        if y < HEADER_H:
+            gutter, cells = self._header_line(y, c0, c1, base)
+        else:
+            row = sy + y - HEADER_H
+            if row >= self.n_rows:
+                return Strip.blank(width, base)
+            gutter, cells = self._row_line(row, c0, c1, base)
+        strip = Strip(cells).crop(sx - c0 * CELL_W, sx - c0 * CELL_W + cells_w)
+        return Strip(gutter + list(strip)).adjust_cell_length(width, base)
+
+    def _header_line(self, y: int, c0: int, c1: int, base: Style) -> tuple[list[Segment], list[Segment]]:
+        hstyle = base + Style(bold=True)
+        cur = base + Style(bold=True, reverse=True)
+        if y == 0:
+            title = " " + legend(self.metric)
+            gutter = [Segment(title[:GUTTER_W - 1].ljust(GUTTER_W - 1) + "│", hstyle)]
+            segs: list[Segment] = []
+            i = c0
+            while i < c1:
+                c = self.shown[i]
+                if not c.packed:
+                    segs.append(Segment(" " * CELL_W, base))
+                    i += 1
+                    continue
+                j = i
+                while j < c1 and self.shown[j].packed and self.shown[j].tensor_a == c.tensor_a:
+                    j += 1
+                span = (j - i) * CELL_W
+                segs.append(Segment(c.tensor_a[:span - 1].ljust(span), hstyle))
+                i = j
+            return gutter, segs
+        gutter = [Segment("seq:pos".rjust(14) + " " + "token".rjust(6) + "│", hstyle)]
+        segs = []
+        for i in range(c0, c1):
+            c = self.shown[i]
+            segs.append(Segment(c.short[:CELL_W - 1].ljust(CELL_W), cur if i == self.cursor_col else hstyle))
+        return gutter, segs
+
+    def _row_line(self, row: int, c0: int, c1: int, base: Style) -> tuple[list[Segment], list[Segment]]:
+        assert self.blocks is not None
+        tok = self.blocks.token(row)
+        seq = int(tok["seq_a"])
+        name = self._seq_names[seq] if 0 <= seq < len(self._seq_names) else str(seq)
+        pos = str(int(tok["pos_a"]))
+        room = 14 - len(pos) - 1
+        key = (name if len(name) <= room else "…" + name[-(room - 1):]) + ":" + pos if room > 1 else pos[-14:]
+        is_cur = row == self.cursor_row
+        gstyle = base + (Style(reverse=True, bold=True) if is_cur else Style(dim=True))
+        gutter = [Segment(key.rjust(14)[-14:] + " " + str(int(tok["token"])).rjust(6)[-6:], gstyle),
+                  Segment("│", base + Style(dim=True))]
+        codes, off = self.blocks.codes(row, self.metric)
+        line = codes[off]
+        glyphs, styles = (VGLYPHS, VSTYLES) if self.metric.key == "verdict" else (GLYPHS, STYLES)
+        segs = []
+        for i in range(c0, c1):
+            code = int(line[self.shown[i].index])
+            st = base + styles[code]
+            if is_cur and i == self.cursor_col:
+                st = st + Style(reverse=True, bold=True)
+                glyph = glyphs[code] if code else "[ ]"
+            else:
+                glyph = glyphs[code]
+            segs.append(Segment(glyph, st))
+            segs.append(Segment(" ", base))
+        return gutter, segs
+
+
+class DetailPane(Static):
+    """The cell detail. Its lines are laid out for its width (the value histograms' bins), so a
+    change of width (the terminal resized, or its scroll container's bar coming or going once the
+    lines are in) posts :class:`DetailPane.Resized` for the app to lay them out again."""
+
+    class Resized(Message):
+        """The pane's width changed since its lines were laid out."""
+
+    laid_width: int = -1   # the width the current lines were laid out for (set by the app)
+
+    def on_resize(self, event: events.Resize) -> None:
+        if self.laid_width >= 0 and event.size.width != self.laid_width:
+            self.post_message(self.Resized())
+
+
+# ----------------------------------------------------------------------------------------------
+# The tree of tensors and slots
+# ----------------------------------------------------------------------------------------------
+
+
+class TensorTree(Tree):
+    """Every compared tensor, packed ones with a child per slot, marked from the diff's findings."""
+
+    def show(self, res: DiffResult, columns: list[Column]) -> None:
+        tree = self
+        tree.clear()
+        groups: dict[str, list[Column]] = {}
+        for c in columns:
+            groups.setdefault(c.tensor_a, []).append(c)
+        for name, cols in groups.items():
+            verdicts = [column_verdict(res, c) for c in cols]
+            if len(cols) == 1 and not cols[0].packed:
+                g, s, words = verdicts[0]
+                tree.root.add_leaf(Text.assemble((g, s), " ", cols[0].label, (f"  {words}", "dim")), data=cols[0].index)
+                continue
+            g, s, _ = max(verdicts, key=lambda v: GLYPH_RANK.get(v[0], 0))
+            node = tree.root.add(Text.assemble((g, s), " ", name, (f"  {len(cols)} slots", "dim")),
+                                 data=cols[0].index, expand=True)
+            for c, (g2, s2, words) in zip(cols, verdicts):
+                claim = f" = {c.slot_label}" if c.slot_label else ""
+                node.add_leaf(Text.assemble((g2, s2), f" slot {c.slot}{claim}", (f"  {words}", "dim")), data=c.index)
+
+
+# ----------------------------------------------------------------------------------------------
+# Screens
+# ----------------------------------------------------------------------------------------------
+
+
+HELP = [
+    ("n / p", "next / previous finding"),
+    ("f", "jump to the first divergence"),
+    ("g", "go to a token: #INDEX (aligned row), SEQ:POS, POS (in the current sequence) or t=TOKEN_ID"),
+    ("/", "filter tensors: comma-separated substrings of column labels (empty: all); Enter or Esc closes"),
+    ("m", "toggle the heatmap metric: relative error, 1 - cosine, max abs error, aligner verdict"),
+    ("a", "show or hide the acceptance pane (accepted share per draft position, the draft's top-1 per regime)"),
+    ("arrows, PgUp/PgDn, Home/End", "move the heatmap cursor (click a cell with the mouse, too)"),
+    ("Tab / Shift+Tab", "move between findings, tensors and heatmap; Enter picks"),
+    ("[  /  < >", "hide or show the findings and tensors / make them narrower or wider"),
+    ("s", "save a screenshot (SVG) in the current directory (also from this help)"),
+    ("?", "this help"),
+    ("q", "quit (exit code: 1 divergence, 0 agree, 130 quit before the diff finished)"),
+]
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list] = [Binding("escape,q,question_mark,enter", "dismiss", "close"),
+                                Binding("s", "app.screenshot", "screenshot")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll { width: 96; max-width: 100%; height: auto; max-height: 100%; border: round $accent;
+                                  padding: 1 2; background: $panel; }
+    """
+
+    def compose(self) -> ComposeResult:
+        from rich.console import Group
+        from rich.table import Table
+
+        table = Table(box=None, show_header=False, padding=(0, 2, 0, 0), expand=True)
+        table.add_column(style="bold cyan", no_wrap=True, justify="right")
+        table.add_column(ratio=1)
+        for k, what in HELP:
+            table.add_row(k, what)
+        legend = Text("Colours and glyphs are the aligner's: red / ✗ a divergence, yellow / ! a warning, "
+                      "green / ✓ nothing found. Heatmap bars grow with the metric (log scale); in verdict "
+                      "mode ··· is ok and ███ fails tolerance; !!! NaN/Inf; blank: no row for that token; "
+                      "░░░ (while the diff runs) not compared yet. "
+                      "Esc closes.", style="dim")
+        with VerticalScroll():
+            yield Static(Group(Text("tensordiff keys\n", style="bold"), table, Text(""), legend))
+
+    def action_dismiss(self) -> None:  # type: ignore[override]
+        self.dismiss(None)
+
+
+class GotoScreen(ModalScreen[str | None]):
+    BINDINGS: ClassVar[list] = [Binding("escape", "cancel", "cancel")]
+    DEFAULT_CSS = """
+    GotoScreen { align: center middle; }
+    GotoScreen > Vertical { width: 72; height: auto; border: round $accent; padding: 0 1; background: $panel; }
+    """
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(f"go to token: {GOTO_FORMS}")
+            yield Input(placeholder="e.g. 120, s0:120, #5000, t=42", id="goto-input")
+
+    def on_mount(self) -> None:
+        self.query_one(Input).focus()
+
+    @on(Input.Submitted)
+    def _submit(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
