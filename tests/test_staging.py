@@ -246,8 +246,8 @@ def test_rows_by_reference_are_appended_after_the_source_rows_they_refer_to(tmp_
                 rows = rec.add_tokens("r", np.arange(pos, pos + n), np.arange(n) % 40, regime="decode", step=step)
                 pos += n
                 x = torch.randn(n, 3 * H, generator=g)
-                rec.packed("aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True)
-                rec.packed("draft_input", x, rows, labels=LABELS, token_offset=1, reuse="aux")
+                serving.packed(rec, "aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True)
+                serving.packed(rec, "draft_input", x, rows, labels=LABELS, token_offset=1, reuse="aux")
 
     record(tmp_path / "a.h5", 0)
     record(tmp_path / "b.h5", stage_bytes)
