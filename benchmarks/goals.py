@@ -1,4 +1,4 @@
-"""Every speed and memory goal (and the serve plugins' overhead), measured and judged.
+"""Every speed and memory goal (and the serve plugins' overhead, the verdict's sensitivity), measured and judged.
 
 Runs each benchmark script once per configuration, one after the other (never two at once: they
 would load each other), with ``--json FILE``, and judges the figures it wrote against the goals:
@@ -72,6 +72,7 @@ RUNS = [
     Run("zoom", "bench_zoom.py"),
     Run("tui", "bench_tui.py"),
     Run("sglang-eagle", "bench_sglang_overhead.py", ("--mode", "eagle", "--rounds", "5")),
+    Run("sensitivity", "bench_sensitivity.py", ("--engines", "sglang", "vllm")),
 ]
 
 GOALS: list[Goal] = []
@@ -97,6 +98,14 @@ GOALS += [
     Goal("TUI: first real heatmap rows at 1M tokens", "tui", "first_rows_s_1m", "<=", 1.0, " s"),
     Goal("SGLang plugin time, EAGLE-3 with predictions (issue 15; 5.3% stated before the taps)", "sglang-eagle",
          "plugin_share", "<=", 0.053),
+    # issue 26: the verdict against injected bugs and correct pairs of real recordings
+    Goal("sensitivity: false alarms on correct pairs (HF, SGLang, vLLM; both orders)", "sensitivity",
+         "false_alarms", "==", 0),
+    Goal("sensitivity: every engine pair recorded (SGLang, vLLM in bf16 and fp32)", "sensitivity",
+         "engine_pairs_missing", "==", 0),
+    Goal("sensitivity: bugs at >= 3x the noise floor detected", "sensitivity", "detected_at_3x", ">=", 1.0),
+    Goal("sensitivity: bugs at >= 3x the noise floor named in the first sentence", "sensitivity", "named_at_3x",
+         ">=", 1.0),
 ]
 OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
 

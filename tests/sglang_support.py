@@ -613,3 +613,169 @@ def assert_prediction_layouts(tr: RecordedTrace, draft_k: int, target_k: int = 2
     np.testing.assert_array_equal(tr.rows(cv.DRAFT_FC)[0], drows)
     np.testing.assert_array_equal(tr.rows(cv.DRAFT_TOPK)[0], drows)
     return drows, sv
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctly wired serve / train pairs (the serve side in a real engine, in any dtype; the train
+# side `record train --from-serve` in fp32): the pairs a noise model is judged on
+# ----------------------------------------------------------------------------------------------
+
+REPO = HERE.parent
+
+# `serve_cli.record` with the AMX override the intel_amx backend needs (EAGLE-3 on CPU)
+EAGLE_RUNNER = """
+import sys
+sys.path.insert(0, {tests!r})
+import argparse, sglang_support as sup
+from tensordiff.recorders import serve_cli
+p = argparse.ArgumentParser(); serve_cli.add_arguments(p)
+args = p.parse_args(sys.argv[1:])
+sup.prepare_cpu_env()
+res = serve_cli.record(args, start_engine=sup.start_engine)
+print("SECONDS", res["seconds"])
+"""
+
+
+def engine_env() -> dict[str, str]:
+    """The environment of an SGLang engine process: CPU mode, the sgl_kernel stand-in and this
+    checkout first on the path, only our plugin, no TENSORDIFF_* left over from the caller."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF_")}
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(STUB_DIR), str(REPO), *rest])
+    env["SGLANG_PLUGINS"] = "tensordiff"
+    return env
+
+
+def tensordiff_env() -> dict[str, str]:
+    """The environment of a `python -m tensordiff` child: this checkout first on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF_")}
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *rest])
+    return env
+
+
+def write_prompts(path: Path, prompts: dict[str, Sequence[int]]) -> Path:
+    path.write_text("".join(json.dumps({"id": k, "input_ids": list(map(int, v))}) + "\n" for k, v in prompts.items()))
+    return path
+
+
+def record_eagle_serve(target: str | os.PathLike, draft: str | os.PathLike, prompts: dict[str, Sequence[int]],
+                       out_dir: Path, name: str, *, dtype: str = "bfloat16", max_new_tokens: int = 6,
+                       chunk: int = 32, batch_size: int = 2, catalog: bool = True, values: str | None = None,
+                       mem_fraction_static: float = 0.3, timeout: float = 900) -> dict:
+    """EAGLE-3 in real SGLang on the CPU (``serve_cli.record``, intel_amx), the model in ``dtype``:
+    ``{"trace", "outputs" (the --outputs JSONL), "full" (key -> prompt + output ids)}``. ``values``:
+    the tensors that keep values (``--values``; default: the plugin's). ``mem_fraction_static``: on
+    the CPU, SGLang sizes the KV cache from the machine memory still available after loading the
+    weights, less (1 - this) of what was available before; other processes taking memory in
+    between leave none at 0.1 (``max_total_tokens`` bounds the cache whatever the fraction)."""
+    import subprocess
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pfile = write_prompts(out_dir / f"{name}-prompts.jsonl", prompts)
+    trace, outputs = out_dir / f"{name}.h5", out_dir / f"{name}.jsonl"
+    argv = [sys.executable, "-c", EAGLE_RUNNER.format(tests=str(HERE)), "--model", str(target),
+            "--draft", str(draft), "--prompts", str(pfile), "--out", str(trace), "--outputs", str(outputs),
+            "--max-new-tokens", str(max_new_tokens), "--batch-size", str(batch_size), "--device", "cpu",
+            "--dtype", dtype, "--chunked-prefill-size", str(chunk), "--mem-fraction-static", str(mem_fraction_static),
+            "--max-total-tokens", "2048", "--log-level", "error", "--attention-backend", "intel_amx"]
+    if catalog:
+        argv.append("--catalog")
+    if values:
+        argv += ["--values", values]
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=engine_env(), cwd=REPO,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"SGLang serve run failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return load_serve_run(trace, outputs)
+
+
+def load_serve_run(trace: Path, outputs: Path) -> dict:
+    """The run's outputs and trace; a trace the plugin did not close cleanly (it stopped recording on
+    an error: ``recording_error``) is an error here, not a shorter trace to compare."""
+    import h5py
+
+    with h5py.File(trace, "r") as f:
+        if not bool(f.attrs.get("complete", False)):
+            err = f.attrs.get("recording_error")
+            raise RuntimeError(f"the serve trace {trace} was not closed cleanly"
+                               + (f": recording_error {err}" if err is not None else ""))
+    outs = [json.loads(line) for line in outputs.read_text().splitlines()]
+    return {"trace": str(trace), "outputs": str(outputs), "by_id": {o["id"]: o for o in outs},
+            "full": {o["id"]: o["input_ids"] + o["output_ids"] for o in outs}}
+
+
+def record_train_from_serve(target: str | os.PathLike, source: str | os.PathLike, out: Path,
+                            draft: str | os.PathLike, convention: str, *, dtype: str = "float32",
+                            extra: Sequence[str] = ()) -> Path:
+    """`tensordiff record train --from-serve SOURCE` (this venv): the sequences a serve run saw,
+    through HF transformers in ``dtype``, wired as ``convention`` says the engine wires them."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "tensordiff", "record", "train", "--model", str(target), "--from-serve", str(source),
+            "--draft", str(draft), "--convention", convention, "--dtype", dtype, "--device", "cpu", "--no-progress",
+            "--out", str(out), *extra]
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=tensordiff_env(), cwd=REPO,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"record train failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return out
+
+
+def sglang_serve_pair(target: str | os.PathLike, draft: str | os.PathLike, prompts: dict[str, Sequence[int]],
+                      out_dir: Path, *, dtype: str = "bfloat16", train_dtype: str = "float32", all_values: bool = False,
+                      **serve_kw: Any) -> dict:
+    """A correctly wired pair: SGLang EAGLE-3 serve in ``dtype`` and `record train --from-serve` its
+    outputs in ``train_dtype`` (sglang-llama: draft id i -> boundary i + 1, as SGLang captures).
+    ``all_values``: every tensor on both sides keeps its values (default: each recorder's own
+    choice, as a user records). ``{"train", "serve", "run"}``."""
+    run = record_eagle_serve(target, draft, prompts, out_dir, f"sglang-{dtype}", dtype=dtype,
+                             values="all" if all_values else None, **serve_kw)
+    train = record_train_from_serve(target, run["outputs"], out_dir / f"sglang-{dtype}-train-{train_dtype}.h5",
+                                    draft, "sglang-llama", dtype=train_dtype,
+                                    extra=("--values", "all") if all_values else ())
+    return {"train": str(train), "serve": run["trace"], "run": run}
+
+
+def diff_json(a: str | os.PathLike, b: str | os.PathLike, *extra: str) -> tuple[int, dict | None, str]:
+    """`tensordiff diff A B --json` (this venv): (exit code, the JSON or None, stderr)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", str(a), str(b), "--json", *extra], check=False,
+                          capture_output=True, text=True, env=tensordiff_env(), cwd=REPO, timeout=900)
+    try:
+        doc = json.loads(proc.stdout)
+    except ValueError:
+        doc = None
+    return proc.returncode, doc, proc.stderr
+
+
+def trained_models(min_head_dim: int = 0) -> dict | None:
+    """The trained tiny Llama, its EAGLE-3 draft and held-out prompts (scripts/train_tiny_models.py,
+    built once and cached), as ``{"target", "draft", "prompts" (key -> ids), "layers"}``; None where
+    the script is absent or its model's head_dim is below ``min_head_dim`` (vLLM's CPU attention
+    needs 64)."""
+    import importlib.util
+
+    script = REPO / "scripts" / "train_tiny_models.py"
+    if not script.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("_train_tiny_models", script)
+    if spec is None or spec.loader is None:
+        return None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    cfg = dict(mod.CONFIG)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    if head_dim < min_head_dim:
+        return None
+    out = Path(mod.trained_dir(log=lambda *_: None))
+    prompts: dict[str, list[int]] = {}
+    if (out / "prompts.jsonl").exists():
+        for i, line in enumerate((out / "prompts.jsonl").read_text().splitlines()):
+            doc = json.loads(line)
+            prompts[str(doc.get("id", f"p{i}"))] = [int(t) for t in doc["input_ids"]]
+    return {"target": out / "target", "draft": out / "draft", "prompts": prompts,
+            "layers": int(cfg["num_hidden_layers"])}

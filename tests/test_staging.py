@@ -239,12 +239,40 @@ def test_rows_referring_to_a_source_are_appended_after_it_in_a_batch(tmp_path):
     with Recorder(tmp_path / "o.h5", side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=1 << 20,
                   values=["aux", "draft_input"]) as rec:
         r0 = rec.add_tokens("a", np.arange(4), np.arange(4), regime="prefill")
-        rec.packed("aux", x0, r0, labels=LABELS, token_offset=0, role="aux", remember=True)
+        serving.packed(rec, "aux", x0, r0, labels=LABELS, token_offset=0, role="aux", remember=True)
         rec.write_staged()
-        rec.packed("draft_input", x0, r0, labels=LABELS, token_offset=1, reuse="aux")  # staged before aux's next rows
+        serving.packed(rec, "draft_input", x0, r0, labels=LABELS, token_offset=1, reuse="aux")  # staged before aux's next rows
         r1 = rec.add_tokens("b", np.arange(3), np.arange(3), regime="prefill")
-        rec.packed("aux", x1, r1, labels=LABELS, token_offset=0, role="aux", remember=True)
-        rec.packed("draft_input", x1, r1, labels=LABELS, token_offset=1, reuse="aux")
+        serving.packed(rec, "aux", x1, r1, labels=LABELS, token_offset=0, role="aux", remember=True)
+        serving.packed(rec, "draft_input", x1, r1, labels=LABELS, token_offset=1, reuse="aux")
     with TraceReader(str(tmp_path / "o.h5")) as r:
         assert r.complete
         np.testing.assert_array_equal(r.read_values("draft_input", raw=True), np.concatenate([x0.numpy(), x1.numpy()]))
+
+
+@pytest.mark.parametrize("stage_bytes", [500, 1000, 2000])
+@pytest.mark.parametrize("sizes", [[8, 2, 2], [1, 2, 3, 1, 2, 3]])
+def test_rows_by_reference_are_appended_after_the_source_rows_they_refer_to(tmp_path, stage_bytes, sizes):
+    """A drain right after aux's rows leaves a batch that begins with draft_input (its rows refer to
+    the aux rows just written) and then stages new aux rows and draft_input rows referring to them:
+    the batch appends aux first (draft_input first referred to rows not yet written: the recorder
+    failed and the trace was left unclosed, as on a real EAGLE-3 serve run whose draft was accepted)."""
+    def record(path, bound):
+        g = torch.Generator().manual_seed(0)
+        with Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=bound,
+                      values=["aux", "draft_input"]) as rec:
+            pos = 0
+            for step, n in enumerate(sizes):
+                rows = rec.add_tokens("r", np.arange(pos, pos + n), np.arange(n) % 40, regime="decode", step=step)
+                pos += n
+                x = torch.randn(n, 3 * H, generator=g)
+                serving.packed(rec, "aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True)
+                serving.packed(rec, "draft_input", x, rows, labels=LABELS, token_offset=1, reuse="aux")
+
+    record(tmp_path / "a.h5", 0)
+    record(tmp_path / "b.h5", stage_bytes)
+    with TraceReader(str(tmp_path / "a.h5")) as a, TraceReader(str(tmp_path / "b.h5")) as b:
+        assert b.complete and b.tensors["draft_input"].values_source == "aux"
+        for name in ("aux", "draft_input"):
+            np.testing.assert_array_equal(b.token_rows(name), a.token_rows(name))
+            np.testing.assert_array_equal(b.read_values(name, raw=True), a.read_values(name, raw=True))
