@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from . import acceptance
+from . import acceptance, routing
 from .align import (
     RowMaps,
     SideTokens,
@@ -222,7 +222,8 @@ class Differ:
                                           f"compared ({why}{'; ...' if len(stats) > 4 else ''})")
         self.opt.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
         findings = allow_failed(findings, stats, self.opt.tolerances.allow_failed)
-        findings = acceptance.add_finding(ra, rb, al, self.maps, order_findings(findings), stats)
+        findings = acceptance.add_finding(ra, rb, al, self.maps, order_findings(routing.add_finding(
+            ra, rb, al, self.maps, findings)), stats)
         return DiffResult(
             path_a=ra.path, path_b=rb.path, side_a=ra.side, side_b=rb.side, findings=findings,
             slot_table=slot_table, pairs=stats,
