@@ -64,20 +64,25 @@ TINY_DEEPSEEK: dict[str, Any] = {
     "topk_method": "noaux_tc",
     "ep_size": 1,
 }
+# vLLM's MLA (every CPU backend) takes kv_lora_rank + qk_rope_head_dim of 320, 512 or 576 only,
+# and its AMX MLA packs W_UK in blocks of 32 input features, in bfloat16 only: the vLLM variant
+# widens the latent and the heads to fit (everything else as above).
+VLLM_VARIANT: dict[str, Any] = {"kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32}
 EMBED_STD = 8.0
 OUT_SCALE = 0.5
 
 
-def make_tiny_deepseek(path: str | os.PathLike, *, seed: int = 0) -> Path:
-    """Write the tiny float32 ``DeepseekV3ForCausalLM`` to ``path`` (deterministic per seed)."""
+def make_tiny_deepseek(path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny float32 ``DeepseekV3ForCausalLM`` to ``path`` (deterministic per seed;
+    ``overrides``: config keys, e.g. :data:`VLLM_VARIANT`)."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from sglang_support import _drop_generation_config_ids
 
     path = Path(path)
-    config = DeepseekV3Config(**TINY_DEEPSEEK, initializer_range=0.3, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = DeepseekV3Config(**{**TINY_DEEPSEEK, **overrides}, initializer_range=0.3, rms_norm_eps=1e-6,
+                              tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
