@@ -261,7 +261,22 @@ SPEC_VERIFY = "spec_verify"        # serve only, one row per verify step (on the
 SPEC_CHAIN = "spec_chain"          # serve only, on the spec_verify row: the draft's top-k rows at draft positions
 #   0..K-1 (position 0 from the draft extend, later ones from its decode steps), then the target's top-k rows at the
 #   step's verify rows 0..K-1 (user attrs K, draft_width, target_width)
-PREDICTION_ROLES = (TARGET_TOPK, DRAFT_TOPK, SPEC_VERIFY, SPEC_CHAIN)  # not states: the numerics skip them
+MOE_ROUTING = "moe_routing"        # token_offset 0, one tensor per MoE layer, named moe_routing_layer<i> (i: the
+#   decoder layer, 0-based; its input is boundary i): [expert ids (k, ascending) | their router weights (k)], float64
+#   (tensordiff.routing compares them: routing flips per layer)
+PREDICTION_ROLES = (TARGET_TOPK, DRAFT_TOPK, SPEC_VERIFY, SPEC_CHAIN, MOE_ROUTING)  # not states: the numerics skip them
+
+
+def moe_routing_name(layer: int) -> str:
+    """The routing tensor of the MoE in decoder layer ``layer`` (0-based)."""
+    return f"{MOE_ROUTING}_layer{int(layer)}"
+
+
+def moe_routing_layer(name: str) -> int | None:
+    """The decoder layer of a routing tensor's name (None: not one)."""
+    head = f"{MOE_ROUTING}_layer"
+    tail = name[len(head):] if name.startswith(head) else ""
+    return int(tail) if tail.isdigit() else None
 
 
 def topk_width(k: int) -> int:
@@ -437,3 +452,34 @@ def draft_config_notes(engine: str, draft_config: dict, num_layers: int | None =
             notes.append(f"SGLang captures eagle_config.{key} {list(nested)}; the top-level {key} {list(top)} "
                          "is ignored for capture")
     return notes
+
+
+# What SGLang 0.5.23's DeepSeek forward loop (deepseek_v2.py, Kimi-K2.5 delegates to it) does with
+# capture ids, seen by running it on a tiny DeepseekV3ForCausalLM: layers_to_capture = i captures
+# the input of decoder layer i inside its `for i in range(start_layer, end_layer)` loop, so only
+# 0..N-1 exist; 0 is the embedding (the layer-boundary capture takes it since the old
+# `hidden_states + residual` crash at residual=None was fixed). An entry that is no layer is never
+# captured, and the packer then raises on the first forward pass.
+SGLANG_DEEPSEEK_CRASH = "RuntimeError: captured {got} of {want} aux hidden states"
+
+
+def sglang_deepseek_capture_note(ids: Sequence[int] | None, num_layers: int) -> tuple[str, bool] | None:
+    """(one sentence, fatal) on what SGLang's DeepSeek loop does with these draft ids when they
+    ask for the embedding or for a state the loop cannot capture; None: nothing to say.
+    ``fatal``: SGLang fails the first forward pass with these ids."""
+    if ids is None or not len(ids):
+        return None
+    ids = [int(i) for i in ids]
+    ltc = _sglang_deepseek(ids, num_layers)
+    bad = [b for b in ltc if not 0 <= b < num_layers]
+    if bad:
+        crash = SGLANG_DEEPSEEK_CRASH.format(got=len(ltc) - len(bad), want=len(ltc))
+        return (f"draft ids {ids} become layers_to_capture {ltc} in SGLang's DeepSeek loop, which captures the input "
+                f"of decoder layers 0..{num_layers - 1} only: {', '.join(map(str, bad))} "
+                f"{'is' if len(bad) == 1 else 'are'} never captured, and SGLang 0.5.23 fails the first forward pass "
+                f"({crash})"), True
+    if 0 in ltc:
+        k = ltc.index(0)
+        return (f"draft ids {ids} become layers_to_capture {ltc} in SGLang's DeepSeek loop (ids[0] != 1: taken as "
+                f"they are); 0 is the input of decoder layer 0, so slot {k} holds the embedding"), False
+    return None

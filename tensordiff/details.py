@@ -307,3 +307,19 @@ class AcceptanceDetails(Details):
     draft_kl: float | None = None
     draft_disagrees: bool = False   # teacher-forced top-1 agreement with the target below one half
     not_compared: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RoutingDetails(Details):
+    """MoE routing of the two sides on the same tokens (tensordiff.routing): per MoE layer
+    (``layers``: ``layer``, ``tokens`` compared, ``flips`` tokens whose expert set differs,
+    ``rate``, ``weight_max_abs`` over the tokens whose sets agree, ``first`` flip as
+    ``{seq, position}``), the totals, and the layers only one side recorded."""
+
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    tokens: int = 0
+    flips: int = 0
+    only_a: list[int] = field(default_factory=list)
+    only_b: list[int] = field(default_factory=list)
+    side_a: str = "A"
+    side_b: str = "B"

@@ -33,6 +33,7 @@ from .details import (
     Record,
     RecoveredDetails,
     ReplicaDetails,
+    RoutingDetails,
     ShiftDetails,
     Side,
     TokenMismatchDetails,
@@ -62,6 +63,7 @@ __all__ = [
     "Record",
     "RecoveredDetails",
     "ReplicaDetails",
+    "RoutingDetails",
     "Severity",
     "ShiftDetails",
     "SlotRow",
@@ -109,6 +111,7 @@ class Kind(_StrEnum):
     NUMERIC = "numeric"                # drift past tolerance
     REPLICA = "replica"                # copies in a trace set (TP replicas, PP overlap) that are not equal
     ACCEPTANCE = "acceptance"          # why the draft's acceptance is what it is (tensordiff.acceptance)
+    ROUTING = "routing"                # MoE routers' expert choices compared (tensordiff.routing)
 
 
 class Severity(_StrEnum):
@@ -126,7 +129,7 @@ _TOKEN_RANK = {Kind.RECOVERED: 0, Kind.TOKEN_SHIFT: 1, Kind.TOKEN_MISMATCH: 2, K
 # at the same place in forward order, the explanation comes before its symptoms
 _KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.TOKEN_MISMATCH: 0, Kind.PAIRING: 1, Kind.REPLICA: 1, Kind.GAP: 2,
               Kind.MISSING: 3, Kind.NONFINITE: 4, Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7,
-              Kind.ACCEPTANCE: 8}
+              Kind.ACCEPTANCE: 8, Kind.ROUTING: 8}
 
 
 DETAILS: dict[Kind, type[Details]] = {
@@ -135,6 +138,7 @@ DETAILS: dict[Kind, type[Details]] = {
     Kind.SLOT_IDENTITY: IdentityDetails, Kind.LABEL_MISMATCH: LabelDetails, Kind.NUMERIC: NumericDetails,
     Kind.REPLICA: ReplicaDetails,
     Kind.ACCEPTANCE: AcceptanceDetails,
+    Kind.ROUTING: RoutingDetails,
 }
 
 
@@ -332,6 +336,27 @@ def _replica(f: Finding, d: ReplicaDetails) -> str:
             "this side's result depends on which copy is read")
 
 
+def _routing(f: Finding, d: RoutingDetails) -> str:
+    def pct(flips: int, n: int) -> str:
+        return f"{100.0 * flips / n:.1f}%" if n else "-"
+
+    only = "".join(f"; recorded on {side} only: {', '.join(f'layer{i}' for i in ls)}"
+                   for side, ls in ((d.side_a, d.only_a), (d.side_b, d.only_b)) if ls)
+    if not d.layers:
+        return f"MoE routing not compared{only}"
+    if not d.tokens:
+        return f"MoE routing not compared: no token recorded by both sides{only}"
+    per = ", ".join(f"layer{x['layer']} {pct(x['flips'], x['tokens'])}" for x in d.layers)
+    if not d.flips:
+        return (f"MoE routing agrees: {d.side_a} and {d.side_b} pick the same experts for all {d.tokens} "
+                f"token-layer choices ({len(d.layers)} MoE layers){only}")
+    first = next((x for x in d.layers if x.get("first")), None)
+    at = (f"; first at sequence {first['first']['seq']} position {first['first']['position']}, layer{first['layer']}"
+          if first else "")
+    return (f"MoE routing flips: {d.flips} of {d.tokens} token-layer choices pick other experts on {d.side_b} than "
+            f"on {d.side_a} ({pct(d.flips, d.tokens)}; by layer: {per}){at}{only}")
+
+
 def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
     def pct(x: float | None) -> str:
         return percent(x, 0, "?")
@@ -378,6 +403,7 @@ _RENDER: dict[Kind, tuple[type[Details], Callable[[Finding, Any], str]]] = {
     Kind.RECOVERED: (RecoveredDetails, _recovered), Kind.LABEL_MISMATCH: (LabelDetails, _label),
     Kind.REPLICA: (ReplicaDetails, _replica),
     Kind.ACCEPTANCE: (AcceptanceDetails, _acceptance),
+    Kind.ROUTING: (RoutingDetails, _routing),
 }
 
 

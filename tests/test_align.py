@@ -128,7 +128,7 @@ def test_identity_from_sketches_when_serve_has_no_full_catalog(tmp_path, model, 
     write_trace(serve, model, seqs, ["layer3", "layer5", "layer7"], side="serve", sketch_only=True)
     res = diff_traces(train, str(serve))
     assert res.headline() == "slot 0 of draft_input holds layer3 where embed was expected"
-    assert res.slot_table[0].candidates_b[0]["basis"] in ("values", "sketch")
+    assert res.slot_table[0].candidates_b[0].basis in ("values", "sketch")
 
 
 def test_serve_without_catalog_uses_train_catalog(tmp_path, model, seqs, train):

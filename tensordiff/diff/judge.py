@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .. import acceptance
+from .. import acceptance, routing
 from ..align import sample_indices
 from ..catalog import IdentitySearch, noise_floors
 from ..errors import IncompatibleTracesError
@@ -144,6 +144,7 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
     options.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
     findings = allow_failed(findings, stats, options.tolerances.allow_failed)
     a, b, al = plan.a, plan.b, plan.alignment
+    findings = routing.add_finding(a, b, al, plan.maps, findings)
     findings = acceptance.add_finding(a, b, al, plan.maps, order_findings(findings), stats)
     return DiffResult(
         path_a=a.path, path_b=b.path, side_a=a.side, side_b=b.side, findings=findings, slot_table=j.slot_table,

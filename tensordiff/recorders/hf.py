@@ -135,7 +135,7 @@ class HFExtractorRecorder:
     def __init__(self, model: torch.nn.Module, recorder: Recorder, plan: DraftPlan | None = None, *,
                  values: str | Iterable[str] = "slots", catalog: bool = True, draft_name: str = "draft_input",
                  topk: int = conventions.DEFAULT_TOPK, draft: Any = None, zoom: int | None = None,
-                 name_rules: Sequence[str] = ()):
+                 name_rules: Sequence[str] = (), routing: bool = True):
         self.model = model
         self.recorder = recorder
         self.plan = plan
@@ -166,6 +166,7 @@ class HFExtractorRecorder:
             self.value_labels = {_label(v) for v in values}
         self._need = set(plan.fed) if plan is not None else set()
         self.topk = int(topk)
+        self.routing = bool(routing)  # MoE routers' top-k choices (models with an MoE router only)
         self.draft = draft
         if draft is not None and plan is None:
             raise ValueError("a draft needs the draft-input plan (what it is fed)")
@@ -191,6 +192,11 @@ class HFExtractorRecorder:
         self._handles.append(self.norm.register_forward_hook(self._norm_out_hook))
         if self.zoom is not None:
             self.zoom.attach()
+        if self.routing:
+            from .routing import hf_router_modules
+
+            for i, gate in hf_router_modules(self.layers[:self.num_layers]).items():
+                self._handles.append(gate.register_forward_hook(self._routing_hook(i, gate)))
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         if self.topk > 0 and isinstance(head, torch.nn.Module):
             self._handles.append(head.register_forward_hook(self._logits_hook))
@@ -211,6 +217,22 @@ class HFExtractorRecorder:
             if x is None:
                 raise RuntimeError(f"tensordiff: cannot find the hidden states entering {label}")
             self._on_state(label, b, x)
+        return hook
+
+    def _routing_hook(self, layer: int, gate: torch.nn.Module):
+        """The MoE router of decoder layer ``layer``: its top-k expert ids and weights per token
+        (``moe_routing_layer<i>``, :mod:`.routing`)."""
+        from .routing import ids_and_weights, name_of, routing_attrs, routing_table
+
+        def hook(mod, args, output):
+            got = ids_and_weights(output) if self._rows is not None else None
+            if got is None or got[0].shape[0] != self._rows.size:
+                return
+            table = routing_table(*got)
+            k = table.shape[-1] // 2
+            self.recorder.plain(name_of(layer), table, self._rows.reshape(-1), role=conventions.MOE_ROUTING,
+                                order=layer + 0.5, attrs=routing_attrs(layer, k, getattr(gate, "num_experts", None),
+                                                                      f"{type(gate).__name__} output (HF)"))
         return hook
 
     def _logits_hook(self, mod, args, output):

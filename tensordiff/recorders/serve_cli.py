@@ -195,6 +195,34 @@ SGLANG_HINTS = [
 ]
 
 
+def _capture_note(args: argparse.Namespace) -> None:
+    """What SGLang's DeepSeek loop does with draft ids that ask for the embedding or for a state it
+    cannot capture, said before the engine starts (one line); ids it would crash on are refused."""
+    from .. import conventions
+
+    try:
+        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        ids = args.aux_ids
+        if args.draft:
+            with open(os.path.join(args.draft, "config.json"), encoding="utf-8") as f:
+                ids = (json.load(f).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        text = cfg.get("text_config") or cfg
+        arch = (cfg.get("architectures") or [""])[0]
+        n = int(text.get("num_hidden_layers") or 0)
+        ids = [int(i) for i in ids] if ids else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # the engine reads these files itself and says what is wrong with them
+    if not n or conventions.sglang_convention_for(arch) != "sglang-deepseek":
+        return
+    note = conventions.sglang_deepseek_capture_note(ids, n)
+    if note is None:
+        return
+    if note[1]:
+        raise RecordingError(f"{note[0]}; not started (fix the draft's eagle_aux_hidden_state_layer_ids)")
+    print(f"note: {note[0]}")
+
+
 def _remove_partial(path: str) -> None:
     try:
         os.remove(path)
@@ -217,6 +245,7 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
     if getattr(args, "engine", "sglang") == "vllm":
         from . import vllm_serve
         return vllm_serve.record(args, prompts, plugin_env(args), start_engine)
+    _capture_note(args)
     if not _plugin_installed():
         raise RecordingError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "
                          "install the package (pip install -e . or pip install 'tensordiff[sglang]')")

@@ -52,6 +52,43 @@ def install_catalog(runner) -> None:
         st.catalog_handles.append(norm.register_forward_hook(_norm_hook(n)))
 
 
+def install_routing(runner) -> int:
+    """Forward hooks on each MoE layer's top-k module (``mlp.topk``): the router's expert ids and
+    weights per token, recorded as ``moe_routing_layer<i>`` (:mod:`..routing`). Eager passes only,
+    like the catalog. Returns how many layers got one."""
+    from ..hf import find_decoder
+
+    st = STATE
+    try:
+        layers, _, _ = find_decoder(runner.model)
+    except ValueError:
+        return 0
+    text = getattr(getattr(getattr(runner, "model_config", None), "hf_config", None), "get_text_config", None)
+    cfg = text() if text is not None else None
+    experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None)
+    st.capture_attrs["moe_num_experts"] = int(experts) if experts else None
+    n = 0
+    for i, layer in enumerate(layers):
+        topk = getattr(getattr(layer, "mlp", None), "topk", None)
+        if topk is None or not callable(getattr(topk, "register_forward_hook", None)):
+            continue
+        st.catalog_handles.append(topk.register_forward_hook(_routing_hook(i)))
+        n += 1
+    return n
+
+
+def _routing_hook(i: int):
+    def hook(mod, args, output):
+        if STATE.ctx_rows is None:
+            return
+        from ..routing import ids_and_weights, routing_table
+
+        got = ids_and_weights(output)
+        if got is not None:
+            _tap("routing", i, routing_table(*got))
+    return hook
+
+
 def _tap(kind: str, b: int | None, value) -> None:
     st = STATE
     rows = st.ctx_rows
@@ -78,6 +115,14 @@ def _tap(kind: str, b: int | None, value) -> None:
 def record_catalog(kind: str, b: int | None, value, rows, private: bool = False) -> None:
     """A catalog state's rows (``private``: ``value`` is the tap's own copy, kept as it is)."""
     st = STATE
+    if kind == "routing":
+        from ...conventions import MOE_ROUTING
+        from ..routing import name_of, routing_attrs
+
+        attrs = routing_attrs(b, value.shape[-1] // 2, st.capture_attrs.get("moe_num_experts"), "SGLang TopK output")
+        st.rec.plain(name_of(b), value, rows, role=MOE_ROUTING, order=b + 0.5, attrs=attrs)
+        st.dirty = True
+        return
     if kind == "final_norm":
         serving.final_norm(st.rec, value, rows, values=st.cfg.wants_values("final_norm"), private=private)
     else:

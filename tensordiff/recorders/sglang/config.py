@@ -33,6 +33,7 @@ class Config:
     topk: int = 20
     profile: str | None = None  # TENSORDIFF_PROFILE: a cProfile stats file of the plugin's own code
     stage_mb: float = 64.0      # TENSORDIFF_STAGE_MB: CPU work staged and done in batches up to this (0: off)
+    routing: bool = True        # TENSORDIFF_ROUTING: MoE routers' top-k expert ids and weights (MoE models only)
     _wants: dict = field(default_factory=dict, repr=False, compare=False)  # wants_values by name
 
     @property
@@ -95,7 +96,7 @@ class Config:
                    sketch_dim=num("TENSORDIFF_SKETCH_DIM", int, None),
                    sketch_seed=num("TENSORDIFF_SKETCH_SEED", int, None), flush_seconds=flush_s,
                    compression=comp, profile=(env.get("TENSORDIFF_PROFILE") or "").strip() or None,
-                   stage_mb=stage_mb)
+                   stage_mb=stage_mb, routing=flag("TENSORDIFF_ROUTING", True))
 
     def wants_values(self, name: str) -> bool:
         if isinstance(self.values, bool):

@@ -61,6 +61,12 @@ def resolve_capture(runner) -> tuple[int, int, str]:
     convention = conventions.sglang_convention_for(arch)
     st.capture_attrs = {"layers_to_capture": ltc, "draft_layer_ids": raw, "convention": convention,
                         "speculative_algorithm": str(server_arg(runner, "speculative_algorithm", None))}
+    note = conventions.sglang_deepseek_capture_note(raw, n) if convention == "sglang-deepseek" and ltc else None
+    if note is not None:
+        st.capture_attrs["capture_note"] = note[0]
+        st.warn_once("capture-note", "tensordiff: %s", note[0])
+        if note[1]:  # nothing the packed states could be labelled with: SGLang fails before any
+            ltc = None
     if ltc is not None:
         st.labels = [boundary_label(b) for b in ltc]
         st.raw_ids = raw
@@ -97,7 +103,8 @@ def setup_target(runner) -> None:
 
     st.model = model_facts(runner.model_config, n, h, arch,
                            str(getattr(runner.model_config, "model_path", "") or server_arg(runner, "model_path", "")))
-    meta = {"command": "sglang plugin", "layers_to_capture": ltc, "draft_layer_ids": raw,
+    meta = {"command": "sglang plugin", "layers_to_capture": st.capture_attrs["layers_to_capture"], "draft_layer_ids": raw,
+            "capture_note": st.capture_attrs.get("capture_note"),
             "convention": convention, "draft_model": server_arg(runner, "speculative_draft_model_path", None),
             "cuda_graph": not bool(server_arg(runner, "disable_cuda_graph", False)), "ranks": facts,
             "catalog": cfg.catalog}
@@ -113,6 +120,10 @@ def setup_target(runner) -> None:
     from .predictions import install_prediction_taps
 
     install_prediction_taps(runner, draft=False)
+    if cfg.routing:
+        from .catalog import install_routing
+
+        st.capture_attrs["moe_routing_layers"] = install_routing(runner)
     if cfg.catalog:
         from .catalog import install_catalog
 

