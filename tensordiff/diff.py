@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from . import acceptance
+from . import acceptance, noise, noise_io
 from .align import (
     RowMaps,
     SideTokens,
@@ -193,8 +193,16 @@ class Differ:
             raise IncompatibleTracesError("the traces share no tensor to compare (no common names, boundaries or "
                                           "packed inputs)")
         self.search = IdentitySearch(ra, rb, self.maps, self._progress)
+        # the noise model (measured where both sides recorded a catalog state) sets every token's
+        # default tolerance before the numeric pass
+        self.noise = noise_io.measure(ra, rb, self.maps, pairs, self._depth)
+        self.opt.tolerances.noise = noise_io.tolerance_fn(self.noise)
         findings += self._token_findings(al)
         findings += self._replica_findings()
+        for ia, ib in pairs:   # rows a side recorded twice for one token
+            depth = max((d for d in (self._depth(ia, s) for s in range(ia.slot_count)) if d is not None), default=None)
+            findings += noise_io.duplicate_findings(ra, ra.side, ia, self.noise, depth, ra.sequences)
+            findings += noise_io.duplicate_findings(rb, rb.side, ib, self.noise, depth, rb.sequences)
         factories = list(self.opt.sinks) + ([summary_sink(self.opt.summary_path)] if self.opt.summary_path else [])
         sinks = [make(al, ra, rb) for make in factories]
         if self.opt.numeric is not None:
@@ -519,17 +527,30 @@ class Differ:
             slot_table.append(j.row)
             out += j.findings
             identity_finding = j.identity
-        if acc.failing[s] and ff is not None:
-            tol = acc.tolerances[s]
-            f = self._token_finding(Kind.NUMERIC, ia, slot_arg, ff.token_index, NumericDetails(
-                subject=subject, cos=ff.cos, rel=ff.rel, maxabs=ff.maxabs, failing=int(acc.failing[s]),
-                tokens=acc.tokens, tolerance=tol.to_dict(), basis=sp.basis))
+        tol = acc.tolerances[s]
+        judged = noise.SlotJudgement()
+        if tol.source == self.noise.source and sp.basis == "values":   # not a --tol rule or calibration
+            judged = noise_io.judge(self.noise, acc, s, st.depth[s] if s < len(st.depth) else None)
+            jump = noise_io.boundary_jump(self.noise, ia.label) if ia.kind in ("boundary", "final_norm") else None
+            if jump is not None and not judged.part:   # this state leaves the trend of the states before it
+                judged = (noise.SlotJudgement("scale", float(np.exp(jump.level.bias)), jump.bias_limit)
+                          if jump.why == "scale" else noise.SlotJudgement("level", jump.level.q50,
+                                                                          noise.JUMP * jump.predicted))
+        if (acc.failing[s] and ff is not None) or judged.part:
+            hit = ff if ff is not None else None
+            det = NumericDetails(
+                subject=subject, cos=hit.cos if hit else float(st.cos_min[s]), rel=hit.rel if hit else float(st.rel_max[s]),
+                maxabs=hit.maxabs if hit else float(st.maxabs[s]), failing=int(acc.failing[s]), tokens=acc.tokens,
+                tolerance=tol.to_dict(), basis=sp.basis)
+            state = (ia.slot_labels[s] if ia.slot_labels and s < len(ia.slot_labels) else ia.label)
+            noise_io.annotate(det, self.noise, judged, state, ia.label)
+            f = self._token_finding(Kind.NUMERIC, ia, slot_arg, hit.token_index if hit else at, det)
             if identity_finding is not None:
                 f.severity = Severity.INFO
                 assert isinstance(f.details, NumericDetails)
                 f.details.explained = True
             elif ia.kind != "packed":
-                f = self._boundary_identity(ia, ib, sp.both, ff.token_index) or f
+                f = self._boundary_identity(ia, ib, sp.both, hit.token_index if hit else at) or f
             out.append(f)
         return out
 
