@@ -127,7 +127,7 @@ def main() -> int:
               f"written in {time.perf_counter() - t0:.1f} s; cores {os.cpu_count()}; load {load():.2f}")
 
         def result(b_path: str, backend=None) -> str:
-            res = diff_traces(data["a"], b_path, DiffOptions(numeric=backend))
+            res = diff_traces(data["a"], b_path, DiffOptions(backend=backend))
             d_ = jsonable(res.to_dict())
             for side in ("a", "b"):
                 d_[side].pop("path")

@@ -280,7 +280,7 @@ def stream_child(App, path_a: str, path_b: str, mode: str, out: dict) -> dict:
     import dataclasses
     import threading
 
-    from tensordiff.tui_diff import run_diff
+    from tensordiff.diff import diff_traces
 
     marks: dict = {}
 
@@ -302,7 +302,7 @@ def stream_child(App, path_a: str, path_b: str, mode: str, out: dict) -> dict:
 
         sinks = [lambda al, ra, rb: (marks.setdefault("tokens aligned", time.perf_counter()), First())[1]]
         sinks += [] if mode == "unstreamed" else list(opts.sinks)
-        return run_diff(a, b, dataclasses.replace(opts, progress=progress, sinks=sinks))
+        return diff_traces(a, b, dataclasses.replace(opts, progress=progress, sinks=sinks))
 
     async def go() -> None:
         t_app = time.perf_counter()

@@ -41,7 +41,7 @@ from .conventions import (
 from .details import AcceptanceDetails
 from .findings import ALLOWED_PREFIX, Finding, Kind, PairStats, Severity, order_findings
 from .tokens import token_code
-from .trace import TensorInfo, TraceReader
+from .trace import TensorInfo, TraceSource
 from .vocab import REGIMES
 
 __all__ = ["add_finding", "analyse", "is_prediction", "kl_lower_bound", "topk_compare"]
@@ -150,14 +150,14 @@ class _Agg:
 # ----------------------------------------------------------------------------------------------
 
 
-def _codes(r: TraceReader, name: str) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+def _codes(r: TraceSource, name: str) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """(token code, token row) of each row of tensor ``name``."""
     trow = r.token_rows(name)
     t = r.tokens
     return token_code(t["seq"][trow], t["position"][trow]), trow
 
 
-def teacher_forced(r: TraceReader) -> dict[str, dict[str, Any]] | None:
+def teacher_forced(r: TraceSource) -> dict[str, dict[str, Any]] | None:
     """Draft row t against the target's row t+1 of the same sequence, per regime of the draft row
     (and ``all``). None when the side lacks either table."""
     if DRAFT_TOPK not in r.tensors or TARGET_TOPK not in r.tensors:
@@ -187,7 +187,7 @@ def teacher_forced(r: TraceReader) -> dict[str, dict[str, Any]] | None:
     return out
 
 
-def verify_steps(r: TraceReader) -> dict[str, Any] | None:
+def verify_steps(r: TraceSource) -> dict[str, Any] | None:
     """Per draft position j: steps that reached j (every earlier draft accepted), accepted, the
     draft token equal to the target's top-1, the target's mean log-prob of it."""
     info = r.tensors.get(SPEC_VERIFY)
@@ -226,7 +226,7 @@ def verify_steps(r: TraceReader) -> dict[str, Any] | None:
     return {"steps": steps, "accept_length": 1.0 + acc_sum / max(steps, 1), "per_position": per}
 
 
-def _chain_stats(r: TraceReader, per: list[dict[str, Any]]) -> None:
+def _chain_stats(r: TraceSource, per: list[dict[str, Any]]) -> None:
     """Top-k overlap and KL(target || draft) lower bound per draft position, over the steps that
     reached it, from ``spec_chain`` (the draft's and the target's top-k at each draft position)."""
     info = r.tensors.get(SPEC_CHAIN)
@@ -256,7 +256,7 @@ def _chain_stats(r: TraceReader, per: list[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def across(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps, name: str) -> dict[str, Any] | None:
+def across(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, name: str) -> dict[str, Any] | None:
     """A's predictions (the reference) against B's on the aligned tokens both recorded."""
     ia, ib = ra.tensors.get(name), rb.tensors.get(name)
     if ia is None or ib is None or ia.token_offset != ib.token_offset:
@@ -287,7 +287,7 @@ def _diverges(f: Finding) -> bool:
     return f.severity == Severity.DIVERGENCE or (f.text or "").startswith(ALLOWED_PREFIX)
 
 
-def add_finding(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
+def add_finding(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
                 stats: list[PairStats]) -> list[Finding]:
     """``findings`` (in forward order) with the acceptance finding added, in forward order again;
     its ``upstream_index`` is the upstream finding's index in the returned list."""
@@ -303,7 +303,7 @@ def add_finding(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowM
     return out
 
 
-def analyse(ra: TraceReader, rb: TraceReader, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
+def analyse(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
             stats: list[PairStats]) -> Finding | None:
     """The acceptance finding of a diff (None when neither side recorded draft predictions or
     verify steps). ``findings`` in forward order; ``stats`` the compared tensor pairs."""

@@ -4,17 +4,18 @@ aligned tokens. What a slot holds (:mod:`tensordiff.identity`), the numerics
 (:mod:`tensordiff.numerics`) and the diff itself (:mod:`tensordiff.diff`) build on these maps.
 
 A is the reference (what was expected, usually the train side), B the side under test.
-numpy only; reads traces through :class:`tensordiff.trace.TraceReader`.
+numpy only; reads traces through :class:`tensordiff.trace.TraceSource` (a file or a set).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -22,7 +23,7 @@ from numpy.typing import NDArray
 from .errors import IncompatibleTracesError
 from .findings import Finding, Kind, MissingDetails, Severity
 from .tokens import POS_MASK, SEQ_BITS, token_code
-from .trace import TensorInfo, TraceReader
+from .trace import TensorInfo, TraceSource
 
 MAX_SHIFT = 2
 MAX_SHARED_GROUPS = 20000   # the same-tables check looks at this many shared 3-gram hashes at most
@@ -36,6 +37,57 @@ Codes = NDArray[np.int64]
 # ----------------------------------------------------------------------------------------------
 
 
+Side = Literal["a", "b"]
+
+
+@dataclass(frozen=True)
+class SeqPair:
+    """Sequence ``a`` of side A paired with sequence ``b`` of side B, B's positions A's plus ``shift``:
+    ``tokens`` positions with equal token ids, ``mismatched`` on both sides with other ids,
+    ``only_a`` / ``only_b`` on one side only."""
+
+    a: str
+    b: str
+    shift: int
+    tokens: int
+    only_a: int
+    only_b: int
+    mismatched: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Positions of one sequence present on one side only, for one reason (``positions``: the
+    first ranges, ``count``: all of them)."""
+
+    seq: str
+    side: Side
+    positions: list[list[int]]
+    count: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TokenMismatch:
+    """Paired positions of a sequence pair whose token ids differ (the first ids of each side)."""
+
+    seq: str
+    seq_b: str
+    positions: list[list[int]]
+    count: int
+    tokens_a: list[int]
+    tokens_b: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclass
 class TokenAlignment:
     """The aligned tokens, in A's order: row i pairs A's code_a[i] with B's code_b[i]."""
@@ -45,10 +97,10 @@ class TokenAlignment:
     token: Codes            # [n] token id (A's)
     regime_a: NDArray[np.uint8]
     regime_b: NDArray[np.uint8]
-    seq_pairs: list[dict[str, Any]]
-    gaps: list[dict[str, Any]]
+    seq_pairs: list[SeqPair]
+    gaps: list[Gap]
     shifts: dict[int, int]  # shift -> number of sequence pairs
-    mismatches: list[dict[str, Any]] = field(default_factory=list)  # paired positions with other token ids
+    mismatches: list[TokenMismatch] = field(default_factory=list)  # paired positions with other token ids
     path: str = field(default="general", compare=False)   # "same tables": :func:`_same_tables` held
     _b_order: Codes | None = field(default=None, repr=False)
     _b_sorted: Codes | None = field(default=None, repr=False)
@@ -106,7 +158,7 @@ class SideTokens:
     code order) the codes are the rows' codes, and the positions and token ids are views of the
     token table's columns, not copies (16 MB a side at 1M tokens, issue 12)."""
 
-    def __init__(self, r: TraceReader):
+    def __init__(self, r: TraceSource):
         t = r.tokens
         self.reader = r
         codes = token_code(t["seq"], t["position"])
@@ -463,14 +515,13 @@ def _aligned_as_is(A: SideTokens, B: SideTokens) -> TokenAlignment:
     sequence ``i`` at shift 0, every position on both sides with the same token id (no gap, no
     mismatch), in the general path's order and form. The codes and tokens are the sides' own
     arrays (read only), not copies."""
-    seq_pairs = [{"a": A.key(sa), "b": B.key(sa), "shift": 0, "tokens": len(pa), "only_a": 0, "only_b": 0,
-                  "mismatched": 0} for sa, (pa, _ta) in A.seqs.items()]
+    seq_pairs = [SeqPair(A.key(sa), B.key(sa), 0, len(pa), 0, 0, 0) for sa, (pa, _ta) in A.seqs.items()]
     return TokenAlignment(code_a=A.codes, code_b=B.codes, token=A.tok, regime_a=A.regime, regime_b=B.regime,
                           seq_pairs=seq_pairs, gaps=[], shifts={0: len(seq_pairs)}, mismatches=[],
                           path="same tables")
 
 
-def align_tokens(ra: TraceReader, rb: TraceReader,
+def align_tokens(ra: TraceSource, rb: TraceSource,
                  sides: tuple[SideTokens, SideTokens] | None = None) -> TokenAlignment:
     """Pair sequences and positions of two traces. ``sides``: their :class:`SideTokens`, when the
     caller already built them (the differ keeps them to map tensor rows).
@@ -524,29 +575,27 @@ def align_tokens(ra: TraceReader, rb: TraceReader,
     else:
         n_ok = n_other = n_present = []
     b_on = np.add.reduceat(on_b.astype(np.int64), fb.start).tolist()
-    seq_pairs: list[dict[str, Any]] = []
-    gaps: list[dict[str, Any]] = []
-    mismatches: list[dict[str, Any]] = []
+    seq_pairs: list[SeqPair] = []
+    gaps: list[Gap] = []
+    mismatches: list[TokenMismatch] = []
     shifts: dict[int, int] = defaultdict(int)
     k = 0
     la_l, first_l, qb_l = la.tolist(), first.tolist(), qb.tolist()
     for sa, (pa, ta) in A.seqs.items():
         if sa not in used_a:
-            gaps.append({"seq": A.key(sa), "side": "a", "positions": _ranges(pa), "count": len(pa),
-                         "reason": "sequence only on A (no sequence of B has these token ids)"})
+            gaps.append(Gap(A.key(sa), "a", _ranges(pa), len(pa),
+                            "sequence only on A (no sequence of B has these token ids)"))
             continue
         sb, sh = used_a[sa]
         j, n_a, lo = qb_l[k], la_l[k], first_l[k]
         n_b = int(fb.length[j])
         only_a, only_b = n_a - n_present[k], n_b - b_on[j]
         shifts[sh] += 1
-        seq_pairs.append({"a": A.key(sa), "b": B.key(sb), "shift": sh, "tokens": n_ok[k],
-                          "only_a": only_a, "only_b": only_b, "mismatched": n_other[k]})
+        seq_pairs.append(SeqPair(A.key(sa), B.key(sb), sh, n_ok[k], only_a, only_b, n_other[k]))
         if n_other[k]:
             oth = other[lo:lo + n_a]
-            mismatches.append({"seq": A.key(sa), "seq_b": B.key(sb), "positions": _ranges(pa[oth]),
-                               "count": n_other[k], "tokens_a": ta[oth][:4].tolist(),
-                               "tokens_b": fb.tok[idx[lo:lo + n_a][oth]][:4].tolist()})
+            mismatches.append(TokenMismatch(A.key(sa), B.key(sb), _ranges(pa[oth]), n_other[k],
+                                            ta[oth][:4].tolist(), fb.tok[idx[lo:lo + n_a][oth]][:4].tolist()))
         if only_a:
             gaps += _gaps(A.key(sa), "a", pa[~present[lo:lo + n_a]], pa)
         if only_b:
@@ -556,8 +605,8 @@ def align_tokens(ra: TraceReader, rb: TraceReader,
         k += 1
     for sb, (pb, _tb) in B.seqs.items():
         if sb not in used_b:
-            gaps.append({"seq": B.key(sb), "side": "b", "positions": _ranges(pb), "count": len(pb),
-                         "reason": "sequence only on B (no sequence of A has these token ids)"})
+            gaps.append(Gap(B.key(sb), "b", _ranges(pb), len(pb),
+                            "sequence only on B (no sequence of A has these token ids)"))
     if not ok.any():
         raise IncompatibleTracesError(
             f"no common tokens: no sequence of {os.path.basename(ra.path)} matches a sequence of "
@@ -586,7 +635,7 @@ def _ranges(pos: Codes, limit: int = 8) -> list[list[int]]:
     return out[:limit]
 
 
-def _gaps(seq: str, side: str, missing: Codes, have: Codes) -> list[dict[str, Any]]:
+def _gaps(seq: str, side: Side, missing: Codes, have: Codes) -> list[Gap]:
     """Gap records of one sequence on one side, one per reason: the run that starts at the
     sequence's first position (a prefix-cache hit), the run that ends at its last (truncation,
     rows past an accept length, the last generated token), and any others in the middle."""
@@ -605,7 +654,7 @@ def _gaps(seq: str, side: str, missing: Codes, have: Codes) -> list[dict[str, An
                           (mid, f"positions absent on {other}")):
         if group:
             pos = np.concatenate(group)
-            out.append({"seq": seq, "side": side, "positions": _ranges(pos), "count": len(pos), "reason": reason})
+            out.append(Gap(seq, side, _ranges(pos), len(pos), reason))
     return out
 
 
@@ -624,7 +673,7 @@ def _pair_key(i: TensorInfo) -> tuple[Any, ...] | None:
     return None
 
 
-def pair_tensors(ra: TraceReader, rb: TraceReader) -> tuple[list[tuple[TensorInfo, TensorInfo]], list[Finding]]:
+def pair_tensors(ra: TraceSource, rb: TraceSource) -> tuple[list[tuple[TensorInfo, TensorInfo]], list[Finding]]:
     """Pairs of tensors to compare: same name; else same boundary, final_norm or packed role
     (when unique); else the one packed tensor of each side. The rest are notes."""
     ta: dict[str, TensorInfo] = dict(ra.tensors)
@@ -652,7 +701,7 @@ def pair_tensors(ra: TraceReader, rb: TraceReader) -> tuple[list[tuple[TensorInf
     return pairs, notes
 
 
-def row_map(r: TraceReader, side_tokens: SideTokens, name: str, index_fn: Callable[[Codes], Codes]) -> Codes:
+def row_map(r: TraceSource, side_tokens: SideTokens, name: str, index_fn: Callable[[Codes], Codes]) -> Codes:
     """Tensor row -> aligned index (or -1), built from the tensor's token rows."""
     trow = r.token_rows(name)
     codes = side_tokens.row_codes(trow)
@@ -671,7 +720,7 @@ class RowMaps:
     array for equal row indexes, and equal arrays are recognised here too), least recently used
     dropped past :data:`MAP_CACHE_BYTES`; a lookup at sampled tokens is then a gather."""
 
-    def __init__(self, al: TokenAlignment, ra: TraceReader, rb: TraceReader, sa: SideTokens, sb: SideTokens,
+    def __init__(self, al: TokenAlignment, ra: TraceSource, rb: TraceSource, sa: SideTokens, sb: SideTokens,
                  cache_bytes: int = MAP_CACHE_BYTES):
         self.al, self.ra, self.rb, self.sa, self.sb = al, ra, rb, sa, sb
         self.cache_bytes = cache_bytes

@@ -35,12 +35,12 @@ from .identity import (
     score_many,
 )
 from .tolerances import coarser, default_tolerance
-from .trace import TensorInfo, TraceReader
+from .progress import Progress, Stage
+from .trace import TensorInfo, TraceSource
 from .vocab import parse_label
 
 Codes = NDArray[np.int64]
 BATCH_BYTES = 4 << 20  # candidate rows scored at once (see IdentitySearch.identify)
-Progress = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -59,7 +59,7 @@ class SlotScores:
 class Catalog:
     """Every boundary/final_norm state recorded on one side, by label."""
 
-    def __init__(self, r: TraceReader, side: str):
+    def __init__(self, r: TraceSource, side: str):
         self.r = r
         self.side = side
         self.states: dict[str, TensorInfo] = {}
@@ -85,8 +85,7 @@ class _Layout:
 class IdentitySearch:
     """Identity of slots against the catalogs of both sides of one diff."""
 
-    def __init__(self, ra: TraceReader, rb: TraceReader, maps: RowMaps,
-                 progress: Callable[[str, int, int], None]):
+    def __init__(self, ra: TraceSource, rb: TraceSource, maps: RowMaps, progress: Progress):
         self.ra, self.rb, self.maps, self._progress = ra, rb, maps, progress
         self.cat_a, self.cat_b = Catalog(ra, "a"), Catalog(rb, "b")
         #: the cross-side noise floor of a state (set by the diff once the boundaries are compared)
@@ -100,7 +99,7 @@ class IdentitySearch:
         #: while its block reader runs sets one lock for both; reads are never concurrent)
         self.read_lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
 
-    def _target(self, r: TraceReader, info: TensorInfo, rows: Codes, slot: int, basis: str) -> Target:
+    def _target(self, r: TraceSource, info: TensorInfo, rows: Codes, slot: int, basis: str) -> Target:
         """One slot's rows (full values or sketch) and their per-token RMS."""
         with self.read_lock:
             raw = read_runs(r, info.name, "values" if basis == "values" else "sketch", rows)
@@ -151,7 +150,7 @@ class IdentitySearch:
         own_cat, other_cat = (self.cat_a, self.cat_b) if side == "a" else (self.cat_b, self.cat_a)
         # every recorded state of both sides, per (label, side): a partial catalog on one side
         # never hides the other side's record of the same state
-        candidates: list[tuple[str, str, TensorInfo, TraceReader]] = []
+        candidates: list[tuple[str, str, TensorInfo, TraceSource]] = []
         for cat in (own_cat, other_cat):
             for label, ci in cat.states.items():
                 if cat.side == side and ci.name == info.name:
@@ -169,7 +168,7 @@ class IdentitySearch:
         cand_layout: list[_Layout] = []
         for i, (_label, cside, ci, _) in enumerate(candidates):
             # also a chance for a caller (the TUI's worker) to stop between candidates
-            progress("identifying slots", i, len(candidates))
+            progress(Stage.IDENTIFYING, i, len(candidates))
             inv = self.maps.inverse(cside, ci.name)
             key = (cside, id(inv))
             lay = layouts.get(key)
@@ -178,7 +177,7 @@ class IdentitySearch:
                 lay = layouts[key] = _Layout(self.maps.rows_at(cside, ci.name, targets), need)
             cand_layout.append(lay)
 
-        def usable(ci: TensorInfo, cr: TraceReader, basis: str) -> bool:
+        def usable(ci: TensorInfo, cr: TraceSource, basis: str) -> bool:
             if basis == "values":
                 return info.has_values and ci.has_values and ci.width == info.slot_width
             return (info.has_sketch and ci.has_sketch and cr.sketch_dim == r_self.sketch_dim
@@ -240,7 +239,7 @@ class IdentitySearch:
         flush()
         return SlotScores(slots, len(sample), scored)
 
-    def _targets(self, r: TraceReader, info: TensorInfo, rows: Codes, slots: list[int]) -> dict[int, Target]:
+    def _targets(self, r: TraceSource, info: TensorInfo, rows: Codes, slots: list[int]) -> dict[int, Target]:
         """Every slot's full values at ``rows``, from one read of the tensor's rows."""
         w = info.slot_width
         with self.read_lock:
@@ -250,7 +249,7 @@ class IdentitySearch:
         return {s: Target(clean(data[:, s * w:(s + 1) * w]), rms[s]) for s in slots}
 
 
-def read_runs(r: TraceReader, name: str, part: str, rows: Codes, max_runs: int = 64) -> np.ndarray:
+def read_runs(r: TraceSource, name: str, part: str, rows: Codes, max_runs: int = 64) -> np.ndarray:
     """``r.read_at(name, part, rows)`` (the same rows, stored form) read as one contiguous read per
     run of consecutive rows: the sampled tokens are a few runs, and a read of the span between
     them (what a scattered read does when it is a few MB) costs more than the runs at 100k+ tokens."""
@@ -276,20 +275,20 @@ def read_runs(r: TraceReader, name: str, part: str, rows: Codes, max_runs: int =
 
 
 # one contiguous run of rows [a, b) of a part, in its stored form (what ``read_at`` returns)
-_RUN_READERS: dict[str, Callable[[TraceReader, str, int, int], np.ndarray]] = {
+_RUN_READERS: dict[str, Callable[[TraceSource, str, int, int], np.ndarray]] = {
     "values": lambda r, name, a, b: r.read_values(name, a, b, raw=True),
     "sketch": lambda r, name, a, b: r.read_sketch(name, a, b),
     "rms": lambda r, name, a, b: r.read_rms(name, a, b),
 }
 
 
-def slot_rms_at(r: TraceReader, info: TensorInfo, rows: Codes, slot: int) -> NDArray[np.float32]:
+def slot_rms_at(r: TraceSource, info: TensorInfo, rows: Codes, slot: int) -> NDArray[np.float32]:
     """Per-token RMS of one slot at tensor rows ``rows`` (ascending). A stored RMS is read at those
     rows only (a few chunks); without one, the trace reader's fallback computes it from the values
     of the contiguous span, so the span is read once."""
     if len(rows) == 0:
         return np.zeros(0, np.float32)
-    if "rms" in r._ds[info.name]:
+    if r.has_part(info.name, "rms"):
         picked: NDArray[np.float32] = np.asarray(read_runs(r, info.name, "rms", rows), np.float32)[:, slot]
         return picked
     lo, hi = int(rows.min()), int(rows.max()) + 1

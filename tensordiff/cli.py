@@ -148,25 +148,25 @@ def finish(code: int) -> NoReturn:
 
 
 def _run_diff(args) -> int:
-    from .diff import Differ
+    from .diff import diff_sources, open_pair
 
     opts = _diff_options(args, args.summary)
     if args.backend != "serial" or args.workers is not None:   # serial: the diff's own loop, no backend module
-        from .parallel import compared_bytes, make_backend
+        from .backends import compared_bytes, make_backend
 
-        opts.numeric = make_backend(args.backend, args.workers, ray_address=args.ray_address,
+        opts.backend = make_backend(args.backend, args.workers, ray_address=args.ray_address,
                                     compared_bytes=compared_bytes([args.a, args.b]) if args.backend == "auto" else None)
     try:
         with progress_bar(not args.quiet and not args.json) as cb:
             opts.progress = cb
-            with Differ(args.a, args.b, opts) as d:   # diff_traces, keeping what the open traces record
-                res = d.run()
-                model_dirs = _model_dirs(d.ra, d.rb)
+            with open_pair(args.a, args.b) as (ra, rb):   # diff_traces, keeping what the open traces record
+                res = diff_sources(ra, rb, opts)
+                model_dirs = _model_dirs(ra, rb)
         res.require_complete = args.require_complete
         res.allow_incomplete = args.allow_incomplete and not args.require_complete
     finally:
-        if opts.numeric is not None:
-            opts.numeric.close()
+        if opts.backend is not None:
+            opts.backend.close()
     _swapped_hint(res, "diff")
     try:  # a reader that closes the pipe early (`| head -1`) must not change the verdict's exit code
         if args.json:
@@ -249,12 +249,11 @@ def cmd_calibrate(args) -> int:
 
 
 def _run_calibrate(args) -> int:
-    from .diff import Differ, DiffOptions
+    from .diff import DiffOptions, diff_traces
     from .tolerances import Tolerance, ToleranceBook, calibrate_tolerance, calibration_file
 
     loose = ToleranceBook(overrides={"*": Tolerance(-1.0, math.inf, "calibration")})
-    with Differ(args.a, args.b, DiffOptions(tolerances=loose)) as d:
-        res = d.run()
+    res = diff_traces(args.a, args.b, DiffOptions(tolerances=loose))
     ids = [f for f in res.findings if f.kind in ("slot_identity", "token_shift", "pairing", "token_mismatch", "replica")
            and f.severity == "divergence"]
     if ids:

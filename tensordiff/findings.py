@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from .details import (
     AcceptanceDetails,
@@ -58,11 +58,19 @@ __all__ = [
     "Severity",
     "ShiftDetails",
     "SlotRow",
+    "SlotVerdict",
     "TokenMismatchDetails",
+    "Verdict",
     "order_findings",
     "render_sentence",
     "where_token",
 ]
+
+#: a diff's verdict: a divergence was found; every paired tensor compared and none diverges; or
+#: no divergence in what could be compared, but not everything could be
+Verdict = Literal["divergence", "agree", "incomplete"]
+#: what the slot table says of a slot
+SlotVerdict = Literal["ok", "wrong state", "wrong label", "scaled", "unknown state", "ambiguous", "numeric drift"]
 
 #: version of the diff JSON (``tensordiff diff --json``); docs/json.md, schemas/diff.schema.json
 SCHEMA_VERSION = 1
@@ -105,6 +113,8 @@ class Severity(_StrEnum):
         return {"divergence": "✗", "warning": "!", "info": "·"}[self.value]
 
 
+#: what the token tables say comes before any tensor's finding, in this order
+_TOKEN_RANK = {Kind.RECOVERED: 0, Kind.TOKEN_SHIFT: 1, Kind.TOKEN_MISMATCH: 2, Kind.GAP: 3}
 # at the same place in forward order, the explanation comes before its symptoms
 _KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.TOKEN_MISMATCH: 0, Kind.PAIRING: 1, Kind.REPLICA: 1, Kind.GAP: 2,
               Kind.MISSING: 3, Kind.NONFINITE: 4, Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7,
@@ -133,7 +143,8 @@ class Finding:
 
     The sentence (:attr:`message`) is rendered from the kind and the details; ``text`` is only for
     findings made outside the diff (a test, another tool) that bring their own sentence.
-    ``order`` (forward order of the tensor) and ``index`` (place in the sorted list) are internal."""
+    ``order`` (forward order of the tensor; unused by the token tables' findings) and ``index``
+    (place in the sorted list, :func:`order_findings`) are internal."""
 
     kind: Kind
     severity: Severity
@@ -167,10 +178,15 @@ class Finding:
     def token_index(self) -> int | None:
         return self.details.token_index
 
-    def sort_key(self) -> tuple[float, int, int, int]:
-        ti = self.details.token_index
-        return (self.order, -1 if self.slot is None else self.slot, _KIND_RANK.get(self.kind, 9),
-                -1 if ti is None else ti)
+    def sort_key(self) -> tuple[int, float, int, int, int]:
+        """Where the finding goes in the report: the token tables' findings first (recovered
+        traces, shifts, mismatched tokens, gaps), then by the tensor's forward order, slot, kind
+        (an explanation before its symptoms) and first token."""
+        ti = -1 if self.details.token_index is None else self.details.token_index
+        rank = _TOKEN_RANK.get(self.kind)
+        if rank is not None:
+            return (0, float(rank), -1, 0, ti)
+        return (1, self.order, -1 if self.slot is None else self.slot, _KIND_RANK.get(self.kind, 9), ti)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind.value, "severity": self.severity.value, "message": self.message}
@@ -481,7 +497,7 @@ class SlotRow(Record):
     expected: str | None = None
     cos_mean: float | None = None
     rel_max: float | None = None
-    verdict: str = "ok"   # ok | wrong state | wrong label | scaled | unknown state | ambiguous | numeric drift
+    verdict: SlotVerdict = "ok"
     offset_a: int = 0
     outcome_a: str | None = None   # the identity search's outcome on each side (identity.IdentityVerdict)
     outcome_b: str | None = None
@@ -561,7 +577,7 @@ class DiffResult:
         return sum(1 for p in self.pairs if p.compared)
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> Verdict:
         """divergence; agree (every paired tensor compared, none diverges); incomplete (no
         divergence in the tensors compared, but some could not be compared)."""
         if self.divergences:

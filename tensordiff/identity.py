@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -96,12 +96,16 @@ class NoiseFloor:
     source: str
 
 
+#: what the identity search decided a slot holds (none: it could not decide, see ``reason``)
+Outcome = Literal["holds", "scaled", "no_state", "ambiguous", "none"]
+
+
 @dataclass
 class IdentityVerdict:
     """The decision for one slot. ``outcome``: holds | scaled | no_state | ambiguous | none.
     ``best``: the state it holds (holds / scaled only); ``closest``: the top-ranked state either way."""
 
-    outcome: str = "none"
+    outcome: Outcome = "none"
     best: str | None = None
     closest: str | None = None
     offset: int = 0
@@ -472,7 +476,7 @@ def _unscaled_match(s: _Scored, floor_of: Callable[[str], NoiseFloor]) -> bool:
 
 
 def _finish(best: _Scored, ranked: list[_Scored], ev: IdentityEvidence,
-            records: list[Candidate], floor_of: Callable[[str], NoiseFloor], outcome: str) -> IdentityVerdict:
+            records: list[Candidate], floor_of: Callable[[str], NoiseFloor], outcome: Outcome) -> IdentityVerdict:
     label, offset = best.key
     fl = floor_of(label)
     q90 = float(np.quantile(1 - best.cos_t, 0.9)) if len(best.cos_t) else math.inf

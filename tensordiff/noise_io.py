@@ -6,7 +6,7 @@ side recorded twice for the same token. numpy + the trace readers; the rule is i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from .align import RowMaps, sample_indices
 from .findings import Finding, Kind, NumericDetails, ReplicaDetails, Severity
 from .numerics import BlockMetrics, PairAccumulator
 from .tolerances import Tolerance
-from .trace import TensorInfo, TraceReader
+from .trace import TensorInfo, TraceSource
 
 #: tokens sampled per catalog state to measure its noise level
 SAMPLE = 1024
@@ -23,12 +23,12 @@ SAMPLE = 1024
 DUPLICATES_MAX = 4096
 
 
-def _dtype(r: TraceReader) -> str:
+def _dtype(r: TraceSource) -> str:
     return next((i.dtype for i in r.tensors.values() if i.kind in ("boundary", "final_norm")),
                 next((i.dtype for i in r.tensors.values()), "float32"))
 
 
-def measure(ra: TraceReader, rb: TraceReader, maps: RowMaps, pairs: list[tuple[TensorInfo, TensorInfo]],
+def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]],
             depth_of: Callable[[TensorInfo, int], float | None]) -> noise.NoiseModel:
     """The noise model of a diff: every catalog state with full values on both sides, measured
     on up to :data:`SAMPLE` aligned tokens."""
@@ -46,8 +46,8 @@ def measure(ra: TraceReader, rb: TraceReader, maps: RowMaps, pairs: list[tuple[T
         b = rb.read_at(ib.name, "values", mb[idx])
         m = BlockMetrics(1, ia.width).compute_stored(np.ascontiguousarray(a), ia.dtype, np.ascontiguousarray(b), ib.dtype)
         with np.errstate(divide="ignore", invalid="ignore"):
-            lr = np.log(m["ratio"][:, 0].astype(np.float64))
-        lv = noise.level_of(m["rel"][:, 0], 1.0 - m["cos"][:, 0].astype(np.float64), lr)
+            lr = np.log(m.ratio[:, 0].astype(np.float64)) if m.ratio is not None else np.zeros(len(idx))
+        lv = noise.level_of(m.rel[:, 0], 1.0 - m.cos[:, 0].astype(np.float64), lr)
         d = depth_of(ia, 0)
         if lv is not None and d is not None:
             measured.append((ia.label, float(d), lv))
@@ -103,8 +103,8 @@ def boundary_jump(model: noise.NoiseModel, label: str) -> noise.StateNoise | Non
 # Rows recorded twice
 
 
-def duplicate_findings(r: TraceReader, side: str, info: TensorInfo, model: noise.NoiseModel,
-                       depth: float | None, sequences: list[str]) -> list[Finding]:
+def duplicate_findings(r: TraceSource, side: str, info: TensorInfo, model: noise.NoiseModel,
+                       depth: float | None, sequences: Sequence[str]) -> list[Finding]:
     """Rows of ``info`` that one side recorded twice for the same (sequence, position, regime):
     a divergence naming both rows when the copies differ beyond the noise, a note when equal."""
     if not info.has_values or info.rows < 2:
@@ -126,14 +126,14 @@ def duplicate_findings(r: TraceReader, side: str, info: TensorInfo, model: noise
     # copies of one computation: equal, or at most a rounding apart (a recompute in another
     # batch); anything past the cross-side token tolerance is another state
     cmin, rmax = noise.tolerance(model, depth)
-    bad = ((m["cos"] < cmin) | (m["rel"] > rmax) | m["nonfinite"]).any(axis=1)
+    bad = ((m.cos < cmin) | (m.rel > rmax) | m.nonfinite).any(axis=1)
     differing = int(bad.sum())
     j = int(np.argmax(bad)) if differing else 0
     s = int(t["seq"][trow[first[j]]])
     det = ReplicaDetails(side=side, axis="rows", primary=f"row {int(first[j])}", replica=f"row {int(second[j])}",
                          part=info.name, rows=len(first), differing=differing,
-                         max_abs=float(np.nanmax(m["maxabs"][j])) if len(first) else 0.0,
-                         cos_min=float(np.nanmin(m["cos"][j])) if len(first) else 1.0)
+                         max_abs=float(np.nanmax(m.maxabs[j])) if len(first) else 0.0,
+                         cos_min=float(np.nanmin(m.cos[j])) if len(first) else 1.0)
     return [Finding(Kind.REPLICA, Severity.DIVERGENCE if differing else Severity.INFO, tensor=info.name,
                     order=info.order, seq=sequences[s] if 0 <= s < len(sequences) else str(s),
                     position=int(t["position"][trow[first[j]]]), token=int(t["token"][trow[first[j]]]),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from .dtypes import to_float32
 from .tolerances import Tolerance
@@ -36,6 +37,33 @@ _NO_BUFFERS = (np.empty(0, np.float32), np.empty(0, np.float32))
 # per-token 1 - cos and rel are histogrammed on a log scale (for the noise floor's quantiles)
 _LOG_BINS = np.linspace(-12.0, 1.0, 261)
 _LR_BINS = np.linspace(-2.0, 2.0, 2001)   # log RMS ratio, 0.002 wide
+
+
+@dataclass(frozen=True, eq=False)
+class Metrics:
+    """Per-token, per-slot metrics of one block of aligned rows, each [n, k]: cosine, relative
+    error and max abs error over the values finite on both sides (nan where none is), and the
+    NaN/Inf counts of each side."""
+
+    cos: NDArray[np.float32]
+    rel: NDArray[np.float32]
+    maxabs: NDArray[np.float32]
+    nonfinite_a: NDArray[np.int64]
+    nonfinite_b: NDArray[np.int64]
+    nonfinite: NDArray[np.bool_]          # either side has a NaN/Inf in the row's slot
+    ratio: NDArray[np.float32] | None = None   # per-token RMS ratio ||b|| / ||a|| (nan: not measured)
+
+    def __len__(self) -> int:
+        return int(self.cos.shape[0])
+
+    def copy(self) -> Metrics:
+        """Its own arrays (a backend's buffers are reused for the next block)."""
+        return Metrics(cos=np.array(self.cos), rel=np.array(self.rel), maxabs=np.array(self.maxabs),
+                       nonfinite_a=np.array(self.nonfinite_a), nonfinite_b=np.array(self.nonfinite_b),
+                       nonfinite=np.array(self.nonfinite), ratio=None if self.ratio is None else np.array(self.ratio))
+
+
+METRIC_FIELDS = ("cos", "rel", "maxabs", "nonfinite_a", "nonfinite_b", "nonfinite")
 
 
 class BlockMetrics:
@@ -61,18 +89,18 @@ class BlockMetrics:
         self._lanes = max(1, lanes if pool is not None else 1)
         self._bufs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def compute_stored(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str) -> dict[str, np.ndarray]:
+    def compute_stored(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str) -> Metrics:
         """Metrics of two blocks in their stored form (bf16 as bits): each row is read from
         memory once."""
         return self._run(a, dtype_a, b, dtype_b)
 
-    def compute(self, a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
+    def compute(self, a: np.ndarray, b: np.ndarray) -> Metrics:
         """Metrics of two float32 blocks."""
         return self._run(a, "float32", b, "float32")
 
     # -- the passes ----------------------------------------------------------------------------
 
-    def _run(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str) -> dict[str, np.ndarray]:
+    def _run(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str) -> Metrics:
         n = a.shape[0]
         k, w = self.k, self.w
         width = k * w
@@ -125,7 +153,7 @@ class BlockMetrics:
         _kernels.row_sums(xa, ka, xb, kb, self.k, self.w, aa, bb, dd, maxabs)
 
     def _finish(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str, aa: np.ndarray, bb: np.ndarray,
-                dd: np.ndarray, maxabs: np.ndarray) -> dict[str, np.ndarray]:
+                dd: np.ndarray, maxabs: np.ndarray) -> Metrics:
         n, k, w = a.shape[0], self.k, self.w
         nf_a = np.zeros((n, k), dtype=np.int64)
         nf_b = np.zeros((n, k), dtype=np.int64)
@@ -155,15 +183,9 @@ class BlockMetrics:
             # per-token RMS ratio ||b|| / ||a||: the scale part of the error (tensordiff.noise)
             ratio = np.where((aa > 0) & (bb > 0), np.sqrt(bb / np.where(aa > 0, aa, 1.0)), np.nan)
         ratio[empty] = np.nan
-        return {
-            "ratio": ratio.astype(np.float32),
-            "cos": np.clip(cos, -1, 1).astype(np.float32),
-            "rel": rel.astype(np.float32),
-            "maxabs": maxabs.astype(np.float32),
-            "nonfinite_a": nf_a,
-            "nonfinite_b": nf_b,
-            "nonfinite": (nf_a > 0) | (nf_b > 0),
-        }
+        return Metrics(cos=np.clip(cos, -1, 1).astype(np.float32), rel=rel.astype(np.float32),
+                       maxabs=maxabs.astype(np.float32), nonfinite_a=nf_a, nonfinite_b=nf_b,
+                       nonfinite=(nf_a > 0) | (nf_b > 0), ratio=ratio.astype(np.float32))
 
 
 def _kernel_input(block: np.ndarray, dtype: str, buf: np.ndarray) -> tuple[np.ndarray, int]:
@@ -218,7 +240,8 @@ def finite_or_zero(x: np.ndarray) -> np.ndarray:
     """x with NaN/Inf replaced by 0, copying only when there are any (one cheap pass)."""
     if np.isfinite(x.sum(dtype=np.float64)):
         return x
-    return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    out: np.ndarray = np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,45 +310,45 @@ class PairAccumulator:
         self.lr_n = np.zeros(k, dtype=np.int64)
         self.hist_lr = np.zeros((k, len(_LR_BINS) + 1), np.int64)
 
-    def add(self, blk: np.ndarray, m: dict[str, np.ndarray]) -> np.ndarray:
+    def add(self, blk: np.ndarray, m: Metrics) -> np.ndarray:
         """Take one block's metrics (aligned indices ``blk``); returns the [n, k] mask of tokens
         that fail a tolerance or hold NaN/Inf (the summary file's flags)."""
         k = len(self.tolerances)
-        off = np.zeros_like(m["nonfinite"])
+        off = np.zeros_like(m.nonfinite)
         for s, t in enumerate(self.tolerances):
-            off[:, s] = (m["cos"][:, s] < t.min_cos) | (m["rel"][:, s] > t.max_rel)
-        bad = off | m["nonfinite"]
+            off[:, s] = (m.cos[:, s] < t.min_cos) | (m.rel[:, s] > t.max_rel)
+        bad = off | m.nonfinite
         self.tokens += len(blk)
-        self.cos_min = np.fmin(self.cos_min, np.fmin.reduce(m["cos"], axis=0))   # fmin: nan rows (no finite
-        self.cos_sum += np.nansum(m["cos"], axis=0, dtype=np.float64)         # value) are not measured
-        self.cos_count += (~np.isnan(m["cos"])).sum(axis=0)
-        self.rel_max = np.maximum(self.rel_max, _finite(m["rel"]).max(axis=0))
-        self.maxabs = np.fmax(self.maxabs, np.fmax.reduce(m["maxabs"], axis=0))
+        self.cos_min = np.fmin(self.cos_min, np.fmin.reduce(m.cos, axis=0))   # fmin: nan rows (no finite
+        self.cos_sum += np.nansum(m.cos, axis=0, dtype=np.float64)         # value) are not measured
+        self.cos_count += (~np.isnan(m.cos)).sum(axis=0)
+        self.rel_max = np.maximum(self.rel_max, _finite(m.rel).max(axis=0))
+        self.maxabs = np.fmax(self.maxabs, np.fmax.reduce(m.maxabs, axis=0))
         self.failing += off.sum(axis=0)
-        self.nonfinite_a += m["nonfinite_a"].sum(axis=0)
-        self.nonfinite_b += m["nonfinite_b"].sum(axis=0)
+        self.nonfinite_a += m.nonfinite_a.sum(axis=0)
+        self.nonfinite_b += m.nonfinite_b.sum(axis=0)
         for s in range(k):
             if self.first_fail[s] is None and off[:, s].any():
                 j = int(np.argmax(off[:, s]))
-                self.first_fail[s] = FirstHit(int(blk[j]), float(m["cos"][j, s]), float(m["rel"][j, s]),
-                                              float(m["maxabs"][j, s]))
-            if self.first_nonfinite[s] is None and m["nonfinite"][:, s].any():
-                j = int(np.argmax(m["nonfinite"][:, s]))
-                self.first_nonfinite[s] = FirstHit(int(blk[j]), nonfinite_a=int(m["nonfinite_a"][j, s]),
-                                                   nonfinite_b=int(m["nonfinite_b"][j, s]))
+                self.first_fail[s] = FirstHit(int(blk[j]), float(m.cos[j, s]), float(m.rel[j, s]),
+                                              float(m.maxabs[j, s]))
+            if self.first_nonfinite[s] is None and m.nonfinite[:, s].any():
+                j = int(np.argmax(m.nonfinite[:, s]))
+                self.first_nonfinite[s] = FirstHit(int(blk[j]), nonfinite_a=int(m.nonfinite_a[j, s]),
+                                                   nonfinite_b=int(m.nonfinite_b[j, s]))
         with np.errstate(divide="ignore", invalid="ignore"):
-            lc = np.log10(np.maximum(1.0 - m["cos"].astype(np.float64), 1e-300))
-            lr = np.log10(np.maximum(_finite(m["rel"]).astype(np.float64), 1e-300))
-        fin = ~m["nonfinite"]
+            lc = np.log10(np.maximum(1.0 - m.cos.astype(np.float64), 1e-300))
+            lr = np.log10(np.maximum(_finite(m.rel).astype(np.float64), 1e-300))
+        fin = ~m.nonfinite
         for s in range(k):
             self.hist_cos[s] += np.bincount(np.searchsorted(_LOG_BINS, lc[fin[:, s], s]), minlength=len(_LOG_BINS) + 1)
             self.hist_rel[s] += np.bincount(np.searchsorted(_LOG_BINS, lr[fin[:, s], s]), minlength=len(_LOG_BINS) + 1)
-        ratio = m.get("ratio")   # absent from metrics made without it (another backend's older form)
+        ratio = m.ratio   # absent from metrics made without it
         if ratio is not None:
             with np.errstate(divide="ignore", invalid="ignore"):
-                lr = np.log(ratio.astype(np.float64))
+                llr = np.log(ratio.astype(np.float64))
             for s in range(k):
-                x = lr[:, s][np.isfinite(lr[:, s]) & fin[:, s]]
+                x = llr[:, s][np.isfinite(llr[:, s]) & fin[:, s]]
                 self.lr_sum[s] += float(x.sum())
                 self.lr_sq[s] += float((x * x).sum())
                 self.lr_n[s] += len(x)
@@ -336,7 +359,7 @@ class PairAccumulator:
             e = self.by_regime.setdefault(REGIMES[int(rc)], {"tokens": 0, "failing": 0, "rel_max": 0.0})
             e["tokens"] += int(sel.sum())
             e["failing"] += int(bad[sel].any(axis=1).sum())
-            e["rel_max"] = max(e["rel_max"], float(np.nanmax(_finite(m["rel"][sel]))))
+            e["rel_max"] = max(e["rel_max"], float(np.nanmax(_finite(m.rel[sel]))))
         return bad
 
     def quantile(self, slot: int, q: float) -> tuple[float, float]:
@@ -385,9 +408,9 @@ class WorstTokens:
         self._heap: list[tuple[float, int, dict[str, Any]]] = []
         self._tiebreak = itertools.count()
 
-    def offer(self, tensor: str, blk: np.ndarray, m: dict[str, np.ndarray],
+    def offer(self, tensor: str, blk: np.ndarray, m: Metrics,
               entry: Callable[[int], dict[str, Any]]) -> None:
-        rel = _finite(m["rel"])
+        rel = _finite(m.rel)
         rel_tok = rel.max(axis=1)
         top = np.argpartition(-rel_tok, self.limit)[:self.limit] if len(rel_tok) > self.limit \
             else np.arange(len(rel_tok))
@@ -399,7 +422,7 @@ class WorstTokens:
             e = entry(int(blk[j]))
             sl = int(np.argmax(rel[j]))
             # nan where no value was finite on both sides (not the 0 that ranked it)
-            e.update(tensor=tensor, rel=float(m["rel"][j, sl]), slot=sl, cos=float(np.fmin.reduce(m["cos"][j])))
+            e.update(tensor=tensor, rel=float(m.rel[j, sl]), slot=sl, cos=float(np.fmin.reduce(m.cos[j])))
             item = (r, next(self._tiebreak), e)
             if len(heap) < self.limit:
                 heapq.heappush(heap, item)

@@ -20,6 +20,7 @@ from typing import Any
 
 from .errors import UsageError
 from .parallel import TASK_BYTES, NumericTask, Placement, PoolBackend, run_numeric_task, run_replica_task
+from .trace import ReplicaTask
 
 
 class _RayFuture:
@@ -79,9 +80,9 @@ class RayBackend(PoolBackend):
                 raise UsageError(f"cannot reach the Ray cluster at {address or 'a new local one'}: "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
             self._owns = True
-        cpus = int(ray.cluster_resources().get("CPU", 1) or 1)
+        cpus = int(ray.cluster_resources().get("CPU", 1) or 1)  # type: ignore[no-untyped-call, unused-ignore]
         super().__init__(workers or max(1, cpus), task_bytes=task_bytes)
-        self.nodes = node_table(ray.nodes())
+        self.nodes = node_table(ray.nodes())  # type: ignore[no-untyped-call, unused-ignore]
         self._remote = ray.remote(num_cpus=1, max_retries=0)(run_numeric_task)
         self._remote_replica = ray.remote(num_cpus=1, max_retries=0)(run_replica_task)
 
@@ -103,8 +104,8 @@ class RayBackend(PoolBackend):
     def submit(self, task: NumericTask) -> _RayFuture:
         return _RayFuture(self._ray, self._options(self._remote, task.host, task.pair, task.chunk).remote(task))
 
-    def submit_replica(self, task: Any) -> _RayFuture:
-        host = getattr(task, "host", None)
+    def submit_replica(self, task: ReplicaTask) -> _RayFuture:
+        host = task.host
         return _RayFuture(self._ray, self._options(self._remote_replica, host, -1, -1).remote(task))
 
     def close(self) -> None:

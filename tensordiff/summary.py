@@ -24,7 +24,8 @@ from .tokens import code_position, code_seq
 
 if TYPE_CHECKING:  # pragma: no cover
     from .align import TokenAlignment
-    from .trace import TensorInfo, TraceReader
+    from .numerics import Metrics
+    from .trace import TensorInfo, TraceSource
 
 #: version of the summary file layout (the ``schema_version`` attribute of its root)
 SUMMARY_VERSION = 1
@@ -42,7 +43,7 @@ def column_label(ia: TensorInfo, slot: int, k: int) -> str:
 class SummaryWriter:
     """A :class:`tensordiff.diff.DiffSink`: the diff hands it every compared block."""
 
-    def __init__(self, path: str, al: TokenAlignment, ra: TraceReader, rb: TraceReader):
+    def __init__(self, path: str, al: TokenAlignment, ra: TraceSource, rb: TraceSource):
         self.f = h5py.File(path, "w")
         self.n = len(al)
         tok = np.empty(self.n, ALIGNED_DTYPE)
@@ -77,16 +78,16 @@ class SummaryWriter:
             self._col[key] = ds
         return ds
 
-    def write(self, ia, ib, k: int, blk: np.ndarray, m: dict, bad: np.ndarray) -> None:
+    def write(self, ia: TensorInfo, ib: TensorInfo, k: int, blk: np.ndarray, m: Metrics, bad: np.ndarray) -> None:
         lo, hi = int(blk[0]), int(blk[-1]) + 1
         dense = hi - lo == len(blk)
         for s in range(k):
             ds = self._column(ia, ib, s, k)
             vals = np.empty((len(blk), 4), np.float32)
-            vals[:, 0] = m["cos"][:, s]
-            vals[:, 1] = m["rel"][:, s]
-            vals[:, 2] = m["maxabs"][:, s]
-            vals[:, 3] = bad[:, s] * FLAG_BAD + m["nonfinite"][:, s] * FLAG_NONFINITE
+            vals[:, 0] = m.cos[:, s]
+            vals[:, 1] = m.rel[:, s]
+            vals[:, 2] = m.maxabs[:, s]
+            vals[:, 3] = bad[:, s] * FLAG_BAD + m.nonfinite[:, s] * FLAG_NONFINITE
             if dense:
                 ds[lo:hi] = vals
             else:
@@ -120,7 +121,8 @@ class SummaryReader:
         self.labels = [str(c.attrs["label"]) for c in self.columns]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        return self.tokens_ds[start:stop]
+        rows: np.ndarray = self.tokens_ds[start:stop]
+        return rows
 
     def block(self, start: int, stop: int, metric: int = 1) -> np.ndarray:
         """[stop-start, n_columns] of one metric (0 cos, 1 rel, 2 maxabs, 3 flags)."""
@@ -130,7 +132,8 @@ class SummaryReader:
         return out
 
     def cell(self, row: int, col: int) -> np.ndarray:
-        return self.columns[col][row]
+        got: np.ndarray = self.columns[col][row]
+        return got
 
     def close(self) -> None:
         self.f.close()

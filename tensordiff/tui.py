@@ -45,13 +45,13 @@ from textual.widgets import Footer, Input, OptionList, ProgressBar, Static, Tree
 from textual.widgets.option_list import Option
 from textual.worker import Worker, WorkerState
 
-from .diff import DiffOptions
+from .diff import DiffOptions, diff_traces
 from .errors import TraceError, UsageError
 from .findings import DiffResult
 from .fmt import progress_unit
 from .summary import SummaryReader, read_columns
 from .token_text import TokenText
-from .tui_diff import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread, run_diff
+from .tui_diff import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread
 from .tui_data import (
     GOTO_FORMS,
     METRICS,
@@ -135,7 +135,7 @@ class TensordiffApp(App[int]):
         super().__init__()
         self.path_a, self.path_b = os.fspath(path_a), os.fspath(path_b)
         self.options = options or DiffOptions()
-        self.diff_fn = diff_fn or run_diff
+        self.diff_fn = diff_fn or diff_traces
         self._diff: DiffThread | None = None
         self.screenshot_dir = screenshot_dir or os.getcwd()
         self.summary_path: str | None = self.options.summary_path

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from textual.message import Message
 
-from .diff import Differ, DiffOptions
+from .diff import DiffOptions, Stage
 from .findings import DiffResult
 from .tui_data import LiveSummary
 
@@ -51,11 +51,6 @@ class DiffEnded(Message):
         self.result = result
         self.error = error
         super().__init__()
-
-
-def run_diff(path_a: str, path_b: str, options: DiffOptions) -> DiffResult:
-    with Differ(path_a, path_b, options) as d:
-        return d.run()
 
 
 class DiffThread:
@@ -95,7 +90,7 @@ class DiffThread:
         def progress(stage: str, done: int, total: int) -> None:
             if self.cancel.is_set():
                 raise Cancelled()
-            if stage == "comparing tensors" and self.live is not None:
+            if stage == Stage.COMPARING and self.live is not None:
                 self.live.commit()    # reported after every sink (the summary file too) has the block
             # a message per stage, per end of stage, and at most one per 50 ms in between: the
             # aligner reports per block, and the UI need not redraw the bar more often than that

@@ -72,8 +72,8 @@ def _old_align(ra, rb):
     seq_pairs, gaps, mismatches, shifts, parts_a, parts_b = [], [], [], defaultdict(int), [], []
     for sa, (pa, ta) in A.seqs.items():
         if sa not in used_a:
-            gaps.append({"seq": A.key(sa), "side": "a", "positions": align._ranges(pa), "count": len(pa),
-                         "reason": "sequence only on A (no sequence of B has these token ids)"})
+            gaps.append(align.Gap(A.key(sa), "a", align._ranges(pa), len(pa),
+                                  "sequence only on A (no sequence of B has these token ids)"))
             continue
         sb, sh = used_a[sa]
         pb, tb = B.seqs[sb]
@@ -86,20 +86,19 @@ def _old_align(ra, rb):
         on_b[idx_c[present]] = True
         only_b = pb[~on_b]
         shifts[sh] += 1
-        seq_pairs.append({"a": A.key(sa), "b": B.key(sb), "shift": sh, "tokens": int(ok.sum()),
-                          "only_a": len(only_a), "only_b": len(only_b), "mismatched": int(other.sum())})
+        seq_pairs.append(align.SeqPair(A.key(sa), B.key(sb), sh, int(ok.sum()), len(only_a), len(only_b),
+                                       int(other.sum())))
         if other.any():
-            mismatches.append({"seq": A.key(sa), "seq_b": B.key(sb), "positions": align._ranges(pa[other]),
-                               "count": int(other.sum()), "tokens_a": ta[other][:4].tolist(),
-                               "tokens_b": tb[idx_c[other]][:4].tolist()})
+            mismatches.append(align.TokenMismatch(A.key(sa), B.key(sb), align._ranges(pa[other]), int(other.sum()),
+                                                  ta[other][:4].tolist(), tb[idx_c[other]][:4].tolist()))
         gaps += align._gaps(A.key(sa), "a", only_a, pa)
         gaps += align._gaps(B.key(sb), "b", only_b, pb)
         parts_a.append(token_code(sa, pa[ok]))
         parts_b.append(token_code(sb, pa[ok] + sh))
     for sb, (pb, _tb) in B.seqs.items():
         if sb not in used_b:
-            gaps.append({"seq": B.key(sb), "side": "b", "positions": align._ranges(pb), "count": len(pb),
-                         "reason": "sequence only on B (no sequence of A has these token ids)"})
+            gaps.append(align.Gap(B.key(sb), "b", align._ranges(pb), len(pb),
+                                  "sequence only on B (no sequence of A has these token ids)"))
     code_a, code_b = np.concatenate(parts_a), np.concatenate(parts_b)
     order = np.argsort(code_a, kind="stable")
     code_a, code_b = code_a[order], code_b[order]
@@ -322,7 +321,7 @@ def test_ten_copies_are_not_all_paired_by_the_general_path():
     ra, rb = _same_pair(rng, 90, 20, 5000, "ten_copies")
     got = _check(ra, rb)
     assert got.path == "general"
-    assert sum(g["reason"].startswith("sequence only on") for g in got.gaps) > 0
+    assert sum(g.reason.startswith("sequence only on") for g in got.gaps) > 0
 
 
 def test_same_tables_condition_refuses_what_breaks_the_proof(monkeypatch):

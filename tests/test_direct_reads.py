@@ -64,6 +64,7 @@ def test_unallocated_chunk_goes_through_h5py(tmp_path):
         ds[0:4] = 1
         ds[8:12] = 3   # rows 4..7: a chunk never written
     r = RowReads.__new__(RowReads)
+    r._reset_reads()
     r.f = h5py.File(p, "r")
     r.file_size = os.path.getsize(p)
     try:

@@ -1,5 +1,5 @@
 """The identity search of a disagreeing boundary scored in a thread while the numeric pass goes on
-(tensordiff/diff.py, Differ._start_identity): the same findings, byte for byte, as the search run
+(tensordiff/diff/early.py, DiffOptions.overlap_identity): the same findings, byte for byte, as the search run
 after the numeric pass in the diff's own thread, whichever pair diverges (one in the middle, the
 last one, several), whatever the identity thread's timing; and a diff stopped with a search in
 flight closes cleanly."""
@@ -13,10 +13,9 @@ import time
 import numpy as np
 import pytest
 
-import tensordiff.diff as diffmod
 from tensordiff.catalog import IdentitySearch
 from tensordiff.cli import jsonable
-from tensordiff.diff import DiffOptions, Differ
+from tensordiff.diff import DiffOptions, RunCounters, diff_sources, diff_traces, open_pair
 from tensordiff.trace import TraceWriter
 
 H = 64
@@ -78,11 +77,11 @@ def _from_on(at: int):  # every boundary from ``at`` on holds the state before i
     return f
 
 
-def _diff(a: str, b: str, overlap: bool, monkeypatch, **opts) -> tuple[str, int]:
-    monkeypatch.setattr(diffmod, "OVERLAP_IDENTITY", overlap)
-    with Differ(a, b, DiffOptions(**opts)) as d:
-        res = d.run()
-        return json.dumps(jsonable(res.to_dict()), sort_keys=True), d.early_identities
+def _diff(a: str, b: str, overlap: bool, **opts) -> tuple[str, int]:
+    counters = RunCounters()
+    with open_pair(a, b) as (ra, rb):
+        res = diff_sources(ra, rb, DiffOptions(overlap_identity=overlap, **opts), counters=counters)
+    return json.dumps(jsonable(res.to_dict()), sort_keys=True), counters.early_identities
 
 
 CASES = {"middle_holds_previous": _shift(4), "last_holds_previous": _shift(LAYERS - 1),
@@ -91,11 +90,11 @@ CASES = {"middle_holds_previous": _shift(4), "last_holds_previous": _shift(LAYER
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_overlapped_identity_gives_the_sequential_findings(tmp_path, monkeypatch, case):
+def test_overlapped_identity_gives_the_sequential_findings(tmp_path, case):
     a, b = _pair(tmp_path, case, CASES[case])
     for x, y in ((a, b), (b, a)):
-        seq, n_seq = _diff(x, y, False, monkeypatch)
-        over, n_over = _diff(x, y, True, monkeypatch)
+        seq, n_seq = _diff(x, y, False)
+        over, n_over = _diff(x, y, True)
         assert n_seq == 0
         doc = json.loads(over)
         failing = [p for p in doc["tensors"] if p["compared"] and sum(p["failing"]) > 0]
@@ -103,16 +102,16 @@ def test_overlapped_identity_gives_the_sequential_findings(tmp_path, monkeypatch
         assert over == seq
 
 
-def test_the_verdicts_of_the_cases(tmp_path, monkeypatch):
+def test_the_verdicts_of_the_cases(tmp_path):
     """What the cases above compare is a real verdict: the shifted boundary is named as holding
     the state before it (decided under the measured noise floors, which exist only after the
     numeric pass), the noisy one as holding none."""
     a, b = _pair(tmp_path, "holds", _shift(4))
-    doc = json.loads(_diff(a, b, True, monkeypatch)[0])
+    doc = json.loads(_diff(a, b, True)[0])
     ids = [f for f in doc["findings"] if f["kind"] == "slot_identity"]
     assert [(f["tensor"], f["details"]["held"], f["details"]["outcome"]) for f in ids] == [("layer4", "layer3", "holds")]
     a, b = _pair(tmp_path, "none", _noise(3))
-    doc = json.loads(_diff(a, b, True, monkeypatch)[0])
+    doc = json.loads(_diff(a, b, True)[0])
     assert not [f for f in doc["findings"] if f["kind"] == "slot_identity"]
     assert doc["first_divergence"]["tensor"] == "layer3"
 
@@ -120,7 +119,7 @@ def test_the_verdicts_of_the_cases(tmp_path, monkeypatch):
 def test_a_slow_identity_thread_changes_nothing(tmp_path, monkeypatch):
     """The search finishing long after the numeric pass (or long before) gives the same findings."""
     a, b = _pair(tmp_path, "slow", _from_on(2))
-    seq, _ = _diff(a, b, False, monkeypatch)
+    seq, _ = _diff(a, b, False)
     real = IdentitySearch.score
 
     def slow(self, *args, **kw):
@@ -128,13 +127,12 @@ def test_a_slow_identity_thread_changes_nothing(tmp_path, monkeypatch):
             time.sleep(0.15)
         return real(self, *args, **kw)
     monkeypatch.setattr(IdentitySearch, "score", slow)
-    over, n = _diff(a, b, True, monkeypatch)
+    over, n = _diff(a, b, True)
     assert n == LAYERS - 2 and over == seq
 
 
 def test_a_diff_stopped_with_a_search_in_flight_closes(tmp_path, monkeypatch):
     a, b = _pair(tmp_path, "stop", _shift(2))
-    monkeypatch.setattr(diffmod, "OVERLAP_IDENTITY", True)
     started = threading.Event()
     real = IdentitySearch.score
 
@@ -153,8 +151,8 @@ def test_a_diff_stopped_with_a_search_in_flight_closes(tmp_path, monkeypatch):
 
     before = {t.name for t in threading.enumerate()}
     t0 = time.perf_counter()
-    with pytest.raises(Stop), Differ(a, b, DiffOptions(progress=progress)) as d:
-        d.run()
+    with pytest.raises(Stop):
+        diff_traces(a, b, DiffOptions(progress=progress))
     assert time.perf_counter() - t0 < 10
     left = {t.name for t in threading.enumerate()} - before
     assert not [n for n in left if n.startswith("tensordiff-identity")]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tensordiff.dtypes import f32_to_bf16_bits, to_float32
-from tensordiff.numerics import BlockMetrics, rows_per_block
+from tensordiff.numerics import METRIC_FIELDS, BlockMetrics, rows_per_block
 
 
 def stored(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -60,11 +60,11 @@ def test_block_metrics_match_float64(da, db, k, w, extra, lanes, monkeypatch):
         got = BlockMetrics(k, w, pool=pool, lanes=lanes).compute_stored(a, da, b, db)
     ref = reference(a, da, b, db, k, w)
     for key in ("nonfinite_a", "nonfinite_b"):
-        assert np.array_equal(got[key], ref[key]), key
-    assert np.array_equal(got["nonfinite"], (ref["nonfinite_a"] > 0) | (ref["nonfinite_b"] > 0))
-    np.testing.assert_allclose(got["cos"], ref["cos"], atol=2e-6, equal_nan=True)
-    np.testing.assert_allclose(got["rel"], ref["rel"], rtol=1e-4, atol=1e-7, equal_nan=True)
-    np.testing.assert_allclose(got["maxabs"], ref["maxabs"], rtol=1e-6, equal_nan=True)
+        assert np.array_equal(getattr(got, key), ref[key]), key
+    assert np.array_equal(got.nonfinite, (ref["nonfinite_a"] > 0) | (ref["nonfinite_b"] > 0))
+    np.testing.assert_allclose(got.cos, ref["cos"], atol=2e-6, equal_nan=True)
+    np.testing.assert_allclose(got.rel, ref["rel"], rtol=1e-4, atol=1e-7, equal_nan=True)
+    np.testing.assert_allclose(got.maxabs, ref["maxabs"], rtol=1e-6, equal_nan=True)
 
 
 def test_lanes_are_bit_identical_to_one_lane():
@@ -75,8 +75,8 @@ def test_lanes_are_bit_identical_to_one_lane():
     one = BlockMetrics(1, 512).compute_stored(a, "bfloat16", b, "bfloat16")
     with ThreadPoolExecutor(3) as pool:
         four = BlockMetrics(1, 512, pool=pool, lanes=4).compute_stored(a, "bfloat16", b, "bfloat16")
-    for key in one:
-        assert np.array_equal(one[key], four[key], equal_nan=True), key
+    for key in METRIC_FIELDS:
+        assert np.array_equal(getattr(one, key), getattr(four, key), equal_nan=True), key
 
 
 def test_a_slow_lane_takes_fewer_sub_blocks_and_changes_no_bit():
@@ -104,8 +104,8 @@ def test_a_slow_lane_takes_fewer_sub_blocks_and_changes_no_bit():
 
     with ThreadPoolExecutor(1, thread_name_prefix="slow") as pool:
         got = Slow(1, 512, pool=pool, lanes=2).compute_stored(a, "bfloat16", b, "bfloat16")
-    for key in one:
-        assert np.array_equal(one[key], got[key], equal_nan=True), key
+    for key in METRIC_FIELDS:
+        assert np.array_equal(getattr(one, key), getattr(got, key), equal_nan=True), key
     slow = sum(n for t, n in done.items() if t.startswith("slow"))
     assert sum(done.values()) == 40 and 1 <= slow < 20, done
 
@@ -123,4 +123,4 @@ def test_equal_rows_have_a_positive_zero_max_abs(dtype):
     x = np.random.default_rng(3).standard_normal((50, 64)).astype(np.float32)
     a = stored(x, dtype)
     m = BlockMetrics(1, 64).compute_stored(a, dtype, a.copy(), dtype)
-    assert (m["maxabs"] == 0).all() and not np.signbit(m["maxabs"]).any()
+    assert (m.maxabs == 0).all() and not np.signbit(m.maxabs).any()

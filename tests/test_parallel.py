@@ -15,9 +15,10 @@ import pytest
 
 from setgen import make_recording, write, write_ranks
 from tensordiff.cli import jsonable, main
-from tensordiff.diff import DiffOptions, Differ, diff_traces
+from tensordiff.backends import AUTO_MIN_BYTES, make_backend
+from tensordiff.diff import DiffOptions, SerialBackend, diff_traces, open_pair, plan_diff
 from tensordiff.errors import UsageError
-from tensordiff.parallel import AUTO_MIN_BYTES, PoolBackend, make_backend
+from tensordiff.parallel import PoolBackend
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def as_json(res) -> str:
 
 
 def run(a, b, backend=None, block_rows=16, summary=None):
-    return as_json(diff_traces(a, b, DiffOptions(block_rows=block_rows, numeric=backend, summary_path=summary)))
+    return as_json(diff_traces(a, b, DiffOptions(block_rows=block_rows, backend=backend, summary_path=summary)))
 
 
 @pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "ok"), ("ok", "train"),
@@ -69,7 +70,7 @@ def test_pool_equals_serial(traces, pool, pair, block_rows):
 def test_pool_with_several_blocks_a_task(traces):
     with PoolBackend(2, task_bytes=3 * 16 * 128) as b:  # 3 blocks of 16 rows (64 + 64 bytes each) a task
         assert run(traces["train"], traces["bad"], b) == run(traces["train"], traces["bad"])
-        assert b.stats["tasks"] > 0 and len(b.stats["pids"]) >= 1
+        assert b.stats.tasks > 0 and len(b.stats.pids) >= 1
 
 
 def test_pool_summary_file_equals_serial(traces, pool, tmp_path):
@@ -138,38 +139,39 @@ def test_info_and_diff_do_not_import_ray(traces, tmp_path):
     assert out.strip().endswith("NORAY"), out
 
 
-def test_differ_reuses_backend_for_two_diffs(traces, pool):
+def test_a_backend_runs_two_diffs_in_a_row(traces, pool):
     """One backend, two diffs in a row (the TUI re-runs): plans do not leak between them."""
     for pair in (("train", "bad"), ("train", "ok")):
-        with Differ(traces[pair[0]], traces[pair[1]], DiffOptions(block_rows=16, numeric=pool)) as d:
-            got = as_json(d.run())
+        got = as_json(diff_traces(traces[pair[0]], traces[pair[1]], DiffOptions(block_rows=16, backend=pool)))
         assert got == run(traces[pair[0]], traces[pair[1]])
 
 
 def test_worker_blocks_are_the_serial_blocks(traces):
     """Every block a worker returns holds the same aligned indices and bit-identical per-token
-    metrics as the block the diff computes in-process."""
-    from tensordiff.diff import Differ
+    metrics as the block the diff computes in-process, for every pair of the plan."""
+    from tensordiff.numerics import METRIC_FIELDS
 
-    with Differ(traces["train"], traces["bad_set"], DiffOptions(block_rows=16)) as d, PoolBackend(1, task_bytes=1) as b:
-        d.run()   # builds the alignment and row maps
-        seen = 0
-        for ia, ib in zip(*[[d.ra.tensors[n] for n in sorted(d.ra.tensors)], [d.rb.tensors[n] for n in sorted(d.ra.tensors)]]):
-            everything = np.arange(len(d.al))
-            (ma,), (mb,) = d.maps.rows_at("a", ia.name, [everything]), d.maps.rows_at("b", ib.name, [everything])
-            idx = np.flatnonzero((ma >= 0) & (mb >= 0))
-            k = min(ia.slot_count, ib.slot_count)
-            local = list(d._metrics(ia, ib, "values", k, idx, ma, mb))
-            b.start(d, [(ia, ib)])
-            remote = list(b.blocks(d, ia, ib, "values", k, idx, ma, mb))
-            assert len(local) == len(remote) > 1
-            for (blk1, m1), (blk2, m2) in zip(local, remote):
-                assert np.array_equal(blk1, blk2) and m1.keys() == m2.keys()
-                for key in m1:
-                    assert m1[key].dtype == m2[key].dtype
-                    assert np.array_equal(m1[key], m2[key], equal_nan=m1[key].dtype.kind == "f"), key
-                seen += 1
-        assert seen > 20
+    opts = DiffOptions(block_rows=16)
+    with open_pair(traces["train"], traces["bad_set"]) as (a, b):
+        plan = plan_diff(a, b, opts)
+        serial, pool = SerialBackend(), PoolBackend(1, task_bytes=1)
+        try:
+            seen = 0
+            for backend in (serial, pool):
+                backend.start(plan)
+            for job in plan.compared:
+                local, remote = list(serial.blocks(job)), list(pool.blocks(job))
+                assert len(local) == len(remote) >= 1
+                for (blk1, m1), (blk2, m2) in zip(local, remote):
+                    assert np.array_equal(blk1, blk2)
+                    for key in METRIC_FIELDS:
+                        x, y = getattr(m1, key), getattr(m2, key)
+                        assert x.dtype == y.dtype and np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), key
+                    seen += 1
+            assert seen > 20
+        finally:
+            serial.close()
+            pool.close()
 
 
 def test_tasks_follow_the_shards_hosts(tmp_path):
@@ -218,5 +220,5 @@ def test_a_cancelled_diff_leaves_the_backend_usable(traces, pool):
             raise Stop
 
     with pytest.raises(Stop):
-        diff_traces(traces["train"], traces["bad"], DiffOptions(block_rows=16, numeric=pool, progress=stop))
+        diff_traces(traces["train"], traces["bad"], DiffOptions(block_rows=16, backend=pool, progress=stop))
     assert run(traces["train"], traces["bad"], pool) == run(traces["train"], traces["bad"])

@@ -94,10 +94,10 @@ def test_worker_killed_after_its_opens_is_not_blamed_on_a_file(good, monkeypatch
     called damaged."""
     import tensordiff.diff as diff_mod
 
-    def dying(self, *a, **kw):
+    def dying(*a, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    monkeypatch.setattr(diff_mod.Differ, "run", dying)
+    monkeypatch.setattr(diff_mod, "diff_sources", dying)
     rc, out, err = run_isolated(["diff", good["a"], good["b"], "-q"], timeout=60)
     assert_clean_exit(rc, out, err, "diff")
     assert rc == 2 and "killed (signal 9) after it had opened the traces" in err and "damaged" not in err, err

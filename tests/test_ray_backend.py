@@ -157,7 +157,7 @@ def test_ray_equals_serial_with_node_affinity(cluster, traces):
         for a, bb in (("train", "bad_set"), ("bad_set", "train"), ("train", "ok")):
             b.placements.clear()
             serial = _json(diff_traces(traces[a], traces[bb], DiffOptions(block_rows=16)))
-            got = _json(diff_traces(traces[a], traces[bb], DiffOptions(block_rows=16, numeric=b)))
+            got = _json(diff_traces(traces[a], traces[bb], DiffOptions(block_rows=16, backend=b)))
             assert got == serial, (a, bb)
             if "bad_set" in (a, bb):
                 # every task asked for its shard's node, softly; both nodes were asked for

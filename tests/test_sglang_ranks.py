@@ -113,7 +113,7 @@ def test_the_ray_backend_asks_for_the_node_of_each_shards_host(plugin_set):
              for k, h in enumerate(HOSTS)]
     b = _offline_ray_backend(nodes)
     serial = json.dumps(jsonable(diff_traces(train, d, DiffOptions(block_rows=16)).to_dict()))
-    got = json.dumps(jsonable(diff_traces(train, d, DiffOptions(block_rows=16, numeric=b)).to_dict()))
+    got = json.dumps(jsonable(diff_traces(train, d, DiffOptions(block_rows=16, backend=b)).to_dict()))
     assert got == serial
     assert b.placements and {p.host for p in b.placements} == set(HOSTS)
     assert all(p.node == NODES[HOSTS.index(p.host)] for p in b.placements)

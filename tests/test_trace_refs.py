@@ -223,7 +223,7 @@ def as_json(res, *paths) -> str:
 
 
 def diff(a, b, backend=None) -> str:
-    return as_json(diff_traces(a, b, DiffOptions(block_rows=64, numeric=backend)), a, b)
+    return as_json(diff_traces(a, b, DiffOptions(block_rows=64, backend=backend)), a, b)
 
 
 @pytest.mark.parametrize("order", ["ab", "ba"])

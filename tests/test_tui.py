@@ -21,12 +21,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tensordiff.diff import diff_traces
 from tensordiff.errors import TraceError
 from tensordiff.findings import DiffResult, Finding
+from tensordiff.numerics import Metrics
 from tensordiff.summary import SummaryWriter
 from tensordiff.trace import SlotSpec, TraceWriter
 from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp
-from tensordiff.tui_diff import run_diff
 from tensordiff.tui_data import METRICS
 from tensordiff.tui_text import histograms, sparkline
 from tensordiff.tui_widgets import (
@@ -101,7 +102,7 @@ def fixture_diff(fixture_pair, tmp_path_factory):
     from tensordiff.diff import DiffOptions
 
     ref = tmp_path_factory.mktemp("fixture_ref") / "summary.h5"
-    result = run_diff(*fixture_pair, DiffOptions(summary_path=str(ref)))
+    result = diff_traces(*fixture_pair, DiffOptions(summary_path=str(ref)))
 
     def replay(a, b, opts):
         assert (a, b) == fixture_pair
@@ -134,7 +135,7 @@ def pair_result(pair, tmp_path_factory) -> DiffResult:
     from tensordiff.diff import DiffOptions
 
     out = tmp_path_factory.mktemp("ref") / "summary.h5"
-    return run_diff(*pair, DiffOptions(summary_path=str(out)))
+    return diff_traces(*pair, DiffOptions(summary_path=str(out)))
 
 
 async def wait_ready(app: TensordiffApp, pilot, timeout: float = 20.0) -> None:
@@ -560,7 +561,7 @@ async def test_quit_during_scan(fixture_pair):
     def slow_diff(a, b, opts):
         while not gate.wait(0.01):
             opts.progress("comparing tensors", 1, 100)   # raises once the app has quit
-        return run_diff(a, b, opts)
+        return diff_traces(a, b, opts)
 
     app = TensordiffApp(*fixture_pair, diff_fn=slow_diff)
     try:
@@ -640,7 +641,9 @@ def _fake_diff(n: int, k_plain: int = 9):
             blk = np.arange(s0, min(n, s0 + 16384))
             for info, k in [(i, 1) for i in infos] + [(packed, 3)]:
                 rel = rng.random((len(blk), k)).astype(np.float32) * (1e-4 if k == 1 else 2.0)
-                m = {"cos": 1 - rel, "rel": rel, "maxabs": rel * 3, "nonfinite": np.zeros((len(blk), k), bool)}
+                none = np.zeros((len(blk), k), np.int64)
+                m = Metrics(cos=1 - rel, rel=rel, maxabs=rel * 3, nonfinite_a=none, nonfinite_b=none,
+                            nonfinite=none > 0)
                 w.write(info, info, k, blk, m, rel > 1.0)
         w.close()
         return DiffResult(path_a=a, path_b=b, side_a="train", side_b="serve",

@@ -14,11 +14,10 @@ import threading
 import numpy as np
 import pytest
 
-from tensordiff.diff import Differ, DiffOptions
+from tensordiff.diff import DiffOptions, Stage, diff_traces
 from tensordiff.summary import SummaryReader, read_columns
 from tensordiff.tui import EXIT_INTERRUPTED, TensordiffApp
 from tensordiff.tui_data import METRICS, PENDING, BlockCache, LiveSummary
-from tensordiff.tui_diff import run_diff
 from tensordiff.tui_widgets import GLYPHS, PENDING_GLYPH, VGLYPHS
 
 from test_tui import SIZE, fixture_pair, wait_ready  # noqa: F401 - the session fixture
@@ -40,12 +39,12 @@ def gated(after_blocks: int, gate: threading.Event, reached: threading.Event):
 
         def progress(stage, done, total):
             inner(stage, done, total)       # the app's: commits the block, raises once it quit
-            if stage == "comparing tensors":
+            if stage == Stage.COMPARING:
                 seen[0] += 1
                 if seen[0] == after_blocks:
                     reached.set()
                     assert gate.wait(30), "the test never let the diff go on"
-        return run_diff(a, b, dataclasses.replace(opts, progress=progress))
+        return diff_traces(a, b, dataclasses.replace(opts, progress=progress))
     return diff
 
 
@@ -153,10 +152,10 @@ async def test_heatmap_shows_rows_before_the_diff_ends(fixture_pair):  # noqa: F
 async def test_final_state_is_todays(fixture_pair):  # noqa: F811
     """Streamed or not, the app lands on the same screen once the diff ends."""
     def unstreamed(a, b, opts):   # the diff as before: no live sink
-        return run_diff(a, b, dataclasses.replace(opts, sinks=[]))
+        return diff_traces(a, b, dataclasses.replace(opts, sinks=[]))
 
     screens = []
-    for fn in (run_diff, unstreamed):
+    for fn in (diff_traces, unstreamed):
         app = TensordiffApp(*fixture_pair, DiffOptions(block_rows=BLOCK), diff_fn=fn)
         async with app.run_test(size=SIZE) as pilot:
             await wait_ready(app, pilot)
@@ -201,7 +200,7 @@ def test_live_summary_commits_only_what_the_file_holds(fixture_pair, tmp_path): 
         assert (pend == (np.arange(live.n)[:, None] >= front[None, :])).all()
 
     def progress(stage, done, total):
-        if stage == "comparing tensors" and lives:
+        if stage == Stage.COMPARING and lives:
             lives[0].commit()
             check()
 
@@ -216,8 +215,7 @@ def test_live_summary_commits_only_what_the_file_holds(fixture_pair, tmp_path): 
 
     opts = DiffOptions(block_rows=BLOCK, summary_path=path, progress=progress,
                        sinks=[LiveSummary.factory(path, lives.append), lambda al, ra, rb: Between()])
-    with Differ(*fixture_pair, opts) as d:
-        d.run()
+    diff_traces(*fixture_pair, opts)
     live = lives[0]
     assert checks[0] > 10
     changed = live.changes()
@@ -234,7 +232,7 @@ def test_live_summary_commits_only_what_the_file_holds(fixture_pair, tmp_path): 
 
 def test_block_cache_invalidates_only_changed_blocks(fixture_pair, tmp_path):  # noqa: F811
     ref = str(tmp_path / "s.h5")
-    run_diff(*fixture_pair, DiffOptions(summary_path=ref))
+    diff_traces(*fixture_pair, DiffOptions(summary_path=ref))
     s = SummaryReader(ref)
     try:
         cache = BlockCache(s, block_rows=16, max_blocks=8)

@@ -24,6 +24,7 @@ import h5py  # type: ignore[import-untyped, unused-ignore]  # noqa: F401 - bench
 
 from .probe import PROBE_SECONDS, probe
 from .reader import TraceReader, trace_summary
+from .source import Part, ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TraceSource
 from .schema import (
     CHUNK_BYTES,
     FILTER_EXPANSION,
@@ -70,7 +71,12 @@ __all__ = [
     "MAX_SLOTS",
     "MAX_TENSORS",
     "PROBE_SECONDS",
+    "Part",
     "READ_CACHE_BYTES",
+    "ReplicaMismatch",
+    "ReplicaPartial",
+    "ReplicaTask",
+    "RowSegment",
     "SCHEMA_REFS",
     "SCHEMA_VERSION",
     "SCHEMA_VERSIONS",
@@ -79,6 +85,7 @@ __all__ = [
     "SlotSpec",
     "TensorInfo",
     "TraceReader",
+    "TraceSource",
     "TraceWriter",
     "probe",
     "slot_rms",

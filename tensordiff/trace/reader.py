@@ -17,6 +17,7 @@ from h5py import h5s  # type: ignore[import-untyped, unused-ignore]
 
 from ..dtypes import storage_dtype
 from ..errors import TensordiffError, TraceFileError
+from ..progress import Progress
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED
 from ..vocab import REGIMES
 from . import recover
@@ -37,6 +38,7 @@ from .schema import (
     TOKEN_DTYPE,
     TensorInfo,
 )
+from .source import ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment
 from .validate import (
     CHANGED,
     CHECKED,
@@ -138,6 +140,7 @@ class TraceReader(RowReads):
     def _open_and_load(self, patch: tuple[int, bytes] | None) -> None:
         self._view: recover.PatchedView | None = None
         self._open: OrderedDict[str, Any] = OrderedDict()
+        self._reset_reads()
         self._budget = Budget(self.file_size)
         try:
             if patch is None:
@@ -549,6 +552,24 @@ class TraceReader(RowReads):
     def summary(self) -> dict[str, Any]:
         """Everything ``tensordiff info`` shows, as plain data."""
         return trace_summary(self)
+
+    # -- what a trace set adds (TraceSource): one file holds every row once --------------------
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return ()
+
+    def segments(self, name: str, rows: np.ndarray) -> list[RowSegment]:
+        return [RowSegment(self.path, np.asarray(rows, np.int64))]
+
+    def replica_tasks(self) -> list[ReplicaTask]:
+        return []
+
+    def replica_mismatches(self, partials: Sequence[ReplicaPartial]) -> list[ReplicaMismatch]:
+        return []
+
+    def check_replicas(self, progress: Progress | None = None) -> list[ReplicaMismatch]:
+        return []
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a damaged file must not mask the real error

@@ -64,6 +64,23 @@ class _Parts(Mapping[str, Any]):
         return dict(self._paths)
 
 
+class LastDerived:
+    """The last block of sketch rows a reader derived (one per reader, whatever the tensor): a
+    scattered read of a derived sketch asks for the same block many times in a row."""
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[str, int, int, int], object, np.ndarray] | None = None
+
+    def get(self, key: tuple[str, int, int, int], owner: object) -> np.ndarray | None:
+        last = self._last
+        if last is not None and last[0] == key and last[1] is owner:
+            return last[2]
+        return None
+
+    def put(self, key: tuple[str, int, int, int], owner: object, rows: np.ndarray) -> None:
+        self._last = (key, owner, rows)
+
+
 _DERIVE_BYTES = 8 << 20   # a derived sketch is computed in blocks of at most this many float32 bytes (values or sketch)
 
 
@@ -160,10 +177,9 @@ class DerivedSketch(_Resolved):
     def _block(self, b: int) -> np.ndarray:
         """The sketch rows of block ``b`` (rows [b*block, ...) of the tensor)."""
         key = (self._tensor, self._dim, self._seed, b)
-        last = self._reader.__dict__.get("_derived_last")
-        if last is not None and last[0] == key and last[1] is self:
-            out: np.ndarray = last[2]
-            return out
+        hit = self._reader._derived.get(key, self)
+        if hit is not None:
+            return hit
         bs, info = self.block, self._info
         lo, hi = b * bs, min(self.shape[0], (b + 1) * bs)
         buf = np.zeros((bs, info.width), self._vdtype)
@@ -171,7 +187,7 @@ class DerivedSketch(_Resolved):
                               f"{self._tensor}/values")
         sk = sketch_rows(to_float32(buf, info.dtype), info.slot_width, self._dim, self._seed)
         out = np.ascontiguousarray(sk[:hi - lo], dtype=np.float32)
-        self._reader.__dict__["_derived_last"] = (key, self, out)
+        self._reader._derived.put(key, self, out)
         return out
 
     def rows(self, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -257,6 +273,15 @@ class RowReads:
     _refs: dict[str, tuple[str, np.ndarray]]   # values by reference: (source, encoded values_ref) by tensor
     _open: OrderedDict[str, Any]
     _tick: Callable[[int, int], None]
+    _derived: LastDerived                  # the last derived sketch block (DerivedSketch)
+    _chunk_tables: dict[str, tuple[int, np.ndarray] | None]   # direct reads: by dataset path
+    _fd_direct: int | None | bool          # the file's descriptor for direct reads; False: not looked up yet
+
+    def _reset_reads(self) -> None:
+        """The reads' state of a freshly opened file."""
+        self._derived = LastDerived()
+        self._chunk_tables = {}
+        self._fd_direct = False
 
     def _dataset(self, path: str) -> Any:
         """An open dataset by its path in the file. At most :data:`OPEN_DATASETS` stay open: HDF5
@@ -318,7 +343,7 @@ class RowReads:
         return pos == dest.nbytes
 
     def _direct_fd(self) -> int | None:
-        fd = getattr(self, "_fd_direct", False)
+        fd = self._fd_direct
         if fd is False:
             fd = None
             try:
@@ -333,7 +358,7 @@ class RowReads:
         """(rows per chunk, byte offset of each chunk or -1) of a dataset fit for direct reads."""
         if not isinstance(ds, h5py.Dataset):
             return None   # a part the reader computes (DerivedSketch): read through its own methods
-        cache: dict[str, tuple[int, np.ndarray] | None] = self.__dict__.setdefault("_chunk_tables", {})
+        cache = self._chunk_tables
         key = ds.name
         if key in cache:
             return cache[key]
@@ -364,6 +389,17 @@ class RowReads:
     def token_rows(self, name: str) -> np.ndarray:
         """Token-table row of every row of tensor ``name`` (int64, loaded at open)."""
         return self._rows[name]
+
+    def dataset(self, name: str, part: str) -> Any:
+        """Part ``part`` of tensor ``name``: an open dataset, or a part the reader computes."""
+        try:
+            return self._ds[name][part]
+        except KeyError:
+            raise TraceFileError(f"tensor {name!r} has no {part}", self.path) from None
+
+    def has_part(self, name: str, part: str) -> bool:
+        parts = self._ds.get(name)
+        return parts is not None and part in parts
 
     def _read(self, name: str, part: str, sel: Any, out: np.ndarray | None = None) -> np.ndarray:
         try:
@@ -488,4 +524,3 @@ class RowReads:
         self._read_ds(ds, np.s_[0:1], None, what)
         self._read_ds(ds, np.s_[rows - 1:rows], None, what)
 
-    _touch = touch  # the name the probe used before the package split

@@ -154,7 +154,7 @@ def virtual_tensor(name: str, holders: list[Member], members: Sequence[Member], 
     info = dataclasses.replace(i0, rows=start, sketch_derived=derived, values_source=source)
     parts: dict[str, PartShape] = {}
     for part in ("values", "sketch", "rms"):
-        dsets = [m.reader._ds[name].get(part) for m in holders]
+        dsets = [m.reader.dataset(name, part) if m.reader.has_part(name, part) else None for m in holders]
         if all(d is not None for d in dsets):
             d0 = dsets[0]
             assert d0 is not None

@@ -7,16 +7,18 @@ replica comparison is :mod:`.replicas`, the ``info`` index :mod:`.index`."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..dtypes import to_float32
 from ..errors import IncompatibleTracesError, UsageError
-from ..trace import TraceReader, slot_rms, trace_summary
+from ..progress import Progress, Stage
+from ..trace import RowSegment, TraceReader, TraceSource, slot_rms, trace_summary
+from ..trace.source import Part
 from .index import set_index
-from .join import merge_tensors
+from .join import PartShape, merge_tensors
 from .members import Member, check_headers, check_layout, check_meta_ranks, host_of
 from .paths import is_set_spec, member_sort_key, parse_ranks, set_paths
 from .replicas import ReplicaMismatch, ReplicaPartial, ReplicaTask, compare_replica_rows, replica_mismatches, replica_tasks
@@ -26,13 +28,11 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 
-def open_trace(spec: str) -> TraceReader:
-    """A :class:`TraceReader` for a file, a :class:`TraceSet` for a directory or a glob.
-
-    Typed as a reader: a set has the interface the aligner and the diff use of one (duck-typed;
-    a Protocol naming that interface would let both be typed exactly)."""
+def open_trace(spec: str) -> TraceSource:
+    """A :class:`TraceReader` for a file, a :class:`TraceSet` for a directory or a glob: either
+    is a :class:`~tensordiff.trace.TraceSource`."""
     if is_set_spec(spec):
-        return cast(TraceReader, TraceSet(spec))
+        return TraceSet(spec)
     return TraceReader(spec)
 
 
@@ -120,7 +120,7 @@ class TraceSet:
 
     @property
     def recovered_note(self) -> str | None:
-        notes = [(m, m.reader.recovered_note) for m in self.members if getattr(m.reader, "recovered_note", None)]
+        notes = [(m, m.reader.recovered_note) for m in self.members if m.reader.recovered_note]
         if not notes:
             return None
         return (f"{len(notes)} of {len(self.members)} files were not closed cleanly: "
@@ -151,6 +151,25 @@ class TraceSet:
             rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
             self._rows_cache[name] = rows
         return rows
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(m.host for m in self.members if m.host))
+
+    def segments(self, name: str, rows: np.ndarray) -> list[RowSegment]:
+        """Where set rows ``rows`` of ``name`` live, one segment per member file that holds some."""
+        out = []
+        for mi, pos, mrows in self.locate(name, rows):
+            m = self.members[mi]
+            out.append(RowSegment(m.path, mrows, None if len(pos) == len(rows) else pos, m.host))
+        return out
+
+    def dataset(self, name: str, part: str) -> Part:
+        """The merged shape and dtype of a part of ``name`` (the members hold the data)."""
+        got: PartShape | None = self._ds.get(name, {}).get(part)
+        if got is None:
+            raise IncompatibleTracesError(f"tensor {name!r} has no {part}", self.path)
+        return got
 
     def locate(self, name: str, idx: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Where set rows ``idx`` of ``name`` live: (member index, positions in ``idx``, member rows),
@@ -225,10 +244,7 @@ class TraceSet:
 
     def touch(self) -> None:
         for m in self.members:
-            t = getattr(m.reader, "touch", None) or m.reader._touch  # renamed in the trace package
-            t()
-
-    _touch = touch
+            m.reader.touch()
 
     def close(self) -> None:
         for m in self.members:
@@ -255,7 +271,7 @@ class TraceSet:
         whose rows are not all bit-identical to the primary's, in forward order."""
         return replica_mismatches(self.members, self._vt, self.sequences, partials)
 
-    def check_replicas(self, progress: Callable[[str, int, int], None] | None = None) -> list[ReplicaMismatch]:
+    def check_replicas(self, progress: Progress | None = None) -> list[ReplicaMismatch]:
         """Compare every replicated row (serially, in this process); cached."""
         if self._replica_result is None:
             readers = {m.path: m.reader for m in self.members}
@@ -263,7 +279,7 @@ class TraceSet:
             partials = []
             for i, t in enumerate(tasks):
                 if progress is not None:
-                    progress("checking replicas", i, len(tasks))
+                    progress(Stage.CHECKING_REPLICAS, i, len(tasks))
                 partials.append(compare_replica_rows(t, readers.__getitem__))
             self._replica_result = self.replica_mismatches(partials)
         return self._replica_result

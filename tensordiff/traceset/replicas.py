@@ -4,85 +4,22 @@ merged into one :class:`ReplicaMismatch` per (tensor, replica file) that differs
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from ..dtypes import to_float32
 from ..tokens import POS_MASK, SEQ_BITS
 from ..trace import TraceReader
+from ..trace.source import ReplicaMismatch, ReplicaPartial, ReplicaTask
 from ..vocab import REGIMES
 from .join import VirtualTensor
 from .members import Member
 
 REPLICA_BLOCK_ROWS = 4096
 
-
-@dataclass
-class ReplicaMismatch:
-    """Replicated rows of one tensor that are not bit-identical: what the diff turns into a finding.
-
-    ``axis``: ``tp`` (TP replicas) or ``pp`` (two PP stages recorded the same tensor). ``primary``
-    is the file whose rows the set uses; ``replica`` the one that differs from it."""
-
-    tensor: str
-    order: float
-    axis: str
-    primary: str
-    replica: str
-    part: str                 # values or sketch
-    rows: int                 # replicated rows compared
-    differing: int            # of them, not bit-identical
-    seq: str
-    position: int
-    token: int
-    regime: str
-    max_abs: float
-    cos_min: float
-
-    def sentence(self, side: str) -> str:
-        what = "TP replicas" if self.axis == "tp" else "PP stages"
-        return (f"{what} of {side} disagree: {self.tensor} in {os.path.basename(self.replica)} differs from "
-                f"{os.path.basename(self.primary)} (the one compared) in {self.differing} of {self.rows} replicated "
-                f"rows, first at token {self.token} (seq {self.seq}, position {self.position}); max abs "
-                f"{self.max_abs:.3g}, cos {self.cos_min:.6f}: the replicas are not equal, so this side's verdict "
-                "depends on which one is read")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass
-class ReplicaTask:
-    """Replicated rows to compare, in member terms only (picklable: paths and row indices)."""
-
-    tensor: str
-    group: int                # which replicated (primary, replica) pair of files of this tensor
-    part: str
-    dtype: str
-    primary: str
-    replica: str
-    rows_primary: np.ndarray
-    rows_replica: np.ndarray
-    start: int                # where these rows start in the group's replicated rows
-    host: str | None = None   # the host that wrote the replica (for placement)
-
-
-@dataclass
-class ReplicaPartial:
-    """What comparing one :class:`ReplicaTask` found (picklable)."""
-
-    tensor: str
-    group: int
-    rows: int
-    differing: int
-    first: int                # index into the group's replicated rows of the first differing one, -1 if none
-    max_abs: float
-    cos_min: float
+__all__ = ["REPLICA_BLOCK_ROWS", "ReplicaMismatch", "ReplicaPartial", "ReplicaTask", "compare_replica_rows",
+           "replica_mismatches", "replica_tasks"]
 
 
 def compare_replica_rows(task: ReplicaTask, open_reader: Callable[[str], TraceReader]) -> ReplicaPartial:
