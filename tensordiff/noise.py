@@ -26,7 +26,7 @@ docs/diff.md): 0.82 u at the embedding, 2.0 u at layer1, 4.0 u at layer8; the de
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,9 +50,6 @@ SCALE_Z, SCALE = 4.0, 3.0
 #: rescaled per token: a log-ratio spread past SPREAD x the noise's
 SPREAD = 4.0
 MIN_TOKENS = 8
-#: the shallowest measured state, when deeper than the embedding, is predicted by this many
-#: times the default
-FIRST_SLACK = 30.0
 
 
 def unit(dtype_a: str, dtype_b: str) -> float:
@@ -110,8 +107,11 @@ class StateNoise:
     level: Level
     predicted: float = 0.0     # predicted median relative error (from the states before)
     clean: bool = True
-    why: str = ""              # how it leaves the trend: level (median error) or scale (median log RMS ratio)
+    why: str = ""              # how it leaves the trend: level (median error), tokens (its 99th
+                               # percentile: a subset of tokens) or scale (median log RMS ratio)
     bias_limit: float = 0.0    # the largest median log RMS ratio the states before it allow
+    predicted99: float = 0.0   # predicted 99th percentile relative error
+    first: bool = False        # no clean state before it: its limits are the dtype default's
 
     @property
     def jump(self) -> float:
@@ -143,7 +143,7 @@ class NoiseModel:
         u = unit(self.dtype_a, self.dtype_b)
         return Level(u, 2 * u, 2 * u * u, u).scaled(math.sqrt(1.0 + d) if d else 1.0)
 
-    def expected(self, depth: float | None) -> Level:
+    def expected(self, depth: float | None, dtypes: tuple[str, str] | None = None) -> Level:
         """The noise expected at ``depth``: from the clean measured states (the nearest at or
         below, grown by the trend to ``depth``; above every one, the shallowest), never under the
         floor; with none measured, the physical default."""
@@ -161,7 +161,9 @@ class NoiseModel:
         # the worst of the nearby clean states (1 layer either side): percentiles of a few
         # hundred tokens wobble
         near = [s.level for s in clean if abs(s.depth - d) <= 1.0]
-        fl = self.floor(d)
+        # never under one rounding of a state of these dtypes (a measured trend of states that
+        # happen to match exactly says nothing about a state of a coarser dtype)
+        fl = physical_default(*(dtypes or (self.dtype_a, self.dtype_b)), 0.0)
         return Level(max([lv.q50, fl.q50] + [x.q50 for x in near]), max([lv.q99, fl.q99] + [x.q99 for x in near]),
                      max([lv.c99, fl.c99] + [x.c99 for x in near]), max([lv.sd, fl.sd] + [x.sd for x in near]),
                      max([abs(lv.bias)] + [abs(x.bias) for x in near]))
@@ -182,25 +184,40 @@ def _pair(a: str, b: str) -> str:
     return f"{short.get(a, a)} vs {short.get(b, b)}"
 
 
-def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]) -> NoiseModel:
-    """The noise model from the levels of the states both sides recorded, ``(label, depth, level)``."""
+def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]],
+        dtypes: dict[str, tuple[str, str]] | None = None,
+        first_limit: Callable[[str, str, float], float] | None = None) -> NoiseModel:
+    """The noise model from the levels of the states both sides recorded, ``(label, depth, level)``.
+    ``dtypes``: each state's own dtype pair (default: the model's); ``first_limit(dtype_a,
+    dtype_b, depth)``: the largest median error the shallowest measured state may show (it has
+    no state before it to predict it; the dtype default's allowance), default JUMP x the physical
+    default."""
     model = NoiseModel(dtype_a, dtype_b)
     clean: list[StateNoise] = []
     for label, depth, lv in sorted(measured, key=lambda m: (m[1], m[0] == "final_norm")):
         s = StateNoise(label, depth, lv)
-        fl = model.floor(depth).q50
+        da, db = (dtypes or {}).get(label, (dtype_a, dtype_b))
+        phys = physical_default(da, db, depth).q50   # rounding alone can do this much
+        fl = max(model.floor(depth).q50, phys)
+        phys99 = physical_default(da, db, depth).q99
         if not clean:
-            # the shallowest state has nothing before it: the physical default predicts it; deeper
-            # than the embedding, honest noise depends on the model (a random-weight one's grows
-            # 10x past the default), so only an error far past it leaves the trend
-            pred = physical_default(dtype_a, dtype_b, depth).q50 * (1.0 if depth == 0 else FIRST_SLACK)
+            # the shallowest state has nothing before it to predict it: honest noise there depends
+            # on the model and the engines (a TF32 matmul, a random-weight model's growth), so it
+            # leaves the trend only past the dtype default's allowance
+            limit = first_limit(da, db, depth) if first_limit is not None else JUMP * phys
+            pred = max(limit / JUMP, fl)
+            s.first = True
+            s.predicted99 = max(limit, phys99)
         else:
             ref = clean[-1]
             g = model.growth() if len(clean) >= 2 else (GROWTH_FIRST if ref.depth == 0 else GROWTH_DEFAULT)
             pred = max(ref.level.q50, model.floor(ref.depth).q50) * g ** max(1.0, depth - ref.depth if depth > ref.depth
                                                                              else 1.0)
+            steps = max(1.0, depth - ref.depth if depth > ref.depth else 1.0)
+            s.predicted99 = max(ref.level.q99 * g ** steps, phys99)
             if depth == ref.depth:   # final_norm beside the last boundary: a norm rescales, same depth
                 pred = max(ref.level.q50, fl) * GROWTH_FIRST
+                s.predicted99 = max(ref.level.q99 * GROWTH_FIRST, phys99)
         s.predicted = max(pred, fl)
         # honest rounding is unbiased: a median RMS ratio past what the states before show (their
         # spread and bias) is a scale introduced here, even while the median error keeps the trend
@@ -210,6 +227,8 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
             s.clean = False
         elif lv.q50 > JUMP * s.predicted:
             s.clean, s.why = False, "level"
+        elif lv.q99 > TOKEN * s.predicted99:   # a subset of its tokens far outside the noise
+            s.clean, s.why = False, "tokens"
         elif abs(lv.bias) > s.bias_limit:
             s.clean, s.why = False, "scale"
         model.states.append(s)
@@ -218,9 +237,10 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
     return model
 
 
-def tolerance(model: NoiseModel, depth: float | None) -> tuple[float, float]:
-    """(min_cos, max_rel) a token must meet at ``depth``."""
-    e = model.expected(depth)
+def tolerance(model: NoiseModel, depth: float | None, dtype_a: str | None = None,
+              dtype_b: str | None = None) -> tuple[float, float]:
+    """(min_cos, max_rel) a token of a state of these dtypes must meet at ``depth``."""
+    e = model.expected(depth, (dtype_a, dtype_b) if dtype_a and dtype_b else None)
     return max(-1.0, 1.0 - TOKEN * TOKEN * e.c99), TOKEN * e.q99
 
 
@@ -235,16 +255,17 @@ class SlotJudgement:
     ratio_hi: float = 1.0
 
 
-def judge(model: NoiseModel, depth: float | None, q50: float, c90: float, lr_mean: float, lr_sd: float,
-          n: int, ratio_lo: float, ratio_hi: float) -> SlotJudgement:
+def judge(model: NoiseModel, depth: float | None, q50: float, c99: float, lr_mean: float, lr_sd: float,
+          n: int, ratio_lo: float, ratio_hi: float, dtypes: tuple[str, str] | None = None) -> SlotJudgement:
     """A state or slot's distribution against the expected noise at its depth: a systematic
     scale (mean log RMS ratio), a per-token rescaling (its spread), else a median error out of
-    the noise. ``c90``: 90th percentile of 1 - cos (the direction must agree for a scale)."""
-    e = model.expected(depth)
+    the noise. ``c99``: 99th percentile of 1 - cos (the direction must agree, on all but a few
+    tokens, for a scale: a subset of corrupted tokens is not a rescaling)."""
+    e = model.expected(depth, dtypes)
     j = SlotJudgement(ratio_lo=ratio_lo, ratio_hi=ratio_hi)
     if n < MIN_TOKENS:
         return j
-    direction_ok = c90 <= TOKEN * TOKEN * e.c99
+    direction_ok = c99 <= TOKEN * TOKEN * e.c99
     se = lr_sd / math.sqrt(n) if n > 1 else math.inf
     scale_lim = SCALE * max(e.sd, abs(e.bias), e.q50 / 4)
     if direction_ok and abs(lr_mean) > scale_lim and abs(lr_mean) > SCALE_Z * se:

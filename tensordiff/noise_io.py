@@ -14,7 +14,7 @@ from . import noise
 from .align import RowMaps, sample_indices
 from .findings import Finding, Kind, NumericDetails, ReplicaDetails, Severity
 from .numerics import BlockMetrics, PairAccumulator
-from .tolerances import Tolerance
+from .tolerances import Tolerance, default_tolerance
 from .trace import TensorInfo, TraceSource
 
 #: tokens sampled per catalog state to measure its noise level
@@ -33,6 +33,7 @@ def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tup
     """The noise model of a diff: every catalog state with full values on both sides, measured
     on up to :data:`SAMPLE` aligned tokens."""
     measured: list[tuple[str, float, noise.Level]] = []
+    dtypes: dict[str, tuple[str, str]] = {}
     for ia, ib in pairs:
         if ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or not (ia.has_values and ib.has_values):
             continue
@@ -51,25 +52,28 @@ def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tup
         d = depth_of(ia, 0)
         if lv is not None and d is not None:
             measured.append((ia.label, float(d), lv))
-    return noise.fit(_dtype(ra), _dtype(rb), measured)
+            dtypes[ia.label] = (ia.dtype, ib.dtype)
+    return noise.fit(_dtype(ra), _dtype(rb), measured, dtypes,
+                     lambda da, db, d: default_tolerance(da, db, d).max_rel)
 
 
-def tolerance_fn(model: noise.NoiseModel) -> Callable[[float | None], Tolerance]:
-    def tol(depth: float | None) -> Tolerance:
-        c, r = noise.tolerance(model, depth)
-        return Tolerance(float(f"{c:.9g}"), float(f"{r:.3g}"), model.source)
+def tolerance_fn(model: noise.NoiseModel) -> Callable[[float | None, str, str], Tolerance]:
+    def tol(depth: float | None, dtype_a: str, dtype_b: str) -> Tolerance:
+        c, r = noise.tolerance(model, depth, dtype_a, dtype_b)
+        return Tolerance(c, float(f"{r:.3g}"), model.source)
     return tol
 
 
-def judge(model: noise.NoiseModel, acc: PairAccumulator, slot: int, depth: float | None) -> noise.SlotJudgement:
+def judge(model: noise.NoiseModel, acc: PairAccumulator, slot: int, depth: float | None,
+          dtypes: tuple[str, str] | None = None) -> noise.SlotJudgement:
     """The noise model's judgement of one compared slot from its accumulated statistics."""
     _, q50 = acc.quantile(slot, 0.5)
-    c90, _ = acc.quantile(slot, 0.9)
+    c99, _ = acc.quantile(slot, 0.99)
     mean, sd, n = acc.log_ratio(slot)
-    if not (math.isfinite(q50) and math.isfinite(c90)):
+    if not (math.isfinite(q50) and math.isfinite(c99)):
         return noise.SlotJudgement()
-    return noise.judge(model, depth, q50, c90, mean, sd, n, acc.ratio_quantile(slot, 0.05),
-                       acc.ratio_quantile(slot, 0.95))
+    return noise.judge(model, depth, q50, c99, mean, sd, n, acc.ratio_quantile(slot, 0.05),
+                       acc.ratio_quantile(slot, 0.95), dtypes)
 
 
 def annotate(d: NumericDetails, model: noise.NoiseModel, j: noise.SlotJudgement, state: str | None,
@@ -82,7 +86,9 @@ def annotate(d: NumericDetails, model: noise.NoiseModel, j: noise.SlotJudgement,
         d.ratio_lo, d.ratio_hi = j.ratio_lo, j.ratio_hi
         d.metric = {"scale": "log RMS ratio", "rescaled": "spread of log RMS ratio", "level": "median rel err"}[j.part]
         jump = boundary_jump(model, label)
-        if jump is not None and jump.why == "level" and j.part == "level":
+        if jump is not None and jump.first and j.part == jump.why:
+            d.limit_source = "default allowance: no state before it to measure a trend from"
+        elif jump is not None and jump.why == "level" and j.part == "level":
             d.limit_source = f"measured trend: {noise.JUMP:g}x what the states before it predict"
         elif jump is not None and jump.why == "scale" and j.part == "scale":
             d.limit_source = "measured trend: the RMS ratios of the states before it"
@@ -125,7 +131,7 @@ def duplicate_findings(r: TraceSource, side: str, info: TensorInfo, model: noise
                                                          np.ascontiguousarray(b), info.dtype)
     # copies of one computation: equal, or at most a rounding apart (a recompute in another
     # batch); anything past the cross-side token tolerance is another state
-    cmin, rmax = noise.tolerance(model, depth)
+    cmin, rmax = noise.tolerance(model, depth, info.dtype, info.dtype)
     bad = ((m.cos < cmin) | (m.rel > rmax) | m.nonfinite).any(axis=1)
     differing = int(bad.sum())
     j = int(np.argmax(bad)) if differing else 0

@@ -92,8 +92,8 @@ class ToleranceBook:
     allow_failed: list[str] = field(default_factory=list)      # --allow-failed patterns
     used: set[str] = field(default_factory=set)                # rules that matched a compared tensor
     # the diff's noise model (tensordiff.noise), which replaces the dtype default when set:
-    # depth -> the tolerance a token must meet there
-    noise: Callable[[float | None], Tolerance] | None = None
+    # (depth, dtype_a, dtype_b) -> the tolerance a token must meet there
+    noise: Callable[[float | None, str, str], Tolerance] | None = None
 
     def for_tensor(self, name: str, dtype_a: str, dtype_b: str, slot: int | None = None,
                    depth: float | None = None) -> Tolerance:
@@ -107,7 +107,7 @@ class ToleranceBook:
                 if k in book:
                     return book[k]
         if self.noise is not None:
-            return self.noise(depth)
+            return self.noise(depth, dtype_a, dtype_b)
         return default_tolerance(dtype_a, dtype_b, depth)
 
     @staticmethod

@@ -208,12 +208,14 @@ class _Judge:
         model = self.plan.noise
         judged = noise.SlotJudgement()
         if tol.source == model.source and st.basis == "values":   # not a --tol rule or calibration
-            judged = noise_io.judge(model, acc, s, job.depth[s] if s < len(job.depth) else None)
+            judged = noise_io.judge(model, acc, s, job.depth[s] if s < len(job.depth) else None, (ia.dtype, ib.dtype))
             jump = noise_io.boundary_jump(model, ia.label) if ia.kind in ("boundary", "final_norm") else None
-            if jump is not None and not judged.part:   # this state leaves the trend of the states before it
-                judged = (noise.SlotJudgement("scale", float(np.exp(jump.level.bias)), jump.bias_limit)
-                          if jump.why == "scale" else noise.SlotJudgement("level", jump.level.q50,
-                                                                          noise.JUMP * jump.predicted))
+            if jump is not None and jump.why == "scale":   # this state leaves the trend of the states before it
+                judged = noise.SlotJudgement("scale", float(np.exp(jump.level.bias)), jump.bias_limit)
+            elif jump is not None and jump.why == "level":
+                judged = noise.SlotJudgement("level", jump.level.q50, noise.JUMP * jump.predicted)
+            elif jump is not None:   # a subset of its tokens: they fail their own tolerance
+                judged = noise.SlotJudgement()
         if (acc.failing[s] and ff is not None) or judged.part:
             det = NumericDetails(
                 subject=subject, cos=ff.cos if ff else float(st.cos_min[s]), rel=ff.rel if ff else float(st.rel_max[s]),
