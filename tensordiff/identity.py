@@ -468,7 +468,10 @@ def decide_scored(scored: list[_Scored], floor_of: Callable[[str], NoiseFloor], 
 def _scale_tol(floor: NoiseFloor) -> float:
     # the band shrinks with the measured noise: a median ratio is far steadier than one token's
     # error, so 3x the 99th percentile of the per-token error bounds honest scale differences
-    return min(SCALE_TOL, max(SCALE_MIN, 3 * floor.rel))
+    # (a floor past the fixed band, e.g. one measured on a state that itself diverges, keeps the
+    # wider band it always had)
+    small = 3 * floor.rel
+    return max(SCALE_MIN, small) if small < SCALE_TOL else max(SCALE_TOL, 4 * floor.rel)
 
 
 def _unscaled_match(s: _Scored, floor_of: Callable[[str], NoiseFloor]) -> bool:
