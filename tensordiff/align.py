@@ -13,7 +13,7 @@ import dataclasses
 import os
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -125,7 +125,7 @@ class TokenAlignment:
             return pos
         return np.where(pos >= 0, self._b_order[np.maximum(pos, 0)], -1)
 
-    def entry(self, ti: int, seqs_a: list[str], seqs_b: list[str], regimes: tuple[str, ...]) -> dict[str, Any]:
+    def entry(self, ti: int, seqs_a: Sequence[str], seqs_b: Sequence[str], regimes: tuple[str, ...]) -> dict[str, Any]:
         """Where aligned token ``ti`` is on both sides, as plain data."""
         ca, cb = int(self.code_a[ti]), int(self.code_b[ti])
         return {"seq": seqs_a[ca >> SEQ_BITS], "position": ca & POS_MASK,

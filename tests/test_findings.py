@@ -175,3 +175,17 @@ def test_default_tolerance_grows_with_depth_to_a_cap():
     assert t[0].max_rel < t[1].max_rel < t[2].max_rel == t[3].max_rel <= 0.6
     assert default_tolerance("bfloat16", "bfloat16", 8).max_rel > t[1].max_rel   # both sides round
     assert default_tolerance("float32", "float32", 0).min_cos == 1 - 1e-6
+
+
+def test_token_table_findings_come_first_whatever_a_tensors_order():
+    """The sort key ranks what the token tables say (recovered, shift, mismatch, gap) before any
+    tensor's finding, even one recorded with a negative forward order."""
+    from tensordiff.findings import GapDetails, RecoveredDetails, TokenMismatchDetails, order_findings
+    gap = Finding(Kind.GAP, Severity.INFO, seq="s0", details=GapDetails(seq="s0"))
+    shift = Finding(Kind.TOKEN_SHIFT, Severity.DIVERGENCE, seq="s0", details=ShiftDetails(shift=1))
+    mismatch = Finding(Kind.TOKEN_MISMATCH, Severity.DIVERGENCE, seq="s0", details=TokenMismatchDetails(seq="s0"))
+    recovered = Finding(Kind.RECOVERED, Severity.INFO, details=RecoveredDetails(side="serve"))
+    early = Finding(Kind.NUMERIC, Severity.DIVERGENCE, tensor="embed", order=-5.0, details=NumericDetails())
+    got = order_findings([early, gap, mismatch, shift, recovered])
+    assert [f.kind for f in got] == [Kind.RECOVERED, Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH, Kind.GAP, Kind.NUMERIC]
+    assert [f.index for f in got] == [0, 1, 2, 3, 4]

@@ -104,7 +104,7 @@ class DiffPlan:
 
     def entry(self, ti: int) -> dict[str, Any]:
         """Where aligned token ``ti`` is on both sides, as plain data."""
-        return self.alignment.entry(ti, list(self.a.sequences), list(self.b.sequences), REGIMES)
+        return self.alignment.entry(ti, self.a.sequences, self.b.sequences, REGIMES)
 
 
 def plan_diff(a: TraceSource, b: TraceSource, options: DiffOptions, progress: Progress | None = None) -> DiffPlan:
