@@ -74,6 +74,8 @@ SlotVerdict = Literal["ok", "wrong state", "wrong label", "scaled", "unknown sta
 
 #: version of the diff JSON (``tensordiff diff --json``); docs/json.md, schemas/diff.schema.json
 SCHEMA_VERSION = 1
+#: how acceptance.MARGIN_NOISE reads in a sentence
+MARGIN_WORDS = "twice"
 #: start of the sentence of a divergence turned into a warning by ``--allow-failed``
 ALLOWED_PREFIX = "allowed by --allow-failed"
 
@@ -398,8 +400,12 @@ def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
         return f"{head}; first divergence upstream: {d.upstream}{note}"
     if d.verdict == "target":
         c = d.cross.get("target_topk", {})
+        beyond = c.get("flips_beyond_noise")
+        noise = "" if beyond is None or c.get("logprob_noise") is None else (
+            f"; {beyond} of the {c.get('flips', 0)} flips where the target's top-1/top-2 margin exceeds "
+            f"{MARGIN_WORDS} the log-prob noise of agreeing tokens ({c['logprob_noise']:.2g})")
         return (f"{head}; first divergence upstream: the target's predictions differ between {d.side_a} and "
-                f"{d.side_b} (top-1 equal on {pct(c.get('top1'))} of {c.get('tokens', 0)} tokens)")
+                f"{d.side_b} (top-1 equal on {pct(c.get('top1'))} of {c.get('tokens', 0)} tokens{noise})")
     if d.verdict == "draft_after_fc":
         c = d.cross.get("draft_topk", {})
         return (f"{head}; the draft's predictions differ between {d.side_a} and {d.side_b} (top-1 equal on "

@@ -131,6 +131,9 @@ def test_correct_bf16_vs_fp32_pair_is_no_false_alarm(tr):
         assert res.exit_code == 0 and res.verdict == "agree", (side, _not_info(res))
         acc = [f for f in res.findings if f.kind == "acceptance"]
         assert acc and acc[0].details.verdict == "agree", (side, acc[0].message if acc else None)
+        c = acc[0].details.cross["target_topk"]
+        # the few top-1 flips sit where the target's own margin is inside the log-prob noise
+        assert c["logprob_noise"] is not None and c["flips_beyond_noise"] == 0, (side, c)
 
 
 def _separates(message):
