@@ -26,6 +26,7 @@ docs/diff.md): 0.82 u at the embedding, 2.0 u at layer1, 4.0 u at layer8; the de
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -278,3 +279,20 @@ def judge(model: NoiseModel, depth: float | None, q50: float, c99: float, lr_mea
     if q50 > LEVEL * e.q50:
         j.part, j.value, j.limit = "level", q50, LEVEL * e.q50
     return j
+
+
+_LAYER_IN_NAME = re.compile(r"(?:^|[._/])(?:layers?|h|blocks?|decoder_layers?)[._/](\d+)(?:[._/]|$)")
+_EMBED_IN_NAME = re.compile(r"(?:^|[._/])(?:embed_tokens|embed|wte|word_embeddings|tok_embeddings)(?:[._/]|$)")
+
+
+def name_depth(name: str) -> float | None:
+    """The depth a module-hook name points at, when it names one: inside decoder layer i (its
+    output is boundary i + 1: ``model.layers.3.mlp`` -> 4), the embedding (0); None otherwise. A
+    tensor with no boundary index is otherwise judged at the deepest layer's noise, which would
+    hide an embedding's error under the last layer's."""
+    m = _LAYER_IN_NAME.search(name)
+    if m:
+        return float(int(m.group(1)) + 1)
+    if _EMBED_IN_NAME.search(name):
+        return 0.0
+    return None

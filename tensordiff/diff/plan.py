@@ -30,7 +30,7 @@ from ..findings import (
     ShiftDetails,
     TokenMismatchDetails,
 )
-from ..noise import NoiseModel
+from ..noise import NoiseModel, name_depth
 from ..numerics import rows_per_block
 from ..progress import Progress, Stage
 from ..tolerances import Tolerance
@@ -219,6 +219,9 @@ def depth_of(a: TraceSource, b: TraceSource, info: TensorInfo, slot: int) -> flo
         except ValueError:
             return float(L) if L is not None else None
         return float(d if d is not None else (L or 0))
+    named = name_depth(info.name) if info.kind == "other" else None   # a module hook's name
+    if named is not None:
+        return named if L is None else min(named, float(L))
     return float(L) if L is not None else None
 
 
