@@ -265,16 +265,59 @@ def across(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, 
     (ma,), (mb,) = maps.rows_at("a", name, [everything]), maps.rows_at("b", name, [everything])
     both = np.flatnonzero((ma >= 0) & (mb >= 0))
     agg = _Agg()
+    margins, shifts, top1 = [], [], []
     for s in range(0, len(both), BLOCK):
         blk = both[s:s + BLOCK]
-        agg.add(topk_compare(ra.read_at(name, "values", ma[blk]).astype(np.float64),
-                             rb.read_at(name, "values", mb[blk]).astype(np.float64)))
+        p = ra.read_at(name, "values", ma[blk]).astype(np.float64)
+        q = rb.read_at(name, "values", mb[blk]).astype(np.float64)
+        m = topk_compare(p, q)
+        agg.add(m)
+        mg, sh = _margin_and_shift(p, q)
+        margins.append(mg)
+        shifts.append(sh)
+        top1.append(m["top1"])
     d = agg.as_dict()
     d["tokens"] = d.pop("rows")
-    d["agree"] = bool(d["tokens"]) and d["top1"] >= TOP1_AGREE and d["kl_lb"] <= KL_AGREE
+    eff = d["top1"]
+    if d["tokens"]:
+        eff = _top1_beyond_noise(d, np.concatenate(margins), np.concatenate(shifts), np.concatenate(top1))
+    d["agree"] = bool(d["tokens"]) and eff >= TOP1_AGREE and d["kl_lb"] <= KL_AGREE
     d["state"] = ("none" if not d["tokens"] else "agree" if d["agree"] else
-                  "differ" if d["top1"] < TOP1_DIFFER or d["kl_lb"] > KL_DIFFER else "close")
+                  "differ" if eff < TOP1_DIFFER or d["kl_lb"] > KL_DIFFER else "close")
     return d
+
+
+#: a top-1 flip counts only where the reference's top-1/top-2 log-prob margin is over this many
+#: times the log-prob noise the agreeing tokens show (both sides can move by that much)
+MARGIN_NOISE = 2.0
+
+
+def _margin_and_shift(p: NDArray[np.float64], q: NDArray[np.float64]) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Per row: the reference's top-1/top-2 log-prob margin, and how far the other side moved the
+    log-prob of the reference's top-1 token (nan where it is not in the other side's top-k)."""
+    pi, pl = _split(p)
+    qi, ql = _split(q)
+    margin = pl[:, 0] - pl[:, 1] if pl.shape[1] > 1 else np.full(len(pl), np.inf)
+    hit = qi == pi[:, :1]
+    at = np.where(hit.any(1), np.where(hit, ql, -np.inf).max(1), np.nan)
+    return margin, np.abs(at - pl[:, 0])
+
+
+def _top1_beyond_noise(d: dict[str, Any], margin: NDArray[np.float64], shift: NDArray[np.float64],
+                       top1: NDArray[np.bool_]) -> float:
+    """The share of tokens whose top-1 agrees or flips only inside the noise: the noise is the
+    99th percentile of the log-prob shift of the reference's top-1 on the tokens whose top-1
+    agrees (what the two sides' numerics move a log-prob by); a flip where the reference's own
+    margin is within MARGIN_NOISE x that is honest. Adds the counts to ``d``."""
+    ok = top1 & np.isfinite(shift)
+    flips = ~top1
+    if int(ok.sum()) < 8:
+        d.update(flips=int(flips.sum()), flips_beyond_noise=int(flips.sum()), logprob_noise=None)
+        return float(d["top1"])
+    noise = float(np.quantile(shift[ok], 0.99))
+    beyond = flips & (margin > MARGIN_NOISE * noise)
+    d.update(flips=int(flips.sum()), flips_beyond_noise=int(beyond.sum()), logprob_noise=noise)
+    return 1.0 - float(beyond.sum()) / max(1, len(top1))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,10 +19,11 @@ from . import __version__
 from .errors import TensordiffError, UsageError
 
 EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-EXIT_CODES = ("exit codes: 0 agree (or incomplete: some tensors not compared, said in the verdict), 1 divergence "
-              "found, 2 bad input or nothing compared (one line on stderr), 3 an error of tensordiff's own (a bug: "
-              "one line, TENSORDIFF_DEBUG=1 for its traceback)")
-EXIT_CODES_STRICT = EXIT_CODES.replace("1 divergence found", "1 divergence found (or incomplete with --require-complete)")
+EXIT_CODES = ("exit codes: 0 agree (every paired tensor compared, none diverges), 1 divergence found, 2 bad input or "
+              "nothing compared (one line on stderr), 3 an error of tensordiff's own (a bug: one line, "
+              "TENSORDIFF_DEBUG=1 for its traceback)")
+EXIT_CODES_STRICT = EXIT_CODES.replace("1 divergence found", "1 divergence found or incomplete (some paired tensor "
+                                       "not compared; 0 with --allow-incomplete)")
 
 
 def jsonable(x):
@@ -155,6 +156,7 @@ def _run_diff(args) -> int:
                 res = diff_sources(ra, rb, opts)
                 model_dirs = _model_dirs(ra, rb)
         res.require_complete = args.require_complete
+        res.allow_incomplete = args.allow_incomplete and not args.require_complete
     finally:
         if opts.backend is not None:
             opts.backend.close()
@@ -222,6 +224,7 @@ def _run_report(args) -> int:
 
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
     res.require_complete = args.require_complete
+    res.allow_incomplete = args.allow_incomplete and not args.require_complete
     _swapped_hint(res, "report")
     print(f"wrote {args.out}: {res.headline()}")
     return res.exit_code
@@ -365,8 +368,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     def require_complete(p):
         p.add_argument("--require-complete", action="store_true",
-                       help="exit 1 when some paired tensor could not be compared (verdict incomplete), not 0: "
-                            "for CI, where 'no divergence in what was compared' is not enough")
+                       help="exit 1 when some paired tensor could not be compared (verdict incomplete): the "
+                            "default; kept for command lines that name it")
+        p.add_argument("--allow-incomplete", action="store_true",
+                       help="exit 0 when no divergence is found in what could be compared, even though some paired "
+                            "tensor was not (verdict incomplete, said in the headline)")
 
     d = sub.add_parser("diff", help="compare two traces and name the first divergence (exit 1 if any)",
                        description="Compare trace B against the reference A and name the first divergence.",

@@ -279,6 +279,19 @@ class NumericDetails(Details):
     tolerance: Annotated[dict[str, Any], ToleranceRecord] = field(default_factory=dict)
     basis: Basis = "values"
     explained: bool = False    # a wrong state of the same slot explains it
+    # judged against the noise model (tensordiff.noise): which part of the error failed
+    # (tokens: single tokens past their tolerance; level: the median error; scale: a systematic
+    # RMS ratio; rescaled: a per-token RMS ratio spread), the failing number, its limit, where
+    # the limit comes from, and the state the slot holds
+    part: str = ""
+    metric: str = ""
+    value: float | None = None
+    limit: float | None = None
+    limit_source: str = ""
+    state: str | None = None
+    ratio_lo: float | None = None
+    ratio_hi: float | None = None
+    failing_share: float | None = None
 
 
 @dataclass

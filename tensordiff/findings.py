@@ -10,6 +10,7 @@ them. No numpy, no I/O.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,8 @@ SlotVerdict = Literal["ok", "wrong state", "wrong label", "scaled", "unknown sta
 
 #: version of the diff JSON (``tensordiff diff --json``); docs/json.md, schemas/diff.schema.json
 SCHEMA_VERSION = 1
+#: how acceptance.MARGIN_NOISE reads in a sentence
+MARGIN_WORDS = "twice"
 #: start of the sentence of a divergence turned into a warning by ``--allow-failed``
 ALLOWED_PREFIX = "allowed by --allow-failed"
 
@@ -262,13 +265,59 @@ def _identity(f: Finding, d: IdentityDetails) -> str:
     return f"{who} holds {_state_words(d.held, d.offset, d.scale)}{where}"
 
 
+def separated(x: float, limit: float, digits: int = 2) -> tuple[str, str]:
+    """``x`` and ``limit`` printed with the fewest significant digits (at least ``digits``) at
+    which they differ, so a failing number never reads as equal to its limit."""
+    for n in range(digits, 9):
+        a, b = f"{x:.{n}g}", f"{limit:.{n}g}"
+        if a != b:
+            return a, b
+    return f"{x:.9g}", f"{limit:.9g}"
+
+
+def _limit_source(d: NumericDetails) -> str:
+    src = d.limit_source or str(d.tolerance.get("source", "default"))
+    return {"default": "dtype default"}.get(src, src)
+
+
 def _numeric(f: Finding, d: NumericDetails) -> str:
     t = d.tolerance
     on = " (on sketches)" if d.basis == "sketch" else ""   # numbers of the sketches, not of full values
+    src = _limit_source(d)
+    tail = " (explained by the wrong state above)" if d.explained else ""
+    state = d.state or "its state"
+    if d.part == "scale" and d.value is not None and d.limit is not None:
+        lv, ll = separated(abs(math.log(d.value)), d.limit)
+        held = "is" if d.subject == d.state else f"holds {state}"
+        return (f"{d.subject} {held} scaled by {d.value:.3g} (RMS ratio {d.value:.4f} on {d.tokens} tokens; "
+                f"|log ratio| {lv} > {ll} allowed ({src}), while the direction agrees){on}{tail}")
+    if d.part == "rescaled" and d.value is not None and d.limit is not None:
+        lv, ll = separated(d.value, d.limit)
+        held = "is" if d.subject == d.state else f"holds {state}"
+        return (f"{d.subject} {held} rescaled per token (RMS ratio {d.ratio_lo or 0:.2f}-{d.ratio_hi or 0:.2f} "
+                f"over {d.tokens} tokens; spread of log ratio {lv} > {ll} allowed ({src}), while the direction "
+                f"agrees: a norm applied before packing?){on}{tail}")
+    if d.part == "level" and d.value is not None and d.limit is not None:
+        lv, ll = separated(d.value, d.limit)
+        return (f"{d.subject} diverges from {where_token(f)} on: median rel err {lv} > {ll} allowed ({src}) "
+                f"over {d.tokens} tokens, {d.failing} of them past their own tolerance{on}{tail}")
+    if d.part:   # tokens past their tolerance: the metric that failed, against its limit
+        one_minus = 1.0 - d.cos
+        lim_om = 1.0 - float(t.get("min_cos", 1.0))
+        if one_minus > lim_om:
+            a, b = separated(one_minus, lim_om)
+            what = f"1 - cos {a} > {b} allowed"
+            other = f"rel err {d.rel:.3g}"
+        else:
+            a, b = separated(d.rel, float(t.get("max_rel", 0.0)))
+            what = f"rel err {a} > {b} allowed"
+            other = f"1 - cos {one_minus:.2g}"
+        return (f"{d.subject} diverges at {where_token(f)}: {what} ({src}); {other}{on}; "
+                f"{d.failing} of {d.tokens} tokens fail{tail}")
     s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g}{on} "
          f"(tolerance cos >= {t.get('min_cos', 0):g}, rel <= {t.get('max_rel', 0):g}); "
          f"{d.failing} of {d.tokens} tokens fail")
-    return s + (" (explained by the wrong state above)" if d.explained else "")
+    return s + tail
 
 
 def _nonfinite(f: Finding, d: NonfiniteDetails) -> str:
@@ -329,6 +378,15 @@ def _label(f: Finding, d: LabelDetails) -> str:
 
 
 def _replica(f: Finding, d: ReplicaDetails) -> str:
+    if d.axis == "rows":   # one trace holds two rows for one (sequence, position, regime)
+        where = f"sequence {f.seq}, position {f.position}"
+        if d.differing:
+            return (f"{d.side} records {d.rows} token rows of {f.tensor} twice (same sequence, position and regime) "
+                    f"and {d.differing} of the pairs differ beyond the noise: first {d.primary} and {d.replica} "
+                    f"({where}; max abs {d.max_abs:.3g}, cos {d.cos_min:.6f}); which copy is compared decides "
+                    "the result")
+        return (f"{d.side} records {d.rows} token rows of {f.tensor} twice (same sequence, position and regime; "
+                f"e.g. {d.primary} and {d.replica}, {where}); the copies are equal")
     what = "TP replicas" if d.axis == "tp" else "PP stages"
     return (f"{what} of {d.side} disagree: {f.tensor} in {os.path.basename(d.replica)} differs from "
             f"{os.path.basename(d.primary)} (the one compared) in {d.differing} of {d.rows} replicated rows, first at "
@@ -373,8 +431,12 @@ def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
         return f"{head}; first divergence upstream: {d.upstream}{note}"
     if d.verdict == "target":
         c = d.cross.get("target_topk", {})
+        beyond = c.get("flips_beyond_noise")
+        noise = "" if beyond is None or c.get("logprob_noise") is None else (
+            f"; {beyond} of the {c.get('flips', 0)} flips where the target's top-1/top-2 margin exceeds "
+            f"{MARGIN_WORDS} the log-prob noise of agreeing tokens ({c['logprob_noise']:.2g})")
         return (f"{head}; first divergence upstream: the target's predictions differ between {d.side_a} and "
-                f"{d.side_b} (top-1 equal on {pct(c.get('top1'))} of {c.get('tokens', 0)} tokens)")
+                f"{d.side_b} (top-1 equal on {pct(c.get('top1'))} of {c.get('tokens', 0)} tokens{noise})")
     if d.verdict == "draft_after_fc":
         c = d.cross.get("draft_topk", {})
         return (f"{head}; the draft's predictions differ between {d.side_a} and {d.side_b} (top-1 equal on "
@@ -418,6 +480,22 @@ def render_sentence(f: Finding) -> str:
 _SEVERITY_RANK = {Severity.DIVERGENCE: 0, Severity.WARNING: 1, Severity.INFO: 2}
 
 
+def _share(f: Finding) -> float:
+    """The share of its tokens a divergence affects (1 for a whole-state one: a wrong state, a
+    median error or a scale out of the noise)."""
+    d = f.details
+    if isinstance(d, NumericDetails) and d.part in ("", "tokens") and d.tokens:
+        return d.failing / d.tokens
+    return 1.0
+
+
+def _explains(g: Finding, f: Finding) -> bool:
+    """A shallower divergence ``g`` explains a deeper ``f`` when it reaches as many of the tokens
+    (within a factor 2), whichever sequence either fails first in: an error carried downstream
+    reaches the same tokens, and honest growth does not make new ones fail."""
+    return g.slot is None and _share(g) >= 0.5 * _share(f)   # a packed slot feeds no deeper state
+
+
 def order_findings(findings: list[Finding]) -> list[Finding]:
     """Sort divergences first, then warnings, then notes, each group in forward order, number them
     in that order (the ``#i`` every output shows, and the place in the JSON's list), and mark which
@@ -432,7 +510,8 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
             if g.kind in (Kind.TOKEN_SHIFT, Kind.PAIRING) or (g.kind == Kind.TOKEN_MISMATCH and g.seq == f.seq) or (
                     f.kind in (Kind.NUMERIC, Kind.NONFINITE)
                     and g.kind in (Kind.NUMERIC, Kind.NONFINITE, Kind.SLOT_IDENTITY)
-                    and g.order < f.order and g.seq == f.seq and (g.position or 0) <= (f.position or 0)):
+                    and g.order < f.order and (g.seq == f.seq and (g.position or 0) <= (f.position or 0)
+                                               or _explains(g, f))):
                 parent[id(f)] = g
                 break
         divs.append(f)
@@ -638,7 +717,8 @@ class DiffResult:
     tokens_aligned: int
     worst_tokens: list[Annotated[dict[str, Any], WorstToken]]
     summary_path: str | None = None
-    require_complete: bool = False  # `--require-complete`: an incomplete verdict fails (exit 1) too
+    require_complete: bool = False  # `--require-complete` (the default now: kept for old command lines)
+    allow_incomplete: bool = False  # `--allow-incomplete`: an incomplete verdict exits 0
 
     def side_tags(self) -> tuple[str, str]:
         """`` [train]``, `` [serve]`` after each path; nothing when the two traces are of one side
@@ -660,7 +740,7 @@ class DiffResult:
     def exit_code(self) -> int:
         if self.divergences:
             return 1
-        return 1 if self.require_complete and self.verdict == "incomplete" else 0
+        return 1 if self.verdict == "incomplete" and not self.allow_incomplete else 0
 
     @property
     def compared(self) -> int:

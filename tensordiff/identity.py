@@ -43,7 +43,8 @@ WIN_MIN = 0.75               # ... and it is closer on at least this share of th
 EXACT_EPS = 4.0              # exact: per-token relative error <= EXACT_EPS x eps of the coarser dtype
 FLOOR_FACTOR = 4.0           # within the noise floor: 1 - cos <= FLOOR_FACTOR x floor + COS_SLACK
 COS_SLACK = 2e-6             # slack for rows rounded to float32 (sketches, values); the sums are float64
-SCALE_TOL = 0.05             # a median RMS ratio this far from 1 (or 4 x the noise's) is a scale
+SCALE_TOL = 0.05             # a median RMS ratio this far from 1 is a scale; closer when the measured
+SCALE_MIN = 0.005            # noise is smaller (3 x its 99th-percentile rel err, at least SCALE_MIN)
 DIFF_EPS = 1e-6              # per-token cosine differences this small are ties (float32-rounded rows)
 
 F32 = NDArray[np.float32]
@@ -465,7 +466,12 @@ def decide_scored(scored: list[_Scored], floor_of: Callable[[str], NoiseFloor], 
 
 
 def _scale_tol(floor: NoiseFloor) -> float:
-    return max(SCALE_TOL, 4 * floor.rel)
+    # the band shrinks with the measured noise: a median ratio is far steadier than one token's
+    # error, so 3x the 99th percentile of the per-token error bounds honest scale differences
+    # (a floor past the fixed band, e.g. one measured on a state that itself diverges, keeps the
+    # wider band it always had)
+    small = 3 * floor.rel
+    return max(SCALE_MIN, small) if small < SCALE_TOL else max(SCALE_TOL, 4 * floor.rel)
 
 
 def _unscaled_match(s: _Scored, floor_of: Callable[[str], NoiseFloor]) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ _KERNEL_KINDS = {"float32": (0, np.dtype(np.float32)), "bfloat16": (1, np.dtype(
 _NO_BUFFERS = (np.empty(0, np.float32), np.empty(0, np.float32))
 # per-token 1 - cos and rel are histogrammed on a log scale (for the noise floor's quantiles)
 _LOG_BINS = np.linspace(-12.0, 1.0, 261)
+_LR_BINS = np.linspace(-2.0, 2.0, 2001)   # log RMS ratio, 0.002 wide
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,13 +47,16 @@ class Metrics:
     nonfinite_a: NDArray[np.int64]
     nonfinite_b: NDArray[np.int64]
     nonfinite: NDArray[np.bool_]          # either side has a NaN/Inf in the row's slot
+    ratio: NDArray[np.float32] | None = None   # per-token RMS ratio ||b|| / ||a|| (nan: not measured)
 
     def __len__(self) -> int:
         return int(self.cos.shape[0])
 
     def copy(self) -> Metrics:
         """Its own arrays (a backend's buffers are reused for the next block)."""
-        return Metrics(*(np.array(getattr(self, f)) for f in METRIC_FIELDS))
+        return Metrics(cos=np.array(self.cos), rel=np.array(self.rel), maxabs=np.array(self.maxabs),
+                       nonfinite_a=np.array(self.nonfinite_a), nonfinite_b=np.array(self.nonfinite_b),
+                       nonfinite=np.array(self.nonfinite), ratio=None if self.ratio is None else np.array(self.ratio))
 
 
 METRIC_FIELDS = ("cos", "rel", "maxabs", "nonfinite_a", "nonfinite_b", "nonfinite")
@@ -170,9 +175,13 @@ class BlockMetrics:
             na = np.sqrt(aa)
             rel = np.where(na > 0, np.sqrt(dd) / np.where(na > 0, na, 1), np.where(dd > 0, np.inf, 0.0))
         cos[empty], rel[empty], maxabs[empty] = np.nan, np.nan, np.nan   # an all-NaN row is nan, not cos 1
+        with np.errstate(divide="ignore", invalid="ignore"):
+            # per-token RMS ratio ||b|| / ||a||: the scale part of the error (tensordiff.noise)
+            ratio = np.where((aa > 0) & (bb > 0), np.sqrt(bb / np.where(aa > 0, aa, 1.0)), np.nan)
+        ratio[empty] = np.nan
         return Metrics(cos=np.clip(cos, -1, 1).astype(np.float32), rel=rel.astype(np.float32),
                        maxabs=maxabs.astype(np.float32), nonfinite_a=nf_a, nonfinite_b=nf_b,
-                       nonfinite=(nf_a > 0) | (nf_b > 0))
+                       nonfinite=(nf_a > 0) | (nf_b > 0), ratio=ratio.astype(np.float32))
 
 
 def _kernel_input(block: np.ndarray, dtype: str, buf: np.ndarray) -> tuple[np.ndarray, int]:
@@ -273,6 +282,10 @@ class PairAccumulator:
     by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
     hist_cos: np.ndarray = field(init=False)   # [k, bins] counts of log10(1 - cos)
     hist_rel: np.ndarray = field(init=False)   # [k, bins] counts of log10(rel)
+    lr_sum: np.ndarray = field(init=False)     # per slot: sum, sum of squares and count of the
+    lr_sq: np.ndarray = field(init=False)      # per-token log RMS ratio log(||b|| / ||a||)
+    lr_n: np.ndarray = field(init=False)
+    hist_lr: np.ndarray = field(init=False)    # [k, bins] counts of the log RMS ratio
 
     def __post_init__(self) -> None:
         k = len(self.tolerances)
@@ -288,6 +301,10 @@ class PairAccumulator:
         self.first_nonfinite = [None] * k
         self.hist_cos = np.zeros((k, len(_LOG_BINS) + 1), np.int64)
         self.hist_rel = np.zeros((k, len(_LOG_BINS) + 1), np.int64)
+        self.lr_sum = np.zeros(k)
+        self.lr_sq = np.zeros(k)
+        self.lr_n = np.zeros(k, dtype=np.int64)
+        self.hist_lr = np.zeros((k, len(_LR_BINS) + 1), np.int64)
 
     def add(self, blk: np.ndarray, m: Metrics) -> np.ndarray:
         """Take one block's metrics (aligned indices ``blk``); returns the [n, k] mask of tokens
@@ -322,6 +339,16 @@ class PairAccumulator:
         for s in range(k):
             self.hist_cos[s] += np.bincount(np.searchsorted(_LOG_BINS, lc[fin[:, s], s]), minlength=len(_LOG_BINS) + 1)
             self.hist_rel[s] += np.bincount(np.searchsorted(_LOG_BINS, lr[fin[:, s], s]), minlength=len(_LOG_BINS) + 1)
+        ratio = m.ratio   # absent from metrics made without it
+        if ratio is not None:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                llr = np.log(ratio.astype(np.float64))
+            for s in range(k):
+                x = llr[:, s][np.isfinite(llr[:, s]) & fin[:, s]]
+                self.lr_sum[s] += float(x.sum())
+                self.lr_sq[s] += float((x * x).sum())
+                self.lr_n[s] += len(x)
+                self.hist_lr[s] += np.bincount(np.searchsorted(_LR_BINS, x), minlength=len(_LR_BINS) + 1)
         regs = self.regime_of[blk]
         for rc in np.unique(regs):
             sel = regs == rc
@@ -343,6 +370,26 @@ class PairAccumulator:
             edge = _LOG_BINS[min(j, len(_LOG_BINS) - 1)]
             out.append(0.0 if j == 0 else float(10.0 ** edge))
         return out[0], out[1]
+
+    def log_ratio(self, slot: int) -> tuple[float, float, int]:
+        """(mean, standard deviation, tokens) of the per-token log RMS ratio of a slot."""
+        n = int(self.lr_n[slot])
+        if n == 0:
+            return 0.0, 0.0, 0
+        mean = float(self.lr_sum[slot] / n)
+        var = max(0.0, float(self.lr_sq[slot] / n) - mean * mean) * n / max(1, n - 1)
+        return mean, math.sqrt(var), n
+
+    def ratio_quantile(self, slot: int, q: float) -> float:
+        """The per-token RMS ratio at quantile ``q`` (bin centre; 1.0 when nothing was measured)."""
+        h = self.hist_lr[slot]
+        total = int(h.sum())
+        if total == 0:
+            return 1.0
+        j = int(np.searchsorted(np.cumsum(h), q * total))
+        lo = _LR_BINS[max(0, min(j - 1, len(_LR_BINS) - 1))]
+        hi = _LR_BINS[min(j, len(_LR_BINS) - 1)]
+        return float(math.exp((lo + hi) / 2))
 
     def cos_mean(self) -> list[float]:
         return [float(x) for x in self.cos_sum / np.maximum(self.cos_count, 1)]

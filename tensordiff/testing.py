@@ -75,6 +75,7 @@ def assert_traces_agree(a, b, *, tol=None, allow: Iterable[str] | str = (), cali
     not compared. Returns the diff when they agree."""
     opts = DiffOptions(tolerances=_book(tol, calibration, allow))
     res = diff_traces(os.fspath(a), os.fspath(b), opts)
+    res.allow_incomplete = allow_incomplete
     if res.divergences:
         raise TracesDisagree(failure_message(res, res.divergences, max_findings), res)
     if res.verdict == "incomplete" and not allow_incomplete:

@@ -91,6 +91,9 @@ class ToleranceBook:
     rules: list[ToleranceRule] = field(default_factory=list)   # --tol / TOML rules: first match wins
     allow_failed: list[str] = field(default_factory=list)      # --allow-failed patterns
     used: set[str] = field(default_factory=set)                # rules that matched a compared tensor
+    # the diff's noise model (tensordiff.noise), which replaces the dtype default when set:
+    # (depth, dtype_a, dtype_b) -> the tolerance a token must meet there
+    noise: Callable[[float | None, str, str], Tolerance] | None = None
 
     def for_tensor(self, name: str, dtype_a: str, dtype_b: str, slot: int | None = None,
                    depth: float | None = None) -> Tolerance:
@@ -103,6 +106,8 @@ class ToleranceBook:
             for k in (key, name, "*"):
                 if k in book:
                     return book[k]
+        if self.noise is not None:
+            return self.noise(depth, dtype_a, dtype_b)
         return default_tolerance(dtype_a, dtype_b, depth)
 
     @staticmethod

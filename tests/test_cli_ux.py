@@ -86,7 +86,9 @@ def test_help_describes_positionals_and_exit_codes(cmd):
     assert rc == 0
     text = " ".join(out.split())
     assert "reference trace" in text and "trace under test" in text
-    assert "exit codes: 0 agree (or incomplete: some tensors not compared, said in the verdict), 1 divergence" in text
+    # exit 0 means compared and agree: an incomplete comparison exits 1 unless --allow-incomplete
+    assert "exit codes: 0 agree (every paired tensor compared, none diverges), 1 divergence found" in text
+    assert ("0 with --allow-incomplete" in text) == (cmd != "tui")
     assert "2 bad input or nothing compared" in text
     assert ("--require-complete" in text) == (cmd != "tui")
 

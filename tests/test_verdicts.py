@@ -250,16 +250,16 @@ def test_partial_coverage_is_not_agree(tmp_path, capsys, nr8, seqs, train8):
     write_trace(a, nr8, seqs, TRAIN, side="train", packed_seqs=[0])
     write_trace(b, nr8, seqs, TRAIN, side="serve", packed_seqs=[1, 2])
     res = diff_traces(str(a), str(b))
-    assert res.verdict == "incomplete" and res.exit_code == 0
+    assert res.verdict == "incomplete" and res.exit_code == 1   # exit 0 means compared and agree
     assert res.headline().startswith("no divergence in the 10 of 11 tensors compared")
     (w,) = [f for f in res.findings if f.kind == "missing" and f.severity == "warning"]
     assert "none in common" in w.details.reason_text
     _valid(res)
-    code, out, _ = run(capsys, "diff", a, b, "--json")
+    code, out, _ = run(capsys, "diff", a, b, "--json", "--allow-incomplete")   # the opt-in
     assert code == 0
     d = json.loads(out)
-    assert d["verdict"] == "incomplete" and d["tensors_compared"] == 10
-    # for CI: --require-complete makes the same verdict fail, and the JSON says the exit code it sets
+    assert d["verdict"] == "incomplete" and d["tensors_compared"] == 10 and d["exit_code"] == 0
+    # --require-complete (now the default) still fails it, and the JSON says the exit code it sets
     code, out, _ = run(capsys, "diff", a, b, "--json", "--require-complete")
     d = json.loads(out)
     assert code == 1 and d["verdict"] == "incomplete" and d["exit_code"] == 1

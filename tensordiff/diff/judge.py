@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .. import acceptance, routing
+from .. import acceptance, noise, noise_io, routing
 from ..align import sample_indices
 from ..catalog import IdentitySearch, noise_floors
 from ..errors import IncompatibleTracesError
@@ -205,17 +205,32 @@ class _Judge:
             self.slot_table.append(j.row)
             out += j.findings
             identity_finding = j.identity
-        if acc.failing[s] and ff is not None:
-            tol = acc.tolerances[s]
-            f = self._token_finding(Kind.NUMERIC, ia, slot_arg, ff.token_index, NumericDetails(
-                subject=subject, cos=ff.cos, rel=ff.rel, maxabs=ff.maxabs, failing=int(acc.failing[s]),
-                tokens=acc.tokens, tolerance=tol.to_dict(), basis=st.basis))
+        tol = acc.tolerances[s]
+        model = self.plan.noise
+        judged = noise.SlotJudgement()
+        if tol.source == model.source and st.basis == "values":   # not a --tol rule or calibration
+            judged = noise_io.judge(model, acc, s, job.depth[s] if s < len(job.depth) else None, (ia.dtype, ib.dtype))
+            jump = noise_io.boundary_jump(model, ia.label) if ia.kind in ("boundary", "final_norm") else None
+            if jump is not None and jump.why == "scale":   # this state leaves the trend of the states before it
+                judged = noise.SlotJudgement("scale", float(np.exp(jump.level.bias)), jump.bias_limit)
+            elif jump is not None and jump.why == "level":
+                judged = noise.SlotJudgement("level", jump.level.q50, noise.JUMP * jump.predicted)
+            elif jump is not None:   # a subset of its tokens: they fail their own tolerance
+                judged = noise.SlotJudgement()
+        if (acc.failing[s] and ff is not None) or judged.part:
+            det = NumericDetails(
+                subject=subject, cos=ff.cos if ff else float(st.cos_min[s]), rel=ff.rel if ff else float(st.rel_max[s]),
+                maxabs=ff.maxabs if ff else float(st.maxabs[s]), failing=int(acc.failing[s]), tokens=acc.tokens,
+                tolerance=tol.to_dict(), basis=st.basis)
+            state = ia.slot_labels[s] if ia.slot_labels and s < len(ia.slot_labels) else ia.label
+            noise_io.annotate(det, model, judged, state, ia.label)
+            f = self._token_finding(Kind.NUMERIC, ia, slot_arg, ff.token_index if ff else at, det)
             if identity_finding is not None:
                 f.severity = Severity.INFO
                 assert isinstance(f.details, NumericDetails)
                 f.details.explained = True
             elif ia.kind != "packed":
-                f = self._boundary_identity(job, ff.token_index) or f
+                f = self._boundary_identity(job, ff.token_index if ff else at) or f
             out.append(f)
         return out
 

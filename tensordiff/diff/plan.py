@@ -10,13 +10,13 @@ A is the reference (what was expected, usually the train side), B the side under
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
-from .. import acceptance
+from .. import acceptance, noise_io
 from ..align import RowMaps, SideTokens, TokenAlignment, align_tokens, pair_tensors
 from ..errors import IncompatibleTracesError
 from ..findings import (
@@ -31,6 +31,7 @@ from ..findings import (
     TokenMismatchDetails,
 )
 from ..names import maybe_state
+from ..noise import NoiseModel, name_depth
 from ..numerics import rows_per_block
 from ..progress import Progress, Stage
 from ..tolerances import Tolerance, ToleranceBook
@@ -97,6 +98,7 @@ class DiffPlan:
     notes: tuple[Finding, ...]           # tensors recorded on one side only
     token_findings: tuple[Finding, ...]  # shifts, mismatched tokens, gaps, recovered traces
     jobs: tuple[PairJob, ...]            # every pair, in forward order
+    noise: NoiseModel = field(default_factory=lambda: NoiseModel("float32", "float32"))   # tensordiff.noise
 
     @property
     def compared(self) -> tuple[PairJob, ...]:
@@ -136,10 +138,14 @@ def plan_diff(a: TraceSource, b: TraceSource, options: PlanOptions, progress: Pr
     if not pairs:
         raise IncompatibleTracesError("the traces share no tensor to compare (no common names, boundaries or "
                                       "packed inputs)")
+    # the noise model (measured where both sides recorded a catalog state) sets every token's
+    # default tolerance before the numeric pass
+    model = noise_io.measure(a, b, maps, pairs, lambda i, s: depth_of(a, b, i, s))
+    options.tolerances.noise = noise_io.tolerance_fn(model)
     memo: dict[tuple[int, int], tuple[Codes, Codes, NDArray[np.bool_], Codes]] = {}
     jobs = tuple(_job(i, ia, ib, a, b, maps, options, memo) for i, (ia, ib) in enumerate(pairs))
     return DiffPlan(a=a, b=b, alignment=al, sides=sides, maps=maps, notes=tuple(notes),
-                    token_findings=tuple(token_findings(a, b, al)), jobs=jobs)
+                    token_findings=tuple(token_findings(a, b, al)), jobs=jobs, noise=model)
 
 
 def _quiet(stage: Stage, done: int, total: int) -> None:
@@ -225,6 +231,9 @@ def depth_of(a: TraceSource, b: TraceSource, info: TensorInfo, slot: int) -> flo
         except ValueError:
             return float(L) if L is not None else None
         return float(d if d is not None else (L or 0))
+    named = name_depth(info.name) if info.kind == "other" else None   # a module hook's name
+    if named is not None:
+        return named if L is None else min(named, float(L))
     return float(L) if L is not None else None
 
 

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .. import noise_io
 from ..catalog import IdentitySearch
 from ..errors import TensordiffError
 from ..findings import DiffResult, Finding, name_sides_apart
@@ -78,6 +79,10 @@ def diff_sources(a: TraceSource, b: TraceSource, options: DiffOptions | None = N
         replicas: list[Finding] = []
         for r in (a, b):
             replicas += replica_findings(r, backend.check_replicas(r, progress))
+        for job in plan.jobs:   # rows a side recorded twice for one token
+            depth = max((d for d in job.depth if d is not None), default=None)
+            replicas += noise_io.duplicate_findings(a, a.side, job.a, plan.noise, depth, a.sequences)
+            replicas += noise_io.duplicate_findings(b, b.side, job.b, plan.noise, depth, b.sequences)
         factories = list(opt.sinks) + ([summary_sink(opt.summary_path)] if opt.summary_path else [])
         sinks = [make(plan.alignment, a, b) for make in factories]
         worst = WorstTokens()

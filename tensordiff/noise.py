@@ -1,0 +1,298 @@
+"""The noise model of one diff: how far apart two honest records of the same state are, per depth,
+measured from the two traces where both recorded the same catalog states, else a physical
+default per dtype pair. Pure numpy, no I/O: :mod:`tensordiff.diff` hands it per-token errors.
+
+Each catalog state recorded on both sides (a boundary, ``final_norm``) gives a **level**: over a
+sample of its tokens the median and 99th percentile of the relative error ``||a-b|| / ||a||``,
+the 99th percentile of ``1 - cos``, and the spread and median of the per-token log RMS ratio
+``log(||b|| / ||a||)`` (honest rounding is unbiased: a systematic ratio is a finding).
+
+Honest noise grows smoothly with depth; a bug introduces error at one place and the deeper states
+inherit it. So the states are walked in depth order: each one's median error is **predicted** from
+the clean states before it (the last clean level, grown by the per-layer growth the clean states
+show); a state whose median error is over :data:`JUMP` x its prediction **leaves the trend** (it
+is where a divergence is introduced) and is no longer used to predict. The expected noise at any
+depth (for a packed slot, for the tolerance of each token) comes from the clean states only.
+
+Where no state was recorded on both sides, :func:`physical_default` stands in: ``u`` (unit
+roundoff of the coarser dtype; bf16 2^-9) x 0.8 x sqrt(1 + 8 d) for the median relative error
+at depth d (one rounding at the embedding, about eight rounded operations per layer, each
+layer's error adding independently), x sqrt(2) when both sides round independently; fp32 pairs
+take 16 u (summation order in wide reductions). Measured on the trained test model (bf16 vs fp32,
+docs/diff.md): 0.82 u at the embedding, 2.0 u at layer1, 4.0 u at layer8; the default allows
+0.8 u, 2.4 u and 6.5 u, and its verdicts say the limit is a default, not measured.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+#: unit roundoff per dtype (half an ulp at 1)
+UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -9}
+#: fp32 pairs: reductions summed in another order differ by about sqrt(width) roundings
+FP32_REDUCTION = 16.0
+#: a state leaves the trend when its median error is over JUMP x the prediction from the states before it
+JUMP = 3.0
+#: per token: a token is out of the noise past TOKEN x the expected 99th percentile (rel), TOKEN^2 (1 - cos)
+TOKEN = 4.0
+#: a packed slot or a state: its median error past LEVEL x the expected median is a divergence
+LEVEL = 3.0
+#: growth per layer assumed when fewer than two clean states measure it; off the embedding (one
+#: rounding) the first layer adds more (2.4x measured on the trained test model)
+GROWTH_DEFAULT, GROWTH_FIRST = 1.5, 3.0
+#: scale: a mean log RMS ratio past SCALE_Z standard errors and past SCALE x the noise's spread
+SCALE_Z, SCALE = 4.0, 3.0
+#: rescaled per token: a log-ratio spread past SPREAD x the noise's
+SPREAD = 4.0
+MIN_TOKENS = 8
+
+
+def unit(dtype_a: str, dtype_b: str) -> float:
+    """The rounding unit of the coarser dtype of the pair."""
+    return max(UNIT.get(dtype_a, UNIT["float32"]), UNIT.get(dtype_b, UNIT["float32"]))
+
+
+@dataclass(frozen=True)
+class Level:
+    """Per-token error of one state across the two sides (or what is expected of it)."""
+
+    q50: float          # median relative error
+    q99: float          # 99th percentile relative error
+    c99: float          # 99th percentile of 1 - cos
+    sd: float           # robust spread of the per-token log RMS ratio
+    bias: float = 0.0   # median per-token log RMS ratio
+
+    def scaled(self, g: float) -> Level:
+        return Level(self.q50 * g, self.q99 * g, self.c99 * g * g, self.sd * g, self.bias)
+
+
+def physical_default(dtype_a: str, dtype_b: str, depth: float | None) -> Level:
+    """The noise a correct pair shows at ``depth`` from rounding alone (module docstring)."""
+    d = max(0.0, float(depth or 0.0))
+    u = unit(dtype_a, dtype_b)
+    coarse = dtype_a if UNIT.get(dtype_a, 0) >= UNIT.get(dtype_b, 0) else dtype_b
+    if coarse in ("float32", "float64"):
+        u *= FP32_REDUCTION
+    if dtype_a == dtype_b and coarse in ("bfloat16", "float16"):
+        u *= math.sqrt(2.0)
+    q50 = 0.8 * u * math.sqrt(1.0 + 8.0 * d)
+    q99 = 2.5 * q50
+    return Level(q50, q99, 0.5 * q99 * q99, q50)
+
+
+def level_of(rel: NDArray[np.floating], one_minus_cos: NDArray[np.floating],
+             log_ratio: NDArray[np.floating]) -> Level | None:
+    """The level of per-token errors (finite tokens only); None with fewer than MIN_TOKENS."""
+    ok = np.isfinite(rel) & np.isfinite(one_minus_cos) & np.isfinite(log_ratio)
+    if int(ok.sum()) < MIN_TOKENS:
+        return None
+    r, c, lr = rel[ok].astype(np.float64), one_minus_cos[ok].astype(np.float64), log_ratio[ok].astype(np.float64)
+    med = float(np.median(lr))
+    return Level(float(np.median(r)), float(np.quantile(r, 0.99)), float(np.quantile(np.maximum(c, 0.0), 0.99)),
+                 float(1.4826 * np.median(np.abs(lr - med))), med)
+
+
+@dataclass
+class StateNoise:
+    """One catalog state recorded on both sides: its level, the prediction from the clean states
+    before it, and whether it leaves the trend."""
+
+    label: str
+    depth: float
+    level: Level
+    predicted: float = 0.0     # predicted median relative error (from the states before)
+    clean: bool = True
+    why: str = ""              # how it leaves the trend: level (median error), tokens (its 99th
+                               # percentile: a subset of tokens) or scale (median log RMS ratio)
+    bias_limit: float = 0.0    # the largest median log RMS ratio the states before it allow
+    predicted99: float = 0.0   # predicted 99th percentile relative error
+    first: bool = False        # no clean state before it: its limits are the dtype default's
+
+    @property
+    def jump(self) -> float:
+        return self.level.q50 / self.predicted if self.predicted > 0 else math.inf
+
+
+@dataclass
+class NoiseModel:
+    dtype_a: str
+    dtype_b: str
+    states: list[StateNoise] = field(default_factory=list)
+
+    @property
+    def measured(self) -> bool:
+        return any(s.clean for s in self.states)
+
+    @property
+    def source(self) -> str:
+        return "measured trend" if self.measured else f"default for {_pair(self.dtype_a, self.dtype_b)}, not measured"
+
+    @property
+    def first_jump(self) -> StateNoise | None:
+        return next((s for s in self.states if not s.clean), None)
+
+    def floor(self, depth: float | None) -> Level:
+        """The lowest level honest noise can be (never zero: fp32 pairs that match bit for bit
+        still allow a rounding)."""
+        d = max(0.0, float(depth or 0.0))
+        u = unit(self.dtype_a, self.dtype_b)
+        return Level(u, 2 * u, 2 * u * u, u).scaled(math.sqrt(1.0 + d) if d else 1.0)
+
+    def expected(self, depth: float | None, dtypes: tuple[str, str] | None = None) -> Level:
+        """The noise expected at ``depth``: from the clean measured states (the nearest at or
+        below, grown by the trend to ``depth``; above every one, the shallowest), never under the
+        floor; with none measured, the physical default."""
+        d = max(0.0, float(depth or 0.0))
+        clean = [s for s in self.states if s.clean]
+        if not clean:
+            return physical_default(self.dtype_a, self.dtype_b, d)
+        below = [s for s in clean if s.depth <= d]
+        g = self.growth()
+        if below:
+            ref = below[-1]
+            lv = ref.level.scaled(g ** (d - ref.depth))
+        else:
+            lv = clean[0].level
+        # the worst of the nearby clean states (1 layer either side): percentiles of a few
+        # hundred tokens wobble
+        near = [s.level for s in clean if abs(s.depth - d) <= 1.0]
+        # never under one rounding of a state of these dtypes (a measured trend of states that
+        # happen to match exactly says nothing about a state of a coarser dtype)
+        fl = physical_default(*(dtypes or (self.dtype_a, self.dtype_b)), 0.0)
+        return Level(max([lv.q50, fl.q50] + [x.q50 for x in near]), max([lv.q99, fl.q99] + [x.q99 for x in near]),
+                     max([lv.c99, fl.c99] + [x.c99 for x in near]), max([lv.sd, fl.sd] + [x.sd for x in near]),
+                     max([abs(lv.bias)] + [abs(x.bias) for x in near]))
+
+    def growth(self) -> float:
+        """Per-layer growth of the median error among consecutive clean states (at least 1)."""
+        clean = [s for s in self.states if s.clean and s.depth >= 1]
+        rs = [(b.level.q50 / a.level.q50) ** (1.0 / (b.depth - a.depth)) for a, b in zip(clean, clean[1:])
+              if a.level.q50 > 0 and b.depth > a.depth]
+        return max(1.0, float(np.median(rs))) if rs else GROWTH_DEFAULT
+
+    def describe(self, depth: float | None) -> str:
+        return self.source
+
+
+def _pair(a: str, b: str) -> str:
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+    return f"{short.get(a, a)} vs {short.get(b, b)}"
+
+
+def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]],
+        dtypes: dict[str, tuple[str, str]] | None = None,
+        first_limit: Callable[[str, str, float], float] | None = None) -> NoiseModel:
+    """The noise model from the levels of the states both sides recorded, ``(label, depth, level)``.
+    ``dtypes``: each state's own dtype pair (default: the model's); ``first_limit(dtype_a,
+    dtype_b, depth)``: the largest median error the shallowest measured state may show (it has
+    no state before it to predict it; the dtype default's allowance), default JUMP x the physical
+    default."""
+    model = NoiseModel(dtype_a, dtype_b)
+    clean: list[StateNoise] = []
+    for label, depth, lv in sorted(measured, key=lambda m: (m[1], m[0] == "final_norm")):
+        s = StateNoise(label, depth, lv)
+        da, db = (dtypes or {}).get(label, (dtype_a, dtype_b))
+        phys = physical_default(da, db, depth).q50   # rounding alone can do this much
+        fl = max(model.floor(depth).q50, phys)
+        phys99 = physical_default(da, db, depth).q99
+        if not clean:
+            # the shallowest state has nothing before it to predict it: honest noise there depends
+            # on the model and the engines (a TF32 matmul, a random-weight model's growth), so it
+            # leaves the trend only past the dtype default's allowance
+            limit = first_limit(da, db, depth) if first_limit is not None else JUMP * phys
+            pred = max(limit / JUMP, fl)
+            s.first = True
+            s.predicted99 = max(limit, phys99)
+        else:
+            ref = clean[-1]
+            g = model.growth() if len(clean) >= 2 else (GROWTH_FIRST if ref.depth == 0 else GROWTH_DEFAULT)
+            pred = max(ref.level.q50, model.floor(ref.depth).q50) * g ** max(1.0, depth - ref.depth if depth > ref.depth
+                                                                             else 1.0)
+            steps = max(1.0, depth - ref.depth if depth > ref.depth else 1.0)
+            s.predicted99 = max(ref.level.q99 * g ** steps, phys99)
+            if depth == ref.depth:   # final_norm beside the last boundary: a norm rescales, same depth
+                pred = max(ref.level.q50, fl) * GROWTH_FIRST
+                s.predicted99 = max(ref.level.q99 * GROWTH_FIRST, phys99)
+        s.predicted = max(pred, fl)
+        # honest rounding is unbiased: a median RMS ratio past what the states before show (their
+        # spread and bias) is a scale introduced here, even while the median error keeps the trend
+        ref_lv = clean[-1].level if clean else physical_default(dtype_a, dtype_b, depth)
+        s.bias_limit = SCALE * max(ref_lv.sd * GROWTH_FIRST, abs(ref_lv.bias), s.predicted / 4)
+        if model.first_jump is not None:
+            s.clean = False
+        elif lv.q50 > JUMP * s.predicted:
+            s.clean, s.why = False, "level"
+        elif lv.q99 > TOKEN * s.predicted99:   # a subset of its tokens far outside the noise
+            s.clean, s.why = False, "tokens"
+        elif abs(lv.bias) > s.bias_limit:
+            s.clean, s.why = False, "scale"
+        model.states.append(s)
+        if s.clean:
+            clean.append(s)
+    return model
+
+
+def tolerance(model: NoiseModel, depth: float | None, dtype_a: str | None = None,
+              dtype_b: str | None = None) -> tuple[float, float]:
+    """(min_cos, max_rel) a token of a state of these dtypes must meet at ``depth``."""
+    e = model.expected(depth, (dtype_a, dtype_b) if dtype_a and dtype_b else None)
+    return max(-1.0, 1.0 - TOKEN * TOKEN * e.c99), TOKEN * e.q99
+
+
+@dataclass
+class SlotJudgement:
+    """What the noise model says of one compared state or slot beyond its tokens' tolerance."""
+
+    part: str = ""            # "" (within the noise) | level | scale | rescaled
+    value: float = 0.0        # the failing number (median rel err, RMS ratio, ratio spread)
+    limit: float = 0.0        # its limit
+    ratio_lo: float = 1.0     # 5th / 95th percentile of the per-token RMS ratio
+    ratio_hi: float = 1.0
+
+
+def judge(model: NoiseModel, depth: float | None, q50: float, c99: float, lr_mean: float, lr_sd: float,
+          n: int, ratio_lo: float, ratio_hi: float, dtypes: tuple[str, str] | None = None) -> SlotJudgement:
+    """A state or slot's distribution against the expected noise at its depth: a systematic
+    scale (mean log RMS ratio), a per-token rescaling (its spread), else a median error out of
+    the noise. ``c99``: 99th percentile of 1 - cos (the direction must agree, on all but a few
+    tokens, for a scale: a subset of corrupted tokens is not a rescaling)."""
+    e = model.expected(depth, dtypes)
+    j = SlotJudgement(ratio_lo=ratio_lo, ratio_hi=ratio_hi)
+    if n < MIN_TOKENS:
+        return j
+    direction_ok = c99 <= TOKEN * TOKEN * e.c99
+    se = lr_sd / math.sqrt(n) if n > 1 else math.inf
+    scale_lim = SCALE * max(e.sd, abs(e.bias), e.q50 / 4)
+    if direction_ok and abs(lr_mean) > scale_lim and abs(lr_mean) > SCALE_Z * se:
+        j.part, j.value, j.limit = "scale", math.exp(lr_mean), scale_lim
+        return j
+    spread_lim = SPREAD * max(e.sd, e.q50 / 4)
+    if direction_ok and lr_sd > spread_lim:
+        j.part, j.value, j.limit = "rescaled", lr_sd, spread_lim
+        return j
+    if q50 > LEVEL * e.q50:
+        j.part, j.value, j.limit = "level", q50, LEVEL * e.q50
+    return j
+
+
+_LAYER_IN_NAME = re.compile(r"(?:^|[._/])(?:layers?|h|blocks?|decoder_layers?)[._/](\d+)(?:[._/]|$)")
+_EMBED_IN_NAME = re.compile(r"(?:^|[._/])(?:embed_tokens|embed|wte|word_embeddings|tok_embeddings)(?:[._/]|$)")
+
+
+def name_depth(name: str) -> float | None:
+    """The depth a module-hook name points at, when it names one: inside decoder layer i (its
+    output is boundary i + 1: ``model.layers.3.mlp`` -> 4), the embedding (0); None otherwise. A
+    tensor with no boundary index is otherwise judged at the deepest layer's noise, which would
+    hide an embedding's error under the last layer's."""
+    m = _LAYER_IN_NAME.search(name)
+    if m:
+        return float(int(m.group(1)) + 1)
+    if _EMBED_IN_NAME.search(name):
+        return 0.0
+    return None

@@ -1,0 +1,146 @@
+"""The noise model's reads: a sample of the tokens of every catalog state both sides recorded
+(for :func:`tensordiff.noise.fit`), the per-slot judgement after the numeric pass, and the rows a
+side recorded twice for the same token. numpy + the trace readers; the rule is in
+:mod:`tensordiff.noise`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from . import noise
+from .align import RowMaps, sample_indices
+from .findings import Finding, Kind, NumericDetails, ReplicaDetails, Severity
+from .numerics import BlockMetrics, PairAccumulator
+from .tolerances import Tolerance, default_tolerance
+from .trace import TensorInfo, TraceSource
+
+#: tokens sampled per catalog state to measure its noise level
+SAMPLE = 1024
+#: tokens of one tensor recorded twice, compared at most
+DUPLICATES_MAX = 4096
+
+
+def _dtype(r: TraceSource) -> str:
+    return next((i.dtype for i in r.tensors.values() if i.kind in ("boundary", "final_norm")),
+                next((i.dtype for i in r.tensors.values()), "float32"))
+
+
+def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]],
+            depth_of: Callable[[TensorInfo, int], float | None]) -> noise.NoiseModel:
+    """The noise model of a diff: every catalog state with full values on both sides, measured
+    on up to :data:`SAMPLE` aligned tokens."""
+    measured: list[tuple[str, float, noise.Level]] = []
+    dtypes: dict[str, tuple[str, str]] = {}
+    for ia, ib in pairs:
+        if ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or not (ia.has_values and ib.has_values):
+            continue
+        if ia.width != ib.width:
+            continue
+        ma, mb = maps.inverse("a", ia.name), maps.inverse("b", ib.name)
+        idx = sample_indices((ma >= 0) & (mb >= 0), SAMPLE)
+        if len(idx) < noise.MIN_TOKENS:
+            continue
+        a = ra.read_at(ia.name, "values", ma[idx])
+        b = rb.read_at(ib.name, "values", mb[idx])
+        m = BlockMetrics(1, ia.width).compute_stored(np.ascontiguousarray(a), ia.dtype, np.ascontiguousarray(b), ib.dtype)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lr = np.log(m.ratio[:, 0].astype(np.float64)) if m.ratio is not None else np.zeros(len(idx))
+        lv = noise.level_of(m.rel[:, 0], 1.0 - m.cos[:, 0].astype(np.float64), lr)
+        d = depth_of(ia, 0)
+        if lv is not None and d is not None:
+            measured.append((ia.label, float(d), lv))
+            dtypes[ia.label] = (ia.dtype, ib.dtype)
+    return noise.fit(_dtype(ra), _dtype(rb), measured, dtypes,
+                     lambda da, db, d: default_tolerance(da, db, d).max_rel)
+
+
+def tolerance_fn(model: noise.NoiseModel) -> Callable[[float | None, str, str], Tolerance]:
+    def tol(depth: float | None, dtype_a: str, dtype_b: str) -> Tolerance:
+        c, r = noise.tolerance(model, depth, dtype_a, dtype_b)
+        return Tolerance(c, float(f"{r:.3g}"), model.source)
+    return tol
+
+
+def judge(model: noise.NoiseModel, acc: PairAccumulator, slot: int, depth: float | None,
+          dtypes: tuple[str, str] | None = None) -> noise.SlotJudgement:
+    """The noise model's judgement of one compared slot from its accumulated statistics."""
+    _, q50 = acc.quantile(slot, 0.5)
+    c99, _ = acc.quantile(slot, 0.99)
+    mean, sd, n = acc.log_ratio(slot)
+    if not (math.isfinite(q50) and math.isfinite(c99)):
+        return noise.SlotJudgement()
+    return noise.judge(model, depth, q50, c99, mean, sd, n, acc.ratio_quantile(slot, 0.05),
+                       acc.ratio_quantile(slot, 0.95), dtypes)
+
+
+def annotate(d: NumericDetails, model: noise.NoiseModel, j: noise.SlotJudgement, state: str | None,
+             label: str) -> None:
+    """Fill a numeric finding's noise fields: which part failed and against what."""
+    d.state = state
+    d.limit_source = str(d.tolerance.get("source", model.source))
+    if j.part:
+        d.part, d.value, d.limit = j.part, j.value, j.limit
+        d.ratio_lo, d.ratio_hi = j.ratio_lo, j.ratio_hi
+        d.metric = {"scale": "log RMS ratio", "rescaled": "spread of log RMS ratio", "level": "median rel err"}[j.part]
+        jump = boundary_jump(model, label)
+        if jump is not None and jump.first and j.part == jump.why:
+            d.limit_source = "default allowance: no state before it to measure a trend from"
+        elif jump is not None and jump.why == "level" and j.part == "level":
+            d.limit_source = f"measured trend: {noise.JUMP:g}x what the states before it predict"
+        elif jump is not None and jump.why == "scale" and j.part == "scale":
+            d.limit_source = "measured trend: the RMS ratios of the states before it"
+        else:
+            d.limit_source = model.source
+    else:
+        d.part = "tokens"
+    d.failing_share = d.failing / d.tokens if d.tokens else None
+
+
+def boundary_jump(model: noise.NoiseModel, label: str) -> noise.StateNoise | None:
+    """The measured state ``label`` when it leaves the trend of the states before it."""
+    first = model.first_jump
+    return first if first is not None and first.label == label else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows recorded twice
+
+
+def duplicate_findings(r: TraceSource, side: str, info: TensorInfo, model: noise.NoiseModel,
+                       depth: float | None, sequences: Sequence[str]) -> list[Finding]:
+    """Rows of ``info`` that one side recorded twice for the same (sequence, position, regime):
+    a divergence naming both rows when the copies differ beyond the noise, a note when equal."""
+    if not info.has_values or info.rows < 2:
+        return []
+    trow = r.token_rows(info.name)
+    t = r.tokens
+    key = (t["seq"][trow].astype(np.int64) << 40) | (t["position"][trow].astype(np.int64) << 8) | t["regime"][trow]
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    dup = np.flatnonzero(ks[1:] == ks[:-1])
+    if not len(dup):
+        return []
+    first, second = order[dup][:DUPLICATES_MAX], order[dup + 1][:DUPLICATES_MAX]
+    a = r.read_at(info.name, "values", first)
+    b = r.read_at(info.name, "values", second)
+    k = max(1, info.slot_count)
+    m = BlockMetrics(k, info.width // k).compute_stored(np.ascontiguousarray(a), info.dtype,
+                                                         np.ascontiguousarray(b), info.dtype)
+    # copies of one computation: equal, or at most a rounding apart (a recompute in another
+    # batch); anything past the cross-side token tolerance is another state
+    cmin, rmax = noise.tolerance(model, depth, info.dtype, info.dtype)
+    bad = ((m.cos < cmin) | (m.rel > rmax) | m.nonfinite).any(axis=1)
+    differing = int(bad.sum())
+    j = int(np.argmax(bad)) if differing else 0
+    s = int(t["seq"][trow[first[j]]])
+    det = ReplicaDetails(side=side, axis="rows", primary=f"row {int(first[j])}", replica=f"row {int(second[j])}",
+                         part=info.name, rows=len(first), differing=differing,
+                         max_abs=float(np.nanmax(m.maxabs[j])) if len(first) else 0.0,
+                         cos_min=float(np.nanmin(m.cos[j])) if len(first) else 1.0)
+    return [Finding(Kind.REPLICA, Severity.DIVERGENCE if differing else Severity.INFO, tensor=info.name,
+                    order=info.order, seq=sequences[s] if 0 <= s < len(sequences) else str(s),
+                    position=int(t["position"][trow[first[j]]]), token=int(t["token"][trow[first[j]]]),
+                    details=det)]

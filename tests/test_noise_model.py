@@ -1,0 +1,78 @@
+"""The noise model's rule on plain numbers (tensordiff/noise.py): a trend of honest levels stays
+clean, a jump, a subset of far-off tokens or a shifted RMS ratio leaves it, and what follows is
+not used to predict; module-hook names get the depth they point at."""
+
+from __future__ import annotations
+
+import math
+
+from tensordiff import noise
+from tensordiff.noise import Level, fit, name_depth
+
+
+def _lv(q50, q99=None, sd=None, bias=0.0):
+    q99 = 2 * q50 if q99 is None else q99
+    return Level(q50, q99, 0.5 * q99 * q99, q50 / 3 if sd is None else sd, bias)
+
+
+# bf16 vs fp32 levels of the trained test model (docs/diff.md), median rel err per boundary
+TRAINED = [0.0016, 0.0038, 0.0044, 0.0053, 0.0057, 0.0061, 0.0066, 0.0072, 0.0076]
+
+
+def _states(levels):
+    return [("embed" if b == 0 else f"layer{b}", float(b), lv) for b, lv in enumerate(levels)]
+
+
+def test_honest_trend_is_clean_and_sets_the_expected_noise():
+    m = fit("float32", "bfloat16", _states([_lv(x) for x in TRAINED]))
+    assert all(s.clean for s in m.states) and m.measured and m.source == "measured trend"
+    assert m.expected(5).q50 >= TRAINED[5]
+    c, r = noise.tolerance(m, 5)
+    assert 4 * TRAINED[5] < r < 0.1 and 0.99 < c < 1
+
+
+def test_a_jump_is_where_the_divergence_starts_and_the_rest_does_not_predict():
+    lv = [_lv(x) for x in TRAINED]
+    lv[4:] = [_lv(5 * x) for x in TRAINED[4:]]
+    m = fit("float32", "bfloat16", _states(lv))
+    first = m.first_jump
+    assert first is not None and first.label == "layer4" and first.why == "level"
+    assert [s.clean for s in m.states] == [True] * 4 + [False] * 5
+    assert m.expected(8).q50 < 3 * TRAINED[8]   # extrapolated from the clean states, not the bug
+
+
+def test_a_subset_of_tokens_and_a_scale_leave_the_trend_too():
+    lv = [_lv(x) for x in TRAINED]
+    lv[3] = _lv(TRAINED[3], q99=0.4)            # a few tokens far off: the median keeps the trend
+    m = fit("float32", "bfloat16", _states(lv))
+    assert m.first_jump.label == "layer3" and m.first_jump.why == "tokens"
+    lv = [_lv(x) for x in TRAINED]
+    lv[1] = _lv(TRAINED[1], bias=math.log(0.987))  # a norm eps: the RMS ratio moves first
+    m = fit("float32", "bfloat16", _states(lv))
+    assert m.first_jump.label == "layer1" and m.first_jump.why == "scale"
+
+
+def test_nothing_measured_is_the_physical_default_and_says_so():
+    m = fit("float32", "bfloat16", [])
+    assert not m.measured and m.source == "default for fp32 vs bf16, not measured"
+    u = 2.0 ** -9
+    assert math.isclose(m.expected(0).q50, 0.8 * u) and math.isclose(m.expected(1).q50, 0.8 * u * 3)
+
+
+def test_judge_names_the_part_that_failed():
+    m = fit("float32", "bfloat16", _states([_lv(x) for x in TRAINED]))
+    e = m.expected(5)
+    ok = noise.judge(m, 5, e.q50, e.c99, 0.0, e.sd, 400, 0.99, 1.01)
+    assert ok.part == ""
+    scale = noise.judge(m, 5, 0.05, e.c99, math.log(1.05), e.sd, 400, 1.04, 1.06)
+    assert scale.part == "scale" and math.isclose(scale.value, 1.05)
+    spread = noise.judge(m, 5, 0.1, e.c99, 0.0, 0.15, 400, 0.78, 1.25)
+    assert spread.part == "rescaled"
+    level = noise.judge(m, 5, 0.05, 1e-3, 0.0, e.sd, 400, 0.99, 1.01)
+    assert level.part == "level" and level.limit < 0.05
+
+
+def test_module_hook_names_point_at_their_depth():
+    assert name_depth("model.layers.3.mlp") == 4.0 and name_depth("transformer.h.11") == 12.0
+    assert name_depth("model.embed_tokens") == 0.0
+    assert name_depth("draft_fc_output") is None and name_depth("lm_head") is None
