@@ -136,7 +136,7 @@ def test_serve_without_catalog_uses_train_catalog(tmp_path, model, seqs, train):
     write_trace(serve, model, seqs, ["layer3", "layer5", "layer7"], side="serve", catalog=False)
     res = diff_traces(train, str(serve))
     assert res.headline() == "slot 0 of draft_input holds layer3 where embed was expected"
-    assert res.slot_table[0].candidates_b[0]["side"] == "a"
+    assert res.slot_table[0].candidates_b[0].side == "a"
 
 
 def test_calibration_from_noise_floor(tmp_path, capsys, model, seqs, train):
