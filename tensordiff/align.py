@@ -5,6 +5,9 @@ aligned tokens. What a slot holds (:mod:`tensordiff.identity`), the numerics
 
 A is the reference (what was expected, usually the train side), B the side under test.
 numpy only; reads traces through :class:`tensordiff.trace.TraceSource` (a file or a set).
+
+Why one module of this size: token pairing, shifts, gaps and the row maps share one index of
+the token tables (sorted codes per side); split apart, each part would rebuild or pass it around.
 """
 
 from __future__ import annotations
@@ -156,7 +159,7 @@ class SideTokens:
     sequence's (positions, tokens) as views; a row's code is recomputed from the token table when a
     row map needs it (no per-row code array is kept). In the usual layout (every row canonical, in
     code order) the codes are the rows' codes, and the positions and token ids are views of the
-    token table's columns, not copies (16 MB a side at 1M tokens, issue 12)."""
+    token table's columns, not copies (the memory bound of docs/diff.md)."""
 
     def __init__(self, r: TraceSource):
         t = r.tokens

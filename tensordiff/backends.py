@@ -15,8 +15,9 @@ from .parallel import PoolBackend
 from .traceset import trace_paths
 
 BACKENDS = ("auto", "serial", "pool", "ray")
-# auto: a pool only when the diff is long against the pool's start-up (0.5-0.9 s measured here,
-# ~10% of a serial diff of 4 GiB at ~0.75 GB/s); smaller diffs stay in this process
+# auto: a pool only when the diff is long against the pool's start-up (its processes and imports;
+# docs/distributed.md has the figures): at 4 GiB the start-up is a small share; smaller diffs stay
+# in this process
 AUTO_MIN_BYTES = 4 << 30
 
 

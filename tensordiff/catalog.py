@@ -92,8 +92,8 @@ class IdentitySearch:
         self.floor_of: Callable[[str], NoiseFloor] = lambda label: NoiseFloor(1e-3, 0.05, "none measured")
         # candidates are read in alternating directions: the trace reader keeps the last 64
         # datasets open (two per candidate), so a search that starts where the last one ended
-        # finds the datasets it needs first still open (reopening one and reading its first chunk
-        # costs ~0.2 ms); the order of the scores, and so every verdict, does not depend on it
+        # finds the datasets it needs first still open (reopening one costs an HDF5 open and a first
+        # chunk read); the order of the scores, and so every verdict, does not depend on it
         self._backwards = False
         #: held around every read of the traces (a diff that scores a search in another thread
         #: while its block reader runs sets one lock for both; reads are never concurrent)

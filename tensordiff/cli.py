@@ -1,7 +1,11 @@
-"""The ``tensordiff`` command line. Exit codes: 0 agree / ok, 1 divergence found, 2 bad input.
+"""The ``tensordiff`` command line. Exit codes: 0 agree / ok, 1 divergence found (or a comparison
+left incomplete), 2 bad input, 3 an error of tensordiff's own.
 
-Bad input never prints a traceback: one line on stderr and exit 2 (``TENSORDIFF_DEBUG=1`` shows
-the traceback of an unexpected error, for bug reports).
+Bad input never prints a traceback: one line on stderr and exit 2. An error of tensordiff's own is
+one line too, exit 3 (``TENSORDIFF_DEBUG=1`` shows its traceback, for bug reports).
+
+Why one module of this size: every subcommand's parser, its help and the one error path (one line,
+the exit codes) belong together; the commands' work lives in the modules they call.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ place where a finding's sentence is made (:func:`render_sentence`).
 The per-kind details records live in :mod:`tensordiff.details` (re-exported here).
 Nothing here computes: the diff fills these records, the text report, the JSON and the TUI read
 them. No numpy, no I/O.
+
+Why one module of this size: every kind's sentence is rendered here beside its record, so text,
+JSON, HTML and TUI say the same thing; splitting records from sentences would split that one place.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ own-side state, whether it is the same data), after which its rows can be droppe
 decides from those scores alone. So a search holds a bounded batch of candidates' rows at a time,
 whatever the catalog's size (:func:`score_many` scores a batch against every slot at once, to the
 same bits); :func:`decide` (all candidates' rows at once) is the same rule on the same numbers.
+
+Why one module of this size: the scoring and the decision rule are read together (docs/diff.md §3);
+a rule split from the scores it reads is how a confident wrong sentence slips in.
 """
 
 from __future__ import annotations

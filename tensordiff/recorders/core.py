@@ -22,6 +22,9 @@ the writer once their event has completed (checked at every later call, forced a
 ``close`` or when more than ``max_pending_bytes`` wait). On the CPU the rows go to the writer
 directly (the writer copies them into its chunk buffer, nothing else is copied), or, with
 ``stage_bytes``, are staged and written in batches (:mod:`.staging`).
+
+Why one module of this size: the three record paths share the row rules, sampling, filters and
+staging of one Recorder; the parts that stand alone already live in the modules named above.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ and each file gets its own clock, so the error names the file that was being rea
 :data:`~tensordiff.trace.validate.CHECKED`; a later :class:`~tensordiff.trace.TraceReader` of the
 same path in this process refuses a file that is not that one (swapped in by a rename, or
 modified since).
+
+Why one module of this size: the guarded open, its watcher and its child process are one protocol
+(pipe, CPU-time rule, kill), read and tested as one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """Reading a trace: :class:`TraceReader` opens and validates a file (tensordiff/trace/validate.py),
 keeps only the committed rows of one that was not closed cleanly (tensordiff/trace/recover.py),
 and reads values, sketches and RMS by row range or row subset without loading whole datasets.
+
+Why one module of this size: it is the one reader every tool opens; its checks live in validate.py,
+its reads after the open in reads.py, and what is left is the open itself and the trace's tables.
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 # Chunk cache per open dataset (up to 64 stay open, per trace). Reads are whole-chunk blocks and
-# one read per touched chunk, so a cache mostly costs memory: 1 MiB each held ~120 MB at 1M tokens x
-# 8 wide (narrow chunks: the cache fills); 64 KiB measured no slower on the benchmark pairs.
+# one read per touched chunk, so a cache mostly costs memory: with narrow chunks a 1 MiB cache per
+# dataset fills, and 64 datasets of it dominate the diff's memory; a small cache reads no slower
+# (docs/benchmarks.md has the measurement).
 CHUNK_CACHE_BYTES = min(READ_CACHE_BYTES, 64 << 10)
 
 class TraceReader(RowReads):

@@ -2,6 +2,8 @@
 loading whole datasets, through a bounded set of open datasets; runs of rows of plain chunked
 datasets straight from the file (``os.preadv``, the GIL released). :class:`RowReads` is the part of
 :class:`~tensordiff.trace.TraceReader` that reads after the open has validated everything.
+
+Why one module of this size: the bounded set of open datasets and every read path that shares it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ strings are bounded; links other than hard links, virtual datasets and external 
 refused (nothing outside the file is opened); a dataset's declared size is checked against the
 file's size, its chunk size bounded and its filters known before any of it is read. Every refusal
 is a :class:`~tensordiff.errors.TraceFileError` with one line for a person (docs/robustness.md).
+
+Why one module of this size: every check before the first read is in one place, so a reviewer
+sees the whole guard against hostile files at once.
 """
 
 from __future__ import annotations

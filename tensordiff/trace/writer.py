@@ -1,6 +1,9 @@
 """Writing a trace: :class:`TraceWriter` appends rows in chunk-aligned blocks with bounded memory
 and commits them with a two-phase flush, so a killed recorder leaves every row up to its last
 flush readable (docs/robustness.md, "The flush policy"). numpy + h5py only.
+
+Why one module of this size: the append paths and the two-phase flush share the writer's buffers,
+extents and committed-row counts; a split would expose them between modules.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ keys, actions and message handlers to the app, and cutting the class into mixins
 one state machine over several files.
 
 Keys: see :data:`tensordiff.tui.widgets.HELP` (``?`` in the app) and docs/tui.md.
+
+Why one module of this size: the app's layout, keys and actions (Textual's App is one class);
+its widgets, panes' text and data layer are the sibling modules.
 """
 
 from __future__ import annotations

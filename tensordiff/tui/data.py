@@ -8,6 +8,8 @@ result. The text the panes show is made in :mod:`tensordiff.tui.text`, the widge
 are in :mod:`tensordiff.tui.widgets`, the app in :mod:`tensordiff.tui.app`.
 
 Nothing here judges a tensor: verdicts, sentences and per-token flags are the diff's.
+
+Why one module of this size: everything the panes read, without textual, in one testable place.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ screen, reading the diff summary (:class:`tensordiff.summary.SummaryReader`) in 
 through a bounded LRU cache, so neither its time to paint nor its memory grows with the trace.
 Nothing here judges a tensor: colours and glyphs show the diff's per-token flags (fails
 tolerance, NaN/Inf) and the size of the metric it wrote.
+
+Why one module of this size: the Line-API widgets share their glyphs, geometry and cache rules.
 """
 
 from __future__ import annotations
