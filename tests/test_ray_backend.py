@@ -106,6 +106,8 @@ def local_cluster(hosts: tuple[str, ...] = HOSTS) -> Iterator[str]:
         procs.append(_ray_start(["--address", address, "--resources", json.dumps({f"host:{hosts[1]}": 1}), *common],
                                 env, os.path.join(tmp, "node.log")))
         _wait_started(procs[1], os.path.join(tmp, "node.log"), 240)
+        if ray.is_initialized():   # a driver left connected by an earlier test of the same process
+            ray.shutdown()
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
         deadline = time.monotonic() + 120
         while len([n for n in ray.nodes() if n["Alive"]]) < 2:

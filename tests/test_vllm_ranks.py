@@ -332,7 +332,7 @@ def test_the_ray_backend_on_the_engines_files_equals_serial(tp2, trains):
             for a, bb in ((trains["bug"], tp2["dir"]), (tp2["dir"], trains["ok"])):
                 b.placements.clear()
                 serial = json.dumps(jsonable(diff_traces(str(a), str(bb), DiffOptions(block_rows=16)).to_dict()))
-                got = json.dumps(jsonable(diff_traces(str(a), str(bb), DiffOptions(block_rows=16, numeric=b)).to_dict()))
+                got = json.dumps(jsonable(diff_traces(str(a), str(bb), DiffOptions(block_rows=16, backend=b)).to_dict()))
                 assert got == serial
                 # the engine's files name this host: every task asked for its node, softly
                 assert b.placements and all(p.host == host and p.node is not None and p.soft for p in b.placements)
