@@ -98,7 +98,7 @@ GOALS += [
     Goal("TUI: first real heatmap rows at 1M tokens", "tui", "first_rows_s_1m", "<=", 1.0, " s"),
     Goal("SGLang plugin time, EAGLE-3 with predictions (issue 15; 5.3% stated before the taps)", "sglang-eagle",
          "plugin_share", "<=", 0.053),
-    # issue 26: the verdict against injected bugs and correct pairs of real recordings
+    # the verdict against injected bugs and correct pairs of real recordings
     Goal("sensitivity: false alarms on correct pairs (HF, SGLang, vLLM; both orders)", "sensitivity",
          "false_alarms", "==", 0),
     Goal("sensitivity: every engine pair recorded (SGLang, vLLM in bf16 and fp32)", "sensitivity",

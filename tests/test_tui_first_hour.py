@@ -4,7 +4,12 @@ the text report, two runs of the same side, the go-to example."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import make_doc_images  # noqa: E402
 
 import pytest
 # the fixtures of test_tui.py, shared by importing them (a test's parameter then shadows the import)
@@ -83,22 +88,9 @@ async def test_same_side_pair_says_a_and_b(tmp_path):
 
 
 def screen_lines(app) -> list[str]:
-    """The screen as text lines, from the app's own SVG screenshot (what a snapshot stores)."""
-    import html
-    import re
-    from collections import defaultdict
-
-    svg = app.export_screenshot()
-    rows: dict[float, list[tuple[float, str]]] = defaultdict(list)
-    for m in re.finditer(r'<text class="[^"]*" x="([\d.]+)" y="([\d.]+)"[^>]*>(.*?)</text>', svg):
-        rows[float(m.group(2))].append((float(m.group(1)), html.unescape(m.group(3))))
-    out = []
-    for y in sorted(rows):
-        line = ""
-        for x, t in sorted(rows[y]):
-            line = line.ljust(int(round(x / 12.2))) + t
-        out.append(line.replace("\xa0", " "))
-    return out
+    """The screen as text lines, from the app's own SVG screenshot (what a snapshot stores), read
+    as the docs' screenshot check reads it."""
+    return make_doc_images.svg_text(app.export_screenshot())
 
 
 async def test_80x24_findings_tree_and_headers_readable(fixture_app):
