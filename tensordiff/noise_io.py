@@ -30,22 +30,30 @@ def _dtype(r: TraceSource) -> str:
 
 def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]],
             depth_of: Callable[[TensorInfo, int], float | None]) -> noise.NoiseModel:
-    """The noise model of a diff: every catalog state with full values on both sides, measured
-    on up to :data:`SAMPLE` aligned tokens."""
+    """The noise model of a diff: every catalog state recorded on both sides, measured on up to
+    :data:`SAMPLE` aligned tokens, on full values where both sides kept them, else on the seeded
+    sketches both sides share (a serve engine keeps its catalog as sketches). A sketch is a random
+    projection that keeps norms and angles within about 1/sqrt(dim) per token, so the median
+    error, the 1 - cos and the per-token RMS ratio it gives are those of the values (the per-token
+    spread a little wider): the trend it measures is the one the values would show."""
     measured: list[tuple[str, float, noise.Level]] = []
     dtypes: dict[str, tuple[str, str]] = {}
     for ia, ib in pairs:
-        if ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or not (ia.has_values and ib.has_values):
+        if ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or ia.width != ib.width:
             continue
-        if ia.width != ib.width:
+        part = _basis(ra, rb, ia, ib)
+        if part is None:
             continue
         ma, mb = maps.inverse("a", ia.name), maps.inverse("b", ib.name)
         idx = sample_indices((ma >= 0) & (mb >= 0), SAMPLE)
         if len(idx) < noise.MIN_TOKENS:
             continue
-        a = ra.read_at(ia.name, "values", ma[idx])
-        b = rb.read_at(ib.name, "values", mb[idx])
-        m = BlockMetrics(1, ia.width).compute_stored(np.ascontiguousarray(a), ia.dtype, np.ascontiguousarray(b), ib.dtype)
+        a = np.ascontiguousarray(ra.read_at(ia.name, part, ma[idx]))
+        b = np.ascontiguousarray(rb.read_at(ib.name, part, mb[idx]))
+        if part == "values":
+            m = BlockMetrics(1, ia.width).compute_stored(a, ia.dtype, b, ib.dtype)
+        else:
+            m = BlockMetrics(1, ra.sketch_dim).compute(a.astype(np.float32, copy=False), b.astype(np.float32, copy=False))
         with np.errstate(divide="ignore", invalid="ignore"):
             lr = np.log(m.ratio[:, 0].astype(np.float64)) if m.ratio is not None else np.zeros(len(idx))
         lv = noise.level_of(m.rel[:, 0], 1.0 - m.cos[:, 0].astype(np.float64), lr)
@@ -55,6 +63,16 @@ def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tup
             dtypes[ia.label] = (ia.dtype, ib.dtype)
     return noise.fit(_dtype(ra), _dtype(rb), measured, dtypes,
                      lambda da, db, d: default_tolerance(da, db, d).max_rel)
+
+
+def _basis(ra: TraceSource, rb: TraceSource, ia: TensorInfo, ib: TensorInfo) -> str | None:
+    """What a catalog state's noise is measured on: its values, else both sides' sketches of one
+    seed and dimension (stored, or derived from the values on a side that kept them)."""
+    if ia.has_values and ib.has_values:
+        return "values"
+    if ia.has_sketch and ib.has_sketch and ra.sketch_seed == rb.sketch_seed and ra.sketch_dim == rb.sketch_dim:
+        return "sketch"
+    return None
 
 
 def tolerance_fn(model: noise.NoiseModel) -> Callable[[float | None, str, str], Tolerance]:

@@ -223,3 +223,39 @@ def test_incomplete_comparison_does_not_exit_0(tr, root, capsys):
         assert main(["diff", str(a), str(b), "-q"]) == 1
         assert main(["diff", str(a), str(b), "-q", "--allow-incomplete"]) == 0
     capsys.readouterr()
+
+
+def _sketch_only(tr, root, name, dtype, model=None):
+    """The trained model recorded with its catalog as sketches only (as a serve engine keeps it)."""
+    p = root / f"{name}.h5"
+    if not p.exists():
+        trained.record(p, dtype, "--values", "none", model=model)
+    return p
+
+
+def _sources(res, kinds=("layer", "embed", "final_norm")):
+    return {p.label: {t["source"] for t in p.tolerance} for p in res.pairs
+            if p.compared and p.label.startswith(kinds)}
+
+
+def test_noise_is_measured_from_a_sketch_only_catalog(tr, root):
+    """The bf16 side keeps every state as sketches only (no values): the noise model measures its
+    trend from the sketches both sides share, not the dtype default, and the correct pair agrees.
+    It fell back to the default (fitted on this model), which random-weight engine pairs exceed."""
+    sk = _sketch_only(tr, root, "bf16_sketch", "bfloat16")
+    for res, side in _orders(tr["float32"], sk):
+        assert res.exit_code == 0 and res.verdict == "agree", (side, _not_info(res))
+        src = _sources(res)
+        assert src and all(s == {"measured trend"} for s in src.values()), (side, src)
+
+
+def test_norm_eps_bug_is_found_on_sketches(tr, root):
+    """The norm-eps bug (error from decoder layer 0 on) with the bug side's catalog kept as
+    sketches only: named at layer1 against the trend measured from the sketches."""
+    model = trained.variant_model(root, "eps", config={"rms_norm_eps": 1e-4})
+    sk = _sketch_only(tr, root, "eps_sketch", "bfloat16", model=model)
+    for res, side in _orders(tr["float32"], sk):
+        assert res.exit_code == 1, (side, res.headline())
+        first = res.first_divergence
+        assert first.tensor == "layer1", (side, first.message)
+        assert "measured" in first.message, (side, first.message)
