@@ -368,16 +368,20 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     if first_numeric is not None:
         t.layer = _layer_info(a, b, plan, res, first_numeric)
         causes.append(("layer", t.layer["sentence"]))
-    # 5. logits and log-probs
-    if c is not None and not c.agree:
+    # 5. logits and log-probs: only where the states agree (else the gap is the states' doing)
+    if c is not None and not c.agree and first_numeric is not None:
+        t.lines.append(f"  the sampled tokens' log-probs differ too (median |diff| {c.q50:.3g}, expected {noise:.3g}): "
+                       "downstream of the states")
+    elif c is not None and not c.agree:
         shift = _topk_shift(a, b, maps, len(al))
         if c.raw_match is not None:
             raw_side, other = ("rollout", "trainer") if c.raw_match == "b_raw" else ("trainer", "rollout")
             temps = {"trainer": ta, "rollout": tb}
             causes.append(("logprobs", f"log-probs: the {raw_side}'s log-probs are raw (the model's log-softmax, no "
                                        f"temperature) while the {other}'s are divided by the temperature "
-                                       f"({_f(temps[other])}): a systematic offset on {c.same_way:.0%} of the "
-                                       f"tokens out of the noise (median {c.offset:+.3g} nats), states and logits agree"))
+                                       f"({_f(temps[other])}): the {raw_side}'s log-probs match the {other}'s raw ones "
+                                       f"(median |diff| {_f(c.raw_match_q50)}); the offset (median {c.offset:+.3g} "
+                                       f"nats) has one sign on {c.same_way:.0%} of the tokens out of the noise"))
         elif shift is not None and shift > lpmod.LEVEL * noise:
             causes.append(("logits", f"logits: the states agree but the logits do not (median |raw top-1 logprob "
                                      f"diff| {shift:.3g}, {shift / noise:.0f}x the noise the states predict): the "

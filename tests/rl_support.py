@@ -19,7 +19,7 @@ from tensordiff.recorders.hf import HFExtractorRecorder, model_info
 from tensordiff.recorders.hooks import record_weights, trainer_logprobs
 from tensordiff.trace.rl import sampling_params, write_sampling
 
-from . import trained
+import trained
 
 NEW_TOKENS = 16
 
