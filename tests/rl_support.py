@@ -71,7 +71,7 @@ def with_config(out: Path, **changes) -> Path:
 
 
 def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = "processed", seed: int = 0,
-            weight_steps=None, new_tokens: int = NEW_TOKENS, prompts=None) -> Path:
+            weight_steps=None, new_tokens: int = NEW_TOKENS, prompts=None, model_path=None) -> Path:
     """Generate ``new_tokens`` per prompt with ``model`` (prefill, then one decode pass per token
     with the KV cache), sampling at ``temperature`` with a seeded generator, and record it as a
     serve-side trace: the catalog with values, target_topk, the returned log-probs (``processed``:
@@ -81,7 +81,7 @@ def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = 
 
     gen = torch.Generator().manual_seed(seed)
     info = model_info(model)
-    info["path"] = str(trained.target_dir())
+    info["path"] = str(model_path or trained.target_dir())
     steps = weight_steps if weight_steps is not None else [(model, "start")]
     with Recorder(str(out), side="serve", producer="tests.rl_support (HF as the engine)", model=info) as rec:
         write_sampling(rec.writer, sampling_params(temperature=temperature, logprobs_mode=logprobs_mode,

@@ -161,3 +161,33 @@ def test_cli_json_and_bad_input(work, fp32, capsys, tmp_path):
     assert main(["triage", str(t), str(tmp_path / "missing.h5")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.h5" in err[0]
+
+
+def test_routing_flips(work):
+    """HF MoE on both sides (no CPU engine runs a trained MoE here: a tiny random DeepSeek-V3,
+    tests/deepseek_support.py) with the routing recorder; the engine's router of layer 2 leaves
+    out its score correction bias when it chooses (the weights hold it: fingerprints agree):
+    choices flip where the bias decides, and the states leave the noise after it."""
+    import deepseek_support as ds
+
+    md = ds.make_tiny_deepseek(work / "moe")
+    trainer_model, engine = ds.load_hf_deepseek(md), ds.load_hf_deepseek(md)
+    gate = engine.model.layers[2].mlp.gate
+    kept = gate.e_score_correction_bias.detach().clone()
+
+    def drop_bias(mod, args):
+        mod.e_score_correction_bias.zero_()
+
+    def restore_bias(mod, args, out):
+        mod.e_score_correction_bias.copy_(kept)
+
+    gate.register_forward_pre_hook(drop_bias)
+    gate.register_forward_hook(restore_bias)
+    r = rs.rollout(work / "moe.rollout.h5", engine, prompts=_prompts(), new_tokens=NEW, model_path=md)
+    t = rs.train_from_serve(work / "moe.train.h5", r, md)
+    del trainer_model
+    got = triage(str(t), str(r))
+    assert got.cause == "routing", got.text()
+    assert got.headline.startswith("routing: MoE router choices flip first at layer 2 (")
+    assert "of tokens flip at least one layer, and the states leave the noise only after it" in got.headline
+    assert got.routing is not None and got.routing["flips"] > 0
