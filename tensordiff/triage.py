@@ -335,6 +335,7 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     res = diff_sources(a, b, DiffOptions())
     t.diff = res
     causes: list[tuple[str, str]] = []
+    notes: list[str] = []
     if w is not None and w.get("differ"):
         causes.append(("weights", _weights_sentence(w)))
     # 2. tokens and positions
@@ -352,7 +353,10 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     if rd is not None and rd.layers:
         t.routing = {"tokens": rd.tokens, "flips": rd.flips, "layers": rd.layers}
         flipping = [x for x in rd.layers if x["flips"]]
-        if flipping:
+        if not flipping:
+            notes.append(f"  routing agrees: the same experts for all {rd.tokens} token-layer choices "
+                         f"({len(rd.layers)} MoE layers)")
+        else:
             lay = flipping[0]
             seqs = _tokens_flipping(a, b, al, maps)
             first_layer = _layer_of(first_numeric)
@@ -370,8 +374,8 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
         causes.append(("layer", t.layer["sentence"]))
     # 5. logits and log-probs: only where the states agree (else the gap is the states' doing)
     if c is not None and not c.agree and first_numeric is not None:
-        t.lines.append(f"  the sampled tokens' log-probs differ too (median |diff| {c.q50:.3g}, expected {noise:.3g}): "
-                       "downstream of the states")
+        notes.append(f"  the sampled tokens' log-probs differ too (median |diff| {c.q50:.3g}, expected {noise:.3g}): "
+                     "downstream of the states")
     elif c is not None and not c.agree:
         shift = _topk_shift(a, b, maps, len(al))
         if c.raw_match is not None:
@@ -407,6 +411,7 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
             t.lines.append("  weights not compared: " + ", ".join(
                 s for s, has in (("trainer", w.get("train")), ("rollout", w.get("rollout"))) if not has)
                 + " recorded no /weights")
+    t.lines += notes
     if c is not None:
         t.lines += _metric_lines(c)
     return t
