@@ -71,7 +71,8 @@ def with_config(out: Path, **changes) -> Path:
 
 
 def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = "processed", seed: int = 0,
-            weight_steps=None, new_tokens: int = NEW_TOKENS, prompts=None, model_path=None) -> Path:
+            weight_steps=None, new_tokens: int = NEW_TOKENS, prompts=None, model_path=None,
+            kv_dtype=None) -> Path:
     """Generate ``new_tokens`` per prompt with ``model`` (prefill, then one decode pass per token
     with the KV cache), sampling at ``temperature`` with a seeded generator, and record it as a
     serve-side trace: the catalog with values, target_topk, the returned log-probs (``processed``:
@@ -102,6 +103,10 @@ def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = 
                     o = model(input_ids=x[None], position_ids=torch.tensor(pos)[None], past_key_values=cache,
                               use_cache=True)
                 cache = o.past_key_values
+                if kv_dtype is not None:   # a decode-path bug: the KV cache stored in a narrower dtype
+                    for layer in cache.layers:
+                        layer.keys = layer.keys.to(kv_dtype).float()
+                        layer.values = layer.values.to(kv_dtype).float()
                 z = o.logits[0, -1].float()
                 t = temperature if temperature > 0 else 1.0
                 nxt = int(torch.multinomial(torch.softmax(z / t, -1), 1, generator=gen)) if temperature > 0 \
@@ -119,4 +124,25 @@ def train_from_serve(out: Path, serve: Path, model_dir: Path | None = None, *ext
     argv = ["record", "train", "--model", str(model_dir or trained.target_dir()), "--from-serve", str(serve),
             "--values", "all", "--no-draft-input", "--no-progress", "--out", str(out), *extra]
     assert main(argv) == 0, argv
+    return out
+
+
+def replay(out: Path, model, serve: Path, *, temperature: float = 0.7) -> Path:
+    """The engine's prefill re-run of a rollout (``record serve --replay``): each sequence's
+    tokens in one prefill pass, the sampled tokens' log-probs as the engine returns them."""
+    from tensordiff.recorders.train_cli import load_serve_sequences, serve_rl_info
+
+    _, first = serve_rl_info(str(serve))
+    info = model_info(model)
+    info["path"] = str(trained.target_dir())
+    with Recorder(str(out), side="serve", producer="tests.rl_support (HF prefill replay)", model=info) as rec:
+        write_sampling(rec.writer, sampling_params(temperature=temperature, engine="hf-replay"))
+        record_weights(rec, model, 0, event="start")
+        hf = HFExtractorRecorder(model, rec, None, values="all", topk=20)
+        for key, toks in load_serve_sequences(str(serve)):
+            x = torch.tensor(toks)
+            with hf.capture(key, x, regime="prefill") as rows, torch.inference_mode():
+                o = model(input_ids=x[None], use_cache=False)
+            from tensordiff.recorders.hooks import record_sampled_logprob
+            record_sampled_logprob(rec, o.logits[0], rows[0], x, temperature=temperature, first_generated=first[key])
     return out

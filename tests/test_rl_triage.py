@@ -191,3 +191,20 @@ def test_routing_flips(work):
     assert got.headline.startswith("routing: MoE router choices flip first at layer 2 (")
     assert "of tokens flip at least one layer, and the states leave the noise only after it" in got.headline
     assert got.routing is not None and got.routing["flips"] > 0
+
+
+def test_decode_path_with_the_three_way_table(work, fp32):
+    """The engine's decode passes read a KV cache stored in bf16 (its prefill computes attention
+    from fresh keys and values): the prefill re-run agrees with the trainer, decode disagrees with
+    both, and the three-way table says so (as NeMo-RL#2141 found by hand)."""
+    r = rs.rollout(work / "kv.rollout.h5", fp32, prompts=_prompts(), new_tokens=NEW, kv_dtype=torch.bfloat16)
+    t = rs.train_from_serve(work / "kv.train.h5", r)
+    p = rs.replay(work / "kv.prefill.h5", fp32, r)
+    got = triage(str(t), str(r), str(p))
+    assert got.cause == "layer", got.text()
+    assert got.headline.startswith("the engine's decode path: its decode log-probs disagree with its own prefill "
+                                   "re-run of the same tokens")
+    rows = {(x["a"], x["b"]): x for x in got.three_way}
+    assert rows[("trainer", "prefill")]["agree"] and not rows[("trainer", "decode")]["agree"]
+    assert any(line.startswith("  three-way") for line in got.lines)
+    assert main(["triage", str(t), str(r), str(p)]) == 1
