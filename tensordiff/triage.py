@@ -47,6 +47,7 @@ from .noise import UNIT, NoiseModel
 from .tokens import POS_MASK, SEQ_BITS
 from .trace import TraceSource
 from .trace.rl import WeightStep, read_sampling, read_weight_steps, sampling_for, weights_at
+from .vocab import REGIME_CODE
 
 __all__ = ["Triage", "triage", "triage_sources"]
 
@@ -237,7 +238,7 @@ def _token_rel(a: TraceSource, b: TraceSource, maps: RowMaps, name_a: str, name_
 
 
 def position_profile(a: TraceSource, b: TraceSource, maps: RowMaps, codes: NDArray[np.int64], name_a: str,
-                     name_b: str, limit: float) -> dict[str, Any] | None:
+                     name_b: str, limit: float, regime_b: NDArray[np.uint8] | None = None) -> dict[str, Any] | None:
     """What a diverging state's error does along the positions: ``onset`` (the median over
     sequences of the first position out of ``limit``), ``clean_before`` (the share of the tokens
     before each sequence's onset within it), ``after`` (the share out after it) and the rank
@@ -248,7 +249,9 @@ def position_profile(a: TraceSource, b: TraceSource, maps: RowMaps, codes: NDArr
     if len(idx) < 8:
         return None
     seq, pos = codes[idx] >> SEQ_BITS, codes[idx] & POS_MASK
+    decode = REGIME_CODE["decode"]
     onsets, before, after = [], [], []
+    at_decode = 0
     for s in np.unique(seq):
         m = seq == s
         p, e = pos[m], rel[m]
@@ -257,6 +260,9 @@ def position_profile(a: TraceSource, b: TraceSource, maps: RowMaps, codes: NDArr
             continue
         f = int(p[out].min())
         onsets.append(f)
+        if regime_b is not None:
+            dec = p[regime_b[idx[m]] == decode]
+            at_decode += int(len(dec) > 0 and int(dec.min()) == f)
         before.append(e[p < f])
         after.append(e[p >= f] > limit)
     if not onsets:
@@ -266,7 +272,8 @@ def position_profile(a: TraceSource, b: TraceSource, maps: RowMaps, codes: NDArr
     rp = np.argsort(np.argsort(pos)).astype(np.float64)
     re = np.argsort(np.argsort(rel)).astype(np.float64)
     corr = float(np.corrcoef(rp, re)[0, 1]) if np.std(rp) > 0 and np.std(re) > 0 else 0.0
-    return {"onset": int(np.median(onsets)), "clean_before": float((pre <= limit).mean()) if len(pre) else 1.0,
+    return {"onset": int(np.median(onsets)), "at_decode_start": at_decode >= 0.9 * len(onsets),
+            "clean_before": float((pre <= limit).mean()) if len(pre) else 1.0,
             "after": float(post.mean()), "corr": corr, "tokens": len(idx),
             "position0": float(np.median(rel[pos == 0])) if (pos == 0).any() else None}
 
@@ -277,6 +284,11 @@ def _position_words(p: dict[str, Any] | None) -> str | None:
     if p["onset"] <= 2 and p["corr"] > 0.3 and (p["position0"] is None or p["position0"] < 1e-3):
         return ("its error is zero at position 0 and grows with position (rank correlation "
                 f"{p['corr']:.2f}): a rotary embedding configuration difference (rope theta, scaling) is the usual cause")
+    if p["onset"] > 2 and p["clean_before"] >= 0.95 and p["after"] >= 0.5 and p.get("at_decode_start"):
+        return (f"every sequence agrees up to position {p['onset']} and diverges from there on, exactly where the "
+                f"rollout's decode passes start ({p['after']:.0%} of the tokens after it out of the noise): the "
+                "engine's decode path (attention kernel, KV cache), or position ids that restart with the response; "
+                "a prefill re-run of the same tokens (record serve --replay, the third argument) tells them apart")
     if p["onset"] > 2 and p["clean_before"] >= 0.95 and p["after"] >= 0.5:
         return (f"every sequence agrees up to position {p['onset']} and diverges from there on at once "
                 f"({p['after']:.0%} of the tokens after it out of the noise): position ids differ from there on "
@@ -455,7 +467,8 @@ def _layer_info(a: TraceSource, b: TraceSource, plan: Any, res: DiffResult, f: F
 
         depth = next((d for d in pair.depth if d is not None), None)
         _, max_rel = tolerance(plan.noise, depth, pair.dtype_a or None, pair.dtype_b or None)
-        prof = position_profile(a, b, plan.maps, plan.alignment.code_a, pair.name_a, pair.name_b, max_rel)
+        prof = position_profile(a, b, plan.maps, plan.alignment.code_a, pair.name_a, pair.name_b, max_rel,
+                                plan.alignment.regime_b)
         words = _position_words(prof)
     sentence = f"states: the first state out of the noise trend is {f.tensor}: {f.message}"
     if words:

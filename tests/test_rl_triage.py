@@ -115,8 +115,8 @@ def test_rope_theta_mismatch(work):
 
 
 def test_missing_position_ids(work, fp32):
-    """A user's trainer forward (TrainerRecorder) packs prompt and response and restarts the
-    response's position ids at 0: every sequence agrees up to the first generated token."""
+    """A user's trainer forward (TrainerRecorder) packs each prompt from two segments and restarts
+    the position ids at the second (a packing bug): every sequence agrees up to there."""
     from tensordiff.recorders.core import Recorder
     from tensordiff.recorders.hf import model_info
     from tensordiff.recorders.hooks import TrainerRecorder
@@ -129,13 +129,14 @@ def test_missing_position_ids(work, fp32):
         tr = TrainerRecorder(fp32, rec, temperature=0.7)
         for i, p in enumerate(_prompts()):
             ids = torch.tensor(seqs[f"p{i}"])
-            pos = torch.cat([torch.arange(len(p)), torch.arange(len(ids) - len(p))])
+            cut = len(p) // 2
+            pos = torch.cat([torch.arange(cut), torch.arange(len(ids) - cut)])
             with tr.sequence(f"p{i}", ids, first_generated=len(p)), torch.inference_mode():
                 fp32(input_ids=ids[None], position_ids=pos[None])
         tr.detach()
     got = triage(str(out), str(r))
     assert got.cause == "layer", got.text()
-    n = len(_prompts()[0])
+    n = len(_prompts()[0]) // 2
     assert got.headline.startswith(f"positions: layer1 is the first state out of the noise, and every sequence "
                                    f"agrees up to position {n} and diverges from there on at once")
     assert "position_ids" in got.headline
@@ -200,6 +201,10 @@ def test_decode_path_with_the_three_way_table(work, fp32):
     r = rs.rollout(work / "kv.rollout.h5", fp32, prompts=_prompts(), new_tokens=NEW, kv_dtype=torch.bfloat16)
     t = rs.train_from_serve(work / "kv.train.h5", r)
     p = rs.replay(work / "kv.prefill.h5", fp32, r)
+    alone = triage(str(t), str(r))   # without the re-run: two explanations, and how to tell them apart
+    assert alone.cause == "layer", alone.text()
+    assert "exactly where the rollout's decode passes start" in alone.headline
+    assert "a prefill re-run of the same tokens (record serve --replay, the third argument)" in alone.headline
     got = triage(str(t), str(r), str(p))
     assert got.cause == "layer", got.text()
     assert got.headline.startswith("the engine's decode path: its decode log-probs disagree with its own prefill "
