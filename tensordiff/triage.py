@@ -25,6 +25,9 @@ and the first that explains the difference is named in the first sentence:
 The frameworks' metrics are printed under their own names (:mod:`tensordiff.logprobs`). Exit
 codes as the diff's: 0 no cause found (everything within the noise), 1 a cause named, 2 bad input.
 Pure: numpy and h5py, no torch.
+
+Why one module of this size: the order of evidence is the product, and each step's test sits
+beside the sentence that names its cause, so the order and the words change together.
 """
 
 from __future__ import annotations
@@ -485,7 +488,7 @@ def _layer_info(a: TraceSource, b: TraceSource, plan: Any, res: DiffResult, f: F
 
 def three_way(train: str, rollout: str, prefill: str) -> list[dict[str, Any]]:
     """Each pair of the three traces: the sampled tokens' log-prob metrics and the diff's first
-    divergence (as NeMo-RL#2141 computed by hand)."""
+    divergence (what RL teams compute by hand to tell a decode-path bug from a trainer difference)."""
     names = {"trainer": train, "decode": rollout, "prefill": prefill}
     out = []
     for x, y in (("prefill", "decode"), ("trainer", "decode"), ("trainer", "prefill")):

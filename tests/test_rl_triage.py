@@ -197,7 +197,7 @@ def test_routing_flips(work):
 def test_decode_path_with_the_three_way_table(work, fp32):
     """The engine's decode passes read a KV cache stored in bf16 (its prefill computes attention
     from fresh keys and values): the prefill re-run agrees with the trainer, decode disagrees with
-    both, and the three-way table says so (as NeMo-RL#2141 found by hand)."""
+    both, and the three-way table says so."""
     r = rs.rollout(work / "kv.rollout.h5", fp32, prompts=_prompts(), new_tokens=NEW, kv_dtype=torch.bfloat16)
     t = rs.train_from_serve(work / "kv.train.h5", r)
     p = rs.replay(work / "kv.prefill.h5", fp32, r)

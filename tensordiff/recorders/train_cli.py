@@ -1,8 +1,16 @@
 """``tensordiff record train``: run an HF transformers causal LM over prompts and record the train
 side: the boundary catalog, ``final_norm`` and the packed draft input as a named convention builds it.
 
+With ``--from-serve`` (an RL rollout), also what the RL triage compares: the trainer's log-prob of
+each sampled token (``sampled_logprob``, at the serve run's temperature), the weight fingerprints
+of the model it ran (``/weights/step_0``) and the ``sampling`` attribute (tensordiff.trace.rl).
+
 No torch at import time (``tensordiff --help`` must work without it): torch and transformers are
 imported inside :func:`run`.
+
+Why one module of this size: the command's arguments, the readers of its three inputs (prompts,
+a serve run's outputs or trace) and the recording loop are one command's; the recording itself
+lives in :mod:`.hf` and :mod:`.hooks`.
 """
 
 from __future__ import annotations
