@@ -258,6 +258,15 @@ def _sequences_of_trace(path: str) -> list[tuple[str, list[int]]]:
         t = r.tokens
         seqs = list(r.sequences)
         seq, pos, tok = (np.asarray(t[c]) for c in ("seq", "position", "token"))
+        # the last token an engine sampled is never fed back, so it has no row: its id is in
+        # sampled_logprob, on the row that sampled it
+        last: dict[int, tuple[int, int]] = {}
+        if conventions.SAMPLED_LOGPROB in r.tensors:
+            lrows = r.token_rows(conventions.SAMPLED_LOGPROB)
+            ids = np.asarray(r.read_at(conventions.SAMPLED_LOGPROB, "values", np.arange(len(lrows))))[:, 0]
+            for s_, p_, i_ in zip(seq[lrows], pos[lrows], ids):
+                if int(s_) not in last or int(p_) > last[int(s_)][0]:
+                    last[int(s_)] = (int(p_), int(i_))
     out = []
     for s in np.unique(seq):
         m = seq == s
@@ -273,7 +282,10 @@ def _sequences_of_trace(path: str) -> list[tuple[str, list[int]]]:
             missing = 0 if up[0] != 0 else int(up[np.flatnonzero(np.diff(up) != 1)[0]] + 1)
             raise TraceFileError(f"sequence {key} has no row at position {missing} (a radix-cache hit computes no "
                              "prefix rows): give the --outputs file record serve wrote instead", path)
-        out.append((key, [int(x) for x in k[first]]))
+        ids_ = [int(x) for x in k[first]]
+        if int(s) in last and last[int(s)][0] == len(ids_) - 1:
+            ids_.append(last[int(s)][1])
+        out.append((key, ids_))
     if not out:
         raise TraceFileError("the serve trace holds no tokens", path)
     return out
