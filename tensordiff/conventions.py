@@ -264,7 +264,16 @@ SPEC_CHAIN = "spec_chain"          # serve only, on the spec_verify row: the dra
 MOE_ROUTING = "moe_routing"        # token_offset 0, one tensor per MoE layer, named moe_routing_layer<i> (i: the
 #   decoder layer, 0-based; its input is boundary i): [expert ids (k, ascending) | their router weights (k)], float64
 #   (tensordiff.routing compares them: routing flips per layer)
-PREDICTION_ROLES = (TARGET_TOPK, DRAFT_TOPK, SPEC_VERIFY, SPEC_CHAIN, MOE_ROUTING)  # not states: the numerics skip them
+SAMPLED_LOGPROB = "sampled_logprob"  # token_offset 0, one row per generated token: row t is the row whose logits
+#   sampled token t+1 (the last prompt token's row for the first generated token), [sampled token id, log-prob],
+#   float64. Engine side: the log-prob the engine returned for it, as the RL framework receives it (raw or
+#   processed: the file attribute `sampling` says which, with the temperature, top-p, top-k;
+#   tensordiff.trace.rl). Trainer side (`record train --from-serve`): the trainer's log-prob of the same token,
+#   computed as an RL trainer does (log_softmax(logits / temperature)). Same name on both sides: the RL triage
+#   (tensordiff.logprobs, tensordiff.triage) compares them row by row.
+SAMPLED_LOGPROB_WIDTH = 2
+PREDICTION_ROLES = (TARGET_TOPK, DRAFT_TOPK, SPEC_VERIFY, SPEC_CHAIN, MOE_ROUTING,
+                    SAMPLED_LOGPROB)  # not states: the numerics skip them
 
 
 def moe_routing_name(layer: int) -> str:

@@ -269,15 +269,21 @@ def load_fingerprints(path: str) -> Checkpoint:
         raise SourceFileError("neither a safetensors checkpoint nor a fingerprint file", path) from None
     if not isinstance(doc, dict) or doc.get("format") != FINGERPRINT_FORMAT or not isinstance(doc.get("parameters"), list):
         raise SourceFileError(f"not a fingerprint file (format {FINGERPRINT_FORMAT})", path)
+    return checkpoint_from_doc(doc, path)
+
+
+def checkpoint_from_doc(doc: dict[str, Any], source: str) -> Checkpoint:
+    """A fingerprint document (a file's, or one stored in a trace's ``/weights``) as a checkpoint
+    of fingerprints only."""
     params = {}
     for e in doc["parameters"]:
         if not isinstance(e, dict) or not all(k in e for k in ("key", "name", "dtype", "shape", "sha256", "norm")):
-            raise SourceFileError("a fingerprint entry lacks key/name/dtype/shape/sha256/norm", path)
+            raise SourceFileError("a fingerprint entry lacks key/name/dtype/shape/sha256/norm", source)
         key = str(e["key"])
         canon = key.rpartition(".")[0] if names.maybe_state(key.rpartition(".")[0]) else None
         params[key] = Param(key, str(e["name"]), canon, str(e["dtype"]), None, e)
     n = doc.get("num_layers")
-    return Checkpoint(path, params, n if isinstance(n, int) else None, fingerprints_only=True)
+    return Checkpoint(source, params, n if isinstance(n, int) else None, fingerprints_only=True)
 
 
 def _in_order(ck: Checkpoint) -> list[Param]:
