@@ -35,6 +35,7 @@ import json
 import os
 from typing import Any
 
+from .. import serving
 from .state import STATE, log
 
 ENV_RL = "TENSORDIFF_RL"
@@ -95,33 +96,6 @@ def _tp(runner) -> tuple[int, int]:
     return rank, size
 
 
-def engine_fingerprints(model, tp_size: int, source: str) -> dict:
-    """The fingerprint document of a live engine model's (shard's) parameters: fused ``qkv_proj``
-    split by the heads this shard holds (the model config's heads / TP size)."""
-    import torch
-
-    from ... import weights
-    from ..weights_fp import _stored
-
-    cfg_obj = getattr(model, "config", None)
-    cfg_obj = getattr(cfg_obj, "get_text_config", lambda: cfg_obj)() if cfg_obj is not None else None
-    config: dict[str, Any] = {}
-    for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers"):
-        v = getattr(cfg_obj, k, None) if cfg_obj is not None else None
-        if v is not None:
-            config[k] = int(v)
-    if tp_size > 1:  # a shard holds heads / tp (key/value heads replicated where fewer than ranks)
-        for k in ("num_attention_heads", "num_key_value_heads"):
-            if k in config:
-                config[k] = max(1, config[k] // tp_size)
-    params = []
-    with torch.no_grad():
-        for name, t in model.named_parameters():
-            dtype, arr = _stored(t)
-            params.extend(weights.params_of(name, dtype, arr, config))
-    return weights.fingerprints_doc(params, config.get("num_hidden_layers"), source)
-
-
 def fingerprint(event: str, runner=None) -> None:
     """Record the weights the engine holds now as the next weight step (a failure stops the
     recording, as in a hook)."""
@@ -134,7 +108,7 @@ def fingerprint(event: str, runner=None) -> None:
     t0 = st.begin()
     try:
         rank, size = _tp(runner)
-        doc = engine_fingerprints(runner.model, size, f"sglang tp{rank}/{size}" if size > 1 else "sglang")
+        doc = serving.engine_fingerprints(runner.model, size, f"sglang tp{rank}/{size}" if size > 1 else "sglang")
         step = RL.weight_step
         fwd = int(getattr(runner, "forward_pass_id", 0)) + 1  # the next pass runs with these weights
         write_weight_step(st.rec.writer, step, doc, forward_step=fwd, event=event, rank=rank if size > 1 else None)
