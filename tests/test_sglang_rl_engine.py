@@ -81,7 +81,9 @@ def _serve(tm, tmp: Path, name: str, *extra: str, env: dict | None = None, repla
         argv += ["--prompts", str(sup.write_prompts(tmp / f"{name}-prompts.jsonl", tm["prompts"])),
                  "--temperature", "1.0", "--random-seed", "7"]
     else:
-        argv += ["--replay", str(replay)]
+        # the rollout's own outputs: a prompt sharing a prefix with an earlier one hit the prefix cache, so
+        # the rollout trace holds no rows for that prefix
+        argv += ["--replay", str(replay), "--replay-outputs", str(replay.with_suffix(".jsonl"))]
     proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=env or _env(), cwd=REPO, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = sup.load_serve_run(out, outputs)

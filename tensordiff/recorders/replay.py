@@ -8,7 +8,7 @@ three-way table of a later triage.
 
 The tokens come from the rollout trace's token table (every position from 0 of every sequence),
 or, where the trace does not hold them all (a prefix-cache hit computes no prefix rows,
-``--sample-every`` skips rows), from the rollout's ``--outputs`` JSONL given with ``--prompts``,
+``--sample-every`` skips rows), from the rollout's ``--outputs`` JSONL given as ``--replay-outputs``,
 checked against every row of the trace. The replay trace carries the file attribute
 :data:`REPLAY_ATTR` (JSON: :func:`replay_attr`) so that it is known for what it is.
 
@@ -118,7 +118,7 @@ def plan_replay(rollout: str, outputs: str | None = None) -> ReplayPlan:
                 missing = 0 if p[0] != 0 else int(p[np.flatnonzero(np.diff(p) != 1)[0]] + 1)
                 raise TraceFileError(
                     f"sequence {key} has no row at position {missing} (a prefix-cache hit computes no prefix rows; "
-                    "--sample-every skips rows): give the rollout's --outputs JSONL with --prompts as well", path)
+                    "--sample-every skips rows): give the rollout's --outputs JSONL with --replay-outputs", path)
             seqs.append((key, [int(x) for x in k]))
         return ReplayPlan(os.path.abspath(path), "trace", seqs, n_rows, 0, producer, model, sampled_from(path))
     from .train_cli import load_serve_sequences
