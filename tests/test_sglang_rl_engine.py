@@ -8,7 +8,7 @@ Engine runs (each its own process, once per module):
 * ``replay``: `record serve --replay` of that rollout on the same engine: every rollout token
   computed again as a prefill;
 * ``perturbed``: the same pair on an engine whose decode attention of decoder layer 3 is scaled by
-  1.05 (a test-only SGLang plugin, ``tdperturb``, found through its own entry point): a
+  1.5 (a test-only SGLang plugin, ``tdperturb``, found through its own entry point): a
   decode-path bug that only rollout vs replay can localise without the trainer;
 * ``updated``: an fp32 engine driven through ``sglang.Engine`` at temperature 0.7 with a weight
   update in between two generations (``update_weights_from_tensor`` in a ``begin_weight_update``
@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow, needs_sglang]
 MAX_NEW = 8
 N_PROMPTS = 4
 PERTURB_LAYER = 3          # decoder layer whose decode attention output the test plugin scales
-PERTURB_SCALE = 1.05
+PERTURB_SCALE = 1.5
 STALE, SYNCED = 3, 5       # the trainer changed both layers' down_proj; the engine received layer 5 only
 
 
@@ -345,7 +345,7 @@ def test_replay_of_a_correct_engine_agrees(rollout, replay):
 
 
 def test_a_decode_only_bug_is_found_by_rollout_vs_replay(rollout, replay, perturbed):
-    """Layer 3's decode attention scaled: the rollout (decode rows) leaves its own replay (prefill)
+    """Layer 3's decode attention scaled by 1.5: the rollout (decode rows) leaves its own replay (prefill)
     first at the output of decoder layer 3, and the log-probs of the sampled tokens move far
     more than decode vs prefill of the correct engine."""
     rc, doc, err = _diff(perturbed["rollout"]["trace"], perturbed["replay"]["trace"])
