@@ -164,10 +164,11 @@ try:
     if args.get("update"):
         sd = load_file(args["model"] + "/model.safetensors")
         named = [(n, sd[n] * args["update"]["scale"]) for n in args["update"]["names"]]
-        assert engine.begin_weight_update().success
+        ok = lambda r: r[0] if isinstance(r, tuple) else r.success  # (success, message)
+        assert ok(engine.begin_weight_update())
         r = engine.update_weights_from_tensor(named)
-        assert r.success, r
-        assert engine.end_weight_update().success
+        assert ok(r), r
+        assert ok(engine.end_weight_update())
     gen("p1")
     engine.collective_rpc("tensordiff_close")
 finally:
