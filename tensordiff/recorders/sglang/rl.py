@@ -57,6 +57,7 @@ class RLState:
         self.pending_event: str | None = None       # an update inside an open session, fingerprinted at its end
         self.replay: dict[str, Any] | None = None   # {"attr": ..., "from": {key: first sampled position}}
         self.raw = False
+        self.fp_seconds = 0.0
 
 
 RL = RLState()
@@ -101,11 +102,14 @@ def fingerprint(event: str, runner=None) -> None:
     recording, as in a hook)."""
     from ...trace.rl import write_weight_step
 
+    import time
+
     st = STATE
     runner = runner or RL.runner
     if runner is None or st.rec is None or st.closed or st.broken:
         return
-    t0 = st.begin()
+    # timed on its own (rl_fingerprint_seconds), not in plugin_seconds: a cost per weight sync, not per pass
+    t0 = time.perf_counter()
     try:
         rank, size = _tp(runner)
         doc = serving.engine_fingerprints(runner.model, size, f"sglang tp{rank}/{size}" if size > 1 else "sglang")
@@ -117,8 +121,8 @@ def fingerprint(event: str, runner=None) -> None:
         log.info("tensordiff: weight step %d (%s): %d parameters fingerprinted", step, event, len(doc["parameters"]))
     except Exception as e:  # noqa: BLE001
         st.fail(f"weight fingerprints ({event})", e)
-    finally:
-        st.end(t0)
+    RL.fp_seconds += time.perf_counter() - t0
+    st.capture_attrs["rl"] = {"weight_steps": RL.weight_step, "fingerprint_seconds": round(RL.fp_seconds, 6)}
 
 
 def hook_weight_update(event: str):
