@@ -254,6 +254,29 @@ def cmd_weights(args) -> int:
     return res.exit_code
 
 
+def cmd_triage(args) -> int:
+    from .trace.probe import run_watched
+    from .traceset import trace_paths
+
+    inputs = trace_paths(args.train) + trace_paths(args.rollout) + (trace_paths(args.prefill) if args.prefill else [])
+    return run_watched(inputs, lambda: _run_triage(args))
+
+
+def _run_triage(args) -> int:
+    from .triage import triage
+
+    t = triage(args.train, args.rollout, args.prefill)
+    try:
+        if args.json:
+            _print_json(t.to_dict())
+        else:
+            sys.stdout.write(t.text() + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+    return t.exit_code
+
+
 def cmd_calibrate(args) -> int:
     """Diff a noise-floor pair (same wiring, honest numeric differences) and write tolerances."""
     from .safety import check_output_path
@@ -336,7 +359,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 #: the commands of this module; any other (record, import) is the recorders' (see build_parser)
-CORE_COMMANDS = ("info", "diff", "tui", "report", "calibrate", "weights")
+CORE_COMMANDS = ("info", "diff", "tui", "report", "calibrate", "weights", "triage")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -432,6 +455,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     w.add_argument("b", metavar="B", nargs="?", help="the other checkpoint or fingerprint file (HF or fused engine layout)")
     w.add_argument("--fingerprint", metavar="FILE", help="write A's weight fingerprints (hash, norm, samples) as JSON")
     w.set_defaults(func=cmd_weights)
+
+    g = sub.add_parser("triage", help="RL: where the trainer and the rollout engine disagree (weights, tokens, routing, "
+                                      "layer, logits, log-probs)",
+                       description="Name the cause of a trainer/rollout log-prob mismatch in the first sentence, in "
+                                   "order of evidence: weights per step, tokens and positions, MoE routing, the first "
+                                   "state out of the noise (by regime), logits against log-probs; print the "
+                                   "frameworks' metrics under their names (docs/rl.md).",
+                       epilog="exit codes: 0 no cause (everything within the noise), 1 a cause named, 2 bad input")
+    g.add_argument("train", metavar="TRAIN", help="the trainer's trace (record train --from-serve, or TrainerRecorder)")
+    g.add_argument("rollout", metavar="ROLLOUT", help="the rollout engine's trace")
+    g.add_argument("prefill", metavar="PREFILL", nargs="?",
+                   help="the engine's prefill re-run of the rollout's tokens (record serve --replay): adds the "
+                        "three-way table decode vs prefill vs trainer")
+    g.add_argument("--json", action="store_true", help="machine-readable output")
+    g.set_defaults(func=cmd_triage)
 
     if command not in CORE_COMMANDS:
         from .recorders.cli import register

@@ -315,3 +315,158 @@ def _known_implementation(module: torch.nn.Module, config: dict) -> str | None:
     if impl is None or config.get("model_type") not in canon.KNOWN_MODEL_TYPES:
         return None
     return impl
+
+
+# ----------------------------------------------------------------------------------------------
+# RL: the trainer's log-prob of each sampled token, and the weights it ran
+# ----------------------------------------------------------------------------------------------
+
+
+def trainer_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The log-prob of each next token as an RL trainer computes it: ``log_softmax(logits /
+    temperature)`` in float32, gathered at ``next_ids`` (``logits`` [..., V], ``next_ids`` [...]).
+    Temperature 0 (greedy sampling) is taken as 1: a greedy engine returns the model's own
+    distribution, and so do the frameworks' trainers."""
+    t = float(temperature) if temperature and temperature > 0 else 1.0
+    lp = torch.log_softmax(logits.float() / t, dim=-1)
+    return lp.gather(-1, next_ids.to(lp.device).long().unsqueeze(-1)).squeeze(-1)
+
+
+def record_sampled_logprob(recorder: Recorder, logits: torch.Tensor, rows: np.ndarray | Sequence[int],
+                           token_ids: torch.Tensor | np.ndarray | Sequence[int], *, temperature: float = 1.0,
+                           first_generated: int | None = None) -> int:
+    """Record ``sampled_logprob`` (:data:`tensordiff.conventions.SAMPLED_LOGPROB`) of one sequence's
+    forward: ``logits`` [L, V] (or [1, L, V]) of its token rows ``rows`` [L] and its ``token_ids``
+    [L]. Row t gets ``[token t+1, log-prob of it]`` (:func:`trainer_logprobs`); rows whose next token
+    is a prompt token are left out when ``first_generated`` (the position of the first generated
+    token) is given. Returns the rows recorded."""
+    from .. import conventions
+
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    ids = token_ids.detach().cpu() if isinstance(token_ids, torch.Tensor) else torch.as_tensor(np.asarray(token_ids))
+    ids = ids.reshape(-1).long()
+    x = logits.reshape(-1, logits.shape[-1])
+    if x.shape[0] != len(rows) or len(ids) != len(rows):
+        raise ValueError(f"sampled_logprob: {x.shape[0]} logit rows, {len(ids)} token ids, {len(rows)} token rows")
+    if len(rows) < 2:
+        return 0
+    keep = rows[:-1] >= 0
+    if first_generated is not None:
+        keep &= recorder.positions_of(np.where(rows[:-1] >= 0, rows[:-1], 0)) >= int(first_generated) - 1
+    if not keep.any():
+        return 0
+    nxt = ids[1:]
+    lp = trainer_logprobs(x[:-1], nxt, temperature).double().cpu()
+    table = torch.stack([nxt.double(), lp], dim=-1).numpy()
+    return recorder.plain(conventions.SAMPLED_LOGPROB, table[keep], rows[:-1][keep], role=conventions.SAMPLED_LOGPROB,
+                          order=float(recorder.model.get("num_layers") or 0) + 0.7,
+                          attrs={"source": "trainer log_softmax(logits / temperature) at the sampled token",
+                                 "temperature": float(temperature)})
+
+
+#: the dtypes an engine commonly holds a trainer's float32 weights in: each float32 parameter's
+#: fingerprint also carries the hash of its bytes cast to them, so a bf16 engine's copy is told
+#: equal (a cast) or not (another value) exactly, however small an update was
+CAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def weight_fingerprints(model: torch.nn.Module, source: str = "") -> dict[str, Any]:
+    """:func:`tensordiff.recorders.weights_fp.model_fingerprints` with, per float32 parameter,
+    ``cast_sha256``: ``{dtype: sha256 of its bytes cast to dtype}`` (:data:`CAST_DTYPES`)."""
+    import hashlib
+
+    from .weights_fp import model_fingerprints
+
+    doc = model_fingerprints(model, source)
+    state = model.state_dict()
+    with torch.no_grad():
+        for e in doc["parameters"]:
+            t = state.get(e.get("name"))
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or list(t.shape) != list(e.get("shape", [])):
+                continue
+            casts = {}
+            for name, dt in CAST_DTYPES.items():
+                c = t.detach().to(dt).cpu().contiguous()
+                raw = c.view(torch.int16).numpy().tobytes()
+                casts[name] = hashlib.sha256(raw).hexdigest()
+            e["cast_sha256"] = casts
+    return doc
+
+
+def record_weights(recorder: Recorder, model: torch.nn.Module, step: int = 0, *, forward_step: int = 0,
+                   event: str = "start", rank: int | None = None, doc: dict[str, Any] | None = None) -> str:
+    """Store ``model``'s weight fingerprints (:func:`weight_fingerprints`, or ``doc``) as
+    ``/weights/step_<step>`` of the recorder's trace (:mod:`tensordiff.trace.rl`)."""
+    from ..trace.rl import write_weight_step
+
+    return write_weight_step(recorder.writer, step, doc if doc is not None else weight_fingerprints(model),
+                             forward_step=forward_step, event=event, rank=rank)
+
+
+class TrainerRecorder:
+    """The one call for a user's own trainer forward: the model's boundaries (``embed``,
+    ``layer<i>``, ``final_norm``, named by :class:`ModuleHookRecorder`'s table or ``rules``), the
+    log-prob of each sampled token from the lm_head's output (:func:`record_sampled_logprob`,
+    at ``temperature``), the weight fingerprints at construction (``/weights/step_0``) and the
+    ``sampling`` attribute (the temperature divided by)::
+
+        with Recorder("train.h5", side="train", model=info) as rec:
+            tr = TrainerRecorder(model, rec, temperature=0.7)
+            for key, ids, prompt_len in rollouts:
+                with tr.sequence(key, ids, first_generated=prompt_len):
+                    model(ids[None], position_ids=...)       # your forward, as your trainer runs it
+            tr.detach()
+
+    ``patterns`` / ``exclude``: which modules' outputs are the boundaries (default: an HF-style
+    decoder: ``*embed_tokens``, ``*layers.<i>``, ``*.norm``). ``head``: the module whose output is
+    the logits (default ``model.get_output_embeddings()``)."""
+
+    def __init__(self, model: torch.nn.Module, recorder: Recorder, *, temperature: float = 1.0,
+                 patterns: Sequence[str] = ("*embed_tokens", "*layers.*", "*.norm"),
+                 exclude: Sequence[str] = ("*layers.*.*",), rules: Sequence[str | canon.Rule] = (),
+                 head: torch.nn.Module | None = None, weights: bool = True):
+        from ..trace.rl import sampling_params, write_sampling
+
+        self.recorder = recorder
+        self.temperature = float(temperature)
+        self.hooks = ModuleHookRecorder(model, recorder, patterns, exclude=exclude, rules=rules, only_mapped=True)
+        if head is None and hasattr(model, "get_output_embeddings"):
+            head = model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Module):
+            raise ValueError("no lm_head: pass head= (the module whose output is the logits)")
+        self._head = head.register_forward_hook(self._on_logits)
+        self._ids: torch.Tensor | None = None
+        self._first: int | None = None
+        write_sampling(recorder.writer, sampling_params(temperature=self.temperature, engine="trainer"))
+        if weights:
+            record_weights(recorder, model, 0, event="train")
+
+    def _on_logits(self, mod, args, output) -> None:
+        rows = self.hooks.rows
+        x = first_tensor(output, "logits")
+        if rows is None or self._ids is None or x is None:
+            return
+        record_sampled_logprob(self.recorder, x.detach(), rows.reshape(-1), self._ids, temperature=self.temperature,
+                               first_generated=self._first)
+
+    def sequence(self, seq: str, input_ids, *, first_generated: int | None = None, positions=None, step: int = 0):
+        """A context for one sequence's forward: its token rows are added (``positions``: the
+        recorded positions, default 0..L-1, whatever position ids the forward itself is given)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            ids = input_ids.detach().reshape(-1).cpu() if isinstance(input_ids, torch.Tensor) else \
+                torch.as_tensor(np.asarray(input_ids)).reshape(-1)
+            self.hooks.tokens(seq, ids, positions, regime="train", step=step)
+            self._ids, self._first = ids, first_generated
+            try:
+                yield self.hooks.rows
+            finally:
+                self.hooks.set_rows(None)
+                self._ids = self._first = None
+        return ctx()
+
+    def detach(self) -> None:
+        self.hooks.detach()
+        self._head.remove()

@@ -1,14 +1,23 @@
 """``tensordiff record train``: run an HF transformers causal LM over prompts and record the train
 side: the boundary catalog, ``final_norm`` and the packed draft input as a named convention builds it.
 
+With ``--from-serve`` (an RL rollout), also what the RL triage compares: the trainer's log-prob of
+each sampled token (``sampled_logprob``, at the serve run's temperature), the weight fingerprints
+of the model it ran (``/weights/step_0``) and the ``sampling`` attribute (tensordiff.trace.rl).
+
 No torch at import time (``tensordiff --help`` must work without it): torch and transformers are
 imported inside :func:`run`.
+
+Why one module of this size: the command's arguments, the readers of its three inputs (prompts,
+a serve run's outputs or trace) and the recording loop are one command's; the recording itself
+lives in :mod:`.hf` and :mod:`.hooks`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -33,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "JSONL of `record serve`, or the serve trace itself (when it holds every position "
                           "from 0; a radix-cache hit leaves a prefix out)")
     p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write")
+    p.add_argument("--temperature", type=float, metavar="T",
+                   help="with --from-serve: the temperature the trainer divides the logits by for the sampled "
+                        "tokens' log-probs (sampled_logprob; default: the serve trace's sampling attribute, else 1.0)")
     g = p.add_argument_group("draft input")
     g.add_argument("--aux-ids", type=int, nargs="+", metavar="ID",
                    help="the draft's aux hidden-state layer ids as the pipeline configures them "
@@ -200,6 +212,43 @@ def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
     return out
 
 
+def serve_rl_info(path: str) -> tuple[dict | None, dict[str, int]]:
+    """What a serve run says about its sampling: the ``sampling`` attribute (None: none, or an
+    outputs JSONL) and, per request, the position of its first generated token (the JSONL's prompt
+    length; in a trace, one past the first row of its ``sampled_logprob``, else its first decode
+    row)."""
+    with open(path, "rb") as f:
+        magic = f.read(8)
+    if magic != b"\x89HDF\r\n\x1a\n":
+        first: dict[str, int] = {}
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(ln for ln in f if ln.strip()):
+                o = json.loads(line)
+                first[str(o.get("id", f"request-{n}"))] = len(o["input_ids"])
+        return None, first
+    import numpy as np
+
+    from ..trace import TraceReader
+    from ..trace.rl import read_sampling
+    from ..vocab import REGIME_CODE
+
+    with TraceReader(path) as r:
+        sampling = read_sampling(r)
+        t = r.tokens
+        seq, pos, reg = (np.asarray(t[c]) for c in ("seq", "position", "regime"))
+        seqs = list(r.sequences)
+        if conventions.SAMPLED_LOGPROB in r.tensors:
+            tr = r.token_rows(conventions.SAMPLED_LOGPROB)
+            s_, p_ = seq[tr], pos[tr] + 1
+        else:
+            m = reg == REGIME_CODE["decode"]
+            s_, p_ = seq[m], pos[m]
+    first = {}
+    for s in np.unique(s_):
+        first[seqs[int(s)]] = int(p_[s_ == s].min())
+    return sampling, first
+
+
 def _sequences_of_trace(path: str) -> list[tuple[str, list[int]]]:
     import numpy as np
 
@@ -209,6 +258,15 @@ def _sequences_of_trace(path: str) -> list[tuple[str, list[int]]]:
         t = r.tokens
         seqs = list(r.sequences)
         seq, pos, tok = (np.asarray(t[c]) for c in ("seq", "position", "token"))
+        # the last token an engine sampled is never fed back, so it has no row: its id is in
+        # sampled_logprob, on the row that sampled it
+        last: dict[int, tuple[int, int]] = {}
+        if conventions.SAMPLED_LOGPROB in r.tensors:
+            lrows = r.token_rows(conventions.SAMPLED_LOGPROB)
+            ids = np.asarray(r.read_at(conventions.SAMPLED_LOGPROB, "values", np.arange(len(lrows))))[:, 0]
+            for s_, p_, i_ in zip(seq[lrows], pos[lrows], ids):
+                if int(s_) not in last or int(p_) > last[int(s_)][0]:
+                    last[int(s_)] = (int(p_), int(i_))
     out = []
     for s in np.unique(seq):
         m = seq == s
@@ -224,7 +282,10 @@ def _sequences_of_trace(path: str) -> list[tuple[str, list[int]]]:
             missing = 0 if up[0] != 0 else int(up[np.flatnonzero(np.diff(up) != 1)[0]] + 1)
             raise TraceFileError(f"sequence {key} has no row at position {missing} (a radix-cache hit computes no "
                              "prefix rows): give the --outputs file record serve wrote instead", path)
-        out.append((key, [int(x) for x in k[first]]))
+        ids_ = [int(x) for x in k[first]]
+        if int(s) in last and last[int(s)][0] == len(ids_) - 1:
+            ids_.append(last[int(s)][1])
+        out.append((key, ids_))
     if not out:
         raise TraceFileError("the serve trace holds no tokens", path)
     return out
@@ -413,6 +474,19 @@ def run(args: argparse.Namespace) -> int:
         if vocab and max(v) >= vocab:
             raise SourceFileError(f"prompt {k} has token id {max(v)}, outside the model's vocabulary of {vocab}", args.prompts)
 
+    rl = None   # --from-serve: (temperature, first generated position per request, per-request temperatures)
+    if args.from_serve:
+        from ..trace.rl import sampling_for
+        sampling, first = serve_rl_info(args.from_serve)
+        if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
+            raise UsageError("--temperature must be a finite number >= 0")
+        temp = args.temperature if args.temperature is not None else float((sampling or {}).get("temperature", 1.0))
+        per = {} if args.temperature is not None or not sampling else {
+            k: {"temperature": float(sampling_for(sampling, k).get("temperature", temp))}
+            for k in (sampling.get("per_sequence") or {})}
+        rl = (temp, first, per)
+    elif getattr(args, "temperature", None) is not None:
+        raise UsageError("--temperature is for --from-serve (the sampled tokens' log-probs)")
     model = _load_model(args.model, args.dtype, args.device)
     try:
         info = model_info(model)
@@ -459,9 +533,25 @@ def run(args: argparse.Namespace) -> int:
             if str(e).startswith("--zoom"):
                 raise UsageError(str(e)) from None
             raise RecordingError(str(e)) from None
+        if rl is not None:
+            from ..trace.rl import sampling_params, write_sampling
+            from .hooks import record_weights
+            write_sampling(rec.writer, sampling_params(temperature=rl[0], engine="trainer (transformers)",
+                                                       per_sequence=rl[2] or None))
+            record_weights(rec, model, 0, event="train")
+        device = next(model.parameters()).device
         with _Progress(total, n_prompts=len(prompts), enabled=not args.no_progress) as bar:
             for key, toks in prompts:
-                hf.run(key, torch.tensor(toks, dtype=torch.long))
+                ids = torch.tensor(toks, dtype=torch.long)
+                if rl is None:
+                    hf.run(key, ids)
+                else:
+                    from .hooks import record_sampled_logprob
+                    with hf.capture(key, ids) as rows, torch.inference_mode():
+                        out = model(input_ids=ids[None].to(device), use_cache=False)
+                    t = rl[2].get(key, {}).get("temperature", rl[0])
+                    record_sampled_logprob(rec, out.logits[0], rows[0], ids, temperature=t,
+                                           first_generated=rl[1].get(key))
                 bar.advance(len(toks))
     except BaseException as e:
         rec.close(e)

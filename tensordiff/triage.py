@@ -1,0 +1,520 @@
+"""Where an RL trainer and its rollout engine disagree: ``tensordiff triage TRAIN ROLLOUT [PREFILL]``.
+
+The trainer's trace (``record train --from-serve``, or :class:`TrainerRecorder` in a user's own
+forward) is the reference A; the rollout engine's trace is B. The evidence is read in this order,
+and the first that explains the difference is named in the first sentence:
+
+1. **weights** (``/weights/step_<k>``, :mod:`tensordiff.trace.rl`): the trainer's weights against
+   the engine's weight step in force for the rollout's tokens, parameter by parameter in forward
+   order (a float32 trainer parameter and the engine's bf16/fp16 copy are equal when the copy is
+   its exact cast: the trainer side records the cast's hash); a parameter the engine still holds
+   from its previous step is called stale after that update;
+2. **tokens and positions**: the aligner's findings (shifted, mismatched tokens), and sampled
+   tokens that differ;
+3. **routing** (:mod:`tensordiff.routing`): MoE expert choices that flip, when the states first
+   leave the noise at or after the first flipping layer;
+4. **the first state out of the noise trend** (the diff, :mod:`tensordiff.diff`, with its noise
+   model), split by regime (prefill, decode), and what its error does along the positions (from
+   position 0 growing: rope; from a later position at once: position ids); with PREFILL (the
+   engine's re-run of the same tokens as prefill, ``record serve --replay``) the three-way table
+   decode vs prefill vs trainer;
+5. **logits and log-probs**: states agree but the raw logits (``target_topk``) do not (the head:
+   lm_head dtype, softcap, scale); the logits agree but the sampled tokens' log-probs do not (a
+   temperature applied on one side only, raw against processed log-probs: a systematic offset).
+
+The frameworks' metrics are printed under their own names (:mod:`tensordiff.logprobs`). Exit
+codes as the diff's: 0 no cause found (everything within the noise), 1 a cause named, 2 bad input.
+Pure: numpy and h5py, no torch.
+
+Why one module of this size: the order of evidence is the product, and each step's test sits
+beside the sentence that names its cause, so the order and the words change together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from . import logprobs as lpmod
+from . import routing as routing_mod
+from . import weights as wmod
+from .align import RowMaps, SideTokens, align_tokens
+from .conventions import TARGET_TOPK
+from .diff import DiffOptions, diff_sources, open_pair, plan_diff
+from .findings import DiffResult, Finding, Kind, Severity
+from .noise import UNIT, NoiseModel
+from .tokens import POS_MASK, SEQ_BITS
+from .trace import TraceSource
+from .trace.rl import WeightStep, read_sampling, read_weight_steps, sampling_for, weights_at
+from .vocab import REGIME_CODE
+
+__all__ = ["Triage", "triage", "triage_sources"]
+
+CAUSES = ("weights", "tokens", "routing", "layer", "logits", "logprobs", "agree", "incomplete")
+
+
+@dataclass
+class Triage:
+    """The verdict: ``cause`` (one of :data:`CAUSES`), the first sentence naming it, the lines
+    that follow, and the evidence behind each step."""
+
+    train: str
+    rollout: str
+    cause: str
+    headline: str
+    lines: list[str] = field(default_factory=list)
+    weights: dict[str, Any] | None = None
+    logprobs: lpmod.LogprobComparison | None = None
+    routing: dict[str, Any] | None = None
+    layer: dict[str, Any] | None = None
+    three_way: list[dict[str, Any]] | None = None
+    diff: DiffResult | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.cause == "agree" else 1
+
+    def text(self) -> str:
+        return "\n".join([self.headline, *self.lines])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"train": self.train, "rollout": self.rollout, "cause": self.cause, "headline": self.headline,
+                "lines": self.lines, "exit_code": self.exit_code, "weights": self.weights,
+                "logprobs": self.logprobs.to_dict() if self.logprobs is not None else None,
+                "routing": self.routing, "layer": self.layer, "three_way": self.three_way,
+                "diff_headline": self.diff.headline() if self.diff is not None else None}
+
+
+def triage(train: str, rollout: str, prefill: str | None = None) -> Triage:
+    """Triage the trainer's trace against the rollout's (and the engine's prefill re-run)."""
+    with open_pair(train, rollout) as (a, b):
+        t = triage_sources(a, b)
+    if prefill is not None:
+        t.three_way = three_way(train, rollout, prefill)
+        t.lines += _three_way_lines(t.three_way)
+        tw = {(r["a"], r["b"]): r for r in t.three_way}
+        dp, dt, pt = tw[("prefill", "decode")], tw[("trainer", "decode")], tw[("trainer", "prefill")]
+        if t.cause != "weights" and not dp["agree"] and not dt["agree"] and pt["agree"]:
+            t.lines.insert(0, t.headline)
+            t.cause = "layer"
+            t.headline = ("the engine's decode path: its decode log-probs disagree with its own prefill re-run of the "
+                          f"same tokens (token_mult_prob_error {_f(dp['token_mult_prob_error'])}) and with the trainer "
+                          f"({_f(dt['token_mult_prob_error'])}), while prefill and trainer agree "
+                          f"({_f(pt['token_mult_prob_error'])})")
+    return t
+
+
+def _f(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.4g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. weights
+# ----------------------------------------------------------------------------------------------
+
+
+def _steps(r: TraceSource) -> list[WeightStep]:
+    return read_weight_steps(r) if hasattr(r, "f") else []
+
+
+def _cast_equal(ea: dict[str, Any], eb: dict[str, Any]) -> bool | None:
+    """Whether one entry is the exact cast of the other (None: no cast hash to tell)."""
+    da, db = str(ea.get("dtype")), str(eb.get("dtype"))
+    if da == db:
+        return None
+    for x, y in ((ea, eb), (eb, ea)):
+        casts = x.get("cast_sha256")
+        if isinstance(casts, dict) and str(y.get("dtype")) in casts:
+            return bool(casts[str(y.get("dtype"))] == y.get("sha256"))
+    return None
+
+
+def compare_weights(trainer: dict[str, Any], engine: dict[str, Any]) -> list[wmod.ParamDiff]:
+    """The parameters that differ between two fingerprint documents, in forward order. A pair
+    of other dtypes is equal when one is the exact cast of the other (``cast_sha256``); without
+    a cast hash, when its estimated relative difference is within one rounding of the coarser
+    dtype."""
+    ca, cb = wmod.checkpoint_from_doc(trainer, "trainer"), wmod.checkpoint_from_doc(engine, "engine")
+    out = []
+    for d in wmod.compare(ca, cb).diffs:
+        ea, eb = ca.params[d.key].fp or {}, cb.params[d.key].fp or {}
+        same = _cast_equal(ea, eb)
+        if same is None and d.what == "dtype+values" and d.rel is not None:
+            u = max(UNIT.get(str(ea.get("dtype")), 0.0), UNIT.get(str(eb.get("dtype")), 0.0))
+            same = d.rel <= 2 * u
+        if not same:
+            out.append(d)
+    return out
+
+
+def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
+    """The trainer's weights (its last step) against each engine weight step in force for the
+    rollout's tokens; None when either side recorded none."""
+    sa, sb = _steps(a), _steps(b)
+    if not sa or not sb:
+        return {"recorded": False, "train": bool(sa), "rollout": bool(sb)}
+    trainer = sa[-1]
+    fwd = np.unique(np.asarray(b.tokens["step"], dtype=np.int64)) if len(b.tokens) else np.zeros(0, np.int64)
+    used: dict[int, WeightStep] = {}
+    for f in fwd:
+        s = weights_at(sb, int(f))
+        if s is not None:
+            used[s.step] = s
+    out: dict[str, Any] = {"recorded": True, "steps": sorted(used), "differ": None}
+    for k in sorted(used):
+        s = used[k]
+        diffs = compare_weights(trainer.doc, s.doc)
+        if not diffs:
+            continue
+        d = diffs[0]
+        prev = next((p for p in reversed(sb) if p.step < s.step), None)
+        stale = False
+        if prev is not None:
+            pe = {str(e["key"]): e for e in prev.doc["parameters"]}
+            se = {str(e["key"]): e for e in s.doc["parameters"]}
+            stale = d.key in pe and d.key in se and pe[d.key].get("sha256") == se[d.key].get("sha256")
+        out["differ"] = {"step": s.step, "event": s.event, "key": d.key, "where": d.where(), "name": d.name_b,
+                         "rel": d.rel, "max_abs": d.max_abs, "estimated": d.estimated, "count": len(diffs),
+                         "of": len(trainer.doc["parameters"]), "stale": stale,
+                         "stale_since": prev.step if stale and prev is not None else None,
+                         "then": [x.where() for x in diffs[1:6]]}
+        break
+    return out
+
+
+def _weights_sentence(w: dict[str, Any]) -> str:
+    d = w["differ"]
+    rel = f"rel {d['rel']:.3g}" if d["rel"] is not None else "shapes differ"
+    est = ", estimated from fingerprints" if d["estimated"] else ""
+    where = f"{d['where']} ({d['name']})" if d["where"] != d["name"] else d["name"]
+    if d["stale"]:
+        return (f"weights: {where} is stale on the engine after weight update step {d['step']} ({d['event']}): it "
+                f"still holds step {d['stale_since']}'s values, the trainer has others (hash differs, {rel}{est}); "
+                f"the engine serves weights other than the trainer's ({d['count']} of {d['of']} parameters differ)")
+    return (f"weights: {where} differs between trainer and engine at weight step {d['step']} (hash, {rel}{est}): the "
+            f"engine serves weights other than the trainer's ({d['count']} of {d['of']} parameters differ)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The steps on states and log-probs
+# ----------------------------------------------------------------------------------------------
+
+
+def _temperature(r: TraceSource) -> float | None:
+    s = read_sampling(r) if hasattr(r, "f") else None
+    t = (s or {}).get("temperature")
+    return float(t) if isinstance(t, (int, float)) else None
+
+
+def _mode(r: TraceSource) -> str | None:
+    s = read_sampling(r) if hasattr(r, "f") else None
+    m = (sampling_for(s, "") or {}).get("logprobs_mode") if s else None
+    return str(m) if m else None
+
+
+def _final_q50(model: NoiseModel, num_layers: int | None) -> float:
+    st = next((s for s in model.states if s.label == "final_norm"), None)
+    if st is not None and st.clean:
+        return st.level.q50
+    return model.expected(float(num_layers or 0)).q50
+
+
+def _token_rel(a: TraceSource, b: TraceSource, maps: RowMaps, name_a: str, name_b: str,
+               n: int) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
+    """Aligned indices and per-token relative error ||b - a|| / ||a|| of a state recorded with
+    values on both sides."""
+    everything = np.arange(n)
+    (ma,), (mb,) = maps.rows_at("a", name_a, [everything]), maps.rows_at("b", name_b, [everything])
+    both = np.flatnonzero((ma >= 0) & (mb >= 0)).astype(np.int64)
+    rel = np.zeros(len(both))
+    for s in range(0, len(both), 1 << 14):
+        blk = both[s:s + (1 << 14)]
+        va = np.asarray(a.read_at(name_a, "values", ma[blk]), dtype=np.float64)
+        vb = np.asarray(b.read_at(name_b, "values", mb[blk]), dtype=np.float64)
+        na = np.linalg.norm(va, axis=1)
+        rel[s:s + len(blk)] = np.linalg.norm(vb - va, axis=1) / np.where(na > 0, na, 1.0)
+    return both, rel
+
+
+def position_profile(a: TraceSource, b: TraceSource, maps: RowMaps, codes: NDArray[np.int64], name_a: str,
+                     name_b: str, limit: float, regime_b: NDArray[np.uint8] | None = None) -> dict[str, Any] | None:
+    """What a diverging state's error does along the positions: ``onset`` (the median over
+    sequences of the first position out of ``limit``), ``clean_before`` (the share of the tokens
+    before each sequence's onset within it), ``after`` (the share out after it) and the rank
+    correlation of error with position. None when the state has no values on both sides."""
+    if not (a.tensors[name_a].has_values and b.tensors[name_b].has_values):
+        return None
+    idx, rel = _token_rel(a, b, maps, name_a, name_b, len(codes))
+    if len(idx) < 8:
+        return None
+    seq, pos = codes[idx] >> SEQ_BITS, codes[idx] & POS_MASK
+    decode = REGIME_CODE["decode"]
+    onsets, before, after = [], [], []
+    at_decode = 0
+    for s in np.unique(seq):
+        m = seq == s
+        p, e = pos[m], rel[m]
+        out = np.flatnonzero(e > limit)
+        if not len(out):
+            continue
+        f = int(p[out].min())
+        onsets.append(f)
+        if regime_b is not None:
+            dec = p[regime_b[idx[m]] == decode]
+            at_decode += int(len(dec) > 0 and int(dec.min()) == f)
+        before.append(e[p < f])
+        after.append(e[p >= f] > limit)
+    if not onsets:
+        return None
+    pre = np.concatenate(before) if before else np.zeros(0)
+    post = np.concatenate(after)
+    rp = np.argsort(np.argsort(pos)).astype(np.float64)
+    re = np.argsort(np.argsort(rel)).astype(np.float64)
+    corr = float(np.corrcoef(rp, re)[0, 1]) if np.std(rp) > 0 and np.std(re) > 0 else 0.0
+    return {"onset": int(np.median(onsets)), "at_decode_start": at_decode >= 0.9 * len(onsets),
+            "clean_before": float((pre <= limit).mean()) if len(pre) else 1.0,
+            "after": float(post.mean()), "corr": corr, "tokens": len(idx),
+            "position0": float(np.median(rel[pos == 0])) if (pos == 0).any() else None}
+
+
+def _position_words(p: dict[str, Any] | None) -> str | None:
+    if p is None:
+        return None
+    if p["onset"] <= 2 and p["corr"] > 0.3 and (p["position0"] is None or p["position0"] < 1e-3):
+        return ("its error is zero at position 0 and grows with position (rank correlation "
+                f"{p['corr']:.2f}): a rotary embedding configuration difference (rope theta, scaling) is the usual cause")
+    if p["onset"] > 2 and p["clean_before"] >= 0.95 and p["after"] >= 0.5 and p.get("at_decode_start"):
+        return (f"every sequence agrees up to position {p['onset']} and diverges from there on, exactly where the "
+                f"rollout's decode passes start ({p['after']:.0%} of the tokens after it out of the noise): the "
+                "engine's decode path (attention kernel, KV cache), or position ids that restart with the response; "
+                "a prefill re-run of the same tokens (record serve --replay, the third argument) tells them apart")
+    if p["onset"] > 2 and p["clean_before"] >= 0.95 and p["after"] >= 0.5:
+        return (f"every sequence agrees up to position {p['onset']} and diverges from there on at once "
+                f"({p['after']:.0%} of the tokens after it out of the noise): position ids differ from there on "
+                "(missing or restarted position_ids, packing) is the usual cause")
+    return None
+
+
+def _topk_shift(a: TraceSource, b: TraceSource, maps: RowMaps, n: int) -> float | None:
+    """Median |raw log-prob of A's top-1 token, A - B| (the logits compared through the recorded
+    top-k tables); None when either side has none."""
+    if TARGET_TOPK not in a.tensors or TARGET_TOPK not in b.tensors:
+        return None
+    everything = np.arange(n)
+    (ma,), (mb,) = maps.rows_at("a", TARGET_TOPK, [everything]), maps.rows_at("b", TARGET_TOPK, [everything])
+    both = np.flatnonzero((ma >= 0) & (mb >= 0))[: 1 << 15]
+    if len(both) < 8:
+        return None
+    p = np.asarray(a.read_at(TARGET_TOPK, "values", ma[both]), dtype=np.float64)
+    q = np.asarray(b.read_at(TARGET_TOPK, "values", mb[both]), dtype=np.float64)
+    k = (p.shape[1] - 1) // 2
+    hit = q[:, :k] == p[:, :1]
+    at = np.where(hit.any(1), np.where(hit, q[:, k:2 * k], -np.inf).max(1), np.nan)
+    d = np.abs(at - p[:, k])
+    d = d[np.isfinite(d)]
+    return float(np.median(d)) if len(d) else None
+
+
+def _metric_lines(c: lpmod.LogprobComparison) -> list[str]:
+    m = c.metrics
+    out = [f"  sampled tokens compared: {c.tokens} (in {c.sequences} sequences); expected median |logprob diff| of an "
+           f"honest pair {c.noise:.3g}, measured {c.q50:.3g}"]
+    for key, where in lpmod.FRAMEWORK_NAMES.items():
+        out.append(f"  {key} = {_f(m.get(key))}    ({where})")
+    for reg, rm in c.by_regime.items():
+        out.append(f"  {reg}: {rm['tokens']} tokens, token_mult_prob_error {_f(rm['token_mult_prob_error'])}, "
+                   f"mean_abs_logprob_diff {_f(rm['mean_abs_logprob_diff'])}")
+    for o in c.outliers[:5]:
+        out.append(f"  outlier sequence {o['seq']}: mean |logprob diff| {o['mean_abs_diff']:.3g} "
+                   f"({_f(o['times_typical'])}x the typical sequence's)")
+    return out
+
+
+def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
+    """Triage two open traces: A the trainer (reference), B the rollout."""
+    t = Triage(a.path, b.path, "agree", "")
+    # 1. weights, before any activation is compared
+    w = weights_step(a, b)
+    t.weights = w
+    opt = DiffOptions()
+    plan = plan_diff(a, b, opt)
+    al, maps = plan.alignment, plan.maps
+    noise = lpmod.expected_noise(_final_q50(plan.noise, a.num_layers), plan.noise.dtype_a, plan.noise.dtype_b)
+    ta, tb = _temperature(a), _temperature(b)
+    c = lpmod.compare(a, b, al, maps, noise, ta, tb)
+    t.logprobs = c
+    res = diff_sources(a, b, DiffOptions())
+    t.diff = res
+    causes: list[tuple[str, str]] = []
+    notes: list[str] = []
+    if w is not None and w.get("differ"):
+        causes.append(("weights", _weights_sentence(w)))
+    # 2. tokens and positions
+    tok = [f for f in res.findings if f.kind in (Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH)
+           and f.severity == Severity.DIVERGENCE]
+    if tok:
+        causes.append(("tokens", f"tokens: {tok[0].message}"))
+    elif c is not None and c.id_mismatch:
+        causes.append(("tokens", f"tokens: {c.id_mismatch} sampled-token rows name another token on the two sides "
+                                 "(the log-probs are of other tokens: a shift or a template difference)"))
+    first = res.first_divergence
+    first_numeric = first if first is not None and first.kind not in (Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH) else None
+    # 3. routing
+    rd = routing_mod.compare(a, b, al, maps)
+    if rd is not None and rd.layers:
+        t.routing = {"tokens": rd.tokens, "flips": rd.flips, "layers": rd.layers}
+        flipping = [x for x in rd.layers if x["flips"]]
+        if not flipping:
+            notes.append(f"  routing agrees: the same experts for all {rd.tokens} token-layer choices "
+                         f"({len(rd.layers)} MoE layers)")
+        else:
+            lay = flipping[0]
+            seqs = _tokens_flipping(a, b, al, maps)
+            first_layer = _layer_of(first_numeric)
+            explains = first_numeric is None or first_layer is None or first_layer > lay["layer"]
+            lp_out = c is not None and not c.agree
+            if explains and (first_numeric is not None or lp_out):
+                f0 = lay["first"] or {}
+                causes.append(("routing", f"routing: MoE router choices flip first at layer {lay['layer']} "
+                                          f"({lay['flips']} of {lay['tokens']} tokens, first at sequence "
+                                          f"{f0.get('seq')} position {f0.get('position')}); {seqs:.1%} of tokens "
+                                          "flip at least one layer, and the states leave the noise only after it"))
+    # 4. the first state out of the noise trend
+    if first_numeric is not None:
+        t.layer = _layer_info(a, b, plan, res, first_numeric)
+        causes.append(("layer", t.layer["sentence"]))
+    # 5. logits and log-probs: only where the states agree (else the gap is the states' doing)
+    if c is not None and not c.agree and first_numeric is not None:
+        notes.append(f"  the sampled tokens' log-probs differ too (median |diff| {c.q50:.3g}, expected {noise:.3g}): "
+                     "downstream of the states")
+    elif c is not None and not c.agree:
+        shift = _topk_shift(a, b, maps, len(al))
+        if c.raw_match is not None:
+            raw_side, other = ("rollout", "trainer") if c.raw_match == "b_raw" else ("trainer", "rollout")
+            temps = {"trainer": ta, "rollout": tb}
+            causes.append(("logprobs", f"log-probs: the {raw_side}'s log-probs are raw (the model's log-softmax, no "
+                                       f"temperature) while the {other}'s are divided by the temperature "
+                                       f"({_f(temps[other])}): the {raw_side}'s log-probs match the {other}'s raw ones "
+                                       f"(median |diff| {_f(c.raw_match_q50)}); the offset (median {c.offset:+.3g} "
+                                       f"nats) has one sign on {c.same_way:.0%} of the tokens out of the noise"))
+        elif shift is not None and shift > lpmod.LEVEL * noise:
+            causes.append(("logits", f"logits: the states agree but the logits do not (median |raw top-1 logprob "
+                                     f"diff| {shift:.3g}, {shift / noise:.0f}x the noise the states predict): the "
+                                     "head differs (lm_head dtype, e.g. bf16 against fp32; a logit softcap or scale)"))
+        elif c.systematic:
+            causes.append(("logprobs", f"log-probs: the logits agree but the sampled tokens' log-probs do not: a "
+                                       f"systematic offset on {c.same_way:.0%} of the tokens out of the noise (median "
+                                       f"{c.offset:+.3g} nats): a temperature applied on one side only, or raw "
+                                       "against processed log-probs (trainer temperature "
+                                       f"{_f(ta)}, rollout {_f(tb)}, rollout logprobs_mode {_mode(b) or 'unknown'})"))
+        else:
+            causes.append(("logprobs", f"log-probs: the sampled tokens' log-probs differ beyond the noise (median "
+                                       f"|diff| {c.q50:.3g}, {c.q50 / max(noise, 1e-30):.0f}x the expected "
+                                       f"{noise:.3g}) while the states agree"))
+    if causes:
+        t.cause, t.headline = causes[0]
+        t.lines += [f"  then {s}" for _, s in causes[1:]]
+    else:
+        what = (f"the sampled tokens' log-probs agree within the noise (median |diff| {c.q50:.3g}, expected "
+                f"{c.noise:.3g})" if c is not None and c.tokens else "no sampled-token log-probs to compare")
+        t.headline = f"no cause: weights, tokens and states agree ({res.headline()}); {what}"
+        if w is not None and not w.get("recorded"):
+            t.lines.append("  weights not compared: " + ", ".join(
+                s for s, has in (("trainer", w.get("train")), ("rollout", w.get("rollout"))) if not has)
+                + " recorded no /weights")
+    t.lines += notes
+    if c is not None:
+        t.lines += _metric_lines(c)
+    return t
+
+
+def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> float:
+    """The share of aligned tokens whose experts flip in at least one MoE layer."""
+    la, lb = routing_mod.routing_layers(a), routing_mod.routing_layers(b)
+    n = len(al)
+    any_flip = np.zeros(n, dtype=bool)
+    seen = np.zeros(n, dtype=bool)
+    everything = np.arange(n)
+    for layer in sorted(set(la) & set(lb)):
+        ia, ib = la[layer], lb[layer]
+        (ma,), (mb,) = maps.rows_at("a", ia.name, [everything]), maps.rows_at("b", ib.name, [everything])
+        both = np.flatnonzero((ma >= 0) & (mb >= 0))
+        if not len(both) or ia.width != ib.width:
+            continue
+        k = ia.width // 2
+        va = np.asarray(a.read_at(ia.name, "values", ma[both]), dtype=np.float64)[:, :k]
+        vb = np.asarray(b.read_at(ib.name, "values", mb[both]), dtype=np.float64)[:, :k]
+        any_flip[both] |= (np.sort(va, 1) != np.sort(vb, 1)).any(1)
+        seen[both] = True
+    return float(any_flip[seen].mean()) if seen.any() else 0.0
+
+
+def _layer_of(f: Finding | None) -> float | None:
+    if f is None:
+        return None
+    return f.order if f.order >= 0 else None
+
+
+def _layer_info(a: TraceSource, b: TraceSource, plan: Any, res: DiffResult, f: Finding) -> dict[str, Any]:
+    pair = next((p for p in res.pairs if f.tensor in (p.name_a, p.name_b)), None)
+    regimes = dict(pair.by_regime) if pair is not None else {}
+    split = "; ".join(f"{r}: {v['failing']} of {v['tokens']} tokens out of the noise" for r, v in regimes.items())
+    prof = None
+    words = None
+    if f.tensor and pair is not None and f.tensor in a.tensors and pair.name_b in b.tensors:
+        from .noise import tolerance
+
+        depth = next((d for d in pair.depth if d is not None), None)
+        _, max_rel = tolerance(plan.noise, depth, pair.dtype_a or None, pair.dtype_b or None)
+        prof = position_profile(a, b, plan.maps, plan.alignment.code_a, pair.name_a, pair.name_b, max_rel,
+                                plan.alignment.regime_b)
+        words = _position_words(prof)
+    sentence = f"states: the first state out of the noise trend is {f.tensor}: {f.message}"
+    if words:
+        sentence = f"positions: {f.tensor} is the first state out of the noise, and {words}"
+    elif regimes and len(regimes) > 1:
+        sentence += f" (by regime: {split})"
+    return {"tensor": f.tensor, "message": f.message, "by_regime": regimes, "positions": prof, "sentence": sentence}
+
+
+# ----------------------------------------------------------------------------------------------
+# The three-way table: decode vs prefill vs trainer
+# ----------------------------------------------------------------------------------------------
+
+
+def three_way(train: str, rollout: str, prefill: str) -> list[dict[str, Any]]:
+    """Each pair of the three traces: the sampled tokens' log-prob metrics and the diff's first
+    divergence (what RL teams compute by hand to tell a decode-path bug from a trainer difference)."""
+    names = {"trainer": train, "decode": rollout, "prefill": prefill}
+    out = []
+    for x, y in (("prefill", "decode"), ("trainer", "decode"), ("trainer", "prefill")):
+        with open_pair(names[x], names[y]) as (a, b):
+            sides = (SideTokens(a), SideTokens(b))
+            al = align_tokens(a, b, sides)
+            maps = RowMaps(al, a, b, *sides)
+            plan = plan_diff(a, b, DiffOptions())
+            noise = lpmod.expected_noise(_final_q50(plan.noise, a.num_layers), plan.noise.dtype_a, plan.noise.dtype_b)
+            c = lpmod.compare(a, b, al, maps, noise)
+            res = diff_sources(a, b, DiffOptions())
+        m = c.metrics if c is not None else {}
+        out.append({"a": x, "b": y, "tokens": c.tokens if c is not None else 0,
+                    "token_mult_prob_error": m.get("token_mult_prob_error"),
+                    "mean_abs_logprob_diff": m.get("mean_abs_logprob_diff"),
+                    "agree": bool(c is not None and c.agree), "first_divergence": res.headline()})
+    return out
+
+
+def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["  three-way (decode = the rollout, prefill = the engine's re-run of the same tokens):"]
+    for r in rows:
+        out.append(f"    {r['a']:>7} vs {r['b']:<7} token_mult_prob_error {_f(r['token_mult_prob_error']):>8}  "
+                   f"mean_abs_logprob_diff {_f(r['mean_abs_logprob_diff']):>8}  "
+                   f"{'agree' if r['agree'] else 'differ'}; {r['first_divergence']}")
+    return out
+
+
+__all__ += ["CAUSES", "compare_weights", "position_profile", "three_way", "weights_step"]

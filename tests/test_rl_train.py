@@ -1,0 +1,100 @@
+"""`record train --from-serve` writes what the RL triage compares: the trainer's log-prob of each
+sampled token at the serve run's temperature, the weight fingerprints of the model it ran (with the
+hashes of their bf16/fp16 casts) and the sampling attribute (the trained model; HF as the engine)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import rl_support as rs
+import trained
+
+from tensordiff import conventions as cv
+from tensordiff.cli import main
+from tensordiff.trace import TraceReader
+from tensordiff.trace.rl import read_sampling, read_weight_steps
+
+pytestmark = pytest.mark.torch
+
+NEW = 4
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rltrain")
+    return rs.rollout(d / "serve.h5", trained.load_target(torch.bfloat16), prompts=trained.prompts()[:3],
+                      new_tokens=NEW, temperature=0.7)
+
+
+def _logprobs(path):
+    with TraceReader(str(path)) as r:
+        rows = r.token_rows(cv.SAMPLED_LOGPROB)
+        vals = r.read_at(cv.SAMPLED_LOGPROB, "values", np.arange(len(rows)))
+        seq = np.asarray(r.tokens["seq"])[rows]
+        pos = np.asarray(r.tokens["position"])[rows]
+        return {(str(r.sequences[int(s)]), int(p)): tuple(v) for s, p, v in zip(seq, pos, vals)}
+
+
+def test_from_serve_records_logprobs_weights_and_sampling(serve, tmp_path):
+    out = rs.train_from_serve(tmp_path / "t.h5", serve)
+    got, want = _logprobs(out), _logprobs(serve)
+    # one row per generated token, on the row whose logits sampled it; the same token on both sides
+    assert sorted(got) == sorted(want) and len(got) == 3 * NEW
+    assert all(got[k][0] == want[k][0] for k in got)
+    # the fp32 trainer at the serve run's temperature against a bf16 engine: close, not equal
+    d = np.array([got[k][1] - want[k][1] for k in got])
+    assert 0 < np.abs(d).max() < 0.2
+    with TraceReader(str(out)) as r:
+        assert read_sampling(r)["temperature"] == 0.7
+        (step,) = read_weight_steps(r)
+        assert (step.step, step.event) == (0, "train")
+    with TraceReader(str(serve)) as r:
+        (engine,) = read_weight_steps(r)
+    # the bf16 engine's copy is the exact cast of the trainer's float32 parameter
+    te = {e["key"]: e for e in step.doc["parameters"]}
+    for e in engine.doc["parameters"]:
+        assert e["dtype"] == "bfloat16" and te[e["key"]]["cast_sha256"]["bfloat16"] == e["sha256"]
+
+
+def test_temperature_override_and_the_outputs_jsonl(serve, tmp_path):
+    seqs = {}
+    with TraceReader(str(serve)) as r:
+        rows = r.token_rows(cv.SAMPLED_LOGPROB)
+        first = {}
+        for s, p in zip(np.asarray(r.tokens["seq"])[rows], np.asarray(r.tokens["position"])[rows]):
+            key = str(r.sequences[int(s)])
+            first[key] = min(first.get(key, 1 << 30), int(p) + 1)
+    from tensordiff.recorders.train_cli import load_serve_sequences
+
+    seqs = dict(load_serve_sequences(str(serve)))
+    jsonl = tmp_path / "outputs.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": k, "input_ids": v[:first[k]], "output_ids": v[first[k]:]}) + "\n"
+                             for k, v in seqs.items()))
+    a = rs.train_from_serve(tmp_path / "jsonl.h5", jsonl, None, "--temperature", "1.0")
+    b = rs.train_from_serve(tmp_path / "t1.h5", serve, None, "--temperature", "1.0")
+    la, lb = _logprobs(a), _logprobs(b)
+    assert la == lb and len(la) == 3 * NEW
+    with TraceReader(str(a)) as r:
+        assert read_sampling(r)["temperature"] == 1.0
+    hot = _logprobs(rs.train_from_serve(tmp_path / "t07.h5", serve))
+    assert all(hot[k][1] != la[k][1] for k in la)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+])
+def test_bad_temperature_is_one_line(serve, tmp_path, capsys, extra, message):
+    argv = ["record", "train", "--model", str(trained.target_dir()), "--from-serve", str(serve), "--no-progress",
+            "--out", str(tmp_path / "x.h5"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    argv = ["record", "train", "--model", str(trained.target_dir()), "--prompts", str(trained.prompts_path()),
+            "--temperature", "0.7", "--out", str(tmp_path / "y.h5")]
+    assert main(argv) == 2
+    assert "--temperature is for --from-serve" in capsys.readouterr().err

@@ -1,0 +1,215 @@
+"""`tensordiff triage TRAIN ROLLOUT`: each bug class named in the first sentence, correct pairs at
+exit 0 in both orders. The trained tiny model; HF stands in for the engine (prefill + KV-cache
+decode passes, the engine-side RL records: tests/rl_support.py) and the trainer is the real
+`record train --from-serve` (or TrainerRecorder in a user's own forward)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tensordiff.cli import main
+from tensordiff.triage import triage
+
+import rl_support as rs
+import trained
+
+pytestmark = pytest.mark.torch
+
+PROMPTS = 8
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("rl")
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return trained.load_target(torch.float32)
+
+
+def _prompts():
+    return trained.prompts()[:PROMPTS]
+
+
+def _pair(work, name, engine, *, model_dir=None, **kw):
+    r = rs.rollout(work / f"{name}.rollout.h5", engine, prompts=_prompts(), new_tokens=NEW, **kw)
+    return rs.train_from_serve(work / f"{name}.train.h5", r, model_dir), r
+
+
+def test_correct_pairs_exit_0_in_both_orders(work, fp32, capsys):
+    """A bf16 engine against the fp32 trainer (and fp32 against fp32): no cause, exit 0, whichever
+    trace comes first."""
+    for name, engine in (("bf16", trained.load_target(torch.bfloat16)), ("fp32", fp32)):
+        t, r = _pair(work, name, engine)
+        for a, b in ((t, r), (r, t)):
+            got = triage(str(a), str(b))
+            assert got.cause == "agree", got.text()
+            assert got.headline.startswith("no cause: weights, tokens and states agree")
+            assert main(["triage", str(a), str(b)]) == 0
+        out = capsys.readouterr().out
+        assert "token_mult_prob_error = " in out and "verl rollout_probs_diff_mean" in out
+
+
+def test_temperature_not_applied(work, fp32):
+    """The engine returns raw log-probs (vLLM V1's default) while the trainer divides by T."""
+    t, r = _pair(work, "raw", fp32, logprobs_mode="raw", temperature=0.7)
+    got = triage(str(t), str(r))
+    assert got.cause == "logprobs", got.text()
+    assert got.headline.startswith("log-probs: the rollout's log-probs are raw (the model's log-softmax, no "
+                                   "temperature) while the trainer's are divided by the temperature (0.7)")
+    assert got.logprobs is not None and got.logprobs.raw_match == "b_raw"
+    assert "match the trainer's raw ones" in got.headline
+    assert main(["triage", str(t), str(r)]) == 1
+
+
+def test_bf16_lm_head(work, fp32):
+    """An fp32 engine whose lm_head runs in bf16 against the fp32 trainer: states identical, the
+    gap appears at the logits. The head's bf16 weight is the exact cast of the trainer's: weights
+    are not the cause."""
+    t, r = _pair(work, "head", rs.bf16_head(copy.deepcopy(fp32)))
+    got = triage(str(t), str(r))
+    assert got.cause == "logits", got.text()
+    assert got.headline.startswith("logits: the states agree but the logits do not")
+    assert "lm_head dtype" in got.headline
+    assert got.weights is not None and got.weights["differ"] is None
+
+
+def test_stale_layer_after_weight_update(work, fp32):
+    """The engine receives the trainer's update (weight step 1) but layer 3's down_proj stays at
+    step 0's values."""
+    w1 = rs.updated(fp32)
+    engine = copy.deepcopy(w1)
+    engine.model.layers[3].mlp.down_proj.weight.data.copy_(fp32.model.layers[3].mlp.down_proj.weight.data)
+    model_dir = rs.save(w1, work / "w1")
+    t, r = _pair(work, "stale", engine, model_dir=model_dir,
+                 weight_steps=[(fp32, "start"), (engine, "update_weights_from_tensor")])
+    got = triage(str(t), str(r))
+    assert got.cause == "weights", got.text()
+    assert got.headline.startswith("weights: layer3 mlp_out (model.layers.3.mlp.down_proj.weight) is stale on the "
+                                   "engine after weight update step 1 (update_weights_from_tensor): it still holds "
+                                   "step 0's values")
+    assert "(1 of 75 parameters differ)" in got.headline
+    # the states confirm it: the first state out of the noise is the stale layer's output
+    assert any("layer4" in line for line in got.lines)
+
+
+def test_rope_theta_mismatch(work):
+    """The engine's config says another rope theta: zero error at position 0, growing with position."""
+    from transformers import LlamaForCausalLM
+
+    md = rs.with_config(work / "rope", rope_parameters={"rope_theta": 500000.0})
+    engine = LlamaForCausalLM.from_pretrained(str(md), dtype=torch.float32).eval()
+    t, r = _pair(work, "rope", engine)
+    got = triage(str(t), str(r))
+    assert got.cause == "layer", got.text()
+    assert got.headline.startswith("positions: layer1 is the first state out of the noise, and its error is zero at "
+                                   "position 0 and grows with position")
+    assert "rope theta" in got.headline
+
+
+def test_missing_position_ids(work, fp32):
+    """A user's trainer forward (TrainerRecorder) packs each prompt from two segments and restarts
+    the position ids at the second (a packing bug): every sequence agrees up to there."""
+    from tensordiff.recorders.core import Recorder
+    from tensordiff.recorders.hf import model_info
+    from tensordiff.recorders.hooks import TrainerRecorder
+    from tensordiff.recorders.train_cli import load_serve_sequences
+
+    r = rs.rollout(work / "pos.rollout.h5", fp32, prompts=_prompts(), new_tokens=NEW)
+    seqs = dict(load_serve_sequences(str(r)))
+    out = work / "pos.train.h5"
+    with Recorder(str(out), side="train", model=model_info(fp32)) as rec:
+        tr = TrainerRecorder(fp32, rec, temperature=0.7)
+        for i, p in enumerate(_prompts()):
+            ids = torch.tensor(seqs[f"p{i}"])
+            cut = len(p) // 2
+            pos = torch.cat([torch.arange(cut), torch.arange(len(ids) - cut)])
+            with tr.sequence(f"p{i}", ids, first_generated=len(p)), torch.inference_mode():
+                fp32(input_ids=ids[None], position_ids=pos[None])
+        tr.detach()
+    got = triage(str(out), str(r))
+    assert got.cause == "layer", got.text()
+    n = len(_prompts()[0]) // 2
+    assert got.headline.startswith(f"positions: layer1 is the first state out of the noise, and every sequence "
+                                   f"agrees up to position {n} and diverges from there on at once")
+    assert "position_ids" in got.headline
+    # and the same trainer forward with the right positions agrees
+    ok = work / "pos.ok.h5"
+    with Recorder(str(ok), side="train", model=model_info(fp32)) as rec:
+        tr = TrainerRecorder(fp32, rec, temperature=0.7)
+        for i, p in enumerate(_prompts()):
+            ids = torch.tensor(seqs[f"p{i}"])
+            with tr.sequence(f"p{i}", ids, first_generated=len(p)), torch.inference_mode():
+                fp32(input_ids=ids[None])
+        tr.detach()
+    assert triage(str(ok), str(r)).cause == "agree"
+
+
+def test_cli_json_and_bad_input(work, fp32, capsys, tmp_path):
+    t, r = work / "fp32.train.h5", work / "fp32.rollout.h5"
+    if not t.exists():
+        t, r = _pair(work, "fp32", fp32)
+    assert main(["triage", str(t), str(r), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["cause"] == "agree" and d["exit_code"] == 0 and d["logprobs"]["metrics"]["token_mult_prob_error"] >= 1.0
+    assert main(["triage", str(t), str(tmp_path / "missing.h5")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.h5" in err[0]
+
+
+def test_routing_flips(work):
+    """HF MoE on both sides (no CPU engine runs a trained MoE here: a tiny random DeepSeek-V3,
+    tests/deepseek_support.py) with the routing recorder; the engine's router of layer 2 leaves
+    out its score correction bias when it chooses (the weights hold it: fingerprints agree):
+    choices flip where the bias decides, and the states leave the noise after it."""
+    import deepseek_support as ds
+
+    md = ds.make_tiny_deepseek(work / "moe")
+    trainer_model, engine = ds.load_hf_deepseek(md), ds.load_hf_deepseek(md)
+    gate = engine.model.layers[2].mlp.gate
+    kept = gate.e_score_correction_bias.detach().clone()
+
+    def drop_bias(mod, args):
+        mod.e_score_correction_bias.zero_()
+
+    def restore_bias(mod, args, out):
+        mod.e_score_correction_bias.copy_(kept)
+
+    gate.register_forward_pre_hook(drop_bias)
+    gate.register_forward_hook(restore_bias)
+    r = rs.rollout(work / "moe.rollout.h5", engine, prompts=_prompts(), new_tokens=NEW, model_path=md)
+    t = rs.train_from_serve(work / "moe.train.h5", r, md)
+    del trainer_model
+    got = triage(str(t), str(r))
+    assert got.cause == "routing", got.text()
+    assert got.headline.startswith("routing: MoE router choices flip first at layer 2 (")
+    assert "of tokens flip at least one layer, and the states leave the noise only after it" in got.headline
+    assert got.routing is not None and got.routing["flips"] > 0
+
+
+def test_decode_path_with_the_three_way_table(work, fp32):
+    """The engine's decode passes read a KV cache stored in bf16 (its prefill computes attention
+    from fresh keys and values): the prefill re-run agrees with the trainer, decode disagrees with
+    both, and the three-way table says so."""
+    r = rs.rollout(work / "kv.rollout.h5", fp32, prompts=_prompts(), new_tokens=NEW, kv_dtype=torch.bfloat16)
+    t = rs.train_from_serve(work / "kv.train.h5", r)
+    p = rs.replay(work / "kv.prefill.h5", fp32, r)
+    alone = triage(str(t), str(r))   # without the re-run: two explanations, and how to tell them apart
+    assert alone.cause == "layer", alone.text()
+    assert "exactly where the rollout's decode passes start" in alone.headline
+    assert "a prefill re-run of the same tokens (record serve --replay, the third argument)" in alone.headline
+    got = triage(str(t), str(r), str(p))
+    assert got.cause == "layer", got.text()
+    assert got.headline.startswith("the engine's decode path: its decode log-probs disagree with its own prefill "
+                                   "re-run of the same tokens")
+    rows = {(x["a"], x["b"]): x for x in got.three_way}
+    assert rows[("trainer", "prefill")]["agree"] and not rows[("trainer", "decode")]["agree"]
+    assert any(line.startswith("  three-way") for line in got.lines)
+    assert main(["triage", str(t), str(r), str(p)]) == 1
