@@ -158,9 +158,10 @@ try:
     sp = {{"temperature": args["temperature"], "max_new_tokens": args["max_new"]}}
     def gen(key):
         o = engine.generate(input_ids=[args["prompts"][key]], sampling_params=sp, rid=[key], return_logprob=True)[0]
-        out[key] = {{"output_ids": o["output_ids"],
+        out[key] = {{"id": key, "input_ids": args["prompts"][key], "output_ids": o["output_ids"],
                      "output_logprobs": [x[0] for x in o["meta_info"]["output_token_logprobs"]]}}
-    gen("p0")
+    for key in args["before"]:
+        gen(key)
     if args.get("update"):
         sd = load_file(args["model"] + "/model.safetensors")
         named = [(n, sd[n] * args["update"]["scale"]) for n in args["update"]["names"]]
@@ -169,7 +170,8 @@ try:
         r = engine.update_weights_from_tensor(named)
         assert ok(r), r
         assert ok(engine.end_weight_update())
-    gen("p1")
+    for key in args["after"]:
+        gen(key)
     engine.collective_rpc("tensordiff_close")
 finally:
     engine.shutdown()
@@ -178,16 +180,21 @@ print("OUT", json.dumps(out))
 
 
 def _drive(tm, tmp: Path, name: str, *, temperature: float, update: dict | None = None,
-           extra_env: dict | None = None) -> dict:
+           extra_env: dict | None = None, before: tuple = ()) -> dict:
+    """``before``: requests generated before the weight update (left out of the outputs JSONL: the
+    trainer sees p0 and p1 only)."""
     trace = tmp / f"{name}.h5"
     args = {"model": str(tm["target"]), "prompts": tm["prompts"], "temperature": temperature, "max_new": MAX_NEW,
-            "update": update}
+            "update": update, "before": list(before), "after": ["p0", "p1"]}
     env = _env({"TENSORDIFF_TRACE": str(trace), "TENSORDIFF_CATALOG": "0", **(extra_env or {})})
     proc = subprocess.run([sys.executable, "-c", _DRIVER.format(tests=str(HERE)), json.dumps(args)], check=False,
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("OUT "))
-    return {"trace": str(trace), "outputs": json.loads(line[4:])}
+    outputs = json.loads(line[4:])
+    jsonl = tmp / f"{name}.jsonl"
+    jsonl.write_text("".join(json.dumps(outputs[k]) + "\n" for k in ("p0", "p1")))
+    return {"trace": str(trace), "outputs": {k: outputs[k] for k in ("p0", "p1")}, "jsonl": str(jsonl), "all": outputs}
 
 
 def _down(layer: int) -> str:
@@ -197,7 +204,7 @@ def _down(layer: int) -> str:
 @pytest.fixture(scope="module")
 def updated(tm, tmp_path_factory):
     return _drive(tm, tmp_path_factory.mktemp("rl-updated"), "updated", temperature=0.7,
-                  update={"names": [_down(SYNCED)], "scale": 1.25})
+                  update={"names": [_down(SYNCED)], "scale": 1.25}, before=("p3",))
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +260,23 @@ def _diff(a: str, b: str) -> tuple[int, dict | None, str]:
     return sup.diff_json(a, b)
 
 
+def _train(model, source: str, out: Path, *extra: str) -> Path:
+    """`tensordiff record train --from-serve SOURCE` in float32 (the trainer)."""
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "record", "train", "--model", str(model), "--from-serve",
+                           source, "--no-draft-input", "--values", "all", "--dtype", "float32", "--device", "cpu",
+                           "--no-progress", "--out", str(out), *extra],
+                          check=False, capture_output=True, text=True, env=sup.tensordiff_env(), cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out
+
+
+def _triage(*paths) -> tuple[int, str]:
+    """`tensordiff triage TRAIN ROLLOUT [PREFILL]`: (exit code, output)."""
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "triage", *map(str, paths)], check=False,
+                          capture_output=True, text=True, env=sup.tensordiff_env(), cwd=REPO, timeout=900)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 # ----------------------------------------------------------------------------------------------
 # the rollout's records
 # ----------------------------------------------------------------------------------------------
@@ -303,15 +327,12 @@ def test_weights_at_start_are_the_checkpoint_served_in_bf16(tm, rollout):
 def test_correct_pair_engine_bf16_vs_trainer_fp32_agrees_both_orders(tm, rollout, tmp_path):
     """The bf16 engine and `record train --from-serve` in fp32 on the very tokens served: no
     finding, either order."""
-    train = tmp_path / "train.h5"
-    proc = subprocess.run([sys.executable, "-m", "tensordiff", "record", "train", "--model", str(tm["target"]),
-                           "--from-serve", rollout["outputs"], "--no-draft-input", "--values", "all", "--dtype",
-                           "float32", "--device", "cpu", "--no-progress", "--out", str(train)],
-                          check=False, capture_output=True, text=True, env=sup.tensordiff_env(), cwd=REPO, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    train = _train(tm["target"], rollout["outputs"], tmp_path / "train.h5")
     for a, b in ((train, rollout["trace"]), (rollout["trace"], train)):
         rc, doc, err = _diff(str(a), str(b))
         assert rc == 0, (a, b, err[-2000:], json.dumps(doc)[:3000] if doc else None)
+    rc, out = _triage(train, rollout["trace"])
+    assert rc == 0 and out.startswith("no cause"), out[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,7 +366,7 @@ def test_replay_of_a_correct_engine_agrees(rollout, replay):
     assert rc == 0, (err[-2000:], json.dumps(doc)[:3000] if doc else None)
 
 
-def test_a_decode_only_bug_is_found_by_rollout_vs_replay(rollout, replay, perturbed):
+def test_a_decode_only_bug_is_found_by_rollout_vs_replay(tm, rollout, replay, perturbed, tmp_path):
     """Layer 3's decode attention scaled by 1.5: the rollout (decode rows) leaves its own replay (prefill)
     first at the output of decoder layer 3, and the log-probs of the sampled tokens move far
     more than decode vs prefill of the correct engine."""
@@ -356,6 +377,10 @@ def test_a_decode_only_bug_is_found_by_rollout_vs_replay(rollout, replay, pertur
     bad = _logprob_gap(perturbed)
     good = _logprob_gap({"rollout": rollout, "replay": replay})
     assert bad.mean() > 5 * good.mean(), (bad.mean(), good.mean())
+    # with the trainer (correct) and the re-run, the triage names the engine's decode path
+    train = _train(tm["target"], perturbed["rollout"]["outputs"], tmp_path / "train.h5")
+    rc, out = _triage(train, perturbed["rollout"]["trace"], perturbed["replay"]["trace"])
+    assert rc == 1 and out.startswith("the engine's decode path"), out[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -363,15 +388,29 @@ def test_a_decode_only_bug_is_found_by_rollout_vs_replay(rollout, replay, pertur
 # ----------------------------------------------------------------------------------------------
 
 
-def test_weight_update_is_a_new_step_and_the_stale_layer_is_named(tm, updated):
-    """Step 1 after the session that synced layer 5: it differs from step 0 at layer 5's
-    down_proj only, passes after it are at later forward steps, and against the trainer's new
-    weights (layers 3 and 5 changed) the first and only difference is the stale layer 3."""
-    import torch
-    from safetensors.torch import load_file
+def _variant(tm, root: Path, scale: dict[int, float]) -> Path:
+    """A copy of the trained target with ``down_proj`` of the given layers scaled: the trainer's
+    weights after its update."""
+    import shutil
 
+    from safetensors.torch import load_file, save_file
+
+    out = root / "trainer-model"
+    if not out.exists():
+        shutil.copytree(tm["target"], out)
+        sd = load_file(str(out / "model.safetensors"))
+        for layer, f in scale.items():
+            sd[_down(layer)] = sd[_down(layer)] * f
+        save_file(sd, str(out / "model.safetensors"))
+    return out
+
+
+def test_weight_update_is_a_new_step_and_the_stale_layer_is_named(tm, updated, tmp_path):
+    """Step 1 after the session that synced layer 5: it differs from step 0 at layer 5's
+    down_proj only, the passes before it (p3) are at earlier forward steps than it and the passes
+    after it (p0, p1) at later ones; against the trainer that changed layers 3 and 5, its
+    fingerprints differ first and only at the stale layer 3, and the triage names it."""
     from tensordiff import weights
-    from tensordiff.recorders.weights_fp import _stored
 
     got = _sampled(updated["trace"])
     steps = got["steps"]
@@ -380,21 +419,18 @@ def test_weight_update_is_a_new_step_and_the_stale_layer_is_named(tm, updated):
     assert [d.name_a for d in res.diffs] == [_down(SYNCED)], res.lines()
     tr = sup.RecordedTrace(updated["trace"])
     try:
-        step = {s: tr.step[tr.seq == s] for s in ("p0", "p1")}
+        step = {s: tr.step[tr.seq == s] for s in ("p3", "p0", "p1")}
     finally:
         tr.close()
-    assert step["p0"].max() < steps[1].forward_step <= step["p1"].min()
-    cfg = json.loads((Path(tm["target"]) / "config.json").read_text())
-    params = []
-    for name, t in load_file(str(Path(tm["target"]) / "model.safetensors")).items():
-        if name in (_down(STALE), _down(SYNCED)):
-            t = t * 1.25
-        dtype, arr = _stored(t.to(torch.float32))
-        params.extend(weights.params_of(name, dtype, arr, cfg))
-    trainer = weights.checkpoint_from_doc(weights.fingerprints_doc(params, cfg["num_hidden_layers"], "trainer"), "t")
-    res = weights.compare(trainer, steps[1].checkpoint())
-    assert [d.name_a for d in res.diffs] == [_down(STALE)], res.lines()
-    assert "layer" in res.lines()[0] and "mlp" in res.lines()[0], res.lines()
+    assert steps[0].forward_step <= step["p3"].min() and step["p3"].max() < steps[1].forward_step
+    assert steps[1].forward_step <= min(step["p0"].min(), step["p1"].min())
+    model = _variant(tm, tmp_path, {STALE: 1.25, SYNCED: 1.25})
+    train = _train(model, updated["jsonl"], tmp_path / "train.h5", "--temperature", "0.7")
+    rc, out = _triage(train, updated["trace"])
+    first = out.splitlines()[0]
+    assert rc == 1 and first.startswith("weights:"), out[-3000:]
+    assert f"model.layers.{STALE}.mlp.down_proj.weight" in first and "stale" in first, first
+    assert f"layers.{SYNCED}." not in first, first
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,14 +438,15 @@ def test_weight_update_is_a_new_step_and_the_stale_layer_is_named(tm, updated):
 # ----------------------------------------------------------------------------------------------
 
 
-def _against_hf(tm, run: dict, temperature: float) -> tuple[float, float]:
-    """Mean |engine - HF raw| and |engine - HF / T| over the generated tokens of a driven run."""
+def _against_hf(target, run: dict, temperature: float) -> tuple[float, float]:
+    """Mean |engine - HF raw| and |engine - HF / T| over the generated tokens of a driven run (HF
+    fp32 with the weights the engine served, ``target``)."""
     got = _sampled(run["trace"])
     d_raw, d_hot = [], []
     for key, o in run["outputs"].items():
-        full = tm["prompts"][key] + o["output_ids"]
-        raw, hot = _hf_logprobs(tm["target"], full, temperature)
-        plen = len(tm["prompts"][key])
+        full = o["input_ids"] + o["output_ids"]
+        raw, hot = _hf_logprobs(target, full, temperature)
+        plen = len(o["input_ids"])
         for j, tok in enumerate(o["output_ids"]):
             t, lp = got["lp"][(key, plen + j - 1)]
             assert t == tok and lp == o["output_logprobs"][j]
@@ -418,19 +455,24 @@ def _against_hf(tm, run: dict, temperature: float) -> tuple[float, float]:
     return float(np.mean(d_raw)), float(np.mean(d_hot))
 
 
-def test_processed_logprobs_are_divided_by_the_temperature(tm, updated):
+def test_processed_logprobs_are_divided_by_the_temperature(tm, updated, tmp_path):
+    """SGLang's default: log_softmax(logits / T) of the weights it served (layer 5 updated)."""
     got = _sampled(updated["trace"])
     assert got["sampling"]["logprobs_mode"] == "processed" and got["sampling"]["temperature"] == pytest.approx(0.7)
-    run = {"trace": updated["trace"], "outputs": {"p0": updated["outputs"]["p0"]}}  # before the update
-    d_raw, d_hot = _against_hf(tm, run, 0.7)
+    served = _variant(tm, tmp_path, {SYNCED: 1.25})
+    d_raw, d_hot = _against_hf(served, updated, 0.7)
     assert d_hot < 1e-3 < d_raw, (d_raw, d_hot)
 
 
-def test_raw_logprobs_are_recorded_as_raw(tm, raw):
+def test_raw_logprobs_are_recorded_as_raw_and_triaged_as_the_temperature(tm, raw, tmp_path):
     """SGLANG_RETURN_ORIGINAL_LOGPROB: the engine returns log_softmax(logits) at temperature 0.7;
-    the sampling attribute says raw, and the values are the raw ones, not what a trainer dividing
-    by the temperature computes."""
+    the sampling attribute says raw, the values are the raw ones, and against a trainer that
+    divides by the temperature the triage names raw against processed log-probs."""
     got = _sampled(raw["trace"])
     assert got["sampling"]["logprobs_mode"] == "raw" and got["sampling"]["temperature"] == pytest.approx(0.7)
-    d_raw, d_hot = _against_hf(tm, raw, 0.7)
+    d_raw, d_hot = _against_hf(tm["target"], raw, 0.7)
     assert d_raw < 1e-3 < d_hot, (d_raw, d_hot)
+    train = _train(tm["target"], raw["jsonl"], tmp_path / "train.h5", "--temperature", "0.7")
+    rc, out = _triage(train, raw["trace"])
+    first = out.splitlines()[0]
+    assert rc == 1 and first.startswith("log-probs:") and "raw" in first, out[-3000:]

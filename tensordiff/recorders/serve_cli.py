@@ -319,7 +319,11 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
     prompts = _check(args)
     if getattr(args, "engine", "sglang") == "vllm":
         from . import vllm_serve
-        return vllm_serve.record(args, prompts, plugin_env(args), start_engine)
+        env = plugin_env(args)
+        try:
+            return vllm_serve.record(args, prompts, env, start_engine)
+        finally:
+            _remove_plan(env)
     _capture_note(args)
     if not _plugin_installed():
         raise RecordingError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "

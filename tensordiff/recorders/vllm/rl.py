@@ -14,6 +14,10 @@
   worker) marks the weights changed, and the next step first fingerprints them as the next
   weight step (however many buckets were loaded in between: one step per sync).
 
+* a replay (``record serve --replay``): the ``replay`` attribute. Its rows are prefill rows of
+  every rollout token, as with SGLang; unlike SGLang's, no ``sampled_logprob`` rows are taken
+  from vLLM's prompt log-probs (those reach the front-end process, not the Worker).
+
 ``TENSORDIFF_RL=0`` turns all of it off.
 """
 
@@ -49,6 +53,14 @@ def start(runner) -> None:
     RL.runner = runner
     RL.vllm_mode = str(getattr(runner.model_config, "logprobs_mode", "raw_logprobs"))
     RL.mode = "processed" if RL.vllm_mode.startswith("processed") else "raw"
+    path = (os.environ.get("TENSORDIFF_REPLAY") or "").strip()
+    if path:  # a prefill re-run (record serve --replay): the trace says so
+        import json
+
+        from ..replay import REPLAY_ATTR
+
+        with open(path, encoding="utf-8") as f:
+            STATE.rec.writer.set_attr(None, REPLAY_ATTR, json.load(f)["attr"])
     fingerprint("start")
     model = runner.get_model()
     original = getattr(model, "load_weights", None)
