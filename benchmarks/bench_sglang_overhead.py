@@ -20,7 +20,7 @@ generation, so the taps' cost is the difference of two figures measured side by 
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_sglang_overhead.py [--mode capture|eagle]
         [--hidden 512] [--layers 8] [--catalog] [--topk 20] [--no-topk0] [--rounds 5] [--json FILE]
-        [--profile FILE]
+        [--profile FILE] [--rl on|off]
 
 ``--json FILE`` writes one object per benchmarks/benchjson.py (bench, commit, dirty, load,
 config, figures); ``--profile FILE`` sets ``TENSORDIFF_PROFILE`` (a cProfile stats file of the
@@ -67,6 +67,10 @@ def main(argv=None) -> int:
     ap.add_argument("--catalog", action="store_true", help="also record the per-boundary catalog (sketches)")
     ap.add_argument("--values", default=None,
                     help="TENSORDIFF_VALUES (default: the plugin's, aux_hidden_states,draft_input,draft_fc_output)")
+    ap.add_argument("--rl", choices=("on", "off"), default="on",
+                    help="the RL records (TENSORDIFF_RL: sampled token's log-prob, sampling, weight fingerprints); "
+                         "every generation asks for log-probs either way, as an RL framework does, so the engine "
+                         "does the same work and the difference of two runs is the records' cost")
     ap.add_argument("--workdir", help="where the checkpoints and the trace go (default: a temp dir)")
     ap.add_argument("--json", metavar="FILE", help="write the result as one JSON object (the benchmark contract)")
     args = ap.parse_args(argv)
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "catalog": args.catalog,
         "values": args.values or "aux_hidden_states,draft_input,draft_fc_output",
         "topk": 20 if args.topk is None else args.topk, "rounds": args.rounds, "seed": args.seed,
-        "topk0_rounds": not args.no_topk0 and args.topk != 0})
+        "topk0_rounds": not args.no_topk0 and args.topk != 0, "rl": args.rl})
 
     if not sup.sglang_available():
         print("bench_sglang_overhead: SGLang (and torch) are not installed (scripts/install-sglang-cpu.sh); "
@@ -90,7 +94,7 @@ def main(argv=None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         trace = root / "bench.h5"
         os.environ.update(SGLANG_PLUGINS="tensordiff", TENSORDIFF_TRACE=str(trace),
-                          TENSORDIFF_CATALOG="1" if args.catalog else "0")
+                          TENSORDIFF_CATALOG="1" if args.catalog else "0", TENSORDIFF_RL="1" if args.rl == "on" else "0")
         if args.values is not None:
             os.environ["TENSORDIFF_VALUES"] = args.values
         if args.topk is not None:
@@ -119,7 +123,7 @@ def main(argv=None) -> int:
             else:  # predictions on and off in the same engine
                 engine.collective_rpc("tensordiff_resume", topk=topk if kind == "recorded" else 0)
             t0 = time.perf_counter()
-            engine.generate(input_ids=prompts, sampling_params=sp)
+            engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
             return time.perf_counter() - t0
 
         try:
@@ -160,7 +164,8 @@ def main(argv=None) -> int:
            "plugin_share_of_bare": plugin_per_round / min(bare), "trace_rows": rows, "trace_bytes": size,
            "plugin_seconds_no_topk": plugin_s0, "sketch_products": stats.get("sketch_products"),
            "sketch_reused": stats.get("sketch_reused"),
-           "tensors": tensors, "topk": int(os.environ.get("TENSORDIFF_TOPK", "20"))}
+           "tensors": tensors, "topk": int(os.environ.get("TENSORDIFF_TOPK", "20")),
+           "rl_fingerprint_seconds": (stats.get("rl") or {}).get("fingerprint_seconds")}
     result.write(args.json, figures(args, res))
     print(f"SGLang {args.mode} on CPU: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
           f"{args.prompt_len} prompt + {args.new_tokens} new tokens, catalog {'on' if args.catalog else 'off'}, "
@@ -177,6 +182,9 @@ def main(argv=None) -> int:
         p0 = plugin_s0 / (args.rounds + 1)
         print(f"  without top-k predictions (same engine, same rounds): {p0:.3f} s per round = "
               f"{100 * p0 / min(bare):.1f}% of the fastest bare generation")
+    if res["rl_fingerprint_seconds"] is not None:
+        print(f"RL records on: weight fingerprints at start {res['rl_fingerprint_seconds']:.3f} s (once per weight "
+              "sync, not in the plugin's time per round)")
     print(f"sketch products {res['sketch_products']}, sketches reused {res['sketch_reused']}")
     print(f"trace: {rows} token rows, {len(tensors)} tensors, {size / 1e6:.1f} MB")
     print(f"load average (1 min): {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
@@ -195,7 +203,8 @@ def figures(args, res: dict) -> dict:
             "min_ratio": res["min_ratio"], "plugin_s_per_round": res["plugin_seconds"] / (args.rounds + 1),
             "bare_min_s": min(bare), "bare_median_s": statistics.median(bare),
             "recorded_median_s": statistics.median(x["recorded_s"] for x in res["rounds"]),
-            "trace_rows": res["trace_rows"], "trace_bytes": res["trace_bytes"], **extra}
+            "trace_rows": res["trace_rows"], "trace_bytes": res["trace_bytes"],
+            "rl_fingerprint_s": res["rl_fingerprint_seconds"], **extra}
 
 
 if __name__ == "__main__":

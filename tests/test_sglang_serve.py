@@ -522,7 +522,7 @@ HookRegistry.reset()
 os.environ["TENSORDIFF_TRACE"] = os.path.join({tmp!r}, "never.h5")
 load_plugins()
 from tensordiff.recorders import sglang as plugin
-print("ACTIVE", sorted(HookRegistry._hooks) == sorted(plugin.HOOK_TARGETS),
+print("ACTIVE", sorted(HookRegistry._hooks) == sorted(plugin.HOOK_TARGETS + plugin.RL_HOOK_TARGETS),
       hasattr(ModelRunner.forward, "__wrapped__"), os.path.exists(os.environ["TENSORDIFF_TRACE"]))
 """
 

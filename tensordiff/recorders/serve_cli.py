@@ -33,11 +33,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="local target model directory (never downloaded)")
     p.add_argument("--draft", metavar="DIR",
                    help="local EAGLE-3 draft directory: run EAGLE-3 speculative decoding and record the draft's input")
-    p.add_argument("--prompts", required=True, metavar="FILE",
+    p.add_argument("--prompts", metavar="FILE",
                    help="JSONL, as for `tensordiff record train`: a list of token ids, {\"input_ids\": [...]}, or text "
                         "when the model directory has a tokenizer; an optional \"id\" names the request")
     p.add_argument("--out", "-o", required=True, metavar="S.h5", help="trace file to write")
-    p.add_argument("--outputs", metavar="FILE", help="also write the generated token ids as JSONL (id, input_ids, output_ids)")
+    p.add_argument("--outputs", metavar="FILE", help="also write the generated token ids as JSONL (id, input_ids, output_ids, "
+                   "output_logprobs: the log-prob the engine returned for each)")
+    p.add_argument("--replay", metavar="ROLLOUT.h5",
+                   help="re-run a rollout this engine recorded as prefills: its exact tokens resubmitted (max new tokens 1, "
+                        "prefix cache off), so every position it decoded is computed again in the prefill regime; the "
+                        "trace carries the attribute `replay`. Takes the tokens from the rollout's trace (or from "
+                        "--replay-outputs), not --prompts")
+    p.add_argument("--replay-outputs", metavar="FILE",
+                   help="with --replay: the rollout's --outputs JSONL, where its trace lacks prefix rows (a prefix-cache hit, "
+                        "--sample-every)")
     g = p.add_argument_group("what to record")
     g.add_argument("--aux-ids", type=int, nargs="+", metavar="ID",
                    help="without --draft: capture-only mode, record the aux hidden states SGLang captures for these "
@@ -55,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
     g.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1, help="default -1: no top-k")
     g.add_argument("--batch-size", type=int, default=0, metavar="B",
                    help="send the prompts B at a time, in file order (default 0: all at once); 1 makes a later prompt "
                         "that shares a prefix with an earlier one hit the radix cache")
@@ -132,11 +143,22 @@ def plugin_env(args: argparse.Namespace) -> dict[str, str]:
         env["TENSORDIFF_SKETCH_SEED"] = str(args.sketch_seed)
     if args.topk is not None:
         env["TENSORDIFF_TOPK"] = str(args.topk)
+    plan = getattr(args, "replay_plan", None)
+    if plan is not None:  # the recording process reads the plan (the replay attribute, the sampled positions)
+        from .replay import ENV_REPLAY, write_plan_file
+
+        env[ENV_REPLAY] = write_plan_file(plan, getattr(args, "engine", "sglang"), os.path.abspath(args.out) + ".replay.json")
     add_plugin(env, "SGLANG_PLUGINS")
     return env
 
 
 def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
+    if getattr(args, "replay", None) is None and not args.prompts:
+        raise UsageError("give --prompts (or --replay ROLLOUT.h5)")
+    if getattr(args, "replay", None) is not None and args.prompts:
+        raise UsageError("--replay takes its tokens from the rollout: leave out --prompts")
+    if getattr(args, "replay_outputs", None) and getattr(args, "replay", None) is None:
+        raise UsageError("--replay-outputs goes with --replay")
     if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError("model directory not found or has no config.json (give a local directory)", args.model)
     if args.draft and (not os.path.isdir(args.draft) or not os.path.isfile(os.path.join(args.draft, "config.json"))):
@@ -146,9 +168,16 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UsageError("output directory does not exist", out_dir)
-    check_output_path(args.out, [args.prompts, args.outputs], "--out")  # it is removed before the engine starts
+    inputs = [x for x in (args.prompts, getattr(args, "replay", None), getattr(args, "replay_outputs", None)) if x]
+    check_output_path(args.out, [*inputs, args.outputs], "--out")  # it is removed before the engine starts
     if args.outputs:
-        check_output_path(args.outputs, [args.prompts, args.out], "--outputs")
+        check_output_path(args.outputs, [*inputs, args.out], "--outputs")
+    if not 0 < args.top_p <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
+    if args.top_k == 0 or args.top_k < -1:
+        raise UsageError("--top-k must be -1 (none) or >= 1")
+    if args.temperature < 0:
+        raise UsageError("--temperature must be >= 0")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
     if args.sample_every < 1:
@@ -168,7 +197,10 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
             raise UsageError(f"text prompts need a tokenizer in the model directory ({str(e).splitlines()[0][:200]})",
                              args.model) from None
 
-    prompts = load_prompts(args.prompts, tokenizer_loader)
+    if getattr(args, "replay", None) is not None:
+        prompts = _replay_prompts(args)
+    else:
+        prompts = load_prompts(args.prompts, tokenizer_loader)
     if args.limit is not None:
         prompts = prompts[: max(0, args.limit)]
     try:
@@ -181,6 +213,27 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
         if vocab and max(ids) >= vocab:
             raise SourceFileError(f"prompt {k} has token id {max(ids)}, outside the model's vocabulary of {vocab}", args.prompts)
     return prompts
+
+
+def _replay_prompts(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
+    """The rollout's sequences as prefill prompts (:mod:`.replay`); the plan kept on ``args``
+    for the engine's recording process; the rollout's sampling parameters, so the replay samples
+    as it did."""
+    from ..trace import TraceReader
+    from ..trace.rl import read_sampling
+    from .replay import plan_replay, rollout_file
+
+    plan = plan_replay(args.replay, args.replay_outputs)
+    args.replay_plan = plan
+    args.max_new_tokens = 1
+    args.disable_radix_cache = True
+    with TraceReader(rollout_file(args.replay)) as r:
+        sp = read_sampling(r)
+    if sp is not None:
+        args.temperature = float(sp.get("temperature", args.temperature))
+        args.top_p = float(sp.get("top_p", args.top_p))
+        args.top_k = int(sp.get("top_k", args.top_k))
+    return [(key, ids) for key, ids in plan.sequences]
 
 
 # what to do about the causes of a failed start seen so far
@@ -223,6 +276,28 @@ def _capture_note(args: argparse.Namespace) -> None:
     print(f"note: {note[0]}")
 
 
+def _remove_plan(env: dict[str, str]) -> None:
+    from .replay import ENV_REPLAY
+
+    if env.get(ENV_REPLAY):
+        _remove_partial(env[ENV_REPLAY])
+
+
+def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The per-request sampling parameters (both engines' names differ: SGLang's here)."""
+    return {"temperature": float(args.temperature), "max_new_tokens": int(args.max_new_tokens),
+            "top_p": float(args.top_p), "top_k": int(args.top_k)}
+
+
+def _output_logprobs(meta: dict) -> list[float] | None:
+    """The log-prob SGLang returned for each output token (``output_token_logprobs``: (log-prob,
+    id, text) per token)."""
+    got = meta.get("output_token_logprobs")
+    if not got:
+        return None
+    return [float(x[0]) if x[0] is not None else None for x in got]
+
+
 def _remove_partial(path: str) -> None:
     try:
         os.remove(path)
@@ -244,7 +319,11 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
     prompts = _check(args)
     if getattr(args, "engine", "sglang") == "vllm":
         from . import vllm_serve
-        return vllm_serve.record(args, prompts, plugin_env(args), start_engine)
+        env = plugin_env(args)
+        try:
+            return vllm_serve.record(args, prompts, env, start_engine)
+        finally:
+            _remove_plan(env)
     _capture_note(args)
     if not _plugin_installed():
         raise RecordingError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "
@@ -263,9 +342,12 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
         bind = cpu_threads_bind(world)  # SGLang wants a NUMA node per rank unless told the CPUs
         if bind is not None:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = bind
-    with engine_environ(env):  # the scheduler process inherits the environment at spawn
-        t0 = time.perf_counter()
-        outputs = _run_sglang(args, prompts, kwargs, out_path, start_engine)
+    try:
+        with engine_environ(env):  # the scheduler process inherits the environment at spawn
+            t0 = time.perf_counter()
+            outputs = _run_sglang(args, prompts, kwargs, out_path, start_engine)
+    finally:
+        _remove_plan(env)
     dt = time.perf_counter() - t0
     files = rank_files(out_path)
     if not files:
@@ -297,18 +379,23 @@ def _run_sglang(args, prompts, kwargs, out_path, start_engine) -> list[dict]:
             raise guard.error(e, "start") from None
         guard.started()
         step = args.batch_size or len(prompts)
-        sp = {"temperature": float(args.temperature), "max_new_tokens": int(args.max_new_tokens)}
+        sp = sampling_params(args)
+        replay = getattr(args, "replay_plan", None) is not None
         for i in range(0, len(prompts), step):
             chunk = prompts[i:i + step]
+            # log-probs asked for as an RL framework asks (the plugin records what they return); a
+            # replay asks for every input token's (the prefill's log-prob of each rollout token)
             res = engine.generate(input_ids=[list(ids) for _, ids in chunk], sampling_params=sp,
-                                  rid=[key for key, _ in chunk])
+                                  rid=[key for key, _ in chunk], return_logprob=True,
+                                  logprob_start_len=0 if replay else -1)
             res = res if isinstance(res, list) else [res]
             for (key, ids), o in zip(chunk, res):
                 meta = o.get("meta_info", {})
                 outputs.append({"id": key, "input_ids": list(ids), "output_ids": list(o["output_ids"]),
                                 "cached_tokens": meta.get("cached_tokens"),
                                 "spec_verify_ct": meta.get("spec_verify_ct"),
-                                "spec_accept_length": meta.get("spec_accept_length")})
+                                "spec_accept_length": meta.get("spec_accept_length"),
+                                "output_logprobs": _output_logprobs(meta)})
         engine.collective_rpc("tensordiff_close")
     except EngineFailed:  # a child failed while recording: the trace stays, marked not closed cleanly
         kill_children(guard.children_before)

@@ -149,3 +149,33 @@ def final_norm(rec: Any, tensor: Any, rows: Any, *, private: bool = False, value
 
     return int(rec._record(FINAL_NORM, tensor, rows, kind="final_norm", role="catalog", values=values,
                            private=private))
+
+
+# -- the RL records' weight fingerprints (both plugins) ---------------------------------------
+
+
+def engine_fingerprints(model, tp_size: int, source: str) -> dict:
+    """The fingerprint document of a live engine model's (shard's) parameters: fused ``qkv_proj``
+    split by the heads this shard holds (the model config's heads / TP size)."""
+    import torch
+
+    from .. import weights
+    from .weights_fp import _stored
+
+    cfg_obj = getattr(model, "config", None)
+    cfg_obj = getattr(cfg_obj, "get_text_config", lambda: cfg_obj)() if cfg_obj is not None else None
+    config: dict[str, Any] = {}
+    for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers"):
+        v = getattr(cfg_obj, k, None) if cfg_obj is not None else None
+        if v is not None:
+            config[k] = int(v)
+    if tp_size > 1:  # a shard holds heads / tp (key/value heads replicated where fewer than ranks)
+        for k in ("num_attention_heads", "num_key_value_heads"):
+            if k in config:
+                config[k] = max(1, config[k] // tp_size)
+    params = []
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            dtype, arr = _stored(t)
+            params.extend(weights.params_of(name, dtype, arr, config))
+    return weights.fingerprints_doc(params, config.get("num_hidden_layers"), source)

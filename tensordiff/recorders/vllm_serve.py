@@ -206,8 +206,10 @@ def _run_vllm(args, prompts, kwargs, start_engine) -> list[dict]:
             from vllm import SamplingParams
             from vllm.inputs import TokensPrompt
 
+            # the sampled token's log-prob asked for as an RL framework asks (logprobs=0: that one only)
             sp = SamplingParams(temperature=float(args.temperature), max_tokens=int(args.max_new_tokens),
-                                detokenize=False, seed=args.random_seed)
+                                detokenize=False, seed=args.random_seed, top_p=float(getattr(args, "top_p", 1.0)),
+                                top_k=max(int(getattr(args, "top_k", -1)), 0), logprobs=0)
             eng = llm.llm_engine
             step = args.batch_size or len(prompts)
             try:
@@ -224,7 +226,8 @@ def _run_vllm(args, prompts, kwargs, start_engine) -> list[dict]:
                         o = done.get(key)
                         outputs.append({"id": key, "input_ids": list(ids),
                                         "output_ids": list(o.outputs[0].token_ids) if o is not None else [],
-                                        "cached_tokens": getattr(o, "num_cached_tokens", None) if o is not None else None})
+                                        "cached_tokens": getattr(o, "num_cached_tokens", None) if o is not None else None,
+                                        "output_logprobs": output_logprobs(o)})
                 llm.collective_rpc("tensordiff_close")
             except Exception as e:  # noqa: BLE001 - the engine died while recording (EngineDeadError, ...)
                 if isinstance(e, (RecordingError, UsageError)):
@@ -237,6 +240,19 @@ def _run_vllm(args, prompts, kwargs, start_engine) -> list[dict]:
                 except Exception:  # noqa: BLE001
                     pass
     return outputs
+
+
+def output_logprobs(o) -> list[float | None] | None:
+    """The log-prob vLLM returned for each output token (``CompletionOutput.logprobs``: per token a
+    dict of token id -> Logprob, the sampled token among them)."""
+    if o is None or not o.outputs or o.outputs[0].logprobs is None:
+        return None
+    c = o.outputs[0]
+    out: list[float | None] = []
+    for tok, d in zip(c.token_ids, c.logprobs):
+        lp = d.get(tok) if d is not None else None
+        out.append(float(lp.logprob) if lp is not None else None)
+    return out
 
 
 def notes(path: str) -> list[str]:

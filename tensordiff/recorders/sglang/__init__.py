@@ -24,6 +24,9 @@ one module per job:
                     (accepted drafts, first rejected position, per draft position) per verify step
 :mod:`.control`     AFTER ``Scheduler.on_idle`` (flush), AROUND ``Scheduler.handle_rpc_request``
                     (``tensordiff_close`` / ``_flush`` / ``_pause`` / ``_resume``)
+:mod:`.rl`          AFTER ``Scheduler.process_batch_result`` and the scheduler's weight-update calls:
+                    ``sampled_logprob``, the ``sampling`` attribute, weight fingerprints per
+                    weight step, a replay's prefill log-probs (``TENSORDIFF_RL=0``: off)
 :mod:`.state`       the per-process state shared by the hooks
 =================== ===============================================================================
 
@@ -64,7 +67,7 @@ from .config import (
            rank_path,
 )
 from .control import RPC_METHODS
-from .registry import HOOK_TARGETS, hook_table, register
+from .registry import HOOK_TARGETS, RL_HOOK_TARGETS, hook_table, register
 
 __all__ = [
            "AUX",
@@ -73,6 +76,7 @@ __all__ = [
            "DRAFT_IDS",
            "ENV_TRACE",
            "HOOK_TARGETS",
+           "RL_HOOK_TARGETS",
            "RPC_METHODS",
            "RPC_PREFIX",
            "Config",

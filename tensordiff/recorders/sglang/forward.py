@@ -28,6 +28,7 @@ from .predictions import (
     record_fc,
     record_topk,
 )
+from .rl import note_rows
 from .state import STATE, Pass
 
 
@@ -121,6 +122,7 @@ def start_pass(keys) -> Pass:
         for kind, b, value in p.stash:
             record_catalog(kind, b, value, p.rows, private=p.private)
         p.stash = []
+        note_rows(p)
     return p
 
 

@@ -15,6 +15,14 @@ HOOK_TARGETS = (
     "sglang.srt.managers.scheduler.Scheduler.on_idle",
     "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request",
 )
+_WU = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+#: the RL records' hooks (:mod:`.rl`): the log-probs requests receive, the weight updates
+RL_HOOK_TARGETS = (
+    "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+    *(f"{_WU}.{event}" for event in ("update_weights_from_disk", "update_weights_from_tensor",
+                                     "update_weights_from_distributed", "update_weights_from_ipc")),
+    f"{_WU}.end_weight_update",
+)
 
 
 def hook_table() -> list[tuple[str, object, str]]:
@@ -29,6 +37,18 @@ def hook_table() -> list[tuple[str, object, str]]:
     return [(t, fn, kind) for t, (fn, kind) in zip(HOOK_TARGETS, fns)]
 
 
+def rl_hook_table() -> list[tuple[str, object, str]]:
+    """The RL records' hooks (all AFTER), in the order of :data:`RL_HOOK_TARGETS`; none with
+    ``TENSORDIFF_RL=0``."""
+    from . import rl
+
+    if not rl.RL.enabled:
+        return []
+    fns = (rl.hook_process_batch_result, *(rl.hook_weight_update(t.rpartition(".")[2]) for t in RL_HOOK_TARGETS[1:-1]),
+           rl.hook_end_weight_update)
+    return [(t, fn, "AFTER") for t, fn in zip(RL_HOOK_TARGETS, fns)]
+
+
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Inert unless ``TENSORDIFF_TRACE`` is set."""
     cfg = config_from_env(Config, log)
@@ -38,5 +58,5 @@ def register() -> None:
 
     STATE.cfg = cfg
     STATE.start_topk = cfg.topk
-    for target, fn, kind in hook_table():
+    for target, fn, kind in hook_table() + rl_hook_table():
         HookRegistry.register(target, fn, getattr(HookType, kind))

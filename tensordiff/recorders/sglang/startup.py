@@ -120,6 +120,9 @@ def setup_target(runner) -> None:
     from .predictions import install_prediction_taps
 
     install_prediction_taps(runner, draft=False)
+    from . import rl
+
+    rl.start(runner)
     if cfg.routing:
         from .catalog import install_routing
 

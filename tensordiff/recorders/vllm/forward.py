@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from .rl import before_step
 from .startup import setup
 from .state import STATE, Step
 from .verify import commit
@@ -39,6 +40,7 @@ def hook_execute_model(original, runner, scheduler_output, *args, **kwargs):
                 commit(st.pending, None)
         except Exception as e:  # noqa: BLE001
             st.fail("target step", e)
+    before_step()  # weights loaded since the last step: fingerprinted before it runs
     st.sched = scheduler_output
     st.forwarded = False
     try:

@@ -120,6 +120,9 @@ def setup(runner) -> None:
     from .predictions import install_prediction_taps
 
     install_prediction_taps(runner, model)
+    from .rl import start
+
+    start(runner)
     if captured is None and not cfg.catalog:
         st.warn_once("nothing", "this engine captures no aux hidden states (no EAGLE-3 draft) and TENSORDIFF_CATALOG "
                      "is off: only token rows are recorded")

@@ -41,6 +41,7 @@ class Step:
         self.batch_idx: list = []     # per segment: the request's index in the batch (sampler row)
         self.num_reqs = 0             # requests in the batch, scheduled tokens or not
         self.hidden = None            # torch [>=T, H] the target's final hidden states (top-k predictions)
+        self.sampled: list = []       # [(segment, trace row, token)]: the rows that sampled a kept token (RL records)
 
 
 class State(ServeState):

@@ -15,6 +15,7 @@ import time
 from .. import serving
 from .config import AUX
 from .predictions import commit_predictions
+from .rl import record_sampled
 from .state import STATE, Step
 
 
@@ -30,6 +31,7 @@ def hook_sample(out, runner, *args, **kwargs) -> None:
         sampled = to_numpy_2d(sampled) if sampled is not None else None
         with st.lock:
             commit(step, sampled)
+            record_sampled(step, out, runner)
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
     st.add_seconds(time.perf_counter() - t0)
@@ -90,6 +92,8 @@ def commit(step: Step, sampled) -> None:
                     step.next_tok[(key, last)] = rs_tok
             elif acc is not None and len(acc) and not cut:
                 step.next_tok[(key, last)] = int(acc[-1])
+                if regime != "target_verify":
+                    step.sampled.append((i, int(step.rows[keep[-1]]), int(acc[0])))
     st.dirty = True
     if step.aux is not None and (step.rows >= 0).any():
         record_aux(step.aux, step.rows)

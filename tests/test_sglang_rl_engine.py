@@ -1,0 +1,478 @@
+"""The RL records of the SGLang plugin, in real SGLang 0.5.23 on the CPU with the trained tiny Llama.
+
+Engine runs (each its own process, once per module):
+
+* ``rollout``: `tensordiff record serve` in bfloat16, sampled at temperature 1 (the RL default), the
+  catalog on: the log-prob the engine returned for every sampled token, the sampling attribute,
+  the weights it started with;
+* ``replay``: `record serve --replay` of that rollout on the same engine: every rollout token
+  computed again as a prefill;
+* ``perturbed``: the same pair on an engine whose decode attention of decoder layer 3 is scaled by
+  1.5 (a test-only SGLang plugin, ``tdperturb``, found through its own entry point): a
+  decode-path bug that only rollout vs replay can localise without the trainer;
+* ``updated``: an fp32 engine driven through ``sglang.Engine`` at temperature 0.7 with a weight
+  update in between two generations (``update_weights_from_tensor`` in a ``begin_weight_update``
+  session) that syncs layer 5 but not layer 3, as a trainer that changed both and lost one;
+* ``raw``: an fp32 engine with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` at temperature 0.7: the
+  engine returns raw log-probs where a trainer divides by the temperature.
+
+What each one must show is checked on the trace contents against HF transformers on the same
+checkpoint, and with `tensordiff diff`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import sglang_support as sup
+
+needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, needs_sglang]
+
+MAX_NEW = 8
+N_PROMPTS = 4
+PERTURB_LAYER = 3          # decoder layer whose decode attention output the test plugin scales
+PERTURB_SCALE = 1.5
+STALE, SYNCED = 3, 5       # the trainer changed both layers' down_proj; the engine received layer 5 only
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tm():
+    import trained
+
+    ps = trained.prompts()[:N_PROMPTS]
+    return {"target": trained.target_dir(), "prompts": {f"p{i}": p for i, p in enumerate(ps)}}
+
+
+def _env(extra: dict | None = None, plugins: str = "tensordiff", path: list[str] = ()) -> dict:
+    env = sup.engine_env()
+    env["SGLANG_PLUGINS"] = plugins
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join([*path, env["PYTHONPATH"]])
+    env.update(extra or {})
+    return env
+
+
+def _serve(tm, tmp: Path, name: str, *extra: str, env: dict | None = None, replay: Path | None = None) -> dict:
+    out, outputs = tmp / f"{name}.h5", tmp / f"{name}.jsonl"
+    argv = [sys.executable, "-m", "tensordiff", "record", "serve", "--model", str(tm["target"]), "--out", str(out),
+            "--outputs", str(outputs), "--catalog", "--values", "all", "--max-new-tokens", str(MAX_NEW),
+            "--batch-size", "2", "--device", "cpu", "--dtype", "bfloat16", "--chunked-prefill-size", "64",
+            "--mem-fraction-static", "0.3", "--max-total-tokens", "2048", "--log-level", "error",
+            "--attention-backend", "torch_native", *extra]
+    if replay is None:
+        argv += ["--prompts", str(sup.write_prompts(tmp / f"{name}-prompts.jsonl", tm["prompts"])),
+                 "--temperature", "1.0", "--random-seed", "7"]
+    else:
+        # the rollout's own outputs: a prompt sharing a prefix with an earlier one hit the prefix cache, so
+        # the rollout trace holds no rows for that prefix
+        argv += ["--replay", str(replay), "--replay-outputs", str(replay.with_suffix(".jsonl"))]
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=env or _env(), cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = sup.load_serve_run(out, outputs)
+    run["stdout"] = proc.stdout
+    return run
+
+
+_PERTURB_PLUGIN = '''
+import os
+
+
+def register():
+    """Scale the output of one decoder layer's attention on decode passes only (a decode-path bug)."""
+    if not os.environ.get("TENSORDIFF_TRACE"):
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def after(result, backend, q, k, v, layer, *args, **kwargs):
+        if getattr(layer, "layer_id", None) == {layer}:
+            return result * {scale}
+        return None
+
+    HookRegistry.register("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
+                          after, HookType.AFTER)
+'''
+
+
+def _perturb_plugin(root: Path) -> Path:
+    """A test-only SGLang plugin, installed the way any plugin is: a package and a dist-info whose
+    entry point is in group ``sglang.srt.plugins``, on the engine's path."""
+    (root / "tdperturb").mkdir(parents=True, exist_ok=True)
+    (root / "tdperturb" / "__init__.py").write_text(
+        _PERTURB_PLUGIN.replace("{layer}", str(PERTURB_LAYER)).replace("{scale}", str(PERTURB_SCALE)))
+    info = root / "tdperturb-0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tdperturb\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[sglang.srt.plugins]\ntdperturb = tdperturb:register\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def rollout(tm, tmp_path_factory):
+    return _serve(tm, tmp_path_factory.mktemp("rl-rollout"), "rollout")
+
+
+@pytest.fixture(scope="module")
+def replay(tm, rollout, tmp_path_factory):
+    return _serve(tm, tmp_path_factory.mktemp("rl-replay"), "replay", replay=Path(rollout["trace"]))
+
+
+@pytest.fixture(scope="module")
+def perturbed(tm, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rl-perturbed")
+    env = _env(plugins="tensordiff,tdperturb", path=[str(_perturb_plugin(tmp / "plugin"))])
+    ro = _serve(tm, tmp, "rollout", env=env)
+    rp = _serve(tm, tmp, "replay", env=env, replay=Path(ro["trace"]))
+    return {"rollout": ro, "replay": rp}
+
+
+_DRIVER = r'''
+import json, sys
+sys.path.insert(0, {tests!r})
+import sglang_support as sup
+sup.prepare_cpu_env()
+import torch
+from safetensors.torch import load_file
+args = json.loads(sys.argv[1])
+engine = sup.start_engine(**sup.engine_kwargs(args["model"], dtype="float32", mem_fraction_static=0.3,
+                                              chunked_prefill_size=64))
+out = {{}}
+try:
+    sp = {{"temperature": args["temperature"], "max_new_tokens": args["max_new"]}}
+    def gen(key):
+        o = engine.generate(input_ids=[args["prompts"][key]], sampling_params=sp, rid=[key], return_logprob=True)[0]
+        out[key] = {{"id": key, "input_ids": args["prompts"][key], "output_ids": o["output_ids"],
+                     "output_logprobs": [x[0] for x in o["meta_info"]["output_token_logprobs"]]}}
+    for key in args["before"]:
+        gen(key)
+    if args.get("update"):
+        sd = load_file(args["model"] + "/model.safetensors")
+        named = [(n, sd[n] * args["update"]["scale"]) for n in args["update"]["names"]]
+        ok = lambda r: r[0] if isinstance(r, tuple) else r.success  # (success, message)
+        assert ok(engine.begin_weight_update())
+        r = engine.update_weights_from_tensor(named)
+        assert ok(r), r
+        assert ok(engine.end_weight_update())
+    for key in args["after"]:
+        gen(key)
+    engine.collective_rpc("tensordiff_close")
+finally:
+    engine.shutdown()
+print("OUT", json.dumps(out))
+'''
+
+
+def _drive(tm, tmp: Path, name: str, *, temperature: float, update: dict | None = None,
+           extra_env: dict | None = None, before: tuple = ()) -> dict:
+    """``before``: requests generated before the weight update (left out of the outputs JSONL: the
+    trainer sees p0 and p1 only)."""
+    trace = tmp / f"{name}.h5"
+    args = {"model": str(tm["target"]), "prompts": tm["prompts"], "temperature": temperature, "max_new": MAX_NEW,
+            "update": update, "before": list(before), "after": ["p0", "p1"]}
+    env = _env({"TENSORDIFF_TRACE": str(trace), "TENSORDIFF_CATALOG": "0", **(extra_env or {})})
+    proc = subprocess.run([sys.executable, "-c", _DRIVER.format(tests=str(HERE)), json.dumps(args)], check=False,
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("OUT "))
+    outputs = json.loads(line[4:])
+    jsonl = tmp / f"{name}.jsonl"
+    jsonl.write_text("".join(json.dumps(outputs[k]) + "\n" for k in ("p0", "p1")))
+    return {"trace": str(trace), "outputs": {k: outputs[k] for k in ("p0", "p1")}, "jsonl": str(jsonl), "all": outputs}
+
+
+def _down(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def updated(tm, tmp_path_factory):
+    return _drive(tm, tmp_path_factory.mktemp("rl-updated"), "updated", temperature=0.7,
+                  update={"names": [_down(SYNCED)], "scale": 1.25}, before=("p3",))
+
+
+@pytest.fixture(scope="module")
+def raw(tm, tmp_path_factory):
+    return _drive(tm, tmp_path_factory.mktemp("rl-raw"), "raw", temperature=0.7,
+                  extra_env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _sampled(path: str) -> dict:
+    """{(seq, position): (token id, log-prob)} of a trace's sampled_logprob rows, the token rows'
+    regimes by (seq, position), and the reader's sampling attribute and weight steps."""
+    from tensordiff import conventions as cv
+    from tensordiff.trace.rl import read_sampling, read_weight_steps
+    from tensordiff.vocab import REGIMES
+
+    tr = sup.RecordedTrace(path)
+    try:
+        rows, seq, pos = tr.rows(cv.SAMPLED_LOGPROB)
+        vals = tr.r.read_values(cv.SAMPLED_LOGPROB)
+        got = {(s, int(p)): (int(v[0]), float(v[1])) for s, p, v in zip(seq, pos, vals)}
+        regime = {(s, int(p)): REGIMES[int(g)] for s, p, g in zip(tr.seq, tr.pos, tr.regime)}
+        tokens = {(s, int(p)): int(t) for s, p, t in zip(tr.seq, tr.pos, tr.tok)}
+        return {"lp": got, "regime": regime, "tokens": tokens, "sampling": read_sampling(tr.r),
+                "steps": read_weight_steps(tr.r), "attrs": dict(tr.r.f.attrs)}
+    finally:
+        tr.close()
+
+
+@functools.lru_cache(maxsize=1)
+def _hf(target):
+    return sup.load_hf_model(target)
+
+
+def _hf_logprobs(target, full: list[int], temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """(raw, divided by the temperature) log-probs of token t+1 at row t of ``full``, HF fp32."""
+    import torch
+
+    m = _hf(str(target))
+    with torch.no_grad():
+        logits = m(torch.tensor([full])).logits[0].double()
+    nxt = torch.tensor(full[1:])
+    raw = torch.log_softmax(logits[:-1], -1).gather(1, nxt[:, None])[:, 0].numpy()
+    hot = torch.log_softmax(logits[:-1] / temperature, -1).gather(1, nxt[:, None])[:, 0].numpy()
+    return raw, hot
+
+
+def _diff(a: str, b: str) -> tuple[int, dict | None, str]:
+    return sup.diff_json(a, b)
+
+
+def _train(model, source: str, out: Path, *extra: str) -> Path:
+    """`tensordiff record train --from-serve SOURCE` in float32 (the trainer)."""
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "record", "train", "--model", str(model), "--from-serve",
+                           source, "--no-draft-input", "--values", "all", "--dtype", "float32", "--device", "cpu",
+                           "--no-progress", "--out", str(out), *extra],
+                          check=False, capture_output=True, text=True, env=sup.tensordiff_env(), cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out
+
+
+def _triage(*paths) -> tuple[int, str]:
+    """`tensordiff triage TRAIN ROLLOUT [PREFILL]`: (exit code, output)."""
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "triage", *map(str, paths)], check=False,
+                          capture_output=True, text=True, env=sup.tensordiff_env(), cwd=REPO, timeout=900)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# the rollout's records
+# ----------------------------------------------------------------------------------------------
+
+
+def test_sampled_logprob_is_what_the_engine_returned(tm, rollout):
+    """One row per generated token at the row that sampled it (the last prompt token's for the
+    first), holding the token and exactly the log-prob the engine handed the request; the token
+    table says which rows ran as prefill and which as decode."""
+    got = _sampled(rollout["trace"])
+    n = 0
+    for key, o in rollout["by_id"].items():
+        plen = len(o["input_ids"])
+        assert len(o["output_ids"]) == MAX_NEW and len(o["output_logprobs"]) == MAX_NEW
+        for j, (tok, lp) in enumerate(zip(o["output_ids"], o["output_logprobs"])):
+            assert got["lp"][(key, plen + j - 1)] == (tok, lp), (key, j)
+            n += 1
+        assert got["regime"][(key, plen - 1)] == "prefill"
+        assert {got["regime"][(key, p)] for p in range(plen, plen + MAX_NEW - 1)} == {"decode"}
+    assert len(got["lp"]) == n
+    s = got["sampling"]
+    assert (s["temperature"], s["top_p"], s["top_k"], s["logprobs_mode"], s["engine"]) == (1.0, 1.0, -1, "processed",
+                                                                                          "sglang")
+
+
+def test_weights_at_start_are_the_checkpoint_served_in_bf16(tm, rollout):
+    """Step 0 fingerprints every parameter of the engine (the fused qkv/gate_up split back into the
+    checkpoint's keys), with the hashes of the checkpoint cast to bfloat16."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tensordiff import weights
+    from tensordiff.recorders.weights_fp import _stored
+
+    steps = _sampled(rollout["trace"])["steps"]
+    assert [(s.step, s.event) for s in steps] == [(0, "start")]
+    cfg = json.loads((Path(tm["target"]) / "config.json").read_text())
+    params = []
+    for name, t in load_file(str(Path(tm["target"]) / "model.safetensors")).items():
+        dtype, arr = _stored(t.to(torch.bfloat16))
+        params.extend(weights.params_of(name, dtype, arr, cfg))
+    ck = weights.checkpoint_from_doc(weights.fingerprints_doc(params, cfg["num_hidden_layers"], "ckpt"), "ckpt")
+    res = weights.compare(ck, steps[0].checkpoint())
+    assert (res.diffs, res.only_a, res.only_b) == ([], [], []), res.lines()
+    assert res.compared == len(params) and res.compared > 8 * 9
+
+
+def test_correct_pair_engine_bf16_vs_trainer_fp32_agrees_both_orders(tm, rollout, tmp_path):
+    """The bf16 engine and `record train --from-serve` in fp32 on the very tokens served: no
+    finding, either order."""
+    train = _train(tm["target"], rollout["outputs"], tmp_path / "train.h5")
+    for a, b in ((train, rollout["trace"]), (rollout["trace"], train)):
+        rc, doc, err = _diff(str(a), str(b))
+        assert rc == 0, (a, b, err[-2000:], json.dumps(doc)[:3000] if doc else None)
+    rc, out = _triage(train, rollout["trace"])
+    assert rc == 0 and out.startswith("no cause"), out[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# replay: decode vs prefill inside the engine
+# ----------------------------------------------------------------------------------------------
+
+
+def test_replay_recomputes_every_rollout_token_as_prefill(rollout, replay):
+    ro, rp = _sampled(rollout["trace"]), _sampled(replay["trace"])
+    attr = json.loads(rp["attrs"]["replay"])
+    assert attr["rollout"] == os.path.abspath(rollout["trace"]) and attr["regime"] == "prefill"
+    assert (attr["max_tokens"], attr["prefix_cache"], attr["sequences"]) == (1, False, N_PROMPTS)
+    assert "replay" not in ro["attrs"]
+    for key, full in rollout["full"].items():   # every rollout token, each computed as a prefill
+        for p, t in enumerate(full[:-1]):
+            assert rp["tokens"][(key, p)] == t and rp["regime"][(key, p)] == "prefill", (key, p)
+    # the prefill's log-prob of every sampled token, at the rollout's rows
+    assert set(rp["lp"]) == set(ro["lp"])
+    assert all(rp["lp"][k][0] == ro["lp"][k][0] for k in ro["lp"])
+    assert rp["sampling"]["logprobs_mode"] == "raw" and rp["sampling"]["temperature"] == 1.0
+
+
+def _logprob_gap(pair: dict) -> np.ndarray:
+    ro, rp = _sampled(pair["rollout"]["trace"]), _sampled(pair["replay"]["trace"])
+    keys = sorted(ro["lp"])
+    return np.array([abs(ro["lp"][k][1] - rp["lp"][k][1]) for k in keys])
+
+
+def test_replay_of_a_correct_engine_agrees(rollout, replay):
+    rc, doc, err = _diff(rollout["trace"], replay["trace"])
+    assert rc == 0, (err[-2000:], json.dumps(doc)[:3000] if doc else None)
+
+
+def test_a_decode_only_bug_is_found_by_rollout_vs_replay(tm, rollout, replay, perturbed, tmp_path):
+    """Layer 3's decode attention scaled by 1.5: the rollout (decode rows) leaves its own replay (prefill)
+    first at the output of decoder layer 3, and the log-probs of the sampled tokens move far
+    more than decode vs prefill of the correct engine."""
+    rc, doc, err = _diff(perturbed["rollout"]["trace"], perturbed["replay"]["trace"])
+    assert rc == 1, (err[-2000:], json.dumps(doc)[:3000] if doc else None)
+    first = json.dumps(doc["result"]["first_divergence"]) if "result" in doc else json.dumps(doc)
+    assert f"layer{PERTURB_LAYER + 1}" in first, first[:3000]
+    bad = _logprob_gap(perturbed)
+    good = _logprob_gap({"rollout": rollout, "replay": replay})
+    assert bad.mean() > 5 * good.mean(), (bad.mean(), good.mean())
+    # with the trainer (correct) and the re-run, the triage names the engine's decode path
+    train = _train(tm["target"], perturbed["rollout"]["outputs"], tmp_path / "train.h5")
+    rc, out = _triage(train, perturbed["rollout"]["trace"], perturbed["replay"]["trace"])
+    assert rc == 1 and out.startswith("the engine's decode path"), out[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# weight updates
+# ----------------------------------------------------------------------------------------------
+
+
+def _variant(tm, root: Path, scale: dict[int, float]) -> Path:
+    """A copy of the trained target with ``down_proj`` of the given layers scaled: the trainer's
+    weights after its update."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = root / "trainer-model"
+    if not out.exists():
+        shutil.copytree(tm["target"], out)
+        sd = load_file(str(out / "model.safetensors"))
+        for layer, f in scale.items():
+            sd[_down(layer)] = sd[_down(layer)] * f
+        save_file(sd, str(out / "model.safetensors"))
+    return out
+
+
+def test_weight_update_is_a_new_step_and_the_stale_layer_is_named(tm, updated, tmp_path):
+    """Step 1 after the session that synced layer 5: it differs from step 0 at layer 5's
+    down_proj only, the passes before it (p3) are at earlier forward steps than it and the passes
+    after it (p0, p1) at later ones; against the trainer that changed layers 3 and 5, its
+    fingerprints differ first and only at the stale layer 3, and the triage names it."""
+    from tensordiff import weights
+
+    got = _sampled(updated["trace"])
+    steps = got["steps"]
+    assert [(s.step, s.event) for s in steps] == [(0, "start"), (1, "update_weights_from_tensor")]
+    res = weights.compare(steps[0].checkpoint(), steps[1].checkpoint())
+    assert [d.name_a for d in res.diffs] == [_down(SYNCED)], res.lines()
+    tr = sup.RecordedTrace(updated["trace"])
+    try:
+        step = {s: tr.step[tr.seq == s] for s in ("p3", "p0", "p1")}
+    finally:
+        tr.close()
+    assert steps[0].forward_step <= step["p3"].min() and step["p3"].max() < steps[1].forward_step
+    assert steps[1].forward_step <= min(step["p0"].min(), step["p1"].min())
+    model = _variant(tm, tmp_path, {STALE: 1.25, SYNCED: 1.25})
+    train = _train(model, updated["jsonl"], tmp_path / "train.h5", "--temperature", "0.7")
+    rc, out = _triage(train, updated["trace"])
+    first = out.splitlines()[0]
+    assert rc == 1 and first.startswith("weights:"), out[-3000:]
+    assert f"model.layers.{STALE}.mlp.down_proj.weight" in first and "stale" in first, first
+    assert f"layers.{SYNCED}." not in first, first
+
+
+# ----------------------------------------------------------------------------------------------
+# temperature: processed vs raw log-probs
+# ----------------------------------------------------------------------------------------------
+
+
+def _against_hf(target, run: dict, temperature: float) -> tuple[float, float]:
+    """Mean |engine - HF raw| and |engine - HF / T| over the generated tokens of a driven run (HF
+    fp32 with the weights the engine served, ``target``)."""
+    got = _sampled(run["trace"])
+    d_raw, d_hot = [], []
+    for key, o in run["outputs"].items():
+        full = o["input_ids"] + o["output_ids"]
+        raw, hot = _hf_logprobs(target, full, temperature)
+        plen = len(o["input_ids"])
+        for j, tok in enumerate(o["output_ids"]):
+            t, lp = got["lp"][(key, plen + j - 1)]
+            assert t == tok and lp == o["output_logprobs"][j]
+            d_raw.append(abs(lp - raw[plen + j - 1]))
+            d_hot.append(abs(lp - hot[plen + j - 1]))
+    return float(np.mean(d_raw)), float(np.mean(d_hot))
+
+
+def test_processed_logprobs_are_divided_by_the_temperature(tm, updated, tmp_path):
+    """SGLang's default: log_softmax(logits / T) of the weights it served (layer 5 updated)."""
+    got = _sampled(updated["trace"])
+    assert got["sampling"]["logprobs_mode"] == "processed" and got["sampling"]["temperature"] == pytest.approx(0.7)
+    served = _variant(tm, tmp_path, {SYNCED: 1.25})
+    d_raw, d_hot = _against_hf(served, updated, 0.7)
+    assert d_hot < 1e-3 < d_raw, (d_raw, d_hot)
+
+
+def test_raw_logprobs_are_recorded_as_raw_and_triaged_as_the_temperature(tm, raw, tmp_path):
+    """SGLANG_RETURN_ORIGINAL_LOGPROB: the engine returns log_softmax(logits) at temperature 0.7;
+    the sampling attribute says raw, the values are the raw ones, and against a trainer that
+    divides by the temperature the triage names raw against processed log-probs."""
+    got = _sampled(raw["trace"])
+    assert got["sampling"]["logprobs_mode"] == "raw" and got["sampling"]["temperature"] == pytest.approx(0.7)
+    d_raw, d_hot = _against_hf(tm["target"], raw, 0.7)
+    assert d_raw < 1e-3 < d_hot, (d_raw, d_hot)
+    train = _train(tm["target"], raw["jsonl"], tmp_path / "train.h5", "--temperature", "0.7")
+    rc, out = _triage(train, raw["trace"])
+    first = out.splitlines()[0]
+    assert rc == 1 and first.startswith("log-probs:") and "raw" in first, out[-3000:]
