@@ -74,8 +74,9 @@ RUNS = [
                                               "--layers", "8", "--cache", "warm"), timeout=5400.0),
     Run("vllm-eagle", "bench_vllm_overhead.py", ("--rounds", "3")),
     Run("sglang-eagle", "bench_sglang_overhead.py", ("--mode", "eagle", "--rounds", "5")),
+    # a diff of 10M tokens takes minutes on this machine: one timed run of each mode after the warm-up
     Run("tui-10m", "bench_tui.py", ("--tokens", "1000000", "10000000", "--wide", "none", "--stream-only",
-                                    "--repeat", "2")),
+                                    "--repeat", "1")),
     Run("train-from-serve", "bench_train_from_serve.py", ("--rounds", "3")),
     Run("narrow", "bench_narrow.py"),
     Run("identity", "bench_identity.py"),
