@@ -88,8 +88,8 @@ RUNS = [
 ]
 
 # the RL records (sampled log-probs, weight fingerprints, router choices) are another branch's
-# work: until the SGLang bench records them (config "rl_records": true in its JSON) the row
-# measures the plugin as it is, and says so
+# work: until the SGLang bench records them (its --rl switch, on by default: config "rl": "on" in
+# its JSON) the row measures the plugin as it is, and says so
 SGLANG_RL_NOTE = "RL records not in this checkout's plugin: measures the plugin without them"
 
 GOALS: list[Goal] = []
@@ -187,7 +187,7 @@ def load_result(path: str) -> tuple[dict | None, str]:
 
 def judge(goal: Goal, res: dict | None, why: str) -> dict:
     row = {"goal": goal.name, "figure": goal.figure, "op": goal.op, "target": goal.target, "run": goal.run}
-    if goal.note and not (res or {}).get("config", {}).get("rl_records"):
+    if goal.note and (res or {}).get("config", {}).get("rl") != "on":
         row["note"] = goal.note
     if res is None:
         return {**row, "status": "FAIL", "measured": False, "why": f"not measured: {why}"}

@@ -86,7 +86,7 @@ def test_every_goal_of_the_machine_limits_issue_is_a_row():
 def test_the_sglang_row_says_what_it_measures_until_the_rl_records_are_in(tmp_path, capsys):
     g = next(g for g in goals.GOALS if g.run == "sglang-eagle" and g.issue == 30)
     assert goals.judge(g, {"figures": {"plugin_share": 0.04}, "config": {}}, "")["note"] == goals.SGLANG_RL_NOTE
-    assert "note" not in goals.judge(g, {"figures": {"plugin_share": 0.04}, "config": {"rl_records": True}}, "")
+    assert "note" not in goals.judge(g, {"figures": {"plugin_share": 0.04}, "config": {"rl": "on"}}, "")
     assert goals.main(["--issue", "30", "--only", "sglang", "--from", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "not measured: no readable result" in out and goals.SGLANG_RL_NOTE in out and "FAIL" in out
