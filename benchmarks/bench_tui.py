@@ -453,13 +453,17 @@ def main() -> None:
           "end minus RSS@rows; (no stream): the same without the streaming sink; diff: until the findings show.")
     if args.json:
         def key(n: int) -> str:
-            return "1m" if n == 1_000_000 else (f"{n // 1000}k" if n % 1000 == 0 else str(n))
+            if n % 1_000_000 == 0:
+                return f"{n // 1_000_000}m"
+            return f"{n // 1000}k" if n % 1000 == 0 else str(n)
         figures: dict = {}
         for r in streams:
             sfx = key(r["tokens"]) + ("" if r["hidden"] == args.hidden else f"_x{r['hidden']}")
             figures[f"first_rows_s_{sfx}"] = r["first_rows_s"]
             figures[f"rss_growth_mb_{sfx}"] = r["rss_growth_mb"]
             figures[f"rss_growth_unstreamed_mb_{sfx}"] = r["rss_growth_unstreamed_mb"]
+            # what streaming rows to the heatmap adds to the diff's own memory: flat when it does not grow with tokens
+            figures[f"stream_rss_extra_mb_{sfx}"] = r["rss_growth_mb"] - r["rss_growth_unstreamed_mb"]
             figures[f"aligned_s_{sfx}"] = r["stages"].get("tokens aligned", float("nan"))
             figures[f"first_block_s_{sfx}"] = r["stages"].get("first block", float("nan"))
             figures[f"opened_s_{sfx}"] = r["stages"].get("aligning tokens start", float("nan"))

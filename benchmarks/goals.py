@@ -3,13 +3,16 @@
 Runs each benchmark script once per configuration, one after the other (never two at once: they
 would load each other), with ``--json FILE``, and judges the figures it wrote against the goals:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/goals.py [--only SUBSTR ...] [--list]
+    PYTHONPATH=. .venv/bin/python benchmarks/goals.py [--only SUBSTR ...] [--issue N] [--list]
         [--results DIR] [--from DIR] [--json FILE]
 
 Each benchmark measures its own baseline in the same run (interleaved in random order after a
 warm-up) and writes ratios and figures; this script only runs them and compares. A goal whose
-benchmark failed, timed out or did not write the figure is reported as NOT MEASURED and counts as
-a failure: a goal is never passed by default.
+benchmark failed, timed out or did not write the figure is a FAIL whose row says why it was not
+measured: a goal is never passed, nor skipped, by default. ``--issue 30`` keeps the goals of the
+machine's limits (the diff against the page-cache read rate, the plugins within 5%, the TUI at
+10M tokens, ``record train --from-serve`` against a plain forward); the table puts the newest
+issue's goals first and prints ``/proc/loadavg``.
 
 ``--only`` keeps the goals whose name or benchmark contains any of the given strings (the full set
 takes 30-60 minutes on the project's 2-core machine, most of it the 100k-token pair and the SGLang
@@ -54,36 +57,61 @@ class Goal:
     op: str  # ">=" or "<=" or "=="
     target: float | bool
     unit: str = ""
+    issue: int = 12      # the issue that set the goal (the table groups by it)
+    note: str = ""       # what the row measures when it is not exactly the goal's wording
 
 
-DIFF = ("--repeat", "3", "--no-comparator")
+# the diff runs take --bytecode: every task imports bytecode compiled once, as an installed package
+# does (a checkout without scripts/setup.sh would otherwise time the CLI compiling its sources)
+DIFF = ("--repeat", "3", "--no-comparator", "--bytecode")
 RUNS = [
     Run("diff-default", "bench_diff.py", DIFF),
     Run("diff-64-layers", "bench_diff.py", (*DIFF, "--layers", "64")),
     Run("diff-8k-tokens", "bench_diff.py", (*DIFF, "--tokens", "8192")),
     # 13 GB does not stay in the page cache beside the plain script (8 GB RSS): every task starts
     # from the same warm cache, not from whatever the task before it left
-    Run("diff-100k-tokens", "bench_diff.py", ("--repeat", "2", "--no-comparator", "--tokens", "100000",
+    Run("diff-100k-tokens", "bench_diff.py", ("--repeat", "2", "--no-comparator", "--bytecode", "--tokens", "100000",
                                               "--layers", "8", "--cache", "warm"), timeout=5400.0),
+    Run("vllm-eagle", "bench_vllm_overhead.py", ("--rounds", "3")),
+    Run("sglang-eagle", "bench_sglang_overhead.py", ("--mode", "eagle", "--rounds", "5")),
+    # a diff of 10M tokens takes minutes on this machine: one timed run of each mode after the warm-up
+    Run("tui-10m", "bench_tui.py", ("--tokens", "1000000", "10000000", "--wide", "none", "--stream-only",
+                                    "--repeat", "1")),
+    Run("train-from-serve", "bench_train_from_serve.py", ("--rounds", "3")),
     Run("narrow", "bench_narrow.py"),
     Run("identity", "bench_identity.py"),
     Run("memory", "bench_memory.py"),
     Run("write", "bench_write.py"),
     Run("zoom", "bench_zoom.py"),
     Run("tui", "bench_tui.py"),
-    Run("sglang-eagle", "bench_sglang_overhead.py", ("--mode", "eagle", "--rounds", "5")),
     Run("sensitivity", "bench_sensitivity.py", ("--engines", "sglang", "vllm")),
 ]
+
+# the RL records (sampled log-probs, weight fingerprints, router choices) are another branch's
+# work: until the SGLang bench records them (its --rl switch, on by default: config "rl": "on" in
+# its JSON) the row measures the plugin as it is, and says so
+SGLANG_RL_NOTE = "RL records not in this checkout's plugin: measures the plugin without them"
 
 GOALS: list[Goal] = []
 for _run in ("diff-default", "diff-64-layers", "diff-8k-tokens", "diff-100k-tokens"):
     GOALS += [
-        Goal(f"{_run}: in-process diff vs plain h5py read", _run, "inproc_vs_read", ">=", 0.8, "x"),
-        Goal(f"{_run}: CLI vs plain per-layer script", _run, "cli_vs_script", ">=", 2.0, "x"),
-        Goal(f"{_run}: peak RSS of the CLI", _run, "rss_mb", "<=", 300, " MB"),
+        Goal(f"{_run}: in-process diff vs readinto of the same files (page-cache read rate)", _run,
+             "inproc_vs_readinto", ">=", 0.6, "x", issue=30),
+        Goal(f"{_run}: CLI vs plain per-layer script", _run, "cli_vs_script", ">=", 3.0, "x", issue=30),
+        Goal(f"{_run}: peak RSS of the CLI", _run, "rss_mb", "<=", 300, " MB", issue=30),
         Goal(f"{_run}: names the corrupted layer first", _run, "names_corrupt", "==", True),
+        Goal(f"{_run}: in-process diff vs plain h5py read", _run, "inproc_vs_read", ">=", 0.8, "x"),
     ]
 GOALS += [
+    Goal("vLLM plugin time, EAGLE-3 with predictions (top-20)", "vllm-eagle", "plugin_share", "<=", 0.05, issue=30),
+    Goal("SGLang plugin time, EAGLE-3 with predictions and the RL records", "sglang-eagle", "plugin_share", "<=",
+         0.05, issue=30, note=SGLANG_RL_NOTE),
+    Goal("TUI: first real heatmap rows at 1M tokens", "tui-10m", "first_rows_s_1m", "<=", 0.5, " s", issue=30),
+    Goal("TUI: first real heatmap rows at 10M tokens", "tui-10m", "first_rows_s_10m", "<=", 1.0, " s", issue=30),
+    Goal("TUI: memory flat at 10M tokens (streaming's RSS beyond the diff's own)", "tui-10m",
+         "stream_rss_extra_mb_10m", "<=", 50, " MB", issue=30),
+    Goal("record train --from-serve vs plain HF forward, tokens/s, same batch", "train-from-serve",
+         "from_serve_vs_forward", ">=", 0.8, "x", issue=30),
     Goal("diff-default: probe share of the CLI's time", "diff-default", "probe_share", "<=", 0.05),
     Goal("narrow 1M tokens x 8: tokens/s per tensor pair", "narrow", "tokens_per_s", ">=", 1e6, " tok/s"),
     Goal("narrow 1M tokens x 8: peak RSS", "narrow", "rss_mb", "<=", 300, " MB"),
@@ -95,9 +123,7 @@ GOALS += [
     Goal("peak RSS: 1M tokens narrow", "memory", "rss_mb_1m_narrow", "<=", 300, " MB"),
     Goal("writer on the recorder path vs raw appends", "write", "recorder_vs_raw", ">=", 0.8, "x"),
     Goal("zoom: recording one layer's taps vs the plain recording", "zoom", "zoom_ratio", "<=", 2.0, "x"),
-    Goal("TUI: first real heatmap rows at 1M tokens", "tui", "first_rows_s_1m", "<=", 1.0, " s"),
-    Goal("SGLang plugin time, EAGLE-3 with predictions (issue 15; 5.3% stated before the taps)", "sglang-eagle",
-         "plugin_share", "<=", 0.053),
+    Goal("TUI: first real heatmap rows at 1M tokens (earlier goal)", "tui", "first_rows_s_1m", "<=", 1.0, " s"),
     # the verdict against injected bugs and correct pairs of real recordings
     Goal("sensitivity: false alarms on correct pairs (HF, SGLang, vLLM; both orders)", "sensitivity",
          "false_alarms", "==", 0),
@@ -110,10 +136,10 @@ GOALS += [
 OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
 
 
-def select(only: list[str]) -> tuple[list[Run], list[Goal]]:
-    if not only:
-        return RUNS, GOALS
-    goals = [g for g in GOALS if any(s in g.name or s in g.run or s in _script(g.run) for s in only)]
+def select(only: list[str], issue: int | None = None) -> tuple[list[Run], list[Goal]]:
+    goals = [g for g in GOALS if issue is None or g.issue == issue]
+    if only:
+        goals = [g for g in goals if any(s in g.name or s in g.run or s in _script(g.run) for s in only)]
     keys = {g.run for g in goals}
     return [r for r in RUNS if r.key in keys], goals
 
@@ -134,7 +160,7 @@ def measure(run: Run, out_dir: str) -> tuple[dict | None, str]:
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = os.path.join(out_dir, f"{run.key}.log")
     t0 = time.monotonic()
-    print(f"-- {run.key}: {run.script} {' '.join(run.args)}  (load {os.getloadavg()[0]:.2f})", flush=True)
+    print(f"-- {run.key}: {run.script} {' '.join(run.args)}  (/proc/loadavg {_loadavg()})", flush=True)
     try:
         with open(log, "w") as fh:
             proc = subprocess.run([sys.executable, script, *run.args, "--json", path], cwd=REPO, env=env,
@@ -161,16 +187,26 @@ def load_result(path: str) -> tuple[dict | None, str]:
 
 def judge(goal: Goal, res: dict | None, why: str) -> dict:
     row = {"goal": goal.name, "figure": goal.figure, "op": goal.op, "target": goal.target, "run": goal.run}
+    if goal.note and (res or {}).get("config", {}).get("rl") != "on":
+        row["note"] = goal.note
     if res is None:
-        return {**row, "status": "NOT MEASURED", "why": why}
+        return {**row, "status": "FAIL", "measured": False, "why": f"not measured: {why}"}
     val = res["figures"].get(goal.figure)
     row.update(commit=res.get("commit"), dirty=res.get("dirty"), load=res.get("load"))
     if val is None or (not isinstance(val, bool) and not isinstance(val, (int, float))):
-        return {**row, "status": "NOT MEASURED", "why": f"{goal.figure} missing from the result"}
+        return {**row, "status": "FAIL", "measured": False, "why": f"not measured: {goal.figure} missing from the result"}
     if isinstance(val, float) and val != val:
-        return {**row, "value": None, "status": "NOT MEASURED", "why": f"{goal.figure} is NaN"}
+        return {**row, "value": None, "status": "FAIL", "measured": False, "why": f"not measured: {goal.figure} is NaN"}
     ok = OPS[goal.op](val, goal.target)
-    return {**row, "value": val, "status": "PASS" if ok else "FAIL"}
+    return {**row, "value": val, "measured": True, "status": "PASS" if ok else "FAIL"}
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"
 
 
 def fmt_value(v: float | bool | None, unit: str) -> str:
@@ -194,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", help="keep each benchmark's JSON and log here (default: a temporary directory)")
     ap.add_argument("--from", dest="from_dir", help="judge the JSON files of an earlier --results DIR; measure nothing")
     ap.add_argument("--json", help="write the judged goals here as JSON")
+    ap.add_argument("--issue", type=int, help="only the goals this issue set (30: the machine's limits)")
     a = ap.parse_args(argv)
-    runs, goals = select(a.only)
+    runs, goals = select(a.only, a.issue)
     if not goals:
         ap.error(f"no goal matches {a.only}")
     if a.list:
@@ -215,16 +252,19 @@ def main(argv: list[str] | None = None) -> int:
             results[r.key] = measure(r, out_dir)
     rows = [judge(g, *results[g.run]) for g in goals]
     print()
-    print("| goal | measured | target | status | commit, 1-min load (start-end) |")
-    print("|---|---|---|---|---|")
-    for g, row in zip(goals, rows):
+    print(f"/proc/loadavg at the end: {_loadavg()}")
+    print("| issue | goal | measured | target | status | commit, 1-min load (start-end) |")
+    print("|---|---|---|---|---|---|")
+    for g, row in sorted(zip(goals, rows), key=lambda gr: -gr[0].issue):
         target = fmt_value(g.target, g.unit)
         where = "-"
         if row.get("commit"):
             load = row.get("load") or []
             where = f"{row['commit']}{'+dirty' if row.get('dirty') else ''}, " + "-".join(f"{x:.1f}" for x in load)
-        measured = fmt_value(row.get("value"), g.unit) if row["status"] != "NOT MEASURED" else row["why"]
-        print(f"| {g.name} | {measured} | {g.op} {target} | {row['status']} | {where} |")
+        measured = fmt_value(row.get("value"), g.unit) if row["measured"] else row["why"]
+        if row.get("note"):
+            measured += f" ({row['note']})"
+        print(f"| {g.issue} | {g.name} | {measured} | {g.op} {target} | {row['status']} | {where} |")
     passed = sum(r["status"] == "PASS" for r in rows)
     print(f"\n{passed} of {len(rows)} goals passed; results in {out_dir}")
     if a.json:

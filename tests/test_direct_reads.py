@@ -74,3 +74,59 @@ def test_unallocated_chunk_goes_through_h5py(tmp_path):
         assert r._direct_rows(ds, 8, 12, buf[:4]) and (buf[:4] == 3).all()
     finally:
         r.f.close()
+
+
+def _count_preadv(monkeypatch):
+    """Bytes and calls of every os.preadv the reader makes."""
+    seen = {"bytes": 0, "calls": 0}
+    real = os.preadv
+
+    def counted(fd, bufs, offset, *rest):
+        n = real(fd, bufs, offset, *rest)
+        seen["bytes"] += n
+        seen["calls"] += 1
+        return n
+
+    monkeypatch.setattr(os, "preadv", counted)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["layer0", "layer1"])
+def test_runs_of_rows_read_only_their_rows(tmp_path, monkeypatch, name):
+    """A sample made of a few runs of consecutive rows (the noise model's, an identity search's)
+    reads those rows straight into the result, not the whole span between them."""
+    p = write(str(tmp_path / "t.h5"), rows=4000, width=512)
+    with TraceReader(p) as r:
+        ds = r._ds[name]["values"]
+        row_bytes = ds.dtype.itemsize * ds.shape[1]
+        full = ds[()]
+        idx = np.concatenate([np.arange(s, s + 64) for s in (0, 900, 1700, 2900, 3936)])
+        seen = _count_preadv(monkeypatch)
+        got = r.read_at(name, "values", idx)
+        assert np.array_equal(got, full[idx])
+        assert seen["bytes"] == len(idx) * row_bytes   # the rows asked for, nothing between them
+        out = np.empty((len(idx) + 10,) + ds.shape[1:], ds.dtype)
+        got = r.read_at(name, "values", idx, out=out)
+        assert np.array_equal(got, full[idx]) and np.shares_memory(got, out)
+
+
+def test_runs_in_any_order_and_repeats_still_read_right(tmp_path):
+    p = write(str(tmp_path / "t.h5"), rows=3000, width=256)
+    with TraceReader(p) as r:
+        full = r._ds["layer0"]["values"][()]
+        rng = np.random.default_rng(3)
+        for _ in range(30):
+            parts = [np.arange(s, s + int(rng.integers(1, 200))) for s in rng.integers(0, 2800, int(rng.integers(1, 9)))]
+            idx = np.concatenate(parts)
+            if rng.random() < 0.5:
+                idx = idx[::-1].copy()
+            assert np.array_equal(r.read_at("layer0", "values", idx), full[idx])
+
+
+def test_a_slice_without_a_buffer_reads_straight_from_the_file(tmp_path, monkeypatch):
+    p = write(str(tmp_path / "t.h5"), rows=2000, width=256)
+    with TraceReader(p) as r:
+        full = r._ds["layer1"]["values"][()]
+        seen = _count_preadv(monkeypatch)
+        got = r.read_values("layer1", 100, 1500, raw=True)
+        assert np.array_equal(got, full[100:1500]) and seen["bytes"] == 1400 * 256 * 4

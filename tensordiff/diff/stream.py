@@ -83,6 +83,7 @@ class SerialBackend:
     def __init__(self, read_lock: contextlib.AbstractContextManager[object] | None = None):
         self._lock = read_lock if read_lock is not None else contextlib.nullcontext()
         self._read_pool: ThreadPoolExecutor | None = None
+        self._side_pool: ThreadPoolExecutor | None = None   # reads B's rows while the reader reads A's
         self._lane_pool: ThreadPoolExecutor | None = None
         self._lanes = 1
         self._shared: Generator[_Block, None, None] | None = None
@@ -98,6 +99,8 @@ class SerialBackend:
         if jobs:
             if self._read_pool is None:
                 self._read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read")
+            if self._side_pool is None and self._lanes > 1 and plan.a is not plan.b:
+                self._side_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read-b")
             self._shared = _prefetch(self._read_all(plan, jobs), self._read_pool)
 
     def blocks(self, job: PairJob) -> Iterator[tuple[Codes, Metrics]]:
@@ -128,17 +131,21 @@ class SerialBackend:
 
     def close(self) -> None:
         self.stop()
-        if self._read_pool is not None:
-            self._read_pool.shutdown(wait=True)
-            self._read_pool = None
+        for pool in (self._read_pool, self._side_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._read_pool = self._side_pool = None
 
     def _read_all(self, plan: DiffPlan, jobs: tuple[PairJob, ...]
                   ) -> Iterator[_Block]:
         """``(pair, aligned indices, rows of A, rows of B, last of its pair)``: the blocks of every
         job in order, in stored form. Two buffer sets of bytes alternate (the block being compared
         is never the one being read), reused across pairs of any width; they grow only for a
-        wider block."""
+        wider block. With a second core, B's rows are read in a second thread while this one
+        reads A's: a read from the page cache is a copy by one core, and one core alone copies
+        slower than the lanes measure."""
         a, b = plan.a, plan.b
+        side = self._side_pool
         bufs: list[list[np.ndarray]] = [[np.empty(0, np.uint8), np.empty(0, np.uint8)] for _ in range(2)]
         i = 0
         for job in jobs:
@@ -152,8 +159,15 @@ class SerialBackend:
                 outs = [_typed(pair_bufs, side, len(blk), ds) for side, ds in ((0, da), (1, db))]
                 i += 1
                 with self._lock:
-                    got_a = a.read_at(job.a.name, part, job.rows_a[blk], out=outs[0])
-                    got_b = b.read_at(job.b.name, part, job.rows_b[blk], out=outs[1])
+                    if side is not None:
+                        fut = side.submit(b.read_at, job.b.name, part, job.rows_b[blk], out=outs[1])
+                        try:
+                            got_a = a.read_at(job.a.name, part, job.rows_a[blk], out=outs[0])
+                        finally:
+                            got_b = fut.result()   # waited for even when A's read failed: the buffer is in use
+                    else:
+                        got_a = a.read_at(job.a.name, part, job.rows_a[blk], out=outs[0])
+                        got_b = b.read_at(job.b.name, part, job.rows_b[blk], out=outs[1])
                 yield (job.index, blk, got_a, got_b, s0 + n >= len(idx))
 
 

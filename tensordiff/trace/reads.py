@@ -24,6 +24,8 @@ from .schema import TensorInfo, slot_rms
 from .validate import short
 
 _SPAN_BYTES = 4 << 20  # scattered reads: read a span this large whole, then pick rows
+_RUN_BYTES = 256 << 10  # increasing rows in runs at least this long (on average) are read run by run
+_FEW_RUNS = 8           # ... as are increasing rows in at most this many runs, however short
 OPEN_DATASETS = 64     # datasets kept open at once (see RowReads._dataset)
 
 
@@ -421,6 +423,12 @@ class RowReads:
                 if not self._direct_rows(ds, start, start + n, dest):
                     ds.read_direct(dest, np.s_[start:start + n])  # no fresh allocation per block
                 return dest
+            if isinstance(sel, slice) and sel.step in (None, 1) and not getattr(ds, "derived", False):
+                lo, hi, _ = sel.indices(ds.shape[0])
+                if hi > lo:   # straight from the file into a fresh array when the dataset allows
+                    dest = np.empty((hi - lo,) + tuple(ds.shape[1:]), ds.dtype)
+                    if self._direct_rows(ds, lo, hi, dest):
+                        return dest
             block: np.ndarray = ds[sel]
             return block
         except (OSError, ValueError, TypeError) as e:
@@ -457,9 +465,14 @@ class RowReads:
             except (IndexError, ValueError) as e:
                 raise TraceFileError(f"cannot read {what} ({short(e)})", self.path) from None
             return got
+        row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
+        # runs only where they come straight from the file: through h5py, a chunk shared by two
+        # runs of a filtered dataset would be decompressed twice
+        runs = _runs(idx, row_bytes) if self._direct_fd() is not None and self._chunk_table(ds) is not None else None
+        if runs is not None:
+            return self._take_runs(ds, idx, runs, out, what)
         uniq, inv = np.unique(idx, return_inverse=True)
         lo, hi = int(uniq[0]), int(uniq[-1]) + 1
-        row_bytes = max(1, int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize)
         if (hi - lo) * row_bytes <= _SPAN_BYTES or hi - lo <= 4 * len(uniq):
             block = self._read_ds(ds, np.s_[lo:hi], None, what)[uniq - lo]
         else:
@@ -473,6 +486,23 @@ class RowReads:
                 block[part_idx] = self._read_ds(ds, np.s_[a0:a1], None, what)[u - a0]
         picked: np.ndarray = block[inv]
         return picked
+
+    def _take_runs(self, ds: Any, idx: np.ndarray, cuts: np.ndarray, out: np.ndarray | None, what: str) -> np.ndarray:
+        """Rows ``idx`` (increasing, runs of consecutive rows starting at ``cuts``) read run by run
+        straight into the result (``out`` when it fits): only the rows asked for, no copy after."""
+        shape = (len(idx),) + tuple(ds.shape[1:])
+        size = int(np.prod(shape, dtype=np.int64))
+        if out is not None and out.dtype == ds.dtype and out.flags.c_contiguous and out.size >= size:
+            dest = out.reshape(-1)[:size].reshape(shape)
+        else:
+            dest = np.empty(shape, ds.dtype)
+        bounds = [*cuts.tolist(), len(idx)]
+        for p0, p1 in zip(bounds[:-1], bounds[1:]):
+            lo = int(idx[p0])
+            got = self._read_ds(ds, np.s_[lo:lo + p1 - p0], dest[p0:p1], what)
+            if not np.may_share_memory(got, dest):
+                dest[p0:p1] = got
+        return dest
 
     def read_values_at(self, name: str, idx: np.ndarray, *, raw: bool = False,
                        out: np.ndarray | None = None) -> np.ndarray:
@@ -526,3 +556,17 @@ class RowReads:
         self._read_ds(ds, np.s_[0:1], None, what)
         self._read_ds(ds, np.s_[rows - 1:rows], None, what)
 
+
+def _runs(idx: np.ndarray, row_bytes: int) -> np.ndarray | None:
+    """Where each run of consecutive rows starts in ``idx`` when the rows increase and come in
+    runs worth a read of their own (few, or long on average); None otherwise (a span read and a
+    pick serve scattered rows better)."""
+    if len(idx) < 2:
+        return None
+    step = np.diff(idx)
+    if not bool((step > 0).all()):
+        return None
+    cuts = np.concatenate(([0], np.flatnonzero(step != 1) + 1))
+    if len(cuts) <= _FEW_RUNS or len(idx) * row_bytes >= len(cuts) * _RUN_BYTES:
+        return cuts
+    return None

@@ -1,0 +1,74 @@
+"""The serial backend reads B's rows in a second thread while its reader reads A's (with a second
+core): the diff is the same bytes as with one reader, on pairs with real divergences, for single
+files and trace sets, in both orders, and a failed read still ends the diff with the file's error."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+import importlib
+from setgen import make_recording, write, write_ranks
+from tensordiff.cli import jsonable
+from tensordiff.diff import DiffOptions, diff_traces
+from tensordiff.errors import TraceFileError
+from tensordiff.trace.reads import RowReads
+
+stream = importlib.import_module("tensordiff.diff.stream")   # the package exports a function of that name
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("side")
+    train = make_recording("train")
+    bad = make_recording("serve", noise=1e-6, seed=1, drift=True, wrong_slot=True)
+    out = {"train": write(str(d / "train.h5"), train),
+           "bad": write(str(d / "bad.h5"), bad, tweak={("layer1", "s6", 2): np.float32(np.nan)})}
+    write_ranks(str(d / "bad_set"), bad, dp=2, pp=2)
+    out["bad_set"] = str(d / "bad_set")
+    return out
+
+
+def _json(a, b):
+    return json.dumps(jsonable(diff_traces(a, b, DiffOptions(block_rows=16)).to_dict()))
+
+
+def _reader_threads(monkeypatch):
+    names: set[str] = set()
+    real = RowReads.read_at
+
+    def spy(self, *args, **kw):
+        names.add(threading.current_thread().name)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(RowReads, "read_at", spy)
+    return names
+
+
+@pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "bad_set"), ("bad_set", "train")])
+def test_reading_b_beside_a_gives_the_same_diff(traces, monkeypatch, pair):
+    a, b = traces[pair[0]], traces[pair[1]]
+    monkeypatch.setattr(stream, "compute_lanes", lambda: 1)   # one core: one reader thread
+    one = _json(a, b)
+    monkeypatch.setattr(stream, "compute_lanes", lambda: 2)
+    names = _reader_threads(monkeypatch)
+    two = _json(a, b)
+    assert two == one
+    assert any(n.startswith("tensordiff-read-b") for n in names)
+
+
+def test_a_failed_read_on_either_side_ends_the_diff_with_its_error(traces, monkeypatch):
+    monkeypatch.setattr(stream, "compute_lanes", lambda: 2)
+    real = RowReads.read_at
+
+    def broken(self, name, part, idx, out=None):
+        if threading.current_thread().name.startswith("tensordiff-read-b"):
+            raise TraceFileError("cannot read layer1/values, the file is damaged (test)", self.path)
+        return real(self, name, part, idx, out=out)
+
+    monkeypatch.setattr(RowReads, "read_at", broken)
+    with pytest.raises(TraceFileError, match="damaged"):
+        diff_traces(traces["train"], traces["bad"], DiffOptions(block_rows=16))
