@@ -323,6 +323,22 @@ class AcceptanceDetails(Details):
 
 
 @dataclass
+class SignatureDetails(Details):
+    """What kind of difference the first divergent op of a zoomed layer shows
+    (tensordiff.signatures): ``op`` the tap (``layer3.mlp_up``), ``signature`` its kind (swap,
+    rotary, heads, gqa, norm_eps, scale, per_channel, op), ``what`` it is, the ``evidence``, the
+    ``cause`` to look at, and the fitted ``params``."""
+
+    op: str = ""
+    signature: Annotated[str, OneOf(("swap", "rotary", "heads", "gqa", "norm_eps", "scale", "per_channel", "op"))] = "op"
+    what: str = ""
+    evidence: str = ""
+    cause: str = ""
+    layer: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RoutingDetails(Details):
     """MoE routing of the two sides on the same tokens (tensordiff.routing): per MoE layer
     (``layers``: ``layer``, ``tokens`` compared, ``flips`` tokens whose expert set differs,
