@@ -145,7 +145,7 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
     findings = allow_failed(findings, stats, options.tolerances.allow_failed)
     a, b, al = plan.a, plan.b, plan.alignment
     findings = routing.add_finding(a, b, al, plan.maps, findings)
-    findings = order_findings(findings)
+    findings = order_findings(within_residual_noise(plan, findings))
     sig = zoom_signature(plan, findings)
     if sig is not None:   # the zoomed layer's first op and what kind of difference it shows leads
         findings = order_findings(findings + [sig])
@@ -158,11 +158,33 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
     )
 
 
+def _tap_pairs(plan: DiffPlan) -> list[signatures.TapPair]:
+    """The one-slot pairs compared on full values, as the signatures read them."""
+    return [signatures.TapPair(j.label, j.a.name, j.b.name, j.rows_a[j.rows], j.rows_b[j.rows], j.rows)
+            for j in plan.jobs if j.basis == "values" and j.slots == 1]
+
+
+def within_residual_noise(plan: DiffPlan, findings: list[Finding]) -> list[Finding]:
+    """A divergence of a tap added to the residual stream whose every token adds no more to the
+    next boundary than that boundary's per-token noise allows becomes a note
+    (:func:`tensordiff.signatures.residual_noise`)."""
+    taps = [f for f in findings if f.kind == Kind.NUMERIC and f.severity == Severity.DIVERGENCE
+            and (f.tensor or "").endswith(signatures.RESIDUAL_TAPS)]
+    if not taps:
+        return findings
+    pairs = _tap_pairs(plan)
+    limits = {j.label: j.tolerances[0].max_rel for j in plan.jobs if j.tolerances and j.slots == 1}
+    for f in taps:
+        text = signatures.residual_noise(plan.a, plan.b, pairs, f, limits)
+        if text is not None:
+            f.severity, f.text = Severity.INFO, text
+    return findings
+
+
 def zoom_signature(plan: DiffPlan, ordered: list[Finding]) -> Finding | None:
     """The signature finding when the first divergence is a tap of a zoomed layer
     (:func:`tensordiff.signatures.zoom_finding`); the tap pairs compared on full values only."""
-    pairs = [signatures.TapPair(j.label, j.a.name, j.b.name, j.rows_a[j.rows], j.rows_b[j.rows], j.rows)
-             for j in plan.jobs if j.basis == "values" and j.slots == 1]
+    pairs = _tap_pairs(plan)
     if not pairs:
         return None
     return signatures.zoom_finding(plan.a, plan.b, plan.alignment.code_a, pairs, ordered)

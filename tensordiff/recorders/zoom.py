@@ -40,8 +40,10 @@ class ZoomRecorder:
         self.layer = layer
         self.recorder = recorder
         prefix = f"{layers_path}.{layer}"
+        self.info = layer_info(model, _get(model, prefix))
         self.hooks = ModuleHookRecorder(model, recorder, [f"{prefix}.*"], capture="both", canonical="hf",
-                                        only_mapped=True, attach=False, rules=rules)
+                                        only_mapped=True, attach=False, rules=rules,
+                                        define_kwargs=lambda name: {"attrs": dict(self.info)})
         mapped = [q for q in self.hooks.matched
                   if self.hooks.mapping(q, "output") is not None or self.hooks.mapping(q, "input") is not None]
         if not mapped:
@@ -105,7 +107,32 @@ class ZoomRecorder:
         for tap, t in (("q_rope", qr), ("k_rope", kr)):
             name = canon.tap_name(self.layer, tap)
             self.recorder.record(name, t.transpose(1, 2).reshape(*lead, -1), self.rows, kind="other", role="tap",
-                                 order=self.order[tap], attrs={"layer": self.layer, "tap": tap, "source": src})
+                                 order=self.order[tap], attrs={"layer": self.layer, "tap": tap, "source": src, **self.info})
+
+
+def layer_info(model: torch.nn.Module, layer: Any) -> dict[str, Any]:
+    """What the diff's signatures fit with (:mod:`tensordiff.signatures`), recorded on every tap:
+    the attention's heads, kv heads and head size, the norms' eps and the configured rope theta
+    (each only where the model says it)."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
+    attn = getattr(layer, "self_attn", None)
+    out: dict[str, Any] = {}
+    hd = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    for key, v in (("heads", heads), ("kv_heads", kv), ("head_dim", hd)):
+        if isinstance(v, int) and v > 0:
+            out[key] = v
+    norm = getattr(layer, "input_layernorm", None)
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None)
+    if isinstance(eps, float):
+        out["eps"] = eps
+    rp = getattr(cfg, "rope_parameters", None)
+    theta = (rp.get("rope_theta") if isinstance(rp, dict) else None) or getattr(cfg, "rope_theta", None)
+    if isinstance(theta, (int, float)):
+        out["rope_theta"] = float(theta)
+    return out
 
 
 def _get(obj: Any, path: str) -> Any:
