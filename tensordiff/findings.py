@@ -465,6 +465,8 @@ def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
 
 
 def _signature(f: Finding, d: SignatureDetails) -> str:
+    if d.signature == "graft":
+        return f"{d.what}: {d.cause} ({d.evidence})"
     where = f"in layer {d.layer}" if d.layer is not None else "in its layer"
     return f"{d.op} is the first op out of the noise {where}: {d.what} ({d.evidence}); look at {d.cause}"
 

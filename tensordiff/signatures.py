@@ -24,6 +24,7 @@ Pure numpy: no torch (the diff calls it)."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -573,3 +574,61 @@ def residual_noise(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], f: 
     return (f"{f.tensor}: {d.failing} of {len(common)} tokens past its own tolerance, but what it adds "
             f"to the residual is within the noise: ||B - A|| / ||{out_label}|| at most {_g(worst)} <= {_g(limit)} "
             f"allowed per token at {out_label} ({d.limit_source or 'its tolerance'})")
+
+
+# ----------------------------------------------------------------------------------------------
+# A grafted run (record train --graft OTHER.h5:STATE): does anything after the graft diverge?
+# ----------------------------------------------------------------------------------------------
+
+
+def graft_finding(a: TraceSource, b: TraceSource, ordered: Sequence[Finding]) -> Finding | None:
+    """The note of a diff where one side was recorded with a state grafted from another trace:
+    whether anything after that state still diverges, and what that says of the cause."""
+    found = None
+    for side, src, other in (("B", b, a), ("A", a, b)):
+        meta = getattr(src, "user_meta", None)
+        g = meta.get("graft") if isinstance(meta, dict) else None
+        if isinstance(g, dict) and isinstance(g.get("state"), str):
+            found = (side, other, g)
+            break
+    if found is None:
+        return None
+    side, other, g = found
+    state = str(g["state"])
+    st = maybe_state(state)
+    if st is None:
+        return None
+    n = a.num_layers or b.num_layers
+    at = st.order(n)
+    origin = str(g.get("from", "?"))
+    same = origin == getattr(other, "path", None) or _same_file(origin, str(getattr(other, "path", "")))
+    whose = f"{other.side} ({origin})" if same else origin
+    divs = [f for f in ordered if f.severity == Severity.DIVERGENCE]
+    after = [f for f in divs if f.order > at and f.kind not in (Kind.ACCEPTANCE,)]
+    before = [f for f in divs if f.order < at]
+    if after:
+        what = f"with {state} taken from {whose} in {side}, {len(after)} finding(s) after it still diverge"
+        cause = (f"a cause after {state} as well (the first after it: {after[0].tensor}); the graft does not "
+                 "remove it")
+    else:
+        what = f"with {state} taken from {whose} in {side}, nothing after it diverges"
+        if before:
+            cause = f"the cause is before {state}: the first divergence is {before[0].tensor}"
+        elif st.kind == "boundary" and st.layer is not None and st.layer >= 1:
+            prev = "embed" if st.layer == 1 else f"layer{st.layer - 1}"
+            cause = (f"the cause is inside decoder layer {st.layer - 1} (between {prev}, which agrees, and {state}) "
+                     f"or in what feeds it; zoom into it: --zoom layer{st.layer - 1}")
+        else:
+            cause = f"the cause is at or before {state}"
+    ev = f"{len(divs)} divergence(s) in all; {len(before)} before {state}, {len(after)} after"
+    det = SignatureDetails(op=state, signature="graft", what=what, evidence=ev, cause=cause, layer=st.layer,
+                           params={"state": state, "from": origin, "side": side, "after": len(after),
+                                   "before": len(before)})
+    return Finding(Kind.SIGNATURE, Severity.INFO, tensor=state, order=at, details=det)
+
+
+def _same_file(x: str, y: str) -> bool:
+    try:
+        return bool(x) and bool(y) and os.path.samefile(x, y)
+    except OSError:
+        return False

@@ -149,6 +149,9 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
     sig = zoom_signature(plan, findings)
     if sig is not None:   # the zoomed layer's first op and what kind of difference it shows leads
         findings = order_findings(findings + [sig])
+    graft = signatures.graft_finding(plan.a, plan.b, findings)
+    if graft is not None:
+        findings = order_findings(findings + [graft])
     findings = acceptance.add_finding(a, b, al, plan.maps, findings, stats)
     return DiffResult(
         path_a=a.path, path_b=b.path, side_a=a.side, side_b=b.side, findings=findings, slot_table=j.slot_table,
