@@ -166,6 +166,20 @@ def test_port_bug_is_named_by_op_and_signature(root, monkeypatch, name):
     if zoomed is not None:
         d = json.loads(json.dumps(zoomed.to_dict()))
         assert d["first_divergence"]["kind"] == ("signature" if kind else d["first_divergence"]["kind"])
+        # the op graph of the zoomed layer: the first op marked, what is before it agrees
+        from tensordiff.report import opgraph
+        from tensordiff.report.html import render_html
+        layer, tap = int(op.split(".")[0][5:]), op.split(".")[1]
+        assert opgraph.zoomed_layers(zoomed) == [layer]
+        line = opgraph.line(zoomed, layer)
+        assert f"{tap} ✗!" in line and f"layer {layer}: " in line, line
+        before = line.split(f"{tap} ✗!")[0]
+        assert "✗" not in before, line
+        page = render_html(zoomed)
+        assert f'class="op op-first" data-op="{op}"' in page
+        from tensordiff.tui.text import op_graph_lines
+        tui = op_graph_lines(zoomed, op)
+        assert len(tui) == 1 and f"{tap} ✗!" in tui.pop().plain
 
 
 def test_correct_bf16_port_agrees(root):
