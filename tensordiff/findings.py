@@ -774,6 +774,9 @@ class DiffResult:
         f = self.first_divergence
         if f is not None:
             return f.message
+        graft = next((g for g in self.findings if g.kind == Kind.SIGNATURE), None)   # a grafted run says so first
+        if graft is not None:
+            return graft.message
         allowed = sum(1 for g in self.findings if (g.text or "").startswith(ALLOWED_PREFIX))
         n, k = len(self.pairs), self.compared
         tensors = f"{n} tensor{'' if n == 1 else 's'}"

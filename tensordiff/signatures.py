@@ -19,6 +19,10 @@ small floor), so a signature is a measured claim, not a guess. The math is on pl
 (:func:`classify`); :func:`zoom_finding` reads the taps of the layer of a diff's first divergence
 from the two traces and makes the finding that leads the report.
 
+Also here, as they read the same tap pairs under the same noise rule: :func:`residual_noise`
+(a residual tap judged by what it adds to the next boundary) and :func:`graft_finding` (what a
+grafted run's diff says); that is why this module is over 500 lines.
+
 Pure numpy: no torch (the diff calls it)."""
 
 from __future__ import annotations
@@ -616,8 +620,8 @@ def graft_finding(a: TraceSource, b: TraceSource, ordered: Sequence[Finding]) ->
             cause = f"the cause is before {state}: the first divergence is {before[0].tensor}"
         elif st.kind == "boundary" and st.layer is not None and st.layer >= 1:
             prev = "embed" if st.layer == 1 else f"layer{st.layer - 1}"
-            cause = (f"the cause is inside decoder layer {st.layer - 1} (between {prev}, which agrees, and {state}) "
-                     f"or in what feeds it; zoom into it: --zoom layer{st.layer - 1}")
+            cause = (f"the cause is inside decoder layer {st.layer - 1} (between {prev}, which agrees, and {state})"
+                     f"; zoom into it: --zoom layer{st.layer - 1}")
         else:
             cause = f"the cause is at or before {state}"
     ev = f"{len(divs)} divergence(s) in all; {len(before)} before {state}, {len(after)} after"

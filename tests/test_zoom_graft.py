@@ -56,6 +56,7 @@ def test_graft_of_the_layers_output_removes_every_divergence_after_it(w, tmp_pat
     assert res.exit_code == 0, res.headline()
     note = _graft_note(res)
     assert note.severity == "info"
+    assert res.headline() == note.message   # an agreeing grafted run says what the graft showed first
     assert note.message.startswith("with layer4 taken from A"), note.message
     assert "nothing after it diverges" in note.message and "inside decoder layer 3" in note.message, note.message
     # the grafted state is the reference's, bit for bit
