@@ -323,6 +323,25 @@ class AcceptanceDetails(Details):
 
 
 @dataclass
+class SignatureDetails(Details):
+    """What kind of difference the first divergent op of a zoomed layer shows
+    (tensordiff.signatures): ``op`` the tap (``layer3.mlp_up``), ``signature`` its kind (swap,
+    rotary, heads, gqa, norm_eps, scale, per_channel, op), ``what`` it is, the ``evidence``, the
+    ``cause`` to look at, and the fitted ``params``. ``graft``: a trace recorded with one state
+    grafted from another (``record train --graft``), ``what`` says whether anything after it
+    still diverges."""
+
+    op: str = ""
+    signature: Annotated[str, OneOf(("swap", "rotary", "heads", "gqa", "norm_eps", "scale", "per_channel", "op",
+                                        "graft"))] = "op"
+    what: str = ""
+    evidence: str = ""
+    cause: str = ""
+    layer: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RoutingDetails(Details):
     """MoE routing of the two sides on the same tokens (tensordiff.routing): per MoE layer
     (``layers``: ``layer``, ``tokens`` compared, ``flips`` tokens whose expert set differs,

@@ -38,6 +38,7 @@ from .details import (
     RecoveredDetails,
     ReplicaDetails,
     RoutingDetails,
+    SignatureDetails,
     ShiftDetails,
     Side,
     TokenMismatchDetails,
@@ -68,6 +69,7 @@ __all__ = [
     "RecoveredDetails",
     "ReplicaDetails",
     "RoutingDetails",
+    "SignatureDetails",
     "Severity",
     "ShiftDetails",
     "SlotRow",
@@ -118,6 +120,7 @@ class Kind(_StrEnum):
     REPLICA = "replica"                # copies in a trace set (TP replicas, PP overlap) that are not equal
     ACCEPTANCE = "acceptance"          # why the draft's acceptance is what it is (tensordiff.acceptance)
     ROUTING = "routing"                # MoE routers' expert choices compared (tensordiff.routing)
+    SIGNATURE = "signature"            # what kind of difference a zoomed layer's first op shows (tensordiff.signatures)
 
 
 class Severity(_StrEnum):
@@ -134,8 +137,8 @@ class Severity(_StrEnum):
 _TOKEN_RANK = {Kind.RECOVERED: 0, Kind.TOKEN_SHIFT: 1, Kind.TOKEN_MISMATCH: 2, Kind.GAP: 3}
 # at the same place in forward order, the explanation comes before its symptoms
 _KIND_RANK = {Kind.TOKEN_SHIFT: 0, Kind.TOKEN_MISMATCH: 0, Kind.PAIRING: 1, Kind.REPLICA: 1, Kind.GAP: 2,
-              Kind.MISSING: 3, Kind.NONFINITE: 4, Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6, Kind.NUMERIC: 7,
-              Kind.ACCEPTANCE: 8, Kind.ROUTING: 8}
+              Kind.MISSING: 3, Kind.NONFINITE: 4, Kind.SLOT_IDENTITY: 5, Kind.LABEL_MISMATCH: 6,
+              Kind.SIGNATURE: 6, Kind.NUMERIC: 7, Kind.ACCEPTANCE: 8, Kind.ROUTING: 8}
 
 
 DETAILS: dict[Kind, type[Details]] = {
@@ -145,6 +148,7 @@ DETAILS: dict[Kind, type[Details]] = {
     Kind.REPLICA: ReplicaDetails,
     Kind.ACCEPTANCE: AcceptanceDetails,
     Kind.ROUTING: RoutingDetails,
+    Kind.SIGNATURE: SignatureDetails,
 }
 
 
@@ -460,6 +464,13 @@ def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
     return f"{agree} agrees with the target (top-1 {pct(d.draft_top1)} at draft position 0{kl})"
 
 
+def _signature(f: Finding, d: SignatureDetails) -> str:
+    if d.signature == "graft":
+        return f"{d.what}: {d.cause} ({d.evidence})"
+    where = f"in layer {d.layer}" if d.layer is not None else "in its layer"
+    return f"{d.op} is the first op out of the noise {where}: {d.what} ({d.evidence}); look at {d.cause}"
+
+
 _RENDER: dict[Kind, tuple[type[Details], Callable[[Finding, Any], str]]] = {
     Kind.SLOT_IDENTITY: (IdentityDetails, _identity), Kind.NUMERIC: (NumericDetails, _numeric),
     Kind.NONFINITE: (NonfiniteDetails, _nonfinite), Kind.TOKEN_SHIFT: (ShiftDetails, _shift),
@@ -469,6 +480,7 @@ _RENDER: dict[Kind, tuple[type[Details], Callable[[Finding, Any], str]]] = {
     Kind.REPLICA: (ReplicaDetails, _replica),
     Kind.ACCEPTANCE: (AcceptanceDetails, _acceptance),
     Kind.ROUTING: (RoutingDetails, _routing),
+    Kind.SIGNATURE: (SignatureDetails, _signature),
 }
 
 
@@ -512,7 +524,7 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
         for g in divs:
             if g.kind in (Kind.TOKEN_SHIFT, Kind.PAIRING) or (g.kind == Kind.TOKEN_MISMATCH and g.seq == f.seq) or (
                     f.kind in (Kind.NUMERIC, Kind.NONFINITE)
-                    and g.kind in (Kind.NUMERIC, Kind.NONFINITE, Kind.SLOT_IDENTITY)
+                    and g.kind in (Kind.NUMERIC, Kind.NONFINITE, Kind.SLOT_IDENTITY, Kind.SIGNATURE)
                     and g.order < f.order and (g.seq == f.seq and (g.position or 0) <= (f.position or 0)
                                                or _explains(g, f))):
                 parent[id(f)] = g
@@ -762,6 +774,9 @@ class DiffResult:
         f = self.first_divergence
         if f is not None:
             return f.message
+        graft = next((g for g in self.findings if g.kind == Kind.SIGNATURE), None)   # a grafted run says so first
+        if graft is not None:
+            return graft.message
         allowed = sum(1 for g in self.findings if (g.text or "").startswith(ALLOWED_PREFIX))
         n, k = len(self.pairs), self.compared
         tensors = f"{n} tensor{'' if n == 1 else 's'}"

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .. import acceptance, noise, noise_io, routing
+from .. import acceptance, noise, noise_io, routing, signatures
 from ..align import sample_indices
 from ..catalog import IdentitySearch, noise_floors
 from ..errors import IncompatibleTracesError
@@ -145,13 +145,52 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
     findings = allow_failed(findings, stats, options.tolerances.allow_failed)
     a, b, al = plan.a, plan.b, plan.alignment
     findings = routing.add_finding(a, b, al, plan.maps, findings)
-    findings = acceptance.add_finding(a, b, al, plan.maps, order_findings(findings), stats)
+    findings = order_findings(within_residual_noise(plan, findings))
+    sig = zoom_signature(plan, findings)
+    if sig is not None:   # the zoomed layer's first op and what kind of difference it shows leads
+        findings = order_findings(findings + [sig])
+    graft = signatures.graft_finding(plan.a, plan.b, findings)
+    if graft is not None:
+        findings = order_findings(findings + [graft])
+    findings = acceptance.add_finding(a, b, al, plan.maps, findings, stats)
     return DiffResult(
         path_a=a.path, path_b=b.path, side_a=a.side, side_b=b.side, findings=findings, slot_table=j.slot_table,
         pairs=stats, sequences=[p.to_dict() for p in al.seq_pairs], gaps=[g.to_dict() for g in al.gaps],
         shifts={str(k): v for k, v in al.shifts.items()}, tokens_aligned=len(al), worst_tokens=worst,
         summary_path=options.summary_path,
     )
+
+
+def _tap_pairs(plan: DiffPlan) -> list[signatures.TapPair]:
+    """The one-slot pairs compared on full values, as the signatures read them."""
+    return [signatures.TapPair(j.label, j.a.name, j.b.name, j.rows_a[j.rows], j.rows_b[j.rows], j.rows)
+            for j in plan.jobs if j.basis == "values" and j.slots == 1]
+
+
+def within_residual_noise(plan: DiffPlan, findings: list[Finding]) -> list[Finding]:
+    """A divergence of a tap added to the residual stream whose every token adds no more to the
+    next boundary than that boundary's per-token noise allows becomes a note
+    (:func:`tensordiff.signatures.residual_noise`)."""
+    taps = [f for f in findings if f.kind == Kind.NUMERIC and f.severity == Severity.DIVERGENCE
+            and (f.tensor or "").endswith(signatures.RESIDUAL_TAPS)]
+    if not taps:
+        return findings
+    pairs = _tap_pairs(plan)
+    limits = {j.label: j.tolerances[0].max_rel for j in plan.jobs if j.tolerances and j.slots == 1}
+    for f in taps:
+        text = signatures.residual_noise(plan.a, plan.b, pairs, f, limits)
+        if text is not None:
+            f.severity, f.text = Severity.INFO, text
+    return findings
+
+
+def zoom_signature(plan: DiffPlan, ordered: list[Finding]) -> Finding | None:
+    """The signature finding when the first divergence is a tap of a zoomed layer
+    (:func:`tensordiff.signatures.zoom_finding`); the tap pairs compared on full values only."""
+    pairs = _tap_pairs(plan)
+    if not pairs:
+        return None
+    return signatures.zoom_finding(plan.a, plan.b, plan.alignment.code_a, pairs, ordered)
 
 
 class _Judge:

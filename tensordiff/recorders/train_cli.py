@@ -84,6 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --zoom: name a module the table does not know, e.g. 'transformer\\.h\\.(\\d+)\\.mlp=mlp_out' "
                         "(REGEX matches the whole module path, its first group is the layer; REGEX:input=TAP for "
                         "the module's input); repeatable")
+    g.add_argument("--graft", metavar="OTHER.h5:STATE",
+                   help="replace STATE (a boundary, layer3, or a tap, layer3.mlp_out) during the forward with its "
+                        "full values recorded in OTHER.h5 on the same tokens, to confirm where a divergence starts: "
+                        "the diff of this run against OTHER says whether anything after STATE still diverges")
     g.add_argument("--sample-every", type=int, default=1, metavar="K",
                    help="record token positions p with p %% K == 0 only (default 1: all)")
     g.add_argument("--positions", type=int, nargs="+", metavar="P", help="also (or with --sample-every 0: only) these positions")
@@ -413,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..safety import check_output_path
     from .core import Recorder, Sampling
-    from .hf import HFExtractorRecorder, model_info, plan_draft_input
+    from .hf import HFExtractorRecorder, find_decoder, model_info, plan_draft_input
 
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
@@ -506,11 +510,20 @@ def run(args: argparse.Namespace) -> int:
         note = conventions.collision_note(plan)
         if note is not None:
             print(f"tensordiff: warning: {note}", file=sys.stderr)
+    graft = None
+    if getattr(args, "graft", None):
+        from .zoom import Graft
+        try:
+            graft = Graft(model, args.graft, find_decoder(model)[2], n_layers)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        check_output_path(args.out, [graft.path], "--out")
     info["path"] = os.path.abspath(args.model)
     sample = Sampling(every=args.sample_every, positions=frozenset(args.positions) if args.positions else None)
     meta = {"prompts": os.path.abspath(args.prompts or args.from_serve), "command": "record train",
             "from_serve": os.path.abspath(args.from_serve) if args.from_serve else None,
-            "draft_plan": plan.as_attrs() if plan else None}
+            "draft_plan": plan.as_attrs() if plan else None,
+            "graft": {"from": graft.path, "state": graft.state} if graft is not None else None}
     wkw = {}
     if args.sketch_dim is not None:
         wkw["sketch_dim"] = args.sketch_dim
@@ -521,10 +534,14 @@ def run(args: argparse.Namespace) -> int:
         rec = Recorder(args.out, side="train", producer=f"tensordiff record train (transformers {transformers.__version__})",
                        model=info, meta=meta, sample=sample, **wkw)
     except OSError as e:
+        if graft is not None:
+            graft.close()
         raise UsageError(f"cannot create the trace file ({_first_line(e)})", args.out) from None
     t0 = time.perf_counter()
     total = sum(len(v) for _, v in prompts)
     try:
+        if graft is not None:   # before the recorder's hooks: what they record is the grafted value
+            graft.attach()
         try:
             draft = _load_draft(args.draft, model) if args.draft else None
             hf = HFExtractorRecorder(model, rec, plan, values=args.values, topk=args.topk, draft=draft, zoom=zoom,
@@ -542,20 +559,30 @@ def run(args: argparse.Namespace) -> int:
         device = next(model.parameters()).device
         with _Progress(total, n_prompts=len(prompts), enabled=not args.no_progress) as bar:
             for key, toks in prompts:
+                if graft is not None:
+                    graft.set_sequence(key, toks)
                 ids = torch.tensor(toks, dtype=torch.long)
-                if rl is None:
-                    hf.run(key, ids)
-                else:
-                    from .hooks import record_sampled_logprob
-                    with hf.capture(key, ids) as rows, torch.inference_mode():
-                        out = model(input_ids=ids[None].to(device), use_cache=False)
-                    t = rl[2].get(key, {}).get("temperature", rl[0])
-                    record_sampled_logprob(rec, out.logits[0], rows[0], ids, temperature=t,
-                                           first_generated=rl[1].get(key))
+                try:
+                    if rl is None:
+                        hf.run(key, ids)
+                    else:
+                        from .hooks import record_sampled_logprob
+                        with hf.capture(key, ids) as rows, torch.inference_mode():
+                            out = model(input_ids=ids[None].to(device), use_cache=False)
+                        t = rl[2].get(key, {}).get("temperature", rl[0])
+                        record_sampled_logprob(rec, out.logits[0], rows[0], ids, temperature=t,
+                                               first_generated=rl[1].get(key))
+                except ValueError as e:
+                    if graft is None or not str(e).startswith("--graft"):
+                        raise
+                    raise UsageError(str(e)) from None
                 bar.advance(len(toks))
     except BaseException as e:
         rec.close(e)
         raise
+    finally:
+        if graft is not None:
+            graft.close()
     rec.close()
     dt = time.perf_counter() - t0
     size = os.path.getsize(args.out)
@@ -569,6 +596,8 @@ def run(args: argparse.Namespace) -> int:
         if list(plan.fed) != list(plan.intended):
             line += f" (the ids alone select [{', '.join(plan.intended)}])"
         print(line)
+    if graft is not None:
+        print(f"  grafted {graft.state} from {graft.path} ({graft.grafted} token rows)")
     print(f"  catalog: embed..layer{n_layers} + final_norm (sketch + RMS; full values: "
           f"{', '.join(sorted(hf.value_labels, key=_order)) or 'none'})")
     return 0

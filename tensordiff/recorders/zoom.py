@@ -15,6 +15,7 @@ there; one that inlines another rotary inside ``forward`` does not (the recorded
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -40,8 +41,10 @@ class ZoomRecorder:
         self.layer = layer
         self.recorder = recorder
         prefix = f"{layers_path}.{layer}"
+        self.info = layer_info(model, _get(model, prefix))
         self.hooks = ModuleHookRecorder(model, recorder, [f"{prefix}.*"], capture="both", canonical="hf",
-                                        only_mapped=True, attach=False, rules=rules)
+                                        only_mapped=True, attach=False, rules=rules,
+                                        define_kwargs=lambda name: {"attrs": dict(self.info)})
         mapped = [q for q in self.hooks.matched
                   if self.hooks.mapping(q, "output") is not None or self.hooks.mapping(q, "input") is not None]
         if not mapped:
@@ -105,7 +108,32 @@ class ZoomRecorder:
         for tap, t in (("q_rope", qr), ("k_rope", kr)):
             name = canon.tap_name(self.layer, tap)
             self.recorder.record(name, t.transpose(1, 2).reshape(*lead, -1), self.rows, kind="other", role="tap",
-                                 order=self.order[tap], attrs={"layer": self.layer, "tap": tap, "source": src})
+                                 order=self.order[tap], attrs={"layer": self.layer, "tap": tap, "source": src, **self.info})
+
+
+def layer_info(model: torch.nn.Module, layer: Any) -> dict[str, Any]:
+    """What the diff's signatures fit with (:mod:`tensordiff.signatures`), recorded on every tap:
+    the attention's heads, kv heads and head size, the norms' eps and the configured rope theta
+    (each only where the model says it)."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
+    attn = getattr(layer, "self_attn", None)
+    out: dict[str, Any] = {}
+    hd = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    for key, v in (("heads", heads), ("kv_heads", kv), ("head_dim", hd)):
+        if isinstance(v, int) and v > 0:
+            out[key] = v
+    norm = getattr(layer, "input_layernorm", None)
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None)
+    if isinstance(eps, float):
+        out["eps"] = eps
+    rp = getattr(cfg, "rope_parameters", None)
+    theta = (rp.get("rope_theta") if isinstance(rp, dict) else None) or getattr(cfg, "rope_theta", None)
+    if isinstance(theta, (int, float)):
+        out["rope_theta"] = float(theta)
+    return out
 
 
 def _get(obj: Any, path: str) -> Any:
@@ -114,3 +142,127 @@ def _get(obj: Any, path: str) -> Any:
         if obj is None:
             return None
     return obj
+
+
+# ----------------------------------------------------------------------------------------------
+# Graft: one state replaced by another trace's recorded values during the forward
+# ----------------------------------------------------------------------------------------------
+
+
+class Graft:
+    """``--graft OTHER.h5:STATE``: during the forward of each sequence, the module value that is
+    STATE (a boundary ``embed``/``layer<b>``/``final_norm`` or a tap of the name table) is replaced
+    by OTHER's recorded full values of STATE at the same sequence and positions, so whatever runs
+    after it starts from the other side's state. The sequence's tokens must equal OTHER's.
+
+    ``q_rope``/``k_rope`` are not modules in HF (the rotary is a function inside attention) and
+    cannot be grafted; a fused or split value neither."""
+
+    def __init__(self, model: torch.nn.Module, spec: str, layers_path: str, num_layers: int):
+        from ..trace import TraceReader
+
+        path, sep, state = spec.rpartition(":")
+        if not sep or not path or not state:
+            raise ValueError(f"--graft takes OTHER.h5:STATE, not {spec!r}")
+        st = canon.maybe_state(state)
+        if st is None:
+            raise ValueError(f"--graft: {state!r} is not a state name (embed, layer<b>, final_norm or layer<b>.<tap>)")
+        if st.kind == "tap" and st.tap in ("q_rope", "k_rope"):
+            raise ValueError(f"--graft {state}: the rotary is a function inside HF's attention, not a module: "
+                             f"graft layer{st.layer}.q/k or a boundary")
+        try:
+            self.reader = TraceReader(path)
+        except Exception as e:   # any reason the file does not open: one line
+            raise ValueError(f"--graft: cannot read {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        r = self.reader
+        if state not in r.tensors:
+            r.close()
+            raise ValueError(f"--graft: {path} has no tensor {state}")
+        if not r.has_part(state, "values"):
+            r.close()
+            raise ValueError(f"--graft: {path} keeps {state} as sketches only; record it with --values all "
+                             "(or --zoom for a tap)")
+        self.path, self.state, self.layer = os.path.abspath(path), state, st
+        tok = r.tokens
+        rows = r.token_rows(state)
+        seqs = list(r.sequences)
+        self.index = {(seqs[int(tok["seq"][t])], int(tok["position"][t])): (i, int(tok["token"][t]))
+                      for i, t in enumerate(rows)}
+        self.module, self.direction = _graft_site(model, st, layers_path, num_layers)
+        self.key: str | None = None
+        self.ids: list[int] = []
+        self.grafted = 0
+        self._handle: Any = None
+
+    def attach(self) -> Graft:
+        if self.direction == "input":
+            self._handle = self.module.register_forward_pre_hook(self._pre)
+        else:
+            self._handle = self.module.register_forward_hook(self._post)
+        return self
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.reader.close()
+
+    def set_sequence(self, key: str, ids: Sequence[int]) -> None:
+        self.key, self.ids = key, [int(x) for x in ids]
+
+    def _values(self, like: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for p, t in enumerate(self.ids):
+            got = self.index.get((str(self.key), p))
+            if got is None:
+                raise ValueError(f"--graft: {self.path} has no row of {self.state} for sequence {self.key} position {p}")
+            if got[1] != t:
+                raise ValueError(f"--graft: {self.path} has token {got[1]} at sequence {self.key} position {p}, "
+                                 f"this run {t}: not the same tokens")
+            rows.append(got[0])
+        v = self.reader.read_values_at(self.state, np.asarray(rows, dtype=np.int64))
+        if like.shape[-1] != v.shape[-1] or like.numel() != v.size:
+            raise ValueError(f"--graft: {self.state} is {tuple(like.shape)} here and [{v.shape[0]}, {v.shape[1]}] "
+                             f"in {self.path}")
+        self.grafted += len(rows)
+        return torch.from_numpy(np.ascontiguousarray(v)).to(device=like.device, dtype=like.dtype).reshape(like.shape)
+
+    def _post(self, mod: Any, args: Any, out: Any) -> Any:
+        if self.key is None:
+            return None
+        if isinstance(out, torch.Tensor):
+            return self._values(out)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (self._values(out[0]), *out[1:])
+        return None
+
+    def _pre(self, mod: Any, args: Any) -> Any:
+        if self.key is None or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        return (self._values(args[0]), *args[1:])
+
+
+def _graft_site(model: torch.nn.Module, st: canon.State, layers_path: str, num_layers: int) -> tuple[Any, str]:
+    """The module (and which of its values) that is state ``st`` in an HF decoder model."""
+    if st.kind == "boundary" and st.layer == 0:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if emb is None:
+            raise ValueError("--graft embed: the model has no input embedding module")
+        return emb, "output"
+    if st.kind == "boundary":
+        assert st.layer is not None
+        if not 1 <= st.layer <= num_layers:
+            raise ValueError(f"--graft layer{st.layer}: the model has boundaries layer1..layer{num_layers}")
+        return _get(model, f"{layers_path}.{st.layer - 1}"), "output"
+    wanted = st.name
+    for path, mod in model.named_modules():
+        if st.kind == "final_norm" and path.endswith("norm") and "layers" not in path:
+            m = canon.canonical(path, "output", "hf", num_layers)
+            if m is not None and m.names == (wanted,):
+                return mod, "output"
+        if st.kind == "tap" and path.startswith(f"{layers_path}.{st.layer}."):
+            for direction in ("output", "input"):
+                m = canon.canonical(path, direction, "hf", num_layers)
+                if m is not None and m.names == (wanted,) and m.split is None:
+                    return mod, direction
+    raise ValueError(f"--graft {wanted}: no module of this model is {wanted} (not a layout the name table knows)")

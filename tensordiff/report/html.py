@@ -32,6 +32,7 @@ from ..summary import (  # the TUI's column order
     SummaryReader,
     read_columns,
 )
+from . import opgraph
 
 # ----------------------------------------------------------------------------------------------
 # PNG (8-bit RGB, no interlace), with zlib and struct only
@@ -333,6 +334,14 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
         parts.append("<p>none</p>")
 
     parts.append(_acceptance_section(res))
+
+    for layer in opgraph.zoomed_layers(res):   # a zoomed layer: its ops coloured by error
+        graph = opgraph.svg(res, layer)
+        if graph:
+            parts.append(f'<h2 id="opgraph-{layer}">Decoder layer {layer}, op by op</h2><div class="opgraph">{graph}</div>'
+                         '<p class="note">green: agrees; amber: a note; red: diverges; outlined dark red: the first op '
+                         "out of the noise; hollow: recorded on one side only. Hover an op for its numbers; the dashed "
+                         "line is the residual stream.</p>")
 
     if res.slot_table:
         parts.append("<h2>Slots</h2>")

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from ..findings import DiffResult, Severity
 from ..fmt import SEVERITY_GLYPH, number
+from . import opgraph
 from .acceptance import print_acceptance
 from ..safety import guard_console, sanitize_tree
 
@@ -170,6 +171,10 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
                       + (f" (B position {first.position_b})" if first.position_b not in (None, first.position) else "")
                       + f", token {first.token}" + (f" {tt(first.token)}" if tt(first.token) else "")
                       + f", regime {first.regime}")
+    for layer in opgraph.zoomed_layers(res):   # a zoomed layer, op by op (✓ agrees, ✗ diverges, ✗! the first)
+        ln = opgraph.line(res, layer)
+        if ln:
+            console.print(Text(ln))
 
     if res.slot_table:
         t = _slot_table(res)

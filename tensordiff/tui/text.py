@@ -16,6 +16,8 @@ from rich.text import Text
 
 from ..findings import DiffResult, Finding, IdentityDetails, Kind
 from ..fmt import OK_GLYPH, SEVERITY_GLYPH, number, percent
+from ..names import maybe_state
+from ..report import opgraph
 from ..summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
 from .data import BARS, N_LEVELS, Column, column_findings, slot_row
 from ..vocab import REGIMES
@@ -117,6 +119,7 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
         if sk:
             t.append("  (≈ on sketches, not full values)", style="dim")
         lines.append(t)
+    lines += op_graph_lines(res, col.label)
     srow = slot_row(res, col)
     if srow is not None:
         held = srow.held_b or "?"
@@ -146,6 +149,31 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
     else:
         lines.append(Text("reading the two vectors...", style="dim"))
     return lines
+
+
+_OP_STYLE = {"ok": "green", "note": "yellow", "diverges": "bold red", "first": "bold white on red", "missing": "dim"}
+
+
+def op_graph_lines(res: DiffResult, label: str) -> list[Text]:
+    """The zoomed layer of a tap's column, op by op, each coloured by what the diff says of it
+    (:mod:`tensordiff.report.opgraph`); the column's own op underlined. Nothing for other columns."""
+    st = maybe_state(label)
+    if st is None or st.kind != "tap" or st.layer is None:
+        return []
+    ops = opgraph.ops(res, st.layer)
+    if not ops:
+        return []
+    t = Text(f"layer {st.layer} ", style="dim")
+    cols = sorted({o.col for o in ops})
+    for i, c in enumerate(cols):
+        if i:
+            t.append(" → ", style="dim")
+        for j, o in enumerate(sorted((o for o in ops if o.col == c), key=lambda o: o.row)):
+            if j:
+                t.append(" ")
+            style = _OP_STYLE[o.state] + (" underline" if o.name == label else "")
+            t.append(f"{o.label} {opgraph.GLYPH[o.state]}", style=style)
+    return [t]
 
 
 # ----------------------------------------------------------------------------------------------

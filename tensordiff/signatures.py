@@ -1,0 +1,638 @@
+"""Signatures: once the taps of one decoder layer are compared (``record ... --zoom layer<b>``) and
+the first divergence is one of them, what kind of difference that op shows, from the numbers of
+both sides:
+
+* ``swap``: B's op equals A's other op of the same layer (gate and up swapped);
+* ``rotary``: in ``q_rope``/``k_rope`` only (q and k agree), the error is nothing at position 0
+  and grows with position; the rotary that reproduces each side's values from its q/k is fitted
+  (rotate-half or interleaved layout, theta, a linear position scaling) and named;
+* ``heads``: the op's heads match across the sides only after a permutation (given);
+* ``gqa``: the attention output differs while q, k and v agree, and it is reproduced when each
+  query head reads another key/value head (the repeat order: ``h // rep`` vs ``h % kv_heads``);
+* ``norm_eps``: a norm's output differs by a per-token ratio that depends on its input's RMS, as
+  ``sqrt((ms + eps_A) / (ms + eps_B))`` does; the eps that explains it is fitted;
+* ``scale`` / ``per_channel``: B is A times one constant, or times one factor per channel;
+* ``op``: none of these; everything upstream agrees, so that op's weights or kernel differ.
+
+Each explanation must reproduce B within the noise that the agreeing taps upstream show (or a
+small floor), so a signature is a measured claim, not a guess. The math is on plain arrays
+(:func:`classify`); :func:`zoom_finding` reads the taps of the layer of a diff's first divergence
+from the two traces and makes the finding that leads the report.
+
+Also here, as they read the same tap pairs under the same noise rule: :func:`residual_noise`
+(a residual tap judged by what it adds to the next boundary) and :func:`graft_finding` (what a
+grafted run's diff says); that is why this module is over 500 lines.
+
+Pure numpy: no torch (the diff calls it)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .findings import Finding, Kind, NumericDetails, Severity, SignatureDetails
+from .names import TAPS, maybe_state
+from .tokens import POS_MASK, SEQ_BITS
+from .trace import TraceSource
+
+F64 = NDArray[np.float64]
+
+__all__ = ["LayerInfo", "Signature", "TapRows", "classify", "rope", "zoom_finding"]
+
+#: the smallest noise a fit is held to (float32 arithmetic on both sides)
+NOISE_FLOOR = 2e-6
+#: how much worse than the upstream noise a fit may be and still explain B
+FIT_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the fits need about the layer (from the taps' recorded attributes; None: unknown)."""
+
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    eps: float | None = None          # the norms' eps on side A
+    eps_b: float | None = None        # on side B (said beside the fitted one, never used to fit)
+    rope_theta: float | None = None   # side A's configured theta
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What kind of difference ``op`` shows: ``kind`` (see the module doc), ``what`` (a short
+    phrase), ``evidence`` (the numbers that show it), ``cause`` (what to look at)."""
+
+    op: str
+    kind: str
+    what: str
+    evidence: str
+    cause: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _rel(a: F64, b: F64) -> float:
+    """||b - a|| / ||a|| over everything."""
+    na = float(np.linalg.norm(a))
+    return float(np.linalg.norm(b - a)) / max(na, 1e-30)
+
+
+def _rel_rows(a: F64, b: F64) -> F64:
+    na = np.linalg.norm(a, axis=1)
+    return np.asarray(np.linalg.norm(b - a, axis=1) / np.maximum(na, 1e-30), dtype=np.float64)
+
+
+def _spearman(x: F64, y: F64) -> float:
+    if len(x) < 3:
+        return 0.0
+    rx = np.argsort(np.argsort(x)).astype(np.float64)
+    ry = np.argsort(np.argsort(y)).astype(np.float64)
+    rx -= rx.mean()
+    ry -= ry.mean()
+    d = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
+    return float((rx * ry).sum()) / d if d > 0 else 0.0
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The rotary embedding, in both layouts
+# ----------------------------------------------------------------------------------------------
+
+
+def rope(x: F64, positions: F64, head_dim: int, theta: float, layout: str = "half", scale: float = 1.0) -> F64:
+    """``x`` [n, heads*head_dim] rotated at ``positions`` / ``scale`` with frequencies
+    ``theta ** (-2j / head_dim)``: ``half`` pairs channel j with j + head_dim/2 (HF's
+    ``rotate_half``), ``interleaved`` pairs 2j with 2j+1 (the original Llama / GPT-J layout)."""
+    n = x.shape[0]
+    half = head_dim // 2
+    xv = x.reshape(n, -1, head_dim)
+    inv = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / head_dim)
+    ang = (np.asarray(positions, np.float64) / scale)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    if layout == "half":
+        x1, x2 = xv[..., :half], xv[..., half:]
+        out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = xv[..., 0::2], xv[..., 1::2]
+        out = np.empty_like(xv)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x2 * cos + x1 * sin
+    return np.asarray(out.reshape(n, -1), dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class RopeFit:
+    layout: str
+    theta: float
+    scale: float
+    residual: float   # rel err of the fitted rotary against the recorded values
+
+
+def fit_rope(pre: F64, post: F64, positions: F64, head_dim: int, theta_hint: float | None = None) -> RopeFit:
+    """The standard rotary (layout, theta, linear scale) that best maps ``pre`` to ``post``: theta
+    on a log grid then refined, both layouts; a linear position scale around ``theta_hint``."""
+    best = RopeFit("half", 1e4, 1.0, math.inf)
+
+    def score(layout: str, theta: float, scale: float = 1.0) -> RopeFit:
+        return RopeFit(layout, theta, scale, _rel(post, rope(pre, positions, head_dim, theta, layout, scale)))
+
+    for layout in ("half", "interleaved"):
+        grid = np.logspace(1.0, 8.0, 141)
+        fits = [score(layout, float(t)) for t in grid]
+        i = int(np.argmin([f.residual for f in fits]))
+        lo, hi = math.log(float(grid[max(i - 1, 0)])), math.log(float(grid[min(i + 1, len(grid) - 1)]))
+        for _ in range(40):   # golden section on log theta between the grid neighbours
+            m1, m2 = hi - 0.618 * (hi - lo), lo + 0.618 * (hi - lo)
+            if score(layout, math.exp(m1)).residual < score(layout, math.exp(m2)).residual:
+                hi = m2
+            else:
+                lo = m1
+        cand = min([fits[i], score(layout, math.exp((lo + hi) / 2))], key=lambda f: f.residual)
+        if theta_hint is not None:
+            for s in (0.25, 0.5, 2.0, 4.0, 8.0, 16.0, 32.0):
+                f = score(layout, theta_hint, s)
+                if f.residual < cand.residual * 0.5:
+                    cand = f
+        if cand.residual < best.residual:
+            best = cand
+    return _round_theta(best, pre, post, positions, head_dim)
+
+
+def _round_theta(f: RopeFit, pre: F64, post: F64, positions: F64, head_dim: int) -> RopeFit:
+    """A fitted theta of 9999.7 is 10000 when the round number fits as well (within 10%)."""
+    for digits in (1, 2, 3):
+        r = float(f"{f.theta:.{digits}g}")
+        res = _rel(post, rope(pre, positions, head_dim, r, f.layout, f.scale))
+        if res <= f.residual * 1.1 + NOISE_FLOOR:
+            return RopeFit(f.layout, r, f.scale, res)
+    return f
+
+
+def _rope_words(f: RopeFit) -> str:
+    lay = "rotate-half" if f.layout == "half" else "interleaved"
+    s = f"{lay}, theta {_g(f.theta)}"
+    return s + (f", positions / {_g(f.scale)}" if f.scale != 1.0 else "")
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention from the recorded q_rope, k_rope, v (for the GQA repeat order)
+# ----------------------------------------------------------------------------------------------
+
+
+def attention(q: F64, k: F64, v: F64, seqs: NDArray[np.int64], positions: NDArray[np.int64], heads: int,
+              kv_heads: int, head_dim: int, kv_of: Sequence[int]) -> F64:
+    """Causal softmax attention per sequence, query head h reading key/value head ``kv_of[h]``;
+    [n, heads*head_dim] in the input's row order."""
+    n = q.shape[0]
+    out = np.zeros((n, heads, head_dim))
+    qv, kvv, vv = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim), v.reshape(n, kv_heads, head_dim)
+    for s in np.unique(seqs):
+        idx = np.flatnonzero(seqs == s)
+        idx = idx[np.argsort(positions[idx], kind="stable")]
+        p = positions[idx]
+        mask = p[None, :] <= p[:, None]
+        for h in range(heads):
+            sc = qv[idx, h] @ kvv[idx, kv_of[h]].T / math.sqrt(head_dim)
+            sc = np.where(mask, sc, -np.inf)
+            sc -= sc.max(axis=1, keepdims=True)
+            w = np.exp(sc)
+            w /= w.sum(axis=1, keepdims=True)
+            out[idx, h] = w @ vv[idx, kv_of[h]]
+    return out.reshape(n, -1)
+
+
+def _gqa_maps(heads: int, kv_heads: int) -> dict[str, list[int]]:
+    rep = heads // kv_heads
+    return {"h // rep": [h // rep for h in range(heads)], "h % kv_heads": [h % kv_heads for h in range(heads)]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The classifier
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TapRows:
+    """One tap of the layer on the compared tokens: A's and B's values [n, width] (float64)."""
+
+    tap: str
+    a: F64
+    b: F64
+
+
+def classify(layer: int, first: str, taps: Mapping[str, TapRows], positions: NDArray[np.int64],
+             seqs: NDArray[np.int64], info: LayerInfo, norm_ms: F64 | None = None) -> Signature:
+    """The signature of ``first`` (a tap name, e.g. ``mlp_up``) of decoder ``layer``: ``taps`` all
+    the layer's taps both sides recorded on the same tokens (rows in the same order), ``positions``
+    and ``seqs`` of those tokens, ``norm_ms``: the mean square of ``first``'s input per token when
+    ``first`` is a norm (None: unknown)."""
+    op = f"layer{layer}.{first}"
+    x = taps[first]
+    up = [t for t in TAPS[: TAPS.index(first)] if t in taps]
+    noise = max([float(np.quantile(_rel_rows(taps[t].a, taps[t].b), 0.99)) for t in up] + [NOISE_FLOOR])
+    tol = FIT_FACTOR * noise
+    err = _rel(x.a, x.b)
+    ups = f"{', '.join(up)} agree" if up else "its input agrees"
+
+    # swapped with another op of the layer
+    for t, other in taps.items():
+        if t != first and other.a.shape == x.b.shape and _rel(other.a, x.b) <= min(tol, err / 4):
+            back = f"; B's {t} holds A's {first}" if _rel(x.a, other.b) <= tol else ""
+            return Signature(op, "swap", f"B's {first} holds A's {t}",
+                             f"rel err {_g(_rel(other.a, x.b))} against A's {t}{back}; {ups}",
+                             f"{first} and {t} swapped (the weights' names or the fused layout's order)",
+                             {"holds": t})
+
+    if first in ("q_rope", "k_rope"):
+        sig = _rotary(op, first, x, taps, positions, info, tol, ups)
+        if sig is not None:
+            return sig
+    if first in ("q", "k", "v", "q_rope", "k_rope") and info.head_dim:
+        sig = _heads(op, x, info.head_dim, tol, ups)
+        if sig is not None:
+            return sig
+    if first == "attn_out" and all(t in taps for t in ("q_rope", "k_rope", "v")) and info.heads and info.kv_heads \
+            and info.head_dim and info.heads != info.kv_heads:
+        sig = _gqa(op, taps, positions, seqs, info, tol)
+        if sig is not None:
+            return sig
+    if first in ("attn_norm", "mlp_norm") and norm_ms is not None and info.eps is not None:
+        sig = _eps(op, x, norm_ms, info, tol, ups)
+        if sig is not None:
+            return sig
+    sig = _ratio(op, x, tol, ups)
+    if sig is not None:
+        return sig
+    return Signature(op, "op", "its output differs while everything upstream agrees",
+                     f"rel err {_g(err)}; {ups} (noise {_g(noise)})",
+                     "that op's weights or kernel (compare the weights: tensordiff weights A B)")
+
+
+def _rotary(op: str, first: str, x: TapRows, taps: Mapping[str, TapRows], positions: NDArray[np.int64],
+            info: LayerInfo, tol: float, ups: str) -> Signature | None:
+    e = _rel_rows(x.a, x.b)
+    pos = positions.astype(np.float64)
+    at0 = e[positions == 0]
+    # every rotary is the identity at position 0: a q_rope that differs from its agreeing q
+    # everywhere but there is a rotary difference, whether it grows with position (theta,
+    # scaling) or is large from position 1 on (another layout)
+    if not len(at0) or float(at0.max()) > tol or float(np.median(e[positions > 0])) <= tol:
+        return None
+    hi = int(positions.max())
+    ev = (f"rel err {_g(float(at0.max()))} at position 0, {_g(float(np.median(e[positions == 1])))} at position 1, "
+          f"{_g(float(np.median(e[positions == hi])))} at position {hi}")
+    rho = _spearman(pos, e)
+    ev += f" (rank correlation with position {rho:.2f}); {ups}"
+    params: dict[str, Any] = {}
+    pre = taps.get(first[0])   # q or k, before the rotary
+    cause = "rope theta, scaling or layout (interleaved vs rotate-half)"
+    what = ("a rotary difference: none at position 0, growing with position" if rho >= 0.5 else
+            "a rotary difference: none at position 0, large from position 1 on")
+    if pre is not None and info.head_dim and _rel(pre.a, pre.b) <= tol:
+        fa = fit_rope(pre.a, x.a, pos, info.head_dim, info.rope_theta)
+        fb = fit_rope(pre.b, x.b, pos, info.head_dim, fa.theta)
+        if fa.residual <= tol and fb.residual <= tol:
+            params = {"a": _rope_words(fa), "b": _rope_words(fb), "theta_a": fa.theta, "theta_b": fb.theta,
+                      "layout_a": fa.layout, "layout_b": fb.layout, "scale_b": fb.scale}
+            if fa.layout != fb.layout:
+                cause = f"the rotary layout: A {_rope_words(fa)}, B {_rope_words(fb)}"
+            elif fa.scale != fb.scale:
+                cause = f"rope scaling: A {_rope_words(fa)}, B {_rope_words(fb)}"
+            else:
+                cause = f"rope theta: A {_g(fa.theta)}, B {_g(fb.theta)}"
+            cause += f" (each reproduces its side to rel err {_g(max(fa.residual, fb.residual))})"
+        else:
+            cause += f" (no standard rotary reproduces {'A' if fa.residual > tol else 'B'} from its {first[0]})"
+    return Signature(op, "rotary", what, ev, cause, params)
+
+
+def _heads(op: str, x: TapRows, hd: int, tol: float, ups: str) -> Signature | None:
+    n, w = x.a.shape
+    if w % hd or w // hd < 2:
+        return None
+    nh = w // hd
+    av, bv = x.a.reshape(n, nh, hd), x.b.reshape(n, nh, hd)
+    perm = []
+    for j in range(nh):   # B's head j: the closest head of A
+        errs = [_rel(av[:, i], bv[:, j]) for i in range(nh)]
+        perm.append(int(np.argmin(errs)))
+    if sorted(perm) != list(range(nh)) or perm == list(range(nh)):
+        return None
+    if _rel(av[:, perm].reshape(n, -1), x.b) > tol:
+        return None
+    return Signature(op, "heads", f"its heads match only after a permutation: B's head j is A's head {perm}[j]",
+                     f"rel err {_g(_rel(x.a, x.b))}, {_g(_rel(av[:, perm].reshape(n, -1), x.b))} after the permutation; {ups}",
+                     "the head order of the projection's weights (a fused or converted checkpoint's layout)",
+                     {"permutation": perm})
+
+
+def _gqa(op: str, taps: Mapping[str, TapRows], positions: NDArray[np.int64], seqs: NDArray[np.int64],
+         info: LayerInfo, tol: float) -> Signature | None:
+    assert info.heads and info.kv_heads and info.head_dim
+    q, k, v, out = taps["q_rope"], taps["k_rope"], taps["v"], taps["attn_out"]
+    if any(_rel(t.a, t.b) > tol for t in (q, k, v)):
+        return None
+    width = info.heads * info.head_dim
+    if out.a.shape[0] < 2 * width:   # too few tokens to fit o_proj from the recorded output
+        return None
+    maps = _gqa_maps(info.heads, info.kv_heads)
+    ctx = {m: attention(q.a, k.a, v.a, seqs, positions, info.heads, info.kv_heads, info.head_dim, kv)
+           for m, kv in maps.items()}
+    fits = {}
+    for m, c in ctx.items():   # o_proj fitted on A: which repeat order makes A's attention linear in it
+        w, *_ = np.linalg.lstsq(c, out.a, rcond=None)
+        fits[m] = (w, _rel(out.a, c @ w))
+    ma = min(fits, key=lambda m: fits[m][1])
+    w, res_a = fits[ma]
+    if res_a > 1e-3:
+        return None
+    for mb, c in ctx.items():
+        if mb == ma:
+            continue
+        res_b = _rel(out.b, c @ w)
+        if res_b <= max(tol, 2 * res_a):
+            return Signature(op, "gqa", "the key/value heads each query head reads differ (the GQA repeat order)",
+                             f"q, k and v agree; A's attention output is reproduced with query head h reading "
+                             f"kv head {ma} (rel err {_g(res_a)}), B's with kv head {mb} (rel err {_g(res_b)}), "
+                             f"{info.heads} query heads over {info.kv_heads} kv heads",
+                             f"the repeat of the key/value heads: A {ma} = {maps[ma]}, B {mb} = {maps[mb]}",
+                             {"a": maps[ma], "b": maps[mb]})
+    return None
+
+
+def _eps(op: str, x: TapRows, ms: F64, info: LayerInfo, tol: float, ups: str) -> Signature | None:
+    assert info.eps is not None
+    ra, rb = np.linalg.norm(x.a, axis=1), np.linalg.norm(x.b, axis=1)
+    ok = (ra > 0) & (rb > 0) & (ms > 0)
+    if ok.sum() < 3:
+        return None
+    r = rb[ok] / ra[ok]
+    m = ms[ok]
+    cos = (x.a[ok] * x.b[ok]).sum(1) / (ra[ok] * rb[ok])
+    if float(1 - cos.min()) > tol:   # a norm's eps changes the length, never the direction
+        return None
+    eps_b = float(np.median((m + info.eps) / r ** 2 - m))
+    if not eps_b > -info.eps:   # not a physical eps
+        return None
+    pred = np.sqrt((m + info.eps) / (m + eps_b))
+    res = float(np.quantile(np.abs(pred / r - 1), 0.99))
+    spread = float(np.log(r).std())
+    if res > tol or spread <= tol or abs(_spearman(m, np.abs(np.log(r)))) < 0.5:
+        return None
+    said = f" (B's recorded eps: {_g(info.eps_b)})" if info.eps_b is not None else ""
+    return Signature(op, "norm_eps", "a norm eps difference: the ratio to A depends on the token's RMS",
+                     f"RMS ratio {_g(float(r.min()))}-{_g(float(r.max()))}, largest at the smallest inputs "
+                     f"(input RMS {_g(math.sqrt(float(m.min())))}-{_g(math.sqrt(float(m.max())))}), direction "
+                     f"agrees; {ups}",
+                     f"the norm's eps: B's output is explained by eps {_g(eps_b)} (A {_g(info.eps)}) to "
+                     f"{_g(res)} per token{said}", {"eps_a": info.eps, "eps_b": eps_b})
+
+
+def _ratio(op: str, x: TapRows, tol: float, ups: str) -> Signature | None:
+    den = (x.a * x.a).sum(0)
+    use = den > 0
+    if not use.any():
+        return None
+    c = np.where(use, (x.a * x.b).sum(0) / np.where(use, den, 1.0), 1.0)
+    c_all = float((x.a * x.b).sum() / (x.a * x.a).sum())
+    err = _rel(x.a, x.b)
+    tol = min(tol, err / 4)   # an explanation must remove most of the difference, not a sliver of it
+    if abs(c_all - 1) > tol and _rel(x.a * c_all, x.b) <= tol:
+        return Signature(op, "scale", f"it is scaled by {c_all:.4g} at every token and channel",
+                         f"B / A = {c_all:.4g} (rel err {_g(_rel(x.a * c_all, x.b))} after it); {ups}",
+                         "a scale in that op's weights or a constant factor after it", {"scale": c_all})
+    if _rel(x.a * c, x.b) <= tol:
+        cu = c[use]
+        return Signature(op, "per_channel", f"it differs by a per-channel ratio ({_g(float(cu.min()))}-"
+                         f"{_g(float(cu.max()))} over {int(use.sum())} channels)",
+                         f"rel err {_g(_rel(x.a, x.b))}, {_g(_rel(x.a * c, x.b))} after the per-channel ratio; {ups}",
+                         "that op's weight per channel (a norm weight, or a row scale of the projection)",
+                         {"ratio_min": float(cu.min()), "ratio_max": float(cu.max())})
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# From a diff: the zoomed layer's taps read from the two traces
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TapPair:
+    """A compared tensor of the diff: its label, its name on each side, and the tensor rows of the
+    compared tokens on each side (aligned order, ``token_index`` the aligned tokens)."""
+
+    label: str
+    name_a: str
+    name_b: str
+    rows_a: NDArray[np.int64]
+    rows_b: NDArray[np.int64]
+    token_index: NDArray[np.int64]
+
+
+def _info(a: TraceSource, b: TraceSource, names_a: Sequence[str], names_b: Sequence[str]) -> LayerInfo:
+    def attr(src: TraceSource, names: Sequence[str], key: str) -> Any:
+        for n in names:
+            v = src.tensors[n].attrs.get(key) if n in src.tensors else None
+            if v is not None:
+                return v
+        return None
+
+    def num(v: Any, kind: type) -> Any:
+        try:
+            return kind(v) if v is not None else None
+        except (TypeError, ValueError):
+            return None
+
+    return LayerInfo(heads=num(attr(a, names_a, "heads"), int), kv_heads=num(attr(a, names_a, "kv_heads"), int),
+                     head_dim=num(attr(a, names_a, "head_dim"), int), eps=num(attr(a, names_a, "eps"), float),
+                     eps_b=num(attr(b, names_b, "eps"), float), rope_theta=num(attr(a, names_a, "rope_theta"), float))
+
+
+def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pairs: Sequence[TapPair],
+                 ordered: Sequence[Finding], max_rows: int = 4096) -> Finding | None:
+    """The signature finding of a diff whose first divergence (``ordered``: its findings in order)
+    is a tap of a zoomed layer, or None. ``pairs``: every compared tensor (with full values on both
+    sides; the layer's taps among them), ``code_a``: the aligned tokens' codes on side A."""
+    first = next((f for f in ordered if f.severity == Severity.DIVERGENCE), None)
+    if first is None or first.kind not in (Kind.NUMERIC, Kind.NONFINITE) or first.tensor is None:
+        return None
+    st = maybe_state(first.tensor)
+    if st is None or st.kind != "tap" or st.tap is None or st.layer is None:
+        return None
+    layer = st.layer
+    mine = [p for p in pairs if (s := maybe_state(p.label)) is not None and s.kind == "tap" and s.layer == layer]
+    if not any(p.label == first.tensor for p in mine):
+        return None
+    common = mine[0].token_index
+    for p in mine[1:]:
+        common = np.intersect1d(common, p.token_index)
+    if len(common) > max_rows:
+        common = common[np.linspace(0, len(common) - 1, max_rows).astype(np.int64)]
+    taps: dict[str, TapRows] = {}
+    try:
+        for p in mine:
+            s = maybe_state(p.label)
+            assert s is not None and s.tap is not None
+            at = np.searchsorted(p.token_index, common)
+            va = a.read_values_at(p.name_a, p.rows_a[at]).astype(np.float64)
+            vb = b.read_values_at(p.name_b, p.rows_b[at]).astype(np.float64)
+            if np.isfinite(va).all() and np.isfinite(vb).all():
+                taps[s.tap] = TapRows(s.tap, va, vb)
+    except (KeyError, ValueError, OSError):
+        return None   # a tap without full values: no signature, the numeric finding stands
+    if st.tap not in taps:
+        return None
+    codes = code_a[common]
+    positions = (codes & POS_MASK).astype(np.int64)
+    seqs = (codes >> SEQ_BITS).astype(np.int64)
+    info = _info(a, b, [p.name_a for p in mine], [p.name_b for p in mine])
+    ms = _norm_ms(a, pairs, layer, st.tap, common, taps)
+    sig = classify(layer, st.tap, taps, positions, seqs, info, ms)
+    det = SignatureDetails(token_index=first.details.token_index, op=sig.op, signature=sig.kind, what=sig.what,
+                           evidence=sig.evidence, cause=sig.cause, layer=layer,
+                           params={k: v for k, v in sig.params.items()})
+    return Finding(Kind.SIGNATURE, Severity.DIVERGENCE, tensor=sig.op, order=first.order, seq=first.seq,
+                   position=first.position, position_b=first.position_b, token=first.token, regime=first.regime,
+                   details=det)
+
+
+def _norm_ms(a: TraceSource, pairs: Sequence[TapPair], layer: int, tap: str, common: NDArray[np.int64],
+             taps: Mapping[str, TapRows]) -> F64 | None:
+    """The mean square of a norm's input per token (side A): boundary ``layer<b>``'s RMS for
+    ``attn_norm``; boundary + ``attn_out`` for ``mlp_norm`` (needs the boundary's values)."""
+    if tap not in ("attn_norm", "mlp_norm"):
+        return None
+    label = "embed" if layer == 0 else f"layer{layer}"
+    p = next((p for p in pairs if p.label == label), None)
+    if p is None or not np.isin(common, p.token_index).all():
+        return None
+    rows = p.rows_a[np.searchsorted(p.token_index, common)]
+    try:
+        if tap == "attn_norm":
+            if a.has_part(p.name_a, "rms"):
+                return np.asarray(a.read_at(p.name_a, "rms", rows), np.float64).reshape(len(rows), -1)[:, 0] ** 2
+            v = a.read_values_at(p.name_a, rows).astype(np.float64)
+            return np.asarray((v * v).mean(1), dtype=np.float64)
+        if "attn_out" not in taps or not a.has_part(p.name_a, "values"):
+            return None
+        h = a.read_values_at(p.name_a, rows).astype(np.float64) + taps["attn_out"].a
+        return np.asarray((h * h).mean(1), dtype=np.float64)
+    except (KeyError, ValueError, OSError):
+        return None
+
+
+#: the taps whose output is added to the residual stream (the next boundary is input + their sum)
+RESIDUAL_TAPS = ("attn_out", "mlp_out")
+
+
+def residual_noise(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], f: Finding,
+                   boundary_rel: Mapping[str, float]) -> str | None:
+    """For a numeric finding of a tap that is added to the residual stream (``attn_out``,
+    ``mlp_out``) whose only failure is tokens past the tap's own tolerance: the sentence saying
+    that each token's error stays within the measured per-token noise of the boundary it is added
+    into (``||B - A|| / ||layer<b+1>||`` against that boundary's ``max_rel``), else None (the
+    finding stands). An op whose output nearly cancels (an attention output averaging values of
+    both signs) shows a large relative error on a few tokens in honest rounding, while what it
+    adds to the residual is as small as the rest of the layer's; a real bug reaches the boundary
+    too, and is judged there."""
+    st = maybe_state(f.tensor or "")
+    if st is None or st.kind != "tap" or st.tap not in RESIDUAL_TAPS or st.layer is None:
+        return None
+    d = f.details
+    if not isinstance(d, NumericDetails) or d.part not in ("", "tokens"):
+        return None
+    out_label = f"layer{st.layer + 1}"
+    tap = next((p for p in pairs if p.label == f.tensor), None)
+    res = next((p for p in pairs if p.label == out_label), None)
+    limit = boundary_rel.get(out_label)
+    if tap is None or res is None or limit is None:
+        return None
+    common = np.intersect1d(tap.token_index, res.token_index)
+    if len(common) < len(tap.token_index):
+        return None
+    it, ir = np.searchsorted(tap.token_index, common), np.searchsorted(res.token_index, common)
+    try:
+        va = a.read_values_at(tap.name_a, tap.rows_a[it]).astype(np.float64)
+        vb = b.read_values_at(tap.name_b, tap.rows_b[it]).astype(np.float64)
+        if a.has_part(res.name_a, "rms"):
+            rms = np.asarray(a.read_at(res.name_a, "rms", res.rows_a[ir]), np.float64).reshape(len(common), -1)[:, 0]
+            norm = rms * math.sqrt(va.shape[1])
+        else:
+            norm = np.linalg.norm(a.read_values_at(res.name_a, res.rows_a[ir]).astype(np.float64), axis=1)
+    except (KeyError, ValueError, OSError):
+        return None
+    if not np.isfinite(va).all() or not np.isfinite(vb).all() or va.shape[1] != int(a.tensors[res.name_a].slot_width or 0):
+        return None
+    share = np.linalg.norm(vb - va, axis=1) / np.maximum(norm, 1e-30)
+    worst = float(share.max())
+    if worst > limit:
+        return None
+    return (f"{f.tensor}: {d.failing} of {len(common)} tokens past its own tolerance, but what it adds "
+            f"to the residual is within the noise: ||B - A|| / ||{out_label}|| at most {_g(worst)} <= {_g(limit)} "
+            f"allowed per token at {out_label} ({d.limit_source or 'its tolerance'})")
+
+
+# ----------------------------------------------------------------------------------------------
+# A grafted run (record train --graft OTHER.h5:STATE): does anything after the graft diverge?
+# ----------------------------------------------------------------------------------------------
+
+
+def graft_finding(a: TraceSource, b: TraceSource, ordered: Sequence[Finding]) -> Finding | None:
+    """The note of a diff where one side was recorded with a state grafted from another trace:
+    whether anything after that state still diverges, and what that says of the cause."""
+    found = None
+    for side, src, other in (("B", b, a), ("A", a, b)):
+        meta = getattr(src, "user_meta", None)
+        g = meta.get("graft") if isinstance(meta, dict) else None
+        if isinstance(g, dict) and isinstance(g.get("state"), str):
+            found = (side, other, g)
+            break
+    if found is None:
+        return None
+    side, other, g = found
+    state = str(g["state"])
+    st = maybe_state(state)
+    if st is None:
+        return None
+    n = a.num_layers or b.num_layers
+    at = st.order(n)
+    origin = str(g.get("from", "?"))
+    same = origin == getattr(other, "path", None) or _same_file(origin, str(getattr(other, "path", "")))
+    whose = f"{other.side} ({origin})" if same else origin
+    divs = [f for f in ordered if f.severity == Severity.DIVERGENCE]
+    after = [f for f in divs if f.order > at and f.kind not in (Kind.ACCEPTANCE,)]
+    before = [f for f in divs if f.order < at]
+    if after:
+        what = f"with {state} taken from {whose} in {side}, {len(after)} finding(s) after it still diverge"
+        cause = (f"a cause after {state} as well (the first after it: {after[0].tensor}); the graft does not "
+                 "remove it")
+    else:
+        what = f"with {state} taken from {whose} in {side}, nothing after it diverges"
+        if before:
+            cause = f"the cause is before {state}: the first divergence is {before[0].tensor}"
+        elif st.kind == "boundary" and st.layer is not None and st.layer >= 1:
+            prev = "embed" if st.layer == 1 else f"layer{st.layer - 1}"
+            cause = (f"the cause is inside decoder layer {st.layer - 1} (between {prev}, which agrees, and {state})"
+                     f"; zoom into it: --zoom layer{st.layer - 1}")
+        else:
+            cause = f"the cause is at or before {state}"
+    ev = f"{len(divs)} divergence(s) in all; {len(before)} before {state}, {len(after)} after"
+    det = SignatureDetails(op=state, signature="graft", what=what, evidence=ev, cause=cause, layer=st.layer,
+                           params={"state": state, "from": origin, "side": side, "after": len(after),
+                                   "before": len(before)})
+    return Finding(Kind.SIGNATURE, Severity.INFO, tensor=state, order=at, details=det)
+
+
+def _same_file(x: str, y: str) -> bool:
+    try:
+        return bool(x) and bool(y) and os.path.samefile(x, y)
+    except OSError:
+        return False

@@ -1,0 +1,192 @@
+"""An HF reference against an HF "port" with one bug each, on the trained tiny Llama
+(tests/trained.py), recorded by the real `tensordiff record train`, the way a user finds it: the
+plain diff names the first boundary out of the noise, the zoom into the layer before it names the
+op, and the first sentence says what kind of difference that op shows. The correct bf16 port
+agrees (exit 0), plain and zoomed."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import trained  # noqa: E402
+
+from tensordiff.cli import main  # noqa: E402
+from tensordiff.diff import diff_traces  # noqa: E402
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+
+def _variant(root, name, edit=None, config=None):
+    """A copy of the trained target with ``edit(model)`` applied to its weights and/or ``config``."""
+    out = root / name
+    if out.exists():
+        return out
+    m = trained.load_target()
+    if edit is not None:
+        with torch.no_grad():
+            edit(m)
+    if config:
+        for k, v in config.items():
+            setattr(m.config, k, v)
+    m.save_pretrained(out)
+    gen = out / "generation_config.json"
+    if gen.exists():
+        gen.unlink()
+    return out
+
+
+def _swap_gate_up(m):
+    for layer in m.model.layers:
+        g, u = layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
+        tmp = g.detach().clone()
+        g.copy_(u)
+        u.copy_(tmp)
+
+
+def _interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """A port that applies the rotary to interleaved pairs (2j, 2j+1) of HF's rotate-half weights."""
+    half = cos.shape[-1] // 2
+    c = cos[..., :half].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+    s = sin[..., :half].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+
+    def rot(x):
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+
+    return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+def _tiled_kv(hidden, n_rep):
+    """A port whose query head h reads key/value head h % kv_heads (HF: h // n_rep)."""
+    return hidden if n_rep == 1 else hidden.repeat(1, n_rep, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ports")
+
+
+def _record(out, model, *extra, dtype="float32"):
+    argv = ["record", "train", "--model", str(model), "--prompts", str(trained.prompts_path()), "--out", str(out),
+            "--no-progress", "--topk", "0", "--values", "all", "--dtype", dtype, *extra]
+    assert main(argv) == 0, argv
+    return out
+
+
+_REF: dict[tuple[str, ...], object] = {}
+
+
+def _ref(root, *extra):
+    if extra not in _REF:
+        _REF[extra] = _record(root / f"ref{''.join(extra).replace('-', '_')}.h5", trained.target_dir(), *extra)
+    return _REF[extra]
+
+
+def _port(root, monkeypatch, name, case):
+    """(plain diff, zoomed diff or None) of the port ``case``."""
+    model = trained.target_dir()
+    if case.get("weights") or case.get("config"):
+        model = _variant(root, name, case.get("weights"), case.get("config"))
+    refs = {layer: _ref(root, *(("--zoom", f"layer{layer}") if layer is not None else ())) for layer in (None, 0, 3)}
+    for target, attr, value in case.get("patch", ()):   # the port's code bug: after the references are recorded
+        monkeypatch.setattr(target, attr, value)
+    if case.get("load"):
+        from tensordiff.recorders import train_cli
+        orig = train_cli._load_model
+
+        def loaded(*a, **k):
+            m = orig(*a, **k)
+            case["load"](m)
+            return m
+
+        monkeypatch.setattr(train_cli, "_load_model", loaded)
+    plain = diff_traces(str(refs[None]), str(_record(root / f"{name}.h5", model)))
+    first = plain.first_divergence
+    assert first is not None, f"{name}: the plain diff finds nothing"
+    m = re.fullmatch(r"layer(\d+)", first.tensor or "")
+    if not m:
+        return plain, None
+    b = int(m.group(1)) - 1
+    zoomed = diff_traces(str(refs[b] if b in refs else _ref(root, "--zoom", f"layer{b}")),
+                         str(_record(root / f"{name}-z{b}.h5", model, "--zoom", f"layer{b}")))
+    return plain, zoomed
+
+
+def _cases():
+    from transformers.integrations import sdpa_attention
+    from transformers.models.llama import modeling_llama
+
+    def norm_skipped(model):
+        model.model.norm = torch.nn.Identity()
+
+    return {
+        "rope_theta": dict(config={"rope_parameters": {"rope_theta": 20000.0, "rope_type": "default"}}),
+        "rope_interleaved": dict(patch=[(modeling_llama, "apply_rotary_pos_emb", _interleaved_rotary)]),
+        "norm_eps": dict(config={"rms_norm_eps": 1e-3}),
+        "gqa_order": dict(patch=[(sdpa_attention, "use_gqa_in_sdpa", lambda *a, **k: False),
+                                 (sdpa_attention, "repeat_kv", _tiled_kv), (modeling_llama, "repeat_kv", _tiled_kv)]),
+        "mlp_scaled": dict(weights=lambda m: m.model.layers[3].mlp.down_proj.weight.mul_(1.05)),
+        "gate_up_swapped": dict(weights=_swap_gate_up),
+        "final_norm_skipped": dict(load=norm_skipped),
+    }
+
+
+# what the first sentence of each port's diff must say (op, signature, parameter)
+EXPECT = {
+    "rope_theta": ("layer0.q_rope", "rotary", ["rope theta: A 1e+04, B 2e+04"]),
+    "rope_interleaved": ("layer0.q_rope", "rotary", ["layout", "interleaved"]),
+    "norm_eps": ("layer0.attn_norm", "norm_eps", ["eps 0.001"]),
+    "gqa_order": ("layer0.attn_out", "gqa", ["kv head h // rep", "h % kv_heads"]),
+    "mlp_scaled": ("layer3.mlp_out", "scale", ["scaled by 1.05"]),
+    "gate_up_swapped": ("layer0.mlp_gate", "swap", ["B's mlp_gate holds A's mlp_up"]),
+    "final_norm_skipped": ("final_norm", None, ["final_norm on B holds layer8"]),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECT))
+def test_port_bug_is_named_by_op_and_signature(root, monkeypatch, name):
+    case = _cases()[name]
+    plain, zoomed = _port(root, monkeypatch, name, case)
+    op, kind, words = EXPECT[name]
+    res = zoomed or plain
+    assert res.exit_code == 1
+    f = res.first_divergence
+    head = res.headline()
+    assert f.tensor == op, head
+    if kind is not None:
+        assert f.kind == "signature" and f.details.signature == kind, head
+    for w in words:
+        assert w in head, head
+    print(f"{name}: plain: {plain.headline()}\n  zoomed: {head}")
+    if zoomed is not None:
+        d = json.loads(json.dumps(zoomed.to_dict()))
+        assert d["first_divergence"]["kind"] == ("signature" if kind else d["first_divergence"]["kind"])
+        # the op graph of the zoomed layer: the first op marked, what is before it agrees
+        from tensordiff.report import opgraph
+        from tensordiff.report.html import render_html
+        layer, tap = int(op.split(".")[0][5:]), op.split(".")[1]
+        assert opgraph.zoomed_layers(zoomed) == [layer]
+        line = opgraph.line(zoomed, layer)
+        assert f"{tap} ✗!" in line and f"layer {layer}: " in line, line
+        before = line.split(f"{tap} ✗!")[0]
+        assert "✗" not in before, line
+        page = render_html(zoomed)
+        assert f'class="op op-first" data-op="{op}"' in page
+        from tensordiff.tui.text import op_graph_lines
+        tui = op_graph_lines(zoomed, op)
+        assert len(tui) == 1 and f"{tap} ✗!" in tui.pop().plain
+
+
+def test_correct_bf16_port_agrees(root):
+    """The same weights run in bfloat16 against the float32 reference: no divergence, plain and
+    zoomed into a middle layer."""
+    plain = diff_traces(str(_ref(root)), str(_record(root / "bf16.h5", trained.target_dir(), dtype="bfloat16")))
+    assert plain.exit_code == 0, plain.headline()
+    zoomed = diff_traces(str(_ref(root, "--zoom", "layer3")),
+                         str(_record(root / "bf16-z3.h5", trained.target_dir(), "--zoom", "layer3", dtype="bfloat16")))
+    assert zoomed.exit_code == 0, zoomed.headline()

@@ -1,0 +1,132 @@
+"""tensordiff.signatures on plain arrays: each kind of difference a port shows inside one layer is
+named, with the parameter that explains it, and a bug of another kind is not mistaken for it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensordiff.signatures import LayerInfo, TapRows, attention, classify, rope
+
+H, KV, HD = 4, 2, 16
+N_SEQ, L = 6, 40
+
+
+def _tokens():
+    seqs = np.repeat(np.arange(N_SEQ), L).astype(np.int64)
+    pos = np.tile(np.arange(L), N_SEQ).astype(np.int64)
+    return seqs, pos
+
+
+def _noise(x, rng, rel=1e-7):
+    return x + rel * np.abs(x).mean() * rng.standard_normal(x.shape)
+
+
+def _layer(rng, *, theta_b=1e4, layout_b="half", kv_b=None, eps_b=1e-5, up_scale=1.0, swap=False, head_perm=None):
+    """A layer's taps on both sides, B built with one difference."""
+    seqs, pos = _tokens()
+    n = len(pos)
+    rms = np.exp(rng.uniform(np.log(0.003), np.log(1.0), n))
+    x = rng.standard_normal((n, 64)) * rms[:, None]
+    w_norm = 1 + 0.1 * rng.standard_normal(64)
+
+    def norm(eps):
+        return x / np.sqrt((x * x).mean(1, keepdims=True) + eps) * w_norm
+
+    wq, wk, wv = (rng.standard_normal((64, w)) / 8 for w in (H * HD, KV * HD, KV * HD))
+    wo = rng.standard_normal((H * HD, 64)) / 8
+    wg, wu = rng.standard_normal((64, 128)) / 8, rng.standard_normal((64, 128)) / 8
+    block = [h // (H // KV) for h in range(H)]
+
+    def side(eps, theta, layout, kv, scale, swap_gu, perm):
+        t = {}
+        t["attn_norm"] = norm(eps)
+        t["q"], t["k"], t["v"] = t["attn_norm"] @ wq, t["attn_norm"] @ wk, t["attn_norm"] @ wv
+        if perm is not None:
+            t["q"] = t["q"].reshape(n, H, HD)[:, perm].reshape(n, -1)
+        t["q_rope"] = rope(t["q"], pos, HD, theta, layout)
+        t["k_rope"] = rope(t["k"], pos, HD, theta, layout)
+        t["attn_out"] = attention(t["q_rope"], t["k_rope"], t["v"], seqs, pos, H, KV, HD, kv) @ wo
+        g, u = t["attn_norm"] @ wg, t["attn_norm"] @ wu * scale
+        t["mlp_gate"], t["mlp_up"] = (u, g) if swap_gu else (g, u)
+        return t
+
+    ta = side(1e-5, 1e4, "half", block, 1.0, False, None)
+    tb = side(eps_b, theta_b, layout_b, kv_b or block, up_scale, swap, head_perm)
+    taps = {k: TapRows(k, ta[k], _noise(tb[k], rng)) for k in ta}
+    return taps, pos, seqs, (x * x).mean(1)
+
+
+INFO = LayerInfo(heads=H, kv_heads=KV, head_dim=HD, eps=1e-5, rope_theta=1e4)
+
+
+def _first(taps):
+    return next(t for t in taps if np.linalg.norm(taps[t].b - taps[t].a) / np.linalg.norm(taps[t].a) > 1e-5)
+
+
+def test_rope_theta_is_fitted():
+    taps, pos, seqs, ms = _layer(np.random.default_rng(0), theta_b=20000.0)
+    assert _first(taps) == "q_rope"
+    s = classify(2, "q_rope", taps, pos, seqs, INFO)
+    assert s.kind == "rotary", s
+    assert s.params["theta_a"] == 10000 and s.params["theta_b"] == 20000, s.params
+    assert "rope theta: A 1e+04, B 2e+04" in s.cause, s.cause
+
+
+def test_rope_layout_is_named():
+    taps, pos, seqs, _ = _layer(np.random.default_rng(1), layout_b="interleaved")
+    s = classify(2, "q_rope", taps, pos, seqs, INFO)
+    assert s.kind == "rotary" and s.params["layout_b"] == "interleaved" and s.params["layout_a"] == "half", s
+    assert "layout" in s.cause
+
+
+def test_gqa_repeat_order_is_named():
+    taps, pos, seqs, _ = _layer(np.random.default_rng(2), kv_b=[h % KV for h in range(H)])
+    assert _first(taps) == "attn_out"
+    s = classify(2, "attn_out", taps, pos, seqs, INFO)
+    assert s.kind == "gqa", s
+    assert s.params == {"a": [0, 0, 1, 1], "b": [0, 1, 0, 1]}
+
+
+def test_norm_eps_is_fitted():
+    taps, pos, seqs, ms = _layer(np.random.default_rng(3), eps_b=1e-3)
+    assert _first(taps) == "attn_norm"
+    s = classify(2, "attn_norm", taps, pos, seqs, INFO, norm_ms=ms)
+    assert s.kind == "norm_eps", s
+    assert s.params["eps_b"] == pytest.approx(1e-3, rel=0.02)
+
+
+def test_scale_swap_and_head_permutation():
+    taps, pos, seqs, _ = _layer(np.random.default_rng(4), up_scale=1.05)
+    s = classify(2, "mlp_up", taps, pos, seqs, INFO)
+    assert s.kind == "scale" and s.params["scale"] == pytest.approx(1.05, rel=1e-5), s
+    taps, pos, seqs, _ = _layer(np.random.default_rng(5), swap=True)
+    s = classify(2, "mlp_gate", taps, pos, seqs, INFO)
+    assert s.kind == "swap" and s.params == {"holds": "mlp_up"} and "B's mlp_up holds A's mlp_gate" in s.evidence, s
+    taps, pos, seqs, _ = _layer(np.random.default_rng(6), head_perm=[1, 0, 3, 2])
+    s = classify(2, "q", taps, pos, seqs, INFO)
+    assert s.kind == "heads" and s.params["permutation"] == [1, 0, 3, 2], s
+
+
+def test_other_differences_are_not_mistaken():
+    """A random weight perturbation of the up projection: no scale, no rotary, no eps: 'op'. A
+    per-channel ratio is one, not a constant scale."""
+    rng = np.random.default_rng(7)
+    taps, pos, seqs, ms = _layer(rng)
+    up = taps["mlp_up"]
+    bad = TapRows("mlp_up", up.a, up.a + 0.02 * rng.standard_normal(up.a.shape) * np.abs(up.a).mean())
+    s = classify(2, "mlp_up", {**taps, "mlp_up": bad}, pos, seqs, INFO)
+    assert s.kind == "op", s
+    ch = TapRows("mlp_up", up.a, up.a * (1 + 0.05 * rng.standard_normal(up.a.shape[1])))
+    s = classify(2, "mlp_up", {**taps, "mlp_up": ch}, pos, seqs, INFO)
+    assert s.kind == "per_channel", s
+    # a rotary-looking tap whose error does not start at nothing at position 0 is not a rotary
+    q = taps["q_rope"]
+    off = TapRows("q_rope", q.a, q.a * 1.01)
+    s = classify(2, "q_rope", {**taps, "q_rope": off}, pos, seqs, INFO)
+    assert s.kind == "scale", s
+    # an eps-looking norm whose ratio does not follow the input's RMS is a scale
+    nrm = taps["attn_norm"]
+    s = classify(2, "attn_norm", {**taps, "attn_norm": TapRows("attn_norm", nrm.a, nrm.a * 1.02)}, pos, seqs, INFO,
+                 norm_ms=ms)
+    assert s.kind == "scale", s
