@@ -50,7 +50,7 @@ from .noise import UNIT, NoiseModel
 from .tokens import POS_MASK, SEQ_BITS
 from .trace import TraceSource
 from .trace.rl import WeightStep, read_sampling, read_weight_steps, sampling_for, weights_at
-from .vocab import REGIME_CODE
+from .vocab import REGIME_CODE, REGIMES
 
 __all__ = ["Triage", "triage", "triage_sources"]
 
@@ -72,6 +72,8 @@ class Triage:
     routing: dict[str, Any] | None = None
     layer: dict[str, Any] | None = None
     three_way: list[dict[str, Any]] | None = None
+    noise_states: list[dict[str, Any]] = field(default_factory=list)   # per state: measured vs the trend
+    curve: dict[str, list[Any]] = field(default_factory=dict)          # per sampled token: position, diff, regime
     diff: DiffResult | None = None
 
     @property
@@ -86,6 +88,7 @@ class Triage:
                 "lines": self.lines, "exit_code": self.exit_code, "weights": self.weights,
                 "logprobs": self.logprobs.to_dict() if self.logprobs is not None else None,
                 "routing": self.routing, "layer": self.layer, "three_way": self.three_way,
+                "noise_states": self.noise_states,
                 "diff_headline": self.diff.headline() if self.diff is not None else None}
 
 
@@ -347,6 +350,12 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     ta, tb = _temperature(a), _temperature(b)
     c = lpmod.compare(a, b, al, maps, noise, ta, tb)
     t.logprobs = c
+    t.noise_states = [{"label": st.label, "depth": st.depth, "q50": st.level.q50, "predicted": st.predicted,
+                       "clean": st.clean} for st in plan.noise.states]
+    if c is not None and c.tokens:
+        t.curve = {"seq": [int(x) for x in al.code_a[c.index] >> SEQ_BITS],
+                   "position": [int(x) for x in al.code_a[c.index] & POS_MASK],
+                   "diff": [float(x) for x in c.diff], "regime": [REGIMES[int(x)] for x in c.regime_b]}
     res = diff_sources(a, b, DiffOptions())
     t.diff = res
     causes: list[tuple[str, str]] = []

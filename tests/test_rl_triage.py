@@ -160,6 +160,14 @@ def test_cli_json_and_bad_input(work, fp32, capsys, tmp_path):
     assert main(["triage", str(t), str(r), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["cause"] == "agree" and d["exit_code"] == 0 and d["logprobs"]["metrics"]["token_mult_prob_error"] >= 1.0
+    page = tmp_path / "triage.html"
+    assert main(["triage", str(t), str(r), "--html", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and "no cause: weights, tokens and states agree" in text
+    assert text.count("<svg") == 2 and "<script" not in text and "http" not in text.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")
+    assert main(["triage", str(t), str(r), "--html", str(t)]) == 2   # never overwrite an input
+    assert "would overwrite an input" in capsys.readouterr().err
     assert main(["triage", str(t), str(tmp_path / "missing.h5")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.h5" in err[0]
