@@ -382,7 +382,7 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
                          f"({len(rd.layers)} MoE layers)")
         else:
             lay = flipping[0]
-            seqs = _tokens_flipping(a, b, al, maps)
+            seqs, flip_at = _tokens_flipping(a, b, al, maps)
             first_layer = _layer_of(first_numeric)
             explains = first_numeric is None or first_layer is None or first_layer > lay["layer"]
             lp_out = c is not None and not c.agree
@@ -392,6 +392,8 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
                                           f"({lay['flips']} of {lay['tokens']} tokens, first at sequence "
                                           f"{f0.get('seq')} position {f0.get('position')}); {seqs:.1%} of tokens "
                                           "flip at least one layer, and the states leave the noise only after it"))
+                if c is not None and c.tokens:
+                    notes.append("  " + _flips_explain(c, al.code_a, flip_at))
     # 4. the first state out of the noise trend
     if first_numeric is not None:
         t.layer = _layer_info(a, b, plan, res, first_numeric)
@@ -441,8 +443,27 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     return t
 
 
-def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> float:
-    """The share of aligned tokens whose experts flip in at least one MoE layer."""
+def _flips_explain(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at: NDArray[np.bool_]) -> str:
+    """Whether the log-prob gap sits on the tokens at or after a routing flip in their sequence."""
+    seq, pos = codes >> SEQ_BITS, codes & POS_MASK
+    first: dict[int, int] = {}
+    for s_, p_ in zip(seq[flip_at], pos[flip_at]):
+        first[int(s_)] = min(first.get(int(s_), int(p_)), int(p_))
+    ls, lp = seq[c.index], pos[c.index]
+    after = np.array([int(p_) >= first.get(int(s_), 1 << 62) for s_, p_ in zip(ls, lp)], dtype=bool)
+    d = np.abs(c.diff)
+    ma = float(d[after].mean()) if after.any() else float("nan")
+    mb = float(d[~after].mean()) if (~after).any() else float("nan")
+    share = float(d[after].sum() / d.sum()) if d.sum() > 0 else 0.0
+    return (f"the flips explain the log-prob gap: {share:.0%} of the total |logprob diff| is on the "
+            f"{int(after.sum())} sampled tokens at or after a flip in their sequence (mean {_f(ma)}, "
+            f"elsewhere {_f(mb)})" if share >= 0.5 and not (mb > ma) else
+            f"the flips do not explain the log-prob gap: {share:.0%} of the total |logprob diff| is on the "
+            f"{int(after.sum())} sampled tokens at or after a flip (mean {_f(ma)}, elsewhere {_f(mb)})")
+
+
+def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> tuple[float, NDArray[np.bool_]]:
+    """The share of aligned tokens whose experts flip in at least one MoE layer, and which."""
     la, lb = routing_mod.routing_layers(a), routing_mod.routing_layers(b)
     n = len(al)
     any_flip = np.zeros(n, dtype=bool)
@@ -459,7 +480,7 @@ def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> 
         vb = np.asarray(b.read_at(ib.name, "values", mb[both]), dtype=np.float64)[:, :k]
         any_flip[both] |= (np.sort(va, 1) != np.sort(vb, 1)).any(1)
         seen[both] = True
-    return float(any_flip[seen].mean()) if seen.any() else 0.0
+    return (float(any_flip[seen].mean()) if seen.any() else 0.0), any_flip
 
 
 def _layer_of(f: Finding | None) -> float | None:
