@@ -455,6 +455,9 @@ def _flips_explain(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at
     ma = float(d[after].mean()) if after.any() else float("nan")
     mb = float(d[~after].mean()) if (~after).any() else float("nan")
     share = float(d[after].sum() / d.sum()) if d.sum() > 0 else 0.0
+    if not (~after).any():
+        return (f"every sampled token comes at or after a flip in its sequence (mean |logprob diff| {_f(ma)}): the "
+                "flips can explain the log-prob gap; no flip-free token to compare with")
     return (f"the flips explain the log-prob gap: {share:.0%} of the total |logprob diff| is on the "
             f"{int(after.sum())} sampled tokens at or after a flip in their sequence (mean {_f(ma)}, "
             f"elsewhere {_f(mb)})" if share >= 0.5 and not (mb > ma) else
