@@ -259,6 +259,10 @@ def cmd_triage(args) -> int:
     from .traceset import trace_paths
 
     inputs = trace_paths(args.train) + trace_paths(args.rollout) + (trace_paths(args.prefill) if args.prefill else [])
+    if args.html:
+        from .safety import check_output_path
+
+        check_output_path(args.html, inputs, "--html")
     return run_watched(inputs, lambda: _run_triage(args))
 
 
@@ -266,6 +270,11 @@ def _run_triage(args) -> int:
     from .triage import triage
 
     t = triage(args.train, args.rollout, args.prefill)
+    if args.html:
+        from .triage_html import render
+
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(render(t))
     try:
         if args.json:
             _print_json(t.to_dict())
@@ -469,6 +478,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="the engine's prefill re-run of the rollout's tokens (record serve --replay): adds the "
                         "three-way table decode vs prefill vs trainer")
     g.add_argument("--json", action="store_true", help="machine-readable output")
+    g.add_argument("--html", metavar="FILE", help="also write the triage as one self-contained HTML file (the error "
+                                                  "per state against the noise trend, the regime split, the per-token "
+                                                  "log-prob difference over positions)")
     g.set_defaults(func=cmd_triage)
 
     if command not in CORE_COMMANDS:

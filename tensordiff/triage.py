@@ -50,7 +50,7 @@ from .noise import UNIT, NoiseModel
 from .tokens import POS_MASK, SEQ_BITS
 from .trace import TraceSource
 from .trace.rl import WeightStep, read_sampling, read_weight_steps, sampling_for, weights_at
-from .vocab import REGIME_CODE
+from .vocab import REGIME_CODE, REGIMES
 
 __all__ = ["Triage", "triage", "triage_sources"]
 
@@ -72,6 +72,8 @@ class Triage:
     routing: dict[str, Any] | None = None
     layer: dict[str, Any] | None = None
     three_way: list[dict[str, Any]] | None = None
+    noise_states: list[dict[str, Any]] = field(default_factory=list)   # per state: measured vs the trend
+    curve: dict[str, list[Any]] = field(default_factory=dict)          # per sampled token: position, diff, regime
     diff: DiffResult | None = None
 
     @property
@@ -86,6 +88,7 @@ class Triage:
                 "lines": self.lines, "exit_code": self.exit_code, "weights": self.weights,
                 "logprobs": self.logprobs.to_dict() if self.logprobs is not None else None,
                 "routing": self.routing, "layer": self.layer, "three_way": self.three_way,
+                "noise_states": self.noise_states,
                 "diff_headline": self.diff.headline() if self.diff is not None else None}
 
 
@@ -347,6 +350,12 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     ta, tb = _temperature(a), _temperature(b)
     c = lpmod.compare(a, b, al, maps, noise, ta, tb)
     t.logprobs = c
+    t.noise_states = [{"label": st.label, "depth": st.depth, "q50": st.level.q50, "predicted": st.predicted,
+                       "clean": st.clean} for st in plan.noise.states]
+    if c is not None and c.tokens:
+        t.curve = {"seq": [int(x) for x in al.code_a[c.index] >> SEQ_BITS],
+                   "position": [int(x) for x in al.code_a[c.index] & POS_MASK],
+                   "diff": [float(x) for x in c.diff], "regime": [REGIMES[int(x)] for x in c.regime_b]}
     res = diff_sources(a, b, DiffOptions())
     t.diff = res
     causes: list[tuple[str, str]] = []
@@ -373,7 +382,7 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
                          f"({len(rd.layers)} MoE layers)")
         else:
             lay = flipping[0]
-            seqs = _tokens_flipping(a, b, al, maps)
+            seqs, flip_at = _tokens_flipping(a, b, al, maps)
             first_layer = _layer_of(first_numeric)
             explains = first_numeric is None or first_layer is None or first_layer > lay["layer"]
             lp_out = c is not None and not c.agree
@@ -383,6 +392,8 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
                                           f"({lay['flips']} of {lay['tokens']} tokens, first at sequence "
                                           f"{f0.get('seq')} position {f0.get('position')}); {seqs:.1%} of tokens "
                                           "flip at least one layer, and the states leave the noise only after it"))
+                if c is not None and c.tokens:
+                    notes.append("  " + _flips_explain(c, al.code_a, flip_at))
     # 4. the first state out of the noise trend
     if first_numeric is not None:
         t.layer = _layer_info(a, b, plan, res, first_numeric)
@@ -432,8 +443,30 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     return t
 
 
-def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> float:
-    """The share of aligned tokens whose experts flip in at least one MoE layer."""
+def _flips_explain(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at: NDArray[np.bool_]) -> str:
+    """Whether the log-prob gap sits on the tokens at or after a routing flip in their sequence."""
+    seq, pos = codes >> SEQ_BITS, codes & POS_MASK
+    first: dict[int, int] = {}
+    for s_, p_ in zip(seq[flip_at], pos[flip_at]):
+        first[int(s_)] = min(first.get(int(s_), int(p_)), int(p_))
+    ls, lp = seq[c.index], pos[c.index]
+    after = np.array([int(p_) >= first.get(int(s_), 1 << 62) for s_, p_ in zip(ls, lp)], dtype=bool)
+    d = np.abs(c.diff)
+    ma = float(d[after].mean()) if after.any() else float("nan")
+    mb = float(d[~after].mean()) if (~after).any() else float("nan")
+    share = float(d[after].sum() / d.sum()) if d.sum() > 0 else 0.0
+    if not (~after).any():
+        return (f"every sampled token comes at or after a flip in its sequence (mean |logprob diff| {_f(ma)}): the "
+                "flips can explain the log-prob gap; no flip-free token to compare with")
+    return (f"the flips explain the log-prob gap: {share:.0%} of the total |logprob diff| is on the "
+            f"{int(after.sum())} sampled tokens at or after a flip in their sequence (mean {_f(ma)}, "
+            f"elsewhere {_f(mb)})" if share >= 0.5 and not (mb > ma) else
+            f"the flips do not explain the log-prob gap: {share:.0%} of the total |logprob diff| is on the "
+            f"{int(after.sum())} sampled tokens at or after a flip (mean {_f(ma)}, elsewhere {_f(mb)})")
+
+
+def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> tuple[float, NDArray[np.bool_]]:
+    """The share of aligned tokens whose experts flip in at least one MoE layer, and which."""
     la, lb = routing_mod.routing_layers(a), routing_mod.routing_layers(b)
     n = len(al)
     any_flip = np.zeros(n, dtype=bool)
@@ -450,7 +483,7 @@ def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> 
         vb = np.asarray(b.read_at(ib.name, "values", mb[both]), dtype=np.float64)[:, :k]
         any_flip[both] |= (np.sort(va, 1) != np.sort(vb, 1)).any(1)
         seen[both] = True
-    return float(any_flip[seen].mean()) if seen.any() else 0.0
+    return (float(any_flip[seen].mean()) if seen.any() else 0.0), any_flip
 
 
 def _layer_of(f: Finding | None) -> float | None:

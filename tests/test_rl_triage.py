@@ -156,12 +156,34 @@ def test_cli_json_and_bad_input(work, fp32, capsys, tmp_path):
     t, r = work / "fp32.train.h5", work / "fp32.rollout.h5"
     if not t.exists():
         t, r = _pair(work, "fp32", fp32)
+    capsys.readouterr()
     assert main(["triage", str(t), str(r), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["cause"] == "agree" and d["exit_code"] == 0 and d["logprobs"]["metrics"]["token_mult_prob_error"] >= 1.0
+    page = tmp_path / "triage.html"
+    assert main(["triage", str(t), str(r), "--html", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and "no cause: weights, tokens and states agree" in text
+    assert text.count("<svg") == 2 and "<script" not in text and "http" not in text.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")
+    assert main(["triage", str(t), str(r), "--html", str(t)]) == 2   # never overwrite an input
+    assert "would overwrite an input" in capsys.readouterr().err
     assert main(["triage", str(t), str(tmp_path / "missing.h5")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.h5" in err[0]
+    # a trace of another model: one line, exit 2
+    import numpy as np
+
+    from tensordiff.trace import TraceWriter
+
+    w = TraceWriter(str(tmp_path / "other.h5"), side="serve", producer="test", model={"num_layers": 3, "hidden_size": 8})
+    w.add_tokens("p0", np.arange(4), np.arange(4), regime="decode")
+    w.close()
+    assert main(["triage", str(t), str(tmp_path / "other.h5")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert main(["triage", str(t)]) == 2
+    assert "rollout" in capsys.readouterr().err.lower()
 
 
 def test_routing_flips(work):
@@ -192,6 +214,8 @@ def test_routing_flips(work):
     assert got.headline.startswith("routing: MoE router choices flip first at layer 2 (")
     assert "of tokens flip at least one layer, and the states leave the noise only after it" in got.headline
     assert got.routing is not None and got.routing["flips"] > 0
+    assert any(line.startswith(("  the flips explain the log-prob gap: ", "  every sampled token comes at or after a flip"))
+               for line in got.lines), got.text()
 
 
 def test_decode_path_with_the_three_way_table(work, fp32):

@@ -1,0 +1,123 @@
+"""The RL triage as one self-contained HTML file (``tensordiff triage ... --html OUT``): the cause
+in the first sentence and the lines after it, the per-state error against the noise trend, the
+regime split of the first state out of the noise, the per-token log-prob difference over
+positions, the three-way table. Inline SVG, no script, no external resource. Pure: no numpy.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+from .triage import Triage
+
+__all__ = ["render"]
+
+W, H, PAD = 720, 260, 48
+COLORS = {"prefill": "#1f77b4", "decode": "#d62728", "train": "#2ca02c"}
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _num(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def _axis(x0: float, x1: float, y0: float, y1: float, xlabel: str, ylabel: str, log: bool,
+          xticks: bool = True) -> str:
+    out = [f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - 10}" y2="{H - PAD}" stroke="#444"/>',
+           f'<line x1="{PAD}" y1="10" x2="{PAD}" y2="{H - PAD}" stroke="#444"/>',
+           f'<text x="{W // 2}" y="{H - 8}" text-anchor="middle" font-size="12">{_esc(xlabel)}</text>',
+           f'<text x="12" y="{H // 2}" font-size="12" transform="rotate(-90 12 {H // 2})" '
+           f'text-anchor="middle">{_esc(ylabel)}</text>']
+    for v, y in ((y0, H - PAD), (y1, 10)):
+        lab = f"1e{v:.0f}" if log else f"{v:.3g}"
+        out.append(f'<text x="{PAD - 4}" y="{y + 4}" text-anchor="end" font-size="10">{lab}</text>')
+    for v, x in ((x0, PAD), (x1, W - 10)) if xticks else ():
+        out.append(f'<text x="{x}" y="{H - PAD + 14}" text-anchor="middle" font-size="10">{v:.3g}</text>')
+    return "".join(out)
+
+
+def _scale(v: float, lo: float, hi: float, a: float, b: float) -> float:
+    return a if hi <= lo else a + (v - lo) * (b - a) / (hi - lo)
+
+
+def _noise_svg(states: list[dict[str, Any]]) -> str:
+    pts = [s for s in states if s["q50"] > 0 or s["predicted"] > 0]
+    if not pts:
+        return "<p>No state recorded on both sides.</p>"
+    ys = [math.log10(max(v, 1e-12)) for s in pts for v in (s["q50"], s["predicted"])]
+    y0, y1 = math.floor(min(ys)), math.ceil(max(ys))
+    x0, x1 = 0.0, float(max(len(pts) - 1, 1))
+
+    def xy(i: int, v: float) -> tuple[float, float]:
+        return (_scale(i, x0, x1, PAD + 10, W - 20),
+                _scale(math.log10(max(v, 1e-12)), y0, y1, H - PAD, 10))
+
+    trend = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(i, s["predicted"]) for i, s in enumerate(pts)))
+    body = [f'<polyline points="{trend}" fill="none" stroke="#999" stroke-dasharray="4 3"/>']
+    for i, s in enumerate(pts):
+        x, y = xy(i, s["q50"])
+        color = "#2ca02c" if s["clean"] else "#d62728"
+        body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{color}"><title>{_esc(s["label"])}: median rel '
+                    f'err {s["q50"]:.3g}, trend {s["predicted"]:.3g}</title></circle>')
+        body.append(f'<text x="{x:.1f}" y="{H - PAD + 26}" font-size="9" text-anchor="middle">{_esc(s["label"])}</text>')
+    axis = _axis(x0, x1, y0, y1, "", "median relative error", True, xticks=False)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H + 14}" role="img" '
+            f'aria-label="per-state error against the noise trend">{axis}{"".join(body)}</svg>'
+            '<p class="legend">points: each state\'s median relative error (green in the trend, red out of it); '
+            'dashed: what the clean states before it predict</p>')
+
+
+def _curve_svg(curve: dict[str, list[Any]], noise: float) -> str:
+    pos, diff, reg = curve.get("position", []), curve.get("diff", []), curve.get("regime", [])
+    if not pos:
+        return "<p>No sampled-token log-probs on both sides.</p>"
+    x0, x1 = float(min(pos)), float(max(pos))
+    lim = max(max(abs(d) for d in diff), 3 * noise, 1e-12)
+    body = []
+    for p, d, r in zip(pos, diff, reg):
+        x, y = _scale(p, x0, x1, PAD + 4, W - 14), _scale(d, -lim, lim, H - PAD, 10)
+        body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{COLORS.get(r, "#555")}" fill-opacity="0.7">'
+                    f'<title>position {p} ({_esc(r)}): {d:+.3g}</title></circle>')
+    for v in (3 * noise, -3 * noise):
+        y = _scale(v, -lim, lim, H - PAD, 10)
+        body.append(f'<line x1="{PAD}" x2="{W - 10}" y1="{y:.1f}" y2="{y:.1f}" stroke="#999" stroke-dasharray="4 3"/>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" role="img" '
+            f'aria-label="per-token log-prob difference over positions">'
+            f'{_axis(x0, x1, -lim, lim, "position", "logp rollout - logp trainer", False)}{"".join(body)}</svg>'
+            '<p class="legend">blue: prefill rows (the first generated token), red: decode; dashed: the limit on the '
+            'median |diff| (3 x what an honest pair shows)</p>')
+
+
+def render(t: Triage) -> str:
+    """The page."""
+    lines = "\n".join(_esc(x) for x in t.lines)
+    c = t.logprobs
+    parts = [f"<h1>tensordiff triage: {_esc(t.cause)}</h1>",
+             f"<p class=\"files\">trainer {_esc(t.train)}<br>rollout {_esc(t.rollout)}</p>",
+             f"<p class=\"headline\">{_esc(t.headline)}</p>", f"<pre>{lines}</pre>",
+             "<h2>Error per state against the noise trend</h2>", _noise_svg(t.noise_states)]
+    if t.layer and t.layer.get("by_regime"):
+        rows = "".join(f"<tr><td>{_esc(r)}</td><td>{v['tokens']}</td><td>{v['failing']}</td><td>{v['rel_max']:.3g}"
+                       "</td></tr>" for r, v in t.layer["by_regime"].items())
+        parts += [f"<h2>{_esc(t.layer['tensor'])} by regime</h2>",
+                  f"<table><tr><th>regime</th><th>tokens</th><th>out of the noise</th><th>max rel err</th></tr>{rows}"
+                  "</table>"]
+    parts += ["<h2>Sampled tokens' log-prob difference over positions</h2>",
+              _curve_svg(t.curve, c.noise if c is not None else 0.0)]
+    if t.three_way:
+        rows = "".join(f"<tr><td>{_esc(r['a'])} vs {_esc(r['b'])}</td><td>{_num(r['token_mult_prob_error'])}</td>"
+                       f"<td>{_num(r['mean_abs_logprob_diff'])}</td><td>{'agree' if r['agree'] else 'differ'}</td>"
+                       f"<td>{_esc(r['first_divergence'])}</td></tr>" for r in t.three_way)
+        parts += ["<h2>Three-way: decode vs prefill vs trainer</h2>",
+                  "<table><tr><th>pair</th><th>token_mult_prob_error</th><th>mean_abs_logprob_diff</th><th></th>"
+                  f"<th>first divergence</th></tr>{rows}</table>"]
+    style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}pre{background:#f6f6f6;"
+             "padding:1em;white-space:pre-wrap}.headline{font-size:1.15em;font-weight:bold}.legend{font-size:.85em;"
+             "color:#555}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .5em;font-size:.9em}")
+    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>tensordiff triage</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
