@@ -259,3 +259,36 @@ def test_norm_eps_bug_is_found_on_sketches(tr, root):
         first = res.first_divergence
         assert first.tensor == "layer1", (side, first.message)
         assert "measured" in first.message, (side, first.message)
+
+
+def test_prediction_difference_inside_the_noise_is_no_flip_in_either_order(tr):
+    """The correct bf16 vs fp32 pair: a top-1 flip is judged by how much the two sides moved the
+    margin between the two tokens (both sides' preference), against the margin noise of the
+    tokens whose top-1 agrees, so the count does not depend on which side is the reference (one
+    flip of a bf16 reference read as beyond the noise); KL and log-prob differences within the
+    same noise."""
+    counts = []
+    for res, side in _orders(tr["float32"], tr["bfloat16"]):
+        (acc,) = [f for f in res.findings if f.kind == "acceptance"]
+        c = acc.details.cross["target_topk"]
+        assert c["flips_beyond_noise"] == 0 and c["logprob_beyond_noise"] == 0, (side, c)
+        assert c["kl_lb"] < c["kl_limit"] and not c["margin_scaled"], (side, c)
+        counts.append((c["flips"], c["logprob_noise"]))
+    assert counts[0] == counts[1]
+
+
+def test_logit_scale_without_any_flip_is_found(tr, root):
+    """The bug side's lm_head scaled by 1.15 (a temperature of 0.87 on its predictions): every
+    state agrees, no top-1 flips, the mean KL is small; but every margin moves the same way,
+    which honest noise does not do. The acceptance verdict blames the target's predictions,
+    naming the margin scale against its test."""
+    model = trained.variant_model(root, "lmhead", lm_head=1.15)
+    bug = root / "lmhead.h5"
+    if not bug.exists():
+        trained.record(bug, "bfloat16", model=model)
+    for res, side in _orders(tr["float32"], bug):
+        assert res.exit_code == 1, (side, res.headline())
+        (acc,) = [f for f in res.findings if f.kind == "acceptance"]
+        assert acc.details.verdict == "target", (side, acc.message)
+        assert "margin scaled by" in acc.message and "sign test" in acc.message, (side, acc.message)
+        assert not [f for f in res.findings if f.severity == "divergence" and f.kind == "numeric"], side
