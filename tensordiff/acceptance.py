@@ -120,10 +120,11 @@ def kl_lower_bound(p_ids: NDArray[np.int64], p_lp: NDArray[np.float64], q_ids: N
 def topk_compare(p: NDArray[np.float64], q: NDArray[np.float64]) -> dict[str, NDArray[Any]]:
     """Row-wise comparison of two top-k tables (p the reference): top-1 equal, overlap of the
     top-k id sets (share of the shorter list), KL(p || q) lower bound."""
-    pi, pl = _split(p)
-    qi, ql = _split(q)
-    overlap = (pi[:, :, None] == qi[:, None, :]).any(-1).sum(-1) / min(pi.shape[1], qi.shape[1])
-    return {"top1": pi[:, 0] == qi[:, 0], "overlap": overlap, "kl": kl_lower_bound(pi, pl, qi, ql)}
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):   # NaN/Inf rows give NaN, counted apart
+        pi, pl = _split(p)
+        qi, ql = _split(q)
+        overlap = (pi[:, :, None] == qi[:, None, :]).any(-1).sum(-1) / min(pi.shape[1], qi.shape[1])
+        return {"top1": pi[:, 0] == qi[:, 0], "overlap": overlap, "kl": kl_lower_bound(pi, pl, qi, ql)}
 
 
 class _Agg:
@@ -276,8 +277,7 @@ def across(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, 
         blk = both[s:s + BLOCK]
         p = ra.read_at(name, "values", ma[blk]).astype(np.float64)
         q = rb.read_at(name, "values", mb[blk]).astype(np.float64)
-        with np.errstate(invalid="ignore", over="ignore"):   # NaN/Inf rows: counted below, not compared
-            m = topk_compare(p, q)
+        m = topk_compare(p, q)
         bad: NDArray[np.bool_] = np.asarray(~(np.isfinite(p).all(1) & np.isfinite(q).all(1)))
         m["kl"] = np.where(bad, np.nan, m["kl"])
         agg.add({k: np.where(bad, 0, v) if k != "top1" else v & ~bad for k, v in m.items()})

@@ -289,6 +289,24 @@ def _limit_source(d: NumericDetails) -> str:
     return {"default": "dtype default"}.get(src, src)
 
 
+def where_failing(d: NumericDetails) -> str:
+    """Where a slot's failing tokens are, when they are a subset: their sequences, positions and
+    regimes, and the channels that hold most of their error."""
+    w = d.where
+    if not w or d.failing >= d.tokens:
+        return ""
+    names = ", ".join(w.get("sequence_names", []))
+    more = ", ..." if w.get("sequences", 0) > len(w.get("sequence_names", [])) else ""
+    regimes = ", ".join(sorted(w.get("regimes", {})))
+    parts = [f"in {w.get('sequences')} of {w.get('of_sequences')} sequences ({names}{more})",
+             f"positions {w.get('positions')}", regimes]
+    if w.get("channels"):
+        ch = w["channels"]
+        parts.append(f"{'channels' if len(ch) > 1 else 'channel'} {', '.join(map(str, ch))} "
+                     f"{'hold' if len(ch) > 1 else 'holds'} {percent(w.get('channel_share'), 0)} of their error")
+    return f" ({'; '.join(p for p in parts if p)}), while the other {d.tokens - d.failing} agree"
+
+
 def _numeric(f: Finding, d: NumericDetails) -> str:
     t = d.tolerance
     on = " (on sketches)" if d.basis == "sketch" else ""   # numbers of the sketches, not of full values
@@ -322,7 +340,7 @@ def _numeric(f: Finding, d: NumericDetails) -> str:
             what = f"rel err {a} > {b} allowed"
             other = f"1 - cos {one_minus:.2g}"
         return (f"{d.subject} diverges at {where_token(f)}: {what} ({src}); {other}{on}; "
-                f"{d.failing} of {d.tokens} tokens fail{tail}")
+                f"{d.failing} of {d.tokens} tokens fail{where_failing(d)}{tail}")
     s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g}{on} "
          f"(tolerance cos >= {t.get('min_cos', 0):g}, rel <= {t.get('max_rel', 0):g}); "
          f"{d.failing} of {d.tokens} tokens fail")

@@ -292,3 +292,52 @@ def test_logit_scale_without_any_flip_is_found(tr, root):
         assert acc.details.verdict == "target", (side, acc.message)
         assert "margin scaled by" in acc.message and "sign test" in acc.message, (side, acc.message)
         assert not [f for f in res.findings if f.severity == "divergence" and f.kind == "numeric"], side
+
+
+def test_partial_corruption_names_positions_and_channels(tr, root):
+    """Layer5 of sequence 2, positions 10-19, has channels 3 and 40 off by 20% of the state's RMS
+    (a partial write); every other token agrees. The sentence names where: the sequence, the
+    positions, the regime and the two channels, and that the rest agrees."""
+    src = tr["bfloat16"]
+
+    def corrupt(v, seq, pos):
+        sel = (seq == 2) & (pos >= 10) & (pos < 20)
+        rms = np.sqrt((v[sel] ** 2).mean(1))
+        v[np.ix_(sel, [3, 40])] += 0.2 * rms[:, None] * np.sqrt(H / 2)
+        return v
+
+    bug = trained.edit(src, root / "partial.h5", "layer5", corrupt)
+    for res, side in _orders(tr["float32"], bug):
+        assert res.exit_code == 1, (side, res.headline())
+        (f,) = [f for f in res.findings if f.tensor == "layer5" and f.severity == "divergence"]
+        msg = f.message
+        assert "positions 10-19" in msg and "channels 3, 40" in msg, (side, msg)
+        assert "in 1 of 12 sequences" in msg and "while the other 470 agree" in msg, (side, msg)
+
+
+def test_nan_in_states_and_predictions_is_a_finding_never_agree(tr, root):
+    """NaN in three tokens of layer3 (sequence 1) and Inf in two rows of the target's
+    predictions, on one side: each named with where, the diff neither crashes nor agrees, the
+    noise model measures from the finite tokens."""
+    src = tr["bfloat16"]
+
+    def nan(v, seq, pos):
+        v[np.flatnonzero(seq == 1)[:3], 7] = np.nan
+        return v
+
+    mid = trained.edit(src, root / "nan_mid.h5", "layer3", nan)
+
+    def inf(v, seq, pos):
+        k = (v.shape[1] - 1) // 2
+        v[:2, k:2 * k] = -np.inf
+        return v
+
+    bug = trained.edit(mid, root / "nan.h5", "target_topk", inf)
+    for res, side in _orders(tr["float32"], bug):
+        assert res.exit_code == 1 and res.verdict == "divergence", (side, res.headline())
+        nf = [f for f in res.findings if f.kind == "nonfinite"]
+        assert nf and nf[0].tensor == "layer3" and "NaN/Inf in layer3" in nf[0].message, (side, [f.message for f in nf])
+        (acc,) = [f for f in res.findings if f.kind == "acceptance"]
+        c = acc.details.cross["target_topk"]
+        assert c["nonfinite"] == 2 and c["state"] == "differ", (side, c)
+        assert res.pairs and any(p.label == "layer4" and p.compared for p in res.pairs)

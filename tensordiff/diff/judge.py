@@ -234,6 +234,9 @@ class _Judge:
                 tolerance=tol.to_dict(), basis=st.basis)
             state = ia.slot_labels[s] if ia.slot_labels and s < len(ia.slot_labels) else ia.label
             noise_io.annotate(det, model, judged, state, ia.label)
+            if acc.failing[s] or acc.nonfinite_a[s] or acc.nonfinite_b[s]:
+                det.where = noise_io.where_failing(a, b, ia, ib, s, k, acc.failing_tokens(s), job.rows_a, job.rows_b,
+                                                   job.rows, self.plan.entry, st.basis or "values")
             f = self._token_finding(Kind.NUMERIC, ia, slot_arg, ff.token_index if ff else at, det)
             if identity_finding is not None:
                 f.severity = Severity.INFO
