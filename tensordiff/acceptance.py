@@ -39,7 +39,9 @@ from .conventions import (
     topk_k,
 )
 from .details import AcceptanceDetails
-from .findings import ALLOWED_PREFIX, Finding, Kind, PairStats, Severity, order_findings
+from .findings import ALLOWED_PREFIX, MARGIN_NOISE_FACTOR, Finding, Kind, PairStats, Severity, order_findings
+from .findings import SIGN_Z as SIGN_Z_LIMIT
+from .findings import UNEXPLAINED as UNEXPLAINED_LIMIT
 from .tokens import token_code
 from .trace import TensorInfo, TraceSource
 from .vocab import REGIMES
@@ -118,10 +120,11 @@ def kl_lower_bound(p_ids: NDArray[np.int64], p_lp: NDArray[np.float64], q_ids: N
 def topk_compare(p: NDArray[np.float64], q: NDArray[np.float64]) -> dict[str, NDArray[Any]]:
     """Row-wise comparison of two top-k tables (p the reference): top-1 equal, overlap of the
     top-k id sets (share of the shorter list), KL(p || q) lower bound."""
-    pi, pl = _split(p)
-    qi, ql = _split(q)
-    overlap = (pi[:, :, None] == qi[:, None, :]).any(-1).sum(-1) / min(pi.shape[1], qi.shape[1])
-    return {"top1": pi[:, 0] == qi[:, 0], "overlap": overlap, "kl": kl_lower_bound(pi, pl, qi, ql)}
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):   # NaN/Inf rows give NaN, counted apart
+        pi, pl = _split(p)
+        qi, ql = _split(q)
+        overlap = (pi[:, :, None] == qi[:, None, :]).any(-1).sum(-1) / min(pi.shape[1], qi.shape[1])
+        return {"top1": pi[:, 0] == qi[:, 0], "overlap": overlap, "kl": kl_lower_bound(pi, pl, qi, ql)}
 
 
 class _Agg:
@@ -256,8 +259,12 @@ def _chain_stats(r: TraceSource, per: list[dict[str, Any]]) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def across(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, name: str) -> dict[str, Any] | None:
-    """A's predictions (the reference) against B's on the aligned tokens both recorded."""
+def across(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, name: str,
+           state_error: tuple[str, float] | None = None) -> dict[str, Any] | None:
+    """A's predictions (the reference) against B's on the aligned tokens both recorded, judged
+    against the logit noise of the two sides (:func:`judge_predictions`); ``state_error``: the
+    state the predictions are computed from and the 99th percentile of its relative error across
+    the sides (the noise model's measurement), which bounds the logit noise honest numerics give."""
     ia, ib = ra.tensors.get(name), rb.tensors.get(name)
     if ia is None or ib is None or ia.token_offset != ib.token_offset:
         return None
@@ -265,59 +272,141 @@ def across(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, 
     (ma,), (mb,) = maps.rows_at("a", name, [everything]), maps.rows_at("b", name, [everything])
     both = np.flatnonzero((ma >= 0) & (mb >= 0))
     agg = _Agg()
-    margins, shifts, top1 = [], [], []
+    parts: dict[str, list[NDArray[Any]]] = {}
     for s in range(0, len(both), BLOCK):
         blk = both[s:s + BLOCK]
         p = ra.read_at(name, "values", ma[blk]).astype(np.float64)
         q = rb.read_at(name, "values", mb[blk]).astype(np.float64)
         m = topk_compare(p, q)
-        agg.add(m)
-        mg, sh = _margin_and_shift(p, q)
-        margins.append(mg)
-        shifts.append(sh)
-        top1.append(m["top1"])
+        bad: NDArray[np.bool_] = np.asarray(~(np.isfinite(p).all(1) & np.isfinite(q).all(1)))
+        m["kl"] = np.where(bad, np.nan, m["kl"])
+        agg.add({k: np.where(bad, 0, v) if k != "top1" else v & ~bad for k, v in m.items()})
+        per: dict[str, NDArray[Any]] = {**_margins(p, q), "top1": m["top1"], "kl": m["kl"], "nonfinite": bad}
+        for k, v in per.items():
+            parts.setdefault(k, []).append(v)
     d = agg.as_dict()
     d["tokens"] = d.pop("rows")
-    eff = d["top1"]
-    if d["tokens"]:
-        eff = _top1_beyond_noise(d, np.concatenate(margins), np.concatenate(shifts), np.concatenate(top1))
-    d["agree"] = bool(d["tokens"]) and eff >= TOP1_AGREE and d["kl_lb"] <= KL_AGREE
-    d["state"] = ("none" if not d["tokens"] else "agree" if d["agree"] else
-                  "differ" if eff < TOP1_DIFFER or d["kl_lb"] > KL_DIFFER else "close")
+    if not d["tokens"]:
+        d.update(agree=False, state="none")
+        return d
+    judge_predictions(d, {k: np.concatenate(v) for k, v in parts.items()}, state_error)
     return d
 
 
-#: a top-1 flip counts only where the reference's top-1/top-2 log-prob margin is over this many
-#: times the log-prob noise the agreeing tokens show (both sides can move by that much)
-MARGIN_NOISE = 2.0
+#: a top-1 flip, or a log-prob difference, counts only past this many times the logit noise (the
+#: 99th percentile of how much the two sides move the reference's top-1/top-2 margin on the
+#: tokens whose top-1 agrees): both sides' numerics can move a margin by that much
+MARGIN_NOISE = MARGIN_NOISE_FACTOR
+#: the mean KL an honest pair may show: a logit noise of ``x`` (margin noise, 99th percentile) moves
+#: a two-outcome distribution by at most x^2 / 8 nats; the limit allows (MARGIN_NOISE x)^2 / 8
+#: (several times what Gaussian noise of that 99th percentile gives on average)
+#: past KL_JUMP x that limit the predictions differ (between: close, no verdict)
+KL_JUMP = 10.0
+#: a systematic change of the margins (a temperature, a logit scale or soft-capping on one side):
+#: honest noise moves a margin up as often as down; a sign test past SIGN_Z standard errors, with
+#: a median relative change past the noise, is a finding even while every top-1 agrees
+SIGN_Z = SIGN_Z_LIMIT
+#: ... and a median relative margin change past this: bf16's honest chosen-token log-prob error is
+#: about 1% RMS (published), so a systematic logit scale under 1% is not told apart from it
+MARGIN_SCALE_MIN = 0.01
+#: the margin noise may be at most this many times what the final state's error propagates to
+UNEXPLAINED = UNEXPLAINED_LIMIT
+BF16_UNIT = 2.0 ** -9
+#: the noise never under this (nats): the rounding of float32 log-probs of a few units
+NOISE_FLOOR = 1e-5
 
 
-def _margin_and_shift(p: NDArray[np.float64], q: NDArray[np.float64]) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-    """Per row: the reference's top-1/top-2 log-prob margin, and how far the other side moved the
-    log-prob of the reference's top-1 token (nan where it is not in the other side's top-k)."""
+def _lp_of(ids: NDArray[np.int64], lps: NDArray[np.float64], want: NDArray[np.int64]) -> NDArray[np.float64]:
+    """Per row: the log-prob of token ``want`` in a top-k table (nan where absent)."""
+    hit = ids == want[:, None]
+    return np.where(hit.any(1), np.where(hit, lps, -np.inf).max(1), np.nan)
+
+
+def _margins(p: NDArray[np.float64], q: NDArray[np.float64]) -> dict[str, NDArray[np.float64]]:
+    """Per row: the reference's top-1/top-2 margin on A and on B (nan where B lacks one of the
+    two), the margin change at a flip (A's top-1 against B's top-1: how far A prefers its own,
+    plus how far B prefers its own; a token not in a table's top-k is taken at that table's k-th
+    log-prob, which makes the change a lower bound), and the log-prob difference of A's top-1."""
     pi, pl = _split(p)
     qi, ql = _split(q)
-    margin = pl[:, 0] - pl[:, 1] if pl.shape[1] > 1 else np.full(len(pl), np.inf)
-    hit = qi == pi[:, :1]
-    at = np.where(hit.any(1), np.where(hit, ql, -np.inf).max(1), np.nan)
-    return margin, np.abs(at - pl[:, 0])
+    two = pl.shape[1] > 1
+    margin_a = pl[:, 0] - pl[:, 1] if two else np.full(len(pl), np.inf)
+    b1 = _lp_of(qi, ql, pi[:, 0])
+    b2 = _lp_of(qi, ql, pi[:, 1]) if two else np.full(len(pl), np.nan)
+    margin_b = b1 - b2
+    a_of_b = _lp_of(pi, pl, qi[:, 0])
+    a_of_b = np.where(np.isnan(a_of_b), pl[:, -1], a_of_b)
+    b_of_a = np.where(np.isnan(b1), ql[:, -1], b1)
+    change = (pl[:, 0] - a_of_b) + (ql[:, 0] - b_of_a)
+    lse = p[:, -1]   # a top-k row ends with the logsumexp: logit = log-prob + logsumexp
+    zsum = np.abs(pl[:, 0] + lse) + (np.abs(pl[:, 1] + lse) if two else 0.0)
+    return {"margin_a": margin_a, "margin_b": margin_b, "flip_change": change, "lp_diff": b1 - pl[:, 0],
+            "spread_a": pl[:, 0] - pl[:, -1], "logit_sum": zsum}
 
 
-def _top1_beyond_noise(d: dict[str, Any], margin: NDArray[np.float64], shift: NDArray[np.float64],
-                       top1: NDArray[np.bool_]) -> float:
-    """The share of tokens whose top-1 agrees or flips only inside the noise: the noise is the
-    99th percentile of the log-prob shift of the reference's top-1 on the tokens whose top-1
-    agrees (what the two sides' numerics move a log-prob by); a flip where the reference's own
-    margin is within MARGIN_NOISE x that is honest. Adds the counts to ``d``."""
-    ok = top1 & np.isfinite(shift)
-    flips = ~top1
-    if int(ok.sum()) < 8:
-        d.update(flips=int(flips.sum()), flips_beyond_noise=int(flips.sum()), logprob_noise=None)
-        return float(d["top1"])
-    noise = float(np.quantile(shift[ok], 0.99))
-    beyond = flips & (margin > MARGIN_NOISE * noise)
-    d.update(flips=int(flips.sum()), flips_beyond_noise=int(beyond.sum()), logprob_noise=noise)
-    return 1.0 - float(beyond.sum()) / max(1, len(top1))
+def judge_predictions(d: dict[str, Any], t: dict[str, NDArray[Any]],
+                      state_error: tuple[str, float] | None = None) -> None:
+    """The cross-side state of a prediction table (``agree``, ``close``, ``differ``) from its
+    per-token arrays ``t``, every part judged against the same logit noise; adds the counts and
+    the limits to ``d``. The noise is the 99th percentile of |margin change| on the tokens whose
+    top-1 agrees; with fewer than 8 of them the fixed limits TOP1_AGREE / KL_AGREE / KL_DIFFER
+    stand in (and ``noise_source`` says so)."""
+    top1, ok_rows = t["top1"], ~t["nonfinite"]
+    n = int(len(top1))
+    d["nonfinite"] = int(t["nonfinite"].sum())
+    dm = t["margin_b"] - t["margin_a"]
+    agree_rows = top1 & ok_rows & np.isfinite(dm)
+    flips = ~top1 & ok_rows
+    kl = t["kl"][ok_rows]
+    d["kl_lb"] = float(np.mean(kl)) if len(kl) else None
+    d["flips"] = int(flips.sum())
+    if int(agree_rows.sum()) < 8:
+        d.update(flips_beyond_noise=d["flips"], logprob_noise=None, kl_limit=KL_AGREE, noise_source="fixed limits")
+        noise = None
+    else:
+        noise = max(float(np.quantile(np.abs(dm[agree_rows]), 0.99)), NOISE_FLOOR)
+        d.update(logprob_noise=noise, kl_limit=(MARGIN_NOISE * noise) ** 2 / 8.0,
+                 noise_source="measured: margins of the tokens whose top-1 agrees")
+        d["flips_beyond_noise"] = int((flips & (t["flip_change"] > MARGIN_NOISE * noise)).sum())
+        lp = np.abs(t["lp_diff"])
+        d["logprob_beyond_noise"] = int((ok_rows & np.isfinite(lp) & (lp > MARGIN_NOISE * noise)).sum())
+        d["logprob_rms"] = float(np.sqrt(np.nanmean(t["lp_diff"][ok_rows] ** 2))) if ok_rows.any() else None
+        # honest noise moves a margin up as often as down; a temperature or a logit scale moves
+        # every margin the same way, in proportion to it
+        rel = dm[agree_rows] / np.maximum(np.abs(t["margin_a"][agree_rows]), NOISE_FLOOR)
+        big = np.abs(t["margin_a"][agree_rows]) > MARGIN_NOISE * noise   # margins the noise cannot flip
+        up, m = int((rel[big] > 0).sum()), int(big.sum())
+        z = (up - m / 2) / (np.sqrt(m) / 2) if m else 0.0
+        med = float(np.median(rel[big])) if m else 0.0
+        d["margin_scale"] = 1.0 + med
+        d["margin_scale_z"] = float(z)
+        d["margin_scaled"] = bool(m >= 8 and abs(z) > SIGN_Z and abs(med) > MARGIN_SCALE_MIN)
+        # the logit noise is measured on the predictions themselves; what the states allow bounds
+        # it: a margin m = (w1 - w2).h moves by about rel(h) x the logit scale (measured: the
+        # margin noise is 0.9-1.1x the final state's 99th percentile relative error times the
+        # median top-1/top-k log-prob spread, on the trained model and random-weight engine pairs,
+        # bf16 vs fp32). Logits rounded to bf16 (an lm_head in bf16 on fp32 states) move a margin by
+        # up to u = 2^-9 of the two logits' magnitudes (the row's logsumexp gives them). Past
+        # UNEXPLAINED x that, the predictions move more than their inputs' noise can explain (a
+        # logit scale, another lm_head, noise added after the final state)
+        if state_error is not None:
+            scale = float(np.median(t["spread_a"][ok_rows])) if ok_rows.any() else 0.0
+            z = t["logit_sum"][ok_rows & np.isfinite(t["logit_sum"])]
+            rounding = BF16_UNIT * float(np.quantile(z, 0.99)) if len(z) else 0.0
+            bound = state_error[1] * scale + rounding
+            d.update(final_state=state_error[0], state_rel99=state_error[1], logit_scale=scale,
+                     propagated_noise=bound, unexplained=bool(noise > UNEXPLAINED * bound))
+    beyond = d["flips_beyond_noise"] + d["nonfinite"]
+    eff = 1.0 - beyond / max(1, n)
+    kl_lim = float(d["kl_limit"])
+    kl_mean = d["kl_lb"] if d["kl_lb"] is not None else 0.0
+    lp_share = d.get("logprob_beyond_noise", 0) / max(1, n)
+    d["agree"] = (eff >= TOP1_AGREE and kl_mean <= kl_lim and lp_share <= 1 - TOP1_AGREE
+                  and not d.get("margin_scaled") and not d.get("unexplained") and not d["nonfinite"])
+    differ_kl = KL_DIFFER if noise is None else KL_JUMP * kl_lim
+    d["state"] = ("agree" if d["agree"] else
+                  "differ" if (eff < TOP1_DIFFER or kl_mean > differ_kl or lp_share > 1 - TOP1_DIFFER
+                               or d.get("margin_scaled") or d.get("unexplained") or d["nonfinite"]) else "close")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,10 +426,10 @@ def _first_diverging(findings: list[Finding]) -> Finding | None:
 
 
 def add_finding(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
-                stats: list[PairStats]) -> list[Finding]:
+                stats: list[PairStats], state_error: tuple[str, float] | None = None) -> list[Finding]:
     """``findings`` (as :func:`order_findings` leaves them) with the acceptance finding added, ordered again;
     its ``upstream_index`` is the upstream finding's index in the returned list."""
-    f = analyse(ra, rb, al, maps, findings, stats)
+    f = analyse(ra, rb, al, maps, findings, stats, state_error)
     if f is None:
         return findings
     d = f.details
@@ -353,7 +442,7 @@ def add_finding(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowM
 
 
 def analyse(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
-            stats: list[PairStats]) -> Finding | None:
+            stats: list[PairStats], state_error: tuple[str, float] | None = None) -> Finding | None:
     """The acceptance finding of a diff (None when neither side recorded draft predictions or
     verify steps). ``findings`` as :func:`order_findings` leaves them; ``stats`` the compared tensor pairs."""
     teach = {"a": teacher_forced(ra), "b": teacher_forced(rb)}
@@ -367,7 +456,8 @@ def analyse(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps,
     else:
         side = "b" if teach["b"] else "a"
     reader = rb if side == "b" else ra
-    cross = {n: c for n in (TARGET_TOPK, DRAFT_TOPK) if (c := across(ra, rb, al, maps, n)) is not None}
+    cross = {n: c for n in (TARGET_TOPK, DRAFT_TOPK)
+             if (c := across(ra, rb, al, maps, n, state_error if n == TARGET_TOPK else None)) is not None}
     compared = {p.name_a for p in stats if p.tokens} | {p.name_b for p in stats if p.tokens}
     not_compared = [n for n in UPSTREAM if n not in compared]
     if TARGET_TOPK not in cross or not cross[TARGET_TOPK]["tokens"]:

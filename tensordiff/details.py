@@ -292,6 +292,9 @@ class NumericDetails(Details):
     ratio_lo: float | None = None
     ratio_hi: float | None = None
     failing_share: float | None = None
+    # where the failing tokens are (tensordiff.noise_io.where_failing): sequences, positions,
+    # regimes, and the channels that hold most of their error; empty when none fails
+    where: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

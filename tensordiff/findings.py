@@ -92,6 +92,12 @@ SlotVerdict = Literal["ok", "wrong state", "wrong label", "scaled", "unknown sta
 SCHEMA_VERSION = 1
 #: how acceptance.MARGIN_NOISE reads in a sentence
 MARGIN_WORDS = "twice"
+#: acceptance.MARGIN_NOISE: a prediction difference counts past this many times the logit noise
+MARGIN_NOISE_FACTOR = 2.0
+#: acceptance.SIGN_Z: a systematic margin change past this many standard errors of a sign test
+SIGN_Z = 4.0
+#: acceptance.UNEXPLAINED: the logit noise may be at most this many times what the final state's error moves
+UNEXPLAINED = 10.0
 #: start of the sentence of a divergence turned into a warning by ``--allow-failed``
 ALLOWED_PREFIX = "allowed by --allow-failed"
 
@@ -287,6 +293,24 @@ def _limit_source(d: NumericDetails) -> str:
     return {"default": "dtype default"}.get(src, src)
 
 
+def where_failing(d: NumericDetails) -> str:
+    """Where a slot's failing tokens are, when they are a subset: their sequences, positions and
+    regimes, and the channels that hold most of their error."""
+    w = d.where
+    if not w or d.failing >= d.tokens:
+        return ""
+    names = ", ".join(w.get("sequence_names", []))
+    more = ", ..." if w.get("sequences", 0) > len(w.get("sequence_names", [])) else ""
+    regimes = ", ".join(sorted(w.get("regimes", {})))
+    parts = [f"in {w.get('sequences')} of {w.get('of_sequences')} sequences ({names}{more})",
+             f"positions {w.get('positions')}", regimes]
+    if w.get("channels"):
+        ch = w["channels"]
+        parts.append(f"{'channels' if len(ch) > 1 else 'channel'} {', '.join(map(str, ch))} "
+                     f"{'hold' if len(ch) > 1 else 'holds'} {percent(w.get('channel_share'), 0)} of their error")
+    return f" ({'; '.join(p for p in parts if p)}), while the other {d.tokens - d.failing} agree"
+
+
 def _numeric(f: Finding, d: NumericDetails) -> str:
     t = d.tolerance
     on = " (on sketches)" if d.basis == "sketch" else ""   # numbers of the sketches, not of full values
@@ -320,7 +344,7 @@ def _numeric(f: Finding, d: NumericDetails) -> str:
             what = f"rel err {a} > {b} allowed"
             other = f"1 - cos {one_minus:.2g}"
         return (f"{d.subject} diverges at {where_token(f)}: {what} ({src}); {other}{on}; "
-                f"{d.failing} of {d.tokens} tokens fail{tail}")
+                f"{d.failing} of {d.tokens} tokens fail{where_failing(d)}{tail}")
     s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g}{on} "
          f"(tolerance cos >= {t.get('min_cos', 0):g}, rel <= {t.get('max_rel', 0):g}); "
          f"{d.failing} of {d.tokens} tokens fail")
@@ -422,6 +446,44 @@ def _routing(f: Finding, d: RoutingDetails) -> str:
             f"on {d.side_a} ({pct(d.flips, d.tokens)}; by layer: {per}){at}{only}")
 
 
+def prediction_evidence(c: dict[str, Any]) -> str:
+    """What makes two sides' prediction tables differ, each part against its limit and the
+    limit's source (tensordiff.acceptance.judge_predictions): top-1 flips past the logit noise,
+    log-prob differences past it, the mean KL, a systematic margin scale, NaN/Inf rows."""
+    n = int(c.get("tokens") or 0)
+    parts = [f"top-1 equal on {percent(c.get('top1'), 0, '?')} of {n} tokens"]
+    noise = c.get("logprob_noise")
+    src = c.get("noise_source") or "fixed limits"
+    if c.get("nonfinite"):
+        parts.append(f"{c['nonfinite']} rows with NaN/Inf log-probs")
+    if noise is not None:
+        lim = MARGIN_NOISE_FACTOR * noise
+        beyond = int(c.get("flips_beyond_noise") or 0)
+        parts.append(f"{beyond} of the {c.get('flips', 0)} flips change the top-1/top-2 margin by more than "
+                     f"{lim:.2g} nats ({MARGIN_WORDS} the logit noise {noise:.2g}, {src})")
+        lpb = int(c.get("logprob_beyond_noise") or 0)
+        if lpb:
+            parts.append(f"the log-prob of the reference's top-1 moves by more than {lim:.2g} nats on {lpb} tokens "
+                         f"(RMS {c.get('logprob_rms') or 0:.2g})")
+        if c.get("unexplained"):
+            a, b = separated(float(noise), UNEXPLAINED * float(c.get("propagated_noise") or 0.0))
+            parts.append(f"the margins move by {a} nats > {b} allowed ({UNEXPLAINED:g}x what {c.get('final_state')}'s "
+                         f"error, rel {float(c.get('state_rel99') or 0):.2g} at the 99th percentile (measured), moves "
+                         f"logits of scale {float(c.get('logit_scale') or 0):.2g}): the predictions change after "
+                         f"{c.get('final_state')}")
+        if c.get("margin_scaled"):
+            parts.append(f"every margin scaled by {c.get('margin_scale', 1.0):.3g} (sign test z "
+                         f"{c.get('margin_scale_z', 0.0):.1f} beyond +-{SIGN_Z:g}: a temperature or a logit scale on "
+                         "one side?)")
+    kl, lim_kl = c.get("kl_lb"), c.get("kl_limit")
+    if kl is not None and lim_kl is not None:
+        a, b = separated(float(kl), float(lim_kl))
+        parts.append(f"mean KL >= {a} nats {'>' if kl > lim_kl else '<='} {b} allowed ({src})")
+    elif kl is not None:
+        parts.append(f"KL >= {float(kl):.3g} nats")
+    return "; ".join(parts)
+
+
 def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
     def pct(x: float | None) -> str:
         return percent(x, 0, "?")
@@ -438,12 +500,8 @@ def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
         return f"{head}; first divergence upstream: {d.upstream}{note}"
     if d.verdict == "target":
         c = d.cross.get("target_topk", {})
-        beyond = c.get("flips_beyond_noise")
-        noise = "" if beyond is None or c.get("logprob_noise") is None else (
-            f"; {beyond} of the {c.get('flips', 0)} flips where the target's top-1/top-2 margin exceeds "
-            f"{MARGIN_WORDS} the log-prob noise of agreeing tokens ({c['logprob_noise']:.2g})")
         return (f"{head}; first divergence upstream: the target's predictions differ between {d.side_a} and "
-                f"{d.side_b} (top-1 equal on {pct(c.get('top1'))} of {c.get('tokens', 0)} tokens{noise})")
+                f"{d.side_b} ({prediction_evidence(c)})")
     if d.verdict == "draft_after_fc":
         c = d.cross.get("draft_topk", {})
         return (f"{head}; the draft's predictions differ between {d.side_a} and {d.side_b} (top-1 equal on "
@@ -451,9 +509,8 @@ def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
                 "the draft after fc differs (weights, attention, norms)")
     if d.verdict == "close":
         c = d.cross.get(d.upstream or "", {})
-        return (f"{head}; {d.upstream} of {d.side_a} and {d.side_b} agree only approximately (top-1 equal on "
-                f"{pct(c.get('top1'))} of {c.get('tokens', 0)} tokens, KL >= {c.get('kl_lb', 0):.3g} nats): "
-                "no verdict on the wiring")
+        return (f"{head}; {d.upstream} of {d.side_a} and {d.side_b} agree only approximately "
+                f"({prediction_evidence(c)}): no verdict on the wiring")
     if d.verdict == "incomplete":
         return f"{head}; not compared: {', '.join(d.not_compared)}; no verdict on the wiring"
     agree = (f"{head}: the draft input, fc output and target predictions agree between {d.side_a} and "

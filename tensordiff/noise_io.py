@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from . import noise
 from .align import RowMaps, sample_indices
@@ -121,6 +123,73 @@ def boundary_jump(model: noise.NoiseModel, label: str) -> noise.StateNoise | Non
     """The measured state ``label`` when it leaves the trend of the states before it."""
     first = model.first_jump
     return first if first is not None and first.label == label else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Where the failing tokens of a slot are
+
+#: failing rows read to find the channels the error sits in
+CHANNEL_SAMPLE = 256
+#: channels named when this few hold ...
+CHANNELS_NAMED = 8
+#: ... at least this share of the failing tokens' error energy (spread evenly it would be 8 / width)
+CHANNEL_SHARE = 0.5
+#: the channels named: the fewest of those that hold this share
+CHANNELS_COVER = 0.9
+
+
+def _ranges(xs: Sequence[int], most: int = 4) -> str:
+    """Sorted distinct integers as ranges, e.g. "0-5, 9, 30-39" (the first ``most`` ranges)."""
+    v = sorted(set(int(x) for x in xs))
+    out: list[tuple[int, int]] = []
+    for x in v:
+        if out and x == out[-1][1] + 1:
+            out[-1] = (out[-1][0], x)
+        else:
+            out.append((x, x))
+    text = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in out[:most])
+    return text + (", ..." if len(out) > most else "")
+
+
+def where_failing(ra: TraceSource, rb: TraceSource, ia: TensorInfo, ib: TensorInfo, slot: int, slots: int,
+                  failing: NDArray[np.int64], rows_a: NDArray[np.int64], rows_b: NDArray[np.int64],
+                  compared: NDArray[np.int64], entry: Callable[[int], dict[str, Any]], basis: str) -> dict[str, Any]:
+    """Which tokens of a slot fail (``failing``: aligned indices, the first numerics.FAIL_KEEP),
+    among ``compared`` (every aligned token compared): their sequences, positions and regimes,
+    and on full values the channels that hold most of their error (a corrupted subset of
+    channels: a partial write, a wrong stride). Empty when no token fails."""
+    if not len(failing):
+        return {}
+    ents = [entry(int(t)) for t in failing]
+    seqs = sorted({str(e["seq"]) for e in ents})
+    all_seqs = {str(entry(int(t))["seq"]) for t in compared[:: max(1, len(compared) // 4096)]} if len(compared) else set()
+    regimes: dict[str, int] = {}
+    for e in ents:
+        regimes[str(e["regime"])] = regimes.get(str(e["regime"]), 0) + 1
+    out: dict[str, Any] = {"kept": len(failing), "sequences": len(seqs), "of_sequences": max(len(all_seqs), len(seqs)),
+                           "sequence_names": seqs[:4], "positions": _ranges([int(e["position"]) for e in ents]),
+                           "regimes": regimes, "channels": [], "channel_share": None}
+    if basis == "values":
+        pick = failing[:: max(1, len(failing) // CHANNEL_SAMPLE)][:CHANNEL_SAMPLE]
+        ok = (rows_a[pick] >= 0) & (rows_b[pick] >= 0)
+        pick = pick[ok]
+        if len(pick):
+            w = ia.width // max(1, slots)
+            a = ra.read_values_at(ia.name, rows_a[pick])[:, slot * w:(slot + 1) * w].astype(np.float64)
+            b = rb.read_values_at(ib.name, rows_b[pick])[:, slot * w:(slot + 1) * w]
+            with np.errstate(invalid="ignore", over="ignore"):
+                err = np.nan_to_num((b.astype(np.float64) - a) ** 2, nan=np.inf, posinf=np.inf)
+            energy = np.where(np.isinf(err), np.finfo(np.float64).max / (4 * err.size), err).sum(0)
+            total = float(energy.sum())
+            if total > 0 and w > CHANNELS_NAMED * 4:
+                top = np.argsort(-energy)[:CHANNELS_NAMED]
+                share = float(energy[top].sum() / total)
+                if share >= CHANNEL_SHARE:
+                    cum = np.cumsum(energy[top]) / total
+                    n = min(len(top), int(np.searchsorted(cum, CHANNELS_COVER) + 1))
+                    out["channels"] = sorted(int(c) for c in top[:n])
+                    out["channel_share"] = float(cum[n - 1])
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

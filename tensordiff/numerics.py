@@ -32,6 +32,8 @@ _KERNEL_KINDS = {"float32": (0, np.dtype(np.float32)), "bfloat16": (1, np.dtype(
 _NO_BUFFERS = (np.empty(0, np.float32), np.empty(0, np.float32))
 # per-token 1 - cos and rel are histogrammed on a log scale (for the noise floor's quantiles)
 _LOG_BINS = np.linspace(-12.0, 1.0, 261)
+#: failing tokens whose aligned index a slot keeps (where they are: positions, regimes, channels)
+FAIL_KEEP = 4096
 _LR_BINS = np.linspace(-2.0, 2.0, 2001)   # log RMS ratio, 0.002 wide
 
 
@@ -279,6 +281,7 @@ class PairAccumulator:
     nonfinite_b: np.ndarray = field(init=False)
     first_fail: list[FirstHit | None] = field(init=False)
     first_nonfinite: list[FirstHit | None] = field(init=False)
+    fail_idx: list[list[np.ndarray]] = field(init=False)   # per slot: aligned indices of failing tokens (the first FAIL_KEEP)
     by_regime: dict[str, dict[str, Any]] = field(default_factory=dict)
     hist_cos: np.ndarray = field(init=False)   # [k, bins] counts of log10(1 - cos)
     hist_rel: np.ndarray = field(init=False)   # [k, bins] counts of log10(rel)
@@ -299,6 +302,7 @@ class PairAccumulator:
         self.nonfinite_b = np.zeros(k, dtype=np.int64)
         self.first_fail = [None] * k
         self.first_nonfinite = [None] * k
+        self.fail_idx = [[] for _ in range(k)]
         self.hist_cos = np.zeros((k, len(_LOG_BINS) + 1), np.int64)
         self.hist_rel = np.zeros((k, len(_LOG_BINS) + 1), np.int64)
         self.lr_sum = np.zeros(k)
@@ -324,6 +328,9 @@ class PairAccumulator:
         self.nonfinite_a += m.nonfinite_a.sum(axis=0)
         self.nonfinite_b += m.nonfinite_b.sum(axis=0)
         for s in range(k):
+            kept = sum(len(x) for x in self.fail_idx[s])
+            if kept < FAIL_KEEP and bad[:, s].any():
+                self.fail_idx[s].append(np.asarray(blk)[bad[:, s]][:FAIL_KEEP - kept])
             if self.first_fail[s] is None and off[:, s].any():
                 j = int(np.argmax(off[:, s]))
                 self.first_fail[s] = FirstHit(int(blk[j]), float(m.cos[j, s]), float(m.rel[j, s]),
@@ -370,6 +377,11 @@ class PairAccumulator:
             edge = _LOG_BINS[min(j, len(_LOG_BINS) - 1)]
             out.append(0.0 if j == 0 else float(10.0 ** edge))
         return out[0], out[1]
+
+    def failing_tokens(self, slot: int) -> np.ndarray:
+        """Aligned indices of the slot's failing (or NaN/Inf) tokens, the first FAIL_KEEP."""
+        parts = self.fail_idx[slot]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
     def log_ratio(self, slot: int) -> tuple[float, float, int]:
         """(mean, standard deviation, tokens) of the per-token log RMS ratio of a slot."""

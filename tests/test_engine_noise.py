@@ -9,8 +9,8 @@ the engine wires the draft (tests/sglang_support.py ``sglang_serve_pair``, tests
 its EAGLE-3 draft (scripts/train_tiny_models.py, ``sglang_support.trained_models``) on 6 of its
 held-out prompts (vLLM's CPU attention refuses its head_dim of 16); both engines run the
 random-weight model of their own tests on their prompts (a correct pair is correct whatever the
-weights: a noise model measured from the traces must accept it too; today it does not, see
-RANDOM_FALSE_ALARM).
+weights: the noise model measures its trend from the catalog both sides recorded, sketches on the
+serve side, and accepts it too).
 """
 
 from __future__ import annotations
@@ -60,17 +60,7 @@ def _trained_model(min_head_dim: int = 0) -> tuple[Path, Path, dict]:
     return got["target"], got["draft"], dict(list(got["prompts"].items())[:6])
 
 
-# A known false alarm, kept visible rather than hidden: the engine pairs record the per-boundary
-# catalog as sketches, from which the noise model measures nothing yet, so the verdict falls back to
-# the physical default, fitted on the trained model; a random-weight model's bf16 error grows far
-# past it (rel err 0.18 at layer1), and the correct pair reads as a divergence. strict: the day the
-# noise model measures from sketches, these start passing and the mark must go.
-RANDOM_FALSE_ALARM = pytest.mark.xfail(strict=True, reason=(
-    "known false alarm: a random-weight model's bf16 noise past the physical default, which is used because "
-    "the noise model does not yet measure from the sketch-only catalog of the engine pairs"))
-
-
-@pytest.fixture(scope="module", params=["trained", pytest.param("random", marks=RANDOM_FALSE_ALARM)])
+@pytest.fixture(scope="module", params=["trained", "random"])
 def sglang_bf16(request, tmp_path_factory):
     """SGLang bf16 serve vs fp32 train: the trained model, and the engine tests' random one (the
     case that read "the target's predictions differ" on a correct pair)."""
@@ -82,7 +72,7 @@ def sglang_bf16(request, tmp_path_factory):
                                  max_new_tokens=16)
 
 
-@pytest.fixture(scope="module", params=[pytest.param("random", marks=RANDOM_FALSE_ALARM)])
+@pytest.fixture(scope="module", params=["random"])
 def vllm_bf16(request, tmp_path_factory):
     """vLLM bf16 serve vs fp32 train: the vLLM tests' random shape. The trained tiny Llama has
     head_dim 16, which vLLM's CPU attention refuses, so no trained model runs here yet (a trained

@@ -259,3 +259,85 @@ def test_norm_eps_bug_is_found_on_sketches(tr, root):
         first = res.first_divergence
         assert first.tensor == "layer1", (side, first.message)
         assert "measured" in first.message, (side, first.message)
+
+
+def test_prediction_difference_inside_the_noise_is_no_flip_in_either_order(tr):
+    """The correct bf16 vs fp32 pair: a top-1 flip is judged by how much the two sides moved the
+    margin between the two tokens (both sides' preference), against the margin noise of the
+    tokens whose top-1 agrees, so the count does not depend on which side is the reference (one
+    flip of a bf16 reference read as beyond the noise); KL and log-prob differences within the
+    same noise."""
+    counts = []
+    for res, side in _orders(tr["float32"], tr["bfloat16"]):
+        (acc,) = [f for f in res.findings if f.kind == "acceptance"]
+        c = acc.details.cross["target_topk"]
+        assert c["flips_beyond_noise"] == 0 and c["logprob_beyond_noise"] == 0, (side, c)
+        assert c["kl_lb"] < c["kl_limit"] and not c["margin_scaled"], (side, c)
+        counts.append((c["flips"], c["logprob_noise"]))
+    assert counts[0] == counts[1]
+
+
+def test_logit_scale_without_any_flip_is_found(tr, root):
+    """The bug side's lm_head scaled by 1.15 (a temperature of 0.87 on its predictions): every
+    state agrees, no top-1 flips, the mean KL is small; but every margin moves the same way,
+    which honest noise does not do. The acceptance verdict blames the target's predictions,
+    naming the margin scale against its test."""
+    model = trained.variant_model(root, "lmhead", lm_head=1.15)
+    bug = root / "lmhead.h5"
+    if not bug.exists():
+        trained.record(bug, "bfloat16", model=model)
+    for res, side in _orders(tr["float32"], bug):
+        assert res.exit_code == 1, (side, res.headline())
+        (acc,) = [f for f in res.findings if f.kind == "acceptance"]
+        assert acc.details.verdict == "target", (side, acc.message)
+        assert "margin scaled by" in acc.message and "sign test" in acc.message, (side, acc.message)
+        assert not [f for f in res.findings if f.severity == "divergence" and f.kind == "numeric"], side
+
+
+def test_partial_corruption_names_positions_and_channels(tr, root):
+    """Layer5 of sequence 2, positions 10-19, has channels 3 and 40 off by 20% of the state's RMS
+    (a partial write); every other token agrees. The sentence names where: the sequence, the
+    positions, the regime and the two channels, and that the rest agrees."""
+    src = tr["bfloat16"]
+
+    def corrupt(v, seq, pos):
+        sel = (seq == 2) & (pos >= 10) & (pos < 20)
+        rms = np.sqrt((v[sel] ** 2).mean(1))
+        v[np.ix_(sel, [3, 40])] += 0.2 * rms[:, None] * np.sqrt(H / 2)
+        return v
+
+    bug = trained.edit(src, root / "partial.h5", "layer5", corrupt)
+    for res, side in _orders(tr["float32"], bug):
+        assert res.exit_code == 1, (side, res.headline())
+        (f,) = [f for f in res.findings if f.tensor == "layer5" and f.severity == "divergence"]
+        msg = f.message
+        assert "positions 10-19" in msg and "channels 3, 40" in msg, (side, msg)
+        assert "in 1 of 12 sequences" in msg and "while the other 470 agree" in msg, (side, msg)
+
+
+def test_nan_in_states_and_predictions_is_a_finding_never_agree(tr, root):
+    """NaN in three tokens of layer3 (sequence 1) and Inf in two rows of the target's
+    predictions, on one side: each named with where, the diff neither crashes nor agrees, the
+    noise model measures from the finite tokens."""
+    src = tr["bfloat16"]
+
+    def nan(v, seq, pos):
+        v[np.flatnonzero(seq == 1)[:3], 7] = np.nan
+        return v
+
+    mid = trained.edit(src, root / "nan_mid.h5", "layer3", nan)
+
+    def inf(v, seq, pos):
+        k = (v.shape[1] - 1) // 2
+        v[:2, k:2 * k] = -np.inf
+        return v
+
+    bug = trained.edit(mid, root / "nan.h5", "target_topk", inf)
+    for res, side in _orders(tr["float32"], bug):
+        assert res.exit_code == 1 and res.verdict == "divergence", (side, res.headline())
+        nf = [f for f in res.findings if f.kind == "nonfinite"]
+        assert nf and nf[0].tensor == "layer3" and "NaN/Inf in layer3" in nf[0].message, (side, [f.message for f in nf])
+        (acc,) = [f for f in res.findings if f.kind == "acceptance"]
+        c = acc.details.cross["target_topk"]
+        assert c["nonfinite"] == 2 and c["state"] == "differ", (side, c)
+        assert res.pairs and any(p.label == "layer4" and p.compared for p in res.pairs)

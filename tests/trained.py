@@ -112,9 +112,10 @@ def boundary_states(dtype=None) -> dict[str, np.ndarray]:
 
 
 def variant_model(root: str | Path, name: str, config: dict | None = None, perturb: tuple[int, float] | None = None,
-                  seed: int = 0) -> Path:
+                  seed: int = 0, lm_head: float | None = None) -> Path:
     """A copy of the trained target under ``root/name`` with ``config`` entries changed and/or the
-    weights of decoder layer ``perturb[0]`` multiplied by (1 + perturb[1] * N(0, 1)) elementwise."""
+    weights of decoder layer ``perturb[0]`` multiplied by (1 + perturb[1] * N(0, 1)) elementwise,
+    and/or the lm_head's weights multiplied by ``lm_head`` (a logit scale: a temperature)."""
     import shutil
 
     import torch
@@ -129,13 +130,15 @@ def variant_model(root: str | Path, name: str, config: dict | None = None, pertu
         cfg = json.loads((tmp / "config.json").read_text())
         cfg.update(config)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    if perturb is not None:
+    if perturb is not None or lm_head is not None:
         m = load_target()
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for p in m.model.layers[perturb[0]].parameters():
+            for p in (m.model.layers[perturb[0]].parameters() if perturb is not None else ()):
                 if p.dim() == 2:
                     p.mul_(1 + perturb[1] * torch.randn(p.shape, generator=g))
+            if lm_head is not None:
+                m.lm_head.weight.mul_(lm_head)
         m.save_pretrained(tmp, safe_serialization=True)
         gen = tmp / "generation_config.json"
         if gen.exists():

@@ -119,6 +119,16 @@ def measured_floors(plan: DiffPlan, tally: Tally) -> Callable[[str], NoiseFloor]
     return noise_floors(measured, a.num_layers or b.num_layers, dtype_a, dtype_b)
 
 
+def final_state_error(plan: DiffPlan) -> tuple[str, float] | None:
+    """The deepest state the noise model measured (final_norm, else the deepest boundary) and the
+    99th percentile of its relative error across the sides: what the logits inherit."""
+    states = plan.noise.states
+    if not states:
+        return None
+    last = max(states, key=lambda s: (s.depth, s.label == "final_norm"))
+    return last.label, last.level.q99
+
+
 def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOptions, *,
           replicas: Sequence[Finding], worst: list[dict[str, Any]], early: EarlyIdentity | None = None) -> DiffResult:
     """The result of a streamed plan. ``replicas``: the replica findings of both sides; ``worst``:
@@ -152,7 +162,7 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
     graft = signatures.graft_finding(plan.a, plan.b, findings)
     if graft is not None:
         findings = order_findings(findings + [graft])
-    findings = acceptance.add_finding(a, b, al, plan.maps, findings, stats)
+    findings = acceptance.add_finding(a, b, al, plan.maps, findings, stats, final_state_error(plan))
     return DiffResult(
         path_a=a.path, path_b=b.path, side_a=a.side, side_b=b.side, findings=findings, slot_table=j.slot_table,
         pairs=stats, sequences=[p.to_dict() for p in al.seq_pairs], gaps=[g.to_dict() for g in al.gaps],
@@ -263,6 +273,9 @@ class _Judge:
                 tolerance=tol.to_dict(), basis=st.basis)
             state = ia.slot_labels[s] if ia.slot_labels and s < len(ia.slot_labels) else ia.label
             noise_io.annotate(det, model, judged, state, ia.label)
+            if acc.failing[s] or acc.nonfinite_a[s] or acc.nonfinite_b[s]:
+                det.where = noise_io.where_failing(a, b, ia, ib, s, k, acc.failing_tokens(s), job.rows_a, job.rows_b,
+                                                   job.rows, self.plan.entry, st.basis or "values")
             f = self._token_finding(Kind.NUMERIC, ia, slot_arg, ff.token_index if ff else at, det)
             if identity_finding is not None:
                 f.severity = Severity.INFO
@@ -294,4 +307,4 @@ class _Judge:
                        details=details)
 
 
-__all__ = ["Tally", "judge", "measured_floors", "pair_stats", "replica_findings"]
+__all__ = ["Tally", "final_state_error", "judge", "measured_floors", "pair_stats", "replica_findings"]
