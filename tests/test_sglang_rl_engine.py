@@ -186,7 +186,8 @@ def _drive(tm, tmp: Path, name: str, *, temperature: float, update: dict | None 
     trace = tmp / f"{name}.h5"
     args = {"model": str(tm["target"]), "prompts": tm["prompts"], "temperature": temperature, "max_new": MAX_NEW,
             "update": update, "before": list(before), "after": ["p0", "p1"]}
-    env = _env({"TENSORDIFF_TRACE": str(trace), "TENSORDIFF_CATALOG": "0", **(extra_env or {})})
+    env = _env({"TENSORDIFF_TRACE": str(trace), "TENSORDIFF_CATALOG": "1", "TENSORDIFF_VALUES": "all",
+                **(extra_env or {})})
     proc = subprocess.run([sys.executable, "-c", _DRIVER.format(tests=str(HERE)), json.dumps(args)], check=False,
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -377,10 +378,15 @@ def test_a_decode_only_bug_is_found_by_rollout_vs_replay(tm, rollout, replay, pe
     bad = _logprob_gap(perturbed)
     good = _logprob_gap({"rollout": rollout, "replay": replay})
     assert bad.mean() > 5 * good.mean(), (bad.mean(), good.mean())
-    # with the trainer (correct) and the re-run, the triage names the engine's decode path
+    # with the trainer (correct) and the re-run: the first state out of the noise is layer4, on decode
+    # rows only, and the three-way table puts it in the engine (prefill vs decode differ, the trainer
+    # agrees with the prefill)
     train = _train(tm["target"], perturbed["rollout"]["outputs"], tmp_path / "train.h5")
     rc, out = _triage(train, perturbed["rollout"]["trace"], perturbed["replay"]["trace"])
-    assert rc == 1 and out.startswith("the engine's decode path"), out[-3000:]
+    first = out.splitlines()[0]
+    assert rc == 1 and f"layer{PERTURB_LAYER + 1}" in first and "prefill: 0 of" in first, out[-3000:]
+    three = {ln.split("token_mult_prob_error")[0].strip(): ln for ln in out.splitlines() if "token_mult_prob_error " in ln}
+    assert " differ" in three["prefill vs decode"] and " agree" in three["trainer vs prefill"], out[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------
