@@ -156,7 +156,9 @@ def final_norm(rec: Any, tensor: Any, rows: Any, *, private: bool = False, value
 
 def engine_fingerprints(model, tp_size: int, source: str) -> dict:
     """The fingerprint document of a live engine model's (shard's) parameters: fused ``qkv_proj``
-    split by the heads this shard holds (the model config's heads / TP size)."""
+    split by the heads this shard holds (the model config's heads / TP size). A parameter the
+    engine emptied after loading (its kernel keeps a packed copy of its own: vLLM's CPU GEMMs) has
+    no bytes to hash: it is listed under ``unreadable`` instead."""
     import torch
 
     from .. import weights
@@ -174,8 +176,15 @@ def engine_fingerprints(model, tp_size: int, source: str) -> dict:
             if k in config:
                 config[k] = max(1, config[k] // tp_size)
     params = []
+    unreadable = []
     with torch.no_grad():
         for name, t in model.named_parameters():
+            if t.numel() == 0:  # moved into a kernel's own packed copy (vLLM's CPU GEMMs): no bytes to hash here
+                unreadable.append(name)
+                continue
             dtype, arr = _stored(t)
             params.extend(weights.params_of(name, dtype, arr, config))
-    return weights.fingerprints_doc(params, config.get("num_hidden_layers"), source)
+    doc = weights.fingerprints_doc(params, config.get("num_hidden_layers"), source)
+    if unreadable:
+        doc["unreadable"] = unreadable
+    return doc

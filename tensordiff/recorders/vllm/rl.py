@@ -106,6 +106,10 @@ def fingerprint(event: str) -> None:
                               rank=rank if size > 1 else None)
         log.info("tensordiff: weight step %d (%s): %d parameters fingerprinted", RL.weight_step, event,
                  len(doc["parameters"]))
+        if doc.get("unreadable"):
+            st.warn_once("rl-unreadable", "%d weights were moved into vLLM's packed CPU GEMM kernels (the parameters "
+                         "are empty): their fingerprints are not recorded (e.g. %s)", len(doc["unreadable"]),
+                         doc["unreadable"][0])
         RL.weight_step += 1
         st.dirty = True
     except Exception as e:  # noqa: BLE001
