@@ -169,16 +169,17 @@ def _tap_pairs(plan: DiffPlan) -> list[signatures.TapPair]:
 
 def within_residual_noise(plan: DiffPlan, findings: list[Finding]) -> list[Finding]:
     """A divergence of a tap added to the residual stream whose every token adds no more to the
-    next boundary than that boundary's per-token noise allows becomes a note
-    (:func:`tensordiff.signatures.residual_noise`)."""
+    next boundary than that boundary's per-token noise allows, while that boundary agrees,
+    becomes a note (:func:`tensordiff.signatures.residual_noise`)."""
     taps = [f for f in findings if f.kind == Kind.NUMERIC and f.severity == Severity.DIVERGENCE
             and (f.tensor or "").endswith(signatures.RESIDUAL_TAPS)]
     if not taps:
         return findings
     pairs = _tap_pairs(plan)
     limits = {j.label: j.tolerances[0].max_rel for j in plan.jobs if j.tolerances and j.slots == 1}
+    diverging = {f.tensor for f in findings if f.severity == Severity.DIVERGENCE and f.tensor}
     for f in taps:
-        text = signatures.residual_noise(plan.a, plan.b, pairs, f, limits)
+        text = signatures.residual_noise(plan.a, plan.b, pairs, f, limits, diverging)
         if text is not None:
             f.severity, f.text = Severity.INFO, text
     return findings
