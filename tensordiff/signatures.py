@@ -536,18 +536,18 @@ RESIDUAL_TAPS = ("attn_out", "mlp_out")
 def residual_noise(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], f: Finding,
                    boundary_rel: Mapping[str, float]) -> str | None:
     """For a numeric finding of a tap that is added to the residual stream (``attn_out``,
-    ``mlp_out``) whose only failure is tokens past the tap's own tolerance: the sentence saying
-    that each token's error stays within the measured per-token noise of the boundary it is added
-    into (``||B - A|| / ||layer<b+1>||`` against that boundary's ``max_rel``), else None (the
-    finding stands). An op whose output nearly cancels (an attention output averaging values of
-    both signs) shows a large relative error on a few tokens in honest rounding, while what it
-    adds to the residual is as small as the rest of the layer's; a real bug reaches the boundary
-    too, and is judged there."""
+    ``mlp_out``): the sentence saying that each token's error stays within the measured per-token
+    noise of the boundary it is added into (``||B - A|| / ||layer<b+1>||`` against that boundary's
+    ``max_rel``), else None (the finding stands). An op whose output nearly cancels (an attention
+    output averaging values of both signs) shows a large relative error, or a spread of its RMS
+    ratio, on a few tokens in honest rounding or another kernel's summation order, while what it
+    adds to the residual is as small as the rest of the layer's. The caller keeps the finding
+    when the boundary diverges and no other op of the layer explains it."""
     st = maybe_state(f.tensor or "")
     if st is None or st.kind != "tap" or st.tap not in RESIDUAL_TAPS or st.layer is None:
         return None
     d = f.details
-    if not isinstance(d, NumericDetails) or d.part not in ("", "tokens"):
+    if not isinstance(d, NumericDetails):
         return None
     out_label = f"layer{st.layer + 1}"
     tap = next((p for p in pairs if p.label == f.tensor), None)
@@ -575,8 +575,10 @@ def residual_noise(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], f: 
     worst = float(share.max())
     if worst > limit:
         return None
-    return (f"{f.tensor}: {d.failing} of {len(common)} tokens past its own tolerance, but what it adds "
-            f"to the residual is within the noise: ||B - A|| / ||{out_label}|| at most {_g(worst)} <= {_g(limit)} "
+    what = {"scale": "a scale", "rescaled": "a per-token rescaling", "level": "a median error"}.get(
+        d.part, f"{d.failing} of {len(common)} tokens")
+    return (f"{f.tensor}: {what} past its own tolerance, but what it adds to the residual is within the "
+            f"noise: ||B - A|| / ||{out_label}|| at most {_g(worst)} <= {_g(limit)} "
             f"allowed per token at {out_label} ({d.limit_source or 'its tolerance'})")
 
 

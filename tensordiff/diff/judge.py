@@ -180,17 +180,27 @@ def _tap_pairs(plan: DiffPlan) -> list[signatures.TapPair]:
 def within_residual_noise(plan: DiffPlan, findings: list[Finding]) -> list[Finding]:
     """A divergence of a tap added to the residual stream whose every token adds no more to the
     next boundary than that boundary's per-token noise allows becomes a note
-    (:func:`tensordiff.signatures.residual_noise`)."""
+    (:func:`tensordiff.signatures.residual_noise`), unless the next boundary diverges and no other
+    op of the layer does: then it is the one candidate, and stands."""
     taps = [f for f in findings if f.kind == Kind.NUMERIC and f.severity == Severity.DIVERGENCE
             and (f.tensor or "").endswith(signatures.RESIDUAL_TAPS)]
     if not taps:
         return findings
     pairs = _tap_pairs(plan)
     limits = {j.label: j.tolerances[0].max_rel for j in plan.jobs if j.tolerances and j.slots == 1}
+    notes = {id(f): t for f in taps if (t := signatures.residual_noise(plan.a, plan.b, pairs, f, limits)) is not None}
+    divs = [f for f in findings if f.severity == Severity.DIVERGENCE and f.tensor]
     for f in taps:
-        text = signatures.residual_noise(plan.a, plan.b, pairs, f, limits)
-        if text is not None:
-            f.severity, f.text = Severity.INFO, text
+        if id(f) not in notes:
+            continue
+        layer = (f.tensor or "").split(".", 1)[0]
+        nxt = f"layer{int(layer[5:]) + 1}" if layer[5:].isdigit() else ""
+        # the next boundary diverges and nothing else of this layer stays a divergence: this op is
+        # the only candidate for it, and the finding stands
+        others = [g for g in divs if (g.tensor or "").startswith(layer + ".") and id(g) not in notes]
+        if any(g.tensor == nxt for g in divs) and not others:
+            continue
+        f.severity, f.text = Severity.INFO, notes[id(f)]
     return findings
 
 

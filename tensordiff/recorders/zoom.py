@@ -266,3 +266,110 @@ def _graft_site(model: torch.nn.Module, st: canon.State, layers_path: str, num_l
                 if m is not None and m.names == (wanted,) and m.split is None:
                     return mod, direction
     raise ValueError(f"--graft {wanted}: no module of this model is {wanted} (not a layout the name table knows)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Engine zoom: the hooks both serving plugins install (TENSORDIFF_ZOOM)
+# ----------------------------------------------------------------------------------------------
+
+
+def install_engine_taps(model: torch.nn.Module, layers: Any, layers_path: str, layer: int, num_layers: int,
+                        impl: str, config: dict[str, Any], tap: Any, handles: list[Any], recording: Any,
+                        warn: Any) -> int:
+    """Hooks on decoder ``layer``'s modules of an engine model (``impl``: ``sglang`` or ``vllm``)
+    that the name table maps to taps; each value (split by the table's layout with the shard's
+    ``config``) goes to ``tap(name, tensor)`` while ``recording()`` holds. Returns how many hooks.
+
+    The engines share one rotary module between the layers (named once, under layer 0): every
+    module is walked under every path it has, and the hooks record only while this layer runs."""
+    inside = [False]
+
+    def enter(module: Any, args: Any) -> None:
+        inside[0] = True
+
+    def leave(module: Any, args: Any, output: Any) -> None:
+        inside[0] = False
+
+    handles.append(layers[layer].register_forward_pre_hook(enter))
+    handles.append(layers[layer].register_forward_hook(leave))
+    prefix = f"{layers_path}.{layer}."
+    count = 0
+    hooked: set[tuple[int, str]] = set()
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if not name.startswith(prefix):
+            continue
+        for direction in ("output", "input"):
+            m = canon.canonical(name, direction, impl, num_layers)
+            if m is None or any(canon.parse_state(x).kind != "tap" for x in m.names) or (id(mod), direction) in hooked:
+                continue
+            hooked.add((id(mod), direction))
+            hook = _engine_hook(m.names, m.split, config, direction, inside, tap, recording, warn)
+            if direction == "output":
+                handles.append(mod.register_forward_hook(hook))
+            else:
+                handles.append(mod.register_forward_pre_hook(hook))
+            count += 1
+    return count
+
+
+def _engine_hook(names: tuple[str, ...], split: str | None, config: dict[str, Any], direction: str,
+                 inside: list[bool], tap: Any, recording: Any, warn: Any) -> Any:
+    def parts(value: Any) -> list[torch.Tensor]:
+        if split == "tuple":   # a rotary module's (q, k)
+            ts = [v for v in value if isinstance(v, torch.Tensor)] if isinstance(value, (tuple, list)) else []
+            return ts[: len(names)] if len(ts) >= len(names) else []
+        t = value
+        while isinstance(t, (tuple, list)) and t:   # a linear's (output, bias), a norm's (normed, residual)
+            t = t[0]
+        if not isinstance(t, torch.Tensor):
+            return []
+        if split is None:
+            return [t]
+        return list(torch.split(t, canon.split_widths(split, int(t.shape[-1]), config), dim=-1))
+
+    def record(value: Any) -> None:
+        if not inside[0] or not recording():
+            return
+        try:
+            got = parts(value)
+        except ValueError as e:
+            warn(f"zoom-{names[0]}", f"zoom tap {names[0]}: {e}")
+            return
+        for name, t in zip(names, got):
+            tap(name, t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t)
+
+    if direction == "output":
+        def post(module: Any, args: Any, output: Any) -> None:
+            record(output)
+        return post
+
+    def pre(module: Any, args: Any) -> None:
+        if args:
+            record(args[0])
+    return pre
+
+
+def engine_shard_config(text: Any, tp: int) -> dict[str, Any]:
+    """Heads, kv heads and head size of one tensor-parallel shard (what a fused qkv value holds,
+    also under the names :func:`tensordiff.names.split_widths` reads), the norms' eps and the rope
+    theta of an engine's (text) config: the attributes the diff's signatures fit with."""
+    out: dict[str, Any] = {}
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None)
+    hd = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    tp = max(int(tp), 1)
+    if heads:
+        out["heads"] = out["num_attention_heads"] = max(int(heads) // tp, 1)
+    if kv:
+        out["kv_heads"] = out["num_key_value_heads"] = max(int(kv) // tp, 1)
+    if hd:
+        out["head_dim"] = int(hd)
+    eps = getattr(text, "rms_norm_eps", None)
+    if isinstance(eps, float):
+        out["eps"] = eps
+    rp = getattr(text, "rope_parameters", None)
+    theta = (rp.get("rope_theta") if isinstance(rp, dict) else None) or getattr(text, "rope_theta", None)
+    if isinstance(theta, (int, float)):
+        out["rope_theta"] = float(theta)
+    return out

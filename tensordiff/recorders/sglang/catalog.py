@@ -115,6 +115,12 @@ def _tap(kind: str, b: int | None, value) -> None:
 def record_catalog(kind: str, b: int | None, value, rows, private: bool = False) -> None:
     """A catalog state's rows (``private``: ``value`` is the tap's own copy, kept as it is)."""
     st = STATE
+    if kind.startswith("tap:"):   # TENSORDIFF_ZOOM (.zoom)
+        from .zoom import record_zoom_tap
+
+        record_zoom_tap(st.rec, kind, value, rows, st.model.get("num_layers"), private)
+        st.dirty = True
+        return
     if kind == "routing":
         from ...conventions import MOE_ROUTING
         from ..routing import name_of, routing_attrs

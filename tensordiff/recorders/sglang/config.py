@@ -34,6 +34,7 @@ class Config:
     profile: str | None = None  # TENSORDIFF_PROFILE: a cProfile stats file of the plugin's own code
     stage_mb: float = 64.0      # TENSORDIFF_STAGE_MB: CPU work staged and done in batches up to this (0: off)
     routing: bool = True        # TENSORDIFF_ROUTING: MoE routers' top-k expert ids and weights (MoE models only)
+    zoom: int | None = None     # TENSORDIFF_ZOOM=layer<b>: that decoder layer's sub-layer taps (.zoom)
     _wants: dict = field(default_factory=dict, repr=False, compare=False)  # wants_values by name
 
     @property
@@ -96,7 +97,7 @@ class Config:
                    sketch_dim=num("TENSORDIFF_SKETCH_DIM", int, None),
                    sketch_seed=num("TENSORDIFF_SKETCH_SEED", int, None), flush_seconds=flush_s,
                    compression=comp, profile=(env.get("TENSORDIFF_PROFILE") or "").strip() or None,
-                   stage_mb=stage_mb, routing=flag("TENSORDIFF_ROUTING", True))
+                   stage_mb=stage_mb, routing=flag("TENSORDIFF_ROUTING", True), zoom=_zoom(env))
 
     def wants_values(self, name: str) -> bool:
         if isinstance(self.values, bool):
@@ -115,3 +116,16 @@ def rank_path(path: str, suffix: str) -> str:
     if ext.lower() not in (".h5", ".hdf5"):
         return path + suffix
     return root + suffix + ext
+
+
+def _zoom(env) -> int | None:
+    """``TENSORDIFF_ZOOM=layer3`` (or ``3``): the decoder layer whose taps to record."""
+    v = (env.get("TENSORDIFF_ZOOM") or "").strip()
+    if not v:
+        return None
+    from ...names import parse_zoom
+
+    try:
+        return parse_zoom(v)
+    except ValueError as e:
+        raise ValueError(f"TENSORDIFF_ZOOM={v!r}: {e}") from None

@@ -127,6 +127,10 @@ def setup_target(runner) -> None:
         from .catalog import install_routing
 
         st.capture_attrs["moe_routing_layers"] = install_routing(runner)
+    if cfg.zoom is not None:
+        from .zoom import install_zoom
+
+        st.capture_attrs["zoom_hooks"] = install_zoom(runner, cfg.zoom)
     if cfg.catalog:
         from .catalog import install_catalog
 

@@ -126,6 +126,14 @@ def setup(runner) -> None:
     if captured is None and not cfg.catalog:
         st.warn_once("nothing", "this engine captures no aux hidden states (no EAGLE-3 draft) and TENSORDIFF_CATALOG "
                      "is off: only token rows are recorded")
+    if cfg.zoom is not None:
+        if eager:
+            from .zoom import install_zoom
+
+            install_zoom(model, cfg.zoom)
+        else:
+            st.warn_once("zoom-compiled", "TENSORDIFF_ZOOM needs eager mode (enforce_eager=True / --enforce-eager): "
+                         "module hooks do not run inside torch.compile graphs or CUDA graphs; no zoom taps")
     if cfg.catalog:
         if eager:
             install_catalog(model)

@@ -98,7 +98,11 @@ def commit(step: Step, sampled) -> None:
     if step.aux is not None and (step.rows >= 0).any():
         record_aux(step.aux, step.rows)
     for kind, b, value in step.stash:
-        if kind == "final_norm":
+        if kind.startswith("tap:"):   # TENSORDIFF_ZOOM (.zoom)
+            from .zoom import record_zoom_tap
+
+            record_zoom_tap(rec, kind, value, step.rows)
+        elif kind == "final_norm":
             rec.final_norm(value, step.rows, values=st.cfg.wants_values("final_norm"))
         else:
             from ...vocab import boundary_label
