@@ -175,6 +175,8 @@ def measure(run: Run, out_dir: str) -> tuple[dict | None, str]:
 
 
 def load_result(path: str) -> tuple[dict | None, str]:
+    if not os.path.exists(path):
+        return None, f"not run (no {os.path.basename(path)} in the results)"
     try:
         with open(path) as fh:
             res = json.load(fh)

@@ -714,7 +714,7 @@ def row_map(r: TraceSource, side_tokens: SideTokens, name: str, index_fn: Callab
     return aligned
 
 
-MAP_CACHE_BYTES = 64 << 20   # row maps kept per diff (LRU); 8 bytes per aligned token each
+MAP_CACHE_BYTES = 64 << 20   # row maps kept per diff (LRU, the last of each side always); 8 bytes per aligned token each
 
 
 class RowMaps:
@@ -762,12 +762,16 @@ class RowMaps:
         return hit[1]
 
     def _evict(self, keep: tuple[str, int, int, bytes]) -> None:
+        """Least recently used maps out past the bound, but never the last one of either side: the
+        plan asks A's and B's map of each pair in turn, and where one map alone passes the bound
+        (8 bytes per aligned token: 10M tokens) evicting the other side's would rebuild both for
+        every pair."""
         total = sum(inv.nbytes for _, inv in self._maps.values())
-        while total > self.cache_bytes and len(self._maps) > 1:
-            k = next(iter(self._maps))
-            if k == keep:
-                self._maps.move_to_end(k)
-                continue
+        last = {k[0]: k for k in self._maps}   # the most recently used key of each side
+        kept = set(last.values()) | {keep}
+        for k in [k for k in self._maps if k not in kept]:
+            if total <= self.cache_bytes:
+                break
             total -= self._maps.pop(k)[1].nbytes
             self._alias = {a: v for a, v in self._alias.items() if v != k}
 

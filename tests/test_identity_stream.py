@@ -147,14 +147,24 @@ def test_row_maps_built_once_per_token_row_set(pair):
     assert not ra.token_rows("layer1").flags.writeable
 
 
-def test_row_map_cache_evicts_and_stays_right(pair):
+def test_row_map_cache_evicts_and_stays_right(pair, monkeypatch):
     ra, rb, sa, sb, al = pair
-    maps = RowMaps(al, ra, rb, sa, sb, cache_bytes=1)   # room for one map: every switch rebuilds
+    maps = RowMaps(al, ra, rb, sa, sb, cache_bytes=1)   # room for no map: only the last of each side stays
     ix = np.arange(len(al))
     first = maps.rows_at("a", "layer1", [ix])[0]
     maps.rows_at("b", "layer1", [ix])
     again = maps.rows_at("a", "layer1", [ix])[0]
-    assert np.array_equal(first, again) and maps.built == 3
+    # A's and B's maps asked in turn (what the plan does per pair) are built once each
+    assert np.array_equal(first, again) and maps.built == 2
+    real = ra.token_rows
+    other = real("layer1")[:-1].copy()        # another set of token rows on side A
+    monkeypatch.setattr(ra, "token_rows", lambda name: other if name == "layer2" else real(name))
+    short = maps.rows_at("a", "layer2", [ix])[0]
+    assert maps.built == 3 and (short >= 0).sum() == (first >= 0).sum() - 1
+    maps.rows_at("b", "layer1", [ix])          # B's last map was kept
+    assert maps.built == 3
+    again = maps.rows_at("a", "layer1", [ix])[0]   # A's older one was evicted: rebuilt, the same
+    assert np.array_equal(first, again) and maps.built == 4
 
 
 def test_exact_precheck_never_rules_out_the_same_data():
