@@ -247,7 +247,7 @@ def _record(job) -> None:
             rows.append(d.pop(pos, -1))
             vals.append((tok, lp))
         if entries:
-            last = max(e[1] for e in entries)
+            last = entries[-1][1]   # entries come in position order
             for p in [p for p in d if p < last]:
                 del d[p]   # rows that sampled nothing kept (a prefill chunk before the last)
         if RL.sampling is None:
