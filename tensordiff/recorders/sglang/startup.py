@@ -128,9 +128,10 @@ def setup_target(runner) -> None:
 
         st.capture_attrs["moe_routing_layers"] = install_routing(runner)
     if cfg.zoom is not None:
+        from .catalog import _tap
         from .zoom import install_zoom
 
-        st.capture_attrs["zoom_hooks"] = install_zoom(runner, cfg.zoom)
+        st.capture_attrs["zoom_hooks"] = install_zoom(runner, cfg.zoom, _tap)
     if cfg.catalog:
         from .catalog import install_catalog
 

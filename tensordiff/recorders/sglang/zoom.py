@@ -6,7 +6,7 @@ Only that layer's modules are hooked, through the engine rules of the name table
 ``qkv_proj`` split ``heads : kv_heads : kv_heads`` per tensor-parallel shard, ``gate_up_proj`` in
 halves, the rotary module's ``(q, k)``, a linear layer's ``(output, bias)`` and a norm's
 ``(normed, residual)`` read as their first tensor). The values go through the catalog's tap
-(:func:`.catalog._tap`): kept until a pass's rows are known, eager passes only. A module the
+(given by :mod:`.startup`): kept until a pass's rows are known, eager passes only. A module the
 running model never calls (a fused kernel path) records nothing: the trace then lacks that tap."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from .state import STATE
 KIND = "tap:"   # the catalog tap kind of a zoom value: "tap:layer3.q"
 
 
-def install_zoom(runner, layer: int) -> int:
-    """Hooks on decoder ``layer``'s modules that the name table maps to taps; how many."""
+def install_zoom(runner, layer: int, tap) -> int:
+    """Hooks on decoder ``layer``'s modules that the name table maps to taps; how many. ``tap``:
+    the catalog's tap (:func:`.catalog._tap`), which keeps a value until its pass's rows are known."""
     from ..hf import find_decoder
 
     st = STATE
@@ -35,10 +36,9 @@ def install_zoom(runner, layer: int) -> int:
     cfg = _shard_config(runner)
     st.capture_attrs["zoom"] = {"layer": layer, **cfg}
     from ..zoom import install_engine_taps
-    from .catalog import _tap
 
     count = install_engine_taps(runner.model, layers, path, layer, n, "sglang", cfg,
-                                lambda name, t: _tap(KIND + name, layer, t), st.catalog_handles,
+                                lambda name, t: tap(KIND + name, layer, t), st.catalog_handles,
                                 lambda: STATE.ctx_rows is not None and STATE.active,
                                 lambda key, msg: st.warn_once(key, "%s", msg))
     if not count:
