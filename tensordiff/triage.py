@@ -161,14 +161,23 @@ def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
     if not sa or not sb:
         return {"recorded": False, "train": bool(sa), "rollout": bool(sb)}
     trainer = sa[-1]
-    fwd = np.unique(np.asarray(b.tokens["step"], dtype=np.int64)) if len(b.tokens) else np.zeros(0, np.int64)
+    rows = b.tokens
+    if len(rows):
+        # only the passes that served the sequences the trainer ran: a warm-up request served under
+        # older weights says nothing about the weights the compared tokens saw
+        ran = set(a.sequences)
+        keep = np.array([k in ran for k in b.sequences], dtype=bool)
+        if keep.any():
+            sel = keep[np.asarray(rows["seq"], dtype=np.int64)]
+            rows = rows[sel] if sel.any() else rows
+    fwd = np.unique(np.asarray(rows["step"], dtype=np.int64)) if len(rows) else np.zeros(0, np.int64)
     used: dict[int, WeightStep] = {}
     for f in fwd:
         s = weights_at(sb, int(f))
         if s is not None:
             used[s.step] = s
     out: dict[str, Any] = {"recorded": True, "steps": sorted(used), "differ": None}
-    for k in sorted(used):
+    for k in sorted(used, reverse=True):   # the latest weights the compared tokens ran with first
         s = used[k]
         diffs = compare_weights(trainer.doc, s.doc)
         if not diffs:

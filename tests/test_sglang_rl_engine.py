@@ -446,9 +446,6 @@ def test_weight_update_is_a_new_step_and_the_stale_layer_is_named(tm, updated, u
     assert f"model.layers.{STALE}.mlp.down_proj.weight" in first and f"layers.{SYNCED}." not in first, first
 
 
-@pytest.mark.xfail(strict=True, reason="triage compares the trainer with weight step 0 (the warm-up request's) "
-                   "although every sequence the trainer ran was served at step 1, so it says 'differs at weight "
-                   "step 0' where the layer is stale after update step 1")
 def test_the_stale_layer_is_named_stale_after_the_update(updated_triage):
     rc, out = updated_triage
     first = out.splitlines()[0]
