@@ -268,6 +268,13 @@ def _identity(f: Finding, d: IdentityDetails) -> str:
         if d.cos is None:  # written before the closest state's cosine was recorded
             hint = f" (closest: {d.closest}, score {d.score:.3f})" if d.closest and d.score is not None else ""
             return f"{who} holds no recorded state{hint}{where}"
+        ev = d.evidence
+        if ev is not None and ev.floor is not None and not ev.within_floor and 1.0 - d.cos > ev.floor:
+            # the number that failed against its limit: 1 - cos past the noise floor of that state
+            a, b = separated(1.0 - d.cos, ev.floor)
+            src = f", {ev.floor_source}" if ev.floor_source else ""
+            return (f"{who} is closest to {_state_words(d.closest, d.offset)} but equal to no recorded state "
+                    f"(cos {d.cos:.4f}: 1 - cos {a} > {b} allowed (noise floor{src})){where}")
         return (f"{who} is closest to {_state_words(d.closest, d.offset)} but equal to no recorded state "
                 f"(cos {d.cos:.4f}){where}")
     if d.outcome == "ambiguous":

@@ -101,6 +101,7 @@ def test_mid_layer_state_is_no_recorded_state(tr, root):
         assert res.exit_code == 1, (side, res.headline())
         first = res.first_divergence
         assert (first.tensor, first.slot) == ("draft_input", 0), (side, first.message)
+        _separates(first.message)   # the failing number against its limit, whichever sentence names it
 
 
 def test_conflicting_duplicate_rows_are_a_finding(tr, root):
