@@ -171,6 +171,10 @@ class ReplicaDetails(Details):
     differing: int = 0
     max_abs: float = 0.0
     cos_min: float = 1.0
+    rel_max: float | None = None       # rows only: the first differing pair's worst per-slot relative error
+    cos_allowed: float | None = None   # ... and the limits it was judged against (cos >=, rel <=)
+    rel_allowed: float | None = None
+    limit_source: str = ""             # where those limits come from (the noise model's source)
 
 
 @dataclass

@@ -415,14 +415,25 @@ def _label(f: Finding, d: LabelDetails) -> str:
     return f"{d.side} labels slot {f.slot} of {f.tensor} as {d.claimed}, but it holds {d.held}"
 
 
+def _replica_limit(d: ReplicaDetails) -> str:
+    """The duplicate pair's failing number against its limit, at a precision that separates them."""
+    if d.cos_allowed is None or d.rel_allowed is None or d.rel_max is None:
+        return f"max abs {d.max_abs:.3g}, cos {d.cos_min:.6f}"
+    src = f"; limits: {d.limit_source}" if d.limit_source else ""
+    if not (math.isfinite(d.rel_max) and math.isfinite(d.cos_min)):
+        return f"non-finite values in one copy, max abs {d.max_abs:.3g}{src}"
+    if d.rel_max > d.rel_allowed:
+        return f"rel err {d.rel_max:.3g} > {d.rel_allowed:.3g} allowed, max abs {d.max_abs:.3g}{src}"
+    return f"1 - cos {1.0 - d.cos_min:.3g} > {1.0 - d.cos_allowed:.3g} allowed, max abs {d.max_abs:.3g}{src}"
+
+
 def _replica(f: Finding, d: ReplicaDetails) -> str:
     if d.axis == "rows":   # one trace holds two rows for one (sequence, position, regime)
         where = f"sequence {f.seq}, position {f.position}"
         if d.differing:
             return (f"{d.side} records {d.rows} token rows of {f.tensor} twice (same sequence, position and regime) "
                     f"and {d.differing} of the pairs differ beyond the noise: first {d.primary} and {d.replica} "
-                    f"({where}; max abs {d.max_abs:.3g}, cos {d.cos_min:.6f}); which copy is compared decides "
-                    "the result")
+                    f"({where}; {_replica_limit(d)}); which copy is compared decides the result")
         return (f"{d.side} records {d.rows} token rows of {f.tensor} twice (same sequence, position and regime; "
                 f"e.g. {d.primary} and {d.replica}, {where}); the copies are equal")
     what = "TP replicas" if d.axis == "tp" else "PP stages"

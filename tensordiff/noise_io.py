@@ -226,7 +226,9 @@ def duplicate_findings(r: TraceSource, side: str, info: TensorInfo, model: noise
     det = ReplicaDetails(side=side, axis="rows", primary=f"row {int(first[j])}", replica=f"row {int(second[j])}",
                          part=info.name, rows=len(first), differing=differing,
                          max_abs=float(np.nanmax(m.maxabs[j])) if len(first) else 0.0,
-                         cos_min=float(np.nanmin(m.cos[j])) if len(first) else 1.0)
+                         cos_min=float(np.nanmin(m.cos[j])) if len(first) else 1.0,
+                         rel_max=float(np.nanmax(m.rel[j])) if len(first) else None,
+                         cos_allowed=float(cmin), rel_allowed=float(rmax), limit_source=model.source)
     return [Finding(Kind.REPLICA, Severity.DIVERGENCE if differing else Severity.INFO, tensor=info.name,
                     order=info.order, seq=sequences[s] if 0 <= s < len(sequences) else str(s),
                     position=int(t["position"][trow[first[j]]]), token=int(t["token"][trow[first[j]]]),

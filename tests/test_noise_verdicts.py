@@ -119,6 +119,8 @@ def test_conflicting_duplicate_rows_are_a_finding(tr, root):
         assert res.exit_code == 1, (side, res.headline())
         (f,) = [f for f in res.findings if "twice" in f.message and f.severity == "divergence"]
         assert f.tensor == "draft_input" and "rows" in f.message, (side, f.message)
+        _separates(f.message)   # the copies' difference against its limit, and where the limit comes from
+        assert "limits: measured trend" in f.message, f.message
     same = trained.duplicate(src, root / "dup_same.h5", "draft_input", which, lambda v, s, p: v)
     for res, side in _orders(tr["float32"], same):
         assert res.exit_code == 0, (side, _not_info(res))
