@@ -275,6 +275,10 @@ def _run_triage(args) -> int:
 
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(render(t))
+    if args.tui:
+        from .tui.triage_screen import run
+
+        return run(t)
     try:
         if args.json:
             _print_json(t.to_dict())
@@ -481,6 +485,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--html", metavar="FILE", help="also write the triage as one self-contained HTML file (the error "
                                                   "per state against the noise trend, the regime split, the per-token "
                                                   "log-prob difference over positions)")
+    g.add_argument("--tui", action="store_true", help="show the triage in the terminal: the cause, the error per "
+                                                      "state against the noise trend, the regime split, the "
+                                                      "per-token log-prob difference of each sequence (j/k)")
     g.set_defaults(func=cmd_triage)
 
     if command not in CORE_COMMANDS:
