@@ -263,6 +263,14 @@ def cmd_triage(args) -> int:
         from .safety import check_output_path
 
         check_output_path(args.html, inputs, "--html")
+    if args.tui:
+        if args.json:
+            raise UsageError("--tui and --json are two outputs; give one")
+        _check_terminal()   # before any trace is read: the screen needs a terminal on both ends
+        from .trace import probe
+
+        probe(inputs)       # bad input fails here, before the screen is taken over; the app runs in this process
+        return _run_triage(args)
     return run_watched(inputs, lambda: _run_triage(args))
 
 
