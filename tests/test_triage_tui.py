@@ -17,7 +17,7 @@ from tensordiff.cli import main
 from tensordiff.triage import triage
 from tensordiff.tui import triage_screen
 from tensordiff.tui.triage_screen import TriageApp
-from tensordiff.tui.triage_text import OUT_MARK, sequences, state_rows
+from tensordiff.tui.triage_text import OUT_MARK, sequence_lines, sequences, state_rows
 
 import rl_support as rs
 import trained
@@ -116,3 +116,6 @@ def test_text_rows():
     seqs = sequences({"seq": [1, 0, 0], "position": [5, 4, 3], "diff": [0.1, -0.2, 0.3],
                       "regime": ["decode", "decode", "prefill"]})
     assert [s.seq for s in seqs] == [0, 1] and seqs[0].position == [3, 4] and seqs[0].regime == ["prefill", "decode"]
+    head, bars, reg = sequence_lines(seqs, 0, 1e-6, width=8)
+    assert head.startswith("sequence 0 (1 of 2;") and "max |d| 0.3 at position 3" in head
+    assert len(bars) == len("|d| ") + 8 and reg == "reg PPPPDDDD"   # 4 columns per token

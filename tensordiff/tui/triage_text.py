@@ -109,4 +109,6 @@ def sequence_lines(seqs: list[SeqCurve], i: int, noise: float, width: int = 64) 
     head = (f"sequence {s.seq} ({i + 1} of {len(seqs)}; j/k or n/p to walk): {len(d)} tokens, "
             f"positions {s.position[0]}..{s.position[-1]}, mean |d| {_num(float(np.mean(d)))}, "
             f"max |d| {_num(float(d[worst]))} at position {s.position[worst]}, noise {_num(noise)}")
-    return [head, f"|d| {sparkline(d, w, top)}", f"reg {reg[:w]}"]
+    # a short sequence gets several columns per token, so its bars and regimes stay readable
+    k = max(1, width // max(1, len(d)))
+    return [head, f"|d| {''.join(c * k for c in sparkline(d, w, top))}", f"reg {''.join(c * k for c in reg[:w])}"]
