@@ -7,6 +7,7 @@ sequences."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -68,7 +69,11 @@ async def test_headline_curve_rows_and_sequence_walk(stale):
         assert marked and marked[0] == "layer4", states
         assert not any(OUT_MARK in r for r in states[1:4]), states   # the states before it are clean
         regimes = _text(app, "#regimes")
-        assert "prefill" in regimes and "decode" in regimes
+        # the first state out of the noise by regime, then the sampled tokens' log-probs by regime
+        assert regimes.startswith("first state out of the noise: layer4\nprefill ")
+        assert re.search(r"^decode +\d+ of \d+ tokens out of the noise", regimes, re.M), regimes
+        assert re.search(r"^prefill +\d+ +[0-9.e-]+ +[0-9.e-]+$", regimes, re.M), regimes
+        assert re.search(r"^decode +\d+ +[0-9.e-]+ +[0-9.e-]+$", regimes, re.M), regimes
         first = _text(app, "#tokens")
         assert first.startswith(f"sequence 0 (1 of {PROMPTS};") and "|d| " in first
         await pilot.press("j")

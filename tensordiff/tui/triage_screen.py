@@ -46,7 +46,7 @@ class TriageApp(App[int]):
             yield Static("\n".join(state_rows(t.noise_states)), id="states", classes="section", markup=False)
             yield Static("regime split", classes="title", markup=False)
             c = t.logprobs
-            yield Static("\n".join(regime_rows(c.by_regime if c is not None else {}, t.three_way)),
+            yield Static("\n".join(regime_rows(c.by_regime if c is not None else {}, t.three_way, t.layer)),
                          id="regimes", classes="section", markup=False)
             yield Static("log-prob difference over positions", classes="title", markup=False)
             yield Static(self._seq_text(), id="tokens", classes="section", markup=False)

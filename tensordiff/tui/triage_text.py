@@ -62,15 +62,26 @@ def state_rows(states: list[dict[str, Any]], width: int = BAR_W) -> list[str]:
 
 
 def regime_rows(by_regime: dict[str, dict[str, float | None]],
-                three_way: list[dict[str, Any]] | None = None) -> list[str]:
-    """The log-prob metrics by regime (prefill vs decode), then the three-way table if any."""
-    rows = [f"{'regime':<8} {'tokens':>6} {'token_mult_prob_error':>22} {'mean |logprob diff|':>20}"]
+                three_way: list[dict[str, Any]] | None = None,
+                layer: dict[str, Any] | None = None) -> list[str]:
+    """The first state out of the noise by regime (when a state is), the sampled tokens' log-prob
+    metrics by regime (prefill vs decode), then the three-way table if any."""
+    rows = []
+    if layer and layer.get("by_regime"):
+        rows.append(f"first state out of the noise: {layer.get('tensor')}")
+        for reg in sorted(layer["by_regime"], key=lambda r: (r != "prefill", r)):
+            v = layer["by_regime"][reg]
+            rows.append(f"{reg:<8} {int(v.get('failing', 0))} of {int(v.get('tokens', 0))} tokens out of the noise, "
+                        f"max rel err {_num(v.get('rel_max'))}")
+        rows.append("")
+    start = len(rows)
+    rows.append(f"{'regime':<8} {'tokens':>6} {'token_mult_prob_error':>22} {'mean |logprob diff|':>20}")
     for reg in sorted(by_regime, key=lambda r: (r != "prefill", r)):
         m = by_regime[reg]
         tok = m.get("tokens")
         rows.append(f"{reg:<8} {int(tok or 0):>6} {_num(m.get('token_mult_prob_error')):>22} "
                     f"{_num(m.get('mean_abs_logprob_diff')):>20}")
-    if len(rows) == 1:
+    if len(rows) == start + 1:
         rows.append("no sampled-token log-probs on both sides")
     if three_way:
         rows.append("")
