@@ -18,7 +18,7 @@ from tensordiff.cli import main
 from tensordiff.triage import triage
 from tensordiff.tui import triage_screen
 from tensordiff.tui.triage_screen import TriageApp
-from tensordiff.tui.triage_text import OUT_MARK, sequence_lines, sequences, state_rows
+from tensordiff.tui.triage_text import OUT_MARK, regime_rows, sequence_lines, sequences, state_rows
 
 import rl_support as rs
 import trained
@@ -124,3 +124,10 @@ def test_text_rows():
     head, bars, reg = sequence_lines(seqs, 0, 1e-6, width=8)
     assert head.startswith("sequence 0 (1 of 2;") and "max |d| 0.3 at position 3" in head
     assert len(bars) == len("|d| ") + 8 and reg == "reg PPPPDDDD"   # 4 columns per token
+    tw = [{"a": "prefill", "b": "decode", "token_mult_prob_error": 1.2, "agree": False},
+          {"a": "trainer", "b": "prefill", "token_mult_prob_error": 1.0, "agree": True}]
+    rows = regime_rows({"decode": {"tokens": 7.0, "token_mult_prob_error": 1.2, "mean_abs_logprob_diff": 0.01},
+                        "prefill": {"tokens": 1.0, "token_mult_prob_error": 1.0, "mean_abs_logprob_diff": None}}, tw)
+    assert rows[1].split()[:2] == ["prefill", "1"] and rows[1].endswith("n/a") and rows[2].startswith("decode")
+    assert rows[-2].startswith("prefill vs decode") and rows[-2].endswith("NO") and rows[-1].endswith("yes")
+    assert regime_rows({})[-1] == "no sampled-token log-probs on both sides"
