@@ -1,6 +1,6 @@
 """The RL triage in the terminal (``tensordiff triage TRAIN ROLLOUT [PREFILL] --tui``): the
 cause sentence, the error per state against the noise trend, the regime split and the per-token
-log-prob difference of one sequence at a time, walked with j/k (or n/p, down/up)."""
+log-prob difference of one sequence at a time, walked with j/k (or n/p); the arrows and page keys scroll."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ class TriageApp(App[int]):
     .title { padding: 0 1; margin-top: 1; text-style: underline; }
     """
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("j,n,down", "seq(1)", "next sequence"),
-        Binding("k,p,up", "seq(-1)", "previous sequence"),
+        # up/down, page up/down stay with the scrolled view
+        Binding("j,n", "seq(1)", "next sequence"),
+        Binding("k,p", "seq(-1)", "previous sequence"),
         Binding("q,escape", "quit_triage", "quit"),
     ]
 
@@ -40,8 +41,6 @@ class TriageApp(App[int]):
         t = self.triage
         with VerticalScroll():
             yield Static(t.headline, id="headline", markup=False)
-            if t.lines:
-                yield Static("\n".join(t.lines), id="lines", classes="section", markup=False)
             yield Static("error per state against the noise trend", classes="title", markup=False)
             yield Static("\n".join(state_rows(t.noise_states)), id="states", classes="section", markup=False)
             yield Static("regime split", classes="title", markup=False)
@@ -50,6 +49,9 @@ class TriageApp(App[int]):
                          id="regimes", classes="section", markup=False)
             yield Static("log-prob difference over positions", classes="title", markup=False)
             yield Static(self._seq_text(), id="tokens", classes="section", markup=False)
+            if t.lines:   # the evidence and the frameworks' metrics, as the text report prints them
+                yield Static("the evidence and the metrics", classes="title", markup=False)
+                yield Static("\n".join(t.lines), id="lines", classes="section", markup=False)
         yield Footer()
 
     def _seq_text(self) -> str:
