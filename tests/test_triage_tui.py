@@ -131,3 +131,25 @@ def test_text_rows():
     assert rows[1].split()[:2] == ["prefill", "1"] and rows[1].endswith("n/a") and rows[2].startswith("decode")
     assert rows[-2].startswith("prefill vs decode") and rows[-2].endswith("NO") and rows[-1].endswith("yes")
     assert regime_rows({})[-1] == "no sampled-token log-probs on both sides"
+
+
+async def test_decode_path_three_way_on_screen(tmp_path):
+    """A decode-path bug (the engine's decode passes read a bf16 KV cache) with the prefill re-run:
+    the regime rows put decode out of the noise and prefill in it, and the three-way table is on
+    screen with prefill vs decode disagreeing and trainer vs prefill agreeing."""
+    fp32 = trained.load_target(torch.float32)
+    r = rs.rollout(tmp_path / "kv.rollout.h5", fp32, prompts=trained.prompts()[:PROMPTS], new_tokens=NEW,
+                   kv_dtype=torch.bfloat16)
+    t = rs.train_from_serve(tmp_path / "kv.train.h5", r)
+    p = rs.replay(tmp_path / "kv.prefill.h5", fp32, r)
+    got = triage(str(t), str(r), str(p))
+    assert got.cause == "layer", got.text()
+    app = TriageApp(got)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert _text(app, "#headline").startswith("the engine's decode path: its decode log-probs disagree")
+        regimes = _text(app, "#regimes")
+        assert re.search(r"^prefill vs decode +[0-9.e-]+  NO$", regimes, re.M), regimes
+        assert re.search(r"^trainer vs prefill +[0-9.e-]+  yes$", regimes, re.M), regimes
+        toks = _text(app, "#tokens").splitlines()
+        assert toks[2].startswith("reg P") and "D" in toks[2]
