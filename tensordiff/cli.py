@@ -263,6 +263,14 @@ def cmd_triage(args) -> int:
         from .safety import check_output_path
 
         check_output_path(args.html, inputs, "--html")
+    if args.tui:
+        if args.json:
+            raise UsageError("--tui and --json are two outputs; give one")
+        _check_terminal()   # before any trace is read: the screen needs a terminal on both ends
+        from .trace import probe
+
+        probe(inputs)       # bad input fails here, before the screen is taken over; the app runs in this process
+        return _run_triage(args)
     return run_watched(inputs, lambda: _run_triage(args))
 
 
@@ -275,6 +283,10 @@ def _run_triage(args) -> int:
 
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(render(t))
+    if args.tui:
+        from .tui.triage_screen import run
+
+        return run(t)
     try:
         if args.json:
             _print_json(t.to_dict())
@@ -481,6 +493,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--html", metavar="FILE", help="also write the triage as one self-contained HTML file (the error "
                                                   "per state against the noise trend, the regime split, the per-token "
                                                   "log-prob difference over positions)")
+    g.add_argument("--tui", action="store_true", help="show the triage in the terminal: the cause, the error per "
+                                                      "state against the noise trend, the regime split, the "
+                                                      "per-token log-prob difference of each sequence (j/k)")
     g.set_defaults(func=cmd_triage)
 
     if command not in CORE_COMMANDS:
