@@ -188,6 +188,7 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
         raise UsageError("--batch-size must be >= 0")
     if args.values is not None and not args.values.strip():
         raise UsageError("--values: give comma-separated globs, all or none")
+    _check_graft(os.environ.get("TENSORDIFF_GRAFT"))
 
     def tokenizer_loader():
         try:
@@ -213,6 +214,19 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
         if vocab and max(ids) >= vocab:
             raise SourceFileError(f"prompt {k} has token id {max(ids)}, outside the model's vocabulary of {vocab}", args.prompts)
     return prompts
+
+
+def _check_graft(spec: str | None) -> None:
+    """``TENSORDIFF_GRAFT`` checked before an engine starts: the engine's scheduler reads the same
+    file, and a bad spec there would only stop its recording."""
+    if not (spec or "").strip():
+        return
+    from .graft_source import open_graft_source
+
+    try:
+        open_graft_source(str(spec).strip(), "TENSORDIFF_GRAFT").close()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _replay_prompts(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
