@@ -1,8 +1,8 @@
 """Graft in SGLang (``TENSORDIFF_GRAFT=OTHER.h5:STATE``): during the target's forward, the residual
-stream at boundary STATE (``layer<b>``, the input of decoder layer b; ``layer<n>``, the final
-norm's input) is replaced by OTHER's recorded values of the same tokens, so a diff of the grafted
-trace against OTHER says whether anything after STATE still diverges (:func:`tensordiff.signatures.graft_finding`
-reads the trace's ``graft`` attribute this sets).
+stream at boundary STATE (``layer<b>``, the input of decoder layer b, 1 <= b < n) is replaced by
+OTHER's recorded values of the same tokens, so a diff of the grafted trace against OTHER says
+whether anything after STATE still diverges (:func:`tensordiff.signatures.graft_finding` reads the
+trace's ``graft`` attribute this sets).
 
 Rows are matched by the request's tokens: a request is the sequence of OTHER whose key is its
 request id, else the sequences whose tokens it has followed from position 0, and every row's token
@@ -12,10 +12,12 @@ pass the rows after a drafted token OTHER's sequence does not have are proposals
 rejects when the run follows OTHER: they keep the engine's value (counted in the trace's
 ``graft`` statistics). A pass the plugin does not key (paused, no requests) is not grafted.
 
-The pre-hooks are installed before the catalog's, so the catalog records the grafted value; the
-engine's ``(hidden_states, residual)`` pair becomes ``(value, 0)``, whose sum is the value. Eager
-passes only (start the server with ``--disable-cuda-graph``). Taps and ``embed`` are not grafted in
-the engine yet: ``record train --graft`` grafts them on the HF side.
+The pre-hook on layer b is installed before the catalog's, so the catalog records the grafted
+value. SGLang's residual stream (an operand and the residual it owes) is exported as a complete
+value with the handoff SGLang uses across an eager break, and layer b is entered with the grafted
+value on a fresh stream, as layer 0 is with the embeddings. Eager passes only (start the server
+with ``--disable-cuda-graph``). Taps, ``embed`` and the last boundary are not grafted in the
+engine yet: ``record train --graft`` grafts them on the HF side.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .state import STATE, log
 class EngineGraft:
     def __init__(self, src: Any, site: str, n_layers: int):
         self.src = src
-        self.site = site                    # "layer" (pre-hook of a decoder layer) or "norm"
+        self.site = site                    # "layer": a pre-hook of the decoder layer
         self.keys = {k for k, _ in src.index}
         self.handles: list[Any] = []
         self.cands: dict[str, set[str]] = {}        # request -> the sequences of OTHER it can be
@@ -113,31 +115,32 @@ class EngineGraft:
         return hs, res
 
     def layer_pre_hook(self, module, args, kwargs):
-        hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
-        res = kwargs.get("residual", args[3] if len(args) > 3 else None)
-        got = self.replace(hs, res)
-        if got is None:
+        """Decoder layer b's input: SGLang's residual stream (an operand and the residual it owes)
+        exported as a complete value (the handoff SGLang itself uses across an eager break), the
+        grafted rows replaced, and layer b entered with that value on a fresh stream, as layer 0
+        enters with the embeddings."""
+        st = STATE
+        if st.ctx_keys is None or st.broken:
             return None
-        args, kwargs = list(args), dict(kwargs)
-        for (name, at), v in ((("hidden_states", 1), got[0]), (("residual", 3), got[1])):
-            if name in kwargs:
-                kwargs[name] = v
-            elif len(args) > at:
-                args[at] = v
-        return tuple(args), kwargs
+        from sglang.srt.layers.layer_boundary.residual import batch as rb
 
-    def norm_pre_hook(self, module, args, kwargs):
-        hs = kwargs.get("x", args[0] if args else None)
-        res = kwargs.get("residual", args[1] if len(args) > 1 else None)
-        got = self.replace(hs, res)
-        if got is None:
-            return None
         args, kwargs = list(args), dict(kwargs)
-        for (name, at), v in ((("x", 0), got[0]), (("residual", 1), got[1])):
-            if name in kwargs:
-                kwargs[name] = v
-            elif len(args) > at:
-                args[at] = v
+        hs = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
+        fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+        if hs is None or fb is None:
+            return None
+        handoff = rb.export_replay_handoff(hs, fb)
+        if handoff.residual is not None and not getattr(handoff.update, "is_plain_add", True):
+            refuse("TENSORDIFF_GRAFT: this layer's residual update is not a plain add: not a layout the graft knows")
+            return None
+        full = handoff.value if handoff.residual is None else handoff.value + handoff.residual
+        got = self.replace(full, None)
+        rb.start(fb)
+        value = full if got is None else got[0]
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = value
+        else:
+            args[1] = value
         return tuple(args), kwargs
 
 
@@ -165,22 +168,26 @@ def install_graft(runner) -> dict[str, Any]:
     spec = st.cfg.graft
     src = open_graft_source(spec, "TENSORDIFF_GRAFT")
     try:
-        layers, norm, _ = find_decoder(runner.model)
+        layers, _, _ = find_decoder(runner.model)
         n = int(st.model.get("num_layers") or len(layers))
         b = src.st.layer
-        if src.st.kind != "boundary" or b is None or not 1 <= b <= n:
-            raise ValueError(f"TENSORDIFF_GRAFT: SGLang grafts a boundary layer1..layer{n}, not {src.state} "
-                             "(graft taps and embed with record train --graft)")
-        if b < n:
-            params = inspect.signature(layers[b].forward).parameters
-            if "residual" not in params or "hidden_states" not in params:
-                raise ValueError(f"TENSORDIFF_GRAFT: {type(layers[b]).__name__}.forward takes no "
-                                 "(hidden_states, residual): not a layout the graft knows")
-            g = EngineGraft(src, "layer", n)
-            g.handles.append(layers[b].register_forward_pre_hook(g.layer_pre_hook, with_kwargs=True))
-        else:
-            g = EngineGraft(src, "norm", n)
-            g.handles.append(norm.register_forward_pre_hook(g.norm_pre_hook, with_kwargs=True))
+        if src.st.kind != "boundary" or b is None or not 1 <= b < n:
+            raise ValueError(f"TENSORDIFF_GRAFT: SGLang grafts a boundary layer1..layer{n - 1}, not {src.state} "
+                             "(graft taps, embed and the last boundary with record train --graft)")
+        params = inspect.signature(layers[b].forward).parameters
+        if "hidden_states" not in params or "forward_batch" not in params:
+            raise ValueError(f"TENSORDIFF_GRAFT: {type(layers[b]).__name__}.forward takes no "
+                             "(hidden_states, forward_batch): not a layout the graft knows")
+        try:
+            from sglang.srt.layers.layer_boundary.residual import batch as rb
+        except ImportError:
+            raise ValueError("TENSORDIFF_GRAFT: this SGLang has no residual-stream handoff "
+                             "(layer_boundary.residual.batch): not a version the graft knows") from None
+        if not hasattr(rb, "export_replay_handoff") or not hasattr(rb, "start"):
+            raise ValueError("TENSORDIFF_GRAFT: this SGLang has no residual-stream handoff "
+                             "(layer_boundary.residual.batch): not a version the graft knows")
+        g = EngineGraft(src, "layer", n)
+        g.handles.append(layers[b].register_forward_pre_hook(g.layer_pre_hook, with_kwargs=True))
     except BaseException:
         src.close()
         raise
