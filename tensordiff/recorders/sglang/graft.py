@@ -104,6 +104,9 @@ class EngineGraft:
         except ValueError as e:
             refuse(str(e))
             return None
+        except Exception as e:  # noqa: BLE001  (reading OTHER failed: the engine goes on, recording stops)
+            refuse(f"TENSORDIFF_GRAFT: reading {self.src.state} from {self.src.path} failed ({type(e).__name__}: {e})")
+            return None
         at = torch.as_tensor(mine, dtype=torch.long, device=hs.device)
         hs = hs.clone()
         hs[at] = torch.from_numpy(np.ascontiguousarray(vals)).to(device=hs.device, dtype=hs.dtype)
