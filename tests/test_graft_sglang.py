@@ -126,6 +126,20 @@ def test_bad_graft_is_one_line_before_the_engine_starts(runs, tmp_path):
         assert not (tmp_path / "x.h5").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.sglang
+@pytest.mark.torch
+@pytest.mark.skipif(not sup.sglang_available(), reason="SGLang not installed")
+def test_served_tokens_the_graft_lacks_stop_the_recording_in_one_line(runs):
+    """The same request ids with other tokens: the first prefill row is refused, never served ungrafted
+    into a trace that says it was grafted."""
+    other = {k: list(reversed(v)) for k, v in runs.prompts.items()}
+    with pytest.raises(RuntimeError) as e:
+        _serve(runs.changed, runs.draft, other, runs.root, "refused", graft=f"{runs.train}:layer{LAYER + 1}")
+    msg = str(e.value)
+    assert "recording_error ValueError: TENSORDIFF_GRAFT:" in msg and "has no row of layer4 for request" in msg, msg
+
+
 class _Src:
     """A graft source of two sequences (p0: tokens 5 6 7 8, p1: 5 6 9) without a trace file."""
 
