@@ -195,5 +195,10 @@ def install_graft(runner) -> dict[str, Any]:
         src.close()
         raise
     st.graft = g
+    from .ranks import server_arg
+
+    if not bool(server_arg(runner, "disable_cuda_graph", False)):
+        st.warn_once("graft-graphs", "TENSORDIFF_GRAFT grafts eager passes only; CUDA-graph replays (decode, verify) "
+                     "run the engine's own values: start the server with --disable-cuda-graph")
     log.info("tensordiff: grafting %s from %s", src.state, src.path)
     return {"from": src.path, "state": src.state, "engine": "sglang"}
