@@ -115,7 +115,8 @@ def test_bad_graft_is_one_line_before_the_engine_starts(runs, tmp_path):
     pfile = sup.write_prompts(tmp_path / "p.jsonl", runs.prompts)
     for spec, words in ((f"{runs.train}:layer{LAYER}.mlp_up", f"no tensor layer{LAYER}.mlp_up"),
                         (f"{tmp_path / 'none.h5'}:layer4", "cannot read"),
-                        ("layer4", "OTHER.h5:STATE")):
+                        ("layer4", "OTHER.h5:STATE"),
+                        (f"{runs.train}:embed", "SGLang grafts a boundary layer1..")):
         env = {**sup.tensordiff_env(), "TENSORDIFF_GRAFT": spec}
         proc = subprocess.run([sys.executable, "-m", "tensordiff", "record", "serve", "--model", str(runs.changed),
                                "--prompts", str(pfile), "--out", str(tmp_path / "x.h5"), "--device", "cpu"],
