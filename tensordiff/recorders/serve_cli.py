@@ -207,12 +207,33 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
         with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
         vocab = int((cfg.get("text_config") or cfg).get("vocab_size") or 0)
+        n_layers = int((cfg.get("text_config") or cfg).get("num_hidden_layers") or 0)
     except (OSError, ValueError, TypeError):
         raise RecordingError("cannot read the model's config.json", args.model) from None
+    if getattr(args, "engine", "sglang") != "vllm":
+        _check_graft(os.environ.get("TENSORDIFF_GRAFT"), n_layers)
     for k, ids in prompts:
         if vocab and max(ids) >= vocab:
             raise SourceFileError(f"prompt {k} has token id {max(ids)}, outside the model's vocabulary of {vocab}", args.prompts)
     return prompts
+
+
+def _check_graft(spec: str | None, n_layers: int) -> None:
+    """``TENSORDIFF_GRAFT`` checked before an engine starts: the engine's scheduler reads the same
+    file, and a bad spec there would only stop its recording."""
+    if not (spec or "").strip():
+        return
+    from .graft_source import open_graft_source
+
+    try:
+        src = open_graft_source(str(spec).strip(), "TENSORDIFF_GRAFT")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    src.close()
+    b = src.st.layer
+    if src.st.kind != "boundary" or b is None or b < 1 or (n_layers > 0 and b >= n_layers):
+        raise UsageError(f"TENSORDIFF_GRAFT: SGLang grafts a boundary layer1..layer{n_layers - 1 if n_layers else '<n-1>'}, not "
+                         f"{src.state} (graft taps, embed and the last boundary with record train --graft)")
 
 
 def _replay_prompts(args: argparse.Namespace) -> list[tuple[str, list[int]]]:

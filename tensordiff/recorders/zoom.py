@@ -15,7 +15,6 @@ there; one that inlines another rotary inside ``forward`` does not (the recorded
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -159,36 +158,20 @@ class Graft:
     cannot be grafted; a fused or split value neither."""
 
     def __init__(self, model: torch.nn.Module, spec: str, layers_path: str, num_layers: int):
-        from ..trace import TraceReader
+        from .graft_source import open_graft_source
 
-        path, sep, state = spec.rpartition(":")
-        if not sep or not path or not state:
-            raise ValueError(f"--graft takes OTHER.h5:STATE, not {spec!r}")
-        st = canon.maybe_state(state)
-        if st is None:
-            raise ValueError(f"--graft: {state!r} is not a state name (embed, layer<b>, final_norm or layer<b>.<tap>)")
-        if st.kind == "tap" and st.tap in ("q_rope", "k_rope"):
-            raise ValueError(f"--graft {state}: the rotary is a function inside HF's attention, not a module: "
+        st = canon.maybe_state(spec.rpartition(":")[2])
+        if st is not None and st.kind == "tap" and st.tap in ("q_rope", "k_rope"):
+            raise ValueError(f"--graft {st.name}: the rotary is a function inside HF's attention, not a module: "
                              f"graft layer{st.layer}.q/k or a boundary")
+        src = open_graft_source(spec, "--graft")
+        self.reader = src.reader
+        self.path, self.state, self.layer, self.index = src.path, src.state, src.st, src.index
         try:
-            self.reader = TraceReader(path)
-        except Exception as e:   # any reason the file does not open: one line
-            raise ValueError(f"--graft: cannot read {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-        r = self.reader
-        if state not in r.tensors:
-            r.close()
-            raise ValueError(f"--graft: {path} has no tensor {state}")
-        if not r.has_part(state, "values"):
-            r.close()
-            raise ValueError(f"--graft: {path} keeps {state} as sketches only; record it with --values all "
-                             "(or --zoom for a tap)")
-        self.path, self.state, self.layer = os.path.abspath(path), state, st
-        tok = r.tokens
-        rows = r.token_rows(state)
-        seqs = list(r.sequences)
-        self.index = {(seqs[int(tok["seq"][t])], int(tok["position"][t])): (i, int(tok["token"][t]))
-                      for i, t in enumerate(rows)}
-        self.module, self.direction = _graft_site(model, st, layers_path, num_layers)
+            self.module, self.direction = _graft_site(model, st or src.st, layers_path, num_layers)
+        except ValueError:
+            src.close()
+            raise
         self.key: str | None = None
         self.ids: list[int] = []
         self.grafted = 0

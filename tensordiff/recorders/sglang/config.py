@@ -35,6 +35,7 @@ class Config:
     stage_mb: float = 64.0      # TENSORDIFF_STAGE_MB: CPU work staged and done in batches up to this (0: off)
     routing: bool = True        # TENSORDIFF_ROUTING: MoE routers' top-k expert ids and weights (MoE models only)
     zoom: int | None = None     # TENSORDIFF_ZOOM=layer<b>: that decoder layer's sub-layer taps (.zoom)
+    graft: str | None = None    # TENSORDIFF_GRAFT=OTHER.h5:STATE: STATE replaced by OTHER's values (.graft)
     _wants: dict = field(default_factory=dict, repr=False, compare=False)  # wants_values by name
 
     @property
@@ -97,7 +98,8 @@ class Config:
                    sketch_dim=num("TENSORDIFF_SKETCH_DIM", int, None),
                    sketch_seed=num("TENSORDIFF_SKETCH_SEED", int, None), flush_seconds=flush_s,
                    compression=comp, profile=(env.get("TENSORDIFF_PROFILE") or "").strip() or None,
-                   stage_mb=stage_mb, routing=flag("TENSORDIFF_ROUTING", True), zoom=_zoom(env))
+                   stage_mb=stage_mb, routing=flag("TENSORDIFF_ROUTING", True), zoom=_zoom(env),
+                   graft=(env.get("TENSORDIFF_GRAFT") or "").strip() or None)
 
     def wants_values(self, name: str) -> bool:
         if isinstance(self.values, bool):

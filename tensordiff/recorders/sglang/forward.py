@@ -61,7 +61,7 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
     keys = pre = None
     copy = False
     try:
-        keys = capture_keys(runner, forward_batch)
+        keys = st.ctx_keys = capture_keys(runner, forward_batch)
         if keys is None:  # not recorded: no draft extend may be matched with an older pass
             st.cap_aux, st.cap_verify_seq = (None, None, None), None
         else:
@@ -84,6 +84,7 @@ def hook_forward(original, runner, forward_batch, *args, **kwargs):
     finally:
         st.ctx_rows = None
         st.ctx_stash = None
+        st.ctx_keys = None
     t0 = st.begin()
     if keys is not None and st.active:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..serving import model_facts, open_recorder
 from .config import rank_path
+from .graft import install_graft
 from .ranks import rank_plan, server_arg
 from .state import STATE, log
 
@@ -108,6 +109,7 @@ def setup_target(runner) -> None:
             "convention": convention, "draft_model": server_arg(runner, "speculative_draft_model_path", None),
             "cuda_graph": not bool(server_arg(runner, "disable_cuda_graph", False)), "ranks": facts,
             "catalog": cfg.catalog}
+    meta["graft"] = install_graft(runner) if cfg.graft else None
     path = rank_path(cfg.path, suffix)
     st.start_profile(rank_path(cfg.profile, suffix) if cfg.profile else None)
     st.rec = open_recorder(cfg, path, engine="sglang", version=sglang.__version__, torch_version=torch.__version__,

@@ -67,6 +67,8 @@ class State(ServeState):
         self.pending_verify: Pass | None = None
         self.ctx_rows = None       # rows of the running target pass, for the catalog taps
         self.ctx_stash: list | None = None
+        self.ctx_keys = None       # keys (capture.Keys) of the running target pass, for the graft (.graft)
+        self.graft = None          # graft.EngineGraft (TENSORDIFF_GRAFT), installed before any other tap
         self.catalog_handles: list = []
         self.catalog_layers = 0
         self.graph_passes = 0
