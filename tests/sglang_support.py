@@ -532,6 +532,23 @@ def norm_before_fc_draft(draft: str | os.PathLike, dst: Path) -> Path:
     return dst
 
 
+def scaled_weight_copy(src: str | os.PathLike, dst: Path, key: str, factor: float) -> Path:
+    """A copy of the checkpoint ``src`` at ``dst`` with parameter ``key`` multiplied by ``factor``
+    (computed in float32, stored in its own dtype): an engine's copy with one weight changed."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in Path(dst).glob("*.safetensors"):
+        sd = load_file(str(f))
+        if key in sd:
+            sd[key] = (sd[key].to(torch.float32) * factor).to(sd[key].dtype).contiguous()
+            save_file(sd, str(f), metadata={"format": "pt"})
+    return Path(dst)
+
+
 def assert_found_at_fc_output(rc: int, d: dict) -> None:
     """A draft that normalises its fc input on one side only: the first divergence is
     draft_fc_output (the draft input agrees), and the acceptance finding names it upstream as a

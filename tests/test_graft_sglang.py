@@ -7,7 +7,6 @@ HF (before the cause) the divergence stays."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -45,17 +44,7 @@ def runs(tmp_path_factory):
         pytest.skip("no trained model (scripts/train_tiny_models.py)")
     root = tmp_path_factory.mktemp("graft-sglang")
     prompts = dict(list(got["prompts"].items())[:4])
-    changed = root / "changed"
-    shutil.copytree(got["target"], changed)
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    for f in changed.glob("*.safetensors"):
-        sd = load_file(str(f))
-        key = f"model.layers.{LAYER}.mlp.up_proj.weight"
-        if key in sd:
-            sd[key] = (sd[key].to(torch.float32) * 1.05).to(sd[key].dtype).contiguous()
-            save_file(sd, str(f), metadata={"format": "pt"})
+    changed = sup.scaled_weight_copy(got["target"], root / "changed", f"model.layers.{LAYER}.mlp.up_proj.weight", 1.05)
     run = _serve(changed, got["draft"], prompts, root, "changed")
     train = sup.record_train_from_serve(got["target"], run["outputs"], root / "train.h5", got["draft"],
                                         "sglang-llama", extra=("--values", "all"))

@@ -7,7 +7,6 @@ in the engine's copy: the diff names that op and its signature."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -48,17 +47,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("zoom-sglang")
     prompts = dict(list(got["prompts"].items())[:4])
     # the engine's copy with one weight changed: layer 3's up projection x 1.05
-    changed = root / "changed"
-    shutil.copytree(got["target"], changed)
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    for f in changed.glob("*.safetensors"):
-        sd = load_file(str(f))
-        key = f"model.layers.{LAYER}.mlp.up_proj.weight"
-        if key in sd:
-            sd[key] = (sd[key].to(torch.float32) * 1.05).to(sd[key].dtype).contiguous()
-            save_file(sd, str(f), metadata={"format": "pt"})
+    changed = sup.scaled_weight_copy(got["target"], root / "changed", f"model.layers.{LAYER}.mlp.up_proj.weight", 1.05)
     return {**got, "prompts": prompts, "root": root, "changed": changed}
 
 

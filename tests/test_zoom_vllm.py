@@ -6,7 +6,6 @@ named with its signature. The model is the vLLM tests' random 8-layer shape with
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
@@ -50,16 +49,7 @@ def models(tmp_path_factory):
     draft = sup.make_tiny_eagle3_draft(root / "draft", target, aux_layer_ids=[2, 4, 6], draft_vocab=[1, 2])
     rng = torch.Generator().manual_seed(3)
     prompts = {k: torch.randint(1, 256, (n,), generator=rng).tolist() for k, n in (("A", 40), ("B", 24))}
-    changed = root / "changed"
-    shutil.copytree(target, changed)
-    from safetensors.torch import load_file, save_file
-
-    for f in changed.glob("*.safetensors"):
-        sd = load_file(str(f))
-        key = f"model.layers.{LAYER}.mlp.up_proj.weight"
-        if key in sd:
-            sd[key] = (sd[key] * 1.05).contiguous()
-            save_file(sd, str(f), metadata={"format": "pt"})
+    changed = sup.scaled_weight_copy(target, root / "changed", f"model.layers.{LAYER}.mlp.up_proj.weight", 1.05)
     return {"target": target, "draft": draft, "prompts": prompts, "root": root, "changed": changed}
 
 
