@@ -256,6 +256,24 @@ def _graft_site(model: torch.nn.Module, st: canon.State, layers_path: str, num_l
 # ----------------------------------------------------------------------------------------------
 
 
+def engine_zoom_layer(model: Any, layer: int, declared_layers: Any, warn: Any) -> tuple[Any, str, int] | None:
+    """The decoder layers of an engine's model, their path and count, for a zoom into ``layer``
+    (``declared_layers``: the count the engine states, else the decoder's); None, after one
+    ``warn(key, message)``, when the model has no decoder the name table knows or no such layer."""
+    from .hf import find_decoder
+
+    try:
+        layers, _, path = find_decoder(model)
+    except ValueError as e:
+        warn("zoom", f"no zoom taps: {e}")
+        return None
+    n = int(declared_layers or len(layers))
+    if not 0 <= layer < n:
+        warn("zoom", f"no zoom taps: TENSORDIFF_ZOOM=layer{layer} but the model has layers 0..{n - 1}")
+        return None
+    return layers, path, n
+
+
 def install_engine_taps(model: torch.nn.Module, layers: Any, layers_path: str, layer: int, num_layers: int,
                         impl: str, config: dict[str, Any], tap: Any, handles: list[Any], recording: Any,
                         warn: Any) -> int:

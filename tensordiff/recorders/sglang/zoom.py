@@ -21,18 +21,14 @@ KIND = "tap:"   # the catalog tap kind of a zoom value: "tap:layer3.q"
 def install_zoom(runner, layer: int, tap) -> int:
     """Hooks on decoder ``layer``'s modules that the name table maps to taps; how many. ``tap``:
     the catalog's tap (:func:`.catalog._tap`), which keeps a value until its pass's rows are known."""
-    from ..hf import find_decoder
+    from ..zoom import engine_zoom_layer
 
     st = STATE
-    try:
-        layers, _, path = find_decoder(runner.model)
-    except ValueError as e:
-        st.warn_once("zoom", "no zoom taps: %s", e)
+    found = engine_zoom_layer(runner.model, layer, st.model.get("num_layers"),
+                              lambda key, msg: st.warn_once(key, "%s", msg))
+    if found is None:
         return 0
-    n = int(st.model.get("num_layers") or len(layers))
-    if not 0 <= layer < n:
-        st.warn_once("zoom", "no zoom taps: TENSORDIFF_ZOOM=layer%d but the model has layers 0..%d", layer, n - 1)
-        return 0
+    layers, path, n = found
     cfg = _shard_config(runner)
     st.capture_attrs["zoom"] = {"layer": layer, **cfg}
     from ..zoom import install_engine_taps

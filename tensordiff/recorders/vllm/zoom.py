@@ -16,20 +16,14 @@ FACTS: dict[str, Any] = {}
 
 def install_zoom(model, layer: int) -> int:
     """Hooks on decoder ``layer``'s modules that the name table maps to taps; how many."""
-    from ..hf import find_decoder
-    from ..zoom import engine_shard_config, install_engine_taps
+    from ..zoom import engine_shard_config, engine_zoom_layer, install_engine_taps
     from .catalog import tap
 
     st = STATE
-    try:
-        layers, _, path = find_decoder(model)
-    except ValueError as e:
-        st.warn_once("zoom", "no zoom taps: %s", e)
+    found = engine_zoom_layer(model, layer, st.model.get("num_layers"), lambda key, msg: st.warn_once(key, "%s", msg))
+    if found is None:
         return 0
-    n = int(st.model.get("num_layers") or len(layers))
-    if not 0 <= layer < n:
-        st.warn_once("zoom", "no zoom taps: TENSORDIFF_ZOOM=layer%d but the model has layers 0..%d", layer, n - 1)
-        return 0
+    layers, path, n = found
     try:
         from vllm.distributed import get_tensor_model_parallel_world_size
         tp = int(get_tensor_model_parallel_world_size())
