@@ -549,6 +549,25 @@ def scaled_weight_copy(src: str | os.PathLike, dst: Path, key: str, factor: floa
     return Path(dst)
 
 
+def assert_zoom_taps_agree(train: str | os.PathLike, serve: str | os.PathLike, layer: int, taps: Sequence[str]) -> dict:
+    """An engine's zoomed trace holds every dense tap of ``layer`` in forward order (the shared
+    rotary module's q_rope/k_rope too), and its diff against the train side's zoom agrees with
+    the taps compared; returns the diff's JSON."""
+    from tensordiff.trace import TraceReader
+
+    with TraceReader(serve) as r:
+        got = sorted((n for n in r.tensors if n.startswith(f"layer{layer}.")), key=lambda n: r.tensors[n].order)
+    print("serve taps:", got)
+    assert got == [f"layer{layer}.{t}" for t in taps if t != "router"], got
+    rc, doc, err = diff_json(train, serve)
+    assert doc is not None, err
+    print(json.dumps(doc["headline"]))
+    compared = {t["label"] for t in doc["tensors"]}
+    assert {f"layer{layer}.q", f"layer{layer}.attn_out"} <= compared
+    assert rc == 0, doc["headline"]
+    return doc
+
+
 def assert_found_at_fc_output(rc: int, d: dict) -> None:
     """A draft that normalises its fc input on one side only: the first divergence is
     draft_fc_output (the draft input agrees), and the acceptance finding names it upstream as a

@@ -63,17 +63,7 @@ def _pair(models, target, name):
 
 def test_vllm_zoom_records_the_layers_taps_and_agrees_with_hf(models):
     train, serve = _pair(models, models["target"], "same")
-    from tensordiff.trace import TraceReader
-
-    with TraceReader(serve) as r:
-        taps = sorted((n for n in r.tensors if n.startswith(f"layer{LAYER}.")), key=lambda n: r.tensors[n].order)
-    print("serve taps:", taps)
-    dense = [t for t in TAPS if t != "router"]
-    assert taps == [f"layer{LAYER}.{t}" for t in dense], taps   # the shared rotary module too
-    rc, doc, err = sup.diff_json(train, serve)
-    assert doc is not None, err
-    print(doc["headline"])
-    assert rc == 0, doc["headline"]
+    sup.assert_zoom_taps_agree(train, serve, LAYER, TAPS)
 
 
 def test_vllm_zoom_names_a_weight_changed_in_the_engine(models):
