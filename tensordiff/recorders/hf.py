@@ -36,6 +36,7 @@ from .. import conventions
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .core import Recorder, logical_dtype
 from .hooks import batch_rows
+from .structure import find_decoder
 
 __all__ = [
     "DRAFT_CONVENTIONS",
@@ -57,32 +58,6 @@ _label = conventions.as_label
 # ----------------------------------------------------------------------------------------------
 # Model structure
 # ----------------------------------------------------------------------------------------------
-
-_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
-                "model.language_model.layers", "layers", "transformer.layers", "decoder.layers")
-_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
-
-
-def _get(obj, path: str):
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
-def find_decoder(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, torch.nn.Module, str]:
-    """(decoder layers, final norm, dotted path of the layers) of a causal LM."""
-    for path in _LAYER_PATHS:
-        layers = _get(model, path)
-        if isinstance(layers, torch.nn.ModuleList) and len(layers):
-            parent = _get(model, path.rsplit(".", 1)[0]) if "." in path else model
-            for nn_name in _NORM_NAMES:
-                norm = getattr(parent, nn_name, None)
-                if isinstance(norm, torch.nn.Module):
-                    return layers, norm, path
-            raise ValueError(f"found decoder layers at {path} but no final norm beside them")
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked at {', '.join(_LAYER_PATHS)})")
 
 
 def model_info(model: torch.nn.Module) -> dict:

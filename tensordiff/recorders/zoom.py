@@ -25,6 +25,7 @@ import torch
 from .. import names as canon
 from .core import Recorder
 from .hooks import ModuleHookRecorder
+from .structure import find_decoder, get_path
 
 __all__ = ["ZoomRecorder"]
 
@@ -40,7 +41,7 @@ class ZoomRecorder:
         self.layer = layer
         self.recorder = recorder
         prefix = f"{layers_path}.{layer}"
-        self.info = layer_info(model, _get(model, prefix))
+        self.info = layer_info(model, get_path(model, prefix))
         self.hooks = ModuleHookRecorder(model, recorder, [f"{prefix}.*"], capture="both", canonical="hf",
                                         only_mapped=True, attach=False, rules=rules,
                                         define_kwargs=lambda name: {"attrs": dict(self.info)})
@@ -49,7 +50,7 @@ class ZoomRecorder:
         if not mapped:
             raise ValueError(f"--zoom: no module of {prefix} maps to a tap (not a layout the name table knows); "
                              "name its modules with --name-rule REGEX=TAP")
-        self.attn = _get(model, f"{prefix}.self_attn")
+        self.attn = get_path(model, f"{prefix}.self_attn")
         self.order = {t: canon.parse_state(canon.tap_name(layer, t)).order(num_layers) for t in canon.TAPS}
         self.rows: np.ndarray | None = None
         self._pe: Any = None
@@ -133,14 +134,6 @@ def layer_info(model: torch.nn.Module, layer: Any) -> dict[str, Any]:
     if isinstance(theta, (int, float)):
         out["rope_theta"] = float(theta)
     return out
-
-
-def _get(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +229,7 @@ def _graft_site(model: torch.nn.Module, st: canon.State, layers_path: str, num_l
         assert st.layer is not None
         if not 1 <= st.layer <= num_layers:
             raise ValueError(f"--graft layer{st.layer}: the model has boundaries layer1..layer{num_layers}")
-        return _get(model, f"{layers_path}.{st.layer - 1}"), "output"
+        return get_path(model, f"{layers_path}.{st.layer - 1}"), "output"
     wanted = st.name
     for path, mod in model.named_modules():
         if st.kind == "final_norm" and path.endswith("norm") and "layers" not in path:
@@ -260,8 +253,6 @@ def engine_zoom_layer(model: Any, layer: int, declared_layers: Any, warn: Any) -
     """The decoder layers of an engine's model, their path and count, for a zoom into ``layer``
     (``declared_layers``: the count the engine states, else the decoder's); None, after one
     ``warn(key, message)``, when the model has no decoder the name table knows or no such layer."""
-    from .hf import find_decoder
-
     try:
         layers, _, path = find_decoder(model)
     except ValueError as e:

@@ -20,7 +20,7 @@ from .state import STATE
 def install_catalog(runner) -> None:
     import inspect
 
-    from ..hf import find_decoder
+    from ..structure import find_decoder
 
     st = STATE
     try:
@@ -56,7 +56,7 @@ def install_routing(runner) -> int:
     """Forward hooks on each MoE layer's top-k module (``mlp.topk``): the router's expert ids and
     weights per token, recorded as ``moe_routing_layer<i>`` (:mod:`..routing`). Eager passes only,
     like the catalog. Returns how many layers got one."""
-    from ..hf import find_decoder
+    from ..structure import find_decoder
 
     st = STATE
     try:

@@ -165,7 +165,7 @@ def install_graft(runner) -> dict[str, Any]:
     import inspect
 
     from ..graft_source import open_graft_source
-    from ..hf import find_decoder
+    from ..structure import find_decoder
 
     st = STATE
     spec = st.cfg.graft

@@ -16,7 +16,7 @@ from .state import STATE
 
 
 def install_catalog(model) -> None:
-    from ..hf import find_decoder
+    from ..structure import find_decoder
 
     st = STATE
     try:
