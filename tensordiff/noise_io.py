@@ -6,13 +6,15 @@ side recorded twice for the same token. numpy + the trace readers; the rule is i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from . import noise
+from .cores import usable_cores
 from .align import RowMaps, sample_indices
 from .findings import Finding, Kind, NumericDetails, ReplicaDetails, Severity
 from .numerics import BlockMetrics, PairAccumulator
@@ -38,8 +40,7 @@ def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tup
     projection that keeps norms and angles within about 1/sqrt(dim) per token, so the median
     error, the 1 - cos and the per-token RMS ratio it gives are those of the values (the per-token
     spread a little wider): the trend it measures is the one the values would show."""
-    measured: list[tuple[str, float, noise.Level]] = []
-    dtypes: dict[str, tuple[str, str]] = {}
+    jobs = []
     for ia, ib in pairs:
         if ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or ia.width != ib.width:
             continue
@@ -48,16 +49,17 @@ def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tup
             continue
         ma, mb = maps.inverse("a", ia.name), maps.inverse("b", ib.name)
         idx = sample_indices((ma >= 0) & (mb >= 0), SAMPLE)
-        if len(idx) < noise.MIN_TOKENS:
-            continue
-        a = np.ascontiguousarray(ra.read_at(ia.name, part, ma[idx]))
-        b = np.ascontiguousarray(rb.read_at(ib.name, part, mb[idx]))
+        if len(idx) >= noise.MIN_TOKENS:
+            jobs.append((ia, ib, part, ma[idx], mb[idx]))
+    measured: list[tuple[str, float, noise.Level]] = []
+    dtypes: dict[str, tuple[str, str]] = {}
+    for (ia, ib, part, _, _), (a, b) in zip(jobs, _sample_reads(ra, rb, jobs)):
         if part == "values":
             m = BlockMetrics(1, ia.width).compute_stored(a, ia.dtype, b, ib.dtype)
         else:
             m = BlockMetrics(1, ra.sketch_dim).compute(a.astype(np.float32, copy=False), b.astype(np.float32, copy=False))
         with np.errstate(divide="ignore", invalid="ignore"):
-            lr = np.log(m.ratio[:, 0].astype(np.float64)) if m.ratio is not None else np.zeros(len(idx))
+            lr = np.log(m.ratio[:, 0].astype(np.float64)) if m.ratio is not None else np.zeros(len(a))
         lv = noise.level_of(m.rel[:, 0], 1.0 - m.cos[:, 0].astype(np.float64), lr)
         d = depth_of(ia, 0)
         if lv is not None and d is not None:
@@ -65,6 +67,47 @@ def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tup
             dtypes[ia.label] = (ia.dtype, ib.dtype)
     return noise.fit(_dtype(ra), _dtype(rb), measured, dtypes,
                      lambda da, db, d: default_tolerance(da, db, d).max_rel)
+
+
+_SampleJob = tuple[TensorInfo, TensorInfo, str, NDArray[np.int64], NDArray[np.int64]]
+
+
+def _sample_reads(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob]
+                  ) -> Iterator[tuple[NDArray[Any], NDArray[Any]]]:
+    """Each job's sampled rows of both sides, in job order. With a second core, A's and B's rows
+    are read in a thread of their own each (one thread per reader: a reader is never read by two
+    threads at once) one state ahead, so the reads (which release the GIL) overlap the metrics of
+    the state before."""
+    def read(job: _SampleJob) -> tuple[NDArray[Any], NDArray[Any]]:
+        return _read_side(ra, job[0].name, job[2], job[3]), _read_side(rb, job[1].name, job[2], job[4])
+
+    if usable_cores() < 2 or len(jobs) < 2:
+        for job in jobs:
+            yield read(job)
+        return
+    with ThreadPoolExecutor(1, "tensordiff-noise-a") as pa, ThreadPoolExecutor(1, "tensordiff-noise-b") as pb:
+        def submit(job: _SampleJob) -> tuple[Future[NDArray[Any]], Future[NDArray[Any]]]:
+            return (pa.submit(_read_side, ra, job[0].name, job[2], job[3]),
+                    pb.submit(_read_side, rb, job[1].name, job[2], job[4]))
+
+        ahead = submit(jobs[0])
+        try:
+            for i in range(len(jobs)):
+                fa, fb = ahead
+                if i + 1 < len(jobs):
+                    ahead = submit(jobs[i + 1])
+                try:
+                    a = fa.result()
+                finally:
+                    b = fb.result()   # waited for even when A's read failed, so no read outlives the diff
+                yield a, b
+        finally:
+            for f in ahead:
+                f.cancel()
+
+
+def _read_side(r: TraceSource, name: str, part: str, rows: NDArray[np.int64]) -> NDArray[Any]:
+    return np.ascontiguousarray(r.read_at(name, part, rows))
 
 
 def _basis(ra: TraceSource, rb: TraceSource, ia: TensorInfo, ib: TensorInfo) -> str | None:

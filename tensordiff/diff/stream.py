@@ -11,7 +11,6 @@ Nothing here judges: tolerances, identity and findings are :mod:`tensordiff.diff
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
+from ..cores import usable_cores
 from ..numerics import BlockMetrics, Metrics
 from ..progress import Progress
 from ..trace import ReplicaMismatch, TraceSource
@@ -173,11 +173,7 @@ class SerialBackend:
 
 def compute_lanes() -> int:
     """Threads that measure each block: the cores this process may use, at most MAX_LANES."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(MAX_LANES, cores))
+    return max(1, min(MAX_LANES, usable_cores()))
 
 
 def _typed(bufs: list[np.ndarray], side: int, rows: int, ds: Part) -> np.ndarray:

@@ -1,0 +1,92 @@
+"""The noise model reads its sample of each catalog state one state ahead, A's rows and B's rows in a
+thread each (with a second core): the diff is the same bytes as with the reads in line, on pairs
+with real divergences, for single files and trace sets, in both orders; a failed read on either
+side ends the diff with the file's error, and no reading thread outlives the diff."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from setgen import make_recording, write, write_ranks
+from tensordiff import noise, noise_io
+from tensordiff.cli import jsonable
+from tensordiff.diff import DiffOptions, diff_traces
+from tensordiff.errors import TraceFileError
+from tensordiff.trace.reads import RowReads
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("noise-reads")
+    train = make_recording("train")
+    bad = make_recording("serve", noise=1e-6, seed=1, drift=True, wrong_slot=True)
+    out = {"train": write(str(d / "train.h5"), train),
+           "bad": write(str(d / "bad.h5"), bad, tweak={("layer1", "s6", 2): np.float32(np.nan)})}
+    write_ranks(str(d / "bad_set"), bad, dp=2, pp=2)
+    out["bad_set"] = str(d / "bad_set")
+    return out
+
+
+def _json(a, b):
+    return json.dumps(jsonable(diff_traces(a, b, DiffOptions(block_rows=16)).to_dict()))
+
+
+def _spy_threads(monkeypatch) -> set[str]:
+    names: set[str] = set()
+    real = RowReads.read_at
+
+    def spy(self, *args, **kw):
+        names.add(threading.current_thread().name)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(RowReads, "read_at", spy)
+    return names
+
+
+@pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "bad_set"), ("bad_set", "train")])
+def test_reading_the_sample_ahead_in_threads_gives_the_same_diff(traces, monkeypatch, pair):
+    a, b = traces[pair[0]], traces[pair[1]]
+    fitted = []
+    real_fit = noise.fit
+
+    def fit(*args, **kw):
+        fitted.append(args[2])   # the measured states
+        return real_fit(*args, **kw)
+
+    monkeypatch.setattr(noise, "fit", fit)
+    monkeypatch.setattr(noise_io, "usable_cores", lambda: 1)
+    names = _spy_threads(monkeypatch)
+    one = _json(a, b)
+    assert not any(n.startswith("tensordiff-noise") for n in names)
+    monkeypatch.setattr(noise_io, "usable_cores", lambda: 2)
+    names.clear()
+    two = _json(a, b)
+    assert two == one
+    assert any(n.startswith("tensordiff-noise-a") for n in names)
+    assert any(n.startswith("tensordiff-noise-b") for n in names)
+    assert len(fitted) == 2 and len(fitted[0]) >= 3, "the pair has measured catalog states"
+    assert fitted[1] == fitted[0]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tensordiff-noise")]
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_a_failed_sample_read_on_either_side_ends_the_diff_with_its_error(traces, monkeypatch, side):
+    monkeypatch.setattr(noise_io, "usable_cores", lambda: 2)
+    real = RowReads.read_at
+    calls = []
+
+    def broken(self, name, part, idx, out=None):
+        if threading.current_thread().name.startswith(f"tensordiff-noise-{side}"):
+            calls.append(name)
+            if len(calls) == 2:   # the second state's read: one state was already read ahead
+                raise TraceFileError(f"cannot read {name}/{part}, the file is damaged (test)", self.path)
+        return real(self, name, part, idx, out=out)
+
+    monkeypatch.setattr(RowReads, "read_at", broken)
+    with pytest.raises(TraceFileError, match="damaged"):
+        diff_traces(traces["train"], traces["bad"], DiffOptions(block_rows=16))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tensordiff-noise")]
