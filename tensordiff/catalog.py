@@ -297,16 +297,22 @@ def slot_rms_at(r: TraceSource, info: TensorInfo, rows: Codes, slot: int) -> NDA
 
 
 def noise_floors(measured: dict[str, tuple[float, float, float, int]], num_layers: int | None, dtype_a: str,
-                 dtype_b: str) -> Callable[[str], NoiseFloor]:
+                 dtype_b: str, capped: dict[str, str] | None = None) -> Callable[[str], NoiseFloor]:
     """``floor_of(label)`` for the identity search, from ``measured`` {label: (depth, 99th
     percentile of 1 - cos, of rel, tokens)} of the states recorded on both sides: a measured state
     its own; a state in between the larger of its nearest measured neighbours by depth; nothing
-    measured, the default tolerance's allowance (so no finer distinction is claimed)."""
+    measured, the default tolerance's allowance (so no finer distinction is claimed). ``capped``
+    {label: tolerance source}: the measured states that diverge across the sides, whose floor is
+    their tolerance's allowance (as ``measured`` gives it) rather than their spread."""
     L = num_layers
+    capped = capped or {}
 
     def floor_of(label: str) -> NoiseFloor:
         if label in measured:
             _, oc, rel, n = measured[label]
+            if label in capped:
+                return NoiseFloor(oc, rel, f"{label}'s tolerance ({capped[label]}): {label} itself differs across "
+                                  "the sides past it")
             return NoiseFloor(oc, rel, f"{label} recorded on both sides (99th percentile of {n} tokens)")
         try:
             b = parse_label(label)

@@ -37,7 +37,7 @@ from ..findings import (
     SlotRow,
     order_findings,
 )
-from ..identity import IdentityVerdict, NoiseFloor
+from ..identity import FLOOR_FACTOR, IdentityVerdict, NoiseFloor
 from ..numerics import PairAccumulator
 from ..slots import judge_slot
 from ..tolerances import allow_failed
@@ -107,16 +107,28 @@ def measured_floors(plan: DiffPlan, tally: Tally) -> Callable[[str], NoiseFloor]
     of their nearest measured neighbours; none measured: the default tolerance's allowance."""
     a, b = plan.a, plan.b
     measured: dict[str, tuple[float, float, float, int]] = {}  # label -> (depth, 1-cos, rel, tokens)
+    capped: dict[str, str] = {}
     for job in plan.jobs:
         ia, ib, acc = job.a, job.b, tally.of(job)
         if acc is None or ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or acc.tokens == 0:
             continue
         oc, rel = acc.quantile(0, 0.99)
-        if np.isfinite(oc):
-            measured[ia.label] = (depth_of(a, b, ia, 0) or 0.0, oc, rel, acc.tokens)
+        if not np.isfinite(oc):
+            continue
+        if job.tolerances:
+            # a state whose directions spread across the sides past its own tolerance diverges:
+            # that spread is the bug, not the noise, and a floor that wide would let any state
+            # look like any other (a port wrong in every layer would "hold" its neighbour); a
+            # match to it must be as close as its tolerance allows. The rel floor, which only
+            # widens the band of honest scale differences, stays as measured
+            t = job.tolerances[0]
+            if oc > 1.0 - t.min_cos:
+                oc = (1.0 - t.min_cos) / FLOOR_FACTOR
+                capped[ia.label] = t.source
+        measured[ia.label] = (depth_of(a, b, ia, 0) or 0.0, oc, rel, acc.tokens)
     dtype_a = next((i.dtype for i in a.tensors.values()), "float32")
     dtype_b = next((i.dtype for i in b.tensors.values()), "float32")
-    return noise_floors(measured, a.num_layers or b.num_layers, dtype_a, dtype_b)
+    return noise_floors(measured, a.num_layers or b.num_layers, dtype_a, dtype_b, capped)
 
 
 def final_state_error(plan: DiffPlan) -> tuple[str, float] | None:
