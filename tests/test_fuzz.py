@@ -21,12 +21,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tensordiff.trace.probe import WALL_FACTOR
 from tracegen import assert_clean_exit, attributes, objects, run_isolated, write_pair, write_trace
 
 EXAMPLES = int(os.environ.get("TENSORDIFF_FUZZ_EXAMPLES", "40"))
-TIME_LIMIT = 30.0
 # the CLI's guard against files that make the HDF5 library loop (tensordiff.trace.probe), shortened
 ENV = {"TENSORDIFF_OPEN_TIMEOUT": "8"}
+# its bound on such a file: 8 CPU seconds without progress, or WALL_FACTOR times that in wall time
+# whatever the CPU says (a loaded machine gives the looping child a fraction of a core); a run
+# past that bound is a hang
+TIME_LIMIT = 8.0 * WALL_FACTOR + 10.0
 
 
 @pytest.fixture(scope="module")
