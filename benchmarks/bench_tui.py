@@ -451,16 +451,19 @@ def main() -> None:
     print()
     print(f"tensordiff TUI benchmark: first compared rows ({os.cpu_count()} CPUs, load average "
           f"{load_start:.1f} -> {load:.1f}; 140x40 headless; median of {args.repeat})")
-    print(f"{'tokens':>9} {'wide':>5} {'files':>7} {'1st rows':>9} {'(process)':>10} {'aligned':>8} {'1st block':>10} "
+    print(f"{'tokens':>9} {'wide':>5} {'files':>7} {'1st rows':>9} {'(process)':>10} {'live':>7} {'aligned':>8} "
+          f"{'1st block':>10} "
           f"{'RSS@rows':>9} {'growth':>7} {'(no stream)':>11} {'diff':>6}")
     for r in streams:
         sg = r["stages"]
         print(f"{r['tokens']:>9} {r['hidden']:>5} {r['files_mib']:>5.0f}Mi {r['first_rows_s']:>8.2f}s "
-              f"{r['first_rows_from_process_s']:>9.2f}s {sg.get('tokens aligned', float('nan')):>7.2f}s "
+              f"{r['first_rows_from_process_s']:>9.2f}s {r['first_live_rows_s']:>6.2f}s "
+              f"{sg.get('tokens aligned', float('nan')):>7.2f}s "
               f"{sg.get('first block', float('nan')):>9.2f}s {r['rss_mb_at_first_rows']:>7.0f}MB "
               f"{r['rss_growth_mb']:>5.0f}MB {r['rss_growth_unstreamed_mb']:>9.0f}MB {r['diff_s']:>5.1f}s")
-    print("1st rows: app start -> the heatmap has drawn the first rows the diff compared (process: from the "
-          "interpreter's start); aligned / 1st block: from the diff thread's start, the tokens aligned (sinks made) "
+    print("1st rows: app start -> the heatmap has drawn real rows (a large pair's preview, else the first rows the "
+          "diff compared; process: from the interpreter's start); live: the first rows the diff compared; "
+          "aligned / 1st block: from the diff thread's start, the tokens aligned (sinks made) "
           "and the first block handed to the sinks; RSS@rows: RSS then; growth: peak RSS from then to the diff's "
           "end minus RSS@rows; (no stream): the same without the streaming sink; diff: until the findings show.")
     if args.json:
