@@ -210,3 +210,36 @@ async def test_small_pair_has_no_preview(tr):
         await wait_for(pilot, lambda: app.ready)
         assert app._diff.preview_at is None and app.first_live_rows_at is not None
         await pilot.press("q")
+
+
+@pytest.mark.anyio
+async def test_quit_on_the_preview(tr):
+    """q while the preview is shown (the diff held): exit 130, the diff thread ends, and the
+    preview's file and the summary are removed."""
+    import os
+
+    from tensordiff.diff import Stage
+    from tensordiff.tui.app import EXIT_INTERRUPTED
+
+    gate = threading.Event()
+
+    def held_reporting(a, b, opts):   # reports progress while held: where a quit stops it
+        while not gate.wait(0.01):
+            opts.progress(Stage.ALIGNING, 0, 1)
+        return diff_traces(a, b, opts)
+
+    app = TensordiffApp(str(tr["float32"]), str(tr["bfloat16"]), diff_fn=held_reporting, preview_from=1,
+                        find_tokenizer=False)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.preview is not None and app.first_rows_at is not None)
+            preview_dir = app._diff.preview_dir
+            assert preview_dir and os.listdir(preview_dir)
+            await pilot.press("q")
+    finally:
+        gate.set()
+    app.diff_thread.join(20)
+    assert not app.diff_thread.is_alive()
+    assert app.return_value == EXIT_INTERRUPTED
+    assert not os.path.exists(preview_dir)
+    assert app.summary_path is None or not os.path.exists(app.summary_path)

@@ -104,8 +104,6 @@ class DiffThread:
         if self.owns_summary:
             self.summary_dir = tempfile.mkdtemp(prefix="tensordiff-tui-")
             self.summary_path = os.path.join(self.summary_dir, "summary.h5")
-        if self.preview_from is not None:
-            self.preview_dir = tempfile.mkdtemp(prefix="tensordiff-tui-preview-")
         self.t0 = time.perf_counter()
         self.thread = threading.Thread(target=self.run, name="tensordiff-diff")
         self.thread.start()
@@ -152,10 +150,11 @@ class DiffThread:
     def _preview(self) -> None:
         """The preview of a large pair, posted as :class:`DiffPreview`; nothing when the pair is
         small, a trace set, or its heads share nothing (the diff itself says why)."""
-        if self.preview_dir is None or self.preview_from is None:
+        if self.preview_from is None:
             return
         if max(_stored_tokens(self.path_a), _stored_tokens(self.path_b)) < self.preview_from:
             return
+        self.preview_dir = tempfile.mkdtemp(prefix="tensordiff-tui-preview-")
 
         def check() -> None:
             if self.cancel.is_set():
