@@ -10,11 +10,14 @@ different states on the two sides; small hidden size, float16, so the files stay
 the app headless (App.run_test, 140x40) in fresh processes and reports:
 
 * first rows (the figure of the TUI goal in goals.py): seconds from the app's start until the heatmap has drawn
-  the first rows the diff has compared (it streams them: the rest of the heatmap is drawn as
-  pending), and the stages of the diff before it (opening the traces, aligning the tokens, the
-  first block handed to the sinks), timed in the diff thread; the RSS when those rows are drawn,
-  and the peak RSS from then until the diff has ended (``rss_growth``: peak minus RSS at first
-  rows; the peak is reset at first rows through /proc/self/clear_refs). The same diff without
+  real rows: on a pair of at least PREVIEW_FROM tokens the preview's (the real metrics of the
+  first tokens, read and aligned without loading the whole traces, no verdict), else the first
+  rows the diff has compared; ``first_live_rows``: the first rows the diff itself compared (it
+  streams them: the rest of the heatmap is drawn as pending), and the stages of the diff before
+  it (the preview written, opening the traces, aligning the tokens, the first block handed to the
+  sinks), timed in the diff thread; the RSS when the diff's first rows are drawn, and the peak
+  RSS from then until the diff has ended (``rss_growth``: peak minus RSS at those rows; the peak
+  is reset then through /proc/self/clear_refs). The same diff without
   the streaming sink gives ``rss_growth_unstreamed``: what the diff itself allocates meanwhile.
   Median of ``--repeat`` runs of each, interleaved in random order per round after an untimed
   warm-up run. ``--wide TOKENSxHIDDEN`` adds a wide pair (few tokens, 4096
@@ -142,8 +145,10 @@ def child(path_a: str, path_b: str, mode: str) -> dict:
             out["rss_mb_at_first_paint"] = rss_mb()
             super()._after_first_paint()
 
-        def _first_rows_painted(self) -> None:
-            super()._first_rows_painted()
+        def _first_live_rows_painted(self) -> None:
+            # memory from the diff's own first rows on (the preview, if any, came before the
+            # diff opened the traces: the diff's whole memory would count as streaming's)
+            super()._first_live_rows_painted()
             out["rss_mb_at_first_rows"] = rss_mb()
             out["peak_mb_at_first_rows"] = peak_mb()
             out["peak_reset"] = reset_peak()
@@ -329,7 +334,12 @@ def stream_child(App, path_a: str, path_b: str, mode: str, out: dict) -> dict:
             if app.first_rows_at is not None:
                 out["first_rows_s"] = app.first_rows_at - t_app
                 out["first_rows_from_process_s"] = app.first_rows_at - T_PROCESS
-                out["first_rows_after_first_block_s"] = app.first_rows_at - marks["first block"]
+            if app.first_live_rows_at is not None:
+                out["first_live_rows_s"] = app.first_live_rows_at - t_app
+                out["first_rows_after_first_block_s"] = app.first_live_rows_at - marks["first block"]
+            out["preview"] = app._diff.preview_at is not None
+            if app._diff.preview_at is not None:
+                out["stages"]["preview written"] = round(app._diff.preview_at - t0, 3)
             out["first_paint_s"] = app.first_paint_at - t_app
             out["rss_growth_mb"] = out["peak_mb_after_diff"] - out.get("rss_mb_at_first_rows", float("nan"))
             await pilot.press("q")
@@ -408,10 +418,12 @@ def main() -> None:
                     (runs if mode == "stream" else bares).append(run_child(a, b, mode))
             bare = {k: statistics.median(r[k] for r in bares) for k in ("rss_growth_mb", "diff_s")}
             med = {k: statistics.median(r[k] for r in runs) for k in (
-                "first_rows_s", "first_rows_from_process_s", "first_rows_after_first_block_s", "rss_mb_at_first_rows",
+                "first_rows_s", "first_rows_from_process_s", "first_live_rows_s", "first_rows_after_first_block_s",
+                "rss_mb_at_first_rows",
                 "peak_mb_at_first_rows", "rss_growth_mb", "diff_s")}
             mid = sorted(runs, key=lambda r: r["first_rows_s"])[len(runs) // 2]
             st = {"tokens": n, "hidden": hidden, "files_mib": size_mb, **med, "stages": mid["stages"],
+                  "preview": all(r["preview"] for r in runs),
                   "rss_growth_unstreamed_mb": bare["rss_growth_mb"], "diff_unstreamed_s": bare["diff_s"],
                   "peak_reset": all(r["peak_reset"] for r in runs)}
             streams.append(st)
@@ -439,16 +451,19 @@ def main() -> None:
     print()
     print(f"tensordiff TUI benchmark: first compared rows ({os.cpu_count()} CPUs, load average "
           f"{load_start:.1f} -> {load:.1f}; 140x40 headless; median of {args.repeat})")
-    print(f"{'tokens':>9} {'wide':>5} {'files':>7} {'1st rows':>9} {'(process)':>10} {'aligned':>8} {'1st block':>10} "
+    print(f"{'tokens':>9} {'wide':>5} {'files':>7} {'1st rows':>9} {'(process)':>10} {'live':>7} {'aligned':>8} "
+          f"{'1st block':>10} "
           f"{'RSS@rows':>9} {'growth':>7} {'(no stream)':>11} {'diff':>6}")
     for r in streams:
         sg = r["stages"]
         print(f"{r['tokens']:>9} {r['hidden']:>5} {r['files_mib']:>5.0f}Mi {r['first_rows_s']:>8.2f}s "
-              f"{r['first_rows_from_process_s']:>9.2f}s {sg.get('tokens aligned', float('nan')):>7.2f}s "
+              f"{r['first_rows_from_process_s']:>9.2f}s {r['first_live_rows_s']:>6.2f}s "
+              f"{sg.get('tokens aligned', float('nan')):>7.2f}s "
               f"{sg.get('first block', float('nan')):>9.2f}s {r['rss_mb_at_first_rows']:>7.0f}MB "
               f"{r['rss_growth_mb']:>5.0f}MB {r['rss_growth_unstreamed_mb']:>9.0f}MB {r['diff_s']:>5.1f}s")
-    print("1st rows: app start -> the heatmap has drawn the first rows the diff compared (process: from the "
-          "interpreter's start); aligned / 1st block: from the diff thread's start, the tokens aligned (sinks made) "
+    print("1st rows: app start -> the heatmap has drawn real rows (a large pair's preview, else the first rows the "
+          "diff compared; process: from the interpreter's start); live: the first rows the diff compared; "
+          "aligned / 1st block: from the diff thread's start, the tokens aligned (sinks made) "
           "and the first block handed to the sinks; RSS@rows: RSS then; growth: peak RSS from then to the diff's "
           "end minus RSS@rows; (no stream): the same without the streaming sink; diff: until the findings show.")
     if args.json:
@@ -460,6 +475,8 @@ def main() -> None:
         for r in streams:
             sfx = key(r["tokens"]) + ("" if r["hidden"] == args.hidden else f"_x{r['hidden']}")
             figures[f"first_rows_s_{sfx}"] = r["first_rows_s"]
+            figures[f"first_live_rows_s_{sfx}"] = r["first_live_rows_s"]
+            figures[f"preview_{sfx}"] = r["preview"]
             figures[f"rss_growth_mb_{sfx}"] = r["rss_growth_mb"]
             figures[f"rss_growth_unstreamed_mb_{sfx}"] = r["rss_growth_unstreamed_mb"]
             # what streaming rows to the heatmap adds to the diff's own memory: flat when it does not grow with tokens

@@ -478,7 +478,7 @@ def _same_tables(A: SideTokens, B: SideTokens, fa: _Flat) -> bool:
     del hs
     if len(dup) == 0:
         return True          # no hash in two places: each sequence votes for itself alone
-    shared = np.isin(h, dup)
+    shared = _member(h, np.unique(dup))
     has_own = np.zeros(len(fa.ids), bool)
     has_own[q[~shared]] = True                  # a hash found once in the whole side
     rest = np.flatnonzero(~has_own)
@@ -511,6 +511,22 @@ def _same_tables(A: SideTokens, B: SideTokens, fa: _Flat) -> bool:
                 if len(share[x]) > 8:
                     return False
     return True
+
+
+def _member(h: Codes, values: Codes) -> NDArray[np.bool_]:
+    """``np.isin(h, values)`` for a few sorted distinct ``values`` among many ``h``, without sorting
+    ``h``: a table of their low bits rules out nearly every element in one pass, and only the rest
+    are looked up by binary search."""
+    bits = 22
+    table = np.zeros(1 << bits, bool)
+    table[values & ((1 << bits) - 1)] = True
+    maybe = np.flatnonzero(table[h & ((1 << bits) - 1)])
+    out = np.zeros(len(h), bool)
+    if len(maybe) and len(values):
+        cand = h[maybe]
+        at = np.minimum(np.searchsorted(values, cand), len(values) - 1)
+        out[maybe[values[at] == cand]] = True
+    return out
 
 
 def _aligned_as_is(A: SideTokens, B: SideTokens) -> TokenAlignment:

@@ -239,21 +239,57 @@ def where_failing(ra: TraceSource, rb: TraceSource, ia: TensorInfo, ib: TensorIn
 # Rows recorded twice
 
 
+class Duplicates:
+    """Which rows of a side's tensors were recorded twice for one token, found once per token-rows
+    array: the tensors a recorder writes together share one array (the reader keeps one copy), so
+    their (sequence, position, regime) keys are gathered and ordered once, not once per tensor.
+    Rows in key order (what a recorder writes) have no duplicate and are told apart in one pass
+    without sorting."""
+
+    def __init__(self, r: TraceSource):
+        self.r = r
+        self._keys: NDArray[np.int64] | None = None
+        # id of a token-rows array -> (that array, kept alive so that its id stays its own; pairs)
+        self._memo: dict[int, tuple[NDArray[np.int64], tuple[NDArray[np.int64], NDArray[np.int64]]]] = {}
+
+    def _token_keys(self) -> NDArray[np.int64]:
+        if self._keys is None:
+            t = self.r.tokens
+            self._keys = ((t["seq"].astype(np.int64) << 40) | (t["position"].astype(np.int64) << 8)
+                          | t["regime"].astype(np.int64))
+        return self._keys
+
+    def pairs(self, trow: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """(first, second): rows of a tensor with these token rows that hold one token, each
+        pair adjacent in key order, at most :data:`DUPLICATES_MAX`."""
+        hit = self._memo.get(id(trow))
+        if hit is not None and hit[0] is trow:
+            return hit[1]
+        key = self._token_keys()[trow]
+        none = np.zeros(0, np.int64)
+        if len(key) < 2 or bool((key[1:] > key[:-1]).all()):
+            out = (none, none)
+        else:
+            order = np.argsort(key, kind="stable")
+            ks = key[order]
+            dup = np.flatnonzero(ks[1:] == ks[:-1])
+            out = (order[dup][:DUPLICATES_MAX], order[dup + 1][:DUPLICATES_MAX]) if len(dup) else (none, none)
+        self._memo[id(trow)] = (trow, out)
+        return out
+
+
 def duplicate_findings(r: TraceSource, side: str, info: TensorInfo, model: noise.NoiseModel,
-                       depth: float | None, sequences: Sequence[str]) -> list[Finding]:
+                       depth: float | None, sequences: Sequence[str], found: Duplicates | None = None) -> list[Finding]:
     """Rows of ``info`` that one side recorded twice for the same (sequence, position, regime):
-    a divergence naming both rows when the copies differ beyond the noise, a note when equal."""
+    a divergence naming both rows when the copies differ beyond the noise, a note when equal.
+    ``found``: the side's :class:`Duplicates` (shared by the calls for one side)."""
     if not info.has_values or info.rows < 2:
         return []
     trow = r.token_rows(info.name)
     t = r.tokens
-    key = (t["seq"][trow].astype(np.int64) << 40) | (t["position"][trow].astype(np.int64) << 8) | t["regime"][trow]
-    order = np.argsort(key, kind="stable")
-    ks = key[order]
-    dup = np.flatnonzero(ks[1:] == ks[:-1])
-    if not len(dup):
+    first, second = (found if found is not None else Duplicates(r)).pairs(trow)
+    if not len(first):
         return []
-    first, second = order[dup][:DUPLICATES_MAX], order[dup + 1][:DUPLICATES_MAX]
     a = r.read_at(info.name, "values", first)
     b = r.read_at(info.name, "values", second)
     k = max(1, info.slot_count)

@@ -370,3 +370,17 @@ def test_same_tables_alignment_shares_the_sides_arrays():
     assert al.code_a is sa.codes and al.code_b is sb.codes and al.token is sa.tok
     np.testing.assert_array_equal(al.index_b(sb.codes), np.arange(len(sb.codes)))
     assert al._b_order is None      # B's codes already in order: no sort
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_member_is_isin(seed):
+    """The same-tables check's membership test (a low-bits table, then binary search) is np.isin:
+    negative hashes, values that share low bits with many others, none found, no values."""
+    rng = np.random.default_rng(seed)
+    h = rng.integers(-2**62, 2**62, 200_000, dtype=np.int64)
+    h[::7] = h[::7] & 0xFFFF                            # many small values: low bits collide often
+    values = np.unique(np.concatenate([rng.choice(h, 50), rng.integers(-2**62, 2**62, 50),
+                                       (rng.integers(0, 4, 20) << 22) | 5]))   # equal low 22 bits
+    h[:100] = (np.arange(100) << 22) | 5                 # low bits of a value, mostly not a value
+    for v in (values, values[:1], values[:0], np.unique(h)):
+        assert np.array_equal(align._member(h, v), np.isin(h, v))

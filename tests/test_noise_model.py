@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from tensordiff import noise
 from tensordiff.noise import Level, fit, name_depth
 
@@ -76,3 +78,39 @@ def test_module_hook_names_point_at_their_depth():
     assert name_depth("model.layers.3.mlp") == 4.0 and name_depth("transformer.h.11") == 12.0
     assert name_depth("model.embed_tokens") == 0.0
     assert name_depth("draft_fc_output") is None and name_depth("lm_head") is None
+
+
+class _Tokens:
+    """A side's token table, all that noise_io.Duplicates reads of a source."""
+
+    def __init__(self, seq, position, regime):
+        from tensordiff.trace.schema import TOKEN_DTYPE
+
+        self.tokens = np.zeros(len(seq), TOKEN_DTYPE)
+        self.tokens["seq"], self.tokens["position"], self.tokens["regime"] = seq, position, regime
+
+
+def test_duplicates_found_in_any_row_order_and_once_per_rows_array():
+    """Rows recorded twice for one (sequence, position, regime) are found whether the rows are in
+    key order or interleaved (a serve batch); a token-rows array shared by tensors is looked at once."""
+    from tensordiff.noise_io import Duplicates
+
+    # token table: seq 0 positions 0-4, seq 1 positions 0-4 (prefill), plus seq 0 position 2 again
+    src = _Tokens([0] * 5 + [1] * 5 + [0], [0, 1, 2, 3, 4] * 2 + [2], [1] * 11)
+    d = Duplicates(src)
+    ordered = np.arange(10, dtype=np.int64)
+    assert [len(x) for x in d.pairs(ordered)] == [0, 0]
+    interleaved = np.array([0, 5, 1, 6, 2, 7, 3, 8, 4, 9], np.int64)
+    assert [len(x) for x in d.pairs(interleaved)] == [0, 0]
+    twice = np.array([5, 0, 1, 2, 10, 3, 4], np.int64)   # row 4 holds token row 10: seq 0 position 2 again
+    first, second = d.pairs(twice)
+    assert sorted([int(first[0]), int(second[0])]) == [3, 4]
+    same_row = np.array([0, 1, 1, 2], np.int64)           # one token row recorded twice
+    first, second = d.pairs(same_row)
+    assert (int(first[0]), int(second[0])) == (1, 2)
+    # the same array again: the memo answers, and it is the array itself, not an equal one, that counts
+    assert d.pairs(twice) is d.pairs(twice)
+    assert d.pairs(twice.copy()) is not d.pairs(twice)
+    # another regime is another token
+    d2 = Duplicates(_Tokens([0, 0], [3, 3], [1, 2]))
+    assert [len(x) for x in d2.pairs(np.array([1, 0], np.int64))] == [0, 0]

@@ -79,10 +79,12 @@ def diff_sources(a: TraceSource, b: TraceSource, options: DiffOptions | None = N
         replicas: list[Finding] = []
         for r in (a, b):
             replicas += replica_findings(r, backend.check_replicas(r, progress))
+        dup_a, dup_b = noise_io.Duplicates(a), noise_io.Duplicates(b)
         for job in plan.jobs:   # rows a side recorded twice for one token
             depth = max((d for d in job.depth if d is not None), default=None)
-            replicas += noise_io.duplicate_findings(a, a.side, job.a, plan.noise, depth, a.sequences)
-            replicas += noise_io.duplicate_findings(b, b.side, job.b, plan.noise, depth, b.sequences)
+            replicas += noise_io.duplicate_findings(a, a.side, job.a, plan.noise, depth, a.sequences, dup_a)
+            replicas += noise_io.duplicate_findings(b, b.side, job.b, plan.noise, depth, b.sequences, dup_b)
+        del dup_a, dup_b   # their keys are a token table's size
         factories = list(opt.sinks) + ([summary_sink(opt.summary_path)] if opt.summary_path else [])
         sinks = [make(plan.alignment, a, b) for make in factories]
         worst = WorstTokens()

@@ -86,6 +86,10 @@ class TraceReader(RowReads):
     declared size is checked against the file size, chunk size and the token table before a
     byte of it is read. A trace that was not closed cleanly (``complete`` false) is read up to
     the rows its writer committed at its last flush, and ``recovered_note`` says how many.
+
+    ``head``: read only the first ``head`` token rows, and of each tensor the first rows up to
+    the first that points past them (a preview of a large trace: what it holds is what the
+    whole trace holds for those rows, read without loading the whole token table).
     """
 
     f: Any
@@ -97,9 +101,11 @@ class TraceReader(RowReads):
     _rows: dict[str, np.ndarray]
     _ds: dict[str, _Parts]
 
-    def __init__(self, path: str | os.PathLike[str], *, progress: Callable[[int, int], None] | None = None):
+    def __init__(self, path: str | os.PathLike[str], *, progress: Callable[[int, int], None] | None = None,
+                 head: int | None = None):
         self.path = os.fspath(path)
         self._progress = progress
+        self._head = head
         self.identity = check_path(self.path)
         self.file_size = self.identity.size
         checked = CHECKED.get(os.path.abspath(self.path))
@@ -159,6 +165,10 @@ class TraceReader(RowReads):
         except Exception as e:  # noqa: BLE001 - whatever a damaged superblock makes h5py raise
             self._close_view()
             raise TraceFileError(f"cannot open as HDF5, the file is damaged ({short(e)})", self.path) from None
+        if self._head is not None:
+            # a head's reads are few rows: through h5py, without the direct reads' table of every
+            # chunk of each dataset (a walk over the whole trace)
+            self._fd_direct = None
         try:
             self._same_file()
             self._load()
@@ -252,6 +262,8 @@ class TraceReader(RowReads):
                                  "truncated or modified after it was closed")
         if not self.complete and self._committed:
             n_tok = min(n_tok, committed)
+        if self._head is not None:
+            n_tok = min(n_tok, self._head)
         self._budget.table(tok, n_tok, "/tokens")
         self.tokens = tok[:n_tok] if n_tok else np.empty(0, tok.dtype)
         seqs = follow(f, "sequences", "/sequences")
@@ -267,6 +279,8 @@ class TraceReader(RowReads):
             n_seq = min(n_seq, max(int(self.tokens["seq"].max()), -1) + 1)
         elif not self.complete and self._committed:
             n_seq = 0
+        if self._head is not None:   # only the keys the head's rows use
+            n_seq = min(n_seq, int(self.tokens["seq"].max()) + 1 if n_tok else 0)
         self.sequences = self._read_sequences(seqs, n_seq)
         if n_tok:
             sq = self.tokens["seq"]
@@ -414,6 +428,8 @@ class TraceReader(RowReads):
             n = min(n, committed)
         elif self._committed:
             n = 0  # defined after the last flush: nothing of it was committed
+        if self._head is not None:
+            n = min(n, self._head)
         for part, ds in dsets.items():
             if part == "rows":
                 self._budget.table(ds, n, f"{name}/rows")
@@ -427,7 +443,7 @@ class TraceReader(RowReads):
         elif n:
             rows_ds.read_direct(rows, np.s_[0:n])
         if n and (rows.min() < 0 or rows.max() >= n_tok):
-            if self.complete:
+            if self.complete and self._head is None:
                 raise TraceFileError(f"tensor {name!r}: row indices point outside the token table")
             good = (rows >= 0) & (rows < n_tok)
             n = int(np.argmin(good)) if not good.all() else n
@@ -437,7 +453,7 @@ class TraceReader(RowReads):
             ref = np.empty(n, np.int64)
             if n:
                 ref_ds.read_direct(ref, np.s_[0:n])
-            enc = encode_refs(ref, int(dsets["values"].shape[0]), name, exact=self.complete)
+            enc = encode_refs(ref, int(dsets["values"].shape[0]), name, exact=self.complete and self._head is None)
             n = len(enc)
             rows = rows[:n]
             self._refs[name] = (source, enc)
@@ -488,7 +504,7 @@ class TraceReader(RowReads):
                 src = self.tensors.get(source)
                 n_src = 0
                 if src is None:
-                    if self.complete:
+                    if self.complete and self._head is None:
                         raise TraceFileError(f"tensor {name!r}: its values_source {source!r} is not a tensor of this trace")
                 else:
                     if source in self._refs:
@@ -512,7 +528,7 @@ class TraceReader(RowReads):
                 continue
             past = enc >= n_src
             if past.any():
-                if self.complete:
+                if self.complete and self._head is None:
                     raise TraceFileError(f"tensor {name!r}: values_ref points at row {int(enc[past][0])} of {source!r}, "
                                          f"which has {n_src} rows")
                 n = int(np.argmax(past))   # recovered: the rows whose references resolve

@@ -3,7 +3,9 @@
 It opens at once, runs the diff in a background worker thread (a progress bar shows how far it
 is; keys pressed meanwhile are queued and replayed when it ends, never lost), shows in the heatmap
 the rows the diff has compared so far (the rest drawn as pending, never as agreeing), then lands on
-the first divergence. Panes: the findings (the diff's, in forward order), a tree of tensors and
+the first divergence. On a large pair, before the diff has aligned every token, it shows a
+preview: the real metrics of the first tokens in one neutral colour, with no verdict (a verdict
+needs the noise measured over the whole pair). Panes: the findings (the diff's, in forward order), a tree of tensors and
 slots coloured by the findings on them, a token x slot heatmap of a per-token metric, and a
 detail pane for the selected cell with the diff's sentence, identity candidates, the cell's
 metrics, both token keys and small text plots of the two vectors.
@@ -54,12 +56,13 @@ from ..findings import DiffResult
 from ..fmt import progress_unit
 from ..summary import SummaryReader, read_columns
 from ..token_text import TokenText
-from .diff_thread import Cancelled, DiffEnded, DiffFn, DiffProgress, DiffThread
+from .diff_thread import PREVIEW_FROM, Cancelled, DiffEnded, DiffFn, DiffPreview, DiffProgress, DiffThread
 from .data import (
     GOTO_FORMS,
     METRICS,
     Column,
     LiveSummary,
+    PreviewSummary,
     VectorSource,
     resolve_goto,
 )
@@ -135,7 +138,7 @@ class TensordiffApp(App[int]):
     def __init__(self, path_a: str, path_b: str, options: DiffOptions | None = None, *,
                  diff_fn: DiffFn | None = None, screenshot_dir: str | None = None,
                  block_rows: int = 256, max_blocks: int = 24, token_text: TokenText | None = None,
-                 find_tokenizer: bool = True):
+                 find_tokenizer: bool = True, preview_from: int | None = PREVIEW_FROM):
         super().__init__()
         self.path_a, self.path_b = os.fspath(path_a), os.fspath(path_b)
         self.options = options or DiffOptions()
@@ -151,8 +154,12 @@ class TensordiffApp(App[int]):
         self.pending: list[tuple[str, Callable[[], None]]] = []
         self.metric_index = 0
         self.first_paint_at: float | None = None
-        self.first_rows_at: float | None = None          # the heatmap first showed compared rows
+        self.first_rows_at: float | None = None          # the heatmap first showed real rows (preview or diff)
+        self.first_live_rows_at: float | None = None     # ... rows the diff itself compared
         self.live: LiveSummary | None = None             # the summary while the diff writes it
+        self.preview: PreviewSummary | None = None       # the preview's, until the diff streams rows
+        self.preview_tokens = 0
+        self._preview_from = preview_from
         self._live_timer = None
         self._live_drawn_at = 0.0
         self.mounted_at: float | None = None
@@ -239,7 +246,8 @@ class TensordiffApp(App[int]):
     # -- the diff worker -------------------------------------------------------------------
 
     def _start_diff(self) -> None:
-        self._diff = DiffThread(self.path_a, self.path_b, self.options, self.diff_fn, self.post_message)
+        self._diff = DiffThread(self.path_a, self.path_b, self.options, self.diff_fn, self.post_message,
+                                preview_from=self._preview_from)
         self._diff.start()
         self.summary_path = self._diff.summary_path
         self._live_timer = self.set_interval(LIVE_POLL_S, self._poll_live)
@@ -264,6 +272,7 @@ class TensordiffApp(App[int]):
         hm = self.heatmap
         if self.live is None:
             self.live = live
+            self._close_preview()
             hm.attach(live, sorted(live.columns, key=lambda c: (c.order, c.tensor_a, c.slot)), live=True)
         now = time.perf_counter()
         if self.first_rows_at is not None and now - self._live_drawn_at < LIVE_REDRAW_S:
@@ -272,19 +281,58 @@ class TensordiffApp(App[int]):
         if changed is not None:
             self._live_drawn_at = now
             hm.rows_changed(*changed)
-            if self.first_rows_at is None and live.has_rows:
-                self.call_after_refresh(self._first_rows_painted)
+            if self.first_live_rows_at is None and live.has_rows:
+                self.call_after_refresh(self._first_live_rows_painted)
             if self.cell is not None:
                 self._render_live_detail()
         title = self._heatmap_title()
         if hm.border_title != title:     # setting it redraws the whole heatmap, even when unchanged
             hm.border_title = title
 
+    @on(DiffPreview)
+    def _diff_preview(self, event: DiffPreview) -> None:
+        """Show the preview until the diff streams its own rows (or ends)."""
+        if self.result is not None or self.diff_error is not None or self.live is not None:
+            self._preview_shown()
+            return
+        try:
+            pv = PreviewSummary(event.path)
+        except TensordiffError:
+            self._preview_shown()
+            return
+        self.preview, self.preview_tokens = pv, event.tokens
+        hm = self.heatmap
+        hm.attach(pv, read_columns(pv))
+        hm.border_title = self._heatmap_title()
+        self.call_after_refresh(self._preview_painted)
+        if self.cell is not None:
+            self._render_live_detail()
+
+    def _preview_painted(self) -> None:
+        self._first_rows_painted()
+        self._preview_shown()
+
+    def _preview_shown(self) -> None:
+        """The diff thread may go on (it waits for the preview to be drawn)."""
+        if self._diff is not None:
+            self._diff.preview_shown.set()
+
+    def _close_preview(self) -> None:
+        if self.preview is not None:
+            self.preview.close()
+            self.preview = None
+
     def _first_rows_painted(self) -> None:
         if self.first_rows_at is None:
             self.first_rows_at = time.perf_counter()
 
+    def _first_live_rows_painted(self) -> None:
+        if self.first_live_rows_at is None:
+            self.first_live_rows_at = time.perf_counter()
+        self._first_rows_painted()
+
     def _stop_live(self) -> None:
+        self._close_preview()
         if self._live_timer is not None:
             self._live_timer.stop()
             self._live_timer = None
@@ -405,6 +453,9 @@ class TensordiffApp(App[int]):
 
     def _heatmap_title(self) -> str:
         m = METRICS[self.metric_index]
+        if self.preview is not None and self.live is None and self.result is None:
+            return (f"tokens x slots: {m.title}  (preview: the first {self.preview.n} tokens' values, "
+                    "no verdict yet; the diff is aligning every token)")
         if self.live is not None and self.result is None:
             done, ncols = self.live.columns_done(), len(self.live.columns)
             return (f"tokens x slots: {m.title}  (diff running: {done} of {ncols} columns compared, "
@@ -479,15 +530,20 @@ class TensordiffApp(App[int]):
     @on(Heatmap.CellSelected)
     def _cell_selected(self, event: Heatmap.CellSelected) -> None:
         self.cell = (event.row, event.column)
-        if self.result is None and self.live is not None:
+        if self.result is None and (self.live is not None or self.preview is not None):
             self._render_live_detail()
             return
         self._render_detail()
         self._request_vectors()
 
     def _render_live_detail(self) -> None:
-        """The cell under the cursor while the diff runs: its streamed metrics, or pending."""
+        """The cell under the cursor while the diff runs: its streamed metrics, or pending; in the
+        preview its metrics without a verdict."""
         live, hm = self.live, self.heatmap
+        preview = self.preview if live is None else None
+        if preview is not None:
+            self._render_preview_detail(preview)
+            return
         if live is None or self.cell is None or hm.blocks is None:
             return
         row, ci = self.cell
@@ -512,6 +568,31 @@ class TensordiffApp(App[int]):
         self.detail_text = Text("\n").join([
             Text.assemble((col.label, "bold"), "  ", where), what,
             Text("the diff is running: findings, the cell's sentence and its vectors come when it ends", style="dim")])
+        self._w_detail.update(self.detail_text)
+
+    def _render_preview_detail(self, pv: PreviewSummary) -> None:
+        hm = self.heatmap
+        if self.cell is None or hm.blocks is None:
+            return
+        row, ci = self.cell
+        col = next((c for c in hm.columns if c.index == ci), None)
+        if col is None or not 0 <= row < pv.n:
+            return
+        tok = hm.blocks.token(row)
+        seqs = hm._seq_names
+        seq = int(tok["seq_a"])
+        where = f"{seqs[seq] if 0 <= seq < len(seqs) else seq}:{int(tok['pos_a'])} token {int(tok['token'])} (#{row})"
+        cos, rel, mx, fl = (float(v) for v in pv.cell(row, col.index))
+        if fl != fl:
+            what = Text("no row for this token in this tensor", style="dim")
+        elif int(fl) & 2:
+            what = Text(f"cos {cos:.6f}  rel {rel:.3g}  max abs {mx:.3g}  (NaN/Inf)", style="bold red")
+        else:
+            what = Text(f"cos {cos:.6f}  rel {rel:.3g}  max abs {mx:.3g}  (no verdict yet)")
+        self.detail_text = Text("\n").join([
+            Text.assemble((col.label, "bold"), "  ", where), what,
+            Text("preview of the first tokens, aligned among themselves: the tolerances, the verdict and the "
+                 "rest of the tokens come as the diff goes on", style="dim")])
         self._w_detail.update(self.detail_text)
 
     def _request_vectors(self) -> None:

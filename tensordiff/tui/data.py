@@ -55,11 +55,15 @@ N_LEVELS = len(BARS)
 # diff has not compared that cell yet (only while it runs: never drawn like an agreeing cell)
 CAT_OK, CAT_FAIL, CAT_NONFINITE = 0, 1, 2
 PENDING = 1 + 3 * N_LEVELS
+# a preview's cells (values the diff has no verdict on yet): UNJUDGED + level, never drawn in a
+# verdict's colours
+UNJUDGED = PENDING + 1
 
 
-def cell_codes(values: np.ndarray, flags: np.ndarray, metric: Metric) -> np.ndarray:
+def cell_codes(values: np.ndarray, flags: np.ndarray, metric: Metric, judged: bool = True) -> np.ndarray:
     """uint8 code of every cell of a block: 0 where the tensor has no row for that token,
-    otherwise 1 + category * N_LEVELS + level (category from the diff's flags)."""
+    otherwise 1 + category * N_LEVELS + level (category from the diff's flags). Not ``judged``
+    (a preview): UNJUDGED + level, except non-finite values, which are a fact, not a verdict."""
     present = ~np.isnan(flags)
     fl = np.where(present, flags, 0).astype(np.int64)
     cat = np.where(fl & FLAG_NONFINITE, CAT_NONFINITE, np.where(fl & FLAG_BAD, CAT_FAIL, CAT_OK))
@@ -76,6 +80,8 @@ def cell_codes(values: np.ndarray, flags: np.ndarray, metric: Metric) -> np.ndar
         frac = np.where(np.isnan(v), 1.0, frac)
         level = np.clip(np.floor(frac * N_LEVELS), 0, N_LEVELS - 1).astype(np.int64)
     codes = 1 + cat * N_LEVELS + level
+    if not judged:
+        codes = np.where(cat == CAT_NONFINITE, codes, UNJUDGED + np.where(metric.key == "verdict", 0, level))
     return np.where(present, codes, 0).astype(np.uint8)
 
 
@@ -144,7 +150,7 @@ class BlockCache:
             pending = self.summary.pending(start, stop) if isinstance(self.summary, LiveSummary) else None
             flags = self.summary.block(start, stop, 3)
             vals = flags if metric.field == 3 else self.summary.block(start, stop, metric.field)
-            codes = cell_codes(vals, flags, metric)
+            codes = cell_codes(vals, flags, metric, judged=getattr(self.summary, "judged", True))
             if pending is not None:
                 codes[pending] = PENDING
             return codes
@@ -166,6 +172,14 @@ class BlockCache:
         b0, b1 = lo // self.block_rows, (hi - 1) // self.block_rows
         for key in [k for k in self._codes if b0 <= k[1] <= b1]:
             del self._codes[key]
+
+
+class PreviewSummary(SummaryReader):
+    """The summary of a diff's preview (:func:`tensordiff.diff.preview.preview_summary`): the real
+    metrics of the first tokens, with no verdict (``judged`` false: its cells are drawn without
+    the diff's colours). ``tokens_a`` / ``tokens_b``: the token rows each whole trace holds."""
+
+    judged = False
 
 
 # ----------------------------------------------------------------------------------------------

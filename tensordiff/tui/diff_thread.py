@@ -3,6 +3,11 @@ messages (:class:`DiffProgress`, :class:`DiffEnded`) and stops at its next progr
 cancelled. It also hands the diff a :class:`tensordiff.tui.data.LiveSummary` sink (``live``),
 through which the app's heatmap shows the rows compared so far while the diff runs.
 
+On a large pair it first writes a preview (:func:`tensordiff.diff.preview.preview_summary`: the
+real metrics of the first tokens, read without loading the whole traces, with no verdict) and
+posts :class:`DiffPreview`, so the heatmap shows real rows while the diff opens and aligns every
+token.
+
 A plain thread rather than a Textual worker, so that the app can end (and restore the terminal)
 while the diff is in a long stage: the thread stops at its next progress report, and
 :func:`tensordiff.tui.app.run_tui` joins it. Not a daemon: a daemon thread frozen inside h5py at
@@ -22,10 +27,17 @@ from dataclasses import replace
 from textual.message import Message
 
 from ..diff import DiffOptions, Stage
+from ..diff.preview import PREVIEW_TOKENS, preview_summary
 from ..findings import DiffResult
 from .data import LiveSummary
 
 PROGRESS_INTERVAL_S = 0.05
+#: the preview is made when either trace holds at least this many token rows (a smaller diff
+#: shows its own first rows about as soon)
+PREVIEW_FROM = 200_000
+#: how long the diff waits for the app to draw the preview before it opens the traces (reading
+#: a token table holds the GIL: the app could not draw meanwhile)
+PREVIEW_WAIT_S = 1.0
 
 DiffFn = Callable[[str, str, DiffOptions], DiffResult]
 
@@ -41,6 +53,15 @@ class DiffProgress(Message):
         self.stage = stage
         self.done = done
         self.total = total
+        super().__init__()
+
+
+class DiffPreview(Message):
+    """Posted by the diff thread: the preview's summary file (``tokens`` aligned tokens) is written."""
+
+    def __init__(self, path: str, tokens: int) -> None:
+        self.path = path
+        self.tokens = tokens
         super().__init__()
 
 
@@ -61,7 +82,7 @@ class DiffThread:
     still running then cannot create the file again, its directory is gone)."""
 
     def __init__(self, path_a: str, path_b: str, options: DiffOptions, diff_fn: DiffFn,
-                 post: Callable[[Message], object]):
+                 post: Callable[[Message], object], preview_from: int | None = PREVIEW_FROM):
         self.path_a, self.path_b = path_a, path_b
         self.options = options
         self.diff_fn = diff_fn
@@ -74,6 +95,10 @@ class DiffThread:
         self.t0 = 0.0
         self.live: LiveSummary | None = None     # set in the diff thread once the tokens are aligned
         self.live_at: float | None = None        # when (perf_counter)
+        self.preview_from = preview_from         # None: no preview
+        self.preview_dir: str | None = None
+        self.preview_at: float | None = None     # when the preview was written (perf_counter)
+        self.preview_shown = threading.Event()   # set by the app once it has drawn (or declined) it
 
     def start(self) -> None:
         if self.owns_summary:
@@ -103,6 +128,12 @@ class DiffThread:
             self.live_at = time.perf_counter()
             self.live = live
 
+        try:
+            self._preview()
+        except Cancelled:
+            self.remove_summary()
+            return
+
         sinks = list(self.options.sinks)
         if self.summary_path is not None:
             sinks.append(LiveSummary.factory(self.summary_path, made))
@@ -116,6 +147,49 @@ class DiffThread:
             return
         self.post(DiffEnded(res, err))
 
+    def _preview(self) -> None:
+        """The preview of a large pair, posted as :class:`DiffPreview`; nothing when the pair is
+        small, a trace set, or its heads share nothing (the diff itself says why)."""
+        if self.preview_from is None:
+            return
+        if max(_stored_tokens(self.path_a), _stored_tokens(self.path_b)) < self.preview_from:
+            return
+        self.preview_dir = tempfile.mkdtemp(prefix="tensordiff-tui-preview-")
+
+        def check() -> None:
+            if self.cancel.is_set():
+                raise Cancelled()
+
+        path = os.path.join(self.preview_dir, "preview.h5")
+        try:
+            n = preview_summary(self.path_a, self.path_b, path, PREVIEW_TOKENS, check)
+        except Cancelled:
+            raise
+        except Exception:  # noqa: BLE001 - a preview that cannot be made is no preview; the diff reports
+            return
+        if n:
+            self.preview_at = time.perf_counter()
+            self.post(DiffPreview(path, n))
+            end = self.preview_at + PREVIEW_WAIT_S
+            while not self.preview_shown.wait(0.01) and time.perf_counter() < end:
+                check()
+
     def remove_summary(self) -> None:
         if self.owns_summary and self.summary_dir:
             shutil.rmtree(self.summary_dir, ignore_errors=True)
+        if self.preview_dir:
+            shutil.rmtree(self.preview_dir, ignore_errors=True)
+
+
+def _stored_tokens(path: str) -> int:
+    """The token rows a trace file stores (0: not a readable trace file, or a set)."""
+    if not os.path.isfile(path):
+        return 0
+    import h5py
+
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            tok = f.get("tokens")
+            return int(tok.shape[0]) if isinstance(tok, h5py.Dataset) and tok.shape else 0
+    except Exception:  # noqa: BLE001 - whatever a damaged file makes h5py raise: the diff reports it
+        return 0

@@ -40,6 +40,7 @@ from .data import (
     METRICS,
     N_LEVELS,
     PENDING,
+    UNJUDGED,
     BlockCache,
     Column,
     Metric,
@@ -49,6 +50,7 @@ from .data import (
 from .text import GLYPH_RANK, column_verdict
 
 CELL_W = 4          # three glyphs and a gap
+UNJUDGED_GLYPH = " ? "  # the verdict of a preview's cell: not known yet
 PENDING_GLYPH = "░░░"   # a cell the running diff has not compared yet: no bar, no verdict colour
 HEADER_H = 2        # column header lines (sticky)
 GUTTER_W = 22       # "seq:pos token" and a separator
@@ -84,6 +86,10 @@ def _cell_tables(verdict_mode: bool) -> tuple[list[str], list[Style]]:
     assert len(glyphs) == PENDING
     glyphs.append(PENDING_GLYPH)
     styles.append(Style(color="#6c7a89", dim=True))
+    assert len(glyphs) == UNJUDGED
+    for lvl in range(N_LEVELS):   # a preview's values: bars in one neutral colour, no verdict
+        glyphs.append(UNJUDGED_GLYPH if verdict_mode else BARS[lvl] * 3)
+        styles.append(Style(color=_mix((84, 110, 122), (176, 190, 197), lvl / (N_LEVELS - 1))))
     return glyphs, styles
 
 
