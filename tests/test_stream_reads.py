@@ -1,6 +1,8 @@
-"""The serial backend reads B's rows in a second thread while its reader reads A's (with a second
-core): the diff is the same bytes as with one reader, on pairs with real divergences, for single
-files and trace sets, in both orders, and a failed read still ends the diff with the file's error."""
+"""The serial backend reads B's rows in a second thread while its reader reads A's, and the noise
+model reads its sample of each catalog state one state ahead, A's rows and B's rows in a thread
+each (with a second core): the diff is the same bytes as with the reads in line, on pairs with
+real divergences, for single files and trace sets, in both orders; a failed read on either side
+still ends the diff with the file's error, and no reading thread outlives the diff."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 import importlib
 from setgen import make_recording, write, write_ranks
+from tensordiff import noise, noise_io
 from tensordiff.cli import jsonable
 from tensordiff.diff import DiffOptions, diff_traces
 from tensordiff.errors import TraceFileError
@@ -72,3 +75,48 @@ def test_a_failed_read_on_either_side_ends_the_diff_with_its_error(traces, monke
     monkeypatch.setattr(RowReads, "read_at", broken)
     with pytest.raises(TraceFileError, match="damaged"):
         diff_traces(traces["train"], traces["bad"], DiffOptions(block_rows=16))
+
+
+@pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "bad_set"), ("bad_set", "train")])
+def test_reading_the_noise_sample_ahead_in_threads_gives_the_same_diff(traces, monkeypatch, pair):
+    a, b = traces[pair[0]], traces[pair[1]]
+    fitted = []
+    real_fit = noise.fit
+
+    def fit(*args, **kw):
+        fitted.append(args[2])   # the measured states
+        return real_fit(*args, **kw)
+
+    monkeypatch.setattr(noise, "fit", fit)
+    monkeypatch.setattr(noise_io, "usable_cores", lambda: 1)
+    names = _reader_threads(monkeypatch)
+    one = _json(a, b)
+    assert not any(n.startswith("tensordiff-noise") for n in names)
+    monkeypatch.setattr(noise_io, "usable_cores", lambda: 2)
+    names.clear()
+    two = _json(a, b)
+    assert two == one
+    assert any(n.startswith("tensordiff-noise-a") for n in names)
+    assert any(n.startswith("tensordiff-noise-b") for n in names)
+    assert len(fitted) == 2 and len(fitted[0]) >= 3, "the pair has measured catalog states"
+    assert fitted[1] == fitted[0]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tensordiff-noise")]
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_a_failed_sample_read_on_either_side_ends_the_diff_with_its_error(traces, monkeypatch, side):
+    monkeypatch.setattr(noise_io, "usable_cores", lambda: 2)
+    real = RowReads.read_at
+    calls = []
+
+    def broken(self, name, part, idx, out=None):
+        if threading.current_thread().name.startswith(f"tensordiff-noise-{side}"):
+            calls.append(name)
+            if len(calls) == 2:   # the second state's read: one state was already read ahead
+                raise TraceFileError(f"cannot read {name}/{part}, the file is damaged (test)", self.path)
+        return real(self, name, part, idx, out=out)
+
+    monkeypatch.setattr(RowReads, "read_at", broken)
+    with pytest.raises(TraceFileError, match="damaged"):
+        diff_traces(traces["train"], traces["bad"], DiffOptions(block_rows=16))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tensordiff-noise")]
