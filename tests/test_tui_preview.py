@@ -10,7 +10,6 @@ starts so that the test can look at the preview, then let go.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import numpy as np
@@ -27,6 +26,7 @@ from tensordiff.tui.data import METRICS, PENDING, UNJUDGED, PreviewSummary
 from tensordiff.tui.widgets import UNJUDGED_GLYPH
 
 from test_tui import SIZE
+from test_tui_stream import screen_text, wait_for
 
 pytestmark = [pytest.mark.torch]
 
@@ -131,16 +131,6 @@ def held(gate: threading.Event, entered: threading.Event):
     return diff
 
 
-async def wait_for(pilot, cond, timeout: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "timed out"
-        await pilot.pause(0.02)
-
-
-def screen_text(app) -> str:
-    return "\n".join(s.text for s in app.screen._compositor.render_strips())
 
 
 @pytest.mark.anyio
@@ -155,8 +145,8 @@ async def test_preview_rows_then_the_verdict(tr, bug, which):
     seen_headlines: list[str] = []
     try:
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: app.preview is not None and app.first_rows_at is not None)
-            await wait_for(pilot, entered.is_set)   # the diff waited for the preview to be drawn
+            await wait_for(pilot, lambda: app.preview is not None and app.first_rows_at is not None, timeout=60)
+            await wait_for(pilot, entered.is_set, timeout=60)   # the diff waited for the preview to be drawn
             await pilot.pause()
             hm = app.heatmap
             assert app.result is None and app.live is None and not app.ready
@@ -207,7 +197,7 @@ async def test_small_pair_has_no_preview(tr):
     """Below PREVIEW_FROM token rows the diff's own first rows come about as soon: no preview."""
     app = TensordiffApp(str(tr["float32"]), str(tr["bfloat16"]), find_tokenizer=False)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.ready)
+        await wait_for(pilot, lambda: app.ready, timeout=60)
         assert app._diff.preview_at is None and app.first_live_rows_at is not None
         await pilot.press("q")
 
@@ -232,7 +222,7 @@ async def test_quit_on_the_preview(tr):
                         find_tokenizer=False)
     try:
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: app.preview is not None and app.first_rows_at is not None)
+            await wait_for(pilot, lambda: app.preview is not None and app.first_rows_at is not None, timeout=60)
             preview_dir = app._diff.preview_dir
             assert preview_dir and os.listdir(preview_dir)
             await pilot.press("q")

@@ -539,21 +539,16 @@ class TensordiffApp(App[int]):
     def _render_live_detail(self) -> None:
         """The cell under the cursor while the diff runs: its streamed metrics, or pending; in the
         preview its metrics without a verdict."""
-        live, hm = self.live, self.heatmap
+        live = self.live
         preview = self.preview if live is None else None
         if preview is not None:
             self._render_preview_detail(preview)
             return
-        if live is None or self.cell is None or hm.blocks is None:
+        place = self._cursor_place(live.n) if live is not None else None
+        if live is None or place is None:
             return
-        row, ci = self.cell
-        col = next((c for c in hm.columns if c.index == ci), None)
-        if col is None or not 0 <= row < live.n:
-            return
-        tok = hm.blocks.token(row)
-        seqs = hm._seq_names
-        seq = int(tok["seq_a"])
-        where = f"{seqs[seq] if 0 <= seq < len(seqs) else seq}:{int(tok['pos_a'])} token {int(tok['token'])} (#{row})"
+        row, col, where = place
+        ci = col.index
         if live.pending(row, row + 1)[0, ci]:
             what = Text("not compared yet", style="bold")
         else:
@@ -570,18 +565,26 @@ class TensordiffApp(App[int]):
             Text("the diff is running: findings, the cell's sentence and its vectors come when it ends", style="dim")])
         self._w_detail.update(self.detail_text)
 
-    def _render_preview_detail(self, pv: PreviewSummary) -> None:
+    def _cursor_place(self, n: int) -> tuple[int, Column, str] | None:
+        """(row, column, "seq:pos token t (#row)") of the cell under the cursor while the heatmap
+        shows streamed or preview rows (``n`` of them); None when there is no such cell."""
         hm = self.heatmap
         if self.cell is None or hm.blocks is None:
-            return
+            return None
         row, ci = self.cell
         col = next((c for c in hm.columns if c.index == ci), None)
-        if col is None or not 0 <= row < pv.n:
-            return
+        if col is None or not 0 <= row < n:
+            return None
         tok = hm.blocks.token(row)
         seqs = hm._seq_names
         seq = int(tok["seq_a"])
-        where = f"{seqs[seq] if 0 <= seq < len(seqs) else seq}:{int(tok['pos_a'])} token {int(tok['token'])} (#{row})"
+        return row, col, f"{seqs[seq] if 0 <= seq < len(seqs) else seq}:{int(tok['pos_a'])} token {int(tok['token'])} (#{row})"
+
+    def _render_preview_detail(self, pv: PreviewSummary) -> None:
+        place = self._cursor_place(pv.n)
+        if place is None:
+            return
+        row, col, where = place
         cos, rel, mx, fl = (float(v) for v in pv.cell(row, col.index))
         if fl != fl:
             what = Text("no row for this token in this tensor", style="dim")
