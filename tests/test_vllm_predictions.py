@@ -120,6 +120,94 @@ def test_a_verify_step_records_its_kept_rows_and_every_draft_positions_target_co
     assert STATE.rows_dropped == K - accepted
 
 
+def _engine_logits(hidden, w, rows):
+    """What vLLM's compute_logits returns for the pass rows ``rows``, offset by 0.25 per row index
+    so that a table shows which source it came from (log-probs do not move, logsumexp does)."""
+    x = hidden[torch.as_tensor(rows)] @ w.T
+    return x + 0.25 * (1 + torch.arange(len(rows), dtype=x.dtype))[:, None]
+
+
+@pytest.mark.parametrize("mode", ["reused", "shape_mismatch", "no_mapping"])
+def test_the_rows_vllm_sampled_from_take_its_own_logits_and_the_others_the_plugins_product(st, mode):
+    """A verify step whose sampling was seen: the verify rows (4, 5, 6) and the prefill chunk's last
+    row (3) take the logits vLLM computed (spec metadata's logits_indices); the prefill's other
+    rows the plugin's product; spec_verify's log-prob of each draft token comes from the same
+    logits as the row's table. Logits of another width, or no mapping: every row from the
+    product, with a warning for the width."""
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(9, H, generator=g)
+    step = _step(hidden)
+    sampled_at = np.array([3, 4, 5, 6])
+    logits = _engine_logits(hidden, st.w, sampled_at)
+    if mode == "shape_mismatch":
+        logits = torch.cat([logits, torch.zeros(len(sampled_at), 3)], dim=1)
+    step.logits = pr._private_logits(logits)
+    if mode != "no_mapping":
+        step.logit_rows = pr.logit_rows(step, len(sampled_at), SimpleNamespace(logits_indices=torch.tensor(sampled_at)))
+        assert list(step.logit_rows) == [3, 4, 5, 6]
+    logits.fill_(float("nan"))  # the sampler changes its logits in place: the plugin's copy is its own
+    verify.commit(step, np.array([[9, -1, -1], [7, 9, 5]], dtype=np.int64))  # both drafts accepted
+    st.rec.close()
+    got, _ = _read(st.path)
+    ref = hidden[:7] @ st.w.T
+    if mode == "reused":
+        ref = ref.clone()
+        ref[torch.as_tensor(sampled_at)] = _engine_logits(hidden, st.w, sampled_at)
+    ids, lp, lse = _tables(ref)
+    rows, vals = got[cv.TARGET_TOPK]
+    assert list(rows) == list(range(7))
+    np.testing.assert_array_equal(vals[:, :TOPK], ids)
+    np.testing.assert_allclose(vals[:, TOPK:2 * TOPK], lp, atol=1e-5)
+    np.testing.assert_allclose(vals[:, 2 * TOPK], lse, rtol=1e-6)
+    (sv,) = got[cv.SPEC_VERIFY][1]
+    want = (ref[[4, 5], [7, 9]].double() - torch.logsumexp(ref[[4, 5]].double(), -1)).numpy()
+    np.testing.assert_allclose(sv[7:9], want, atol=1e-5)
+    assert ("logits-shape" in STATE.warned) == (mode == "shape_mismatch")
+
+
+def test_logit_rows_map_the_sampled_rows_of_a_step():
+    """Without drafts: each request's last row in batch order (a request with no rows: -1); with
+    drafts: the spec metadata's logits_indices; a count or a row that does not fit the step: None."""
+    step = _step(None)
+    step.num_reqs = 3  # a third request in the batch scheduled no rows
+    assert list(pr.logit_rows(step, 3, None)) == [3, 6, -1]
+    assert pr.logit_rows(step, 2, None) is None
+    meta = SimpleNamespace(logits_indices=torch.tensor([3, 4, 5, 6]))
+    assert list(pr.logit_rows(step, 4, meta)) == [3, 4, 5, 6]
+    assert pr.logit_rows(step, 3, meta) is None
+    assert pr.logit_rows(step, 1, SimpleNamespace(logits_indices=torch.tensor([7]))) is None
+    assert pr.logit_rows(step, 1, SimpleNamespace(logits_indices=None)) is None
+
+
+def test_the_compute_logits_tap_copies_a_recorded_steps_logits_only(st, monkeypatch):
+    """The tap on the target model's compute_logits: a private copy while a recorded step waits for
+    its sampling, nothing otherwise (no step, a step without hidden states, a second call); removing
+    it brings the class's method back."""
+    class Model:
+        def compute_logits(self, h):
+            return h @ st.w.T
+
+    m = Model()
+    patch = pr.InstancePatch(m, "compute_logits", pr._logits_tap(m.compute_logits))
+    h = torch.randn(2, H)
+    monkeypatch.setattr(STATE, "pending", None)
+    m.compute_logits(h)  # a dummy run: no step
+    step = _step(None)
+    monkeypatch.setattr(STATE, "pending", step)
+    m.compute_logits(h)
+    assert step.logits is None  # predictions off for this step (no hidden states kept)
+    step.hidden = torch.zeros(7, H)
+    out = m.compute_logits(h)
+    first = step.logits
+    torch.testing.assert_close(first, h @ st.w.T)
+    out.fill_(0.0)
+    assert first.abs().sum() > 0  # its own copy
+    m.compute_logits(h + 1)  # a later call in the same step (prompt log-probs): the step's stay
+    assert step.logits is first
+    patch.remove()
+    assert "compute_logits" not in vars(m) and m.compute_logits(h).shape == (2, V)
+
+
 @pytest.mark.parametrize("drafted", [None, -2, 0], ids=["no_propose", "older_propose", "this_steps_propose"])
 def test_a_chain_not_drafted_right_before_the_verify_step_is_not_written(st, drafted):
     """Chains from a propose other than the one right before the step (a pause between, a step

@@ -41,6 +41,8 @@ class Step:
         self.batch_idx: list = []     # per segment: the request's index in the batch (sampler row)
         self.num_reqs = 0             # requests in the batch, scheduled tokens or not
         self.hidden = None            # torch [>=T, H] the target's final hidden states (top-k predictions)
+        self.logits = None            # a private copy of the logits vLLM computed for the rows it samples
+        self.logit_rows = None        # np.int64: the pass row of each row of ``logits`` (-1: none), once sampled
         self.sampled: list = []       # [(segment, trace row, token)]: the rows that sampled a kept token (RL records)
 
 
