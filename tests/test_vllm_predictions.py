@@ -399,3 +399,47 @@ def test_the_drafter_pass_maps_rows_checks_the_shift_and_stores_repeated_bits_on
         assert by_ref and (refs >= 0).all()
     else:
         assert refs is None or (refs < 0).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_rows_of_a_whole_batch_equal_each_requests_own_mapping(seed):
+    """drafter.draft_rows maps every request's draft rows at once; the per-request mapping
+    (target_rows, which also handles positions that are not consecutive) is the reference: random
+    batches of prefill chunks and verify segments, dropped rows, drafter rows outside the step,
+    requests with no draft rows, and a request whose rows skip a position."""
+    from tensordiff.recorders.vllm import drafter
+
+    rng = np.random.default_rng(seed)
+    segs, pos, ids, qsl_lens, dpos = [], [], [], [], []
+    start = 0
+    m = int(rng.integers(1, 6))
+    for i in range(m):
+        c = int(rng.integers(1, 6))
+        p0 = int(rng.integers(0, 50))
+        p = p0 + np.arange(c)
+        if i == 2 and c > 2:
+            p[2:] += 1  # a skipped position: the per-request path
+        segs.append((f"r{i}", start, c, 0, f"r{i}-x"))
+        pos.append(p)
+        ids.append(rng.integers(0, 100, c))
+        start += c
+        n_d = int(rng.integers(0, c + 2))  # 0: no draft rows; c + 1: one past the step's rows
+        qsl_lens.append(n_d)
+        dpos.append(p0 + rng.integers(-1, c + 1, n_d))
+    step = Step(1, segs, np.concatenate(pos), np.concatenate(ids), ["prefill"] * m, [100] * m, [None] * m)
+    step.batch_idx = list(range(m))
+    step.num_reqs = m
+    step.rows = np.arange(start, dtype=np.int64) + 10
+    step.rows[rng.random(start) < 0.3] = -1
+    for i, (key, *_) in enumerate(segs):
+        if rng.random() < 0.7:
+            step.next_tok[(key, int(pos[i][-1]) + 1)] = 77
+    qsl = np.concatenate([[0], np.cumsum(qsl_lens)]).astype(np.int64)
+    dp = np.concatenate(dpos).astype(np.int64) if dpos else np.zeros(0, np.int64)
+    rows, want, owner = drafter.draft_rows(step, qsl, dp)
+    for i, seg in enumerate(segs):
+        a, z = qsl[i], qsl[i + 1]
+        r, w = drafter.target_rows(step, seg, dp[a:z])
+        np.testing.assert_array_equal(rows[a:z], r)
+        np.testing.assert_array_equal(want[a:z], w)
+        assert (owner[a:z] == i).all()

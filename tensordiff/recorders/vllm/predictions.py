@@ -343,6 +343,7 @@ def _target_job(hidden, logits, where, allneed):
         return rec.topk_job(k, hidden=hidden, head=st.target_head, rows=allneed)
     src = where[allneed]
     got = src >= 0
+    st.logits_reused += int(np.count_nonzero(got))
     if got.all():
         return rec.topk_job(k, logits=logits, rows=src)
     if not got.any():
