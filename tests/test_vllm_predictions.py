@@ -45,7 +45,7 @@ def st(request, monkeypatch, tmp_path):
                         ("model", {"num_layers": 4, "hidden_size": H}), ("labels", None), ("chain", {}),
                         ("chain_step", None), ("start_topk", None), ("seconds", 0.0), ("shift_checked", 0),
                         ("shift_mismatched", 0), ("raw_ids", None), ("convention", "vllm"),
-                        ("spec_k", None), ("verify_steps", 0), ("rows_written", 0), ("rows_dropped", 0),
+                        ("spec_k", None), ("verify_steps", 0), ("rows_written", 0), ("rows_dropped", 0), ("logits_reused", 0),
                         ("target_head", (w, V, None, None)), ("draft_head", None), ("draft_id_map", None),
                         ("last", None), ("dirty", False), ("paused", False), ("closed", False), ("broken", False)):
         monkeypatch.setattr(STATE, name, value)
@@ -443,3 +443,53 @@ def test_draft_rows_of_a_whole_batch_equal_each_requests_own_mapping(seed):
         np.testing.assert_array_equal(rows[a:z], r)
         np.testing.assert_array_equal(want[a:z], w)
         assert (owner[a:z] == i).all()
+
+
+def _spread(x, id_map, vocab=V):
+    """What an EAGLE-3 draft's compute_logits returns: its logits at the target ids, -inf elsewhere."""
+    out = torch.full((x.shape[0], vocab), float("-inf"))
+    out[:, id_map] = x
+    return out
+
+
+@pytest.mark.parametrize("tap", ["seen", "one_call_missing"])
+def test_the_draft_tables_take_the_drafts_own_logits_where_vllm_computed_them(st, monkeypatch, tap):
+    """The draft's compute_logits in propose (first call: the first pass's sampled rows; then one
+    per decode step, spread over the target's vocabulary): draft_topk's sampled rows and every
+    chain position come from them, the other kept rows from the plugin's product. A propose whose
+    calls do not match its passes: every row from the product."""
+    g = torch.Generator().manual_seed(9)
+    step = _step(None)
+    verify.commit(step, np.array([[-1, -1, -1], [5, 5, 5]], dtype=np.int64))
+    dv = 8
+    wd = torch.randn(dv, H, generator=g)
+    id_map = torch.tensor([3, 3, 5, 10, 10, 20, 30, 41]) + torch.arange(dv)
+    monkeypatch.setattr(STATE, "draft_head", (wd, dv, None, None))
+    monkeypatch.setattr(STATE, "draft_id_map", id_map)
+    n = 7
+    h0, h1 = torch.randn(n + 1, H, generator=g), torch.randn(3, H, generator=g)
+    sample = np.array([3, 6])
+    # vLLM's logits, shifted per row so that a table shows its source (log-probs do not move)
+    l0 = h0[sample] @ wd.T + torch.tensor([[1.5], [2.5]])
+    l1 = h1[:2] @ wd.T + 3.5
+    taps = [pr._draft_columns(_spread(l0, id_map)), pr._draft_columns(_spread(l1, id_map))]
+    torch.testing.assert_close(taps[0], l0)
+    if tap == "one_call_missing":
+        taps = taps[:1]
+    ctx = {"fc": None, "outs": [h0, h1], "sample": sample, "aligned": True, "step": step, "logits": taps}
+    pr.record_draft_predictions(ctx, step.rows.copy(), n, ["p", "v"])
+    reused = tap == "seen"
+    want0 = (h0[:n] @ wd.T).clone()
+    if reused:
+        want0[torch.as_tensor(sample)] = l0
+    want1 = l1 if reused else h1[:2] @ wd.T
+    v0, v1 = STATE.chain["v"]
+    np.testing.assert_allclose(v0[0].table[v0[1]][2 * TOPK], torch.logsumexp(want0[6].double(), -1).item(), rtol=1e-6)
+    np.testing.assert_allclose(v1[0].table[v1[1]][2 * TOPK], torch.logsumexp(want1[1].double(), -1).item(), rtol=1e-6)
+    assert (STATE.logits_reused > 0) == reused
+    st.rec.close()
+    got, _ = _read(st.path)
+    drows, dvals = got[cv.DRAFT_TOPK]
+    np.testing.assert_array_equal(drows, np.arange(n))
+    np.testing.assert_array_equal(dvals[:, :TOPK], id_map[torch.topk(want0, TOPK, -1).indices].numpy())
+    np.testing.assert_allclose(dvals[:, 2 * TOPK], torch.logsumexp(want0.double(), -1).numpy(), rtol=1e-6)

@@ -373,11 +373,11 @@ def test_vllm_records_predictions_fc_output_and_verify_steps(vllm_run, vtrace, m
 @pytest.mark.slow
 @needs_vllm
 def test_tables_from_vllms_own_logits_equal_the_ones_the_plugin_computes(vllm_run, vtrace, models, tmp_path):
-    """The rows vLLM sampled from (every verify row, a prefill chunk's last row) take the logits
-    vLLM computed; with TENSORDIFF_REUSE_LOGITS=0 (as where vLLM's logits cannot be used) the
-    plugin computes every row from the final hidden states. Both runs record the same rows, the
-    same top-k ids, and log-probs / logsumexp within float32 rounding of the product, in
-    target_topk, spec_verify and spec_chain."""
+    """The rows vLLM sampled from (every verify row, a prefill chunk's last row; the draft's
+    sampled rows and decode steps) take the logits vLLM computed; with TENSORDIFF_REUSE_LOGITS=0
+    (as where vLLM's logits cannot be used) the plugin computes every row from the final hidden
+    states. Both runs record the same rows, the same top-k ids, and log-probs / logsumexp within
+    float32 rounding of the product, in target_topk, draft_topk, spec_verify and spec_chain."""
     from tensordiff import conventions as cv
 
     other = _record_vllm(tmp_path, "recomputed", models["target"], models["draft"], models["prompts"], "--catalog",
@@ -388,14 +388,14 @@ def test_tables_from_vllms_own_logits_equal_the_ones_the_plugin_computes(vllm_ru
         reused = vtrace.stats["topk_rows_from_vllm_logits"]
         # every verify row was sampled by vLLM: at least its K draft positions' rows were reused
         assert reused >= vtrace.stats["verify_steps"] * 2 > 0 and tr.stats["topk_rows_from_vllm_logits"] == 0
-        k = 20
-        for name in (cv.TARGET_TOPK, cv.SPEC_VERIFY, cv.SPEC_CHAIN):
+        for name in (cv.TARGET_TOPK, cv.DRAFT_TOPK, cv.SPEC_VERIFY, cv.SPEC_CHAIN):
             a_rows, a_seq, a_pos = vtrace.rows(name)
             b_rows, b_seq, b_pos = tr.rows(name)
             assert list(a_seq) == list(b_seq) and (a_pos == b_pos).all(), name
             a, b = vtrace.r.read_values(name, raw=True), tr.r.read_values(name, raw=True)
             assert a.shape == b.shape and a.shape[0] > 0, name
-            if name == cv.TARGET_TOPK:
+            if name in (cv.TARGET_TOPK, cv.DRAFT_TOPK):
+                k = cv.topk_k(a.shape[1])
                 ids_a, ids_b = a[:, :k], b[:, :k]
                 # a neighbour within float32 rounding may swap places; nothing else may differ
                 lp = b[:, k:2 * k]

@@ -42,8 +42,8 @@ def hook_propose(original, proposer, *args, **kwargs):
             if qsl is None:
                 qsl = getattr(cad, "query_start_loc", None)
             ctx = {"hs": hs, "pos": b.get("target_positions"), "tok": b.get("target_token_ids"),
-                   "qsl": qsl, "ids": None, "step": st.last, "fc": None, "outs": [], "sample": None,
-                   "aligned": False}
+                   "qsl": qsl, "ids": None, "step": st.last, "fc": None, "outs": [], "logits": [],
+                   "sample": None, "aligned": False}
     except Exception as e:  # noqa: BLE001
         st.fail("draft pass", e)
     st.draft_ctx = ctx

@@ -59,8 +59,7 @@ def install_prediction_taps(runner, model) -> None:
     k = st.cfg.topk
     if k > 0:
         st.target_head = head_of(model, "target")
-        reuse = (os.environ.get(ENV_REUSE) or "1").strip().lower() not in ("0", "false", "no", "off")
-        if st.target_head is not None and reuse and callable(getattr(model, "compute_logits", None)):
+        if st.target_head is not None and reuse_logits() and callable(getattr(model, "compute_logits", None)):
             st.catalog_handles.append(InstancePatch(model, "compute_logits", _logits_tap(model.compute_logits)))
             st.prediction_taps += 1
     drafter = getattr(runner, "drafter", None)
@@ -87,6 +86,15 @@ def install_prediction_taps(runner, model) -> None:
         st.draft_id_map = d2t + torch.arange(len(d2t), dtype=torch.int64)
     st.catalog_handles.append(dm.register_forward_hook(_draft_hook))
     st.prediction_taps += 1
+    if reuse_logits() and callable(getattr(dm, "compute_logits", None)):
+        st.catalog_handles.append(InstancePatch(dm, "compute_logits", _draft_logits_tap(dm.compute_logits)))
+        st.prediction_taps += 1
+
+
+def reuse_logits() -> bool:
+    """Whether the tables take vLLM's own logits where it computed them (``TENSORDIFF_REUSE_LOGITS``,
+    default on; 0: the plugin computes every row from the final hidden states)."""
+    return (os.environ.get(ENV_REUSE) or "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def head_of(model, what: str):
@@ -176,6 +184,46 @@ def _logits_tap(original):
     return compute_logits
 
 
+def _draft_logits_tap(original):
+    """The draft's ``compute_logits`` inside ``propose``: a private copy of each call's logits, in
+    the draft's own vocabulary (an EAGLE-3 draft with a reduced vocabulary returns them spread over
+    the target's, -inf elsewhere: its ``d2t`` columns are taken back). The first call is the first
+    pass's sampled rows (``token_indices_to_sample``), each later one a draft decode step."""
+    def compute_logits(*args, **kwargs):
+        out = original(*args, **kwargs)
+        st = STATE
+        ctx = st.draft_ctx
+        if ctx is None or out is None or not st.active:
+            return out
+        t0 = time.perf_counter()
+        try:
+            ctx.setdefault("logits", []).append(_draft_columns(out))
+        except Exception as e:  # noqa: BLE001
+            st.fail("draft logits", e)
+        st.add_seconds(time.perf_counter() - t0)
+        return out
+    return compute_logits
+
+
+def _draft_columns(x):
+    """A private float32 copy of the draft's logits in its own vocabulary (None: not that shape)."""
+    import torch
+
+    st = STATE
+    head, cols = st.draft_head, st.draft_id_map
+    if head is None or x.dim() != 2:
+        return None
+    if cols is None:
+        return _private_logits(x) if x.shape[-1] == head[1] else None
+    if len(cols) != head[1] or int(cols.max()) >= x.shape[-1]:
+        return None
+    if x.device.type == "cpu":
+        from ..staging import host_f32
+
+        return torch.from_numpy(host_f32(x).numpy()[:, cols.numpy()])
+    return x.detach().index_select(1, cols.to(x.device)).float()
+
+
 def _private_logits(x):
     from ..staging import host_f32
 
@@ -244,35 +292,56 @@ def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
         return
     k = st.cfg.topk
     rec = st.rec
+    head, id_map = st.draft_head, st.draft_id_map
     h0 = outs[0][:n]
     need = tables.kept_rows(rec, rows)
+    sample = ctx.get("sample")
+    if sample is not None:
+        sample = np.asarray(sample, dtype=np.int64)
+        if not len(sample) or sample.max() >= n or sample.min() < 0:
+            sample = None
+    # vLLM's own logits of the draft: the first pass's sampled rows, then each decode step's rows
+    lg = ctx.get("logits") or []
+    if len(lg) != len(outs) or any(x is None for x in lg) or sample is None or lg[0].shape[0] != len(sample):
+        lg = []
+    where = None
+    if lg:
+        where = np.full(n, -1, dtype=np.int64)
+        where[sample] = np.arange(len(sample))
     table = None
     if len(need):
-        job = rec.topk_job(k, hidden=h0, head=st.draft_head, id_map=st.draft_id_map, rows=need)
+        job = _joined_job(h0, head, id_map, lg[0] if lg else None, where, need)
         table = PassTable(job, n, need)
         tables.record_topk(st, conventions.DRAFT_TOPK, table, rows, 1,
-                           "draft model's final hidden states in propose times its lm_head, mapped to target ids")
-    sample = ctx.get("sample")
+                           "draft model's final hidden states in propose times its lm_head, mapped to target ids; "
+                           "the rows vLLM sampled from: its own logits (compute_logits)")
     if sample is None:
         return
-    sample = np.asarray(sample, dtype=np.int64)
     b = len(sample)
-    if b != len(keys) or not len(sample) or sample.max() >= n or sample.min() < 0:
+    if b != len(keys):
         return
     # draft position 0: each request's sampled row of the first pass, a draft_topk row where it is kept
     first = [table.ref(r) if table is not None else None for r in sample.tolist()]
     missing = [i for i, ref in enumerate(first) if ref is None and keys[i] is not None]
     if missing:
-        extra = rec.topk_job(k, hidden=h0, head=st.draft_head, id_map=st.draft_id_map, rows=sample[missing])
+        if lg:
+            extra = rec.topk_job(k, logits=lg[0], id_map=id_map, rows=np.asarray(missing, dtype=np.int64))
+            st.logits_reused += len(missing)
+        else:
+            extra = rec.topk_job(k, hidden=h0, head=head, id_map=id_map, rows=sample[missing])
         for j, i in enumerate(missing):
             first[i] = (extra, j)
     jobs = []
-    for o in outs[1:]:  # the draft decode steps: one row per request
+    for j, o in enumerate(outs[1:], 1):  # the draft decode steps: one row per request
         if o.shape[0] < b:
             st.warn_once("chain", "a draft decode step without one row per request; draft positions after 0 get "
                          "no distributions")
             return
-        jobs.append(rec.topk_job(k, hidden=o[:b], head=st.draft_head, id_map=st.draft_id_map))
+        if lg and lg[j].shape[0] >= b:
+            jobs.append(rec.topk_job(k, logits=lg[j][:b], id_map=id_map))
+            st.logits_reused += b
+        else:
+            jobs.append(rec.topk_job(k, hidden=o[:b], head=head, id_map=id_map))
     st.chain = {key: [first[i]] + [(job, i) for job in jobs] for i, key in enumerate(keys) if key is not None}
     st.chain_step = ctx["step"].step
 
@@ -300,7 +369,7 @@ def commit_predictions(step, spec: list, unseen: bool = False) -> None:
         allneed = np.union1d(need, np.concatenate(extra)) if extra else need
         where = _logits_map(step, logits, T)
         if len(allneed):
-            pred = PassTable(_target_job(hidden[:T], logits, where, allneed), T, allneed)
+            pred = PassTable(_joined_job(hidden[:T], st.target_head, None, logits, where, allneed), T, allneed)
             if len(need):
                 tables.record_topk(st, conventions.TARGET_TOPK, pred, rows, 0,
                                    "target final hidden states (_model_forward) times its lm_head, rows kept; "
@@ -332,24 +401,25 @@ def _logits_map(step, logits, T: int):
     return where
 
 
-def _target_job(hidden, logits, where, allneed):
-    """The top-k job of the pass rows ``allneed``: vLLM's logits where it computed them, the
-    plugin's product of the final hidden states and the lm_head elsewhere (one job each, joined)."""
+def _joined_job(hidden, head, id_map, logits, where, allneed):
+    """The top-k job of the pass rows ``allneed``: vLLM's ``logits`` where it computed them
+    (``where``: pass row -> its row there, -1: none; None: no logits), the plugin's product of the
+    final hidden states and the lm_head ``head`` elsewhere (one job each, joined)."""
     import numpy as np
 
     st = STATE
     rec, k = st.rec, st.cfg.topk
-    if where is None:
-        return rec.topk_job(k, hidden=hidden, head=st.target_head, rows=allneed)
+    if where is None or logits is None:
+        return rec.topk_job(k, hidden=hidden, head=head, id_map=id_map, rows=allneed)
     src = where[allneed]
     got = src >= 0
     st.logits_reused += int(np.count_nonzero(got))
     if got.all():
-        return rec.topk_job(k, logits=logits, rows=src)
+        return rec.topk_job(k, logits=logits, id_map=id_map, rows=src)
     if not got.any():
-        return rec.topk_job(k, hidden=hidden, head=st.target_head, rows=allneed)
-    a = rec.topk_job(k, logits=logits, rows=src[got])
-    b = rec.topk_job(k, hidden=hidden, head=st.target_head, rows=allneed[~got])
+        return rec.topk_job(k, hidden=hidden, head=head, id_map=id_map, rows=allneed)
+    a = rec.topk_job(k, logits=logits, id_map=id_map, rows=src[got])
+    b = rec.topk_job(k, hidden=hidden, head=head, id_map=id_map, rows=allneed[~got])
     return JoinedJob([(a, np.flatnonzero(got)), (b, np.flatnonzero(~got))], len(allneed))
 
 
