@@ -403,8 +403,9 @@ def test_tables_from_vllms_own_logits_equal_the_ones_the_plugin_computes(vllm_ru
                 tie[:, 1:] |= np.abs(np.diff(lp, axis=1)) < 1e-5
                 tie[:, :-1] |= np.abs(np.diff(lp, axis=1)) < 1e-5
                 assert ((ids_a == ids_b) | tie).all()
+                # two float32 products of 512 terms (vLLM's, the plugin's): a few ulp of the largest term apart
                 np.testing.assert_allclose(a[:, k:2 * k], lp, atol=1e-5)
-                np.testing.assert_allclose(a[:, 2 * k], b[:, 2 * k], rtol=1e-6)
+                np.testing.assert_allclose(a[:, 2 * k], b[:, 2 * k], atol=1e-5)
             elif name == cv.SPEC_VERIFY:
                 np.testing.assert_array_equal(a[:, :5], b[:, :5])  # counts and draft tokens
                 np.testing.assert_array_equal(a[:, 5:7], b[:, 5:7])  # the target's top-1
