@@ -493,3 +493,29 @@ def test_the_draft_tables_take_the_drafts_own_logits_where_vllm_computed_them(st
     np.testing.assert_array_equal(drows, np.arange(n))
     np.testing.assert_array_equal(dvals[:, :TOPK], id_map[torch.topk(want0, TOPK, -1).indices].numpy())
     np.testing.assert_allclose(dvals[:, 2 * TOPK], torch.logsumexp(want0.double(), -1).numpy(), rtol=1e-6)
+
+
+def test_the_draft_compute_logits_tap_copies_only_inside_a_propose_with_predictions_on(st, monkeypatch):
+    """The draft's tap: each call's logits (its d2t columns) while a propose records; nothing outside
+    one, nor with predictions off (collective_rpc resume with topk=0)."""
+    wd = _head(4, vocab=8)
+    id_map = torch.tensor([3, 3, 5, 10, 10, 20, 30, 41]) + torch.arange(8)
+    monkeypatch.setattr(STATE, "draft_head", (wd, 8, None, None))
+    monkeypatch.setattr(STATE, "draft_id_map", id_map)
+
+    class Draft:
+        def compute_logits(self, h):
+            return _spread(h @ wd.T, id_map)
+
+    d = Draft()
+    pr.InstancePatch(d, "compute_logits", pr._draft_logits_tap(d.compute_logits))
+    h = torch.randn(3, H)
+    monkeypatch.setattr(STATE, "draft_ctx", None)
+    d.compute_logits(h)  # outside a propose
+    ctx = {"logits": []}
+    monkeypatch.setattr(STATE, "draft_ctx", ctx)
+    d.compute_logits(h)
+    torch.testing.assert_close(ctx["logits"][0], h @ wd.T)
+    monkeypatch.setattr(STATE.cfg, "topk", 0)
+    d.compute_logits(h)
+    assert len(ctx["logits"]) == 1

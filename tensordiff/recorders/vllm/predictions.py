@@ -193,7 +193,7 @@ def _draft_logits_tap(original):
         out = original(*args, **kwargs)
         st = STATE
         ctx = st.draft_ctx
-        if ctx is None or out is None or not st.active:
+        if ctx is None or out is None or not st.active or st.cfg.topk <= 0:  # no tables: nothing to copy
             return out
         t0 = time.perf_counter()
         try:
