@@ -217,11 +217,14 @@ def _draft_columns(x):
         return _private_logits(x) if x.shape[-1] == head[1] else None
     if len(cols) != head[1] or int(cols.max()) >= x.shape[-1]:
         return None
+    x = x.detach()
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.numpy()[:, cols.numpy()])  # the draft's columns only, a copy of its own
     if x.device.type == "cpu":
         from ..staging import host_f32
 
-        return torch.from_numpy(host_f32(x).numpy()[:, cols.numpy()])
-    return x.detach().index_select(1, cols.to(x.device)).float()
+        return host_f32(x.index_select(1, cols))
+    return x.index_select(1, cols.to(x.device)).float()
 
 
 def _private_logits(x):
@@ -244,8 +247,10 @@ def logit_rows(step, n_logits: int, meta):
         idx = getattr(meta, "logits_indices", None)
         if idx is None:
             return None
-        got = idx.detach().reshape(-1).to("cpu").numpy().astype(np.int64) if hasattr(idx, "detach") else \
-            np.asarray(idx, dtype=np.int64).reshape(-1)
+        if hasattr(idx, "detach"):
+            idx = idx.detach()
+            idx = idx.numpy() if idx.device.type == "cpu" else idx.cpu().numpy()
+        got = np.asarray(idx).astype(np.int64, copy=False).reshape(-1)
     else:
         got = np.full(step.num_reqs, -1, dtype=np.int64)
         for (_, s, c, _, _), bi in zip(step.segments, step.batch_idx):
