@@ -45,7 +45,7 @@ def st(request, monkeypatch, tmp_path):
                         ("model", {"num_layers": 4, "hidden_size": H}), ("labels", None), ("chain", {}),
                         ("chain_step", None), ("start_topk", None), ("seconds", 0.0), ("shift_checked", 0),
                         ("shift_mismatched", 0), ("raw_ids", None), ("convention", "vllm"),
-                        ("spec_k", None), ("verify_steps", 0), ("rows_written", 0), ("rows_dropped", 0),
+                        ("spec_k", None), ("verify_steps", 0), ("rows_written", 0), ("rows_dropped", 0), ("logits_reused", 0),
                         ("target_head", (w, V, None, None)), ("draft_head", None), ("draft_id_map", None),
                         ("last", None), ("dirty", False), ("paused", False), ("closed", False), ("broken", False)):
         monkeypatch.setattr(STATE, name, value)
@@ -118,6 +118,94 @@ def test_a_verify_step_records_its_kept_rows_and_every_draft_positions_target_co
     assert STATE.verify_steps == 1 and "v" not in STATE.chain  # a chain is used by one verify step
     assert "gone" in STATE.chain  # a request this step does not verify: its chain is not written anywhere
     assert STATE.rows_dropped == K - accepted
+
+
+def _engine_logits(hidden, w, rows):
+    """What vLLM's compute_logits returns for the pass rows ``rows``, offset by 0.25 per row index
+    so that a table shows which source it came from (log-probs do not move, logsumexp does)."""
+    x = hidden[torch.as_tensor(rows)] @ w.T
+    return x + 0.25 * (1 + torch.arange(len(rows), dtype=x.dtype))[:, None]
+
+
+@pytest.mark.parametrize("mode", ["reused", "shape_mismatch", "no_mapping"])
+def test_the_rows_vllm_sampled_from_take_its_own_logits_and_the_others_the_plugins_product(st, mode):
+    """A verify step whose sampling was seen: the verify rows (4, 5, 6) and the prefill chunk's last
+    row (3) take the logits vLLM computed (spec metadata's logits_indices); the prefill's other
+    rows the plugin's product; spec_verify's log-prob of each draft token comes from the same
+    logits as the row's table. Logits of another width, or no mapping: every row from the
+    product, with a warning for the width."""
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(9, H, generator=g)
+    step = _step(hidden)
+    sampled_at = np.array([3, 4, 5, 6])
+    logits = _engine_logits(hidden, st.w, sampled_at)
+    if mode == "shape_mismatch":
+        logits = torch.cat([logits, torch.zeros(len(sampled_at), 3)], dim=1)
+    step.logits = pr._private_logits(logits)
+    if mode != "no_mapping":
+        step.logit_rows = pr.logit_rows(step, len(sampled_at), SimpleNamespace(logits_indices=torch.tensor(sampled_at)))
+        assert list(step.logit_rows) == [3, 4, 5, 6]
+    logits.fill_(float("nan"))  # the sampler changes its logits in place: the plugin's copy is its own
+    verify.commit(step, np.array([[9, -1, -1], [7, 9, 5]], dtype=np.int64))  # both drafts accepted
+    st.rec.close()
+    got, _ = _read(st.path)
+    ref = hidden[:7] @ st.w.T
+    if mode == "reused":
+        ref = ref.clone()
+        ref[torch.as_tensor(sampled_at)] = _engine_logits(hidden, st.w, sampled_at)
+    ids, lp, lse = _tables(ref)
+    rows, vals = got[cv.TARGET_TOPK]
+    assert list(rows) == list(range(7))
+    np.testing.assert_array_equal(vals[:, :TOPK], ids)
+    np.testing.assert_allclose(vals[:, TOPK:2 * TOPK], lp, atol=1e-5)
+    np.testing.assert_allclose(vals[:, 2 * TOPK], lse, rtol=1e-6)
+    (sv,) = got[cv.SPEC_VERIFY][1]
+    want = (ref[[4, 5], [7, 9]].double() - torch.logsumexp(ref[[4, 5]].double(), -1)).numpy()
+    np.testing.assert_allclose(sv[7:9], want, atol=1e-5)
+    assert ("logits-shape" in STATE.warned) == (mode == "shape_mismatch")
+
+
+def test_logit_rows_map_the_sampled_rows_of_a_step():
+    """Without drafts: each request's last row in batch order (a request with no rows: -1); with
+    drafts: the spec metadata's logits_indices; a count or a row that does not fit the step: None."""
+    step = _step(None)
+    step.num_reqs = 3  # a third request in the batch scheduled no rows
+    assert list(pr.logit_rows(step, 3, None)) == [3, 6, -1]
+    assert pr.logit_rows(step, 2, None) is None
+    meta = SimpleNamespace(logits_indices=torch.tensor([3, 4, 5, 6]))
+    assert list(pr.logit_rows(step, 4, meta)) == [3, 4, 5, 6]
+    assert pr.logit_rows(step, 3, meta) is None
+    assert pr.logit_rows(step, 1, SimpleNamespace(logits_indices=torch.tensor([7]))) is None
+    assert pr.logit_rows(step, 1, SimpleNamespace(logits_indices=None)) is None
+
+
+def test_the_compute_logits_tap_copies_a_recorded_steps_logits_only(st, monkeypatch):
+    """The tap on the target model's compute_logits: a private copy while a recorded step waits for
+    its sampling, nothing otherwise (no step, a step without hidden states, a second call); removing
+    it brings the class's method back."""
+    class Model:
+        def compute_logits(self, h):
+            return h @ st.w.T
+
+    m = Model()
+    patch = pr.InstancePatch(m, "compute_logits", pr._logits_tap(m.compute_logits))
+    h = torch.randn(2, H)
+    monkeypatch.setattr(STATE, "pending", None)
+    m.compute_logits(h)  # a dummy run: no step
+    step = _step(None)
+    monkeypatch.setattr(STATE, "pending", step)
+    m.compute_logits(h)
+    assert step.logits is None  # predictions off for this step (no hidden states kept)
+    step.hidden = torch.zeros(7, H)
+    out = m.compute_logits(h)
+    first = step.logits
+    torch.testing.assert_close(first, h @ st.w.T)
+    out.fill_(0.0)
+    assert first.abs().sum() > 0  # its own copy
+    m.compute_logits(h + 1)  # a later call in the same step (prompt log-probs): the step's stay
+    assert step.logits is first
+    patch.remove()
+    assert "compute_logits" not in vars(m) and m.compute_logits(h).shape == (2, V)
 
 
 @pytest.mark.parametrize("drafted", [None, -2, 0], ids=["no_propose", "older_propose", "this_steps_propose"])
@@ -311,3 +399,123 @@ def test_the_drafter_pass_maps_rows_checks_the_shift_and_stores_repeated_bits_on
         assert by_ref and (refs >= 0).all()
     else:
         assert refs is None or (refs < 0).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_rows_of_a_whole_batch_equal_each_requests_own_mapping(seed):
+    """drafter.draft_rows maps every request's draft rows at once; the per-request mapping
+    (target_rows, which also handles positions that are not consecutive) is the reference: random
+    batches of prefill chunks and verify segments, dropped rows, drafter rows outside the step,
+    requests with no draft rows, and a request whose rows skip a position."""
+    from tensordiff.recorders.vllm import drafter
+
+    rng = np.random.default_rng(seed)
+    segs, pos, ids, qsl_lens, dpos = [], [], [], [], []
+    start = 0
+    m = int(rng.integers(1, 6))
+    for i in range(m):
+        c = int(rng.integers(1, 6))
+        p0 = int(rng.integers(0, 50))
+        p = p0 + np.arange(c)
+        if i == 2 and c > 2:
+            p[2:] += 1  # a skipped position: the per-request path
+        segs.append((f"r{i}", start, c, 0, f"r{i}-x"))
+        pos.append(p)
+        ids.append(rng.integers(0, 100, c))
+        start += c
+        n_d = int(rng.integers(0, c + 2))  # 0: no draft rows; c + 1: one past the step's rows
+        qsl_lens.append(n_d)
+        dpos.append(p0 + rng.integers(-1, c + 1, n_d))
+    step = Step(1, segs, np.concatenate(pos), np.concatenate(ids), ["prefill"] * m, [100] * m, [None] * m)
+    step.batch_idx = list(range(m))
+    step.num_reqs = m
+    step.rows = np.arange(start, dtype=np.int64) + 10
+    step.rows[rng.random(start) < 0.3] = -1
+    for i, (key, *_) in enumerate(segs):
+        if rng.random() < 0.7:
+            step.next_tok[(key, int(pos[i][-1]) + 1)] = 77
+    qsl = np.concatenate([[0], np.cumsum(qsl_lens)]).astype(np.int64)
+    dp = np.concatenate(dpos).astype(np.int64) if dpos else np.zeros(0, np.int64)
+    rows, want, owner = drafter.draft_rows(step, qsl, dp)
+    for i, seg in enumerate(segs):
+        a, z = qsl[i], qsl[i + 1]
+        r, w = drafter.target_rows(step, seg, dp[a:z])
+        np.testing.assert_array_equal(rows[a:z], r)
+        np.testing.assert_array_equal(want[a:z], w)
+        assert (owner[a:z] == i).all()
+
+
+def _spread(x, id_map, vocab=V):
+    """What an EAGLE-3 draft's compute_logits returns: its logits at the target ids, -inf elsewhere."""
+    out = torch.full((x.shape[0], vocab), float("-inf"))
+    out[:, id_map] = x
+    return out
+
+
+@pytest.mark.parametrize("tap", ["seen", "one_call_missing"])
+def test_the_draft_tables_take_the_drafts_own_logits_where_vllm_computed_them(st, monkeypatch, tap):
+    """The draft's compute_logits in propose (first call: the first pass's sampled rows; then one
+    per decode step, spread over the target's vocabulary): draft_topk's sampled rows and every
+    chain position come from them, the other kept rows from the plugin's product. A propose whose
+    calls do not match its passes: every row from the product."""
+    g = torch.Generator().manual_seed(9)
+    step = _step(None)
+    verify.commit(step, np.array([[-1, -1, -1], [5, 5, 5]], dtype=np.int64))
+    dv = 8
+    wd = torch.randn(dv, H, generator=g)
+    id_map = torch.tensor([3, 3, 5, 10, 10, 20, 30, 41]) + torch.arange(dv)
+    monkeypatch.setattr(STATE, "draft_head", (wd, dv, None, None))
+    monkeypatch.setattr(STATE, "draft_id_map", id_map)
+    n = 7
+    h0, h1 = torch.randn(n + 1, H, generator=g), torch.randn(3, H, generator=g)
+    sample = np.array([3, 6])
+    # vLLM's logits, shifted per row so that a table shows its source (log-probs do not move)
+    l0 = h0[sample] @ wd.T + torch.tensor([[1.5], [2.5]])
+    l1 = h1[:2] @ wd.T + 3.5
+    taps = [pr._draft_columns(_spread(l0, id_map)), pr._draft_columns(_spread(l1, id_map))]
+    torch.testing.assert_close(taps[0], l0)
+    if tap == "one_call_missing":
+        taps = taps[:1]
+    ctx = {"fc": None, "outs": [h0, h1], "sample": sample, "aligned": True, "step": step, "logits": taps}
+    pr.record_draft_predictions(ctx, step.rows.copy(), n, ["p", "v"])
+    reused = tap == "seen"
+    want0 = (h0[:n] @ wd.T).clone()
+    if reused:
+        want0[torch.as_tensor(sample)] = l0
+    want1 = l1 if reused else h1[:2] @ wd.T
+    v0, v1 = STATE.chain["v"]
+    np.testing.assert_allclose(v0[0].table[v0[1]][2 * TOPK], torch.logsumexp(want0[6].double(), -1).item(), rtol=1e-6)
+    np.testing.assert_allclose(v1[0].table[v1[1]][2 * TOPK], torch.logsumexp(want1[1].double(), -1).item(), rtol=1e-6)
+    assert (STATE.logits_reused > 0) == reused
+    st.rec.close()
+    got, _ = _read(st.path)
+    drows, dvals = got[cv.DRAFT_TOPK]
+    np.testing.assert_array_equal(drows, np.arange(n))
+    np.testing.assert_array_equal(dvals[:, :TOPK], id_map[torch.topk(want0, TOPK, -1).indices].numpy())
+    np.testing.assert_allclose(dvals[:, 2 * TOPK], torch.logsumexp(want0.double(), -1).numpy(), rtol=1e-6)
+
+
+def test_the_draft_compute_logits_tap_copies_only_inside_a_propose_with_predictions_on(st, monkeypatch):
+    """The draft's tap: each call's logits (its d2t columns) while a propose records; nothing outside
+    one, nor with predictions off (collective_rpc resume with topk=0)."""
+    wd = _head(4, vocab=8)
+    id_map = torch.tensor([3, 3, 5, 10, 10, 20, 30, 41]) + torch.arange(8)
+    monkeypatch.setattr(STATE, "draft_head", (wd, 8, None, None))
+    monkeypatch.setattr(STATE, "draft_id_map", id_map)
+
+    class Draft:
+        def compute_logits(self, h):
+            return _spread(h @ wd.T, id_map)
+
+    d = Draft()
+    pr.InstancePatch(d, "compute_logits", pr._draft_logits_tap(d.compute_logits))
+    h = torch.randn(3, H)
+    monkeypatch.setattr(STATE, "draft_ctx", None)
+    d.compute_logits(h)  # outside a propose
+    ctx = {"logits": []}
+    monkeypatch.setattr(STATE, "draft_ctx", ctx)
+    d.compute_logits(h)
+    torch.testing.assert_close(ctx["logits"][0], h @ wd.T)
+    monkeypatch.setattr(STATE.cfg, "topk", 0)
+    d.compute_logits(h)
+    assert len(ctx["logits"]) == 1

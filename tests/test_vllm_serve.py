@@ -98,9 +98,10 @@ def vllm_run(models, tmp_path_factory):
     return _record_vllm(tmp, "vllm", models["target"], models["draft"], models["prompts"], "--catalog")
 
 
-def _record_vllm(tmp: Path, name: str, target, draft, prompts, *extra) -> dict:
+def _record_vllm(tmp: Path, name: str, target, draft, prompts, *extra, env: dict | None = None) -> dict:
     """`tensordiff record serve --engine vllm` in the vLLM venv: EAGLE-3 with 2 draft tokens,
-    batches of 2, chunked prefill of CHUNK tokens, MAX_NEW new tokens; the loaded run."""
+    batches of 2, chunked prefill of CHUNK tokens, MAX_NEW new tokens; the loaded run (``env``:
+    more environment)."""
     argv = [str(vsup.vllm_python()), "-m", "tensordiff", "record", "serve", "--engine", "vllm",
             "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
             "--out", str(tmp / f"{name}.h5"), "--outputs", str(tmp / f"{name}.jsonl"), *extra,
@@ -108,7 +109,7 @@ def _record_vllm(tmp: Path, name: str, target, draft, prompts, *extra) -> dict:
             "--chunked-prefill-size", str(CHUNK), "--speculative-num-steps", "2", "--log-level", "warning"]
     for a in vsup.CPU_ENGINE_ARGS:
         argv += ["--engine-arg", a]
-    proc = _run(argv, env=vsup.vllm_env(), timeout=900)
+    proc = _run(argv, env={**vsup.vllm_env(), **(env or {})}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return _load_run(tmp, name, proc)
 
@@ -366,6 +367,53 @@ def test_vllm_records_predictions_fc_output_and_verify_steps(vllm_run, vtrace, m
     assert np.isfinite(lp).all() and agree.any() and (~agree).any()
     np.testing.assert_allclose(lp[agree], top1_lp[agree], atol=1e-4)
     assert (lp[~agree] < top1_lp[~agree]).all()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_tables_from_vllms_own_logits_equal_the_ones_the_plugin_computes(vllm_run, vtrace, models, tmp_path):
+    """The rows vLLM sampled from (every verify row, a prefill chunk's last row; the draft's
+    sampled rows and decode steps) take the logits vLLM computed; with TENSORDIFF_REUSE_LOGITS=0
+    (as where vLLM's logits cannot be used) the plugin computes every row from the final hidden
+    states. Both runs record the same rows, the same top-k ids, and log-probs / logsumexp within
+    float32 rounding of the product, in target_topk, draft_topk, spec_verify and spec_chain."""
+    from tensordiff import conventions as cv
+
+    other = _record_vllm(tmp_path, "recomputed", models["target"], models["draft"], models["prompts"], "--catalog",
+                         env={"TENSORDIFF_REUSE_LOGITS": "0"})
+    assert other["outputs"] == vllm_run["outputs"]
+    tr = sup.RecordedTrace(other["trace"], "tensordiff_vllm")
+    try:
+        reused = vtrace.stats["topk_rows_from_vllm_logits"]
+        # every verify row was sampled by vLLM: at least its K draft positions' rows were reused
+        assert reused >= vtrace.stats["verify_steps"] * 2 > 0 and tr.stats["topk_rows_from_vllm_logits"] == 0
+        for name in (cv.TARGET_TOPK, cv.DRAFT_TOPK, cv.SPEC_VERIFY, cv.SPEC_CHAIN):
+            a_rows, a_seq, a_pos = vtrace.rows(name)
+            b_rows, b_seq, b_pos = tr.rows(name)
+            assert list(a_seq) == list(b_seq) and (a_pos == b_pos).all(), name
+            a, b = vtrace.r.read_values(name, raw=True), tr.r.read_values(name, raw=True)
+            assert a.shape == b.shape and a.shape[0] > 0, name
+            if name in (cv.TARGET_TOPK, cv.DRAFT_TOPK):
+                k = cv.topk_k(a.shape[1])
+                ids_a, ids_b = a[:, :k], b[:, :k]
+                # a neighbour within float32 rounding may swap places; nothing else may differ
+                lp = b[:, k:2 * k]
+                tie = np.zeros_like(ids_a, dtype=bool)
+                tie[:, 1:] |= np.abs(np.diff(lp, axis=1)) < 1e-5
+                tie[:, :-1] |= np.abs(np.diff(lp, axis=1)) < 1e-5
+                assert ((ids_a == ids_b) | tie).all()
+                # two float32 products of 512 terms (vLLM's, the plugin's): a few ulp of the largest term apart
+                np.testing.assert_allclose(a[:, k:2 * k], lp, atol=1e-5)
+                np.testing.assert_allclose(a[:, 2 * k], b[:, 2 * k], atol=1e-5)
+            elif name == cv.SPEC_VERIFY:
+                np.testing.assert_array_equal(a[:, :5], b[:, :5])  # counts and draft tokens
+                np.testing.assert_array_equal(a[:, 5:7], b[:, 5:7])  # the target's top-1
+                np.testing.assert_allclose(a[:, 7:], b[:, 7:], atol=1e-5)
+            else:
+                np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-6)
+    finally:
+        tr.close()
 
 
 def _diff_json(a, b) -> tuple[int, dict, str]:

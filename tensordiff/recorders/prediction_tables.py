@@ -58,6 +58,32 @@ class PassTable:
         return rows if self.need is None else rows[self.need]
 
 
+class JoinedJob:
+    """The top-k table of a pass's rows computed by several jobs: ``parts`` = [(job, the positions
+    of its rows in the table)], ``n`` rows in all, every job of one width. Read as a job is
+    (:attr:`width`, :attr:`table`)."""
+
+    __slots__ = ("_table", "n", "parts", "width")
+
+    def __init__(self, parts: list, n: int):
+        self.parts = parts
+        self.n = int(n)
+        self.width = int(parts[0][0].width)
+        self._table = None
+
+    @property
+    def table(self):
+        import numpy as np
+
+        if self._table is None:
+            t = np.empty((self.n, self.width))
+            for job, at in self.parts:
+                t[at] = job.table
+            self._table = t
+            self.parts = []  # the jobs' own tables are no longer needed
+        return self._table
+
+
 def kept_rows(rec, rows):
     """Indices of the rows of a pass the recorder will keep: a trace row (not -1) at a position
     the sampling keeps. Top-k tables are computed for these rows only."""

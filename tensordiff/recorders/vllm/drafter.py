@@ -42,8 +42,8 @@ def hook_propose(original, proposer, *args, **kwargs):
             if qsl is None:
                 qsl = getattr(cad, "query_start_loc", None)
             ctx = {"hs": hs, "pos": b.get("target_positions"), "tok": b.get("target_token_ids"),
-                   "qsl": qsl, "ids": None, "step": st.last, "fc": None, "outs": [], "sample": None,
-                   "aligned": False}
+                   "qsl": qsl, "ids": None, "step": st.last, "fc": None, "outs": [], "logits": [],
+                   "sample": None, "aligned": False}
     except Exception as e:  # noqa: BLE001
         st.fail("draft pass", e)
     st.draft_ctx = ctx
@@ -100,14 +100,7 @@ def record_draft(ctx: dict) -> None:
     # draft row j -> the target row of the same (request, position) in the step the drafter reads,
     # and the token the target has at the next position (the draft shift check): array operations
     # per request
-    rows = np.full(n, -1, dtype=np.int64)
-    want = np.full(n, -1, dtype=np.int64)  # -1: not known
-    owner = np.full(n, -1, dtype=np.int64)  # the segment of each draft row
-    for i, (seg, bi) in enumerate(zip(step.segments, step.batch_idx)):
-        j0, j1 = int(qsl[bi]), int(qsl[bi + 1])
-        if j1 > j0:
-            rows[j0:j1], want[j0:j1] = target_rows(step, seg, pos[j0:j1])
-            owner[j0:j1] = i
+    rows, want, owner = draft_rows(step, qsl, pos)
     if not (rows >= 0).any():
         return
     ids = ctx["ids"]
@@ -144,6 +137,57 @@ def record_draft(ctx: dict) -> None:
             req_keys[bi] = seg[0]
         record_draft_predictions(ctx, rows, n, req_keys)
     st.dirty = True
+
+
+def draft_rows(step: Step, qsl, pos):
+    """For every draft row (request i's rows ``qsl[b_i]:qsl[b_i + 1]`` at positions ``pos``): the
+    trace row of the target row at the same (request, position) in ``step`` (-1: none or dropped),
+    the target's token at the next position (-1: not known) and the segment it belongs to (-1:
+    none). One set of array operations for every request whose rows in ``step`` are consecutive
+    positions (always, in vLLM 0.32); :func:`target_rows` for any other."""
+    import numpy as np
+
+    n = len(pos)
+    rows = np.full(n, -1, dtype=np.int64)
+    want = np.full(n, -1, dtype=np.int64)
+    owner = np.full(n, -1, dtype=np.int64)
+    m = len(step.segments)
+    if not m:
+        return rows, want, owner
+    seg = np.array([(s, c) for _, s, c, _, _ in step.segments], dtype=np.int64).reshape(m, 2)
+    S, C = seg[:, 0], seg[:, 1]
+    b = np.asarray(step.batch_idx, dtype=np.int64)
+    j0, j1 = qsl[b], qsl[b + 1]
+    lens = np.maximum(j1 - j0, 0)
+    if not lens.sum():
+        return rows, want, owner
+    # a request's rows are consecutive positions when no step inside it is other than +1
+    breaks = np.concatenate([[0], np.cumsum(np.diff(step.pos) != 1)])
+    last = np.maximum(S + C - 1, S)
+    plain = (C > 0) & (breaks[last] == breaks[S])
+    sel = np.flatnonzero(plain & (lens > 0))
+    if len(sel):
+        own = np.repeat(sel, lens[sel])
+        j = np.concatenate([np.arange(a, z) for a, z in zip(j0[sel], j1[sel])]) if len(sel) > 1 else \
+            np.arange(j0[sel[0]], j1[sel[0]])
+        s_, c_ = S[own], C[own]
+        idx = pos[j] - step.pos[s_]
+        inside = (idx >= 0) & (idx < c_)
+        rows[j] = np.where(inside, step.rows[s_ + np.clip(idx, 0, c_ - 1)], -1)
+        nxt = s_ + np.clip(idx + 1, 0, c_ - 1)
+        want[j] = np.where(inside & (idx + 1 < c_) & (step.rows[nxt] >= 0), step.ids[nxt], -1)
+        owner[j] = own
+    for i in np.flatnonzero(~plain & (lens > 0)).tolist():
+        a, z = int(j0[i]), int(j1[i])
+        rows[a:z], want[a:z] = target_rows(step, step.segments[i], pos[a:z])
+        owner[a:z] = i
+    # the token after a request's last kept row: noted at the commit (the next prompt token of a
+    # partial prefill, or the token the target sampled)
+    for t in np.flatnonzero((rows >= 0) & (want < 0) & (owner >= 0)).tolist():
+        tok = step.next_tok.get((step.segments[int(owner[t])][0], int(pos[t]) + 1))
+        if tok is not None:
+            want[t] = tok
+    return rows, want, owner
 
 
 def target_rows(step: Step, seg, dpos):

@@ -41,6 +41,8 @@ class Step:
         self.batch_idx: list = []     # per segment: the request's index in the batch (sampler row)
         self.num_reqs = 0             # requests in the batch, scheduled tokens or not
         self.hidden = None            # torch [>=T, H] the target's final hidden states (top-k predictions)
+        self.logits = None            # a private copy of the logits vLLM computed for the rows it samples
+        self.logit_rows = None        # np.int64: the pass row of each row of ``logits`` (-1: none), once sampled
         self.sampled: list = []       # [(segment, trace row, token)]: the rows that sampled a kept token (RL records)
 
 
@@ -93,6 +95,7 @@ class State(ServeState):
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
         self.verify_steps = 0
         self.start_topk: int | None = None  # TENSORDIFF_TOPK at start-up (a resume may set 0 or it again)
+        self.logits_reused = 0          # target top-k rows from vLLM's own logits (the rest: the plugin's product)
         self.prediction_taps = 0        # of catalog_handles: the prediction hooks (removed at close with the catalog's)
 
     def add_seconds(self, dt: float) -> None:
@@ -122,7 +125,8 @@ class State(ServeState):
             "rows": self.rows_written, "rows_dropped": self.rows_dropped,
             "draft_shift_checked": self.shift_checked, "draft_shift_mismatched": self.shift_mismatched,
             "draft_passes_unmatched": self.draft_unmatched, "catalog_taps": len(self.catalog_handles) - self.prediction_taps,
-            "verify_steps": self.verify_steps, "topk": self.cfg.topk, "topk_at_start": self.start_topk
+            "verify_steps": self.verify_steps, "topk_rows_from_vllm_logits": self.logits_reused,
+            "topk": self.cfg.topk, "topk_at_start": self.start_topk
             if self.start_topk is not None else self.cfg.topk,
             "plugin_seconds": round(self.seconds, 6), "recorder_seconds": round(self.rec.stats.seconds, 6),
             **self.attrs,

@@ -14,7 +14,7 @@ import time
 
 from .. import serving
 from .config import AUX
-from .predictions import commit_predictions
+from .predictions import commit_predictions, logit_rows
 from .rl import record_sampled
 from .state import STATE, Step
 
@@ -29,6 +29,9 @@ def hook_sample(out, runner, *args, **kwargs) -> None:
     try:
         sampled = getattr(out, "sampled_token_ids", None)
         sampled = to_numpy_2d(sampled) if sampled is not None else None
+        if step.logits is not None:  # vLLM's logits of the step: which pass row each one is
+            meta = kwargs.get("spec_decode_metadata", args[1] if len(args) > 1 else None)
+            step.logit_rows = logit_rows(step, step.logits.shape[0], meta)
         with st.lock:
             commit(step, sampled)
             record_sampled(step, out, runner)
