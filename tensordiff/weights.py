@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from . import names
+from . import kernels, names
 from .errors import SourceFileError, UsageError
 from .vocab import FINAL_NORM
 
@@ -125,12 +125,25 @@ def fingerprint(key: str, name: str, dtype: str, stored: np.ndarray) -> dict[str
     """The fingerprint of one parameter (module docstring); ``stored``: its values as stored
     (bf16 as uint16 bits)."""
     flat = np.ascontiguousarray(stored).reshape(-1)
-    vals = _floats(dtype, flat)
+    vals = _exact_floats(dtype, flat)
+    sq = np.zeros(1)
+    if flat.size:
+        kernels.row_dots(vals[None, :], vals[None, :], sq)   # float64 sums, no float64 copy of the values
     rng = np.random.default_rng(zlib.crc32(key.encode()))
     idx = np.sort(rng.choice(flat.size, size=min(SAMPLES, flat.size), replace=False)) if flat.size else np.array([], int)
     return {"key": key, "name": name, "dtype": dtype, "shape": list(stored.shape),
-            "sha256": hashlib.sha256(flat.tobytes()).hexdigest(), "norm": float(np.linalg.norm(vals)),
+            "sha256": hashlib.sha256(memoryview(flat).cast("B")).hexdigest(), "norm": float(np.sqrt(sq[0])),
             "samples": [[int(i), float(vals[i])] for i in idx]}
+
+
+def _exact_floats(dtype: str, a: np.ndarray) -> np.ndarray:
+    """The stored values widened exactly: half-precision floats (and bf16 bits) to float32, which
+    holds them all; float32 and float64 as they are; anything else to float64."""
+    if dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    if a.dtype.kind == "f" and a.itemsize <= 4:
+        return a.astype(np.float32, copy=False)
+    return a.astype(np.float64, copy=False)
 
 
 def _files(path: str) -> list[str]:

@@ -387,8 +387,7 @@ def weight_fingerprints(model: torch.nn.Module, source: str = "") -> dict[str, A
             casts = {}
             for name, dt in CAST_DTYPES.items():
                 c = t.detach().to(dt).cpu().contiguous()
-                raw = c.view(torch.int16).numpy().tobytes()
-                casts[name] = hashlib.sha256(raw).hexdigest()
+                casts[name] = hashlib.sha256(memoryview(c.view(torch.int16).numpy()).cast("B")).hexdigest()
             e["cast_sha256"] = casts
     return doc
 
