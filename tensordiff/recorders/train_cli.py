@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import conventions
@@ -550,12 +551,18 @@ def run(args: argparse.Namespace) -> int:
             if str(e).startswith("--zoom"):
                 raise UsageError(str(e)) from None
             raise RecordingError(str(e)) from None
+        weights_doc = None
         if rl is not None:
             from ..trace.rl import sampling_params, write_sampling
-            from .hooks import record_weights
+            from .hooks import weight_fingerprints
             write_sampling(rec.writer, sampling_params(temperature=rl[0], engine="trainer (transformers)",
                                                        per_sequence=rl[2] or None))
-            record_weights(rec, model, 0, event="train")
+            # the weights stay as loaded for the whole recording, so their fingerprints (hashes
+            # that release the GIL) are taken in a thread beside the forward passes and written
+            # once the passes are done
+            fp_pool = ThreadPoolExecutor(1, "tensordiff-weights")
+            weights_doc = fp_pool.submit(weight_fingerprints, model)
+            fp_pool.shutdown(wait=False)
         device = next(model.parameters()).device
         with _Progress(total, n_prompts=len(prompts), enabled=not args.no_progress) as bar:
             for key, toks in prompts:
@@ -577,7 +584,12 @@ def run(args: argparse.Namespace) -> int:
                         raise
                     raise UsageError(str(e)) from None
                 bar.advance(len(toks))
+        if weights_doc is not None:
+            from .hooks import record_weights
+            record_weights(rec, model, 0, event="train", doc=weights_doc.result())
     except BaseException as e:
+        if weights_doc is not None and not weights_doc.cancel():
+            weights_doc.exception()   # the thread reads the model: it ends before the recording does
         rec.close(e)
         raise
     finally:
