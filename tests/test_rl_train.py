@@ -98,3 +98,33 @@ def test_bad_temperature_is_one_line(serve, tmp_path, capsys, extra, message):
             "--temperature", "0.7", "--out", str(tmp_path / "y.h5")]
     assert main(argv) == 2
     assert "--temperature is for --from-serve" in capsys.readouterr().err
+
+
+def test_weight_fingerprints_taken_beside_the_passes_match_the_model_and_their_failure_ends_the_run(
+        serve, tmp_path, monkeypatch, capsys):
+    """The fingerprints are taken in a thread while the passes run: the recorded document is the
+    one the model gives directly, and a failure in that thread ends the recording with its error
+    (the trace closed as failed, never a trace without its weights)."""
+    from tensordiff.recorders import hooks
+
+    out = rs.train_from_serve(tmp_path / "t.h5", serve)
+    direct = hooks.weight_fingerprints(trained.load_target())
+    with TraceReader(str(out)) as r:
+        (step,) = read_weight_steps(r)
+    assert [(e["key"], e["sha256"], e.get("cast_sha256")) for e in step.doc["parameters"]] == \
+        [(e["key"], e["sha256"], e.get("cast_sha256")) for e in direct["parameters"]]
+
+    from tensordiff.errors import RecordingError
+
+    def broken(model, source=""):
+        raise RecordingError("cannot fingerprint the weights (test)")
+
+    monkeypatch.setattr(hooks, "weight_fingerprints", broken)
+    bad = tmp_path / "bad.h5"
+    argv = ["record", "train", "--model", str(trained.target_dir()), "--from-serve", str(serve),
+            "--no-draft-input", "--no-progress", "--out", str(bad)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot fingerprint the weights (test)" in err[0], err
+    with TraceReader(str(bad)) as r:
+        assert not r.complete and not read_weight_steps(r)
