@@ -74,28 +74,38 @@ _SampleJob = tuple[TensorInfo, TensorInfo, str, NDArray[np.int64], NDArray[np.in
 
 def _sample_reads(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob]
                   ) -> Iterator[tuple[NDArray[Any], NDArray[Any]]]:
-    """Each job's sampled rows of both sides, in job order. With a second core, A's and B's rows
-    are read in a thread of their own each (one thread per reader: a reader is never read by two
-    threads at once) one state ahead, so the reads (which release the GIL) overlap the metrics of
-    the state before."""
-    def read(job: _SampleJob) -> tuple[NDArray[Any], NDArray[Any]]:
-        return _read_side(ra, job[0].name, job[2], job[3]), _read_side(rb, job[1].name, job[2], job[4])
+    """Each job's sampled rows of both sides, in job order, each valid until the next but one is
+    read (two buffers a side, reused: the reads allocate nothing per state). With a second core,
+    A's and B's rows are read in a thread of their own each (one thread per reader: a reader is
+    never read by two threads at once) one state ahead, so the reads (which release the GIL)
+    overlap the metrics of the state before."""
+    bufs: dict[str, list[NDArray[np.uint8]]] = {"a": [np.empty(0, np.uint8)] * 2, "b": [np.empty(0, np.uint8)] * 2}
+
+    def read(side: str, i: int) -> NDArray[Any]:
+        ia, ib, part, rows_a, rows_b = jobs[i]
+        r, name, rows = (ra, ia.name, rows_a) if side == "a" else (rb, ib.name, rows_b)
+        ds = r.dataset(name, part)
+        shape = (len(rows),) + tuple(ds.shape[1:])
+        need = int(np.prod(shape, dtype=np.int64)) * ds.dtype.itemsize
+        if bufs[side][i % 2].size < need:
+            bufs[side][i % 2] = np.empty(need, np.uint8)
+        out = bufs[side][i % 2][:need].view(ds.dtype).reshape(shape)
+        return r.read_at(name, part, rows, out=out)
 
     if usable_cores() < 2 or len(jobs) < 2:
-        for job in jobs:
-            yield read(job)
+        for i in range(len(jobs)):
+            yield read("a", i), read("b", i)
         return
     with ThreadPoolExecutor(1, "tensordiff-noise-a") as pa, ThreadPoolExecutor(1, "tensordiff-noise-b") as pb:
-        def submit(job: _SampleJob) -> tuple[Future[NDArray[Any]], Future[NDArray[Any]]]:
-            return (pa.submit(_read_side, ra, job[0].name, job[2], job[3]),
-                    pb.submit(_read_side, rb, job[1].name, job[2], job[4]))
+        def submit(i: int) -> tuple[Future[NDArray[Any]], Future[NDArray[Any]]]:
+            return pa.submit(read, "a", i), pb.submit(read, "b", i)
 
-        ahead = submit(jobs[0])
+        ahead = submit(0)
         try:
             for i in range(len(jobs)):
                 fa, fb = ahead
                 if i + 1 < len(jobs):
-                    ahead = submit(jobs[i + 1])
+                    ahead = submit(i + 1)   # into the other buffers: state i's stay as they are
                 try:
                     a = fa.result()
                 finally:
@@ -104,10 +114,6 @@ def _sample_reads(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob]
         finally:
             for f in ahead:
                 f.cancel()
-
-
-def _read_side(r: TraceSource, name: str, part: str, rows: NDArray[np.int64]) -> NDArray[Any]:
-    return np.ascontiguousarray(r.read_at(name, part, rows))
 
 
 def _basis(ra: TraceSource, rb: TraceSource, ia: TensorInfo, ib: TensorInfo) -> str | None:

@@ -132,7 +132,7 @@ def fingerprint(key: str, name: str, dtype: str, stored: np.ndarray) -> dict[str
     rng = np.random.default_rng(zlib.crc32(key.encode()))
     idx = np.sort(rng.choice(flat.size, size=min(SAMPLES, flat.size), replace=False)) if flat.size else np.array([], int)
     return {"key": key, "name": name, "dtype": dtype, "shape": list(stored.shape),
-            "sha256": hashlib.sha256(memoryview(flat).cast("B")).hexdigest(), "norm": float(np.sqrt(sq[0])),
+            "sha256": hashlib.sha256(flat.data.cast("B")).hexdigest(), "norm": float(np.sqrt(sq[0])),
             "samples": [[int(i), float(vals[i])] for i in idx]}
 
 
