@@ -540,6 +540,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot create the trace file ({_first_line(e)})", args.out) from None
     t0 = time.perf_counter()
     total = sum(len(v) for _, v in prompts)
+    weights_doc = None
     try:
         if graft is not None:   # before the recorder's hooks: what they record is the grafted value
             graft.attach()
@@ -551,7 +552,6 @@ def run(args: argparse.Namespace) -> int:
             if str(e).startswith("--zoom"):
                 raise UsageError(str(e)) from None
             raise RecordingError(str(e)) from None
-        weights_doc = None
         if rl is not None:
             from ..trace.rl import sampling_params, write_sampling
             from .hooks import weight_fingerprints
