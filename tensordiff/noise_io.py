@@ -17,7 +17,7 @@ from . import noise
 from .cores import usable_cores
 from .align import RowMaps, sample_indices
 from .findings import Finding, Kind, NumericDetails, ReplicaDetails, Severity
-from .numerics import BlockMetrics, PairAccumulator
+from .numerics import BlockMetrics, Metrics, PairAccumulator
 from .tolerances import Tolerance, default_tolerance
 from .trace import TensorInfo, TraceSource
 
@@ -27,9 +27,14 @@ SAMPLE = 1024
 DUPLICATES_MAX = 4096
 
 
-def _dtype(r: TraceSource) -> str:
+def side_dtype(r: TraceSource) -> str:
+    """The dtype a side's states are recorded in (its catalog's, else its first tensor's)."""
     return next((i.dtype for i in r.tensors.values() if i.kind in ("boundary", "final_norm")),
                 next((i.dtype for i in r.tensors.values()), "float32"))
+
+
+#: a sampled catalog state: (A's, B's, basis, A's rows, B's rows, aligned tokens)
+_SampleJob = tuple[TensorInfo, TensorInfo, str, NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]
 
 
 def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]],
@@ -39,8 +44,57 @@ def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tup
     sketches both sides share (a serve engine keeps its catalog as sketches). A sketch is a random
     projection that keeps norms and angles within about 1/sqrt(dim) per token, so the median
     error, the 1 - cos and the per-token RMS ratio it gives are those of the values (the per-token
-    spread a little wider): the trend it measures is the one the values would show."""
-    jobs = []
+    spread a little wider): the trend it measures is the one the values would show. The sampled
+    rows are read here, before the numeric pass (:func:`measure_from` takes them from the pass)."""
+    jobs = sample_jobs(ra, rb, maps, pairs)
+    metrics = []
+    for (ia, ib, part, *_), (a, b) in zip(jobs, _sample_reads(ra, rb, jobs)):
+        if part == "values":
+            m = BlockMetrics(1, ia.width).compute_stored(a, ia.dtype, b, ib.dtype)
+        else:
+            m = BlockMetrics(1, ra.sketch_dim).compute(a.astype(np.float32, copy=False), b.astype(np.float32, copy=False))
+        metrics.append(m)
+    return _fit(ra, rb, jobs, metrics, depth_of)
+
+
+def measure_from(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]],
+                 depth_of: Callable[[TensorInfo, int], float | None],
+                 metrics_at: Callable[[TensorInfo, TensorInfo, NDArray[np.int64]], Metrics | None]) -> noise.NoiseModel:
+    """:func:`measure` from metrics the numeric pass already computed: ``metrics_at(ia, ib, idx)``
+    the per-token metrics of the pair at aligned tokens ``idx`` (None: not computed). A token's
+    metrics depend only on its own rows, so the model is the one :func:`measure` gives, bit for
+    bit, without reading the sample a second time."""
+    jobs, metrics = [], []
+    for job in sample_jobs(ra, rb, maps, pairs):
+        m = metrics_at(job[0], job[1], job[5])
+        if m is not None:
+            jobs.append(job)
+            metrics.append(m)
+    return _fit(ra, rb, jobs, metrics, depth_of)
+
+
+def _fit(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob], metrics: Sequence[Metrics],
+         depth_of: Callable[[TensorInfo, int], float | None]) -> noise.NoiseModel:
+    """The model from each sampled state's per-token metrics (one slot)."""
+    measured: list[tuple[str, float, noise.Level]] = []
+    dtypes: dict[str, tuple[str, str]] = {}
+    for (ia, ib, *_), m in zip(jobs, metrics):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lr = np.log(m.ratio[:, 0].astype(np.float64)) if m.ratio is not None else np.zeros(len(m))
+        lv = noise.level_of(m.rel[:, 0], 1.0 - m.cos[:, 0].astype(np.float64), lr)
+        d = depth_of(ia, 0)
+        if lv is not None and d is not None:
+            measured.append((ia.label, float(d), lv))
+            dtypes[ia.label] = (ia.dtype, ib.dtype)
+    return noise.fit(side_dtype(ra), side_dtype(rb), measured, dtypes,
+                     lambda da, db, d: default_tolerance(da, db, d).max_rel)
+
+
+def sample_jobs(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]]
+                ) -> list[_SampleJob]:
+    """The catalog states the noise is measured on: (A's, B's, basis, A's rows, B's rows, aligned
+    tokens), up to :data:`SAMPLE` tokens each, in the pairs' order."""
+    jobs: list[_SampleJob] = []
     for ia, ib in pairs:
         if ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or ia.width != ib.width:
             continue
@@ -50,26 +104,8 @@ def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tup
         ma, mb = maps.inverse("a", ia.name), maps.inverse("b", ib.name)
         idx = sample_indices((ma >= 0) & (mb >= 0), SAMPLE)
         if len(idx) >= noise.MIN_TOKENS:
-            jobs.append((ia, ib, part, ma[idx], mb[idx]))
-    measured: list[tuple[str, float, noise.Level]] = []
-    dtypes: dict[str, tuple[str, str]] = {}
-    for (ia, ib, part, _, _), (a, b) in zip(jobs, _sample_reads(ra, rb, jobs)):
-        if part == "values":
-            m = BlockMetrics(1, ia.width).compute_stored(a, ia.dtype, b, ib.dtype)
-        else:
-            m = BlockMetrics(1, ra.sketch_dim).compute(a.astype(np.float32, copy=False), b.astype(np.float32, copy=False))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            lr = np.log(m.ratio[:, 0].astype(np.float64)) if m.ratio is not None else np.zeros(len(a))
-        lv = noise.level_of(m.rel[:, 0], 1.0 - m.cos[:, 0].astype(np.float64), lr)
-        d = depth_of(ia, 0)
-        if lv is not None and d is not None:
-            measured.append((ia.label, float(d), lv))
-            dtypes[ia.label] = (ia.dtype, ib.dtype)
-    return noise.fit(_dtype(ra), _dtype(rb), measured, dtypes,
-                     lambda da, db, d: default_tolerance(da, db, d).max_rel)
-
-
-_SampleJob = tuple[TensorInfo, TensorInfo, str, NDArray[np.int64], NDArray[np.int64]]
+            jobs.append((ia, ib, part, ma[idx], mb[idx], idx))
+    return jobs
 
 
 def _sample_reads(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob]
@@ -82,7 +118,7 @@ def _sample_reads(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob]
     bufs: dict[str, list[NDArray[np.uint8]]] = {"a": [np.empty(0, np.uint8)] * 2, "b": [np.empty(0, np.uint8)] * 2}
 
     def read(side: str, i: int) -> NDArray[Any]:
-        ia, ib, part, rows_a, rows_b = jobs[i]
+        ia, ib, part, rows_a, rows_b, _ = jobs[i]
         r, name, rows = (ra, ia.name, rows_a) if side == "a" else (rb, ib.name, rows_b)
         ds = r.dataset(name, part)
         shape = (len(rows),) + tuple(ds.shape[1:])

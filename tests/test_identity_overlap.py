@@ -6,6 +6,7 @@ flight closes cleanly."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 import time
@@ -16,6 +17,8 @@ import pytest
 from tensordiff.catalog import IdentitySearch
 from tensordiff.cli import jsonable
 from tensordiff.diff import DiffOptions, RunCounters, diff_sources, diff_traces, open_pair
+
+run = importlib.import_module("tensordiff.diff.run")   # the package exports names, not the module
 from tensordiff.trace import TraceWriter
 
 H = 64
@@ -89,17 +92,22 @@ CASES = {"middle_holds_previous": _shift(4), "last_holds_previous": _shift(LAYER
          "several_from_on": _from_on(3)}
 
 
+@pytest.mark.parametrize("from_pass", [True, False], ids=["noise_from_pass", "noise_sample_first"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_overlapped_identity_gives_the_sequential_findings(tmp_path, case):
+def test_overlapped_identity_gives_the_sequential_findings(tmp_path, case, from_pass):
     a, b = _pair(tmp_path, case, CASES[case])
     for x, y in ((a, b), (b, a)):
-        seq, n_seq = _diff(x, y, False)
-        over, n_over = _diff(x, y, True)
+        seq, n_seq = _diff(x, y, False, noise_from_pass=from_pass)
+        over, n_over = _diff(x, y, True, noise_from_pass=from_pass)
         assert n_seq == 0
         doc = json.loads(over)
         failing = [p for p in doc["tensors"] if p["compared"] and sum(p["failing"]) > 0]
-        assert failing and n_over == len(failing), "every failing boundary's search came from the thread"
+        # with the noise measured from the pass, the searches start on the default tolerances,
+        # for the first EARLY_GUESSES failing boundaries (the judge scores the rest itself)
+        want = min(len(failing), run.EARLY_GUESSES) if from_pass else len(failing)
+        assert failing and n_over == want, "the failing boundaries' searches came from the thread"
         assert over == seq
+        assert over == _diff(x, y, True, noise_from_pass=not from_pass)[0]
 
 
 def test_the_verdicts_of_the_cases(tmp_path):
@@ -128,6 +136,8 @@ def test_a_slow_identity_thread_changes_nothing(tmp_path, monkeypatch):
         return real(self, *args, **kw)
     monkeypatch.setattr(IdentitySearch, "score", slow)
     over, n = _diff(a, b, True)
+    assert n == min(LAYERS - 2, run.EARLY_GUESSES) and over == seq
+    over, n = _diff(a, b, True, noise_from_pass=False)
     assert n == LAYERS - 2 and over == seq
 
 

@@ -62,6 +62,9 @@ class DiffOptions:
     #: in this process, score the identity search of a disagreeing boundary in a thread while the
     #: numeric pass goes on (False: after it, in the diff's thread; the same verdicts either way)
     overlap_identity: bool = True
+    #: measure the noise model from the numeric pass's metrics when they fit in memory and no
+    #: sink watches the pass (False: from a sample read before the pass; the same result either way)
+    noise_from_pass: bool = True
 
 
 __all__ = ["BLOCK_ROWS", "BOUNDARY_SAMPLE", "IDENTITY_SAMPLE", "DiffOptions", "DiffSink", "SinkFactory",

@@ -10,7 +10,7 @@ A is the reference (what was expected, usually the train side), B the side under
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -115,11 +115,21 @@ class DiffPlan:
         """Where aligned token ``ti`` is on both sides, as plain data."""
         return self.alignment.entry(ti, self.a.sequences, self.b.sequences, REGIMES)
 
+    def with_noise(self, model: NoiseModel, options: PlanOptions) -> DiffPlan:
+        """This plan with the noise model measured and every pair's tolerances set by it (a plan
+        made with ``measure_noise=False`` until its numeric pass has measured the noise)."""
+        options.tolerances.noise = noise_io.tolerance_fn(model)
+        jobs = tuple(replace(j, tolerances=_tolerances(j, options)) if j.basis is not None else j for j in self.jobs)
+        return replace(self, jobs=jobs, noise=model)
 
-def plan_diff(a: TraceSource, b: TraceSource, options: PlanOptions, progress: Progress | None = None) -> DiffPlan:
+
+def plan_diff(a: TraceSource, b: TraceSource, options: PlanOptions, progress: Progress | None = None, *,
+              measure_noise: bool = True) -> DiffPlan:
     """The plan of diffing ``a`` (the reference) against ``b``. Raises
     :class:`~tensordiff.errors.IncompatibleTracesError` when they cannot be compared (other
-    models, no common token, no common tensor, mismatched shapes)."""
+    models, no common token, no common tensor, mismatched shapes). ``measure_noise=False``: the
+    noise model is left to the numeric pass (:meth:`DiffPlan.with_noise`) and the tolerances
+    are the defaults until then."""
     report = progress or _quiet
     check_models(a, b)
     report(Stage.ALIGNING, 0, 1)
@@ -140,8 +150,12 @@ def plan_diff(a: TraceSource, b: TraceSource, options: PlanOptions, progress: Pr
                                       "packed inputs)")
     # the noise model (measured where both sides recorded a catalog state) sets every token's
     # default tolerance before the numeric pass
-    model = noise_io.measure(a, b, maps, pairs, lambda i, s: depth_of(a, b, i, s))
-    options.tolerances.noise = noise_io.tolerance_fn(model)
+    if measure_noise:
+        model = noise_io.measure(a, b, maps, pairs, lambda i, s: depth_of(a, b, i, s))
+        options.tolerances.noise = noise_io.tolerance_fn(model)
+    else:
+        model = NoiseModel(noise_io.side_dtype(a), noise_io.side_dtype(b))
+        options.tolerances.noise = None
     memo: dict[tuple[int, int], tuple[Codes, Codes, NDArray[np.bool_], Codes]] = {}
     jobs = tuple(_job(i, ia, ib, a, b, maps, options, memo) for i, (ia, ib) in enumerate(pairs))
     return DiffPlan(a=a, b=b, alignment=al, sides=sides, maps=maps, notes=tuple(notes),
@@ -257,12 +271,18 @@ def _job(index: int, ia: TensorInfo, ib: TensorInfo, a: TraceSource, b: TraceSou
         assert missing is not None and isinstance(missing.details, MissingDetails)
         return PairJob(index, ia, ib, label, k, depth, tuple(findings + [missing]), both, rows, ma, mb, None,
                        not_compared=missing.details.reason_text or "not comparable")
-    tols = tuple(options.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None, depth[s])
-                 for s in range(k))
     da, db = a.dataset(ia.name, basis), b.dataset(ib.name, basis)
-    return PairJob(index, ia, ib, label, k, depth, tuple(findings), both, rows, ma, mb, basis, tolerances=tols,
-                   width=ia.slot_width if basis == "values" else a.sketch_dim,
-                   block_rows=rows_per_block(max(row_bytes(da), row_bytes(db)), options.block_rows))
+    job = PairJob(index, ia, ib, label, k, depth, tuple(findings), both, rows, ma, mb, basis,
+                  width=ia.slot_width if basis == "values" else a.sketch_dim,
+                  block_rows=rows_per_block(max(row_bytes(da), row_bytes(db)), options.block_rows))
+    return replace(job, tolerances=_tolerances(job, options))
+
+
+def _tolerances(job: PairJob, options: PlanOptions) -> tuple[Tolerance, ...]:
+    """Each compared slot's tolerance, from the options' book (the noise model's when it is set)."""
+    k, ia, ib = job.slots, job.a, job.b
+    return tuple(options.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None, job.depth[s])
+                 for s in range(k))
 
 
 def row_bytes(ds: Part) -> int:

@@ -139,10 +139,12 @@ class SerialBackend:
     def _read_all(self, plan: DiffPlan, jobs: tuple[PairJob, ...]
                   ) -> Iterator[_Block]:
         """``(pair, aligned indices, rows of A, rows of B, last of its pair)``: the blocks of every
-        job in order, in stored form. Two buffer sets of bytes alternate (the block being compared
-        is never the one being read), reused across pairs of any width; they grow only for a
-        wider block. With a second core, B's rows are read in a second thread while this one
-        reads A's: a read from the page cache is a copy by one core, and one core alone copies
+        job in order, in stored form. A block whose rows lie together in a plain file is mapped
+        in place (the page cache's own pages: no copy, and the lanes take its page faults); any
+        other is copied into one of two buffer sets of bytes that alternate (the block being
+        compared is never the one being read), reused across pairs of any width; they grow only
+        for a wider block. With a second core, B's rows are read in a second thread while this
+        one reads A's: a copy from the page cache takes one core, and one core alone copies
         slower than the lanes measure."""
         a, b = plan.a, plan.b
         side = self._side_pool
@@ -160,14 +162,14 @@ class SerialBackend:
                 i += 1
                 with self._lock:
                     if side is not None:
-                        fut = side.submit(b.read_at, job.b.name, part, job.rows_b[blk], out=outs[1])
+                        fut = side.submit(b.read_at, job.b.name, part, job.rows_b[blk], out=outs[1], mapped=True)
                         try:
-                            got_a = a.read_at(job.a.name, part, job.rows_a[blk], out=outs[0])
+                            got_a = a.read_at(job.a.name, part, job.rows_a[blk], out=outs[0], mapped=True)
                         finally:
                             got_b = fut.result()   # waited for even when A's read failed: the buffer is in use
                     else:
-                        got_a = a.read_at(job.a.name, part, job.rows_a[blk], out=outs[0])
-                        got_b = b.read_at(job.b.name, part, job.rows_b[blk], out=outs[1])
+                        got_a = a.read_at(job.a.name, part, job.rows_a[blk], out=outs[0], mapped=True)
+                        got_b = b.read_at(job.b.name, part, job.rows_b[blk], out=outs[1], mapped=True)
                 yield (job.index, blk, got_a, got_b, s0 + n >= len(idx))
 
 

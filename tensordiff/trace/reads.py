@@ -1,6 +1,7 @@
 """Reading rows of an open trace: values, sketches and RMS by row range or by row subset, without
 loading whole datasets, through a bounded set of open datasets; runs of rows of plain chunked
-datasets straight from the file (``os.preadv``, the GIL released). :class:`RowReads` is the part of
+datasets straight from the file (``os.preadv``, the GIL released), or mapped in place
+(``mmap``: the page cache's own pages, no copy) for a caller that only reads them. :class:`RowReads` is the part of
 :class:`~tensordiff.trace.TraceReader` that reads after the open has validated everything.
 
 Why one module of this size: the bounded set of open datasets and every read path that shares it.
@@ -8,6 +9,7 @@ Why one module of this size: the bounded set of open datasets and every read pat
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -340,11 +342,50 @@ class RowReads:
             while c1 < last and offs[c1 + 1] == offs[c1] + cr * row_bytes:
                 c1 += 1
             n = (min(hi, (c1 + 1) * cr) - max(lo, c * cr)) * row_bytes
-            if os.preadv(fd, [view[pos:pos + n]], int(start)) != n:
-                return False
+            got = os.preadv(fd, [view[pos:pos + n]], int(start))
+            if got != n:   # the chunk lay inside the file when it was opened: it shrank since
+                raise self._shrank(ds, int(start) + got)
             pos += n
             c = c1 + 1
         return pos == dest.nbytes
+
+    def _mapped_rows(self, ds: Any, lo: int, hi: int) -> np.ndarray | None:
+        """Rows [lo, hi) of ``ds`` as a read-only array over the file's own pages (``mmap``): no
+        copy, the caller's kernel reads the page cache in place and takes the page faults on its
+        own core. Only where :meth:`_direct_rows` could read them and their chunks follow each
+        other in the file (else None: the caller copies), and only while the file still holds
+        them: a file that shrank since it was opened is a :class:`TraceFileError` (a mapping
+        past its end would kill the process with SIGBUS). The mapping lives as long as the array."""
+        if getattr(ds, "derived", False) or hi <= lo:
+            return None
+        fd = self._direct_fd()
+        table = self._chunk_table(ds) if fd is not None else None
+        if fd is None or table is None:
+            return None
+        cr, offs = table
+        shape = tuple(ds.shape[1:])
+        row_bytes = int(np.prod(shape, dtype=np.int64)) * ds.dtype.itemsize
+        seg = offs[lo // cr:(hi - 1) // cr + 1]
+        if len(seg) == 0 or (seg < 0).any() or (len(seg) > 1 and (np.diff(seg) != cr * row_bytes).any()):
+            return None
+        start = int(seg[0]) + (lo - (lo // cr) * cr) * row_bytes
+        n = (hi - lo) * row_bytes
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            size = os.fstat(fd).st_size
+            m = mmap.mmap(fd, start + n - base, access=mmap.ACCESS_READ, offset=base) if size >= start + n else None
+        except (OSError, ValueError, OverflowError):
+            return None
+        if m is None:
+            raise self._shrank(ds, size)
+        rows: np.ndarray = np.frombuffer(m, np.uint8, n, start - base).view(ds.dtype).reshape((hi - lo,) + shape)
+        return rows
+
+    def _shrank(self, ds: Any, end: int) -> TraceFileError:
+        """The error of a read past the end of a file that was longer when it was opened (HDF5
+        would read zeros there)."""
+        return TraceFileError(f"cannot read {ds.name}, the file is damaged (it ends at byte {end}, it had "
+                              f"{self.file_size} bytes when it was opened)", self.path)
 
     def _direct_fd(self) -> int | None:
         fd = self._fd_direct
@@ -441,24 +482,29 @@ class RowReads:
         block = self._read(name, "values", np.s_[start:stop])
         return block if raw else to_float32(block, info.dtype)
 
-    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None, *,
+                mapped: bool = False) -> np.ndarray:
         """Rows of ``name/part`` (values in stored form, sketch or rms) at row indices in any order
         and with repeats. Never an HDF5 point selection (slow): one contiguous read when the span
-        is small, else one read per touched chunk, then the rows are picked in memory."""
+        is small, else one read per touched chunk, then the rows are picked in memory.
+        ``mapped=True``: a run of rows that lies together in the file comes back as a read-only
+        array over the file's pages (no copy; ``out`` unused), for a caller that only reads it."""
         idx = np.asarray(idx, dtype=np.int64)
         ds = self._ds[name].get(part)
         if ds is None:
             raise TraceFileError(f"tensor {name!r} has no {part}", self.path)
-        return self._take(ds, idx, out, f"{name}/{part}")
+        return self._take(ds, idx, out, f"{name}/{part}", mapped)
 
-    def _take(self, ds: Any, idx: np.ndarray, out: np.ndarray | None, what: str) -> np.ndarray:
+    def _take(self, ds: Any, idx: np.ndarray, out: np.ndarray | None, what: str, mapped: bool = False) -> np.ndarray:
         """:meth:`read_at` of one dataset (or part the reader computes)."""
         if len(idx) == 0:
             return np.empty((0,) + ds.shape[1:], ds.dtype)
         lo, hi = int(idx[0]), int(idx[-1]) + 1
         if hi - lo == len(idx) and (len(idx) == 1 or np.all(np.diff(idx) == 1)):
-            # the common case: a run of rows, read straight into ``out`` (same dtype) when given
-            return self._read_ds(ds, np.s_[lo:hi], out, what)
+            # the common case: a run of rows, mapped in place when the caller allows, else read
+            # straight into ``out`` (same dtype) when given
+            view = self._mapped_rows(ds, lo, hi) if mapped else None
+            return view if view is not None else self._read_ds(ds, np.s_[lo:hi], out, what)
         if getattr(ds, "derived", False):   # computed block by block, in any order
             try:
                 got: np.ndarray = ds.take(idx, out)

@@ -197,9 +197,10 @@ class TraceSet:
             res.append((mi, pos[order], rows[order]))
         return res
 
-    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None, *,
+                mapped: bool = False) -> np.ndarray:
         """Rows of ``name/part`` at set row indices (any order, repeats allowed), stored form;
-        each member reads its own rows."""
+        each member reads its own rows (``mapped``: see :meth:`TraceSource.read_at`)."""
         shape = self._ds[name].get(part)
         if shape is None or part == "rows":
             raise IncompatibleTracesError(f"tensor {name!r} has no {part}", self.path)
@@ -207,7 +208,7 @@ class TraceSet:
         where = self.locate(name, idx)
         if len(where) == 1:
             mi, _, rows = where[0]
-            return self.members[mi].reader.read_at(name, part, rows, out=out)
+            return self.members[mi].reader.read_at(name, part, rows, out=out, mapped=mapped)
         n = len(idx)
         tail = tuple(shape.shape[1:])
         if out is not None and out.dtype == shape.dtype and out.size >= n * int(np.prod(tail, dtype=np.int64)):
