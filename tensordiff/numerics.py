@@ -21,6 +21,7 @@ from numpy.typing import NDArray
 
 from .dtypes import to_float32
 from .tolerances import Tolerance
+from .trace import Pieces, block_rows
 from .vocab import REGIMES
 
 from . import kernels as _kernels
@@ -87,9 +88,10 @@ class BlockMetrics:
         self._lanes = max(1, lanes if pool is not None else 1)
         self._bufs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def compute_stored(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str) -> Metrics:
+    def compute_stored(self, a: np.ndarray | Pieces, dtype_a: str, b: np.ndarray | Pieces, dtype_b: str) -> Metrics:
         """Metrics of two blocks in their stored form (bf16 as bits): each row is read from
-        memory once."""
+        memory once. A block may come in :class:`~tensordiff.trace.Pieces` (runs of chunks
+        mapped in place): no sub-block crosses from one piece to the next."""
         return self._run(a, dtype_a, b, dtype_b)
 
     def compute(self, a: np.ndarray, b: np.ndarray) -> Metrics:
@@ -98,7 +100,7 @@ class BlockMetrics:
 
     # -- the passes ----------------------------------------------------------------------------
 
-    def _run(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str) -> Metrics:
+    def _run(self, a: np.ndarray | Pieces, dtype_a: str, b: np.ndarray | Pieces, dtype_b: str) -> Metrics:
         n = a.shape[0]
         k, w = self.k, self.w
         width = k * w
@@ -108,7 +110,8 @@ class BlockMetrics:
         maxabs = np.zeros((n, k), np.float32)
         if n and w:
             sub = max(1, self.SUB_BYTES // max(1, width * 4))
-            starts = list(range(0, n, sub))
+            cuts = {c for x in (a, b) if isinstance(x, Pieces) for c in x.cuts}
+            starts = sorted(set(range(0, n, sub)) | cuts)
             lanes = min(self._lanes, len(starts))
             # sub-blocks are taken from one counter as each lane gets to them, not dealt out in
             # advance: a lane that loses its core for a while (to the reader thread, or another
@@ -122,9 +125,9 @@ class BlockMetrics:
                     if i >= len(starts):
                         return
                     s0 = starts[i]
-                    s1 = min(n, s0 + sub)
-                    self._sub_block(a[s0:s1, :width], dtype_a, b[s0:s1, :width], dtype_b, bufs,
-                                    aa[s0:s1], bb[s0:s1], dd[s0:s1], maxabs[s0:s1])
+                    s1 = starts[i + 1] if i + 1 < len(starts) else n
+                    self._sub_block(block_rows(a, s0, s1)[:, :width], dtype_a, block_rows(b, s0, s1)[:, :width], dtype_b,
+                                    bufs, aa[s0:s1], bb[s0:s1], dd[s0:s1], maxabs[s0:s1])
 
             futs = [self._pool.submit(lane, j) for j in range(1, lanes)] if self._pool is not None else []
             try:
@@ -150,7 +153,7 @@ class BlockMetrics:
         xb, kb = _kernel_input(b, dtype_b, bufs[1])
         _kernels.row_sums(xa, ka, xb, kb, self.k, self.w, aa, bb, dd, maxabs)
 
-    def _finish(self, a: np.ndarray, dtype_a: str, b: np.ndarray, dtype_b: str, aa: np.ndarray, bb: np.ndarray,
+    def _finish(self, a: np.ndarray | Pieces, dtype_a: str, b: np.ndarray | Pieces, dtype_b: str, aa: np.ndarray, bb: np.ndarray,
                 dd: np.ndarray, maxabs: np.ndarray) -> Metrics:
         n, k, w = a.shape[0], self.k, self.w
         nf_a = np.zeros((n, k), dtype=np.int64)
@@ -160,8 +163,8 @@ class BlockMetrics:
         if suspect.any():
             for i, s in zip(*np.nonzero(suspect)):
                 cols = slice(s * w, (s + 1) * w)
-                x = to_float32(a[i:i + 1, cols], dtype_a)[0].astype(np.float64)
-                y = to_float32(b[i:i + 1, cols], dtype_b)[0].astype(np.float64)
+                x = to_float32(block_rows(a, i, i + 1)[:, cols], dtype_a)[0].astype(np.float64)
+                y = to_float32(block_rows(b, i, i + 1)[:, cols], dtype_b)[0].astype(np.float64)
                 fx, fy = np.isfinite(x), np.isfinite(y)
                 nf_a[i, s], nf_b[i, s] = (~fx).sum(), (~fy).sum()
                 both = fx & fy

@@ -36,7 +36,8 @@ def traces(tmp_path_factory):
 
 
 def _json(a, b, **kw):
-    return json.dumps(jsonable(diff_traces(a, b, DiffOptions(block_rows=16, **kw)).to_dict()))
+    kw.setdefault("block_rows", 16)
+    return json.dumps(jsonable(diff_traces(a, b, DiffOptions(**kw)).to_dict()))
 
 
 def _reader_threads(monkeypatch):
@@ -54,6 +55,7 @@ def _reader_threads(monkeypatch):
 @pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "bad_set"), ("bad_set", "train")])
 def test_reading_b_beside_a_gives_the_same_diff(traces, monkeypatch, pair):
     a, b = traces[pair[0]], traces[pair[1]]
+    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)   # blocks copied, not mapped
     monkeypatch.setattr(stream, "compute_lanes", lambda: 1)   # one core: one reader thread
     one = _json(a, b)
     monkeypatch.setattr(stream, "compute_lanes", lambda: 2)
@@ -64,6 +66,7 @@ def test_reading_b_beside_a_gives_the_same_diff(traces, monkeypatch, pair):
 
 
 def test_a_failed_read_on_either_side_ends_the_diff_with_its_error(traces, monkeypatch):
+    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)   # blocks copied, not mapped
     monkeypatch.setattr(stream, "compute_lanes", lambda: 2)
     real = RowReads.read_at
 
@@ -214,12 +217,80 @@ def test_a_file_that_shrank_after_it_was_opened_is_an_error_never_zeros_nor_a_fa
 
     path = str(tmp_path / "shrinks.h5")
     shutil.copy(traces["train"], path)
+
+    def rows(r, n):
+        idx = np.arange(r.tensors[n].rows)
+        if mapped:
+            got = r.map_rows(n, "values", idx)
+            assert got is not None
+            return got
+        return r.read_at(n, "values", idx)
+
     with TraceReader(path) as r:
         names = [n for n, i in sorted(r.tensors.items(), key=lambda t: t[1].order) if i.has_values]
-        whole = {n: np.array(r.read_at(n, "values", np.arange(r.tensors[n].rows), mapped=mapped)) for n in names}
+        whole = {n: np.array(rows(r, n)) for n in names}
         with open(path, "r+b") as fh:
             fh.truncate(r.file_size // 2)
         with pytest.raises(TraceFileError, match="damaged"):
             for n in names:   # the last tensors' rows now lie past the end
-                got = r.read_at(n, "values", np.arange(r.tensors[n].rows), mapped=mapped)
-                assert np.array_equal(got, whole[n])
+                assert np.array_equal(np.array(rows(r, n)), whole[n])
+
+
+H_WIDE, LAYERS_WIDE, TOKENS_WIDE = 1024, 4, 640   # 4 KB rows: 256 rows a chunk, a block spans chunks
+
+
+def _wide_pair(tmp_path):
+    """A written layer by layer (each tensor's chunks follow each other in the file) and B pass by
+    pass (the tensors' chunks interleave, as an engine's recording does); B's layer2 is off."""
+    from tensordiff.dtypes import f32_to_bf16_bits
+    from tensordiff.trace import TraceWriter
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((TOKENS_WIDE, H_WIDE)).astype(np.float32)
+    states = [x]
+    for _ in range(1, LAYERS_WIDE):
+        states.append(states[-1] + np.float32(0.1) * rng.standard_normal(x.shape).astype(np.float32))
+    paths = {}
+    for side, by_pass in (("train", False), ("serve", True)):
+        path = str(tmp_path / f"{side}.h5")
+        with TraceWriter(path, side=side, producer="tests", model={"num_layers": LAYERS_WIDE, "hidden_size": H_WIDE}) as w:
+            for b in range(LAYERS_WIDE):
+                w.define_tensor(f"layer{b}", H_WIDE, kind="boundary", boundary=b, role="catalog", dtype="bfloat16")
+            rows = w.add_tokens("req-0", np.arange(TOKENS_WIDE), np.arange(TOKENS_WIDE) % 500 + 3,
+                                "train" if side == "train" else "prefill")
+            got = [s.copy() for s in states]
+            if by_pass:
+                got[2] = got[2] + np.float32(0.5) * rng.standard_normal(x.shape).astype(np.float32)
+                for p0 in range(0, TOKENS_WIDE, 32):
+                    for b in range(LAYERS_WIDE):
+                        w.append(f"layer{b}", rows[p0:p0 + 32], f32_to_bf16_bits(got[b][p0:p0 + 32]))
+            else:
+                for b in range(LAYERS_WIDE):
+                    w.append(f"layer{b}", rows, f32_to_bf16_bits(got[b]))
+        paths[side] = path
+    return paths["train"], paths["serve"]
+
+
+def test_blocks_whose_chunks_interleave_are_mapped_in_pieces_and_give_the_copied_diff(tmp_path, monkeypatch):
+    from tensordiff.trace import Pieces
+
+    a, b = _wide_pair(tmp_path)
+    real = RowReads._mapped_rows
+    kinds = []
+
+    def spy(self, ds, lo, hi):
+        got = real(self, ds, lo, hi)
+        kinds.append(type(got).__name__)
+        if isinstance(got, Pieces):
+            assert len(got.parts) > 1 and all(not p.flags.writeable for p in got.parts)
+        return got
+
+    monkeypatch.setattr(RowReads, "_mapped_rows", spy)
+    # blocks of the default size: each spans both chunks of a tensor
+    in_place = [_json(x, y, noise_from_pass=f, block_rows=4096) for x, y in ((a, b), (b, a)) for f in (True, False)]
+    assert "Pieces" in kinds, kinds
+    doc = json.loads(in_place[0])
+    assert doc["first_divergence"]["tensor"] == "layer2"
+    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)
+    kinds.clear()
+    assert [_json(x, y, noise_from_pass=f, block_rows=4096) for x, y in ((a, b), (b, a)) for f in (True, False)] == in_place

@@ -22,14 +22,15 @@ from numpy.typing import NDArray
 from ..cores import usable_cores
 from ..numerics import BlockMetrics, Metrics
 from ..progress import Progress
-from ..trace import ReplicaMismatch, TraceSource
+from ..trace import Pieces, ReplicaMismatch, TraceSource
 from ..trace.source import Part
 from .plan import DiffPlan, PairJob, row_bytes
 
 Codes = NDArray[np.int64]
+Rows = np.ndarray | Pieces   # a block's rows of one side: read, or mapped in place
 T = TypeVar("T")
 #: (pair index, aligned indices, rows of A, rows of B, last block of its pair), rows in stored form
-_Block = tuple[int, Codes, np.ndarray, np.ndarray, bool]
+_Block = tuple[int, Codes, Rows, Rows, bool]
 MAX_LANES = 4   # threads measuring one block at most (the reader thread takes a core of its own)
 
 
@@ -112,6 +113,7 @@ class SerialBackend:
             if job.basis == "values":  # stored form (bf16 bits); converted in cache-sized pieces
                 m = bm.compute_stored(a_raw, job.a.dtype, b_raw, job.b.dtype)
             else:
+                assert isinstance(a_raw, np.ndarray) and isinstance(b_raw, np.ndarray)   # sketches are read
                 a = np.asarray(a_raw, np.float32)[:, :k * sw]
                 b = np.asarray(b_raw, np.float32)[:, :k * sw]
                 m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
@@ -160,16 +162,22 @@ class SerialBackend:
                 pair_bufs = bufs[i % 2]
                 outs = [_typed(pair_bufs, side, len(blk), ds) for side, ds in ((0, da), (1, db))]
                 i += 1
+                rows_a, rows_b = job.rows_a[blk], job.rows_b[blk]
                 with self._lock:
-                    if side is not None:
-                        fut = side.submit(b.read_at, job.b.name, part, job.rows_b[blk], out=outs[1], mapped=True)
+                    # values in place where both sides allow (sketches are narrow: read)
+                    got_a = a.map_rows(job.a.name, part, rows_a) if part == "values" else None
+                    got_b = b.map_rows(job.b.name, part, rows_b) if got_a is not None else None
+                    if got_a is not None and got_b is not None:
+                        pass
+                    elif side is not None:
+                        fut = side.submit(b.read_at, job.b.name, part, rows_b, out=outs[1])
                         try:
-                            got_a = a.read_at(job.a.name, part, job.rows_a[blk], out=outs[0], mapped=True)
+                            got_a = a.read_at(job.a.name, part, rows_a, out=outs[0])
                         finally:
                             got_b = fut.result()   # waited for even when A's read failed: the buffer is in use
                     else:
-                        got_a = a.read_at(job.a.name, part, job.rows_a[blk], out=outs[0], mapped=True)
-                        got_b = b.read_at(job.b.name, part, job.rows_b[blk], out=outs[1], mapped=True)
+                        got_a = a.read_at(job.a.name, part, rows_a, out=outs[0])
+                        got_b = b.read_at(job.b.name, part, rows_b, out=outs[1])
                 yield (job.index, blk, got_a, got_b, s0 + n >= len(idx))
 
 
@@ -187,7 +195,7 @@ def _typed(bufs: list[np.ndarray], side: int, rows: int, ds: Part) -> np.ndarray
 
 
 def _take_pair(shared: Iterator[_Block], pair: int, rows: int
-               ) -> Iterator[tuple[Codes, np.ndarray, np.ndarray]]:
+               ) -> Iterator[tuple[Codes, Rows, Rows]]:
     """The blocks of pair ``pair`` from the stream shared by all pairs, up to its last one (the
     stream's next item is the next pair's and stays there)."""
     if rows == 0:

@@ -24,6 +24,7 @@ import h5py  # type: ignore[import-untyped, unused-ignore]  # noqa: F401 - bench
 
 from .probe import PROBE_SECONDS, probe
 from .reader import TraceReader, trace_summary
+from .reads import Pieces, block_rows
 from .source import Part, ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TraceSource
 from .schema import (
     CHUNK_BYTES,
@@ -60,6 +61,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
+    "Pieces",
+    "block_rows",
     "CHUNK_BYTES",
     "FILTER_EXPANSION",
     "KINDS",

@@ -9,6 +9,7 @@ Why one module of this size: the bounded set of open datasets and every read pat
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 from collections import OrderedDict
@@ -267,6 +268,41 @@ class RefValues(_Resolved):
         return dest
 
 
+class Pieces:
+    """The rows of one block as consecutive arrays (runs of chunks mapped in place, each
+    read-only): ``parts[i]`` holds rows ``starts[i]`` to ``starts[i + 1]``."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.starts: list[int] = [0]
+        for p in parts:
+            self.starts.append(self.starts[-1] + len(p))
+        self.shape: tuple[int, ...] = (self.starts[-1],) + tuple(parts[0].shape[1:])
+        self.dtype = parts[0].dtype
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def cuts(self) -> list[int]:
+        """Where one array ends and the next begins (rows)."""
+        return self.starts[1:-1]
+
+    def rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1): a view where one array holds them all, else a copy."""
+        i = bisect.bisect_right(self.starts, r0) - 1
+        if r1 <= self.starts[i + 1]:
+            return self.parts[i][r0 - self.starts[i]:r1 - self.starts[i]]
+        j = bisect.bisect_left(self.starts, r1)
+        return np.concatenate([self.parts[k][max(r0, self.starts[k]) - self.starts[k]:min(r1, self.starts[k + 1])
+                                             - self.starts[k]] for k in range(i, j)])
+
+
+def block_rows(block: np.ndarray | Pieces, r0: int, r1: int) -> np.ndarray:
+    """Rows [r0, r1) of an array or of :class:`Pieces`."""
+    return block[r0:r1] if isinstance(block, np.ndarray) else block.rows(r0, r1)
+
+
 class RowReads:
     """Row reads of a validated trace (mixed into :class:`~tensordiff.trace.TraceReader`)."""
 
@@ -349,13 +385,14 @@ class RowReads:
             c = c1 + 1
         return pos == dest.nbytes
 
-    def _mapped_rows(self, ds: Any, lo: int, hi: int) -> np.ndarray | None:
-        """Rows [lo, hi) of ``ds`` as a read-only array over the file's own pages (``mmap``): no
-        copy, the caller's kernel reads the page cache in place and takes the page faults on its
-        own core. Only where :meth:`_direct_rows` could read them and their chunks follow each
-        other in the file (else None: the caller copies), and only while the file still holds
-        them: a file that shrank since it was opened is a :class:`TraceFileError` (a mapping
-        past its end would kill the process with SIGBUS). The mapping lives as long as the array."""
+    def _mapped_rows(self, ds: Any, lo: int, hi: int) -> np.ndarray | Pieces | None:
+        """:meth:`map_rows` of rows [lo, hi) of one dataset: one mapping from the first of their
+        chunks to the end of the last (the pages between them are never touched, so never read),
+        viewed run of chunks by run of chunks. The caller's kernel reads the page cache in place
+        and takes the page faults on its own core. Only where :meth:`_direct_rows` could read the
+        rows, and only while the file still holds them: a file that shrank since it was opened is
+        a :class:`TraceFileError` (a mapping past its end would kill the process with SIGBUS).
+        The mapping lives as long as the arrays."""
         if getattr(ds, "derived", False) or hi <= lo:
             return None
         fd = self._direct_fd()
@@ -365,21 +402,32 @@ class RowReads:
         cr, offs = table
         shape = tuple(ds.shape[1:])
         row_bytes = int(np.prod(shape, dtype=np.int64)) * ds.dtype.itemsize
-        seg = offs[lo // cr:(hi - 1) // cr + 1]
-        if len(seg) == 0 or (seg < 0).any() or (len(seg) > 1 and (np.diff(seg) != cr * row_bytes).any()):
+        c0 = lo // cr
+        seg = offs[c0:(hi - 1) // cr + 1]
+        if len(seg) == 0 or (seg < 0).any():
             return None
-        start = int(seg[0]) + (lo - (lo // cr) * cr) * row_bytes
-        n = (hi - lo) * row_bytes
-        base = start - start % mmap.ALLOCATIONGRANULARITY
+        # each chunk's rows [r0, r1) of the block and their bytes in the file
+        runs: list[tuple[int, int, int]] = []   # (first row of the run, rows, file offset)
+        for j, off in enumerate(seg.tolist()):
+            r0, r1 = max(lo, (c0 + j) * cr), min(hi, (c0 + j + 1) * cr)
+            at = off + (r0 - (c0 + j) * cr) * row_bytes
+            if runs and runs[-1][2] + runs[-1][1] * row_bytes == at:
+                runs[-1] = (runs[-1][0], runs[-1][1] + r1 - r0, runs[-1][2])
+            else:
+                runs.append((r0, r1 - r0, at))
+        first = min(r[2] for r in runs)
+        end = max(r[2] + r[1] * row_bytes for r in runs)
+        base = first - first % mmap.ALLOCATIONGRANULARITY
         try:
             size = os.fstat(fd).st_size
-            m = mmap.mmap(fd, start + n - base, access=mmap.ACCESS_READ, offset=base) if size >= start + n else None
+            m = mmap.mmap(fd, end - base, access=mmap.ACCESS_READ, offset=base) if size >= end else None
         except (OSError, ValueError, OverflowError):
             return None
         if m is None:
             raise self._shrank(ds, size)
-        rows: np.ndarray = np.frombuffer(m, np.uint8, n, start - base).view(ds.dtype).reshape((hi - lo,) + shape)
-        return rows
+        whole = np.frombuffer(m, np.uint8)
+        parts = [whole[at - base:at - base + n * row_bytes].view(ds.dtype).reshape((n,) + shape) for _, n, at in runs]
+        return parts[0] if len(parts) == 1 else Pieces(parts)
 
     def _shrank(self, ds: Any, end: int) -> TraceFileError:
         """The error of a read past the end of a file that was longer when it was opened (HDF5
@@ -482,29 +530,41 @@ class RowReads:
         block = self._read(name, "values", np.s_[start:stop])
         return block if raw else to_float32(block, info.dtype)
 
-    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None, *,
-                mapped: bool = False) -> np.ndarray:
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``name/part`` (values in stored form, sketch or rms) at row indices in any order
         and with repeats. Never an HDF5 point selection (slow): one contiguous read when the span
-        is small, else one read per touched chunk, then the rows are picked in memory.
-        ``mapped=True``: a run of rows that lies together in the file comes back as a read-only
-        array over the file's pages (no copy; ``out`` unused), for a caller that only reads it."""
+        is small, else one read per touched chunk, then the rows are picked in memory."""
         idx = np.asarray(idx, dtype=np.int64)
         ds = self._ds[name].get(part)
         if ds is None:
             raise TraceFileError(f"tensor {name!r} has no {part}", self.path)
-        return self._take(ds, idx, out, f"{name}/{part}", mapped)
+        return self._take(ds, idx, out, f"{name}/{part}")
 
-    def _take(self, ds: Any, idx: np.ndarray, out: np.ndarray | None, what: str, mapped: bool = False) -> np.ndarray:
+    def map_rows(self, name: str, part: str, idx: np.ndarray) -> np.ndarray | Pieces | None:
+        """A run of rows ``idx`` of ``name/part`` in place in the file's pages (``mmap``: no
+        copy; read-only), for a caller that only reads them: one array where their chunks follow
+        each other in the file, else :class:`Pieces` (one array per run of chunks that do; a
+        trace recorded pass by pass interleaves its tensors' chunks). None where they cannot be
+        mapped (not a run, a filtered or derived part, not a plain file): the caller reads them."""
+        idx = np.asarray(idx, dtype=np.int64)
+        ds = self._ds[name].get(part)
+        if ds is None:
+            raise TraceFileError(f"tensor {name!r} has no {part}", self.path)
+        if len(idx) == 0:
+            return None
+        lo, hi = int(idx[0]), int(idx[-1]) + 1
+        if hi - lo != len(idx) or (len(idx) > 1 and not np.all(np.diff(idx) == 1)):
+            return None
+        return self._mapped_rows(ds, lo, hi)
+
+    def _take(self, ds: Any, idx: np.ndarray, out: np.ndarray | None, what: str) -> np.ndarray:
         """:meth:`read_at` of one dataset (or part the reader computes)."""
         if len(idx) == 0:
             return np.empty((0,) + ds.shape[1:], ds.dtype)
         lo, hi = int(idx[0]), int(idx[-1]) + 1
         if hi - lo == len(idx) and (len(idx) == 1 or np.all(np.diff(idx) == 1)):
-            # the common case: a run of rows, mapped in place when the caller allows, else read
-            # straight into ``out`` (same dtype) when given
-            view = self._mapped_rows(ds, lo, hi) if mapped else None
-            return view if view is not None else self._read_ds(ds, np.s_[lo:hi], out, what)
+            # the common case: a run of rows, read straight into ``out`` (same dtype) when given
+            return self._read_ds(ds, np.s_[lo:hi], out, what)
         if getattr(ds, "derived", False):   # computed block by block, in any order
             try:
                 got: np.ndarray = ds.take(idx, out)

@@ -12,13 +12,16 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ..progress import Progress
 from .schema import TensorInfo
+
+if TYPE_CHECKING:
+    from .reads import Pieces
 
 
 class Part(Protocol):
@@ -160,10 +163,11 @@ class TraceSource(Protocol):
 
     def has_part(self, name: str, part: str) -> bool: ...
 
-    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None, *,
-                mapped: bool = False) -> np.ndarray:
-        """Rows at row indices (any order, repeats), stored form; ``mapped=True`` allows a
-        read-only array over the file's pages in place of a copy (see :class:`~tensordiff.trace.reads.RowReads`)."""
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray: ...
+
+    def map_rows(self, name: str, part: str, idx: np.ndarray) -> np.ndarray | Pieces | None:
+        """A run of rows in place in the file's pages, read-only, or None: read them
+        (:meth:`tensordiff.trace.reads.RowReads.map_rows`)."""
         ...
 
     def read_values(self, name: str, start: int = 0, stop: int | None = None, *, raw: bool = False) -> np.ndarray: ...

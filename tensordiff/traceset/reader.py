@@ -15,7 +15,7 @@ import numpy as np
 from ..dtypes import to_float32
 from ..errors import IncompatibleTracesError, UsageError
 from ..progress import Progress, Stage
-from ..trace import RowSegment, TraceReader, TraceSource, slot_rms, trace_summary
+from ..trace import Pieces, RowSegment, TraceReader, TraceSource, slot_rms, trace_summary
 from ..trace.source import Part
 from .index import set_index
 from .join import PartShape, merge_tensors
@@ -197,10 +197,19 @@ class TraceSet:
             res.append((mi, pos[order], rows[order]))
         return res
 
-    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None, *,
-                mapped: bool = False) -> np.ndarray:
+    def map_rows(self, name: str, part: str, idx: np.ndarray) -> np.ndarray | Pieces | None:
+        """Rows of one member in place (:meth:`TraceSource.map_rows`); None when they span members."""
+        if self._ds[name].get(part) is None or part == "rows":
+            raise IncompatibleTracesError(f"tensor {name!r} has no {part}", self.path)
+        where = self.locate(name, np.asarray(idx, dtype=np.int64))
+        if len(where) != 1 or not np.all(np.diff(where[0][1]) > 0):
+            return None
+        mi, _, rows = where[0]
+        return self.members[mi].reader.map_rows(name, part, rows)
+
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``name/part`` at set row indices (any order, repeats allowed), stored form;
-        each member reads its own rows (``mapped``: see :meth:`TraceSource.read_at`)."""
+        each member reads its own rows."""
         shape = self._ds[name].get(part)
         if shape is None or part == "rows":
             raise IncompatibleTracesError(f"tensor {name!r} has no {part}", self.path)
@@ -208,7 +217,7 @@ class TraceSet:
         where = self.locate(name, idx)
         if len(where) == 1:
             mi, _, rows = where[0]
-            return self.members[mi].reader.read_at(name, part, rows, out=out, mapped=mapped)
+            return self.members[mi].reader.read_at(name, part, rows, out=out)
         n = len(idx)
         tail = tuple(shape.shape[1:])
         if out is not None and out.dtype == shape.dtype and out.size >= n * int(np.prod(tail, dtype=np.int64)):
