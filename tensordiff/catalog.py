@@ -29,6 +29,7 @@ from .identity import (
     Target,
     _Scored,
     clean,
+    clean_with_norms,
     decide_scored,
     pick_basis,
     row_norms,
@@ -36,7 +37,7 @@ from .identity import (
 )
 from .tolerances import coarser, default_tolerance
 from .progress import Progress, Stage
-from .trace import TensorInfo, TraceSource
+from .trace import TensorInfo, TraceSource, gather
 from .vocab import parse_label
 
 Codes = NDArray[np.int64]
@@ -100,7 +101,7 @@ class IdentitySearch:
         self.read_lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
 
     def _target(self, r: TraceSource, info: TensorInfo, rows: Codes, slot: int, basis: str) -> Target:
-        """One slot's rows (full values or sketch) and their per-token RMS."""
+        """One slot's rows (full values or sketch), their per-token RMS and their norms."""
         with self.read_lock:
             raw = read_runs(r, info.name, "values" if basis == "values" else "sketch", rows)
             rms = slot_rms_at(r, info, rows, slot)
@@ -110,7 +111,8 @@ class IdentitySearch:
         else:
             d = r.sketch_dim
             data = np.asarray(raw, np.float32)[:, slot * d:(slot + 1) * d]
-        return Target(clean(data), rms)
+        clean_data, norms = clean_with_norms(data)
+        return Target(clean_data, rms, norms)
 
     def identify(self, side: str, info: TensorInfo, slots: list[int], sample: Codes) -> dict[int, IdentityVerdict]:
         """Which recorded state does each slot of ``info`` (on ``side``) hold at the sampled aligned
@@ -221,7 +223,7 @@ class IdentitySearch:
             t = self._target(cr, ci, lay.union, 0, basis)
             # the union's norms once (a row's norm does not depend on the rows around it); its
             # rows are scored in place at each offset (data[at]: no gather, no cast)
-            rows, norms = t.data, row_norms(t.data)
+            rows, norms = t.data, (t.norms if t.norms is not None else row_norms(t.data))
             exact_tol = None
             if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
                 eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
@@ -263,6 +265,14 @@ def read_runs(r: TraceSource, name: str, part: str, rows: Codes, max_runs: int =
         uniq, inv = np.unique(rows, return_inverse=True)
         gaps = np.diff(uniq)
     cuts = (np.flatnonzero(gaps != 1) + 1).tolist()
+    if cuts:
+        # many short runs: gathered from the span mapped in place (only the rows' pages are
+        # touched), not read run by run
+        lo = int(uniq[0])
+        span = r.map_rows(name, part, np.arange(lo, int(uniq[-1]) + 1))
+        if span is not None:
+            picked = gather(span, uniq - lo)
+            return picked if inv is None else picked[inv.reshape(-1)]
     if len(cuts) + 1 > max_runs:
         return r.read_at(name, part, rows)
     starts, stops = [0] + cuts, cuts + [len(uniq)]

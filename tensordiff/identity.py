@@ -62,6 +62,7 @@ class Target:
 
     data: F32            # [n, w], NaN/Inf already zeroed
     rms: F32             # [n]
+    norms: NDArray[np.float64] | None = None   # the rows' row_norms, when computed with them
 
 
 @dataclass
@@ -133,6 +134,18 @@ def clean(x: NDArray[np.float32]) -> F32:
     """Contiguous float32 with NaN/Inf zeroed (the form the scoring expects)."""
     out: F32 = finite_or_zero(np.ascontiguousarray(x, dtype=np.float32))
     return out
+
+
+def clean_with_norms(x: NDArray[np.float32]) -> tuple[F32, NDArray[np.float64]]:
+    """:func:`clean` and the :func:`row_norms` of its result, in one pass over rows that are
+    finite (a float32 row's sum of squares in float64 cannot overflow, so it is finite exactly
+    when every element is); rows with a NaN/Inf are zeroed there and measured again."""
+    data = np.ascontiguousarray(x, dtype=np.float32)
+    sq = row_dots(data, data)
+    if np.isfinite(sq).all():
+        return data, np.sqrt(sq)
+    data = clean(data)
+    return data, row_norms(data)
 
 
 def row_norms(x: Rows) -> NDArray[np.float64]:

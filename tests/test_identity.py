@@ -117,3 +117,19 @@ def test_paired_test_on_the_tokens_both_cover():
     from tensordiff.identity import _score
     n, win, z = paired_test(_score(_target(x), cands[0]), _score(_target(x), cands[3]))
     assert n == 10 and win == 1.0 and z > 3
+
+
+def test_clean_with_norms_is_clean_then_row_norms_bit_for_bit():
+    from tensordiff.identity import clean, clean_with_norms, row_norms
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((40, 96)) * 1e3).astype(np.float32)
+    x[3] = np.float32(3e38)   # the largest float32s: their float64 squares stay finite
+    for bad in ([], [(5, 7, np.nan)], [(0, 0, np.inf), (9, 95, -np.inf), (9, 2, np.nan)]):
+        y = x.copy()
+        for i, j, v in bad:
+            y[i, j] = v
+        data, norms = clean_with_norms(y)
+        want = clean(y)
+        assert np.array_equal(data, want) and np.isfinite(data).all()
+        assert np.array_equal(norms, row_norms(want))

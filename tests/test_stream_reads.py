@@ -14,7 +14,7 @@ import pytest
 
 import importlib
 from setgen import make_recording, write, write_ranks
-from tensordiff import noise, noise_io
+from tensordiff import catalog, noise, noise_io
 from tensordiff.cli import jsonable
 from tensordiff.diff import DiffOptions, diff_traces
 from tensordiff.errors import TraceFileError
@@ -201,8 +201,13 @@ def test_blocks_mapped_in_place_give_the_diff_of_blocks_copied(traces, monkeypat
         return got
 
     monkeypatch.setattr(RowReads, "_mapped_rows", spy)
+    gathered = []
+    real_gather = catalog.gather
+    monkeypatch.setattr(catalog, "gather", lambda block, idx: gathered.append(len(idx)) or real_gather(block, idx))
     in_place = _json(a, b)
     assert mapped, "the blocks were mapped"
+    if "bad_set" not in pair:   # a set's rows span its members: read, not mapped
+        assert gathered, "the identity search gathered its scattered rows from the mapped span"
     monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)
     assert _json(a, b) == in_place
 

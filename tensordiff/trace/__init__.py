@@ -24,7 +24,7 @@ import h5py  # type: ignore[import-untyped, unused-ignore]  # noqa: F401 - bench
 
 from .probe import PROBE_SECONDS, probe
 from .reader import TraceReader, trace_summary
-from .reads import Pieces, block_rows
+from .reads import Pieces, block_rows, gather
 from .source import Part, ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TraceSource
 from .schema import (
     CHUNK_BYTES,
@@ -63,6 +63,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Pieces",
     "block_rows",
+    "gather",
     "CHUNK_BYTES",
     "FILTER_EXPANSION",
     "KINDS",

@@ -303,6 +303,20 @@ def block_rows(block: np.ndarray | Pieces, r0: int, r1: int) -> np.ndarray:
     return block[r0:r1] if isinstance(block, np.ndarray) else block.rows(r0, r1)
 
 
+def gather(block: np.ndarray | Pieces, idx: np.ndarray) -> np.ndarray:
+    """Rows ``idx`` (ascending) of an array or of :class:`Pieces`, copied into one array."""
+    if isinstance(block, np.ndarray):
+        picked: np.ndarray = block[idx]
+        return picked
+    out = np.empty((len(idx),) + block.shape[1:], block.dtype)
+    cuts = np.searchsorted(idx, block.starts)
+    for k, part in enumerate(block.parts):
+        i0, i1 = int(cuts[k]), int(cuts[k + 1])
+        if i1 > i0:
+            out[i0:i1] = part[idx[i0:i1] - block.starts[k]]
+    return out
+
+
 class RowReads:
     """Row reads of a validated trace (mixed into :class:`~tensordiff.trace.TraceReader`)."""
 
