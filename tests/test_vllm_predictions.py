@@ -445,6 +445,54 @@ def test_draft_rows_of_a_whole_batch_equal_each_requests_own_mapping(seed):
         assert (owner[a:z] == i).all()
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_draft_rows_of_the_steps_own_layout_equal_each_requests_own_mapping(seed):
+    """The drafter's usual batch: exactly the target step's rows (vLLM's padded drafter batch: the
+    same requests, rows and positions, rejected drafts included), which draft_rows maps without a
+    search; the per-request mapping is the reference, also where a request skips a position or
+    repeats one (the searched path then), and where a request of the batch scheduled no rows."""
+    from tensordiff.recorders.vllm import drafter
+
+    rng = np.random.default_rng(100 + seed)
+    segs, pos, ids, qsl_lens, batch_idx = [], [], [], [], []
+    start = 0
+    m = int(rng.integers(1, 7))
+    bi = 0
+    for i in range(m):
+        if rng.random() < 0.2:
+            qsl_lens.append(0)  # a request of the batch with no rows in this step
+            bi += 1
+        c = int(rng.integers(1, 6))
+        p = int(rng.integers(0, 50)) + np.arange(c)
+        if seed % 4 == 3 and i == 0 and c > 2:
+            p[2:] += 1 if seed % 8 == 3 else -1  # a skipped (or repeated) position
+        segs.append((f"r{i}", start, c, 2, f"r{i}-x"))
+        pos.append(p)
+        ids.append(rng.integers(0, 100, c))
+        qsl_lens.append(c)
+        batch_idx.append(bi)
+        bi += 1
+        start += c
+    step = Step(1, segs, np.concatenate(pos), np.concatenate(ids), ["target_verify"] * m, [10] * m, [None] * m)
+    step.batch_idx = batch_idx
+    step.num_reqs = bi
+    step.rows = np.arange(start, dtype=np.int64) + 10
+    step.rows[rng.random(start) < 0.3] = -1
+    for i, (key, *_) in enumerate(segs):
+        if rng.random() < 0.7:
+            step.next_tok[(key, int(pos[i][-1]) + 1)] = 77
+    qsl = np.concatenate([[0], np.cumsum(qsl_lens)]).astype(np.int64)
+    dp = step.pos.copy()
+    assert (drafter._same_layout(step, qsl, dp) is None) == (seed % 4 == 3 and segs[0][2] > 2)
+    rows, want, owner = drafter.draft_rows(step, qsl, dp)
+    for i, seg in enumerate(segs):
+        a, z = qsl[batch_idx[i]], qsl[batch_idx[i] + 1]
+        r, w = drafter.target_rows(step, seg, dp[a:z])
+        np.testing.assert_array_equal(rows[a:z], r)
+        np.testing.assert_array_equal(want[a:z], w)
+        assert (owner[a:z] == i).all()
+
+
 def _spread(x, id_map, vocab=V):
     """What an EAGLE-3 draft's compute_logits returns: its logits at the target ids, -inf elsewhere."""
     out = torch.full((x.shape[0], vocab), float("-inf"))

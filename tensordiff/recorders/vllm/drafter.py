@@ -148,6 +148,9 @@ def draft_rows(step: Step, qsl, pos):
     import numpy as np
 
     n = len(pos)
+    got = _same_layout(step, qsl, pos)
+    if got is not None:
+        return got
     rows = np.full(n, -1, dtype=np.int64)
     want = np.full(n, -1, dtype=np.int64)
     owner = np.full(n, -1, dtype=np.int64)
@@ -188,6 +191,42 @@ def draft_rows(step: Step, qsl, pos):
         if tok is not None:
             want[t] = tok
     return rows, want, owner
+
+
+def _same_layout(step: Step, qsl, pos):
+    """:func:`draft_rows` where the drafter batch is the step's own rows (vLLM's padded drafter
+    batch: every request's rows of the step, in the step's order, at its positions, each request's
+    positions consecutive): draft row j is target row j, no search. None where the batch is laid
+    out otherwise."""
+    import numpy as np
+
+    T = len(step.pos)
+    m = len(step.segments)
+    if not m or len(pos) != T or int(qsl[-1]) != T:
+        return None
+    lay = step.layout
+    if lay is None:
+        seg = np.array([(s, c) for _, s, c, _, _ in step.segments], dtype=np.int64).reshape(m, 2)
+        owner = np.repeat(np.arange(m, dtype=np.int64), seg[:, 1])
+        # j and j + 1 are consecutive positions of one request
+        nxt = (owner[1:] == owner[:-1]) & (step.pos[1:] == step.pos[:-1] + 1)
+        plain = len(owner) == T and int(np.count_nonzero(nxt)) == T - m
+        lay = step.layout = (seg[:, 0], seg[:, 0] + seg[:, 1], np.asarray(step.batch_idx, dtype=np.int64), owner,
+                             nxt, plain)
+    S, E, b, owner, nxt, plain = lay
+    if not plain or len(b) != m or int(b[-1]) + 1 >= len(qsl) or not np.array_equal(qsl[b], S) \
+            or not np.array_equal(qsl[b + 1], E) or not np.array_equal(pos, step.pos):
+        return None
+    rows = step.rows.copy()
+    want = np.full(T, -1, dtype=np.int64)
+    ok = nxt & (rows[1:] >= 0)
+    want[:-1][ok] = step.ids[1:][ok]
+    # the token after a request's last kept row: noted at the commit
+    for t in np.flatnonzero((rows >= 0) & (want < 0)).tolist():
+        tok = step.next_tok.get((step.segments[int(owner[t])][0], int(pos[t]) + 1))
+        if tok is not None:
+            want[t] = tok
+    return rows, want, owner.copy()
 
 
 def target_rows(step: Step, seg, dpos):

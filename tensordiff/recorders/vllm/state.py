@@ -44,6 +44,7 @@ class Step:
         self.logits = None            # a private copy of the logits vLLM computed for the rows it samples
         self.logit_rows = None        # np.int64: the pass row of each row of ``logits`` (-1: none), once sampled
         self.sampled: list = []       # [(segment, trace row, token)]: the rows that sampled a kept token (RL records)
+        self.layout = None            # the segments as arrays, made once (drafter._same_layout)
 
 
 class State(ServeState):
@@ -90,6 +91,7 @@ class State(ServeState):
         self.target_head: tuple | None = None  # (lm_head weight, vocab, scale, cap) of the target
         self.draft_head: tuple | None = None
         self.draft_id_map = None        # torch int64 [draft vocab]: draft id -> target id
+        self.draft_cols: tuple | None = None  # (draft_id_map, it as numpy, its largest id)
         self.chain: dict = {}           # seq key -> [(top-k job, row)] per draft position, for its next verify
         self.chain_step: int | None = None  # the recorded step whose propose made ``chain``
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
