@@ -567,3 +567,106 @@ def test_the_draft_compute_logits_tap_copies_only_inside_a_propose_with_predicti
     monkeypatch.setattr(STATE.cfg, "topk", 0)
     d.compute_logits(h)
     assert len(ctx["logits"]) == 1
+
+
+def _reference_commit_rows(step, sampled, rec):
+    """The kept rows of a step as the plugin decided them request by request (one add_tokens
+    each): the reference for verify.commit's one pass over the whole step."""
+    T = len(step.pos)
+    rows = np.full(T, -1, dtype=np.int64)
+    spec, next_tok, sampled_rows, dropped = [], {}, [], 0
+    for i, ((key, s, c, n_spec, _), regime) in enumerate(zip(step.segments, step.regimes)):
+        keep = np.arange(s, s + c)
+        bi = step.batch_idx[i]
+        got = sampled[bi][sampled[bi] >= 0] if sampled is not None and bi < sampled.shape[0] else None
+        if n_spec and regime == "target_verify":
+            if got is not None:
+                keep = keep[:max(1, len(got))]
+                spec.append((key, s, n_spec, min(max(len(got) - 1, 0), n_spec)))
+            else:
+                keep = keep[:1]
+        lim = step.limits[i]
+        cut = False
+        if lim is not None:
+            within = step.pos[keep] < lim
+            cut = not within.all()
+            keep = keep[within]
+        dropped += c - len(keep)
+        if len(keep):
+            rows[keep] = rec.add_tokens(key, step.pos[keep], step.ids[keep], regime=regime, step=step.step)
+            last = int(step.pos[keep[-1]]) + 1
+            if last < step.prompt_lens[i]:
+                ids = step.prompts.get(i)
+                if ids is not None and last < len(ids):
+                    next_tok[(key, last)] = int(ids[last])
+            elif got is not None and len(got) and not cut:
+                next_tok[(key, last)] = int(got[-1])
+                if regime != "target_verify":
+                    sampled_rows.append((i, int(rows[keep[-1]]), int(got[0])))
+    return rows, spec, next_tok, sampled_rows, dropped
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_commit_keeps_the_rows_each_request_keeps(st, monkeypatch, seed):
+    """verify.commit decides every request's kept rows of a step at once: the same rows, token
+    table, verify segments, next tokens and sampled rows as request by request, on random steps
+    of prefill chunks, decodes and verify segments with accepted and rejected drafts, rows past
+    max_tokens, requests the sampler gave no row and steps whose sampling was not seen."""
+    rng = np.random.default_rng(seed)
+    segs, pos, ids, regimes, plens, limits, bidx, prompts = [], [], [], [], [], [], [], {}
+    start = 0
+    bi = 0
+    for i in range(int(rng.integers(1, 7))):
+        bi += int(rng.random() < 0.2)  # a request of the batch with no rows in this step
+        kind = rng.choice(["prefill", "decode", "target_verify"])
+        plen = int(rng.integers(5, 30))
+        if kind == "prefill":
+            c = int(rng.integers(1, 8))
+            p0 = int(rng.integers(0, plen))
+            n_spec = 0
+        else:
+            n_spec = K if kind == "target_verify" else 0
+            c = n_spec + 1
+            p0 = plen + int(rng.integers(0, 10))
+        p = p0 + np.arange(c)
+        segs.append((f"r{i}", start, c, n_spec, f"r{i}-x"))
+        pos.append(p)
+        ids.append(rng.integers(0, V, c))
+        regimes.append(str(kind))
+        plens.append(plen)
+        limits.append(plen + int(rng.integers(1, 15)) if rng.random() < 0.6 else None)
+        bidx.append(bi)
+        if kind == "prefill" and rng.random() < 0.8:
+            prompts[i] = list(rng.integers(0, V, plen))
+        bi += 1
+        start += c
+
+    def make():
+        s = Step(3, list(segs), np.concatenate(pos), np.concatenate(ids), list(regimes), list(plens), list(limits))
+        s.batch_idx, s.num_reqs, s.prompts = list(bidx), bi, dict(prompts)
+        return s
+
+    if seed % 5 == 4:
+        sampled = None
+    else:
+        sampled = np.full((bi - int(rng.random() < 0.3), K + 1), -1, dtype=np.int64)  # maybe one row short
+        for r in range(len(sampled)):
+            n = int(rng.integers(0, K + 2))
+            sampled[r, :n] = rng.integers(0, V, n)
+    got_spec = []
+    monkeypatch.setattr(verify, "commit_predictions", lambda step, spec, unseen=False: got_spec.append(spec))
+    ref_rec = Recorder(st.path.with_name("ref.h5"), side="serve", model={"num_layers": 4, "hidden_size": H})
+    want_rows, want_spec, want_next, want_sampled, want_dropped = _reference_commit_rows(make(), sampled, ref_rec)
+    ref_rec.close()
+    step = make()
+    verify.commit(step, sampled)
+    np.testing.assert_array_equal(step.rows, want_rows)
+    assert got_spec == [[v for v in want_spec if want_rows[v[1]] >= 0]]
+    assert step.next_tok == want_next
+    assert step.sampled == want_sampled
+    assert STATE.rows_dropped == want_dropped
+    assert STATE.rows_written == int((want_rows >= 0).sum())
+    st.rec.close()
+    with TraceReader(str(st.path)) as a, TraceReader(str(st.path.with_name("ref.h5"))) as b:
+        for col in ("seq", "position", "token", "regime", "step"):
+            np.testing.assert_array_equal(np.asarray(a.tokens[col]), np.asarray(b.tokens[col]))
