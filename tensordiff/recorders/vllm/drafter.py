@@ -17,6 +17,7 @@ from .config import AUX, DRAFT, DRAFT_IDS
 from .forward import to_numpy
 from .predictions import record_draft_predictions
 from .state import STATE, Step
+from .verify import held_bytes
 
 _PROPOSE_SIG: dict = {}
 
@@ -26,7 +27,11 @@ def hook_propose(original, proposer, *args, **kwargs):
     if not st.active or st.last is None or st.labels is None:
         return original(proposer, *args, **kwargs)
     ctx = None
-    st.chain = {}  # this propose drafts the next verify step's tokens: the chains before are spent
+    deferring = bool(st.queue) or st.last.rows is None  # the step it reads is recorded later: so is this pass
+    if deferring:
+        st.defer(_spend_chains)
+    else:
+        _spend_chains()
     try:
         import inspect
 
@@ -54,12 +59,50 @@ def hook_propose(original, proposer, *args, **kwargs):
         if ctx is not None and st.active:
             t0 = time.perf_counter()
             try:
-                with st.lock:
-                    record_draft(ctx)
+                if deferring:
+                    hold_draft_inputs(ctx)
+                    st.defer(lambda: record_draft_later(ctx), held_bytes(ctx["hs"], ctx["fc"], *ctx["outs"]))
+                else:
+                    with st.lock:
+                        record_draft(ctx)
                 st.last_activity = time.monotonic()
             except Exception as e:  # noqa: BLE001
                 st.fail("draft pass", e)
             st.add_seconds(time.perf_counter() - t0)
+        if st.queue_full():
+            try:
+                st.drain_queue()
+            except Exception as e:  # noqa: BLE001
+                st.fail("draft pass", e)
+
+
+def _spend_chains() -> None:
+    """This propose drafts the next verify step's tokens: the chains before are spent."""
+    STATE.chain = {}
+
+
+def hold_draft_inputs(ctx: dict) -> None:
+    """Before the pass is recorded later: its positions and query starts as arrays of its own (vLLM
+    slices them from buffers it fills again at the next step); the other tensors are the pass's
+    own new ones (the draft's hidden states, fc and model outputs, the logits copies)."""
+    import numpy as np
+
+    n = ctx["hs"].shape[0]
+    pos_t = ctx["pos"]
+    if pos_t is not None and getattr(pos_t, "ndim", 1) == 2:
+        pos_t = pos_t[0]
+    ctx["pos"] = to_numpy(pos_t[:n]).astype(np.int64) if pos_t is not None else None
+    ctx["qsl"] = to_numpy(ctx["qsl"]).astype(np.int64) if ctx["qsl"] is not None else None
+    ctx["tok"] = None
+
+
+def record_draft_later(ctx: dict) -> None:
+    st = STATE
+    try:
+        with st.lock:
+            record_draft(ctx)
+    except Exception as e:  # noqa: BLE001
+        st.fail("draft pass", e)
 
 
 def hook_set_inputs_first_pass(out, proposer, *args, **kwargs) -> None:

@@ -253,7 +253,7 @@ def logit_rows(step, n_logits: int, meta):
         if hasattr(idx, "detach"):
             idx = idx.detach()
             idx = idx.numpy() if idx.device.type == "cpu" else idx.cpu().numpy()
-        got = np.asarray(idx).astype(np.int64, copy=False).reshape(-1)
+        got = np.array(idx, dtype=np.int64).reshape(-1)  # a copy: the step may be recorded later
     else:
         got = np.full(step.num_reqs, -1, dtype=np.int64)
         for (_, s, c, _, _), bi in zip(step.segments, step.batch_idx):

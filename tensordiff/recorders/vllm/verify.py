@@ -32,15 +32,53 @@ def hook_sample(out, runner, *args, **kwargs) -> None:
         if step.logits is not None:  # vLLM's logits of the step: which pass row each one is
             meta = kwargs.get("spec_decode_metadata", args[1] if len(args) > 1 else None)
             step.logit_rows = logit_rows(step, step.logits.shape[0], meta)
-        with st.lock:
-            commit(step, sampled)
-            record_sampled(step, out, runner)
+        if deferrable(step, out):
+            # the engine may reuse the sampler's buffer: the step keeps its own copy
+            sampled = sampled.copy() if sampled is not None else None
+            st.last = step  # the drafter's pass reads this step (its records are made first, in order)
+            st.defer(lambda: commit_later(step, sampled), held_bytes(step.aux, step.hidden, step.logits), step=True)
+        else:
+            with st.lock:
+                st.run_queue()
+                commit(step, sampled)
+                record_sampled(step, out, runner)
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
     st.add_seconds(time.perf_counter() - t0)
     try:
         st.flush()  # when due (it times itself)
         st.last_activity = time.monotonic()
+    except Exception as e:  # noqa: BLE001
+        st.fail("target step", e)
+
+
+def deferrable(step: Step, out) -> bool:
+    """Whether the step's records may be made later (:meth:`State.defer`): every tensor it holds
+    is the engine's own new CPU tensor of this pass (the hidden states, logits copies), no catalog
+    or zoom taps (they hold the engine's per-layer tensors), no graft, and no sampled log-probs to
+    read from this step's sampler output (the RL records read it now)."""
+    st = STATE
+    cfg = st.cfg
+    if st.queue_steps <= 1 or cfg.catalog or cfg.zoom is not None or cfg.graft is not None or step.stash:
+        return False
+    for t in (step.aux, step.hidden, step.logits):
+        if t is not None and t.device.type != "cpu":
+            return False
+    from .rl import RL
+
+    return not RL.enabled or getattr(out, "logprobs_tensors", None) is None
+
+
+def held_bytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def commit_later(step: Step, sampled) -> None:
+    """A deferred :func:`commit` (no RL log-probs to record: :func:`deferrable`)."""
+    st = STATE
+    try:
+        with st.lock:
+            commit(step, sampled)
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
 
