@@ -670,3 +670,97 @@ def test_commit_keeps_the_rows_each_request_keeps(st, monkeypatch, seed):
     with TraceReader(str(st.path)) as a, TraceReader(str(st.path.with_name("ref.h5"))) as b:
         for col in ("seq", "position", "token", "regime", "step"):
             np.testing.assert_array_equal(np.asarray(a.tokens[col]), np.asarray(b.tokens[col]))
+
+
+def _steps_through_hook_sample(path, queue, monkeypatch, stage_bytes):
+    """Three target steps sampled through verify.hook_sample, the plugin's records made in the
+    hook (queue 0) or deferred (queue 16) until the flush; returns what the queue held after the
+    last hook."""
+    from tensordiff.recorders.vllm.rl import RL
+
+    rec = Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=stage_bytes)
+    monkeypatch.setattr(STATE, "rec", rec)
+    monkeypatch.setattr(STATE, "queue_steps", queue)
+    monkeypatch.setattr(STATE, "queue", [])
+    monkeypatch.setattr(STATE, "queue_bytes", 0)
+    monkeypatch.setattr(STATE, "rows_written", 0)
+    monkeypatch.setattr(STATE, "chain", {})
+    monkeypatch.setattr(RL, "enabled", True)
+    g = torch.Generator().manual_seed(7)
+    held = None
+    for i in range(3):
+        step = _step(torch.randn(7, H, generator=g))
+        step.step = i + 1
+        step.pos = step.pos + 10 * i
+        step.limits = [None, 23 + 10 * i + i % 2]  # the last steps' verify rows cut by max_tokens
+        STATE.pending = step
+        out = SimpleNamespace(sampled_token_ids=torch.tensor([[9, -1, -1], [7, 9, 5]][: 2 - (i == 2)]),
+                              logprobs_tensors=None)
+        verify.hook_sample(out, None)
+        held = len(STATE.queue)
+    written_before = STATE.rows_written
+    STATE.flush(force=True)
+    rec.close()
+    return held, written_before
+
+
+@pytest.mark.parametrize("stage_bytes", [0, 1 << 20], ids=["at_once", "staged"])
+def test_deferred_step_records_are_the_records_made_in_the_hook(tmp_path, monkeypatch, st, stage_bytes):
+    """On the CPU the records of a step are made with the next steps' (State.defer, every
+    TENSORDIFF_VLLM_QUEUE steps and at a flush): the same trace, bit for bit, as each step's
+    records made in its hook; until then nothing of those steps is written."""
+    a, b = tmp_path / "now.h5", tmp_path / "later.h5"
+    held_now, written_now = _steps_through_hook_sample(a, 0, monkeypatch, stage_bytes)
+    held_later, written_later = _steps_through_hook_sample(b, 16, monkeypatch, stage_bytes)
+    assert held_now == 0 and written_now > 0
+    assert held_later == 3 and written_later == 0
+    ga, ia = _read(a)
+    gb, ib = _read(b)
+    assert sorted(ga) == sorted(gb) and {cv.TARGET_TOPK, cv.SPEC_VERIFY} <= set(ga)
+    for name in ga:
+        np.testing.assert_array_equal(ga[name][0], gb[name][0])
+        assert ga[name][1].tobytes() == gb[name][1].tobytes(), name
+    with TraceReader(str(a)) as x, TraceReader(str(b)) as y:
+        assert x.tokens.tobytes() == y.tokens.tobytes()
+
+
+def test_the_queue_is_made_in_order_and_a_step_with_sampled_log_probs_is_recorded_now(monkeypatch):
+    """State.defer keeps the records in order and says when the queue is full (its steps or its
+    bytes); run_queue makes them all; a failure empties it. A step is deferred only on the CPU
+    and where no sampled log-probs are to be read from its sampler output."""
+    from tensordiff.recorders.vllm import state as state_mod
+    from tensordiff.recorders.vllm.rl import RL
+
+    monkeypatch.setattr(STATE, "queue", [])
+    monkeypatch.setattr(STATE, "queue_bytes", 0)
+    monkeypatch.setattr(STATE, "queue_steps", 2)
+    monkeypatch.setattr(STATE, "broken", False)
+    done = []
+    STATE.defer(lambda: done.append("a"), 10, step=True)
+    STATE.defer(lambda: done.append("draft"))
+    assert not STATE.queue_full()
+    STATE.defer(lambda: done.append("b"), 10, step=True)
+    assert STATE.queue_full()
+    STATE.run_queue()
+    assert done == ["a", "draft", "b"] and STATE.queue == [] and STATE.queue_bytes == 0
+    STATE.defer(lambda: done.append("big"), state_mod.QUEUE_BYTES, step=True)
+    assert STATE.queue_full()
+    monkeypatch.setattr(STATE, "queue", [])
+    step = _step(torch.zeros(7, H))
+    monkeypatch.setattr(RL, "enabled", True)
+    assert verify.deferrable(step, SimpleNamespace(logprobs_tensors=None))
+    assert not verify.deferrable(step, SimpleNamespace(logprobs_tensors=object()))
+    monkeypatch.setattr(RL, "enabled", False)
+    assert verify.deferrable(step, SimpleNamespace(logprobs_tensors=object()))
+    step.hidden = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    assert not verify.deferrable(step, SimpleNamespace(logprobs_tensors=None))
+    monkeypatch.setattr(STATE, "queue_steps", 1)
+    assert not verify.deferrable(_step(torch.zeros(7, H)), SimpleNamespace(logprobs_tensors=None))
+
+
+@pytest.mark.parametrize("value, want", [("", 16), ("0", 0), ("4", 4), ("-1", 16), ("many", 16)])
+def test_the_queue_length_comes_from_the_environment(monkeypatch, value, want):
+    from tensordiff.recorders.vllm.state import ENV_QUEUE, queue_steps_from_env
+
+    monkeypatch.setenv(ENV_QUEUE, value)
+    assert queue_steps_from_env() == want

@@ -54,15 +54,18 @@ def hook_sample(out, runner, *args, **kwargs) -> None:
 
 def deferrable(step: Step, out) -> bool:
     """Whether the step's records may be made later (:meth:`State.defer`): every tensor it holds
-    is the engine's own new CPU tensor of this pass (the hidden states, logits copies), no catalog
-    or zoom taps (they hold the engine's per-layer tensors), no graft, and no sampled log-probs to
-    read from this step's sampler output (the RL records read it now)."""
+    is its own on the CPU (the forward's new hidden states, the plugin's copies of logits and of
+    the catalog and zoom taps' values; an accelerator's buffers are replayed over by the next
+    step), and no sampled log-probs are to be read from this step's sampler output (the RL
+    records read it now)."""
     st = STATE
-    cfg = st.cfg
-    if st.queue_steps <= 1 or cfg.catalog or cfg.zoom is not None or cfg.graft is not None or step.stash:
+    if st.queue_steps <= 1:
         return False
     for t in (step.aux, step.hidden, step.logits):
         if t is not None and t.device.type != "cpu":
+            return False
+    for _, _, t in step.stash:
+        if t.device.type != "cpu":
             return False
     from .rl import RL
 
