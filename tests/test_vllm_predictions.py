@@ -693,11 +693,16 @@ def _steps_through_hook_sample(path, queue, monkeypatch, stage_bytes):
         step.step = i + 1
         step.pos = step.pos + 10 * i
         step.limits = [None, 23 + 10 * i + i % 2]  # the last steps' verify rows cut by max_tokens
+        at = torch.tensor([3, 4, 5, 6])  # the sampler's rows: p's last, v's three
+        if i:  # vLLM's own logits of those rows (offset: each table shows its source)
+            step.logits = (step.hidden[at] @ STATE.target_head[0].T + 0.5).contiguous()
         STATE.pending = step
         out = SimpleNamespace(sampled_token_ids=torch.tensor([[9, -1, -1], [7, 9, 5]][: 2 - (i == 2)]),
                               logprobs_tensors=None)
-        verify.hook_sample(out, None)
+        verify.hook_sample(out, None, spec_decode_metadata=SimpleNamespace(logits_indices=at))
         held = len(STATE.queue)
+        at.fill_(0)  # the engine fills its buffers again for the next step
+        out.sampled_token_ids.fill_(1)
     written_before = STATE.rows_written
     STATE.flush(force=True)
     rec.close()

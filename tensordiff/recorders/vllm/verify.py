@@ -29,15 +29,19 @@ def hook_sample(out, runner, *args, **kwargs) -> None:
     try:
         sampled = getattr(out, "sampled_token_ids", None)
         sampled = to_numpy_2d(sampled) if sampled is not None else None
+        meta = None
         if step.logits is not None:  # vLLM's logits of the step: which pass row each one is
             meta = kwargs.get("spec_decode_metadata", args[1] if len(args) > 1 else None)
-            step.logit_rows = logit_rows(step, step.logits.shape[0], meta)
         if deferrable(step, out):
-            # the engine may reuse the sampler's buffer: the step keeps its own copy
+            # the engine may reuse the sampler's buffers: the step keeps its own copies
             sampled = sampled.copy() if sampled is not None else None
+            meta = HeldIndices(meta) if meta is not None else None
             st.last = step  # the drafter's pass reads this step (its records are made first, in order)
-            st.defer(lambda: commit_later(step, sampled), held_bytes(step.aux, step.hidden, step.logits), step=True)
+            st.defer(lambda: commit_later(step, sampled, meta), held_bytes(step.aux, step.hidden, step.logits),
+                     step=True)
         else:
+            if step.logits is not None:
+                step.logit_rows = logit_rows(step, step.logits.shape[0], meta)
             with st.lock:
                 st.run_queue()
                 commit(step, sampled)
@@ -76,11 +80,29 @@ def held_bytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def commit_later(step: Step, sampled) -> None:
-    """A deferred :func:`commit` (no RL log-probs to record: :func:`deferrable`)."""
+class HeldIndices:
+    """The spec metadata's ``logits_indices`` of a deferred step, a copy of its own."""
+
+    __slots__ = ("logits_indices",)
+
+    def __init__(self, meta):
+        import numpy as np
+
+        idx = getattr(meta, "logits_indices", None)
+        if idx is not None and hasattr(idx, "detach"):
+            idx = idx.detach()
+            idx = idx.numpy() if idx.device.type == "cpu" else idx.cpu().numpy()
+        self.logits_indices = np.array(idx, dtype=np.int64).reshape(-1) if idx is not None else None
+
+
+def commit_later(step: Step, sampled, meta=None) -> None:
+    """A deferred :func:`commit` (no RL log-probs to record: :func:`deferrable`); ``meta``: the
+    :class:`HeldIndices` of its logits."""
     st = STATE
     try:
         with st.lock:
+            if step.logits is not None:
+                step.logit_rows = logit_rows(step, step.logits.shape[0], meta)
             commit(step, sampled)
     except Exception as e:  # noqa: BLE001
         st.fail("target step", e)
