@@ -35,10 +35,13 @@ def hook_propose(original, proposer, *args, **kwargs):
     try:
         import inspect
 
-        sig = _PROPOSE_SIG.get(original)
-        if sig is None:
-            sig = _PROPOSE_SIG[original] = inspect.signature(original)
-        b = sig.bind(proposer, *args, **kwargs).arguments
+        if "target_hidden_states" in kwargs and "common_attn_metadata" in kwargs:
+            b = kwargs  # vLLM's own call passes them by name: no signature binding
+        else:
+            sig = _PROPOSE_SIG.get(original)
+            if sig is None:
+                sig = _PROPOSE_SIG[original] = inspect.signature(original)
+            b = sig.bind(proposer, *args, **kwargs).arguments
         hs = b.get("target_hidden_states")
         h = st.model.get("hidden_size") or 0
         if hs is not None and hs.shape[-1] == len(st.labels) * h:
