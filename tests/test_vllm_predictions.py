@@ -702,7 +702,7 @@ def _steps_through_hook_sample(path, queue, monkeypatch, stage_bytes):
         verify.hook_sample(out, None, spec_decode_metadata=SimpleNamespace(logits_indices=at))
         held = len(STATE.queue)
         at.fill_(0)  # the engine fills its buffers again for the next step
-        out.sampled_token_ids.fill_(1)
+        out.sampled_token_ids.fill_(-1)  # (a sampler output read late would keep one row of each verify)
     written_before = STATE.rows_written
     STATE.flush(force=True)
     rec.close()
