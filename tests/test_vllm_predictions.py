@@ -445,6 +445,54 @@ def test_draft_rows_of_a_whole_batch_equal_each_requests_own_mapping(seed):
         assert (owner[a:z] == i).all()
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_draft_rows_of_the_steps_own_layout_equal_each_requests_own_mapping(seed):
+    """The drafter's usual batch: exactly the target step's rows (vLLM's padded drafter batch: the
+    same requests, rows and positions, rejected drafts included), which draft_rows maps without a
+    search; the per-request mapping is the reference, also where a request skips a position or
+    repeats one (the searched path then), and where a request of the batch scheduled no rows."""
+    from tensordiff.recorders.vllm import drafter
+
+    rng = np.random.default_rng(100 + seed)
+    segs, pos, ids, qsl_lens, batch_idx = [], [], [], [], []
+    start = 0
+    m = int(rng.integers(1, 7))
+    bi = 0
+    for i in range(m):
+        if rng.random() < 0.2:
+            qsl_lens.append(0)  # a request of the batch with no rows in this step
+            bi += 1
+        c = int(rng.integers(1, 6))
+        p = int(rng.integers(0, 50)) + np.arange(c)
+        if seed % 4 == 3 and i == 0 and c > 2:
+            p[2:] += 1 if seed % 8 == 3 else -1  # a skipped (or repeated) position
+        segs.append((f"r{i}", start, c, 2, f"r{i}-x"))
+        pos.append(p)
+        ids.append(rng.integers(0, 100, c))
+        qsl_lens.append(c)
+        batch_idx.append(bi)
+        bi += 1
+        start += c
+    step = Step(1, segs, np.concatenate(pos), np.concatenate(ids), ["target_verify"] * m, [10] * m, [None] * m)
+    step.batch_idx = batch_idx
+    step.num_reqs = bi
+    step.rows = np.arange(start, dtype=np.int64) + 10
+    step.rows[rng.random(start) < 0.3] = -1
+    for i, (key, *_) in enumerate(segs):
+        if rng.random() < 0.7:
+            step.next_tok[(key, int(pos[i][-1]) + 1)] = 77
+    qsl = np.concatenate([[0], np.cumsum(qsl_lens)]).astype(np.int64)
+    dp = step.pos.copy()
+    assert (drafter._same_layout(step, qsl, dp) is None) == (seed % 4 == 3 and segs[0][2] > 2)
+    rows, want, owner = drafter.draft_rows(step, qsl, dp)
+    for i, seg in enumerate(segs):
+        a, z = qsl[batch_idx[i]], qsl[batch_idx[i] + 1]
+        r, w = drafter.target_rows(step, seg, dp[a:z])
+        np.testing.assert_array_equal(rows[a:z], r)
+        np.testing.assert_array_equal(want[a:z], w)
+        assert (owner[a:z] == i).all()
+
+
 def _spread(x, id_map, vocab=V):
     """What an EAGLE-3 draft's compute_logits returns: its logits at the target ids, -inf elsewhere."""
     out = torch.full((x.shape[0], vocab), float("-inf"))
@@ -519,3 +567,205 @@ def test_the_draft_compute_logits_tap_copies_only_inside_a_propose_with_predicti
     monkeypatch.setattr(STATE.cfg, "topk", 0)
     d.compute_logits(h)
     assert len(ctx["logits"]) == 1
+
+
+def _reference_commit_rows(step, sampled, rec):
+    """The kept rows of a step as the plugin decided them request by request (one add_tokens
+    each): the reference for verify.commit's one pass over the whole step."""
+    T = len(step.pos)
+    rows = np.full(T, -1, dtype=np.int64)
+    spec, next_tok, sampled_rows, dropped = [], {}, [], 0
+    for i, ((key, s, c, n_spec, _), regime) in enumerate(zip(step.segments, step.regimes)):
+        keep = np.arange(s, s + c)
+        bi = step.batch_idx[i]
+        got = sampled[bi][sampled[bi] >= 0] if sampled is not None and bi < sampled.shape[0] else None
+        if n_spec and regime == "target_verify":
+            if got is not None:
+                keep = keep[:max(1, len(got))]
+                spec.append((key, s, n_spec, min(max(len(got) - 1, 0), n_spec)))
+            else:
+                keep = keep[:1]
+        lim = step.limits[i]
+        cut = False
+        if lim is not None:
+            within = step.pos[keep] < lim
+            cut = not within.all()
+            keep = keep[within]
+        dropped += c - len(keep)
+        if len(keep):
+            rows[keep] = rec.add_tokens(key, step.pos[keep], step.ids[keep], regime=regime, step=step.step)
+            last = int(step.pos[keep[-1]]) + 1
+            if last < step.prompt_lens[i]:
+                ids = step.prompts.get(i)
+                if ids is not None and last < len(ids):
+                    next_tok[(key, last)] = int(ids[last])
+            elif got is not None and len(got) and not cut:
+                next_tok[(key, last)] = int(got[-1])
+                if regime != "target_verify":
+                    sampled_rows.append((i, int(rows[keep[-1]]), int(got[0])))
+    return rows, spec, next_tok, sampled_rows, dropped
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_commit_keeps_the_rows_each_request_keeps(st, monkeypatch, seed):
+    """verify.commit decides every request's kept rows of a step at once: the same rows, token
+    table, verify segments, next tokens and sampled rows as request by request, on random steps
+    of prefill chunks, decodes and verify segments with accepted and rejected drafts, rows past
+    max_tokens, requests the sampler gave no row and steps whose sampling was not seen."""
+    rng = np.random.default_rng(seed)
+    segs, pos, ids, regimes, plens, limits, bidx, prompts = [], [], [], [], [], [], [], {}
+    start = 0
+    bi = 0
+    for i in range(int(rng.integers(1, 7))):
+        bi += int(rng.random() < 0.2)  # a request of the batch with no rows in this step
+        kind = rng.choice(["prefill", "decode", "target_verify"])
+        plen = int(rng.integers(5, 30))
+        if kind == "prefill":
+            c = int(rng.integers(1, 8))
+            p0 = int(rng.integers(0, plen))
+            n_spec = 0
+        else:
+            n_spec = K if kind == "target_verify" else 0
+            c = n_spec + 1
+            p0 = plen + int(rng.integers(0, 10))
+        p = p0 + np.arange(c)
+        segs.append((f"r{i}", start, c, n_spec, f"r{i}-x"))
+        pos.append(p)
+        ids.append(rng.integers(0, V, c))
+        regimes.append(str(kind))
+        plens.append(plen)
+        limits.append(plen + int(rng.integers(1, 15)) if rng.random() < 0.6 else None)
+        bidx.append(bi)
+        if kind == "prefill" and rng.random() < 0.8:
+            prompts[i] = list(rng.integers(0, V, plen))
+        bi += 1
+        start += c
+
+    def make():
+        s = Step(3, list(segs), np.concatenate(pos), np.concatenate(ids), list(regimes), list(plens), list(limits))
+        s.batch_idx, s.num_reqs, s.prompts = list(bidx), bi, dict(prompts)
+        return s
+
+    if seed % 5 == 4:
+        sampled = None
+    else:
+        sampled = np.full((bi - int(rng.random() < 0.3), K + 1), -1, dtype=np.int64)  # maybe one row short
+        for r in range(len(sampled)):
+            n = int(rng.integers(0, K + 2))
+            sampled[r, :n] = rng.integers(0, V, n)
+    got_spec = []
+    monkeypatch.setattr(verify, "commit_predictions", lambda step, spec, unseen=False: got_spec.append(spec))
+    ref_rec = Recorder(st.path.with_name("ref.h5"), side="serve", model={"num_layers": 4, "hidden_size": H})
+    want_rows, want_spec, want_next, want_sampled, want_dropped = _reference_commit_rows(make(), sampled, ref_rec)
+    ref_rec.close()
+    step = make()
+    verify.commit(step, sampled)
+    np.testing.assert_array_equal(step.rows, want_rows)
+    assert got_spec == [[v for v in want_spec if want_rows[v[1]] >= 0]]
+    assert step.next_tok == want_next
+    assert step.sampled == want_sampled
+    assert STATE.rows_dropped == want_dropped
+    assert STATE.rows_written == int((want_rows >= 0).sum())
+    st.rec.close()
+    with TraceReader(str(st.path)) as a, TraceReader(str(st.path.with_name("ref.h5"))) as b:
+        for col in ("seq", "position", "token", "regime", "step"):
+            np.testing.assert_array_equal(np.asarray(a.tokens[col]), np.asarray(b.tokens[col]))
+
+
+def _steps_through_hook_sample(path, queue, monkeypatch, stage_bytes):
+    """Three target steps sampled through verify.hook_sample, the plugin's records made in the
+    hook (queue 0) or deferred (queue 16) until the flush; returns what the queue held after the
+    last hook."""
+    from tensordiff.recorders.vllm.rl import RL
+
+    rec = Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=stage_bytes)
+    monkeypatch.setattr(STATE, "rec", rec)
+    monkeypatch.setattr(STATE, "queue_steps", queue)
+    monkeypatch.setattr(STATE, "queue", [])
+    monkeypatch.setattr(STATE, "queue_bytes", 0)
+    monkeypatch.setattr(STATE, "rows_written", 0)
+    monkeypatch.setattr(STATE, "chain", {})
+    monkeypatch.setattr(RL, "enabled", True)
+    g = torch.Generator().manual_seed(7)
+    held = None
+    for i in range(3):
+        step = _step(torch.randn(7, H, generator=g))
+        step.step = i + 1
+        step.pos = step.pos + 10 * i
+        step.limits = [None, 23 + 10 * i + i % 2]  # the last steps' verify rows cut by max_tokens
+        at = torch.tensor([3, 4, 5, 6])  # the sampler's rows: p's last, v's three
+        if i:  # vLLM's own logits of those rows (offset: each table shows its source)
+            step.logits = (step.hidden[at] @ STATE.target_head[0].T + 0.5).contiguous()
+        STATE.pending = step
+        out = SimpleNamespace(sampled_token_ids=torch.tensor([[9, -1, -1], [7, 9, 5]][: 2 - (i == 2)]),
+                              logprobs_tensors=None)
+        verify.hook_sample(out, None, spec_decode_metadata=SimpleNamespace(logits_indices=at))
+        held = len(STATE.queue)
+        at.fill_(0)  # the engine fills its buffers again for the next step
+        out.sampled_token_ids.fill_(-1)  # (a sampler output read late would keep one row of each verify)
+    written_before = STATE.rows_written
+    STATE.flush(force=True)
+    rec.close()
+    return held, written_before
+
+
+@pytest.mark.parametrize("stage_bytes", [0, 1 << 20], ids=["at_once", "staged"])
+def test_deferred_step_records_are_the_records_made_in_the_hook(tmp_path, monkeypatch, st, stage_bytes):
+    """On the CPU the records of a step are made with the next steps' (State.defer, every
+    TENSORDIFF_VLLM_QUEUE steps and at a flush): the same trace, bit for bit, as each step's
+    records made in its hook; until then nothing of those steps is written."""
+    a, b = tmp_path / "now.h5", tmp_path / "later.h5"
+    held_now, written_now = _steps_through_hook_sample(a, 0, monkeypatch, stage_bytes)
+    held_later, written_later = _steps_through_hook_sample(b, 16, monkeypatch, stage_bytes)
+    assert held_now == 0 and written_now > 0
+    assert held_later == 3 and written_later == 0
+    ga, ia = _read(a)
+    gb, ib = _read(b)
+    assert sorted(ga) == sorted(gb) and {cv.TARGET_TOPK, cv.SPEC_VERIFY} <= set(ga)
+    for name in ga:
+        np.testing.assert_array_equal(ga[name][0], gb[name][0])
+        assert ga[name][1].tobytes() == gb[name][1].tobytes(), name
+    with TraceReader(str(a)) as x, TraceReader(str(b)) as y:
+        assert x.tokens.tobytes() == y.tokens.tobytes()
+
+
+def test_the_queue_is_made_in_order_and_a_step_with_sampled_log_probs_is_recorded_now(monkeypatch):
+    """State.defer keeps the records in order and says when the queue is full (its steps or its
+    bytes); run_queue makes them all; a failure empties it. A step is deferred only on the CPU
+    and where no sampled log-probs are to be read from its sampler output."""
+    from tensordiff.recorders.vllm import state as state_mod
+    from tensordiff.recorders.vllm.rl import RL
+
+    monkeypatch.setattr(STATE, "queue", [])
+    monkeypatch.setattr(STATE, "queue_bytes", 0)
+    monkeypatch.setattr(STATE, "queue_steps", 2)
+    monkeypatch.setattr(STATE, "broken", False)
+    done = []
+    STATE.defer(lambda: done.append("a"), 10, step=True)
+    STATE.defer(lambda: done.append("draft"))
+    assert not STATE.queue_full()
+    STATE.defer(lambda: done.append("b"), 10, step=True)
+    assert STATE.queue_full()
+    STATE.run_queue()
+    assert done == ["a", "draft", "b"] and STATE.queue == [] and STATE.queue_bytes == 0
+    STATE.defer(lambda: done.append("big"), state_mod.QUEUE_BYTES, step=True)
+    assert STATE.queue_full()
+    monkeypatch.setattr(STATE, "queue", [])
+    step = _step(torch.zeros(7, H))
+    monkeypatch.setattr(RL, "enabled", True)
+    assert verify.deferrable(step, SimpleNamespace(logprobs_tensors=None))
+    assert not verify.deferrable(step, SimpleNamespace(logprobs_tensors=object()))
+    monkeypatch.setattr(RL, "enabled", False)
+    assert verify.deferrable(step, SimpleNamespace(logprobs_tensors=object()))
+    step.hidden = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    assert not verify.deferrable(step, SimpleNamespace(logprobs_tensors=None))
+    monkeypatch.setattr(STATE, "queue_steps", 1)
+    assert not verify.deferrable(_step(torch.zeros(7, H)), SimpleNamespace(logprobs_tensors=None))
+
+
+@pytest.mark.parametrize("value, want", [("", 16), ("0", 0), ("4", 4), ("-1", 16), ("many", 16)])
+def test_the_queue_length_comes_from_the_environment(monkeypatch, value, want):
+    from tensordiff.recorders.vllm.state import ENV_QUEUE, queue_steps_from_env
+
+    monkeypatch.setenv(ENV_QUEUE, value)
+    assert queue_steps_from_env() == want

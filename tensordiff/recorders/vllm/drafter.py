@@ -17,6 +17,7 @@ from .config import AUX, DRAFT, DRAFT_IDS
 from .forward import to_numpy
 from .predictions import record_draft_predictions
 from .state import STATE, Step
+from .verify import held_bytes
 
 _PROPOSE_SIG: dict = {}
 
@@ -26,14 +27,21 @@ def hook_propose(original, proposer, *args, **kwargs):
     if not st.active or st.last is None or st.labels is None:
         return original(proposer, *args, **kwargs)
     ctx = None
-    st.chain = {}  # this propose drafts the next verify step's tokens: the chains before are spent
+    deferring = bool(st.queue) or st.last.rows is None  # the step it reads is recorded later: so is this pass
+    if deferring:
+        st.defer(_spend_chains)
+    else:
+        _spend_chains()
     try:
         import inspect
 
-        sig = _PROPOSE_SIG.get(original)
-        if sig is None:
-            sig = _PROPOSE_SIG[original] = inspect.signature(original)
-        b = sig.bind(proposer, *args, **kwargs).arguments
+        if "target_hidden_states" in kwargs and "common_attn_metadata" in kwargs:
+            b = kwargs  # vLLM's own call passes them by name: no signature binding
+        else:
+            sig = _PROPOSE_SIG.get(original)
+            if sig is None:
+                sig = _PROPOSE_SIG[original] = inspect.signature(original)
+            b = sig.bind(proposer, *args, **kwargs).arguments
         hs = b.get("target_hidden_states")
         h = st.model.get("hidden_size") or 0
         if hs is not None and hs.shape[-1] == len(st.labels) * h:
@@ -54,12 +62,50 @@ def hook_propose(original, proposer, *args, **kwargs):
         if ctx is not None and st.active:
             t0 = time.perf_counter()
             try:
-                with st.lock:
-                    record_draft(ctx)
+                if deferring:
+                    hold_draft_inputs(ctx)
+                    st.defer(lambda: record_draft_later(ctx), held_bytes(ctx["hs"], ctx["fc"], *ctx["outs"]))
+                else:
+                    with st.lock:
+                        record_draft(ctx)
                 st.last_activity = time.monotonic()
             except Exception as e:  # noqa: BLE001
                 st.fail("draft pass", e)
             st.add_seconds(time.perf_counter() - t0)
+        if st.queue_full():
+            try:
+                st.drain_queue()
+            except Exception as e:  # noqa: BLE001
+                st.fail("draft pass", e)
+
+
+def _spend_chains() -> None:
+    """This propose drafts the next verify step's tokens: the chains before are spent."""
+    STATE.chain = {}
+
+
+def hold_draft_inputs(ctx: dict) -> None:
+    """Before the pass is recorded later: its positions and query starts as arrays of its own (vLLM
+    slices them from buffers it fills again at the next step); the other tensors are the pass's
+    own new ones (the draft's hidden states, fc and model outputs, the logits copies)."""
+    import numpy as np
+
+    n = ctx["hs"].shape[0]
+    pos_t = ctx["pos"]
+    if pos_t is not None and getattr(pos_t, "ndim", 1) == 2:
+        pos_t = pos_t[0]
+    ctx["pos"] = to_numpy(pos_t[:n]).astype(np.int64) if pos_t is not None else None
+    ctx["qsl"] = to_numpy(ctx["qsl"]).astype(np.int64) if ctx["qsl"] is not None else None
+    ctx["tok"] = None
+
+
+def record_draft_later(ctx: dict) -> None:
+    st = STATE
+    try:
+        with st.lock:
+            record_draft(ctx)
+    except Exception as e:  # noqa: BLE001
+        st.fail("draft pass", e)
 
 
 def hook_set_inputs_first_pass(out, proposer, *args, **kwargs) -> None:
@@ -148,6 +194,9 @@ def draft_rows(step: Step, qsl, pos):
     import numpy as np
 
     n = len(pos)
+    got = _same_layout(step, qsl, pos)
+    if got is not None:
+        return got
     rows = np.full(n, -1, dtype=np.int64)
     want = np.full(n, -1, dtype=np.int64)
     owner = np.full(n, -1, dtype=np.int64)
@@ -188,6 +237,42 @@ def draft_rows(step: Step, qsl, pos):
         if tok is not None:
             want[t] = tok
     return rows, want, owner
+
+
+def _same_layout(step: Step, qsl, pos):
+    """:func:`draft_rows` where the drafter batch is the step's own rows (vLLM's padded drafter
+    batch: every request's rows of the step, in the step's order, at its positions, each request's
+    positions consecutive): draft row j is target row j, no search. None where the batch is laid
+    out otherwise."""
+    import numpy as np
+
+    T = len(step.pos)
+    m = len(step.segments)
+    if not m or len(pos) != T or int(qsl[-1]) != T:
+        return None
+    lay = step.layout
+    if lay is None:
+        seg = np.array([(s, c) for _, s, c, _, _ in step.segments], dtype=np.int64).reshape(m, 2)
+        owner = np.repeat(np.arange(m, dtype=np.int64), seg[:, 1])
+        # j and j + 1 are consecutive positions of one request
+        nxt = (owner[1:] == owner[:-1]) & (step.pos[1:] == step.pos[:-1] + 1)
+        plain = len(owner) == T and int(np.count_nonzero(nxt)) == T - m
+        lay = step.layout = (seg[:, 0], seg[:, 0] + seg[:, 1], np.asarray(step.batch_idx, dtype=np.int64), owner,
+                             nxt, plain)
+    S, E, b, owner, nxt, plain = lay
+    if not plain or len(b) != m or int(b[-1]) + 1 >= len(qsl) or not np.array_equal(qsl[b], S) \
+            or not np.array_equal(qsl[b + 1], E) or not np.array_equal(pos, step.pos):
+        return None
+    rows = step.rows.copy()
+    want = np.full(T, -1, dtype=np.int64)
+    ok = nxt & (rows[1:] >= 0)
+    want[:-1][ok] = step.ids[1:][ok]
+    # the token after a request's last kept row: noted at the commit
+    for t in np.flatnonzero((rows >= 0) & (want < 0)).tolist():
+        tok = step.next_tok.get((step.segments[int(owner[t])][0], int(pos[t]) + 1))
+        if tok is not None:
+            want[t] = tok
+    return rows, want, owner.copy()
 
 
 def target_rows(step: Step, seg, dpos):

@@ -36,6 +36,7 @@ def hook_execute_model(original, runner, scheduler_output, *args, **kwargs):
     st.last_activity = time.monotonic()
     if st.pending is not None:  # a step whose sampling we did not see: keep what is certain
         try:
+            st.drain_queue()  # the records deferred before it first
             with st.lock:
                 commit(st.pending, None)
         except Exception as e:  # noqa: BLE001

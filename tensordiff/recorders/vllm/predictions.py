@@ -215,11 +215,14 @@ def _draft_columns(x):
         return None
     if cols is None:
         return _private_logits(x) if x.shape[-1] == head[1] else None
-    if len(cols) != head[1] or int(cols.max()) >= x.shape[-1]:
+    got = st.draft_cols
+    if got is None or got[0] is not cols:  # the map as numpy and its largest id, once
+        got = st.draft_cols = (cols, cols.numpy(), int(cols.max()) if len(cols) else -1)
+    if len(cols) != head[1] or got[2] >= x.shape[-1]:
         return None
     x = x.detach()
     if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.from_numpy(x.numpy()[:, cols.numpy()])  # the draft's columns only, a copy of its own
+        return torch.from_numpy(x.numpy().take(got[1], axis=1))  # the draft's columns only, a copy of its own
     if x.device.type == "cpu":
         from ..staging import host_f32
 
@@ -250,7 +253,7 @@ def logit_rows(step, n_logits: int, meta):
         if hasattr(idx, "detach"):
             idx = idx.detach()
             idx = idx.numpy() if idx.device.type == "cpu" else idx.cpu().numpy()
-        got = np.asarray(idx).astype(np.int64, copy=False).reshape(-1)
+        got = np.array(idx, dtype=np.int64).reshape(-1)  # a copy: the step may be recorded later
     else:
         got = np.full(step.num_reqs, -1, dtype=np.int64)
         for (_, s, c, _, _), bi in zip(step.segments, step.batch_idx):
@@ -343,7 +346,7 @@ def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
                          "no distributions")
             return
         if lg and lg[j].shape[0] >= b:
-            jobs.append(rec.topk_job(k, logits=lg[j][:b], id_map=id_map))
+            jobs.append(_logits_job(lg[j], id_map, np.arange(b)))
             st.logits_reused += b
         else:
             jobs.append(rec.topk_job(k, hidden=o[:b], head=head, id_map=id_map))
@@ -420,12 +423,24 @@ def _joined_job(hidden, head, id_map, logits, where, allneed):
     got = src >= 0
     st.logits_reused += int(np.count_nonzero(got))
     if got.all():
-        return rec.topk_job(k, logits=logits, id_map=id_map, rows=src)
+        return _logits_job(logits, id_map, src)
     if not got.any():
         return rec.topk_job(k, hidden=hidden, head=head, id_map=id_map, rows=allneed)
-    a = rec.topk_job(k, logits=logits, id_map=id_map, rows=src[got])
+    a = _logits_job(logits, id_map, src[got])
     b = rec.topk_job(k, hidden=hidden, head=head, id_map=id_map, rows=allneed[~got])
     return JoinedJob([(a, np.flatnonzero(got)), (b, np.flatnonzero(~got))], len(allneed))
+
+
+def _logits_job(logits, id_map, rows):
+    """The top-k job of rows ``rows`` of ``logits``, a private copy the tap made (nobody writes it):
+    where they are all of its rows in order, the job keeps it as it is (no second copy)."""
+    import numpy as np
+
+    st = STATE
+    n = logits.shape[0]
+    if len(rows) == n and np.array_equal(rows, np.arange(n)):
+        return st.rec.topk_job(st.cfg.topk, logits=logits, id_map=id_map, private=True)
+    return st.rec.topk_job(st.cfg.topk, logits=logits, id_map=id_map, rows=rows)
 
 
 def _steps_and_chains(step, K: int, segs: list, pred, hidden, logits=None, where=None) -> None:

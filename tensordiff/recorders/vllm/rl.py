@@ -81,6 +81,7 @@ def start(runner) -> None:
 def before_step() -> None:
     """At the start of a step: weights loaded since the last step are the next weight step."""
     if RL.changed is not None and RL.enabled and STATE.active:
+        STATE.drain_queue()  # the steps before the new weights are recorded before their weight step
         event, RL.changed = RL.changed, None
         fingerprint(event)
 

@@ -116,6 +116,9 @@ def setup(runner) -> None:
     st.rec = open_recorder(cfg, path, engine="vllm", version=vllm.__version__, torch_version=torch.__version__,
                            model=st.model, meta=meta)
     log.info("tensordiff: recording to %s (slots %s from draft ids %s, vllm)", path, st.labels, raw)
+    from .state import queue_steps_from_env
+
+    st.queue_steps = queue_steps_from_env()
     threading.Thread(target=idle_flusher, args=(st,), name="tensordiff-idle-flush", daemon=True).start()
     from .predictions import install_prediction_taps
 

@@ -19,7 +19,29 @@ from .config import Config
 
 log = logging.getLogger("tensordiff.vllm")
 
+QUEUE_STEPS = 16  # TENSORDIFF_VLLM_QUEUE: target steps whose records are made together (0 or 1: each in its hook)
+QUEUE_BYTES = 32 << 20  # engine tensors the deferred records hold on to, at most (then they are made)
+ENV_QUEUE = "TENSORDIFF_VLLM_QUEUE"
 _INTERNAL_ID = re.compile(r"^(.*)-[0-9a-f]{8}$")  # vLLM's internal id: f"{external}-{random_uuid():.8}"
+
+
+def queue_steps_from_env() -> int:
+    """``TENSORDIFF_VLLM_QUEUE``: target steps whose records are made together (default
+    :data:`QUEUE_STEPS`; 0 or 1: every record in its hook). A value that is not a whole number
+    >= 0 is refused with a warning (the default then)."""
+    import os
+
+    v = (os.environ.get(ENV_QUEUE) or "").strip()
+    if not v:
+        return QUEUE_STEPS
+    try:
+        n = int(v)
+        if n < 0:
+            raise ValueError(v)
+    except ValueError:
+        log.warning("tensordiff: %s=%r is not a whole number of steps >= 0; using %d", ENV_QUEUE, v, QUEUE_STEPS)
+        return QUEUE_STEPS
+    return n
 
 
 class Step:
@@ -44,6 +66,7 @@ class Step:
         self.logits = None            # a private copy of the logits vLLM computed for the rows it samples
         self.logit_rows = None        # np.int64: the pass row of each row of ``logits`` (-1: none), once sampled
         self.sampled: list = []       # [(segment, trace row, token)]: the rows that sampled a kept token (RL records)
+        self.layout = None            # the segments as arrays, made once (drafter._same_layout)
 
 
 class State(ServeState):
@@ -90,12 +113,19 @@ class State(ServeState):
         self.target_head: tuple | None = None  # (lm_head weight, vocab, scale, cap) of the target
         self.draft_head: tuple | None = None
         self.draft_id_map = None        # torch int64 [draft vocab]: draft id -> target id
+        self.draft_cols: tuple | None = None  # (draft_id_map, it as numpy, its largest id)
         self.chain: dict = {}           # seq key -> [(top-k job, row)] per draft position, for its next verify
         self.chain_step: int | None = None  # the recorded step whose propose made ``chain``
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
         self.verify_steps = 0
         self.start_topk: int | None = None  # TENSORDIFF_TOPK at start-up (a resume may set 0 or it again)
         self.logits_reused = 0          # target top-k rows from vLLM's own logits (the rest: the plugin's product)
+        # the records of the last steps, made in one go (:meth:`defer`): the hooks' own code runs
+        # with the CPU's caches cold after each forward (a few times slower than the same code run
+        # again at once), so the steps' records are made together, in order, every few steps
+        self.queue: list = []
+        self.queue_bytes = 0
+        self.queue_steps = 0            # steps held at most (0: every record made in its hook)
         self.prediction_taps = 0        # of catalog_handles: the prediction hooks (removed at close with the catalog's)
 
     def add_seconds(self, dt: float) -> None:
@@ -113,6 +143,8 @@ class State(ServeState):
             self.broken = True
             self.pending = self.last = self.ctx = None
             self.chain = {}
+            self.queue = []
+            self.queue_bytes = 0
             if self.rec is not None and not self.closed:
                 try:
                     self._write_stats()
@@ -132,6 +164,37 @@ class State(ServeState):
             **self.attrs,
         })
 
+    def defer(self, fn, nbytes: int = 0, step: bool = False) -> None:
+        """Make a record later, after the records deferred before it: ``fn()`` runs at the next
+        :meth:`run_queue` (every :attr:`queue_steps` steps or ``QUEUE_BYTES`` of tensors held, a
+        flush, a pause, the close). ``nbytes``: the engine tensors it holds on to; ``step``: it is
+        a target step's record (the count that drains the queue)."""
+        self.queue.append((fn, step))
+        self.queue_bytes += nbytes
+        self.dirty = True
+
+    def queue_full(self) -> bool:
+        return bool(self.queue) and (self.queue_bytes >= QUEUE_BYTES
+                                     or sum(1 for _, s in self.queue if s) >= self.queue_steps)
+
+    def run_queue(self) -> None:
+        """Make the deferred records, in order (the caller times it, under the lock)."""
+        with self.lock:
+            while self.queue and not self.broken:
+                q, self.queue = self.queue, []
+                self.queue_bytes = 0
+                for fn, _ in q:
+                    if self.broken:
+                        break
+                    fn()
+
+    def drain_queue(self) -> None:
+        """:meth:`run_queue`, timed as the plugin's own."""
+        if self.queue:
+            t0 = time.perf_counter()
+            self.run_queue()
+            self.add_seconds(time.perf_counter() - t0)
+
     def flush(self, force: bool = False) -> None:
         """Write what is staged and flush the trace (when due, or ``force``); the time it takes is
         the plugin's own (``plugin_seconds``), from any caller: a hook, an RPC, the idle flusher."""
@@ -140,6 +203,9 @@ class State(ServeState):
                 return
             if force or (self.dirty and time.monotonic() - self.last_flush >= self.cfg.flush_seconds):
                 t0 = time.perf_counter()
+                self.run_queue()
+                if self.broken:
+                    return
                 self.rec.write_staged()  # first: the statistics then count what it wrote
                 self._write_stats()
                 self.rec.flush()
@@ -155,6 +221,11 @@ class State(ServeState):
         if self.rec is None or self.closed:
             self.closed = True
             return
+        if not self.broken and self.queue:
+            try:
+                self.run_queue()
+            except Exception as e:  # noqa: BLE001
+                self.fail("close", e)
         if not self.broken and self.pending is not None and self.commit_pending is not None:
             try:  # the held step, as if its sampling result said nothing
                 self.commit_pending(self.pending, None)
