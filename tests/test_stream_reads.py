@@ -35,9 +35,25 @@ def traces(tmp_path_factory):
     return out
 
 
+PAIRS = [("train", "bad"), ("bad", "train"), ("train", "bad_set"), ("bad_set", "train")]
+
+
 def _json(a, b, **kw):
     kw.setdefault("block_rows", 16)
     return json.dumps(jsonable(diff_traces(a, b, DiffOptions(**kw)).to_dict()))
+
+
+def _fit_spy(monkeypatch):
+    """The states each noise fit measured, fit by fit."""
+    fitted = []
+    real_fit = noise.fit
+
+    def fit(*args, **kw):
+        fitted.append(args[2])
+        return real_fit(*args, **kw)
+
+    monkeypatch.setattr(noise, "fit", fit)
+    return fitted
 
 
 def _reader_threads(monkeypatch):
@@ -52,7 +68,7 @@ def _reader_threads(monkeypatch):
     return names
 
 
-@pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "bad_set"), ("bad_set", "train")])
+@pytest.mark.parametrize("pair", PAIRS)
 def test_reading_b_beside_a_gives_the_same_diff(traces, monkeypatch, pair):
     a, b = traces[pair[0]], traces[pair[1]]
     monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)   # blocks copied, not mapped
@@ -80,17 +96,10 @@ def test_a_failed_read_on_either_side_ends_the_diff_with_its_error(traces, monke
         diff_traces(traces["train"], traces["bad"], DiffOptions(block_rows=16))
 
 
-@pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "bad_set"), ("bad_set", "train")])
+@pytest.mark.parametrize("pair", PAIRS)
 def test_reading_the_noise_sample_ahead_in_threads_gives_the_same_diff(traces, monkeypatch, pair):
     a, b = traces[pair[0]], traces[pair[1]]
-    fitted = []
-    real_fit = noise.fit
-
-    def fit(*args, **kw):
-        fitted.append(args[2])   # the measured states
-        return real_fit(*args, **kw)
-
-    monkeypatch.setattr(noise, "fit", fit)
+    fitted = _fit_spy(monkeypatch)
     monkeypatch.setattr(noise_io, "usable_cores", lambda: 1)
     names = _reader_threads(monkeypatch)
     one = _json(a, b, noise_from_pass=False)   # the sample read before the pass (traces too large to keep its metrics)
@@ -140,17 +149,10 @@ def _sample_reads_spy(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "bad_set"), ("bad_set", "train")])
+@pytest.mark.parametrize("pair", PAIRS)
 def test_the_noise_measured_from_the_pass_gives_the_diff_of_the_sample_read_first(traces, monkeypatch, pair):
     a, b = traces[pair[0]], traces[pair[1]]
-    fitted = []
-    real_fit = noise.fit
-
-    def fit(*args, **kw):
-        fitted.append(args[2])   # the measured states
-        return real_fit(*args, **kw)
-
-    monkeypatch.setattr(noise, "fit", fit)
+    fitted = _fit_spy(monkeypatch)
     reads = _sample_reads_spy(monkeypatch)
     first = _json(a, b, noise_from_pass=False)
     assert reads == [1]
@@ -187,7 +189,7 @@ def test_a_diff_with_a_sink_reads_the_sample_first(traces, monkeypatch):
     assert reads == [1] and seen and sum(seen) > 0
 
 
-@pytest.mark.parametrize("pair", [("train", "bad"), ("bad", "train"), ("train", "bad_set"), ("bad_set", "train")])
+@pytest.mark.parametrize("pair", PAIRS)
 def test_blocks_mapped_in_place_give_the_diff_of_blocks_copied(traces, monkeypatch, pair):
     a, b = traces[pair[0]], traces[pair[1]]
     real = RowReads._mapped_rows

@@ -401,6 +401,15 @@ def test_the_drafter_pass_maps_rows_checks_the_shift_and_stores_repeated_bits_on
         assert refs is None or (refs < 0).all()
 
 
+def _rows_and_next_tokens(step, rng, start, segs, pos):
+    """A random step's target rows (about 30% not kept) and the next tokens it knows (70%)."""
+    step.rows = np.arange(start, dtype=np.int64) + 10
+    step.rows[rng.random(start) < 0.3] = -1
+    for i, (key, *_) in enumerate(segs):
+        if rng.random() < 0.7:
+            step.next_tok[(key, int(pos[i][-1]) + 1)] = 77
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_draft_rows_of_a_whole_batch_equal_each_requests_own_mapping(seed):
     """drafter.draft_rows maps every request's draft rows at once; the per-request mapping
@@ -429,11 +438,7 @@ def test_draft_rows_of_a_whole_batch_equal_each_requests_own_mapping(seed):
     step = Step(1, segs, np.concatenate(pos), np.concatenate(ids), ["prefill"] * m, [100] * m, [None] * m)
     step.batch_idx = list(range(m))
     step.num_reqs = m
-    step.rows = np.arange(start, dtype=np.int64) + 10
-    step.rows[rng.random(start) < 0.3] = -1
-    for i, (key, *_) in enumerate(segs):
-        if rng.random() < 0.7:
-            step.next_tok[(key, int(pos[i][-1]) + 1)] = 77
+    _rows_and_next_tokens(step, rng, start, segs, pos)
     qsl = np.concatenate([[0], np.cumsum(qsl_lens)]).astype(np.int64)
     dp = np.concatenate(dpos).astype(np.int64) if dpos else np.zeros(0, np.int64)
     rows, want, owner = drafter.draft_rows(step, qsl, dp)
@@ -476,11 +481,7 @@ def test_draft_rows_of_the_steps_own_layout_equal_each_requests_own_mapping(seed
     step = Step(1, segs, np.concatenate(pos), np.concatenate(ids), ["target_verify"] * m, [10] * m, [None] * m)
     step.batch_idx = batch_idx
     step.num_reqs = bi
-    step.rows = np.arange(start, dtype=np.int64) + 10
-    step.rows[rng.random(start) < 0.3] = -1
-    for i, (key, *_) in enumerate(segs):
-        if rng.random() < 0.7:
-            step.next_tok[(key, int(pos[i][-1]) + 1)] = 77
+    _rows_and_next_tokens(step, rng, start, segs, pos)
     qsl = np.concatenate([[0], np.cumsum(qsl_lens)]).astype(np.int64)
     dp = step.pos.copy()
     assert (drafter._same_layout(step, qsl, dp) is None) == (seed % 4 == 3 and segs[0][2] > 2)
