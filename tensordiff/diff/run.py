@@ -91,7 +91,7 @@ def diff_sources(a: TraceSource, b: TraceSource, options: DiffOptions | None = N
         worst = WorstTokens()
         try:  # numerics of every pair first: the agreeing boundaries give identity its noise floor
             if from_pass:
-                plan, tally = _stream_then_noise(plan, opt, backend, sinks, worst, early, progress)
+                plan, tally = _stream_then_noise(plan, opt, backend, worst, early, progress)
             else:
                 tally = _stream(plan, backend, sinks, worst, early, progress)
         finally:
@@ -163,13 +163,12 @@ def _stream(plan: DiffPlan, backend: NumericBackend, sinks: list[DiffSink], wors
     return tally
 
 
-def _stream_then_noise(plan: DiffPlan, opt: DiffOptions, backend: NumericBackend, sinks: list[DiffSink],
-                       worst: WorstTokens, early: EarlyIdentity | None, progress: Progress
-                       ) -> tuple[DiffPlan, Tally]:
+def _stream_then_noise(plan: DiffPlan, opt: DiffOptions, backend: NumericBackend, worst: WorstTokens,
+                       early: EarlyIdentity | None, progress: Progress) -> tuple[DiffPlan, Tally]:
     """The numeric pass of a plan whose noise is not measured yet: every block's metrics kept,
     the noise model measured from them (:func:`tensordiff.noise_io.measure_from`), then the
-    blocks go into the tally and the sinks against the tolerances it sets, in the pass's order:
-    the result is the one a sample read first gives. The identity searches start early on the
+    blocks go into the tally against the tolerances it sets, in the pass's order: the result is
+    the one a sample read first gives. Never with sinks (:func:`_noise_from_pass`). The identity searches start early on the
     default tolerances (a guess: scores only, the judge decides), for the first few failing
     boundaries."""
     kept: list[tuple[int, Codes, Metrics]] = []
@@ -208,10 +207,7 @@ def _stream_then_noise(plan: DiffPlan, opt: DiffOptions, backend: NumericBackend
     tally = Tally(plan)
     final = {j.index: j for j in plan.jobs}
     for ji, rows, m in kept:
-        job = final[ji]
-        bad = tally.add(BlockResult(job, rows, m))
-        for sink in sinks:
-            sink.write(job.a, job.b, job.slots, rows, m, bad)
+        tally.add(BlockResult(final[ji], rows, m))
     return plan, tally
 
 
