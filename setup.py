@@ -2,7 +2,8 @@
 
 tensordiff/_kernels.c holds the diff's per-row sums and the identity search's dot products: one
 pass over each element, float64 sums in a fixed order. Floating-point contraction is off, so no
-compiler turns a product and a sum into one FMA: every CPU path gives the same bits.
+compiler turns a product and a sum into one FMA: every CPU path (AVX-512, AVX2, portable, picked
+at import by what the CPU has) gives the same bits.
 
 The extension is optional: where it cannot be built (no C compiler, no Python headers) the install
 goes on without it and tensordiff.kernels runs numpy versions of the same sums (same bits, slower;

@@ -10,11 +10,18 @@
  *   x, c     2-D buffers [n, w] of float32 or float64 rows (each its own), elements contiguous
  *   out      C-contiguous float64 [n], written: sum x * c per row (the identity search's cosines)
  *
+ * row_dots_at(x, kind_x, xi, c, kind_c, ci, out)
+ *   the same sums over rows picked by index (xi, ci: int64, each entry checked; None: every row)
+ *   from rows of any stored kind (0 float32, 1 bf16 bits, 2 float64): the identity search scores
+ *   a candidate's rows where they lie (mapped in place), with no gather and no conversion
+ *
  * Every element is widened to double (exact for bf16 and float32), so products of bf16 values are
  * exact and sums of float32 inputs cannot overflow. Each row and slot is summed in LANES
  * interleaved partial sums, combined in a fixed tree: the order of every addition is fixed by this
  * code, not by the vector width the compiler picks, and floating-point contraction is off (setup),
- * so the result is the same bits on every x86-64 machine whichever clone runs. Non-finite inputs
+ * so the result is the same bits on every x86-64 machine whichever clone runs, and on every code
+ * path: portable, AVX2 (lanes 0-3 and 4-7 in two vectors) and AVX-512 (all eight in one), the
+ * best the CPU has taken at import (simd() switches, for tests). Non-finite inputs
  * make the sums non-finite; the caller recomputes those rows over their finite elements.
  * The GIL is released while summing: callers run sub-blocks on several threads.
  *
@@ -82,6 +89,28 @@ PORTABLE_DOTS(pdot_df, double, float)
 PORTABLE_DOTS(pdot_dd, double, double)
 
 typedef void (*dots_fn)(const void *, const void *, Py_ssize_t, double *);
+
+/* row_dots_at: the same sums over rows of any stored kind (0 float32, 1 bf16 bits, 2 float64),
+ * each element widened to double exactly as row_dots and row_sums widen it */
+static inline double from_f64(double v) { return v; }
+
+#define PORTABLE_KDOTS(NAME, TX, LX, TC, LC)                                                       \
+    static void NAME(const TX *x, const TC *c, Py_ssize_t w, double *acc)                          \
+    {                                                                                              \
+        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES)                                         \
+            for (int l = 0; l < LANES; l++)                                                        \
+                acc[l] = acc[l] + LX(x[j + l]) * LC(c[j + l]);                                     \
+    }
+
+PORTABLE_KDOTS(pk_ff, float, from_f32, float, from_f32)
+PORTABLE_KDOTS(pk_fb, float, from_f32, uint16_t, from_bf16)
+PORTABLE_KDOTS(pk_fd, float, from_f32, double, from_f64)
+PORTABLE_KDOTS(pk_bf, uint16_t, from_bf16, float, from_f32)
+PORTABLE_KDOTS(pk_bb, uint16_t, from_bf16, uint16_t, from_bf16)
+PORTABLE_KDOTS(pk_bd, uint16_t, from_bf16, double, from_f64)
+PORTABLE_KDOTS(pk_df, double, from_f64, float, from_f32)
+PORTABLE_KDOTS(pk_db, double, from_f64, uint16_t, from_bf16)
+PORTABLE_KDOTS(pk_dd, double, from_f64, double, from_f64)
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <immintrin.h>
@@ -169,6 +198,76 @@ AVX2_DOTS(adot_ff, float, load_f32, float, load_f32)
 AVX2_DOTS(adot_fd, float, load_f32, double, load_f64)
 AVX2_DOTS(adot_df, double, load_f64, float, load_f32)
 AVX2_DOTS(adot_dd, double, load_f64, double, load_f64)
+AVX2_DOTS(ak_fb, float, load_f32, uint16_t, load_bf16)
+AVX2_DOTS(ak_bf, uint16_t, load_bf16, float, load_f32)
+AVX2_DOTS(ak_bb, uint16_t, load_bf16, uint16_t, load_bf16)
+AVX2_DOTS(ak_bd, uint16_t, load_bf16, double, load_f64)
+AVX2_DOTS(ak_db, double, load_f64, uint16_t, load_bf16)
+
+/* AVX-512: one vector of 8 doubles holds the 8 lanes; the same additions in the same order as
+ * the AVX2 and portable code, lane by lane, so all three give the same bits */
+#define TD_AVX512 1
+__attribute__((target("avx512f,avx2"))) static inline __m512d load8_bf16(const uint16_t *p)
+{
+    __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return _mm512_cvtps_pd(_mm256_castsi256_ps(u));
+}
+
+__attribute__((target("avx512f,avx2"))) static inline __m512d load8_f32(const float *p)
+{
+    return _mm512_cvtps_pd(_mm256_loadu_ps(p));
+}
+
+__attribute__((target("avx512f,avx2"))) static inline __m512d load8_f64(const double *p)
+{
+    return _mm512_loadu_pd(p);
+}
+
+#define AVX512_SUMS(NAME, TA, LOADA, TB, LOADB)                                                    \
+    __attribute__((target("avx512f,avx2"))) static void NAME(const TA *x, const TB *y, Py_ssize_t w, \
+                                                             double *sa, double *sb, double *sd,   \
+                                                             double *mx)                           \
+    {                                                                                              \
+        __m512d a = _mm512_loadu_pd(sa), b = _mm512_loadu_pd(sb), d = _mm512_loadu_pd(sd),         \
+                m = _mm512_loadu_pd(mx);                                                           \
+        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES) {                                       \
+            __m512d u = LOADA(x + j), v = LOADB(y + j);                                            \
+            __m512d e = _mm512_sub_pd(u, v);                                                       \
+            a = _mm512_add_pd(a, _mm512_mul_pd(u, u));                                             \
+            b = _mm512_add_pd(b, _mm512_mul_pd(v, v));                                             \
+            d = _mm512_add_pd(d, _mm512_mul_pd(e, e));                                             \
+            m = _mm512_max_pd(_mm512_abs_pd(e), m); /* ad > m ? ad : m */                          \
+        }                                                                                          \
+        _mm512_storeu_pd(sa, a);                                                                   \
+        _mm512_storeu_pd(sb, b);                                                                   \
+        _mm512_storeu_pd(sd, d);                                                                   \
+        _mm512_storeu_pd(mx, m);                                                                   \
+    }
+
+AVX512_SUMS(z_bb, uint16_t, load8_bf16, uint16_t, load8_bf16)
+AVX512_SUMS(z_ff, float, load8_f32, float, load8_f32)
+AVX512_SUMS(z_bf, uint16_t, load8_bf16, float, load8_f32)
+AVX512_SUMS(z_fb, float, load8_f32, uint16_t, load8_bf16)
+
+#define AVX512_DOTS(NAME, TX, LOADX, TC, LOADC)                                                    \
+    __attribute__((target("avx512f,avx2"))) static void NAME(const TX *x, const TC *c, Py_ssize_t w, \
+                                                             double *acc)                          \
+    {                                                                                              \
+        __m512d s = _mm512_loadu_pd(acc);                                                          \
+        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES)                                         \
+            s = _mm512_add_pd(s, _mm512_mul_pd(LOADX(x + j), LOADC(c + j)));                       \
+        _mm512_storeu_pd(acc, s);                                                                  \
+    }
+
+AVX512_DOTS(zd_ff, float, load8_f32, float, load8_f32)
+AVX512_DOTS(zd_fb, float, load8_f32, uint16_t, load8_bf16)
+AVX512_DOTS(zd_fd, float, load8_f32, double, load8_f64)
+AVX512_DOTS(zd_bf, uint16_t, load8_bf16, float, load8_f32)
+AVX512_DOTS(zd_bb, uint16_t, load8_bf16, uint16_t, load8_bf16)
+AVX512_DOTS(zd_bd, uint16_t, load8_bf16, double, load8_f64)
+AVX512_DOTS(zd_df, double, load8_f64, float, load8_f32)
+AVX512_DOTS(zd_db, double, load8_f64, uint16_t, load8_bf16)
+AVX512_DOTS(zd_dd, double, load8_f64, double, load8_f64)
 #endif
 
 /* [kind_a * 2 + kind_b] */
@@ -182,7 +281,21 @@ static dots_fn portable_dots[4] = {(dots_fn)pdot_ff, (dots_fn)pdot_fd, (dots_fn)
 #ifdef TD_AVX2
 static dots_fn avx2_dots[4] = {(dots_fn)adot_ff, (dots_fn)adot_fd, (dots_fn)adot_df, (dots_fn)adot_dd};
 #endif
+#ifdef TD_AVX512
+static sums_fn avx512[4] = {(sums_fn)z_ff, (sums_fn)z_fb, (sums_fn)z_bf, (sums_fn)z_bb};
+static dots_fn avx512_dots[4] = {(dots_fn)zd_ff, (dots_fn)zd_fd, (dots_fn)zd_df, (dots_fn)zd_dd};
+static dots_fn avx512_kdots[9] = {(dots_fn)zd_ff, (dots_fn)zd_fb, (dots_fn)zd_fd, (dots_fn)zd_bf, (dots_fn)zd_bb,
+                                  (dots_fn)zd_bd, (dots_fn)zd_df, (dots_fn)zd_db, (dots_fn)zd_dd};
+#endif
+/* the code path: 0 portable, 1 AVX2, 2 AVX-512 (the best the CPU has, unless simd() says otherwise) */
 static int use_avx2 = 0;
+/* [kind_x * 3 + kind_c], kinds 0 float32, 1 bf16 bits, 2 float64 */
+static dots_fn portable_kdots[9] = {(dots_fn)pk_ff, (dots_fn)pk_fb, (dots_fn)pk_fd, (dots_fn)pk_bf, (dots_fn)pk_bb,
+                                    (dots_fn)pk_bd, (dots_fn)pk_df, (dots_fn)pk_db, (dots_fn)pk_dd};
+#ifdef TD_AVX2
+static dots_fn avx2_kdots[9] = {(dots_fn)adot_ff, (dots_fn)ak_fb, (dots_fn)adot_fd, (dots_fn)ak_bf, (dots_fn)ak_bb,
+                                (dots_fn)ak_bd, (dots_fn)adot_df, (dots_fn)ak_db, (dots_fn)adot_dd};
+#endif
 
 /* one (row, slot): the whole-lane part by `fn`, the tail and the fixed combining tree here */
 static void slot_sums(sums_fn fn, const char *x, int ka, const char *y, int kb, Py_ssize_t w, double *out_aa,
@@ -282,6 +395,10 @@ static PyObject *row_sums(PyObject *self, PyObject *args)
 #ifdef TD_AVX2
     if (use_avx2)
         fn = avx2[ka * 2 + kb];
+#ifdef TD_AVX512
+    if (use_avx2 == 2)
+        fn = avx512[ka * 2 + kb];
+#endif
 #endif
     Py_ssize_t sa_ = ka ? 2 : 4, sb_ = kb ? 2 : 4;
     Py_BEGIN_ALLOW_THREADS
@@ -375,6 +492,10 @@ static PyObject *row_dots(PyObject *self, PyObject *args)
 #ifdef TD_AVX2
     if (use_avx2)
         fn = avx2_dots[wx * 2 + wc];
+#ifdef TD_AVX512
+    if (use_avx2 == 2)
+        fn = avx512_dots[wx * 2 + wc];
+#endif
 #endif
     Py_BEGIN_ALLOW_THREADS
     double *out = (double *)vo.buf;
@@ -397,20 +518,183 @@ static PyObject *row_dots(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static double kind_elem(const char *row, int kind, Py_ssize_t j)
+{
+    if (kind == 1)
+        return from_bf16(((const uint16_t *)row)[j]);
+    if (kind == 2)
+        return ((const double *)row)[j];
+    return (double)((const float *)row)[j];
+}
+
+/* a 2-D buffer of rows of one kind (0 float32 'f', 1 bf16 bits 'H', 2 float64 'd'), elements
+ * contiguous within a row, any non-negative whole-element row stride */
+static int get_kind_rows(PyObject *obj, Py_buffer *view, int kind, const char *what)
+{
+    static const char *formats[3] = {"f", "H", "d"};
+    static const Py_ssize_t sizes[3] = {4, 2, 8};
+    if (kind < 0 || kind > 2) {
+        PyErr_Format(PyExc_ValueError, "%s: kinds are 0 (float32), 1 (bfloat16 bits) or 2 (float64)", what);
+        return -1;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = plain_format(view->format);
+    if (view->ndim != 2 || strcmp(f, formats[kind]) != 0 || view->itemsize != sizes[kind] ||
+        view->strides[1] != view->itemsize || view->strides[0] < 0 || view->strides[0] % view->itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: expected 2-D rows of kind %d, contiguous within a row", what, kind);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* an optional index into `m` rows: None (every row in order) or a 1-D contiguous int64 array,
+ * every entry checked to lie in [0, m) */
+static int get_index(PyObject *obj, Py_buffer *view, const char *what, Py_ssize_t m, Py_ssize_t *n,
+                     const int64_t **idx)
+{
+    if (obj == Py_None) {
+        *idx = NULL;
+        *n = m;
+        view->obj = NULL;
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = plain_format(view->format);
+    if (view->ndim != 1 || view->itemsize != 8 || (strcmp(f, "l") != 0 && strcmp(f, "q") != 0)) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a 1-D contiguous int64 index", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    const int64_t *p = (const int64_t *)view->buf;
+    *n = view->shape[0];
+    for (Py_ssize_t t = 0; t < *n; t++) {
+        if (p[t] < 0 || p[t] >= m) {
+            PyErr_Format(PyExc_IndexError, "%s: row %lld outside [0, %zd)", what, (long long)p[t], m);
+            PyBuffer_Release(view);
+            return -1;
+        }
+    }
+    *idx = p;
+    return 0;
+}
+
+static void release_all(Py_buffer *views, int count)
+{
+    for (int i = 0; i < count; i++)
+        if (views[i].obj != NULL)
+            PyBuffer_Release(&views[i]);
+}
+
+static PyObject *row_dots_at(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *ox, *oxi, *oc, *oci, *oout;
+    int kx, kc;
+    if (!PyArg_ParseTuple(args, "OiOOiOO:row_dots_at", &ox, &kx, &oxi, &oc, &kc, &oci, &oout))
+        return NULL;
+    Py_buffer v[5];
+    memset(v, 0, sizeof v);
+    const int64_t *xi, *ci;
+    Py_ssize_t nx, nc;
+    if (get_kind_rows(ox, &v[0], kx, "x") < 0)
+        return NULL;
+    if (get_kind_rows(oc, &v[1], kc, "c") < 0) {
+        release_all(v, 1);
+        return NULL;
+    }
+    if (v[0].shape[1] != v[1].shape[1]) {
+        PyErr_SetString(PyExc_ValueError, "row_dots_at: x and c rows have different widths");
+        release_all(v, 2);
+        return NULL;
+    }
+    if (get_index(oxi, &v[2], "xi", v[0].shape[0], &nx, &xi) < 0) {
+        release_all(v, 2);
+        return NULL;
+    }
+    if (get_index(oci, &v[3], "ci", v[1].shape[0], &nc, &ci) < 0) {
+        release_all(v, 3);
+        return NULL;
+    }
+    if (nx != nc) {
+        PyErr_SetString(PyExc_ValueError, "row_dots_at: x and c index different numbers of rows");
+        release_all(v, 4);
+        return NULL;
+    }
+    if (get_out(oout, &v[4], 8, "out", nx, 1) < 0) {
+        release_all(v, 4);
+        return NULL;
+    }
+    Py_ssize_t n = nx, w = v[0].shape[1];
+    dots_fn fn = portable_kdots[kx * 3 + kc];
+#ifdef TD_AVX2
+    if (use_avx2)
+        fn = avx2_kdots[kx * 3 + kc];
+#ifdef TD_AVX512
+    if (use_avx2 == 2)
+        fn = avx512_kdots[kx * 3 + kc];
+#endif
+#endif
+    const char *bx = (const char *)v[0].buf, *bc = (const char *)v[1].buf;
+    Py_ssize_t sx = v[0].strides[0], sc = v[1].strides[0];
+    double *out = (double *)v[4].buf;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t t = 0;
+    for (; t < n; t++) {
+        const char *rx = bx + (xi ? (Py_ssize_t)xi[t] : t) * sx;
+        const char *rc = bc + (ci ? (Py_ssize_t)ci[t] : t) * sc;
+        double acc[LANES] = {0};
+        fn(rx, rc, w, acc);
+        for (Py_ssize_t j = w - w % LANES, l = 0; j < w; j++, l++)
+            acc[l] = acc[l] + kind_elem(rx, kx, j) * kind_elem(rc, kc, j);
+        out[t] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+    Py_END_ALLOW_THREADS
+    release_all(v, 5);
+    Py_RETURN_NONE;
+}
+
+static int best_level(void)
+{
+#ifdef TD_AVX512
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2"))
+        return 2;
+#endif
+#ifdef TD_AVX2
+    if (__builtin_cpu_supports("avx2"))
+        return 1;
+#endif
+    return 0;
+}
+
 static PyObject *simd(PyObject *self, PyObject *args)
 {
     (void)self;
-    int want = -1;
-    if (!PyArg_ParseTuple(args, "|p:simd", &want))
+    static const char *names[3] = {"portable", "avx2", "avx512"};
+    PyObject *want = NULL;
+    if (!PyArg_ParseTuple(args, "|O:simd", &want))
         return NULL;
-    const char *was = use_avx2 ? "avx2" : "portable";
-#ifdef TD_AVX2
-    if (want == 0)
-        use_avx2 = 0;
-    else if (want == 1)
-        use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-#endif
-    return PyUnicode_FromString(was);
+    int was = use_avx2;
+    if (want != NULL && PyUnicode_Check(want)) {
+        int level = -1;
+        for (int i = 0; i < 3; i++)
+            if (PyUnicode_CompareWithASCIIString(want, names[i]) == 0)
+                level = i;
+        if (level < 0 || level > best_level()) {
+            PyErr_Format(PyExc_ValueError, "simd: %R is not a code path this CPU runs (it runs up to %s)", want,
+                         names[best_level()]);
+            return NULL;
+        }
+        use_avx2 = level;
+    } else if (want != NULL) {
+        int on = PyObject_IsTrue(want);
+        if (on < 0)
+            return NULL;
+        use_avx2 = on ? best_level() : 0;
+    }
+    return PyUnicode_FromString(names[was]);
 }
 
 
@@ -761,9 +1045,14 @@ static PyMethodDef methods[] = {
     {"row_dots", row_dots, METH_VARARGS,
      "row_dots(x, c, out): out[i] = sum_j x[i, j] * c[i, j] in float64, x and c float32 or float64 [n, w], "
      "out float64 [n]; the order of the additions fixed, as in row_sums"},
+    {"row_dots_at", row_dots_at, METH_VARARGS,
+     "row_dots_at(x, kind_x, xi, c, kind_c, ci, out): out[t] = sum_j x[xi[t], j] * c[ci[t], j] in float64 (kinds "
+     "0 float32, 1 bf16 bits, 2 float64; an index None takes every row in order; every index checked), the "
+     "additions in row_dots' order"},
     {"simd", simd, METH_VARARGS,
-     "simd([on]) -> the code path in use before the call, 'avx2' or 'portable'; simd(False) forces the portable "
-     "path, simd(True) takes AVX2 where the CPU has it (both give the same bits: for tests)"},
+     "simd([level]) -> the code path in use before the call, 'avx512', 'avx2' or 'portable'; simd(False) forces "
+     "the portable path, simd(True) the best this CPU runs, simd('avx2') a named one (ValueError where the CPU "
+     "lacks it); all give the same bits: for tests"},
     {"row_sums", row_sums, METH_VARARGS,
      "row_sums(a, kind_a, b, kind_b, k, w, aa, bb, dd, maxabs): per row and slot, sum x^2, sum y^2, "
      "sum (x-y)^2 (float64) and max |x-y| (float32) of two blocks of stored rows (kind 0 float32, 1 bf16 bits)"},
@@ -786,8 +1075,8 @@ PyMODINIT_FUNC PyInit__kernels(void)
 {
 #ifdef TD_AVX2
     __builtin_cpu_init();
-    use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
 #endif
+    use_avx2 = best_level();
     if (PyType_Ready(&RowsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

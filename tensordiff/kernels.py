@@ -147,6 +147,46 @@ def row_dots(x: np.ndarray, c: np.ndarray, out: np.ndarray) -> None:
         _compiled.row_dots(x, c, out)
 
 
+def _np_rows_f64(x: np.ndarray, kind: int, idx: np.ndarray | None) -> np.ndarray:
+    rows = x if idx is None else x[idx]
+    if kind == 2:
+        return np.asarray(rows, np.float64)
+    return _f64(rows, kind)
+
+
+def _np_row_dots_at(x: np.ndarray, kx: int, xi: np.ndarray | None, c: np.ndarray, kc: int, ci: np.ndarray | None,
+                    out: np.ndarray) -> None:
+    _note()
+    if x.ndim != 2 or c.ndim != 2 or x.shape[1] != c.shape[1]:
+        raise ValueError("row_dots_at: x and c are 2-D rows of one width")
+    for name, idx, m in (("xi", xi, x.shape[0]), ("ci", ci, c.shape[0])):
+        if idx is not None and (idx.ndim != 1 or idx.dtype != np.int64):
+            raise ValueError(f"row_dots_at: {name}: expected a 1-D int64 index")
+        if idx is not None and len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= m):
+            raise IndexError(f"row_dots_at: {name} outside [0, {m})")
+    n = x.shape[0] if xi is None else len(xi)
+    if n != (c.shape[0] if ci is None else len(ci)):
+        raise ValueError("row_dots_at: x and c index different numbers of rows")
+    step = max(1, CHUNK // max(1, x.shape[1]))
+    for r in range(0, n, step):
+        e = min(n, r + step)
+        part_x = _np_rows_f64(x, kx, np.arange(r, e) if xi is None else xi[r:e])
+        part_c = _np_rows_f64(c, kc, np.arange(r, e) if ci is None else ci[r:e])
+        out[r:e] = _lane_sums(part_x * part_c)
+
+
+def row_dots_at(x: np.ndarray, kind_x: int, xi: np.ndarray | None, c: np.ndarray, kind_c: int,
+                ci: np.ndarray | None, out: np.ndarray) -> None:
+    """``out[t] = sum_j x[xi[t], j] * c[ci[t], j]`` in float64, in :func:`row_dots`' order: rows
+    of kind 0 float32, 1 bfloat16 bits (uint16) or 2 float64, picked by int64 indices (None:
+    every row in order; every index is checked)."""
+    if _numpy:
+        _np_row_dots_at(x, kind_x, xi, c, kind_c, ci, out)
+    else:
+        assert _compiled is not None
+        _compiled.row_dots_at(x, kind_x, xi, c, kind_c, ci, out)
+
+
 def topk(x: np.ndarray, k: int, vals: np.ndarray, idx: np.ndarray) -> None:
     """The top ``k`` of each float32 row, best first, into ``vals`` (float32) and ``idx`` (int64)."""
     if _numpy:

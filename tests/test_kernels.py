@@ -18,14 +18,29 @@ def stored(x: np.ndarray, kind: int) -> np.ndarray:
     return f32_to_bf16_bits(x) if kind == 1 else x
 
 
-def sums(a, ka, b, kb, k, w, *, simd: bool):
+def _runs(level: str) -> bool:
+    was = _kernels.simd()
+    try:
+        _kernels.simd(level)
+        return True
+    except ValueError:
+        return False
+    finally:
+        _kernels.simd(was)
+
+
+#: the vector code paths this CPU runs (each must give the portable path's bits)
+LEVELS = [lv for lv in ("avx2", "avx512") if _runs(lv)]
+
+
+def sums(a, ka, b, kb, k, w, *, simd: bool | str):
     was = _kernels.simd(simd)
     try:
         n = a.shape[0]
         out = [np.zeros((n, k)), np.zeros((n, k)), np.zeros((n, k)), np.zeros((n, k), np.float32)]
         _kernels.row_sums(a, ka, b, kb, k, w, *out)
     finally:
-        _kernels.simd(was == "avx2")
+        _kernels.simd(was)
     return out
 
 
@@ -34,17 +49,26 @@ def rng():
     return np.random.default_rng(7)
 
 
+def test_the_best_code_path_is_the_default_and_a_bad_one_is_refused():
+    assert _kernels.simd() == (LEVELS[-1] if LEVELS else "portable")
+    assert _kernels.simd(True) == _kernels.simd()   # True: the best this CPU runs
+    with pytest.raises(ValueError, match="code path"):
+        _kernels.simd("avx1024")
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("ka,kb", [(0, 0), (1, 1), (0, 1), (1, 0)])
 @pytest.mark.parametrize("n,k,w,extra", [(64, 1, 4096, 0), (30, 3, 37, 5), (20, 2, 7, 0), (9, 4, 8, 3), (5, 1, 0, 2)])
-def test_simd_and_portable_give_the_same_bits(rng, ka, kb, n, k, w, extra):
+def test_simd_and_portable_give_the_same_bits(rng, level, ka, kb, n, k, w, extra):
     x = (rng.standard_normal((n, k * w + extra)) * rng.lognormal(0, 3, (n, 1))).astype(np.float32)
     y = (x + 1e-3 * rng.standard_normal(x.shape)).astype(np.float32)
     if x.size:
         x.flat[0], y.flat[-1] = np.nan, np.inf
+        x.flat[min(3, x.size - 1)], y.flat[min(3, x.size - 1)] = -0.0, 0.0
     a, b = stored(x, ka), stored(y, kb)
-    fast, port = sums(a, ka, b, kb, k, w, simd=True), sums(a, ka, b, kb, k, w, simd=False)
+    fast, port = sums(a, ka, b, kb, k, w, simd=level), sums(a, ka, b, kb, k, w, simd=False)
     for p, q in zip(fast, port):
-        assert np.array_equal(p, q, equal_nan=True)
+        assert np.array_equal(p.view(np.uint8), q.view(np.uint8))   # every bit, NaN payloads and signs too
 
 
 @pytest.mark.parametrize("ka,kb", [(0, 0), (1, 1), (0, 1)])
@@ -127,6 +151,68 @@ def test_numpy_row_dots_give_the_compiled_bits(rng, w, dx, dc):
     _kernels.row_dots(x, c, want)
     kernels._np_row_dots(x, c, got)
     assert np.array_equal(want.view(np.uint64), got.view(np.uint64))
+
+
+def _as_kind(x: np.ndarray, kind: int) -> np.ndarray:
+    return f32_to_bf16_bits(x) if kind == 1 else x.astype(np.float64) if kind == 2 else x
+
+
+def _as_f64(x: np.ndarray, kind: int) -> np.ndarray:
+    return to_float32(x, "bfloat16").astype(np.float64) if kind == 1 else x.astype(np.float64)
+
+
+@pytest.mark.parametrize("w", [1, 7, 8, 1000, 8193])
+@pytest.mark.parametrize("kx,kc", [(0, 0), (0, 1), (1, 1), (1, 0), (0, 2), (2, 1), (2, 2)])
+def test_row_dots_at_gives_row_dots_bits_on_every_path(rng, w, kx, kc):
+    """Rows picked by index where they lie, of any stored kind, sum as row_dots sums the gathered
+    rows converted to float64 (exact): the identity search scores mapped bfloat16 rows in place."""
+    x = _as_kind((rng.standard_normal((30, w)) * rng.lognormal(0, 4, (30, 1))).astype(np.float32), kx)
+    c = _as_kind(rng.standard_normal((50, w)).astype(np.float32), kc)
+    xi = rng.integers(0, 30, 45)
+    ci = np.concatenate([rng.permutation(50)[:40], [0, 0, 49, 7, 7]])   # unsorted, repeated
+    want = np.empty(45)
+    _kernels.row_dots(_as_f64(x, kx)[xi], _as_f64(c, kc)[ci], want)
+    outs = []
+    for level in ["portable"] + LEVELS:
+        was = _kernels.simd(level)
+        try:
+            got = np.empty(45)
+            _kernels.row_dots_at(x, kx, xi, c, kc, ci, got)
+            outs.append(got)
+        finally:
+            _kernels.simd(was)
+    got = np.empty(45)
+    kernels._np_row_dots_at(x, kx, xi, c, kc, ci, got)
+    outs.append(got)
+    for got in outs:
+        assert np.array_equal(want.view(np.uint64), got.view(np.uint64))
+    every = np.empty(30)   # no index: every row in order
+    _kernels.row_dots_at(x, kx, None, x, kx, None, every)
+    ref = np.empty(30)
+    _kernels.row_dots(_as_f64(x, kx), _as_f64(x, kx), ref)
+    assert np.array_equal(every, ref)
+
+
+def test_row_dots_at_checks_every_index_and_buffer():
+    x = np.zeros((4, 8), np.float32)
+    c = np.zeros((6, 8), np.uint16)
+    out = np.zeros(3)
+    ok = np.array([0, 1, 2])
+    for xi, ci, err in ((np.array([0, 4, 1]), ok, IndexError), (ok, np.array([0, -1, 2]), IndexError),
+                        (ok, np.array([0, 6, 2]), IndexError), (ok.astype(np.int32), ok, ValueError),
+                        (ok, np.array([0, 1]), ValueError)):
+        with pytest.raises(err):
+            _kernels.row_dots_at(x, 0, xi, c, 1, ci, out)
+        with pytest.raises(err):
+            kernels._np_row_dots_at(x, 0, xi, c, 1, ci, out)
+    with pytest.raises(ValueError):
+        _kernels.row_dots_at(x, 0, ok, c, 0, ok, out)       # kind 0 is float32, c is uint16 bits
+    with pytest.raises(ValueError):
+        _kernels.row_dots_at(x, 3, ok, c, 1, ok, out)       # no kind 3
+    with pytest.raises(ValueError):
+        _kernels.row_dots_at(x, 0, ok, c[:, :4], 1, ok, out)   # widths differ
+    with pytest.raises(ValueError):
+        _kernels.row_dots_at(x, 0, ok, c, 1, ok, np.zeros(4))   # out of another length
 
 
 def test_numpy_topk_ranks_as_the_compiled_one(rng):
