@@ -35,6 +35,7 @@ from .identity import (
     row_norms,
     score_many,
 )
+from .numerics import row_dots_at
 from .tolerances import coarser, default_tolerance
 from .progress import Progress, Stage
 from .trace import TensorInfo, TraceSource, gather
@@ -67,6 +68,23 @@ class Catalog:
         for i in sorted(r.tensors.values(), key=lambda x: x.order):
             if i.kind in ("boundary", "final_norm") and i.label not in self.states:
                 self.states[i.label] = i
+
+
+@dataclass
+class _Candidate:
+    """A candidate's rows for :meth:`IdentitySearch.score`: ``data`` (float32 values, or the stored
+    bfloat16 bits when ``bf16``) whose row ``at[i]`` is the i-th row asked for (None: row i),
+    their per-token RMS and L2 norms (float64)."""
+
+    data: np.ndarray
+    at: Codes | None
+    bf16: bool
+    rms: NDArray[np.float32]
+    norms: NDArray[np.float64]
+
+
+#: value dtypes a candidate is scored in place in, and their stored form
+_IN_PLACE = {"bfloat16": np.dtype(np.uint16), "float32": np.dtype(np.float32)}
 
 
 class _Layout:
@@ -220,10 +238,11 @@ class IdentitySearch:
                 continue
             # a candidate's rows at every offset, read once (their union: one read per run of
             # rows and part), scored against every slot at every offset, dropped
-            t = self._target(cr, ci, lay.union, 0, basis)
+            t = self._candidate(cr, ci, lay.union, basis)
             # the union's norms once (a row's norm does not depend on the rows around it); its
             # rows are scored in place at each offset (data[at]: no gather, no cast)
-            rows, norms = t.data, (t.norms if t.norms is not None else row_norms(t.data))
+            rows, norms = t.data, t.norms
+            row_bytes = rows.shape[1] * 4   # float32-equivalent: batches as large whatever the stored form
             exact_tol = None
             if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
                 eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
@@ -232,14 +251,40 @@ class IdentitySearch:
                 if not lay.enough[oi]:
                     continue
                 pos = lay.pos[oi]
-                if batch and held + len(pos) * rows[:1].nbytes > BATCH_BYTES:
+                if batch and held + len(pos) * row_bytes > BATCH_BYTES:
                     flush()   # wide rows: a batch may be one offset of one candidate
                     held = 0
+                at = pos if t.at is None else t.at[pos]
                 batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], rows, t.rms[pos],
-                                                        exact_tol, norms[pos], pos)))
-                held += len(pos) * rows[:1].nbytes
+                                                        exact_tol, norms[pos], at, t.bf16)))
+                held += len(pos) * row_bytes
         flush()
         return SlotScores(slots, len(sample), scored)
+
+    def _candidate(self, r: TraceSource, info: TensorInfo, rows: Codes, basis: str) -> _Candidate:
+        """A candidate state's rows at ``rows`` (ascending, unique), their RMS and norms: full
+        values of bfloat16 or float32 where they lie (mapped in place, else gathered in their
+        stored form: no conversion, no copy of the mapped rows); anything else, or rows with a
+        NaN/Inf (zeroed on the float32 copy), as :meth:`_target` reads them. The same numbers
+        either way: the kernel widens each stored element as the float32 copy holds it."""
+        if basis == "values" and info.dtype in _IN_PLACE and len(rows):
+            bf16 = info.dtype == "bfloat16"
+            lo = int(rows[0])
+            with self.read_lock:
+                span = r.map_rows(info.name, "values", np.arange(lo, int(rows[-1]) + 1))
+                if isinstance(span, np.ndarray):
+                    data, at = span, rows - lo
+                else:
+                    data = gather(span, rows - lo) if span is not None else read_runs(r, info.name, "values", rows)
+                    at = None
+                rms = slot_rms_at(r, info, rows, 0)
+            if data.ndim == 2 and data.dtype == _IN_PLACE[info.dtype]:
+                data = data[:, :info.slot_width]
+                sq = row_dots_at(data, data, xi=at, ci=at, x_bf16=bf16, c_bf16=bf16)
+                if np.isfinite(sq).all():
+                    return _Candidate(data, at, bf16, rms, np.sqrt(sq))
+        t = self._target(r, info, rows, 0, basis)
+        return _Candidate(t.data, None, False, t.rms, t.norms if t.norms is not None else row_norms(t.data))
 
     def _targets(self, r: TraceSource, info: TensorInfo, rows: Codes, slots: list[int]) -> dict[int, Target]:
         """Every slot's full values at ``rows``, from one read of the tensor's rows."""

@@ -37,7 +37,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .details import Candidate, IdentityEvidence
-from .numerics import finite_or_zero, row_dots
+from .dtypes import bf16_bits_to_f32
+from .numerics import finite_or_zero, row_dots, row_dots_at
 
 OFFSETS = (0, -1, 1, -2, 2)  # token offsets tried, the same token first
 MIN_TOKENS = 4               # a candidate needs rows at this many sampled tokens (or all of them)
@@ -84,11 +85,15 @@ class CandidateRows:
     rms: F32
     exact_tol: float | None = None
     norms: NDArray[np.float64] | None = None
-    at: NDArray[np.int64] | None = None   # the rows are data[at] (ascending; None: data itself)
+    at: NDArray[np.int64] | None = None   # the rows are data[at] (None: data itself)
+    #: ``data`` holds bfloat16 bits (uint16), e.g. the stored rows mapped in place: scored as
+    #: they lie (the kernel widens them as the float32 copy would be), converted only by rows()
+    bf16: bool = False
 
     def rows(self) -> Rows:
-        """The candidate's rows at the tokens of ``ok``."""
-        return self.data if self.at is None else self.data[self.at]
+        """The candidate's rows at the tokens of ``ok`` (float32 values)."""
+        r = self.data if self.at is None else self.data[self.at]
+        return bf16_bits_to_f32(r) if self.bf16 else r
 
 
 @dataclass
@@ -220,7 +225,7 @@ def score(target: Target, cand: CandidateRows) -> _Scored:
     """One candidate's scores against one slot; the candidate's rows are not kept (a search scores
     many at once with :func:`score_many`, to the same numbers)."""
     s = _score(target, cand)
-    s.cand = replace(cand, data=_NO_ROWS, rms=_NO_RMS, norms=None, at=None)
+    s.cand = replace(cand, data=_NO_ROWS, rms=_NO_RMS, norms=None, at=None, bf16=False)
     return s
 
 
@@ -298,24 +303,15 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
     given = [c.norms for c in cands if c.norms is not None]
     S = len(stack.targets)
     # each candidate against each slot's rows at its tokens, no concatenation, no casting (the
-    # kernel widens every element to float64 itself); rows given as data[at] are scored in place,
-    # one call per run of consecutive rows
+    # kernel widens every element to float64 itself); rows given as data[at] are read where they
+    # lie (bfloat16 bits included), one call per candidate and slot
     nx, rx = stack.norms_rms_at([c.ok for c in cands])
     x_of: Callable[[int, int], F32] = lambda i, j: stack.rows(cands[j].ok)[i]  # noqa: E731
     dots = np.empty((S, sum(lens)))
     start = 0
-    spans: dict[int, list[tuple[int, int, int]]] = {}
     for c, n in zip(cands, lens):
-        if c.at is None:
-            for i, x in enumerate(stack.rows(c.ok)):
-                row_dots(x, c.data, dots[i, start:start + n])
-        else:
-            runs = spans.get(id(c.at))
-            if runs is None:
-                runs = spans[id(c.at)] = _row_spans(c.at)
-            for i, x in enumerate(stack.rows(c.ok)):
-                for r0, r1, d0 in runs:
-                    row_dots(x[r0:r1], c.data[d0:d0 + r1 - r0], dots[i, start + r0:start + r1])
+        for i, x in enumerate(stack.rows(c.ok)):
+            row_dots_at(x, c.data, ci=c.at, c_bf16=c.bf16, out=dots[i, start:start + n])
         start += n
     nc: NDArray[np.float64] = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) \
         else np.concatenate([row_norms(c.rows()) for c in cands])
@@ -344,7 +340,7 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
     for j, c in enumerate(cands):
         seg = segs[j]
         cos, agree, worst = cos_l[j], agree_l[j], worst_l[j]
-        stripped = replace(c, data=_NO_ROWS, rms=_NO_RMS, norms=None, at=None)
+        stripped = replace(c, data=_NO_ROWS, rms=_NO_RMS, norms=None, at=None, bf16=False)
         bound = _exact_bound(c.exact_tol, w) if c.exact_tol is not None else 0.0
         row = []
         for i in range(S):
@@ -357,13 +353,6 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
             row.append(sc)
         out.append(row)
     return out
-
-
-def _row_spans(at: NDArray[np.int64]) -> list[tuple[int, int, int]]:
-    """(first, end, first of ``data``) of each run of consecutive values of ``at``."""
-    cuts = (np.flatnonzero(np.diff(at) != 1) + 1).tolist()
-    starts, ends = [0] + cuts, cuts + [len(at)]
-    return list(zip(starts, ends, at[starts].tolist())) if len(at) else []
 
 
 def _surely_not_exact(cos_t: NDArray[np.float64], tol: float, width: int) -> bool:

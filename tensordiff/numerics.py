@@ -213,6 +213,34 @@ def row_dots(x: np.ndarray, c: np.ndarray, out: np.ndarray | None = None) -> np.
     return out
 
 
+def row_dots_at(x: np.ndarray, c: np.ndarray, *, xi: np.ndarray | None = None, ci: np.ndarray | None = None,
+                x_bf16: bool = False, c_bf16: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """``row_dots(x[xi], c[ci])`` without gathering the rows (None: every row in order), the same
+    bits: each row is read where it lies, e.g. in a block mapped in place. A side flagged
+    ``*_bf16`` holds bfloat16 bits (uint16), widened as the diff widens them; any other side is
+    float32 or float64 (else converted, as :func:`row_dots` converts). Every index is checked."""
+    xk, x = _dot_kind(x, x_bf16)
+    ck, c = _dot_kind(c, c_bf16)
+    xi = None if xi is None else np.ascontiguousarray(xi, np.int64)
+    ci = None if ci is None else np.ascontiguousarray(ci, np.int64)
+    if out is None:
+        out = np.empty(x.shape[0] if xi is None else len(xi), np.float64)
+    _kernels.row_dots_at(x, xk, xi, c, ck, ci, out)
+    return out
+
+
+def _dot_kind(x: np.ndarray, bf16: bool) -> tuple[int, np.ndarray]:
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"row_dots_at: expected [n, w] rows, got shape {x.shape}")
+    if bf16:
+        if x.dtype != np.uint16:
+            raise ValueError(f"row_dots_at: bfloat16 rows are uint16 bits, got {x.dtype}")
+        return 1, (x if _kernel_rows(x) else np.ascontiguousarray(x))
+    x = _float_rows(x)
+    return (2 if x.dtype == np.float64 else 0), x
+
+
 def _float_rows(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x)
     if x.ndim != 2:

@@ -12,8 +12,9 @@ import math
 import numpy as np
 import pytest
 
+from tensordiff.dtypes import f32_to_bf16_bits, to_float32
 from tensordiff.identity import CandidateRows, SlotStack, clean, row_norms, score, score_many
-from tensordiff.numerics import row_dots
+from tensordiff.numerics import row_dots, row_dots_at
 from test_identity_batch import _same, _targets
 
 # every test on the compiled kernels and on their numpy versions (conftest.kernel_path)
@@ -110,3 +111,41 @@ def test_rows_scored_in_place_score_as_gathered_ones(w):
     for c, g in zip(in_place, gathered):
         for t in targets:
             _same(score(t, c), score(t, g))
+
+
+@pytest.mark.parametrize("w", [8, 4096, 9000])
+def test_bfloat16_bits_scored_where_they_lie_score_as_their_float32_values(w):
+    """A candidate given as its stored bfloat16 bits (a mapped block, rows picked by ``at``, in
+    any order) scores as the float32 rows the old path converted and gathered, bit for bit, the
+    exact rule included; its rows() are those float32 values."""
+    rng = np.random.default_rng(w + 23)
+    n = 64
+    targets = _targets(rng, n, w, 2)
+    span = f32_to_bf16_bits(rng.standard_normal((n + 40, w)).astype(np.float32))
+    values = to_float32(span, "bfloat16")
+    bits, floats = [], []
+    for j, at in enumerate((np.arange(n), np.sort(rng.choice(n + 40, n, replace=False)), rng.permutation(n + 40)[:n])):
+        ok = np.ones(n, bool)
+        rows32 = values[at]
+        rms = np.sqrt((rows32.astype(np.float64) ** 2).mean(axis=1)).astype(np.float32)
+        tol = 3e-2 if j != 1 else None
+        floats.append(CandidateRows(f"s{j}", "a", j - 1, "values", ok, rows32, rms, tol, row_norms(rows32)))
+        norms = np.sqrt(row_dots_at(span, span, xi=at, ci=at, x_bf16=True, c_bf16=True))
+        bits.append(CandidateRows(f"s{j}", "a", j - 1, "values", ok, span, rms, tol, norms, at, bf16=True))
+        assert np.array_equal(bits[-1].rows(), rows32)
+        assert np.array_equal(norms, row_norms(rows32))
+    # a target equal to a candidate: the exact rule runs on the converted rows
+    targets[0].data[:] = values[np.arange(n)]
+    stack = SlotStack(targets)
+    for got_row, ref_row in zip(score_many(stack, bits), score_many(SlotStack(targets), floats)):
+        for got, ref in zip(got_row, ref_row):
+            _same(got, ref)
+    assert score_many(stack, bits[:1])[0][0].exact_rel == 0.0
+    for c, g in zip(bits, floats):
+        for t in targets:
+            _same(score(t, c), score(t, g))
+
+
+def test_row_dots_at_refuses_bfloat16_that_is_not_uint16_bits():
+    with pytest.raises(ValueError, match="uint16"):
+        row_dots_at(np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float16), c_bf16=True)

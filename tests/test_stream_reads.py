@@ -246,9 +246,10 @@ def test_a_file_that_shrank_after_it_was_opened_is_an_error_never_zeros_nor_a_fa
 H_WIDE, LAYERS_WIDE, TOKENS_WIDE = 1024, 4, 640   # 4 KB rows: 256 rows a chunk, a block spans chunks
 
 
-def _wide_pair(tmp_path):
+def _wide_pair(tmp_path, nan_layer: int | None = None):
     """A written layer by layer (each tensor's chunks follow each other in the file) and B pass by
-    pass (the tensors' chunks interleave, as an engine's recording does); B's layer2 is off."""
+    pass (the tensors' chunks interleave, as an engine's recording does); B's layer2 is off.
+    ``nan_layer``: that layer of A holds a NaN in every row."""
     from tensordiff.dtypes import f32_to_bf16_bits
     from tensordiff.trace import TraceWriter
 
@@ -266,6 +267,8 @@ def _wide_pair(tmp_path):
             rows = w.add_tokens("req-0", np.arange(TOKENS_WIDE), np.arange(TOKENS_WIDE) % 500 + 3,
                                 "train" if side == "train" else "prefill")
             got = [s.copy() for s in states]
+            if nan_layer is not None and not by_pass:
+                got[nan_layer][:, 5] = np.nan
             if by_pass:
                 got[2] = got[2] + np.float32(0.5) * rng.standard_normal(x.shape).astype(np.float32)
                 for p0 in range(0, TOKENS_WIDE, 32):
@@ -301,3 +304,43 @@ def test_blocks_whose_chunks_interleave_are_mapped_in_pieces_and_give_the_copied
     monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)
     kinds.clear()
     assert [_json(x, y, noise_from_pass=f, block_rows=4096) for x, y in ((a, b), (b, a)) for f in (True, False)] == in_place
+
+
+def _candidate_spy(monkeypatch):
+    """(tensor, scored in place as stored bfloat16 bits) of every candidate the searches read."""
+    seen = []
+    real = catalog.IdentitySearch._candidate
+
+    def spy(self, r, info, rows, basis):
+        got = real(self, r, info, rows, basis)
+        seen.append((info.name, got.bf16))
+        return got
+
+    monkeypatch.setattr(catalog.IdentitySearch, "_candidate", spy)
+    return seen
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_candidates_scored_where_they_lie_give_the_diff_of_candidates_converted(traces, monkeypatch, pair):
+    """The identity search scores a bfloat16 candidate's stored bits where they lie (mapped, or
+    gathered from a set's members) rather than a float32 copy: the same JSON, both orders."""
+    a, b = traces[pair[0]], traces[pair[1]]
+    seen = _candidate_spy(monkeypatch)
+    in_place = _json(a, b)
+    assert any(bits for _, bits in seen), seen
+    monkeypatch.setattr(catalog, "_IN_PLACE", {})   # every candidate converted to float32, as before
+    seen.clear()
+    assert _json(a, b) == in_place
+    assert seen and not any(bits for _, bits in seen)
+
+
+def test_candidates_in_pieces_or_with_a_nan_score_as_converted(tmp_path, monkeypatch):
+    """Interleaved chunks (Pieces: gathered in their stored form) and a candidate with a NaN in
+    every row (zeroed on the float32 copy: the converted path) give the converted diff."""
+    a, b = _wide_pair(tmp_path, nan_layer=1)
+    seen = _candidate_spy(monkeypatch)
+    in_place = [_json(x, y, block_rows=4096) for x, y in ((a, b), (b, a))]
+    assert json.loads(in_place[0])["first_divergence"]["tensor"] == "layer1"   # A's NaNs come first
+    assert ("layer1", False) in seen and ("layer0", True) in seen, seen
+    monkeypatch.setattr(catalog, "_IN_PLACE", {})
+    assert [_json(x, y, block_rows=4096) for x, y in ((a, b), (b, a))] == in_place
