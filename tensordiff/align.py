@@ -128,6 +128,12 @@ class TokenAlignment:
             return pos
         return np.where(pos >= 0, self._b_order[np.maximum(pos, 0)], -1)
 
+    def places(self, idx: Codes) -> tuple[Codes, Codes, NDArray[np.uint8]]:
+        """(A's sequence index, A's position, B's regime code) of the aligned tokens ``idx``: what
+        :meth:`entry` gives token by token, as arrays."""
+        ca = self.code_a[idx]
+        return ca >> SEQ_BITS, ca & POS_MASK, self.regime_b[idx]
+
     def entry(self, ti: int, seqs_a: Sequence[str], seqs_b: Sequence[str], regimes: tuple[str, ...]) -> dict[str, Any]:
         """Where aligned token ``ti`` is on both sides, as plain data."""
         ca, cb = int(self.code_a[ti]), int(self.code_b[ti])

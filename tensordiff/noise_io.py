@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,10 +17,11 @@ from numpy.typing import NDArray
 from . import noise
 from .cores import usable_cores
 from .align import RowMaps, sample_indices
+from .dtypes import to_float32
 from .findings import Finding, Kind, NumericDetails, ReplicaDetails, Severity
 from .numerics import BlockMetrics, Metrics, PairAccumulator
 from .tolerances import Tolerance, default_tolerance
-from .trace import TensorInfo, TraceSource
+from .trace import TensorInfo, TraceSource, read_runs
 
 #: tokens sampled per catalog state to measure its noise level
 SAMPLE = 1024
@@ -223,36 +225,46 @@ CHANNEL_SHARE = 0.5
 CHANNELS_COVER = 0.9
 
 
-def _ranges(xs: Sequence[int], most: int = 4) -> str:
+def _ranges(xs: Sequence[int] | NDArray[np.int64], most: int = 4) -> str:
     """Sorted distinct integers as ranges, e.g. "0-5, 9, 30-39" (the first ``most`` ranges)."""
-    v = sorted(set(int(x) for x in xs))
-    out: list[tuple[int, int]] = []
-    for x in v:
-        if out and x == out[-1][1] + 1:
-            out[-1] = (out[-1][0], x)
-        else:
-            out.append((x, x))
-    text = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in out[:most])
-    return text + (", ..." if len(out) > most else "")
+    v = np.unique(np.asarray(xs, dtype=np.int64))
+    if not len(v):
+        return ""
+    cut = np.flatnonzero(np.diff(v) != 1) + 1
+    starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(v)]]) - 1
+    out = [(int(v[a]), int(v[b])) for a, b in zip(starts[:most], ends[:most])]
+    text = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in out)
+    return text + (", ..." if len(starts) > most else "")
+
+
+@dataclass
+class Places:
+    """Where some aligned tokens are: A's sequence name and position, B's regime, per token."""
+
+    seq: NDArray[np.object_]
+    position: NDArray[np.int64]
+    regime: NDArray[np.object_]
 
 
 def where_failing(ra: TraceSource, rb: TraceSource, ia: TensorInfo, ib: TensorInfo, slot: int, slots: int,
                   failing: NDArray[np.int64], rows_a: NDArray[np.int64], rows_b: NDArray[np.int64],
-                  compared: NDArray[np.int64], entry: Callable[[int], dict[str, Any]], basis: str) -> dict[str, Any]:
+                  compared: NDArray[np.int64], places: Callable[[NDArray[np.int64]], Places],
+                  basis: str) -> dict[str, Any]:
     """Which tokens of a slot fail (``failing``: aligned indices, the first numerics.FAIL_KEEP),
     among ``compared`` (every aligned token compared): their sequences, positions and regimes,
     and on full values the channels that hold most of their error (a corrupted subset of
     channels: a partial write, a wrong stride). Empty when no token fails."""
     if not len(failing):
         return {}
-    ents = [entry(int(t)) for t in failing]
-    seqs = sorted({str(e["seq"]) for e in ents})
-    all_seqs = {str(entry(int(t))["seq"]) for t in compared[:: max(1, len(compared) // 4096)]} if len(compared) else set()
-    regimes: dict[str, int] = {}
-    for e in ents:
-        regimes[str(e["regime"])] = regimes.get(str(e["regime"]), 0) + 1
+    at = places(failing)
+    seqs = sorted({str(x) for x in at.seq.tolist()})
+    all_seqs = ({str(x) for x in places(compared[:: max(1, len(compared) // 4096)]).seq.tolist()}
+                if len(compared) else set())
+    # counted in the order each regime first fails
+    names, first, counts = np.unique(at.regime.astype(str), return_index=True, return_counts=True)
+    regimes = {str(names[i]): int(counts[i]) for i in np.argsort(first, kind="stable")}
     out: dict[str, Any] = {"kept": len(failing), "sequences": len(seqs), "of_sequences": max(len(all_seqs), len(seqs)),
-                           "sequence_names": seqs[:4], "positions": _ranges([int(e["position"]) for e in ents]),
+                           "sequence_names": seqs[:4], "positions": _ranges(at.position),
                            "regimes": regimes, "channels": [], "channel_share": None}
     if basis == "values":
         pick = failing[:: max(1, len(failing) // CHANNEL_SAMPLE)][:CHANNEL_SAMPLE]
@@ -260,11 +272,14 @@ def where_failing(ra: TraceSource, rb: TraceSource, ia: TensorInfo, ib: TensorIn
         pick = pick[ok]
         if len(pick):
             w = ia.width // max(1, slots)
-            a = ra.read_values_at(ia.name, rows_a[pick])[:, slot * w:(slot + 1) * w].astype(np.float64)
-            b = rb.read_values_at(ib.name, rows_b[pick])[:, slot * w:(slot + 1) * w]
+            # the sampled rows only, gathered where they lie (not the span between them)
+            cols = slice(slot * w, (slot + 1) * w)
+            a = to_float32(read_runs(ra, ia.name, "values", rows_a[pick])[:, cols], ia.dtype).astype(np.float64)
+            b = to_float32(read_runs(rb, ib.name, "values", rows_b[pick])[:, cols], ib.dtype)
             with np.errstate(invalid="ignore", over="ignore"):
-                err = np.nan_to_num((b.astype(np.float64) - a) ** 2, nan=np.inf, posinf=np.inf)
-            energy = np.where(np.isinf(err), np.finfo(np.float64).max / (4 * err.size), err).sum(0)
+                err = (b.astype(np.float64) - a) ** 2
+            # a NaN or Inf error (a square is never -Inf) weighs as much as the whole finite rest
+            energy = np.where(np.isfinite(err), err, np.finfo(np.float64).max / (4 * err.size)).sum(0)
             total = float(energy.sum())
             if total > 0 and w > CHANNELS_NAMED * 4:
                 top = np.argsort(-energy)[:CHANNELS_NAMED]

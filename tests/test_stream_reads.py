@@ -18,6 +18,7 @@ from tensordiff import catalog, noise, noise_io
 from tensordiff.cli import jsonable
 from tensordiff.diff import DiffOptions, diff_traces
 from tensordiff.errors import TraceFileError
+from tensordiff.trace import runs
 from tensordiff.trace.reads import RowReads
 
 stream = importlib.import_module("tensordiff.diff.stream")   # the package exports a function of that name
@@ -204,8 +205,8 @@ def test_blocks_mapped_in_place_give_the_diff_of_blocks_copied(traces, monkeypat
 
     monkeypatch.setattr(RowReads, "_mapped_rows", spy)
     gathered = []
-    real_gather = catalog.gather
-    monkeypatch.setattr(catalog, "gather", lambda block, idx: gathered.append(len(idx)) or real_gather(block, idx))
+    real_gather = runs.gather
+    monkeypatch.setattr(runs, "gather", lambda block, idx: gathered.append(len(idx)) or real_gather(block, idx))
     in_place = _json(a, b)
     assert mapped, "the blocks were mapped"
     if "bad_set" not in pair:   # a set's rows span its members: read, not mapped

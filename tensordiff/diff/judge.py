@@ -297,7 +297,7 @@ class _Judge:
             noise_io.annotate(det, model, judged, state, ia.label)
             if acc.failing[s] or acc.nonfinite_a[s] or acc.nonfinite_b[s]:
                 det.where = noise_io.where_failing(a, b, ia, ib, s, k, acc.failing_tokens(s), job.rows_a, job.rows_b,
-                                                   job.rows, self.plan.entry, st.basis or "values")
+                                                   job.rows, self.plan.places, st.basis or "values")
             f = self._token_finding(Kind.NUMERIC, ia, slot_arg, ff.token_index if ff else at, det)
             if identity_finding is not None:
                 f.severity = Severity.INFO

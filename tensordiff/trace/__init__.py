@@ -25,6 +25,7 @@ import h5py  # type: ignore[import-untyped, unused-ignore]  # noqa: F401 - bench
 from .probe import PROBE_SECONDS, probe
 from .reader import TraceReader, trace_summary
 from .reads import Pieces, block_rows, gather
+from .runs import read_runs
 from .source import Part, ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TraceSource
 from .schema import (
     CHUNK_BYTES,
@@ -64,6 +65,7 @@ __all__ = [
     "Pieces",
     "block_rows",
     "gather",
+    "read_runs",
     "CHUNK_BYTES",
     "FILTER_EXPANSION",
     "KINDS",
