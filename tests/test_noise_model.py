@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from tensordiff import noise
 from tensordiff.noise import Level, fit, name_depth
@@ -114,3 +115,57 @@ def test_duplicates_found_in_any_row_order_and_once_per_rows_array():
     # another regime is another token
     d2 = Duplicates(_Tokens([0, 0], [3, 3], [1, 2]))
     assert [len(x) for x in d2.pairs(np.array([1, 0], np.int64))] == [0, 0]
+
+
+def _where_by_entry(failing, compared, entry):
+    """where_failing's summary of sequences, positions and regimes, token by token (the reference)."""
+    ents = [entry(int(t)) for t in failing]
+    regimes: dict[str, int] = {}
+    for e in ents:
+        regimes[e["regime"]] = regimes.get(e["regime"], 0) + 1
+    seqs = sorted({e["seq"] for e in ents})
+    every = {entry(int(t))["seq"] for t in compared[:: max(1, len(compared) // 4096)]}
+    pos = sorted({int(e["position"]) for e in ents})
+    return seqs, max(len(every), len(seqs)), regimes, pos
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_where_failing_summarises_the_tokens_as_token_by_token(seed):
+    """The sequences, positions and regimes of the failing tokens, taken as arrays, are what the
+    token-by-token entries give: the same names, the same counts, the regimes in the order they
+    first fail (the JSON keeps that order)."""
+    from tensordiff.noise_io import Places, _ranges, where_failing
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9000))
+    names = np.array([f"req-{i}" for i in range(int(rng.integers(1, 7)))], dtype=object)
+    regimes = np.array(["prefill", "decode", "verify", "train"], dtype=object)
+    seq = rng.integers(0, len(names), n)
+    position = rng.integers(0, 3000, n) if seed % 2 else np.sort(rng.integers(0, 50, n))
+    regime = rng.integers(0, len(regimes), n)
+    compared = np.arange(n)
+    failing = np.sort(rng.choice(n, int(rng.integers(1, min(n, 600) + 1)), replace=False))
+
+    def places(idx):
+        return Places(names[seq[idx]], position[idx].astype(np.int64), regimes[regime[idx]])
+
+    def entry(t):
+        return {"seq": str(names[seq[t]]), "position": int(position[t]), "regime": str(regimes[regime[t]])}
+
+    got = where_failing(None, None, None, None, 0, 1, failing, compared, compared, compared, places, "sketch")
+    seqs, of, by_regime, pos = _where_by_entry(failing, compared, entry)
+    assert got["sequence_names"] == seqs[:4] and got["sequences"] == len(seqs) and got["of_sequences"] == of
+    assert list(got["regimes"].items()) == list(by_regime.items())
+    assert got["positions"] == _ranges(pos) and got["kept"] == len(failing)
+    runs = [(a, b) for a, b in zip(pos, pos[1:]) if b != a + 1]
+    assert got["positions"].endswith(", ...") == (len(runs) + 1 > 4)
+
+
+def test_ranges_of_integers():
+    from tensordiff.noise_io import _ranges
+
+    assert _ranges([]) == ""
+    assert _ranges([5]) == "5"
+    assert _ranges([3, 1, 2, 2, 9, 30, 31, 32, 7]) == "1-3, 7, 9, 30-32"
+    assert _ranges([0, 2, 4, 6, 8]) == "0, 2, 4, 6, ..."
+    assert _ranges(np.arange(10, 20)) == "10-19"
