@@ -345,3 +345,27 @@ def test_candidates_in_pieces_or_with_a_nan_score_as_converted(tmp_path, monkeyp
     assert ("layer1", False) in seen and ("layer0", True) in seen, seen
     monkeypatch.setattr(catalog, "_IN_PLACE", {})
     assert [_json(x, y, block_rows=4096) for x, y in ((a, b), (b, a))] == in_place
+
+
+def test_mapped_blocks_are_made_in_the_diffs_thread_and_copied_ones_ahead_in_the_readers(traces, monkeypatch):
+    """A block both sides map in place is made when the pass asks for it, in its own thread (a
+    hand-off to the reader costs more than the mapping); copied blocks are read one ahead in the
+    reader thread. The same JSON either way."""
+    a, b = traces["train"], traces["bad"]
+    made: list[tuple[str, bool]] = []
+    real = RowReads._mapped_rows
+
+    def spy(self, ds, lo, hi):
+        got = real(self, ds, lo, hi)
+        made.append((threading.current_thread().name, got is not None))
+        return got
+
+    monkeypatch.setattr(RowReads, "_mapped_rows", spy)
+    mapped = _json(a, b)
+    pass_maps = [name for name, ok in made if ok and not name.startswith("tensordiff-identity")]
+    # the first block (both sides) is made ahead, before the pass knows its blocks are mapped
+    assert pass_maps[:2] == ["tensordiff-read_0"] * 2 and set(pass_maps[2:]) == {"MainThread"}, made
+    names = _reader_threads(monkeypatch)
+    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)
+    assert _json(a, b) == mapped
+    assert any(n.startswith("tensordiff-read") for n in names)

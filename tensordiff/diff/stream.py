@@ -11,8 +11,8 @@ Nothing here judges: tolerances, identity and findings are :mod:`tensordiff.diff
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -30,7 +30,7 @@ Codes = NDArray[np.int64]
 Rows = np.ndarray | Pieces   # a block's rows of one side: read, or mapped in place
 T = TypeVar("T")
 #: (pair index, aligned indices, rows of A, rows of B, last block of its pair), rows in stored form
-_Block = tuple[int, Codes, Rows, Rows, bool]
+_Block = tuple[int, Codes, Rows, Rows, bool, bool]   # (pair, aligned indices, A, B, last of its pair, mapped)
 MAX_LANES = 4   # threads measuring one block at most (the reader thread takes a core of its own)
 
 
@@ -102,7 +102,7 @@ class SerialBackend:
                 self._read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read")
             if self._side_pool is None and self._lanes > 1 and plan.a is not plan.b:
                 self._side_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read-b")
-            self._shared = _prefetch(self._read_all(plan, jobs), self._read_pool)
+            self._shared = _prefetch(self._read_all(plan, jobs), self._read_pool, ahead=lambda blk: not blk[5])
 
     def blocks(self, job: PairJob) -> Iterator[tuple[Codes, Metrics]]:
         if self._shared is None:
@@ -140,7 +140,7 @@ class SerialBackend:
 
     def _read_all(self, plan: DiffPlan, jobs: tuple[PairJob, ...]
                   ) -> Iterator[_Block]:
-        """``(pair, aligned indices, rows of A, rows of B, last of its pair)``: the blocks of every
+        """``(pair, aligned indices, rows of A, rows of B, last of its pair, mapped)``: the blocks of every
         job in order, in stored form. A block whose rows lie together in a plain file is mapped
         in place (the page cache's own pages: no copy, and the lanes take its page faults); any
         other is copied into one of two buffer sets of bytes that alternate (the block being
@@ -167,6 +167,7 @@ class SerialBackend:
                     # values in place where both sides allow (sketches are narrow: read)
                     got_a = a.map_rows(job.a.name, part, rows_a) if part == "values" else None
                     got_b = b.map_rows(job.b.name, part, rows_b) if got_a is not None else None
+                    mapped = got_a is not None and got_b is not None
                     if got_a is not None and got_b is not None:
                         pass
                     elif side is not None:
@@ -178,7 +179,7 @@ class SerialBackend:
                     else:
                         got_a = a.read_at(job.a.name, part, rows_a, out=outs[0])
                         got_b = b.read_at(job.b.name, part, rows_b, out=outs[1])
-                yield (job.index, blk, got_a, got_b, s0 + n >= len(idx))
+                yield (job.index, blk, got_a, got_b, s0 + n >= len(idx), mapped)
 
 
 def compute_lanes() -> int:
@@ -200,7 +201,7 @@ def _take_pair(shared: Iterator[_Block], pair: int, rows: int
     stream's next item is the next pair's and stays there)."""
     if rows == 0:
         return
-    for j, blk, a, b, last in shared:
+    for j, blk, a, b, last, _mapped in shared:
         if j != pair:  # the stream and the pairs went out of step: a bug, never a wrong figure
             raise RuntimeError(f"block stream out of step: a block of pair {j} where pair {pair} was due")
         yield blk, a, b
@@ -208,16 +209,20 @@ def _take_pair(shared: Iterator[_Block], pair: int, rows: int
             return
 
 
-def _prefetch(gen: Iterator[T], pool: ThreadPoolExecutor) -> Generator[T, None, None]:
+def _prefetch(gen: Iterator[T], pool: ThreadPoolExecutor,
+              ahead: Callable[[T], bool] = lambda item: True) -> Generator[T, None, None]:
     """Run a block generator one block ahead in a thread: HDF5 reads (which hold h5py's lock)
-    overlap the numpy metrics of the previous block (which release the GIL) on a second core."""
+    overlap the numpy metrics of the previous block (which release the GIL) on a second core.
+    After an item that ``ahead`` says needed no read (a block mapped in place: a few system
+    calls), the next one is made in the caller's thread when it asks: a hand-off to the reader
+    thread and back costs more than the mapping, in GIL switches while other threads run."""
     it = iter(gen)
-    fut = pool.submit(next, it, None)
+    fut: Future[T | None] | None = pool.submit(next, it, None)
     while True:
-        item = fut.result()
+        item = fut.result() if fut is not None else next(it, None)
         if item is None:
             return
-        fut = pool.submit(next, it, None)
+        fut = pool.submit(next, it, None) if ahead(item) else None
         yield item
 
 
