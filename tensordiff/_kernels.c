@@ -112,6 +112,22 @@ PORTABLE_KDOTS(pk_df, double, from_f64, float, from_f32)
 PORTABLE_KDOTS(pk_db, double, from_f64, uint16_t, from_bf16)
 PORTABLE_KDOTS(pk_dd, double, from_f64, double, from_f64)
 
+/* a row's sum of squares (x = c): each element read and widened once, the same sums */
+#define PORTABLE_SQ(NAME, TX, LX)                                                                  \
+    static void NAME(const TX *x, const TX *c, Py_ssize_t w, double *acc)                          \
+    {                                                                                              \
+        (void)c;                                                                                   \
+        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES)                                         \
+            for (int l = 0; l < LANES; l++) {                                                      \
+                double u = LX(x[j + l]);                                                           \
+                acc[l] = acc[l] + u * u;                                                           \
+            }                                                                                      \
+    }
+
+PORTABLE_SQ(psq_f, float, from_f32)
+PORTABLE_SQ(psq_b, uint16_t, from_bf16)
+PORTABLE_SQ(psq_d, double, from_f64)
+
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <immintrin.h>
 #define TD_AVX2 1
@@ -204,6 +220,26 @@ AVX2_DOTS(ak_bb, uint16_t, load_bf16, uint16_t, load_bf16)
 AVX2_DOTS(ak_bd, uint16_t, load_bf16, double, load_f64)
 AVX2_DOTS(ak_db, double, load_f64, uint16_t, load_bf16)
 
+#define AVX2_SQ(NAME, TX, LOADX)                                                                   \
+    __attribute__((target("avx2"))) static void NAME(const TX *x, const TX *c, Py_ssize_t w,      \
+                                                     double *acc)                                  \
+    {                                                                                              \
+        (void)c;                                                                                   \
+        __m256d s0 = _mm256_loadu_pd(acc), s1 = _mm256_loadu_pd(acc + 4);                          \
+        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES) {                                       \
+            __m256d u0, u1;                                                                        \
+            LOADX(x + j, &u0, &u1);                                                                \
+            s0 = _mm256_add_pd(s0, _mm256_mul_pd(u0, u0));                                         \
+            s1 = _mm256_add_pd(s1, _mm256_mul_pd(u1, u1));                                         \
+        }                                                                                          \
+        _mm256_storeu_pd(acc, s0);                                                                 \
+        _mm256_storeu_pd(acc + 4, s1);                                                             \
+    }
+
+AVX2_SQ(asq_f, float, load_f32)
+AVX2_SQ(asq_b, uint16_t, load_bf16)
+AVX2_SQ(asq_d, double, load_f64)
+
 /* AVX-512: one vector of 8 doubles holds the 8 lanes; the same additions in the same order as
  * the AVX2 and portable code, lane by lane, so all three give the same bits */
 #define TD_AVX512 1
@@ -268,6 +304,23 @@ AVX512_DOTS(zd_bd, uint16_t, load8_bf16, double, load8_f64)
 AVX512_DOTS(zd_df, double, load8_f64, float, load8_f32)
 AVX512_DOTS(zd_db, double, load8_f64, uint16_t, load8_bf16)
 AVX512_DOTS(zd_dd, double, load8_f64, double, load8_f64)
+
+#define AVX512_SQ(NAME, TX, LOADX)                                                                 \
+    __attribute__((target("avx512f,avx2"))) static void NAME(const TX *x, const TX *c, Py_ssize_t w, \
+                                                             double *acc)                          \
+    {                                                                                              \
+        (void)c;                                                                                   \
+        __m512d s = _mm512_loadu_pd(acc);                                                          \
+        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES) {                                       \
+            __m512d u = LOADX(x + j);                                                              \
+            s = _mm512_add_pd(s, _mm512_mul_pd(u, u));                                             \
+        }                                                                                          \
+        _mm512_storeu_pd(acc, s);                                                                  \
+    }
+
+AVX512_SQ(zsq_f, float, load8_f32)
+AVX512_SQ(zsq_b, uint16_t, load8_bf16)
+AVX512_SQ(zsq_d, double, load8_f64)
 #endif
 
 /* [kind_a * 2 + kind_b] */
@@ -284,15 +337,18 @@ static dots_fn avx2_dots[4] = {(dots_fn)adot_ff, (dots_fn)adot_fd, (dots_fn)adot
 #ifdef TD_AVX512
 static sums_fn avx512[4] = {(sums_fn)z_ff, (sums_fn)z_fb, (sums_fn)z_bf, (sums_fn)z_bb};
 static dots_fn avx512_dots[4] = {(dots_fn)zd_ff, (dots_fn)zd_fd, (dots_fn)zd_df, (dots_fn)zd_dd};
+static dots_fn avx512_sq[3] = {(dots_fn)zsq_f, (dots_fn)zsq_b, (dots_fn)zsq_d};
 static dots_fn avx512_kdots[9] = {(dots_fn)zd_ff, (dots_fn)zd_fb, (dots_fn)zd_fd, (dots_fn)zd_bf, (dots_fn)zd_bb,
                                   (dots_fn)zd_bd, (dots_fn)zd_df, (dots_fn)zd_db, (dots_fn)zd_dd};
 #endif
 /* the code path: 0 portable, 1 AVX2, 2 AVX-512 (the best the CPU has, unless simd() says otherwise) */
 static int use_avx2 = 0;
 /* [kind_x * 3 + kind_c], kinds 0 float32, 1 bf16 bits, 2 float64 */
+static dots_fn portable_sq[3] = {(dots_fn)psq_f, (dots_fn)psq_b, (dots_fn)psq_d};
 static dots_fn portable_kdots[9] = {(dots_fn)pk_ff, (dots_fn)pk_fb, (dots_fn)pk_fd, (dots_fn)pk_bf, (dots_fn)pk_bb,
                                     (dots_fn)pk_bd, (dots_fn)pk_df, (dots_fn)pk_db, (dots_fn)pk_dd};
 #ifdef TD_AVX2
+static dots_fn avx2_sq[3] = {(dots_fn)asq_f, (dots_fn)asq_b, (dots_fn)asq_d};
 static dots_fn avx2_kdots[9] = {(dots_fn)adot_ff, (dots_fn)ak_fb, (dots_fn)adot_fd, (dots_fn)ak_bf, (dots_fn)ak_bb,
                                 (dots_fn)ak_bd, (dots_fn)adot_df, (dots_fn)ak_db, (dots_fn)adot_dd};
 #endif
@@ -628,13 +684,17 @@ static PyObject *row_dots_at(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_ssize_t n = nx, w = v[0].shape[1];
-    dots_fn fn = portable_kdots[kx * 3 + kc];
+    dots_fn fn = portable_kdots[kx * 3 + kc], sq = portable_sq[kx];
 #ifdef TD_AVX2
-    if (use_avx2)
+    if (use_avx2) {
         fn = avx2_kdots[kx * 3 + kc];
+        sq = avx2_sq[kx];
+    }
 #ifdef TD_AVX512
-    if (use_avx2 == 2)
+    if (use_avx2 == 2) {
         fn = avx512_kdots[kx * 3 + kc];
+        sq = avx512_sq[kx];
+    }
 #endif
 #endif
     const char *bx = (const char *)v[0].buf, *bc = (const char *)v[1].buf;
@@ -646,7 +706,8 @@ static PyObject *row_dots_at(PyObject *self, PyObject *args)
         const char *rx = bx + (xi ? (Py_ssize_t)xi[t] : t) * sx;
         const char *rc = bc + (ci ? (Py_ssize_t)ci[t] : t) * sc;
         double acc[LANES] = {0};
-        fn(rx, rc, w, acc);
+        /* a row against itself (a norm): its squares, each element widened once */
+        (rx == rc && kx == kc ? sq : fn)(rx, rc, w, acc);
         for (Py_ssize_t j = w - w % LANES, l = 0; j < w; j++, l++)
             acc[l] = acc[l] + kind_elem(rx, kx, j) * kind_elem(rc, kc, j);
         out[t] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
