@@ -258,6 +258,11 @@ def attr_str(attrs: Any, key: str, default: str | None = None, where: str = "", 
         if default is not None:
             return default
         raise TraceFileError(f"missing attribute {key!r}{where}")
+    return _str_value(v, key, where, budget)
+
+
+def _str_value(v: Any, key: str, where: str, budget: Budget | None) -> str:
+    """An attribute's value (:func:`attr_get`) checked and cleaned as a string."""
     if isinstance(v, np.ndarray) and v.shape == ():
         v = v[()]
     if isinstance(v, bytes):
@@ -272,9 +277,10 @@ def attr_str(attrs: Any, key: str, default: str | None = None, where: str = "", 
 
 
 def attr_json(attrs: Any, key: str, default: Any = None, where: str = "", budget: Budget | None = None) -> Any:
-    if key not in attrs:
+    v = attr_get(attrs, key, where)   # one lookup: absent, or opened, checked and read
+    if v is MISSING:
         return default
-    s = attr_str(attrs, key, where=where, budget=budget)
+    s = _str_value(v, key, where, budget)
     try:
         return clean_json(json.loads(s))
     except (ValueError, RecursionError):
@@ -519,9 +525,10 @@ def values_source_attr(ga: Any, name: str, budget: Budget | None = None) -> str 
     """A tensor's ``values_source`` attribute: the name of the tensor it takes values from by
     reference, checked as a name (it is looked up among the trace's tensors, never as a path); None
     when it has none."""
-    if attr_get(ga, "values_source", f" of tensor {name!r}") is MISSING:
+    v = attr_get(ga, "values_source", f" of tensor {name!r}")
+    if v is MISSING:
         return None
-    source = attr_str(ga, "values_source", where=f" of tensor {name!r}", budget=budget)
+    source = _str_value(v, "values_source", f" of tensor {name!r}", budget)
     problem = tensor_name_problem(source)
     if problem:
         raise TraceFileError(f"tensor {name!r}: values_source is not a tensor name ({problem})")
