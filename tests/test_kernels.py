@@ -186,11 +186,21 @@ def test_row_dots_at_gives_row_dots_bits_on_every_path(rng, w, kx, kc):
     outs.append(got)
     for got in outs:
         assert np.array_equal(want.view(np.uint64), got.view(np.uint64))
-    every = np.empty(30)   # no index: every row in order
-    _kernels.row_dots_at(x, kx, None, x, kx, None, every)
     ref = np.empty(30)
     _kernels.row_dots(_as_f64(x, kx), _as_f64(x, kx), ref)
-    assert np.array_equal(every, ref)
+    norms = np.empty(45)
+    _kernels.row_dots(_as_f64(c, kc)[ci], _as_f64(c, kc)[ci], norms)
+    for level in ["portable"] + LEVELS:   # a row against itself: its squares, read once
+        was = _kernels.simd(level)
+        try:
+            every = np.empty(30)   # no index: every row in order
+            _kernels.row_dots_at(x, kx, None, x, kx, None, every)
+            assert np.array_equal(every.view(np.uint64), ref.view(np.uint64))
+            got = np.empty(45)
+            _kernels.row_dots_at(c, kc, ci, c, kc, ci, got)
+            assert np.array_equal(got.view(np.uint64), norms.view(np.uint64))
+        finally:
+            _kernels.simd(was)
 
 
 def test_row_dots_at_checks_every_index_and_buffer():
