@@ -423,10 +423,11 @@ static PyObject *simd(PyObject *self, PyObject *args)
  * what an argmax picks. The values are copied, never computed: they are the bits of x.
  *
  * A row without NaN and with at least k blocks of TOPK_BLOCK elements takes two passes: the
- * maximum of each block, then the k-th largest of those maxima, t. At least k elements are >= t
- * (each of the k best blocks holds one), so the k-th best value is >= t and every element below t
- * is outside the top k; only the blocks whose maximum reaches t are scanned, their elements in
- * index order, which is the order the single scan below sees them in: the same result. Other rows
+ * maximum of each block, then a bound t that at least k elements reach (the blocks dealt into k
+ * disjoint groups: the least of the groups' maxima). So the k-th best value is >= t and every
+ * element below t is outside the top k; only the blocks whose maximum reaches t are scanned,
+ * their elements >= t in index order, the order the single scan below sees them in: the same
+ * ranks and ties. Other rows
  * take the single scan: a block of 16 elements none of which beats the k-th best so far is skipped
  * whole.
  */
