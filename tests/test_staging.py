@@ -99,6 +99,35 @@ def test_staged_recording_writes_what_the_unstaged_one_writes(tmp_path, stage_by
         np.testing.assert_array_equal(r.read_sketch("draft_input"), got["draft_input/sketch"])
 
 
+def test_a_drains_values_are_joined_once_for_the_rms_and_the_append(tmp_path, monkeypatch):
+    """A tensor's staged values are joined once per drain: the append gets the very array whose
+    RMS and sketch were computed (no second copy of every staged row); the trace is the same as
+    the unstaged one's (test above)."""
+    derived, appended = [], {}
+    real_derive, real_append = Recorder._derive, Recorder._append_staged
+
+    def derive(self, spec, entries):
+        out = real_derive(self, spec, entries)
+        derived.append(out)
+        return out
+
+    def append(self, name, spec, entries, *joined):
+        if name == "fc" and len(entries) > 1:
+            real = self.writer.append
+            self.writer.append = lambda n, rows, vals, **kw: appended.setdefault(n, []).append(vals) or real(
+                n, rows, vals, **kw)
+            try:
+                return real_append(self, name, spec, entries, *joined)
+            finally:
+                del self.writer.append
+        return real_append(self, name, spec, entries, *joined)
+
+    monkeypatch.setattr(Recorder, "_derive", derive)
+    monkeypatch.setattr(Recorder, "_append_staged", append)
+    _record(tmp_path / "b.h5", 1 << 30)
+    assert appended["fc"] and all(any(v is d for d in derived) for v in appended["fc"])
+
+
 def test_the_engines_tensors_are_copied(tmp_path):
     """Logits and states overwritten by the engine after the call: the trace has what the call saw."""
     _record(tmp_path / "a.h5", 0)

@@ -295,3 +295,53 @@ def test_flush_triggers_follow_their_attributes_and_byte_keys_decode(tmp_path):
         assert w.sequence(b"s") == w.sequence("s") == 0
         with pytest.raises(ValueError, match="UTF-8"):
             w.sequence(b"\xff")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_whole_chunks_given_with_their_rms_are_written_from_the_callers_array(tmp_path, monkeypatch, dtype):
+    """Values given with their RMS (nothing for the writer to derive from its buffer): a chunk of
+    them that starts at a chunk boundary goes to the file straight from the caller's array, not
+    through the buffer; the file holds the same rows whatever the pieces, flushes and offsets, and
+    rows whose RMS the writer owes still go through the buffer (its RMS is derived there)."""
+    rng = np.random.default_rng(7)
+    width = 64
+    data = _stored(rng, 2000, width, dtype)
+    rms = slot_rms(to_float32(data, dtype), width)
+    through_buffer = []
+    real = writer_mod._Appender._write_full
+
+    def spy(self):
+        if self.ds.name.endswith("/values"):
+            through_buffer.append(self.base)
+        return real(self)
+
+    monkeypatch.setattr(writer_mod._Appender, "_write_full", spy)
+    paths = []
+    for case, pattern in enumerate([[2000], [3, 700, 1, 1100, 196], [513, 1487], [1] * 7 + [1993]]):
+        path = tmp_path / f"t{case}.h5"
+        paths.append(path)
+        through_buffer.clear()
+        with TraceWriter(path, side="serve", model={"hidden_size": width, "num_layers": 4}, flush_rows=None,
+                         flush_seconds=None) as w:
+            w.define_tensor("p", width, kind="boundary", boundary=1, dtype=dtype, sketch=False)
+            chunk = w._tensors["p"]["values"].chunk
+            s = 0
+            for i, n in enumerate(pattern):
+                rows = w.add_tokens("r", np.arange(s, s + n), np.zeros(n, np.int64), "decode", step=i)
+                w.append("p", rows, data[s:s + n], rms=rms[s:s + n])
+                s += n
+                if i == 1:
+                    w.flush()
+        with TraceReader(path) as r:
+            assert r.read_values("p", raw=True).tobytes() == data.tobytes()
+            np.testing.assert_array_equal(r.read_rms("p"), rms)
+        assert chunk < 1000
+        if pattern == [2000]:  # every whole chunk from the array itself
+            assert through_buffer == []
+    # the writer's own RMS (none given): every chunk through the buffer, where it is derived
+    through_buffer.clear()
+    _write(tmp_path / "own.h5", data, [2000], dtype=dtype, width=width)
+    with TraceReader(tmp_path / "own.h5") as r:
+        assert r.read_values("p", raw=True).tobytes() == data.tobytes()
+        np.testing.assert_array_equal(r.read_rms("p"), rms)
+    assert len(through_buffer) == 2000 // chunk

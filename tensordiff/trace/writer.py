@@ -103,11 +103,20 @@ class _Appender:
     def rows(self) -> int:
         return self.base + self.fill
 
-    def append(self, data: np.ndarray) -> None:
+    def append(self, data: np.ndarray, direct: bool = False) -> None:
+        """Rows ``data`` after the buffered ones. ``direct``: the caller owes ``on_full`` nothing
+        for these rows (no sketch/RMS the writer derives from the buffer), so a whole chunk of them
+        that starts at a chunk boundary is written from ``data`` itself, not copied into the buffer
+        first (the same bytes in the file)."""
         n = len(data)
         i = 0
+        fast = direct and self.direct and data.dtype == self.buf.dtype and data.flags.c_contiguous
         while i < n:
             fill = self.fill
+            if fast and fill == 0 and n - i >= self.chunk and self.base % self.chunk == 0:
+                self._write_chunk(data[i:i + self.chunk])
+                i += self.chunk
+                continue
             take = min(self.chunk - fill, n - i)
             self.buf[fill:fill + take] = data[i:i + take]
             self.fill = fill + take
@@ -128,6 +137,16 @@ class _Appender:
 
     def _prepare(self) -> None:
         """Complete ``buf[:fill]`` before it is written (see :class:`_TokenAppender`)."""
+
+    def _write_chunk(self, block: np.ndarray) -> None:
+        """A whole chunk of rows, C-contiguous in the dataset's dtype, at ``base`` (chunk-aligned,
+        nothing buffered), straight from ``block``."""
+        if self.on_full is not None:
+            self.on_full()
+        end = self.base + self.chunk
+        self._extend(end)
+        self.ds.id.write_direct_chunk((self.base,) + self.tail, block)
+        self.base = end
 
     def _write_full(self) -> None:
         if self.on_full is not None:
@@ -195,7 +214,7 @@ class _TokenAppender(_Appender):
             if f + take == self.chunk:
                 self._write_full()
 
-    def append(self, data: np.ndarray) -> None:
+    def append(self, data: np.ndarray, direct: bool = False) -> None:
         raise TypeError("token rows are added with add()")
 
     def _prepare(self) -> None:
@@ -661,7 +680,8 @@ class TraceWriter:
                 t.pend_rms = None
             t.rms.append(rms)
         if values is not None and vapp is not None:
-            vapp.append(values)
+            # nothing pending: the writer derives no sketch/RMS from these rows in the buffer
+            vapp.append(values, direct=t.pend_sketch is None and t.pend_rms is None)
         t.rows.append(rows)
         self._dirty = True
         self._appended = True
