@@ -345,3 +345,48 @@ def test_whole_chunks_given_with_their_rms_are_written_from_the_callers_array(tm
         assert r.read_values("p", raw=True).tobytes() == data.tobytes()
         np.testing.assert_array_equal(r.read_rms("p"), rms)
     assert len(through_buffer) == 2000 // chunk
+
+
+def test_extents_only_grow_and_plain_1d_datasets_take_whole_chunk_writes(tmp_path, monkeypatch):
+    """Between and at flushes an extent is set to the rows written and only ever grows: HDF5
+    shrinking one rewrites its last chunk (it fills the part past the new extent), so no tensor
+    dataset is ever shrunk; the row indices (1-D int64) are written as whole raw chunks like the
+    values; what is read back is every row appended, whatever the flushes."""
+    import h5py
+
+    calls = []
+    real = h5py.Dataset.resize
+
+    def resize(self, size, axis=None):
+        if "/tensors/" in self.name:
+            calls.append((self.name, size))
+        return real(self, size, axis)
+
+    monkeypatch.setattr(h5py.Dataset, "resize", resize)
+    rng = np.random.default_rng(11)
+    width = 48
+    data = _stored(rng, 3000, width, "float32")
+    rms = slot_rms(data, width)
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, side="serve", model={"hidden_size": width, "num_layers": 4}, flush_rows=None,
+                     flush_seconds=None) as w:
+        w.define_tensor("p", width, kind="boundary", boundary=1, dtype="float32", sketch=False)
+        assert w._tensors["p"]["rows"].direct and w._tensors["p"]["values"].direct
+        assert not w._tokens.direct  # a compound type: through h5py's conversion
+        s = 0
+        given = []
+        for i, n in enumerate([5, 300, 1, 1100, 7, 1500, 87]):
+            rows = w.add_tokens("r", np.arange(s, s + n), np.zeros(n, np.int64), "decode", step=i)
+            given.append(rows[::-1].copy())
+            w.append("p", given[-1], data[s:s + n], rms=rms[s:s + n])
+            s += n
+            if i % 2:
+                w.flush()
+                apps = w._tensors["p"]  # the extents after a flush: exactly the rows written
+                assert apps["values"].ds.shape[0] == apps["rows"].ds.shape[0] == apps["rms"].ds.shape[0] == s
+    assert calls == []
+    with TraceReader(path) as r:
+        assert r.read_values("p", raw=True).tobytes() == data.tobytes()
+        np.testing.assert_array_equal(r.read_rms("p"), rms)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["tensors/p/rows"][()], np.concatenate(given))
