@@ -235,6 +235,34 @@ def test_lm_head_jobs_rank_in_batches_and_equal_each_job_alone(monkeypatch, budg
         assert j.table.shape == (len(want), 13) and (j.table[:, :6] < 30).all()
 
 
+def test_a_large_products_logits_are_ranked_as_they_are_and_equal_the_batched_ranks(monkeypatch):
+    """A product of HEAD_ALONE_ROWS rows or more (a prefill's) is ranked alone, not copied into a
+    batch with the small ones around it; every job's table is still each job computed alone, in
+    the order of its rows."""
+    import tensordiff.recorders.staging as st
+
+    monkeypatch.setattr(st, "HEAD_CHUNK_ROWS", 8)
+    monkeypatch.setattr(st, "HEAD_ALONE_ROWS", 6)
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(40, H, generator=g)
+    head = (w, 40, None, None)
+    hs = [torch.randn(n, H, generator=g) for n in (2, 20, 3, 7, 1)]  # chunks 2 | 8 8 4 | 3 | 7 | 1
+    alone = []
+    for h in hs:
+        j = TopkJob(5, hidden=h, head=head)
+        compute_jobs([j])
+        alone.append(j.table)
+    shapes = []
+    real = st.topk_rows
+    monkeypatch.setattr(st, "topk_rows", lambda x, *a, **k: shapes.append(tuple(x.shape)) or real(x, *a, **k))
+    pending: list[TopkJob] = []
+    jobs = [TopkJob(5, hidden=h, head=head, pending=pending) for h in hs]
+    compute_jobs(pending)
+    assert shapes == [(2, 40), (8, 40), (8, 40), (4 + 3, 40), (7, 40), (1, 40)]
+    for j, want in zip(jobs, alone):
+        np.testing.assert_array_equal(j.table, want)
+
+
 def test_a_private_snapshot_is_taken_again_without_comparing_its_bits(tmp_path, monkeypatch):
     """A remembered call's tensor given as the caller's private copy (``private=True``, staged as
     it is) and named again with all its rows: the staged copy is that very memory, so the rows refer
