@@ -765,9 +765,18 @@ static PyObject *simd(PyObject *self, PyObject *args)
  * row stride) its k largest values, best first, into vals (float32 [n, k]) and their column
  * indices into idx (int64 [n, k]). The order is total: NaN above every number, then by value,
  * and among equal values (0.0 and -0.0 are equal) the lower index first, so the first entry is
- * what an argmax picks. The values are copied, never computed: they are the bits of x. One scan
- * per row: a block of 16 elements none of which beats the k-th best so far is skipped whole.
+ * what an argmax picks. The values are copied, never computed: they are the bits of x.
+ *
+ * A row without NaN and with at least k blocks of TOPK_BLOCK elements takes two passes: the
+ * maximum of each block, then a bound t that at least k elements reach (the blocks dealt into k
+ * disjoint groups: the least of the groups' maxima). So the k-th best value is >= t and every
+ * element below t is outside the top k; only the blocks whose maximum reaches t are scanned,
+ * their elements >= t in index order, the order the single scan below sees them in: the same
+ * ranks and ties. Other rows
+ * take the single scan: a block of 16 elements none of which beats the k-th best so far is skipped
+ * whole.
  */
+#define TOPK_BLOCK 16
 
 /* a ranks above b (a at a lower index than b when they tie) */
 static inline int td_above(float a, float b) { return a > b || (a != a && b == b); }
@@ -808,6 +817,135 @@ static void topk_row(const float *x, Py_ssize_t V, Py_ssize_t k, float *bv, int6
     }
 }
 
+/* insert v (column j) into the sorted best list bv/bi holding *have of k entries; v is no NaN */
+static inline void topk_insert(float v, Py_ssize_t j, Py_ssize_t k, float *bv, int64_t *bi, Py_ssize_t *have)
+{
+    if (*have == k) {
+        if (!(v > bv[k - 1]))
+            return;
+    } else {
+        (*have)++;
+    }
+    Py_ssize_t p = *have - 1;
+    while (p > 0 && v > bv[p - 1]) {
+        bv[p] = bv[p - 1];
+        bi[p] = bi[p - 1];
+        p--;
+    }
+    bv[p] = v;
+    bi[p] = (int64_t)j;
+}
+
+/* the maximum of each whole block of TOPK_BLOCK elements of x[0:V] into bmax; nonzero when one of
+ * them is NaN (then the maxima are meaningless) */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+static int block_maxima(const float *x, Py_ssize_t full, float *bmax)
+{
+    __m128 bad = _mm_setzero_ps();
+    for (Py_ssize_t b = 0; b < full; b++) {
+        const float *p = x + b * TOPK_BLOCK;
+        __m128 a0 = _mm_loadu_ps(p), a1 = _mm_loadu_ps(p + 4), a2 = _mm_loadu_ps(p + 8), a3 = _mm_loadu_ps(p + 12);
+        bad = _mm_or_ps(bad, _mm_or_ps(_mm_or_ps(_mm_cmpunord_ps(a0, a0), _mm_cmpunord_ps(a1, a1)),
+                                       _mm_or_ps(_mm_cmpunord_ps(a2, a2), _mm_cmpunord_ps(a3, a3))));
+        __m128 m = _mm_max_ps(_mm_max_ps(a0, a1), _mm_max_ps(a2, a3));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        bmax[b] = _mm_cvtss_f32(m);
+    }
+    return _mm_movemask_ps(bad);
+}
+
+/* the columns of block p[0:TOPK_BLOCK] whose value is >= t, as bits */
+static inline unsigned block_at_least(const float *p, float t)
+{
+    __m128 tv = _mm_set1_ps(t);
+    return (unsigned)_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(p), tv))
+           | (unsigned)_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(p + 4), tv)) << 4
+           | (unsigned)_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(p + 8), tv)) << 8
+           | (unsigned)_mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(p + 12), tv)) << 12;
+}
+#else
+static int block_maxima(const float *x, Py_ssize_t full, float *bmax)
+{
+    int nan = 0;
+    for (Py_ssize_t b = 0; b < full; b++) {
+        const float *p = x + b * TOPK_BLOCK;
+        float m = p[0];
+        for (int l = 0; l < TOPK_BLOCK; l++) {
+            m = p[l] > m ? p[l] : m;
+            nan |= p[l] != p[l];
+        }
+        bmax[b] = m;
+    }
+    return nan;
+}
+
+static inline unsigned block_at_least(const float *p, float t)
+{
+    unsigned bits = 0;
+    for (int l = 0; l < TOPK_BLOCK; l++)
+        bits |= (unsigned)(p[l] >= t) << l;
+    return bits;
+}
+#endif
+
+/* the least of v[0:n] (no NaN) */
+static inline float least(const float *v, Py_ssize_t n)
+{
+    float m = v[0];
+    for (Py_ssize_t l = 1; l < n; l++)
+        m = v[l] < m ? v[l] : m;
+    return m;
+}
+
+/* the two-pass top k of one row (see above); 0 when the row holds NaN (then nothing is written
+ * that the single scan does not overwrite) */
+static int topk_row_blocks(const float *x, Py_ssize_t V, Py_ssize_t k, float *bv, int64_t *bi, void *scratch)
+{
+    Py_ssize_t nb = (V + TOPK_BLOCK - 1) / TOPK_BLOCK;
+    float *bmax = (float *)scratch;
+    float *tv = bmax + nb;
+    Py_ssize_t full = V / TOPK_BLOCK;
+    int nan = block_maxima(x, full, bmax);
+    if (full < nb) {  /* the last, partial block */
+        const float *p = x + full * TOPK_BLOCK;
+        float m = p[0];
+        for (Py_ssize_t l = 0; l < V - full * TOPK_BLOCK; l++) {
+            m = p[l] > m ? p[l] : m;
+            nan |= p[l] != p[l];
+        }
+        bmax[full] = m;
+    }
+    if (nan)
+        return 0;
+    /* t: slot l holds the largest maximum of the blocks l, l + k, l + 2k, ...: k disjoint groups,
+     * each with an element >= its slot, so at least k elements are >= the least slot */
+    memcpy(tv, bmax, (size_t)k * sizeof(float));
+    for (Py_ssize_t b = k; b < nb; b += k) {
+        Py_ssize_t w = nb - b < k ? nb - b : k;
+        for (Py_ssize_t l = 0; l < w; l++)
+            tv[l] = bmax[b + l] > tv[l] ? bmax[b + l] : tv[l];
+    }
+    float t = least(tv, k);
+    Py_ssize_t have = 0;
+    for (Py_ssize_t b = 0; b < full; b++) {
+        if (bmax[b] < t)
+            continue;
+        unsigned bits = block_at_least(x + b * TOPK_BLOCK, t);
+        while (bits) {
+            int l = __builtin_ctz(bits);
+            bits &= bits - 1;
+            Py_ssize_t j = b * TOPK_BLOCK + l;
+            topk_insert(x[j], j, k, bv, bi, &have);
+        }
+    }
+    if (full < nb && !(bmax[full] < t))
+        for (Py_ssize_t j = full * TOPK_BLOCK; j < V; j++)
+            if (x[j] >= t)
+                topk_insert(x[j], j, k, bv, bi, &have);
+    return 1;
+}
+
 static PyObject *topk(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -834,11 +972,20 @@ static PyObject *topk(PyObject *self, PyObject *args)
         PyBuffer_Release(&vv);
         return NULL;
     }
+    Py_ssize_t nb = (V + TOPK_BLOCK - 1) / TOPK_BLOCK;
+    /* scratch of the two-pass rows: the block maxima and their own top k */
+    void *scratch = nb >= k ? PyMem_RawMalloc((size_t)(nb + k) * sizeof(float))
+                            : NULL;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < n; r++)
-        topk_row((const float *)((const char *)vx.buf + r * vx.strides[0]), V, k, (float *)vv.buf + r * k,
-                 (int64_t *)vi.buf + r * k);
+    for (Py_ssize_t r = 0; r < n; r++) {
+        const float *row = (const float *)((const char *)vx.buf + r * vx.strides[0]);
+        float *bv = (float *)vv.buf + r * k;
+        int64_t *bi = (int64_t *)vi.buf + r * k;
+        if (scratch == NULL || !topk_row_blocks(row, V, k, bv, bi, scratch))
+            topk_row(row, V, k, bv, bi);
+    }
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(scratch);
     PyBuffer_Release(&vx);
     PyBuffer_Release(&vv);
     PyBuffer_Release(&vi);

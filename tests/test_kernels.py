@@ -354,6 +354,46 @@ def test_topk_worst_case_ascending_rows_and_late_nans(rng):
     assert same_bits(v, rv) and np.array_equal(i, ri)
 
 
+@pytest.mark.parametrize("V,k", [(1024, 20), (1000, 20), (320, 20), (319, 20), (321, 20), (48, 3), (17, 1),
+                                 (16, 1), (33, 2), (4096, 64), (130, 8)])
+def test_topk_two_pass_rows_equal_the_single_scan_at_the_threshold(rng, V, k):
+    """Rows without NaN and with at least k blocks of 16 take two passes (block maxima, then only
+    the blocks that reach the k-th largest of them): ties at that threshold, in the blocks it
+    skips and in the last partial block, signed zeros, infinities and constant rows must rank
+    exactly as the single scan ranks them (topk_ref)."""
+    rows = [rng.standard_normal(V), np.sort(rng.standard_normal(V)), np.sort(rng.standard_normal(V))[::-1],
+            rng.integers(0, 3, V), rng.integers(-2, 2, V) * 0.0, np.full(V, -np.inf), np.full(V, 2.5),
+            np.where(rng.random(V) < 0.5, np.inf, -np.inf), rng.standard_normal(V) * 1e-30]
+    peaks = rng.standard_normal(V)
+    peaks[rng.choice(V, min(V, 3 * k), replace=False)] = 4.0  # more equal best values than k, anywhere
+    rows.append(peaks)
+    tail = rng.standard_normal(V)
+    tail[-(V % 16 or 16):] = 9.0  # the best values all in the last (maybe partial) block
+    rows.append(tail)
+    x = np.array(rows, np.float32)
+    x[4] = np.where(rng.random(V) < 0.5, np.float32(-0.0), np.float32(0.0))
+    v, i = ktopk(x, k)
+    rv, ri = topk_ref(x, k)
+    assert same_bits(v, rv) and np.array_equal(i, ri)
+    for trial in range(30):  # random rows with few distinct values: many ties around the threshold
+        y = (rng.integers(0, 1 + trial, (4, V)) - trial / 2).astype(np.float32)
+        v, i = ktopk(y, k)
+        rv, ri = topk_ref(y, k)
+        assert same_bits(v, rv) and np.array_equal(i, ri), trial
+
+
+def test_topk_a_nan_anywhere_in_a_two_pass_row_is_ranked_first(rng):
+    """A row holding NaN ranks NaN first whichever block holds it (the block maxima cannot order
+    it, so that row takes the single scan)."""
+    for at in (0, 15, 16, 500, 1023):
+        x = rng.standard_normal((3, 1024)).astype(np.float32)
+        x[1, at] = np.nan
+        v, i = ktopk(x, 20)
+        rv, ri = topk_ref(x, 20)
+        assert same_bits(v, rv) and np.array_equal(i, ri), at
+        assert i[1, 0] == at
+
+
 def test_topk_reads_rows_with_a_stride_and_is_strict_about_its_buffers(rng):
     full = rng.standard_normal((6, 130)).astype(np.float32)
     x = full[:, :100]  # a padded vocabulary: rows 130 apart, elements contiguous

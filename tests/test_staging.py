@@ -99,6 +99,35 @@ def test_staged_recording_writes_what_the_unstaged_one_writes(tmp_path, stage_by
         np.testing.assert_array_equal(r.read_sketch("draft_input"), got["draft_input/sketch"])
 
 
+def test_a_drains_values_are_joined_once_for_the_rms_and_the_append(tmp_path, monkeypatch):
+    """A tensor's staged values are joined once per drain: the append gets the very array whose
+    RMS and sketch were computed (no second copy of every staged row); the trace is the same as
+    the unstaged one's (test above)."""
+    derived, appended = [], {}
+    real_derive, real_append = Recorder._derive, Recorder._append_staged
+
+    def derive(self, spec, entries):
+        out = real_derive(self, spec, entries)
+        derived.append(out)
+        return out
+
+    def append(self, name, spec, entries, *joined):
+        if name == "fc" and len(entries) > 1:
+            real = self.writer.append
+            self.writer.append = lambda n, rows, vals, **kw: appended.setdefault(n, []).append(vals) or real(
+                n, rows, vals, **kw)
+            try:
+                return real_append(self, name, spec, entries, *joined)
+            finally:
+                del self.writer.append
+        return real_append(self, name, spec, entries, *joined)
+
+    monkeypatch.setattr(Recorder, "_derive", derive)
+    monkeypatch.setattr(Recorder, "_append_staged", append)
+    _record(tmp_path / "b.h5", 1 << 30)
+    assert appended["fc"] and all(any(v is d for d in derived) for v in appended["fc"])
+
+
 def test_the_engines_tensors_are_copied(tmp_path):
     """Logits and states overwritten by the engine after the call: the trace has what the call saw."""
     _record(tmp_path / "a.h5", 0)
@@ -204,6 +233,34 @@ def test_lm_head_jobs_rank_in_batches_and_equal_each_job_alone(monkeypatch, budg
     for j, want in zip(jobs, alone):
         np.testing.assert_array_equal(j.table, want)
         assert j.table.shape == (len(want), 13) and (j.table[:, :6] < 30).all()
+
+
+def test_a_large_products_logits_are_ranked_as_they_are_and_equal_the_batched_ranks(monkeypatch):
+    """A product of HEAD_ALONE_ROWS rows or more (a prefill's) is ranked alone, not copied into a
+    batch with the small ones around it; every job's table is still each job computed alone, in
+    the order of its rows."""
+    import tensordiff.recorders.staging as st
+
+    monkeypatch.setattr(st, "HEAD_CHUNK_ROWS", 8)
+    monkeypatch.setattr(st, "HEAD_ALONE_ROWS", 6)
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(40, H, generator=g)
+    head = (w, 40, None, None)
+    hs = [torch.randn(n, H, generator=g) for n in (2, 20, 3, 7, 1)]  # chunks 2 | 8 8 4 | 3 | 7 | 1
+    alone = []
+    for h in hs:
+        j = TopkJob(5, hidden=h, head=head)
+        compute_jobs([j])
+        alone.append(j.table)
+    shapes = []
+    real = st.topk_rows
+    monkeypatch.setattr(st, "topk_rows", lambda x, *a, **k: shapes.append(tuple(x.shape)) or real(x, *a, **k))
+    pending: list[TopkJob] = []
+    jobs = [TopkJob(5, hidden=h, head=head, pending=pending) for h in hs]
+    compute_jobs(pending)
+    assert shapes == [(2, 40), (8, 40), (8, 40), (4 + 3, 40), (7, 40), (1, 40)]
+    for j, want in zip(jobs, alone):
+        np.testing.assert_array_equal(j.table, want)
 
 
 def test_a_private_snapshot_is_taken_again_without_comparing_its_bits(tmp_path, monkeypatch):

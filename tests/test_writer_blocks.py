@@ -295,3 +295,98 @@ def test_flush_triggers_follow_their_attributes_and_byte_keys_decode(tmp_path):
         assert w.sequence(b"s") == w.sequence("s") == 0
         with pytest.raises(ValueError, match="UTF-8"):
             w.sequence(b"\xff")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_whole_chunks_given_with_their_rms_are_written_from_the_callers_array(tmp_path, monkeypatch, dtype):
+    """Values given with their RMS (nothing for the writer to derive from its buffer): a chunk of
+    them that starts at a chunk boundary goes to the file straight from the caller's array, not
+    through the buffer; the file holds the same rows whatever the pieces, flushes and offsets, and
+    rows whose RMS the writer owes still go through the buffer (its RMS is derived there)."""
+    rng = np.random.default_rng(7)
+    width = 64
+    data = _stored(rng, 2000, width, dtype)
+    rms = slot_rms(to_float32(data, dtype), width)
+    through_buffer = []
+    real = writer_mod._Appender._write_full
+
+    def spy(self):
+        if self.ds.name.endswith("/values"):
+            through_buffer.append(self.base)
+        return real(self)
+
+    monkeypatch.setattr(writer_mod._Appender, "_write_full", spy)
+    paths = []
+    for case, pattern in enumerate([[2000], [3, 700, 1, 1100, 196], [513, 1487], [1] * 7 + [1993]]):
+        path = tmp_path / f"t{case}.h5"
+        paths.append(path)
+        through_buffer.clear()
+        with TraceWriter(path, side="serve", model={"hidden_size": width, "num_layers": 4}, flush_rows=None,
+                         flush_seconds=None) as w:
+            w.define_tensor("p", width, kind="boundary", boundary=1, dtype=dtype, sketch=False)
+            chunk = w._tensors["p"]["values"].chunk
+            s = 0
+            for i, n in enumerate(pattern):
+                rows = w.add_tokens("r", np.arange(s, s + n), np.zeros(n, np.int64), "decode", step=i)
+                w.append("p", rows, data[s:s + n], rms=rms[s:s + n])
+                s += n
+                if i == 1:
+                    w.flush()
+        with TraceReader(path) as r:
+            assert r.read_values("p", raw=True).tobytes() == data.tobytes()
+            np.testing.assert_array_equal(r.read_rms("p"), rms)
+        assert chunk < 1000
+        if pattern == [2000]:  # every whole chunk from the array itself
+            assert through_buffer == []
+    # the writer's own RMS (none given): every chunk through the buffer, where it is derived
+    through_buffer.clear()
+    _write(tmp_path / "own.h5", data, [2000], dtype=dtype, width=width)
+    with TraceReader(tmp_path / "own.h5") as r:
+        assert r.read_values("p", raw=True).tobytes() == data.tobytes()
+        np.testing.assert_array_equal(r.read_rms("p"), rms)
+    assert len(through_buffer) == 2000 // chunk
+
+
+def test_extents_only_grow_and_plain_1d_datasets_take_whole_chunk_writes(tmp_path, monkeypatch):
+    """Between and at flushes an extent is set to the rows written and only ever grows: HDF5
+    shrinking one rewrites its last chunk (it fills the part past the new extent), so no tensor
+    dataset is ever shrunk; the row indices (1-D int64) are written as whole raw chunks like the
+    values; what is read back is every row appended, whatever the flushes."""
+    import h5py
+
+    calls = []
+    real = h5py.Dataset.resize
+
+    def resize(self, size, axis=None):
+        if "/tensors/" in self.name:
+            calls.append((self.name, size))
+        return real(self, size, axis)
+
+    monkeypatch.setattr(h5py.Dataset, "resize", resize)
+    rng = np.random.default_rng(11)
+    width = 48
+    data = _stored(rng, 3000, width, "float32")
+    rms = slot_rms(data, width)
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, side="serve", model={"hidden_size": width, "num_layers": 4}, flush_rows=None,
+                     flush_seconds=None) as w:
+        w.define_tensor("p", width, kind="boundary", boundary=1, dtype="float32", sketch=False)
+        assert w._tensors["p"]["rows"].direct and w._tensors["p"]["values"].direct
+        assert not w._tokens.direct  # a compound type: through h5py's conversion
+        s = 0
+        given = []
+        for i, n in enumerate([5, 300, 1, 1100, 7, 1500, 87]):
+            rows = w.add_tokens("r", np.arange(s, s + n), np.zeros(n, np.int64), "decode", step=i)
+            given.append(rows[::-1].copy())
+            w.append("p", given[-1], data[s:s + n], rms=rms[s:s + n])
+            s += n
+            if i % 2:
+                w.flush()
+                apps = w._tensors["p"]  # the extents after a flush: exactly the rows written
+                assert apps["values"].ds.shape[0] == apps["rows"].ds.shape[0] == apps["rms"].ds.shape[0] == s
+    assert calls == []
+    with TraceReader(path) as r:
+        assert r.read_values("p", raw=True).tobytes() == data.tobytes()
+        np.testing.assert_array_equal(r.read_rms("p"), rms)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["tensors/p/rows"][()], np.concatenate(given))

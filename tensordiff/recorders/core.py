@@ -584,10 +584,14 @@ class Recorder:
         self._staged_bytes = 0
         if not staged:
             return
+        joined: dict[str, np.ndarray] = {}  # a tensor's values, every entry's, joined once for the RMS and the append
         for name, entries in staged.items():  # states with bits of their own
             spec = self._specs[name]
             if not spec.plain:
-                self._derive(spec, [e for e in entries if e.same is None])
+                fresh = [e for e in entries if e.same is None]
+                data = self._derive(spec, fresh)
+                if data is not None and len(fresh) == len(entries):
+                    joined[name] = data
         for name, entries in staged.items():  # states that repeat a remembered call's bits
             spec = self._specs[name]
             if spec.plain:
@@ -610,12 +614,14 @@ class Recorder:
         # a tensor whose rows refer to a source tensor's rows is appended after that source: the
         # batch may have staged the referring rows first (a drafter pass between two target steps)
         for name, entries in sorted(staged.items(), key=lambda kv: self._specs[kv[0]].source is not None):
-            self._append_staged(name, self._specs[name], entries)
+            self._append_staged(name, self._specs[name], entries, joined.get(name))
 
-    def _derive(self, spec: _Spec, entries: list[Staged]) -> None:
-        """RMS (and the sketch, where the tensor has one) of staged states, one product for all."""
+    def _derive(self, spec: _Spec, entries: list[Staged]) -> np.ndarray | None:
+        """RMS (and the sketch, where the tensor has one) of staged states, one product for all.
+        Returns their values joined in order (None: no entries), which the append takes as they are
+        (no second copy of a drain's values)."""
         if not entries:
-            return
+            return None
         data = entries[0].data if len(entries) == 1 else np.concatenate([e.data for e in entries])  # type: ignore[misc]
         assert data is not None
         n = len(data)
@@ -634,8 +640,11 @@ class Recorder:
             e.rms = rms[start:start + m]
             e.sketch = sk[start:start + m] if sk is not None else None
             start += m
+        return data
 
-    def _append_staged(self, name: str, spec: _Spec, entries: list[Staged]) -> None:
+    def _append_staged(self, name: str, spec: _Spec, entries: list[Staged], joined: np.ndarray | None = None) -> None:
+        """One append of a tensor's staged entries; ``joined``: their values already joined in
+        order (:meth:`_derive`'s), or None."""
         rows = entries[0].rows if len(entries) == 1 else np.concatenate([e.rows for e in entries])
 
         def cat(parts: list[np.ndarray]) -> np.ndarray:
@@ -657,7 +666,7 @@ class Recorder:
             self.writer.append(name, rows, cat(own) if own else None, values_ref=ref,  # type: ignore[arg-type]
                                sketch=sk, rms=rms)
             return
-        vals = cat([e.data for e in entries]) if spec.values else None  # type: ignore[misc]
+        vals = (joined if joined is not None else cat([e.data for e in entries])) if spec.values else None  # type: ignore[misc]
         self.writer.append(name, rows, vals, sketch=sk, rms=rms)
 
     def topk_job(self, k: int, *, logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None,

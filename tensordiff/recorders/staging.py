@@ -232,6 +232,9 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
 
 # logits of hidden-row jobs ranked at once (float32 elements: bounded memory)
 HEAD_BATCH_ELEMENTS = 8 << 20
+# a product of at least this many rows (a prefill's) is ranked as it is: joining it to a batch
+# would copy its logits only to save a few calls
+HEAD_ALONE_ROWS = 128
 
 
 def _head_logits(h: torch.Tensor, head: tuple) -> torch.Tensor:
@@ -258,7 +261,7 @@ def _head_jobs(members: list[TopkJob]) -> None:
     chunks of HEAD_CHUNK_ROWS of its rows, as a job computed alone would make it (a BLAS rounds a
     row differently with the row count of the product, and which jobs share a drain depends on
     timing); the top-k of those logits runs once per HEAD_BATCH_ELEMENTS (row by row: the same in
-    any batch)."""
+    any batch), or alone for a product of HEAD_ALONE_ROWS rows or more (no copy into a batch)."""
     first = members[0]
     parts: dict[int, list[np.ndarray]] = {id(j): [] for j in members}
     pending: list[tuple[TopkJob, torch.Tensor]] = []
@@ -279,6 +282,12 @@ def _head_jobs(members: list[TopkJob]) -> None:
             assert h is not None
             for s in range(0, h.shape[0], HEAD_CHUNK_ROWS):
                 x = _head_logits(h[s:s + HEAD_CHUNK_ROWS], first.head)  # type: ignore[arg-type]
+                if x.shape[0] >= HEAD_ALONE_ROWS:
+                    if pending:  # the rows before it first: every job's parts stay in order
+                        rank()
+                        held = 0
+                    parts[id(j)].append(_as_numpy(topk_rows(x, first.k, first.id_map)))
+                    continue
                 pending.append((j, x))
                 held += x.numel()
                 if held >= HEAD_BATCH_ELEMENTS:

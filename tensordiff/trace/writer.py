@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 _ND = np.ndarray
-_GROW_CHUNKS = 16  # chunks the extent grows by at once between flushes (see _Appender._extend)
 
 
 def _chunk_rows(row_bytes: int, cap: int = 512) -> int:
@@ -64,7 +63,7 @@ class _Appender:
     the writer's common appends copy rows into several buffers in one compiled call
     (``put_rows``), this class takes every other case."""
 
-    __slots__ = ("ds", "chunk", "buf", "rb", "base", "alloc", "direct", "tail", "on_full")
+    __slots__ = ("ds", "chunk", "buf", "rb", "base", "alloc", "direct", "tail", "rest", "on_full")
 
     def __init__(self, ds: h5py.Dataset, on_full: Callable[[], None] | None = None):
         self.ds = ds
@@ -74,8 +73,12 @@ class _Appender:
         self.rb = self._rows_buffer()
         self.base: int = int(ds.shape[0])  # dataset row where buf[0] goes
         self.alloc: int = self.base        # the dataset's extent (kept here: h5py's shape is slow)
-        self.direct = ds.compression is None and not ds.dtype.fields and ds.ndim == 2
+        # raw chunks written as they are: plain numbers, no filter (the buffer's bytes are the
+        # chunk's; not a compound or variable-length type, whose file layout differs from memory)
+        self.direct = (ds.compression is None and not ds.dtype.fields and ds.dtype.kind in "iuf"
+                       and ds.ndim in (1, 2))
         self.tail = (0,) * (ds.ndim - 1)  # chunk offset past the row axis
+        self.rest = tuple(ds.shape[1:])   # the extent past the row axis
         self.on_full = on_full
 
     def _rows_buffer(self) -> Rows:
@@ -103,11 +106,20 @@ class _Appender:
     def rows(self) -> int:
         return self.base + self.fill
 
-    def append(self, data: np.ndarray) -> None:
+    def append(self, data: np.ndarray, direct: bool = False) -> None:
+        """Rows ``data`` after the buffered ones. ``direct``: the caller owes ``on_full`` nothing
+        for these rows (no sketch/RMS the writer derives from the buffer), so a whole chunk of them
+        that starts at a chunk boundary is written from ``data`` itself, not copied into the buffer
+        first (the same bytes in the file)."""
         n = len(data)
         i = 0
+        fast = direct and self.direct and data.dtype == self.buf.dtype and data.flags.c_contiguous
         while i < n:
             fill = self.fill
+            if fast and fill == 0 and n - i >= self.chunk and self.base % self.chunk == 0:
+                self._write_chunk(data[i:i + self.chunk])
+                i += self.chunk
+                continue
             take = min(self.chunk - fill, n - i)
             self.buf[fill:fill + take] = data[i:i + take]
             self.fill = fill + take
@@ -117,17 +129,26 @@ class _Appender:
                 self._write_full()
 
     def _extend(self, end: int) -> None:
-        """Grow the extent to at least ``end``: by ``_GROW_CHUNKS`` chunks at a time between
-        flushes (one HDF5 extent change per that many chunk writes; a flush sets it back to the
-        rows written, so the extent on disk is always exact: the metadata reaches the file only at
-        a flush)."""
+        """Grow the extent to ``end``, the rows written: it only ever grows, never past the rows
+        written (the metadata reaches the file only at a flush, so the extent on disk is exact).
+        Shrinking it would cost HDF5 a read and rewrite of the last chunk (it fills the part past
+        the new extent), and h5py's ``resize`` costs several times the library call made here."""
         if self.alloc < end:
-            new = max(end, self.alloc + _GROW_CHUNKS * self.chunk)
-            self.ds.resize(new, axis=0)
-            self.alloc = new
+            self.ds.id.set_extent((end,) + self.rest)
+            self.alloc = end
 
     def _prepare(self) -> None:
         """Complete ``buf[:fill]`` before it is written (see :class:`_TokenAppender`)."""
+
+    def _write_chunk(self, block: np.ndarray) -> None:
+        """A whole chunk of rows, C-contiguous in the dataset's dtype, at ``base`` (chunk-aligned,
+        nothing buffered), straight from ``block``."""
+        if self.on_full is not None:
+            self.on_full()
+        end = self.base + self.chunk
+        self._extend(end)
+        self.ds.id.write_direct_chunk((self.base,) + self.tail, block)
+        self.base = end
 
     def _write_full(self) -> None:
         if self.on_full is not None:
@@ -148,9 +169,10 @@ class _Appender:
         A plain chunked dataset gets the whole buffer as its chunk (one direct write: rows past
         ``fill`` lie past the extent, unread, and the chunk is written whole again when it fills)."""
         end = self.base + self.fill
-        if self.alloc != end:
+        if self.alloc > end:  # (an extent set past the rows elsewhere: back to them)
             self.ds.resize(end, axis=0)
             self.alloc = end
+        self._extend(end)
         if not self.dirty:
             return
         self._prepare()
@@ -195,7 +217,7 @@ class _TokenAppender(_Appender):
             if f + take == self.chunk:
                 self._write_full()
 
-    def append(self, data: np.ndarray) -> None:
+    def append(self, data: np.ndarray, direct: bool = False) -> None:
         raise TypeError("token rows are added with add()")
 
     def _prepare(self) -> None:
@@ -322,6 +344,7 @@ class TraceWriter:
         self._seq_index: dict[str, int] = {}
         self._seq_new: list[str] = []  # keys not in the file yet
         self._tensors: dict[str, dict[str, _Appender]] = {}
+        self._groups: dict[str, h5py.Group] = {}
         self._specs: dict[str, dict[str, Any]] = {}
         self._state: dict[str, _Tensor] = {}
         self._scratch = np.empty(0, dtype=np.float32)  # float32 copy of one values block (writer-computed sketch/RMS)
@@ -401,6 +424,7 @@ class TraceWriter:
             else:
                 order = float(len(self._specs))
         g = self.f["tensors"].create_group(name)
+        self._groups[name] = g  # (each flush sets its flushed_rows: no lookup by path then)
         ga = g.attrs
         ga["kind"] = kind
         ga["dtype"] = dtype
@@ -661,7 +685,8 @@ class TraceWriter:
                 t.pend_rms = None
             t.rms.append(rms)
         if values is not None and vapp is not None:
-            vapp.append(values)
+            # nothing pending: the writer derives no sketch/RMS from these rows in the buffer
+            vapp.append(values, direct=t.pend_sketch is None and t.pend_rms is None)
         t.rows.append(rows)
         self._dirty = True
         self._appended = True
@@ -813,7 +838,7 @@ class TraceWriter:
             n = min(app.rows for app in apps.values() if app is not own)
             counts[name] = n
             if self.flushed["tensors"].get(name) != n:
-                self.f["tensors"][name].attrs.modify("flushed_rows", np.int64(n))
+                self._groups[name].attrs.modify("flushed_rows", np.int64(n))
         n_tok = self._tokens.rows
         if n_tok != self.flushed["tokens"]:
             self.f.attrs.modify("flushed_tokens", np.int64(n_tok))
