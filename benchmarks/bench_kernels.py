@@ -12,7 +12,11 @@ The sums are checked to be the same bits on every path. One thread: this measure
 the lanes of a diff.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_kernels.py [--rows 2048] [--width 4096]
-        [--blocks 8] [--rounds 7] [--seed 0] [--dir /tmp] [--json FILE]
+        [--blocks 8] [--rounds 7] [--seed 0] [--dir /tmp] [--pair DIR] [--json FILE]
+
+``--pair DIR`` (a pair ``bench_diff.py --keep`` kept: ``a.h5``, ``b.h5``) also times ``row_sums``
+over every bf16 tensor the two traces share, each mapped afresh through the trace reader as the
+diff maps it (``map_rows``), one thread: the rate the numeric pass gets from a real trace's pages.
 
 Exit 2 when the extension is not built (nothing to compare).
 """
@@ -66,6 +70,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--pair", metavar="DIR", help="also time row_sums over this pair's tensors, mapped as the diff maps them")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     try:
@@ -176,8 +181,65 @@ def main() -> int:
                 figures[f"{kern}_{what}_{lv}_vs_avx2"] = ratio
                 cells.append(f"{cell} {ratio:4.2f}x")
             print(f"{kern:<12} {what:<7} " + " ".join(f"{c:>16}" for c in cells))
+    if args.pair:
+        got = pair_rates(k, args.pair, levels, args.rounds, args.seed)
+        if got is None:
+            return 2
+        for lv, rate in got.items():
+            figures[f"row_sums_pair_{lv}_gb_s"] = rate
+        print(f"row_sums     {'pair':<7} " + " ".join(f"{got[lv]:6.2f} GB/s {got[lv] / got.get('avx2', got[lv]):4.2f}x"
+                                                for lv in levels) + f"   ({args.pair}, mapped by the trace reader)")
     res.write(args.json, figures)
     return 0
+
+
+def pair_rates(k, pair: str, levels: list[str], rounds: int, seed: int) -> dict[str, float] | None:
+    """GB/s (both sides) of ``row_sums`` over every bf16 tensor both traces of ``pair`` hold, each
+    mapped afresh by the trace reader, per code path: medians of interleaved rounds."""
+    from tensordiff.trace import TraceReader
+
+    paths_ = [os.path.join(pair, f) for f in ("a.h5", "b.h5")]
+    if not all(os.path.isfile(p) for p in paths_):
+        print(f"bench_kernels: no a.h5 and b.h5 in {pair}", file=sys.stderr)
+        return None
+    with TraceReader(paths_[0]) as ra, TraceReader(paths_[1]) as rb:
+        names = sorted(n for n, i in ra.tensors.items() if i.has_values and i.dtype == "bfloat16"
+                       and n in rb.tensors and rb.tensors[n].rows == i.rows and rb.tensors[n].width == i.width)
+        if not names:
+            print(f"bench_kernels: {pair} has no bf16 tensor on both sides", file=sys.stderr)
+            return None
+
+        def one() -> tuple[float, int]:
+            total, t = 0, 0.0
+            for name in names:
+                idx = np.arange(ra.tensors[name].rows)
+                w = ra.tensors[name].width
+                out = [np.empty((len(idx), 1)), np.empty((len(idx), 1)), np.empty((len(idx), 1)),
+                       np.empty((len(idx), 1), np.float32)]
+                t0 = time.perf_counter()
+                xa, xb = ra.map_rows(name, "values", idx), rb.map_rows(name, "values", idx)
+                if not isinstance(xa, np.ndarray) or not isinstance(xb, np.ndarray):
+                    raise RuntimeError(f"{name} is not mapped in one piece")
+                k.row_sums(xa, 1, xb, 1, 1, w, *out)
+                del xa, xb
+                t += time.perf_counter() - t0
+                total += 2 * len(idx) * w * 2
+            return t, total
+
+        times: dict[str, list[float]] = {lv: [] for lv in levels}
+        order = random.Random(seed)
+        tasks = list(levels)
+        for r in range(rounds + 1):
+            order.shuffle(tasks)
+            for lv in tasks:
+                was = k.simd(lv)
+                try:
+                    t, total = one()
+                finally:
+                    k.simd(was)
+                if r:   # the first round warms up
+                    times[lv].append(t)
+    return {lv: total / statistics.median(ts) / 1e9 for lv, ts in times.items()}
 
 
 if __name__ == "__main__":
