@@ -73,21 +73,6 @@ PORTABLE_SUMS(portable_fb, float, from_f32, uint16_t, from_bf16)
 
 typedef void (*sums_fn)(const void *, const void *, Py_ssize_t, double *, double *, double *, double *);
 
-/* row_dots: the portable sum of x * c over one row's whole lanes (as above: the AVX2 version
- * makes the same additions in the same order) */
-#define PORTABLE_DOTS(NAME, TX, TC)                                                                \
-    static void NAME(const TX *x, const TC *c, Py_ssize_t w, double *acc)                          \
-    {                                                                                              \
-        for (Py_ssize_t j = 0; j + LANES <= w; j += LANES)                                         \
-            for (int l = 0; l < LANES; l++)                                                        \
-                acc[l] = acc[l] + (double)x[j + l] * (double)c[j + l];                             \
-    }
-
-PORTABLE_DOTS(pdot_ff, float, float)
-PORTABLE_DOTS(pdot_fd, float, double)
-PORTABLE_DOTS(pdot_df, double, float)
-PORTABLE_DOTS(pdot_dd, double, double)
-
 typedef void (*dots_fn)(const void *, const void *, Py_ssize_t, double *);
 
 /* row_dots_at: the same sums over rows of any stored kind (0 float32, 1 bf16 bits, 2 float64),
@@ -329,14 +314,8 @@ static sums_fn portable[4] = {(sums_fn)portable_ff, (sums_fn)portable_fb, (sums_
 #ifdef TD_AVX2
 static sums_fn avx2[4] = {(sums_fn)avx2_ff, (sums_fn)avx2_fb, (sums_fn)avx2_bf, (sums_fn)avx2_bb};
 #endif
-/* [wide_x * 2 + wide_c], wide: float64 */
-static dots_fn portable_dots[4] = {(dots_fn)pdot_ff, (dots_fn)pdot_fd, (dots_fn)pdot_df, (dots_fn)pdot_dd};
-#ifdef TD_AVX2
-static dots_fn avx2_dots[4] = {(dots_fn)adot_ff, (dots_fn)adot_fd, (dots_fn)adot_df, (dots_fn)adot_dd};
-#endif
 #ifdef TD_AVX512
 static sums_fn avx512[4] = {(sums_fn)z_ff, (sums_fn)z_fb, (sums_fn)z_bf, (sums_fn)z_bb};
-static dots_fn avx512_dots[4] = {(dots_fn)zd_ff, (dots_fn)zd_fd, (dots_fn)zd_df, (dots_fn)zd_dd};
 static dots_fn avx512_sq[3] = {(dots_fn)zsq_f, (dots_fn)zsq_b, (dots_fn)zsq_d};
 static dots_fn avx512_kdots[9] = {(dots_fn)zd_ff, (dots_fn)zd_fb, (dots_fn)zd_fd, (dots_fn)zd_bf, (dots_fn)zd_bb,
                                   (dots_fn)zd_bd, (dots_fn)zd_df, (dots_fn)zd_db, (dots_fn)zd_dd};
@@ -518,6 +497,45 @@ static int get_float_rows(PyObject *obj, Py_buffer *view, const char *what, int 
     return 0;
 }
 
+static double kind_elem(const char *row, int kind, Py_ssize_t j)
+{
+    if (kind == 1)
+        return from_bf16(((const uint16_t *)row)[j]);
+    if (kind == 2)
+        return ((const double *)row)[j];
+    return (double)((const float *)row)[j];
+}
+
+/* out[t] = sum_j x[xi[t], j] * c[ci[t], j] (an index NULL: row t) of rows of kinds kx, kc: the
+ * whole lanes by the code path's function, the tail and the fixed combining tree here; a row
+ * against itself (a norm) by its squares, each element widened once. Called without the GIL. */
+static void dot_rows(const char *bx, Py_ssize_t sx, const int64_t *xi, int kx, const char *bc, Py_ssize_t sc,
+                     const int64_t *ci, int kc, Py_ssize_t n, Py_ssize_t w, double *out)
+{
+    dots_fn fn = portable_kdots[kx * 3 + kc], sq = portable_sq[kx];
+#ifdef TD_AVX2
+    if (use_avx2) {
+        fn = avx2_kdots[kx * 3 + kc];
+        sq = avx2_sq[kx];
+    }
+#ifdef TD_AVX512
+    if (use_avx2 == 2) {
+        fn = avx512_kdots[kx * 3 + kc];
+        sq = avx512_sq[kx];
+    }
+#endif
+#endif
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const char *rx = bx + (xi ? (Py_ssize_t)xi[t] : t) * sx;
+        const char *rc = bc + (ci ? (Py_ssize_t)ci[t] : t) * sc;
+        double acc[LANES] = {0};
+        (rx == rc && kx == kc ? sq : fn)(rx, rc, w, acc);
+        for (Py_ssize_t j = w - w % LANES, l = 0; j < w; j++, l++)
+            acc[l] = acc[l] + kind_elem(rx, kx, j) * kind_elem(rc, kc, j);
+        out[t] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+}
+
 static PyObject *row_dots(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -544,29 +562,13 @@ static PyObject *row_dots(PyObject *self, PyObject *args)
         PyBuffer_Release(&vc);
         return NULL;
     }
-    dots_fn fn = portable_dots[wx * 2 + wc];
-#ifdef TD_AVX2
-    if (use_avx2)
-        fn = avx2_dots[wx * 2 + wc];
-#ifdef TD_AVX512
-    if (use_avx2 == 2)
-        fn = avx512_dots[wx * 2 + wc];
-#endif
-#endif
-    Py_BEGIN_ALLOW_THREADS
+    /* float32 is kind 0, float64 kind 2: the same sums as row_dots_at's */
+    int kx = wx ? 2 : 0, kc = wc ? 2 : 0;
+    const char *bx = (const char *)vx.buf, *bc = (const char *)vc.buf;
+    Py_ssize_t sx = vx.strides[0], sc = vc.strides[0];
     double *out = (double *)vo.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const char *rx = (const char *)vx.buf + i * vx.strides[0];
-        const char *rc = (const char *)vc.buf + i * vc.strides[0];
-        double acc[LANES] = {0};
-        fn(rx, rc, w, acc);
-        for (Py_ssize_t j = w - w % LANES, l = 0; j < w; j++, l++) {
-            double u = wx ? ((const double *)rx)[j] : (double)((const float *)rx)[j];
-            double v = wc ? ((const double *)rc)[j] : (double)((const float *)rc)[j];
-            acc[l] = acc[l] + u * v;
-        }
-        out[i] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    }
+    Py_BEGIN_ALLOW_THREADS
+    dot_rows(bx, sx, NULL, kx, bc, sc, NULL, kc, n, w, out);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&vx);
     PyBuffer_Release(&vc);
@@ -574,14 +576,6 @@ static PyObject *row_dots(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static double kind_elem(const char *row, int kind, Py_ssize_t j)
-{
-    if (kind == 1)
-        return from_bf16(((const uint16_t *)row)[j]);
-    if (kind == 2)
-        return ((const double *)row)[j];
-    return (double)((const float *)row)[j];
-}
 
 /* a 2-D buffer of rows of one kind (0 float32 'f', 1 bf16 bits 'H', 2 float64 'd'), elements
  * contiguous within a row, any non-negative whole-element row stride */
@@ -684,34 +678,11 @@ static PyObject *row_dots_at(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_ssize_t n = nx, w = v[0].shape[1];
-    dots_fn fn = portable_kdots[kx * 3 + kc], sq = portable_sq[kx];
-#ifdef TD_AVX2
-    if (use_avx2) {
-        fn = avx2_kdots[kx * 3 + kc];
-        sq = avx2_sq[kx];
-    }
-#ifdef TD_AVX512
-    if (use_avx2 == 2) {
-        fn = avx512_kdots[kx * 3 + kc];
-        sq = avx512_sq[kx];
-    }
-#endif
-#endif
     const char *bx = (const char *)v[0].buf, *bc = (const char *)v[1].buf;
     Py_ssize_t sx = v[0].strides[0], sc = v[1].strides[0];
     double *out = (double *)v[4].buf;
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t t = 0;
-    for (; t < n; t++) {
-        const char *rx = bx + (xi ? (Py_ssize_t)xi[t] : t) * sx;
-        const char *rc = bc + (ci ? (Py_ssize_t)ci[t] : t) * sc;
-        double acc[LANES] = {0};
-        /* a row against itself (a norm): its squares, each element widened once */
-        (rx == rc && kx == kc ? sq : fn)(rx, rc, w, acc);
-        for (Py_ssize_t j = w - w % LANES, l = 0; j < w; j++, l++)
-            acc[l] = acc[l] + kind_elem(rx, kx, j) * kind_elem(rc, kc, j);
-        out[t] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    }
+    dot_rows(bx, sx, xi, kx, bc, sc, ci, kc, n, w, out);
     Py_END_ALLOW_THREADS
     release_all(v, 5);
     Py_RETURN_NONE;

@@ -5,8 +5,8 @@ not (an install without a C compiler: setup.py makes the extension optional).
 The numpy sums make the same additions in the same order as the C code (element ``j`` of a row and
 slot in lane ``j % 8``, each lane summed from the first element to the last, the lanes combined in
 the same fixed tree; every element widened to float64 first, no fused multiply-add), so
-``row_sums`` and ``row_dots`` give the same bits on either path, only slower. ``topk`` ranks as the
-C code does (NaN above every number, ties to the lower index). The trace writer's compiled appends
+``row_sums``, ``row_dots`` and ``row_dots_at`` give the same bits on either path, only slower.
+``topk`` ranks as the C code does (NaN above every number, ties to the lower index). The trace writer's compiled appends
 (``Rows``, ``put_rows``, ``put_tokens``) have no numpy twin: without the extension they take
 nothing, and the writer's checked Python path writes every row.
 
