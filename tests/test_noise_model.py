@@ -169,3 +169,19 @@ def test_ranges_of_integers():
     assert _ranges([3, 1, 2, 2, 9, 30, 31, 32, 7]) == "1-3, 7, 9, 30-32"
     assert _ranges([0, 2, 4, 6, 8]) == "0, 2, 4, 6, ..."
     assert _ranges(np.arange(10, 20)) == "10-19"
+
+
+def test_order_stats_are_numpys_median_and_quantiles_to_the_bit():
+    """The level's percentiles come from one partial sort; they are np.median's and np.quantile's
+    (linear) values bit for bit, on odd and even sizes, ties, one value, q at 0 and 1."""
+    rng = np.random.default_rng(11)
+    qs = (0.5, 0.99, 0.9, 0.05, 0.0, 1.0)
+    for t in range(3000):
+        n = int(rng.integers(1, 12)) if t % 3 == 0 else int(rng.integers(12, 3000))
+        x = rng.standard_normal(n) * 10.0 ** rng.uniform(-9, 3)
+        if t % 4 == 0:
+            x = np.round(x, 2)   # ties
+        want = [float(np.median(x))] + [float(np.quantile(x, q)) for q in qs[1:]]
+        assert noise.order_stats(x, qs) == want, (n, t)
+    with pytest.raises(ValueError):
+        noise.order_stats(np.zeros(0), (0.5,))
