@@ -72,7 +72,7 @@ def _reader_threads(monkeypatch):
 @pytest.mark.parametrize("pair", PAIRS)
 def test_reading_b_beside_a_gives_the_same_diff(traces, monkeypatch, pair):
     a, b = traces[pair[0]], traces[pair[1]]
-    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)   # blocks copied, not mapped
+    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi, path=None: None)   # blocks copied, not mapped
     monkeypatch.setattr(stream, "compute_lanes", lambda: 1)   # one core: one reader thread
     one = _json(a, b)
     monkeypatch.setattr(stream, "compute_lanes", lambda: 2)
@@ -83,7 +83,7 @@ def test_reading_b_beside_a_gives_the_same_diff(traces, monkeypatch, pair):
 
 
 def test_a_failed_read_on_either_side_ends_the_diff_with_its_error(traces, monkeypatch):
-    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)   # blocks copied, not mapped
+    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi, path=None: None)   # blocks copied, not mapped
     monkeypatch.setattr(stream, "compute_lanes", lambda: 2)
     real = RowReads.read_at
 
@@ -196,8 +196,8 @@ def test_blocks_mapped_in_place_give_the_diff_of_blocks_copied(traces, monkeypat
     real = RowReads._mapped_rows
     mapped = []
 
-    def spy(self, ds, lo, hi):
-        got = real(self, ds, lo, hi)
+    def spy(self, ds, lo, hi, path=None):
+        got = real(self, ds, lo, hi, path)
         if got is not None:
             assert not got.flags.writeable, "an input's pages are never written"
             mapped.append(hi - lo)
@@ -211,7 +211,7 @@ def test_blocks_mapped_in_place_give_the_diff_of_blocks_copied(traces, monkeypat
     assert mapped, "the blocks were mapped"
     if "bad_set" not in pair:   # a set's rows span its members: read, not mapped
         assert gathered, "the identity search gathered its scattered rows from the mapped span"
-    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)
+    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi, path=None: None)
     assert _json(a, b) == in_place
 
 
@@ -289,8 +289,8 @@ def test_blocks_whose_chunks_interleave_are_mapped_in_pieces_and_give_the_copied
     real = RowReads._mapped_rows
     kinds = []
 
-    def spy(self, ds, lo, hi):
-        got = real(self, ds, lo, hi)
+    def spy(self, ds, lo, hi, path=None):
+        got = real(self, ds, lo, hi, path)
         kinds.append(type(got).__name__)
         if isinstance(got, Pieces):
             assert len(got.parts) > 1 and all(not p.flags.writeable for p in got.parts)
@@ -302,7 +302,7 @@ def test_blocks_whose_chunks_interleave_are_mapped_in_pieces_and_give_the_copied
     assert "Pieces" in kinds, kinds
     doc = json.loads(in_place[0])
     assert doc["first_divergence"]["tensor"] == "layer2"
-    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)
+    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi, path=None: None)
     kinds.clear()
     assert [_json(x, y, noise_from_pass=f, block_rows=4096) for x, y in ((a, b), (b, a)) for f in (True, False)] == in_place
 
@@ -355,8 +355,8 @@ def test_mapped_blocks_are_made_in_the_diffs_thread_and_copied_ones_ahead_in_the
     made: list[tuple[str, bool]] = []
     real = RowReads._mapped_rows
 
-    def spy(self, ds, lo, hi):
-        got = real(self, ds, lo, hi)
+    def spy(self, ds, lo, hi, path=None):
+        got = real(self, ds, lo, hi, path)
         made.append((threading.current_thread().name, got is not None))
         return got
 
@@ -366,6 +366,6 @@ def test_mapped_blocks_are_made_in_the_diffs_thread_and_copied_ones_ahead_in_the
     # the first block (both sides) is made ahead, before the pass knows its blocks are mapped
     assert pass_maps[:2] == ["tensordiff-read_0"] * 2 and set(pass_maps[2:]) == {"MainThread"}, made
     names = _reader_threads(monkeypatch)
-    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi: None)
+    monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi, path=None: None)
     assert _json(a, b) == mapped
     assert any(n.startswith("tensordiff-read") for n in names)

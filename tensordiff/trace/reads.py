@@ -66,6 +66,10 @@ class _Parts(Mapping[str, Any]):
     def __contains__(self, part: object) -> bool:
         return (part in self._paths and part not in _INNER) or part in self._virtual
 
+    def path(self, part: str) -> str | None:
+        """The path of a part stored as a dataset (None: resolved by the reader, or absent)."""
+        return self._paths.get(part) if part not in self._virtual else None
+
     def stored(self) -> dict[str, str]:
         """The parts that are datasets in the file, by part: their paths."""
         return dict(self._paths)
@@ -331,12 +335,14 @@ class RowReads:
     _tick: Callable[[int, int], None]
     _derived: LastDerived                  # the last derived sketch block (DerivedSketch)
     _chunk_tables: dict[str, tuple[int, np.ndarray] | None]   # direct reads: by dataset path
+    _geometry: dict[str, tuple[tuple[int, ...], np.dtype, int]]   # (row shape, dtype, row bytes) of those with a table
     _fd_direct: int | None | bool          # the file's descriptor for direct reads; False: not looked up yet
 
     def _reset_reads(self) -> None:
         """The reads' state of a freshly opened file."""
         self._derived = LastDerived()
         self._chunk_tables = {}
+        self._geometry = {}
         self._fd_direct = False
 
     def _dataset(self, path: str) -> Any:
@@ -399,7 +405,7 @@ class RowReads:
             c = c1 + 1
         return pos == dest.nbytes
 
-    def _mapped_rows(self, ds: Any, lo: int, hi: int) -> np.ndarray | Pieces | None:
+    def _mapped_rows(self, ds: Any, lo: int, hi: int, path: str | None = None) -> np.ndarray | Pieces | None:
         """:meth:`map_rows` of rows [lo, hi) of one dataset: one mapping from the first of their
         chunks to the end of the last (the pages between them are never touched, so never read),
         viewed run of chunks by run of chunks. The caller's kernel reads the page cache in place
@@ -410,12 +416,11 @@ class RowReads:
         if getattr(ds, "derived", False) or hi <= lo:
             return None
         fd = self._direct_fd()
-        table = self._chunk_table(ds) if fd is not None else None
+        table = self._chunk_table(ds, path) if fd is not None else None
         if fd is None or table is None:
             return None
         cr, offs = table
-        shape = tuple(ds.shape[1:])
-        row_bytes = int(np.prod(shape, dtype=np.int64)) * ds.dtype.itemsize
+        shape, dtype, row_bytes = self._geometry[path or ds.name]
         c0 = lo // cr
         seg = offs[c0:(hi - 1) // cr + 1]
         if len(seg) == 0 or (seg < 0).any():
@@ -440,7 +445,7 @@ class RowReads:
         if m is None:
             raise self._shrank(ds, size)
         whole = np.frombuffer(m, np.uint8)
-        parts = [whole[at - base:at - base + n * row_bytes].view(ds.dtype).reshape((n,) + shape) for _, n, at in runs]
+        parts = [whole[at - base:at - base + n * row_bytes].view(dtype).reshape((n,) + shape) for _, n, at in runs]
         return parts[0] if len(parts) == 1 else Pieces(parts)
 
     def _shrank(self, ds: Any, end: int) -> TraceFileError:
@@ -461,12 +466,14 @@ class RowReads:
             self._fd_direct = fd
         return fd if isinstance(fd, int) else None
 
-    def _chunk_table(self, ds: Any) -> tuple[int, np.ndarray] | None:
-        """(rows per chunk, byte offset of each chunk or -1) of a dataset fit for direct reads."""
+    def _chunk_table(self, ds: Any, path: str | None = None) -> tuple[int, np.ndarray] | None:
+        """(rows per chunk, byte offset of each chunk or -1) of a dataset fit for direct reads,
+        by its ``path`` (asking the dataset for its name costs an HDF5 path search). The row's
+        shape, dtype and bytes go into ``_geometry`` under the same key."""
         if not isinstance(ds, h5py.Dataset):
             return None   # a part the reader computes (DerivedSketch): read through its own methods
         cache = self._chunk_tables
-        key = ds.name
+        key = path or ds.name
         if key in cache:
             return cache[key]
         table = None
@@ -488,6 +495,7 @@ class RowReads:
 
                 ds.id.chunk_iter(visit)
                 table = (cr, offs)
+                self._geometry[key] = (tuple(shape[1:]), dtype, full // cr)
         except Exception:  # noqa: BLE001 - no table: the reads go through h5py, which reports damage
             table = None
         cache[key] = table
@@ -569,7 +577,7 @@ class RowReads:
         lo, hi = int(idx[0]), int(idx[-1]) + 1
         if hi - lo != len(idx) or (len(idx) > 1 and not np.all(np.diff(idx) == 1)):
             return None
-        return self._mapped_rows(ds, lo, hi)
+        return self._mapped_rows(ds, lo, hi, self._ds[name].path(part))
 
     def _take(self, ds: Any, idx: np.ndarray, out: np.ndarray | None, what: str) -> np.ndarray:
         """:meth:`read_at` of one dataset (or part the reader computes)."""
