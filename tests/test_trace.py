@@ -13,6 +13,7 @@ from tensordiff.dtypes import bf16_bits_to_f32, f32_to_bf16_bits, storage_dtype
 from tensordiff.errors import TraceFileError
 from tensordiff.sketch import sketch_np
 from tensordiff.trace import SCHEMA_VERSION, SlotSpec, TraceReader, TraceWriter
+from tensordiff.trace.schema import ALIGN_BYTES
 
 DTYPES = ["bfloat16", "float16", "float32", "float64"]
 
@@ -150,6 +151,6 @@ def test_appends_keep_memory_bounded(tmp_path):
             rows = w.add_tokens("r", [step], [step], "decode", step=step)
             w.append("h", rows, rng.integers(0, 2**16, (1, 4096), dtype=np.uint16))
         app = w._tensors["h"]["values"]
-        assert app.buf.nbytes <= 1 << 20 and app.fill < app.chunk
+        assert app.buf.nbytes == app.chunk * 4096 * 2 <= ALIGN_BYTES and app.fill < app.chunk   # one chunk
     with TraceReader(tmp_path / "c.h5") as r:
         assert r.tensors["h"].rows == 300

@@ -2,6 +2,7 @@
 the per-row reference (RMS bit for bit, sketches within float32 rounding), the same bits whatever
 the append and flush pattern, and committed by a flush like every other row."""
 
+import os
 import shutil
 
 import numpy as np
@@ -105,11 +106,11 @@ def test_sketch_and_rms_are_computed_once_per_block(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_mod, "sketch_rows", count_sketch)
     monkeypatch.setattr(writer_mod, "slot_rms", count_rms)
     rng = np.random.default_rng(6)
-    data = _stored(rng, 300, 4096, "bfloat16")  # 128-row chunks at 4096 bf16
+    data = _stored(rng, 600, 4096, "bfloat16")  # 256-row chunks at 4096 bf16 (2 MiB, aligned)
     _write(tmp_path / "t.h5", data, [1], dtype="bfloat16", width=4096)
-    # 300 single-row appends: two full blocks and the rest at close, not 300 products
-    assert calls["sketch"] == [128, 128, 128]  # always the whole block (rows past fill dropped)
-    assert calls["rms"] == [128, 128, 44]
+    # 600 single-row appends: two full blocks and the rest at close, not 600 products
+    assert calls["sketch"] == [256, 256, 256]  # always the whole block (rows past fill dropped)
+    assert calls["rms"] == [256, 256, 88]
 
 
 def test_supplied_and_computed_rows_interleave(tmp_path):
@@ -390,3 +391,49 @@ def test_extents_only_grow_and_plain_1d_datasets_take_whole_chunk_writes(tmp_pat
         np.testing.assert_array_equal(r.read_rms("p"), rms)
     with h5py.File(path, "r") as f:
         np.testing.assert_array_equal(f["tensors/p/rows"][()], np.concatenate(given))
+
+
+def _chunk_offsets(path, name):
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        ds = f[f"tensors/{name}/values"]
+        got = []
+        ds.id.chunk_iter(lambda info: got.append((info.byte_offset, info.size)))
+        return ds.chunks, got
+
+
+def test_rows_that_divide_2_mib_get_2_mib_chunks_at_multiples_of_2_mib(tmp_path):
+    """Values rows that fill 2 MiB exactly (H=4096 bf16: 256 rows) are chunked in 2 MiB and every
+    chunk starts at a multiple of 2 MiB, also when tensors interleave (the page cache holds each as
+    one huge page; a diff maps it with one fault). The alignment leaves few gaps: the file stays
+    within 2% of its payload. Rows that do not divide 2 MiB keep chunks of about 1 MiB, placed as
+    before, and a tiny trace stays small."""
+    from tensordiff.trace.schema import ALIGN_BYTES
+
+    rng = np.random.default_rng(8)
+    p = tmp_path / "wide.h5"
+    n, tensors = 1024, 6
+    with TraceWriter(p, side="train", model={"hidden_size": 4096, "num_layers": tensors},
+                     flush_rows=128, flush_seconds=None) as w:
+        for b in range(tensors):
+            w.define_tensor(f"layer{b}", 4096, kind="boundary", boundary=b, dtype="bfloat16", sketch=False)
+        w.define_tensor("odd", 7168, kind="other", dtype="bfloat16", sketch=False)
+        for s in range(0, n, 64):   # recorded batch by batch: the tensors' chunks interleave
+            rows = w.add_tokens("r", np.arange(s, s + 64), np.zeros(64, np.int64), "train")
+            for b in range(tensors):
+                w.append(f"layer{b}", rows, f32_to_bf16_bits(rng.standard_normal((64, 4096), dtype=np.float32)))
+            w.append("odd", rows, f32_to_bf16_bits(rng.standard_normal((64, 7168), dtype=np.float32)))
+    for b in range(tensors):
+        chunks, offs = _chunk_offsets(p, f"layer{b}")
+        assert chunks == (256, 4096) and len(offs) == 4
+        assert all(o % ALIGN_BYTES == 0 and size == ALIGN_BYTES for o, size in offs), offs
+    chunks, offs = _chunk_offsets(p, "odd")
+    assert chunks == (64, 7168) and len(offs) == 16   # 896 KiB: not aligned
+    payload = n * (tensors * 4096 + 7168) * 2
+    assert os.path.getsize(p) <= 1.02 * payload + (1 << 20), (os.path.getsize(p), payload)
+    with TraceReader(p) as r:
+        assert r.read_values("layer3", 250, 260, raw=True).shape == (10, 4096)
+    tiny = tmp_path / "tiny.h5"
+    _write(tiny, _stored(rng, 16, 64, "bfloat16"), [4], dtype="bfloat16", width=64)
+    assert os.path.getsize(tiny) < 512 << 10

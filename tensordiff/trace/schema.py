@@ -44,6 +44,13 @@ TOKEN_COLUMNS = ("seq", "position", "token", "regime", "step")
 
 # -- sizes the writer uses ---------------------------------------------------------------------
 CHUNK_BYTES = 1 << 20        # values are chunked in blocks of about this many bytes
+# Rows that divide this evenly are chunked in exactly this many bytes, and the file places every
+# allocation this large at a multiple of it: each chunk is then written as one aligned 2 MiB run,
+# which the page cache keeps as one huge page and a diff maps with one page fault instead of 512
+# (the kernel maps a 2 MiB-aligned huge page of a file whole). The gaps the alignment leaves are
+# holes (no disk blocks), most filled by the file's small objects.
+ALIGN_BYTES = 2 << 20
+META_BLOCK_BYTES = 64 << 10  # metadata in blocks this large: few gaps between aligned chunks
 # Chunk cache per open dataset. HDF5 2.0 defaults to 8 MiB each; a diff holds every tensor of both
 # traces open and reads in whole-chunk blocks, so a cache mostly costs memory (8 MiB per open
 # dataset, both sides' tensors at once). One chunk's worth keeps compressed scattered reads from re-inflating.

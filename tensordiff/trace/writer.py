@@ -25,10 +25,12 @@ from ..dtypes import LOGICAL_DTYPES, storage_dtype, to_float32
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED, sketch_rows
 from ..vocab import REGIME_CODE, REGIMES, regime_code
 from .schema import (
+    ALIGN_BYTES,
     CHUNK_BYTES,
     KINDS,
     MAX_KEY_CHARS,
     MAX_NAME_CHARS,
+    META_BLOCK_BYTES,
     SCHEMA_REFS,
     SCHEMA_VERSION,
     SIDES,
@@ -45,8 +47,12 @@ _ND = np.ndarray
 
 
 def _chunk_rows(row_bytes: int, cap: int = 512) -> int:
-    """Rows per chunk: about 1 MiB (128 rows at H=4096 bf16), never (1, H), and at most ``cap``
-    rows so that narrow datasets (RMS, row indices, tiny models) do not allocate megabytes each."""
+    """Rows per chunk: exactly :data:`ALIGN_BYTES` where whole rows fill it (256 rows at H=4096
+    bf16: aligned in the file, a chunk maps as one huge page), else about 1 MiB; never (1, H), and
+    at most ``cap`` rows so that narrow datasets (RMS, row indices, tiny models) do not allocate
+    megabytes each."""
+    if row_bytes > 0 and ALIGN_BYTES % row_bytes == 0 and ALIGN_BYTES // row_bytes <= cap:
+        return ALIGN_BYTES // row_bytes
     rows = max(1, CHUNK_BYTES // max(row_bytes, 1))
     return int(min(cap, max(16, 1 << int(math.log2(rows)))))
 
@@ -308,7 +314,9 @@ class TraceWriter:
         if flush_seconds is not None and not (float(flush_seconds) > 0 and math.isfinite(float(flush_seconds))):
             raise ValueError(f"flush_seconds must be a positive number of seconds or None, got {flush_seconds!r}")
         self.path = os.fspath(path)
-        self.f = h5py.File(self.path, "w")
+        # chunks of ALIGN_BYTES start at multiples of it (smaller objects are packed as before)
+        self.f = h5py.File(self.path, "w", alignment_threshold=ALIGN_BYTES, alignment_interval=ALIGN_BYTES,
+                           meta_block_size=META_BLOCK_BYTES)
         _pin_metadata(self.f)
         self.model = dict(model or {})
         if compression not in (None, "gzip", "lzf"):
