@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .align import RowMaps
-from .cores import usable_cores
 from .dtypes import EPS, to_float32
 from .identity import (
     EXACT_EPS,
@@ -45,8 +43,6 @@ from .vocab import parse_label
 
 Codes = NDArray[np.int64]
 BATCH_BYTES = 4 << 20  # candidate rows scored at once (see IdentitySearch.identify)
-#: candidates a search scores in two threads from (each thread at least this many)
-SPLIT_MIN = 4
 
 
 @dataclass
@@ -218,66 +214,51 @@ class IdentitySearch:
         tgt = {s: self._target(r_self, info, rows_self, s, basis) for s in slots} if basis == "sketch" else \
             self._targets(r_self, info, rows_self, slots)
         stack = SlotStack([tgt[s] for s in slots])
+        scored: dict[int, list[tuple[int, int, _Scored]]] = {s: [] for s in slots}
         # candidates are scored in batches of up to BATCH_BYTES of rows (at narrow widths many
         # candidates at once; at wide ones one): one pass of numpy calls per batch, not per
         # candidate and offset
+        batch: list[tuple[int, int, CandidateRows]] = []
+        held = 0
 
-        def run(todo: list[int]) -> dict[int, list[tuple[int, int, _Scored]]]:
-            scored: dict[int, list[tuple[int, int, _Scored]]] = {s: [] for s in slots}
-            batch: list[tuple[int, int, CandidateRows]] = []
-            held = 0
-
-            def flush() -> None:
-                # offset by offset: the candidates at one offset usually cover the same tokens, and
-                # score_many reduces a run of equal-length segments in one call
-                batch.sort(key=lambda b: b[0])
-                for (oi, ci_idx, _), per_slot in zip(batch, score_many(stack, [c for *_, c in batch])):
-                    for s, sc in zip(slots, per_slot):
-                        scored[s].append((oi, ci_idx, sc))
-                batch.clear()
-
-            for ci_idx in todo:
-                (label, cside, ci, cr), lay = candidates[ci_idx], cand_layout[ci_idx]
-                # a candidate's rows at every offset, read once (their union: one read per run of
-                # rows and part), scored against every slot at every offset, dropped
-                t = self._candidate(cr, ci, lay.union, basis)
-                # the union's norms once (a row's norm does not depend on the rows around it); its
-                # rows are scored in place at each offset (data[at]: no gather, no cast)
-                rows, norms = t.data, t.norms
-                row_bytes = rows.shape[1] * 4   # float32-equivalent: batches as large whatever the stored form
-                exact_tol = None
-                if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
-                    eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
-                    exact_tol = EXACT_EPS * eps + (1e-5 if basis == "sketch" else 0.0)
-                for oi, offset in enumerate(OFFSETS):
-                    if not lay.enough[oi]:
-                        continue
-                    pos = lay.pos[oi]
-                    if batch and held + len(pos) * row_bytes > BATCH_BYTES:
-                        flush()   # wide rows: a batch may be one offset of one candidate
-                        held = 0
-                    at = pos if t.at is None else t.at[pos]
-                    batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], rows, t.rms[pos],
-                                                            exact_tol, norms[pos], at, t.bf16)))
-                    held += len(pos) * row_bytes
-            flush()
-            return scored
+        def flush() -> None:
+            # offset by offset: the candidates at one offset usually cover the same tokens, and
+            # score_many reduces a run of equal-length segments in one call
+            batch.sort(key=lambda b: b[0])
+            for (oi, ci_idx, _), per_slot in zip(batch, score_many(stack, [c for *_, c in batch])):
+                for s, sc in zip(slots, per_slot):
+                    scored[s].append((oi, ci_idx, sc))
+            batch.clear()
 
         order = range(len(candidates) - 1, -1, -1) if self._backwards else range(len(candidates))
         self._backwards = not self._backwards
-        todo = [i for i in order if any(cand_layout[i].enough) and usable(candidates[i][2], candidates[i][3], basis)]
-        if usable_cores() > 1 and len(todo) >= 2 * SPLIT_MIN:
-            # every other candidate scored in a second thread (the kernel releases the GIL): a
-            # search started while the numeric pass runs gets a fairer share of the cores, and
-            # one run after it both. Each candidate's scores are its own whichever thread made
-            # them, and decide() orders them by (offset, candidate)
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-identity-b") as pool:
-                other = pool.submit(run, todo[1::2])
-                scored = run(todo[0::2])
-                for s, more in other.result().items():
-                    scored[s] += more
-        else:
-            scored = run(todo)
+        for ci_idx in order:
+            (label, cside, ci, cr), lay = candidates[ci_idx], cand_layout[ci_idx]
+            if not any(lay.enough) or not usable(ci, cr, basis):
+                continue
+            # a candidate's rows at every offset, read once (their union: one read per run of
+            # rows and part), scored against every slot at every offset, dropped
+            t = self._candidate(cr, ci, lay.union, basis)
+            # the union's norms once (a row's norm does not depend on the rows around it); its
+            # rows are scored in place at each offset (data[at]: no gather, no cast)
+            rows, norms = t.data, t.norms
+            row_bytes = rows.shape[1] * 4   # float32-equivalent: batches as large whatever the stored form
+            exact_tol = None
+            if cside == side:  # own side: the same data, up to the rounding of the coarser dtype
+                eps = EPS.get(coarser(info.dtype, ci.dtype), EPS["float32"])
+                exact_tol = EXACT_EPS * eps + (1e-5 if basis == "sketch" else 0.0)
+            for oi, offset in enumerate(OFFSETS):
+                if not lay.enough[oi]:
+                    continue
+                pos = lay.pos[oi]
+                if batch and held + len(pos) * row_bytes > BATCH_BYTES:
+                    flush()   # wide rows: a batch may be one offset of one candidate
+                    held = 0
+                at = pos if t.at is None else t.at[pos]
+                batch.append((oi, ci_idx, CandidateRows(label, cside, offset, basis, lay.oks[oi], rows, t.rms[pos],
+                                                        exact_tol, norms[pos], at, t.bf16)))
+                held += len(pos) * row_bytes
+        flush()
         return SlotScores(slots, len(sample), scored)
 
     def _candidate(self, r: TraceSource, info: TensorInfo, rows: Codes, basis: str) -> _Candidate:
