@@ -11,9 +11,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,22 +65,6 @@ class Metrics:
 METRIC_FIELDS = ("cos", "rel", "maxabs", "nonfinite_a", "nonfinite_b", "nonfinite")
 
 
-@dataclass(eq=False)
-class PendingBlock:
-    """A block whose lanes may still be summing it (:meth:`BlockMetrics.start`): its stored rows
-    (kept alive while the lanes read them), its sums as they fill in, and the lanes' futures."""
-
-    a: np.ndarray | Pieces
-    dtype_a: str
-    b: np.ndarray | Pieces
-    dtype_b: str
-    aa: np.ndarray
-    bb: np.ndarray
-    dd: np.ndarray
-    maxabs: np.ndarray
-    futures: list[Future[None]]
-
-
 class BlockMetrics:
     """Per-token, per-slot metrics of two aligned blocks [n, k*w]; buffers reused across calls.
 
@@ -109,22 +92,15 @@ class BlockMetrics:
         """Metrics of two blocks in their stored form (bf16 as bits): each row is read from
         memory once. A block may come in :class:`~tensordiff.trace.Pieces` (runs of chunks
         mapped in place): no sub-block crosses from one piece to the next."""
-        return self.finish(self.start(a, dtype_a, b, dtype_b, caller_lane=True))
+        return self._run(a, dtype_a, b, dtype_b)
 
     def compute(self, a: np.ndarray, b: np.ndarray) -> Metrics:
         """Metrics of two float32 blocks."""
-        return self.compute_stored(a, "float32", b, "float32")
+        return self._run(a, "float32", b, "float32")
 
     # -- the passes ----------------------------------------------------------------------------
 
-    def start(self, a: np.ndarray | Pieces, dtype_a: str, b: np.ndarray | Pieces, dtype_b: str, *,
-              caller_lane: bool = False) -> PendingBlock:
-        """Start measuring a block in stored form; :meth:`finish` waits for it and gives its
-        metrics. Without ``caller_lane`` every lane runs in the pool and this returns at once:
-        the caller can finish the block before (the diff's thread turns one block's sums into
-        metrics and hands them on while the lanes sum the next); with it, the caller's thread is
-        one of the lanes and the block is summed when this returns. Without a pool the caller
-        sums the block alone."""
+    def _run(self, a: np.ndarray | Pieces, dtype_a: str, b: np.ndarray | Pieces, dtype_b: str) -> Metrics:
         n = a.shape[0]
         k, w = self.k, self.w
         width = k * w
@@ -132,68 +108,39 @@ class BlockMetrics:
         bb = np.zeros((n, k), np.float64)
         dd = np.zeros((n, k), np.float64)
         maxabs = np.zeros((n, k), np.float32)
-        pending = PendingBlock(a, dtype_a, b, dtype_b, aa, bb, dd, maxabs, [])
-        if not (n and w):
-            return pending
-        sub = max(1, self.SUB_BYTES // max(1, width * 4))
-        cuts = {c for x in (a, b) if isinstance(x, Pieces) for c in x.cuts}
-        starts = sorted(set(range(0, n, sub)) | cuts)
-        pool = self._pool
-        in_caller = caller_lane or pool is None
-        lanes = min(self._lanes if pool is not None else 1, len(starts))
-        # sub-blocks are taken from one counter as each lane gets to them, not dealt out in
-        # advance: a lane that loses its core for a while (to the reader thread, or another
-        # process) does not hold the block up. Each sub-block writes only its own rows, so
-        # the figures do not depend on which lane measured it
-        taken = itertools.count()
+        if n and w:
+            sub = max(1, self.SUB_BYTES // max(1, width * 4))
+            cuts = {c for x in (a, b) if isinstance(x, Pieces) for c in x.cuts}
+            starts = sorted(set(range(0, n, sub)) | cuts)
+            lanes = min(self._lanes, len(starts))
+            # sub-blocks are taken from one counter as each lane gets to them, not dealt out in
+            # advance: a lane that loses its core for a while (to the reader thread, or another
+            # process) does not hold the block up. Each sub-block writes only its own rows, so
+            # the figures do not depend on which lane measured it
+            taken = itertools.count()
 
-        def lane() -> None:
-            bufs = self._lane_buffers(sub * width, dtype_a, dtype_b)
-            for i in taken:
-                if i >= len(starts):
-                    return
-                s0 = starts[i]
-                s1 = starts[i + 1] if i + 1 < len(starts) else n
-                self._sub_block(block_rows(a, s0, s1)[:, :width], dtype_a, block_rows(b, s0, s1)[:, :width], dtype_b,
-                                bufs, aa[s0:s1], bb[s0:s1], dd[s0:s1], maxabs[s0:s1])
+            def lane(j: int) -> None:
+                bufs = self._lane_buffers(j, sub * width, dtype_a, dtype_b)
+                for i in taken:
+                    if i >= len(starts):
+                        return
+                    s0 = starts[i]
+                    s1 = starts[i + 1] if i + 1 < len(starts) else n
+                    self._sub_block(block_rows(a, s0, s1)[:, :width], dtype_a, block_rows(b, s0, s1)[:, :width], dtype_b,
+                                    bufs, aa[s0:s1], bb[s0:s1], dd[s0:s1], maxabs[s0:s1])
 
-        if pool is not None:
-            pending.futures.extend(pool.submit(lane) for _ in range(lanes - 1 if in_caller else lanes))
-        if in_caller:
+            futs = [self._pool.submit(lane, j) for j in range(1, lanes)] if self._pool is not None else []
             try:
-                lane()
-            except BaseException:
-                self._wait(pending)
-                raise
-        return pending
+                lane(0)
+            finally:
+                for f in futs:
+                    f.result()
+        return self._finish(a, dtype_a, b, dtype_b, aa, bb, dd, maxabs)
 
-    def finish(self, pending: PendingBlock) -> Metrics:
-        """The metrics of a started block, once its lanes are done."""
-        self._wait(pending)
-        p = pending
-        return self._finish(p.a, p.dtype_a, p.b, p.dtype_b, p.aa, p.bb, p.dd, p.maxabs)
-
-    @staticmethod
-    def _wait(pending: PendingBlock) -> None:
-        """Every lane of a block done (each one waited for, even after one failed: they write
-        into the block's arrays); the first failure raised."""
-        error: BaseException | None = None
-        for f in pending.futures:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other lanes
-                error = error or e
-        pending.futures.clear()
-        if error is not None:
-            raise error
-
-    def _lane_buffers(self, size: int, dtype_a: str, dtype_b: str) -> tuple[np.ndarray, np.ndarray]:
-        """float32 buffers for the sides the kernel cannot read as stored (allocated on need),
-        one pair per thread: a thread runs one lane at a time, while lanes of two blocks in
-        flight may share a lane number."""
+    def _lane_buffers(self, j: int, size: int, dtype_a: str, dtype_b: str) -> tuple[np.ndarray, np.ndarray]:
+        """float32 buffers for the sides the kernel cannot read as stored (allocated on need)."""
         if dtype_a in _KERNEL_KINDS and dtype_b in _KERNEL_KINDS:
             return _NO_BUFFERS
-        j = threading.get_ident()
         bufs = self._bufs.get(j)
         if bufs is None or bufs[0].size < size:
             bufs = self._bufs[j] = (np.empty(size, np.float32), np.empty(size, np.float32))

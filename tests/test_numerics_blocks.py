@@ -113,69 +113,6 @@ def test_a_slow_lane_takes_fewer_sub_blocks_and_changes_no_bit():
     assert sum(done.values()) == 40 and 1 <= slow < 20, done
 
 
-@pytest.mark.parametrize("da,db", [("bfloat16", "bfloat16"), ("float16", "float64")])
-def test_blocks_started_ahead_in_the_pool_give_the_bits_of_one_lane(da, db):
-    """The pass starts the next block's lanes before it finishes the one before: every lane in the
-    pool, two blocks in flight, a conversion buffer per thread (float16/float64 are converted;
-    two blocks' lanes of one number run at once and must not share one), each block the bits it
-    has alone."""
-    import threading
-
-    rng = np.random.default_rng(4)
-    blocks = []
-    for i in range(6):
-        x = rng.standard_normal((300, 256)).astype(np.float32)
-        x[7 * i, 3] = np.nan   # a row recomputed over its finite values from the stored rows
-        blocks.append((stored(x, da), stored(x + 1e-3 * rng.standard_normal(x.shape).astype(np.float32), db)))
-    alone = [BlockMetrics(1, 256).compute_stored(a, da, b, db) for a, b in blocks]
-    started = threading.Event()
-
-    class Lanes(BlockMetrics):
-        SUB_BYTES = 16 * 256 * 4   # 16 rows a sub-block
-
-        def _sub_block(self, *args):
-            started.wait(5)   # no lane sums until every block was started
-            super()._sub_block(*args)
-
-    with ThreadPoolExecutor(3) as pool:
-        bm = Lanes(1, 256, pool=pool, lanes=3)
-        pending = [bm.start(a, da, b, db) for a, b in blocks]
-        assert all(p.futures for p in pending), "start returns while its lanes are still to run"
-        started.set()
-        got = [bm.finish(p) for p in pending]
-    for one, m in zip(alone, got):
-        for key in METRIC_FIELDS:
-            assert np.array_equal(getattr(one, key), getattr(m, key), equal_nan=True), key
-
-
-def test_a_failed_lane_is_raised_by_finish_after_every_lane_is_done():
-    import threading
-    import time
-
-    rng = np.random.default_rng(5)
-    a = f32_to_bf16_bits(rng.standard_normal((400, 256)).astype(np.float32))
-    running = set()
-
-    class Broken(BlockMetrics):
-        SUB_BYTES = 16 * 256 * 4
-
-        def _sub_block(self, *args):
-            me = threading.current_thread().name
-            running.add(me)
-            if me.endswith("_0"):
-                raise RuntimeError("lane failed (test)")
-            time.sleep(0.01)
-            super()._sub_block(*args)
-            running.discard(me)
-
-    with ThreadPoolExecutor(2) as pool:
-        bm = Broken(1, 256, pool=pool, lanes=2)
-        p = bm.start(a, "bfloat16", a, "bfloat16")
-        with pytest.raises(RuntimeError, match="lane failed"):
-            bm.finish(p)
-        assert not [t for t in running if not t.endswith("_0")], "finish returned while a lane still summed"
-
-
 def test_rows_per_block_is_sized_in_bytes():
     assert rows_per_block(8192, 4096) == 1024            # 8 MiB of 4096 bf16 rows
     assert rows_per_block(16, 4096) == 4096              # narrow rows: the row cap

@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..cores import usable_cores
-from ..numerics import BlockMetrics, Metrics, PendingBlock
+from ..numerics import BlockMetrics, Metrics
 from ..progress import Progress
 from ..trace import Pieces, ReplicaMismatch, TraceSource
 from ..trace.source import Part
@@ -31,10 +31,7 @@ Rows = np.ndarray | Pieces   # a block's rows of one side: read, or mapped in pl
 T = TypeVar("T")
 #: (pair index, aligned indices, rows of A, rows of B, last block of its pair), rows in stored form
 _Block = tuple[int, Codes, Rows, Rows, bool, bool]   # (pair, aligned indices, A, B, last of its pair, mapped)
-_Started = tuple[int, Codes, bool, BlockMetrics, PendingBlock]   # (pair, aligned indices, last of its pair, ...)
 MAX_LANES = 4   # threads measuring one block at most (the reader thread takes a core of its own)
-#: copy buffers in turn: the block being finished, the one being summed, the one being read
-_BUFFER_SETS = 3
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,56 +87,37 @@ class SerialBackend:
         self._side_pool: ThreadPoolExecutor | None = None   # reads B's rows while the reader reads A's
         self._lane_pool: ThreadPoolExecutor | None = None
         self._lanes = 1
-        self._shared: Generator[_Started, None, None] | None = None
+        self._shared: Generator[_Block, None, None] | None = None
         self._plan: DiffPlan | None = None
 
     def start(self, plan: DiffPlan) -> None:
         self.stop()
         self._plan = plan
         self._lanes = compute_lanes()
-        if self._lanes > 1:   # every lane in the pool: the diff's thread hands blocks on meanwhile
-            self._lane_pool = ThreadPoolExecutor(self._lanes, thread_name_prefix="tensordiff-metrics")
+        if self._lanes > 1:
+            self._lane_pool = ThreadPoolExecutor(self._lanes - 1, thread_name_prefix="tensordiff-metrics")
         jobs = plan.compared
         if jobs:
             if self._read_pool is None:
                 self._read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read")
             if self._side_pool is None and self._lanes > 1 and plan.a is not plan.b:
                 self._side_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensordiff-read-b")
-            read = _prefetch(self._read_all(plan, jobs), self._read_pool, ahead=lambda blk: not blk[5])
-            self._shared = _one_ahead(self._start_all(jobs, read))
+            self._shared = _prefetch(self._read_all(plan, jobs), self._read_pool, ahead=lambda blk: not blk[5])
 
     def blocks(self, job: PairJob) -> Iterator[tuple[Codes, Metrics]]:
         if self._shared is None:
             raise RuntimeError("SerialBackend.blocks before start")
-        if len(job.rows) == 0:
-            return
-        for j, blk, last, bm, pending in self._shared:
-            if j != job.index:  # the stream and the pairs went out of step: a bug, never a wrong figure
-                raise RuntimeError(f"block stream out of step: a block of pair {j} where pair {job.index} was due")
-            yield blk, bm.finish(pending)
-            if last:
-                return
-
-    def _start_all(self, jobs: tuple[PairJob, ...], read: Iterator[_Block]) -> Iterator[_Started]:
-        """Every block of every pair, its measuring started (:meth:`BlockMetrics.start`): the
-        lanes sum a block while the diff's thread turns the one before into metrics."""
-        by_index = {j.index: j for j in jobs}
-        bms: dict[int, BlockMetrics] = {}
-        for ji, blk, a_raw, b_raw, last, _mapped in read:
-            job = by_index[ji]
-            bm = bms.get(ji)
-            if bm is None:
-                bms.clear()   # pairs come one after the other: only the current one's is needed
-                bm = bms[ji] = BlockMetrics(job.slots, job.width, pool=self._lane_pool, lanes=self._lanes)
+        bm = BlockMetrics(job.slots, job.width, pool=self._lane_pool, lanes=self._lanes)
+        k, sw = job.slots, job.width
+        for blk, a_raw, b_raw in _take_pair(self._shared, job.index, len(job.rows)):
             if job.basis == "values":  # stored form (bf16 bits); converted in cache-sized pieces
-                pending = bm.start(a_raw, job.a.dtype, b_raw, job.b.dtype)
+                m = bm.compute_stored(a_raw, job.a.dtype, b_raw, job.b.dtype)
             else:
                 assert isinstance(a_raw, np.ndarray) and isinstance(b_raw, np.ndarray)   # sketches are read
-                width = job.slots * job.width
-                a = np.ascontiguousarray(np.asarray(a_raw, np.float32)[:, :width])
-                b = np.ascontiguousarray(np.asarray(b_raw, np.float32)[:, :width])
-                pending = bm.start(a, "float32", b, "float32")
-            yield ji, blk, last, bm, pending
+                a = np.asarray(a_raw, np.float32)[:, :k * sw]
+                b = np.asarray(b_raw, np.float32)[:, :k * sw]
+                m = bm.compute(np.ascontiguousarray(a), np.ascontiguousarray(b))
+            yield blk, m
 
     def stop(self) -> None:
         shared, self._shared = self._shared, None
@@ -165,14 +143,14 @@ class SerialBackend:
         """``(pair, aligned indices, rows of A, rows of B, last of its pair, mapped)``: the blocks of every
         job in order, in stored form. A block whose rows lie together in a plain file is mapped
         in place (the page cache's own pages: no copy, and the lanes take its page faults); any
-        other is copied into one of three buffer sets of bytes taken in turn (the block being
-        finished, the one being summed and the one being read are never in the same set), reused
-        across pairs of any width; they grow only for a wider block. With a second core, B's
-        rows are read in a second thread while this one reads A's: a copy from the page cache
-        takes one core, and one core alone copies slower than the lanes measure."""
+        other is copied into one of two buffer sets of bytes that alternate (the block being
+        compared is never the one being read), reused across pairs of any width; they grow only
+        for a wider block. With a second core, B's rows are read in a second thread while this
+        one reads A's: a copy from the page cache takes one core, and one core alone copies
+        slower than the lanes measure."""
         a, b = plan.a, plan.b
         side = self._side_pool
-        bufs: list[list[np.ndarray]] = [[np.empty(0, np.uint8), np.empty(0, np.uint8)] for _ in range(_BUFFER_SETS)]
+        bufs: list[list[np.ndarray]] = [[np.empty(0, np.uint8), np.empty(0, np.uint8)] for _ in range(2)]
         i = 0
         for job in jobs:
             assert job.basis is not None
@@ -181,7 +159,7 @@ class SerialBackend:
                 da, db = a.dataset(job.a.name, part), b.dataset(job.b.name, part)
             for s0 in range(0, len(idx), n):
                 blk = idx[s0:s0 + n]
-                pair_bufs = bufs[i % _BUFFER_SETS]
+                pair_bufs = bufs[i % 2]
                 i += 1
                 rows_a, rows_b = job.rows_a[blk], job.rows_b[blk]
                 with self._lock:
@@ -217,15 +195,18 @@ def _typed(bufs: list[np.ndarray], side: int, rows: int, ds: Part) -> np.ndarray
     return bufs[side][:need].view(ds.dtype).reshape((rows,) + tuple(ds.shape[1:]))
 
 
-def _one_ahead(gen: Iterator[T]) -> Generator[T, None, None]:
-    """The items of ``gen``, each one handed on only once the next one was made: a started
-    block's lanes run while the caller finishes the block before."""
-    it = iter(gen)
-    cur = next(it, None)
-    while cur is not None:
-        nxt = next(it, None)
-        yield cur
-        cur = nxt
+def _take_pair(shared: Iterator[_Block], pair: int, rows: int
+               ) -> Iterator[tuple[Codes, Rows, Rows]]:
+    """The blocks of pair ``pair`` from the stream shared by all pairs, up to its last one (the
+    stream's next item is the next pair's and stays there)."""
+    if rows == 0:
+        return
+    for j, blk, a, b, last, _mapped in shared:
+        if j != pair:  # the stream and the pairs went out of step: a bug, never a wrong figure
+            raise RuntimeError(f"block stream out of step: a block of pair {j} where pair {pair} was due")
+        yield blk, a, b
+        if last:
+            return
 
 
 def _prefetch(gen: Iterator[T], pool: ThreadPoolExecutor,
