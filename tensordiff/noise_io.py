@@ -65,75 +65,49 @@ def measure_from(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequenc
     """:func:`measure` from metrics the numeric pass already computed: ``metrics_at(ia, ib, idx)``
     the per-token metrics of the pair at aligned tokens ``idx`` (None: not computed). A token's
     metrics depend only on its own rows, so the model is the one :func:`measure` gives, bit for
-    bit, without reading the sample a second time. The pass can also take each state's level as
-    soon as its pair is done (:func:`state_from`) and fit them at its end (:func:`fit_states`)."""
-    return fit_states(ra, rb, [state_from(ra, rb, maps, ia, ib, depth_of, metrics_at) for ia, ib in pairs])
-
-
-#: a measured catalog state: (its label, its depth, its level, its dtypes (A's, B's))
-MeasuredState = tuple[str, float, noise.Level, tuple[str, str]]
-
-
-def state_from(ra: TraceSource, rb: TraceSource, maps: RowMaps, ia: TensorInfo, ib: TensorInfo,
-               depth_of: Callable[[TensorInfo, int], float | None],
-               metrics_at: Callable[[TensorInfo, TensorInfo, NDArray[np.int64]], Metrics | None]
-               ) -> MeasuredState | None:
-    """One pair's measured state from the pass's metrics (None: not a sampled catalog state, or
-    not computed, or too few finite tokens)."""
-    job = sample_job(ra, rb, maps, ia, ib)
-    m = metrics_at(ia, ib, job[5]) if job is not None else None
-    return _state(job, m, depth_of) if job is not None and m is not None else None
-
-
-def _state(job: _SampleJob, m: Metrics, depth_of: Callable[[TensorInfo, int], float | None]) -> MeasuredState | None:
-    """A sampled state's level from its per-token metrics (one slot)."""
-    ia, ib = job[0], job[1]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lr = np.log(m.ratio[:, 0].astype(np.float64)) if m.ratio is not None else np.zeros(len(m))
-    lv = noise.level_of(m.rel[:, 0], 1.0 - m.cos[:, 0].astype(np.float64), lr)
-    d = depth_of(ia, 0)
-    if lv is None or d is None:
-        return None
-    return ia.label, float(d), lv, (ia.dtype, ib.dtype)
-
-
-def fit_states(ra: TraceSource, rb: TraceSource, states: Sequence[MeasuredState | None]) -> noise.NoiseModel:
-    """The model from the measured states, in the pairs' order (None: a pair with none)."""
-    measured: list[tuple[str, float, noise.Level]] = []
-    dtypes: dict[str, tuple[str, str]] = {}
-    for st in states:
-        if st is not None:
-            measured.append(st[:3])
-            dtypes[st[0]] = st[3]
-    return noise.fit(side_dtype(ra), side_dtype(rb), measured, dtypes,
-                     lambda da, db, d: default_tolerance(da, db, d).max_rel)
+    bit, without reading the sample a second time."""
+    jobs, metrics = [], []
+    for job in sample_jobs(ra, rb, maps, pairs):
+        m = metrics_at(job[0], job[1], job[5])
+        if m is not None:
+            jobs.append(job)
+            metrics.append(m)
+    return _fit(ra, rb, jobs, metrics, depth_of)
 
 
 def _fit(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob], metrics: Sequence[Metrics],
          depth_of: Callable[[TensorInfo, int], float | None]) -> noise.NoiseModel:
     """The model from each sampled state's per-token metrics (one slot)."""
-    return fit_states(ra, rb, [_state(job, m, depth_of) for job, m in zip(jobs, metrics)])
+    measured: list[tuple[str, float, noise.Level]] = []
+    dtypes: dict[str, tuple[str, str]] = {}
+    for (ia, ib, *_), m in zip(jobs, metrics):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lr = np.log(m.ratio[:, 0].astype(np.float64)) if m.ratio is not None else np.zeros(len(m))
+        lv = noise.level_of(m.rel[:, 0], 1.0 - m.cos[:, 0].astype(np.float64), lr)
+        d = depth_of(ia, 0)
+        if lv is not None and d is not None:
+            measured.append((ia.label, float(d), lv))
+            dtypes[ia.label] = (ia.dtype, ib.dtype)
+    return noise.fit(side_dtype(ra), side_dtype(rb), measured, dtypes,
+                     lambda da, db, d: default_tolerance(da, db, d).max_rel)
 
 
 def sample_jobs(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]]
                 ) -> list[_SampleJob]:
     """The catalog states the noise is measured on: (A's, B's, basis, A's rows, B's rows, aligned
     tokens), up to :data:`SAMPLE` tokens each, in the pairs' order."""
-    return [job for ia, ib in pairs if (job := sample_job(ra, rb, maps, ia, ib)) is not None]
-
-
-def sample_job(ra: TraceSource, rb: TraceSource, maps: RowMaps, ia: TensorInfo, ib: TensorInfo) -> _SampleJob | None:
-    """A pair's sampled catalog state (:func:`sample_jobs`), None when the pair is not one."""
-    if ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or ia.width != ib.width:
-        return None
-    part = _basis(ra, rb, ia, ib)
-    if part is None:
-        return None
-    ma, mb = maps.inverse("a", ia.name), maps.inverse("b", ib.name)
-    idx = sample_indices((ma >= 0) & (mb >= 0), SAMPLE)
-    if len(idx) < noise.MIN_TOKENS:
-        return None
-    return ia, ib, part, ma[idx], mb[idx], idx
+    jobs: list[_SampleJob] = []
+    for ia, ib in pairs:
+        if ia.kind not in ("boundary", "final_norm") or ia.label != ib.label or ia.width != ib.width:
+            continue
+        part = _basis(ra, rb, ia, ib)
+        if part is None:
+            continue
+        ma, mb = maps.inverse("a", ia.name), maps.inverse("b", ib.name)
+        idx = sample_indices((ma >= 0) & (mb >= 0), SAMPLE)
+        if len(idx) >= noise.MIN_TOKENS:
+            jobs.append((ia, ib, part, ma[idx], mb[idx], idx))
+    return jobs
 
 
 def _sample_reads(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob]

@@ -21,7 +21,7 @@ from ..errors import TensordiffError
 from ..findings import DiffResult, Finding, name_sides_apart
 from ..numerics import Metrics, WorstTokens
 from ..progress import Progress, Stage
-from ..trace import TraceSource
+from ..trace import TensorInfo, TraceSource
 from ..traceset import open_trace
 from .early import EarlyIdentity
 from .judge import Tally, judge, replica_findings
@@ -166,35 +166,18 @@ def _stream(plan: DiffPlan, backend: NumericBackend, sinks: list[DiffSink], wors
 def _stream_then_noise(plan: DiffPlan, opt: DiffOptions, backend: NumericBackend, worst: WorstTokens,
                        early: EarlyIdentity | None, progress: Progress) -> tuple[DiffPlan, Tally]:
     """The numeric pass of a plan whose noise is not measured yet: every block's metrics kept,
-    the noise model measured from them (each pair's state as soon as its blocks are in,
-    :func:`tensordiff.noise_io.state_from`; fit at the end), then the blocks go into the tally
-    against the tolerances it sets, in the pass's order: the result is the one a sample read
-    first gives. Never with sinks (:func:`_noise_from_pass`). The identity searches start early
-    on the default tolerances (a guess: scores only, the judge decides), for the first few
-    failing boundaries."""
+    the noise model measured from them (:func:`tensordiff.noise_io.measure_from`), then the
+    blocks go into the tally against the tolerances it sets, in the pass's order: the result is
+    the one a sample read first gives. Never with sinks (:func:`_noise_from_pass`). The identity searches start early on the
+    default tolerances (a guess: scores only, the judge decides), for the first few failing
+    boundaries."""
     kept: list[tuple[int, Codes, Metrics]] = []
-    by_job: dict[int, list[tuple[Codes, Metrics]]] = {}
-    states: dict[int, noise_io.MeasuredState | None] = {}
     total, done = plan.total_rows, 0
     started: set[int] = set()
-
-    def measure(job: PairJob) -> None:
-        """The pair's catalog state measured once its blocks are all in (the next pair's lanes
-        are summing meanwhile); the model is fit from them, in the plan's order, at the end."""
-        parts = by_job.get(job.index, [])
-        states[job.index] = noise_io.state_from(plan.a, plan.b, plan.maps, job.a, job.b,
-                                                lambda i, s: depth_of(plan.a, plan.b, i, s),
-                                                lambda ia, ib, idx: _metrics_at(job, parts, idx))
-
-    last: PairJob | None = None
     with contextlib.closing(stream(plan, backend)) as blocks:
         for block in blocks:
             job, m = block.job, block.metrics.copy()
-            if last is not None and job.index != last.index:
-                measure(last)
-            last = job
             kept.append((job.index, block.rows, m))
-            by_job.setdefault(job.index, []).append((block.rows, m))
             if (early is not None and len(started) < EARLY_GUESSES and job.index not in started
                     and job.a.kind != "packed" and job.b.kind != "packed" and _fails(job, m)):
                 started.add(job.index)
@@ -202,10 +185,24 @@ def _stream_then_noise(plan: DiffPlan, opt: DiffOptions, backend: NumericBackend
             worst.offer(job.a.name, block.rows, m, plan.entry)
             done += len(block.rows)
             progress(Stage.COMPARING, min(done, total), total)
-    if last is not None:
-        measure(last)
-    # a pair of the plan that was not compared (or had no block) measured nothing
-    model = noise_io.fit_states(plan.a, plan.b, [states.get(j.index) for j in plan.jobs])
+    by_job: dict[int, list[tuple[Codes, Metrics]]] = {}
+    for ji, rows, m in kept:
+        by_job.setdefault(ji, []).append((rows, m))
+    jobs = {(j.a.name, j.b.name): j for j in plan.compared}
+
+    def metrics_at(ia: TensorInfo, ib: TensorInfo, idx: Codes) -> Metrics | None:
+        job = jobs.get((ia.name, ib.name))
+        parts = by_job.get(job.index) if job is not None else None
+        if job is None or not parts or job.slots != 1:
+            return None
+        rows = np.concatenate([r for r, _ in parts])
+        pos = np.searchsorted(rows, idx)
+        if len(rows) == 0 or (pos >= len(rows)).any() or not np.array_equal(rows[np.minimum(pos, len(rows) - 1)], idx):
+            return None
+        return _gather([m for _, m in parts], pos)
+
+    model = noise_io.measure_from(plan.a, plan.b, plan.maps, [(j.a, j.b) for j in plan.jobs],
+                                  lambda i, s: depth_of(plan.a, plan.b, i, s), metrics_at)
     plan = plan.with_noise(model, opt)
     tally = Tally(plan)
     final = {j.index: j for j in plan.jobs}
@@ -218,18 +215,6 @@ def _fails(job: PairJob, m: Metrics) -> bool:
     """Whether a block has a token past one of its pair's (default) tolerances."""
     return any(bool(((m.cos[:, s] < t.min_cos) | (m.rel[:, s] > t.max_rel)).any())
                for s, t in enumerate(job.tolerances))
-
-
-def _metrics_at(job: PairJob, parts: list[tuple[Codes, Metrics]], idx: Codes) -> Metrics | None:
-    """The metrics the pass computed for a one-slot pair at aligned tokens ``idx`` (None: not
-    every one of them was compared)."""
-    if not parts or job.slots != 1:
-        return None
-    rows = np.concatenate([r for r, _ in parts])
-    pos = np.searchsorted(rows, idx)
-    if len(rows) == 0 or (pos >= len(rows)).any() or not np.array_equal(rows[np.minimum(pos, len(rows) - 1)], idx):
-        return None
-    return _gather([m for _, m in parts], pos)
 
 
 def _gather(parts: list[Metrics], pos: Codes) -> Metrics:
