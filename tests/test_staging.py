@@ -333,3 +333,41 @@ def test_rows_by_reference_are_appended_after_the_source_rows_they_refer_to(tmp_
         for name in ("aux", "draft_input"):
             np.testing.assert_array_equal(b.token_rows(name), a.token_rows(name))
             np.testing.assert_array_equal(b.read_values(name, raw=True), a.read_values(name, raw=True))
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["all_rows", "rows_dropped"])
+def test_a_private_snapshot_reused_by_the_same_object_is_referred_to_without_a_second_copy(tmp_path, monkeypatch,
+                                                                                           dropped):
+    """draft_input on the very aux snapshot the remembered call staged (both calls private: nobody
+    writes it) refers to aux's rows with no copy of the kept rows and no bit comparison; the same
+    call without ``private`` still compares the bits of a copy. The trace is the same either way."""
+    import tensordiff.recorders.core as core_mod
+
+    x = torch.randn(6, 3 * H, generator=torch.Generator().manual_seed(4))
+    compared = []
+    bits = core_mod._bits
+    monkeypatch.setattr(core_mod, "_bits", lambda a: (compared.append(a.shape), bits(a))[1])
+
+    def record(path, private):
+        compared.clear()
+        with Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=1 << 20,
+                      values=["aux", "draft_input"]) as rec:
+            rows = rec.add_tokens("r", np.arange(6), np.arange(6), regime="decode")
+            if dropped:
+                rows[[1, 4]] = -1
+            serving.packed(rec, "aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True, private=True)
+            serving.packed(rec, "draft_input", x, rows, labels=LABELS, token_offset=1, reuse="aux", private=private)
+            entries = rec._staged["draft_input"]
+            assert entries[0].same is rec._staged["aux"][0] and entries[0].data is rec._staged["aux"][0].data
+        return list(compared)
+
+    assert record(tmp_path / "fast.h5", True) == []
+    assert record(tmp_path / "checked.h5", False) != [] or not dropped
+    with TraceReader(str(tmp_path / "fast.h5")) as a, TraceReader(str(tmp_path / "checked.h5")) as b:
+        assert a.tensors["draft_input"].values_source == "aux"
+        for name in ("aux", "draft_input"):
+            np.testing.assert_array_equal(a.token_rows(name), b.token_rows(name))
+            assert a.read_values(name, raw=True).tobytes() == b.read_values(name, raw=True).tobytes()
+            assert a.read_rms(name).tobytes() == b.read_rms(name).tobytes()
+    with h5py.File(tmp_path / "fast.h5") as f:
+        assert (f["tensors/draft_input/values_ref"][()] >= 0).all()

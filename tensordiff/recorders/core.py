@@ -116,6 +116,7 @@ class _Memo:
     sketch: Any
     bits: np.ndarray | None  # the slot rows sketched [slot rows, slot width] float32, never shared
     staged: Staged | None = None  # staging: the staged call (its private copy is the bits compared)
+    private: bool = False    # staging: the call's tensor was the caller's own snapshot (nobody writes it)
 
 
 # slot rows up to this many bytes (float32; with staging, in their stored form) are remembered
@@ -526,8 +527,6 @@ class Recorder:
         if not keep.all():
             idx = np.flatnonzero(keep)
             rows = rows[idx]
-            data = data[idx]
-            owned = True
         else:
             rows = rows.copy()  # the caller's array: it may change before the rows are written
         if not len(rows):
@@ -537,12 +536,23 @@ class Recorder:
         same = None
         if memo is not None and memo.staged is not None and memo.key == key and memo.slots == layout:
             old = memo.staged.data
-            if (old is not None and old.shape == data.shape and old.dtype == data.dtype
-                    and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))
-                    # the staged copy itself (a private snapshot, kept as it is: nobody writes it), or
-                    # every bit equal
-                    and (_same_memory(old, data) or np.array_equal(_bits(old), _bits(data)))):
-                same = memo.staged
+            if (old is not None and old.dtype == data.dtype
+                    and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))):
+                if memo.private and private and memo.tensor is src and old.shape == (len(rows),) + data.shape[1:]:
+                    # the very snapshot the remembered call staged these rows of (the same object,
+                    # which nobody writes: both callers said so), in the same stored form: the same
+                    # bits, with no copy to compare
+                    same = memo.staged
+                else:
+                    picked = data[idx] if idx is not None else data
+                    if old.shape == picked.shape and (
+                            # the staged copy itself (a private snapshot, kept as it is: nobody writes
+                            # it), or every bit equal
+                            _same_memory(old, picked) or np.array_equal(_bits(old), _bits(picked))):
+                        same = memo.staged
+        if same is None and idx is not None:
+            data = data[idx]
+            owned = True
         if same is not None:
             entry = Staged(rows, data=same.data, same=same)
             if spec.source is not None and spec.source == reuse:
@@ -552,7 +562,8 @@ class Recorder:
         entry.first = spec.count
         spec.count += len(rows)
         if remember and entry.data is not None and entry.data.nbytes <= REMEMBER_MAX_BYTES:
-            self._memo[name] = _Memo(src, key or _tensor_key(src), idx, layout, None, None, staged=entry)
+            self._memo[name] = _Memo(src, key or _tensor_key(src), idx, layout, None, None, staged=entry,
+                                     private=private)
         self._stage_entry(name, entry)
         return len(rows)
 

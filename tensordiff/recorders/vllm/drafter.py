@@ -207,6 +207,7 @@ def record_draft_states(ctx: dict):
     step.aux = None
     got = serving.packed(st.rec, DRAFT, src, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
                         token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=reuse,
+                        private=reuse is not None,  # then ``src`` is the step's own aux snapshot (verify.record_aux)
                         attrs={"source": "drafter propose(target_hidden_states): the input of "
                                          "combine_hidden_states (the draft's fc)"})
     if got and ids is not None:
