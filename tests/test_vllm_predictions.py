@@ -879,3 +879,17 @@ def test_the_draft_columns_of_a_whole_vocabulary_draft_and_a_verify_rows_logits_
     at, tok = np.array([0, 1, 2, 3, 0]), np.array([3, 2, 7, 0, 0])
     want = x[torch.from_numpy(at), torch.from_numpy(tok)].to(torch.float64).numpy()
     assert pr._logits_of(x, at, tok).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_pass_tables_refs_of_many_rows_are_each_rows_own_ref(seed):
+    """PassTable.refs (one search for a drafter batch's sampled rows) equals ref row by row: rows
+    computed, rows not, every row computed (need None), and no row computed."""
+    from tensordiff.recorders.prediction_tables import PassTable
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 30))
+    need = None if seed == 0 else np.flatnonzero(rng.random(n) < (0.0 if seed == 1 else 0.6)).astype(np.int64)
+    table = PassTable(object(), n, need)
+    rs = rng.integers(0, n, int(rng.integers(1, 10))).astype(np.int64)
+    assert table.refs(rs) == [table.ref(r) for r in rs.tolist()]

@@ -53,6 +53,17 @@ class PassTable:
         i = int(np.searchsorted(self.need, r))
         return (self.job, i) if i < len(self.need) and int(self.need[i]) == int(r) else None
 
+    def refs(self, rs) -> list:
+        """:meth:`ref` of every pass row of ``rs`` (an int64 array), one search for all."""
+        import numpy as np
+
+        if self.need is None:
+            return [(self.job, r) for r in rs.tolist()]
+        need = self.need
+        at = np.searchsorted(need, rs)
+        ok = (at < len(need)) & (need[np.minimum(at, max(len(need) - 1, 0))] == rs) if len(need) else at < 0
+        return [(self.job, i) if k else None for i, k in zip(at.tolist(), ok.tolist())]
+
     def rows_of(self, rows):
         """The trace rows of the computed rows, given the pass's trace rows."""
         return rows if self.need is None else rows[self.need]

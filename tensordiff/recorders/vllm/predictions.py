@@ -336,7 +336,7 @@ def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
     if b != len(keys):
         return
     # draft position 0: each request's sampled row of the first pass, a draft_topk row where it is kept
-    first = [table.ref(r) if table is not None else None for r in sample.tolist()]
+    first = table.refs(sample) if table is not None else [None] * b
     missing = [i for i, ref in enumerate(first) if ref is None and keys[i] is not None]
     if missing:
         if lg:
