@@ -893,3 +893,21 @@ def test_a_pass_tables_refs_of_many_rows_are_each_rows_own_ref(seed):
     table = PassTable(object(), n, need)
     rs = rng.integers(0, n, int(rng.integers(1, 10))).astype(np.int64)
     assert table.refs(rs) == [table.ref(r) for r in rs.tolist()]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_chains_draft_rows_taken_per_position_are_the_rows_stacked_one_by_one(seed):
+    """chain_draft_rows (one index per draft position whose rows share a job) gives the bits of
+    stacking every (job, row) of every chain one by one, where a position mixes jobs too."""
+    from tensordiff.recorders.prediction_tables import chain_draft_rows
+
+    rng = np.random.default_rng(seed)
+    k, dw, m = 2, 2 * TOPK + 1, int(rng.integers(1, 9))
+    jobs = [SimpleNamespace(table=rng.standard_normal((12, dw))) for _ in range(3)]
+    jobs[0].table[0, 1] = np.nan
+    chains = []
+    for _ in range(m):
+        first = jobs[int(rng.integers(0, 2))] if seed % 2 else jobs[0]  # position 0: one job, or two
+        chains.append([(first, int(rng.integers(0, 12))), (jobs[2], int(rng.integers(0, 12)))])
+    want = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in chains]).reshape(m, -1)
+    assert chain_draft_rows(chains, k, dw).tobytes() == want.tobytes()

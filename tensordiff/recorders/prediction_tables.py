@@ -165,10 +165,28 @@ def record_chain_rows(st, rows, chains: list, blocks, tw: int, k: int) -> None:
     picked = [chains[j] for j in got]
 
     def chain_rows():
-        draft = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in picked]).reshape(len(picked), -1)
-        return np.concatenate([draft, blocks()[got].reshape(len(got), -1)], axis=1)
+        return np.concatenate([chain_draft_rows(picked, k, dw), blocks()[got].reshape(len(got), -1)], axis=1)
 
     record_chains(st, rows[got], Later(k * (dw + tw), chain_rows), dw, tw, k)
+
+
+def chain_draft_rows(chains: list, k: int, dw: int):
+    """The draft top-k rows of ``chains`` (each k (top-k job, row), every job of width ``dw``) as
+    [len(chains), k * dw] float64: a draft position whose rows all come from one job (the usual
+    case: the pass's draft_topk table, a decode step's job) is taken with one index."""
+    import numpy as np
+
+    m = len(chains)
+    out = np.empty((m, k, dw))
+    for p in range(k):
+        col = [ch[p] for ch in chains]
+        job0 = col[0][0]
+        if all(job is job0 for job, _ in col):
+            out[:, p] = job0.table[np.fromiter((i for _, i in col), dtype=np.int64, count=m)]
+        else:
+            for r, (job, i) in enumerate(col):
+                out[r, p] = job.table[i]
+    return out.reshape(m, k * dw)
 
 
 def record_chains(st, rows, table, dw: int, tw: int, k: int) -> None:
