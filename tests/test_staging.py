@@ -371,3 +371,41 @@ def test_a_private_snapshot_reused_by_the_same_object_is_referred_to_without_a_s
             assert a.read_rms(name).tobytes() == b.read_rms(name).tobytes()
     with h5py.File(tmp_path / "fast.h5") as f:
         assert (f["tensors/draft_input/values_ref"][()] >= 0).all()
+
+
+@pytest.mark.parametrize("keep", [1 << 20, 0], ids=["kept", "fresh"])
+def test_a_drains_join_buffer_is_kept_for_the_next_drain_and_the_trace_is_the_same(tmp_path, monkeypatch, keep):
+    """Each drain joins a tensor's staged rows into a buffer kept from the drain before (the same
+    array, within JOIN_KEEP_BYTES for all tensors together; beyond it a fresh join): the trace is
+    the one the unstaged recorder writes, bit for bit, after many drains wrote over the buffer."""
+    import tensordiff.recorders.core as core_mod
+
+    monkeypatch.setattr(core_mod, "JOIN_KEEP_BYTES", keep)
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(n, 3 * H, generator=g) for n in (5, 2, 3, 1, 4, 2, 6, 3, 2, 2, 1, 3)]
+    seen = []
+
+    def record(path, bound):
+        with Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=bound,
+                      values=["aux"]) as rec:
+            pos = 0
+            for step, x in enumerate(xs):
+                rows = rec.add_tokens("r", np.arange(pos, pos + len(x)), np.arange(len(x)), regime="decode", step=step)
+                pos += len(x)
+                serving.packed(rec, "aux", x, rows, labels=LABELS, token_offset=0, role="aux", private=step % 2 == 0)
+                if bound and step % 4 == 3:
+                    rec.write_staged()
+                    seen.append(rec._join_bufs.get("aux"))
+
+    record(tmp_path / "a.h5", 0)
+    record(tmp_path / "b.h5", 1 << 20)
+    if keep:
+        # drains of 11, 15 and 8 rows: the buffer grows once (to twice its rows), then is written over
+        assert seen[0] is not None and seen[1] is not seen[0] and seen[2] is seen[1] and len(seen[1]) == 22
+    else:
+        assert seen == [None] * len(seen)
+    with TraceReader(str(tmp_path / "a.h5")) as a, TraceReader(str(tmp_path / "b.h5")) as b:
+        np.testing.assert_array_equal(a.token_rows("aux"), b.token_rows("aux"))
+        assert a.read_values("aux", raw=True).tobytes() == b.read_values("aux", raw=True).tobytes()
+        assert a.read_values("aux", raw=True).tobytes() == np.concatenate([x.numpy() for x in xs]).tobytes()
+        assert a.read_rms("aux").tobytes() == b.read_rms("aux").tobytes()

@@ -123,6 +123,11 @@ class _Memo:
 # for reuse; larger calls (a long prefill) are sketched (and stored) again rather than held twice
 REMEMBER_MAX_BYTES = 32 << 20
 
+# a staged tensor's values joined at a drain (its RMS and its append read them) go to a buffer kept
+# for the next drain, every tensor's together up to this many bytes; other joins (a long prefill,
+# many tensors) are made fresh and freed
+JOIN_KEEP_BYTES = 32 << 20
+
 
 def _tensor_key(t: torch.Tensor) -> tuple:
     """What identifies a tensor: its storage address, layout, dtype, device and version counter
@@ -205,6 +210,7 @@ class Recorder:
         self._specs: dict[str, _Spec] = {}
         self._proj: dict[tuple, torch.Tensor] = {}
         self._memo: dict[str, _Memo] = {}                # record(remember=True) results, by name
+        self._join_bufs: dict[str, np.ndarray] = {}      # staging: each tensor's drain join buffer (_join)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._pending_bytes = 0
         self._positions = np.empty(1024, dtype=np.int64)
@@ -633,7 +639,7 @@ class Recorder:
         (no second copy of a drain's values)."""
         if not entries:
             return None
-        data = entries[0].data if len(entries) == 1 else np.concatenate([e.data for e in entries])  # type: ignore[misc]
+        data = entries[0].data if len(entries) == 1 else self._join(spec.name, [e.data for e in entries])  # type: ignore[misc]
         assert data is not None
         n = len(data)
         x2 = to_float32(data, spec.dtype).reshape(n * spec.slots, spec.slot_width)
@@ -652,6 +658,30 @@ class Recorder:
             e.sketch = sk[start:start + m] if sk is not None else None
             start += m
         return data
+
+    def _join(self, name: str, parts: list[np.ndarray]) -> np.ndarray:
+        """``parts`` joined in order, in a buffer of the tensor's kept from one drain to the next
+        (every tensor's together up to :data:`JOIN_KEEP_BYTES`): a fresh array of that size costs
+        the kernel a page fault and a zeroed page per 4 KB, several times the copy itself. What a
+        drain joins is read by its RMS and its append only (the writer copies the rows or writes
+        them out before the append returns), so the next drain may write over it."""
+        dtype = parts[0].dtype
+        if any(p.dtype != dtype for p in parts):
+            return np.concatenate(parts)
+        n = sum(len(p) for p in parts)
+        shape = (n,) + parts[0].shape[1:]
+        buf = self._join_bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or len(buf) < n:
+            kept = sum(b.nbytes for k, b in self._join_bufs.items() if k != name)
+            row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+            grown = max(n, 2 * len(buf)) if buf is not None and buf.shape[1:] == shape[1:] else n
+            self._join_bufs.pop(name, None)
+            if kept + grown * row > JOIN_KEEP_BYTES:
+                grown = n
+            if kept + grown * row > JOIN_KEEP_BYTES:  # every tensor's buffers together stay within the bound
+                return np.concatenate(parts)
+            buf = self._join_bufs[name] = np.empty((grown,) + shape[1:], dtype=dtype)
+        return np.concatenate(parts, out=buf[:n])
 
     def _append_staged(self, name: str, spec: _Spec, entries: list[Staged], joined: np.ndarray | None = None) -> None:
         """One append of a tensor's staged entries; ``joined``: their values already joined in
