@@ -333,3 +333,79 @@ def test_rows_by_reference_are_appended_after_the_source_rows_they_refer_to(tmp_
         for name in ("aux", "draft_input"):
             np.testing.assert_array_equal(b.token_rows(name), a.token_rows(name))
             np.testing.assert_array_equal(b.read_values(name, raw=True), a.read_values(name, raw=True))
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["all_rows", "rows_dropped"])
+def test_a_private_snapshot_reused_by_the_same_object_is_referred_to_without_a_second_copy(tmp_path, monkeypatch,
+                                                                                           dropped):
+    """draft_input on the very aux snapshot the remembered call staged (both calls private: nobody
+    writes it) refers to aux's rows with no copy of the kept rows and no bit comparison; the same
+    call without ``private`` still compares the bits of a copy. The trace is the same either way."""
+    import tensordiff.recorders.core as core_mod
+
+    x = torch.randn(6, 3 * H, generator=torch.Generator().manual_seed(4))
+    compared = []
+    bits = core_mod._bits
+    monkeypatch.setattr(core_mod, "_bits", lambda a: (compared.append(a.shape), bits(a))[1])
+
+    def record(path, private):
+        compared.clear()
+        with Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=1 << 20,
+                      values=["aux", "draft_input"]) as rec:
+            rows = rec.add_tokens("r", np.arange(6), np.arange(6), regime="decode")
+            if dropped:
+                rows[[1, 4]] = -1
+            serving.packed(rec, "aux", x, rows, labels=LABELS, token_offset=0, role="aux", remember=True, private=True)
+            serving.packed(rec, "draft_input", x, rows, labels=LABELS, token_offset=1, reuse="aux", private=private)
+            entries = rec._staged["draft_input"]
+            assert entries[0].same is rec._staged["aux"][0] and entries[0].data is rec._staged["aux"][0].data
+        return list(compared)
+
+    assert record(tmp_path / "fast.h5", True) == []
+    assert record(tmp_path / "checked.h5", False) != [] or not dropped
+    with TraceReader(str(tmp_path / "fast.h5")) as a, TraceReader(str(tmp_path / "checked.h5")) as b:
+        assert a.tensors["draft_input"].values_source == "aux"
+        for name in ("aux", "draft_input"):
+            np.testing.assert_array_equal(a.token_rows(name), b.token_rows(name))
+            assert a.read_values(name, raw=True).tobytes() == b.read_values(name, raw=True).tobytes()
+            assert a.read_rms(name).tobytes() == b.read_rms(name).tobytes()
+    with h5py.File(tmp_path / "fast.h5") as f:
+        assert (f["tensors/draft_input/values_ref"][()] >= 0).all()
+
+
+@pytest.mark.parametrize("keep", [1 << 20, 0], ids=["kept", "fresh"])
+def test_a_drains_join_buffer_is_kept_for_the_next_drain_and_the_trace_is_the_same(tmp_path, monkeypatch, keep):
+    """Each drain joins a tensor's staged rows into a buffer kept from the drain before (the same
+    array, within JOIN_KEEP_BYTES for all tensors together; beyond it a fresh join): the trace is
+    the one the unstaged recorder writes, bit for bit, after many drains wrote over the buffer."""
+    import tensordiff.recorders.core as core_mod
+
+    monkeypatch.setattr(core_mod, "JOIN_KEEP_BYTES", keep)
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(n, 3 * H, generator=g) for n in (5, 2, 3, 1, 4, 2, 6, 3, 2, 2, 1, 3)]
+    seen = []
+
+    def record(path, bound):
+        with Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=bound,
+                      values=["aux"]) as rec:
+            pos = 0
+            for step, x in enumerate(xs):
+                rows = rec.add_tokens("r", np.arange(pos, pos + len(x)), np.arange(len(x)), regime="decode", step=step)
+                pos += len(x)
+                serving.packed(rec, "aux", x, rows, labels=LABELS, token_offset=0, role="aux", private=step % 2 == 0)
+                if bound and step % 4 == 3:
+                    rec.write_staged()
+                    seen.append(rec._join_bufs.get("aux"))
+
+    record(tmp_path / "a.h5", 0)
+    record(tmp_path / "b.h5", 1 << 20)
+    if keep:
+        # drains of 11, 15 and 8 rows: the buffer grows once (to twice its rows), then is written over
+        assert seen[0] is not None and seen[1] is not seen[0] and seen[2] is seen[1] and len(seen[1]) == 22
+    else:
+        assert seen == [None] * len(seen)
+    with TraceReader(str(tmp_path / "a.h5")) as a, TraceReader(str(tmp_path / "b.h5")) as b:
+        np.testing.assert_array_equal(a.token_rows("aux"), b.token_rows("aux"))
+        assert a.read_values("aux", raw=True).tobytes() == b.read_values("aux", raw=True).tobytes()
+        assert a.read_values("aux", raw=True).tobytes() == np.concatenate([x.numpy() for x in xs]).tobytes()
+        assert a.read_rms("aux").tobytes() == b.read_rms("aux").tobytes()

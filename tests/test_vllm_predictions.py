@@ -770,3 +770,144 @@ def test_the_queue_length_comes_from_the_environment(monkeypatch, value, want):
 
     monkeypatch.setenv(ENV_QUEUE, value)
     assert queue_steps_from_env() == want
+
+
+def _steps_with_draft_passes(path, queue: bool, monkeypatch, stage_bytes):
+    """Four target steps, each followed by its drafter pass (draft_input with the aux rows' bits,
+    fc output, the first pass and one decode step, the chain of the next verify), recorded as the
+    hooks record them with the queue off (each record now) or on (every record queued, then the
+    queue made in its phases); returns the order the queue ran its phases in."""
+    from tensordiff.recorders.vllm import drafter
+
+    rec = Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=stage_bytes)
+    for name, value in (("rec", rec), ("queue", []), ("queue_bytes", 0), ("rows_written", 0), ("rows_dropped", 0),
+                        ("chain", {}), ("chain_step", None), ("labels", ["layer1", "layer3"]), ("raw_ids", [1, 3]),
+                        ("draft_head", (_head(7, vocab=8), 8, None, None)), ("draft_id_map", None),
+                        ("shift_checked", 0), ("shift_mismatched", 0), ("verify_steps", 0), ("spec_k", None)):
+        monkeypatch.setattr(STATE, name, value)
+    g = torch.Generator().manual_seed(11)
+    order = []
+
+    def spied(fns, what):  # each phase's callable, noting (phase, record) when it runs
+        return tuple(None if f is None else (lambda f=f, p=p: (order.append((p, what)), f())[1])
+                     for p, f in enumerate(fns))
+
+    samples = [[[9, -1, -1], [7, 9, 5]], [[9, -1, -1], [7, -1, -1]], [[9, -1, -1], [7, 9, -1]], [[9, -1, -1], [7, 9, 5]]]
+    for i, sampled in enumerate(samples):
+        step = _step(torch.randn(7, H, generator=g))
+        step.step = i + 1
+        step.pos = step.pos + 10 * i
+        step.aux = torch.randn(7, 2 * H, generator=g)
+        sampled = np.array(sampled, dtype=np.int64)
+        if queue:
+            STATE.last = step
+            STATE.defer(spied(verify.commit_phases(step, sampled), f"step{i}"), step=True)
+        else:
+            verify.commit(step, sampled)
+        ctx = {"hs": step.aux.clone(), "pos": torch.from_numpy(step.pos.copy()), "tok": None,
+               "qsl": torch.tensor([0, 4, 7]), "ids": np.array([12, 13, 14, 15, 7, 9, 5]) + 0, "step": step,
+               "fc": torch.randn(7, H, generator=g), "outs": [torch.randn(7, H, generator=g),
+                                                             torch.randn(2, H, generator=g)],
+               "sample": np.array([3, 6]), "aligned": True, "logits": []}
+        if queue:
+            STATE.defer(spied((None, None, drafter._spend_chains), f"spend{i}"))
+            drafter.hold_draft_inputs(ctx)
+            STATE.defer(spied(drafter.draft_phases(ctx), f"draft{i}"))
+        else:
+            drafter._spend_chains()
+            drafter.record_draft(ctx)
+    STATE.run_queue()
+    rec.close()
+    return order
+
+
+@pytest.mark.parametrize("stage_bytes", [0, 1 << 20], ids=["at_once", "staged"])
+def test_queued_steps_and_draft_passes_made_phase_by_phase_are_the_records_made_at_once(tmp_path, monkeypatch, st,
+                                                                                        stage_bytes):
+    """The queue makes its records phase by phase (every queued step's token rows, then every
+    step's and draft pass's states, then the predictions with the draft chains, each phase in
+    order): the same trace, bit for bit, as each record made in its hook, with draft_input still
+    stored by reference to the aux rows and each verify step's spec_chain from the propose before
+    it."""
+    import h5py
+
+    a, b = tmp_path / "now.h5", tmp_path / "queued.h5"
+    assert _steps_with_draft_passes(a, False, monkeypatch, stage_bytes) == []
+    order = _steps_with_draft_passes(b, True, monkeypatch, stage_bytes)
+    assert [p for p, _ in order] == sorted(p for p, _ in order)  # phase by phase
+    assert [w for p, w in order if p == 0] == [f"step{i}" for i in range(4)]
+    assert [w for p, w in order if p == 1] == [w for i in range(4) for w in (f"step{i}", f"draft{i}")]
+    assert [w for p, w in order if p == 2] == [w for i in range(4) for w in (f"step{i}", f"spend{i}", f"draft{i}")]
+    ga, ia = _read(a)
+    gb, ib = _read(b)
+    assert sorted(ga) == sorted(gb)
+    assert {cv.TARGET_TOPK, cv.SPEC_VERIFY, cv.SPEC_CHAIN, cv.DRAFT_TOPK, cv.DRAFT_FC, "draft_input",
+            "aux_hidden_states"} <= set(ga)
+    assert len(ga[cv.SPEC_CHAIN][0]) == 3  # the verify steps after a propose
+    for name in ga:
+        np.testing.assert_array_equal(ga[name][0], gb[name][0])
+        assert ga[name][1].tobytes() == gb[name][1].tobytes(), name
+    with TraceReader(str(a)) as x, TraceReader(str(b)) as y:
+        assert x.tokens.tobytes() == y.tokens.tobytes()
+        for name in ga:
+            assert x.read_rms(name).tobytes() == y.read_rms(name).tobytes(), name
+    refs = []
+    for p in (a, b):
+        with h5py.File(p) as f:
+            g = f["tensors/draft_input"]
+            refs.append(g["values_ref"][()] if "values_ref" in g else None)
+    if stage_bytes:
+        assert refs[0] is not None and (refs[0] >= 0).all() and np.array_equal(refs[0], refs[1])
+
+
+def test_the_draft_columns_of_a_whole_vocabulary_draft_and_a_verify_rows_logits_are_the_same_bits(monkeypatch):
+    """The numpy paths on the CPU (a draft whose d2t is every column in order: a plain copy; the
+    logit of each draft token: numpy's indexing) give the bits the general paths give, and the
+    copy is the draft's own."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 8, generator=g)
+    x[0, 3] = float("nan")
+    x[1, 2] = -0.0
+    monkeypatch.setattr(STATE, "draft_head", (torch.zeros(8, H), 8, None, None))
+    monkeypatch.setattr(STATE, "draft_cols", None)
+    for cols in (torch.arange(8), torch.tensor([0, 1, 2, 3, 4, 5, 7, 6])):
+        monkeypatch.setattr(STATE, "draft_id_map", cols)
+        got = pr._draft_columns(x)
+        want = x.index_select(1, cols)
+        assert got.numpy().tobytes() == want.numpy().tobytes() and got.data_ptr() != x.data_ptr()
+        assert STATE.draft_cols[3] == bool((cols == torch.arange(8)).all())
+    at, tok = np.array([0, 1, 2, 3, 0]), np.array([3, 2, 7, 0, 0])
+    want = x[torch.from_numpy(at), torch.from_numpy(tok)].to(torch.float64).numpy()
+    assert pr._logits_of(x, at, tok).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_pass_tables_refs_of_many_rows_are_each_rows_own_ref(seed):
+    """PassTable.refs (one search for a drafter batch's sampled rows) equals ref row by row: rows
+    computed, rows not, every row computed (need None), and no row computed."""
+    from tensordiff.recorders.prediction_tables import PassTable
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 30))
+    need = None if seed == 0 else np.flatnonzero(rng.random(n) < (0.0 if seed == 1 else 0.6)).astype(np.int64)
+    table = PassTable(object(), n, need)
+    rs = rng.integers(0, n, int(rng.integers(1, 10))).astype(np.int64)
+    assert table.refs(rs) == [table.ref(r) for r in rs.tolist()]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_chains_draft_rows_taken_per_position_are_the_rows_stacked_one_by_one(seed):
+    """chain_draft_rows (one index per draft position whose rows share a job) gives the bits of
+    stacking every (job, row) of every chain one by one, where a position mixes jobs too."""
+    from tensordiff.recorders.prediction_tables import chain_draft_rows
+
+    rng = np.random.default_rng(seed)
+    k, dw, m = 2, 2 * TOPK + 1, int(rng.integers(1, 9))
+    jobs = [SimpleNamespace(table=rng.standard_normal((12, dw))) for _ in range(3)]
+    jobs[0].table[0, 1] = np.nan
+    chains = []
+    for _ in range(m):
+        first = jobs[int(rng.integers(0, 2))] if seed % 2 else jobs[0]  # position 0: one job, or two
+        chains.append([(first, int(rng.integers(0, 12))), (jobs[2], int(rng.integers(0, 12)))])
+    want = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in chains]).reshape(m, -1)
+    assert chain_draft_rows(chains, k, dw).tobytes() == want.tobytes()

@@ -116,11 +116,17 @@ class _Memo:
     sketch: Any
     bits: np.ndarray | None  # the slot rows sketched [slot rows, slot width] float32, never shared
     staged: Staged | None = None  # staging: the staged call (its private copy is the bits compared)
+    private: bool = False    # staging: the call's tensor was the caller's own snapshot (nobody writes it)
 
 
 # slot rows up to this many bytes (float32; with staging, in their stored form) are remembered
 # for reuse; larger calls (a long prefill) are sketched (and stored) again rather than held twice
 REMEMBER_MAX_BYTES = 32 << 20
+
+# a staged tensor's values joined at a drain (its RMS and its append read them) go to a buffer kept
+# for the next drain, every tensor's together up to this many bytes; other joins (a long prefill,
+# many tensors) are made fresh and freed
+JOIN_KEEP_BYTES = 32 << 20
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -204,6 +210,7 @@ class Recorder:
         self._specs: dict[str, _Spec] = {}
         self._proj: dict[tuple, torch.Tensor] = {}
         self._memo: dict[str, _Memo] = {}                # record(remember=True) results, by name
+        self._join_bufs: dict[str, np.ndarray] = {}      # staging: each tensor's drain join buffer (_join)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._pending_bytes = 0
         self._positions = np.empty(1024, dtype=np.int64)
@@ -526,8 +533,6 @@ class Recorder:
         if not keep.all():
             idx = np.flatnonzero(keep)
             rows = rows[idx]
-            data = data[idx]
-            owned = True
         else:
             rows = rows.copy()  # the caller's array: it may change before the rows are written
         if not len(rows):
@@ -537,12 +542,23 @@ class Recorder:
         same = None
         if memo is not None and memo.staged is not None and memo.key == key and memo.slots == layout:
             old = memo.staged.data
-            if (old is not None and old.shape == data.shape and old.dtype == data.dtype
-                    and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))
-                    # the staged copy itself (a private snapshot, kept as it is: nobody writes it), or
-                    # every bit equal
-                    and (_same_memory(old, data) or np.array_equal(_bits(old), _bits(data)))):
-                same = memo.staged
+            if (old is not None and old.dtype == data.dtype
+                    and (memo.idx is None if idx is None else memo.idx is not None and np.array_equal(memo.idx, idx))):
+                if memo.private and private and memo.tensor is src and old.shape == (len(rows),) + data.shape[1:]:
+                    # the very snapshot the remembered call staged these rows of (the same object,
+                    # which nobody writes: both callers said so), in the same stored form: the same
+                    # bits, with no copy to compare
+                    same = memo.staged
+                else:
+                    picked = data[idx] if idx is not None else data
+                    if old.shape == picked.shape and (
+                            # the staged copy itself (a private snapshot, kept as it is: nobody writes
+                            # it), or every bit equal
+                            _same_memory(old, picked) or np.array_equal(_bits(old), _bits(picked))):
+                        same = memo.staged
+        if same is None and idx is not None:
+            data = data[idx]
+            owned = True
         if same is not None:
             entry = Staged(rows, data=same.data, same=same)
             if spec.source is not None and spec.source == reuse:
@@ -552,7 +568,8 @@ class Recorder:
         entry.first = spec.count
         spec.count += len(rows)
         if remember and entry.data is not None and entry.data.nbytes <= REMEMBER_MAX_BYTES:
-            self._memo[name] = _Memo(src, key or _tensor_key(src), idx, layout, None, None, staged=entry)
+            self._memo[name] = _Memo(src, key or _tensor_key(src), idx, layout, None, None, staged=entry,
+                                     private=private)
         self._stage_entry(name, entry)
         return len(rows)
 
@@ -622,7 +639,7 @@ class Recorder:
         (no second copy of a drain's values)."""
         if not entries:
             return None
-        data = entries[0].data if len(entries) == 1 else np.concatenate([e.data for e in entries])  # type: ignore[misc]
+        data = entries[0].data if len(entries) == 1 else self._join(spec.name, [e.data for e in entries])  # type: ignore[misc]
         assert data is not None
         n = len(data)
         x2 = to_float32(data, spec.dtype).reshape(n * spec.slots, spec.slot_width)
@@ -641,6 +658,30 @@ class Recorder:
             e.sketch = sk[start:start + m] if sk is not None else None
             start += m
         return data
+
+    def _join(self, name: str, parts: list[np.ndarray]) -> np.ndarray:
+        """``parts`` joined in order, in a buffer of the tensor's kept from one drain to the next
+        (every tensor's together up to :data:`JOIN_KEEP_BYTES`): a fresh array of that size costs
+        the kernel a page fault and a zeroed page per 4 KB, several times the copy itself. What a
+        drain joins is read by its RMS and its append only (the writer copies the rows or writes
+        them out before the append returns), so the next drain may write over it."""
+        dtype = parts[0].dtype
+        if any(p.dtype != dtype for p in parts):
+            return np.concatenate(parts)
+        n = sum(len(p) for p in parts)
+        shape = (n,) + parts[0].shape[1:]
+        buf = self._join_bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.shape[1:] != shape[1:] or len(buf) < n:
+            kept = sum(b.nbytes for k, b in self._join_bufs.items() if k != name)
+            row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+            grown = max(n, 2 * len(buf)) if buf is not None and buf.shape[1:] == shape[1:] else n
+            self._join_bufs.pop(name, None)
+            if kept + grown * row > JOIN_KEEP_BYTES:
+                grown = n
+            if kept + grown * row > JOIN_KEEP_BYTES:  # every tensor's buffers together stay within the bound
+                return np.concatenate(parts)
+            buf = self._join_bufs[name] = np.empty((grown,) + shape[1:], dtype=dtype)
+        return np.concatenate(parts, out=buf[:n])
 
     def _append_staged(self, name: str, spec: _Spec, entries: list[Staged], joined: np.ndarray | None = None) -> None:
         """One append of a tensor's staged entries; ``joined``: their values already joined in

@@ -53,6 +53,17 @@ class PassTable:
         i = int(np.searchsorted(self.need, r))
         return (self.job, i) if i < len(self.need) and int(self.need[i]) == int(r) else None
 
+    def refs(self, rs) -> list:
+        """:meth:`ref` of every pass row of ``rs`` (an int64 array), one search for all."""
+        import numpy as np
+
+        if self.need is None:
+            return [(self.job, r) for r in rs.tolist()]
+        need = self.need
+        at = np.searchsorted(need, rs)
+        ok = (at < len(need)) & (need[np.minimum(at, max(len(need) - 1, 0))] == rs) if len(need) else at < 0
+        return [(self.job, i) if k else None for i, k in zip(at.tolist(), ok.tolist())]
+
     def rows_of(self, rows):
         """The trace rows of the computed rows, given the pass's trace rows."""
         return rows if self.need is None else rows[self.need]
@@ -154,10 +165,28 @@ def record_chain_rows(st, rows, chains: list, blocks, tw: int, k: int) -> None:
     picked = [chains[j] for j in got]
 
     def chain_rows():
-        draft = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in picked]).reshape(len(picked), -1)
-        return np.concatenate([draft, blocks()[got].reshape(len(got), -1)], axis=1)
+        return np.concatenate([chain_draft_rows(picked, k, dw), blocks()[got].reshape(len(got), -1)], axis=1)
 
     record_chains(st, rows[got], Later(k * (dw + tw), chain_rows), dw, tw, k)
+
+
+def chain_draft_rows(chains: list, k: int, dw: int):
+    """The draft top-k rows of ``chains`` (each k (top-k job, row), every job of width ``dw``) as
+    [len(chains), k * dw] float64: a draft position whose rows all come from one job (the usual
+    case: the pass's draft_topk table, a decode step's job) is taken with one index."""
+    import numpy as np
+
+    m = len(chains)
+    out = np.empty((m, k, dw))
+    for p in range(k):
+        col = [ch[p] for ch in chains]
+        job0 = col[0][0]
+        if all(job is job0 for job, _ in col):
+            out[:, p] = job0.table[np.fromiter((i for _, i in col), dtype=np.int64, count=m)]
+        else:
+            for r, (job, i) in enumerate(col):
+                out[r, p] = job.table[i]
+    return out.reshape(m, k * dw)
 
 
 def record_chains(st, rows, table, dw: int, tw: int, k: int) -> None:

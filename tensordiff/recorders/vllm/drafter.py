@@ -29,7 +29,7 @@ def hook_propose(original, proposer, *args, **kwargs):
     ctx = None
     deferring = bool(st.queue) or st.last.rows is None  # the step it reads is recorded later: so is this pass
     if deferring:
-        st.defer(_spend_chains)
+        st.defer((None, None, _spend_chains))  # with the predictions (the chains are theirs)
     else:
         _spend_chains()
     try:
@@ -64,7 +64,7 @@ def hook_propose(original, proposer, *args, **kwargs):
             try:
                 if deferring:
                     hold_draft_inputs(ctx)
-                    st.defer(lambda: record_draft_later(ctx), held_bytes(ctx["hs"], ctx["fc"], *ctx["outs"]))
+                    st.defer(draft_phases(ctx), held_bytes(ctx["hs"], ctx["fc"], *ctx["outs"]))
                 else:
                     with st.lock:
                         record_draft(ctx)
@@ -99,13 +99,38 @@ def hold_draft_inputs(ctx: dict) -> None:
     ctx["tok"] = None
 
 
-def record_draft_later(ctx: dict) -> None:
+def draft_phases(ctx: dict) -> tuple:
+    """A deferred :func:`record_draft` in the phases of :meth:`State.run_queue`: none in the
+    first (the token rows: the pass adds none), its states in the second (right after its step's
+    aux states, whose bits ``draft_input`` may repeat), its predictions in the third (in order with
+    the steps' own: each verify step reads the chain of the propose before it)."""
     st = STATE
-    try:
-        with st.lock:
-            record_draft(ctx)
-    except Exception as e:  # noqa: BLE001
-        st.fail("draft pass", e)
+    held: list = []
+
+    def states() -> None:
+        try:
+            with st.lock:
+                held.append(record_draft_states(ctx))
+        except Exception as e:  # noqa: BLE001
+            st.fail("draft pass", e)
+
+    def predictions() -> None:
+        try:
+            with st.lock:
+                if held and held[0] is not None:
+                    record_draft_predictions(ctx, *held[0])
+        except Exception as e:  # noqa: BLE001
+            st.fail("draft pass", e)
+
+    return None, states, predictions
+
+
+def record_draft_later(ctx: dict) -> None:
+    """:func:`draft_phases`, one after the other."""
+    for phase in draft_phases(ctx)[1:]:
+        if STATE.broken:
+            return
+        phase()
 
 
 def hook_set_inputs_first_pass(out, proposer, *args, **kwargs) -> None:
@@ -127,6 +152,15 @@ def hook_set_inputs_first_pass(out, proposer, *args, **kwargs) -> None:
 
 
 def record_draft(ctx: dict) -> None:
+    got = record_draft_states(ctx)
+    if got is not None:
+        record_draft_predictions(ctx, *got)
+
+
+def record_draft_states(ctx: dict):
+    """:func:`record_draft` but its predictions: ``draft_input`` and its ids. Returns what
+    :func:`~tensordiff.recorders.vllm.predictions.record_draft_predictions` takes after it (rows,
+    the pass's rows, each request's sequence key), or None where nothing was recorded."""
     import numpy as np
 
     st = STATE
@@ -142,13 +176,13 @@ def record_draft(ctx: dict) -> None:
         st.draft_unmatched += 1
         st.warn_once("draft-unmatched", "a drafter batch of %d requests does not match the target step's %d; "
                      "not recorded", len(qsl) - 1, step.num_reqs)
-        return
+        return None
     # draft row j -> the target row of the same (request, position) in the step the drafter reads,
     # and the token the target has at the next position (the draft shift check): array operations
     # per request
     rows, want, owner = draft_rows(step, qsl, pos)
     if not (rows >= 0).any():
-        return
+        return None
     ids = ctx["ids"]
     if ids is not None and len(ids) >= n:
         ids = ids[:n].astype(np.int64)
@@ -173,16 +207,18 @@ def record_draft(ctx: dict) -> None:
     step.aux = None
     got = serving.packed(st.rec, DRAFT, src, rows, labels=st.labels, raw_ids=st.raw_ids, convention=st.convention,
                         token_offset=1, role="draft_input", values=st.cfg.wants_values(DRAFT), reuse=reuse,
+                        private=reuse is not None,  # then ``src`` is the step's own aux snapshot (verify.record_aux)
                         attrs={"source": "drafter propose(target_hidden_states): the input of "
                                          "combine_hidden_states (the draft's fc)"})
     if got and ids is not None:
         record_draft_ids(ids, rows)
-    if got:
-        req_keys: list = [None] * (len(qsl) - 1)
-        for seg, bi in zip(step.segments, step.batch_idx):
-            req_keys[bi] = seg[0]
-        record_draft_predictions(ctx, rows, n, req_keys)
     st.dirty = True
+    if not got:
+        return None
+    req_keys: list = [None] * (len(qsl) - 1)
+    for seg, bi in zip(step.segments, step.batch_idx):
+        req_keys[bi] = seg[0]
+    return rows, n, req_keys
 
 
 def draft_rows(step: Step, qsl, pos):

@@ -56,7 +56,10 @@ def to_numpy(t):
     import torch
 
     if isinstance(t, torch.Tensor):
-        return t.detach().reshape(-1).cpu().numpy()
+        t = t.detach()
+        if t.device.type == "cpu":  # numpy's view and reshape: no torch op per call
+            return t.numpy().reshape(-1)
+        return t.reshape(-1).cpu().numpy()
     return np.asarray(t).reshape(-1)
 
 

@@ -216,13 +216,20 @@ def _draft_columns(x):
     if cols is None:
         return _private_logits(x) if x.shape[-1] == head[1] else None
     got = st.draft_cols
-    if got is None or got[0] is not cols:  # the map as numpy and its largest id, once
-        got = st.draft_cols = (cols, cols.numpy(), int(cols.max()) if len(cols) else -1)
+    if got is None or got[0] is not cols:  # the map as numpy, its largest id and whether it is every column in order, once
+        import numpy as np
+
+        c = cols.numpy()
+        got = st.draft_cols = (cols, c, int(cols.max()) if len(cols) else -1,
+                               bool(np.array_equal(c, np.arange(len(c)))))
     if len(cols) != head[1] or got[2] >= x.shape[-1]:
         return None
     x = x.detach()
     if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.from_numpy(x.numpy().take(got[1], axis=1))  # the draft's columns only, a copy of its own
+        a = x.numpy()
+        if got[3] and a.shape[-1] == len(got[1]):  # a draft over the whole vocabulary: every column, in order
+            return torch.from_numpy(a.copy())
+        return torch.from_numpy(a.take(got[1], axis=1))  # the draft's columns only, a copy of its own
     if x.device.type == "cpu":
         from ..staging import host_f32
 
@@ -329,7 +336,7 @@ def record_draft_predictions(ctx: dict, rows, n: int, keys: list) -> None:
     if b != len(keys):
         return
     # draft position 0: each request's sampled row of the first pass, a draft_topk row where it is kept
-    first = [table.ref(r) if table is not None else None for r in sample.tolist()]
+    first = table.refs(sample) if table is not None else [None] * b
     missing = [i for i, ref in enumerate(first) if ref is None and keys[i] is not None]
     if missing:
         if lg:
@@ -509,6 +516,8 @@ def _logits_of(logits, at, tokens):
 
     if not len(at) or tokens.max() >= logits.shape[-1] or tokens.min() < 0:
         return np.full(len(at), np.nan)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:  # numpy's indexing: no torch op
+        return logits.detach().numpy()[at, tokens].astype(np.float64)
     dev = logits.device
     x = logits[torch.from_numpy(at).to(dev), torch.from_numpy(tokens).to(dev)]
     return x.detach().to("cpu", torch.float64).numpy()

@@ -22,6 +22,9 @@ log = logging.getLogger("tensordiff.vllm")
 QUEUE_STEPS = 16  # TENSORDIFF_VLLM_QUEUE: target steps whose records are made together (0 or 1: each in its hook)
 QUEUE_BYTES = 32 << 20  # engine tensors the deferred records hold on to, at most (then they are made)
 ENV_QUEUE = "TENSORDIFF_VLLM_QUEUE"
+# the phases of a queued record (:meth:`State.run_queue`): a step's kept rows to the token table,
+# then its states (and its draft pass's), then the predictions (the draft chains)
+PHASES = 3
 _INTERNAL_ID = re.compile(r"^(.*)-[0-9a-f]{8}$")  # vLLM's internal id: f"{external}-{random_uuid():.8}"
 
 
@@ -113,7 +116,7 @@ class State(ServeState):
         self.target_head: tuple | None = None  # (lm_head weight, vocab, scale, cap) of the target
         self.draft_head: tuple | None = None
         self.draft_id_map = None        # torch int64 [draft vocab]: draft id -> target id
-        self.draft_cols: tuple | None = None  # (draft_id_map, it as numpy, its largest id)
+        self.draft_cols: tuple | None = None  # (draft_id_map, it as numpy, its largest id, it is every column in order)
         self.chain: dict = {}           # seq key -> [(top-k job, row)] per draft position, for its next verify
         self.chain_step: int | None = None  # the recorded step whose propose made ``chain``
         self.spec_k: int | None = None  # draft tokens per verify step (the spec_verify width)
@@ -167,9 +170,11 @@ class State(ServeState):
     def defer(self, fn, nbytes: int = 0, step: bool = False) -> None:
         """Make a record later, after the records deferred before it: ``fn()`` runs at the next
         :meth:`run_queue` (every :attr:`queue_steps` steps or ``QUEUE_BYTES`` of tensors held, a
-        flush, a pause, the close). ``nbytes``: the engine tensors it holds on to; ``step``: it is
-        a target step's record (the count that drains the queue)."""
-        self.queue.append((fn, step))
+        flush, a pause, the close). ``fn`` may be a record in phases instead, a tuple of
+        :data:`PHASES` callables (None: nothing in that phase); a plain callable runs in the last
+        phase. ``nbytes``: the engine tensors it holds on to; ``step``: it is a target step's
+        record (the count that drains the queue)."""
+        self.queue.append((fn if isinstance(fn, tuple) else (None,) * (PHASES - 1) + (fn,), step))
         self.queue_bytes += nbytes
         self.dirty = True
 
@@ -178,15 +183,22 @@ class State(ServeState):
                                      or sum(1 for _, s in self.queue if s) >= self.queue_steps)
 
     def run_queue(self) -> None:
-        """Make the deferred records, in order (the caller times it, under the lock)."""
+        """Make the deferred records, phase by phase: every queued record's first phase in order,
+        then every second phase in order, and so on (the caller times it, under the lock). One
+        kind of record after the other runs the same code many times while it is in the CPU's
+        caches; each phase keeps the order of the records, so every tensor's rows, the token
+        table and the draft chains come out as one record after the other would make them."""
         with self.lock:
             while self.queue and not self.broken:
                 q, self.queue = self.queue, []
                 self.queue_bytes = 0
-                for fn, _ in q:
-                    if self.broken:
-                        break
-                    fn()
+                for phase in range(PHASES):
+                    for fns, _ in q:
+                        if self.broken:
+                            return
+                        fn = fns[phase]
+                        if fn is not None:
+                            fn()
 
     def drain_queue(self) -> None:
         """:meth:`run_queue`, timed as the plugin's own."""

@@ -37,8 +37,7 @@ def hook_sample(out, runner, *args, **kwargs) -> None:
             sampled = sampled.copy() if sampled is not None else None
             meta = HeldIndices(meta) if meta is not None else None
             st.last = step  # the drafter's pass reads this step (its records are made first, in order)
-            st.defer(lambda: commit_later(step, sampled, meta), held_bytes(step.aux, step.hidden, step.logits),
-                     step=True)
+            st.defer(commit_phases(step, sampled, meta), held_bytes(step.aux, step.hidden, step.logits), step=True)
         else:
             if step.logits is not None:
                 step.logit_rows = logit_rows(step, step.logits.shape[0], meta)
@@ -95,17 +94,46 @@ class HeldIndices:
         self.logits_indices = np.array(idx, dtype=np.int64).reshape(-1) if idx is not None else None
 
 
-def commit_later(step: Step, sampled, meta=None) -> None:
-    """A deferred :func:`commit` (no RL log-probs to record: :func:`deferrable`); ``meta``: the
+def commit_phases(step: Step, sampled, meta=None) -> tuple:
+    """A deferred :func:`commit` (no RL log-probs to record: :func:`deferrable`) in its three
+    phases (:meth:`State.run_queue` runs each phase of every queued step before the next phase):
+    the kept rows to the token table, the held states, the predictions. ``meta``: the
     :class:`HeldIndices` of its logits."""
     st = STATE
-    try:
-        with st.lock:
-            if step.logits is not None:
-                step.logit_rows = logit_rows(step, step.logits.shape[0], meta)
-            commit(step, sampled)
-    except Exception as e:  # noqa: BLE001
-        st.fail("target step", e)
+    held: list = []
+
+    def rows() -> None:
+        try:
+            with st.lock:
+                if step.logits is not None:
+                    step.logit_rows = logit_rows(step, step.logits.shape[0], meta)
+                held.append(commit_rows(step, sampled))
+        except Exception as e:  # noqa: BLE001
+            st.fail("target step", e)
+
+    def states() -> None:
+        try:
+            with st.lock:
+                commit_states(step)
+        except Exception as e:  # noqa: BLE001
+            st.fail("target step", e)
+
+    def predictions() -> None:
+        try:
+            with st.lock:
+                commit_step_predictions(step, held[0], sampled is None)
+        except Exception as e:  # noqa: BLE001
+            st.fail("target step", e)
+
+    return rows, states, predictions
+
+
+def commit_later(step: Step, sampled, meta=None) -> None:
+    """:func:`commit_phases`, one after the other."""
+    for phase in commit_phases(step, sampled, meta):
+        if STATE.broken:
+            return
+        phase()
 
 
 def to_numpy_2d(t):
@@ -118,12 +146,21 @@ def to_numpy_2d(t):
 
 
 def commit(step: Step, sampled) -> None:
-    """Write the rows of a step that the request keeps, then its held tensors. ``sampled``: the
-    sampler's token ids per batch row (-1 padded), or None when the sampling result was not seen."""
+    """Write the rows of a step that the request keeps, then its held tensors and its predictions.
+    ``sampled``: the sampler's token ids per batch row (-1 padded), or None when the sampling
+    result was not seen."""
+    spec = commit_rows(step, sampled)
+    commit_states(step)
+    commit_step_predictions(step, spec, sampled is None)
+
+
+def commit_rows(step: Step, sampled) -> list:
+    """The first phase of :func:`commit`: the rows the requests keep to the token table (their
+    trace rows in ``step.rows``, what the drafter reads of them). Returns the verify segments whose
+    sampling was seen: [(sequence key, first row, K, accepted drafts)]."""
     import numpy as np
 
     st = STATE
-    rec = st.rec
     T = len(step.pos)
     step.rows = np.full(T, -1, dtype=np.int64)
     spec = []  # verify segments whose sampling was seen: (key, first row, K, accepted drafts)
@@ -150,6 +187,13 @@ def commit(step: Step, sampled) -> None:
     if S:
         _keep_rows(step, S, C, counts, lims, gots)
     st.dirty = True
+    return spec
+
+
+def commit_states(step: Step) -> None:
+    """The second phase of :func:`commit`: the step's aux states and catalog stash on its kept rows."""
+    st = STATE
+    rec = st.rec
     if step.aux is not None and (step.rows >= 0).any():
         record_aux(step.aux, step.rows)
     for kind, b, value in step.stash:
@@ -163,8 +207,13 @@ def commit(step: Step, sampled) -> None:
             from ...vocab import boundary_label
             rec.boundary(b, value, step.rows, values=st.cfg.wants_values(boundary_label(b)))
     step.stash.clear()  # step.aux is kept for the drafter: draft_input may repeat its bits (drafter.py)
-    commit_predictions(step, [v for v in spec if step.rows[v[1]] >= 0], unseen=sampled is None)
-    st.last = step
+
+
+def commit_step_predictions(step: Step, spec: list, unseen: bool) -> None:
+    """The last phase of :func:`commit`: the step's top-k tables and the verify segments' rows
+    (``spec`` from :func:`commit_rows`); then it is the step the drafter reads."""
+    commit_predictions(step, [v for v in spec if step.rows[v[1]] >= 0], unseen=unseen)
+    STATE.last = step
 
 
 def _keep_rows(step: Step, S: list, C: list, counts: list, lims: list, gots: list) -> None:
