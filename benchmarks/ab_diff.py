@@ -8,7 +8,10 @@ every checkout once in a fresh random order (seeded), after one untimed round; m
 printed with ``/proc/loadavg`` at the start and the end.
 
     PYTHONPATH=. .venv/bin/python benchmarks/ab_diff.py --pair DIR CHECKOUT [CHECKOUT ...]
-        [--rounds 6] [--seed 0] [--json FILE]
+        [--rounds 6] [--seed 0] [--json FILE] [--idle-wait SECONDS]
+
+``--idle-wait`` starts each timed round only once the machine has been idle for 3 s (up to that
+long): on a 2-core machine another job on one core turns the diff's two lanes into one.
 
 ``DIR`` holds ``a.h5`` and ``b.h5`` (``bench_diff.py --keep`` prints one). A checkout is a
 directory with ``tensordiff/`` in it and its compiled kernel built (``python setup.py build_ext
@@ -25,6 +28,7 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 
 _RUN = r"""
 import json, resource, sys, time
@@ -49,6 +53,35 @@ def _loadavg() -> str:
         return "unknown"
 
 
+def _busy_ticks() -> int | None:
+    """CPU time spent so far by every process on the machine (user + nice + system), in ticks."""
+    try:
+        with open("/proc/stat") as fh:
+            f = fh.readline().split()
+        return int(f[1]) + int(f[2]) + int(f[3])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def wait_idle(limit: float, quiet: float = 3.0) -> bool:
+    """Wait (up to ``limit`` seconds) until the machine has been idle for ``quiet`` seconds: less
+    than a third of a core busy in each second. A round that starts while another job has a core
+    measures that job, not the checkouts (a diff's two lanes need both cores). False: never idle."""
+    end = time.monotonic() + limit
+    calm = 0.0
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    while time.monotonic() < end:
+        t0 = _busy_ticks()
+        time.sleep(1.0)
+        t1 = _busy_ticks()
+        if t0 is None or t1 is None:
+            return False
+        calm = calm + 1.0 if (t1 - t0) < hz / 3 else 0.0
+        if calm >= quiet:
+            return True
+    return False
+
+
 def run_once(checkout: str, a: str, b: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=checkout)
     out = subprocess.run([sys.executable, "-c", _RUN, a, b], cwd=checkout, env=env, capture_output=True, text=True,
@@ -67,6 +100,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--idle-wait", type=float, default=0.0, metavar="SECONDS",
+                    help="before each round, wait up to this long for the machine to be idle for 3 s "
+                         "(a round that never found it idle is counted in the output)")
     args = ap.parse_args()
     a, b = os.path.join(args.pair, "a.h5"), os.path.join(args.pair, "b.h5")
     for p in (a, b):
@@ -81,10 +117,13 @@ def main() -> int:
     rng = random.Random(args.seed)
     times: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
     load0 = _loadavg()
+    busy_rounds = 0
     try:
         for r in range(args.rounds + 1):
             order = trees[:]
             rng.shuffle(order)
+            if args.idle_wait > 0 and r and not wait_idle(args.idle_wait):
+                busy_rounds += 1
             for t in order:
                 got = run_once(t, a, b)
                 if r:   # round 0 warms the page cache and the bytecode of every checkout
@@ -104,10 +143,12 @@ def main() -> int:
         print(f"{t} / {base}: wall {fig[t]['wall_s'] / fig[base]['wall_s']:.2f}x, "
               f"CPU {fig[t]['cpu_s'] / fig[base]['cpu_s']:.2f}x (lower is faster)")
     print(f"/proc/loadavg: {load0} at start, {load1} at end")
+    if args.idle_wait > 0:
+        print(f"rounds started without {args.idle_wait:g} s of waiting finding the machine idle: {busy_rounds}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"bench": "ab_diff", "pair": args.pair, "rounds": args.rounds, "load": [load0, load1],
-                       "figures": fig}, fh, indent=1)
+                       "idle_wait": args.idle_wait, "busy_rounds": busy_rounds, "figures": fig}, fh, indent=1)
     return 0
 
 
