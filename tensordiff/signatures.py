@@ -31,6 +31,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -424,17 +425,30 @@ def _ratio(op: str, x: TapRows, tol: float, ups: str) -> Signature | None:
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TapPair:
     """A compared tensor of the diff: its label, its name on each side, and the tensor rows of the
-    compared tokens on each side (aligned order, ``token_index`` the aligned tokens)."""
+    compared tokens on each side (aligned order, ``token_index`` the aligned tokens). The rows are
+    taken from each side's row map (tensor row per aligned token) when first asked for: a diff
+    has one pair per compared tensor and the signatures read the zoomed layer's few, while every
+    pair's rows at 1M tokens would be 16 MB each."""
 
     label: str
     name_a: str
     name_b: str
-    rows_a: NDArray[np.int64]
-    rows_b: NDArray[np.int64]
+    row_map_a: NDArray[np.int64]
+    row_map_b: NDArray[np.int64]
     token_index: NDArray[np.int64]
+
+    @cached_property
+    def rows_a(self) -> NDArray[np.int64]:
+        rows: NDArray[np.int64] = self.row_map_a[self.token_index]
+        return rows
+
+    @cached_property
+    def rows_b(self) -> NDArray[np.int64]:
+        rows: NDArray[np.int64] = self.row_map_b[self.token_index]
+        return rows
 
 
 def _info(a: TraceSource, b: TraceSource, names_a: Sequence[str], names_b: Sequence[str]) -> LayerInfo:

@@ -130,3 +130,33 @@ def test_other_differences_are_not_mistaken():
     s = classify(2, "attn_norm", {**taps, "attn_norm": TapRows("attn_norm", nrm.a, nrm.a * 1.02)}, pos, seqs, INFO,
                  norm_ms=ms)
     assert s.kind == "scale", s
+
+
+def test_the_judges_tap_pairs_take_their_rows_only_when_read(tmp_path):
+    """Every compared one-slot tensor becomes a tap pair for the signatures, which read the zoomed
+    layer's few: a pair's rows are taken from the row maps when first read (at 1M tokens x 32
+    tensors, taking them all at once held ~0.5 GB), and are the rows of the compared tokens."""
+    from tensordiff.diff import DiffOptions
+    from tensordiff.diff.judge import _tap_pairs
+    from tensordiff.diff.plan import plan_diff
+    from tensordiff.diff.run import open_pair
+    from tensordiff.trace import TraceWriter
+
+    paths = []
+    for side in ("train", "serve"):
+        p = str(tmp_path / f"{side}.h5")
+        with TraceWriter(p, side=side, model={"num_layers": 3, "hidden_size": 16}) as w:
+            for b in range(3):
+                w.define_tensor(f"layer{b}", 16, kind="boundary", boundary=b, dtype="float32")
+            rows = w.add_tokens("s", np.arange(40), np.arange(40) + 3, "train" if side == "train" else "prefill")
+            for b in range(3):
+                w.append(f"layer{b}", rows, np.random.default_rng(b).standard_normal((40, 16), dtype=np.float32))
+        paths.append(p)
+    with open_pair(*paths) as (a, b):
+        plan = plan_diff(a, b, DiffOptions(), lambda *x: None, measure_noise=False)
+        pairs = _tap_pairs(plan)
+        assert len(pairs) == 3
+        assert all("rows_a" not in p.__dict__ and "rows_b" not in p.__dict__ for p in pairs)
+        for p, j in zip(pairs, [j for j in plan.jobs if j.basis == "values" and j.slots == 1]):
+            assert np.array_equal(p.rows_a, j.rows_a[j.rows]) and np.array_equal(p.rows_b, j.rows_b[j.rows])
+            assert p.rows_a is p.rows_a   # taken once

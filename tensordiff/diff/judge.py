@@ -185,7 +185,7 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
 
 def _tap_pairs(plan: DiffPlan) -> list[signatures.TapPair]:
     """The one-slot pairs compared on full values, as the signatures read them."""
-    return [signatures.TapPair(j.label, j.a.name, j.b.name, j.rows_a[j.rows], j.rows_b[j.rows], j.rows)
+    return [signatures.TapPair(j.label, j.a.name, j.b.name, j.rows_a, j.rows_b, j.rows)
             for j in plan.jobs if j.basis == "values" and j.slots == 1]
 
 
