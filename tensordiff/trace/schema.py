@@ -46,8 +46,9 @@ TOKEN_COLUMNS = ("seq", "position", "token", "regime", "step")
 CHUNK_BYTES = 1 << 20        # values are chunked in blocks of about this many bytes
 # Rows that divide this evenly are chunked in exactly this many bytes, and the file places every
 # allocation this large at a multiple of it: each chunk is then written as one aligned 2 MiB run,
-# which the page cache keeps as one huge page and a diff maps with one page fault instead of 512
-# (the kernel maps a 2 MiB-aligned huge page of a file whole). The gaps the alignment leaves are
+# which the page cache keeps as one huge page where the file system caches large folios (ext4 on
+# recent kernels), and a diff then maps it with one page fault instead of 512 (the kernel maps a
+# 2 MiB-aligned huge page of a file whole). The gaps the alignment leaves are
 # holes (no disk blocks), most filled by the file's small objects.
 ALIGN_BYTES = 2 << 20
 META_BLOCK_BYTES = 64 << 10  # metadata in blocks this large: few gaps between aligned chunks
