@@ -308,11 +308,7 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
     nx, rx = stack.norms_rms_at([c.ok for c in cands])
     x_of: Callable[[int, int], F32] = lambda i, j: stack.rows(cands[j].ok)[i]  # noqa: E731
     dots = np.empty((S, sum(lens)))
-    start = 0
-    for c, n in zip(cands, lens):
-        for i, x in enumerate(stack.rows(c.ok)):
-            row_dots_at(x, c.data, ci=c.at, c_bf16=c.bf16, out=dots[i, start:start + n])
-        start += n
+    _candidate_dots(stack, cands, lens, dots)
     nc: NDArray[np.float64] = (given[0] if one else np.concatenate(given)) if len(given) == len(cands) \
         else np.concatenate([row_norms(c.rows()) for c in cands])
     bounds = np.cumsum([0] + lens).tolist()
@@ -353,6 +349,29 @@ def score_many(stack: SlotStack, cands: list[CandidateRows]) -> list[list[_Score
             row.append(sc)
         out.append(row)
     return out
+
+
+def _candidate_dots(stack: SlotStack, cands: list[CandidateRows], lens: list[int], dots: NDArray[np.float64]) -> None:
+    """``dots[i, segment of c]``: each candidate's per-token dot products against slot ``i``'s
+    rows at its tokens. The candidates that score rows of one array in place (a state at its
+    offsets) take one kernel call per slot, the slot's rows and theirs picked by index; the others
+    one call per candidate and slot on the slot's gathered rows. Each dot product is the kernel's
+    sum over one pair of rows whatever else the call holds, so both give the same bits."""
+    starts = np.cumsum([0] + lens[:-1]).tolist()
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for j, c in enumerate(cands):
+        if c.at is not None:
+            groups.setdefault((id(c.data), c.bf16), []).append(j)
+        else:
+            for i, x in enumerate(stack.rows(c.ok)):
+                row_dots_at(x, c.data, ci=c.at, c_bf16=c.bf16, out=dots[i, starts[j]:starts[j] + lens[j]])
+    for members in groups.values():
+        first = cands[members[0]]
+        xi = np.concatenate([np.flatnonzero(cands[j].ok) for j in members])
+        ci = np.concatenate([np.asarray(cands[j].at, np.int64) for j in members])
+        where = np.concatenate([np.arange(starts[j], starts[j] + lens[j]) for j in members])
+        for i, t in enumerate(stack.targets):
+            dots[i, where] = row_dots_at(t.data, first.data, xi=xi, ci=ci, c_bf16=first.bf16)
 
 
 def _surely_not_exact(cos_t: NDArray[np.float64], tol: float, width: int) -> bool:

@@ -77,6 +77,41 @@ def test_score_many_equals_scoring_one_at_a_time(w):
     assert any(s.exact_rel < math.inf for s in score_many(stack, [cands[2]])[0])  # the exact path ran
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("w", [8, 4096])
+def test_candidates_scored_in_place_at_several_offsets_give_the_bits_of_one_at_a_time(bf16, w):
+    """States whose rows lie in one stored array, picked by index at each offset (scored in
+    place, bfloat16 bits or float32), batched with each other and with gathered candidates: each
+    number is the one scoring that candidate alone gives."""
+    from tensordiff.dtypes import bf16_bits_to_f32
+
+    rng = np.random.default_rng(w + bf16)
+    n = 64
+    targets = _targets(rng, n, w, 2)
+    cands = []
+    for state in range(3):
+        stored = (rng.standard_normal((n + 40, w)) * rng.lognormal(0, 1, (n + 40, 1))).astype(np.float32)
+        stored[rng.random(n + 40) < 0.05] = 0.0
+        if bf16:
+            stored = (stored.view(np.uint32) >> 16).astype(np.uint16)
+        rows32 = bf16_bits_to_f32(stored) if bf16 else stored
+        for offset in (0, -1, 1, -2, 2):
+            ok = rng.random(n) < (1.0 if offset == 0 else 0.85)
+            at = np.sort(rng.choice(n + 40, int(ok.sum()), replace=False)) if state != 1 else \
+                rng.integers(0, n + 40, int(ok.sum()))                     # unsorted, repeated rows
+            rms = (targets[0].rms[ok] * rng.uniform(0.5, 2.0, len(at))).astype(np.float32)
+            tol = 3e-2 if state == 0 else None
+            cands.append(CandidateRows(f"s{state}", "ab"[state % 2], offset, "values", ok, stored, rms, tol,
+                                       row_norms(rows32[at]), at, bf16))
+    gathered = CandidateRows("g", "a", 0, "values", cands[3].ok, cands[3].rows().copy(), cands[3].rms, None)
+    stack = SlotStack(targets)
+    for group in (cands, cands[::-1], [cands[0], gathered, cands[7], cands[1]], cands[5:10]):
+        got = score_many(stack, group)
+        for c, row in zip(group, got):
+            for t, s in zip(targets, row):
+                _same(s, score(t, c))
+
+
 def test_score_many_falls_back_on_a_candidate_without_rows():
     rng = np.random.default_rng(3)
     targets = _targets(rng, 40, 8, 2)
