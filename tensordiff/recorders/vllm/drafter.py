@@ -26,6 +26,7 @@ def hook_propose(original, proposer, *args, **kwargs):
     st = STATE
     if not st.active or st.last is None or st.labels is None:
         return original(proposer, *args, **kwargs)
+    t0 = time.perf_counter()   # the plugin's own time: this part and the records after the pass
     ctx = None
     deferring = bool(st.queue) or st.last.rows is None  # the step it reads is recorded later: so is this pass
     if deferring:
@@ -55,6 +56,7 @@ def hook_propose(original, proposer, *args, **kwargs):
     except Exception as e:  # noqa: BLE001
         st.fail("draft pass", e)
     st.draft_ctx = ctx
+    st.add_seconds(time.perf_counter() - t0)
     try:
         return original(proposer, *args, **kwargs)
     finally:
@@ -138,6 +140,7 @@ def hook_set_inputs_first_pass(out, proposer, *args, **kwargs) -> None:
     if ctx is None or ctx.get("seen"):
         return
     ctx["seen"] = True
+    t0 = time.perf_counter()
     try:
         num_tokens = int(out[0])
         buf = getattr(proposer, "input_ids", None)
@@ -149,6 +152,7 @@ def hook_set_inputs_first_pass(out, proposer, *args, **kwargs) -> None:
                 ctx["ids"] = to_numpy(buf[:num_tokens]).copy()
     except Exception:  # noqa: BLE001
         ctx["ids"] = None
+    STATE.add_seconds(time.perf_counter() - t0)
 
 
 def record_draft(ctx: dict) -> None:

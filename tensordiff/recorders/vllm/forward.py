@@ -36,12 +36,14 @@ def hook_execute_model(original, runner, scheduler_output, *args, **kwargs):
     st.last_activity = time.monotonic()
     if st.pending is not None:  # a step whose sampling we did not see: keep what is certain
         try:
-            st.drain_queue()  # the records deferred before it first
+            st.drain_queue()  # the records deferred before it first (timed there)
+            t0 = time.perf_counter()
             with st.lock:
                 commit(st.pending, None)
+            st.add_seconds(time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
             st.fail("target step", e)
-    before_step()  # weights loaded since the last step: fingerprinted before it runs
+    before_step()  # weights loaded since the last step: fingerprinted before it runs (timed there)
     st.sched = scheduler_output
     st.forwarded = False
     try:
