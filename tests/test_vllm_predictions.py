@@ -911,3 +911,51 @@ def test_a_chains_draft_rows_taken_per_position_are_the_rows_stacked_one_by_one(
         chains.append([(first, int(rng.integers(0, 12))), (jobs[2], int(rng.integers(0, 12)))])
     want = np.stack([np.stack([job.table[i] for job, i in ch]) for ch in chains]).reshape(m, -1)
     assert chain_draft_rows(chains, k, dw).tobytes() == want.tobytes()
+
+
+class _Clock:
+    """A fake ``time.perf_counter``: one second per reading, plus what ``spend`` adds."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+    def spend(self, seconds):
+        self.now += seconds
+
+
+def test_the_drafter_hooks_count_their_own_time_and_not_the_engines(st, monkeypatch):
+    """plugin_seconds is the plugin's whole time: the propose hook's set-up before vLLM's call and
+    set_inputs_first_pass's copies count; the drafter's own run inside the hook does not."""
+    import time as _time
+
+    from tensordiff.recorders.vllm import drafter
+
+    clock = _Clock()
+    monkeypatch.setattr(_time, "perf_counter", clock)
+    monkeypatch.setattr(STATE, "last", _step(torch.randn(7, H)))
+    monkeypatch.setattr(STATE, "labels", ["layer1", "layer2", "layer3"])
+    monkeypatch.setattr(STATE, "queue", [])
+    monkeypatch.setattr(STATE, "queue_steps", 16)   # the pass is queued, not made here
+    monkeypatch.setattr(STATE, "draft_ctx", None)
+
+    def propose(proposer, target_hidden_states=None, common_attn_metadata=None):
+        clock.spend(100.0)   # the engine's drafting
+        return "drafted"
+
+    before = STATE.seconds
+    assert drafter.hook_propose(propose, object(), target_hidden_states=None, common_attn_metadata=None) == "drafted"
+    assert STATE.seconds - before == 1.0   # its set-up (two readings), nothing of the engine's 100 s
+
+    ctx = {"seen": False}
+    monkeypatch.setattr(STATE, "draft_ctx", ctx)
+    proposer = SimpleNamespace(input_ids=torch.arange(16), needs_extra_input_slots=False)
+    before = STATE.seconds
+    drafter.hook_set_inputs_first_pass((5, torch.tensor([1, 4])), proposer)
+    assert STATE.seconds - before == 1.0
+    assert ctx["ids"].tolist() == [0, 1, 2, 3, 4] and ctx["sample"].tolist() == [1, 4] and ctx["aligned"]
+    drafter.hook_set_inputs_first_pass((5, None), proposer)   # a later pass of the same propose: nothing
+    assert STATE.seconds - before == 1.0
