@@ -253,6 +253,27 @@ def test_flushes_fall_between_steps_and_commit_whole_steps(tmp_path):
         assert "recovered 24 token rows and 24 tensor rows" in r.recovered_note
 
 
+def test_no_trigger_fires_while_flushes_are_held_and_the_next_step_flushes(tmp_path):
+    """Several steps' token rows added first and their tensor rows after (a queue made phase by
+    phase), inside flushes_held: no flush there, not even with tokens alone twice past the
+    trigger; the trigger reached fires at the next step's first token rows, committing whole
+    steps."""
+    commits = []
+    w = TraceWriter(tmp_path / "t.h5", model={"hidden_size": 4, "num_layers": 1}, flush_rows=3, flush_seconds=None,
+                    on_flush=lambda wr: commits.append(json.loads(json.dumps(wr.flushed))))
+    w.define_tensor("x", 4)
+    w.append("x", w.add_tokens("s0", range(2), [1, 2], "decode"), np.ones((2, 4), np.float32))
+    with w.flushes_held():
+        rows = [w.add_tokens(f"q{i}", range(4), [1, 2, 3, 4], "decode") for i in range(4)]   # 16 rows: 5x the trigger
+        assert not w.flush_triggered(1)
+        for r in rows:
+            w.append("x", r, np.zeros((4, 4), np.float32))
+    assert commits == [] and w.flush_triggered(1)
+    w.add_tokens("next", [0], [5], "decode")
+    assert commits == [{"tokens": 18, "tensors": {"x": 18}}]
+    w.close()
+
+
 def test_time_trigger_and_arguments(tmp_path):
     commits = []
     with TraceWriter(tmp_path / "t.h5", model={"hidden_size": 4}, flush_rows=None, flush_seconds=0.01,

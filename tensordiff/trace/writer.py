@@ -13,7 +13,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
@@ -298,7 +298,9 @@ class TraceWriter:
     at most ``flush_rows`` plus one step of token rows (max(``flush_rows``, one step) when a step is
     one ``add_tokens`` call), or the rows of the last ``flush_seconds`` plus one step. ``None``
     turns a trigger off (both ``None``: only ``flush()``/``close()`` write). ``on_flush(writer)`` is
-    called after each commit (``writer.flushed`` then says what is on disk).
+    called after each commit (``writer.flushed`` then says what is on disk). A recorder that adds
+    several steps' token rows before their tensor rows holds the triggers meanwhile
+    (:meth:`flushes_held`).
     """
 
     def __init__(self, path: str | os.PathLike[str], side: str = "other", *, producer: str = "",
@@ -359,6 +361,7 @@ class TraceWriter:
         self._rows_since_flush = 0
         self._dirty = False
         self._appended = False
+        self._held = 0   # flushes_held depth: no trigger fires while it is above 0
         self._last_flush = time.monotonic()
         self._set_triggers()
         self._closed = False
@@ -811,13 +814,26 @@ class TraceWriter:
         """Whether a flush trigger (``flush_rows`` counting ``incoming`` more token rows, or
         ``flush_seconds``) has been reached with rows not yet flushed. A recorder that holds
         tensor rows back (staging) appends them when this says so, before its next
-        ``add_tokens``, so that the flush this triggers holds whole steps."""
-        return self._dirty and (self._rows_since_flush + incoming > self._row_trigger
+        ``add_tokens``, so that the flush this triggers holds whole steps. Never while flushes are
+        held (:meth:`flushes_held`)."""
+        return self._dirty and not self._held and (self._rows_since_flush + incoming > self._row_trigger
                                 or time.monotonic() >= self._time_trigger)
+
+    @contextlib.contextmanager
+    def flushes_held(self) -> Iterator[None]:
+        """No flush trigger fires inside: for a caller that adds the token rows of several steps
+        before any of their tensor rows (a queue of steps made phase by phase), where a flush
+        would commit token rows without their tensor rows. A trigger reached meanwhile fires at
+        the first ``add_tokens`` after, at the start of the next step, as usual."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
 
     def _flush_due(self, incoming: int) -> bool:
         """Whether to flush before adding ``incoming`` token rows (see the class docstring)."""
-        if not self._dirty:
+        if not self._dirty or self._held:
             return False
         waited = time.monotonic() - self._last_flush
         rows_due = self.flush_rows is not None and self._rows_since_flush + incoming > self.flush_rows

@@ -8,6 +8,7 @@ Standard library only at import time.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import re
 import threading
@@ -187,18 +188,28 @@ class State(ServeState):
         then every second phase in order, and so on (the caller times it, under the lock). One
         kind of record after the other runs the same code many times while it is in the CPU's
         caches; each phase keeps the order of the records, so every tensor's rows, the token
-        table and the draft chains come out as one record after the other would make them."""
+        table and the draft chains come out as one record after the other would make them.
+        The writer's flush triggers are held meanwhile: the first phase adds every queued step's
+        token rows before any of their tensor rows, and a flush there would commit token rows
+        without them. A trigger reached meanwhile flushes once the queue is made: whole steps."""
         with self.lock:
-            while self.queue and not self.broken:
-                q, self.queue = self.queue, []
-                self.queue_bytes = 0
-                for phase in range(PHASES):
-                    for fns, _ in q:
-                        if self.broken:
-                            return
-                        fn = fns[phase]
-                        if fn is not None:
-                            fn()
+            held = self.rec.writer.flushes_held() if self.rec is not None else contextlib.nullcontext()
+            with held:
+                self._run_phases()
+            if self.rec is not None and not self.broken and self.rec.writer.flush_triggered():
+                self.rec.flush()
+
+    def _run_phases(self) -> None:
+        while self.queue and not self.broken:
+            q, self.queue = self.queue, []
+            self.queue_bytes = 0
+            for phase in range(PHASES):
+                for fns, _ in q:
+                    if self.broken:
+                        return
+                    fn = fns[phase]
+                    if fn is not None:
+                        fn()
 
     def drain_queue(self) -> None:
         """:meth:`run_queue`, timed as the plugin's own."""
