@@ -772,14 +772,17 @@ def test_the_queue_length_comes_from_the_environment(monkeypatch, value, want):
     assert queue_steps_from_env() == want
 
 
-def _steps_with_draft_passes(path, queue: bool, monkeypatch, stage_bytes):
-    """Four target steps, each followed by its drafter pass (draft_input with the aux rows' bits,
-    fc output, the first pass and one decode step, the chain of the next verify), recorded as the
-    hooks record them with the queue off (each record now) or on (every record queued, then the
-    queue made in its phases); returns the order the queue ran its phases in."""
+def _steps_with_draft_passes(path, queue: bool, monkeypatch, stage_bytes, *, steps: int = 4, drain_every: int = 0,
+                             writer_kwargs: dict | None = None):
+    """Four target steps (or ``steps``), each followed by its drafter pass (draft_input with the
+    aux rows' bits, fc output, the first pass and one decode step, the chain of the next verify),
+    recorded as the hooks record them with the queue off (each record now) or on (every record
+    queued, then the queue made in its phases, every ``drain_every`` steps or at the end);
+    returns the order the queue ran its phases in."""
     from tensordiff.recorders.vllm import drafter
 
-    rec = Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=stage_bytes)
+    rec = Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=stage_bytes,
+                   writer_kwargs=writer_kwargs)
     for name, value in (("rec", rec), ("queue", []), ("queue_bytes", 0), ("rows_written", 0), ("rows_dropped", 0),
                         ("chain", {}), ("chain_step", None), ("labels", ["layer1", "layer3"]), ("raw_ids", [1, 3]),
                         ("draft_head", (_head(7, vocab=8), 8, None, None)), ("draft_id_map", None),
@@ -793,7 +796,8 @@ def _steps_with_draft_passes(path, queue: bool, monkeypatch, stage_bytes):
                      for p, f in enumerate(fns))
 
     samples = [[[9, -1, -1], [7, 9, 5]], [[9, -1, -1], [7, -1, -1]], [[9, -1, -1], [7, 9, -1]], [[9, -1, -1], [7, 9, 5]]]
-    for i, sampled in enumerate(samples):
+    for i in range(steps):
+        sampled = samples[i % len(samples)]
         step = _step(torch.randn(7, H, generator=g))
         step.step = i + 1
         step.pos = step.pos + 10 * i
@@ -816,6 +820,8 @@ def _steps_with_draft_passes(path, queue: bool, monkeypatch, stage_bytes):
         else:
             drafter._spend_chains()
             drafter.record_draft(ctx)
+        if queue and drain_every and (i + 1) % drain_every == 0:
+            STATE.run_queue()
     STATE.run_queue()
     rec.close()
     return order
@@ -858,6 +864,43 @@ def test_queued_steps_and_draft_passes_made_phase_by_phase_are_the_records_made_
             refs.append(g["values_ref"][()] if "values_ref" in g else None)
     if stage_bytes:
         assert refs[0] is not None and (refs[0] >= 0).all() and np.array_equal(refs[0], refs[1])
+
+
+@pytest.mark.parametrize("flush_rows", [4, 10, 17, 40])
+@pytest.mark.parametrize("queue", [False, True], ids=["now", "queued"])
+@pytest.mark.parametrize("stage_bytes", [0, 1 << 20], ids=["at_once", "staged"])
+def test_every_flush_commits_whole_steps_when_the_queue_adds_many_steps_token_rows_first(tmp_path, monkeypatch, st,
+                                                                                        stage_bytes, queue,
+                                                                                        flush_rows):
+    """What every flush commits is whole steps (each tensor's rows of exactly the committed token
+    rows): with a flush trigger reached while the queue adds its steps' token rows (its first
+    phase) or between the two regimes of one step's token rows (prefill, then verify), staged or
+    not, and tokens alone twice past a trigger inside the queue (4 rows). The trace is the same
+    bits either way."""
+    from tensordiff.trace import TraceReader
+
+    states = []
+
+    def on_flush(w):
+        states.append((w.flushed["tokens"], dict(w.flushed["tensors"])))
+
+    path = tmp_path / ("queued.h5" if queue else "now.h5")
+    _steps_with_draft_passes(path, queue, monkeypatch, stage_bytes, steps=16, drain_every=3,
+                             writer_kwargs={"flush_rows": flush_rows, "flush_seconds": None, "on_flush": on_flush})
+    with TraceReader(str(path)) as r:
+        n_all = len(r.tokens)
+        rows = {name: r.token_rows(name) for name in r.tensors}
+    inside = [(n, c) for n, c in states if 0 < n < n_all]
+    assert inside   # flushes fell between the first and the last step
+    for n_tok, counts in inside:
+        for name, idx in rows.items():
+            assert counts.get(name, 0) == int((idx < n_tok).sum()), (n_tok, name)
+    other = tmp_path / ("now.h5" if queue else "queued.h5")
+    _steps_with_draft_passes(other, not queue, monkeypatch, stage_bytes, steps=16, drain_every=3)
+    ga, gb = _read(path), _read(other)
+    assert sorted(ga[0]) == sorted(gb[0])
+    for name in ga[0]:
+        assert ga[0][name][1].tobytes() == gb[0][name][1].tobytes(), name
 
 
 def test_the_draft_columns_of_a_whole_vocabulary_draft_and_a_verify_rows_logits_are_the_same_bits(monkeypatch):

@@ -226,6 +226,12 @@ class Recorder:
         self._staged: dict[str, list[Staged]] = {}       # staged calls per tensor, in call order
         self._staged_bytes = 0
         self._jobs: list[TopkJob] = []                   # top-k jobs not computed yet
+        # staged rows and jobs made so far, and that count at the last token rows added: a step's
+        # token rows come before its tensor rows, so token rows added with nothing staged since
+        # the last ones are more rows of the same step (another regime of its batch), and the
+        # staged rows of the steps before must not go out then (a flush would split this step)
+        self._stage_mark = 0
+        self._mark_at_tokens = 0
 
     # -- filters ---------------------------------------------------------------------------
 
@@ -267,7 +273,7 @@ class Recorder:
         elif isinstance(positions, torch.Tensor):
             positions = positions.detach().reshape(-1).cpu().numpy()
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if (self._staged or self._jobs) and self.writer.flush_triggered(len(positions)):
+        if self._step_start() and (self._staged or self._jobs) and self.writer.flush_triggered(len(positions)):
             self.write_staged()  # the flush this add triggers then holds the staged steps whole
         rows = self.writer.add_tokens(seq, positions, tokens, regime=regime, step=step)
         end = self._n_rows + len(rows)
@@ -295,7 +301,7 @@ class Recorder:
         n = len(positions)
         if len(tokens) != n or int(np.sum(counts)) != n:
             raise ValueError(f"{n} positions, {len(tokens)} tokens and {int(np.sum(counts))} counted rows")
-        if (self._staged or self._jobs) and self.writer.flush_triggered(n):
+        if self._step_start() and (self._staged or self._jobs) and self.writer.flush_triggered(n):
             self.write_staged()  # the flush these adds may trigger then holds the staged steps whole
         start = self._n_rows
         out = np.empty(n, dtype=np.int64)
@@ -573,7 +579,14 @@ class Recorder:
         self._stage_entry(name, entry)
         return len(rows)
 
+    def _step_start(self) -> bool:
+        """Whether token rows added now start a step: something was staged since the last ones."""
+        start = self._stage_mark != self._mark_at_tokens
+        self._mark_at_tokens = self._stage_mark
+        return start
+
     def _stage_entry(self, name: str, entry: Staged) -> None:
+        self._stage_mark += 1
         self._staged.setdefault(name, []).append(entry)
         self._staged_bytes += entry.nbytes
         if self._staged_bytes > self.stage_bytes:
@@ -734,6 +747,7 @@ class Recorder:
         if not later:
             _ = job.table  # computed now
         else:
+            self._stage_mark += 1
             self._staged_bytes += job.nbytes
             if self._staged_bytes > self.stage_bytes:
                 self.write_staged()
