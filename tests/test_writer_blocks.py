@@ -437,3 +437,17 @@ def test_rows_that_divide_2_mib_get_2_mib_chunks_at_multiples_of_2_mib(tmp_path)
     tiny = tmp_path / "tiny.h5"
     _write(tiny, _stored(rng, 16, 64, "bfloat16"), [4], dtype="bfloat16", width=64)
     assert os.path.getsize(tiny) < 512 << 10
+
+
+@pytest.mark.parametrize("row_bytes, rows", [
+    (4 << 10, 512), (8 << 10, 256), (32 << 10, 64), (128 << 10, 16),   # 2 MiB chunks, aligned
+    (256 << 10, 16), (1 << 20, 16), (2 << 20, 16), (4 << 20, 16),       # at least 16 rows
+    (8 << 20, 8), (64 << 20, 1),                                        # within what a reader reads whole
+    (3 * 1024, 256), (28 << 10, 32), (64, 512), (4, 512),
+])
+def test_chunks_hold_2mib_where_rows_fill_it_else_about_1mib_and_16_rows_or_more(row_bytes, rows):
+    from tensordiff.trace.schema import MAX_CHUNK_BYTES
+
+    got = writer_mod._chunk_rows(row_bytes)
+    assert got == rows
+    assert got * row_bytes <= MAX_CHUNK_BYTES

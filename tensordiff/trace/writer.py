@@ -28,6 +28,7 @@ from .schema import (
     ALIGN_BYTES,
     CHUNK_BYTES,
     KINDS,
+    MAX_CHUNK_BYTES,
     MAX_KEY_CHARS,
     MAX_NAME_CHARS,
     META_BLOCK_BYTES,
@@ -47,14 +48,17 @@ _ND = np.ndarray
 
 
 def _chunk_rows(row_bytes: int, cap: int = 512) -> int:
-    """Rows per chunk: exactly :data:`ALIGN_BYTES` where whole rows fill it (256 rows at H=4096
-    bf16: aligned in the file, a chunk maps as one huge page), else about 1 MiB; never (1, H), and
-    at most ``cap`` rows so that narrow datasets (RMS, row indices, tiny models) do not allocate
-    megabytes each."""
-    if row_bytes > 0 and ALIGN_BYTES % row_bytes == 0 and ALIGN_BYTES // row_bytes <= cap:
+    """Rows per chunk: exactly :data:`ALIGN_BYTES` where 16 or more whole rows fill it (256 rows
+    at H=4096 bf16: aligned in the file, a chunk maps as one huge page), else about 1 MiB. At
+    least 16 rows (a wide vocabulary row must not cost a chunk, an HDF5 write and an index entry
+    per row or two) unless 16 rows would pass what a reader reads whole (:data:`MAX_CHUNK_BYTES`),
+    and at most ``cap`` rows so that narrow datasets (RMS, row indices, tiny models) do not
+    allocate megabytes each."""
+    if row_bytes > 0 and ALIGN_BYTES % row_bytes == 0 and 16 <= ALIGN_BYTES // row_bytes <= cap:
         return ALIGN_BYTES // row_bytes
     rows = max(1, CHUNK_BYTES // max(row_bytes, 1))
-    return int(min(cap, max(16, 1 << int(math.log2(rows)))))
+    rows = min(cap, max(16, 1 << int(math.log2(rows))))
+    return int(max(1, min(rows, MAX_CHUNK_BYTES // max(row_bytes, 1))))
 
 
 class _Appender:
