@@ -106,7 +106,9 @@ def level_of(rel: NDArray[np.floating], one_minus_cos: NDArray[np.floating],
 def order_stats(x: NDArray[np.float64], qs: Sequence[float]) -> list[float]:
     """``np.quantile(x, q)`` (its default, linear method; 0.5 as ``np.median``) of a finite 1-D
     float64 array for each ``q``, the same bits, from one partial sort of a copy: numpy's own
-    functions cost more in their argument handling than in the sort at a few thousand values."""
+    functions cost more in their argument handling than in the sort at a few thousand values.
+    A zero comes out as +0.0: which of -0.0 and 0.0 numpy returns depends on where its own
+    partition leaves equal values (and a later division by the figure must not turn on it)."""
     n = len(x)
     if n == 0:
         raise ValueError("order statistics of an empty array")
@@ -123,10 +125,11 @@ def order_stats(x: NDArray[np.float64], qs: Sequence[float]) -> list[float]:
     for lo, hi, g in at:
         a, b = float(part[lo]), float(part[hi])
         if g < 0:
-            out.append(a if lo == hi else (a + b) / 2)
+            v = a if lo == hi else (a + b) / 2
         else:   # numpy's _lerp, its two branches
             d = b - a
-            out.append(b - d * (1 - g) if g >= 0.5 else a + d * g)
+            v = b - d * (1 - g) if g >= 0.5 else a + d * g
+        out.append(v + 0.0)   # a zero as +0.0 (see the docstring)
     return out
 
 

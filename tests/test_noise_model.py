@@ -180,8 +180,16 @@ def test_order_stats_are_numpys_median_and_quantiles_to_the_bit():
         n = int(rng.integers(1, 12)) if t % 3 == 0 else int(rng.integers(12, 3000))
         x = rng.standard_normal(n) * 10.0 ** rng.uniform(-9, 3)
         if t % 4 == 0:
-            x = np.round(x, 2)   # ties
+            x = np.round(x, 2) + 0.0   # ties (and no -0.0: its sign is not numpy's, see below)
         want = [float(np.median(x))] + [float(np.quantile(x, q)) for q in qs[1:]]
-        assert noise.order_stats(x, qs) == want, (n, t)
+        assert np.array(noise.order_stats(x, qs)).tobytes() == np.array(want).tobytes(), (n, t)
+    for x in ([-0.0], [-0.0, -0.0], [-0.0, 0.0], [0.0, -0.0], [-0.0] * 3, [-1.0, -0.0], [-0.0, 1.0], [-0.0] * 9,
+              [-2.0, -0.0, -0.0, 3.0], [-1e-9, -0.0, 0.0, 1e-9] * 50):
+        # signed zeros: numpy's value with a zero as +0.0, whichever zero its partition left there
+        a = np.array(x)
+        want = [float(np.median(a))] + [float(np.quantile(a, q)) for q in qs[1:]]
+        got = noise.order_stats(a, qs)
+        assert np.array(got).tobytes() == (np.array(want) + 0.0).tobytes(), x
+        assert all(math.copysign(1.0, v) > 0 for v in got if v == 0.0)
     with pytest.raises(ValueError):
         noise.order_stats(np.zeros(0), (0.5,))
