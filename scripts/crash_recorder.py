@@ -85,8 +85,9 @@ def token_ids(step: int, seq_len: int) -> np.ndarray:
 class _Source:
     """Builds what one child records; heavy imports happen here, once, in the zygote."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, hidden: int = HIDDEN):
         self.mode = mode
+        self.hidden = hidden   # the numpy mode's width (4096: rows that fill the writer's aligned 2 MiB chunks)
         if mode == "numpy":
             return
         import torch
@@ -163,17 +164,18 @@ class _Source:
         from tensordiff.vocab import boundary_label
 
         total = 0
+        H = self.hidden
         with TraceWriter(path, side="train", producer="scripts/crash_recorder.py",
-                         model={"num_layers": N_LAYERS, "hidden_size": HIDDEN}, **kw) as w:
+                         model={"num_layers": N_LAYERS, "hidden_size": H}, **kw) as w:
             for b in range(N_LAYERS + 1):
-                w.define_tensor(boundary_label(b), HIDDEN, kind="boundary", boundary=b, dtype="bfloat16")
-            w.define_tensor("draft_input", HIDDEN * len(DRAFT_LAYERS), kind="packed",
+                w.define_tensor(boundary_label(b), H, kind="boundary", boundary=b, dtype="bfloat16")
+            w.define_tensor("draft_input", H * len(DRAFT_LAYERS), kind="packed",
                             slots=SlotSpec(list(DRAFT_LAYERS)), token_offset=1, role="draft_input")
             for step in range(steps):
                 ids = token_ids(step, seq_len)
                 rng = np.random.default_rng(step)
                 rows = w.add_tokens(f"sample-{step}", np.arange(len(ids)), ids, "train", step=step)
-                hs = rng.standard_normal((N_LAYERS + 1, len(ids), HIDDEN), dtype=np.float32)
+                hs = rng.standard_normal((N_LAYERS + 1, len(ids), H), dtype=np.float32)
                 bits = (hs.view(np.uint32) >> 16).astype(np.uint16)
                 for b in range(N_LAYERS + 1):
                     w.append(boundary_label(b), rows, bits[b])
@@ -300,6 +302,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("auto", "hf", "writer", "numpy"), default="auto")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--seq-len", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help="the width of --mode numpy's tensors")
     ap.add_argument("--flush-rows", type=int, default=96)
     ap.add_argument("--flush-seconds", type=float, default=0.0, help="0: off")
     ap.add_argument("--seed", type=int, default=0, help="kill times of --self-kill")
@@ -309,7 +312,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.write_sweep:
         return write_sweep(a, argv if argv is not None else sys.argv[1:])
-    src = _Source(a.mode)
+    src = _Source(a.mode, a.hidden)
     emit(f"READY {src.mode}")
     kw = {"flush_rows": a.flush_rows or None, "flush_seconds": a.flush_seconds or None}
     runs = a.self_kill + 1 if a.self_kill else a.runs

@@ -93,13 +93,13 @@ def _last(log: list[str], kind: str):
 
 
 def kill_runs(tmp_path, kills: int, mode: str, seed: int, *, flush_rows: int, seq_len: int, steps: int,
-              flush_seconds: float = 0.0) -> tuple[list[dict], str]:
+              flush_seconds: float = 0.0, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
     """A reference run, then ``kills`` runs each SIGKILLed after a random delay; returns what each
     child had reported before it died, and the reference trace."""
     rnd = random.Random(seed)
     prefix = str(tmp_path / "run")
     z = Zygote(prefix, kills + 1, "--mode", mode, "--flush-rows", str(flush_rows), "--seq-len", str(seq_len),
-               "--steps", str(steps), "--flush-seconds", str(flush_seconds))
+               "--steps", str(steps), "--flush-seconds", str(flush_seconds), *extra)
     runs = []
     try:
         log: list[str] = []
@@ -188,6 +188,19 @@ def test_killed_writer_keeps_every_flushed_row(tmp_path):
     lost = check_runs(runs, ref, flush_rows=96, seq_len=24, seed=seed)
     assert len(lost) >= 3, f"seed {seed}: too few runs were killed mid-recording ({runs})"
     print(f"token rows lost per kill (flush every 96 rows): {lost}")
+
+
+def test_killed_writer_of_aligned_2mib_chunks_keeps_every_flushed_row(tmp_path):
+    """The same at H=4096 bf16: rows fill 2 MiB chunks that the file places at multiples of 2 MiB,
+    metadata in 64 KiB blocks; a kill anywhere leaves every flushed row, bit for bit."""
+    from tensordiff.trace.schema import ALIGN_BYTES
+
+    seed = random.randrange(1 << 30)
+    runs, ref = kill_runs(tmp_path, 5, "numpy", seed, flush_rows=300, seq_len=64, steps=24, extra=("--hidden", "4096"))
+    with TraceReader(ref) as r:
+        assert r.dataset("embed", "values").chunks == (ALIGN_BYTES // 8192, 4096)
+    lost = check_runs(runs, ref, flush_rows=300, seq_len=64, seed=seed)
+    assert len(lost) >= 2, f"seed {seed}: too few runs were killed mid-recording ({runs})"
 
 
 def test_killed_writer_with_time_based_flush(tmp_path):
