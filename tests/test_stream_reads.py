@@ -369,3 +369,38 @@ def test_mapped_blocks_are_made_in_the_diffs_thread_and_copied_ones_ahead_in_the
     monkeypatch.setattr(RowReads, "_mapped_rows", lambda self, ds, lo, hi, path=None: None)
     assert _json(a, b) == mapped
     assert any(n.startswith("tensordiff-read") for n in names)
+
+
+def test_tensors_of_several_widths_and_dtypes_map_their_own_rows(tmp_path):
+    """Row geometry and chunk tables are kept per dataset path: tensors of different widths and
+    dtypes whose chunks interleave in one file (2 MiB aligned, ~1 MiB and narrow chunks) each
+    map exactly their own stored rows, whatever was mapped before."""
+    from tensordiff.dtypes import f32_to_bf16_bits
+    from tensordiff.trace import TraceReader, TraceWriter
+    from tensordiff.trace.reads import Pieces
+
+    path = tmp_path / "mixed.h5"
+    rng = np.random.default_rng(3)
+    widths = {"wide": (4096, "bfloat16"), "odd": (1000, "float32"), "narrow": (24, "float32"), "mid": (2048, "float32")}
+    with TraceWriter(path, model={"hidden_size": 4096, "num_layers": 4}) as w:
+        for name, (h, dt) in widths.items():
+            w.define_tensor(name, h, dtype=dt)
+        for step in range(40):
+            rows = w.add_tokens(f"s{step}", np.arange(37), rng.integers(0, 99, 37), "decode", step=step)
+            for name, (h, dt) in widths.items():
+                x = rng.standard_normal((37, h)).astype(np.float32)
+                w.append(name, rows, f32_to_bf16_bits(x) if dt == "bfloat16" else x)
+    mapped = set()
+    with TraceReader(path) as r:
+        want = {name: r.read_values(name, raw=True) for name in widths}
+        for _ in range(3):
+            for name in rng.permutation(list(widths)):
+                lo = int(rng.integers(0, 1400))
+                hi = int(rng.integers(lo + 1, 1481))
+                got = r.map_rows(name, "values", np.arange(lo, hi))
+                if got is None:
+                    continue
+                got = np.concatenate(got.parts) if isinstance(got, Pieces) else got
+                assert got.shape == want[name][lo:hi].shape and got.tobytes() == want[name][lo:hi].tobytes(), name
+                mapped.add(name)
+    assert mapped == set(widths)
