@@ -158,6 +158,42 @@ def test_a_flush_trigger_appends_the_staged_rows_first(tmp_path):
         assert fl["s"] == fl["p"] == fl["tokens"] > 0  # whole steps: no token row without its tensor rows
 
 
+@pytest.mark.parametrize("flush_rows", [4, 7, 10])
+@pytest.mark.parametrize("pattern", ["staged", "alternating"])
+def test_a_flush_never_splits_a_step_whose_token_rows_come_in_several_calls(tmp_path, pattern, flush_rows):
+    """Each step adds its token rows in two calls (two regimes of one batch) and records after
+    them: a flush due between the two calls waits for the next step's first, whether the step's
+    tensor rows were staged or (every other step, "alternating") appended to the writer directly.
+    Every flush commits whole steps: each tensor's rows of exactly the committed token rows."""
+    path = tmp_path / "t.h5"
+    flushes = []
+    with Recorder(path, side="serve", model={"num_layers": 4, "hidden_size": H}, stage_bytes=1 << 30,
+                  writer_kwargs={"flush_rows": flush_rows, "flush_seconds": None}) as rec:
+        rec.writer.on_flush = lambda w: flushes.append((w.flushed["tokens"], dict(w.flushed["tensors"])))
+        rec.writer.define_tensor("d", 4)
+        rng = np.random.default_rng(flush_rows)
+        ends = [0]
+        for step in range(40):
+            n1, n2 = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+            a = rec.add_tokens(f"p{step}", np.arange(n1), np.arange(n1), regime="prefill", step=step)
+            b = rec.add_tokens(f"v{step}", np.arange(n2), np.arange(n2), regime="decode", step=step)
+            rows = np.concatenate([a, b])
+            if pattern == "staged" or step % 2 == 0:
+                rec.record("s", torch.randn(len(rows), H), rows)
+            else:
+                rec.writer.append("d", rows, np.ones((len(rows), 4), np.float32))
+            ends.append(ends[-1] + len(rows))
+    with TraceReader(path) as r:
+        n_all = len(r.tokens)
+        rows = {name: r.token_rows(name) for name in r.tensors}
+    inside = [f for f in flushes if 0 < f[0] < n_all]
+    assert len(inside) >= 3
+    for n_tok, counts in inside:
+        assert n_tok in ends, n_tok   # at a step's end
+        for name, idx in rows.items():
+            assert counts.get(name, 0) == int((idx < n_tok).sum()), (n_tok, name)
+
+
 def test_the_bound_is_kept(tmp_path):
     """Staged bytes never exceed the bound by more than one call."""
     path = tmp_path / "t.h5"

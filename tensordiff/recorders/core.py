@@ -580,8 +580,9 @@ class Recorder:
         return len(rows)
 
     def _step_start(self) -> bool:
-        """Whether token rows added now start a step: something was staged since the last ones."""
-        start = self._stage_mark != self._mark_at_tokens
+        """Whether token rows added now start a step: tensor rows were staged or written since
+        the last ones."""
+        start = self._stage_mark != self._mark_at_tokens or self.writer.tensor_rows_since_tokens
         self._mark_at_tokens = self._stage_mark
         return start
 

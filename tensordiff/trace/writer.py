@@ -821,7 +821,13 @@ class TraceWriter:
         ``add_tokens``, so that the flush this triggers holds whole steps. Never while flushes are
         held (:meth:`flushes_held`)."""
         return self._dirty and not self._held and (self._rows_since_flush + incoming > self._row_trigger
-                                or time.monotonic() >= self._time_trigger)
+                                                   or time.monotonic() >= self._time_trigger)
+
+    @property
+    def tensor_rows_since_tokens(self) -> bool:
+        """Whether tensor rows were appended since the last token rows: the next token rows then
+        start a step (where a flush may fall)."""
+        return self._appended
 
     @contextlib.contextmanager
     def flushes_held(self) -> Iterator[None]:
