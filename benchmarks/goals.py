@@ -35,6 +35,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from benchjson import machine_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
@@ -194,7 +196,8 @@ def judge(goal: Goal, res: dict | None, why: str) -> dict:
     if res is None:
         return {**row, "status": "FAIL", "measured": False, "why": f"not measured: {why}"}
     val = res["figures"].get(goal.figure)
-    row.update(commit=res.get("commit"), dirty=res.get("dirty"), load=res.get("load"))
+    row.update(commit=res.get("commit"), dirty=res.get("dirty"), load=res.get("load"),
+               machine=res.get("machine"))
     if val is None or (not isinstance(val, bool) and not isinstance(val, (int, float))):
         return {**row, "status": "FAIL", "measured": False, "why": f"not measured: {goal.figure} missing from the result"}
     if isinstance(val, float) and val != val:
@@ -255,6 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [judge(g, *results[g.run]) for g in goals]
     print()
     print(f"/proc/loadavg at the end: {_loadavg()}")
+    # the figures hold for the machine that measured them: name it, and every one where the
+    # results came from several (a --from directory filled on two machines)
+    machines: dict[str, list[str]] = {}
+    for r in runs:
+        res = results[r.key][0]
+        if res is not None:
+            machines.setdefault(machine_text(res.get("machine")), []).append(r.key)
+    for text, keys in machines.items():
+        print(f"machine: {text}" + (f" ({', '.join(keys)})" if len(machines) > 1 else ""))
     print("| issue | goal | measured | target | status | commit, 1-min load (start-end) |")
     print("|---|---|---|---|---|---|")
     for g, row in sorted(zip(goals, rows), key=lambda gr: -gr[0].issue):

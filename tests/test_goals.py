@@ -91,3 +91,41 @@ def test_the_sglang_row_says_what_it_measures_until_the_rl_records_are_in(tmp_pa
     out = capsys.readouterr().out
     assert "not measured: not run (no sglang-eagle.json in the results)" in out and goals.SGLANG_RL_NOTE in out
     assert "FAIL" in out
+
+
+@pytest.mark.parametrize("flags, simd", [("fpu sse2 avx avx2 avx512f avx512bw", "avx512"),
+                                         ("fpu sse2 avx avx2 fma", "avx2"), ("fpu sse2", "none")])
+def test_a_result_names_the_machine_it_was_measured_on(tmp_path, flags, simd):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: Some  CPU @ 2.0GHz\nflags\t\t: {flags}\n\n"
+                    "processor\t: 1\nmodel name\t: Other CPU\nflags\t\t: fpu\n")
+    m = benchjson.machine(str(info))
+    assert m["cpu"] == "Some CPU @ 2.0GHz" and m["simd"] == simd and m["cores"] >= 1
+    assert benchjson.machine(str(tmp_path / "absent")) == {"cpu": "unknown", "cores": m["cores"], "simd": "none"}
+    res = benchjson.Result("bench_identity", config={})
+    res.write(str(tmp_path / "identity.json"), figures={"seconds_100k": 0.4})
+    assert json.loads((tmp_path / "identity.json").read_text())["machine"] == benchjson.machine()
+
+
+def test_the_table_names_the_machine_and_each_one_when_results_came_from_several(tmp_path, capsys):
+    def save(key, figures, machine):
+        doc = {"bench": key, "commit": "abc1234", "dirty": False, "load": [0.1, 0.2], "config": {},
+               "figures": figures}
+        if machine is not None:
+            doc["machine"] = machine
+        (tmp_path / f"{key}.json").write_text(json.dumps(doc))
+
+    epyc = {"cpu": "AMD EPYC", "cores": 2, "simd": "avx2"}
+    save("identity", {"seconds_100k": 0.4, "seconds_1m": 1.5}, epyc)
+    save("narrow", {"tokens_per_s": 1e9}, epyc)
+    goals.main(["--only", "identity", "narrow", "--from", str(tmp_path)])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("machine:")]
+    assert lines == ["machine: AMD EPYC, 2 cores, avx2"]
+    save("narrow", {"tokens_per_s": 1e9}, {"cpu": "Intel Xeon", "cores": 2, "simd": "avx512"})
+    goals.main(["--only", "identity", "narrow", "--from", str(tmp_path)])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("machine:")]
+    assert sorted(lines) == ["machine: AMD EPYC, 2 cores, avx2 (identity)", "machine: Intel Xeon, 2 cores, avx512 (narrow)"]
+    save("narrow", {"tokens_per_s": 1e9}, None)   # a result written before results named their machine
+    goals.main(["--only", "identity", "narrow", "--from", str(tmp_path)])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("machine:")]
+    assert sorted(lines) == ["machine: AMD EPYC, 2 cores, avx2 (identity)", "machine: unknown machine (narrow)"]
