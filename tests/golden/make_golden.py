@@ -10,9 +10,9 @@ Outputs that depend on the machine: the pairs written by torch models, and the s
 derives at diff time, carry the float32 rounding of the CPU's matrix products (OpenBLAS and torch
 pick their kernels by CPU: AVX-512 and AVX2 machines round differently), so a few cases give other
 numbers, and in bf16 another order of near-tied worst tokens, on another kind of machine. The
-verdicts are the same. The files here were made on an AVX-512 machine; ``variants/TAG/`` holds a
-case's outputs as another kind of machine gives them (only where they differ), each reviewed
-against the main file::
+verdicts are the same. The files here are what the AVX-512 machines this project ran on give;
+``variants/TAG/`` holds a case's outputs as another kind of machine gives them (only where they
+differ; ``avx2``: an AMD EPYC with AVX2 and no AVX-512), each reviewed against the main file::
 
     .venv/bin/python tests/golden/make_golden.py --variant TAG [CASE ...]   # TAG: e.g. avx2
 
