@@ -403,9 +403,13 @@ def test_tables_from_vllms_own_logits_equal_the_ones_the_plugin_computes(vllm_ru
                 tie[:, 1:] |= np.abs(np.diff(lp, axis=1)) < 1e-5
                 tie[:, :-1] |= np.abs(np.diff(lp, axis=1)) < 1e-5
                 assert ((ids_a == ids_b) | tie).all()
-                # two float32 products of 512 terms (vLLM's, the plugin's): a few ulp of the largest term apart
-                np.testing.assert_allclose(a[:, k:2 * k], lp, atol=1e-5)
-                np.testing.assert_allclose(a[:, 2 * k], b[:, 2 * k], atol=1e-5)
+                # two float32 products of 512 terms (vLLM's, the plugin's), summed in the blockings
+                # each GEMM kernel picks for the CPU: a few ulp of the logits apart (their scale is
+                # the row's logsumexp), up to ~sqrt(512) ulp; a row taken from the wrong token is
+                # orders of magnitude further
+                tol = _f32_product_rounding(a[:, 2 * k])
+                assert (np.abs(a[:, k:2 * k] - lp) <= tol[:, None]).all(), np.abs(a[:, k:2 * k] - lp).max()
+                assert (np.abs(a[:, 2 * k] - b[:, 2 * k]) <= tol).all(), np.abs(a[:, 2 * k] - b[:, 2 * k]).max()
             elif name == cv.SPEC_VERIFY:
                 np.testing.assert_array_equal(a[:, :5], b[:, :5])  # counts and draft tokens
                 np.testing.assert_array_equal(a[:, 5:7], b[:, 5:7])  # the target's top-1
@@ -414,6 +418,12 @@ def test_tables_from_vllms_own_logits_equal_the_ones_the_plugin_computes(vllm_ru
                 np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-6)
     finally:
         tr.close()
+
+
+def _f32_product_rounding(lse: np.ndarray) -> np.ndarray:
+    """Per row: 32 float32 ulp of the row's logit scale (its logsumexp), and never under the 1e-5
+    that rows of small logits keep."""
+    return np.maximum(1e-5, 32 * np.spacing(np.abs(lse).astype(np.float32)).astype(np.float64))
 
 
 def _diff_json(a, b) -> tuple[int, dict, str]:
