@@ -395,10 +395,12 @@ def _xfail_under_the_bf16_default(doc: dict) -> None:
     """A KNOWN FALSE "agree", recorded where it happens rather than hidden: the noise model's
     floor for a subset of tokens is the bf16 physical default (noise.TOKEN x its 99th percentile
     at the state's depth), even where the measured trend before the state is far lower (prefill
-    rows bit for bit equal, decode rows a few 0.1% apart). On the model trained on an AVX2 machine
-    the 1.5x decode attention moves the decode tokens of the layer after it by about 12%, under
-    that floor (12.7% at depth 4), and the diff says agree; on the AVX-512 machines' model it
-    moved them past it. Only that case is excused: any other agree fails."""
+    rows bit for bit equal, decode rows a fraction of a percent apart). On the model trained on an
+    AVX2 machine the 1.5x decode attention moves the decode tokens of the layer after it by less
+    than that floor, and the diff says agree; on the AVX-512 machines' model it moved them past
+    it (docs/diff.md has the figures). Only that case is excused: the layer after the bug moved
+    over 10x as far as any state before it (the bug is live and the states before it are clean)
+    and under the floor. Any other agree fails."""
     from tensordiff import noise
 
     res = doc.get("result", doc)
@@ -411,7 +413,7 @@ def _xfail_under_the_bf16_default(doc: dict) -> None:
     before = max((float(x["rel_max"][0]) for x in res.get("tensors", [])
                   if x.get("label") in {f"layer{i}" for i in range(1, PERTURB_LAYER + 1)} and x.get("rel_max")),
                  default=float("nan"))
-    if 0.02 < moved < floor:
+    if before == before and 10 * before < moved < floor:
         pytest.xfail(f"known false agree: the decode-only bug moves {label}'s decode tokens by {moved:.3f}, under "
                      f"the bf16 default's {floor:.3f} that the noise model allows a subset of tokens at depth "
                      f"{PERTURB_LAYER + 1}, although the states before it agree within {before:.4f}")
