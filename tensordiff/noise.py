@@ -11,7 +11,13 @@ Honest noise grows smoothly with depth; a bug introduces error at one place and 
 inherit it. So the states are walked in depth order: each one's median error is **predicted** from
 the clean states before it (the last clean level, grown by the per-layer growth the clean states
 show); a state whose median error is over :data:`JUMP` x its prediction **leaves the trend** (it
-is where a divergence is introduced) and is no longer used to predict. The expected noise at any
+is where a divergence is introduced) and is no longer used to predict. So does one whose 99th
+percentile is over :data:`TOKEN` x its predicted one (a subset of tokens far out): the last clean
+state's, grown by the trend, plus the fresh rounding of the layers between (in quadrature): per
+layer the largest tail a clean layer added to the one before it, never under one rounding, and
+the physical default's growth where no layer added any (states equal bit for bit); never more
+than the default at its depth unless the trend itself is above it (a random-weight model's error
+grows fast). The expected noise at any
 depth (for a packed slot, for the tolerance of each token) comes from the clean states only.
 
 Where no state was recorded on both sides, :func:`physical_default` stands in: ``u`` (unit
@@ -88,6 +94,20 @@ def physical_default(dtype_a: str, dtype_b: str, depth: float | None) -> Level:
     q50 = 0.8 * u * math.sqrt(1.0 + 8.0 * d)
     q99 = 2.5 * q50
     return Level(q50, q99, 0.5 * q99 * q99, q50)
+
+
+def fresh_rounding99(dtype_a: str, dtype_b: str, depth_from: float, depth_to: float, measured: float = 0.0) -> float:
+    """The 99th percentile relative error the layers between two depths may add (their fresh
+    rounding, adding independently). ``measured``: the largest per-layer increment the clean states
+    before showed (0: none measured, or every state equal bit for bit); then that per layer, never
+    under one rounding, else the physical default's growth. Never more than the default's growth,
+    never under one rounding."""
+    one = physical_default(dtype_a, dtype_b, 0.0).q99
+    hi, lo = physical_default(dtype_a, dtype_b, depth_to).q99, physical_default(dtype_a, dtype_b, depth_from).q99
+    default = max(math.sqrt(max(hi * hi - lo * lo, 0.0)), one)
+    if measured <= 0:
+        return default
+    return min(default, max(measured, one) * math.sqrt(max(1.0, depth_to - depth_from)))
 
 
 def level_of(rel: NDArray[np.floating], one_minus_cos: NDArray[np.floating],
@@ -230,6 +250,7 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
     default."""
     model = NoiseModel(dtype_a, dtype_b)
     clean: list[StateNoise] = []
+    increments: list[float] = []
     for label, depth, lv in sorted(measured, key=lambda m: (m[1], m[0] == "final_norm")):
         s = StateNoise(label, depth, lv)
         da, db = (dtypes or {}).get(label, (dtype_a, dtype_b))
@@ -250,7 +271,7 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
             pred = max(ref.level.q50, model.floor(ref.depth).q50) * g ** max(1.0, depth - ref.depth if depth > ref.depth
                                                                              else 1.0)
             steps = max(1.0, depth - ref.depth if depth > ref.depth else 1.0)
-            s.predicted99 = max(ref.level.q99 * g ** steps, phys99)
+            trend99 = ref.level.q99 * g ** steps
             if depth == ref.depth:   # final_norm beside the last boundary: a norm rescales, same depth
                 pred = max(ref.level.q50, fl) * GROWTH_FIRST
                 s.predicted99 = max(ref.level.q99 * GROWTH_FIRST, phys99)
@@ -260,7 +281,15 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
                 # computed state, whose tokens of small norm carry a larger relative error; its tail
                 # may be TAIL x its predicted median (its median and RMS ratio are still predicted
                 # from the embedding)
-                s.predicted99 = max(s.predicted99, TAIL * max(pred, fl))
+                s.predicted99 = max(trend99, phys99, TAIL * max(pred, fl))
+            else:
+                # a computed state measured before it: its tail is the trend's plus at most the fresh
+                # rounding the default allows the layers in between, not the default's whole depth,
+                # which can sit far above a measured trend: a subset of tokens (decode rows) moved by
+                # a bug far past the trend would stay under it, keep the trend and loosen every
+                # deeper state's tolerance
+                fresh = fresh_rounding99(da, db, ref.depth, depth, max(increments, default=0.0))
+                s.predicted99 = max(trend99, min(phys99, math.hypot(trend99, fresh)))
         s.predicted = max(pred, fl)
         # honest rounding is unbiased: a median RMS ratio past what the states before show (their
         # spread and bias) is a scale introduced here, even while the median error keeps the trend
@@ -276,6 +305,10 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
             s.clean, s.why = False, "scale"
         model.states.append(s)
         if s.clean:
+            if clean and depth > clean[-1].depth:
+                # the tail this layer added to the one before, per layer (quadrature: independent)
+                lo = clean[-1].level.q99
+                increments.append(math.sqrt(max(lv.q99 * lv.q99 - lo * lo, 0.0) / (depth - clean[-1].depth)))
             clean.append(s)
     return model
 
