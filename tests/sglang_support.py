@@ -817,3 +817,90 @@ def trained_models(min_head_dim: int = 0) -> dict | None:
             prompts[str(doc.get("id", f"p{i}"))] = [int(t) for t in doc["input_ids"]]
     return {"target": out / "target", "draft": out / "draft", "prompts": prompts,
             "layers": int(cfg["num_hidden_layers"])}
+
+
+# ----------------------------------------------------------------------------------------------
+# RL: rollout and replay of one engine, and a decode-only bug (tests/test_sglang_rl_engine.py,
+# benchmarks/bench_rl_decode.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def rl_engine_env(extra: dict | None = None, plugins: str = "tensordiff", path: Sequence[str] = ()) -> dict[str, str]:
+    env = engine_env()
+    env["SGLANG_PLUGINS"] = plugins
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join([*path, env["PYTHONPATH"]])
+    env.update(extra or {})
+    return env
+
+
+def rl_serve(target: str | os.PathLike, prompts: dict[str, Sequence[int]], tmp: Path, name: str, *extra: str,
+             max_new: int, env: dict | None = None, replay: Path | None = None, seed: int = 7) -> dict:
+    """`tensordiff record serve` in bfloat16 with the catalog (all values), sampled at temperature 1
+    with ``seed``; with ``replay``, that rollout computed again as prefill."""
+    import subprocess
+
+    out, outputs = tmp / f"{name}.h5", tmp / f"{name}.jsonl"
+    argv = [sys.executable, "-m", "tensordiff", "record", "serve", "--model", str(target), "--out", str(out),
+            "--outputs", str(outputs), "--catalog", "--values", "all", "--max-new-tokens", str(max_new),
+            "--batch-size", "2", "--device", "cpu", "--dtype", "bfloat16", "--chunked-prefill-size", "64",
+            "--mem-fraction-static", "0.3", "--max-total-tokens", "2048", "--log-level", "error",
+            "--attention-backend", "torch_native", *extra]
+    if replay is None:
+        argv += ["--prompts", str(write_prompts(tmp / f"{name}-prompts.jsonl", prompts)),
+                 "--temperature", "1.0", "--random-seed", str(seed)]
+    else:
+        # the rollout's own outputs: a prompt sharing a prefix with an earlier one hit the prefix cache, so
+        # the rollout trace holds no rows for that prefix
+        argv += ["--replay", str(replay), "--replay-outputs", str(replay.with_suffix(".jsonl"))]
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=env or rl_engine_env(), cwd=REPO,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(proc.stdout[-3000:] + proc.stderr[-3000:])
+    run = load_serve_run(out, outputs)
+    run["stdout"] = proc.stdout
+    return run
+
+
+_PERTURB_PLUGIN = '''
+import os
+
+
+def register():
+    """Scale the output of one decoder layer's attention on decode passes only (a decode-path bug)."""
+    if not os.environ.get("TENSORDIFF_TRACE"):
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def after(result, backend, q, k, v, layer, *args, **kwargs):
+        if getattr(layer, "layer_id", None) == {layer}:
+            return result * {scale}
+        return None
+
+    HookRegistry.register("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
+                          after, HookType.AFTER)
+'''
+
+
+def perturb_plugin(root: Path, layer: int, scale: float) -> Path:
+    """A test-only SGLang plugin (``tdperturb``) that scales decoder layer ``layer``'s attention output
+    on decode passes by ``scale``, installed the way any plugin is: a package and a dist-info whose
+    entry point is in group ``sglang.srt.plugins``, on the engine's path."""
+    (root / "tdperturb").mkdir(parents=True, exist_ok=True)
+    (root / "tdperturb" / "__init__.py").write_text(
+        _PERTURB_PLUGIN.replace("{layer}", str(layer)).replace("{scale}", repr(float(scale))))
+    info = root / "tdperturb-0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tdperturb\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[sglang.srt.plugins]\ntdperturb = tdperturb:register\n")
+    return root
+
+
+def rl_perturbed_pair(target: str | os.PathLike, prompts: dict[str, Sequence[int]], tmp: Path, *, layer: int,
+                      scale: float, max_new: int, seed: int = 7) -> dict:
+    """Rollout and replay on an engine whose decode attention of decoder layer ``layer`` is scaled by
+    ``scale`` (the replay is prefill only, so it never sees the bug)."""
+    env = rl_engine_env(plugins="tensordiff,tdperturb", path=[str(perturb_plugin(tmp / "plugin", layer, scale))])
+    ro = rl_serve(target, prompts, tmp, "rollout", max_new=max_new, env=env, seed=seed)
+    rp = rl_serve(target, prompts, tmp, "replay", max_new=max_new, env=env, replay=Path(ro["trace"]))
+    return {"rollout": ro, "replay": rp}
