@@ -283,11 +283,11 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
                 # from the embedding)
                 s.predicted99 = max(trend99, phys99, TAIL * max(pred, fl))
             else:
-                # a computed state measured before it: its tail is the trend's plus at most the fresh
-                # rounding the default allows the layers in between, not the default's whole depth,
-                # which can sit far above a measured trend: a subset of tokens (decode rows) moved by
-                # a bug far past the trend would stay under it, keep the trend and loosen every
-                # deeper state's tolerance
+                # a computed state measured before it: its tail is the trend's plus the fresh rounding
+                # of the layers in between (what the clean layers added, at least one rounding), not
+                # the default's whole depth, which can sit far above a measured trend: a subset of
+                # tokens (decode rows) moved by a bug far past the trend would stay under it, keep the
+                # trend and loosen every deeper state's tolerance
                 fresh = fresh_rounding99(da, db, ref.depth, depth, max(increments, default=0.0))
                 s.predicted99 = max(trend99, min(phys99, math.hypot(trend99, fresh)))
         s.predicted = max(pred, fl)
