@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rediff", metavar="DIR", help="judge the pairs an earlier --dir DIR --keep recorded")
     ap.add_argument("--json", help="write the figures here (benchmarks/benchjson.py)")
     args = ap.parse_args(argv)
+    if not args.rediff and not args.seeds:
+        ap.error("--seeds needs at least one seed: the correct pairs are the bugs' noise reference")
 
     from benchjson import Result, machine_text
 
@@ -125,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: a recording failed: {str(e)[-1500:]}", file=sys.stderr)
             return 2
         rows = _judge(pairs)
-        if not keep:
+        if keep:
+            print(f"traces kept in {root} (judge them again with --rediff {root})", flush=True)
+        else:
             import shutil
 
             shutil.rmtree(root, ignore_errors=True)
