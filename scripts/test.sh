@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Set up everything the tests need (real SGLang on CPU included) and run the whole suite.
 # Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow" -x
+# The suite runs on TENSORDIFF_TEST_WORKERS pytest-xdist workers (default 2; 0: in this process),
+# each test module whole on one worker (tests/conftest.py): most of the suite's time is engines
+# starting up, which leaves a second core idle when run one module after another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh full
-exec .venv/bin/python -m pytest "$@"
+workers=${TENSORDIFF_TEST_WORKERS:-2}
+exec .venv/bin/python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"

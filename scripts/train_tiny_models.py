@@ -244,7 +244,10 @@ def build(out: Path, log=print) -> Path:
     t0 = time.time()
     model, losses = train_target(data, log)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():   # left by a build that was killed
+        import shutil
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
     model.save_pretrained(tmp / "target", safe_serialization=True)
     gen = tmp / "target" / "generation_config.json"
     if gen.exists():
@@ -265,12 +268,19 @@ def build(out: Path, log=print) -> Path:
 
 def trained_dir(force: bool = False, log=print) -> Path:
     """The cached directory (built on first use)."""
+    import fcntl
+    import shutil
+
     out = CACHE / cache_key()
-    if force and out.exists():
-        import shutil
-        shutil.rmtree(out)
-    if not (out / "stats.json").exists():
-        build(out, log)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # test workers run side by side (pytest-xdist): one trains, the others wait for its result
+    # instead of training into the same temporary directory
+    with open(CACHE / (out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if force and out.exists():
+            shutil.rmtree(out)
+        if not (out / "stats.json").exists():
+            build(out, log)
     return out
 
 

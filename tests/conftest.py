@@ -26,3 +26,44 @@ def kernel_path(request):
     was = kernels.use_numpy(request.param == "numpy")
     yield request.param
     kernels.use_numpy(was)
+
+
+def pytest_configure(config):
+    """A pytest-xdist worker starts with COLUMNS=80 in its environment where the run had none; the
+    text report reads COLUMNS (else 120 columns off a terminal), so the worker restores the run's."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        os.environ["PYTEST_RUN_COLUMNS_OF_TENSORDIFF"] = os.environ.get("COLUMNS", "")
+    elif "PYTEST_RUN_COLUMNS_OF_TENSORDIFF" in os.environ:
+        if os.environ["PYTEST_RUN_COLUMNS_OF_TENSORDIFF"]:
+            os.environ["COLUMNS"] = os.environ["PYTEST_RUN_COLUMNS_OF_TENSORDIFF"]
+        else:
+            os.environ.pop("COLUMNS", None)
+
+
+# Modules that start a local Ray cluster: one at a time, whichever worker runs them.
+_RAY_MODULES = frozenset({"test_ray_backend", "test_vllm_ranks"})
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    """Order modules with the most slow tests first, and, where pytest-xdist runs the suite on
+    several workers (scripts/test.sh: ``--dist loadgroup``), keep each module on one worker.
+
+    The slow modules start real engines in module-scoped fixtures: split across workers, every
+    worker would start them again. Sending the longest modules first keeps one worker from
+    starting a long module while the other has nothing left to do (the scheduler hands out
+    whole modules in this order when run with ``--no-loadscope-reorder``)."""
+    def module(item) -> str:
+        return os.path.splitext(os.path.basename(item.nodeid.split("::")[0]))[0]
+
+    slow: dict[str, int] = {}
+    for item in items:
+        slow.setdefault(module(item), 0)
+        if item.get_closest_marker("slow") is not None:
+            slow[module(item)] += 1
+    rank = {name: i for i, name in enumerate(slow)}   # collection order breaks ties
+    items.sort(key=lambda it: (-slow[module(it)], rank[module(it)]))
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            name = module(item)
+            item.add_marker(pytest.mark.xdist_group("ray" if name in _RAY_MODULES else name))
