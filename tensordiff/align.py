@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import IncompatibleTracesError
-from .findings import Finding, Kind, MissingDetails, Severity
+from .findings import Finding, Kind, MissingDetails, Severity, regime_a_where_named
 from .tokens import POS_MASK, SEQ_BITS, token_code
 from .trace import TensorInfo, TraceSource
 
@@ -128,18 +128,23 @@ class TokenAlignment:
             return pos
         return np.where(pos >= 0, self._b_order[np.maximum(pos, 0)], -1)
 
-    def places(self, idx: Codes) -> tuple[Codes, Codes, NDArray[np.uint8]]:
-        """(A's sequence index, A's position, B's regime code) of the aligned tokens ``idx``: what
-        :meth:`entry` gives token by token, as arrays."""
+    def places(self, idx: Codes) -> tuple[Codes, Codes, NDArray[np.uint8], NDArray[np.uint8]]:
+        """(A's sequence index, A's position, B's regime code, A's regime code) of the aligned
+        tokens ``idx``: what :meth:`entry` gives token by token, as arrays."""
         ca = self.code_a[idx]
-        return ca >> SEQ_BITS, ca & POS_MASK, self.regime_b[idx]
+        return ca >> SEQ_BITS, ca & POS_MASK, self.regime_b[idx], self.regime_a[idx]
 
     def entry(self, ti: int, seqs_a: Sequence[str], seqs_b: Sequence[str], regimes: tuple[str, ...]) -> dict[str, Any]:
         """Where aligned token ``ti`` is on both sides, as plain data."""
         ca, cb = int(self.code_a[ti]), int(self.code_b[ti])
-        return {"seq": seqs_a[ca >> SEQ_BITS], "position": ca & POS_MASK,
-                "seq_b": seqs_b[cb >> SEQ_BITS], "position_b": cb & POS_MASK,
-                "token": int(self.token[ti]), "regime": regimes[int(self.regime_b[ti])], "token_index": ti}
+        ra, rb = regimes[int(self.regime_a[ti])], regimes[int(self.regime_b[ti])]
+        d: dict[str, Any] = {"seq": seqs_a[ca >> SEQ_BITS], "position": ca & POS_MASK,
+                             "seq_b": seqs_b[cb >> SEQ_BITS], "position_b": cb & POS_MASK,
+                             "token": int(self.token[ti]), "regime": rb}
+        if regime_a_where_named(ra, rb) is not None:
+            d["regime_a"] = ra
+        d["token_index"] = ti
+        return d
 
 
 def _lookup(sorted_codes: Codes, codes: Codes) -> Codes:

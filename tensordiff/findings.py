@@ -79,6 +79,8 @@ __all__ = [
     "name_sides_apart",
     "order_findings",
     "render_sentence",
+    "regime_a_where_named",
+    "regime_words",
     "where_token",
 ]
 
@@ -185,11 +187,13 @@ class Finding:
     position_b: int | None = None
     token: int | None = None
     regime: str | None = None
+    regime_a: str | None = None
     details: Details = field(default_factory=Details)
     inherited_from: int | None = None
     index: int = 0
 
-    LOCATION: ClassVar[tuple[str, ...]] = ("tensor", "slot", "seq", "position", "position_b", "token", "regime")
+    LOCATION: ClassVar[tuple[str, ...]] = ("tensor", "slot", "seq", "position", "position_b", "token", "regime",
+                                           "regime_a")
 
     def __post_init__(self) -> None:
         self.kind = Kind(self.kind)
@@ -239,12 +243,25 @@ class Finding:
         return f
 
 
+def regime_a_where_named(regime_a: str, regime_b: str) -> str | None:
+    """A's regime where a location names it beside B's: both sides are engines that computed the
+    token in different regimes (a rollout's decode row that its replay recomputed as prefill).
+    Otherwise B's regime says it: the same on both sides, or one side is a training forward, which
+    has no engine regime to name."""
+    return regime_a if regime_a != regime_b and "train" not in (regime_a, regime_b) else None
+
+
+def regime_words(regime: str | None, regime_a: str | None) -> str:
+    """``prefill``, or ``decode on A, prefill on B`` where the two engines' regimes differ."""
+    return f"{regime}" if regime_a is None else f"{regime_a} on A, {regime} on B"
+
+
 def where_token(f: Finding) -> str:
     """``token 5 (seq s0, position 3, prefill)``: where a token finding is, in words."""
     s = f"token {f.token} (seq {f.seq}, position {f.position}"
     if f.position_b != f.position:
         s += f"; position {f.position_b} on B"
-    return s + f", {f.regime})"
+    return s + f", {regime_words(f.regime, f.regime_a)})"
 
 
 def _offset_words(off: int) -> str:
@@ -309,6 +326,8 @@ def where_failing(d: NumericDetails) -> str:
     names = ", ".join(w.get("sequence_names", []))
     more = ", ..." if w.get("sequences", 0) > len(w.get("sequence_names", [])) else ""
     regimes = ", ".join(sorted(w.get("regimes", {})))
+    if w.get("regimes_a"):
+        regimes = f"{', '.join(sorted(w['regimes_a']))} on A, {regimes} on B"
     parts = [f"in {w.get('sequences')} of {w.get('of_sequences')} sequences ({names}{more})",
              f"positions {w.get('positions')}", regimes]
     if w.get("channels"):
@@ -672,7 +691,11 @@ class GapRecord(TypedDict):
     reason: str
 
 
-class WorstToken(TypedDict):
+class _WorstTokenWhereNamed(TypedDict, total=False):
+    regime_a: str   # only where both engines' regimes differ (regime_a_where_named)
+
+
+class WorstToken(_WorstTokenWhereNamed):
     """One of the worst tokens of the diff (``DiffResult.worst_tokens``)."""
 
     seq: str

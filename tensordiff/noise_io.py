@@ -18,7 +18,7 @@ from . import noise
 from .cores import usable_cores
 from .align import RowMaps, sample_indices
 from .dtypes import to_float32
-from .findings import Finding, Kind, NumericDetails, ReplicaDetails, Severity
+from .findings import Finding, Kind, NumericDetails, ReplicaDetails, Severity, regime_a_where_named
 from .numerics import BlockMetrics, Metrics, PairAccumulator
 from .tolerances import Tolerance, default_tolerance
 from .trace import TensorInfo, TraceSource, read_runs
@@ -239,11 +239,18 @@ def _ranges(xs: Sequence[int] | NDArray[np.int64], most: int = 4) -> str:
 
 @dataclass
 class Places:
-    """Where some aligned tokens are: A's sequence name and position, B's regime, per token."""
+    """Where some aligned tokens are: A's sequence name and position, B's regime and A's, per token."""
 
     seq: NDArray[np.object_]
     position: NDArray[np.int64]
     regime: NDArray[np.object_]
+    regime_a: NDArray[np.object_]
+
+
+def _counted(regimes: NDArray[np.object_]) -> dict[str, int]:
+    """How many tokens of each regime, in the order each regime first comes."""
+    names, first, counts = np.unique(regimes.astype(str), return_index=True, return_counts=True)
+    return {str(names[i]): int(counts[i]) for i in np.argsort(first, kind="stable")}
 
 
 def where_failing(ra: TraceSource, rb: TraceSource, ia: TensorInfo, ib: TensorInfo, slot: int, slots: int,
@@ -260,12 +267,11 @@ def where_failing(ra: TraceSource, rb: TraceSource, ia: TensorInfo, ib: TensorIn
     seqs = sorted({str(x) for x in at.seq.tolist()})
     all_seqs = ({str(x) for x in places(compared[:: max(1, len(compared) // 4096)]).seq.tolist()}
                 if len(compared) else set())
-    # counted in the order each regime first fails
-    names, first, counts = np.unique(at.regime.astype(str), return_index=True, return_counts=True)
-    regimes = {str(names[i]): int(counts[i]) for i in np.argsort(first, kind="stable")}
     out: dict[str, Any] = {"kept": len(failing), "sequences": len(seqs), "of_sequences": max(len(all_seqs), len(seqs)),
                            "sequence_names": seqs[:4], "positions": _ranges(at.position),
-                           "regimes": regimes, "channels": [], "channel_share": None}
+                           "regimes": _counted(at.regime), "channels": [], "channel_share": None}
+    if any(regime_a_where_named(str(x), str(y)) is not None for x, y in set(zip(at.regime_a.tolist(), at.regime.tolist()))):
+        out["regimes_a"] = _counted(at.regime_a)   # A's, where both engines' regimes differ
     if basis == "values":
         pick = failing[:: max(1, len(failing) // CHANNEL_SAMPLE)][:CHANNEL_SAMPLE]
         ok = (rows_a[pick] >= 0) & (rows_b[pick] >= 0)

@@ -515,7 +515,7 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
                            params={k: v for k, v in sig.params.items()})
     return Finding(Kind.SIGNATURE, Severity.DIVERGENCE, tensor=sig.op, order=first.order, seq=first.seq,
                    position=first.position, position_b=first.position_b, token=first.token, regime=first.regime,
-                   details=det)
+                   regime_a=first.regime_a, details=det)
 
 
 def _norm_ms(a: TraceSource, pairs: Sequence[TapPair], layer: int, tap: str, common: NDArray[np.int64],

@@ -191,19 +191,29 @@ def test_where_failing_summarises_the_tokens_as_token_by_token(seed):
     seq = rng.integers(0, len(names), n)
     position = rng.integers(0, 3000, n) if seed % 2 else np.sort(rng.integers(0, 50, n))
     regime = rng.integers(0, len(regimes), n)
+    # A's regimes: the same as B's (seeds 0, 3), train on A (1, 4), or drawn (2, 5)
+    regime_a = (regime if seed % 3 == 0 else np.full(n, 3) if seed % 3 == 1 else rng.integers(0, len(regimes), n))
     compared = np.arange(n)
     failing = np.sort(rng.choice(n, int(rng.integers(1, min(n, 600) + 1)), replace=False))
 
     def places(idx):
-        return Places(names[seq[idx]], position[idx].astype(np.int64), regimes[regime[idx]])
+        return Places(names[seq[idx]], position[idx].astype(np.int64), regimes[regime[idx]], regimes[regime_a[idx]])
 
     def entry(t):
-        return {"seq": str(names[seq[t]]), "position": int(position[t]), "regime": str(regimes[regime[t]])}
+        return {"seq": str(names[seq[t]]), "position": int(position[t]), "regime": str(regimes[regime[t]]),
+                "regime_a": str(regimes[regime_a[t]])}
 
     got = where_failing(None, None, None, None, 0, 1, failing, compared, compared, compared, places, "sketch")
     seqs, of, by_regime, pos = _where_by_entry(failing, compared, entry)
     assert got["sequence_names"] == seqs[:4] and got["sequences"] == len(seqs) and got["of_sequences"] == of
     assert list(got["regimes"].items()) == list(by_regime.items())
+    # A's regimes only where two engines computed a failing token in different regimes
+    named = any(entry(int(t))["regime"] != entry(int(t))["regime_a"] and "train" not in
+                (entry(int(t))["regime"], entry(int(t))["regime_a"]) for t in failing)
+    assert ("regimes_a" in got) == named == (seed % 3 == 2)
+    if named:
+        _, _, by_regime_a, _ = _where_by_entry(failing, compared, lambda t: {**entry(t), "regime": entry(t)["regime_a"]})
+        assert list(got["regimes_a"].items()) == list(by_regime_a.items())
     assert got["positions"] == _ranges(pos) and got["kept"] == len(failing)
     runs = [(a, b) for a, b in zip(pos, pos[1:]) if b != a + 1]
     assert got["positions"].endswith(", ...") == (len(runs) + 1 > 4)

@@ -237,3 +237,28 @@ def test_decode_path_with_the_three_way_table(work, fp32):
     assert rows[("trainer", "prefill")]["agree"] and not rows[("trainer", "decode")]["agree"]
     assert any(line.startswith("  three-way") for line in got.lines)
     assert main(["triage", str(t), str(r), str(p)]) == 1
+
+
+def test_a_token_both_engines_computed_in_other_regimes_names_both(work, fp32):
+    """Rollout against its prefill replay: the failing rows are decode rows of the rollout that the
+    replay recomputed as prefill. The sentence and the JSON name both regimes, in either order;
+    against the trainer (no engine regime) they name the engine's alone, as before."""
+    from tensordiff.diff import DiffOptions, diff_traces
+
+    r = rs.rollout(work / "kvr.rollout.h5", fp32, prompts=_prompts(), new_tokens=NEW, kv_dtype=torch.bfloat16)
+    p = rs.replay(work / "kvr.prefill.h5", fp32, r)
+    t = rs.train_from_serve(work / "kvr.train.h5", r)
+    for a, b, words in ((r, p, "decode on A, prefill on B"), (p, r, "prefill on A, decode on B")):
+        res = diff_traces(str(a), str(b), DiffOptions())
+        first = res.first_divergence
+        assert first is not None and first.token is not None, [f.message for f in res.findings]
+        assert f", {words})" in first.message, first.message
+        d = first.to_dict()
+        assert (d["regime_a"], d["regime"]) == tuple(words.replace(" on A", "").replace(" on B", "").split(", "))
+        worst = res.to_dict()["worst_tokens"][0]
+        assert {worst["regime"], worst["regime_a"]} == {"decode", "prefill"}
+    for a, b in ((t, r), (r, t)):
+        res = diff_traces(str(a), str(b), DiffOptions())
+        assert all("regime_a" not in f.to_dict() for f in res.findings)
+        assert all("regime_a" not in w for w in res.to_dict()["worst_tokens"])
+        assert " on A" not in res.first_divergence.message and " on B)" not in res.first_divergence.message

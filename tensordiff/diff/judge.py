@@ -326,7 +326,7 @@ class _Judge:
         details.token_index = ti
         return Finding(kind, Severity.DIVERGENCE, tensor=info.name, slot=slot, order=info.order, seq=e["seq"],
                        position=e["position"], position_b=e["position_b"], token=e["token"], regime=e["regime"],
-                       details=details)
+                       regime_a=e.get("regime_a"), details=details)
 
 
 __all__ = ["Tally", "final_state_error", "judge", "measured_floors", "pair_stats", "replica_findings"]

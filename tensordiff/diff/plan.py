@@ -117,11 +117,11 @@ class DiffPlan:
 
     def places(self, idx: NDArray[np.int64]) -> noise_io.Places:
         """Where aligned tokens ``idx`` are, as arrays: A's sequence name and position, B's regime
-        (what :meth:`entry` gives token by token)."""
-        seq, pos, regime = self.alignment.places(idx)
+        and A's (what :meth:`entry` gives token by token)."""
+        seq, pos, regime, regime_a = self.alignment.places(idx)
         names = np.asarray(self.a.sequences, dtype=object)
-        return noise_io.Places(names[seq] if len(names) else np.empty(0, object), pos,
-                               np.asarray(REGIMES, dtype=object)[regime])
+        words = np.asarray(REGIMES, dtype=object)
+        return noise_io.Places(names[seq] if len(names) else np.empty(0, object), pos, words[regime], words[regime_a])
 
     def with_noise(self, model: NoiseModel, options: PlanOptions) -> DiffPlan:
         """This plan with the noise model measured and every pair's tolerances set by it (a plan

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import UsageError
-from ..findings import AcceptanceDetails, DiffResult, Finding, Kind
+from ..findings import AcceptanceDetails, DiffResult, Finding, Kind, regime_words
 from ..fmt import percent
 from ..summary import (  # the TUI's column order
     FLAG_BAD,
@@ -199,7 +199,7 @@ def _where(f: Finding, text: Callable[[int | None], str] | None) -> str:
     s += f", token {f.token}"
     if text is not None and f.token is not None:
         s += f" <code>{_e(text(f.token))}</code>"
-    return s + f", regime {_e(f.regime)}"
+    return s + f", regime {_e(regime_words(f.regime, f.regime_a))}"
 
 
 def _heatmap_section(res: DiffResult, summary: SummaryReader | None, text) -> str:
@@ -389,7 +389,8 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
             sk = w.get("tensor") in sketch
             rows.append([f"<code>{_e(w.get('tensor'))}</code>", _e(w.get("slot")), _e(w.get("seq")), _e(w.get("position")),
                          _e(w.get("token")), f"<code>{_e(text(w.get('token')))}</code>" if text else "",
-                         _e(w.get("regime")), _num(w.get("rel"), approx=sk), _num(w.get("cos"), approx=sk)])
+                         _e(regime_words(w.get("regime"), w.get("regime_a"))), _num(w.get("rel"), approx=sk),
+                         _num(w.get("cos"), approx=sk)])
         parts.append(_table(["tensor", "slot", "seq", "pos", "token", "text", "regime", "rel", "cos"], rows, {7, 8}))
 
     parts.append("<h2>Tokens</h2>")

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..findings import DiffResult, Severity
+from ..findings import DiffResult, Severity, regime_words
 from ..fmt import SEVERITY_GLYPH, number
 from . import opgraph
 from .acceptance import print_acceptance
@@ -170,7 +170,7 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
                       + f", seq {first.seq}, position {first.position}"
                       + (f" (B position {first.position_b})" if first.position_b not in (None, first.position) else "")
                       + f", token {first.token}" + (f" {tt(first.token)}" if tt(first.token) else "")
-                      + f", regime {first.regime}")
+                      + f", regime {regime_words(first.regime, first.regime_a)}")
     for layer in opgraph.zoomed_layers(res):   # a zoomed layer, op by op (✓ agrees, ✗ diverges, ✗! the first)
         ln = opgraph.line(res, layer)
         if ln:
@@ -242,8 +242,8 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
         for w in res.worst_tokens[:worst]:
             ap = "≈" if w["tensor"] in sketch else ""
             t.add_row(w["tensor"], str(w["slot"]), str(w["seq"]), str(w["position"]), str(w["token"]),
-                      *((tt(w["token"]),) if token_text else ()), w["regime"], ap + number(w["rel"]),
-                      ap + number(w["cos"]))
+                      *((tt(w["token"]),) if token_text else ()), regime_words(w["regime"], w.get("regime_a")),
+                      ap + number(w["rel"]), ap + number(w["cos"]))
         console.print(t)
 
 
