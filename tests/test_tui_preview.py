@@ -233,3 +233,99 @@ async def test_quit_on_the_preview(tr):
     assert app.return_value == EXIT_INTERRUPTED
     assert not os.path.exists(preview_dir)
     assert app.summary_path is None or not os.path.exists(app.summary_path)
+
+
+def _children_of_this_process() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("maker", ["child", "thread"])
+async def test_the_preview_is_the_same_from_the_forked_child_and_from_the_thread(tr, bug, maker, monkeypatch):
+    """The app forks the preview's child when it is created (the preview is read while Textual
+    starts); where there is no fork, the diff thread makes it. Either way the heatmap shows the
+    same rows, and the child is gone once it answered."""
+    from tensordiff.tui import preview_process
+
+    if maker == "thread":
+        monkeypatch.setattr(preview_process.PreviewProcess, "start", classmethod(lambda cls, *a: None))
+    gate, entered = threading.Event(), threading.Event()
+    app = TensordiffApp(str(tr["float32"]), str(bug), diff_fn=held(gate, entered), preview_from=1, find_tokenizer=False)
+    assert (app._preview_process is not None) == (maker == "child")
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.preview is not None and app.first_rows_at is not None, timeout=60)
+            if maker == "child":
+                assert app._diff.preview_dir == app._preview_process.dir
+                assert app._preview_process.pid not in _children_of_this_process()   # reaped
+            pv = app.heatmap.summary
+            got = {c.label: pv.block(0, pv.n, 1)[:, c.index] for c in read_columns(pv)}
+            ref = app._diff.preview_dir + "/ref.h5"
+            assert preview_summary(str(tr["float32"]), str(bug), ref, diff_thread.PREVIEW_TOKENS) == pv.n
+            want_pv = PreviewSummary(ref)
+            try:
+                want = {c.label: want_pv.block(0, want_pv.n, 1)[:, c.index] for c in read_columns(want_pv)}
+            finally:
+                want_pv.close()
+            assert got.keys() == want.keys()
+            for k in got:
+                np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+            gate.set()
+            await wait_for(pilot, lambda: app.ready, timeout=60)
+            assert app.result.first_divergence is not None
+            await pilot.press("q")
+    finally:
+        gate.set()
+
+
+@pytest.mark.anyio
+async def test_a_preview_child_that_never_answers_is_killed_and_the_diff_goes_on(tr, monkeypatch):
+    """A child stuck in its preview: the diff thread waits PREVIEW_CHILD_WAIT_S at most, kills and
+    reaps it, and runs the diff without a preview; its directory is removed at the end."""
+    import os
+    import time
+
+    from tensordiff.tui import preview_process
+
+    monkeypatch.setattr(preview_process, "preview_summary", lambda *a, **k: time.sleep(600))
+    monkeypatch.setattr(diff_thread, "PREVIEW_CHILD_WAIT_S", 0.5)
+    app = TensordiffApp(str(tr["float32"]), str(tr["bfloat16"]), preview_from=1, find_tokenizer=False)
+    child = app._preview_process
+    assert child is not None and child.pid in _children_of_this_process()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.ready, timeout=60)
+        assert app._diff.preview_at is None and app.preview is None and app.first_live_rows_at is not None
+        assert child.pid not in _children_of_this_process()
+        assert app.result.exit_code == 0
+        await pilot.press("q")
+    assert not os.path.exists(child.dir)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["fails", "dies"])
+async def test_a_preview_child_that_fails_or_dies_is_no_preview(tr, how, monkeypatch):
+    """A child whose preview raises, or that is killed, reports no preview at once (the diff does
+    not wait out PREVIEW_CHILD_WAIT_S), and the diff's own rows come."""
+    import os
+    import signal
+    import time
+
+    from tensordiff.tui import preview_process
+
+    def broken(*a, **k):
+        if how == "dies":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError("cannot read")
+
+    monkeypatch.setattr(preview_process, "preview_summary", broken)
+    monkeypatch.setattr(diff_thread, "PREVIEW_CHILD_WAIT_S", 30.0)
+    app = TensordiffApp(str(tr["float32"]), str(tr["bfloat16"]), preview_from=1, find_tokenizer=False)
+    t0 = time.perf_counter()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.ready, timeout=60)
+        assert app._diff.preview_at is None and app.first_live_rows_at is not None
+        assert app.first_live_rows_at - t0 < 20
+        await pilot.press("q")
+    assert app._preview_process.pid not in _children_of_this_process()

@@ -57,6 +57,7 @@ from ..fmt import progress_unit
 from ..summary import SummaryReader, read_columns
 from ..token_text import TokenText
 from .diff_thread import PREVIEW_FROM, Cancelled, DiffEnded, DiffFn, DiffPreview, DiffProgress, DiffThread
+from .preview_process import PreviewProcess
 from .data import (
     GOTO_FORMS,
     METRICS,
@@ -139,6 +140,10 @@ class TensordiffApp(App[int]):
                  diff_fn: DiffFn | None = None, screenshot_dir: str | None = None,
                  block_rows: int = 256, max_blocks: int = 24, token_text: TokenText | None = None,
                  find_tokenizer: bool = True, preview_from: int | None = PREVIEW_FROM):
+        # forked first, before Textual starts any thread: the preview is read on the other core
+        # while the app starts up and draws its first frame
+        self._preview_process = (PreviewProcess.start(os.fspath(path_a), os.fspath(path_b), preview_from)
+                                 if preview_from is not None else None)
         super().__init__()
         self.path_a, self.path_b = os.fspath(path_a), os.fspath(path_b)
         self.options = options or DiffOptions()
@@ -247,7 +252,7 @@ class TensordiffApp(App[int]):
 
     def _start_diff(self) -> None:
         self._diff = DiffThread(self.path_a, self.path_b, self.options, self.diff_fn, self.post_message,
-                                preview_from=self._preview_from)
+                                preview_from=self._preview_from, preview_process=self._preview_process)
         self._diff.start()
         self.summary_path = self._diff.summary_path
         self._live_timer = self.set_interval(LIVE_POLL_S, self._poll_live)
@@ -805,6 +810,8 @@ class TensordiffApp(App[int]):
         self._source.close()
         if self._diff is not None:
             self._diff.remove_summary()
+        if self._preview_process is not None:   # the app may end before the diff thread started
+            self._preview_process.remove()
 
 
 def run_tui(path_a: str, path_b: str, options: DiffOptions | None = None, *,

@@ -6,7 +6,8 @@ through which the app's heatmap shows the rows compared so far while the diff ru
 On a large pair it first writes a preview (:func:`tensordiff.diff.preview.preview_summary`: the
 real metrics of the first tokens, read without loading the whole traces, with no verdict) and
 posts :class:`DiffPreview`, so the heatmap shows real rows while the diff opens and aligns every
-token.
+token. Where the app forked a :class:`~tensordiff.tui.preview_process.PreviewProcess` when it was
+created, the thread takes that child's preview instead of making its own.
 
 A plain thread rather than a Textual worker, so that the app can end (and restore the terminal)
 while the diff is in a long stage: the thread stops at its next progress report, and
@@ -30,6 +31,7 @@ from ..diff import DiffOptions, Stage
 from ..diff.preview import PREVIEW_TOKENS, preview_summary
 from ..findings import DiffResult
 from .data import LiveSummary
+from .preview_process import PreviewProcess
 
 PROGRESS_INTERVAL_S = 0.05
 #: the preview is made when either trace holds at least this many token rows (a smaller diff
@@ -38,6 +40,9 @@ PREVIEW_FROM = 200_000
 #: how long the diff waits for the app to draw the preview before it opens the traces (reading
 #: a token table holds the GIL: the app could not draw meanwhile)
 PREVIEW_WAIT_S = 1.0
+#: how long the diff waits for a preview child (:class:`PreviewProcess`) that has not answered when
+#: the diff thread starts; a child this late is killed, and the diff goes on without a preview
+PREVIEW_CHILD_WAIT_S = 3.0
 
 DiffFn = Callable[[str, str, DiffOptions], DiffResult]
 
@@ -82,7 +87,8 @@ class DiffThread:
     still running then cannot create the file again, its directory is gone)."""
 
     def __init__(self, path_a: str, path_b: str, options: DiffOptions, diff_fn: DiffFn,
-                 post: Callable[[Message], object], preview_from: int | None = PREVIEW_FROM):
+                 post: Callable[[Message], object], preview_from: int | None = PREVIEW_FROM,
+                 preview_process: PreviewProcess | None = None):
         self.path_a, self.path_b = path_a, path_b
         self.options = options
         self.diff_fn = diff_fn
@@ -99,6 +105,7 @@ class DiffThread:
         self.preview_dir: str | None = None
         self.preview_at: float | None = None     # when the preview was written (perf_counter)
         self.preview_shown = threading.Event()   # set by the app once it has drawn (or declined) it
+        self.preview_process = preview_process   # a child making the preview (else this thread makes it)
 
     def start(self) -> None:
         if self.owns_summary:
@@ -150,23 +157,26 @@ class DiffThread:
     def _preview(self) -> None:
         """The preview of a large pair, posted as :class:`DiffPreview`; nothing when the pair is
         small, a trace set, or its heads share nothing (the diff itself says why)."""
-        if self.preview_from is None:
-            return
-        if max(_stored_tokens(self.path_a), _stored_tokens(self.path_b)) < self.preview_from:
-            return
-        self.preview_dir = tempfile.mkdtemp(prefix="tensordiff-tui-preview-")
-
         def check() -> None:
             if self.cancel.is_set():
                 raise Cancelled()
 
-        path = os.path.join(self.preview_dir, "preview.h5")
-        try:
-            n = preview_summary(self.path_a, self.path_b, path, PREVIEW_TOKENS, check)
-        except Cancelled:
-            raise
-        except Exception:  # noqa: BLE001 - a preview that cannot be made is no preview; the diff reports
+        if self.preview_from is None:
             return
+        if self.preview_process is not None:
+            self.preview_dir = self.preview_process.dir
+            n, path = self.preview_process.result(PREVIEW_CHILD_WAIT_S, check), self.preview_process.path
+        else:
+            if max(_stored_tokens(self.path_a), _stored_tokens(self.path_b)) < self.preview_from:
+                return
+            self.preview_dir = tempfile.mkdtemp(prefix="tensordiff-tui-preview-")
+            path = os.path.join(self.preview_dir, "preview.h5")
+            try:
+                n = preview_summary(self.path_a, self.path_b, path, PREVIEW_TOKENS, check)
+            except Cancelled:
+                raise
+            except Exception:  # noqa: BLE001 - a preview that cannot be made is no preview; the diff reports
+                return
         if n:
             self.preview_at = time.perf_counter()
             self.post(DiffPreview(path, n))
@@ -177,6 +187,8 @@ class DiffThread:
     def remove_summary(self) -> None:
         if self.owns_summary and self.summary_dir:
             shutil.rmtree(self.summary_dir, ignore_errors=True)
+        if self.preview_process is not None:
+            self.preview_process.remove()
         if self.preview_dir:
             shutil.rmtree(self.preview_dir, ignore_errors=True)
 
