@@ -31,7 +31,7 @@ from ..diff import DiffOptions, Stage
 from ..diff.preview import PREVIEW_TOKENS, preview_summary
 from ..findings import DiffResult
 from .data import LiveSummary
-from .preview_process import PreviewProcess
+from .preview_process import PreviewProcess, stored_tokens
 
 PROGRESS_INTERVAL_S = 0.05
 #: the preview is made when either trace holds at least this many token rows (a smaller diff
@@ -167,7 +167,7 @@ class DiffThread:
             self.preview_dir = self.preview_process.dir
             n, path = self.preview_process.result(PREVIEW_CHILD_WAIT_S, check), self.preview_process.path
         else:
-            if max(_stored_tokens(self.path_a), _stored_tokens(self.path_b)) < self.preview_from:
+            if max(stored_tokens(self.path_a), stored_tokens(self.path_b)) < self.preview_from:
                 return
             self.preview_dir = tempfile.mkdtemp(prefix="tensordiff-tui-preview-")
             path = os.path.join(self.preview_dir, "preview.h5")
@@ -191,17 +191,3 @@ class DiffThread:
             self.preview_process.remove()
         if self.preview_dir:
             shutil.rmtree(self.preview_dir, ignore_errors=True)
-
-
-def _stored_tokens(path: str) -> int:
-    """The token rows a trace file stores (0: not a readable trace file, or a set)."""
-    if not os.path.isfile(path):
-        return 0
-    import h5py
-
-    try:
-        with h5py.File(path, "r", locking=False) as f:
-            tok = f.get("tokens")
-            return int(tok.shape[0]) if isinstance(tok, h5py.Dataset) and tok.shape else 0
-    except Exception:  # noqa: BLE001 - whatever a damaged file makes h5py raise: the diff reports it
-        return 0

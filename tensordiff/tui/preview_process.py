@@ -135,10 +135,8 @@ def _child(path_a: str, path_b: str, out: str, preview_from: int, r: int, w: int
         os.close(r)
         # the terminal's Ctrl-C is the parent's to handle; the parent kills this child when it quits
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        from .diff_thread import _stored_tokens
-
         n = 0
-        if max(_stored_tokens(path_a), _stored_tokens(path_b)) >= preview_from:
+        if max(stored_tokens(path_a), stored_tokens(path_b)) >= preview_from:
             n = preview_summary(path_a, path_b, out, PREVIEW_TOKENS)
         os.write(w, f"{int(n)}\n".encode())
         code = 0
@@ -146,3 +144,17 @@ def _child(path_a: str, path_b: str, out: str, preview_from: int, r: int, w: int
         code = 1
     finally:
         os._exit(code)
+
+
+def stored_tokens(path: str) -> int:
+    """The token rows a trace file stores (0: not a readable trace file, or a set)."""
+    if not os.path.isfile(path):
+        return 0
+    import h5py
+
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            tok = f.get("tokens")
+            return int(tok.shape[0]) if isinstance(tok, h5py.Dataset) and tok.shape else 0
+    except Exception:  # noqa: BLE001 - whatever a damaged file makes h5py raise: the diff reports it
+        return 0
