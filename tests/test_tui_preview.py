@@ -329,3 +329,33 @@ async def test_a_preview_child_that_fails_or_dies_is_no_preview(tr, how, monkeyp
         assert app.first_live_rows_at - t0 < 20
         await pilot.press("q")
     assert app._preview_process.pid not in _children_of_this_process()
+
+
+def test_a_preview_child_dies_with_its_parent(tmp_path):
+    """A parent killed by SIGKILL cannot kill its preview child: the child is killed with it
+    (Linux: PR_SET_PDEATHSIG) instead of going on with a preview nobody will read."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"x")
+    b.write_bytes(b"x")
+    script = (
+        "import os, signal, sys, time\n"
+        "import tensordiff.tui.preview_process as pp\n"
+        "pp.preview_summary = lambda *a, **k: time.sleep(600)\n"
+        f"p = pp.PreviewProcess.start({str(a)!r}, {str(b)!r}, 0)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(0.5)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    child = int(proc.stdout.split()[0])
+    end = time.monotonic() + 10
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < end, "the preview child outlived its parent"
+        time.sleep(0.05)

@@ -45,6 +45,7 @@ class PreviewProcess:
             return None
         directory = tempfile.mkdtemp(prefix="tensordiff-tui-preview-")
         r, w = os.pipe()
+        parent = os.getpid()
         try:
             pid = os.fork()
         except OSError:
@@ -53,7 +54,7 @@ class PreviewProcess:
             shutil.rmtree(directory, ignore_errors=True)
             return None
         if pid == 0:   # the child: never returns
-            _child(path_a, path_b, os.path.join(directory, "preview.h5"), preview_from, r, w)
+            _child(path_a, path_b, os.path.join(directory, "preview.h5"), preview_from, r, w, parent)
         os.close(w)
         return cls(pid, r, directory)
 
@@ -129,12 +130,26 @@ class PreviewProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _child(path_a: str, path_b: str, out: str, preview_from: int, r: int, w: int) -> None:
+def _die_with(parent: int) -> None:
+    """On Linux, be killed when the parent dies (a parent killed by SIGKILL cannot kill this child
+    itself, and a preview stuck on a slow disk would outlive it)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):   # not Linux: the child ends when its preview does
+        pass
+    if os.getppid() != parent:   # the parent died before the call above
+        os._exit(1)
+
+
+def _child(path_a: str, path_b: str, out: str, preview_from: int, r: int, w: int, parent: int) -> None:
     code = 1
     try:
         os.close(r)
         # the terminal's Ctrl-C is the parent's to handle; the parent kills this child when it quits
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _die_with(parent)
         n = 0
         if max(stored_tokens(path_a), stored_tokens(path_b)) >= preview_from:
             n = preview_summary(path_a, path_b, out, PREVIEW_TOKENS)
