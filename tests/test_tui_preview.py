@@ -334,7 +334,6 @@ async def test_a_preview_child_that_fails_or_dies_is_no_preview(tr, how, monkeyp
 def test_a_preview_child_dies_with_its_parent(tmp_path):
     """A parent killed by SIGKILL cannot kill its preview child: the child is killed with it
     (Linux: PR_SET_PDEATHSIG) instead of going on with a preview nobody will read."""
-    import os
     import subprocess
     import sys
     import time
