@@ -3,7 +3,8 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -m "not slow" -x
 # The suite runs on TENSORDIFF_TEST_WORKERS pytest-xdist workers (default 2; 0: in this process),
 # each test module whole on one worker (tests/conftest.py): most of the suite's time is engines
-# starting up, which leaves a second core idle when run one module after another.
+# starting up, whose imports run on one core, so one module after another leaves the other core
+# idle much of the time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh full

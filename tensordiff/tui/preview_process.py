@@ -6,9 +6,9 @@ first frame take turns on the GIL.
 The child is a fork: it already holds every module the preview needs, and it starts in a few
 milliseconds. It writes the preview's summary file into a directory the parent made, reports the
 number of aligned tokens on a pipe and leaves with ``os._exit`` (no atexit handler, no flush of
-the parent's buffers, no terminal restore). The parent never waits on it longer than it would
-have spent making the preview itself: a child that is late, fails or dies is no preview, and the
-diff goes on. Where ``os.fork`` is missing (not POSIX) there is no child, and the diff thread
+the parent's buffers, no terminal restore). The diff thread waits for its answer only up to a
+deadline: a child that is late is killed, and one that fails or dies is no preview at once; the
+diff goes on either way. Where ``os.fork`` is missing (not POSIX) there is no child, and the diff thread
 makes the preview itself.
 """
 
@@ -67,7 +67,7 @@ class PreviewProcess:
             with self._lock:
                 if self._done:
                     return 0
-                n = self._read(0.0)
+                n = self._read()
                 if n is not None:
                     self._reap(kill=False)
                     return n
@@ -82,10 +82,11 @@ class PreviewProcess:
             except (OSError, ValueError):   # closed by close() on another thread
                 return 0
 
-    def _read(self, wait: float) -> int | None:
-        """The child's count once its line is complete; 0 at end of file without one."""
+    def _read(self) -> int | None:
+        """The child's count once its line is complete (None: not yet); 0 at end of file without
+        one."""
         try:
-            ready, _, _ = select.select([self._fd], [], [], wait)
+            ready, _, _ = select.select([self._fd], [], [], 0.0)
             if not ready:
                 return None
             chunk = os.read(self._fd, 64)
@@ -132,7 +133,8 @@ class PreviewProcess:
 
 def _die_with(parent: int) -> None:
     """On Linux, be killed when the parent dies (a parent killed by SIGKILL cannot kill this child
-    itself, and a preview stuck on a slow disk would outlive it)."""
+    itself, and a preview stuck on a slow disk would outlive it). Linux sends the signal when the
+    thread that forked ends: the app forks on the thread that runs it, which lives as long."""
     try:
         import ctypes
 
