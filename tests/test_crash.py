@@ -5,7 +5,7 @@ table consistent with the tensors, and at most one flush interval lost.
 
 The recorder is a zygote: it builds the model once and forks one child per run, so a kill costs
 a fork, not a torch import. The child prints ``FLUSH``/``STEP`` lines (see the script's
-docstring); this test reads them, kills the child with SIGKILL after a random delay, and checks
+docstring); this test reads them, kills the child with SIGKILL at a random point of its progress, and checks
 the trace against what the child had reported before it died.
 
 * test_killed_writer_*: TraceWriter driven with seeded numpy rows (no torch; fast).
@@ -94,8 +94,13 @@ def _last(log: list[str], kind: str):
 
 def kill_runs(tmp_path, kills: int, mode: str, seed: int, *, flush_rows: int, seq_len: int, steps: int,
               flush_seconds: float = 0.0, extra: tuple[str, ...] = ()) -> tuple[list[dict], str]:
-    """A reference run, then ``kills`` runs each SIGKILLed after a random delay; returns what each
-    child had reported before it died, and the reference trace."""
+    """A reference run, then ``kills`` runs each SIGKILLed at a random point; returns what each
+    child had reported before it died, and the reference trace.
+
+    A kill point is a time drawn over the reference's recording, taken as a place in its progress:
+    the run is killed that long after it reports the last step the reference had completed by then.
+    So the kills fall mid-recording however the machine's load changes between the reference and
+    the killed runs (a wall-clock delay let runs that went faster finish before their kill)."""
     rnd = random.Random(seed)
     prefix = str(tmp_path / "run")
     z = Zygote(prefix, kills + 1, "--mode", mode, "--flush-rows", str(flush_rows), "--seq-len", str(seq_len),
@@ -106,6 +111,10 @@ def kill_runs(tmp_path, kills: int, mode: str, seed: int, *, flush_rows: int, se
         z.until("READY", log)
         _, _, _, ref = z.until("START 0 ", log)
         t0 = time.monotonic()
+        step_at = [0.0]  # step_at[i + 1]: when the reference reported step i
+        for i in range(steps):
+            z.until(f"STEP 0 {i} ", log)
+            step_at.append(time.monotonic() - t0)
         z.until("DONE 0", log)
         duration = time.monotonic() - t0
         z.until("END 0", log)
@@ -113,7 +122,11 @@ def kill_runs(tmp_path, kills: int, mode: str, seed: int, *, flush_rows: int, se
             log = []
             _, _, pid, path = z.until(f"START {run} ", log)
             # uniform over the recording, plus a few kills in its first moments (before any flush)
-            delay = rnd.uniform(0, 0.15 * duration) if run % 4 == 1 else rnd.uniform(0, duration)
+            at = rnd.uniform(0, 0.15 * duration) if run % 4 == 1 else rnd.uniform(0, duration)
+            done = max(i for i, t in enumerate(step_at) if t <= at)  # steps the reference had completed
+            if done:
+                z.until(f"STEP {run} {done - 1} ", log)
+            delay = at - step_at[done]
             time.sleep(delay)
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -123,7 +136,7 @@ def kill_runs(tmp_path, kills: int, mode: str, seed: int, *, flush_rows: int, se
             flush = _last(log, "FLUSH")
             step = _last(log, "STEP")
             runs.append({
-                "run": run, "path": path, "delay": delay, "status": int(end[2]),
+                "run": run, "path": path, "after_steps": done, "delay": delay, "status": int(end[2]),
                 "flushed_tokens": int(flush[3]) if flush else 0,
                 "flushed_tensors": json.loads(flush[4]) if flush else {},
                 "added_tokens": int(step[3]) if step else 0,
@@ -152,7 +165,7 @@ def check_runs(runs, ref, *, flush_rows: int, seq_len: int, seed: int) -> list[i
     reference, at most one flush interval is lost. Returns the token rows lost per kill."""
     lost = []
     for r in runs:
-        ctx = f"seed {seed}, run {r['run']} killed after {r['delay']:.3f} s"
+        ctx = f"seed {seed}, run {r['run']} killed {r['delay']:.3f} s after its step count reached {r['after_steps']}"
         if r["done"]:  # the kill came after the child finished; nothing to recover
             continue
         assert r["status"] == -signal.SIGKILL, ctx
