@@ -53,7 +53,9 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 
 log "installing tensordiff (the vllm.general_plugins entry point)"
-pip_quiet install -q --no-deps -e .
+# one editable install at a time: scripts/setup.sh builds .venv's beside this one, and both build
+# tensordiff's kernels and egg-info in this tree
+( flock 9; pip_quiet install -q --no-deps -e . ) 9>.install.lock
 
 log "checking that vLLM imports and finds the plugin"
 out=$("$VPY" -W ignore -c '

