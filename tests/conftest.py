@@ -1,7 +1,9 @@
 """Under CI (CI=true) a skipped test is a failure: CI installs torch, transformers and real
 SGLang, so an import-skip there would only hide a broken install step."""
 
+import json
 import os
+import time
 
 import pytest
 
@@ -26,6 +28,21 @@ def kernel_path(request):
     was = kernels.use_numpy(request.param == "numpy")
     yield request.param
     kernels.use_numpy(was)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With TENSORDIFF_TEST_TIMELINE=FILE, each test appends one JSON line (worker, test, start,
+    end: its setup, call and teardown) to FILE: where the suite's time goes, per worker
+    (scripts/test_timeline.py reads it)."""
+    path = os.environ.get("TENSORDIFF_TEST_TIMELINE")
+    start = time.time()
+    yield
+    if path:
+        line = json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid,
+                           "start": start, "end": time.time()})
+        with open(path, "a") as f:   # one short append per line: whole lines from both workers
+            f.write(line + "\n")
 
 
 def pytest_configure(config):
