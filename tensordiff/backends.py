@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .errors import UsageError
-from .parallel import PoolBackend
 from .traceset import trace_paths
+
+if TYPE_CHECKING:
+    from .parallel import PoolBackend
 
 BACKENDS = ("auto", "serial", "pool", "ray")
 # auto: a pool only when the diff is long against the pool's start-up (its processes and imports;
@@ -35,12 +38,20 @@ def make_backend(name: str, workers: int | None = None, *, ray_address: str | No
         n = workers or cores
         if n < 2 or (compared_bytes is not None and compared_bytes < AUTO_MIN_BYTES):
             return None
-        return PoolBackend(n)
+        return _pool(n)
     if name == "pool":
-        return PoolBackend(workers)
+        return _pool(workers)
     from .ray_backend import RayBackend  # imports ray only now
 
     return RayBackend(workers, address=ray_address)
+
+
+def _pool(workers: int | None) -> PoolBackend:
+    # the pool's module (multiprocessing, concurrent.futures) is imported only for a pool: a
+    # serial diff's start-up is a share of its time that a short diff feels
+    from .parallel import PoolBackend
+
+    return PoolBackend(workers)
 
 
 def compared_bytes(paths: Sequence[str]) -> int:

@@ -30,3 +30,17 @@ def test_other_command_lines_keep_every_command():
         assert set(CORE_COMMANDS) <= _choices(build_parser(first))
     a = build_parser("import").parse_args(["info", "t.h5"])
     assert a.command == "info"
+
+
+def test_a_serial_diff_imports_neither_the_pool_nor_rich_emoji_codes(tmp_path):
+    """A diff under the pool's threshold runs in this process: the pool's modules (multiprocessing,
+    concurrent.futures) are start-up it does not need; nor does a report without emoji codes."""
+    from tracegen import write_verdict_pairs
+
+    a, b = write_verdict_pairs(tmp_path)["wrong"]
+    code = ("import sys, contextlib, io\nfrom tensordiff.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()):\n    rc = main(['diff', {a!r}, {b!r}])\n"
+            "print(rc, sorted(m for m in ('tensordiff.parallel', 'multiprocessing', 'concurrent.futures.process', "
+            "'rich._emoji_codes') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "1 []", out

@@ -103,6 +103,17 @@ def test_usage_errors_name_the_subcommand_and_suggest(pairs):
     assert rc == 2 and "did you mean --tokenizer?" in err and "tensordiff report --help" in err
 
 
+def test_paths_print_as_they_are_not_as_emoji(pairs, tmp_path):
+    """rich turns ``:smile:`` into an emoji unless told not to: a path is data, printed as it is."""
+    d = tmp_path / ":smile:"
+    d.mkdir()
+    a, b = (str(shutil.copy(p, d / f"{side}.h5")) for side, p in zip("ab", pairs["wrong"]))
+    for argv in (["diff", a, b], ["info", a]):
+        rc, out, err = run_isolated(argv)
+        assert rc in (0, 1), err
+        assert f"{d}/" in out and "\N{SMILING FACE WITH OPEN MOUTH AND SMILING EYES}" not in out, out[:400]
+
+
 def test_swapped_arguments_hint(pairs):
     a, b = pairs["agree"]
     rc, _, err = run_isolated(["diff", b, a, "-q"])

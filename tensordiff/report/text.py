@@ -73,9 +73,10 @@ def make_console(file=None) -> Console:
         file = _TrimmedLines(file)
     # rich honours NO_COLOR itself; off a terminal we print plain text at a stable width
     width = None if tty else int(os.environ.get("COLUMNS", "120") or 120)
-    # markup off: slot labels like [embed, layer3] and user metadata are data, not rich markup
+    # markup and emoji codes off: slot labels like [embed, layer3], paths and user metadata are data,
+    # not rich markup (a directory named :smile: stays that name)
     console = _Console(file=file, width=width, no_color=bool(os.environ.get("NO_COLOR")) or None,
-                       highlight=False, soft_wrap=False, force_terminal=None, markup=False)
+                       highlight=False, soft_wrap=False, force_terminal=None, markup=False, emoji=False)
     return guard_console(console)  # no control character from a file reaches the terminal
 
 
