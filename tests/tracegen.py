@@ -207,8 +207,10 @@ def attributes(path) -> list[tuple[str, str]]:
 _PRELOADED = False
 
 
-# what the CLI's commands import only when they run, and that the forked children need not
-# start: the torch-side recorders, the TUI (textual) and the Ray backend
+# not imported ahead of the children: the torch-side recorders, the TUI (textual) and the Ray
+# backend (heavy, and seldom reached by the commands run here: a child that needs one imports
+# it itself); ``__main__``, whose import runs the CLI; and the pytest plugin with the assertion
+# helpers it loads, which pytest has imported itself
 _NOT_PRELOADED = ("tensordiff.recorders", "tensordiff.tui", "tensordiff.ray_backend", "tensordiff.__main__",
                   "tensordiff.pytest_plugin", "tensordiff.testing")
 
