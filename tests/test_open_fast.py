@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tensordiff.errors import TraceFileError
-from tensordiff.trace.validate import MISSING, attr_get, attr_int, attr_str, follow
+from tensordiff.trace.validate import _NOT_PLAIN, MISSING, _read_plain_scalar, attr_get, attr_int, attr_str, follow
 
 
 @pytest.fixture
@@ -28,6 +28,13 @@ def attr_file(tmp_path):
         a["vlen"] = "hello"
         a["vlen_unicode"] = "h\u00e9llo \u2713"
         a["vlen_ascii"] = np.array(b"bytes", dtype=h5py.string_dtype("ascii"))
+        a["vlen_bad_utf8"] = np.array(b"caf\xe9 \xff", dtype=h5py.string_dtype("utf-8"))
+        a["vlen_empty"] = ""
+        a["i64_min"] = np.int64(-(2**63))
+        a["u64_max"] = np.uint64(2**64 - 1)
+        a["f32"] = np.float32(0.1)
+        a["nan"] = np.nan
+        a["one_element"] = np.array([4])
         a["fixed"] = np.bytes_(b"fixed")
         a["fixed_utf8"] = np.array("caf\u00e9".encode(), dtype=h5py.string_dtype("utf-8", 5))
         a["small_array"] = np.arange(3)
@@ -52,14 +59,18 @@ def attr_file(tmp_path):
 
 
 ACCEPTED = ["int", "neg", "u16", "big_endian", "float", "f2", "bool", "vlen", "vlen_unicode", "vlen_ascii",
+            "vlen_bad_utf8", "vlen_empty", "i64_min", "u64_max", "f32", "nan", "one_element",
             "fixed", "fixed_utf8", "small_array", "str_array", "enum", "enum_u"]
+#: scalars of the types the trace writer writes, read by the short path (the rest by the checked one)
+PLAIN = {"int", "neg", "u16", "float", "vlen", "vlen_unicode", "vlen_ascii", "vlen_bad_utf8", "vlen_empty", "i64_min",
+         "u64_max", "f32", "nan"}
 
 
 def _same(x, y):
     if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
         return (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.dtype == y.dtype
                 and x.shape == y.shape and np.array_equal(x, y))
-    return type(x) is type(y) and x == y
+    return type(x) is type(y) and (x == y or (x != x and y != y))
 
 
 def test_values_equal_h5py_reads(attr_file):
@@ -79,6 +90,7 @@ def test_values_equal_h5py_reads(attr_file):
                                         ("null", "empty"), ("ref", "references")])
 def test_refusals_unchanged(attr_file, key, words):
     with h5py.File(attr_file, "r") as f:
+        assert _read_plain_scalar(h5py.h5a.open(f["g"].attrs._id, key.encode())) is _NOT_PLAIN
         with pytest.raises(TraceFileError, match=words):
             attr_get(f["g"].attrs, key)
 
@@ -99,3 +111,16 @@ def test_follow_matches_h5py(attr_file):
             follow(g, "virtual", "x")
         ds = follow(f, "vds_src", "x")
         assert isinstance(ds, h5py.Dataset) and ds[()].tolist() == [0, 1, 2, 3] and ds.name == "/vds_src"
+
+
+def test_short_path_takes_only_plain_scalars(attr_file):
+    """The short path reads the writer's scalar types and hands every other type, shape and byte
+    order to the checked path; what it reads equals h5py's own read, invalid UTF-8 included."""
+    with h5py.File(attr_file, "r") as f:
+        a = f["g"].attrs
+        for key in ACCEPTED:
+            got = _read_plain_scalar(h5py.h5a.open(a._id, key.encode()))
+            if key in PLAIN:
+                assert _same(got, a[key]), (key, got, a[key])
+            else:
+                assert got is _NOT_PLAIN, key

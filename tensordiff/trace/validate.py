@@ -21,7 +21,7 @@ from typing import Any
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
-from h5py import h5a, h5d, h5g, h5i, h5l, h5o, h5t  # type: ignore[import-untyped, unused-ignore]
+from h5py import h5a, h5d, h5g, h5i, h5l, h5o, h5s, h5t  # type: ignore[import-untyped, unused-ignore]
 from h5py._objects import ObjectID  # type: ignore[import-untyped, unused-ignore]
 
 from ..dtypes import LOGICAL_DTYPES
@@ -205,8 +205,62 @@ def attr_get(attrs: Any, key: str, where: str = "") -> Any:
     if not h5a.exists(oid, bkey):
         return MISSING
     aid = h5a.open(oid, bkey)
+    value = _read_plain_scalar(aid)
+    if value is not _NOT_PLAIN:
+        return value
     shape, dt = _check_attr(aid, key, where)
     return _read_attr(aid, shape, dt)
+
+
+_NOT_PLAIN = object()
+
+#: numpy dtypes of little-endian integer and float types, by (class, size, signed)
+_PLAIN_NUMBERS = {(h5t.INTEGER, n, s): np.dtype(f"<{'i' if s else 'u'}{n}")
+                  for n in (1, 2, 4, 8) for s in (True, False)}
+_PLAIN_NUMBERS.update({(h5t.FLOAT, 4, False): np.dtype("<f4"), (h5t.FLOAT, 8, False): np.dtype("<f8")})
+#: memory types of variable-length strings, by character set
+_VLEN_MTYPES: dict[int, Any] = {}
+
+
+def _read_plain_scalar(aid: Any) -> Any:
+    """The value of a scalar attribute of the types a trace's writer writes (a little-endian
+    integer or IEEE float, a variable-length string), read from its low-level type and dataspace
+    (h5py's ``shape`` and ``dtype`` build a dataspace and a numpy type first, and cost more than
+    the read); :data:`_NOT_PLAIN` for anything else, which :func:`_check_attr` then checks. The
+    value is the one :func:`_read_attr` returns for the same attribute."""
+    if aid.get_space().get_simple_extent_type() != h5s.SCALAR:
+        return _NOT_PLAIN
+    tid = aid.get_type()
+    cls = tid.get_class()
+    if cls == h5t.STRING:
+        if not tid.is_variable_str():
+            return _NOT_PLAIN
+        cset = tid.get_cset()
+        mtype = _VLEN_MTYPES.get(cset)
+        if mtype is None:
+            if cset not in (h5t.CSET_ASCII, h5t.CSET_UTF8):
+                return _NOT_PLAIN
+            enc = "utf-8" if cset == h5t.CSET_UTF8 else "ascii"
+            mtype = _VLEN_MTYPES[cset] = h5t.py_create(h5py.string_dtype(enc))
+        out = np.empty((), dtype=object)
+        aid.read(out, mtype=mtype)
+        raw = out[()]
+        return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+    if cls not in (h5t.INTEGER, h5t.FLOAT) or tid.get_order() != h5t.ORDER_LE:
+        return _NOT_PLAIN
+    dt = _PLAIN_NUMBERS.get((cls, tid.get_size(), cls == h5t.INTEGER and tid.get_sign() == h5t.SGN_2))
+    if dt is None:
+        return _NOT_PLAIN
+    arr = np.empty((), dtype=dt)
+    aid.read(arr, mtype=_numeric_mtype(dt))
+    return arr[()]
+
+
+def _numeric_mtype(dt: np.dtype) -> Any:
+    mtype = _NUMERIC_MTYPES.get(dt)
+    if mtype is None:
+        mtype = _NUMERIC_MTYPES[dt] = h5t.py_create(dt)
+    return mtype
 
 
 def _check_attr(aid: Any, key: str, where: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -237,9 +291,7 @@ def _read_attr(aid: Any, shape: tuple[int, ...], dt: np.dtype) -> Any:
     """What h5py's ``attrs[key]`` returns, read from the open ``aid`` of a checked attribute
     (a non-null dataspace, neither compound nor array type: :func:`_check_attr`)."""
     if dt.kind in "biuf" and dt.metadata is None:   # not an enum (its members are metadata)
-        mtype = _NUMERIC_MTYPES.get(dt)
-        if mtype is None:
-            mtype = _NUMERIC_MTYPES[dt] = h5t.py_create(dt)
+        mtype = _numeric_mtype(dt)
     else:  # strings (the memory type carries the encoding) and enums: built as h5py builds them
         mtype = h5t.py_create(dt)
     arr = np.zeros(shape, dtype=dt, order="C")
