@@ -23,7 +23,10 @@ once in a fresh random order (seeded by ``--seed``); medians:
    with ``TENSORDIFF_TIMINGS=1`` (the CLI prints the time of its probe on stderr);
 4. ``tensordiff in-process``: ``diff_traces(A, B)`` timed inside a process that has already
    imported tensordiff (separates import/start-up time);
-5. ``SGLang comparator``: ``python -m sglang.srt.debug_utils.comparator --preset raw
+5. ``numeric pass alone``: tensordiff's per-row sums over every tensor's mapped values on the
+   diff's lanes, nothing else (:func:`numeric_pass`; timed in a fresh process after opening): its
+   ratio to ``readinto`` is the ceiling of the in-process diff's on this CPU;
+6. ``SGLang comparator``: ``python -m sglang.srt.debug_utils.comparator --preset raw
    --baseline-path .. --target-path .. --report-path ''`` end to end (CPU).
 
 For each: wall time, MB/s over the tensor bytes of both sides (1 MB = 1e6 bytes), peak RSS of
@@ -43,7 +46,8 @@ output's ``bytecode:`` line says which was measured.
 ``--json FILE`` writes the figures of benchmarks/benchjson.py's bench_diff entry:
 ``inproc_vs_readinto`` (readinto s / in-process diff s, both without start-up; ``readinto_gb_s``
 the rate of the files' bytes), ``inproc_vs_read`` (h5py read s / in-process diff s), ``cli_vs_script``
-(plain script s / CLI s, both end to end), ``probe_share`` (the CLI's probe s / its wall s),
+(plain script s / CLI s, both end to end), ``numeric_vs_readinto`` (readinto s / the numeric pass
+alone s: the in-process ratio's ceiling here; ``numeric_s``, ``numeric_lanes``), ``probe_share`` (the CLI's probe s / its wall s),
 ``rss_mb`` (the CLI's peak RSS, its worker included), ``names_corrupt`` (CLI and in-process exit
 1 and name the corrupted layer first), and the medians in seconds.
 
@@ -262,6 +266,44 @@ def readinto(paths: list[str]) -> dict:
     return {"seconds": time.perf_counter() - t0, "bytes": n}
 
 
+def numeric_pass(paths: list[str]) -> dict:
+    """The diff's numeric pass alone: tensordiff's own per-row sums (:class:`BlockMetrics`, the
+    compiled kernel and its finish) over every tensor's values of both traces, mapped in place as
+    the diff maps them, on as many threads as the diff's lanes. Opening, aligning, the identity
+    search and the judge are left out, so ``readinto s / this`` is the most the in-process
+    diff's ratio to the page-cache rate can reach on this CPU."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensordiff.diff.stream import compute_lanes
+    from tensordiff.numerics import BlockMetrics
+    from tensordiff.traceset.reader import open_trace
+
+    ra, rb = open_trace(paths[0]), open_trace(paths[1])
+    lanes = compute_lanes()
+    pool = ThreadPoolExecutor(lanes - 1) if lanes > 1 else None
+    try:
+        pairs = []
+        for name in sorted(set(ra.tensors) & set(rb.tensors)):
+            ia, ib = ra.tensors[name], rb.tensors[name]
+            idx = np.arange(min(ia.rows, ib.rows), dtype=np.int64)
+            xa, xb = ra.map_rows(name, "values", idx), rb.map_rows(name, "values", idx)
+            if xa is None or xb is None:
+                raise SystemExit(f"the values of {name} cannot be mapped in place")
+            pairs.append((ia, xa, ib, xb))
+        t0 = time.perf_counter()
+        measured = 0
+        for ia, xa, ib, xb in pairs:
+            m = BlockMetrics(ia.slot_count, ia.slot_width, pool=pool, lanes=lanes).compute_stored(xa, ia.dtype, xb, ib.dtype)
+            measured += m.cos.size * ia.slot_width
+        secs = time.perf_counter() - t0
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        ra.close()
+        rb.close()
+    return {"seconds": secs, "lanes": lanes, "elements": measured}
+
+
 def inproc_diff(paths: list[str]) -> dict:
     from tensordiff.diff import diff_traces
     from tensordiff.cli import jsonable
@@ -277,7 +319,7 @@ def inproc_diff(paths: list[str]) -> dict:
 def worker_main(kind: str, cfg_json: str) -> None:
     cfg = json.loads(cfg_json)
     fn = {"prepare": prepare, "h5read": lambda c: h5_read(c["paths"]), "readinto": lambda c: readinto(c["paths"]),
-          "inproc": lambda c: inproc_diff(c["paths"])}[kind]
+          "inproc": lambda c: inproc_diff(c["paths"]), "numeric": lambda c: numeric_pass(c["paths"])}[kind]
     res = fn(cfg)
     sys.stdout.write(RESULT_TAG + json.dumps(res) + "\n")
 
@@ -379,7 +421,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp", help="parent of the temporary data dir")
     ap.add_argument("--keep", action="store_true", help="keep the data dir (path printed)")
     ap.add_argument("--no-comparator", action="store_true", help="skip SGLang's comparator")
-    ap.add_argument("--json", metavar="FILE", help="write the figures as one JSON object (BENCH_CONTRACT.md)")
+    ap.add_argument("--json", metavar="FILE", help="write the figures as one JSON object (benchmarks/benchjson.py)")
     ap.add_argument("--cache", choices=("as-is", "warm", "cold"), default="as-is",
                     help="the page cache before every task (warm-up and timed): as-is (what the previous task "
                          "left), warm (both traces read whole first), cold (their pages dropped first). Pairs "
@@ -443,6 +485,7 @@ def main() -> int:
             ("plain script", [py, script, A, B]),
             ("tensordiff CLI", [py, "-m", "tensordiff", "diff", A, B, "--json", "-q", "--backend", "serial"]),
             ("tensordiff in-process", [py, me, "--_worker", "inproc", paths_json]),
+            ("numeric pass alone", [py, me, "--_worker", "numeric", paths_json]),
         ]
         have_cmp = False
         if not a.no_comparator and not os.path.isdir(info["dump_target"]):
@@ -474,11 +517,13 @@ def main() -> int:
             for name, cmd in round_tasks:
                 if rep == 0 and name == "SGLang comparator import":
                     continue  # the comparator's warm-up already loaded the same modules
-                if name in ("readinto", "h5py read", "plain script", "tensordiff CLI", "tensordiff in-process"):
+                if name in ("readinto", "h5py read", "plain script", "tensordiff CLI", "tensordiff in-process",
+                            "numeric pass alone"):
                     set_cache(a.cache, [A, B])
                 r = run_proc(cmd, cli_env if name == "tensordiff CLI" else env, work,
                              os.path.join(logs, f"{name.replace(' ', '_')}.{rep}"))
-                if name in ("readinto", "h5py read", "plain script", "tensordiff in-process") and r["rc"] != 0:
+                if name in ("readinto", "h5py read", "plain script", "tensordiff in-process",
+                            "numeric pass alone") and r["rc"] != 0:
                     print(f"{name} failed (exit {r['rc']}): {r['stderr'].strip()[-800:]}", file=sys.stderr)
                     return 2   # a baseline that cannot run stops the benchmark
                 if name == "tensordiff CLI":
@@ -560,10 +605,14 @@ def main() -> int:
         cli = rows["tensordiff CLI"]
         inp = rows["tensordiff in-process"]
         script_row = rows["plain script"]
+        num = rows["numeric pass alone"]
         probe_s = med([r["probe"] for r in runs["tensordiff CLI"]])
+        lanes_used = runs["numeric pass alone"][-1]["result"].get("lanes")
         print("ratios (throughput, higher is better):")
         print(f"  tensordiff in-process / readinto of both files (page-cache read rate, {rd['timed']:.3f} s = "
               f"{info['file_bytes']['trace'] / rd['timed'] / 1e9:.2f} GB/s): {rd['timed'] / inp['timed']:.2f}  (goal >= 0.6)")
+        print(f"  the numeric pass alone / readinto (the most the line above can reach on this CPU): "
+              f"{rd['timed'] / num['timed']:.2f}  ({num['timed']:.3f} s on {lanes_used} threads)")
         print(f"  tensordiff in-process / h5py read (both without start-up): {h5['timed'] / inp['timed']:.2f}  (goal >= 0.8)")
         print(f"  tensordiff CLI / plain per-layer script, both end to end : {script_row['wall'] / cli['wall']:.2f}  "
               "(goal >= 3)")
@@ -593,7 +642,8 @@ def main() -> int:
                        "probe_share": probe_s / cli["wall"], "rss_mb": cli["rss"] / 1e6, "names_corrupt": ok,
                        "inproc_s": inp["timed"], "read_s": h5["timed"], "cli_s": cli["wall"],
                        "script_s": script_row["wall"], "probe_s": probe_s, "inproc_rss_mb": inp["rss"] / 1e6,
-                       "payload_gb": payload / 1e9}
+                       "payload_gb": payload / 1e9, "numeric_vs_readinto": rd["timed"] / num["timed"],
+                       "numeric_s": num["timed"], "numeric_lanes": lanes_used}
             result.config["comparator"] = have_cmp
             result.write(a.json, figures)
         if a.keep:

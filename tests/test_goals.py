@@ -71,6 +71,7 @@ def test_every_goal_of_the_machine_limits_issue_is_a_row():
     figures = {(g.run, g.figure): (g.op, g.target) for g in rows}
     for run in ("diff-default", "diff-64-layers", "diff-8k-tokens", "diff-100k-tokens"):
         assert figures[(run, "inproc_vs_readinto")] == (">=", 0.6)
+        assert figures[(run, "numeric_vs_readinto")] == (">=", 0.6)   # that row's ceiling, beside it
         assert figures[(run, "cli_vs_script")] == (">=", 3.0)
         assert figures[(run, "rss_mb")] == ("<=", 300)
     assert figures[("vllm-eagle", "plugin_share")] == ("<=", 0.05)
@@ -129,3 +130,14 @@ def test_the_table_names_the_machine_and_each_one_when_results_came_from_several
     goals.main(["--only", "identity", "narrow", "--from", str(tmp_path)])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("machine:")]
     assert sorted(lines) == ["machine: AMD EPYC, 2 cores, avx2 (identity)", "machine: unknown machine (narrow)"]
+
+
+def test_the_numeric_pass_alone_measures_every_element_of_both_traces(tmp_path):
+    """bench_diff's ceiling of the in-process row: every tensor's values of both sides go through
+    the diff's own per-row sums, on the diff's lanes (a pass over fewer would overstate it)."""
+    bench = _load("bench_diff")
+    cfg = {"dir": str(tmp_path), "layers": 3, "tokens": 300, "hidden": 256, "corrupt": 1, "seed": 0, "dumps": False}
+    info = bench.prepare(cfg)
+    got = bench.numeric_pass([info["trace_a"], info["trace_b"]])
+    assert got["elements"] == 3 * 300 * 256
+    assert got["lanes"] >= 1 and got["seconds"] > 0
