@@ -35,6 +35,16 @@ def attr_file(tmp_path):
         a["f32"] = np.float32(0.1)
         a["nan"] = np.nan
         a["one_element"] = np.array([4])
+        # floats of 4 or 8 bytes that are not IEEE single or double: h5py reads them wider
+        for key, size, fields, bias, value in (("f4_wide_exp", 4, (31, 20, 11, 0, 20), 1023, 1e300),
+                                               ("f4_bias", 4, (31, 23, 8, 0, 23), 100, 1.5),
+                                               ("f8_long", 8, (63, 48, 15, 0, 48), 16383, 0.1),
+                                               ("f4_short_exp", 4, (31, 25, 6, 0, 25), 31, 2.0**24 + 1)):
+            t = (h5py.h5t.IEEE_F32LE if size == 4 else h5py.h5t.IEEE_F64LE).copy()
+            t.set_fields(*fields)
+            t.set_ebias(bias)
+            aid = h5py.h5a.create(g.id, key.encode(), t, h5py.h5s.create(h5py.h5s.SCALAR))
+            aid.write(np.array(value, dtype=np.float64))
         a["fixed"] = np.bytes_(b"fixed")
         a["fixed_utf8"] = np.array("caf\u00e9".encode(), dtype=h5py.string_dtype("utf-8", 5))
         a["small_array"] = np.arange(3)
@@ -60,6 +70,7 @@ def attr_file(tmp_path):
 
 ACCEPTED = ["int", "neg", "u16", "big_endian", "float", "f2", "bool", "vlen", "vlen_unicode", "vlen_ascii",
             "vlen_bad_utf8", "vlen_empty", "i64_min", "u64_max", "f32", "nan", "one_element",
+            "f4_wide_exp", "f4_bias", "f8_long", "f4_short_exp",
             "fixed", "fixed_utf8", "small_array", "str_array", "enum", "enum_u"]
 #: scalars of the types the trace writer writes, read by the short path (the rest by the checked one)
 PLAIN = {"int", "neg", "u16", "float", "vlen", "vlen_unicode", "vlen_ascii", "vlen_bad_utf8", "vlen_empty", "i64_min",
@@ -84,6 +95,7 @@ def test_values_equal_h5py_reads(attr_file):
         assert attr_int(a, "enum") == 1 and attr_int(a, "bool") == 1
         assert attr_str(a, "vlen_unicode") == "h\u00e9llo \u2713"
         assert attr_str(a, "fixed") == "fixed"
+        assert attr_int(a, "f4_short_exp") == 2**24 + 1   # not rounded through a float32
 
 
 @pytest.mark.parametrize("key, words", [("compound", "compound"), ("long_array", "array of 1000"),

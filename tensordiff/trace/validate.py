@@ -214,20 +214,21 @@ def attr_get(attrs: Any, key: str, where: str = "") -> Any:
 
 _NOT_PLAIN = object()
 
-#: numpy dtypes of little-endian integer and float types, by (class, size, signed)
-_PLAIN_NUMBERS = {(h5t.INTEGER, n, s): np.dtype(f"<{'i' if s else 'u'}{n}")
-                  for n in (1, 2, 4, 8) for s in (True, False)}
-_PLAIN_NUMBERS.update({(h5t.FLOAT, 4, False): np.dtype("<f4"), (h5t.FLOAT, 8, False): np.dtype("<f8")})
+#: numpy dtypes of little-endian integer types, by (size, signed)
+_PLAIN_INTS = {(n, s): np.dtype(f"<{'i' if s else 'u'}{n}") for n in (1, 2, 4, 8) for s in (True, False)}
+#: the IEEE float types and their numpy dtypes (a float of another layout or bias, even of the
+#: same size, is read by h5py as a wider type: the checked path reads it)
+_PLAIN_FLOATS = ((h5t.IEEE_F32LE, np.dtype("<f4")), (h5t.IEEE_F64LE, np.dtype("<f8")))
 #: memory types of variable-length strings, by character set
 _VLEN_MTYPES: dict[int, Any] = {}
 
 
 def _read_plain_scalar(aid: Any) -> Any:
     """The value of a scalar attribute of the types a trace's writer writes (a little-endian
-    integer or IEEE float, a variable-length string), read from its low-level type and dataspace
-    (h5py's ``shape`` and ``dtype`` build a dataspace and a numpy type first, and cost more than
-    the read); :data:`_NOT_PLAIN` for anything else, which :func:`_check_attr` then checks. The
-    value is the one :func:`_read_attr` returns for the same attribute."""
+    integer, an IEEE float of 4 or 8 bytes, a variable-length string), read from its low-level
+    type and dataspace (h5py's ``shape`` and ``dtype`` build a dataspace and a numpy type first,
+    and cost more than the read); :data:`_NOT_PLAIN` for anything else, which :func:`_check_attr`
+    then checks. The value is the one :func:`_read_attr` returns for the same attribute."""
     if aid.get_space().get_simple_extent_type() != h5s.SCALAR:
         return _NOT_PLAIN
     tid = aid.get_type()
@@ -246,9 +247,12 @@ def _read_plain_scalar(aid: Any) -> Any:
         aid.read(out, mtype=mtype)
         raw = out[()]
         return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
-    if cls not in (h5t.INTEGER, h5t.FLOAT) or tid.get_order() != h5t.ORDER_LE:
+    if cls == h5t.INTEGER and tid.get_order() == h5t.ORDER_LE:
+        dt = _PLAIN_INTS.get((tid.get_size(), tid.get_sign() == h5t.SGN_2))
+    elif cls == h5t.FLOAT:
+        dt = next((d for t, d in _PLAIN_FLOATS if tid.equal(t)), None)
+    else:
         return _NOT_PLAIN
-    dt = _PLAIN_NUMBERS.get((cls, tid.get_size(), cls == h5t.INTEGER and tid.get_sign() == h5t.SGN_2))
     if dt is None:
         return _NOT_PLAIN
     arr = np.empty((), dtype=dt)
