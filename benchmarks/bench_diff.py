@@ -268,10 +268,11 @@ def readinto(paths: list[str]) -> dict:
 
 def numeric_pass(paths: list[str]) -> dict:
     """The diff's numeric pass alone: tensordiff's own per-row sums (:class:`BlockMetrics`, the
-    compiled kernel and its finish) over every tensor's values of both traces, mapped in place as
-    the diff maps them, on as many threads as the diff's lanes. Opening, aligning, the identity
-    search and the judge are left out, so ``readinto s / this`` is the most the in-process
-    diff's ratio to the page-cache rate can reach on this CPU."""
+    compiled kernel and its finish) over every tensor's values of both traces, mapped in place
+    (one mapping per tensor; the diff maps and measures block by block), on as many threads as the
+    diff's lanes. Opening, aligning, the identity search, the judge and the per-block costs are
+    left out, so ``readinto s / this`` is the most the in-process diff's ratio to the page-cache
+    rate can reach on this CPU. ``elements``: the pairs of elements compared."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tensordiff.diff.stream import compute_lanes
