@@ -27,7 +27,9 @@ inputs=$({ cat pyproject.toml setup.py tensordiff/_kernels.c scripts/setup.sh sc
                scripts/*-requirements.txt 2>/dev/null || true; } | sha256sum | cut -d' ' -f1)
 in_place() {
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs" ] && compgen -G 'tensordiff/_kernels*.so' >/dev/null || return 1
-  [ "$mode" != full ] || { [ -x .venv-vllm/bin/python ] && [ -x .venv-producers/bin/python ]; }
+  # full: the other venvs, and chromium where this user could install it
+  [ "$mode" != full ] || { [ -x .venv-vllm/bin/python ] && [ -x .venv-producers/bin/python ] &&
+    { command -v chromium >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; }; }
 }
 if in_place; then
   echo "[setup] $mode: in place for these files ($stamp); nothing to install"
