@@ -371,6 +371,68 @@ def test_calibration_file_of_the_wrong_shape(tmp_path, good, content, expect):
     one_line(["diff", good["a"], good["b"], "-q", "--calibration", p], expect)
 
 
+def test_calibration_file_nested_deep(tmp_path, good):
+    p = tmp_path / "cal.json"
+    p.write_bytes(hostile.deep_json())
+    one_line(["diff", good["a"], good["b"], "-q", "--calibration", p], "nested deeper than 64 levels")
+
+
+# ----------------------------------------------------------------------------------------------
+# layer numbers from a file: in range where they are read
+
+
+@pytest.mark.parametrize("label", ["layer999999999999999999999999999999", "layer100001"])
+@pytest.mark.parametrize("cmd", ["info", "diff-ab", "diff-ba"])
+def test_slot_label_past_any_depth(tmp_path, good, label, cmd):
+    """A slot label claiming layer 10^33 overflowed the noise model's growth to that depth."""
+    p = hostile.slot_label(str(tmp_path / "t.h5"), label)
+    argv = {"info": ["info", p], "diff-ab": ["diff", good["a"], p, "-q"], "diff-ba": ["diff", p, good["a"], "-q"]}[cmd]
+    one_line(argv, "layer number")
+
+
+def test_slot_label_at_the_deepest_layer_is_judged(tmp_path, good):
+    """The deepest layer number a label may hold is read, and the noise model's growth to it
+    saturates instead of overflowing."""
+    p = hostile.slot_label(str(tmp_path / "t.h5"), "layer100000")
+    for argv in (["diff", good["a"], p, "-q"], ["diff", p, good["a"], "-q"]):
+        rc, out, err = run_isolated(argv, timeout=60)
+        assert_clean_exit(rc, out, err, " ".join(argv))
+        assert rc in (0, 1), (argv, rc, err[-500:])
+
+
+@pytest.mark.parametrize("model,expect", [
+    ('{"num_layers": 1000000, "hidden_size": 16}', "model num_layers"),
+    (None, "nested deeper than 64 levels"),
+])
+def test_model_attribute_out_of_range(tmp_path, good, model, expect):
+    model = model if model is not None else hostile.deep_json(10_000).decode()
+    p = hostile.model_attr(str(tmp_path / "t.h5"), model)
+    one_line(["diff", good["a"], p, "-q"], expect)
+
+
+# ----------------------------------------------------------------------------------------------
+# weights: a checkpoint's header, config and fingerprint file are JSON from elsewhere
+
+
+def test_weights_header_nested_deep(tmp_path):
+    ok = hostile.safetensors_ok(str(tmp_path / "ok.safetensors"))
+    deep = hostile.safetensors_file(str(tmp_path / "deep.safetensors"), hostile.deep_json())
+    one_line(["weights", deep, ok], "nested deeper than 64 levels")
+    one_line(["weights", ok, deep], "nested deeper than 64 levels")
+
+
+def test_weights_config_and_fingerprints_nested_deep(tmp_path):
+    ok = hostile.safetensors_ok(str(tmp_path / "ok.safetensors"))
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    hostile.safetensors_ok(str(d / "model.safetensors"))
+    (d / "config.json").write_bytes(hostile.deep_json())
+    one_line(["weights", ok, d], "config.json is JSON nested deeper than 64 levels")
+    fp = tmp_path / "fp.json"
+    fp.write_bytes(hostile.deep_json())
+    one_line(["weights", fp, ok], "nested deeper than 64 levels")
+
+
 # ----------------------------------------------------------------------------------------------
 # importers: nothing read unbounded, nothing written the reader would refuse
 

@@ -11,7 +11,6 @@ Nothing here imports torch or sglang at module import time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RecordingError, SourceFileError, TensordiffError, UsageError
-from ..safety import check_output_path
+from ..safety import check_output_path, read_json_file
 from .engine_guard import EngineFailed, EngineGuard, kill_children
 from .serve_common import PLUGIN_NAME, _parse_engine_args, add_plugin, engine_environ, write_outputs
 from .train_cli import load_prompts
@@ -203,12 +202,11 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
         prompts = load_prompts(args.prompts, tokenizer_loader)
     if args.limit is not None:
         prompts = prompts[: max(0, args.limit)]
+    cfg = read_json_file(os.path.join(args.model, "config.json"), "the model's config.json")
     try:
-        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
         vocab = int((cfg.get("text_config") or cfg).get("vocab_size") or 0)
         n_layers = int((cfg.get("text_config") or cfg).get("num_hidden_layers") or 0)
-    except (OSError, ValueError, TypeError):
+    except (ValueError, TypeError, AttributeError):
         raise RecordingError("cannot read the model's config.json", args.model) from None
     if getattr(args, "engine", "sglang") != "vllm":
         _check_graft(os.environ.get("TENSORDIFF_GRAFT"), n_layers)
@@ -275,17 +273,16 @@ def _capture_note(args: argparse.Namespace) -> None:
     from .. import conventions
 
     try:
-        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
+        cfg = read_json_file(os.path.join(args.model, "config.json"), "the model's config.json")
         ids = args.aux_ids
         if args.draft:
-            with open(os.path.join(args.draft, "config.json"), encoding="utf-8") as f:
-                ids = (json.load(f).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            dcfg = read_json_file(os.path.join(args.draft, "config.json"), "the draft's config.json")
+            ids = (dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         text = cfg.get("text_config") or cfg
         arch = (cfg.get("architectures") or [""])[0]
         n = int(text.get("num_hidden_layers") or 0)
         ids = [int(i) for i in ids] if ids else None
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (SourceFileError, ValueError, TypeError, AttributeError):
         return  # the engine reads these files itself and says what is wrong with them
     if not n or conventions.sglang_convention_for(arch) != "sglang-deepseek":
         return

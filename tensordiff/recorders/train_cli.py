@@ -16,7 +16,6 @@ lives in :mod:`.hf` and :mod:`.hooks`.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 from .. import conventions
 from ..errors import RecordingError, SourceFileError, TraceFileError, UsageError
+from ..safety import parse_json, read_json_file
 
 CONVENTION_CHOICES = conventions.planning_choices()
 
@@ -107,13 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_draft_ids(path: str) -> list[int] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise SourceFileError(f"cannot read the draft config ({e.strerror or e})", path) from None
-    except ValueError:
-        raise SourceFileError("the draft config is not JSON", path) from None
+    cfg = read_json_file(path, "the draft config")
     if not isinstance(cfg, dict):
         raise SourceFileError("the draft config is not a JSON object", path)
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -141,10 +135,7 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
         line = line.strip()
         if not line:
             continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            raise SourceFileError(f"line {n} is not JSON", path) from None
+        obj = parse_json(line, f"line {n}", path)
         key = f"prompt-{len(out)}"
         text = None
         ids = None
@@ -199,10 +190,7 @@ def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
     except UnicodeDecodeError:
         raise SourceFileError("neither a serve trace nor a JSONL outputs file", path) from None
     for n, line in enumerate(lines, 1):
-        try:
-            o = json.loads(line)
-        except ValueError:
-            raise SourceFileError(f"line {n} is not JSON", path) from None
+        o = parse_json(line, f"line {n}", path)
         ids, outs = (o.get("input_ids"), o.get("output_ids")) if isinstance(o, dict) else (None, None)
         ok = all(isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
                  for x in (ids, outs))
@@ -228,7 +216,7 @@ def serve_rl_info(path: str) -> tuple[dict | None, dict[str, int]]:
         first: dict[str, int] = {}
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(ln for ln in f if ln.strip()):
-                o = json.loads(line)
+                o = parse_json(line, f"line {n + 1}", path)
                 first[str(o.get("id", f"request-{n}"))] = len(o["input_ids"])
         return None, first
     import numpy as np
@@ -328,11 +316,11 @@ def eagle3_draft_reason(cfg: dict) -> str | None:
 
 def refuse_draft_as_model(path: str) -> None:
     """One clear line before anything is loaded when ``--model`` is an EAGLE-3 draft directory."""
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return  # no directory or no readable config: _load_config says so
+    p = os.path.join(path, "config.json")
+    if not os.path.isfile(p):
+        return  # no directory or no config: _load_config says so
+    # read here with the bounds of every JSON input, before transformers parses it unbounded
+    cfg = read_json_file(p, "the model's config.json")
     why = eagle3_draft_reason(cfg) if isinstance(cfg, dict) else None
     if why is not None:
         raise UsageError(f"is an EAGLE-3 draft ({why}); --model takes the target model, pass the draft with --draft",
