@@ -639,14 +639,20 @@ def _usage_hint(parser: argparse.ArgumentParser, argv: list[str], msg: str) -> s
         if nxt is None:
             break
         target = nested.choices[nxt]
-    flags = [o for a in target._actions for o in a.option_strings]
+    # compared without their dashes: every flag shares "--", which made --bogus "close" to --out
+    flags = {o.lstrip("-"): o for a in target._actions for o in a.option_strings if o.startswith("--")}
+    base = msg.split(" (see `")[0]   # the words argparse refused, without the help pointer
     hints = []
-    for x in msg.split(":", 1)[1].split():
-        close = difflib.get_close_matches(x.split("=")[0], flags, n=1, cutoff=0.6) if x.startswith("-") else []
+    for x in base.split(":", 1)[1].split():
+        word = x.split("=")[0]
+        close = difflib.get_close_matches(word.lstrip("-"), list(flags), n=1, cutoff=0.6) if x.startswith("-") else []
         if close:
-            hints.append(f"{x}: did you mean {close[0]}?")
-    base = msg.split(" (see `")[0]
-    return base + ("; " + "; ".join(hints) if hints else "") + f" (see `{target.prog} --help`)"
+            hints.append((word, flags[close[0]]))
+    if len(hints) == 1:
+        base += f"; did you mean {hints[0][1]}?"
+    elif hints:
+        base += "; " + "; ".join(f"{w}: did you mean {c}?" for w, c in hints)
+    return base + f" (see `{target.prog} --help`)"
 
 
 def _err(msg: str) -> str:

@@ -148,6 +148,23 @@ def test_usage_errors_name_the_subcommand_and_suggest(pairs):
     assert rc == 2 and "did you mean --tokenizer?" in err and "tensordiff report --help" in err
 
 
+@pytest.mark.parametrize("cmd", ["diff", "info", "weights", "triage", "report", "calibrate"])
+@pytest.mark.parametrize(("flag", "hint"), [("--bogus", None), ("--jsn", "--json")])
+def test_unknown_flag_is_one_clean_line(pairs, tmp_path, cmd, flag, hint):
+    """An unknown flag: the word refused, a suggestion only where a flag is close, and the help
+    pointer once at the end (the pointer's own words were read as refused flags)."""
+    a, b = pairs["agree"]
+    argv = {"info": ["info", a], "report": ["report", a, b, "-o", str(tmp_path / "r.html")],
+            "calibrate": ["calibrate", a, b, "--out", str(tmp_path / "c.json")]}.get(cmd, [cmd, a, b])
+    if cmd not in ("diff", "info", "triage"):   # no --json: nothing close to suggest
+        hint = None
+    rc, out, err = run_isolated([*argv, flag])
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    want = f"tensordiff: error: unrecognized arguments: {flag}" + (f"; did you mean {hint}?" if hint else "")
+    assert lines[0] == want + f" (see `tensordiff {cmd} --help`)", lines[0]
+
+
 def test_paths_print_as_they_are_not_as_emoji(pairs, tmp_path):
     """rich turns ``:smile:`` into an emoji unless told not to: a path is data, printed as it is."""
     d = tmp_path / ":smile:"
