@@ -417,7 +417,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     def require_complete(p):
         p.add_argument("--require-complete", action="store_true",
                        help="exit 1 when some paired tensor could not be compared (verdict incomplete): the "
-                            "default; kept for command lines that name it")
+                            "default, and it wins over --allow-incomplete where both are given (a CI wrapper that "
+                            "adds --allow-incomplete cannot relax a job that asks for completeness)")
         p.add_argument("--allow-incomplete", action="store_true",
                        help="exit 0 when no divergence is found in what could be compared, even though some paired "
                             "tensor was not (verdict incomplete, said in the headline)")
@@ -471,6 +472,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_calibrate)
 
     w = sub.add_parser("weights", help="compare two checkpoints parameter by parameter and name the first that differs",
+                       description="Compare checkpoint B against the reference A parameter by parameter, in forward "
+                                   "order, and name the first that differs (its layer and op): safetensors in HF "
+                                   "layout or an engine's fused one (qkv, gate_up split back), or fingerprint files; "
+                                   "--fingerprint writes A's fingerprints, to compare later without the weights.",
                        epilog="exit codes: 0 every parameter equal, 1 a parameter differs, 2 bad input")
     w.add_argument("a", metavar="A", help="reference: a safetensors checkpoint (directory or file) or a fingerprint file")
     w.add_argument("b", metavar="B", nargs="?", help="the other checkpoint or fingerprint file (HF or fused engine layout)")
@@ -501,7 +506,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command not in CORE_COMMANDS:
         from .recorders.cli import register
         register(sub)
+    _add_glossary(p)
     return p
+
+
+#: the end of every help text: where the words they use are explained
+GLOSSARY = ("Terms (boundary, slot, packed tensor, catalog, sketch, regime, noise trend, convention, aux ids, "
+            "...): docs/glossary.md.")
+
+
+def _add_glossary(parser: argparse.ArgumentParser) -> None:
+    """:data:`GLOSSARY` after the epilog of ``parser`` and of every command under it."""
+    parser.epilog = f"{parser.epilog}. {GLOSSARY}" if parser.epilog else GLOSSARY
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):   # aliases share a parser
+                _add_glossary(child)
 
 
 #: numpy's floating-point warnings (``-W`` / PYTHONWARNINGS form: action:message-start:category).

@@ -138,6 +138,37 @@ def test_a_missing_extra_is_one_line_naming_it(pairs, tmp_path, missing, argv, e
     assert not (tmp_path / "o.h5").exists()
 
 
+@pytest.mark.parametrize("cmd", [[], ["info"], ["diff"], ["tui"], ["report"], ["calibrate"], ["weights"], ["triage"],
+                                 ["record"], ["record", "train"], ["record", "serve"], ["import"]])
+def test_every_help_points_at_the_glossary(cmd):
+    """Each help ends with where its words are explained, and the glossary explains each of them."""
+    rc, out, _ = run_isolated([*cmd, "--help"])
+    assert rc == 0
+    text = " ".join(out.split())
+    assert text.endswith("convention, aux ids, ...): docs/glossary.md."), text[-300:]
+    if cmd == ["weights"]:   # a description line, not only the usage
+        assert "Compare checkpoint B against the reference A parameter by parameter" in text
+    glossary = (ROOT / "docs" / "glossary.md").read_text()
+    for term in ("boundary", "slot", "packed tensor", "catalog", "sketch", "regime", "noise trend", "convention",
+                 "aux ids"):
+        assert f"**{term}**" in glossary, term
+
+
+def test_record_train_does_not_overwrite_a_trace(tmp_path):
+    """`record train --out` onto an existing file: one line, exit 2, the file as it was (before
+    the model is loaded); --force is the way to replace it."""
+    out = tmp_path / "t.h5"
+    out.write_bytes(b"an earlier trace")
+    (tmp_path / "p.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    rc, _, err = run_isolated(["record", "train", "--model", str(tmp_path / "nope"), "--prompts",
+                               str(tmp_path / "p.jsonl"), "--out", str(out)])
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "exists; pass --force" in err, err
+    assert out.read_bytes() == b"an earlier trace"
+    rc, _, err = run_isolated(["record", "train", "--model", str(tmp_path / "nope"), "--prompts",
+                               str(tmp_path / "p.jsonl"), "--out", str(out), "--force"])
+    assert rc == 2 and "exists; pass --force" not in err and "nope" in err, err
+
+
 def test_usage_errors_name_the_subcommand_and_suggest(pairs):
     rc, _, err = run_isolated(["diff", *pairs["agree"], "--tols", "x=1,0"])
     assert rc == 2 and len(err.strip().splitlines()) == 1

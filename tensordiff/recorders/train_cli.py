@@ -42,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="record exactly the sequences a serve run saw (prompt + generated tokens): the --outputs "
                           "JSONL of `record serve`, or the serve trace itself (when it holds every position "
                           "from 0; a radix-cache hit leaves a prefix out)")
-    p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write")
+    p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write (not one that exists, "
+                                                                        "unless --force)")
+    p.add_argument("--force", action="store_true", help="overwrite --out when it exists")
     p.add_argument("--temperature", type=float, metavar="T",
                    help="with --from-serve: the temperature the trainer divides the logits by for the sampled "
                         "tokens' log-probs (sampled_logprob; default: the serve trace's sampling attribute, else 1.0)")
@@ -399,6 +401,9 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
+    if os.path.lexists(args.out) and not args.force:
+        # a trace is evidence: never replaced silently (diff, likewise, never writes over an input)
+        raise UsageError("exists; pass --force to overwrite it, or choose another --out", args.out)
     refuse_draft_as_model(args.model)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
