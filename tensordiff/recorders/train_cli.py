@@ -28,6 +28,8 @@ from ..errors import RecordingError, SourceFileError, TraceFileError, UsageError
 from ..safety import parse_json, read_json_file
 
 CONVENTION_CHOICES = conventions.planning_choices()
+#: how ids become states where a draft input is recorded and --convention is not given
+DEFAULT_CONVENTION = "specforge"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,13 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, metavar="T",
                    help="with --from-serve: the temperature the trainer divides the logits by for the sampled "
                         "tokens' log-probs (sampled_logprob; default: the serve trace's sampling attribute, else 1.0)")
-    g = p.add_argument_group("draft input")
+    g = p.add_argument_group("draft input", "recorded only when one of these says what the draft reads "
+                                            "(--aux-ids, --draft, --draft-config, --boundaries, --convention, "
+                                            "--prepend-embed); without them, the catalog only")
     g.add_argument("--aux-ids", type=int, nargs="+", metavar="ID",
                    help="the draft's aux hidden-state layer ids as the pipeline configures them "
-                        "(default: from --draft-config, else each convention's default)")
-    g.add_argument("--convention", default="specforge", choices=CONVENTION_CHOICES,
-                   help="how the pipeline turns ids into states (default specforge: boundary id+1; eagle: "
-                        "inputs of layers 2, N//2, N-3; speculators-legacy: [hs[id+1] ...] + [last], packs [:-1])")
+                        "(default: from --draft or --draft-config, else the convention's default)")
+    g.add_argument("--convention", choices=CONVENTION_CHOICES,
+                   help=f"how the pipeline turns ids into states ({DEFAULT_CONVENTION} where a draft input is "
+                        "recorded and this is not given: boundary id+1; eagle: inputs of layers 2, N//2, N-3; "
+                        "speculators-legacy: [hs[id+1] ...] + [last], packs [:-1]); alone, it records a draft "
+                        "input of its default ids")
     g.add_argument("--prepend-embed", action="store_true",
                    help="model the speculators legacy extractor bug: the list was [hs[0]] + [hs[id+1] for id in ids] "
                         "and [:-1] fed [embed, ...] (with --convention speculators-legacy)")
@@ -65,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "state (final_norm) in transformers 5.x (default only for --convention hf)")
     g.add_argument("--draft-config", metavar="FILE",
                    help="draft config.json: read eagle_config.eagle_aux_hidden_state_layer_ids when --aux-ids is absent")
-    g.add_argument("--no-draft-input", action="store_true", help="record the catalog only")
+    g.add_argument("--no-draft-input", action="store_true",
+                   help="record the catalog only, whatever the flags above say (the default without them)")
     g = p.add_argument_group("predictions")
     g.add_argument("--draft", metavar="DIR",
                    help="an EAGLE-3 draft directory (SGLang's checkpoint layout): also record its fc output "
@@ -400,6 +407,16 @@ class _Progress:
             self.bar.stop()
 
 
+def wants_draft_input(args: argparse.Namespace) -> bool:
+    """A draft input is recorded only where the command says what the draft reads: a recording
+    of a model's own states (a port, a 2-layer model) gets no slots nobody asked for, and no
+    default ids that do not fit it."""
+    if args.no_draft_input:
+        return False
+    return bool(args.aux_ids or args.draft or args.draft_config or args.boundaries or args.convention
+                or args.prepend_embed or args.hf_index_n_post_norm)
+
+
 def run(args: argparse.Namespace) -> int:
     if os.path.lexists(args.out) and not args.force:
         # a trace is evidence: never replaced silently (diff, likewise, never writes over an input)
@@ -494,9 +511,9 @@ def run(args: argparse.Namespace) -> int:
     if zoom is not None and not 0 <= zoom < n_layers:
         raise UsageError(f"--zoom layer{zoom}: the model has decoder layers 0..{n_layers - 1}")
     plan = None
-    if not args.no_draft_input:
+    if wants_draft_input(args):
         try:
-            plan = plan_draft_input(args.convention, ids, n_layers, prepend_embed=args.prepend_embed,
+            plan = plan_draft_input(args.convention or DEFAULT_CONVENTION, ids, n_layers, prepend_embed=args.prepend_embed,
                                     hf_index_n_post_norm=True if args.hf_index_n_post_norm else None,
                                     boundaries=args.boundaries)
         except ValueError as e:
