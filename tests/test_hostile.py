@@ -541,6 +541,7 @@ def _serve_setup(tmp_path, monkeypatch, fake):
     prompts.write_text("[1, 2, 3]\n")
     monkeypatch.setattr(serve_cli, "_plugin_installed", lambda: True)
     monkeypatch.setattr(serve_cli, "_default_start_engine", fake)
+    monkeypatch.setattr(serve_cli, "_check_sglang_cpu", lambda: None)   # as if SGLang's CPU kernels were there
     out = tmp_path / "s.h5"
     return ["record", "serve", "--model", str(model), "--prompts", str(prompts), "--out", str(out), "--device", "cpu"], out
 
@@ -576,6 +577,8 @@ def test_record_serve_engine_child_fails_at_start(tmp_path, monkeypatch, capsys)
 
 
 def test_record_serve_engine_kernels_missing(tmp_path, monkeypatch, capsys):
+    """Kernels found but failing in the engine (a CUDA build on a CPU): the guard's line says what
+    to run instead on either machine."""
     from tensordiff.cli import main
 
     def fake(**kw):
@@ -586,8 +589,46 @@ def test_record_serve_engine_kernels_missing(tmp_path, monkeypatch, capsys):
     rc = main(argv)
     o, err = capsys.readouterr()
     assert_clean_exit(rc, o, err, "record serve")
-    assert rc == 2 and "the module 'sgl_kernel' is not installed" in err and "install-sglang-cpu.sh" in err, err
+    assert rc == 2 and "the module 'sgl_kernel' is not installed" in err and "--engine vllm" in err, err
     assert not out.exists()
+
+
+def test_record_serve_on_a_cpu_without_sglangs_kernels(tmp_path, monkeypatch, capsys):
+    """SGLang on a CPU without its CPU kernels (not on PyPI): one line, before the engine starts,
+    saying what a CPU user can run instead; the command it names is the one docs/sglang.md gives,
+    and its words reach vLLM's recorder (here, without vLLM: the line to run it with vLLM's venv)."""
+    import importlib.util
+    import re
+    import shlex
+
+    from tensordiff.cli import main
+    from tensordiff.recorders import serve_cli
+
+    started = []
+    argv, out = _serve_setup(tmp_path, monkeypatch, lambda **kw: started.append(kw))
+    monkeypatch.undo()   # the real check this time; sgl_kernel hidden as on a machine without it
+    monkeypatch.setattr(serve_cli, "_plugin_installed", lambda: True)
+    monkeypatch.setattr(serve_cli, "_default_start_engine", lambda **kw: started.append(kw))
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "sgl_kernel" else find(n, *a))
+    rc = main(argv)
+    o, err = capsys.readouterr()
+    assert_clean_exit(rc, o, err, "record serve --device cpu")
+    assert rc == 2 and not started and not out.exists(), err
+    line = err.strip()
+    assert line.startswith("tensordiff: error: SGLang cannot record on this CPU: its CPU kernels"), line
+    # the docs say the same, and give the command the line names
+    doc = open(os.path.join(hostile.ROOT, "docs", "sglang.md"), encoding="utf-8").read()
+    section = doc.split("### On a CPU-only machine", 1)[1].split("\n## ", 1)[0]
+    assert line.split(": ", 2)[2].split(", ...")[0][:60] in section
+    (cmd,) = re.findall(r"^\.venv-vllm/bin/python -m tensordiff (record serve .*)$", section, re.M)
+    assert cmd.split(" --model")[0] in line, (cmd, line)
+    words = shlex.split(cmd.replace("--model ...", f"--model {argv[3]}").replace("--prompts ...", f"--prompts {argv[5]}")
+                        .replace("serve.h5", str(out)))
+    rc = main(words)
+    o, err = capsys.readouterr()
+    if importlib.util.find_spec("vllm") is None:   # the core venv: the line that sends it to .venv-vllm
+        assert rc == 2 and "run this command with the vLLM venv's python" in err, err
 
 
 def test_record_serve_does_not_overwrite_its_prompts(tmp_path, monkeypatch, capsys):
