@@ -419,6 +419,10 @@ def wants_draft_input(args: argparse.Namespace) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     if os.path.lexists(args.out) and not args.force:
+        from ..safety import check_output_path
+
+        # one of the inputs, or a directory: said as such first
+        check_output_path(args.out, [args.prompts, getattr(args, "from_serve", None)], "--out")
         # a trace is evidence: never replaced silently (diff, likewise, never writes over an input)
         raise UsageError("exists; pass --force to overwrite it, or choose another --out", args.out)
     refuse_draft_as_model(args.model)
