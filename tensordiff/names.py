@@ -35,13 +35,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .vocab import FINAL_NORM, boundary_label
+from .vocab import FINAL_NORM, boundary_label, layer_number
 
 TAPS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_out",
         "mlp_norm", "router", "mlp_gate", "mlp_up", "mlp_act", "mlp_out")
 _TAP_FRACTION = {t: (i + 1) / (len(TAPS) + 1) for i, t in enumerate(TAPS)}
-_TAP_RE = re.compile(r"^layer(\d+)\.([a-z_]+)$")
-_LAYER_RE = re.compile(r"^layer(\d+)$")
+_TAP_RE = re.compile(r"^layer([0-9]+)\.([a-z_]+)$")
+_LAYER_RE = re.compile(r"^layer([0-9]+)$")
 
 IMPLEMENTATIONS = ("hf", "sglang", "vllm")
 #: model types whose module layout the table knows (HF ``config.model_type``)
@@ -88,10 +88,10 @@ def parse_state(name: str) -> State:
         return State(name, "final_norm", None)
     m = _LAYER_RE.match(name)
     if m:
-        return State(name, "boundary", int(m.group(1)))
+        return State(name, "boundary", layer_number(m.group(1)))
     m = _TAP_RE.match(name)
     if m and m.group(2) in _TAP_FRACTION:
-        return State(name, "tap", int(m.group(1)), m.group(2))
+        return State(name, "tap", layer_number(m.group(1)), m.group(2))
     raise ValueError(f"not a canonical state name: {name!r} (embed, layer<b>, final_norm or "
                      f"layer<b>.<tap> with tap one of {', '.join(TAPS)})")
 
@@ -120,9 +120,9 @@ def parse_zoom(spec: str) -> int:
     s = spec.strip()
     m = _LAYER_RE.match(s)
     if m:
-        return int(m.group(1))
-    if s.isdigit():
-        return int(s)
+        return layer_number(m.group(1), "--zoom layer")
+    if s.isascii() and s.isdigit():
+        return layer_number(s, "--zoom layer")
     raise ValueError(f"--zoom takes a decoder layer: layer<b> or <b>, not {spec!r}")
 
 

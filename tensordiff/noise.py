@@ -34,11 +34,14 @@ from __future__ import annotations
 import math
 import re
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
+
+from .vocab import MAX_BOUNDARY
 
 #: unit roundoff per dtype (half an ulp at 1)
 UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -9}
@@ -211,7 +214,7 @@ class NoiseModel:
         g = self.growth()
         if below:
             ref = below[-1]
-            lv = ref.level.scaled(g ** (d - ref.depth))
+            lv = ref.level.scaled(_grown(g, d - ref.depth))
         else:
             lv = clean[0].level
         # the worst of the nearby clean states (1 layer either side): percentiles of a few
@@ -268,10 +271,10 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
         else:
             ref = clean[-1]
             g = model.growth() if len(clean) >= 2 else (GROWTH_FIRST if ref.depth == 0 else GROWTH_DEFAULT)
-            pred = max(ref.level.q50, model.floor(ref.depth).q50) * g ** max(1.0, depth - ref.depth if depth > ref.depth
-                                                                             else 1.0)
+            pred = max(ref.level.q50, model.floor(ref.depth).q50) * _grown(g, max(1.0, depth - ref.depth
+                                                                                  if depth > ref.depth else 1.0))
             steps = max(1.0, depth - ref.depth if depth > ref.depth else 1.0)
-            trend99 = ref.level.q99 * g ** steps
+            trend99 = ref.level.q99 * _grown(g, steps)
             if depth == ref.depth:   # final_norm beside the last boundary: a norm rescales, same depth
                 pred = max(ref.level.q50, fl) * GROWTH_FIRST
                 s.predicted99 = max(ref.level.q99 * GROWTH_FIRST, phys99)
@@ -360,6 +363,15 @@ _LAYER_IN_NAME = re.compile(r"(?:^|[._/])(?:layers?|h|blocks?|decoder_layers?)[.
 _EMBED_IN_NAME = re.compile(r"(?:^|[._/])(?:embed_tokens|embed|wte|word_embeddings|tok_embeddings)(?:[._/]|$)")
 
 
+def _grown(g: float, steps: float) -> float:
+    """``g ** steps``, saturating at the largest float: a state far deeper than the measured ones
+    (a label or name from a file) must not overflow the expectation."""
+    try:
+        return float(g ** steps)
+    except OverflowError:
+        return sys.float_info.max
+
+
 def name_depth(name: str) -> float | None:
     """The depth a module-hook name points at, when it names one: inside decoder layer i (its
     output is boundary i + 1: ``model.layers.3.mlp`` -> 4), the embedding (0); None otherwise. A
@@ -367,7 +379,8 @@ def name_depth(name: str) -> float | None:
     hide an embedding's error under the last layer's."""
     m = _LAYER_IN_NAME.search(name)
     if m:
-        return float(int(m.group(1)) + 1)
+        i = int(m.group(1)) if len(m.group(1)) <= 6 else MAX_BOUNDARY
+        return float(i + 1) if i < MAX_BOUNDARY else None   # no model is that deep: not a layer index
     if _EMBED_IN_NAME.search(name):
         return 0.0
     return None

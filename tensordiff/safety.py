@@ -9,17 +9,22 @@
   writable directory and must not be one of the command's inputs.
 - :func:`read_regular_file_bounded`: read a small input (a calibration file) only when it is a
   regular file, and never more than a bound (FIFOs, devices, ``/dev/zero``: one line, exit 2).
+- :func:`parse_json` / :func:`read_json_file`: the one reader of JSON a user hands us (configs,
+  checkpoint headers, fingerprint and calibration files, trace attributes): bounded in size, in
+  nesting depth (a header nested 100,000 deep is one line, not a ``RecursionError``) and in the
+  digits of a number.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import unicodedata
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import SourceFileError, UsageError
+from .errors import SourceFileError, TensordiffError, UsageError
 
 _ESCAPED_CATEGORIES = {"Cc", "Cf", "Zl", "Zp"}
 
@@ -153,3 +158,53 @@ def read_regular_file_bounded(path: str | os.PathLike[str], limit: int, what: st
         raise SourceFileError(f"{what}: cannot read ({e.strerror or e})", p) from None
     finally:
         os.close(fd)
+
+
+# -- JSON --------------------------------------------------------------------------------------
+
+#: containers nested deeper than this are refused: the JSON tensordiff reads (model configs,
+#: safetensors headers, fingerprint and calibration files, trace attributes) nests a few levels;
+#: Python's reader and every walk over the value recurse once per level
+MAX_JSON_DEPTH = 64
+#: the JSON text of a model config (or another small file read whole)
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def parse_json(raw: bytes | str, what: str, path: str | None = None, *,
+               error: type[TensordiffError] = SourceFileError, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The value of the JSON text ``raw``, or ``error`` (one line naming ``what`` and ``path``):
+    not UTF-8, not JSON, a number of more digits than Python converts, or containers nested
+    deeper than ``max_depth``."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        doc = json.loads(text)
+    except RecursionError:
+        raise error(f"{what} is JSON nested deeper than {max_depth} levels", path) from None
+    except UnicodeDecodeError:
+        raise error(f"{what} is not UTF-8 text", path) from None
+    except ValueError as e:   # json.JSONDecodeError, or an integer of too many digits
+        raise error(f"{what} is not valid JSON ({str(e).splitlines()[0][:200]})", path) from None
+    if json_depth(doc, max_depth) > max_depth:
+        raise error(f"{what} is JSON nested deeper than {max_depth} levels", path)
+    return doc
+
+
+def json_depth(doc: Any, stop: int) -> int:
+    """How deep ``doc``'s containers nest (a scalar: 0), counted without recursion; stops counting
+    past ``stop``."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d > stop:
+                return d
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def read_json_file(path: str | os.PathLike[str], what: str, limit: int = MAX_CONFIG_BYTES, *,
+                   error: type[TensordiffError] = SourceFileError) -> Any:
+    """:func:`read_regular_file_bounded` then :func:`parse_json`: a JSON file a user hands us."""
+    raw = read_regular_file_bounded(path, limit, what)
+    return parse_json(raw, what, os.fspath(path), error=error)

@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 
 from .errors import TraceFileError
+from .safety import parse_json
 from .tokens import code_position, code_seq
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -185,8 +186,8 @@ def read_columns(summary: SummaryReader) -> list[Column]:
         a = ds.attrs
         label = str(a.get("label", summary.labels[j]))
         try:
-            slot_label = json.loads(a.get("slot_label", "null"))
-        except (TypeError, ValueError):
+            slot_label = parse_json(a.get("slot_label", "null"), "slot_label", error=TraceFileError)
+        except (TraceFileError, TypeError):
             slot_label = None
         ta = str(a.get("tensor_a", label))
         cols.append(Column(index=j, label=label, tensor_a=ta, tensor_b=str(a.get("tensor_b", ta)),

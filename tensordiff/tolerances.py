@@ -8,7 +8,6 @@ numpy-free. Rules by pattern (glob/regex) belong here too, as another source in
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import re
@@ -19,7 +18,7 @@ from typing import Any
 from .dtypes import EPS
 from .errors import IncompatibleTracesError, SourceFileError, UsageError
 from .findings import ALLOWED_PREFIX, DiffResult, Finding, Severity
-from .safety import read_regular_file_bounded
+from .safety import parse_json, read_regular_file_bounded
 
 #: version of the calibration file written by ``tensordiff calibrate``
 CALIBRATION_VERSION = 1
@@ -175,10 +174,7 @@ class ToleranceBook:
         """Read a calibration file, validated like ``--tol``: a regular file of bounded size (a FIFO
         or /dev/zero is one line, exit 2), a known schema version, every tolerance finite and in range."""
         raw = read_regular_file_bounded(path, CALIBRATION_MAX_BYTES, "calibration file")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (ValueError, RecursionError) as e:
-            raise SourceFileError(f"cannot read calibration file ({type(e).__name__}: {e})", path) from None
+        data = parse_json(raw, "the calibration file", path)
         entries = calibration_entries(data, path)  # first: an object with 'tolerances' at all
         version = data.get("schema_version", CALIBRATION_VERSION)
         if not isinstance(version, int) or isinstance(version, bool) or version > CALIBRATION_VERSION:

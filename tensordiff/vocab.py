@@ -14,7 +14,20 @@ FINAL_NORM = "final_norm"
 REGIMES = ("train", "prefill", "decode", "target_verify", "draft_extend", "other")
 REGIME_CODE = {name: i for i, name in enumerate(REGIMES)}
 
-_LAYER_RE = re.compile(r"^layer(\d+)$")
+_LAYER_RE = re.compile(r"^layer([0-9]+)$")
+
+#: the largest boundary (layer number) a trace, label or name may hold: models have a few hundred
+#: layers; a number from a file past this is refused where it is read (the noise model grows its
+#: expectation per layer, and a depth of 10^33 would overflow it)
+MAX_BOUNDARY = 100_000
+
+
+def layer_number(digits: str, what: str = "layer") -> int:
+    """The layer number written as ``digits`` (ASCII), or ValueError when past :data:`MAX_BOUNDARY`."""
+    if len(digits) > len(str(MAX_BOUNDARY)) or int(digits) > MAX_BOUNDARY:
+        shown = digits if len(digits) <= 12 else digits[:12] + "..."
+        raise ValueError(f"{what} number {shown} is out of range (at most {MAX_BOUNDARY})")
+    return int(digits)
 
 
 def boundary_label(b: int | None) -> str:
@@ -35,7 +48,7 @@ def parse_label(label: str) -> int | None:
     m = _LAYER_RE.match(label)
     if not m:
         raise ValueError(f"not a state label: {label!r} (expected embed, layer<b> or final_norm)")
-    return int(m.group(1))
+    return layer_number(m.group(1), "a state label's layer")
 
 
 def state_order(label: str, num_layers: int | None = None) -> float:

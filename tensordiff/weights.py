@@ -35,6 +35,7 @@ import numpy as np
 
 from . import kernels, names
 from .errors import SourceFileError, UsageError
+from .safety import parse_json, read_json_file, read_regular_file_bounded
 from .vocab import FINAL_NORM
 
 FINGERPRINT_FORMAT = "tensordiff.weights.fingerprint/1"
@@ -174,10 +175,7 @@ def read_safetensors(path: str) -> Iterator[tuple[str, str, np.ndarray]]:
         n = int.from_bytes(head, "little")
         if n < 2 or n > MAX_HEADER or 8 + n > size:
             raise SourceFileError("not a safetensors file (bad header length)", path)
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
-            raise SourceFileError("not a safetensors file (header is not JSON)", path) from None
+        header = parse_json(f.read(n), "the safetensors header", path)
     if not isinstance(header, dict):
         raise SourceFileError("not a safetensors file (header is not an object)", path)
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(size - 8 - n,)) if size > 8 + n else None
@@ -202,11 +200,10 @@ def read_safetensors(path: str) -> Iterator[tuple[str, str, np.ndarray]]:
 
 def _config(path: str) -> dict[str, Any]:
     d = path if os.path.isdir(path) else os.path.dirname(path)
-    try:
-        with open(os.path.join(d, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
+    p = os.path.join(d, "config.json")
+    if not os.path.isfile(p):
         return {}
+    cfg = read_json_file(p, "the checkpoint's config.json")
     if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
     return cfg if isinstance(cfg, dict) else {}
@@ -273,13 +270,11 @@ def save_fingerprints(ck: Checkpoint, out: str) -> int:
 
 
 def load_fingerprints(path: str) -> Checkpoint:
-    from .safety import read_regular_file_bounded
-
     raw = read_regular_file_bounded(path, MAX_FINGERPRINT_FILE, "fingerprint file")
     try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise SourceFileError("neither a safetensors checkpoint nor a fingerprint file", path) from None
+        doc = parse_json(raw, "it", path)
+    except SourceFileError as e:
+        raise SourceFileError(f"neither a safetensors checkpoint nor a fingerprint file ({e.reason})", path) from None
     if not isinstance(doc, dict) or doc.get("format") != FINGERPRINT_FORMAT or not isinstance(doc.get("parameters"), list):
         raise SourceFileError(f"not a fingerprint file (format {FINGERPRINT_FORMAT})", path)
     return checkpoint_from_doc(doc, path)

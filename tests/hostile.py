@@ -219,6 +219,44 @@ def negative_regime(path: str) -> str:
     return path
 
 
+def slot_label(path: str, label: str) -> str:
+    """A valid trace (side serve, a little noise, so the diff fits a noise model) whose draft
+    input's second slot is labelled ``label`` (a layer number past any model's depth)."""
+    base(path, side="serve", noise=1e-3)
+    with h5py.File(path, "r+") as f:
+        f["tensors/draft_input"].attrs["slot_labels"] = json.dumps(["layer1", label])
+    return path
+
+
+def model_attr(path: str, model: str) -> str:
+    """A valid trace whose ``model`` attribute is the JSON text ``model``."""
+    base(path)
+    with h5py.File(path, "r+") as f:
+        f.attrs["model"] = model
+    return path
+
+
+# -- JSON a user hands us --------------------------------------------------------------------
+
+
+def deep_json(depth: int = 100_000) -> bytes:
+    """A JSON array nested ``depth`` deep (Python's reader recurses once per level)."""
+    return b"[" * depth + b"]" * depth
+
+
+def safetensors_file(path: str, header: bytes, data: bytes = b"") -> str:
+    """A safetensors file: the header's length (8 bytes, little-endian), the header, the data."""
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header + data)
+    return path
+
+
+def safetensors_ok(path: str) -> str:
+    """A valid one-parameter safetensors file (no torch needed)."""
+    h = json.dumps({"model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    return safetensors_file(path, h, np.ones(1, np.float32).tobytes())
+
+
 # -- measuring ---------------------------------------------------------------------------------
 
 _RUN = """

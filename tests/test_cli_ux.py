@@ -93,6 +93,82 @@ def test_help_describes_positionals_and_exit_codes(cmd):
     assert ("--require-complete" in text) == (cmd != "tui")
 
 
+# a fresh interpreter in which the named top-level modules are not found (as in a venv without
+# the extra): every finder answers None for them, so `import` and `find_spec` both see them missing
+_WITHOUT = """
+import sys
+BLOCK = set(sys.argv[1].split(","))
+class Hide:
+    def __init__(self, f):
+        self.f = f
+    def find_spec(self, name, path=None, target=None):
+        return None if name.split(".")[0] in BLOCK else self.f.find_spec(name, path, target)
+    def __getattr__(self, a):
+        return getattr(self.f, a)
+sys.meta_path[:] = [Hide(f) for f in sys.meta_path]
+from tensordiff.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(("missing", "argv", "extra"), [
+    ("torch", ["record", "train", "--model", "{m}", "--prompts", "{p}", "--out", "{o}"], "torch"),
+    ("transformers", ["record", "train", "--model", "{m}", "--prompts", "{p}", "--out", "{o}"], "torch"),
+    ("torch", ["import", "specforge", "{p}", "--out", "{o}"], "torch"),
+    ("sglang", ["record", "serve", "--model", "{m}", "--prompts", "{p}", "--out", "{o}"], "sglang"),
+    ("vllm", ["record", "serve", "--engine", "vllm", "--model", "{m}", "--prompts", "{p}", "--out", "{o}"], "vllm"),
+    ("ray", ["diff", "{a}", "{b}", "--backend", "ray"], "ray"),
+])
+def test_a_missing_extra_is_one_line_naming_it(pairs, tmp_path, missing, argv, extra):
+    """A command run where its extra is not installed: the user's set-up, one line naming the
+    extra to install, exit 2 (not "unexpected ModuleNotFoundError", exit 3)."""
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text('{"vocab_size": 100, "num_hidden_layers": 2}')
+    (tmp_path / "p.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    names = {"m": str(m), "p": str(tmp_path / "p.jsonl"), "o": str(tmp_path / "o.h5"),
+             "a": pairs["agree"][0], "b": pairs["agree"][1]}
+    e = dict(os.environ, PYTHONPATH=str(ROOT))
+    e.pop("TENSORDIFF_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT, missing, *[x.format(**names) for x in argv]],
+                          capture_output=True, text=True, env=e, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
+    assert f"pip install 'tensordiff[{extra}]'" in lines[0], lines
+    assert not (tmp_path / "o.h5").exists()
+
+
+@pytest.mark.parametrize("cmd", [[], ["info"], ["diff"], ["tui"], ["report"], ["calibrate"], ["weights"], ["triage"],
+                                 ["record"], ["record", "train"], ["record", "serve"], ["import"]])
+def test_every_help_points_at_the_glossary(cmd):
+    """Each help ends with where its words are explained, and the glossary explains each of them."""
+    rc, out, _ = run_isolated([*cmd, "--help"])
+    assert rc == 0
+    text = " ".join(out.split())
+    assert text.endswith("convention, aux ids, ...): docs/glossary.md."), text[-300:]
+    if cmd == ["weights"]:   # a description line, not only the usage
+        assert "Compare checkpoint B against the reference A parameter by parameter" in text
+    glossary = (ROOT / "docs" / "glossary.md").read_text()
+    for term in ("boundary", "slot", "packed tensor", "catalog", "sketch", "regime", "noise trend", "convention",
+                 "aux ids"):
+        assert f"**{term}**" in glossary, term
+
+
+def test_record_train_does_not_overwrite_a_trace(tmp_path):
+    """`record train --out` onto an existing file: one line, exit 2, the file as it was (before
+    the model is loaded); --force is the way to replace it."""
+    out = tmp_path / "t.h5"
+    out.write_bytes(b"an earlier trace")
+    (tmp_path / "p.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    rc, _, err = run_isolated(["record", "train", "--model", str(tmp_path / "nope"), "--prompts",
+                               str(tmp_path / "p.jsonl"), "--out", str(out)])
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "exists; pass --force" in err, err
+    assert out.read_bytes() == b"an earlier trace"
+    rc, _, err = run_isolated(["record", "train", "--model", str(tmp_path / "nope"), "--prompts",
+                               str(tmp_path / "p.jsonl"), "--out", str(out), "--force"])
+    assert rc == 2 and "exists; pass --force" not in err and "nope" in err, err
+
+
 def test_usage_errors_name_the_subcommand_and_suggest(pairs):
     rc, _, err = run_isolated(["diff", *pairs["agree"], "--tols", "x=1,0"])
     assert rc == 2 and len(err.strip().splitlines()) == 1
@@ -101,6 +177,23 @@ def test_usage_errors_name_the_subcommand_and_suggest(pairs):
     assert rc == 2 and "did you mean 'diff'?" in err
     rc, _, err = run_isolated(["report", *pairs["agree"], "-o", "/tmp/x.html", "--tokeniser", "d"])
     assert rc == 2 and "did you mean --tokenizer?" in err and "tensordiff report --help" in err
+
+
+@pytest.mark.parametrize("cmd", ["diff", "info", "weights", "triage", "report", "calibrate"])
+@pytest.mark.parametrize(("flag", "hint"), [("--bogus", None), ("--jsn", "--json")])
+def test_unknown_flag_is_one_clean_line(pairs, tmp_path, cmd, flag, hint):
+    """An unknown flag: the word refused, a suggestion only where a flag is close, and the help
+    pointer once at the end (the pointer's own words were read as refused flags)."""
+    a, b = pairs["agree"]
+    argv = {"info": ["info", a], "report": ["report", a, b, "-o", str(tmp_path / "r.html")],
+            "calibrate": ["calibrate", a, b, "--out", str(tmp_path / "c.json")]}.get(cmd, [cmd, a, b])
+    if cmd not in ("diff", "info", "triage"):   # no --json: nothing close to suggest
+        hint = None
+    rc, out, err = run_isolated([*argv, flag])
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    want = f"tensordiff: error: unrecognized arguments: {flag}" + (f"; did you mean {hint}?" if hint else "")
+    assert lines[0] == want + f" (see `tensordiff {cmd} --help`)", lines[0]
 
 
 def test_paths_print_as_they_are_not_as_emoji(pairs, tmp_path):

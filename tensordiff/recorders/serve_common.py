@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import UsageError
+from ..safety import parse_json
 
 PLUGIN_NAME = "tensordiff"
 
@@ -25,9 +26,9 @@ def _parse_engine_args(items: list[str]) -> dict[str, Any]:
         if not k.isidentifier():
             raise UsageError(f"--engine-arg {item!r}: {k!r} is not an argument name")
         try:
-            out[k] = json.loads(v)
-        except ValueError:
-            out[k] = v
+            out[k] = parse_json(v, f"--engine-arg {k}", error=UsageError)
+        except UsageError:
+            out[k] = v   # not JSON (or nested past the bound): the text as it is
     return out
 
 

@@ -16,7 +16,6 @@ lives in :mod:`.hf` and :mod:`.hooks`.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -26,8 +25,11 @@ from typing import Any
 
 from .. import conventions
 from ..errors import RecordingError, SourceFileError, TraceFileError, UsageError
+from ..safety import parse_json, read_json_file
 
 CONVENTION_CHOICES = conventions.planning_choices()
+#: how ids become states where a draft input is recorded and --convention is not given
+DEFAULT_CONVENTION = "specforge"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,17 +44,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="record exactly the sequences a serve run saw (prompt + generated tokens): the --outputs "
                           "JSONL of `record serve`, or the serve trace itself (when it holds every position "
                           "from 0; a radix-cache hit leaves a prefix out)")
-    p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write")
+    p.add_argument("--out", "-o", required=True, metavar="T.h5", help="trace file to write (not one that exists, "
+                                                                        "unless --force)")
+    p.add_argument("--force", action="store_true", help="overwrite --out when it exists")
     p.add_argument("--temperature", type=float, metavar="T",
                    help="with --from-serve: the temperature the trainer divides the logits by for the sampled "
                         "tokens' log-probs (sampled_logprob; default: the serve trace's sampling attribute, else 1.0)")
-    g = p.add_argument_group("draft input")
+    g = p.add_argument_group("draft input", "recorded only when one of these says what the draft reads "
+                                            "(--aux-ids, --draft, --draft-config, --boundaries, --convention, "
+                                            "--prepend-embed); without them, the catalog only")
     g.add_argument("--aux-ids", type=int, nargs="+", metavar="ID",
                    help="the draft's aux hidden-state layer ids as the pipeline configures them "
-                        "(default: from --draft-config, else each convention's default)")
-    g.add_argument("--convention", default="specforge", choices=CONVENTION_CHOICES,
-                   help="how the pipeline turns ids into states (default specforge: boundary id+1; eagle: "
-                        "inputs of layers 2, N//2, N-3; speculators-legacy: [hs[id+1] ...] + [last], packs [:-1])")
+                        "(default: from --draft or --draft-config, else the convention's default)")
+    g.add_argument("--convention", choices=CONVENTION_CHOICES,
+                   help=f"how the pipeline turns ids into states ({DEFAULT_CONVENTION} where a draft input is "
+                        "recorded and this is not given: boundary id+1; eagle: inputs of layers 2, N//2, N-3; "
+                        "speculators-legacy: [hs[id+1] ...] + [last], packs [:-1]); alone, it records a draft "
+                        "input of its default ids")
     g.add_argument("--prepend-embed", action="store_true",
                    help="model the speculators legacy extractor bug: the list was [hs[0]] + [hs[id+1] for id in ids] "
                         "and [:-1] fed [embed, ...] (with --convention speculators-legacy)")
@@ -63,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "state (final_norm) in transformers 5.x (default only for --convention hf)")
     g.add_argument("--draft-config", metavar="FILE",
                    help="draft config.json: read eagle_config.eagle_aux_hidden_state_layer_ids when --aux-ids is absent")
-    g.add_argument("--no-draft-input", action="store_true", help="record the catalog only")
+    g.add_argument("--no-draft-input", action="store_true",
+                   help="record the catalog only, whatever the flags above say (the default without them)")
     g = p.add_argument_group("predictions")
     g.add_argument("--draft", metavar="DIR",
                    help="an EAGLE-3 draft directory (SGLang's checkpoint layout): also record its fc output "
@@ -107,13 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_draft_ids(path: str) -> list[int] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise SourceFileError(f"cannot read the draft config ({e.strerror or e})", path) from None
-    except ValueError:
-        raise SourceFileError("the draft config is not JSON", path) from None
+    cfg = read_json_file(path, "the draft config")
     if not isinstance(cfg, dict):
         raise SourceFileError("the draft config is not a JSON object", path)
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -141,10 +144,7 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
         line = line.strip()
         if not line:
             continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            raise SourceFileError(f"line {n} is not JSON", path) from None
+        obj = parse_json(line, f"line {n}", path)
         key = f"prompt-{len(out)}"
         text = None
         ids = None
@@ -199,10 +199,7 @@ def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
     except UnicodeDecodeError:
         raise SourceFileError("neither a serve trace nor a JSONL outputs file", path) from None
     for n, line in enumerate(lines, 1):
-        try:
-            o = json.loads(line)
-        except ValueError:
-            raise SourceFileError(f"line {n} is not JSON", path) from None
+        o = parse_json(line, f"line {n}", path)
         ids, outs = (o.get("input_ids"), o.get("output_ids")) if isinstance(o, dict) else (None, None)
         ok = all(isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
                  for x in (ids, outs))
@@ -228,7 +225,7 @@ def serve_rl_info(path: str) -> tuple[dict | None, dict[str, int]]:
         first: dict[str, int] = {}
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(ln for ln in f if ln.strip()):
-                o = json.loads(line)
+                o = parse_json(line, f"line {n + 1}", path)
                 first[str(o.get("id", f"request-{n}"))] = len(o["input_ids"])
         return None, first
     import numpy as np
@@ -328,11 +325,11 @@ def eagle3_draft_reason(cfg: dict) -> str | None:
 
 def refuse_draft_as_model(path: str) -> None:
     """One clear line before anything is loaded when ``--model`` is an EAGLE-3 draft directory."""
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return  # no directory or no readable config: _load_config says so
+    p = os.path.join(path, "config.json")
+    if not os.path.isfile(p):
+        return  # no directory or no config: _load_config says so
+    # read here with the bounds of every JSON input, before transformers parses it unbounded
+    cfg = read_json_file(p, "the model's config.json")
     why = eagle3_draft_reason(cfg) if isinstance(cfg, dict) else None
     if why is not None:
         raise UsageError(f"is an EAGLE-3 draft ({why}); --model takes the target model, pass the draft with --draft",
@@ -410,7 +407,24 @@ class _Progress:
             self.bar.stop()
 
 
+def wants_draft_input(args: argparse.Namespace) -> bool:
+    """A draft input is recorded only where the command says what the draft reads: a recording
+    of a model's own states (a port, a 2-layer model) gets no slots nobody asked for, and no
+    default ids that do not fit it."""
+    if args.no_draft_input:
+        return False
+    return bool(args.aux_ids or args.draft or args.draft_config or args.boundaries or args.convention
+                or args.prepend_embed or args.hf_index_n_post_norm)
+
+
 def run(args: argparse.Namespace) -> int:
+    if os.path.lexists(args.out) and not args.force:
+        from ..safety import check_output_path
+
+        # one of the inputs, or a directory: said as such first
+        check_output_path(args.out, [args.prompts, getattr(args, "from_serve", None)], "--out")
+        # a trace is evidence: never replaced silently (diff, likewise, never writes over an input)
+        raise UsageError("exists; pass --force to overwrite it, or choose another --out", args.out)
     refuse_draft_as_model(args.model)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -501,9 +515,9 @@ def run(args: argparse.Namespace) -> int:
     if zoom is not None and not 0 <= zoom < n_layers:
         raise UsageError(f"--zoom layer{zoom}: the model has decoder layers 0..{n_layers - 1}")
     plan = None
-    if not args.no_draft_input:
+    if wants_draft_input(args):
         try:
-            plan = plan_draft_input(args.convention, ids, n_layers, prepend_embed=args.prepend_embed,
+            plan = plan_draft_input(args.convention or DEFAULT_CONVENTION, ids, n_layers, prepend_embed=args.prepend_embed,
                                     hf_index_n_post_norm=True if args.hf_index_n_post_norm else None,
                                     boundaries=args.boundaries)
         except ValueError as e:

@@ -49,6 +49,61 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError("--speculative-eagle-topk: vLLM's EAGLE-3 drafts a chain (topk 1)")
 
 
+#: vLLM's own default share of the machine (``gpu_memory_utilization``); on its CPU build the
+#: share of the node's RAM a worker reserves at start, refused when more than is free then
+VLLM_DEFAULT_FRACTION = 0.9
+#: of the memory free at start, what the default reserves (the rest: the recording process, the
+#: trace's buffers, other jobs that grow while the engine runs)
+FREE_SHARE = 0.8
+
+
+def cpu_memory_fraction(total: int, available: int, world: int = 1) -> float:
+    """The ``gpu_memory_utilization`` to give vLLM's CPU build: vLLM's default, or less where
+    less is free (``FREE_SHARE`` of the free memory, split between ``world`` workers on one node),
+    rounded down to a hundredth, at least 0.01."""
+    if total <= 0:
+        return VLLM_DEFAULT_FRACTION
+    share = FREE_SHARE * max(0, available) / total / max(1, world)
+    return max(0.01, min(VLLM_DEFAULT_FRACTION, int(share * 100) / 100))
+
+
+def memory_node(node: int = 0) -> tuple[int, int] | None:
+    """(total, available) bytes of a memory node counted as vLLM's CPU worker counts them (free +
+    file cache + reclaimable slab of the node, within a cgroup's limit), without importing vLLM
+    (its import sets up its logging before the recording's environment is in place); None when
+    unknown."""
+    def meminfo(path: str, prefix: str) -> dict[str, int]:
+        out = {}
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                parts = line[len(prefix):].split() if line.startswith(prefix) else line.split()
+                if len(parts) >= 2 and parts[1].isdigit():
+                    out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+        return out
+
+    try:
+        node_path = f"/sys/devices/system/node/node{node}/meminfo"
+        if os.path.exists(node_path):
+            m = meminfo(node_path, f"Node {node} ")
+            total = m["MemTotal"]
+            available = m["MemFree"] + m["Active(file)"] + m["Inactive(file)"] + m["SReclaimable"]
+        else:
+            m = meminfo("/proc/meminfo", "")
+            total, available = m["MemTotal"], m["MemAvailable"]
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+            used = int(f.read().strip())
+        if limit.isdigit():
+            total, available = min(total, int(limit)), min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return total, available
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments for these options."""
     from .serve_common import _parse_engine_args
@@ -74,7 +129,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.draft:
         kw["speculative_config"] = {"method": "eagle3", "model": os.path.abspath(args.draft),
                                     "num_speculative_tokens": int(args.speculative_num_steps)}
-    kw.update(_parse_engine_args(args.engine_arg))
+    extra = _parse_engine_args(args.engine_arg)
+    if (args.device == "cpu" and args.mem_fraction_static is None
+            and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(extra)):
+        # vLLM's CPU build reserves 90% of the node's RAM by default and refuses to start when
+        # other jobs hold more than a tenth of it: size the default from what is free
+        mem = memory_node(0)
+        if mem is not None:
+            kw["gpu_memory_utilization"] = cpu_memory_fraction(*mem, world=int(args.tp_size or 1))
+    kw.update(extra)
     return kw
 
 
@@ -183,7 +246,16 @@ VLLM_HINTS = [
      "(an AVX2 build refused 16 and ran 64)"),
     (r"out of memory|OutOfMemory|No available memory", "lower --mem-fraction-static or give --engine-arg "
      "kv_cache_memory_bytes=N"),
+    (r"is less than desired CPU memory utilization|on kv cache allocation is less than requested",
+     "turn --mem-fraction-static (on a CPU: the share of the machine's memory vLLM reserves; the default is "
+     "sized from the memory free at start) or give --engine-arg kv_cache_memory_bytes=N, or free memory"),
 ]
+
+
+def _our_flags(err: RecordingError) -> RecordingError:
+    """vLLM's advice names its own flags; a user of `record serve` turns tensordiff's."""
+    msg = str(err).replace("--gpu-memory-utilization", "--mem-fraction-static")
+    return err if msg == str(err) else RecordingError(msg)
 
 
 def _run_vllm(args, prompts, kwargs, start_engine) -> list[dict]:
@@ -201,7 +273,7 @@ def _run_vllm(args, prompts, kwargs, start_engine) -> list[dict]:
             try:
                 llm = (start_engine or _default_start_engine)(**kwargs)
             except Exception as e:  # noqa: BLE001 - any failure of the engine's start is its error, in one line
-                raise guard.error(e, "start") from None
+                raise _our_flags(guard.error(e, "start")) from None
             guard.started()
             from vllm import SamplingParams
             from vllm.inputs import TokensPrompt
@@ -232,7 +304,7 @@ def _run_vllm(args, prompts, kwargs, start_engine) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - the engine died while recording (EngineDeadError, ...)
                 if isinstance(e, (RecordingError, UsageError)):
                     raise
-                raise guard.error(e, "run") from None
+                raise _our_flags(guard.error(e, "run")) from None
         finally:
             if llm is not None:
                 try:

@@ -33,6 +33,7 @@ from .schema import (
     MAX_SEQUENCES,
     MAX_SKETCH_DIM,
     MAX_TENSORS,
+    MAX_BOUNDARY,
     MAX_WIDTH,
     READ_CACHE_BYTES,
     SCHEMA_REFS,
@@ -222,9 +223,9 @@ class TraceReader(RowReads):
         self.user_meta = attr_json(a, "user_meta", {}, budget=self._budget)
         if not isinstance(self.model, dict) or not isinstance(self.versions, dict) or not isinstance(self.user_meta, dict):
             raise TraceFileError("attributes model/versions/user_meta must be JSON objects")
-        for key in ("hidden_size", "num_layers"):
+        for key, most in (("hidden_size", MAX_WIDTH), ("num_layers", MAX_BOUNDARY)):
             v = self.model.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_WIDTH):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most):
                 raise TraceFileError(f"model {key} is {v!r}, expected a positive integer")
         self.sketch_seed = attr_int(a, "sketch_seed", default=DEFAULT_SKETCH_SEED)
         self.sketch_dim = attr_int(a, "sketch_dim", default=DEFAULT_SKETCH_DIM)

@@ -31,6 +31,7 @@ import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
 
 from ..errors import TraceFileError
+from ..safety import parse_json
 from .validate import attr_int, attr_json, attr_str, follow
 
 SAMPLING_ATTR = "sampling"
@@ -198,9 +199,10 @@ def _read_step(g: Any, name: str) -> WeightStep:
     if n > MAX_FINGERPRINT_BYTES:
         raise TraceFileError(f"{where}/{FINGERPRINTS} has {n} bytes (at most {MAX_FINGERPRINT_BYTES})")
     try:
-        doc = json.loads(ds[:].tobytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, OSError):
-        raise TraceFileError(f"{where}/{FINGERPRINTS} is not UTF-8 JSON") from None
+        raw = ds[:].tobytes()
+    except OSError:
+        raise TraceFileError(f"{where}/{FINGERPRINTS} cannot be read") from None
+    doc = parse_json(raw, f"{where}/{FINGERPRINTS}", error=TraceFileError)
     _check_doc(doc, where)
     return WeightStep(step, fwd, event, None if rank < 0 else rank, doc)
 

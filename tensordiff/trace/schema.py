@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..vocab import MAX_BOUNDARY as _MAX_BOUNDARY
 from ..vocab import boundary_label, parse_label
 
 SCHEMA_VERSION = 1      # what a trace says when it uses no later feature (what every schema-1 reader reads)
@@ -68,7 +69,7 @@ MAX_SLOTS = 4096             # slots of one packed tensor
 MAX_WIDTH = 1 << 24          # a tensor's width (and the model's hidden size)
 MAX_SEQUENCES = 1 << 22      # the aligner keys a row as seq << 40 | position
 MAX_POSITION = 1 << 40
-MAX_BOUNDARY = 100_000
+MAX_BOUNDARY = _MAX_BOUNDARY   # the vocabulary's: a boundary attribute and a slot label share it
 MAX_TOKEN_OFFSET = 1024
 MAX_SKETCH_DIM = 65536
 MAX_CHUNK_BYTES = 64 << 20   # one chunk is read whole to get one row

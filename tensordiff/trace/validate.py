@@ -12,7 +12,6 @@ sees the whole guard against hostile files at once.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
@@ -26,6 +25,7 @@ from h5py._objects import ObjectID  # type: ignore[import-untyped, unused-ignore
 
 from ..dtypes import LOGICAL_DTYPES
 from ..errors import TraceBusyError, TraceFileError
+from ..safety import parse_json
 from ..vocab import REGIMES, parse_label
 from .budget import Budget, filters_of
 from .schema import (
@@ -337,10 +337,7 @@ def attr_json(attrs: Any, key: str, default: Any = None, where: str = "", budget
     if v is MISSING:
         return default
     s = _str_value(v, key, where, budget)
-    try:
-        return clean_json(json.loads(s))
-    except (ValueError, RecursionError):
-        raise TraceFileError(f"attribute {key!r}{where} is not valid JSON") from None
+    return clean_json(parse_json(s, f"attribute {key!r}{where}", error=TraceFileError))
 
 
 def attr_int(attrs: Any, key: str, default: int | None = None, where: str = "") -> int:
