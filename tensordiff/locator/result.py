@@ -59,11 +59,12 @@ class LocateResult:
         return "\n".join(out)
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable({
+        out: dict[str, Any] = _jsonable({
             "format": FORMAT, "verdict": self.verdict, "exit_code": self.exit_code, "out_dir": self.out_dir,
             "layer": self.layer, "op": self.op, "kind": self.kind, "confirmed": self.confirmed,
             "weights_equal": self.weights_equal, "config_diffs": self.config_diffs, "op_graph": self.op_graph,
             "evidence": [e.to_dict() for e in self.evidence], "traces": self.traces})
+        return out
 
 
 def _jsonable(x: Any) -> Any:
