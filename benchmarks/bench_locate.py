@@ -9,10 +9,14 @@ temporary directory). Each is what a user runs, as processes on the command line
   locate records), then ``tensordiff diff`` (three processes);
 - locate: ``tensordiff locate A B`` (one process: record, diff, zoom, two grafts, weights).
 
+With ``--in-process`` both run in this process instead (``tensordiff.cli.main``), torch and
+transformers imported once: the ratio of the work alone, without the plain loop's three
+interpreter start-ups.
+
 Both run once untimed (warm-up), then ``--repeats`` rounds run them in a random order per round
 (seeded); the ratio locate / plain is taken per round, then the median. Goal: at most 3x.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_locate.py [--repeats 3] [--json FILE]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_locate.py [--repeats 3] [--in-process] [--json FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-round random order")
+    ap.add_argument("--in-process", action="store_true", help="run both in this process (the work alone)")
     ap.add_argument("--json", metavar="FILE", default=None, help="write the figures as one JSON object")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"bench_locate: needs the torch extra (torch + transformers): {e}", file=sys.stderr)
         return 2
-    res = Result("bench_locate", config={"repeats": args.repeats, "seed": args.seed})
+    res = Result("bench_locate", config={"repeats": args.repeats, "seed": args.seed, "in_process": args.in_process})
     work = tempfile.mkdtemp(prefix="td-bench-locate-")
     port = os.path.join(work, "port-mlp3")
     m = trained.load_target()
@@ -64,6 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     td = [sys.executable, "-m", "tensordiff"]
 
     def run(cmd: list[str], ok: tuple[int, ...]) -> None:
+        if args.in_process:
+            import contextlib
+            import io
+
+            from tensordiff.cli import main as td_main
+
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                rc = td_main(cmd[len(td):])
+            if rc not in ok:
+                raise SystemExit(f"bench_locate: {' '.join(cmd)} exited {rc}")
+            return
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode not in ok:
             raise SystemExit(f"bench_locate: {' '.join(cmd)} exited {r.returncode}: {r.stderr.strip()[-400:]}")
@@ -104,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     res.write(args.json, figures)
     print(f"load average: {os.getloadavg()[0]:.2f} at the end ({res.load_start:.2f} at the start)")
     print(f"locate cost: the trained tiny Llama against a port with layer 3's down_proj x 1.05, "
-          f"{len(trained.prompts())} prompts, median of {args.repeats} interleaved rounds (commit {res.commit})")
+          f"{len(trained.prompts())} prompts, {'in this process' if args.in_process else 'as command-line processes'}, "
+          f"median of {args.repeats} interleaved rounds (commit {res.commit})")
     for name, ts in times.items():
         print(f"  {name:6s} median {statistics.median(ts):.2f} s  ({', '.join(f'{t:.2f}' for t in ts)})")
     print(f"locate / plain = {ratio:.2f}x (goal <= 3x: {'met' if ratio <= 3.0 else 'NOT met'})")

@@ -82,6 +82,12 @@ def test_correct_port_agrees_after_one_diff_both_orders(root, capsys):
                              seed={"a": out / "b.h5", "b": out / "a.h5"})
     assert rc == 0 and lines[0].startswith("A and B agree"), lines[0]
     assert "$ tensordiff record" not in err, err
+    # the Python API on the same traces (resumed: the diff only)
+    import tensordiff
+    res = tensordiff.locate(trained.target_dir(), trained.target_dir(), trained.prompts_path(), out, resume=True,
+                            dtype_b="bfloat16")
+    assert res.exit_code == 0 and res.verdict.startswith("A and B agree") and len(res.evidence) == 1, res.text()
+    assert res.to_dict()["format"] == "tensordiff.locate/1"
 
 
 def _head(lines):
@@ -233,3 +239,31 @@ def test_bad_input_is_one_line_before_anything_is_recorded(root, capsys, tmp_pat
         assert len(err) == 1 and words in err[0], (argv, err)
         assert not out.exists() or not any(out.iterdir()), argv
     assert "never_imported_mod" not in sys.modules and "pkg" not in sys.modules
+
+
+def test_traces_as_sides(root, capsys, tmp_path):
+    """Traces used as they are: ones `record train` wrote from a model directory are recorded again
+    from it for the zoom (here resumed from the heads test's traces: only the diffs run); one that
+    names no model to record again (here its recorded command edited away, as an engine's trace
+    has none) stops after the first diff with the recipe."""
+    import h5py
+
+    src = root / "heads2"
+    if not (src / "a-z2.h5").is_file():
+        pytest.skip("needs the heads test's traces")
+    out = root / "traces"
+    rc, lines, err = _locate(capsys, out, src / "a.h5", src / "b.h5",
+                             seed={n: src / f"{n}.h5" for n in ("a-z2", "b-z2-graft-layer2", "b-z2-graft-layer3")})
+    assert rc == 1 and lines[0].startswith("the cause is inside layer 2's attention: layer2.q (heads):"), lines[0]
+    assert "confirmed by grafting layer3 from A" in lines[0] and "$ tensordiff record" not in err, err
+    engine = tmp_path / "engine.h5"
+    shutil.copyfile(src / "b.h5", engine)
+    with h5py.File(engine, "r+") as f:
+        meta = json.loads(f.attrs["user_meta"])
+        meta["command"] = "an engine"
+        f.attrs["user_meta"] = json.dumps(meta)
+    rc, lines, err = _locate(capsys, tmp_path / "out", src / "a.h5", engine)
+    assert rc == 1
+    assert lines[0].startswith("the cause is inside decoder layer 2 (its output layer3 is the first state out of "
+                               "the noise); B is a trace that names no model"), lines[0]
+    assert "TENSORDIFF_ZOOM" in lines[0] and "$ tensordiff record" not in err, err

@@ -86,11 +86,9 @@ class _Loop:
 
     def record(self, title: str, side: Side, name: str, *extra: str) -> tuple[str, _Step]:
         """Record ``side`` into OUT/name.h5 (skipped with --resume where it exists)."""
-        if side.model is None:
-            raise _CannotRecord(f"{side.name} is a trace that names no model directory to record again "
-                                f"({side.spec}); record {side.name} yourself with {' '.join(extra)}")
+        model = _check_recordable(side, extra)
         out = os.path.join(self.o.out, f"{name}.h5")
-        argv = ["tensordiff", "record", "train", "--model", side.model, "--prompts", self.o.prompts, "--out", out,
+        argv = ["tensordiff", "record", "train", "--model", model, "--prompts", self.o.prompts, "--out", out,
                 "--topk", "0", "--values", "all", "--no-draft-input"]
         if side.dtype:
             argv += ["--dtype", side.dtype]
@@ -136,6 +134,16 @@ class _Loop:
 
 class _CannotRecord(Exception):
     pass
+
+
+def _check_recordable(side: Side, extra: tuple[str, ...]) -> str:
+    """The model that records ``side`` again; a _CannotRecord saying why there is none."""
+    if side.model is None:
+        raise _CannotRecord(f"{side.name} is a trace that names no model to record again from --prompts "
+                            f"({side.spec}: an engine's, an imported or a --from-serve trace, or its model is gone); "
+                            f"record {side.name} with {' '.join(extra)} yourself (an engine: TENSORDIFF_ZOOM "
+                            "and TENSORDIFF_GRAFT, docs/ports.md sections 5 and 6)")
+    return side.model
 
 
 @contextlib.contextmanager
@@ -220,6 +228,8 @@ def _run(loop: _Loop, a: Side, b: Side) -> LocateResult:
 
     # 2. zoom into the layer: B with A's input to it grafted in
     try:
+        for side in (a, b):   # both, before either is recorded again
+            _check_recordable(side, ("--zoom", f"layer{layer}"))
         az, st_az = loop.record(f"record A zoomed into layer{layer}", a, f"a-z{layer}", "--zoom", f"layer{layer}")
         bz, st_bz = loop.record(f"record B zoomed into layer{layer}, {before} from A", b, f"b-z{layer}-graft-{before}",
                                 "--zoom", f"layer{layer}", "--graft", f"{az}:{before}")
@@ -257,7 +267,7 @@ def _run(loop: _Loop, a: Side, b: Side) -> LocateResult:
     else:
         graft_words = (f"not confirmed inside layer {layer} alone: with {after} grafted from A, {left} divergence(s) "
                        f"after it remain (the first: {first_left}), so a cause lies after layer {layer} as well")
-    res.confirmed = bool(left == 0 and (stays is None or stays > 0))
+    res.confirmed = bool(left == 0 and stays is not None and stays > 0)
     if left == 0 and stays == 0:
         graft_words += f", but grafting {before} removes the divergence too: the cause is before layer {layer}"
     note = _graft_note(grafted)

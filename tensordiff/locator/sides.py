@@ -68,20 +68,25 @@ def resolve_side(name: str, spec: str, dtype: str | None) -> Side:
 
 
 def _recorded_model(path: str) -> tuple[str | None, str | None]:
-    """The model a trace says it was recorded from (``record train`` writes ``model.path``), when
-    that is still a model directory or a module spec, and its dtype."""
+    """The model a trace of ``record train`` says it was recorded from (``model.path``), when that
+    is still a model directory or a module spec, and its dtype. Any other trace (an engine's, an
+    import) names no model: recording it again in transformers would compare something else."""
     from ..trace import TraceReader
 
     try:
         with TraceReader(path) as r:
             model = dict(r.model)
+            meta = r.user_meta
+            # a graft or a serve run's sequences (--from-serve) are not what --prompts records again
+            by_train = (isinstance(meta, dict) and meta.get("command") == "record train" and not meta.get("graft")
+                        and not meta.get("from_serve"))
     except Exception as e:   # any reason the file does not open: one line
         raise UsageError(f"not a readable trace ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
                          path) from None
     where = model.get("path")
     dtype = model.get("dtype")
     dt = dtype if dtype in ("float32", "bfloat16", "float16") else None
-    if isinstance(where, str) and (where.startswith("module:")
+    if by_train and isinstance(where, str) and (where.startswith("module:")
                                    or os.path.isfile(os.path.join(where, "config.json"))):
         return where, dt
     return None, dt
