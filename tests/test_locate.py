@@ -48,15 +48,28 @@ def _permute_q_heads_layer2(m):
     w.copy_(torch.cat([w[hd:2 * hd], w[:hd], w[2 * hd:]]))
 
 
+_PROMPTS: list = []
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("locate")
+    """The module's directory, with the first 6 held-out prompts (of 12): every run records them,
+    so fewer keep the tests cheap."""
+    d = tmp_path_factory.mktemp("locate")
+    lines = trained.prompts_path().read_text().splitlines()
+    (d / "prompts.jsonl").write_text("\n".join(lines[:6]) + "\n")
+    _PROMPTS[:] = [d / "prompts.jsonl"]
+    return d
+
+
+def _prompts():
+    return _PROMPTS[0]
 
 
 def _locate(capsys, out, a, b, *extra, seed=None):
     """(exit code, stdout lines, stderr) of `tensordiff locate A B`; ``seed``: {name: trace} copied
     into ``out`` first and resumed from."""
-    argv = ["locate", str(a), str(b), "--prompts", str(trained.prompts_path()), "--no-progress", *extra]
+    argv = ["locate", str(a), str(b), "--prompts", str(_prompts()), "--no-progress", *extra]
     if seed:
         out.mkdir(parents=True, exist_ok=True)
         for name, src in seed.items():
@@ -84,7 +97,7 @@ def test_correct_port_agrees_after_one_diff_both_orders(root, capsys):
     assert "$ tensordiff record" not in err, err
     # the Python API on the same traces (resumed: the diff only)
     import tensordiff
-    res = tensordiff.locate(trained.target_dir(), trained.target_dir(), trained.prompts_path(), out, resume=True,
+    res = tensordiff.locate(trained.target_dir(), trained.target_dir(), _prompts(), out, resume=True,
                             dtype_b="bfloat16")
     assert res.exit_code == 0 and res.verdict.startswith("A and B agree") and len(res.evidence) == 1, res.text()
     assert res.to_dict()["format"] == "tensordiff.locate/1"
@@ -116,7 +129,7 @@ def test_permuted_q_heads_in_one_layer_is_located_and_confirmed(root, capsys):
 def main_json(capsys, out, a, b):
     """The same run again as JSON: resumed from its traces (nothing recorded again)."""
     capsys.readouterr()
-    rc = main(["locate", str(a), str(b), "--prompts", str(trained.prompts_path()), "--no-progress", "--json",
+    rc = main(["locate", str(a), str(b), "--prompts", str(_prompts()), "--no-progress", "--json",
                "--resume", str(out)])
     cap = capsys.readouterr()
     assert rc == 1 and "$ tensordiff record" not in cap.err, cap.err
@@ -188,7 +201,7 @@ def test_ctrl_c_leaves_complete_traces_and_resume_finishes(root, capsys, monkeyp
     seed = {n: src / f"{n}.h5" for n in ("a", "b", "a-z2")} if src.is_dir() else None
     calls = {"n": 0}
     orig = hf.HFExtractorRecorder.run
-    before = 0 if seed else 3 * len(trained.prompts())
+    before = 0 if seed else 3 * len(_prompts().read_text().splitlines())
 
     def run(self, *a, **k):
         calls["n"] += 1
@@ -208,7 +221,7 @@ def test_ctrl_c_leaves_complete_traces_and_resume_finishes(root, capsys, monkeyp
             assert "layer3" in r.tensors
     monkeypatch.setattr(hf.HFExtractorRecorder, "run", orig)
     capsys.readouterr()
-    rc = main(["locate", str(trained.target_dir()), str(port), "--prompts", str(trained.prompts_path()),
+    rc = main(["locate", str(trained.target_dir()), str(port), "--prompts", str(_prompts()),
                "--no-progress", "--resume", str(out)])
     cap = capsys.readouterr()
     assert rc == 1

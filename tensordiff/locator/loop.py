@@ -108,6 +108,8 @@ class _Loop:
         p = argparse.ArgumentParser(prog="tensordiff record train")
         train_cli.add_arguments(p)
         partial = os.path.join(self.o.out, f"{name}.partial.h5")
+        with contextlib.suppress(FileNotFoundError):   # what a killed run left: never a complete trace
+            os.remove(partial)
         args = p.parse_args([partial if w == out else w for w in argv[3:]])
         args.no_progress = not self.o.progress
         with contextlib.redirect_stdout(io.StringIO()):   # its summary lines: the report says what matters
