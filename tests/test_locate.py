@@ -252,6 +252,14 @@ def test_bad_input_is_one_line_before_anything_is_recorded(root, capsys, tmp_pat
         assert len(err) == 1 and words in err[0], (argv, err)
         assert not out.exists() or not any(out.iterdir()), argv
     assert "never_imported_mod" not in sys.modules and "pkg" not in sys.modules
+    # record train takes the same spec, checked the same way
+    for spec, words in (("module:pkg..mod:f", "is not module:pkg.mod:factory"),
+                        ("module:no_such_port_module:f", "cannot import no_such_port_module")):
+        capsys.readouterr()
+        assert main(["record", "train", "--model", spec, "--prompts", p, "--out", str(tmp_path / "r.h5"),
+                     "--no-progress"]) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(err) == 1 and words in err[0], err
 
 
 def test_traces_as_sides(root, capsys, tmp_path):

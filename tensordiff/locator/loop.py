@@ -365,7 +365,15 @@ def _snapshot(side: Side, out: str) -> tuple[Any, dict[str, Any], str, str] | No
 def _weights_and_configs(loop: _Loop, res: LocateResult, a: Side, b: Side, layer: int | None) -> None:
     from .. import weights
 
-    sa, sb = _snapshot(a, loop.o.out), _snapshot(b, loop.o.out)
+    with _bar(loop.o.progress, "compare the weights") as cb:
+        if cb is not None:
+            cb("reading the checkpoints", 0, 2)
+        sa = _snapshot(a, loop.o.out)
+        if cb is not None:
+            cb("reading the checkpoints", 1, 2)
+        sb = _snapshot(b, loop.o.out)
+        if cb is not None:
+            cb("reading the checkpoints", 2, 2)
     if sa is None or sb is None:
         return
     cmds = [c for c in (sa[3], sb[3]) if c]
