@@ -365,21 +365,24 @@ def _snapshot(side: Side, out: str) -> tuple[Any, dict[str, Any], str, str] | No
 def _weights_and_configs(loop: _Loop, res: LocateResult, a: Side, b: Side, layer: int | None) -> None:
     from .. import weights
 
-    with _bar(loop.o.progress, "compare the weights") as cb:
-        if cb is not None:
-            cb("reading the checkpoints", 0, 2)
+    if a.model is None or b.model is None:
+        return
+    loop.current = "compare the weights"
+    loop._say(f"[compare the weights] $ {shlex.join(['tensordiff', 'weights', a.model, b.model])}"
+              + (" (a module: port's live fingerprints)" if "module:" in a.model + b.model else ""))
+    with _bar(loop.o.progress, "compare the weights") as bar:
+        if bar is not None:
+            bar("reading the checkpoints", 0, 2)
         sa = _snapshot(a, loop.o.out)
-        if cb is not None:
-            cb("reading the checkpoints", 1, 2)
+        if bar is not None:
+            bar("reading the checkpoints", 1, 2)
         sb = _snapshot(b, loop.o.out)
-        if cb is not None:
-            cb("reading the checkpoints", 2, 2)
+        if bar is not None:
+            bar("reading the checkpoints", 2, 2)
     if sa is None or sb is None:
         return
     cmds = [c for c in (sa[3], sb[3]) if c]
     cmds.append(shlex.join(["tensordiff", "weights", sa[2], sb[2]]))
-    loop.current = "compare the weights"
-    loop._say(f"[compare the weights] $ {cmds[-1]}")
     ca, cb = sa[0], sb[0]
     if layer is not None:
         ca, cb = _layer_only(ca, layer), _layer_only(cb, layer)
