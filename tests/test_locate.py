@@ -252,6 +252,11 @@ def test_bad_input_is_one_line_before_anything_is_recorded(root, capsys, tmp_pat
         assert len(err) == 1 and words in err[0], (argv, err)
         assert not out.exists() or not any(out.iterdir()), argv
     assert "never_imported_mod" not in sys.modules and "pkg" not in sys.modules
+    capsys.readouterr()
+    assert main(["locate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "module:pkg.mod:factory" in text and "checked before anything is imported" in text, text
+    assert "exit codes: 0 A and B agree" in text and "130 interrupted" in text, text
     # record train takes the same spec, checked the same way
     for spec, words in (("module:pkg..mod:f", "is not module:pkg.mod:factory"),
                         ("module:no_such_port_module:f", "cannot import no_such_port_module")):
