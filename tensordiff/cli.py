@@ -503,6 +503,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                                       "per-token log-prob difference of each sequence (j/k)")
     g.set_defaults(func=cmd_triage)
 
+    from .locator.cli import register as register_locate   # the loop's arguments; torch only when it records
+    register_locate(sub)
+
     if command not in CORE_COMMANDS:
         from .recorders.cli import register
         register(sub)

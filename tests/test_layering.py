@@ -17,7 +17,7 @@ CORE = ["tensordiff", "tensordiff.trace", "tensordiff.align", "tensordiff.identi
         "tensordiff.report.text", "tensordiff.report.html", "tensordiff.summary", "tensordiff.cli",
         "tensordiff.conventions", "tensordiff.sketch",
         "tensordiff.dtypes", "tensordiff.tui.data", "tensordiff.tui.text", "tensordiff.recorders",
-        "tensordiff.recorders.cli"]
+        "tensordiff.recorders.cli", "tensordiff.locator", "tensordiff.locator.loop", "tensordiff.locator.cli"]
 
 
 def test_import_contracts():

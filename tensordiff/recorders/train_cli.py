@@ -34,7 +34,9 @@ DEFAULT_CONVENTION = "specforge"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR",
-                   help="local HF transformers model directory (config.json + weights); never downloaded")
+                   help="local HF transformers model directory (config.json + weights; never downloaded), or "
+                        "module:pkg.mod:factory, a callable returning a torch.nn.Module called as an HF causal LM "
+                        "(its form is checked before anything is imported)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE",
                    help="JSONL: one prompt per line, a list of token ids, {\"input_ids\": [...]}, or "
@@ -418,6 +420,11 @@ def wants_draft_input(args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import user_module
+
+    module_spec = user_module.is_spec(args.model)
+    if module_spec:
+        user_module.parse_spec(args.model)   # its form, before anything is imported
     if os.path.lexists(args.out) and not args.force:
         from ..safety import check_output_path
 
@@ -425,7 +432,8 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.out, [args.prompts, getattr(args, "from_serve", None)], "--out")
         # a trace is evidence: never replaced silently (diff, likewise, never writes over an input)
         raise UsageError("exists; pass --force to overwrite it, or choose another --out", args.out)
-    refuse_draft_as_model(args.model)
+    if not module_spec:
+        refuse_draft_as_model(args.model)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
@@ -471,6 +479,8 @@ def run(args: argparse.Namespace) -> int:
         ids = _read_draft_ids(args.draft_config or os.path.join(args.draft, "config.json"))
 
     def tokenizer_loader():
+        if module_spec:
+            raise UsageError("a module: model has no tokenizer: give the prompts as token ids", args.prompts)
         from transformers import AutoTokenizer
         try:
             return AutoTokenizer.from_pretrained(args.model, local_files_only=True)
@@ -478,7 +488,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"text prompts need a tokenizer in the model directory ({_first_line(e)})",
                              args.model) from None
 
-    cfg = _load_config(args.model)
+    cfg = None if module_spec else _load_config(args.model)
     prompts = (load_serve_sequences(args.from_serve) if args.from_serve
                else load_prompts(args.prompts, tokenizer_loader))
     if args.limit is not None:
@@ -487,6 +497,10 @@ def run(args: argparse.Namespace) -> int:
         if args.max_len < 1:
             raise UsageError("--max-len must be >= 1")
         prompts = [(k, v[: args.max_len]) for k, v in prompts]
+    model = None
+    if module_spec:   # a user's port: its config (when it has one) is the module's own
+        model = user_module.build(args.model, args.dtype, args.device)
+        cfg = getattr(model, "config", None)
     text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
     vocab = getattr(text_cfg, "vocab_size", None)
     for k, v in prompts:
@@ -506,7 +520,8 @@ def run(args: argparse.Namespace) -> int:
         rl = (temp, first, per)
     elif getattr(args, "temperature", None) is not None:
         raise UsageError("--temperature is for --from-serve (the sampled tokens' log-probs)")
-    model = _load_model(args.model, args.dtype, args.device)
+    if model is None:
+        model = _load_model(args.model, args.dtype, args.device)
     try:
         info = model_info(model)
     except ValueError as e:
@@ -533,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
         check_output_path(args.out, [graft.path], "--out")
-    info["path"] = os.path.abspath(args.model)
+    info["path"] = args.model if module_spec else os.path.abspath(args.model)
     sample = Sampling(every=args.sample_every, positions=frozenset(args.positions) if args.positions else None)
     meta = {"prompts": os.path.abspath(args.prompts or args.from_serve), "command": "record train",
             "from_serve": os.path.abspath(args.from_serve) if args.from_serve else None,

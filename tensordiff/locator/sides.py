@@ -1,0 +1,106 @@
+"""What each side of ``tensordiff locate`` is: an HF model directory, a user's ``module:`` port or
+an existing trace, resolved and checked before anything is recorded (bad input: one line, exit 2).
+
+Imports neither torch nor the diff: the checks read paths, a file's first bytes and a trace's
+attributes only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+__all__ = ["Side", "resolve_side", "check_prompts"]
+
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+_ENGINE_RECIPE = ("locate does not run {engine} yet: record the engine side with `TENSORDIFF_ZOOM=layerN "
+                  "tensordiff record serve --engine {engine} ...` and graft with TENSORDIFF_GRAFT, as docs/ports.md "
+                  "sections 5 and 6 describe, or give locate the engine's trace as {side}")
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side. ``trace``: an existing trace to use as it is (step 1 records nothing for it);
+    ``model``: what ``record train --model`` takes to record it again (zoomed, grafted): a model
+    directory or a ``module:`` spec, None where a trace names no model that is still there."""
+
+    name: str            # "A" or "B"
+    spec: str            # as the user gave it
+    kind: str            # "hf", "module" or "trace"
+    model: str | None
+    dtype: str | None    # --dtype for record train (None: the checkpoint's)
+    trace: str | None = None
+
+    @property
+    def where(self) -> str:
+        return self.trace or self.model or self.spec
+
+
+def resolve_side(name: str, spec: str, dtype: str | None) -> Side:
+    from ..recorders import user_module
+
+    for engine in ("sglang", "vllm"):
+        if spec.startswith(f"{engine}:"):
+            raise UsageError(_ENGINE_RECIPE.format(engine=engine, side=name))
+    if user_module.is_spec(spec):
+        user_module.parse_spec(spec)    # the form only: nothing is imported before the recording
+        return Side(name, spec, "module", spec, dtype)
+    if not os.path.exists(spec):
+        raise UsageError(f"{name}: no such file or directory (an HF model directory, a trace, or "
+                         f"{user_module.SPEC_FORM})", spec)
+    if os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise UsageError(f"{name}: a directory without config.json is not an HF model directory", spec)
+        return Side(name, spec, "hf", os.path.abspath(spec), dtype)
+    try:
+        with open(spec, "rb") as f:
+            magic = f.read(8)
+    except OSError as e:
+        raise UsageError(f"{name}: cannot read ({e.strerror or e})", spec) from None
+    if magic != _HDF5_MAGIC:
+        raise UsageError(f"{name}: neither a model directory nor a trace (.h5)", spec)
+    if dtype is not None:
+        raise UsageError(f"--dtype-{name.lower()}: {name} is a trace, recorded already")
+    model, rec_dtype = _recorded_model(spec)
+    return Side(name, spec, "trace", model, rec_dtype, trace=os.path.abspath(spec))
+
+
+def _recorded_model(path: str) -> tuple[str | None, str | None]:
+    """The model a trace of ``record train`` says it was recorded from (``model.path``), when that
+    is still a model directory or a module spec, and its dtype. Any other trace (an engine's, an
+    import) names no model: recording it again in transformers would compare something else."""
+    from ..trace import TraceReader
+
+    try:
+        with TraceReader(path) as r:
+            model = dict(r.model)
+            meta = r.user_meta
+            # a graft or a serve run's sequences (--from-serve) are not what --prompts records again
+            by_train = (isinstance(meta, dict) and meta.get("command") == "record train" and not meta.get("graft")
+                        and not meta.get("from_serve"))
+    except Exception as e:   # any reason the file does not open: one line
+        raise UsageError(f"not a readable trace ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                         path) from None
+    where = model.get("path")
+    dtype = model.get("dtype")
+    dt = dtype if dtype in ("float32", "bfloat16", "float16") else None
+    if by_train and isinstance(where, str) and (where.startswith("module:")
+                                   or os.path.isfile(os.path.join(where, "config.json"))):
+        return where, dt
+    return None, dt
+
+
+def check_prompts(path: str) -> int:
+    """The prompts file as ``record train`` reads it (JSONL of token ids or text); the number of
+    prompts. Text lines are checked for their form only (the tokenizer runs in the recording)."""
+    from ..recorders.train_cli import load_prompts
+
+    class _Shape:   # stands in for a tokenizer: the lines' form is what is checked here
+        def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+            return {"input_ids": [0]}
+
+    if not os.path.isfile(path):
+        raise UsageError("--prompts: no such file", path)
+    return len(load_prompts(path, _Shape))
