@@ -344,3 +344,92 @@ def test_nan_in_states_and_predictions_is_a_finding_never_agree(tr, root):
         c = acc.details.cross["target_topk"]
         assert c["nonfinite"] == 2 and c["state"] == "differ", (side, c)
         assert res.pairs and any(p.label == "layer4" and p.compared for p in res.pairs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The noise model never learns from the bug: an allowance comes only from states in the trend at
+# or before the state judged
+
+
+def _allowances(res):
+    """{state (or packed slot): (its token rel allowance, its depth)} of a diff."""
+    out = {}
+    for p in res.pairs:
+        if p.compared and p.tolerance:
+            for s, t in enumerate(p.tolerance):
+                out[p.label if p.slots == 1 else f"{p.label}[{s}]"] = (t["max_rel"], p.depth[s])
+    return out
+
+
+def _upstream_moves(correct, bug, first):
+    """{state: relative move of its allowance} of every state before depth ``first``, from the
+    correct pair's diff to the buggy pair's."""
+    a0, a1 = _allowances(correct), _allowances(bug)
+    return {k: abs(a1[k][0] / v - 1) for k, (v, d) in a0.items() if k in a1 and d is not None and d < first}
+
+
+def test_a_bug_inside_the_trend_moves_no_allowance_before_it(tr, root):
+    """Layer5 of the bf16 side carries extra per-token error of twice its noise (a bug that stays
+    inside the trend): the allowances of every state before layer5 stay what the correct pair gives
+    them. Layer4 took the worst level of the states a layer either side of it, layer5 among them,
+    and widened by half with the bug."""
+    src = tr["bfloat16"]
+    rng = np.random.default_rng(5)
+
+    def noisy(v, seq, pos):
+        e = rng.standard_normal(v.shape).astype(np.float32)
+        e *= 0.012 * np.linalg.norm(v, axis=1, keepdims=True) / np.linalg.norm(e, axis=1, keepdims=True)
+        return v + e
+
+    bug = trained.edit(src, root / "layer5_noise.h5", "layer5", noisy)
+    for (correct, _), (res, side) in zip(_orders(tr["float32"], src), _orders(tr["float32"], bug)):
+        assert correct.exit_code == 0, (side, _not_info(correct))
+        moves = _upstream_moves(correct, res, 5)
+        assert "layer4" in moves and "embed" in moves, moves
+        assert max(moves.values()) <= 0.1, (side, moves)
+
+
+@pytest.fixture(scope="module")
+def random4(root):
+    """A random-weight 4-layer Llama recorded by ``record train`` in fp32 and bf16, and in bf16
+    with rope theta 500000 (the checkpoint says 10000)."""
+    import json
+
+    import sglang_support as sup
+
+    d = root / "random4"
+    m = sup.make_tiny_llama(d / "model", num_hidden_layers=4, initializer_range=0.1)
+    theta = d / "theta"
+    if not (theta / "config.json").exists():
+        import shutil
+        shutil.copytree(m, theta)
+        cfg = json.loads((theta / "config.json").read_text())
+        cfg["rope_theta"] = 500000.0
+        if "rope_parameters" in cfg:
+            cfg["rope_parameters"]["rope_theta"] = 500000.0
+        (theta / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(3)
+    pf = d / "prompts.jsonl"
+    pf.write_text("".join(json.dumps({"input_ids": rng.integers(1, 256, 48).tolist()}) + "\n" for _ in range(6)))
+    out = {}
+    for name, model, dt in (("fp32", m, "float32"), ("bf16", m, "bfloat16"), ("theta", theta, "bfloat16")):
+        p = d / f"{name}.h5"
+        if not p.exists():
+            assert main(["record", "train", "--model", str(model), "--prompts", str(pf), "--values", "all",
+                         "--dtype", dt, "--no-progress", "--out", str(p)]) == 0
+        out[name] = p
+    return out
+
+
+def test_a_rope_theta_bug_on_a_random_weight_model_moves_no_allowance_before_it(random4):
+    """Rope theta 500000 against 10000 in bf16 (a random-weight 4-layer model): the bug starts in
+    decoder layer 0, so layer1 is named, and the embedding's allowance is what the correct pair
+    gives it. The embedding took layer1's level a layer deeper: its allowance was 3.6x wider on the
+    correct pair than on the buggy one (where layer1 leaves the trend)."""
+    for (correct, _), (res, side) in zip(_orders(random4["fp32"], random4["bf16"]),
+                                         _orders(random4["fp32"], random4["theta"])):
+        assert correct.exit_code == 0, (side, _not_info(correct))
+        assert res.exit_code == 1 and res.first_divergence.tensor == "layer1", (side, res.headline())
+        moves = _upstream_moves(correct, res, 1)
+        assert "embed" in moves and max(moves.values()) <= 0.1, (side, moves)
+
