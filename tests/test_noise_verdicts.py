@@ -433,3 +433,60 @@ def test_a_rope_theta_bug_on_a_random_weight_model_moves_no_allowance_before_it(
         moves = _upstream_moves(correct, res, 1)
         assert "embed" in moves and max(moves.values()) <= 0.1, (side, moves)
 
+
+# ----------------------------------------------------------------------------------------------
+# Packed slots measure each other
+
+
+def _only(src, dst, keep):
+    """A copy of trace ``src`` with only the tensors ``keep`` (a serve trace without a catalog)."""
+    import shutil
+
+    import h5py
+    shutil.copyfile(src, dst)
+    with h5py.File(dst, "r+") as f:
+        for name in list(f["tensors"]):
+            if name not in keep:
+                del f["tensors"][name]
+    return dst
+
+
+def test_a_shallow_slot_far_above_its_deeper_siblings_leaves_the_trend(tr, root):
+    """Only draft_input on both sides (no catalog: nothing measures the noise), both bf16, B's
+    slots a rounding (0.2%) from A's as a second engine's kernels leave them, and B's slot 0
+    holding layer3 mixed 2% toward part of layer 3's attention output: its median error is 5x
+    its deeper siblings', which honest noise (growing with depth) never shows. It read "agree"
+    against the physical default (bf16 vs bf16 allows a median of 3.3% at that depth)."""
+    src = tr["bfloat16"]
+    seq, pos = trained.token_keys(src, "draft_input")
+    attn = trained.mid_states()["attn3"]
+    idx, _ = _catalog(src, "layer3")
+    extra = attn[[idx[(int(a), int(b))] for a, b in zip(seq, pos)]]
+    base = _at(src, "layer3", seq, pos)
+    f = 0.02 / np.median(np.linalg.norm(extra, axis=1) / np.linalg.norm(base, axis=1))
+    rng = np.random.default_rng(11)
+
+    def kernels(v, s, p):
+        for k in range(v.shape[1] // H):
+            x = v[:, k * H:(k + 1) * H]
+            e = rng.standard_normal(x.shape).astype(np.float32)
+            x += 0.002 * np.linalg.norm(x, axis=1, keepdims=True) * e / np.linalg.norm(e, axis=1, keepdims=True)
+        return v
+
+    def mix(v, s, p):
+        v[:, :H] += base + f * extra - _at(src, "layer3", seq, pos)
+        return v
+
+    keep = ("draft_input",)
+    ref = _only(src, root / "di_only_a.h5", keep)
+    ok = _only(trained.edit(src, root / "di_kernels.h5", "draft_input", kernels), root / "di_only_b.h5", keep)
+    bug = _only(trained.edit(ok, root / "di_mid.h5", "draft_input", mix), root / "di_only_mid.h5", keep)
+    for res, side in _orders(ref, ok):
+        assert res.exit_code == 0, (side, _not_info(res))
+    for res, side in _orders(ref, bug):
+        assert res.exit_code == 1, (side, res.headline())
+        first = res.first_divergence
+        assert (first.tensor, first.slot) == ("draft_input", 0), (side, first.message)
+        _separates(first.message)
+        assert "deeper slots" in first.message, (side, first.message)
+
