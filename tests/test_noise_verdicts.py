@@ -490,3 +490,25 @@ def test_a_shallow_slot_far_above_its_deeper_siblings_leaves_the_trend(tr, root)
         _separates(first.message)
         assert "deeper slots" in first.message, (side, first.message)
 
+
+# ----------------------------------------------------------------------------------------------
+# States equal up to a per-token scale are one identity
+
+
+def test_a_unit_weight_final_norm_and_the_last_layer_are_never_named_for_each_other(root):
+    """The trained model with a unit-weight final norm (final_norm is layer8 rescaled per token)
+    against a port whose decoder layer 6 drifts (weights 3% off): layer7, layer8 and final_norm
+    diverge, inherited; neither of layer8 and final_norm is said to hold the other ("layer8 on B
+    holds final_norm scaled by 0.07" and its mirror were divergences)."""
+    ref_model = trained.variant_model(root, "unitnorm", unit_norm=True)
+    port = trained.variant_model(root, "unitnorm_drift6", unit_norm=True, perturb=(6, 0.03))
+    a, b = root / "unitnorm.h5", root / "unitnorm_drift6.h5"
+    for path, model in ((a, ref_model), (b, port)):
+        if not path.exists():
+            trained.record(path, "float32", model=model)
+    for res, side in _orders(a, b):
+        assert res.exit_code == 1 and res.first_divergence.tensor == "layer7", (side, res.headline())
+        said = [f.message for f in res.findings if f.kind == "slot_identity" and f.severity != "info"]
+        assert not [m for m in said if "final_norm" in m and "layer8" in m], (side, said)
+        tensors = {f.tensor for f in res.findings if f.severity == "divergence"}
+        assert {"layer8", "final_norm"} <= tensors, (side, tensors)

@@ -14,6 +14,7 @@ plan's sources)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 import math
 from typing import Any
 
@@ -267,6 +268,12 @@ class _Judge:
         if s in identity_b:
             claimed_a = ia.slot_labels[s] if ia.slot_labels else (ia.label if ia.kind != "packed" else None)
             claimed_b = ib.slot_labels[s] if ib.slot_labels else (ib.label if ib.kind != "packed" else None)
+            ida = self._as_class(identity_a.get(s), claimed_a)
+            expected = ida.best if ida is not None and ida.best else claimed_a   # as judge_slot takes it
+            identity_a, identity_b = dict(identity_a), dict(identity_b)
+            if ida is not None:
+                identity_a[s] = ida
+            identity_b[s] = self._as_class(identity_b[s], expected) or identity_b[s]
 
             def place(kind: Kind, side: str, det: IdentityDetails, sev: Severity) -> Finding:
                 f = self._token_finding(kind, ia, s, at, det)
@@ -315,6 +322,14 @@ class _Judge:
             out.append(f)
         return out
 
+    def _as_class(self, v: IdentityVerdict | None, label: str | None) -> IdentityVerdict | None:
+        """``v`` with ``label`` for the state it holds where that state and ``label`` are one class
+        (equal up to a per-token scale): neither is ever named for the other."""
+        if (v is None or label is None or v.outcome not in ("holds", "scaled") or v.best is None or v.best == label
+                or v.offset or not self.search.one_class(v.best, label)):
+            return v
+        return replace(v, outcome="holds", best=label, closest=label, scale=None)
+
     def _boundary_identity(self, job: PairJob, at: int) -> Finding | None:
         """A boundary that disagrees: does it hold another recorded state?"""
         ia, ib = job.a, job.b
@@ -323,6 +338,8 @@ class _Judge:
         idt = (self.search.decide(found) if found is not None else self.search.identify("b", ib, [0], sample))[0]
         if idt.outcome not in ("holds", "scaled") or (idt.best == ia.label and idt.outcome == "holds" and not idt.offset):
             return None
+        if not idt.offset and idt.best is not None and self.search.one_class(idt.best, ia.label):
+            return None   # equal up to a per-token scale (a unit-weight norm of it): one identity
         return self._token_finding(Kind.SLOT_IDENTITY, ib, None, at, IdentityDetails(
             outcome=idt.outcome, subject=ib.name, boundary_side=self.plan.b.side, held=idt.best, expected=ia.label,
             offset=idt.offset, scale=idt.scale, score=idt.score, margin=idt.margin, runner_up=idt.runner_up,
