@@ -39,6 +39,13 @@ boundary layer k+1 for a weight perturbation).
 Prints the noise floor per state and dtype (and the fp32 neighbour-layer cosines), every case, the
 detection rate per magnitude bin and the false-alarm count. ``--json FILE`` writes the figures
 (benchmarks/benchjson.py). Exit 0 whatever the figures (2 when a recording fails).
+
+``--upstream-sweep`` runs only the sweep that the noise model never learns from the bug: each kind
+(the slot kinds applied to a catalog state, ``noise``: extra per-token error of 2x the pair's own,
+``weight``: the decoder layer before it perturbed and re-recorded) injected into each boundary
+layer k of the bf16 side, diffed against fp32 in both orders; no allowance of a state before depth
+k may move by more than 10% against the correct pair's. Prints the worst move per kind; exit 1 on
+a violation. ``--random`` takes the random-weight model even where the trained one exists.
 """
 
 from __future__ import annotations
@@ -404,6 +411,106 @@ def _by_rows(s: dict, name: str, rows: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
+# Upstream sweep: the noise model never learns from the bug
+# ----------------------------------------------------------------------------------------------
+
+#: an allowance of a state before the bug may move this much (relative) against the correct pair
+UPSTREAM_MOVE = 0.1
+#: one magnitude per kind, each near the edge of detection (a bug inside the trend is the one that
+#: could widen an allowance; a detected one leaves the trend)
+SWEEP = {"scale-const": 0.02, "scale-token": 0.02, "mixed": 0.05, "norm-rms": 0.0, "partial": 0.2,
+         "noise": 2.0, "weight": 0.01}
+
+
+def allowances(res: Any) -> dict[str, tuple[float, float | None]]:
+    """{state or packed slot: (its per-token rel allowance, its depth)} of a diff result."""
+    out: dict[str, tuple[float, float | None]] = {}
+    for p in res.pairs:
+        if p.compared and p.tolerance:
+            for s, t in enumerate(p.tolerance):
+                out[p.label if p.slots == 1 else f"{p.label}[{s}]"] = (float(t["max_rel"]), p.depth[s])
+    return out
+
+
+def _state_edit(name: str, new: np.ndarray) -> Any:
+    """A trace edit that writes ``new`` (float32, one row per token row) into state ``name``."""
+    def edit(tname: str, trows: np.ndarray, vals: np.ndarray) -> np.ndarray | None:
+        return new if tname == name else None
+    return edit
+
+
+def upstream_sweep(d: Path, model: Model, prompts_file: Path, base: dict[str, Path], st: dict[str, dict],
+                   seed: int) -> int:
+    """Each kind injected into each boundary layer k of the bf16 side (a state edited in the trace;
+    ``weight``: decoder layer k-1's weights perturbed and re-recorded), diffed against fp32 in both
+    orders: the allowance of every state before depth k (packed slots included) must stay within
+    :data:`UPSTREAM_MOVE` of the correct pair's. Prints the worst move per kind; 1 on a violation."""
+    from trace_edit import copy_trace
+
+    from tensordiff.diff import diff_traces
+
+    rng = np.random.default_rng(seed)
+    a, b = st["float32"], st["bfloat16"]
+    ref, bf = str(base["float32"]), str(base["bfloat16"])
+    correct = {o: allowances(diff_traces(*((ref, bf) if o == "AB" else (bf, ref)))) for o in ("AB", "BA")}
+    print(f"\n## upstream sweep: allowance moves of the states before the bug, {model.label} (bf16 vs fp32)\n")
+    print(f"each kind at each depth, both orders; a move past {UPSTREAM_MOVE:.0%} is a violation\n")
+    print("| kind | knob | bugs | found at their depth (runs) | worst move | where (bug at, state, order) |")
+    print("|---|---|---|---|---|---|")
+    violations = 0
+    worst_all: dict[str, float] = {}
+    for kind, m in SWEEP.items():
+        worst, where, found, runs = 0.0, "-", 0, 0
+        for k in range(1, model.layers + 1):
+            name = f"layer{k}"
+            if name not in b["x"]:
+                continue
+            x, xa = b["x"][name].astype(np.float64), _by_rows(a, name, b["rows"][name]).astype(np.float64)
+            rms = np.sqrt((x ** 2).mean(1, keepdims=True))
+            path = d / f"sweep-{kind}-{k}.h5"
+            if kind == "weight":
+                ck = perturbed_checkpoint(model, k - 1, m, d / f"sweep-weights-{k}")
+                record_hf(model, prompts_file, "bfloat16", path, target=ck)
+                shutil.rmtree(ck, ignore_errors=True)
+            else:
+                if kind == "scale-const":
+                    new = x * (1 + m)
+                elif kind == "scale-token":
+                    new = x * np.exp(m * rng.standard_normal((len(x), 1)))
+                elif kind == "mixed":
+                    nxt = f"layer{k + 1}" if f"layer{k + 1}" in b["x"] else "final_norm"
+                    new = x + m * (_by_rows(b, nxt, b["rows"][name]) - x)
+                elif kind == "norm-rms":
+                    new = x / rms * rms.mean()
+                elif kind == "partial":
+                    pick = rng.random(len(x)) < m
+                    new = x.copy()
+                    new[pick] += 0.1 * rms[pick] * rng.standard_normal((int(pick.sum()), x.shape[1]))
+                else:   # noise: per-token error of m x the pair's own, on every token
+                    e = rng.standard_normal(x.shape)
+                    err = np.linalg.norm(x - xa, axis=1, keepdims=True)
+                    new = x + m * err * e / np.linalg.norm(e, axis=1, keepdims=True)
+                copy_trace(bf, str(path), _state_edit(name, new.astype(np.float32)))
+            for order in ("AB", "BA"):
+                res = diff_traces(*((ref, str(path)) if order == "AB" else (str(path), ref)))
+                runs += 1
+                found += any(f.severity == "divergence" and f.tensor == name for f in res.findings)
+                got = allowances(res)
+                for label, (v, dep) in correct[order].items():
+                    if label in got and dep is not None and dep < k and v > 0:
+                        move = abs(got[label][0] / v - 1)
+                        if move > UPSTREAM_MOVE:
+                            violations += 1
+                        if move >= worst:
+                            worst, where = move, f"{name}, {label}, {order}"
+            path.unlink(missing_ok=True)
+        worst_all[kind] = worst
+        print(f"| {kind} | {m:g} | {model.layers} | {found} of {runs} | {worst:.1%} | {where} |", flush=True)
+    print(f"\nupstream violations: {violations} (allowance moves past {UPSTREAM_MOVE:.0%})")
+    return 1 if violations else 0
+
+
+# ----------------------------------------------------------------------------------------------
 # Running the diff
 # ----------------------------------------------------------------------------------------------
 
@@ -466,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the traces")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures here (benchmarks/benchjson.py)")
+    ap.add_argument("--upstream-sweep", action="store_true",
+                    help="only the sweep of each bug kind at each depth: no allowance before the bug may move")
+    ap.add_argument("--random", action="store_true", help="the random-weight model, even where the trained one exists")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     res = Result("bench_sensitivity", config={"quick": a.quick, "engines": a.engines, "layers": a.layers})
@@ -477,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.model:
             model = _model(Path(a.model), Path(a.draft), a.label or Path(a.model).name)
         else:
-            got = _trained(a.layers)
+            got = None if a.random else _trained(a.layers)
             model, held_out = got if got is not None else (_random(d / "models", a.layers), {})
         vocab = int(json.loads((model.target / "config.json").read_text())["vocab_size"])
         if a.prompts or held_out:
@@ -491,8 +601,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model.label} ({model.target}), draft ids {model.aux_ids}; "
               f"{len(prompts)} prompts, {sum(map(len, prompts.values()))} tokens; load {os.getloadavg()[0]:.2f}",
               flush=True)
-        base = {dt: record_hf(model, pfile, dt, d / f"hf-{SHORT[dt]}.h5") for dt in DTYPES}
+        base = {dt: record_hf(model, pfile, dt, d / f"hf-{SHORT[dt]}.h5")
+                for dt in (DTYPES[:2] if a.upstream_sweep else DTYPES)}
         st = {dt: states(p) for dt, p in base.items()}
+        if a.upstream_sweep:
+            return upstream_sweep(d, model, pfile, base, st, a.seed)
         noise = {f"HF {SHORT[dt]}": noise_rows(st["float32"], st[dt]) for dt in DTYPES[1:]}
         neigh = neighbour_cos(st["float32"])
         cases = [] if a.correct_only else make_cases(d, model, base, st, a.quick, pfile, a.seed)

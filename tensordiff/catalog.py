@@ -31,6 +31,7 @@ from .identity import (
     clean,
     clean_with_norms,
     decide_scored,
+    one_class,
     pick_basis,
     row_norms,
     score_many,
@@ -43,6 +44,7 @@ from .vocab import parse_label
 
 Codes = NDArray[np.int64]
 BATCH_BYTES = 4 << 20  # candidate rows scored at once (see IdentitySearch.identify)
+CLASS_SAMPLE = 256     # tokens read to tell whether two states are one class
 
 
 @dataclass
@@ -117,6 +119,8 @@ class IdentitySearch:
         #: held around every read of the traces (a diff that scores a search in another thread
         #: while its block reader runs sets one lock for both; reads are never concurrent)
         self.read_lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        #: (label, label) -> whether the two states are one class (equal up to a per-token scale)
+        self._classes: dict[tuple[str, str], bool] = {}
 
     def _target(self, r: TraceSource, info: TensorInfo, rows: Codes, slot: int, basis: str) -> Target:
         """One slot's rows (full values or sketch), their per-token RMS and their norms."""
@@ -131,6 +135,36 @@ class IdentitySearch:
             data = np.asarray(raw, np.float32)[:, slot * d:(slot + 1) * d]
         clean_data, norms = clean_with_norms(data)
         return Target(clean_data, rms, norms)
+
+    def one_class(self, x: str, y: str) -> bool:
+        """Whether catalog states ``x`` and ``y`` are equal up to a per-token scale on the reference
+        side (A; B where A lacks either), on full values at up to :data:`CLASS_SAMPLE` tokens both
+        have (:func:`tensordiff.identity.one_class`). False without full values of both."""
+        if x == y:
+            return True
+        key = (min(x, y), max(x, y))
+        if key not in self._classes:
+            self._classes[key] = self._one_class(x, y)
+        return self._classes[key]
+
+    def _one_class(self, x: str, y: str) -> bool:
+        for cat in (self.cat_a, self.cat_b):
+            ix, iy = cat.states.get(x), cat.states.get(y)
+            if ix is None or iy is None or not (ix.has_values and iy.has_values) or ix.width != iy.width:
+                continue
+            mx, my = self.maps.inverse(cat.side, ix.name), self.maps.inverse(cat.side, iy.name)
+            both = np.flatnonzero((mx >= 0) & (my >= 0))
+            if len(both) < MIN_TOKENS:
+                continue
+            pick = both[np.linspace(0, len(both) - 1, min(len(both), CLASS_SAMPLE)).astype(np.int64)]
+            with self.read_lock:
+                vx = to_float32(read_runs(cat.r, ix.name, "values", np.sort(mx[pick])), ix.dtype)
+                vy = to_float32(read_runs(cat.r, iy.name, "values", np.sort(my[pick])), iy.dtype)
+            # rows in the order of their tokens on both (a side's rows follow its token order)
+            vx = vx[np.argsort(np.argsort(mx[pick]))]
+            vy = vy[np.argsort(np.argsort(my[pick]))]
+            return one_class(vx, vy, coarser(ix.dtype, iy.dtype))
+        return False
 
     def identify(self, side: str, info: TensorInfo, slots: list[int], sample: Codes) -> dict[int, IdentityVerdict]:
         """Which recorded state does each slot of ``info`` (on ``side``) hold at the sampled aligned

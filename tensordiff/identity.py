@@ -539,6 +539,30 @@ def _finish(best: _Scored, ranked: list[_Scored], ev: IdentityEvidence,
     return v
 
 
+#: unit roundoff per dtype (half an ulp at 1): two states are one class when, rescaled per token,
+#: they are this many roundings apart at most
+_UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -9}
+#: share of the tokens that must be that close (a token of near-zero norm rounds worse)
+CLASS_SHARE = 0.99
+
+
+def one_class(x: Rows, y: Rows, dtype: str) -> bool:
+    """Whether two states' rows at the same tokens are equal up to a per-token scale, within the
+    rounding of ``dtype`` (the coarser of the two) on :data:`CLASS_SHARE` of the tokens: a final
+    norm with unit weights is the last layer rescaled, and such states are one identity (neither
+    may be named for the other). Rows of zero norm are left out; none left: False."""
+    x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    nx, ny = np.linalg.norm(x64, axis=1), np.linalg.norm(y64, axis=1)
+    ok = (nx > 0) & (ny > 0) & np.isfinite(nx) & np.isfinite(ny)
+    if not ok.any():
+        return False
+    cos = np.clip((x64[ok] * y64[ok]).sum(1) / (nx[ok] * ny[ok]), -1.0, 1.0)
+    # the relative error of the closer rescaled copy: sin of the angle between them
+    rel = np.sqrt(np.maximum(1.0 - cos * cos, 0.0))
+    tol = EXACT_EPS * _UNIT.get(dtype, _UNIT["float32"])
+    return bool((cos > 0).all() and float((rel <= tol).mean()) >= CLASS_SHARE)
+
+
 def pick_basis(count: dict[str, int]) -> str:
     """The basis a slot is decided in: the one more recorded states can be scored in (``count``:
     states per basis with rows at enough sampled tokens); full values on a tie. Every candidate of

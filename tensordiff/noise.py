@@ -203,23 +203,24 @@ class NoiseModel:
         return Level(u, 2 * u, 2 * u * u, u).scaled(math.sqrt(1.0 + d) if d else 1.0)
 
     def expected(self, depth: float | None, dtypes: tuple[str, str] | None = None) -> Level:
-        """The noise expected at ``depth``: from the clean measured states (the nearest at or
-        below, grown by the trend to ``depth``; above every one, the shallowest), never under the
-        floor; with none measured, the physical default."""
+        """The noise expected at ``depth``: from the clean measured states at or before it only
+        (the nearest, grown to ``depth`` by the trend of the clean states up to it; the worst of
+        those within a layer below), never under the floor; with none at or before it, the
+        physical default. A state deeper than ``depth`` never sets its allowance: a bug there
+        that stays inside the trend would otherwise widen the allowance of every state before it
+        (and a bit-identical state would take a deeper layer's noise)."""
         d = max(0.0, float(depth or 0.0))
-        clean = [s for s in self.states if s.clean]
-        if not clean:
+        if not self.measured:
             return physical_default(self.dtype_a, self.dtype_b, d)
-        below = [s for s in clean if s.depth <= d]
-        g = self.growth()
+        below = [s for s in self.states if s.clean and s.depth <= d]
         if below:
             ref = below[-1]
-            lv = ref.level.scaled(_grown(g, d - ref.depth))
-        else:
-            lv = clean[0].level
-        # the worst of the nearby clean states (1 layer either side): percentiles of a few
-        # hundred tokens wobble
-        near = [s.level for s in clean if abs(s.depth - d) <= 1.0]
+            lv = ref.level.scaled(_grown(self.growth(d), d - ref.depth))
+        else:   # shallower than every measured state: nothing before it measures its noise
+            lv = physical_default(self.dtype_a, self.dtype_b, d)
+        # the worst of the clean states within a layer below (percentiles of a few hundred
+        # tokens wobble)
+        near = [s.level for s in below if d - s.depth <= 1.0]
         # never under one rounding of a state of these dtypes (a measured trend of states that
         # happen to match exactly says nothing about a state of a coarser dtype)
         fl = physical_default(*(dtypes or (self.dtype_a, self.dtype_b)), 0.0)
@@ -227,9 +228,10 @@ class NoiseModel:
                      max([lv.c99, fl.c99] + [x.c99 for x in near]), max([lv.sd, fl.sd] + [x.sd for x in near]),
                      max([abs(lv.bias)] + [abs(x.bias) for x in near]))
 
-    def growth(self) -> float:
-        """Per-layer growth of the median error among consecutive clean states (at least 1)."""
-        clean = [s for s in self.states if s.clean and s.depth >= 1]
+    def growth(self, depth: float | None = None) -> float:
+        """Per-layer growth of the median error among consecutive clean states (at least 1), of
+        those at or before ``depth`` (None: all)."""
+        clean = [s for s in self.states if s.clean and s.depth >= 1 and (depth is None or s.depth <= depth)]
         rs = [(b.level.q50 / a.level.q50) ** (1.0 / (b.depth - a.depth)) for a, b in zip(clean, clean[1:])
               if a.level.q50 > 0 and b.depth > a.depth]
         return max(1.0, statistics.median(rs)) if rs else GROWTH_DEFAULT   # np.median's bits, without its overhead

@@ -198,3 +198,25 @@ def test_a_verify_result_is_numpy_and_the_requests_limits_only(st):
                                             SimpleNamespace(reqs=[]), copy=True)
     assert nbytes == other.numel() * 4 and st.cap_aux[0] is other and st.cap_aux[2] == 6
     np.testing.assert_array_equal(res.logits_output.hidden_states.numpy(), other.numpy())
+
+
+def test_slots_are_claimed_in_the_order_the_engine_packs_them(monkeypatch, tmp_path):
+    """Draft ids out of order ([5, 1, 3]): SGLang sets layers_to_capture to [6, 2, 4] (id + 1) and
+    its forward appends the aux states in layer order, so the packed tensor holds layer2, layer4,
+    layer6; the plugin labelled the slots in config order (layer6, layer2, layer4)."""
+    from tensordiff.recorders.sglang.startup import resolve_capture
+
+    for name, value in (("capture_attrs", {}), ("labels", None), ("raw_ids", None), ("convention", None),
+                        ("warned", set())):
+        monkeypatch.setattr(STATE, name, value)
+    ids, n = [5, 1, 3], 8
+    ltc = [i + 1 for i in ids]   # what SGLang's set_eagle3_layers_to_capture sets
+    hf = SimpleNamespace(num_hidden_layers=n, hidden_size=H, architectures=["LlamaForCausalLM"])
+    runner = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf),
+                             model=SimpleNamespace(model=SimpleNamespace(layers_to_capture=ltc)),
+                             spec_aux_config=SimpleNamespace(eagle_aux_hidden_state_layer_ids=ids),
+                             server_args=SimpleNamespace(speculative_algorithm="EAGLE3"))
+    resolve_capture(runner)
+    packed = [f"layer{i}" for i in range(n) if i in ltc]   # the engine's forward loop
+    assert STATE.labels == packed == ["layer2", "layer4", "layer6"], STATE.labels
+    assert STATE.raw_ids == ids and STATE.capture_attrs["layers_to_capture"] == ltc

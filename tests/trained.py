@@ -112,10 +112,12 @@ def boundary_states(dtype=None) -> dict[str, np.ndarray]:
 
 
 def variant_model(root: str | Path, name: str, config: dict | None = None, perturb: tuple[int, float] | None = None,
-                  seed: int = 0, lm_head: float | None = None) -> Path:
+                  seed: int = 0, lm_head: float | None = None, unit_norm: bool = False) -> Path:
     """A copy of the trained target under ``root/name`` with ``config`` entries changed and/or the
     weights of decoder layer ``perturb[0]`` multiplied by (1 + perturb[1] * N(0, 1)) elementwise,
-    and/or the lm_head's weights multiplied by ``lm_head`` (a logit scale: a temperature)."""
+    and/or the lm_head's weights multiplied by ``lm_head`` (a logit scale: a temperature), and/or
+    the final norm's weights set to one (``unit_norm``: final_norm is then the last layer rescaled
+    per token)."""
     import shutil
 
     import torch
@@ -130,7 +132,7 @@ def variant_model(root: str | Path, name: str, config: dict | None = None, pertu
         cfg = json.loads((tmp / "config.json").read_text())
         cfg.update(config)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    if perturb is not None or lm_head is not None:
+    if perturb is not None or lm_head is not None or unit_norm:
         m = load_target()
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -139,6 +141,8 @@ def variant_model(root: str | Path, name: str, config: dict | None = None, pertu
                     p.mul_(1 + perturb[1] * torch.randn(p.shape, generator=g))
             if lm_head is not None:
                 m.lm_head.weight.mul_(lm_head)
+            if unit_norm:
+                m.model.norm.weight.fill_(1.0)
         m.save_pretrained(tmp, safe_serialization=True)
         gen = tmp / "generation_config.json"
         if gen.exists():

@@ -14,6 +14,8 @@ plan's sources)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+import math
 from typing import Any
 
 import numpy as np
@@ -266,6 +268,12 @@ class _Judge:
         if s in identity_b:
             claimed_a = ia.slot_labels[s] if ia.slot_labels else (ia.label if ia.kind != "packed" else None)
             claimed_b = ib.slot_labels[s] if ib.slot_labels else (ib.label if ib.kind != "packed" else None)
+            ida = self._as_class(identity_a.get(s), claimed_a)
+            expected = ida.best if ida is not None and ida.best else claimed_a   # as judge_slot takes it
+            identity_a, identity_b = dict(identity_a), dict(identity_b)
+            if ida is not None:
+                identity_a[s] = ida
+            identity_b[s] = self._as_class(identity_b[s], expected) or identity_b[s]
 
             def place(kind: Kind, side: str, det: IdentityDetails, sev: Severity) -> Finding:
                 f = self._token_finding(kind, ia, s, at, det)
@@ -279,6 +287,7 @@ class _Judge:
         tol = acc.tolerances[s]
         model = self.plan.noise
         judged = noise.SlotJudgement()
+        sibling = False
         if tol.source == model.source and st.basis == "values":   # not a --tol rule or calibration
             judged = noise_io.judge(model, acc, s, job.depth[s] if s < len(job.depth) else None, (ia.dtype, ib.dtype))
             jump = noise_io.boundary_jump(model, ia.label) if ia.kind in ("boundary", "final_norm") else None
@@ -288,6 +297,9 @@ class _Judge:
                 judged = noise.SlotJudgement("level", jump.level.q50, noise.JUMP * jump.predicted)
             elif jump is not None:   # a subset of its tokens: they fail their own tolerance
                 judged = noise.SlotJudgement()
+            sib = _sibling_level(job, acc, s, model) if not judged.part else None
+            if sib is not None:   # far above the deeper slots of its own tensor
+                judged, sibling = sib, True
         if (acc.failing[s] and ff is not None) or judged.part:
             det = NumericDetails(
                 subject=subject, cos=ff.cos if ff else float(st.cos_min[s]), rel=ff.rel if ff else float(st.rel_max[s]),
@@ -295,6 +307,8 @@ class _Judge:
                 tolerance=tol.to_dict(), basis=st.basis)
             state = ia.slot_labels[s] if ia.slot_labels and s < len(ia.slot_labels) else ia.label
             noise_io.annotate(det, model, judged, state, ia.label)
+            if sibling:
+                det.limit_source = f"measured: {noise.JUMP:g}x the deeper slots of {ib.name}"
             if acc.failing[s] or acc.nonfinite_a[s] or acc.nonfinite_b[s]:
                 det.where = noise_io.where_failing(a, b, ia, ib, s, k, acc.failing_tokens(s), job.rows_a, job.rows_b,
                                                    job.rows, self.plan.places, st.basis or "values")
@@ -308,6 +322,14 @@ class _Judge:
             out.append(f)
         return out
 
+    def _as_class(self, v: IdentityVerdict | None, label: str | None) -> IdentityVerdict | None:
+        """``v`` with ``label`` for the state it holds where that state and ``label`` are one class
+        (equal up to a per-token scale): neither is ever named for the other."""
+        if (v is None or label is None or v.outcome not in ("holds", "scaled") or v.best is None or v.best == label
+                or v.offset or not self.search.one_class(v.best, label)):
+            return v
+        return replace(v, outcome="holds", best=label, closest=label, scale=None)
+
     def _boundary_identity(self, job: PairJob, at: int) -> Finding | None:
         """A boundary that disagrees: does it hold another recorded state?"""
         ia, ib = job.a, job.b
@@ -316,6 +338,8 @@ class _Judge:
         idt = (self.search.decide(found) if found is not None else self.search.identify("b", ib, [0], sample))[0]
         if idt.outcome not in ("holds", "scaled") or (idt.best == ia.label and idt.outcome == "holds" and not idt.offset):
             return None
+        if not idt.offset and idt.best is not None and self.search.one_class(idt.best, ia.label):
+            return None   # equal up to a per-token scale (a unit-weight norm of it): one identity
         return self._token_finding(Kind.SLOT_IDENTITY, ib, None, at, IdentityDetails(
             outcome=idt.outcome, subject=ib.name, boundary_side=self.plan.b.side, held=idt.best, expected=ia.label,
             offset=idt.offset, scale=idt.scale, score=idt.score, margin=idt.margin, runner_up=idt.runner_up,
@@ -327,6 +351,25 @@ class _Judge:
         return Finding(kind, Severity.DIVERGENCE, tensor=info.name, slot=slot, order=info.order, seq=e["seq"],
                        position=e["position"], position_b=e["position_b"], token=e["token"], regime=e["regime"],
                        regime_a=e.get("regime_a"), details=details)
+
+
+def _sibling_level(job: PairJob, acc: PairAccumulator, s: int, model: noise.NoiseModel) -> noise.SlotJudgement | None:
+    """Slot ``s`` of a packed tensor against its deeper siblings: the slots of one tensor are made
+    by one engine at one precision, and honest noise grows with depth, so a deeper slot's median
+    error bounds a shallower one's. A slot whose median error is over JUMP x the smallest of its
+    deeper siblings' (never under the floor at its depth) leaves that trend: a "level" judgement
+    against that limit; None otherwise (not packed, no deeper sibling, within the trend)."""
+    if job.slots < 2 or len(job.depth) != job.slots or job.depth[s] is None:
+        return None
+    d = float(job.depth[s] or 0.0)
+    deeper = [acc.quantile(t, 0.5)[1] for t in range(job.slots)
+              if t != s and job.depth[t] is not None and float(job.depth[t] or 0.0) > d]
+    deeper = [x for x in deeper if math.isfinite(x)]
+    q50 = acc.quantile(s, 0.5)[1]
+    if not deeper or not math.isfinite(q50) or acc.tokens < noise.MIN_TOKENS:
+        return None
+    limit = noise.JUMP * max(min(deeper), model.floor(d).q50)
+    return noise.SlotJudgement("level", q50, limit) if q50 > limit else None
 
 
 __all__ = ["Tally", "final_state_error", "judge", "measured_floors", "pair_stats", "replica_findings"]

@@ -69,7 +69,10 @@ def resolve_capture(runner) -> tuple[int, int, str]:
         if note[1]:  # nothing the packed states could be labelled with: SGLang fails before any
             ltc = None
     if ltc is not None:
-        st.labels = [boundary_label(b) for b in ltc]
+        # the claims are the order the engine packs: its forward appends one aux state per decoder
+        # layer it runs whose index is in layers_to_capture, in layer order, so slot i holds the
+        # i-th captured boundary by depth whatever order the draft's config lists its ids in
+        st.labels = [boundary_label(b) for b in sorted(set(ltc))]
         st.raw_ids = raw
         st.convention = convention
         try:
