@@ -43,9 +43,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from fuzz import bugs  # noqa: E402
-from fuzz.models import MODELS  # noqa: E402
-from fuzz.scenario import OUTCOMES  # noqa: E402
+from fuzz import catalog as bugs  # noqa: E402
+from fuzz.catalog import MODELS  # noqa: E402
+
+OUTCOMES = ("named", "found_elsewhere", "agree", "wrong", "false_alarm")   # as fuzz.scenario judges
 
 DEPTHS = ("shallow", "middle", "deep")
 
@@ -83,7 +84,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--n must be at least 1, not {a.n}")
     try:
         kinds: tuple[str, ...] = ()
-        for k in _names(a.kinds, bugs.KINDS + tuple(bugs.FAMILIES), "kind"):
+        for k in _names(a.kinds, bugs.KINDS + tuple(f for f in bugs.FAMILIES if f not in bugs.KINDS), "kind"):
             kinds += bugs.FAMILIES.get(k, (k,))
         a.kinds = tuple(dict.fromkeys(kinds))
         a.models = _names(a.models, MODELS, "model")
@@ -201,8 +202,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
            "commit": _commit(), "load": [load0, os.getloadavg()[0]], "seconds": seconds,
            "miss_seeds": [r["seed"] for r in results if r["miss"]], "results": results}
     if a.json:
-        Path(a.json).write_text(json.dumps(doc, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else str(o)) + "\n")
+        Path(a.json).write_text(json.dumps(_finite(doc), indent=1) + "\n")
     return doc
+
+
+def _finite(o: Any) -> Any:
+    """NaN and Inf are not JSON: null."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,22 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .catalog import CAPPED, FAMILIES, FAMILY, KINDS, KNOB, START
 from .models import Injection, Model
 
-FAMILIES = {
-    "weights": ("weight_scale", "weight_noise", "weight_stale", "permuted_heads", "transposed", "tp_shard"),
-    "config": ("rope_theta", "rotary_dims", "norm_eps", "head_size", "attn_scale", "activation"),
-    "code": ("residual", "norm_placement", "position_offset"),
-    "wiring": ("aux_ids", "slot_order", "norm_before_pack", "mixed_state"),
-    "tokens": ("token_shift", "missing_bos"),
-    "none": ("none",),
-}
-KINDS = tuple(k for ks in FAMILIES.values() for k in ks)
-FAMILY = {k: f for f, ks in FAMILIES.items() for k in ks}
-KNOB = {"weight_scale", "weight_noise", "weight_stale", "tp_shard", "rope_theta", "norm_eps", "attn_scale",
-        "activation", "residual", "norm_placement", "norm_before_pack", "mixed_state"}
-CAPPED = {"activation", "residual", "norm_placement", "norm_before_pack", "mixed_state"}
-START = {"norm_eps": 1e-3, "rope_theta": 1e-2}   # the first magnitude tried (default 1e-2)
+__all__ = ["CAPPED", "FAMILIES", "FAMILY", "KINDS", "KNOB", "START", "Place", "draw_place", "inject"]
+
 
 
 @dataclass(frozen=True)

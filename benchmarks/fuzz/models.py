@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from .catalog import DTYPE_PAIRS, MODELS, MODES
 
-MODELS = ("trained-llama", "random-llama", "qwen3", "mixtral")
-DTYPE_PAIRS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float16", "float32"))
-MODES = ("full", "sketch", "packed")   # catalog values, catalog as sketches, packed draft input only
+__all__ = ["DTYPE_PAIRS", "MODELS", "MODES", "Injection", "Model", "model", "record", "side_model", "slot_labels"]
+
+REPO = Path(__file__).resolve().parents[2]
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROMPTS, LENGTH = 3, 32
 

@@ -273,7 +273,8 @@ def judge(sc: Scenario, tr: Truth, mag: float, rc: int, doc: dict[str, Any], lab
     fam = bugs.FAMILY[sc.kind]
     desc = f"{ftensor or '-'}{'' if fslot is None else f'[{fslot}]'} {fkind or ''}{f' ({outcome_b})' if outcome_b else ''}"
     res = Result(sc.seed, sc.kind, fam, sc.model, f"{sc.dtype_a}/{sc.dtype_b}", sc.mode, sc.order, sc.place.layer,
-                 tr.x, mag, _truth_str(tr), "", False, rc, desc.strip(), str(doc.get("headline", ""))[:240])
+                 tr.x, mag, _truth_str(tr), "", False, rc, desc.strip(), str(doc.get("headline", ""))[:240],
+                 extra={"noise": tr.noise, "effect": tr.effect})
     if rc not in (0, 1):
         res.outcome, res.miss, res.why = "wrong", True, f"exit {rc}"
         return res
