@@ -46,11 +46,11 @@ def draw_place(kind: str, m: Model, rng: np.random.Generator) -> Place:
                  seq=int(rng.integers(0, len(m.prompts))), pos=int(rng.integers(4, 24)), seed=int(rng.integers(0, 2**31)))
 
 
-def _attn(net: torch.nn.Module, layer: int) -> Any:
+def _attn(net: Any, layer: int) -> Any:
     return net.model.layers[layer].self_attn
 
 
-def _linear(net: torch.nn.Module, layer: int, op: str) -> torch.nn.Linear:
+def _linear(net: Any, layer: int, op: str) -> Any:
     lay = net.model.layers[layer]
     return getattr(lay.self_attn, op) if hasattr(lay.self_attn, op) else getattr(lay.mlp, op)
 
@@ -73,13 +73,14 @@ class _Blend(torch.nn.Module):
         self.act, self.m = act, m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (1 - self.m) * self.act(x) + self.m * torch.nn.functional.gelu(x, approximate="tanh")
+        y: torch.Tensor = (1 - self.m) * self.act(x) + self.m * torch.nn.functional.gelu(x, approximate="tanh")
+        return y
 
 
-def _out_hook(module: Callable[[torch.nn.Module], torch.nn.Module],
-              fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.nn.Module], Any]:
+def _out_hook(module: Callable[[Any], Any],
+              fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[Any], Any]:
     """A forward hook on ``module(net)`` replacing its output y (a tensor or a tuple's first) by fn(input, y)."""
-    def attach(net: torch.nn.Module) -> Any:
+    def attach(net: Any) -> Any:
         def hook(mod: Any, args: Any, kwargs: Any, out: Any) -> Any:
             x = args[0] if args else kwargs.get("hidden_states")
             if isinstance(out, tuple):
@@ -89,33 +90,33 @@ def _out_hook(module: Callable[[torch.nn.Module], torch.nn.Module],
     return attach
 
 
-def inject(kind: str, m: Model, p: Place, mag: float) -> tuple[Callable[[torch.nn.Module], None] | None, Injection]:
+def inject(kind: str, m: Model, p: Place, mag: float) -> tuple[Callable[[Any], None] | None, Injection]:
     """(an edit of B's float32 weights and config, or None; what B does at recording time)."""
-    edit: Callable[[torch.nn.Module], None] | None = None
+    edit: Callable[[Any], None] | None = None
     inj = Injection()
     k, op = p.layer, p.op
     if kind == "none":
         pass
     elif kind == "weight_scale":
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             _linear(net, k, op).weight.mul_(1 + mag)
     elif kind == "weight_noise":
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             w = _linear(net, k, op).weight
             w.add_(mag * _noise(w, p.seed))
     elif kind == "weight_stale":   # every linear weight one update behind: W + m std(W) N(0, 1)
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             for i, (name, w) in enumerate(sorted(net.model.layers.named_parameters())):
                 if w.dim() == 2 and name.endswith("proj.weight"):
                     w.add_(mag * _noise(w, p.seed + i))
     elif kind == "tp_shard":       # one of two column-parallel shards of a projection noised
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             w = _linear(net, k, op).weight
             half = w.shape[0] // 2
             sh = w[half:] if p.seed % 2 else w[:half]
             sh.add_(mag * _noise(sh, p.seed))
     elif kind == "permuted_heads":  # two query heads of different kv groups swapped in q_proj only
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             a = _attn(net, k)
             hd = a.head_dim
             w = a.q_proj.weight
@@ -124,34 +125,34 @@ def inject(kind: str, m: Model, p: Place, mag: float) -> tuple[Callable[[torch.n
             w[h0 * hd:(h0 + 1) * hd] = w[h1 * hd:(h1 + 1) * hd]
             w[h1 * hd:(h1 + 1) * hd] = tmp
     elif kind == "transposed":
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             w = _linear(net, k, op).weight
             w.copy_(w.t().contiguous())
     elif kind == "rope_theta":     # theta * (1 + m): inv_freq_j = theta^(-2j/d)
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             r = net.model.rotary_emb
             theta = float(net.config.rope_parameters["rope_theta"])
             new = r.inv_freq.double() ** (np.log(theta * (1 + mag)) / np.log(theta))
             r.inv_freq.copy_(new.float())
             r.original_inv_freq.copy_(new.float())
     elif kind == "rotary_dims":    # partial rotary: the lowest quarter of the frequencies not rotated
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             r = net.model.rotary_emb
             n = r.inv_freq.numel()
             r.inv_freq[n - max(1, n // 4):] = 0
             r.original_inv_freq.copy_(r.inv_freq)
     elif kind == "norm_eps":
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             net.model.layers[k].input_layernorm.variance_epsilon = mag
     elif kind == "head_size":      # the scale of a head size twice the real one
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             a = _attn(net, k)
             a.scaling = (2 * a.head_dim) ** -0.5
     elif kind == "attn_scale":
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             _attn(net, k).scaling *= 1 + mag
     elif kind == "activation":     # silu -> (1 - m) silu + m gelu(tanh)
-        def edit(net: torch.nn.Module) -> None:
+        def edit(net: Any) -> None:
             net.model.layers[k].mlp.act_fn = _Blend(net.model.layers[k].mlp.act_fn, mag)
     elif kind == "residual":       # the decoder layer's output loses m of its input (the residual)
         inj.hooks.append(_out_hook(lambda net: net.model.layers[k], lambda x, y: y - mag * x))

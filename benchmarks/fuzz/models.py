@@ -45,7 +45,7 @@ class Model:
     mlp_ops: tuple[str, ...]              # dense MLP projections (none on an MoE)
 
 
-def _tiny(cls_name: str, cfg: dict[str, Any], seed: int) -> torch.nn.Module:
+def _tiny(cls_name: str, cfg: dict[str, Any], seed: int) -> Any:
     import transformers
 
     torch.manual_seed(seed)
@@ -68,7 +68,8 @@ def model(name: str) -> Model:
         import trained  # the cached trained tiny Llama (scripts/train_tiny_models.py)
 
         from transformers import LlamaForCausalLM
-        m = LlamaForCausalLM.from_pretrained(str(trained.target_dir()), dtype=torch.float32).eval()
+        m: Any = LlamaForCausalLM.from_pretrained(str(trained.target_dir()), dtype=torch.float32)
+        m.eval()
         prompts = [p[:LENGTH] for p in trained.prompts()[:PROMPTS]]
         return Model(name, m, prompts, 8, (2, 4, 6), ("gate_proj", "up_proj", "down_proj"))
     if name == "random-llama":
@@ -84,9 +85,9 @@ def model(name: str) -> Model:
     raise ValueError(f"unknown model {name!r}")
 
 
-def side_model(m: Model, dtype: str, attn: str, edit: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+def side_model(m: Model, dtype: str, attn: str, edit: Callable[[Any], None] | None = None) -> Any:
     """A copy of the master, ``edit`` applied in float32, cast to ``dtype``, attention ``attn``."""
-    x = copy.deepcopy(m.master)
+    x: Any = copy.deepcopy(m.master)
     if edit is not None:
         with torch.no_grad():
             edit(x)
@@ -103,7 +104,7 @@ def side_model(m: Model, dtype: str, attn: str, edit: Callable[[torch.nn.Module]
 class Injection:
     """What a bug does at recording time (besides edits of the weights and config)."""
 
-    hooks: list[Callable[[torch.nn.Module], Any]] = field(default_factory=list)   # model -> handle
+    hooks: list[Callable[[Any], Any]] = field(default_factory=list)   # model -> handle
     wiring: Callable[[list[torch.Tensor], dict[str, torch.Tensor]], list[torch.Tensor]] | None = None
     ids: Callable[[int, list[int]], list[int]] | None = None                # (seq index, ids) -> ids fed
     table_positions: Callable[[int, int], np.ndarray] | None = None         # (seq, T) -> positions recorded
@@ -113,11 +114,12 @@ class Injection:
 def _extractor_class() -> type:
     from tensordiff.recorders.hf import HFExtractorRecorder
 
-    class FuzzExtractor(HFExtractorRecorder):  # type: ignore[misc, valid-type]
+    class FuzzExtractor(HFExtractorRecorder):  # type: ignore[misc]
         """The train recorder whose packing step runs B's (possibly wrong) wiring."""
 
         wiring: Any = None
         every_state: dict[str, torch.Tensor]
+        _held: dict[str, torch.Tensor]
 
         def _on_state(self, label: str, b: int | None, x: torch.Tensor) -> None:
             if self._rows is not None:
@@ -133,7 +135,7 @@ def _extractor_class() -> type:
     return FuzzExtractor
 
 
-def record(m: Model, net: torch.nn.Module, out: Path, mode: str, inj: Injection | None = None,
+def record(m: Model, net: Any, out: Path, mode: str, inj: Injection | None = None,
            side: str = "train", plan: Any = None) -> Path:
     """Record ``net`` (a side of model ``m``) on the model's prompts into ``out``; ``plan``: the
     draft-input plan B packs by (default: the sglang-llama convention on the model's ids)."""

@@ -94,7 +94,7 @@ def read(path: Path) -> Rec:
             if info.kind == "packed":
                 labels = dict(enumerate(info.slot_labels or []))
                 v = r.read_values(name)
-                w = info.slot_width
+                w = int(info.slot_width or info.width)
                 for s, lab in labels.items():
                     order.append((state_order(lab, n) + 0.25, name, s))
                     vals[(name, s)] = v[:, s * w:(s + 1) * w]
@@ -108,8 +108,8 @@ def read(path: Path) -> Rec:
                 key = state_order("final_norm", n) + 0.5
             order.append((key, name, None))
     with h5py.File(path, "r") as f:
-        for _, name, s in order:
-            if s is None:
+        for _, name, sl in order:
+            if sl is None:
                 g = f["tensors"][name]
                 raw[(name, None)] = b"".join(np.ascontiguousarray(g[k][...]).tobytes() for k in sorted(g)
                                              if isinstance(g[k], h5py.Dataset))
@@ -152,7 +152,8 @@ def truth(a: Rec, bc: Rec, bb: Rec) -> Truth:
             if va is None:
                 return Truth(name, slots, lab, key, float("nan"), float("nan"))
             noise = rel_rms(bc.vals[(name, s)] - va, va)
-            effect = max(rel_rms(bb.vals[(name, t)] - bc.vals[(name, t)], va) for t in (slots or [s]))
+            where: list[int | None] = list(slots) or [s]
+            effect = max(rel_rms(bb.vals[(name, t)] - bc.vals[(name, t)], va) for t in where)
             return Truth(name, slots, lab, key, noise, effect)
     return Truth(None, [], None, math.inf, 0.0, 0.0)
 
