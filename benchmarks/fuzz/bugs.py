@@ -167,6 +167,10 @@ def inject(kind: str, m: Model, p: Place, mag: float) -> tuple[Callable[[Any], N
                 pos[p.pos:] += d
             return pos
         inj.model_positions = mpos
+    elif kind == "mask_lost":      # layer k attends without its causal mask in one sequence (SDPA's is_causal)
+        def unmask(net: Any, i: int) -> None:
+            _attn(net, k).is_causal = i != p.seq
+        inj.before_seq = unmask
     elif kind == "aux_ids":        # B reads the ids as "output of layer id" (one boundary later), honestly labelled
         inj.wiring = None          # handled by the plan: see scenario.record_b
     elif kind == "slot_order":     # two slots packed swapped, labelled in the plan's order

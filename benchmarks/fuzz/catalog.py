@@ -9,7 +9,7 @@ MODES = ("full", "sketch", "packed")   # catalog values, catalog as sketches, pa
 FAMILIES = {
     "weights": ("weight_scale", "weight_noise", "weight_stale", "permuted_heads", "transposed", "tp_shard"),
     "config": ("rope_theta", "rotary_dims", "norm_eps", "head_size", "attn_scale", "activation"),
-    "code": ("residual", "norm_placement", "position_offset"),
+    "code": ("residual", "norm_placement", "position_offset", "mask_lost"),
     "wiring": ("aux_ids", "slot_order", "norm_before_pack", "mixed_state"),
     "tokens": ("token_shift", "missing_bos"),
     "none": ("none",),

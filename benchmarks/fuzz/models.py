@@ -109,6 +109,7 @@ class Injection:
     ids: Callable[[int, list[int]], list[int]] | None = None                # (seq index, ids) -> ids fed
     table_positions: Callable[[int, int], np.ndarray] | None = None         # (seq, T) -> positions recorded
     model_positions: Callable[[int, int], np.ndarray] | None = None         # (seq, T) -> position_ids fed
+    before_seq: Callable[[Any, int], None] | None = None                    # (model, seq) before its forward
 
 
 def _extractor_class() -> type:
@@ -160,6 +161,8 @@ def record(m: Model, net: Any, out: Path, mode: str, inj: Injection | None = Non
             tpos = inj.table_positions(i, T) if inj.table_positions else np.arange(T)
             mpos = inj.model_positions(i, T) if inj.model_positions else np.arange(T)
             t = torch.tensor(ids, dtype=torch.long)
+            if inj.before_seq:
+                inj.before_seq(net, i)
             with hf.capture(f"p{i}", t, positions=np.asarray(tpos, dtype=np.int64)), torch.inference_mode():
                 net(input_ids=t[None], position_ids=torch.as_tensor(np.asarray(mpos), dtype=torch.long)[None],
                     use_cache=False)
