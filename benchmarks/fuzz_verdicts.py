@@ -194,6 +194,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             results.append(r)
             miss = sum(x["miss"] for x in results)
             bar.update(task, advance=1, description=f"{sc.kind} on {sc.model}; misses {miss}")
+            if a.json and (i + 1) % 50 == 0 and i + 1 < a.n:   # a long run killed early keeps what it judged
+                Path(a.json).write_text(json.dumps(_finite({"partial": True, "seed": seed, "results": results})) + "\n")
     s = summarise(results)
     print_tables(s, results, seed, a.n)
     seconds = time.monotonic() - t0
