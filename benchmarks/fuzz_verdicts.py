@@ -77,6 +77,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tier", choices=["fast", "slow"], default="fast")
     ap.add_argument("--json", help="write the figures and every scenario here")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--report", nargs="+", metavar="F", help="run nothing: print the tables of these --json files together")
     a = ap.parse_args(argv)
     if a.seed is not None and not 0 <= a.seed < 2**62:
         ap.error(f"--seed must be an integer in [0, 2^62), not {a.seed}")
@@ -219,8 +220,30 @@ def _finite(o: Any) -> Any:
     return o
 
 
+def report(files: list[str]) -> dict[str, Any]:
+    """The tables of earlier runs' --json files, their scenarios pooled."""
+    results: list[dict[str, Any]] = []
+    heads = []
+    for f in files:
+        try:
+            doc = json.loads(Path(f).read_text())
+            results += doc["results"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"fuzz_verdicts: error: --report {f}: not a fuzz_verdicts --json file ({type(e).__name__})",
+                  file=sys.stderr)
+            raise SystemExit(2) from None
+        heads.append(f"seeds {doc.get('seed')}..+{len(doc['results']) - 1} at {doc.get('commit', '?')}, load {doc.get('load')}")
+    s = summarise(results)
+    print("pooled: " + "; ".join(heads))
+    print_tables(s, results, min(r["seed"] for r in results), len(results))
+    return s
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    if a.report:
+        report(a.report)
+        return 0
     run(a)
     return 0
 

@@ -64,6 +64,7 @@ def test_fast_tier_misses_only_known_limits(tmp_path, capsys):
     (["--n", "0"], "--n must be at least 1"),
     (["--tier", "slow"], "not built yet"),
     (["--json", "/nonexistent/dir/f.json"], "does not exist"),
+    (["--report", "/nonexistent.json"], "not a fuzz_verdicts --json file"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fuzz_verdicts.py"), *argv],
