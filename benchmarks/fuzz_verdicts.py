@@ -139,8 +139,8 @@ def _fx(x: float | None) -> str:
     return "-" if x is None else f"{x:.2g}x" if x < 10 else f"{x:.0f}x"
 
 
-def print_tables(s: dict[str, Any], results: list[dict[str, Any]], seed: int, n: int) -> None:
-    print(f"\n## outcomes by kind ({s['scenarios']} scenarios, seeds {seed}..{seed + n - 1})\n")
+def print_tables(s: dict[str, Any], results: list[dict[str, Any]], seeds: str) -> None:
+    print(f"\n## outcomes by kind ({s['scenarios']} scenarios, {seeds})\n")
     print("| family | kind | scenarios | named | found elsewhere | agree | wrong | false alarm | named at >= 3x "
           "| detection limit (largest x agreed) | smallest x found |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -198,7 +198,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if a.json and (i + 1) % 50 == 0 and i + 1 < a.n:   # a long run killed early keeps what it judged
                 Path(a.json).write_text(json.dumps(_finite({"partial": True, "seed": seed, "results": results})) + "\n")
     s = summarise(results)
-    print_tables(s, results, seed, a.n)
+    print_tables(s, results, f"seeds {seed}..{seed + a.n - 1}")
     seconds = time.monotonic() - t0
     print(f"\n{a.n} scenarios in {seconds:.0f} s at commit {_commit()}; load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     doc = {**s, "seed": seed, "n": a.n, "kinds": list(a.kinds), "models": list(a.models), "tier": a.tier,
@@ -235,7 +235,7 @@ def report(files: list[str]) -> dict[str, Any]:
         heads.append(f"seeds {doc.get('seed')}..+{len(doc['results']) - 1} at {doc.get('commit', '?')}, load {doc.get('load')}")
     s = summarise(results)
     print("pooled: " + "; ".join(heads))
-    print_tables(s, results, min(r["seed"] for r in results), len(results))
+    print_tables(s, results, "pooled")
     return s
 
 
