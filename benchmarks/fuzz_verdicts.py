@@ -1,0 +1,252 @@
+"""A bug fuzzer with ground truth: scenarios drawn from seeds, judged on the verdict of
+``tensordiff diff --json``.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/fuzz_verdicts.py [--seed S] [--n N] [--kinds K,K]
+        [--models M,M] [--tier fast|slow] [--json F] [--no-progress]
+
+Scenario ``i`` of a run is drawn from seed ``S + i`` alone (``--seed S+i --n 1`` replays it): a
+model (the trained tiny Llama, a random-weight Llama, a Qwen3-style model with q/k norm, a tiny
+Mixtral), a dtype pair (A/B: fp32/fp32, bf16/fp32, bf16/bf16, fp16/fp32; A runs eager attention,
+B SDPA: a port), what is recorded (every catalog state with values, the catalog as sketches, the
+packed draft input only), the argument order, a bug kind (benchmarks/fuzz/bugs.py: weights,
+config, code, wiring, tokens, or none: a correct pair), a place (layer, projection, slot,
+sequence, position) and a size drawn log-uniform from 0.3x to 30x the noise the scenario's own
+correct pair shows at the place (kinds without a size knob have the size they have).
+
+Ground truth (benchmarks/fuzz/scenario.py) comes from the generator: B recorded with and without
+the bug, the first tensor whose bytes differ in forward order, its size in noise units. Outcomes:
+``named`` (the first divergence is at that place, with a compatible kind), ``found_elsewhere``
+(a divergence, later or of a less precise kind), ``agree`` (exit 0), ``wrong`` (a confident wrong
+cause: upstream of the bug, or a wiring claim for a numeric bug), ``false_alarm`` (a pair with no
+recorded difference exiting 1). A miss: wrong, a false alarm, or agree at 3x the noise or more.
+
+Prints a table by kind and by depth, the detection limit per kind (the largest size still judged
+``agree``: every bug of that kind above it was found), named_rate_at_3x and the seed of every miss.
+``--json F`` writes the figures. Exit 0 whatever the figures; 2 on bad input (one line).
+``--tier slow`` (HF against real SGLang and vLLM) is not built: it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, NoReturn
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from fuzz import catalog as bugs  # noqa: E402
+from fuzz.catalog import MODELS  # noqa: E402
+
+OUTCOMES = ("named", "found_elsewhere", "agree", "wrong", "false_alarm")   # as fuzz.scenario judges
+
+DEPTHS = ("shallow", "middle", "deep")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"fuzz_verdicts: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _names(arg: str | None, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    if arg is None:
+        return known
+    got = tuple(x.strip() for x in arg.split(",") if x.strip())
+    bad = [x for x in got if x not in known]
+    if bad or not got:
+        raise ValueError(f"unknown {what} {', '.join(bad) or repr(arg)} (one of: {', '.join(known)})")
+    return got
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=None, help="the first scenario's seed (default: fresh, from the clock)")
+    ap.add_argument("--n", type=int, default=50, help="scenarios (seeds SEED .. SEED+N-1)")
+    ap.add_argument("--kinds", help=f"comma-separated bug kinds (default: all): {', '.join(bugs.KINDS)}; "
+                                    f"or families: {', '.join(bugs.FAMILIES)}")
+    ap.add_argument("--models", help=f"comma-separated models (default: all): {', '.join(MODELS)}")
+    ap.add_argument("--tier", choices=["fast", "slow"], default="fast")
+    ap.add_argument("--json", help="write the figures and every scenario here")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--report", nargs="+", metavar="F", help="run nothing: print the tables of these --json files together")
+    a = ap.parse_args(argv)
+    if a.seed is not None and not 0 <= a.seed < 2**62:
+        ap.error(f"--seed must be an integer in [0, 2^62), not {a.seed}")
+    if a.n < 1:
+        ap.error(f"--n must be at least 1, not {a.n}")
+    try:
+        kinds: tuple[str, ...] = ()
+        for k in _names(a.kinds, bugs.KINDS + tuple(f for f in bugs.FAMILIES if f not in bugs.KINDS), "kind"):
+            kinds += bugs.FAMILIES.get(k, (k,))
+        a.kinds = tuple(dict.fromkeys(kinds))
+        a.models = _names(a.models, MODELS, "model")
+    except ValueError as e:
+        ap.error(str(e))
+    if a.json and not Path(a.json).resolve().parent.is_dir():
+        ap.error(f"--json: directory {Path(a.json).resolve().parent} does not exist")
+    if a.tier == "slow":
+        ap.error("--tier slow (HF against real SGLang and vLLM) is not built yet; the fast tier is HF against HF")
+    return a
+
+
+def _depth(r: dict[str, Any]) -> str:
+    if r["family"] in ("wiring", "tokens", "none") or r["kind"] in ("weight_stale", "rope_theta", "rotary_dims"):
+        return "-"
+    from fuzz.models import model
+    n = model(r["model"]).layers
+    return DEPTHS[min(2, 3 * int(r["layer"]) // n)]
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    counts = Counter(r["outcome"] for r in results)
+    bugs_ = [r for r in results if r["kind"] != "none"]
+    big = [r for r in bugs_ if r["truth"] == "tokens" or (r["x"] is not None and r["x"] >= 3)]
+    per_kind: dict[str, Any] = {}
+    for kind in dict.fromkeys(r["kind"] for r in results):
+        ks = [r for r in results if r["kind"] == kind]
+        c = Counter(r["outcome"] for r in ks)
+        agree_x = [r["x"] for r in ks if r["outcome"] == "agree" and r["x"] is not None and r["truth"] != "-"]
+        found_x = [r["x"] for r in ks if r["outcome"] in ("named", "found_elsewhere") and r["x"] is not None]
+        kb = [r for r in ks if r in big]
+        per_kind[kind] = {
+            "scenarios": len(ks), **{o: c.get(o, 0) for o in OUTCOMES},
+            "detection_limit": max(agree_x) if agree_x else None,
+            "smallest_found": min(found_x) if found_x else None,
+            "named_rate_at_3x": (sum(r["outcome"] == "named" for r in kb) / len(kb)) if kb else None,
+            "misses": [r["seed"] for r in ks if r["miss"]],
+        }
+    return {
+        "scenarios": len(results), **{o if o != "false_alarm" else "false_alarms": counts.get(o, 0) for o in OUTCOMES},
+        "misses": sum(r["miss"] for r in results),
+        "at_3x": len(big),
+        "named_rate_at_3x": (sum(r["outcome"] == "named" for r in big) / len(big)) if big else None,
+        "found_rate_at_3x": (sum(r["outcome"] in ("named", "found_elsewhere") for r in big) / len(big)) if big else None,
+        "per_kind": per_kind,
+        "per_depth": {d: dict(Counter(r["outcome"] for r in bugs_ if _depth(r) == d)) for d in DEPTHS},
+    }
+
+
+def _fx(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2g}x" if x < 10 else f"{x:.0f}x"
+
+
+def print_tables(s: dict[str, Any], results: list[dict[str, Any]], seeds: str) -> None:
+    print(f"\n## outcomes by kind ({s['scenarios']} scenarios, {seeds})\n")
+    print("| family | kind | scenarios | named | found elsewhere | agree | wrong | false alarm | named at >= 3x "
+          "| detection limit (largest x agreed) | smallest x found |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for kind, k in s["per_kind"].items():
+        rate = "-" if k["named_rate_at_3x"] is None else f"{k['named_rate_at_3x']:.0%}"
+        print(f"| {bugs.FAMILY[kind]} | {kind} | {k['scenarios']} | {k['named']} | {k['found_elsewhere']} | {k['agree']} "
+              f"| {k['wrong']} | {k['false_alarm']} | {rate} | {_fx(k['detection_limit'])} | {_fx(k['smallest_found'])} |")
+    print("\n## numeric bugs (weights, config, code) by depth of the injected layer\n")
+    print("| depth | named | found elsewhere | agree | wrong |")
+    print("|---|---|---|---|---|")
+    for d, c in s["per_depth"].items():
+        print(f"| {d} | {c.get('named', 0)} | {c.get('found_elsewhere', 0)} | {c.get('agree', 0)} | {c.get('wrong', 0)} |")
+    rate = "-" if s["named_rate_at_3x"] is None else f"{s['named_rate_at_3x']:.1%}"
+    found = "-" if s["found_rate_at_3x"] is None else f"{s['found_rate_at_3x']:.1%}"
+    print(f"\nnamed_rate_at_3x {rate} of {s['at_3x']} bugs at 3x the noise or more (found at all: {found}); "
+          f"wrong {s['wrong']}, false alarms {s['false_alarms']}, misses {s['misses']}")
+    misses = [r for r in results if r["miss"]]
+    if misses:
+        print("\n## misses (replay one: benchmarks/fuzz_verdicts.py --seed SEED --n 1)\n")
+        for r in misses:
+            print(f"- seed {r['seed']}: {r['outcome']} ({r['why']}): {r['kind']} layer {r['layer']} on {r['model']} "
+                  f"{r['dtypes']} {r['mode']} {r['order']}, x {_fx(r['x'])}, truth {r['truth']}, "
+                  f"first: {r['first'] or '-'}")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from fuzz import scenario as S
+    torch.set_num_threads(1)   # tiny models: threads only contend
+    seed = a.seed if a.seed is not None else int(time.time() * 1000) % 10**9
+    results: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    cols = (TextColumn("fuzz"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"), TimeRemainingColumn())
+    with Progress(*cols, disable=a.no_progress, transient=True) as bar:
+        task = bar.add_task("", total=a.n)
+        for i in range(a.n):
+            sc = S.draw(seed + i, a.kinds, a.models)
+            r = S.as_dict(S.execute(sc))
+            results.append(r)
+            miss = sum(x["miss"] for x in results)
+            bar.update(task, advance=1, description=f"{sc.kind} on {sc.model}; misses {miss}")
+            if a.json and (i + 1) % 50 == 0 and i + 1 < a.n:   # a long run killed early keeps what it judged
+                Path(a.json).write_text(json.dumps(_finite({"partial": True, "seed": seed, "results": results})) + "\n")
+    s = summarise(results)
+    print_tables(s, results, f"seeds {seed}..{seed + a.n - 1}")
+    seconds = time.monotonic() - t0
+    print(f"\n{a.n} scenarios in {seconds:.0f} s at commit {_commit()}; load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+    doc = {**s, "seed": seed, "n": a.n, "kinds": list(a.kinds), "models": list(a.models), "tier": a.tier,
+           "commit": _commit(), "load": [load0, os.getloadavg()[0]], "seconds": seconds,
+           "miss_seeds": [r["seed"] for r in results if r["miss"]], "results": results}
+    if a.json:
+        Path(a.json).write_text(json.dumps(_finite(doc), indent=1) + "\n")
+    return doc
+
+
+def _finite(o: Any) -> Any:
+    """NaN and Inf are not JSON: null."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def report(files: list[str]) -> dict[str, Any]:
+    """The tables of earlier runs' --json files, their scenarios pooled."""
+    results: list[dict[str, Any]] = []
+    heads = []
+    for f in files:
+        try:
+            doc = json.loads(Path(f).read_text())
+            results += doc["results"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"fuzz_verdicts: error: --report {f}: not a fuzz_verdicts --json file ({type(e).__name__})",
+                  file=sys.stderr)
+            raise SystemExit(2) from None
+        heads.append(f"seeds {doc.get('seed')}..+{len(doc['results']) - 1} at {doc.get('commit', '?')}, load {doc.get('load')}")
+    s = summarise(results)
+    print("pooled: " + "; ".join(heads))
+    print_tables(s, results, "pooled")
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.report:
+        report(a.report)
+        return 0
+    run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
