@@ -274,3 +274,50 @@ def test_q_and_k_rotated_at_the_next_position_is_a_note(root, monkeypatch):
         assert "nothing after it does" in note.message and "offset by" in note.message, note.message
         assert {f.tensor for f in res.findings if f.kind == "numeric"} >= {"layer0.q_rope", "layer0.k_rope"}
         print(note.message)
+
+
+def test_no_kind_fits_names_the_misses_and_a_weights_command_that_runs(root, capsys):
+    """up_proj's weights of layer 0 perturbed elementwise: no kind fits mlp_up. The sentence lists
+    each kind tried with its residual, and the weights command with the two traces' model
+    directories, which runs as printed and names the parameter (both orders)."""
+    import shlex
+
+    g = torch.Generator().manual_seed(5)
+    model = _variant(root, "up_noise", edit=lambda m: m.model.layers[0].mlp.up_proj.weight.mul_(
+        1 + 0.01 * torch.randn(m.model.layers[0].mlp.up_proj.weight.shape, generator=g)))
+    ref = _ref(root, "--zoom", "layer0")
+    port = _record(root / "up_noise-z0.h5", model, "--zoom", "layer0")
+    for a, b, dirs in ((ref, port, (trained.target_dir(), model)), (port, ref, (model, trained.target_dir()))):
+        res = diff_traces(str(a), str(b))
+        f = res.first_divergence
+        assert res.exit_code == 1 and f.tensor == "layer0.mlp_up" and f.details.signature == "op", res.headline()
+        tried = f.details.params["tried"]
+        assert {"swap", "scale", "per_channel"} <= set(tried), tried
+        head = res.headline()
+        for k, v in tried.items():
+            assert f"{k} {v:.3g}" in head and v > f.details.params["tolerance"], head
+        cmd = f"tensordiff weights {shlex.quote(str(dirs[0]))} {shlex.quote(str(dirs[1]))}"
+        assert f"compare the weights: {cmd}" in head, head
+        print(head)
+        capsys.readouterr()
+        assert main(shlex.split(cmd)[1:]) == 1
+        out = capsys.readouterr().out
+        assert "first at layer0 mlp_up (model.layers.0.mlp.up_proj.weight)" in out.splitlines()[0], out
+
+
+def test_a_port_of_the_same_weights_says_so_instead_of_a_weights_command():
+    """A code bug (the weights are one directory): where no kind fits, the pointer says the
+    weights are the same rather than printing a comparison that finds nothing."""
+    from tensordiff.signatures import weights_command
+
+    class Src:
+        def __init__(self, path):
+            self.model = {"path": path}
+
+    d = str(trained.target_dir())
+    assert "the weights are the same" in weights_command(Src(d), Src(d))
+    # a recorded path is hostile input: escapes, wrong types, huge strings give no command
+    for bad in ("\x1b[31m/x", 5, ["a"], "/x" * 5000, "", None):
+        got = weights_command(Src(bad), Src(d))
+        assert "A recorded no model directory" in got and "\x1b" not in got, got
+    assert "not on this machine" in weights_command(Src("/nonexistent/m"), Src(d))
