@@ -341,7 +341,8 @@ class SignatureDetails(Details):
 
     op: str = ""
     signature: Annotated[str, OneOf(("swap", "rotary", "heads", "gqa", "norm_eps", "scale", "per_channel", "op",
-                                        "graft", "rope_offset", "attn_scale", "activation", "residual"))] = "op"
+                                        "graft", "rope_offset", "attn_scale", "activation", "residual",
+                                        "config"))] = "op"
     what: str = ""
     evidence: str = ""
     cause: str = ""

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from . import model_config
 from .findings import Finding, Kind, NumericDetails, Severity, SignatureDetails
 from .names import TAPS, maybe_state, parse_state
 from .tokens import POS_MASK, SEQ_BITS
@@ -731,13 +732,14 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
     first = next((f for f in ordered if f.severity == Severity.DIVERGENCE), None)
     if first is None or first.kind not in (Kind.NUMERIC, Kind.NONFINITE) or first.tensor is None:
         return None
+    config = config_differences(a, b, first.tensor)
     st = maybe_state(first.tensor)
     if st is None or st.kind != "tap" or st.tap is None or st.layer is None:
-        return None
+        return config_finding(first, config, a.num_layers or b.num_layers)
     layer = st.layer
     mine = [p for p in pairs if (s := maybe_state(p.label)) is not None and s.kind == "tap" and s.layer == layer]
     if not any(p.label == first.tensor for p in mine):
-        return None
+        return config_finding(first, config, a.num_layers or b.num_layers)
     common = mine[0].token_index
     for p in mine[1:]:
         common = np.intersect1d(common, p.token_index)
@@ -754,9 +756,10 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
             if np.isfinite(va).all() and np.isfinite(vb).all():
                 taps[s.tap] = TapRows(s.tap, va, vb)
     except (KeyError, ValueError, OSError):
-        return None   # a tap without full values: no signature, the numeric finding stands
+        # a tap without full values: no signature, the numeric finding stands
+        return config_finding(first, config, a.num_layers or b.num_layers)
     if st.tap not in taps:
-        return None
+        return config_finding(first, config, a.num_layers or b.num_layers)
     codes = code_a[common]
     positions = (codes & POS_MASK).astype(np.int64)
     seqs = (codes >> SEQ_BITS).astype(np.int64)
@@ -765,6 +768,10 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
     inp = _boundary_rows(a, b, pairs, layer, common) if st.tap == "mlp_norm" else None
     sig = classify(layer, st.tap, taps, positions, seqs, info, ms, boundary=inp, next_step=weights_command(a, b))
     params = {k: v for k, v in sig.params.items()}
+    cause = sig.cause
+    if config:   # the recorded configs name the cause; the fit is its evidence
+        cause = f"the models' configs: {model_config.sentence(config)} ({sig.cause})"
+        params["config"] = {k: [va, vb] for k, va, vb in config}
     consumer = absorbed_by(first, ordered, pairs, a.num_layers or b.num_layers)
     if consumer is not None:
         # nothing the op feeds differs: the difference cancels (q and k rotated at the same
@@ -774,10 +781,36 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
             if f.severity == Severity.DIVERGENCE:
                 f.severity = Severity.INFO
     det = SignatureDetails(token_index=first.details.token_index, op=sig.op, signature=sig.kind, what=sig.what,
-                           evidence=sig.evidence, cause=sig.cause, layer=layer, params=params)
+                           evidence=sig.evidence, cause=cause, layer=layer, params=params)
     return Finding(Kind.SIGNATURE, Severity.INFO if consumer is not None else Severity.DIVERGENCE, tensor=sig.op,
                    order=first.order, seq=first.seq, position=first.position, position_b=first.position_b,
                    token=first.token, regime=first.regime, regime_a=first.regime_a, details=det)
+
+
+def config_differences(a: TraceSource, b: TraceSource, state: str) -> list[tuple[str, Any, Any]]:
+    """The differences of the two traces' recorded model configs (:mod:`tensordiff.model_config`,
+    validated) that can cause a first divergence at ``state``."""
+    diffs = model_config.differences(model_config.read(getattr(a, "model", None)),
+                                     model_config.read(getattr(b, "model", None)))
+    return [d for d in diffs if model_config.explains(d[0], state)]
+
+
+def config_finding(first: Finding, config: Sequence[tuple[str, Any, Any]], num_layers: int | None) -> Finding | None:
+    """The finding that leads a diff whose first divergence a recorded config difference explains
+    (None without one): the difference, then where it shows."""
+    if not config or first.tensor is None:
+        return None
+    st = maybe_state(first.tensor)
+    where = ("every decoder layer runs with it (layer 0 shows it first)" if st is None or st.kind != "boundary"
+             or st.layer != 0 else "the embedding is where it acts")
+    det = SignatureDetails(token_index=first.details.token_index, op=first.tensor, signature="config",
+                           what=f"the models' recorded configs differ, and {where}", evidence=first.message,
+                           cause=model_config.sentence(list(config)), layer=None,
+                           params={"config": {k: [va, vb] for k, va, vb in config}})
+    # just before the divergence it explains: that one and every later one read as inherited from it
+    return Finding(Kind.SIGNATURE, Severity.DIVERGENCE, tensor=first.tensor, order=first.order - 1e-9, seq=first.seq,
+                   position=first.position, position_b=first.position_b, token=first.token, regime=first.regime,
+                   regime_a=first.regime_a, details=det)
 
 
 #: the tap of a layer that every earlier tap of its block feeds: a difference there or nowhere

@@ -178,9 +178,10 @@ def _cases():
 
 # what the first sentence of each port's diff must say (op, signature, parameter)
 EXPECT = {
-    "rope_theta": ("layer0.q_rope", "rotary", ["rope theta: A 1e+04, B 2e+04"]),
+    "rope_theta": ("layer0.q_rope", "rotary", ["rope theta: A 1e+04, B 2e+04",
+                                               "the models' configs: rope_theta is 10000 on A and 20000 on B"]),
     "rope_interleaved": ("layer0.q_rope", "rotary", ["layout", "interleaved"]),
-    "norm_eps": ("layer0.attn_norm", "norm_eps", ["eps 0.001"]),
+    "norm_eps": ("layer0.attn_norm", "norm_eps", ["eps 0.001", "norm_eps is 1e-05 on A and 0.001 on B"]),
     "gqa_order": ("layer0.attn_out", "gqa", ["kv head h // rep", "h % kv_heads"]),
     "mlp_scaled": ("layer3.mlp_out", "scale", ["scaled by 1.05"]),
     "gate_up_swapped": ("layer0.mlp_gate", "swap", ["B's mlp_gate holds A's mlp_up"]),
@@ -195,7 +196,7 @@ EXPECT = {
 # the same ports diffed the other way round (the port as A): what the first sentence says then
 REVERSED = {
     "attn_scale": ["A 1/head_dim = 0.0625, B 1/sqrt(head_dim) = 0.25"],
-    "activation": ["A gelu_pytorch_tanh, B silu"],
+    "activation": ["A gelu_pytorch_tanh, B silu", "activation is gelu_pytorch_tanh on A and silu on B"],
     "q_at_next_position": ["B's are offset by -1"],
 }
 
@@ -321,3 +322,25 @@ def test_a_port_of_the_same_weights_says_so_instead_of_a_weights_command():
         got = weights_command(Src(bad), Src(d))
         assert "A recorded no model directory" in got and "\x1b" not in got, got
     assert "not on this machine" in weights_command(Src("/nonexistent/m"), Src(d))
+
+
+# ports whose bug is a config setting: the plain diff's first sentence names it, both orders
+CONFIG = {
+    "rope_theta": ("rope_theta is 10000 on A and 20000 on B", "rope_theta is 20000 on A and 10000 on B"),
+    "norm_eps": ("norm_eps is 1e-05 on A and 0.001 on B", "norm_eps is 0.001 on A and 1e-05 on B"),
+    "activation": ("activation is silu on A and gelu_pytorch_tanh on B", "activation is gelu_pytorch_tanh on A and silu on B"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG))
+def test_a_config_port_names_the_setting_first(root, name):
+    case = _cases()[name]
+    port = root / f"{name}.h5"
+    if not port.exists():
+        _record(port, _variant(root, name, case.get("weights"), case.get("config")))
+    ref = _ref(root)
+    for (a, b), words in zip(((ref, port), (port, ref)), CONFIG[name]):
+        res = diff_traces(str(a), str(b))
+        assert res.exit_code == 1 and res.first_divergence.tensor == "layer1", res.headline()
+        assert res.headline().startswith(words + ": the models' recorded configs differ"), res.headline()
+        print(res.headline())
