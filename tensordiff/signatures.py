@@ -436,13 +436,20 @@ def _eps(op: str, x: TapRows, ms: F64, info: LayerInfo, tol: float, ups: str,
 
 
 def _golden(f: Any, lo: float, hi: float, steps: int = 40) -> float:
-    """The x in [lo, hi] that minimises ``f`` (unimodal there), by golden section."""
+    """The x in [lo, hi] that minimises ``f`` (unimodal there), by golden section (one new
+    evaluation per step)."""
+    r = (math.sqrt(5) - 1) / 2
+    m1, m2 = hi - r * (hi - lo), lo + r * (hi - lo)
+    f1, f2 = f(m1), f(m2)
     for _ in range(steps):
-        m1, m2 = hi - 0.618 * (hi - lo), lo + 0.618 * (hi - lo)
-        if f(m1) < f(m2):
-            hi = m2
+        if f1 < f2:
+            hi, m2, f2 = m2, m1, f1
+            m1 = hi - r * (hi - lo)
+            f1 = f(m1)
         else:
-            lo = m1
+            lo, m1, f1 = m1, m2, f2
+            m2 = lo + r * (hi - lo)
+            f2 = f(m2)
     return (lo + hi) / 2
 
 
@@ -522,14 +529,14 @@ def _attn_scale(op: str, taps: Mapping[str, TapRows], positions: NDArray[np.int6
         return _rel(out.a, c @ proj(c))
 
     named = {"1/sqrt(head_dim)": 1 / math.sqrt(hd), "1/head_dim": 1 / hd, "1": 1.0}
-    grid = sorted({*np.linspace(math.log(0.25 / hd), math.log(4.0), 13).tolist(),
+    grid = sorted({*np.linspace(math.log(0.25 / hd), math.log(4.0), 11).tolist(),
                    *(math.log(v) for v in named.values())})
 
     def search(f: Any) -> float:
         vals = [f(g) for g in grid]
         i = int(np.argmin(vals))
         lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-        r = _golden(f, lo, hi, 24)
+        r = _golden(f, lo, hi, 30)
         return r if f(r) < vals[i] else grid[i]
 
     la = search(fit_a)
