@@ -130,3 +130,20 @@ def test_a_crafted_config_attribute_is_one_clean_answer(tmp_path, case):
         if case == "escapes":   # the valid value is named, the escaped ones are not
             assert "rope_theta is 10000 on A and 500000 on B" in out, out[:800]
             assert "pwned" not in out and "heads" not in first, out[:800]
+
+
+@pytest.mark.slow
+def test_the_engine_plugins_record_the_engines_config():
+    """The SGLang and vLLM plugins' model attribute (serving.model_facts) from SGLang's own
+    ModelConfig of the trained model: the settings its HF config states, the engine's dtype."""
+    pytest.importorskip("torch")
+    mc_mod = pytest.importorskip("sglang.srt.configs.model_config")
+    import trained
+
+    from tensordiff.recorders.serving import model_facts
+
+    mc = mc_mod.ModelConfig(model_path=str(trained.target_dir()))
+    got = model_facts(mc, 8, 64, "LlamaForCausalLM", str(trained.target_dir()))
+    dtype = str(mc.dtype).replace("torch.", "")
+    assert got["config"] == {"rope_theta": 10000.0, "rope_type": "default", "norm_eps": 1e-5, "heads": 4, "kv_heads": 2,
+                             "head_dim": 16, "activation": "silu", "tie_word_embeddings": False, "dtype": dtype}, got
