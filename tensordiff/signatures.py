@@ -784,6 +784,12 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
         # nothing the op feeds differs: the difference cancels (q and k rotated at the same
         # offset, whose attention depends only on their distance), a note, not a divergence
         params["absorbed"] = consumer
+        if sig.kind == "rope_offset" and st.tap == "q_rope" and "k_rope" in taps:
+            ks = classify(layer, "k_rope", taps, positions, seqs, info)
+            d = (sig.params["offset_b"] - sig.params["offset_a"], ks.params.get("offset_b", 0) - ks.params.get("offset_a", 0))
+            if ks.kind == "rope_offset" and d[0] == d[1]:
+                cause = (f"q and k both rotated at positions offset by {d[0]:+d} on B: attention depends only on "
+                         f"the distance of their positions ({cause})")
         for f in ordered:
             if f.severity == Severity.DIVERGENCE:
                 f.severity = Severity.INFO

@@ -272,7 +272,8 @@ def test_q_and_k_rotated_at_the_next_position_is_a_note(root, monkeypatch):
         note = next(f for f in res.findings if f.kind == "signature")
         assert note.severity == "info" and note.tensor == "layer0.q_rope", note.message
         assert note.details.params["absorbed"] == "layer0.attn_out", note.message
-        assert "nothing after it does" in note.message and "offset by" in note.message, note.message
+        assert "nothing after it does" in note.message, note.message
+        assert "q and k both rotated at positions offset by" in note.message, note.message
         assert {f.tensor for f in res.findings if f.kind == "numeric"} >= {"layer0.q_rope", "layer0.k_rope"}
         print(note.message)
 
