@@ -609,51 +609,68 @@ def _activation(op: str, x: TapRows, taps: Mapping[str, TapRows], tol: float, up
 
 def _residual(op: str, layer: int, x: TapRows, taps: Mapping[str, TapRows], boundary: TapRows, info: LayerInfo,
               tol: float, tried: dict[str, float]) -> Signature | None:
-    """The residual add before ``mlp_norm``: its input is ``layer<b> + attn_out``. A's output is that
-    sum normalised (per-channel weight fitted on A); B's is not, and is reproduced with A's weight
-    from another sum: ``layer<b> + c * attn_out`` (c fitted; 0: the attention output not added),
-    ``attn_norm + attn_out`` (the residual taken after the norm) or ``attn_out`` alone. A norm
-    weight or eps that differs is reproduced by none of them: it is not mistaken for an add."""
+    """The residual add before ``mlp_norm``: its input is ``layer<b> + attn_out``. One side's output
+    is that sum normalised (per-channel weight fitted on it); the other's is not, and is reproduced
+    with that weight from another sum: ``layer<b> + c * attn_out`` (c fitted; 0: the attention
+    output not added), ``attn_norm + attn_out`` (the residual taken after the norm) or ``attn_out``
+    alone. A norm weight or eps that differs is reproduced by none of them: it is not mistaken for
+    an add."""
     o = taps["attn_out"]
     if boundary.a.shape != o.a.shape or _rel(o.a, o.b) > tol or _rel(boundary.a, boundary.b) > tol:
         return None
     eps = info.eps if info.eps is not None else 1e-6
     inp = "embed" if layer == 0 else f"layer{layer}"
+    normed = taps.get("attn_norm")
 
     def nrm(h: F64) -> F64:
         return np.asarray(h / np.sqrt((h * h).mean(1, keepdims=True) + eps), dtype=np.float64)
 
-    na = nrm(boundary.a + o.a)
-    den = (na * na).sum(0)
-    w = np.where(den > 0, (na * x.a).sum(0) / np.where(den > 0, den, 1.0), 0.0)
-    res_a = _rel(x.a, na * w)
-    if res_a > tol:
-        tried["residual"] = res_a
-        return None
-    res_b1 = _rel(x.b, nrm(boundary.b + o.b) * w)
+    def fit(ref: str) -> tuple[float, float, dict[str, float], float] | None:
+        """(ref's residual, the other's with ref's sum, the other's candidates, c) or None."""
+        other = "b" if ref == "a" else "a"
+        xr, xo = getattr(x, ref), getattr(x, other)
+        bo, oo = getattr(boundary, other), getattr(o, other)
+        nr = nrm(getattr(boundary, ref) + getattr(o, ref))
+        den = (nr * nr).sum(0)
+        w = np.where(den > 0, (nr * xr).sum(0) / np.where(den > 0, den, 1.0), 0.0)
+        res_ref = _rel(xr, nr * w)
+        if res_ref > tol:
+            tried["residual"] = min(tried.get("residual", math.inf), res_ref)
+            return None
 
-    def with_c(c: float) -> float:
-        return _rel(x.b, nrm(boundary.b + c * o.b) * w)
+        def with_c(c: float) -> float:
+            return _rel(xo, nrm(bo + c * oo) * w)
 
-    grid = np.linspace(-3.0, 4.0, 29).tolist()
-    vals = [with_c(c) for c in grid]
-    i = int(np.argmin(vals))
-    c = _golden(with_c, grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)], 40)
-    c = round(c) if abs(c - round(c)) < 1e-3 else c
-    cands = {(f"{inp} alone (attn_out not added)" if c == 0 else f"{inp} + {_g(c)} x attn_out"): with_c(c)}
-    if "attn_norm" in taps and taps["attn_norm"].b.shape == o.b.shape:
-        cands["attn_norm + attn_out (the residual taken after the norm)"] = _rel(x.b, nrm(taps["attn_norm"].b + o.b) * w)
-    cands["attn_out alone (the residual not added)"] = _rel(x.b, nrm(o.b) * w)
-    best = min(cands, key=lambda n: cands[n])
-    tried["residual"] = cands[best]
-    if cands[best] > tol or res_b1 <= tol or abs(c - 1) < 1e-3 and best.startswith(inp):
-        return None
-    return Signature(op, "residual", f"the residual add before mlp_norm differs: B normalises {best}",
-                     f"{inp} and attn_out agree; A's mlp_norm is the norm of {inp} + attn_out (rel err {_g(res_a)}), "
-                     f"B's is not (rel err {_g(res_b1)}) and is the norm of {best} with A's weight (rel err "
-                     f"{_g(cands[best])})",
-                     f"the residual add after the attention (the input of mlp_norm): A {inp} + attn_out, B {best}",
-                     {"b": best, "c": c if best.startswith(inp) else None})
+        grid = np.linspace(-3.0, 4.0, 29).tolist()
+        vals = [with_c(c) for c in grid]
+        i = int(np.argmin(vals))
+        c = _golden(with_c, grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)], 40)
+        c = round(c) if abs(c - round(c)) < 1e-3 else c
+        cands = {(f"{inp} alone (attn_out not added)" if c == 0 else f"{inp} + {_g(c)} x attn_out"): with_c(c)}
+        if normed is not None and normed.a.shape == o.a.shape:
+            cands["attn_norm + attn_out (the residual taken after the norm)"] = _rel(
+                xo, nrm(getattr(normed, other) + oo) * w)
+        cands["attn_out alone (the residual not added)"] = _rel(xo, nrm(oo) * w)
+        tried["residual"] = min(cands.values())
+        return res_ref, with_c(1.0), cands, c
+
+    for ref in ("a", "b"):
+        got = fit(ref)
+        if got is None:
+            continue
+        res_ref, res_o1, cands, c = got
+        best = min(cands, key=lambda n: cands[n])
+        if cands[best] > tol or res_o1 <= tol or abs(c - 1) < 1e-3 and best.startswith(inp):
+            continue
+        r, w_ = ref.upper(), "B" if ref == "a" else "A"
+        return Signature(op, "residual", f"the residual add before mlp_norm differs: {w_} normalises {best}",
+                         f"{inp} and attn_out agree; {r}'s mlp_norm is the norm of {inp} + attn_out (rel err "
+                         f"{_g(res_ref)}), {w_}'s is not (rel err {_g(res_o1)}) and is the norm of {best} with {r}'s "
+                         f"weight (rel err {_g(cands[best])})",
+                         f"the residual add after the attention (the input of mlp_norm): {r} {inp} + attn_out, "
+                         f"{w_} {best}",
+                         {"a" if ref == "b" else "b": best, "c": c if best.startswith(inp) else None})
+    return None
 
 
 def _ratio(op: str, x: TapRows, tol: float, ups: str, tried: dict[str, float]) -> Signature | None:

@@ -198,6 +198,7 @@ REVERSED = {
     "attn_scale": ["A 1/head_dim = 0.0625, B 1/sqrt(head_dim) = 0.25"],
     "activation": ["A gelu_pytorch_tanh, B silu", "activation is gelu_pytorch_tanh on A and silu on B"],
     "q_at_next_position": ["B's are offset by -1"],
+    "residual_after_norm": ["A normalises attn_norm + attn_out", "B embed + attn_out"],
 }
 
 

@@ -220,7 +220,8 @@ def test_residual_add_is_named_and_a_norm_eps_or_weight_is_not_one():
         assert s.kind == "residual" and s.params["b"].startswith(words), s
         rev = {k: TapRows(k, t.b, t.a) for k, t in taps.items()}
         s = classify(2, "mlp_norm", rev, pos, seqs, INFO, boundary=TapRows("layer2", bd.b, bd.a))
-        assert s.kind != "residual", s   # B's is the right sum: A's is not reproduced by any
+        assert s.kind == "residual" and s.params["a"].startswith(words), s   # the wrong sum on A
+        assert f"A normalises {words}" in s.what and "B's mlp_norm is the norm of layer2 + attn_out" in s.evidence
     taps, pos, seqs, ms, bd = _layer(np.random.default_rng(15), mlp_eps_b=1e-2, with_boundary=True)
     s = classify(2, "mlp_norm", taps, pos, seqs, INFO, boundary=bd)
     assert s.kind != "residual" and s.params.get("tried", {}).get("residual", 1.0) > 1e-5, s
