@@ -333,14 +333,16 @@ class AcceptanceDetails(Details):
 class SignatureDetails(Details):
     """What kind of difference the first divergent op of a zoomed layer shows
     (tensordiff.signatures): ``op`` the tap (``layer3.mlp_up``), ``signature`` its kind (swap,
-    rotary, heads, gqa, norm_eps, scale, per_channel, op), ``what`` it is, the ``evidence``, the
+    rotary, rope_offset, heads, gqa, attn_scale, norm_eps, residual, activation, scale, per_channel,
+    op), ``what`` it is, the ``evidence``, the
     ``cause`` to look at, and the fitted ``params``. ``graft``: a trace recorded with one state
     grafted from another (``record train --graft``), ``what`` says whether anything after it
     still diverges."""
 
     op: str = ""
     signature: Annotated[str, OneOf(("swap", "rotary", "heads", "gqa", "norm_eps", "scale", "per_channel", "op",
-                                        "graft"))] = "op"
+                                        "graft", "rope_offset", "attn_scale", "activation", "residual",
+                                        "config"))] = "op"
     what: str = ""
     evidence: str = ""
     cause: str = ""

@@ -561,7 +561,12 @@ def _acceptance(f: Finding, d: AcceptanceDetails) -> str:
 def _signature(f: Finding, d: SignatureDetails) -> str:
     if d.signature == "graft":
         return f"{d.what}: {d.cause} ({d.evidence})"
+    if d.signature == "config":
+        return f"{d.cause}: {d.what}; {d.evidence}"
     where = f"in layer {d.layer}" if d.layer is not None else "in its layer"
+    if isinstance(d.params.get("absorbed"), str):
+        return (f"{d.op} differs in layer {d.layer}, but nothing after it does ({d.params['absorbed']} and every "
+                f"later state agree): {d.what} ({d.evidence}); a difference with no effect downstream: {d.cause}")
     return f"{d.op} is the first op out of the noise {where}: {d.what} ({d.evidence}); look at {d.cause}"
 
 

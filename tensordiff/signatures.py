@@ -9,10 +9,21 @@ both sides:
 * ``heads``: the op's heads match across the sides only after a permutation (given);
 * ``gqa``: the attention output differs while q, k and v agree, and it is reproduced when each
   query head reads another key/value head (the repeat order: ``h // rep`` vs ``h % kv_heads``);
+* ``rope_offset``: in ``q_rope``/``k_rope``, each side is its q/k rotated at ``position + d`` and
+  the offsets d differ (a query rotated at p+1);
+* ``attn_scale``: the attention output differs while q, k and v agree, and it is reproduced by
+  another softmax scale (1/head_dim for 1/sqrt(head_dim)); both scales are fitted;
 * ``norm_eps``: a norm's output differs by a per-token ratio that depends on its input's RMS, as
   ``sqrt((ms + eps_A) / (ms + eps_B))`` does; the eps that explains it is fitted;
+* ``residual``: ``mlp_norm``'s input on B is not ``layer<b> + attn_out`` (both agreeing) but
+  another sum, fitted (the residual taken after the norm, the attention output not added);
+* ``activation``: ``mlp_act`` = act(gate) * up with another standard activation on each side;
 * ``scale`` / ``per_channel``: B is A times one constant, or times one factor per channel;
-* ``op``: none of these; everything upstream agrees, so that op's weights or kernel differ.
+* ``op``: none of these; everything upstream agrees, so that op's weights or kernel differ: the
+  kinds tried and how far each missed, and the weights command with the traces' model directories.
+
+A difference that nothing downstream shows (every divergence a tap of the block before its
+output, which agrees, as does everything after it) is a note (:func:`absorbed_by`).
 
 Each explanation must reproduce B within the noise that the agreeing taps upstream show (or a
 small floor), so a signature is a measured claim, not a guess. The math is on plain arrays
@@ -21,7 +32,7 @@ from the two traces and makes the finding that leads the report.
 
 Also here, as they read the same tap pairs under the same noise rule: :func:`residual_noise`
 (a residual tap judged by what it adds to the next boundary) and :func:`graft_finding` (what a
-grafted run's diff says); that is why this module is over 500 lines.
+grafted run's diff says); that is why this module is over 800 lines.
 
 Pure numpy: no torch (the diff calls it)."""
 
@@ -37,8 +48,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from . import model_config
 from .findings import Finding, Kind, NumericDetails, Severity, SignatureDetails
-from .names import TAPS, maybe_state
+from .names import TAPS, maybe_state, parse_state
 from .tokens import POS_MASK, SEQ_BITS
 from .trace import TraceSource
 
@@ -189,10 +201,12 @@ def _rope_words(f: RopeFit) -> str:
 
 
 def attention(q: F64, k: F64, v: F64, seqs: NDArray[np.int64], positions: NDArray[np.int64], heads: int,
-              kv_heads: int, head_dim: int, kv_of: Sequence[int]) -> F64:
-    """Causal softmax attention per sequence, query head h reading key/value head ``kv_of[h]``;
-    [n, heads*head_dim] in the input's row order."""
+              kv_heads: int, head_dim: int, kv_of: Sequence[int], scale: float | None = None) -> F64:
+    """Causal softmax attention per sequence, query head h reading key/value head ``kv_of[h]``,
+    the scores scaled by ``scale`` (None: ``1/sqrt(head_dim)``); [n, heads*head_dim] in the
+    input's row order."""
     n = q.shape[0]
+    sm = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     out = np.zeros((n, heads, head_dim))
     qv, kvv, vv = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim), v.reshape(n, kv_heads, head_dim)
     for s in np.unique(seqs):
@@ -200,13 +214,13 @@ def attention(q: F64, k: F64, v: F64, seqs: NDArray[np.int64], positions: NDArra
         idx = idx[np.argsort(positions[idx], kind="stable")]
         p = positions[idx]
         mask = p[None, :] <= p[:, None]
-        for h in range(heads):
-            sc = qv[idx, h] @ kvv[idx, kv_of[h]].T / math.sqrt(head_dim)
-            sc = np.where(mask, sc, -np.inf)
-            sc -= sc.max(axis=1, keepdims=True)
-            w = np.exp(sc)
-            w /= w.sum(axis=1, keepdims=True)
-            out[idx, h] = w @ vv[idx, kv_of[h]]
+        kh, vh = kvv[idx][:, list(kv_of)], vv[idx][:, list(kv_of)]   # [t, heads, head_dim]
+        sc = np.einsum("ihd,jhd->hij", qv[idx], kh) * sm
+        sc = np.where(mask[None], sc, -np.inf)
+        sc -= sc.max(axis=2, keepdims=True)
+        w = np.exp(sc)
+        w /= w.sum(axis=2, keepdims=True)
+        out[idx] = np.einsum("hij,jhd->ihd", w, vh)
     return out.reshape(n, -1)
 
 
@@ -230,11 +244,17 @@ class TapRows:
 
 
 def classify(layer: int, first: str, taps: Mapping[str, TapRows], positions: NDArray[np.int64],
-             seqs: NDArray[np.int64], info: LayerInfo, norm_ms: F64 | None = None) -> Signature:
+             seqs: NDArray[np.int64], info: LayerInfo, norm_ms: F64 | None = None, *,
+             boundary: TapRows | None = None, next_step: str | None = None) -> Signature:
     """The signature of ``first`` (a tap name, e.g. ``mlp_up``) of decoder ``layer``: ``taps`` all
     the layer's taps both sides recorded on the same tokens (rows in the same order), ``positions``
     and ``seqs`` of those tokens, ``norm_ms``: the mean square of ``first``'s input per token when
-    ``first`` is a norm (None: unknown)."""
+    ``first`` is a norm (None: unknown), ``boundary``: the layer's input (boundary ``layer<b>``) on
+    both sides when recorded with full values (the residual add's fit needs it), ``next_step``: the
+    command to run when no kind fits (default: a generic weights comparison).
+
+    Where no kind fits, the ``op`` signature lists each kind that was tried and how far its best
+    fit missed (``params["tried"]``: kind -> residual)."""
     op = f"layer{layer}.{first}"
     x = taps[first]
     up = [t for t in TAPS[: TAPS.index(first)] if t in taps]
@@ -242,43 +262,52 @@ def classify(layer: int, first: str, taps: Mapping[str, TapRows], positions: NDA
     tol = FIT_FACTOR * noise
     err = _rel(x.a, x.b)
     ups = f"{', '.join(up)} agree" if up else "its input agrees"
+    tried: dict[str, float] = {}   # each kind tried: the relative error its best fit left
 
     # swapped with another op of the layer
+    others = {t: _rel(o.a, x.b) for t, o in taps.items() if t != first and o.a.shape == x.b.shape}
     for t, other in taps.items():
-        if t != first and other.a.shape == x.b.shape and _rel(other.a, x.b) <= min(tol, err / 4):
+        if t in others and others[t] <= min(tol, err / 4):
             back = f"; B's {t} holds A's {first}" if _rel(x.a, other.b) <= tol else ""
             return Signature(op, "swap", f"B's {first} holds A's {t}",
-                             f"rel err {_g(_rel(other.a, x.b))} against A's {t}{back}; {ups}",
+                             f"rel err {_g(others[t])} against A's {t}{back}; {ups}",
                              f"{first} and {t} swapped (the weights' names or the fused layout's order)",
                              {"holds": t})
+    if others:
+        tried["swap"] = min(others.values())
 
+    sig: Signature | None = None
     if first in ("q_rope", "k_rope"):
-        sig = _rotary(op, first, x, taps, positions, info, tol, ups)
-        if sig is not None:
-            return sig
-    if first in ("q", "k", "v", "q_rope", "k_rope") and info.head_dim:
-        sig = _heads(op, x, info.head_dim, tol, ups)
-        if sig is not None:
-            return sig
-    if first == "attn_out" and all(t in taps for t in ("q_rope", "k_rope", "v")) and info.heads and info.kv_heads \
-            and info.head_dim and info.heads != info.kv_heads:
-        sig = _gqa(op, taps, positions, seqs, info, tol)
-        if sig is not None:
-            return sig
-    if first in ("attn_norm", "mlp_norm") and norm_ms is not None and info.eps is not None:
-        sig = _eps(op, x, norm_ms, info, tol, ups)
-        if sig is not None:
-            return sig
-    sig = _ratio(op, x, tol, ups)
+        sig = _rotary(op, first, x, taps, positions, info, tol, ups, tried) or \
+            _rotary_offset(op, first, x, taps, positions, info, tol, ups, tried)
+    if sig is None and first in ("q", "k", "v", "q_rope", "k_rope") and info.head_dim:
+        sig = _heads(op, x, info.head_dim, tol, ups, tried)
+    if sig is None and first == "attn_out" and all(t in taps for t in ("q_rope", "k_rope", "v")) and info.heads \
+            and info.kv_heads and info.head_dim:
+        if info.heads != info.kv_heads:
+            sig = _gqa(op, taps, positions, seqs, info, tol, tried)
+        if sig is None:
+            sig = _attn_scale(op, taps, positions, seqs, info, tol, tried)
+    if sig is None and first in ("attn_norm", "mlp_norm") and norm_ms is not None and info.eps is not None:
+        sig = _eps(op, x, norm_ms, info, tol, ups, tried)
+    if sig is None and first == "mlp_norm" and boundary is not None and "attn_out" in taps:
+        sig = _residual(op, layer, x, taps, boundary, info, tol, tried)
+    if sig is None and first == "mlp_act" and "mlp_gate" in taps and "mlp_up" in taps:
+        sig = _activation(op, x, taps, tol, ups, tried)
+    if sig is None:
+        sig = _ratio(op, x, tol, ups, tried)
     if sig is not None:
         return sig
-    return Signature(op, "op", "its output differs while everything upstream agrees",
-                     f"rel err {_g(err)}; {ups} (noise {_g(noise)})",
-                     "that op's weights or kernel (compare the weights: tensordiff weights A B)")
+    missed = ", ".join(f"{k} {_g(v)}" for k, v in tried.items())
+    return Signature(op, "op", "its output differs while everything upstream agrees and no kind of difference fits",
+                     f"rel err {_g(err)}; {ups} (noise {_g(noise)}); no kind reproduces B within {_g(tol)}, "
+                     f"each kind's best fit left rel err: {missed}",
+                     f"that op's weights or kernel ({next_step or 'compare the two models: tensordiff weights DIR_A DIR_B'})",
+                     {"tried": dict(tried), "tolerance": tol})
 
 
 def _rotary(op: str, first: str, x: TapRows, taps: Mapping[str, TapRows], positions: NDArray[np.int64],
-            info: LayerInfo, tol: float, ups: str) -> Signature | None:
+            info: LayerInfo, tol: float, ups: str, tried: dict[str, float]) -> Signature | None:
     e = _rel_rows(x.a, x.b)
     pos = positions.astype(np.float64)
     at0 = e[positions == 0]
@@ -286,6 +315,8 @@ def _rotary(op: str, first: str, x: TapRows, taps: Mapping[str, TapRows], positi
     # everywhere but there is a rotary difference, whether it grows with position (theta,
     # scaling) or is large from position 1 on (another layout)
     if not len(at0) or float(at0.max()) > tol or float(np.median(e[positions > 0])) <= tol:
+        if len(at0):
+            tried["rotary"] = float(at0.max())   # what a rotary leaves at position 0: nothing
         return None
     hi = int(positions.max())
     ev = (f"rel err {_g(float(at0.max()))} at position 0, {_g(float(np.median(e[positions == 1])))} at position 1, "
@@ -311,11 +342,12 @@ def _rotary(op: str, first: str, x: TapRows, taps: Mapping[str, TapRows], positi
                 cause = f"rope theta: A {_g(fa.theta)}, B {_g(fb.theta)}"
             cause += f" (each reproduces its side to rel err {_g(max(fa.residual, fb.residual))})"
         else:
+            tried["rotary"] = max(fa.residual, fb.residual)
             cause += f" (no standard rotary reproduces {'A' if fa.residual > tol else 'B'} from its {first[0]})"
     return Signature(op, "rotary", what, ev, cause, params)
 
 
-def _heads(op: str, x: TapRows, hd: int, tol: float, ups: str) -> Signature | None:
+def _heads(op: str, x: TapRows, hd: int, tol: float, ups: str, tried: dict[str, float]) -> Signature | None:
     n, w = x.a.shape
     if w % hd or w // hd < 2:
         return None
@@ -328,6 +360,7 @@ def _heads(op: str, x: TapRows, hd: int, tol: float, ups: str) -> Signature | No
     if sorted(perm) != list(range(nh)) or perm == list(range(nh)):
         return None
     if _rel(av[:, perm].reshape(n, -1), x.b) > tol:
+        tried["heads"] = _rel(av[:, perm].reshape(n, -1), x.b)
         return None
     return Signature(op, "heads", f"its heads match only after a permutation: B's head j is A's head {perm}[j]",
                      f"rel err {_g(_rel(x.a, x.b))}, {_g(_rel(av[:, perm].reshape(n, -1), x.b))} after the permutation; {ups}",
@@ -336,7 +369,7 @@ def _heads(op: str, x: TapRows, hd: int, tol: float, ups: str) -> Signature | No
 
 
 def _gqa(op: str, taps: Mapping[str, TapRows], positions: NDArray[np.int64], seqs: NDArray[np.int64],
-         info: LayerInfo, tol: float) -> Signature | None:
+         info: LayerInfo, tol: float, tried: dict[str, float]) -> Signature | None:
     assert info.heads and info.kv_heads and info.head_dim
     q, k, v, out = taps["q_rope"], taps["k_rope"], taps["v"], taps["attn_out"]
     if any(_rel(t.a, t.b) > tol for t in (q, k, v)):
@@ -354,7 +387,9 @@ def _gqa(op: str, taps: Mapping[str, TapRows], positions: NDArray[np.int64], seq
     ma = min(fits, key=lambda m: fits[m][1])
     w, res_a = fits[ma]
     if res_a > 1e-3:
+        tried["gqa"] = res_a
         return None
+    tried["gqa"] = min(_rel(out.b, c @ w) for mb, c in ctx.items() if mb != ma)
     for mb, c in ctx.items():
         if mb == ma:
             continue
@@ -369,7 +404,8 @@ def _gqa(op: str, taps: Mapping[str, TapRows], positions: NDArray[np.int64], seq
     return None
 
 
-def _eps(op: str, x: TapRows, ms: F64, info: LayerInfo, tol: float, ups: str) -> Signature | None:
+def _eps(op: str, x: TapRows, ms: F64, info: LayerInfo, tol: float, ups: str,
+         tried: dict[str, float]) -> Signature | None:
     assert info.eps is not None
     ra, rb = np.linalg.norm(x.a, axis=1), np.linalg.norm(x.b, axis=1)
     ok = (ra > 0) & (rb > 0) & (ms > 0)
@@ -379,6 +415,7 @@ def _eps(op: str, x: TapRows, ms: F64, info: LayerInfo, tol: float, ups: str) ->
     m = ms[ok]
     cos = (x.a[ok] * x.b[ok]).sum(1) / (ra[ok] * rb[ok])
     if float(1 - cos.min()) > tol:   # a norm's eps changes the length, never the direction
+        tried["norm_eps"] = float(1 - cos.min())
         return None
     eps_b = float(np.median((m + info.eps) / r ** 2 - m))
     if not eps_b > -info.eps:   # not a physical eps
@@ -386,6 +423,7 @@ def _eps(op: str, x: TapRows, ms: F64, info: LayerInfo, tol: float, ups: str) ->
     pred = np.sqrt((m + info.eps) / (m + eps_b))
     res = float(np.quantile(np.abs(pred / r - 1), 0.99))
     spread = float(np.log(r).std())
+    tried["norm_eps"] = res
     if res > tol or spread <= tol or abs(_spearman(m, np.abs(np.log(r)))) < 0.5:
         return None
     said = f" (B's recorded eps: {_g(info.eps_b)})" if info.eps_b is not None else ""
@@ -397,7 +435,245 @@ def _eps(op: str, x: TapRows, ms: F64, info: LayerInfo, tol: float, ups: str) ->
                      f"{_g(res)} per token{said}", {"eps_a": info.eps, "eps_b": eps_b})
 
 
-def _ratio(op: str, x: TapRows, tol: float, ups: str) -> Signature | None:
+def _golden(f: Any, lo: float, hi: float, steps: int = 40) -> float:
+    """The x in [lo, hi] that minimises ``f`` (unimodal there), by golden section (one new
+    evaluation per step)."""
+    r = (math.sqrt(5) - 1) / 2
+    m1, m2 = hi - r * (hi - lo), lo + r * (hi - lo)
+    f1, f2 = f(m1), f(m2)
+    for _ in range(steps):
+        if f1 < f2:
+            hi, m2, f2 = m2, m1, f1
+            m1 = hi - r * (hi - lo)
+            f1 = f(m1)
+        else:
+            lo, m1, f1 = m1, m2, f2
+            m2 = lo + r * (hi - lo)
+            f2 = f(m2)
+    return (lo + hi) / 2
+
+
+#: the position offsets the rotary fit tries (a port that counts positions from 1, or adds one twice)
+ROPE_OFFSETS = tuple(range(-4, 5))
+
+
+def _rotary_offset(op: str, first: str, x: TapRows, taps: Mapping[str, TapRows], positions: NDArray[np.int64],
+                   info: LayerInfo, tol: float, ups: str, tried: dict[str, float]) -> Signature | None:
+    """A rotary given other positions on one side: each side's values reproduced from its agreeing
+    q/k by the same rotary (layout, theta) at ``position + offset``, the offsets differing. The
+    plain rotary check does not see it: the error is not nothing at position 0."""
+    pre = taps.get(first[0])
+    if pre is None or not info.head_dim or _rel(pre.a, pre.b) > tol or info.head_dim % 2:
+        return None
+    hd = info.head_dim
+    pos = positions.astype(np.float64)
+    theta = info.rope_theta or 1e4
+
+    def best(pre_v: F64, post: F64) -> tuple[float, str, int]:
+        fits = [(_rel(post, rope(pre_v, pos + d, hd, theta, lay)), lay, d) for lay in ("half", "interleaved")
+                for d in ROPE_OFFSETS]
+        return min(fits)
+
+    ra, lay_a, da = best(pre.a, x.a)
+    rb, lay_b, db = best(pre.b, x.b)
+    tried["rope_offset"] = max(ra, rb)
+    if ra > tol or rb > tol or da == db or lay_a != lay_b:
+        return None
+    e = _rel_rows(x.a, x.b)
+    at0 = e[positions == 0]
+    words = "rotate-half" if lay_a == "half" else "interleaved"
+
+    def at(d: int) -> str:
+        return "position p" if d == 0 else f"position p{d:+d}"
+
+    return Signature(op, "rope_offset", f"B's {first[0]} is rotated at {at(db)} where A's is at {at(da)}",
+                     f"rel err {_g(float(at0.max())) if len(at0) else '?'} at position 0 (a rotary at the same "
+                     f"positions leaves none there); the {words} rotary with theta {_g(theta)} at {at(da)} "
+                     f"reproduces A to rel err {_g(ra)}, at {at(db)} B to {_g(rb)}; {ups}",
+                     f"the positions given to the rotary of {first[0]}: B's are offset by {db - da:+d} from A's "
+                     "(position ids counted from 1, or an offset added twice)",
+                     {"offset_a": da, "offset_b": db, "layout": lay_a, "theta": theta})
+
+
+def _attn_scale(op: str, taps: Mapping[str, TapRows], positions: NDArray[np.int64], seqs: NDArray[np.int64],
+                info: LayerInfo, tol: float, tried: dict[str, float]) -> Signature | None:
+    """The softmax scale of the attention scores: q, k and v agree; A's output is linear (its
+    ``o_proj``, fitted) in the attention computed from the recorded q_rope, k_rope and v at a
+    fitted scale, and B's output is reproduced by that ``o_proj`` only at another scale. A weight
+    scaled after the attention changes the output's length at every token alike, which no softmax
+    scale does: it is not mistaken for one."""
+    assert info.heads and info.kv_heads and info.head_dim
+    q, k, v, out = taps["q_rope"], taps["k_rope"], taps["v"], taps["attn_out"]
+    if any(_rel(t.a, t.b) > tol for t in (q, k, v)):
+        return None
+    if out.a.shape[0] < 2 * info.heads * info.head_dim or info.heads % info.kv_heads:
+        return None
+    heads, kv_heads, hd = info.heads, info.kv_heads, info.head_dim
+    kv = [h // (heads // kv_heads) for h in range(heads)]
+    cache: dict[float, F64] = {}
+
+    def ctx(log_s: float) -> F64:
+        if log_s not in cache:
+            cache[log_s] = attention(q.a, k.a, v.a, seqs, positions, heads, kv_heads, hd, kv,
+                                     scale=math.exp(log_s))
+        return cache[log_s]
+
+    def proj(c: F64) -> F64:   # o_proj fitted on A: least squares by the normal equations (small, fast)
+        try:
+            return np.asarray(np.linalg.solve(c.T @ c, c.T @ out.a), dtype=np.float64)
+        except np.linalg.LinAlgError:
+            return np.asarray(np.linalg.lstsq(c, out.a, rcond=None)[0], dtype=np.float64)
+
+    def fit_a(log_s: float) -> float:
+        c = ctx(log_s)
+        return _rel(out.a, c @ proj(c))
+
+    named = {"1/sqrt(head_dim)": 1 / math.sqrt(hd), "1/head_dim": 1 / hd, "1": 1.0}
+    grid = sorted({*np.linspace(math.log(0.25 / hd), math.log(4.0), 11).tolist(),
+                   *(math.log(v) for v in named.values())})
+
+    def search(f: Any) -> float:
+        vals = [f(g) for g in grid]
+        i = int(np.argmin(vals))
+        lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+        r = _golden(f, lo, hi, 30)
+        return r if f(r) < vals[i] else grid[i]
+
+    la = search(fit_a)
+    c = ctx(la)
+    w = proj(c)
+    res_a = _rel(out.a, c @ w)
+    if res_a > 1e-3:
+        tried["attn_scale"] = res_a
+        return None
+
+    def fit_b(log_s: float) -> float:
+        return _rel(out.b, ctx(log_s) @ w)
+
+    lb = search(fit_b)
+    res_b = fit_b(lb)
+    tried["attn_scale"] = res_b
+    if res_b > max(tol, 2 * res_a) or abs(lb - la) < 0.01 or fit_b(la) <= max(tol, 2 * res_a):
+        return None
+
+    def say(log_s: float) -> str:
+        s = math.exp(log_s)
+        for name, val in named.items():
+            if abs(math.log(s / val)) < 0.01:
+                return f"{name} = {s:.4g}"
+        return f"{s:.4g}"
+
+    sa, sb = say(la), say(lb)
+    return Signature(op, "attn_scale", "the attention's softmax scale differs",
+                     f"q, k and v agree; A's attention output is reproduced with scores scaled by {sa} (rel err "
+                     f"{_g(res_a)}), B's by {sb} with the same o_proj (rel err {_g(res_b)}; {_g(fit_b(la))} at "
+                     "A's scale)",
+                     f"the attention's softmax scale: A {sa}, B {sb} (head_dim {hd})",
+                     {"scale_a": math.exp(la), "scale_b": math.exp(lb)})
+
+
+def _erf(x: F64) -> F64:
+    return np.asarray(np.frompyfunc(math.erf, 1, 1)(x), dtype=np.float64)
+
+
+#: the activations the MLP fit tries: name -> act(gate) (transformers' ``hidden_act`` names)
+ACTIVATIONS: dict[str, Any] = {
+    "silu": lambda g: g / (1 + np.exp(-g)),
+    "gelu": lambda g: 0.5 * g * (1 + _erf(g / math.sqrt(2))),
+    "gelu_pytorch_tanh": lambda g: 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))),
+    "quick_gelu": lambda g: g / (1 + np.exp(-1.702 * g)),
+    "relu": lambda g: np.maximum(g, 0.0),
+}
+
+
+def _activation(op: str, x: TapRows, taps: Mapping[str, TapRows], tol: float, ups: str,
+                tried: dict[str, float]) -> Signature | None:
+    """``mlp_act`` = act(gate) * up: gate and up agree; each side is reproduced by one standard
+    activation, and they differ."""
+    g, u = taps["mlp_gate"], taps["mlp_up"]
+    if g.a.shape != x.a.shape or u.a.shape != x.a.shape or _rel(g.a, g.b) > tol or _rel(u.a, u.b) > tol:
+        return None
+    with np.errstate(over="ignore"):
+        fa = {n: _rel(x.a, f(g.a) * u.a) for n, f in ACTIVATIONS.items()}
+        fb = {n: _rel(x.b, f(g.b) * u.b) for n, f in ACTIVATIONS.items()}
+    na, nb = min(fa, key=lambda n: fa[n]), min(fb, key=lambda n: fb[n])
+    tried["activation"] = max(fa[na], fb[nb])
+    if fa[na] > tol or fb[nb] > tol or na == nb:
+        return None
+    return Signature(op, "activation", f"the MLP's activation differs: A {na}, B {nb}",
+                     f"mlp_act = act(mlp_gate) * mlp_up reproduces A with {na} (rel err {_g(fa[na])}; {nb}: "
+                     f"{_g(fa[nb])}) and B with {nb} (rel err {_g(fb[nb])}; {na}: {_g(fb[na])}); {ups}",
+                     f"the activation: A {na}, B {nb} (the config's hidden_act, or the kernel the port calls)",
+                     {"a": na, "b": nb})
+
+
+def _residual(op: str, layer: int, x: TapRows, taps: Mapping[str, TapRows], boundary: TapRows, info: LayerInfo,
+              tol: float, tried: dict[str, float]) -> Signature | None:
+    """The residual add before ``mlp_norm``: its input is ``layer<b> + attn_out``. One side's output
+    is that sum normalised (per-channel weight fitted on it); the other's is not, and is reproduced
+    with that weight from another sum: ``layer<b> + c * attn_out`` (c fitted; 0: the attention
+    output not added), ``attn_norm + attn_out`` (the residual taken after the norm) or ``attn_out``
+    alone. A norm weight or eps that differs is reproduced by none of them: it is not mistaken for
+    an add."""
+    o = taps["attn_out"]
+    if boundary.a.shape != o.a.shape or _rel(o.a, o.b) > tol or _rel(boundary.a, boundary.b) > tol:
+        return None
+    eps = info.eps if info.eps is not None else 1e-6
+    inp = "embed" if layer == 0 else f"layer{layer}"
+    normed = taps.get("attn_norm")
+
+    def nrm(h: F64) -> F64:
+        return np.asarray(h / np.sqrt((h * h).mean(1, keepdims=True) + eps), dtype=np.float64)
+
+    def fit(ref: str) -> tuple[float, float, dict[str, float], float] | None:
+        """(ref's residual, the other's with ref's sum, the other's candidates, c) or None."""
+        other = "b" if ref == "a" else "a"
+        xr, xo = getattr(x, ref), getattr(x, other)
+        bo, oo = getattr(boundary, other), getattr(o, other)
+        nr = nrm(getattr(boundary, ref) + getattr(o, ref))
+        den = (nr * nr).sum(0)
+        w = np.where(den > 0, (nr * xr).sum(0) / np.where(den > 0, den, 1.0), 0.0)
+        res_ref = _rel(xr, nr * w)
+        if res_ref > tol:
+            tried["residual"] = min(tried.get("residual", math.inf), res_ref)
+            return None
+
+        def with_c(c: float) -> float:
+            return _rel(xo, nrm(bo + c * oo) * w)
+
+        grid = np.linspace(-3.0, 4.0, 29).tolist()
+        vals = [with_c(c) for c in grid]
+        i = int(np.argmin(vals))
+        c = _golden(with_c, grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)], 40)
+        c = round(c) if abs(c - round(c)) < 1e-3 else c
+        cands = {(f"{inp} alone (attn_out not added)" if c == 0 else f"{inp} + {_g(c)} x attn_out"): with_c(c)}
+        if normed is not None and normed.a.shape == o.a.shape:
+            cands["attn_norm + attn_out (the residual taken after the norm)"] = _rel(
+                xo, nrm(getattr(normed, other) + oo) * w)
+        cands["attn_out alone (the residual not added)"] = _rel(xo, nrm(oo) * w)
+        tried["residual"] = min(cands.values())
+        return res_ref, with_c(1.0), cands, c
+
+    for ref in ("a", "b"):
+        got = fit(ref)
+        if got is None:
+            continue
+        res_ref, res_o1, cands, c = got
+        best = min(cands, key=lambda n: cands[n])
+        if cands[best] > tol or res_o1 <= tol or abs(c - 1) < 1e-3 and best.startswith(inp):
+            continue
+        r, w_ = ref.upper(), "B" if ref == "a" else "A"
+        return Signature(op, "residual", f"the residual add before mlp_norm differs: {w_} normalises {best}",
+                         f"{inp} and attn_out agree; {r}'s mlp_norm is the norm of {inp} + attn_out (rel err "
+                         f"{_g(res_ref)}), {w_}'s is not (rel err {_g(res_o1)}) and is the norm of {best} with {r}'s "
+                         f"weight (rel err {_g(cands[best])})",
+                         f"the residual add after the attention (the input of mlp_norm): {r} {inp} + attn_out, "
+                         f"{w_} {best}",
+                         {"a" if ref == "b" else "b": best, "c": c if best.startswith(inp) else None})
+    return None
+
+
+def _ratio(op: str, x: TapRows, tol: float, ups: str, tried: dict[str, float]) -> Signature | None:
     den = (x.a * x.a).sum(0)
     use = den > 0
     if not use.any():
@@ -417,6 +693,8 @@ def _ratio(op: str, x: TapRows, tol: float, ups: str) -> Signature | None:
                          f"rel err {_g(_rel(x.a, x.b))}, {_g(_rel(x.a * c, x.b))} after the per-channel ratio; {ups}",
                          "that op's weight per channel (a norm weight, or a row scale of the projection)",
                          {"ratio_min": float(cu.min()), "ratio_max": float(cu.max())})
+    tried["scale"] = _rel(x.a * c_all, x.b)
+    tried["per_channel"] = _rel(x.a * c, x.b)
     return None
 
 
@@ -478,13 +756,14 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
     first = next((f for f in ordered if f.severity == Severity.DIVERGENCE), None)
     if first is None or first.kind not in (Kind.NUMERIC, Kind.NONFINITE) or first.tensor is None:
         return None
+    config = config_differences(a, b, first.tensor)
     st = maybe_state(first.tensor)
     if st is None or st.kind != "tap" or st.tap is None or st.layer is None:
-        return None
+        return config_finding(first, config, a.num_layers or b.num_layers)
     layer = st.layer
     mine = [p for p in pairs if (s := maybe_state(p.label)) is not None and s.kind == "tap" and s.layer == layer]
     if not any(p.label == first.tensor for p in mine):
-        return None
+        return config_finding(first, config, a.num_layers or b.num_layers)
     common = mine[0].token_index
     for p in mine[1:]:
         common = np.intersect1d(common, p.token_index)
@@ -501,21 +780,147 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
             if np.isfinite(va).all() and np.isfinite(vb).all():
                 taps[s.tap] = TapRows(s.tap, va, vb)
     except (KeyError, ValueError, OSError):
-        return None   # a tap without full values: no signature, the numeric finding stands
+        # a tap without full values: no signature, the numeric finding stands
+        return config_finding(first, config, a.num_layers or b.num_layers)
     if st.tap not in taps:
-        return None
+        return config_finding(first, config, a.num_layers or b.num_layers)
     codes = code_a[common]
     positions = (codes & POS_MASK).astype(np.int64)
     seqs = (codes >> SEQ_BITS).astype(np.int64)
     info = _info(a, b, [p.name_a for p in mine], [p.name_b for p in mine])
     ms = _norm_ms(a, pairs, layer, st.tap, common, taps)
-    sig = classify(layer, st.tap, taps, positions, seqs, info, ms)
+    inp = _boundary_rows(a, b, pairs, layer, common) if st.tap == "mlp_norm" else None
+    sig = classify(layer, st.tap, taps, positions, seqs, info, ms, boundary=inp, next_step=weights_command(a, b))
+    params = {k: v for k, v in sig.params.items()}
+    cause = sig.cause
+    if config:   # the recorded configs name the cause; the fit is its evidence
+        cause = f"the models' configs: {model_config.sentence(config)} ({sig.cause})"
+        params["config"] = {k: [va, vb] for k, va, vb in config}
+    consumer = absorbed_by(first, ordered, pairs, a.num_layers or b.num_layers)
+    if consumer is not None:
+        # nothing the op feeds differs: the difference cancels (q and k rotated at the same
+        # offset, whose attention depends only on their distance), a note, not a divergence
+        params["absorbed"] = consumer
+        if sig.kind == "rope_offset" and st.tap == "q_rope" and "k_rope" in taps:
+            ks = classify(layer, "k_rope", taps, positions, seqs, info)
+            d = (sig.params["offset_b"] - sig.params["offset_a"], ks.params.get("offset_b", 0) - ks.params.get("offset_a", 0))
+            if ks.kind == "rope_offset" and d[0] == d[1]:
+                cause = (f"q and k both rotated at positions offset by {d[0]:+d} on B: attention depends only on "
+                         f"the distance of their positions ({cause})")
+        for f in ordered:
+            if f.severity == Severity.DIVERGENCE:
+                f.severity = Severity.INFO
     det = SignatureDetails(token_index=first.details.token_index, op=sig.op, signature=sig.kind, what=sig.what,
-                           evidence=sig.evidence, cause=sig.cause, layer=layer,
-                           params={k: v for k, v in sig.params.items()})
-    return Finding(Kind.SIGNATURE, Severity.DIVERGENCE, tensor=sig.op, order=first.order, seq=first.seq,
+                           evidence=sig.evidence, cause=cause, layer=layer, params=params)
+    return Finding(Kind.SIGNATURE, Severity.INFO if consumer is not None else Severity.DIVERGENCE, tensor=sig.op,
+                   order=first.order, seq=first.seq, position=first.position, position_b=first.position_b,
+                   token=first.token, regime=first.regime, regime_a=first.regime_a, details=det)
+
+
+def config_differences(a: TraceSource, b: TraceSource, state: str) -> list[tuple[str, Any, Any]]:
+    """The differences of the two traces' recorded model configs (:mod:`tensordiff.model_config`,
+    validated) that can cause a first divergence at ``state``."""
+    diffs = model_config.differences(model_config.read(getattr(a, "model", None)),
+                                     model_config.read(getattr(b, "model", None)))
+    return [d for d in diffs if model_config.explains(d[0], state)]
+
+
+def config_finding(first: Finding, config: Sequence[tuple[str, Any, Any]], num_layers: int | None) -> Finding | None:
+    """The finding that leads a diff whose first divergence a recorded config difference explains
+    (None without one): the difference, then where it shows."""
+    if not config or first.tensor is None:
+        return None
+    st = maybe_state(first.tensor)
+    where = ("every decoder layer runs with it (layer 0 shows it first)" if st is None or st.kind != "boundary"
+             or st.layer != 0 else "the embedding is where it acts")
+    det = SignatureDetails(token_index=first.details.token_index, op=first.tensor, signature="config",
+                           what=f"the models' recorded configs differ, and {where}", evidence=first.message,
+                           cause=model_config.sentence(list(config)), layer=None,
+                           params={"config": {k: [va, vb] for k, va, vb in config}})
+    # just before the divergence it explains: that one and every later one read as inherited from it
+    return Finding(Kind.SIGNATURE, Severity.DIVERGENCE, tensor=first.tensor, order=first.order - 1e-9, seq=first.seq,
                    position=first.position, position_b=first.position_b, token=first.token, regime=first.regime,
                    regime_a=first.regime_a, details=det)
+
+
+#: the tap of a layer that every earlier tap of its block feeds: a difference there or nowhere
+_CONSUMER = {**{t: "attn_out" for t in ("attn_norm", "q", "k", "v", "q_rope", "k_rope")},
+             **{t: "mlp_out" for t in ("mlp_norm", "router", "mlp_gate", "mlp_up", "mlp_act")}}
+
+
+def absorbed_by(first: Finding, ordered: Sequence[Finding], pairs: Sequence[TapPair],
+                num_layers: int | None) -> str | None:
+    """The tap that absorbs the difference of ``first`` (a divergent tap of a zoomed layer), or
+    None: every divergence of the diff is a tap of that layer's block before the block's output
+    (``attn_out`` for the attention's taps, ``mlp_out`` for the MLP's), that output and the next
+    boundary were compared and neither diverges, nor does anything after them. A difference no
+    later state shows has no effect downstream."""
+    st = maybe_state(first.tensor or "")
+    if st is None or st.tap not in _CONSUMER or st.layer is None or first.kind != Kind.NUMERIC:
+        return None
+    out = f"layer{st.layer}.{_CONSUMER[st.tap]}"
+    labels = {p.label for p in pairs}
+    if out not in labels or f"layer{st.layer + 1}" not in labels:
+        return None
+    at = parse_state(out).order(num_layers)
+    for f in ordered:
+        if f.severity != Severity.DIVERGENCE:
+            continue
+        fs = maybe_state(f.tensor or "")
+        if f.kind != Kind.NUMERIC or fs is None or fs.kind != "tap" or fs.layer != st.layer or fs.order(num_layers) >= at:
+            return None
+    return out
+
+
+def _boundary_rows(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], layer: int,
+                   common: NDArray[np.int64]) -> TapRows | None:
+    """Boundary ``layer<b>`` (the layer's input) on both sides at the compared tokens, when both
+    recorded its full values."""
+    label = "embed" if layer == 0 else f"layer{layer}"
+    p = next((p for p in pairs if p.label == label), None)
+    if p is None or not np.isin(common, p.token_index).all():
+        return None
+    at = np.searchsorted(p.token_index, common)
+    try:
+        va = a.read_values_at(p.name_a, p.rows_a[at]).astype(np.float64)
+        vb = b.read_values_at(p.name_b, p.rows_b[at]).astype(np.float64)
+    except (KeyError, ValueError, OSError):
+        return None
+    if not (np.isfinite(va).all() and np.isfinite(vb).all()):
+        return None
+    return TapRows(label, va, vb)
+
+
+#: the longest model directory a trace's ``model.path`` may give for a printed command
+_MAX_PATH = 4096
+
+
+def model_dir(src: TraceSource) -> str | None:
+    """The model directory a trace recorded (``model.path``), or None: read as hostile input: a
+    string of printable characters, not too long."""
+    v = getattr(src, "model", {}).get("path") if isinstance(getattr(src, "model", None), dict) else None
+    if not isinstance(v, str) or not v or len(v) > _MAX_PATH or not v.isprintable():
+        return None
+    return v
+
+
+def weights_command(a: TraceSource, b: TraceSource) -> str:
+    """The command that compares the two sides' weights, with the model directories the traces
+    recorded (shell-quoted), or what is missing to make it."""
+    import shlex
+
+    da, db = model_dir(a), model_dir(b)
+    if da is None or db is None:
+        which = " and ".join(s for s, d in (("A", da), ("B", db)) if d is None)
+        return (f"compare the two models' weights: tensordiff weights DIR_A DIR_B; {which} recorded no model "
+                "directory")
+    cmd = f"tensordiff weights {shlex.quote(da)} {shlex.quote(db)}"
+    gone = [d for d in (da, db) if not os.path.exists(d)]
+    if gone:
+        return f"compare the weights: {cmd} (not on this machine: {', '.join(shlex.quote(d) for d in gone)})"
+    if os.path.realpath(da) == os.path.realpath(db):
+        return f"both traces recorded the model {shlex.quote(da)}: the weights are the same; the op's kernel or code"
+    return f"compare the weights: {cmd}"
 
 
 def _norm_ms(a: TraceSource, pairs: Sequence[TapPair], layer: int, tap: str, common: NDArray[np.int64],

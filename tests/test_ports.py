@@ -61,6 +61,36 @@ def _interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
     return q * c + rot(q) * s, k * c + rot(k) * s
 
 
+def _at_next_position(apply):
+    """A port whose query is rotated at position p+1 (its keys at p): ``apply`` is HF's own
+    ``apply_rotary_pos_emb``, given the cos/sin of angle + one position's frequencies."""
+    def rotated(q, k, cos, sin, unsqueeze_dim=1):
+        hd = cos.shape[-1]
+        inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        f = torch.cat((inv, inv)).to(cos.dtype)
+        c1, s1 = cos * f.cos() - sin * f.sin(), sin * f.cos() + cos * f.sin()
+        return apply(q, k, c1, s1, unsqueeze_dim)[0], apply(q, k, cos, sin, unsqueeze_dim)[1]
+    return rotated
+
+
+def _residual_after_norm(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                         use_cache=False, position_embeddings=None, **kwargs):
+    """A port that takes the residual after the input norm (HF: before it)."""
+    hidden_states = self.input_layernorm(hidden_states)
+    residual = hidden_states
+    attn, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, use_cache=use_cache,
+                             position_embeddings=position_embeddings, **kwargs)
+    hidden_states = residual + attn
+    residual = hidden_states
+    return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def _scale_by_head_dim(model):
+    for layer in model.model.layers:
+        layer.self_attn.scaling = 1.0 / layer.self_attn.head_dim
+
+
 def _tiled_kv(hidden, n_rep):
     """A port whose query head h reads key/value head h % kv_heads (HF: h // n_rep)."""
     return hidden if n_rep == 1 else hidden.repeat(1, n_rep, 1, 1)
@@ -133,18 +163,42 @@ def _cases():
         "mlp_scaled": dict(weights=lambda m: m.model.layers[3].mlp.down_proj.weight.mul_(1.05)),
         "gate_up_swapped": dict(weights=_swap_gate_up),
         "final_norm_skipped": dict(load=norm_skipped),
+        "attn_scale": dict(load=_scale_by_head_dim),
+        # look-alikes: a weight scaled after the attention is no softmax scale, a norm weight no add
+        "o_proj_scaled": dict(weights=lambda m: m.model.layers[0].self_attn.o_proj.weight.mul_(1.05)),
+        "mlp_norm_weight": dict(weights=lambda m: m.model.layers[0].post_attention_layernorm.weight.mul_(
+            1 + 0.05 * torch.randn(m.model.layers[0].post_attention_layernorm.weight.shape,
+                                   generator=torch.Generator().manual_seed(3)))),
+        "activation": dict(config={"hidden_act": "gelu_pytorch_tanh"}),
+        "residual_after_norm": dict(patch=[(modeling_llama.LlamaDecoderLayer, "forward", _residual_after_norm)]),
+        "q_at_next_position": dict(patch=[(modeling_llama, "apply_rotary_pos_emb",
+                                           _at_next_position(modeling_llama.apply_rotary_pos_emb))]),
     }
 
 
 # what the first sentence of each port's diff must say (op, signature, parameter)
 EXPECT = {
-    "rope_theta": ("layer0.q_rope", "rotary", ["rope theta: A 1e+04, B 2e+04"]),
+    "rope_theta": ("layer0.q_rope", "rotary", ["rope theta: A 1e+04, B 2e+04",
+                                               "the models' configs: rope_theta is 10000 on A and 20000 on B"]),
     "rope_interleaved": ("layer0.q_rope", "rotary", ["layout", "interleaved"]),
-    "norm_eps": ("layer0.attn_norm", "norm_eps", ["eps 0.001"]),
+    "norm_eps": ("layer0.attn_norm", "norm_eps", ["eps 0.001", "norm_eps is 1e-05 on A and 0.001 on B"]),
     "gqa_order": ("layer0.attn_out", "gqa", ["kv head h // rep", "h % kv_heads"]),
     "mlp_scaled": ("layer3.mlp_out", "scale", ["scaled by 1.05"]),
     "gate_up_swapped": ("layer0.mlp_gate", "swap", ["B's mlp_gate holds A's mlp_up"]),
     "final_norm_skipped": ("final_norm", None, ["final_norm on B holds layer8"]),
+    "attn_scale": ("layer0.attn_out", "attn_scale", ["A 1/sqrt(head_dim) = 0.25, B 1/head_dim = 0.0625"]),
+    "o_proj_scaled": ("layer0.attn_out", "scale", ["scaled by 1.05"]),
+    "mlp_norm_weight": ("layer0.mlp_norm", "per_channel", ["per-channel ratio"]),
+    "activation": ("layer0.mlp_act", "activation", ["A silu, B gelu_pytorch_tanh"]),
+    "residual_after_norm": ("layer0.mlp_norm", "residual", ["B attn_norm + attn_out"]),
+    "q_at_next_position": ("layer0.q_rope", "rope_offset", ["B's are offset by +1"]),
+}
+# the same ports diffed the other way round (the port as A): what the first sentence says then
+REVERSED = {
+    "attn_scale": ["A 1/head_dim = 0.0625, B 1/sqrt(head_dim) = 0.25"],
+    "activation": ["A gelu_pytorch_tanh, B silu", "activation is gelu_pytorch_tanh on A and silu on B"],
+    "q_at_next_position": ["B's are offset by -1"],
+    "residual_after_norm": ["A normalises attn_norm + attn_out", "B embed + attn_out"],
 }
 
 
@@ -163,6 +217,13 @@ def test_port_bug_is_named_by_op_and_signature(root, monkeypatch, name):
     for w in words:
         assert w in head, head
     print(f"{name}: plain: {plain.headline()}\n  zoomed: {head}")
+    if name in REVERSED:
+        rev = diff_traces(zoomed.path_b, zoomed.path_a)
+        assert rev.exit_code == 1 and rev.first_divergence.tensor == op, rev.headline()
+        assert rev.first_divergence.details.signature == kind, rev.headline()
+        for w in REVERSED[name]:
+            assert w in rev.headline(), rev.headline()
+        print(f"  reversed: {rev.headline()}")
     if name != "final_norm_skipped":
         # every layer of these ports computes something else: no boundary of B "holds" another
         # boundary of A (a spread that wide is the bug, not a noise floor to match within)
@@ -194,3 +255,94 @@ def test_correct_bf16_port_agrees(root):
     zoomed = diff_traces(str(_ref(root, "--zoom", "layer3")),
                          str(_record(root / "bf16-z3.h5", trained.target_dir(), "--zoom", "layer3", dtype="bfloat16")))
     assert zoomed.exit_code == 0, zoomed.headline()
+
+
+def test_q_and_k_rotated_at_the_next_position_is_a_note(root, monkeypatch):
+    """q and k both rotated at p+1: attention depends only on their distance, so attn_out and every
+    later state agree. q_rope and k_rope differ, a note (exit 0), both orders."""
+    from transformers.models.llama import modeling_llama
+
+    ref = _ref(root, "--zoom", "layer0")
+    orig = modeling_llama.LlamaRotaryEmbedding.forward
+    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward",
+                        lambda self, x, position_ids: orig(self, x, position_ids + 1))
+    port = _record(root / "qk-next-z0.h5", trained.target_dir(), "--zoom", "layer0")
+    for a, b in ((ref, port), (port, ref)):
+        res = diff_traces(str(a), str(b))
+        assert res.exit_code == 0, res.headline()
+        note = next(f for f in res.findings if f.kind == "signature")
+        assert note.severity == "info" and note.tensor == "layer0.q_rope", note.message
+        assert note.details.params["absorbed"] == "layer0.attn_out", note.message
+        assert "nothing after it does" in note.message, note.message
+        assert "q and k both rotated at positions offset by" in note.message, note.message
+        assert {f.tensor for f in res.findings if f.kind == "numeric"} >= {"layer0.q_rope", "layer0.k_rope"}
+        print(note.message)
+
+
+def test_no_kind_fits_names_the_misses_and_a_weights_command_that_runs(root, capsys):
+    """up_proj's weights of layer 0 perturbed elementwise: no kind fits mlp_up. The sentence lists
+    each kind tried with its residual, and the weights command with the two traces' model
+    directories, which runs as printed and names the parameter (both orders)."""
+    import shlex
+
+    g = torch.Generator().manual_seed(5)
+    model = _variant(root, "up_noise", edit=lambda m: m.model.layers[0].mlp.up_proj.weight.mul_(
+        1 + 0.01 * torch.randn(m.model.layers[0].mlp.up_proj.weight.shape, generator=g)))
+    ref = _ref(root, "--zoom", "layer0")
+    port = _record(root / "up_noise-z0.h5", model, "--zoom", "layer0")
+    for a, b, dirs in ((ref, port, (trained.target_dir(), model)), (port, ref, (model, trained.target_dir()))):
+        res = diff_traces(str(a), str(b))
+        f = res.first_divergence
+        assert res.exit_code == 1 and f.tensor == "layer0.mlp_up" and f.details.signature == "op", res.headline()
+        tried = f.details.params["tried"]
+        assert {"swap", "scale", "per_channel"} <= set(tried), tried
+        head = res.headline()
+        for k, v in tried.items():
+            assert f"{k} {v:.3g}" in head and v > f.details.params["tolerance"], head
+        cmd = f"tensordiff weights {shlex.quote(str(dirs[0]))} {shlex.quote(str(dirs[1]))}"
+        assert f"compare the weights: {cmd}" in head, head
+        print(head)
+        capsys.readouterr()
+        assert main(shlex.split(cmd)[1:]) == 1
+        out = capsys.readouterr().out
+        assert "first at layer0 mlp_up (model.layers.0.mlp.up_proj.weight)" in out.splitlines()[0], out
+
+
+def test_a_port_of_the_same_weights_says_so_instead_of_a_weights_command():
+    """A code bug (the weights are one directory): where no kind fits, the pointer says the
+    weights are the same rather than printing a comparison that finds nothing."""
+    from tensordiff.signatures import weights_command
+
+    class Src:
+        def __init__(self, path):
+            self.model = {"path": path}
+
+    d = str(trained.target_dir())
+    assert "the weights are the same" in weights_command(Src(d), Src(d))
+    # a recorded path is hostile input: escapes, wrong types, huge strings give no command
+    for bad in ("\x1b[31m/x", 5, ["a"], "/x" * 5000, "", None):
+        got = weights_command(Src(bad), Src(d))
+        assert "A recorded no model directory" in got and "\x1b" not in got, got
+    assert "not on this machine" in weights_command(Src("/nonexistent/m"), Src(d))
+
+
+# ports whose bug is a config setting: the plain diff's first sentence names it, both orders
+CONFIG = {
+    "rope_theta": ("rope_theta is 10000 on A and 20000 on B", "rope_theta is 20000 on A and 10000 on B"),
+    "norm_eps": ("norm_eps is 1e-05 on A and 0.001 on B", "norm_eps is 0.001 on A and 1e-05 on B"),
+    "activation": ("activation is silu on A and gelu_pytorch_tanh on B", "activation is gelu_pytorch_tanh on A and silu on B"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG))
+def test_a_config_port_names_the_setting_first(root, name):
+    case = _cases()[name]
+    port = root / f"{name}.h5"
+    if not port.exists():
+        _record(port, _variant(root, name, case.get("weights"), case.get("config")))
+    ref = _ref(root)
+    for (a, b), words in zip(((ref, port), (port, ref)), CONFIG[name]):
+        res = diff_traces(str(a), str(b))
+        assert res.exit_code == 1 and res.first_divergence.tensor == "layer1", res.headline()
+        assert res.headline().startswith(words + ": the models' recorded configs differ"), res.headline()
+        print(res.headline())

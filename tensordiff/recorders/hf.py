@@ -26,13 +26,14 @@ returns the post-norm state as ``hidden_states[N]``; here it is ``final_norm``, 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .. import conventions
+from .. import conventions, model_config
 from ..vocab import FINAL_NORM, boundary_label, parse_label
 from .core import Recorder, logical_dtype
 from .hooks import batch_rows
@@ -71,8 +72,16 @@ def model_info(model: torch.nn.Module) -> dict:
         h = next(p for p in model.parameters()).shape[-1]
     archs = getattr(getattr(model, "config", None), "architectures", None) or [type(model).__name__]
     dtype = next(model.parameters()).dtype
-    return {"num_layers": n, "hidden_size": int(h), "dtype": logical_dtype(dtype), "architecture": archs[0],
-            "model_type": getattr(cfg, "model_type", None), "vocab_size": getattr(cfg, "vocab_size", None)}
+    out = {"num_layers": n, "hidden_size": int(h), "dtype": logical_dtype(dtype), "architecture": archs[0],
+           "model_type": getattr(cfg, "model_type", None), "vocab_size": getattr(cfg, "vocab_size", None)}
+    config = model_config.from_config(getattr(model, "config", None), logical_dtype(dtype))
+    if config:
+        out["config"] = config
+    # the directory it was loaded from, for the commands a diff prints (tensordiff weights DIR_A DIR_B)
+    src = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if isinstance(src, str) and src and os.path.isdir(src):
+        out["path"] = os.path.abspath(src)
+    return out
 
 
 def draft_rows(rows: np.ndarray) -> np.ndarray:

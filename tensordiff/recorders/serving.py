@@ -65,9 +65,16 @@ class ServeState:
 
 def model_facts(model_config, num_layers: int, hidden_size: int, architecture, path: str) -> dict:
     """The trace's ``model`` attribute: the engine model config's dtype without ``torch.``."""
+    from .. import model_config as numerics_config
+
     dtype = str(getattr(model_config, "dtype", "")).replace("torch.", "")
-    return {"num_layers": num_layers, "hidden_size": hidden_size, "architecture": architecture, "dtype": dtype,
-            "path": path}
+    out = {"num_layers": num_layers, "hidden_size": hidden_size, "architecture": architecture, "dtype": dtype,
+           "path": path}
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    config = numerics_config.from_config(hf, dtype or None) if hf is not None else {}
+    if config:
+        out["config"] = config
+    return out
 
 
 def open_recorder(cfg, path: str, *, engine: str, version: str, torch_version: str, model: dict, meta: dict):

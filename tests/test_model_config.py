@@ -1,0 +1,149 @@
+"""The model configuration that changes numerics (tensordiff.model_config): taken from a real HF
+config, stored in the trace's ``model`` attribute, read back as hostile input (wrong types, huge
+numbers, deep or huge JSON, terminal escapes), and named first by the diff when a difference
+explains the first divergence (both orders); a difference that cannot explain it is not named."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from tensordiff import model_config
+from tensordiff.diff import diff_traces
+from tensordiff.trace import TraceWriter
+from tracegen import assert_clean_exit, run_isolated
+
+H = 32
+
+
+def _pair(d, config_a, config_b, *, bad_from=1, name="p"):
+    """Two traces of embed, layer1, layer2 on the same tokens: B's states from boundary
+    ``bad_from`` on differ by 10% (``bad_from`` None: they agree to 1e-7)."""
+    rng = np.random.default_rng(0)
+    states = [rng.standard_normal((3, 16, H)).astype(np.float32) for _ in range(3)]
+    paths = []
+    for side, cfg in (("train", config_a), ("serve", config_b)):
+        p = str(d / f"{name}-{side}.h5")
+        model = {"num_layers": 2, "hidden_size": H}
+        if cfg is not None:
+            model["config"] = cfg
+        with TraceWriter(p, side=side, model=model, sketch_dim=8) as w:
+            for b in range(3):
+                w.define_tensor("embed" if b == 0 else f"layer{b}", H, kind="boundary", boundary=b)
+            r = np.random.default_rng(1)
+            for s in range(3):
+                rows = w.add_tokens(f"s{s}", np.arange(16), np.arange(16) + 5 + s,
+                                    "train" if side == "train" else "prefill")
+                for b in range(3):
+                    x = states[b][s]
+                    if side == "serve":
+                        bad = bad_from is not None and b >= bad_from
+                        x = x * (1 + (0.1 if bad else 1e-7) * r.standard_normal(x.shape).astype(np.float32))
+                    w.append("embed" if b == 0 else f"layer{b}", rows, x)
+        paths.append(p)
+    return paths
+
+
+def test_an_hf_config_is_recorded_with_the_numerics_settings():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                   hidden_act="silu", rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    got = model_config.from_config(cfg, "bfloat16")
+    assert got == {"rope_theta": 500000.0, "rope_type": "default", "norm_eps": 1e-5, "heads": 4, "kv_heads": 2,
+                   "head_dim": 16, "activation": "silu", "tie_word_embeddings": False, "dtype": "bfloat16"}, got
+    # a config.json dict with the older rope_scaling: linear factor 4
+    got = model_config.from_config({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    assert got["rope_type"] == "linear" and got["rope_factor"] == 4.0 and got["rope_theta"] == 1e4
+
+
+@pytest.mark.parametrize("bad", [
+    {"rope_theta": "1e4"}, {"rope_theta": True}, {"rope_theta": float("inf")}, {"rope_theta": 1e301},
+    {"heads": 2.5}, {"heads": 1 << 62}, {"heads": -0.0}, {"activation": "\x1b[31msilu"}, {"activation": "x" * 65},
+    {"activation": ["silu"]}, {"tie_word_embeddings": 1}, {"dtype": {"a": 1}}, {"norm_eps": None},
+])
+def test_read_drops_each_hostile_value(bad):
+    assert model_config.read({"config": {**bad, "unknown": 1}}) == {}
+    assert model_config.read({"config": [bad]}) == {} and model_config.read("x") == {}
+
+
+def test_a_config_difference_that_explains_the_first_divergence_leads(tmp_path):
+    a, b = _pair(tmp_path, {"rope_theta": 500000.0, "norm_eps": 1e-5, "dtype": "float32"},
+                 {"rope_theta": 10000.0, "norm_eps": 1e-5, "dtype": "bfloat16"})
+    for x, y, words in ((a, b, "rope_theta is 500000 on A and 10000 on B"),
+                        (b, a, "rope_theta is 10000 on A and 500000 on B")):
+        res = diff_traces(x, y)
+        assert res.exit_code == 1
+        head = res.headline()
+        assert head.startswith(words + ": the models' recorded configs differ"), head
+        assert "dtype" not in head and "norm_eps" not in head, head   # not a cause / the same
+        assert res.first_divergence.tensor == "layer1"
+        assert res.first_divergence.details.params == {"config": {"rope_theta": [float(json.loads(words.split()[2])),
+                                                                                 float(words.split()[6])]}}
+
+
+def test_a_config_difference_is_not_named_where_it_cannot_be_the_cause(tmp_path):
+    # the first divergence at layer2 (layer1 agrees): a setting every layer uses would show at layer1
+    a, b = _pair(tmp_path, {"rope_theta": 500000.0}, {"rope_theta": 10000.0}, bad_from=2)
+    res = diff_traces(a, b)
+    assert res.exit_code == 1 and res.first_divergence.tensor == "layer2"
+    assert "rope_theta" not in res.headline(), res.headline()
+    # no divergence: a recorded difference alone is no finding
+    a, b = _pair(tmp_path, {"rope_theta": 500000.0}, {"rope_theta": 10000.0}, bad_from=None, name="ok")
+    res = diff_traces(a, b)
+    assert res.exit_code == 0, res.headline()
+
+
+def _set_model(path, text):
+    with h5py.File(path, "r+") as f:
+        f.attrs.modify("model", text)
+
+
+@pytest.mark.parametrize("case", ["escapes", "huge_numbers", "deep", "huge", "wrong_type"])
+def test_a_crafted_config_attribute_is_one_clean_answer(tmp_path, case):
+    """The config as a crafted file carries it: the diff answers (exit 1 on the divergence, or
+    one line and exit 2 where the reader refuses the attribute), never a traceback, never an
+    escape on the terminal, and names no config value it could not validate."""
+    a, b = _pair(tmp_path, {"rope_theta": 10000.0}, {"rope_theta": 10000.0})
+    base = {"num_layers": 2, "hidden_size": H}
+    text = {
+        "escapes": json.dumps({**base, "config": {"activation": "\x1b]0;pwned\x07\x1b[2J", "rope_theta": 500000.0,
+                                                  "\x1b[31mheads": 3}}),
+        "huge_numbers": json.dumps({**base, "config": {"rope_theta": 1e308, "heads": 10 ** 400, "head_dim": -1}}),
+        "deep": json.dumps(base)[:-1] + ', "config": ' + "[" * 100000 + "]" * 100000 + "}",
+        "huge": json.dumps({**base, "config": {"activation": "s" * (64 << 20)}}),
+        "wrong_type": json.dumps({**base, "config": "rope_theta=500000"}),
+    }[case]
+    _set_model(b, text)
+    rc, out, err = run_isolated(["diff", a, b], timeout=120)
+    assert_clean_exit(rc, out, err, case)
+    assert "\x1b" not in out and "\x1b" not in err and "\x07" not in out
+    assert rc in (1, 2), (rc, out[-500:], err[-500:])
+    print(case, rc, (err.strip() or out.splitlines()[0])[:200])
+    if rc == 2:
+        assert len(err.strip().splitlines()) == 1, err
+    else:
+        first = [ln for ln in out.splitlines() if ln.strip()][0]
+        assert "rope_theta" not in first or case == "escapes", first
+        if case == "escapes":   # the valid value is named, the escaped ones are not
+            assert "rope_theta is 10000 on A and 500000 on B" in out, out[:800]
+            assert "pwned" not in out and "heads" not in first, out[:800]
+
+
+@pytest.mark.slow
+def test_the_engine_plugins_record_the_engines_config():
+    """The SGLang and vLLM plugins' model attribute (serving.model_facts) from SGLang's own
+    ModelConfig of the trained model: the settings its HF config states, the engine's dtype."""
+    pytest.importorskip("torch")
+    mc_mod = pytest.importorskip("sglang.srt.configs.model_config")
+    import trained
+
+    from tensordiff.recorders.serving import model_facts
+
+    mc = mc_mod.ModelConfig(model_path=str(trained.target_dir()))
+    got = model_facts(mc, 8, 64, "LlamaForCausalLM", str(trained.target_dir()))
+    dtype = str(mc.dtype).replace("torch.", "")
+    assert got["config"] == {"rope_theta": 10000.0, "rope_type": "default", "norm_eps": 1e-5, "heads": 4, "kv_heads": 2,
+                             "head_dim": 16, "activation": "silu", "tie_word_embeddings": False, "dtype": dtype}, got
