@@ -408,7 +408,8 @@ def test_readme_first_screen_is_what_a_user_needs():
     assert "scripts/setup.sh core && .venv/bin/tensordiff diff traces/train.h5 traces/serve.h5" in first
     assert "scripts/test.sh" in first
     assert "| what | what it costs" in first            # what it costs, in one table
-    assert "slot 0 of draft_input holds layer3 where embed was expected" in first
+    assert ("train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer5, layer7]; "
+            "the draft was trained on train's") in first
     # measurement history lives in docs/benchmarks.md, not in a user's README or the TUI's page
     for doc in ("README.md", "docs/tui.md"):
         body = (ROOT / doc).read_text()
@@ -437,10 +438,12 @@ def test_example_pair_has_predictions_and_shows_acceptance():
     p = _run("diff", *EXAMPLE, env=_env(COLUMNS="120"))
     assert p.returncode == 1, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0] == "slot 0 of draft_input holds layer3 where embed was expected"   # the same first line
+    assert lines[0] == ("train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer5, layer7]; "
+                        "the draft was trained on train's")   # the same first line
     acc = [x for x in lines if "acceptance:" in x]
     assert acc and "verify steps" in acc[0], p.stdout
-    assert "first divergence upstream: slot 0 of draft_input holds layer3" in " ".join(p.stdout.split()), p.stdout
+    upstream = "first divergence upstream: slot 0 of draft_input: train feeds embed, serve feeds layer3"
+    assert upstream in " ".join(p.stdout.split()), p.stdout
     assert any(x.startswith("acceptance by draft position") for x in lines), p.stdout
     readme = "\n".join((ROOT / "README.md").read_text().splitlines()[:45])
     assert "acceptance" in readme and "verify steps" in readme, readme
