@@ -308,9 +308,9 @@ def _identity(f: Finding, d: IdentityDetails) -> str:
             a, b = separated(1.0 - d.cos, ev.floor)
             src = f", {ev.floor_source}" if ev.floor_source else ""
             return (f"{who} is closest to {_state_words(d.closest, d.offset)} but equal to no recorded state "
-                    f"(cos {d.cos:.4f}: 1 - cos {a} > {b} allowed (noise floor{src})){where}")
+                    f"(1 - cos {a} > {b} allowed (noise floor{src})){where}")
         return (f"{who} is closest to {_state_words(d.closest, d.offset)} but equal to no recorded state "
-                f"(cos {d.cos:.4f}){where}")
+                f"(1 - cos {1.0 - d.cos:.2g}){where}")
     if d.outcome == "ambiguous":
         tie = " and ".join([_state_words(d.closest, d.offset)] + list(d.tied[:1]))
         if f.severity == Severity.DIVERGENCE:
@@ -388,8 +388,8 @@ def _numeric(f: Finding, d: NumericDetails) -> str:
             other = f"1 - cos {one_minus:.2g}"
         return (f"{d.subject} diverges at {where_token(f)}: {what} ({src}); {other}{on}; "
                 f"{d.failing} of {d.tokens} tokens fail{where_failing(d)}{tail}")
-    s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g}{on} "
-         f"(tolerance cos >= {t.get('min_cos', 0):g}, rel <= {t.get('max_rel', 0):g}); "
+    s = (f"{d.subject} diverges at {where_token(f)}: 1 - cos {1.0 - d.cos:.2g}, rel err {d.rel:.3g}{on} "
+         f"(tolerance 1 - cos <= {1.0 - float(t.get('min_cos', 0)):.2g}, rel <= {t.get('max_rel', 0):g}); "
          f"{d.failing} of {d.tokens} tokens fail")
     return s + tail
 

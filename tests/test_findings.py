@@ -67,8 +67,8 @@ def test_sentence_is_rendered_from_the_details():
                 regime="prefill", details=NumericDetails(subject="layer2", cos=0.5, rel=0.8, failing=2, tokens=9,
                                                          tolerance={"min_cos": 0.97, "max_rel": 0.25}))
     assert render_sentence(f) == f.message == (
-        "layer2 diverges at token 7 (seq s0, position 3, prefill): cos 0.5000, rel err 0.8 "
-        "(tolerance cos >= 0.97, rel <= 0.25); 2 of 9 tokens fail")
+        "layer2 diverges at token 7 (seq s0, position 3, prefill): 1 - cos 0.5, rel err 0.8 "
+        "(tolerance 1 - cos <= 0.03, rel <= 0.25); 2 of 9 tokens fail")
     f.details.explained = True
     assert f.message.endswith("(explained by the wrong state above)")
 

@@ -178,7 +178,7 @@ async def test_opens_on_first_divergence(pair, pair_result):
         assert "cos" in detail and "rel err" in detail and "max abs" in detail
         assert f"token {first.token}" in detail if first.token is not None else True
         headline = str(app.query_one("#headline").render())
-        assert first.message in headline
+        assert app.result.headline() in headline
         summary_path = app.summary_path
         assert summary_path and os.path.exists(summary_path)
         await pilot.press("q")

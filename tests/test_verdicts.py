@@ -86,7 +86,7 @@ def test_absent_state_is_not_named_as_a_neighbour(tmp_path, nr8, seqs, train8):
     assert res.exit_code == 1
     (f,) = [f for f in _identity(res, 1) if f.severity == "divergence"]
     assert f.details.outcome == "no_state" and f.details.closest in ("layer3", "layer4")
-    assert "but equal to no recorded state (cos 0.99" in f.message and f.message.endswith("where layer3 was expected")
+    assert "but equal to no recorded state (1 - cos " in f.message and f.message.endswith("where layer3 was expected")
     assert res.headline() == f.message
     ev = f.details.evidence
     assert not ev.exact and not ev.within_floor and ev.cos > 0.99

@@ -563,7 +563,7 @@ class TensordiffApp(App[int]):
             else:
                 flags = int(fl)
                 verdict = "NaN/Inf" if flags & 2 else ("fails tolerance" if flags & 1 else "within tolerance")
-                what = Text(f"cos {cos:.6f}  rel {rel:.3g}  max abs {mx:.3g}  ({verdict})",
+                what = Text(f"1 - cos {1.0 - cos:.3g}  rel {rel:.3g}  max abs {mx:.3g}  ({verdict})",
                             style="bold red" if flags else "")
         self.detail_text = Text("\n").join([
             Text.assemble((col.label, "bold"), "  ", where), what,
@@ -594,9 +594,9 @@ class TensordiffApp(App[int]):
         if fl != fl:
             what = Text("no row for this token in this tensor", style="dim")
         elif int(fl) & 2:
-            what = Text(f"cos {cos:.6f}  rel {rel:.3g}  max abs {mx:.3g}  (NaN/Inf)", style="bold red")
+            what = Text(f"1 - cos {1.0 - cos:.3g}  rel {rel:.3g}  max abs {mx:.3g}  (NaN/Inf)", style="bold red")
         else:
-            what = Text(f"cos {cos:.6f}  rel {rel:.3g}  max abs {mx:.3g}  (no verdict yet)")
+            what = Text(f"1 - cos {1.0 - cos:.3g}  rel {rel:.3g}  max abs {mx:.3g}  (no verdict yet)")
         self.detail_text = Text("\n").join([
             Text.assemble((col.label, "bold"), "  ", where), what,
             Text("preview of the first tokens, aligned among themselves: the tolerances, the verdict and the "
