@@ -399,7 +399,8 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
         rows = []
         for w in res.worst_tokens[:worst]:
             sk = w.get("tensor") in sketch
-            rows.append([f"<code>{_e(w.get('tensor'))}</code>", _e(w.get("slot")) if w.get("tensor") in slotted else "", _e(w.get("seq")), _e(w.get("position")),
+            slot = _e(w.get("slot")) if w.get("tensor") in slotted else ""   # a tensor without slots names none
+            rows.append([f"<code>{_e(w.get('tensor'))}</code>", slot, _e(w.get("seq")), _e(w.get("position")),
                          _e(w.get("token")), f"<code>{_e(text(w.get('token')))}</code>" if text else "",
                          _e(regime_words(w.get("regime"), w.get("regime_a"))), _num(w.get("rel"), approx=sk),
                          _one_minus(w.get("cos"), approx=sk)])

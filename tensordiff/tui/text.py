@@ -114,7 +114,8 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
         vstyle = "bold magenta" if fl & FLAG_NONFINITE else "bold red" if fl & FLAG_BAD else "green"
         pair = next((p for p in res.pairs if col.tensor_a in (p.name_a, p.label)), None)
         sk = "≈" if pair is not None and pair.basis == "sketch" else ""
-        t = Text.assemble(("1 - cos ", "dim"), sk + fmt(1.0 - cos if cos == cos else cos), ("   rel err ", "dim"), sk + fmt(rel, 3),
+        one_minus = 1.0 - cos if cos == cos else cos   # NaN stays NaN
+        t = Text.assemble(("1 - cos ", "dim"), sk + fmt(one_minus), ("   rel err ", "dim"), sk + fmt(rel, 3),
                           ("   max abs ", "dim"), sk + fmt(maxabs, 3), ("   aligner: ", "dim"), (verdict, vstyle))
         if sk:
             t.append("  (≈ on sketches, not full values)", style="dim")
