@@ -447,3 +447,4 @@ def test_example_pair_has_predictions_and_shows_acceptance():
     assert any(x.startswith("acceptance by draft position") for x in lines), p.stdout
     readme = "\n".join((ROOT / "README.md").read_text().splitlines()[:45])
     assert "acceptance" in readme and "verify steps" in readme, readme
+

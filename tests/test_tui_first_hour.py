@@ -110,6 +110,26 @@ async def test_80x24_findings_tree_and_headers_readable(fixture_app):
         assert any("draft_input" in x for x in lines[lines.index(header) - 1:lines.index(header)]), text
 
 
+async def test_80x24_titles_whole_and_the_held_state_without_scrolling(fixture_app):
+    """At 80 x 24 every pane's title is whole, the headline is whole (on two lines), the heatmap's
+    columns other than layers are spelled out above their short labels, and the detail pane shows
+    what the slot holds on each side and the best candidates without scrolling."""
+    app = fixture_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        lines = screen_lines(app)
+        text = "\n".join(lines)
+        titles = [x for x in lines if "╭─" in x]
+        assert titles and not any("…" in x for x in titles), titles
+        assert "findings: 3 ✗, 3 other" in text and "relative error: 80 tokens, 13 columns" in text, text
+        flat = " ".join(" ".join(x.strip("│╭╮╰╯─ ") for x in lines[:4]).split())
+        assert app.result.headline() in flat, flat
+        detail = lines[next(i for i, x in enumerate(lines) if "─ detail " in x):]
+        body = " ".join(" ".join(x.split("││", 1)[-1].strip("│ ") for x in detail).split())
+        assert "serve holds layer3 (claims layer3), train holds embed (claims embed)" in body, body
+        assert "candidates layer3 1.000" in body, body
+
+
 async def test_80x24_help_fits(fixture_app):
     app = fixture_app()
     async with app.run_test(size=(80, 24)) as pilot:

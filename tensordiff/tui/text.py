@@ -46,13 +46,16 @@ def column_verdict(res: DiffResult, col: Column) -> tuple[str, str, str]:
     return g, s, words
 
 
-_SLOT_OF = re.compile(r"\bslot (\d+) of (\S+)")
+_SLOT_OF = re.compile(r"\bslot (\d+) of ([^\s:;,()]+)")
+#: the reason every "feeds" finding gives alike (the headline says it once)
+_FEEDS_WHY = re.compile(r" \(each holds what it claims; [^)]*\)$")
 
 
 def compact_sentence(message: str) -> str:
     """The sentence with ``slot K of T`` written ``T[K]``: on a narrow pane the words that tell
-    two findings apart come first."""
-    return _SLOT_OF.sub(lambda m: f"{m.group(2)}[{m.group(1)}]", message)
+    two findings apart come first; the reason that slots fed differently share is left to the
+    headline and the detail pane."""
+    return _FEEDS_WHY.sub("", _SLOT_OF.sub(lambda m: f"{m.group(2)}[{m.group(1)}]", message))
 
 
 def finding_prompt(f: Finding, compact: bool = False) -> Text:
@@ -96,6 +99,29 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
         lines.append(t)
     else:
         lines.append(Text.assemble(OK_GLYPH, (f" no finding on {col.label}", "")))
+    # what the slot holds first: on a 24-line terminal it is shown without scrolling
+    srow = slot_row(res, col)
+    if srow is not None:
+        held = srow.held_b or "?"
+        if srow.offset_b:
+            held += f" (position {srow.offset_b:+d})"
+        lines.append(Text.assemble(
+            ("slot ", "dim"), (srow.verdict, "bold red" if srow.verdict != "ok" else "green"),
+            (": ", "dim"), (f"{res.side_b} ", "yellow"), f"holds {held} (claims {srow.claimed_b or '-'}), ",
+            (f"{res.side_a} ", "cyan"), f"holds {srow.held_a or '?'} (claims {srow.claimed_a or '-'})",
+            ("  score ", "dim"), fmt(srow.score_b, 3), ("  margin ", "dim"), fmt(srow.margin_b, 3)))
+    cands = (f.details.candidates if f is not None and isinstance(f.details, IdentityDetails) else None) or \
+        (srow.candidates_b if srow else None)
+    if cands:
+        t = Text("candidates ", style="dim")
+        for i, c in enumerate(cands[:4]):
+            if i:
+                t.append(" · ", style="dim")
+            off = c.offset or 0
+            t.append(f"{c.label}{f' ({off:+d})' if off else ''}", style="bold" if i == 0 else "")
+            t.append(f" {fmt(c.score, 3)} (1-cos {fmt(1.0 - c.cos if c.cos is not None else None, 3)}, "
+                     f"rms {fmt(c.rms_agreement, 3)})")
+        lines.append(t)
     sa, sb = int(tok["seq_a"]), int(tok["seq_b"])
     name_a = summary.seq_a[sa] if sa < len(summary.seq_a) else str(sa)
     name_b = summary.seq_b[sb] if sb < len(summary.seq_b) else str(sb)
@@ -121,27 +147,6 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
             t.append("  (≈ on sketches, not full values)", style="dim")
         lines.append(t)
     lines += op_graph_lines(res, col.label)
-    srow = slot_row(res, col)
-    if srow is not None:
-        held = srow.held_b or "?"
-        if srow.offset_b:
-            held += f" (position {srow.offset_b:+d})"
-        lines.append(Text.assemble(
-            ("slot ", "dim"), (srow.verdict, "bold red" if srow.verdict != "ok" else "green"),
-            (": ", "dim"), (f"{res.side_b} ", "yellow"), f"holds {held} (claims {srow.claimed_b or '-'}), ",
-            (f"{res.side_a} ", "cyan"), f"holds {srow.held_a or '?'} (claims {srow.claimed_a or '-'})",
-            ("  score ", "dim"), fmt(srow.score_b, 3), ("  margin ", "dim"), fmt(srow.margin_b, 3)))
-    cands = (f.details.candidates if f is not None and isinstance(f.details, IdentityDetails) else None) or \
-        (srow.candidates_b if srow else None)
-    if cands:
-        t = Text("candidates ", style="dim")
-        for i, c in enumerate(cands[:4]):
-            if i:
-                t.append(" · ", style="dim")
-            off = c.offset or 0
-            t.append(f"{c.label}{f' ({off:+d})' if off else ''}", style="bold" if i == 0 else "")
-            t.append(f" {fmt(c.score, 3)} (cos {fmt(c.cos, 3)}, rms {fmt(c.rms_agreement, 3)})")
-        lines.append(t)
     if vectors is not None:
         va, vb, note = vectors
         lines += plot_lines(va, vb, res.side_a, res.side_b, width)
