@@ -155,3 +155,17 @@ def test_snapshot_80x24_help(snap_compare, fixture_app):
         await wait_ready(pilot.app, pilot)
 
     assert snap_compare(fixture_app(), press=["question_mark"], terminal_size=(80, 24), run_before=ready)
+
+
+def test_heatmap_labels_of_states_that_are_not_layers_are_spelled_out():
+    """``fn`` and ``dra`` read as nothing: final_norm is ``nrm``, the draft's fc output ``fc``, and
+    the header line above a run of unpacked columns writes the names those labels stand for."""
+    from tensordiff.summary import Column, short_label
+    from tensordiff.tui.widgets import CELL_W, run_names
+
+    assert [short_label(x) for x in ("embed", "layer3", "final_norm", "draft_fc_output", "draft_mystery_state")] == \
+        ["emb", "L3", "nrm", "fc", "dms"]
+    cols = [Column(i, label, label, label, 0, float(i), None, False)
+            for i, label in enumerate(["layer6", "layer7", "layer8", "final_norm", "draft_fc_output"])]
+    line = run_names(cols)
+    assert len(line) == len(cols) * CELL_W and line == "     final_norm draf", line   # each name from its column on
