@@ -14,7 +14,7 @@ It reproduces the founding bug on a tiny local Llama (8 layers, hidden 64, rando
 Both sides see the same prompts (traces/prompts.jsonl). Then::
 
     $ .venv/bin/python -m tensordiff diff traces/train.h5 traces/serve.h5
-    slot 0 of draft_input holds layer3 where embed was expected
+    train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer5, layer7]; the draft was trained on train's
 
 The checkpoints go to traces/model and traces/draft (not committed: traces/.gitignore); the
 prompts and both traces are committed. SGLang runs on this machine's CPU with the test-only
@@ -43,7 +43,8 @@ AUX_IDS = [2, 4, 6]
 MAX_NEW_TOKENS = 4
 SKETCH_DIM = 64  # both sides; smaller than the default 128 to keep the committed pair small
 TOPK = 20        # both sides: target_topk and draft_topk, for the acceptance analysis
-EXPECTED = "slot 0 of draft_input holds layer3 where embed was expected"
+EXPECTED = ("train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer5, layer7]; "
+            "the draft was trained on train's")
 
 
 def make_prompts(n: int = 4, seed: int = 7) -> list[dict]:

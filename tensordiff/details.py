@@ -228,7 +228,8 @@ class IdentityDetails(Details):
     """``outcome``: holds (a recorded state other than expected), scaled (a recorded state at
     another scale), no_state (closest to ``closest`` but equal to no recorded state), ambiguous
     (between ``tied``), mislabeled (the side ``side`` labels the slot ``claimed`` but holds
-    ``held``: that side is at fault)."""
+    ``held``: that side is at fault). ``side_name_a``: A's side name where each side holds what it
+    claims and the claims differ (the sentence then says what each side feeds), else None."""
 
     outcome: Annotated[str, OneOf(("holds", "scaled", "no_state", "ambiguous", "mislabeled"))] = "holds"
     subject: str = ""          # "slot 0 of draft_input", or a tensor name for a boundary
@@ -251,12 +252,12 @@ class IdentityDetails(Details):
     held_a: str | None = None
     candidates: list[Candidate] = field(default_factory=list)
     evidence: IdentityEvidence | None = None
+    side_name_a: str | None = None
 
     def __post_init__(self) -> None:
         self.candidates = [c if isinstance(c, Candidate) else Candidate.from_dict(c) for c in self.candidates]
         if isinstance(self.evidence, dict):
             self.evidence = IdentityEvidence.from_dict(self.evidence)
-
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()

@@ -274,7 +274,24 @@ def _state_words(label: str | None, offset: int, scale: float | None = None) -> 
     return s + (f" scaled by {scale:.3g} (RMS ratio)" if scale is not None else "")
 
 
+def trained_on(name_a: str, name_b: str) -> str:
+    """What the sentence about two sides that feed different states adds: the side the draft was
+    trained on where one side is a training trace, else which side is the reference."""
+    if "train" in (name_a, name_b):
+        return "the draft was trained on train's"
+    return "A is the reference" if name_a == "A" else f"A ({name_a}) is the reference"
+
+
+def _feeds(d: IdentityDetails) -> str:
+    """``slot 0 of draft_input: train feeds embed, serve feeds layer3 (...)``."""
+    a = d.side_name_a or "A"
+    return (f"{d.subject}: {a} feeds {d.claimed_a}, {d.side_name} feeds {d.claimed_b} "
+            f"(each holds what it claims; {trained_on(a, d.side_name)})")
+
+
 def _identity(f: Finding, d: IdentityDetails) -> str:
+    if d.side_name_a is not None and d.outcome == "holds":
+        return _feeds(d)
     who = d.subject if d.boundary_side is None else f"{d.subject} on {d.boundary_side}"
     if d.side == "a" and d.boundary_side is None and d.outcome != "mislabeled":
         who = f"{d.side_name}'s {who}"
@@ -291,9 +308,9 @@ def _identity(f: Finding, d: IdentityDetails) -> str:
             a, b = separated(1.0 - d.cos, ev.floor)
             src = f", {ev.floor_source}" if ev.floor_source else ""
             return (f"{who} is closest to {_state_words(d.closest, d.offset)} but equal to no recorded state "
-                    f"(cos {d.cos:.4f}: 1 - cos {a} > {b} allowed (noise floor{src})){where}")
+                    f"(1 - cos {a} > {b} allowed (noise floor{src})){where}")
         return (f"{who} is closest to {_state_words(d.closest, d.offset)} but equal to no recorded state "
-                f"(cos {d.cos:.4f}){where}")
+                f"(1 - cos {1.0 - d.cos:.2g}){where}")
     if d.outcome == "ambiguous":
         tie = " and ".join([_state_words(d.closest, d.offset)] + list(d.tied[:1]))
         if f.severity == Severity.DIVERGENCE:
@@ -371,8 +388,8 @@ def _numeric(f: Finding, d: NumericDetails) -> str:
             other = f"1 - cos {one_minus:.2g}"
         return (f"{d.subject} diverges at {where_token(f)}: {what} ({src}); {other}{on}; "
                 f"{d.failing} of {d.tokens} tokens fail{where_failing(d)}{tail}")
-    s = (f"{d.subject} diverges at {where_token(f)}: cos {d.cos:.4f}, rel err {d.rel:.3g}{on} "
-         f"(tolerance cos >= {t.get('min_cos', 0):g}, rel <= {t.get('max_rel', 0):g}); "
+    s = (f"{d.subject} diverges at {where_token(f)}: 1 - cos {1.0 - d.cos:.2g}, rel err {d.rel:.3g}{on} "
+         f"(tolerance 1 - cos <= {1.0 - float(t.get('min_cos', 0)):.2g}, rel <= {t.get('max_rel', 0):g}); "
          f"{d.failing} of {d.tokens} tokens fail")
     return s + tail
 
@@ -876,7 +893,7 @@ class DiffResult:
     def headline(self) -> str:
         f = self.first_divergence
         if f is not None:
-            return f.message
+            return self._feeds_headline(f) or f.message
         graft = next((g for g in self.findings if g.kind == Kind.SIGNATURE), None)   # a grafted run says so first
         if graft is not None:
             return graft.message
@@ -891,6 +908,24 @@ class DiffResult:
             return (f"no divergence outside the {allowed} allowed by --allow-failed: {self.tokens_aligned} tokens in "
                     f"{tensors} compared")
         return f"no divergence: {self.tokens_aligned} tokens in {tensors} agree within tolerance"
+
+    def _feeds_headline(self, f: Finding) -> str | None:
+        """``train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer5, layer7];
+        the draft was trained on train's``: where the first divergence is a slot that each side fills with what it claims, and
+        every slot of that tensor holds its side's claim, the whole tensor in one sentence."""
+        d = f.details
+        if not (f.kind == Kind.SLOT_IDENTITY and isinstance(d, IdentityDetails) and d.side_name_a is not None):
+            return None
+        rows = sorted((r for r in self.slot_table if r.tensor == d.subject.rsplit(" of ", 1)[-1]),
+                      key=lambda r: r.slot)
+        if not rows or any(r.claimed_a is None or r.claimed_b is None or r.held_a != r.claimed_a
+                           or r.held_b != r.claimed_b or r.offset_a or r.offset_b
+                           or r.outcome_a != "holds" or r.outcome_b != "holds" for r in rows):
+            return None
+        a, b = d.side_name_a, d.side_name
+        fa = ", ".join(str(r.claimed_a) for r in rows)
+        fb = ", ".join(str(r.claimed_b) for r in rows)
+        return f"{a} feeds {rows[0].tensor} [{fa}], {b} feeds [{fb}]; {trained_on(a, b)}"
 
     def inheritance_note(self, f: Finding) -> str | None:
         """``may be inherited from finding #3 (numeric in layer4)`` for an inherited divergence."""

@@ -31,6 +31,22 @@ def number(x: object, nd: int = 4, sci: int = 2) -> str:
     return f"{v:.{nd}f}"
 
 
+def one_minus_cos(cos: object) -> str:
+    """A cosine as the reports show it, ``1 - cos`` (one convention in every table and sentence:
+    a cosine near 1 reads as its distance from 1, which a limit such as 7.6e-06 can be compared
+    with); ``-`` for None."""
+    if cos is None:
+        return "-"
+    try:
+        v = float(cos)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return str(cos)
+    if math.isnan(v):
+        return "nan"
+    d = max(0.0, 1.0 - v)
+    return "0" if d == 0 else number(d)
+
+
 def percent(x: object, nd: int = 1, missing: str = "-") -> str:
     """A fraction (0..1) as a percentage with ``nd`` decimals; ``missing`` for None."""
     return missing if x is None else f"{100 * float(x):.{nd}f}%"  # type: ignore[arg-type]

@@ -4,6 +4,8 @@ each side claims (its slot labels) to the slot table row and the findings, namin
 - A's slot is the reference: what it holds is what was expected (else what A claims).
 - When A's data disagree with A's own label and B holds what A claims, A is at fault: "train
   labels slot 0 of draft_input layer5 but it holds layer2" (a divergence that names A).
+- When each side holds what it claims and the claims differ, the finding says what each side
+  feeds (the sides disagree; neither trace is wrong about itself).
 - Otherwise B is judged against the expectation: another state (``holds``), the right or another
   state at another scale (``scaled``), no recorded state (``no_state``), or no way to tell the
   closest states apart (``ambiguous``: a warning while the expected state is one of them, a
@@ -86,6 +88,11 @@ def judge_slot(tensor_b: str, slot: int, claimed_a: str | None, claimed_b: str |
             if expected in tie:
                 sev = Severity.WARNING
         det = _details(idb, "b", sides[1], subject, expected=expected, **common)
+        if (ida is not None and ida.outcome == "holds" and ha == (claimed_a, 0) and idb.outcome == "holds"
+                and hb == (claimed_b, 0) and claimed_b is not None):
+            # each side holds what it claims and the claims differ: neither trace is wrong about
+            # itself, the two pipelines feed different states; say what each feeds
+            det.side_name_a = sides[0]
         f = place(Kind.SLOT_IDENTITY, "a", det, sev)
         j.findings.append(f)
         if sev == Severity.DIVERGENCE:

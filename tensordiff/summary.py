@@ -168,15 +168,22 @@ class Column:
         return (slot or 0) == self.slot
 
 
+#: the heatmap's three-character column labels of the states that are not layers
+SHORT_LABELS = {"embed": "emb", "final_norm": "nrm", "draft_fc_output": "fc", "draft_hidden": "dh",
+                "target_topk": "tgt", "draft_topk": "dtk", "logits": "lgt"}
+
+
 def short_label(label: str) -> str:
-    if label == "embed":
-        return "emb"
-    if label == "final_norm":
-        return "fn"
+    """A column's label in three characters: ``L3`` for layer3, ``nrm`` for final_norm, ``fc`` for
+    the draft's fc output; another name by the initials of its words (``draft_foo_bar``: ``dfb``),
+    which the heatmap's legend line spells out."""
+    if label in SHORT_LABELS:
+        return SHORT_LABELS[label]
     if label.startswith("layer") and label[5:].isdigit():
         n = label[5:]
         return f"L{n}" if len(n) <= 2 else n[-3:]
-    return label[:3]
+    words = [w for w in label.replace(".", "_").split("_") if w]
+    return "".join(w[0] for w in words)[:3] if len(words) > 1 else label[:3]
 
 
 def read_columns(summary: SummaryReader) -> list[Column]:

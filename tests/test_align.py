@@ -14,6 +14,10 @@ from tensordiff.diff import diff_traces
 pytestmark = pytest.mark.torch
 
 TRAIN = ["embed", "layer3", "layer5"]
+#: the first line of the founding bug: each side holds what it claims, and the claims differ
+FOUNDING = ("train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer5, layer7]; "
+            "the draft was trained on train's")
+HOLDS = " (each holds what it claims; the draft was trained on train's)"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def test_founding_bug_names_slot_zero(tmp_path, capsys, model, seqs, train):
     write_trace(serve, model, seqs, ["layer3", "layer5", "layer7"], side="serve")
     code, out, err = run(capsys, "diff", train, str(serve), "-q")
     assert code == 1, err
-    assert out.splitlines()[0] == "slot 0 of draft_input holds layer3 where embed was expected"
+    assert out.splitlines()[0] == FOUNDING
     code, out, _ = run(capsys, "diff", train, str(serve), "--json")
     res = json.loads(out)
     assert res["exit_code"] == 1 and res["first_divergence"]["kind"] == "slot_identity"
@@ -91,12 +95,22 @@ def test_prefix_cache_gap_is_not_divergence(tmp_path, capsys, model, seqs, train
     assert "gap: 8 tokens" in out
 
 
+def test_two_train_traces_that_feed_different_states_name_a_as_the_reference(tmp_path, model, seqs, train):
+    """Both traces are train traces (named A and B): no side is the one the draft was trained on,
+    so the sentence says which is the reference."""
+    fixed = tmp_path / "fixed.h5"
+    write_trace(fixed, model, seqs, ["layer3", "layer5", "layer7"], side="train")
+    res = diff_traces(str(fixed), train)
+    assert res.headline() == "A feeds draft_input [layer3, layer5, layer7], B feeds [embed, layer3, layer5]; A is the reference"
+
+
 def test_pre_norm_last_boundary_where_final_norm_expected(tmp_path, capsys, model, seqs):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     write_trace(a, model, seqs, ["layer2", "layer4", "final_norm"], side="train")
     write_trace(b, model, seqs, ["layer2", "layer4", f"layer{N_LAYERS}"], side="serve")
     res = diff_traces(str(a), str(b))
-    assert res.headline() == f"slot 2 of draft_input holds layer{N_LAYERS} where final_norm was expected"
+    assert res.headline() == ("train feeds draft_input [layer2, layer4, final_norm], serve feeds "
+                              f"[layer2, layer4, layer{N_LAYERS}]; the draft was trained on train's")
     row = res.slot_table[2]
     assert row.held_a == "final_norm" and row.held_b == f"layer{N_LAYERS}"
 
@@ -116,9 +130,9 @@ def test_permuted_slots_each_named(tmp_path, model, seqs, train):
     res = diff_traces(train, str(serve))
     assert [r.held_b for r in res.slot_table] == ["layer5", "embed", "layer3"]
     msgs = [f.message for f in res.divergences]
-    assert msgs[:3] == ["slot 0 of draft_input holds layer5 where embed was expected",
-                        "slot 1 of draft_input holds embed where layer3 was expected",
-                        "slot 2 of draft_input holds layer3 where layer5 was expected"]
+    assert msgs[:3] == ["slot 0 of draft_input: train feeds embed, serve feeds layer5" + HOLDS,
+                        "slot 1 of draft_input: train feeds layer3, serve feeds embed" + HOLDS,
+                        "slot 2 of draft_input: train feeds layer5, serve feeds layer3" + HOLDS]
 
 
 def test_identity_from_sketches_when_serve_has_no_full_catalog(tmp_path, model, seqs, train):
@@ -127,7 +141,7 @@ def test_identity_from_sketches_when_serve_has_no_full_catalog(tmp_path, model, 
     serve = tmp_path / "serve_sk.h5"
     write_trace(serve, model, seqs, ["layer3", "layer5", "layer7"], side="serve", sketch_only=True)
     res = diff_traces(train, str(serve))
-    assert res.headline() == "slot 0 of draft_input holds layer3 where embed was expected"
+    assert res.headline() == FOUNDING
     assert res.slot_table[0].candidates_b[0].basis in ("values", "sketch")
 
 
@@ -135,7 +149,7 @@ def test_serve_without_catalog_uses_train_catalog(tmp_path, model, seqs, train):
     serve = tmp_path / "serve_nocat.h5"
     write_trace(serve, model, seqs, ["layer3", "layer5", "layer7"], side="serve", catalog=False)
     res = diff_traces(train, str(serve))
-    assert res.headline() == "slot 0 of draft_input holds layer3 where embed was expected"
+    assert res.headline() == FOUNDING
     assert res.slot_table[0].candidates_b[0].side == "a"
 
 
@@ -222,4 +236,4 @@ def test_capture_only_aux_pairs_with_draft_input(tmp_path, model, seqs, train):
     wrong = tmp_path / "aux_wrong.h5"
     write_trace(wrong, model, seqs, ["layer3", "layer5", "layer7"], side="serve", packed=("aux_hidden_states", "aux", 0))
     res = diff_traces(train, str(wrong))
-    assert res.headline() == "slot 0 of aux_hidden_states holds layer3 where embed was expected"
+    assert res.headline() == FOUNDING.replace("draft_input", "aux_hidden_states")

@@ -259,7 +259,8 @@ def test_allow_failed(pairs, tmp_path):
     rc, out, _ = run_isolated(["diff", a, wrong, "--allow-failed", "draft_input"])
     assert rc == 0
     assert out.splitlines()[0].startswith("no divergence outside the 2 allowed by --allow-failed")
-    assert "allowed by --allow-failed 'draft_input': slot 0 of draft_input holds layer2" in " ".join(out.split())
+    allowed = "allowed by --allow-failed 'draft_input': slot 0 of draft_input: train feeds layer1, serve feeds layer2"
+    assert allowed in " ".join(out.split())
     assert run_isolated(["diff", a, wrong, "-q", "--allow-failed", "draft_input[0]"])[0] == 1   # slot 1 still fails
     rc, _, err = run_isolated(["diff", a, wrong, "-q", "--allow-failed", "draft_inptu"])
     assert rc == 2 and "matches no compared tensor" in err
@@ -282,7 +283,8 @@ def test_text_report_at_80_columns(pairs):
     assert "…" not in out                                   # nothing cut
     flat = " ".join(out.split())
     assert "train claims layer1, holds layer1; serve claims layer2, holds layer2 (serve score" in flat   # in full
-    for f in ("slot 0 of draft_input holds layer2 where layer1 was expected",):
+    for f in ("slot 0 of draft_input: train feeds layer1, serve feeds layer2 (each holds what it claims; the draft was "
+              "trained on train's)",):
         assert f in flat
     assert "gap: gap:" not in out
     # at 200 columns the slot table is a table, with side B's score and margin labelled as such
@@ -336,7 +338,7 @@ def test_report_command(pairs, tmp_path):
     rc, stdout, _ = run_isolated(["report", a, wrong, "-o", str(out), "--tokenizer", tok], timeout=120)
     assert rc == 1 and f"wrote {out}" in stdout
     doc = out.read_text()
-    assert "slot 0 of draft_input holds layer2 where layer1 was expected" in doc and "data:image/png;base64," in doc
+    assert "train feeds draft_input [layer1, layer2], serve feeds [layer2, layer3]" in doc and "data:image/png;base64," in doc
     assert "&#x27;w" in doc                                 # token text in the worst tokens
     rc, _, err = run_isolated(["report", a, wrong, "-o", a])
     assert rc == 2 and "overwrite an input" in err

@@ -34,10 +34,10 @@ def test_report_example_png_is_current(tmp_path):
 
 def test_svg_comparison_sees_a_changed_word_not_a_scrollbar():
     lines = docs.svg_text(docs.TUI_SVG.read_text(encoding="utf-8"))
-    i = next(k for k, x in enumerate(lines) if "holds layer3" in x)
+    i = next(k for k, x in enumerate(lines) if "feeds layer3" in x)
     moved = [x.replace(" │", "▇│", 1) if k == i else x for k, x in enumerate(lines)]
     assert docs.comparable(moved) == docs.comparable(lines) or "▇│" not in moved[i]
-    changed = [x.replace("holds layer3", "holds layer4") if k == i else x for k, x in enumerate(lines)]
+    changed = [x.replace("feeds layer3", "feeds layer4") if k == i else x for k, x in enumerate(lines)]
     assert docs.comparable(changed) != docs.comparable(lines)
 
 
@@ -48,7 +48,7 @@ def test_fingerprint_sees_a_changed_sentence(tmp_path):
     docs.report_html(page)
     doc = page.read_text()
     base = docs.report_fingerprint(doc)
-    assert docs.report_fingerprint(doc.replace("where embed was expected", "where layer1 was expected")) != base
+    assert docs.report_fingerprint(doc.replace("train feeds embed", "train feeds layer1")) != base
     assert docs.report_fingerprint(doc.replace("UTC", "GMT")) == base
     png = docs._png_with_text(docs.REPORT_PNG.read_bytes()[:33] + b"\0\0\0\0IEND\xaeB`\x82", docs.PNG_KEY, base)
     assert docs.png_fingerprint(png) == base

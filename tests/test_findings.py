@@ -67,8 +67,8 @@ def test_sentence_is_rendered_from_the_details():
                 regime="prefill", details=NumericDetails(subject="layer2", cos=0.5, rel=0.8, failing=2, tokens=9,
                                                          tolerance={"min_cos": 0.97, "max_rel": 0.25}))
     assert render_sentence(f) == f.message == (
-        "layer2 diverges at token 7 (seq s0, position 3, prefill): cos 0.5000, rel err 0.8 "
-        "(tolerance cos >= 0.97, rel <= 0.25); 2 of 9 tokens fail")
+        "layer2 diverges at token 7 (seq s0, position 3, prefill): 1 - cos 0.5, rel err 0.8 "
+        "(tolerance 1 - cos <= 0.03, rel <= 0.25); 2 of 9 tokens fail")
     f.details.explained = True
     assert f.message.endswith("(explained by the wrong state above)")
 
@@ -133,8 +133,9 @@ def test_from_dict_refuses_another_schema_version(pair):
 def test_wrong_slots_named_with_typed_evidence(wrong):
     res = diff_traces(*wrong)
     ids = [f for f in res.divergences if f.kind == Kind.SLOT_IDENTITY]
-    assert [f.message for f in ids] == ["slot 0 of draft_input holds layer2 where layer1 was expected",
-                                        "slot 1 of draft_input holds layer3 where layer2 was expected"]
+    holds = " (each holds what it claims; the draft was trained on train's)"
+    assert [f.message for f in ids] == ["slot 0 of draft_input: train feeds layer1, serve feeds layer2" + holds,
+                                        "slot 1 of draft_input: train feeds layer2, serve feeds layer3" + holds]
     d = ids[0].details
     assert d.held == "layer2" and d.expected == "layer1" and isinstance(d.candidates[0], Candidate)
     assert ids[0].details.token_index is not None and ids[0].token_index == d.token_index

@@ -239,7 +239,7 @@ def test_finding_numbers_follow_the_order_shown(tmp_path):
     sev = [f["severity"] for f in d["findings"]]
     rank = {"divergence": 0, "warning": 1, "info": 2}
     assert sev == sorted(sev, key=rank.__getitem__), sev   # the JSON lists them in the same order
-    kinds = re.findall(r"^\s*[✗!·] #\d+ (\w+):", block, re.M)
+    kinds = re.findall(r"^\s*[✗!·] #\d+ +(\w+):", block, re.M)   # numbers padded to one width
     assert kinds == [f["kind"] for f in d["findings"]][:len(kinds)], kinds
     out = tmp_path / "r.html"
     assert _run("report", *EXAMPLE, "-o", str(out)).returncode == 1
@@ -408,7 +408,11 @@ def test_readme_first_screen_is_what_a_user_needs():
     assert "scripts/setup.sh core && .venv/bin/tensordiff diff traces/train.h5 traces/serve.h5" in first
     assert "scripts/test.sh" in first
     assert "| what | what it costs" in first            # what it costs, in one table
-    assert "slot 0 of draft_input holds layer3 where embed was expected" in first
+    screen = text.splitlines()[:40]                      # the first screen: the output and the quickstart too
+    assert any(x.startswith("train feeds draft_input [embed, layer3, layer5]") for x in screen), screen
+    assert all(x in screen for x in _quickstart()), screen
+    assert ("train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer5, layer7]; "
+            "the draft was trained on train's") in first
     # measurement history lives in docs/benchmarks.md, not in a user's README or the TUI's page
     for doc in ("README.md", "docs/tui.md"):
         body = (ROOT / doc).read_text()
@@ -437,10 +441,55 @@ def test_example_pair_has_predictions_and_shows_acceptance():
     p = _run("diff", *EXAMPLE, env=_env(COLUMNS="120"))
     assert p.returncode == 1, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0] == "slot 0 of draft_input holds layer3 where embed was expected"   # the same first line
+    assert lines[0] == ("train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer5, layer7]; "
+                        "the draft was trained on train's")   # the same first line
     acc = [x for x in lines if "acceptance:" in x]
     assert acc and "verify steps" in acc[0], p.stdout
-    assert "first divergence upstream: slot 0 of draft_input holds layer3" in " ".join(p.stdout.split()), p.stdout
+    upstream = "first divergence upstream: slot 0 of draft_input: train feeds embed, serve feeds layer3"
+    assert upstream in " ".join(p.stdout.split()), p.stdout
     assert any(x.startswith("acceptance by draft position") for x in lines), p.stdout
     readme = "\n".join((ROOT / "README.md").read_text().splitlines()[:45])
     assert "acceptance" in readme and "verify steps" in readme, readme
+
+
+# ----------------------------------------------------------------------------------------------
+# the README's "debug your own model", run as written
+# ----------------------------------------------------------------------------------------------
+
+
+def _quickstart() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    assert text.index("**Debug your own model**") < len("\n".join(text.splitlines()[:40])), "not on the first screen"
+    block = text.split("**Debug your own model**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_readme_quickstart_runs_as_written_and_names_the_op(tmp_path):
+    """The five lines under "Debug your own model", on the trained tiny Llama against a port of it
+    whose rope theta is wrong: record both sides, diff (a state out of the noise), zoom the layer
+    that makes it on both sides and diff again (the op and its cause)."""
+    import shutil
+
+    import trained
+
+    lines = _quickstart()
+    assert len(lines) == 5 and all(x.startswith(".venv/bin/tensordiff ") for x in lines), lines
+    port = trained.variant_model(tmp_path, "port", {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})
+    shutil.copy(trained.prompts_path(), tmp_path / "prompts.jsonl")
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    env = _env()
+    outs = []
+    for line in lines:
+        cmd = line.split("   #", 1)[0].replace("REF_DIR", str(trained.target_dir())).replace("PORT_DIR", str(port))
+        p = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, timeout=300, check=False)
+        outs.append(p)
+        assert p.returncode in (0, 1) and "Traceback" not in p.stderr, (cmd, p.stdout[-2000:], p.stderr[-2000:])
+    diff, zoom = outs[2], outs[4]
+    assert diff.returncode == 1 and diff.stdout.startswith("layer1 diverges at token 32"), diff.stdout[:600]
+    assert zoom.returncode == 1, zoom.stdout[:600]
+    diff_out = zoom.stdout[zoom.stdout.find("\n", zoom.stdout.index("catalog:")) + 1:]   # after record's lines
+    first = " ".join(diff_out.split("\nverdict:", 1)[0].split())
+    assert first.startswith("layer0.q_rope is the first op out of the noise in layer 0: a rotary difference"), first
+    assert "look at rope theta: A 1e+04, B 5e+05" in first, first

@@ -131,7 +131,7 @@ def test_render_says_what_the_aligner_says(tmp_path):
         s.close()
     first = res.first_divergence
     assert first is not None
-    assert f'<span id="headline">{html.escape(first.message)}</span>' in doc
+    assert f'<span id="headline">{html.escape(res.headline())}</span>' in doc
     assert "DIVERGENCE (exit 1)" in doc
     for f in res.findings:
         assert html.escape(f.message) in doc
@@ -229,7 +229,7 @@ def test_chromium_renders_the_report(tmp_path):
     for label, rgb in zip(got["cols"], got["pixels"]):
         lo, hi = (FAIL_LO, FAIL_HI) if label in fail_cols else (OK_LO, OK_HI)
         assert all(min(x, y) - 2 <= v <= max(x, y) + 2 for v, x, y in zip(rgb, lo, hi)), (label, rgb)
-    assert got["headline"] == res.first_divergence.message
+    assert got["headline"] == res.headline()
     assert got["verdict_bg"] == "rgb(255, 235, 233)"
     # findings, slots, tensors, worst tokens
     assert got["tables"][0] == 1 + len(res.findings) and got["tables"][1] == 1 + len(res.slot_table)

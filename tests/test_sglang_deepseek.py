@@ -167,7 +167,8 @@ def test_deepseek_engine_feeds_the_draft_ids_plus_one(eagle_run):
 def test_deepseek_founding_bug_is_named(trains, eagle_run):
     rc, text, d = _diff(trains["bug"], eagle_run["trace"])
     assert rc == 1
-    assert text.splitlines()[0] == "slot 0 of draft_input holds layer2 where embed was expected", text[:800]
+    assert text.splitlines()[0] == ("train feeds draft_input [embed, layer2, layer3], serve feeds"
+                                       " [layer2, layer3, layer4]; the draft was trained on train's"), text[:800]
     assert [r["verdict"] for r in d["slot_table"]] == ["wrong state"] * 3
 
 

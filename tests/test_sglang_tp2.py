@@ -99,8 +99,10 @@ def test_the_sglang_set_names_the_founding_bug_and_agrees_on_correct_wiring(run,
     proc = _td("diff", *pair)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     first = proc.stdout.splitlines()[0]
-    assert first == ("slot 0 of aux_hidden_states holds layer1 where embed was expected" if order == "train_serve"
-                     else "slot 0 of draft_input holds embed where layer1 was expected"), proc.stdout[:800]
+    want = ("train feeds aux_hidden_states [embed, layer1, layer2], serve feeds [layer1, layer2, layer3]"
+            if order == "train_serve"
+            else "serve feeds draft_input [layer1, layer2, layer3], train feeds [embed, layer1, layer2]")
+    assert first == f"{want}; the draft was trained on train's", proc.stdout[:800]
     pair = (run["train"]["ok"], run["dir"]) if order == "train_serve" else (run["dir"], run["train"]["ok"])
     proc = _td("diff", *pair)
     assert proc.returncode == 0 and proc.stdout.startswith("no divergence"), proc.stdout[:2000] + proc.stderr[-2000:]

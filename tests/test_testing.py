@@ -93,7 +93,8 @@ def test_pytest_plugin_in_a_subprocess(tmp_path, pairs):
     out = p.stdout + p.stderr
     assert p.returncode == 1, out
     assert "1 passed, 2 failed" in out or "2 failed, 1 passed" in out, out
-    assert "traces disagree: slot 0 of draft_input holds layer2 where layer1 was expected" in out, out
+    assert ("traces disagree: slot 0 of draft_input: train feeds layer1, serve feeds layer2 (each holds what it claims; "
+            "the draft was trained on train's)") in out, out
     assert "✗ #" in out and "slot_identity" in out
     assert "tensordiff/testing.py" not in out and "Traceback" not in out, "the failure is the diff, not a traceback"
     # the same with the failing tensor allowed from the command line

@@ -85,6 +85,25 @@ async def test_headline_curve_rows_and_sequence_walk(stale):
     assert app.return_value == 1
 
 
+async def test_80x24_shows_the_sequence_above_the_fold(stale):
+    """At 80 x 24 the per-sequence sparkline is on the first screen, the states' header is one
+    line, and the footer holds only triage keys."""
+    app = TriageApp(triage(*stale))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        tokens = app.query_one("#tokens")
+        assert tokens.region.y + tokens.region.height <= 23, tokens.region   # above the footer, unscrolled
+        header = _text(app, "#states").splitlines()[0]
+        assert len(header) <= 78 and header.split()[-2:] == ["q50", "predicted"], header
+        import os
+        import sys
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+        import make_doc_images
+        screen = "\n".join(make_doc_images.svg_text(app.export_screenshot()))
+        assert "palette" not in screen and "next sequence" in screen, screen
+        await pilot.press("q")
+
+
 async def test_no_color_keeps_the_marks(stale, monkeypatch):
     """NO_COLOR: Textual drops the colours; the out-of-noise mark is a word and stays."""
     monkeypatch.setenv("NO_COLOR", "1")

@@ -178,7 +178,7 @@ async def test_opens_on_first_divergence(pair, pair_result):
         assert "cos" in detail and "rel err" in detail and "max abs" in detail
         assert f"token {first.token}" in detail if first.token is not None else True
         headline = str(app.query_one("#headline").render())
-        assert first.message in headline
+        assert app.result.headline() in headline
         summary_path = app.summary_path
         assert summary_path and os.path.exists(summary_path)
         await pilot.press("q")
@@ -212,10 +212,11 @@ async def test_fixture_names_the_wrong_slot(fixture_app):
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(app, pilot)
         first = app.result.first_divergence
-        assert first.message == "slot 0 of draft_input holds layer3 where embed was expected"
+        assert first.message == ("slot 0 of draft_input: train feeds embed, serve feeds layer3 (each holds what it claims; "
+                                 "the draft was trained on train's)")
         assert column_of(app).label == "draft_input[0]"
         detail = app.detail_text.plain
-        assert "holds layer3 where embed was expected" in detail
+        assert "train feeds embed, serve feeds layer3" in " ".join(detail.split())
         assert "candidates layer3" in detail          # best identity match first, with its scores
         assert "train: s0 pos 0" in detail and "serve: s0 pos 0" in detail
         assert "|a-b|" in detail                      # the small plot of the two vectors
@@ -271,7 +272,7 @@ async def test_next_moves_to_next_slot(fixture_app):
             f = app.result.findings[app.selected_finding]
             msgs.append(f.message)
             assert column_of(app).matches(f.tensor, f.slot)
-        assert "slot 1 of draft_input holds layer5 where layer3 was expected" in msgs
+        assert any(m.startswith("slot 1 of draft_input: train feeds layer3, serve feeds layer5") for m in msgs)
         assert column_of(app).label == "draft_input[2]"
 
 

@@ -110,6 +110,26 @@ async def test_80x24_findings_tree_and_headers_readable(fixture_app):
         assert any("draft_input" in x for x in lines[lines.index(header) - 1:lines.index(header)]), text
 
 
+async def test_80x24_titles_whole_and_the_held_state_without_scrolling(fixture_app):
+    """At 80 x 24 every pane's title is whole, the headline is whole (on two lines), the heatmap's
+    columns other than layers are spelled out above their short labels, and the detail pane shows
+    what the slot holds on each side and the best candidates without scrolling."""
+    app = fixture_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_ready(app, pilot)
+        lines = screen_lines(app)
+        text = "\n".join(lines)
+        titles = [x for x in lines if "╭─" in x]
+        assert titles and not any("…" in x for x in titles), titles
+        assert "findings: 3 ✗, 3 other" in text and "relative error: 80 tokens, 13 columns" in text, text
+        flat = " ".join(" ".join(x.strip("│╭╮╰╯─ ") for x in lines[:4]).split())
+        assert app.result.headline() in flat, flat
+        detail = lines[next(i for i, x in enumerate(lines) if "─ detail " in x):]
+        body = " ".join(" ".join(x.split("││", 1)[-1].strip("│ ") for x in detail).split())
+        assert "serve holds layer3 (claims layer3), train holds embed (claims embed)" in body, body
+        assert "candidates layer3 1.000" in body, body
+
+
 async def test_80x24_help_fits(fixture_app):
     app = fixture_app()
     async with app.run_test(size=(80, 24)) as pilot:
@@ -135,3 +155,17 @@ def test_snapshot_80x24_help(snap_compare, fixture_app):
         await wait_ready(pilot.app, pilot)
 
     assert snap_compare(fixture_app(), press=["question_mark"], terminal_size=(80, 24), run_before=ready)
+
+
+def test_heatmap_labels_of_states_that_are_not_layers_are_spelled_out():
+    """``fn`` and ``dra`` read as nothing: final_norm is ``nrm``, the draft's fc output ``fc``, and
+    the header line above a run of unpacked columns writes the names those labels stand for."""
+    from tensordiff.summary import Column, short_label
+    from tensordiff.tui.widgets import CELL_W, run_names
+
+    assert [short_label(x) for x in ("embed", "layer3", "final_norm", "draft_fc_output", "draft_mystery_state")] == \
+        ["emb", "L3", "nrm", "fc", "dms"]
+    cols = [Column(i, label, label, label, 0, float(i), None, False)
+            for i, label in enumerate(["layer6", "layer7", "layer8", "final_norm", "draft_fc_output"])]
+    line = run_names(cols)
+    assert len(line) == len(cols) * CELL_W and line == "     final_norm draf", line   # each name from its column on

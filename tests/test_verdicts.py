@@ -86,11 +86,51 @@ def test_absent_state_is_not_named_as_a_neighbour(tmp_path, nr8, seqs, train8):
     assert res.exit_code == 1
     (f,) = [f for f in _identity(res, 1) if f.severity == "divergence"]
     assert f.details.outcome == "no_state" and f.details.closest in ("layer3", "layer4")
-    assert "but equal to no recorded state (cos 0.99" in f.message and f.message.endswith("where layer3 was expected")
+    assert "but equal to no recorded state (1 - cos " in f.message and f.message.endswith("where layer3 was expected")
     assert res.headline() == f.message
     ev = f.details.evidence
     assert not ev.exact and not ev.within_floor and ev.cos > 0.99
     assert res.slot_table[1].verdict == "unknown state" and res.slot_table[1].held_b is None
+    _valid(res)
+
+
+@pytest.mark.parametrize("order", ["train_serve", "serve_train"])
+def test_sides_that_each_hold_their_claim_are_said_to_feed_different_states(tmp_path, nr8, seqs, train8, order):
+    """The founding bug: train's extractor feeds [embed, layer3, layer5] and says so, serve feeds
+    [layer3, layer5, layer7] and says so. Neither trace is wrong about itself: the first line says
+    what each side feeds and that the draft was trained on train's, in both argument orders (it
+    used to read "slot 0 holds layer3 where embed was expected", as if serve were at fault)."""
+    serve = tmp_path / "serve.h5"
+    write_trace(serve, nr8, seqs, ["layer3", "layer5", "layer7"], side="serve")
+    a, b = (train8, str(serve)) if order == "train_serve" else (str(serve), train8)
+    res = diff_traces(a, b)
+    assert res.exit_code == 1
+    feeds = {"train": "[embed, layer3, layer5]", "serve": "[layer3, layer5, layer7]"}
+    na, nb = ("train", "serve") if order == "train_serve" else ("serve", "train")
+    assert res.headline() == f"{na} feeds draft_input {feeds[na]}, {nb} feeds {feeds[nb]}; the draft was trained on train's"
+    f = res.first_divergence
+    held = {"train": "embed", "serve": "layer3"}
+    assert f.message == (f"slot 0 of draft_input: {na} feeds {held[na]}, {nb} feeds {held[nb]} "
+                         "(each holds what it claims; the draft was trained on train's)")
+    assert f.details.side_name_a == na
+    _valid(res)
+
+
+@pytest.mark.parametrize("order", ["train_serve", "serve_train"])
+def test_a_side_that_does_not_hold_its_claim_is_still_named(tmp_path, nr8, seqs, train8, order):
+    """Serve claims what train claims but feeds [layer3, layer5, layer7]: serve is wrong about
+    itself, so the first line says what it holds where the claim was expected, not "feeds"."""
+    serve = tmp_path / "serve.h5"
+    write_trace(serve, nr8, seqs, ["layer3", "layer5", "layer7"], side="serve", claims=TRAIN)
+    a, b = (train8, str(serve)) if order == "train_serve" else (str(serve), train8)
+    res = diff_traces(a, b)
+    assert res.exit_code == 1
+    assert "feeds" not in res.headline()
+    if order == "train_serve":
+        assert res.headline() == "slot 0 of draft_input holds layer3 where embed was expected"
+    else:   # A (serve) is wrong about its own slot, and B holds what A claims: A is at fault
+        assert res.headline() == "serve labels slot 0 of draft_input embed but it holds layer3"
+    assert all(f.details.side_name_a is None for f in res.findings if f.kind == "slot_identity")
     _valid(res)
 
 
@@ -126,7 +166,8 @@ def test_partial_serve_catalog_still_names_the_state(tmp_path, nr8, seqs, train8
     serve = tmp_path / "serve.h5"
     write_trace(serve, nr8, seqs, ["layer3", "layer5", "layer7"], side="serve", catalog_positions=4)
     res = diff_traces(train8, str(serve))
-    assert res.headline() == "slot 0 of draft_input holds layer3 where embed was expected"
+    assert res.headline() == ("train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer5, layer7]; "
+                              "the draft was trained on train's")
     assert [r.held_b for r in res.slot_table] == ["layer3", "layer5", "layer7"]
 
 
@@ -220,9 +261,10 @@ def test_gaps_collapse_and_divergences_come_first(tmp_path, capsys):
     write_trace(b, m, s, ["layer3", "layer3", "layer5"], side="serve", drop=[2] * 25 + [0] * 15)
     code, out, _ = run(capsys, "diff", a, b, "-q", "--max-findings", "2")
     lines = out.splitlines()
-    assert code == 1 and lines[0] == "slot 0 of draft_input holds layer3 where embed was expected"
+    assert code == 1 and lines[0] == ("train feeds draft_input [embed, layer3, layer5], serve feeds [layer3, layer3, layer5]; "
+                                   "the draft was trained on train's")
     i = next(j for j, line in enumerate(lines) if line.startswith("findings ("))
-    assert lines[i + 1].lstrip().startswith("✗") and "holds layer3 where embed was expected" in lines[i + 1]
+    assert lines[i + 1].lstrip().startswith("✗") and "train feeds embed, serve feeds layer3" in lines[i + 1]
     res = diff_traces(str(a), str(b))
     gap_findings = [f for f in res.findings if f.kind == "gap"]
     assert len(gap_findings) == 1 and gap_findings[0].details.sequences == 25 and gap_findings[0].details.count == 50

@@ -10,31 +10,48 @@ from ..findings import AcceptanceDetails, DiffResult, Kind
 from ..fmt import number, percent
 
 
+#: spaced so that a narrow table wraps the header by words instead of cutting it
+KL = "KL(target || draft) >="
+
+
+def _table(console: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+    """The table, boxed where it fits the console, else without a box: a header is then wrapped by
+    words, never cut."""
+    from rich.measure import Measurement
+
+    for compact in (False, True):
+        t = Table(title=title, title_justify="left", show_edge=False,
+                  **({"box": None, "padding": (0, 1), "collapse_padding": True, "header_style": "bold"}
+                     if compact else {}))
+        for col in cols:
+            t.add_column(col)
+        for r in rows:
+            t.add_row(*r)
+        if Measurement.get(console, console.options, t).minimum <= console.width and (
+                compact or Measurement.get(console, console.options.update_width(1 << 16), t).maximum <= console.width):
+            break
+    return t
+
+
 def print_acceptance(res: DiffResult, console: Console) -> None:
     f = next((f for f in res.findings if f.kind == Kind.ACCEPTANCE), None)
     if f is None or not isinstance(f.details, AcceptanceDetails):
         return
     d = f.details
     if d.per_position:
-        t = Table(title=f"acceptance by draft position ({d.side}: {d.steps} verify steps, mean acceptance length "
-                        f"{number(d.accept_length)})", title_justify="left", show_edge=False)
-        for col in ("draft position", "steps reaching it", "accepted", "rate", "top-1 = target", "target log-prob",
-                    "top-k overlap", "KL(target||draft) >="):
-            t.add_column(col)
-        for p in d.per_position:
-            t.add_row(str(p["position"]), str(p["reached"]), str(p["accepted"]), percent(p["rate"]), percent(p["top1"]),
-                      number(p["target_logprob"]), percent(p.get("overlap")), number(p.get("kl_lb")))
-        console.print(t)
+        rows = [(str(p["position"]), str(p["reached"]), str(p["accepted"]), percent(p["rate"]), percent(p["top1"]),
+                 number(p["target_logprob"]), percent(p.get("overlap")), number(p.get("kl_lb"))) for p in d.per_position]
+        console.print(_table(console, f"acceptance by draft position ({d.side}: {d.steps} verify steps, mean acceptance "
+                                      f"length {number(d.accept_length)})",
+                             ("draft position", "steps reaching it", "accepted", "rate", "top-1 = target",
+                              "target log-prob", "top-k overlap", KL), rows))
     for side, teach in ((d.side, d.teacher), (d.side_a if d.side == d.side_b else d.side_b, d.teacher_other)):
         if not teach:
             continue
-        t = Table(title=f"draft vs target, teacher-forced (draft position 0) on {side}, by regime", title_justify="left",
-                  show_edge=False)
-        for col in ("regime", "draft rows", "top-1 agree", "top-k overlap", "KL(target||draft) >="):
-            t.add_column(col)
-        for reg, e in teach.items():
-            t.add_row(reg, str(e["rows"]), percent(e["top1"]), percent(e["overlap"]), number(e["kl_lb"]))
-        console.print(t)
+        rows = [(reg, str(e["rows"]), percent(e["top1"]), percent(e["overlap"]), number(e["kl_lb"]))
+                for reg, e in teach.items()]
+        console.print(_table(console, f"draft vs target, teacher-forced (draft position 0) on {side}, by regime",
+                             ("regime", "draft rows", "top-1 agree", "top-k overlap", KL), rows))
     if d.cross:
         console.print(f"{d.side_a} vs {d.side_b}: " + "; ".join(
             f"{name} top-1 equal on {percent(c['top1'])} of {c['tokens']} tokens, KL >= {number(c['kl_lb'])}"

@@ -158,6 +158,17 @@ def _e(x) -> str:
     return html.escape("" if x is None else str(x), quote=True)
 
 
+def _one_minus(cos, approx: bool = False) -> str:
+    """A cosine as ``1 - cos`` (the report's one convention for cosines)."""
+    if cos is None:
+        return "-"
+    try:
+        v = float(cos)
+    except (TypeError, ValueError):
+        return _e(cos)
+    return _num(v if math.isnan(v) else max(0.0, 1.0 - v), approx=approx)
+
+
 def _num(x, nd: int = 4, approx: bool = False) -> str:
     if x is None:
         return "-"
@@ -350,10 +361,10 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
             held_b = _e(r.held_b or "?") + (f" (pos {r.offset_b:+d})" if r.offset_b else "")
             v = f'<span class="{"good" if r.verdict == "ok" else "bad"}">{_e(r.verdict)}</span>'
             rows.append([f"<code>{_e(r.tensor)}</code>", str(r.slot), _e(r.claimed_a or "-"), _e(r.held_a or "?"),
-                         _e(r.claimed_b or "-"), held_b, _num(r.score_b), _num(r.margin_b), _num(r.cos_mean), v])
+                         _e(r.claimed_b or "-"), held_b, _num(r.score_b), _num(r.margin_b), _one_minus(r.cos_mean), v])
         parts.append(_table(["tensor", "slot", f"{_e(res.side_a)} claims", f"{_e(res.side_a)} holds",
                              f"{_e(res.side_b)} claims", f"{_e(res.side_b)} holds", f"{_e(res.side_b)} score",
-                             f"{_e(res.side_b)} margin", "cos mean", "verdict"], rows, {6, 7, 8}))
+                             f"{_e(res.side_b)} margin", "1-cos mean", "verdict"], rows, {6, 7, 8}))
         parts.append(f'<p class="note">score and margin: the identity match of what {_e(res.side_b)} holds in the '
                      "slot, against the runner-up.</p>")
 
@@ -366,32 +377,34 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
         for s in range(p.slots):
             fail = p.failing[s] if p.failing else 0
             tol = p.tolerance[s] if p.tolerance else {}
-            tol_txt = (f"{tol.get('min_cos', 0):g} / {tol.get('max_rel', 0):g}"
+            tol_txt = (f"{max(0.0, 1.0 - float(tol.get('min_cos', 0))):.3g} / {tol.get('max_rel', 0):.3g}"
                        + ("" if tol.get("source") == "default" else f" ({_e(tol.get('source'))})")) if tol else "-"
             rows.append([f"<code>{_e(p.label)}</code>" if s == 0 else "", str(s) if p.slots > 1 else "", str(p.tokens),
-                         _num(p.cos_min[s] if p.cos_min else None, approx=sk),
+                         _one_minus(p.cos_min[s] if p.cos_min else None, approx=sk),
                          _num(p.rel_max[s] if p.rel_max else None, approx=sk),
                          _num(p.maxabs[s] if p.maxabs else None, approx=sk),
                          f'<span class="{"bad" if fail else "good"}">{fail}</span>',
                          f"{p.nonfinite_a[s] if p.nonfinite_a else 0}/{p.nonfinite_b[s] if p.nonfinite_b else 0}",
                          tol_txt, "sketch" if sk else "values"])
-    parts.append(_table(["tensor", "slot", "tokens", "cos min", "rel max", "max abs", "failing", "NaN/Inf A/B",
-                         "tol cos / rel", "basis"], rows, {2, 3, 4, 5}))
+    parts.append(_table(["tensor", "slot", "tokens", "1-cos max", "rel max", "max abs", "failing", "NaN/Inf A/B",
+                         "tol 1-cos / rel", "basis"], rows, {2, 3, 4, 5}))
     if any_sketch:
         parts.append('<p class="note">≈ computed on the traces\' random-projection sketches, not on full values: '
-                     "cosine is close to the true one, max abs and relative error are of the sketch.</p>")
+                     "1 - cos is close to the true one, max abs and relative error are of the sketch.</p>")
 
     if res.worst_tokens and worst:
         parts.append("<h2>Worst tokens</h2>")
         sketch = {p.name_a for p in res.pairs if p.basis == "sketch"}
+        slotted = {n for p in res.pairs if p.slots > 1 for n in (p.name_a, p.name_b, p.label)}
         rows = []
         for w in res.worst_tokens[:worst]:
             sk = w.get("tensor") in sketch
-            rows.append([f"<code>{_e(w.get('tensor'))}</code>", _e(w.get("slot")), _e(w.get("seq")), _e(w.get("position")),
+            slot = _e(w.get("slot")) if w.get("tensor") in slotted else ""   # a tensor without slots names none
+            rows.append([f"<code>{_e(w.get('tensor'))}</code>", slot, _e(w.get("seq")), _e(w.get("position")),
                          _e(w.get("token")), f"<code>{_e(text(w.get('token')))}</code>" if text else "",
                          _e(regime_words(w.get("regime"), w.get("regime_a"))), _num(w.get("rel"), approx=sk),
-                         _num(w.get("cos"), approx=sk)])
-        parts.append(_table(["tensor", "slot", "seq", "pos", "token", "text", "regime", "rel", "cos"], rows, {7, 8}))
+                         _one_minus(w.get("cos"), approx=sk)])
+        parts.append(_table(["tensor", "slot", "seq", "pos", "token", "text", "regime", "rel", "1-cos"], rows, {7, 8}))
 
     parts.append("<h2>Tokens</h2>")
     shift_txt = ", ".join(f"shift {k}: {v}" for k, v in sorted(res.shifts.items(), key=lambda kv: int(kv[0])))

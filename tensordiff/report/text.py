@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..findings import DiffResult, Severity, regime_words
-from ..fmt import SEVERITY_GLYPH, number
+from ..fmt import SEVERITY_GLYPH, number, one_minus_cos
 from . import opgraph
 from .acceptance import print_acceptance
 from ..safety import guard_console, sanitize_tree
@@ -99,12 +99,12 @@ def _fits(console: Console, table: Table) -> bool:
 def _slot_table(res: DiffResult) -> Table:
     t = Table(title="slots", title_justify="left", show_edge=False)
     for col in ("tensor", "slot", f"{res.side_a} claims", f"{res.side_a} holds", f"{res.side_b} claims",
-                f"{res.side_b} holds", f"{res.side_b} score", f"{res.side_b} margin", "cos mean", "verdict"):
+                f"{res.side_b} holds", f"{res.side_b} score", f"{res.side_b} margin", "1-cos mean", "verdict"):
         t.add_column(col, no_wrap=True)
     for r in res.slot_table:
         held_b = (r.held_b or "?") + (f" (pos {r.offset_b:+d})" if r.offset_b else "")
         t.add_row(r.tensor, str(r.slot), r.claimed_a or "-", r.held_a or "?", r.claimed_b or "-", held_b,
-                  number(r.score_b), number(r.margin_b), number(r.cos_mean),
+                  number(r.score_b), number(r.margin_b), one_minus_cos(r.cos_mean),
                   Text(r.verdict, style="green" if r.verdict == "ok" else "red"))
     return t
 
@@ -119,19 +119,28 @@ def _slot_lines(res: DiffResult) -> Table:
             (r.verdict, "green" if r.verdict == "ok" else "red"),
             f": {res.side_a} claims {r.claimed_a or '-'}, holds {r.held_a or '?'}; {res.side_b} claims "
             f"{r.claimed_b or '-'}, holds {held_b} ({res.side_b} score {number(r.score_b)}, margin "
-            f"{number(r.margin_b)}); cos mean {number(r.cos_mean)}"))
+            f"{number(r.margin_b)}); 1 - cos mean {one_minus_cos(r.cos_mean)}"))
     return g
+
+
+def _tol_one_minus_cos(tol: dict) -> str:
+    """A tolerance's cosine limit as ``1 - cos`` allowed: a floor of 0.99999237 printed as a
+    cosine reads "1", as if no error were allowed."""
+    return f"{max(0.0, 1.0 - float(tol.get('min_cos', 0))):.2g}"
 
 
 def _tensor_table(res: DiffResult, narrow: bool) -> Table:
     """Per tensor and slot; ``narrow``: name[slot] in one column, short labels, no box."""
     t = Table(title="tensors", title_justify="left", show_edge=False,
               **({"box": None, "padding": (0, 1), "collapse_padding": True, "header_style": "bold"} if narrow else {}))
-    cols = ("tensor", "tokens", "cos min", "rel max", "max abs", "fail", "NaN A/B", "tol cos/rel") if narrow else (
-        "tensor", "slot", "tokens", "cos min", "rel max", "max abs", "failing", "NaN A/B", "tol cos / rel")
+    sources = {str(tol.get("source")) for p in res.pairs for tol in p.tolerance if tol}
+    shared = narrow and len(sources) == 1 and "default" not in sources   # said once, in the header
+    tol_head = f"tol 1-cos / rel ({next(iter(sources))})" if shared else "tol 1-cos / rel"
+    cols = ("tensor", "tokens", "1-cos max", "rel max", "max abs", "fail", "NaN A/B", tol_head) if narrow else (
+        "tensor", "slot", "tokens", "1-cos max", "rel max", "max abs", "failing", "NaN A/B", tol_head)
     for col in cols:
         t.add_column(col, no_wrap=not col.startswith("tol"))
-    sep = "/" if narrow else " / "
+    sep = " / "   # spaced: a narrow column wraps between the two limits instead of cutting one
     for p in res.pairs:
         ap = "≈" if p.basis == "sketch" else ""   # computed on sketches, not full values
         for s in range(p.slots):
@@ -139,13 +148,14 @@ def _tensor_table(res: DiffResult, narrow: bool) -> Table:
             tol = p.tolerance[s] if p.tolerance else {}
             name = ([f"{p.label}[{s}]" if p.slots > 1 else p.label] if narrow
                     else [p.label if s == 0 else "", str(s) if p.slots > 1 else ""])
-            src = "" if not tol or tol.get("source") == "default" else f" ({tol.get('source')})"
+            src = "" if not tol or tol.get("source") == "default" or shared else f" ({tol.get('source')})"
             t.add_row(*name, str(p.tokens),
-                      ap + number(p.cos_min[s] if p.cos_min else None), ap + number(p.rel_max[s] if p.rel_max else None),
+                      ap + one_minus_cos(p.cos_min[s] if p.cos_min else None),
+                      ap + number(p.rel_max[s] if p.rel_max else None),
                       ap + number(p.maxabs[s] if p.maxabs else None),
                       Text(str(fail), style="red" if fail else "green"),
                       f"{p.nonfinite_a[s] if p.nonfinite_a else 0}/{p.nonfinite_b[s] if p.nonfinite_b else 0}",
-                      f"{tol.get('min_cos', 0):g}{sep}{tol.get('max_rel', 0):g}{src}" if tol else "-")
+                      f"{_tol_one_minus_cos(tol)}{sep}{tol.get('max_rel', 0):.3g}{src}" if tol else "-")
     return t
 
 
@@ -196,13 +206,15 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
         # never hides a divergence behind notes
         console.print(Text(f"findings ({counts}), divergences first, each group in forward order:", style="bold"))
         g = Table.grid(padding=(0, 1))   # the sentence wraps by words, under itself
-        g.add_column(no_wrap=True, justify="right")
+        g.add_column(no_wrap=True)       # the mark, in one column whatever the number's width
+        g.add_column(no_wrap=True)
         g.add_column()
         for f in (divs + warns + infos)[:max_findings]:
             mark, style = SEVERITY_GLYPH[f.severity]
             note = res.inheritance_note(f)
             inh = f"  [{note}]" if note else ""
-            g.add_row(Text(f" {mark} #{f.index}", style=style), Text(f"{_sentence(f)}{inh}", style=style))
+            g.add_row(Text(f"  {mark}", style=style), Text(f"#{f.index}", style=style),
+                      Text(f"{_sentence(f)}{inh}", style=style))
         console.print(g)
         if len(res.findings) > max_findings > 0:
             console.print(f"   ... {len(res.findings) - max_findings} more (see --json)")
@@ -220,8 +232,8 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
     t = _tensor_table(res, narrow=False)
     console.print(t if _fits(console, t) else _tensor_table(res, narrow=True))
     if any(p.basis == "sketch" for p in res.pairs):
-        console.print("≈ computed on the traces' sketches, not full values: cos close to the true one, max abs and "
-                      "rel err of the sketch")
+        console.print("≈ computed on the traces' sketches, not full values: 1 - cos close to the true one, max abs "
+                      "and rel err of the sketch")
 
     regimes: dict = {}
     for p in res.pairs:
@@ -236,15 +248,17 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
 
     if res.worst_tokens and worst and (first is not None or any(w["rel"] > 0 for w in res.worst_tokens)):
         t = Table(title="worst tokens", title_justify="left", show_edge=False)
-        cols = ("tensor", "slot", "seq", "pos", "token") + (("text",) if token_text else ()) + ("regime", "rel", "cos")
+        cols = ("tensor", "slot", "seq", "pos", "token") + (("text",) if token_text else ()) + ("regime", "rel", "1-cos")
         for col in cols:
             t.add_column(col, no_wrap=col != "text")
         sketch = {p.name_a for p in res.pairs if p.basis == "sketch"}
+        slotted = {n for p in res.pairs if p.slots > 1 for n in (p.name_a, p.name_b, p.label)}
         for w in res.worst_tokens[:worst]:
             ap = "≈" if w["tensor"] in sketch else ""
-            t.add_row(w["tensor"], str(w["slot"]), str(w["seq"]), str(w["position"]), str(w["token"]),
+            slot = str(w["slot"]) if w["tensor"] in slotted else ""   # a tensor without slots has none to name
+            t.add_row(w["tensor"], slot, str(w["seq"]), str(w["position"]), str(w["token"]),
                       *((tt(w["token"]),) if token_text else ()), regime_words(w["regime"], w.get("regime_a")),
-                      ap + number(w["rel"]), ap + number(w["cos"]))
+                      ap + number(w["rel"]), ap + one_minus_cos(w["cos"]))
         console.print(t)
 
 

@@ -90,7 +90,9 @@ class TensordiffApp(App[int]):
     CSS = """
     Screen { layout: vertical; }
     #titlebar { height: 1; background: $primary-background; color: $text; padding: 0 1; }
-    #headline { height: 1; padding: 0 1; }
+    #headline { height: auto; max-height: 2; padding: 0 1; }
+    /* narrow: two lines from the start, so a first-divergence sentence fits and the panes stay put when it comes */
+    Screen.-narrow #headline { height: 2; }
     #progress-row { height: 1; padding: 0 1; }
     #progress-row ProgressBar { width: 48; }
     #progress-label { width: 1fr; padding: 0 1; }
@@ -100,7 +102,7 @@ class TensordiffApp(App[int]):
     #left.collapsed { display: none; }
     #findings { height: 45%; border: round $primary; text-wrap: nowrap; text-overflow: ellipsis; }
     Screen.-narrow #findings { text-wrap: wrap; }
-    #tree { height: 1fr; border: round $primary; }
+    #tree { height: 1fr; border: round $primary; overflow-x: hidden; }   /* a line for a node, not a scrollbar */
     #right { width: 1fr; }
     #filter { display: none; height: 3; }
     #maprow { height: 1fr; }
@@ -110,7 +112,7 @@ class TensordiffApp(App[int]):
     #acceptance.shown { display: block; }
     #accept-text { width: 1fr; }
     #detail { height: 11; border: round $primary; padding: 0 1; scrollbar-size-vertical: 1; }
-    Screen.-short #detail { height: 8; }
+    Screen.-short #detail { height: 12; }
     #detail-text { width: 1fr; }
     .done #progress-row { display: none; }
     """
@@ -407,7 +409,8 @@ class TensordiffApp(App[int]):
         fl = self._w_findings
         self._fill_findings()
         nd = len(res.divergences)
-        fl.border_title = f"findings: {nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other"
+        fl.border_title = (f"findings: {nd} ✗, {len(res.findings) - nd} other" if self.size.width < WIDE   # whole
+                           else f"findings: {nd} divergence{'s' if nd != 1 else ''}, {len(res.findings) - nd} other")
         self._w_tree.show(res, self.columns, compact=self.size.width < WIDE)
         if self.summary is not None:
             self.heatmap.attach(self.summary, self.columns)
@@ -468,6 +471,8 @@ class TensordiffApp(App[int]):
         n = self.summary.n if self.summary is not None else 0
         shown = len(self.heatmap.shown)
         cols = f"{shown} of {len(self.columns)} columns" if shown != len(self.columns) else f"{len(self.columns)} columns"
+        if self.size.width < WIDE:   # a title the narrow pane shows whole
+            return f"{m.title}: {n} tokens, {cols}"
         return f"tokens x slots: {m.title}  ({n} tokens, {cols})"
 
     def _defer(self, what: str, fn: Callable[[], None]) -> bool:
@@ -563,7 +568,7 @@ class TensordiffApp(App[int]):
             else:
                 flags = int(fl)
                 verdict = "NaN/Inf" if flags & 2 else ("fails tolerance" if flags & 1 else "within tolerance")
-                what = Text(f"cos {cos:.6f}  rel {rel:.3g}  max abs {mx:.3g}  ({verdict})",
+                what = Text(f"1 - cos {1.0 - cos:.3g}  rel {rel:.3g}  max abs {mx:.3g}  ({verdict})",
                             style="bold red" if flags else "")
         self.detail_text = Text("\n").join([
             Text.assemble((col.label, "bold"), "  ", where), what,
@@ -594,9 +599,9 @@ class TensordiffApp(App[int]):
         if fl != fl:
             what = Text("no row for this token in this tensor", style="dim")
         elif int(fl) & 2:
-            what = Text(f"cos {cos:.6f}  rel {rel:.3g}  max abs {mx:.3g}  (NaN/Inf)", style="bold red")
+            what = Text(f"1 - cos {1.0 - cos:.3g}  rel {rel:.3g}  max abs {mx:.3g}  (NaN/Inf)", style="bold red")
         else:
-            what = Text(f"cos {cos:.6f}  rel {rel:.3g}  max abs {mx:.3g}  (no verdict yet)")
+            what = Text(f"1 - cos {1.0 - cos:.3g}  rel {rel:.3g}  max abs {mx:.3g}  (no verdict yet)")
         self.detail_text = Text("\n").join([
             Text.assemble((col.label, "bold"), "  ", where), what,
             Text("preview of the first tokens, aligned among themselves: the tolerances, the verdict and the "

@@ -46,13 +46,16 @@ def column_verdict(res: DiffResult, col: Column) -> tuple[str, str, str]:
     return g, s, words
 
 
-_SLOT_OF = re.compile(r"\bslot (\d+) of (\S+)")
+_SLOT_OF = re.compile(r"\bslot (\d+) of ([^\s:;,()]+)")
+#: the reason every "feeds" finding gives alike (the headline says it once)
+_FEEDS_WHY = re.compile(r" \(each holds what it claims; [^)]*\)$")
 
 
 def compact_sentence(message: str) -> str:
     """The sentence with ``slot K of T`` written ``T[K]``: on a narrow pane the words that tell
-    two findings apart come first."""
-    return _SLOT_OF.sub(lambda m: f"{m.group(2)}[{m.group(1)}]", message)
+    two findings apart come first; the reason that slots fed differently share is left to the
+    headline and the detail pane."""
+    return _FEEDS_WHY.sub("", _SLOT_OF.sub(lambda m: f"{m.group(2)}[{m.group(1)}]", message))
 
 
 def finding_prompt(f: Finding, compact: bool = False) -> Text:
@@ -96,30 +99,7 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
         lines.append(t)
     else:
         lines.append(Text.assemble(OK_GLYPH, (f" no finding on {col.label}", "")))
-    sa, sb = int(tok["seq_a"]), int(tok["seq_b"])
-    name_a = summary.seq_a[sa] if sa < len(summary.seq_a) else str(sa)
-    name_b = summary.seq_b[sb] if sb < len(summary.seq_b) else str(sb)
-    lines.append(Text.assemble(
-        ("cell ", "dim"), (col.label, "bold"), ("  token ", "dim"), (str(int(tok["token"])), "bold"),
-        (f" {token_str}" if token_str else "", "bold magenta"),
-        ("  ", ""), (f"{res.side_a}: ", "cyan"), f"{name_a} pos {int(tok['pos_a'])} ({regime_name(tok['regime_a'])})",
-        ("  ", ""), (f"{res.side_b}: ", "yellow"), f"{name_b} pos {int(tok['pos_b'])} ({regime_name(tok['regime_b'])})",
-        ("  aligned #", "dim"), (str(row), "dim")))
-    cos, rel, maxabs, flags = (float(x) for x in summary.cell(row, col.index))
-    if np.isnan(flags):
-        lines.append(Text("no row of this tensor for this token on one side", style="dim"))
-    else:
-        fl = int(flags)
-        verdict = ("NaN/Inf" if fl & FLAG_NONFINITE else "fails tolerance" if fl & FLAG_BAD else "within tolerance")
-        vstyle = "bold magenta" if fl & FLAG_NONFINITE else "bold red" if fl & FLAG_BAD else "green"
-        pair = next((p for p in res.pairs if col.tensor_a in (p.name_a, p.label)), None)
-        sk = "≈" if pair is not None and pair.basis == "sketch" else ""
-        t = Text.assemble(("cos ", "dim"), sk + fmt(cos), ("   rel err ", "dim"), sk + fmt(rel, 3),
-                          ("   max abs ", "dim"), sk + fmt(maxabs, 3), ("   aligner: ", "dim"), (verdict, vstyle))
-        if sk:
-            t.append("  (≈ on sketches, not full values)", style="dim")
-        lines.append(t)
-    lines += op_graph_lines(res, col.label)
+    # what the slot holds first: on a 24-line terminal it is shown without scrolling
     srow = slot_row(res, col)
     if srow is not None:
         held = srow.held_b or "?"
@@ -139,8 +119,34 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
                 t.append(" · ", style="dim")
             off = c.offset or 0
             t.append(f"{c.label}{f' ({off:+d})' if off else ''}", style="bold" if i == 0 else "")
-            t.append(f" {fmt(c.score, 3)} (cos {fmt(c.cos, 3)}, rms {fmt(c.rms_agreement, 3)})")
+            t.append(f" {fmt(c.score, 3)} (1-cos {fmt(1.0 - c.cos if c.cos is not None else None, 3)}, "
+                     f"rms {fmt(c.rms_agreement, 3)})")
         lines.append(t)
+    sa, sb = int(tok["seq_a"]), int(tok["seq_b"])
+    name_a = summary.seq_a[sa] if sa < len(summary.seq_a) else str(sa)
+    name_b = summary.seq_b[sb] if sb < len(summary.seq_b) else str(sb)
+    lines.append(Text.assemble(
+        ("cell ", "dim"), (col.label, "bold"), ("  token ", "dim"), (str(int(tok["token"])), "bold"),
+        (f" {token_str}" if token_str else "", "bold magenta"),
+        ("  ", ""), (f"{res.side_a}: ", "cyan"), f"{name_a} pos {int(tok['pos_a'])} ({regime_name(tok['regime_a'])})",
+        ("  ", ""), (f"{res.side_b}: ", "yellow"), f"{name_b} pos {int(tok['pos_b'])} ({regime_name(tok['regime_b'])})",
+        ("  aligned #", "dim"), (str(row), "dim")))
+    cos, rel, maxabs, flags = (float(x) for x in summary.cell(row, col.index))
+    if np.isnan(flags):
+        lines.append(Text("no row of this tensor for this token on one side", style="dim"))
+    else:
+        fl = int(flags)
+        verdict = ("NaN/Inf" if fl & FLAG_NONFINITE else "fails tolerance" if fl & FLAG_BAD else "within tolerance")
+        vstyle = "bold magenta" if fl & FLAG_NONFINITE else "bold red" if fl & FLAG_BAD else "green"
+        pair = next((p for p in res.pairs if col.tensor_a in (p.name_a, p.label)), None)
+        sk = "≈" if pair is not None and pair.basis == "sketch" else ""
+        one_minus = 1.0 - cos if cos == cos else cos   # NaN stays NaN
+        t = Text.assemble(("1 - cos ", "dim"), sk + fmt(one_minus), ("   rel err ", "dim"), sk + fmt(rel, 3),
+                          ("   max abs ", "dim"), sk + fmt(maxabs, 3), ("   aligner: ", "dim"), (verdict, vstyle))
+        if sk:
+            t.append("  (≈ on sketches, not full values)", style="dim")
+        lines.append(t)
+    lines += op_graph_lines(res, col.label)
     if vectors is not None:
         va, vb, note = vectors
         lines += plot_lines(va, vb, res.side_a, res.side_b, width)

@@ -1,6 +1,7 @@
 """The RL triage in the terminal (``tensordiff triage TRAIN ROLLOUT [PREFILL] --tui``): the
-cause sentence, the error per state against the noise trend, the regime split and the per-token
-log-prob difference of one sequence at a time, walked with j/k (or n/p); the arrows and page keys scroll."""
+cause sentence, the per-token log-prob difference of one sequence at a time (walked with j/k, or
+n/p), the error per state against the noise trend and the regime split; the arrows and page keys
+scroll."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class TriageApp(App[int]):
     """One triage on screen; returns the triage's exit code."""
 
     TITLE = "tensordiff triage"
+    ENABLE_COMMAND_PALETTE = False   # not a triage key: its footer entry "^p palette" only takes room
     CSS = """
     #headline { padding: 0 1; text-style: bold; }
     .section { padding: 0 1; margin-top: 1; }
@@ -41,14 +43,15 @@ class TriageApp(App[int]):
         t = self.triage
         with VerticalScroll():
             yield Static(t.headline, id="headline", markup=False)
+            # the sequence walked with j/k first: on a 24-line terminal it is above the fold
+            yield Static("log-prob difference over positions (j/k: another sequence)", classes="title", markup=False)
+            yield Static(self._seq_text(), id="tokens", classes="section", markup=False)
             yield Static("error per state against the noise trend", classes="title", markup=False)
             yield Static("\n".join(state_rows(t.noise_states)), id="states", classes="section", markup=False)
             yield Static("regime split", classes="title", markup=False)
             c = t.logprobs
             yield Static("\n".join(regime_rows(c.by_regime if c is not None else {}, t.three_way, t.layer)),
                          id="regimes", classes="section", markup=False)
-            yield Static("log-prob difference over positions", classes="title", markup=False)
-            yield Static(self._seq_text(), id="tokens", classes="section", markup=False)
             if t.lines:   # the evidence and the frameworks' metrics, as the text report prints them
                 yield Static("the evidence and the metrics", classes="title", markup=False)
                 yield Static("\n".join(t.lines), id="lines", classes="section", markup=False)

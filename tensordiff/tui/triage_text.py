@@ -47,8 +47,8 @@ def state_rows(states: list[dict[str, Any]], width: int = BAR_W) -> list[str]:
         return ["no state recorded on both sides"]
     lo, hi = (min(vals) / 2, max(vals)) if vals else (1.0, 1.0)
     lab = max(len(str(s["label"])) for s in states)
-    rows = [f"{'state':<{lab}}  {'measured q50 (bar) vs predicted (|), log scale':<{width}}  "
-            f"{'q50':>9} {'predicted':>9}"]
+    # the header as wide as the rows, so that 80 columns hold it on one line
+    rows = [f"{'state':<{lab}}  {'█ measured, | predicted (log)'[:width]:<{width}}  {'q50':>9} {'predicted':>9}"]
     for s in states:
         q, p = float(s.get("q50") or 0.0), float(s.get("predicted") or 0.0)
         cells = [" "] * width

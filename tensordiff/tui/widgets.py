@@ -352,9 +352,12 @@ class Heatmap(ScrollView, can_focus=True):
             i = c0
             while i < c1:
                 c = self.shown[i]
-                if not c.packed:
-                    segs.append(Segment(" " * CELL_W, base))
-                    i += 1
+                if not c.packed:   # a run of unpacked columns: the names their short labels stand for
+                    j = i
+                    while j < c1 and not self.shown[j].packed:
+                        j += 1
+                    segs.append(Segment(run_names(self.shown[i:j]), hstyle))
+                    i = j
                     continue
                 j = i
                 while j < c1 and self.shown[j].packed and self.shown[j].tensor_a == c.tensor_a:
@@ -554,3 +557,23 @@ class GotoScreen(ModalScreen[str | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+def run_names(cols: list) -> str:
+    """The header line above a run of unpacked columns: each name that its three-character label
+    abbreviates (``nrm`` for final_norm, ``fc`` for draft_fc_output) written from its column on,
+    where it fits before the next such name; layers (``L3``) and ``emb`` need none."""
+    width = len(cols) * CELL_W
+    out = [" "] * width
+    named = [(k, c.label) for k, c in enumerate(cols) if c.short not in (c.label, "emb") and not c.short.startswith("L")
+             and not c.label.startswith("layer")]
+    free = 0   # the first cell not yet written
+    for n, (k, label) in enumerate(named):
+        end = named[n + 1][0] * CELL_W - 1 if n + 1 < len(named) else width   # room to the right
+        start = k * CELL_W
+        if start + len(label) > end:   # too long for the room to its right: end it above its column
+            start = max(free, min(start, k * CELL_W + CELL_W - 1 - len(label)))
+        text = label[:max(0, end - start)]
+        out[start:start + len(text)] = text
+        free = start + len(text) + 1
+    return "".join(out)
