@@ -273,7 +273,10 @@ class _Judge:
             identity_a, identity_b = dict(identity_a), dict(identity_b)
             if ida is not None:
                 identity_a[s] = ida
-            identity_b[s] = self._as_class(identity_b[s], expected) or identity_b[s]
+            # each side's own claim first: two claims that differ within one class (a draft fed
+            # final_norm on one side, the last layer on the other) are two inputs, not one
+            identity_b[s] = self._as_class(identity_b[s], claimed_b if claimed_b is not None else expected) \
+                or identity_b[s]
 
             def place(kind: Kind, side: str, det: IdentityDetails, sev: Severity) -> Finding:
                 f = self._token_finding(kind, ia, s, at, det)
