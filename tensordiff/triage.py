@@ -92,10 +92,27 @@ class Triage:
                 "diff_headline": self.diff.headline() if self.diff is not None else None}
 
 
+def roles(a: TraceSource, b: TraceSource) -> bool:
+    """Whether the two traces are given the other way round: the first says it is the engine's
+    (side ``serve``) and the second the trainer's (side ``train``). Any other pair of sides (two
+    engine traces, ``other``) keeps the order it was given in."""
+    return a.side == "serve" and b.side == "train"
+
+
 def triage(train: str, rollout: str, prefill: str | None = None) -> Triage:
-    """Triage the trainer's trace against the rollout's (and the engine's prefill re-run)."""
+    """Triage the trainer's trace against the rollout's (and the engine's prefill re-run). Each
+    trace says which side it is: a rollout given first and a trainer second are taken by their
+    roles, so the verdict does not depend on the order of the arguments."""
     with open_pair(train, rollout) as (a, b):
-        t = triage_sources(a, b)
+        swapped = roles(a, b)
+        if not swapped:
+            t = triage_sources(a, b)
+    if swapped:
+        train, rollout = rollout, train
+        with open_pair(train, rollout) as (a, b):
+            t = triage_sources(a, b)
+        t.lines.insert(0, "  the first trace is the rollout's and the second the trainer's (their recorded sides): "
+                          "taken as such")
     if prefill is not None:
         t.three_way = three_way(train, rollout, prefill)
         t.lines += _three_way_lines(t.three_way)
@@ -559,4 +576,4 @@ def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-__all__ += ["CAUSES", "compare_weights", "position_profile", "three_way", "weights_step"]
+__all__ += ["CAUSES", "compare_weights", "position_profile", "roles", "three_way", "weights_step"]

@@ -72,12 +72,14 @@ def with_config(out: Path, **changes) -> Path:
 
 def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = "processed", seed: int = 0,
             weight_steps=None, new_tokens: int = NEW_TOKENS, prompts=None, model_path=None,
-            kv_dtype=None) -> Path:
+            kv_dtype=None, later=()) -> Path:
     """Generate ``new_tokens`` per prompt with ``model`` (prefill, then one decode pass per token
     with the KV cache), sampling at ``temperature`` with a seeded generator, and record it as a
     serve-side trace: the catalog with values, target_topk, the returned log-probs (``processed``:
     of the distribution sampled from; ``raw``: the model's log-softmax) and the weight steps
-    ``weight_steps``: ``[(model or fingerprint doc, event)]``, step k in force from forward k."""
+    ``weight_steps``: ``[(model or fingerprint doc, event)]``, step k in force from forward k;
+    ``later``: weight steps the engine received after these tokens (in force from later forwards,
+    serving requests the trainer does not see)."""
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(seed)
@@ -91,6 +93,8 @@ def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = 
             doc = m if isinstance(m, dict) else None
             record_weights(rec, model if doc is not None else m, k, forward_step=k, event=event, doc=doc)
         fwd = len(steps) - 1
+        for j, (m, event) in enumerate(later):
+            record_weights(rec, m, fwd + 1 + j, forward_step=fwd + 1 + j, event=event)
         hf = HFExtractorRecorder(model, rec, None, values="all", topk=20)
         for i, ids in enumerate(prompts or trained.prompts()):
             key = f"p{i}"
