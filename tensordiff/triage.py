@@ -4,6 +4,9 @@ The trainer's trace (``record train --from-serve``, or :class:`TrainerRecorder` 
 forward) is the reference A; the rollout engine's trace is B. The evidence is read in this order,
 and the first that explains the difference is named in the first sentence:
 
+0. **sampling** (the ``sampling`` attribute of both traces): the temperature the trainer divides by
+   against the one the rollout sampled at, where both record one and they differ (a recorded
+   fact, named before any inference from the data);
 1. **weights** (``/weights/step_<k>``, :mod:`tensordiff.trace.rl`): the trainer's weights against
    the engine's weight step in force for the rollout's tokens, parameter by parameter in forward
    order (a float32 trainer parameter and the engine's bf16/fp16 copy are equal when the copy is
@@ -54,7 +57,7 @@ from .vocab import REGIME_CODE, REGIMES
 
 __all__ = ["Triage", "triage", "triage_sources"]
 
-CAUSES = ("weights", "tokens", "routing", "layer", "logits", "logprobs", "agree", "incomplete")
+CAUSES = ("sampling", "weights", "tokens", "routing", "layer", "logits", "logprobs", "agree", "incomplete")
 
 
 @dataclass
@@ -239,6 +242,39 @@ def _temperature(r: TraceSource) -> float | None:
     return float(t) if isinstance(t, (int, float)) else None
 
 
+def sampling_differs(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
+    """Where both traces record the temperature each compared sequence was sampled (rollout) or
+    divided by (trainer) at and they differ: the first such sequence's two temperatures and how
+    many of the sequences both sides ran differ. None when they agree or either side records none."""
+    sa = read_sampling(a) if hasattr(a, "f") else None
+    sb = read_sampling(b) if hasattr(b, "f") else None
+    if sa is None or sb is None:
+        return None
+    both = [k for k in b.sequences if k in set(a.sequences)] or [""]
+    differ = []
+    for k in both:
+        ta, tb = (sampling_for(sa, k) or {}).get("temperature"), (sampling_for(sb, k) or {}).get("temperature")
+        if not (isinstance(ta, (int, float)) and isinstance(tb, (int, float))):
+            continue
+        # temperature 0 (greedy) leaves the logits undivided: the same log-probs as 1
+        ta, tb = (float(ta) or 1.0), (float(tb) or 1.0)
+        if not math.isclose(ta, tb, rel_tol=1e-6):
+            differ.append((k, float(ta), float(tb)))
+    if not differ:
+        return None
+    k, ta, tb = differ[0]
+    return {"sequence": k, "train": ta, "rollout": tb, "count": len(differ), "of": len(both)}
+
+
+def _sampling_sentence(d: dict[str, Any], c: lpmod.LogprobComparison | None) -> str:
+    seqs = "" if d["of"] == 1 and d["sequence"] == "" else f", {d['count']} of {d['of']} sequences"
+    lp = (f"; the sampled tokens' log-probs differ by a median {c.q50:.3g} nats (expected {c.noise:.3g})"
+          if c is not None and c.tokens else "")
+    return (f"sampling: the trainer divides the logits by temperature {_f(d['train'])} while the rollout sampled at "
+            f"{_f(d['rollout'])} (their recorded sampling{seqs}): the trainer's log-probs are of another "
+            f"distribution than the one sampled from{lp}; give the trainer the rollout's temperature")
+
+
 def _mode(r: TraceSource) -> str | None:
     s = read_sampling(r) if hasattr(r, "f") else None
     m = (sampling_for(s, "") or {}).get("logprobs_mode") if s else None
@@ -386,6 +422,10 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     t.diff = res
     causes: list[tuple[str, str]] = []
     notes: list[str] = []
+    # 0. the recorded sampling: a fact, not an inference from the data
+    samp = sampling_differs(a, b)
+    if samp is not None:
+        causes.append(("sampling", _sampling_sentence(samp, c)))
     if w is not None and w.get("differ"):
         causes.append(("weights", _weights_sentence(w)))
     # 2. tokens and positions
@@ -442,13 +482,11 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
             causes.append(("logits", f"logits: the states agree but the logits do not (median |raw top-1 logprob "
                                      f"diff| {shift:.3g}, {shift / noise:.0f}x the noise the states predict): the "
                                      "head differs (lm_head dtype, e.g. bf16 against fp32; a logit softcap or scale)"))
-        elif c.systematic:
+        elif c.systematic and samp is None:
             causes.append(("logprobs", f"log-probs: the logits agree but the sampled tokens' log-probs do not: a "
                                        f"systematic offset on {c.same_way:.0%} of the tokens out of the noise (median "
-                                       f"{c.offset:+.3g} nats): a temperature applied on one side only, or raw "
-                                       "against processed log-probs (trainer temperature "
-                                       f"{_f(ta)}, rollout {_f(tb)}, rollout logprobs_mode {_mode(b) or 'unknown'})"))
-        else:
+                                       f"{c.offset:+.3g} nats): {_offset_causes(ta, tb, _mode(b))}"))
+        elif samp is None:
             causes.append(("logprobs", f"log-probs: the sampled tokens' log-probs differ beyond the noise (median "
                                        f"|diff| {c.q50:.3g}, {c.q50 / max(noise, 1e-30):.0f}x the expected "
                                        f"{noise:.3g}) while the states agree"))
@@ -467,6 +505,23 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     if c is not None:
         t.lines += _metric_lines(c)
     return t
+
+
+def _offset_causes(ta: float | None, tb: float | None, mode_b: str | None) -> str:
+    """What can put a systematic offset on log-probs whose logits agree, given what the traces
+    record: a temperature on one side only is offered only where a temperature is not recorded on
+    both sides (recorded ones that differ are named before this), raw against processed
+    log-probs only where the rollout's mode is not recorded as processed."""
+    temps = f"trainer temperature {_f(ta)}, rollout {_f(tb)}, rollout logprobs_mode {mode_b or 'unknown'}"
+    offers = []
+    if ta is None or tb is None:
+        offers.append("a temperature applied on one side only")
+    if mode_b != "processed":
+        offers.append("raw against processed log-probs")
+    if offers:
+        return f"{', or '.join(offers)} ({temps})"
+    return (f"the recorded sampling is the same on both sides ({temps}): the log-probs are computed another way on "
+            "one side (the returned log-probs renormalised over a top-k / top-p set, or another logit scale)")
 
 
 def _flips_explain(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at: NDArray[np.bool_]) -> str:
@@ -576,4 +631,4 @@ def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-__all__ += ["CAUSES", "compare_weights", "position_profile", "roles", "three_way", "weights_step"]
+__all__ += ["CAUSES", "compare_weights", "position_profile", "roles", "sampling_differs", "three_way", "weights_step"]

@@ -72,14 +72,15 @@ def with_config(out: Path, **changes) -> Path:
 
 def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = "processed", seed: int = 0,
             weight_steps=None, new_tokens: int = NEW_TOKENS, prompts=None, model_path=None,
-            kv_dtype=None, later=()) -> Path:
+            kv_dtype=None, later=(), top_k: int | None = None) -> Path:
     """Generate ``new_tokens`` per prompt with ``model`` (prefill, then one decode pass per token
     with the KV cache), sampling at ``temperature`` with a seeded generator, and record it as a
     serve-side trace: the catalog with values, target_topk, the returned log-probs (``processed``:
     of the distribution sampled from; ``raw``: the model's log-softmax) and the weight steps
     ``weight_steps``: ``[(model or fingerprint doc, event)]``, step k in force from forward k;
     ``later``: weight steps the engine received after these tokens (in force from later forwards,
-    serving requests the trainer does not see)."""
+    serving requests the trainer does not see); ``top_k``: the engine samples from its top k tokens
+    and returns the log-prob renormalised over them, while its sampling record says no top-k."""
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(seed)
@@ -113,6 +114,8 @@ def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = 
                         layer.values = layer.values.to(kv_dtype).float()
                 z = o.logits[0, -1].float()
                 t = temperature if temperature > 0 else 1.0
+                if top_k is not None:
+                    z = torch.where(z >= torch.topk(z, top_k).values[-1], z, torch.tensor(-torch.inf))
                 nxt = int(torch.multinomial(torch.softmax(z / t, -1), 1, generator=gen)) if temperature > 0 \
                     else int(z.argmax())
                 lp = trainer_logprobs(z[None], torch.tensor([nxt]), t if logprobs_mode == "processed" else 1.0)

@@ -95,6 +95,30 @@ def test_temperature_not_applied(work, fp32):
     assert main(["triage", str(t), str(r)]) == 1
 
 
+def test_recorded_temperatures_that_differ_come_first(work, fp32):
+    """The engine sampled at T 0.7, the trainer divides by 0.8: both traces record their
+    temperature, and the first sentence says so, in either order."""
+    r = rs.rollout(work / "temp.rollout.h5", fp32, prompts=_prompts(), new_tokens=NEW, temperature=0.7)
+    t = rs.train_from_serve(work / "temp.train.h5", r, None, "--temperature", "0.8")
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "sampling", got.text()
+        assert got.headline.startswith("sampling: the trainer divides the logits by temperature 0.8 while the rollout "
+                                       "sampled at 0.7 (their recorded sampling, 8 of 8 sequences)"), got.headline
+        assert main(["triage", str(a), str(b)]) == 1
+
+
+def test_an_offset_with_equal_recorded_temperatures_offers_no_temperature(work, fp32):
+    """The engine returns its log-probs renormalised over a top-5 it does not record, both sides
+    at T 0.7: a systematic offset, and the sentence does not offer a temperature applied on one
+    side only (the recorded temperatures are equal)."""
+    t, r = _pair(work, "topk", fp32, top_k=5)
+    got = triage(str(t), str(r))
+    assert got.cause == "logprobs", got.text()
+    assert "systematic offset" in got.headline and "temperature applied on one side" not in got.headline
+    assert "the recorded sampling is the same on both sides (trainer temperature 0.7, rollout 0.7" in got.headline
+
+
 def test_bf16_lm_head(work, fp32):
     """An fp32 engine whose lm_head runs in bf16 against the fp32 trainer: states identical, the
     gap appears at the logits. The head's bf16 weight is the exact cast of the trainer's: weights
