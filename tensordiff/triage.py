@@ -213,13 +213,42 @@ def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
                          "rel": d.rel, "max_abs": d.max_abs, "estimated": d.estimated, "count": len(diffs),
                          "of": len(trainer.doc["parameters"]), "stale": stale,
                          "stale_since": prev.step if stale and prev is not None else None,
-                         "then": [x.where() for x in diffs[1:6]]}
+                         "then": [x.where() for x in diffs[1:6]], "behind": _behind(trainer, s, prev, sb)}
         break
     return out
 
 
+def _hashes(doc: dict[str, Any]) -> dict[str, Any]:
+    return {str(e["key"]): e.get("sha256") for e in doc["parameters"]}
+
+
+def _behind(trainer: WeightStep, s: WeightStep, prev: WeightStep | None, steps: list[WeightStep]) -> dict[str, Any] | None:
+    """A whole step behind: the engine's step ``s`` holds every parameter of its previous step
+    (the update never reached it), or the trainer's weights are exactly another recorded engine
+    step (the tokens were generated before the engine received the trainer's weights, or after
+    it moved on). None when neither."""
+    hs = _hashes(s.doc)
+    if prev is not None and None not in hs.values() and _hashes(prev.doc) == hs:
+        return {"served": prev.step, "update": s.step, "event": s.event, "how": "update"}
+    for o in steps:
+        if o.step != s.step and not compare_weights(trainer.doc, o.doc):
+            return {"served": s.step, "trainer": o.step, "event": o.event, "how": "other"}
+    return None
+
+
 def _weights_sentence(w: dict[str, Any]) -> str:
     d = w["differ"]
+    b = d.get("behind")
+    n = f"{d['count']} of {d['of']} parameters differ from the trainer's"
+    if b is not None and b["how"] == "update":
+        return (f"weights: the engine serves step {b['served']}'s weights: after weight update step {b['update']} "
+                f"({b['event']}) every parameter still holds step {b['served']}'s values ({n}): the update did "
+                "not reach the engine")
+    if b is not None:
+        when = "after" if b["trainer"] > b["served"] else "before"
+        return (f"weights: the engine serves step {b['served']}'s weights: these tokens were generated under weight "
+                f"step {b['served']}, and the trainer's weights are the engine's step {b['trainer']} ({b['event']}), "
+                f"which it held only {when} them ({n})")
     rel = f"rel {d['rel']:.3g}" if d["rel"] is not None else "shapes differ"
     est = ", estimated from fingerprints" if d["estimated"] else ""
     where = f"{d['where']} ({d['name']})" if d["where"] != d["name"] else d["name"]

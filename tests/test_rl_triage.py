@@ -150,6 +150,29 @@ def test_stale_layer_after_weight_update(work, fp32):
     assert any("layer4" in line for line in got.lines)
 
 
+def test_a_whole_step_behind(work, fp32):
+    """Every parameter one weight step behind the trainer's: an update the engine recorded but
+    never applied (its step 1 holds step 0's values), and tokens generated before the engine
+    received the trainer's weights (step 1, recorded after them). Named as the step served, in
+    both orders, not as the first parameter in forward order."""
+    w1 = rs.updated(fp32)
+    md = rs.save(w1, work / "behind-w1")
+    t, r = _pair(work, "behind", fp32, model_dir=md, weight_steps=[(fp32, "start"), (fp32, "update_weights_from_tensor")])
+    t2, r2 = _pair(work, "early", fp32, model_dir=md, later=[(w1, "update_weights_from_tensor")])
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "weights", got.text()
+        assert got.headline.startswith("weights: the engine serves step 0's weights: after weight update step 1 "
+                                       "(update_weights_from_tensor) every parameter still holds step 0's values "
+                                       "(75 of 75 parameters differ from the trainer's)"), got.headline
+    for a, b in ((t2, r2), (r2, t2)):
+        got = triage(str(a), str(b))
+        assert got.cause == "weights", got.text()
+        assert got.headline.startswith("weights: the engine serves step 0's weights: these tokens were generated under "
+                                       "weight step 0, and the trainer's weights are the engine's step 1 "
+                                       "(update_weights_from_tensor), which it held only after them"), got.headline
+
+
 def test_rope_theta_mismatch(work):
     """The engine's config says another rope theta: zero error at position 0, growing with position."""
     from transformers import LlamaForCausalLM
