@@ -225,6 +225,38 @@ def test_missing_position_ids(work, fp32):
     assert triage(str(ok), str(r)).cause == "agree"
 
 
+def test_one_prompt_in_two_batches_pairs_by_request_id(work, fp32, tmp_path):
+    """Two prompts each served in three batches (x, y, z: n samples of one prompt), the engine's
+    prefix cache reusing a prompt served before (no rows for its cached positions); the trainer
+    holds batch z only (from its outputs JSONL). Each trainer sequence pairs with the engine's
+    request of the same id, not with another sample of its prompt: a correct pair, exit 0 in both
+    orders."""
+    from tensordiff.traceset import open_trace
+
+    ps = trained.prompts()
+    prompts = [ps[3], ps[5]] * 3
+    keys = ["y-p3", "y-p5", "z-p3", "z-p5", "x-p3", "x-p5"]
+    r = rs.rollout(work / "grpo.rollout.h5", fp32, prompts=prompts, keys=keys, new_tokens=NEW, prefix_cache=True)
+    tr = open_trace(str(r))
+    try:
+        rows = tr.tokens
+        served = {k: (rows["position"][rows["seq"] == q], rows["token"][rows["seq"] == q])
+                  for q, k in enumerate(tr.sequences)}
+    finally:
+        tr.close()
+    assert served["z-p3"][0].min() == len(ps[3]) - 1      # the cached prompt has no rows but its last token
+    # the generated tokens the engine fed back (the last sampled one has no row to compare)
+    out = {k: served[k][1][served[k][0] >= len(prompts[keys.index(k)])].tolist() for k in ("z-p3", "z-p5")}
+    jsonl = tmp_path / "z.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": k, "input_ids": prompts[keys.index(k)], "output_ids": out[k]}) + "\n"
+                             for k in out))
+    t = rs.train_from_serve(work / "grpo.train.h5", jsonl, None, "--temperature", "0.7")
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "agree", got.text()
+        assert main(["triage", str(a), str(b)]) == 0
+
+
 def test_cli_json_and_bad_input(work, fp32, capsys, tmp_path):
     t, r = work / "fp32.train.h5", work / "fp32.rollout.h5"
     if not t.exists():
