@@ -613,15 +613,86 @@ def _layer_info(a: TraceSource, b: TraceSource, plan: Any, res: DiffResult, f: F
 
         depth = next((d for d in pair.depth if d is not None), None)
         _, max_rel = tolerance(plan.noise, depth, pair.dtype_a or None, pair.dtype_b or None)
+        few = few_sequences(a, b, plan.maps, plan.alignment.code_a, pair.name_a, pair.name_b, max_rel)
+        if few is not None:
+            sentence = f"sequences: {f.tensor} is the first state out of the noise, and {_few_words(few, max_rel)}"
+            return {"tensor": f.tensor, "message": f.message, "by_regime": regimes, "positions": None,
+                    "sequences": few, "sentence": sentence}
         prof = position_profile(a, b, plan.maps, plan.alignment.code_a, pair.name_a, pair.name_b, max_rel,
                                 plan.alignment.regime_b)
         words = _position_words(prof)
-    sentence = f"states: the first state out of the noise trend is {f.tensor}: {f.message}"
+    message = f.message
+    if not any(i.kind == "packed" for r in (a, b) for i in r.tensors.values()):
+        # the diff's hint for a per-token rescale; with no packed tensor on either side it names
+        # something these traces do not have
+        message = message.replace(": a norm applied before packing?", "")
+    sentence = f"states: the first state out of the noise trend is {f.tensor}: {message}"
     if words:
         sentence = f"positions: {f.tensor} is the first state out of the noise, and {words}"
     elif regimes and len(regimes) > 1:
         sentence += f" (by regime: {split})"
     return {"tensor": f.tensor, "message": f.message, "by_regime": regimes, "positions": prof, "sentence": sentence}
+
+
+#: the error of a state sits in a few sequences when at most this share of them carries this share
+#: of its tokens out of the noise, and every other sequence has nearly all its tokens within
+FEW_SEQUENCES, FEW_SHARE, OTHERS_CLEAN = 0.25, 0.9, 0.95
+
+
+def few_sequences(a: TraceSource, b: TraceSource, maps: RowMaps, codes: NDArray[np.int64], name_a: str,
+                  name_b: str, limit: float) -> list[dict[str, Any]] | None:
+    """The sequences that carry a diverging state's error, when they are a few of many (a bug in
+    one sequence of a batch: its attention mask, its padding, its inputs), each with the positions
+    out of ``limit`` and its median relative error; None when the error is spread over the
+    sequences or the state has no values on both sides."""
+    if not (a.tensors[name_a].has_values and b.tensors[name_b].has_values):
+        return None
+    idx, rel = _token_rel(a, b, maps, name_a, name_b, len(codes))
+    seq, pos = codes[idx] >> SEQ_BITS, codes[idx] & POS_MASK
+    seqs = np.unique(seq)
+    out = rel > limit
+    if len(seqs) < 4 or not out.any():
+        return None
+    per = [(int(s), int(out[seq == s].sum())) for s in seqs]
+    per.sort(key=lambda x: -x[1])
+    k = max(1, int(FEW_SEQUENCES * len(seqs)))
+    carry = [s for s, n in per[:k] if n]
+    held = sum(n for s, n in per if s in carry)
+    rest = ~np.isin(seq, carry)
+    if held < FEW_SHARE * out.sum() or not rest.any() or float((~out[rest]).mean()) < OTHERS_CLEAN:
+        return None
+    keys = a.sequences
+    res = []
+    for s in carry:
+        m = seq == s
+        p = np.sort(pos[m & out])
+        res.append({"seq": str(keys[s]), "positions": _ranges_words(p), "out": int(len(p)), "tokens": int(m.sum()),
+                    "median_rel": float(np.median(rel[m]))})
+    res.append({"others": int(len(seqs) - len(carry)), "within": float((~out[rest]).mean()),
+                "median_rel": float(np.median(rel[rest]))})
+    return res
+
+
+def _ranges_words(p: NDArray[np.int64]) -> str:
+    if not len(p):
+        return "none"
+    cuts = np.flatnonzero(np.diff(p) != 1) + 1
+    runs = [(int(r[0]), int(r[-1])) for r in np.split(p, cuts)]
+    words = [f"{x}-{y}" if y > x else str(x) for x, y in runs[:4]]
+    return ", ".join(words) + (f" and {len(runs) - 4} more runs" if len(runs) > 4 else "")
+
+
+def _few_words(few: list[dict[str, Any]], limit: float) -> str:
+    *carry, rest = few
+    one = len(carry) == 1
+    whose = "that sequence's" if one else "those sequences'"
+    what = "; ".join(f"sequence {c['seq']} positions {c['positions']} ({c['out']} of its {c['tokens']} tokens out "
+                     f"of the noise, median rel err {c['median_rel']:.3g}, {c['median_rel'] / max(limit, 1e-30):.0f}x "
+                     "the allowed)" for c in carry)
+    return (f"its error sits in {'one sequence' if one else f'{len(carry)} sequences'}: {what}; the other "
+            f"{rest['others']} sequences agree ({rest['within']:.0%} of their tokens within the noise): a difference "
+            f"in {whose} own inputs (its attention mask or padding in the "
+            "batch, its position ids), not in the weights or the model's code")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -660,4 +731,4 @@ def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-__all__ += ["CAUSES", "compare_weights", "position_profile", "roles", "sampling_differs", "three_way", "weights_step"]
+__all__ += ["CAUSES", "compare_weights", "few_sequences", "position_profile", "roles", "sampling_differs", "three_way", "weights_step"]

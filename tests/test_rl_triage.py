@@ -257,6 +257,56 @@ def test_one_prompt_in_two_batches_pairs_by_request_id(work, fp32, tmp_path):
         assert main(["triage", str(a), str(b)]) == 0
 
 
+def _padded_trainer(out, model, serve, prompts, *, unmasked=None):
+    """The trainer's forward over one left-padded micro-batch of the rollout's sequences
+    (TrainerRecorder.batch), position ids from the mask; ``unmasked``: the sequence whose
+    attention mask the forward lost (it attends its padding)."""
+    from tensordiff.recorders.core import Recorder
+    from tensordiff.recorders.hf import model_info
+    from tensordiff.recorders.hooks import TrainerRecorder
+    from tensordiff.recorders.train_cli import load_serve_sequences
+
+    seqs = dict(load_serve_sequences(str(serve)))
+    keys = [f"p{i}" for i in range(len(prompts))]
+    width = max(len(seqs[k]) for k in keys)
+    ids = torch.zeros(len(keys), width, dtype=torch.long)
+    mask = torch.zeros(len(keys), width, dtype=torch.long)
+    for b, k in enumerate(keys):
+        ids[b, width - len(seqs[k]):] = torch.tensor(seqs[k])
+        mask[b, width - len(seqs[k]):] = 1
+    seen = mask.clone()
+    if unmasked is not None:
+        seen[keys.index(unmasked)] = 1
+    with Recorder(str(out), side="train", model=model_info(model)) as rec:
+        tr = TrainerRecorder(model, rec, temperature=0.7)
+        with tr.batch(keys, ids, mask, first_generated=[len(p) for p in prompts]), torch.no_grad():
+            model(input_ids=ids, attention_mask=seen, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        tr.detach()
+    return out
+
+
+def test_one_sequence_of_a_padded_batch_lost_its_mask(work, fp32):
+    """A left-padded micro-batch of prompts of other lengths; one sequence's attention mask is
+    lost (it attends 9 pad tokens): the sentence names that sequence and its positions, offers
+    neither rope nor packing, in both orders; the same batch with its mask agrees in both."""
+    prompts = [p[: len(p) - 3 * i] for i, p in enumerate(_prompts())]
+    r = rs.rollout(work / "mask.rollout.h5", fp32, prompts=prompts, new_tokens=NEW)
+    ok = _padded_trainer(work / "mask.ok.h5", fp32, r, prompts)
+    bad = _padded_trainer(work / "mask.bad.h5", fp32, r, prompts, unmasked="p3")
+    n = len(prompts[3]) + NEW - 1       # the rollout's rows of p3: all but the last sampled token
+    for a, b in ((ok, r), (r, ok)):
+        assert triage(str(a), str(b)).cause == "agree"
+        assert main(["triage", str(a), str(b)]) == 0
+    for a, b in ((bad, r), (r, bad)):
+        got = triage(str(a), str(b))
+        assert got.cause == "layer", got.text()
+        assert got.headline.startswith(f"sequences: layer1 is the first state out of the noise, and its error sits in "
+                                       f"one sequence: sequence p3 positions 0-{n - 1} ({n} of its {n} tokens out of "
+                                       "the noise"), got.headline
+        assert "the other 7 sequences agree (100% of their tokens within the noise)" in got.headline
+        assert "rope" not in got.headline and "packing" not in got.headline
+
+
 def test_cli_json_and_bad_input(work, fp32, capsys, tmp_path):
     t, r = work / "fp32.train.h5", work / "fp32.rollout.h5"
     if not t.exists():
