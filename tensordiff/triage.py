@@ -731,4 +731,5 @@ def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-__all__ += ["CAUSES", "compare_weights", "few_sequences", "position_profile", "roles", "sampling_differs", "three_way", "weights_step"]
+__all__ += ["CAUSES", "compare_weights", "few_sequences", "position_profile", "roles", "sampling_differs", "three_way",
+            "weights_step"]
