@@ -279,7 +279,8 @@ def sampling_differs(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
     sb = read_sampling(b) if hasattr(b, "f") else None
     if sa is None or sb is None:
         return None
-    both = [k for k in b.sequences if k in set(a.sequences)] or [""]
+    ran = set(a.sequences)
+    both = [k for k in b.sequences if k in ran] or [""]
     differ = []
     for k in both:
         ta, tb = (sampling_for(sa, k) or {}).get("temperature"), (sampling_for(sb, k) or {}).get("temperature")
