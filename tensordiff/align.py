@@ -466,7 +466,8 @@ def _same_tables(A: SideTokens, B: SideTokens, fa: _Flat) -> bool:
     that :func:`_aligned_as_is` gives exactly its alignment. Holds when:
 
     1. both sides hold the same canonical tokens: equal sorted codes (sequence index and position)
-       and equal token ids (sequence keys and regimes may differ: neither takes part in pairing);
+       and equal token ids (regimes may differ); the sequence keys are equal index by index, or no
+       key is on both sides (a key on both sides at other indexes would pair first, :func:`_rank`);
     2. ``(i, i)`` is among the candidates of every sequence ``i``, at shift 0 with ``len(i)``
        matches (the most any pair with ``i`` can have). Sure when ``i`` has a 3-gram hash (as
        :func:`_all_hashes` gives them) that no other sequence has: then B's ``i`` alone gets a vote
@@ -482,6 +483,9 @@ def _same_tables(A: SideTokens, B: SideTokens, fa: _Flat) -> bool:
     if len(A.codes) != len(B.codes) or len(A.seqs) != len(B.seqs):
         return False
     if not (np.array_equal(A.codes, B.codes) and np.array_equal(A.tok, B.tok)):
+        return False
+    ka, kb = [A.key(i) for i in fa.ids], [B.key(i) for i in fa.ids]
+    if ka != kb and set(ka) & set(kb):
         return False
     h, q = _all_hashes(fa)
     hs = np.sort(h)
@@ -551,6 +555,14 @@ def _aligned_as_is(A: SideTokens, B: SideTokens) -> TokenAlignment:
                           path="same tables")
 
 
+def _rank(A: SideTokens, B: SideTokens, c: tuple[int, int, int, int, int]) -> tuple[int, ...]:
+    """The order the greedy assignment takes candidates (matches, overlap, shift, seq a, seq b) in:
+    a pair whose two sides carry the same request / sample id first (the n samples of one prompt,
+    or one prompt served in two batches, are told apart by it alone where a prefix cache left one
+    of them without its prompt's rows), then the most matched positions, the smaller shift."""
+    return (A.key(c[3]) != B.key(c[4]), -c[0], abs(c[2]), c[3], c[4])
+
+
 def align_tokens(ra: TraceSource, rb: TraceSource,
                  sides: tuple[SideTokens, SideTokens] | None = None) -> TokenAlignment:
     """Pair sequences and positions of two traces. ``sides``: their :class:`SideTokens`, when the
@@ -570,7 +582,7 @@ def align_tokens(ra: TraceSource, rb: TraceSource,
         return _aligned_as_is(A, B)
     fb = _Flat(B)
     cands = _pair_candidates(A, B, (fa, fb))
-    cands.sort(key=lambda c: (-c[0], abs(c[2]), c[3], c[4]))
+    cands.sort(key=lambda c: _rank(A, B, c))
     used_a: dict[int, tuple[int, int]] = {}
     used_b: set[int] = set()
     for _m, _o, sh, sa, sb in cands:

@@ -4,6 +4,9 @@ The trainer's trace (``record train --from-serve``, or :class:`TrainerRecorder` 
 forward) is the reference A; the rollout engine's trace is B. The evidence is read in this order,
 and the first that explains the difference is named in the first sentence:
 
+0. **sampling** (the ``sampling`` attribute of both traces): the temperature the trainer divides by
+   against the one the rollout sampled at, where both record one and they differ (a recorded
+   fact, named before any inference from the data);
 1. **weights** (``/weights/step_<k>``, :mod:`tensordiff.trace.rl`): the trainer's weights against
    the engine's weight step in force for the rollout's tokens, parameter by parameter in forward
    order (a float32 trainer parameter and the engine's bf16/fp16 copy are equal when the copy is
@@ -54,7 +57,7 @@ from .vocab import REGIME_CODE, REGIMES
 
 __all__ = ["Triage", "triage", "triage_sources"]
 
-CAUSES = ("weights", "tokens", "routing", "layer", "logits", "logprobs", "agree", "incomplete")
+CAUSES = ("sampling", "weights", "tokens", "routing", "layer", "logits", "logprobs", "agree", "incomplete")
 
 
 @dataclass
@@ -92,10 +95,27 @@ class Triage:
                 "diff_headline": self.diff.headline() if self.diff is not None else None}
 
 
+def roles(a: TraceSource, b: TraceSource) -> bool:
+    """Whether the two traces are given the other way round: the first says it is the engine's
+    (side ``serve``) and the second the trainer's (side ``train``). Any other pair of sides (two
+    engine traces, ``other``) keeps the order it was given in."""
+    return a.side == "serve" and b.side == "train"
+
+
 def triage(train: str, rollout: str, prefill: str | None = None) -> Triage:
-    """Triage the trainer's trace against the rollout's (and the engine's prefill re-run)."""
+    """Triage the trainer's trace against the rollout's (and the engine's prefill re-run). Each
+    trace says which side it is: a rollout given first and a trainer second are taken by their
+    roles, so the verdict does not depend on the order of the arguments."""
     with open_pair(train, rollout) as (a, b):
-        t = triage_sources(a, b)
+        swapped = roles(a, b)
+        if not swapped:
+            t = triage_sources(a, b)
+    if swapped:
+        train, rollout = rollout, train
+        with open_pair(train, rollout) as (a, b):
+            t = triage_sources(a, b)
+        t.lines.insert(0, "  the first trace is the rollout's and the second the trainer's (their recorded sides): "
+                          "taken as such")
     if prefill is not None:
         t.three_way = three_way(train, rollout, prefill)
         t.lines += _three_way_lines(t.three_way)
@@ -193,13 +213,42 @@ def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
                          "rel": d.rel, "max_abs": d.max_abs, "estimated": d.estimated, "count": len(diffs),
                          "of": len(trainer.doc["parameters"]), "stale": stale,
                          "stale_since": prev.step if stale and prev is not None else None,
-                         "then": [x.where() for x in diffs[1:6]]}
+                         "then": [x.where() for x in diffs[1:6]], "behind": _behind(trainer, s, prev, sb)}
         break
     return out
 
 
+def _hashes(doc: dict[str, Any]) -> dict[str, Any]:
+    return {str(e["key"]): e.get("sha256") for e in doc["parameters"]}
+
+
+def _behind(trainer: WeightStep, s: WeightStep, prev: WeightStep | None, steps: list[WeightStep]) -> dict[str, Any] | None:
+    """A whole step behind: the engine's step ``s`` holds every parameter of its previous step
+    (the update never reached it), or the trainer's weights are exactly another recorded engine
+    step (the tokens were generated before the engine received the trainer's weights, or after
+    it moved on). None when neither."""
+    hs = _hashes(s.doc)
+    if prev is not None and None not in hs.values() and _hashes(prev.doc) == hs:
+        return {"served": prev.step, "update": s.step, "event": s.event, "how": "update"}
+    for o in steps:
+        if o.step != s.step and not compare_weights(trainer.doc, o.doc):
+            return {"served": s.step, "trainer": o.step, "event": o.event, "how": "other"}
+    return None
+
+
 def _weights_sentence(w: dict[str, Any]) -> str:
     d = w["differ"]
+    b = d.get("behind")
+    n = f"{d['count']} of {d['of']} parameters differ from the trainer's"
+    if b is not None and b["how"] == "update":
+        return (f"weights: the engine serves step {b['served']}'s weights: after weight update step {b['update']} "
+                f"({b['event']}) every parameter still holds step {b['served']}'s values ({n}): the update did "
+                "not reach the engine")
+    if b is not None:
+        when = "after" if b["trainer"] > b["served"] else "before"
+        return (f"weights: the engine serves step {b['served']}'s weights: these tokens were generated under weight "
+                f"step {b['served']}, and the trainer's weights are the engine's step {b['trainer']} ({b['event']}), "
+                f"which it held only {when} them ({n})")
     rel = f"rel {d['rel']:.3g}" if d["rel"] is not None else "shapes differ"
     est = ", estimated from fingerprints" if d["estimated"] else ""
     where = f"{d['where']} ({d['name']})" if d["where"] != d["name"] else d["name"]
@@ -220,6 +269,40 @@ def _temperature(r: TraceSource) -> float | None:
     s = read_sampling(r) if hasattr(r, "f") else None
     t = (s or {}).get("temperature")
     return float(t) if isinstance(t, (int, float)) else None
+
+
+def sampling_differs(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
+    """Where both traces record the temperature each compared sequence was sampled (rollout) or
+    divided by (trainer) at and they differ: the first such sequence's two temperatures and how
+    many of the sequences both sides ran differ. None when they agree or either side records none."""
+    sa = read_sampling(a) if hasattr(a, "f") else None
+    sb = read_sampling(b) if hasattr(b, "f") else None
+    if sa is None or sb is None:
+        return None
+    ran = set(a.sequences)
+    both = [k for k in b.sequences if k in ran] or [""]
+    differ = []
+    for k in both:
+        ta, tb = (sampling_for(sa, k) or {}).get("temperature"), (sampling_for(sb, k) or {}).get("temperature")
+        if not (isinstance(ta, (int, float)) and isinstance(tb, (int, float))):
+            continue
+        # temperature 0 (greedy) leaves the logits undivided: the same log-probs as 1
+        ta, tb = (float(ta) or 1.0), (float(tb) or 1.0)
+        if not math.isclose(ta, tb, rel_tol=1e-6):
+            differ.append((k, float(ta), float(tb)))
+    if not differ:
+        return None
+    k, ta, tb = differ[0]
+    return {"sequence": k, "train": ta, "rollout": tb, "count": len(differ), "of": len(both)}
+
+
+def _sampling_sentence(d: dict[str, Any], c: lpmod.LogprobComparison | None) -> str:
+    seqs = "" if d["of"] == 1 and d["sequence"] == "" else f", {d['count']} of {d['of']} sequences"
+    lp = (f"; the sampled tokens' log-probs differ by a median {c.q50:.3g} nats (expected {c.noise:.3g})"
+          if c is not None and c.tokens else "")
+    return (f"sampling: the trainer divides the logits by temperature {_f(d['train'])} while the rollout sampled at "
+            f"{_f(d['rollout'])} (their recorded sampling{seqs}): the trainer's log-probs are of another "
+            f"distribution than the one sampled from{lp}; give the trainer the rollout's temperature")
 
 
 def _mode(r: TraceSource) -> str | None:
@@ -369,6 +452,10 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     t.diff = res
     causes: list[tuple[str, str]] = []
     notes: list[str] = []
+    # 0. the recorded sampling: a fact, not an inference from the data
+    samp = sampling_differs(a, b)
+    if samp is not None:
+        causes.append(("sampling", _sampling_sentence(samp, c)))
     if w is not None and w.get("differ"):
         causes.append(("weights", _weights_sentence(w)))
     # 2. tokens and positions
@@ -425,13 +512,11 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
             causes.append(("logits", f"logits: the states agree but the logits do not (median |raw top-1 logprob "
                                      f"diff| {shift:.3g}, {shift / noise:.0f}x the noise the states predict): the "
                                      "head differs (lm_head dtype, e.g. bf16 against fp32; a logit softcap or scale)"))
-        elif c.systematic:
+        elif c.systematic and samp is None:
             causes.append(("logprobs", f"log-probs: the logits agree but the sampled tokens' log-probs do not: a "
                                        f"systematic offset on {c.same_way:.0%} of the tokens out of the noise (median "
-                                       f"{c.offset:+.3g} nats): a temperature applied on one side only, or raw "
-                                       "against processed log-probs (trainer temperature "
-                                       f"{_f(ta)}, rollout {_f(tb)}, rollout logprobs_mode {_mode(b) or 'unknown'})"))
-        else:
+                                       f"{c.offset:+.3g} nats): {_offset_causes(ta, tb, _mode(b))}"))
+        elif samp is None:
             causes.append(("logprobs", f"log-probs: the sampled tokens' log-probs differ beyond the noise (median "
                                        f"|diff| {c.q50:.3g}, {c.q50 / max(noise, 1e-30):.0f}x the expected "
                                        f"{noise:.3g}) while the states agree"))
@@ -450,6 +535,23 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     if c is not None:
         t.lines += _metric_lines(c)
     return t
+
+
+def _offset_causes(ta: float | None, tb: float | None, mode_b: str | None) -> str:
+    """What can put a systematic offset on log-probs whose logits agree, given what the traces
+    record: a temperature on one side only is offered only where a temperature is not recorded on
+    both sides (recorded ones that differ are named before this), raw against processed
+    log-probs only where the rollout's mode is not recorded as processed."""
+    temps = f"trainer temperature {_f(ta)}, rollout {_f(tb)}, rollout logprobs_mode {mode_b or 'unknown'}"
+    offers = []
+    if ta is None or tb is None:
+        offers.append("a temperature applied on one side only")
+    if mode_b != "processed":
+        offers.append("raw against processed log-probs")
+    if offers:
+        return f"{', or '.join(offers)} ({temps})"
+    return (f"the recorded sampling is the same on both sides ({temps}): the log-probs are computed another way on "
+            "one side (the returned log-probs renormalised over a top-k / top-p set, or another logit scale)")
 
 
 def _flips_explain(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at: NDArray[np.bool_]) -> str:
@@ -512,15 +614,86 @@ def _layer_info(a: TraceSource, b: TraceSource, plan: Any, res: DiffResult, f: F
 
         depth = next((d for d in pair.depth if d is not None), None)
         _, max_rel = tolerance(plan.noise, depth, pair.dtype_a or None, pair.dtype_b or None)
+        few = few_sequences(a, b, plan.maps, plan.alignment.code_a, pair.name_a, pair.name_b, max_rel)
+        if few is not None:
+            sentence = f"sequences: {f.tensor} is the first state out of the noise, and {_few_words(few, max_rel)}"
+            return {"tensor": f.tensor, "message": f.message, "by_regime": regimes, "positions": None,
+                    "sequences": few, "sentence": sentence}
         prof = position_profile(a, b, plan.maps, plan.alignment.code_a, pair.name_a, pair.name_b, max_rel,
                                 plan.alignment.regime_b)
         words = _position_words(prof)
-    sentence = f"states: the first state out of the noise trend is {f.tensor}: {f.message}"
+    message = f.message
+    if not any(i.kind == "packed" for r in (a, b) for i in r.tensors.values()):
+        # the diff's hint for a per-token rescale; with no packed tensor on either side it names
+        # something these traces do not have
+        message = message.replace(": a norm applied before packing?", "")
+    sentence = f"states: the first state out of the noise trend is {f.tensor}: {message}"
     if words:
         sentence = f"positions: {f.tensor} is the first state out of the noise, and {words}"
     elif regimes and len(regimes) > 1:
         sentence += f" (by regime: {split})"
     return {"tensor": f.tensor, "message": f.message, "by_regime": regimes, "positions": prof, "sentence": sentence}
+
+
+#: the error of a state sits in a few sequences when at most this share of them carries this share
+#: of its tokens out of the noise, and every other sequence has nearly all its tokens within
+FEW_SEQUENCES, FEW_SHARE, OTHERS_CLEAN = 0.25, 0.9, 0.95
+
+
+def few_sequences(a: TraceSource, b: TraceSource, maps: RowMaps, codes: NDArray[np.int64], name_a: str,
+                  name_b: str, limit: float) -> list[dict[str, Any]] | None:
+    """The sequences that carry a diverging state's error, when they are a few of many (a bug in
+    one sequence of a batch: its attention mask, its padding, its inputs), each with the positions
+    out of ``limit`` and its median relative error; None when the error is spread over the
+    sequences or the state has no values on both sides."""
+    if not (a.tensors[name_a].has_values and b.tensors[name_b].has_values):
+        return None
+    idx, rel = _token_rel(a, b, maps, name_a, name_b, len(codes))
+    seq, pos = codes[idx] >> SEQ_BITS, codes[idx] & POS_MASK
+    seqs = np.unique(seq)
+    out = rel > limit
+    if len(seqs) < 4 or not out.any():
+        return None
+    per = [(int(s), int(out[seq == s].sum())) for s in seqs]
+    per.sort(key=lambda x: -x[1])
+    k = max(1, int(FEW_SEQUENCES * len(seqs)))
+    carry = [s for s, n in per[:k] if n]
+    held = sum(n for s, n in per if s in carry)
+    rest = ~np.isin(seq, carry)
+    if held < FEW_SHARE * out.sum() or not rest.any() or float((~out[rest]).mean()) < OTHERS_CLEAN:
+        return None
+    keys = a.sequences
+    res = []
+    for s in carry:
+        m = seq == s
+        p = np.sort(pos[m & out])
+        res.append({"seq": str(keys[s]), "positions": _ranges_words(p), "out": int(len(p)), "tokens": int(m.sum()),
+                    "median_rel": float(np.median(rel[m]))})
+    res.append({"others": int(len(seqs) - len(carry)), "within": float((~out[rest]).mean()),
+                "median_rel": float(np.median(rel[rest]))})
+    return res
+
+
+def _ranges_words(p: NDArray[np.int64]) -> str:
+    if not len(p):
+        return "none"
+    cuts = np.flatnonzero(np.diff(p) != 1) + 1
+    runs = [(int(r[0]), int(r[-1])) for r in np.split(p, cuts)]
+    words = [f"{x}-{y}" if y > x else str(x) for x, y in runs[:4]]
+    return ", ".join(words) + (f" and {len(runs) - 4} more runs" if len(runs) > 4 else "")
+
+
+def _few_words(few: list[dict[str, Any]], limit: float) -> str:
+    *carry, rest = few
+    one = len(carry) == 1
+    whose = "that sequence's" if one else "those sequences'"
+    what = "; ".join(f"sequence {c['seq']} positions {c['positions']} ({c['out']} of its {c['tokens']} tokens out "
+                     f"of the noise, median rel err {c['median_rel']:.3g}, {c['median_rel'] / max(limit, 1e-30):.0f}x "
+                     "the allowed)" for c in carry)
+    return (f"its error sits in {'one sequence' if one else f'{len(carry)} sequences'}: {what}; the other "
+            f"{rest['others']} sequences agree ({rest['within']:.0%} of their tokens within the noise): a difference "
+            f"in {whose} own inputs (its attention mask or padding in the "
+            "batch, its position ids), not in the weights or the model's code")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -559,4 +732,5 @@ def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-__all__ += ["CAUSES", "compare_weights", "position_profile", "three_way", "weights_step"]
+__all__ += ["CAUSES", "compare_weights", "few_sequences", "position_profile", "roles", "sampling_differs", "three_way",
+            "weights_step"]

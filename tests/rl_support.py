@@ -6,6 +6,7 @@ model, the engine-side records an RL plugin writes (``sampled_logprob`` as the e
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -72,12 +73,17 @@ def with_config(out: Path, **changes) -> Path:
 
 def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = "processed", seed: int = 0,
             weight_steps=None, new_tokens: int = NEW_TOKENS, prompts=None, model_path=None,
-            kv_dtype=None) -> Path:
+            kv_dtype=None, later=(), top_k: int | None = None, keys=None, prefix_cache: bool = False) -> Path:
     """Generate ``new_tokens`` per prompt with ``model`` (prefill, then one decode pass per token
     with the KV cache), sampling at ``temperature`` with a seeded generator, and record it as a
     serve-side trace: the catalog with values, target_topk, the returned log-probs (``processed``:
     of the distribution sampled from; ``raw``: the model's log-softmax) and the weight steps
-    ``weight_steps``: ``[(model or fingerprint doc, event)]``, step k in force from forward k."""
+    ``weight_steps``: ``[(model or fingerprint doc, event)]``, step k in force from forward k;
+    ``later``: weight steps the engine received after these tokens (in force from later forwards,
+    serving requests the trainer does not see); ``top_k``: the engine samples from its top k tokens
+    and returns the log-prob renormalised over them, while its sampling record says no top-k;
+    ``keys``: the request ids (default ``p<i>``); ``prefix_cache``: a prompt served before reuses
+    its KV but for the last prompt token (as a radix cache does): no rows for the cached positions."""
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(seed)
@@ -91,24 +97,36 @@ def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = 
             doc = m if isinstance(m, dict) else None
             record_weights(rec, model if doc is not None else m, k, forward_step=k, event=event, doc=doc)
         fwd = len(steps) - 1
+        for j, (m, event) in enumerate(later):
+            record_weights(rec, m, fwd + 1 + j, forward_step=fwd + 1 + j, event=event)
         hf = HFExtractorRecorder(model, rec, None, values="all", topk=20)
+        cached: dict[tuple[int, ...], object] = {}
         for i, ids in enumerate(prompts or trained.prompts()):
-            key = f"p{i}"
+            key = keys[i] if keys is not None else f"p{i}"
             cache = DynamicCache()
             toks = list(ids)
             feed, pos, regime = toks, list(range(len(toks))), "prefill"
-            for _ in range(new_tokens):
+            if prefix_cache and tuple(toks) in cached:
+                cache = copy.deepcopy(cached[tuple(toks)])
+                feed, pos = toks[-1:], [len(toks) - 1]
+            for j in range(new_tokens):
                 x = torch.tensor(feed)
                 with hf.capture(key, x, positions=pos, regime=regime, step=fwd) as rows, torch.inference_mode():
                     o = model(input_ids=x[None], position_ids=torch.tensor(pos)[None], past_key_values=cache,
                               use_cache=True)
                 cache = o.past_key_values
+                if prefix_cache and j == 0 and tuple(toks) not in cached:
+                    kept = copy.deepcopy(cache)
+                    kept.crop(-1)   # all but the last prompt token
+                    cached[tuple(toks)] = kept
                 if kv_dtype is not None:   # a decode-path bug: the KV cache stored in a narrower dtype
                     for layer in cache.layers:
                         layer.keys = layer.keys.to(kv_dtype).float()
                         layer.values = layer.values.to(kv_dtype).float()
                 z = o.logits[0, -1].float()
                 t = temperature if temperature > 0 else 1.0
+                if top_k is not None:
+                    z = torch.where(z >= torch.topk(z, top_k).values[-1], z, torch.tensor(-torch.inf))
                 nxt = int(torch.multinomial(torch.softmax(z / t, -1), 1, generator=gen)) if temperature > 0 \
                     else int(z.argmax())
                 lp = trainer_logprobs(z[None], torch.tensor([nxt]), t if logprobs_mode == "processed" else 1.0)

@@ -63,7 +63,7 @@ def _old_align(ra, rb):
     """align_tokens before the vectorised alignment, on the per-sequence candidates of the dict-of-sets index."""
     A, B = _OldSide(ra), _OldSide(rb)
     cands = _reference_candidates(A, B)
-    cands.sort(key=lambda c: (-c[0], abs(c[2]), c[3], c[4]))
+    cands.sort(key=lambda c: (A.key(c[3]) != B.key(c[4]), -c[0], abs(c[2]), c[3], c[4]))   # same id first
     used_a, used_b = {}, set()
     for _m, _o, sh, sa, sb in cands:
         if sa not in used_a and sb not in used_b:
@@ -384,3 +384,26 @@ def test_member_is_isin(seed):
     h[:100] = (np.arange(100) << 22) | 5                 # low bits of a value, mostly not a value
     for v in (values, values[:1], values[:0], np.unique(h)):
         assert np.array_equal(align._member(h, v), np.isin(h, v))
+
+
+def test_one_prompt_sampled_twice_pairs_by_request_id():
+    """One prompt served in two batches (y, z) with near-equal responses; the engine's prefix
+    cache left z without its prompt's rows but the last. The trainer holds batch z only: its z
+    pairs with the engine's z (same request id, every overlapping token equal), not with y (more
+    positions in common), in either order; the old rule's pairing was y."""
+    rng = np.random.default_rng(5)
+    prompt, resp = rng.integers(1, 1000, 12), rng.integers(1, 1000, 8)
+    other = resp.copy()
+    other[[2, 5]] += 1
+    full_z, full_y = np.concatenate([prompt, resp]), np.concatenate([prompt, other])
+    train = _Reader("train.h5", *_tables([(0, np.arange(20), full_z)]), n_seqs=1)
+    train.sequences = ["z-p3"]
+    engine = _Reader("engine.h5", *_tables([(0, np.arange(20), full_y), (1, np.arange(11, 20), full_z[11:])]),
+                     n_seqs=2)
+    engine.sequences = ["y-p3", "z-p3"]
+    got = align.align_tokens(train, engine)
+    assert [(p.a, p.b, p.tokens, p.mismatched) for p in got.seq_pairs] == [("z-p3", "z-p3", 9, 0)]
+    back = align.align_tokens(engine, train)
+    assert [(p.a, p.b, p.tokens, p.mismatched) for p in back.seq_pairs] == [("z-p3", "z-p3", 9, 0)]
+    want, _ = _old_align(train, engine)      # the reference follows the same rule
+    assert [(p.a, p.b) for p in want.seq_pairs] == [("z-p3", "z-p3")]

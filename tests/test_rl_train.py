@@ -128,3 +128,43 @@ def test_weight_fingerprints_taken_beside_the_passes_match_the_model_and_their_f
     assert len(err) == 1 and "cannot fingerprint the weights (test)" in err[0], err
     with TraceReader(str(bad)) as r:
         assert not r.complete and not read_weight_steps(r)
+
+
+def test_trainer_recorder_under_bf16_autocast(serve, tmp_path):
+    """The trainer's forward inside ``torch.autocast(dtype=torch.bfloat16)`` (as verl, OpenRLHF and
+    NeMo-RL run it) on CPU: recording neither breaks nor changes it (the logits are bit-equal to
+    the same forward unrecorded), and the trace holds finite sketches and the log-probs of the
+    sampled tokens from the bf16 logits."""
+    from tensordiff.recorders.core import Recorder
+    from tensordiff.recorders.hf import model_info
+    from tensordiff.recorders.hooks import TrainerRecorder, trainer_logprobs
+    from tensordiff.recorders.train_cli import load_serve_sequences
+
+    model = trained.load_target(torch.float32)
+    seqs = dict(load_serve_sequences(str(serve)))
+    ps = trained.prompts()[:3]
+    out = tmp_path / "autocast.train.h5"
+    want, got = {}, {}
+    for i in range(len(ps)):
+        ids = torch.tensor(seqs[f"p{i}"])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want[i] = model(input_ids=ids[None]).logits
+    with Recorder(str(out), side="train", model=model_info(model)) as rec:
+        tr = TrainerRecorder(model, rec, temperature=0.7)
+        for i, p in enumerate(ps):
+            ids = torch.tensor(seqs[f"p{i}"])
+            with tr.sequence(f"p{i}", ids, first_generated=len(p)), torch.no_grad(), \
+                    torch.autocast("cpu", dtype=torch.bfloat16):
+                got[i] = model(input_ids=ids[None]).logits
+        tr.detach()
+    for i in range(len(ps)):
+        assert got[i].dtype == torch.bfloat16 and torch.equal(got[i], want[i])
+    with TraceReader(str(out)) as r:
+        layer = next(n for n in r.tensors if n.startswith("layer"))
+        sk = r.read_at(layer, "sketch", np.arange(len(r.token_rows(layer))))
+        assert sk.dtype == np.float32 and np.isfinite(sk).all()
+    lp = _logprobs(out)
+    ids = torch.tensor(seqs["p0"])
+    first = len(ps[0])
+    expect = trainer_logprobs(want[0][0, first - 1:-1], ids[first:], 0.7).double().numpy()
+    np.testing.assert_array_equal([lp[("p0", q)][1] for q in range(first - 1, len(ids) - 1)], expect)

@@ -57,6 +57,25 @@ def test_correct_pairs_exit_0_in_both_orders(work, fp32, capsys):
         assert "token_mult_prob_error = " in out and "verl rollout_probs_diff_mean" in out
 
 
+def test_roles_come_from_the_traces_not_the_argument_order(work, fp32):
+    """A bf16 engine that served these tokens under weight step 1 (the trainer's weights) and then
+    received step 2 for later requests: the trainer's weights are compared with step 1 whichever
+    trace is named first, and the correct pair exits 0 both ways."""
+    w1 = rs.updated(fp32)
+    w2 = rs.updated(w1, seed=1)
+    md = rs.save(w1, work / "roles-w1")
+    engine = copy.deepcopy(w1).to(torch.bfloat16)
+    steps = [(fp32, "start"), (w1, "update_weights_from_tensor")]
+    r = rs.rollout(work / "roles.rollout.h5", engine, prompts=_prompts()[:4], new_tokens=NEW, weight_steps=steps,
+                   later=[(w2, "update_weights_from_tensor")])
+    t = rs.train_from_serve(work / "roles.train.h5", r, md)
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "agree" and got.exit_code == 0, got.text()
+        assert got.weights is not None and got.weights["steps"] == [1] and got.weights["differ"] is None
+        assert (got.train, got.rollout) == (str(t), str(r))
+
+
 def test_temperature_not_applied(work, fp32):
     """The engine returns raw log-probs (vLLM V1's default) while the trainer divides by T."""
     t, r = _pair(work, "raw", fp32, logprobs_mode="raw", temperature=0.7)
@@ -67,6 +86,31 @@ def test_temperature_not_applied(work, fp32):
     assert got.logprobs is not None and got.logprobs.raw_match == "b_raw"
     assert "match the trainer's raw ones" in got.headline
     assert main(["triage", str(t), str(r)]) == 1
+
+
+def test_recorded_temperatures_that_differ_come_first(work, fp32):
+    """The engine sampled at T 0.7, the trainer divides by 0.8: both traces record their
+    temperature, and the first sentence says so, in either order."""
+    r = work / "fp32.rollout.h5"       # the correct pair's rollout, at T 0.7
+    if not r.exists():
+        r = rs.rollout(r, fp32, prompts=_prompts(), new_tokens=NEW, temperature=0.7)
+    t = rs.train_from_serve(work / "temp.train.h5", r, None, "--temperature", "0.8")
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "sampling" and got.exit_code == 1, got.text()
+        assert got.headline.startswith("sampling: the trainer divides the logits by temperature 0.8 while the rollout "
+                                       "sampled at 0.7 (their recorded sampling, 8 of 8 sequences)"), got.headline
+
+
+def test_an_offset_with_equal_recorded_temperatures_offers_no_temperature(work, fp32):
+    """The engine returns its log-probs renormalised over a top-5 it does not record, both sides
+    at T 0.7: a systematic offset, and the sentence does not offer a temperature applied on one
+    side only (the recorded temperatures are equal)."""
+    t, r = _pair(work, "topk", fp32, top_k=5)
+    got = triage(str(t), str(r))
+    assert got.cause == "logprobs", got.text()
+    assert "systematic offset" in got.headline and "temperature applied on one side" not in got.headline
+    assert "the recorded sampling is the same on both sides (trainer temperature 0.7, rollout 0.7" in got.headline
 
 
 def test_bf16_lm_head(work, fp32):
@@ -96,8 +140,32 @@ def test_stale_layer_after_weight_update(work, fp32):
                                    "engine after weight update step 1 (update_weights_from_tensor): it still holds "
                                    "step 0's values")
     assert "(1 of 75 parameters differ)" in got.headline
+    assert triage(str(r), str(t)).headline == got.headline      # the rollout named first: the same sentence
     # the states confirm it: the first state out of the noise is the stale layer's output
     assert any("layer4" in line for line in got.lines)
+
+
+def test_a_whole_step_behind(work, fp32):
+    """Every parameter one weight step behind the trainer's: an update the engine recorded but
+    never applied (its step 1 holds step 0's values), and tokens generated before the engine
+    received the trainer's weights (step 1, recorded after them). Named as the step served, in
+    both orders, not as the first parameter in forward order."""
+    w1 = rs.updated(fp32)
+    md = rs.save(w1, work / "behind-w1")
+    t, r = _pair(work, "behind", fp32, model_dir=md, weight_steps=[(fp32, "start"), (fp32, "update_weights_from_tensor")])
+    t2, r2 = _pair(work, "early", fp32, model_dir=md, later=[(w1, "update_weights_from_tensor")])
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "weights", got.text()
+        assert got.headline.startswith("weights: the engine serves step 0's weights: after weight update step 1 "
+                                       "(update_weights_from_tensor) every parameter still holds step 0's values "
+                                       "(75 of 75 parameters differ from the trainer's)"), got.headline
+    for a, b in ((t2, r2), (r2, t2)):
+        got = triage(str(a), str(b))
+        assert got.cause == "weights", got.text()
+        assert got.headline.startswith("weights: the engine serves step 0's weights: these tokens were generated under "
+                                       "weight step 0, and the trainer's weights are the engine's step 1 "
+                                       "(update_weights_from_tensor), which it held only after them"), got.headline
 
 
 def test_rope_theta_mismatch(work):
@@ -150,6 +218,88 @@ def test_missing_position_ids(work, fp32):
                 fp32(input_ids=ids[None])
         tr.detach()
     assert triage(str(ok), str(r)).cause == "agree"
+
+
+def test_one_prompt_in_two_batches_pairs_by_request_id(work, fp32, tmp_path):
+    """Two prompts each served in three batches (x, y, z: n samples of one prompt), the engine's
+    prefix cache reusing a prompt served before (no rows for its cached positions); the trainer
+    holds batch z only (from its outputs JSONL). Each trainer sequence pairs with the engine's
+    request of the same id, not with another sample of its prompt: a correct pair, exit 0 in both
+    orders."""
+    from tensordiff.traceset import open_trace
+
+    ps = trained.prompts()
+    prompts = [ps[3], ps[5]] * 3
+    keys = ["y-p3", "y-p5", "z-p3", "z-p5", "x-p3", "x-p5"]
+    r = rs.rollout(work / "grpo.rollout.h5", fp32, prompts=prompts, keys=keys, new_tokens=NEW, prefix_cache=True)
+    tr = open_trace(str(r))
+    try:
+        rows = tr.tokens
+        served = {k: (rows["position"][rows["seq"] == q], rows["token"][rows["seq"] == q])
+                  for q, k in enumerate(tr.sequences)}
+    finally:
+        tr.close()
+    assert served["z-p3"][0].min() == len(ps[3]) - 1      # the cached prompt has no rows but its last token
+    # the generated tokens the engine fed back (the last sampled one has no row to compare)
+    out = {k: served[k][1][served[k][0] >= len(prompts[keys.index(k)])].tolist() for k in ("z-p3", "z-p5")}
+    jsonl = tmp_path / "z.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": k, "input_ids": prompts[keys.index(k)], "output_ids": out[k]}) + "\n"
+                             for k in out))
+    t = rs.train_from_serve(work / "grpo.train.h5", jsonl, None, "--temperature", "0.7")
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "agree", got.text()
+        assert main(["triage", str(a), str(b)]) == 0
+
+
+def _padded_trainer(out, model, serve, prompts, *, unmasked=None):
+    """The trainer's forward over one left-padded micro-batch of the rollout's sequences
+    (TrainerRecorder.batch), position ids from the mask; ``unmasked``: the sequence whose
+    attention mask the forward lost (it attends its padding)."""
+    from tensordiff.recorders.core import Recorder
+    from tensordiff.recorders.hf import model_info
+    from tensordiff.recorders.hooks import TrainerRecorder
+    from tensordiff.recorders.train_cli import load_serve_sequences
+
+    seqs = dict(load_serve_sequences(str(serve)))
+    keys = [f"p{i}" for i in range(len(prompts))]
+    width = max(len(seqs[k]) for k in keys)
+    ids = torch.zeros(len(keys), width, dtype=torch.long)
+    mask = torch.zeros(len(keys), width, dtype=torch.long)
+    for b, k in enumerate(keys):
+        ids[b, width - len(seqs[k]):] = torch.tensor(seqs[k])
+        mask[b, width - len(seqs[k]):] = 1
+    seen = mask.clone()
+    if unmasked is not None:
+        seen[keys.index(unmasked)] = 1
+    with Recorder(str(out), side="train", model=model_info(model)) as rec:
+        tr = TrainerRecorder(model, rec, temperature=0.7)
+        with tr.batch(keys, ids, mask, first_generated=[len(p) for p in prompts]), torch.no_grad():
+            model(input_ids=ids, attention_mask=seen, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        tr.detach()
+    return out
+
+
+def test_one_sequence_of_a_padded_batch_lost_its_mask(work, fp32):
+    """A left-padded micro-batch of prompts of other lengths; one sequence's attention mask is
+    lost (it attends 9 pad tokens): the sentence names that sequence and its positions, offers
+    neither rope nor packing, in both orders; the same batch with its mask agrees in both."""
+    prompts = [p[: len(p) - 3 * i] for i, p in enumerate(_prompts())]
+    r = rs.rollout(work / "mask.rollout.h5", fp32, prompts=prompts, new_tokens=NEW)
+    ok = _padded_trainer(work / "mask.ok.h5", fp32, r, prompts)
+    bad = _padded_trainer(work / "mask.bad.h5", fp32, r, prompts, unmasked="p3")
+    n = len(prompts[3]) + NEW - 1       # the rollout's rows of p3: all but the last sampled token
+    for a, b in ((ok, r), (r, ok)):
+        assert triage(str(a), str(b)).cause == "agree"
+        assert main(["triage", str(a), str(b)]) == 0
+    for a, b in ((bad, r), (r, bad)):
+        got = triage(str(a), str(b))
+        assert got.cause == "layer", got.text()
+        assert got.headline.startswith(f"sequences: layer1 is the first state out of the noise, and its error sits in "
+                                       f"one sequence: sequence p3 positions 0-{n - 1} ({n} of its {n} tokens out of "
+                                       "the noise"), got.headline
+        assert "the other 7 sequences agree (100% of their tokens within the noise)" in got.headline
+        assert "rope" not in got.headline and "packing" not in got.headline
 
 
 def test_cli_json_and_bad_input(work, fp32, capsys, tmp_path):

@@ -270,13 +270,14 @@ def test_weights_at_start_are_the_checkpoint_served_in_bf16(tm, rollout):
 
 def test_correct_pair_engine_bf16_vs_trainer_fp32_agrees_both_orders(tm, rollout, tmp_path):
     """The bf16 engine and `record train --from-serve` in fp32 on the very tokens served: no
-    finding, either order."""
+    finding and no cause, either order."""
     train = _train(tm["target"], rollout["outputs"], tmp_path / "train.h5")
     for a, b in ((train, rollout["trace"]), (rollout["trace"], train)):
         rc, doc, err = _diff(str(a), str(b))
         assert rc == 0, (a, b, err[-2000:], json.dumps(doc)[:3000] if doc else None)
-    rc, out = _triage(train, rollout["trace"])
-    assert rc == 0 and out.startswith("no cause"), out[-3000:]
+    for a, b in ((train, rollout["trace"]), (rollout["trace"], train)):   # each trace says which side it is
+        rc, out = _triage(a, b)
+        assert rc == 0 and out.startswith("no cause"), out[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,7 +366,10 @@ def updated_triage(tm, updated, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl-updated-triage")
     model = _variant(tm, tmp, {STALE: 1.25, SYNCED: 1.25})
     train = _train(model, updated["jsonl"], tmp / "train.h5", "--temperature", "0.7")
-    return _triage(train, updated["trace"])
+    got = _triage(train, updated["trace"])
+    back = _triage(updated["trace"], train)      # the rollout named first: the same verdict
+    assert back[0] == got[0] and back[1].splitlines()[0] == got[1].splitlines()[0], back[1][-3000:]
+    return got
 
 
 def test_weight_update_is_a_new_step_and_the_stale_layer_is_named(tm, updated, updated_triage):

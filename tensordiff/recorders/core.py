@@ -54,6 +54,18 @@ from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
 __all__ = ["Later", "Recorder", "Sampling", "TopkJob", "logical_dtype", "to_storage", "topk_rows"]
 
 
+def no_autocast(device_type: str) -> Any:
+    """A context where the recorder's own arithmetic runs in the dtypes it asks for, whatever
+    ``torch.autocast`` region the user's forward (and so each hook) runs in: autocast would run
+    the sketch's float32 matmul in bf16 (another sketch, and a dtype numpy cannot hold)."""
+    import contextlib
+
+    try:
+        return torch.autocast(device_type, enabled=False)
+    except RuntimeError:    # a device type autocast does not know: nothing to turn off
+        return contextlib.nullcontext()
+
+
 @dataclass
 class _Spec:
     name: str
@@ -492,7 +504,8 @@ class Recorder:
             sk = memo.sketch
             self.stats.sketch_reused += 1
         elif spec.sketch:  # one matmul with the seeded projection, where the data lives
-            sk = torch.mm(x2, self._projection(spec.slot_width, x.device)).reshape(n, -1)
+            with no_autocast(x.device.type):
+                sk = torch.mm(x2, self._projection(spec.slot_width, x.device)).reshape(n, -1)
             self.stats.sketch_products += 1
         vals = x if spec.values else None
         nbytes = (n * width * x.element_size() if vals is not None else 0)
@@ -662,7 +675,8 @@ class Recorder:
         if spec.sketch:
             if not x2.flags.writeable:
                 x2 = x2.copy()
-            sk = torch.mm(torch.from_numpy(x2), self._projection(spec.slot_width, torch.device("cpu"))).numpy()
+            with no_autocast("cpu"):
+                sk = torch.mm(torch.from_numpy(x2), self._projection(spec.slot_width, torch.device("cpu"))).numpy()
             sk = sk.reshape(n, -1)
             self.stats.sketch_products += 1
         start = 0

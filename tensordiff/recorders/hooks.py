@@ -436,6 +436,7 @@ class TrainerRecorder:
         self._head = head.register_forward_hook(self._on_logits)
         self._ids: torch.Tensor | None = None
         self._first: int | None = None
+        self._firsts: list[int] | None = None
         write_sampling(recorder.writer, sampling_params(temperature=self.temperature, engine="trainer"))
         if weights:
             record_weights(recorder, model, 0, event="train")
@@ -444,6 +445,16 @@ class TrainerRecorder:
         rows = self.hooks.rows
         x = first_tensor(output, "logits")
         if rows is None or self._ids is None or x is None:
+            return
+        if self._ids.ndim == 2:     # a padded batch: each sequence's real tokens
+            x = x.detach().reshape(*rows.shape, x.shape[-1])
+            for b in range(rows.shape[0]):
+                real = np.flatnonzero(rows[b] >= 0)
+                if len(real):
+                    at = torch.from_numpy(real)
+                    record_sampled_logprob(self.recorder, x[b].index_select(0, at.to(x.device)), rows[b, real],
+                                           self._ids[b, at], temperature=self.temperature,
+                                           first_generated=self._firsts[b] if self._firsts else None)
             return
         record_sampled_logprob(self.recorder, x.detach(), rows.reshape(-1), self._ids, temperature=self.temperature,
                                first_generated=self._first)
@@ -464,6 +475,27 @@ class TrainerRecorder:
             finally:
                 self.hooks.set_rows(None)
                 self._ids = self._first = None
+        return ctx()
+
+    def batch(self, seq_keys: Sequence[str], input_ids, attention_mask=None, *,
+              first_generated: Sequence[int] | None = None, step: int = 0):
+        """A context for one padded micro-batch's forward: ``input_ids`` [B, L], ``attention_mask``
+        [B, L] (1 = a real token; left or right padding), ``first_generated`` the position of each
+        sequence's first generated token (counted over its real tokens). Padding is not recorded."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            ids = input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else \
+                torch.as_tensor(np.asarray(input_ids))
+            rows = self.hooks.batch(seq_keys, ids, attention_mask, regime="train", step=step)
+            self._ids = ids.reshape(rows.shape).long()
+            self._firsts = [int(f) for f in first_generated] if first_generated is not None else None
+            try:
+                yield rows
+            finally:
+                self.hooks.set_rows(None)
+                self._ids = self._firsts = None
         return ctx()
 
     def detach(self) -> None:
