@@ -137,7 +137,8 @@ def near_tie_flips(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: R
     weight ratio change that the tokens with the same expert set show in a layer, the smallest
     over the MoE layers: a wrong router widens the spread of its own layer (a scaled expert row
     shifts every ratio it enters), so its own spread never sets its flips apart. Layers with too
-    few agreeing tokens measure nothing; none measured: nothing is set apart."""
+    few agreeing tokens measure nothing; fewer than two measured: nothing is set apart (one layer's
+    spread has no other to be held against)."""
     la_, lb_ = routing_layers(ra), routing_layers(rb)
     limits: list[float] = []
     flipped: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -171,7 +172,7 @@ def near_tie_flips(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: R
             limits.append(noise_max)
         if cand:
             flipped[layer] = (np.concatenate(cand), np.concatenate(margin))
-    if not limits:
+    if len(limits) < 2:
         return {}
     limit = min(limits)
     out = {layer: idx[m <= limit].astype(np.int64) for layer, (idx, m) in flipped.items()}
