@@ -356,7 +356,9 @@ class RoutingDetails(Details):
     """MoE routing of the two sides on the same tokens (tensordiff.routing): per MoE layer
     (``layers``: ``layer``, ``tokens`` compared, ``flips`` tokens whose expert set differs,
     ``rate``, ``weight_max_abs`` over the tokens whose sets agree, ``first`` flip as
-    ``{seq, position}``), the totals, and the layers only one side recorded."""
+    ``{seq, position}``, ``near_ties`` the flips on a near-tie), the totals, the layers only one
+    side recorded, and ``set_apart``: the states whose failing tokens were all near-tie flips,
+    set apart from their verdict (``{state, tokens}``)."""
 
     layers: list[dict[str, Any]] = field(default_factory=list)
     tokens: int = 0
@@ -365,3 +367,4 @@ class RoutingDetails(Details):
     only_b: list[int] = field(default_factory=list)
     side_a: str = "A"
     side_b: str = "B"
+    set_apart: list[dict[str, Any]] = field(default_factory=list)

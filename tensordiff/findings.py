@@ -496,8 +496,16 @@ def _routing(f: Finding, d: RoutingDetails) -> str:
     first = next((x for x in d.layers if x.get("first")), None)
     at = (f"; first at sequence {first['first']['seq']} position {first['first']['position']}, layer{first['layer']}"
           if first else "")
+    near = sum(int(x.get("near_ties", 0)) for x in d.layers)
+    apart = ""
+    if d.set_apart:
+        states = ", ".join(f"{x['state']} ({x['tokens']})" for x in d.set_apart)
+        apart = (f"; {near} of them on near-ties (the router's margin within the noise of the tokens whose experts "
+                 f"agree): those tokens took other experts (a routing flip), set apart from the verdict of {states}")
+    elif near:
+        apart = f"; {near} of them on near-ties (the router's margin within the noise of the tokens whose experts agree)"
     return (f"MoE routing flips: {d.flips} of {d.tokens} token-layer choices pick other experts on {d.side_b} than "
-            f"on {d.side_a} ({pct(d.flips, d.tokens)}; by layer: {per}){at}{only}")
+            f"on {d.side_a} ({pct(d.flips, d.tokens)}; by layer: {per}){at}{apart}{only}")
 
 
 def prediction_evidence(c: dict[str, Any]) -> str:
@@ -907,6 +915,12 @@ class DiffResult:
         if allowed:
             return (f"no divergence outside the {allowed} allowed by --allow-failed: {self.tokens_aligned} tokens in "
                     f"{tensors} compared")
+        routed = next((g.details for g in self.findings if isinstance(g.details, RoutingDetails) and g.details.set_apart),
+                      None)
+        if routed is not None:   # tokens set apart from some state's verdict: not "every token agrees"
+            near = sum(int(x.get("near_ties", 0)) for x in routed.layers)
+            return (f"no divergence: {self.tokens_aligned} tokens in {tensors} agree within tolerance, but for {near} "
+                    "MoE routing flip(s) on near-ties, set apart (see the routing note)")
         return f"no divergence: {self.tokens_aligned} tokens in {tensors} agree within tolerance"
 
     def _feeds_headline(self, f: Finding) -> str | None:

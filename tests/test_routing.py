@@ -61,3 +61,60 @@ def test_diff_counts_routing_flips_per_layer(tmp_path):
     same = diff_traces(a, _trace(tmp_path / "c.h5", "serve", ids, w))
     (f,) = [f for f in same.findings if f.kind == "routing"]
     assert f.message == "MoE routing agrees: train and serve pick the same experts for all 24 token-layer choices (2 MoE layers)"
+
+
+# -- near-tie flips on a real MoE port: a tiny Mixtral, side A eager attention, side B SDPA, both bf16 --
+
+
+@pytest.fixture(scope="module")
+def mixtral_pair(tmp_path_factory):
+    """The fuzzer's tiny Mixtral (4 layers, 4 experts, top-2) recorded as a correct bf16 port and as
+    the port with a wrong router (expert 0's row of layer 1's router scaled by 1.3)."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.fuzz import models as M
+
+    m = M.model("mixtral")
+    d = tmp_path_factory.mktemp("mixtral")
+
+    def wrong_router(net):
+        net.model.layers[1].mlp.gate.weight[0] *= 1.3
+
+    a = M.record(m, M.side_model(m, "bfloat16", "eager"), d / "a.h5", "full")
+    b = M.record(m, M.side_model(m, "bfloat16", "sdpa"), d / "b.h5", "full", side="serve")
+    bug = M.record(m, M.side_model(m, "bfloat16", "sdpa", wrong_router), d / "bug.h5", "full", side="serve")
+    return str(a), str(b), str(bug)
+
+
+@pytest.mark.parametrize("order", ["AB", "BA"])
+def test_near_tie_routing_flips_are_set_apart_not_a_divergence(mixtral_pair, order):
+    """Two tokens take another second expert at layer 2 on a near-tie between eager and SDPA: they
+    and only they leave the trend at layer3 (their margin is within the router noise), so they are
+    set apart from that state's verdict and said so, not a divergence."""
+    a, b, _ = mixtral_pair
+    x, y = (a, b) if order == "AB" else (b, a)
+    res = diff_traces(x, y)
+    assert not res.divergences, res.headline()
+    (f,) = [f for f in res.findings if f.kind == "routing"]
+    d = f.details
+    assert [(r["layer"], r["flips"], r["near_ties"]) for r in d.layers] == [(0, 0, 0), (1, 0, 0), (2, 2, 2), (3, 1, 1)]
+    assert {"state": "layer3", "tokens": 2} in d.set_apart
+    assert "set apart from the verdict of layer3 (2)" in f.message
+    assert "but for 3 MoE routing flip(s) on near-ties, set apart" in res.headline()
+
+
+@pytest.mark.parametrize("order", ["AB", "BA"])
+def test_a_wrong_router_is_found_where_it_acts(mixtral_pair, order):
+    """A router row scaled flips tokens at layer 1 by more than the router noise: never set apart,
+    the first divergence is the state after it (layer2)."""
+    a, _, bug = mixtral_pair
+    x, y = (a, bug) if order == "AB" else (bug, a)
+    res = diff_traces(x, y)
+    first = res.first_divergence
+    assert first is not None and first.kind == "numeric" and first.tensor == "layer2", res.headline()
+    (f,) = [f for f in res.findings if f.kind == "routing"]
+    assert f.details.layers[1]["flips"] > f.details.layers[1]["near_ties"]
+    assert not any(x["state"] == "layer2" for x in f.details.set_apart)

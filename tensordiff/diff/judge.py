@@ -168,7 +168,7 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
     options.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
     findings = allow_failed(findings, stats, options.tolerances.allow_failed)
     a, b, al = plan.a, plan.b, plan.alignment
-    findings = routing.add_finding(a, b, al, plan.maps, findings)
+    findings = routing.add_finding(a, b, al, plan.maps, findings, j.flips, j.set_apart)
     findings = order_findings(within_residual_noise(plan, findings))
     sig = zoom_signature(plan, findings)
     if sig is not None:   # the zoomed layer's first op and what kind of difference it shows leads
@@ -233,6 +233,10 @@ class _Judge:
     def __init__(self, plan: DiffPlan, search: IdentitySearch, options: DiffOptions, early: EarlyIdentity | None):
         self.plan, self.search, self.options, self.early = plan, search, options, early
         self.slot_table: list[SlotRow] = []
+        # MoE tokens whose expert choice flipped on a near-tie (tensordiff.routing): a state whose
+        # failing tokens are all among those flipped before it is set apart, not judged
+        self.flips = routing.near_tie_flips(plan.a, plan.b, plan.alignment, plan.maps)
+        self.set_apart: list[routing.SetApart] = []
 
     def pair(self, job: PairJob, st: PairStats, acc: PairAccumulator) -> list[Finding]:
         """Identity of the slots (packed tensors, both sides) and every slot's findings."""
@@ -304,11 +308,13 @@ class _Judge:
             if sib is not None:   # far above the deeper slots of its own tensor
                 judged, sibling = sib, True
         if (acc.failing[s] and ff is not None) or judged.part:
+            state = ia.slot_labels[s] if ia.slot_labels and s < len(ia.slot_labels) else ia.label
+            if self._near_tie_only(state, subject, s, acc, judged):
+                return out
             det = NumericDetails(
                 subject=subject, cos=ff.cos if ff else float(st.cos_min[s]), rel=ff.rel if ff else float(st.rel_max[s]),
                 maxabs=ff.maxabs if ff else float(st.maxabs[s]), failing=int(acc.failing[s]), tokens=acc.tokens,
                 tolerance=tol.to_dict(), basis=st.basis)
-            state = ia.slot_labels[s] if ia.slot_labels and s < len(ia.slot_labels) else ia.label
             noise_io.annotate(det, model, judged, state, ia.label)
             if sibling:
                 det.limit_source = f"measured: {noise.JUMP:g}x the deeper slots of {ib.name}"
@@ -324,6 +330,24 @@ class _Judge:
                 f = self._boundary_identity(job, ff.token_index if ff else at) or f
             out.append(f)
         return out
+
+    def _near_tie_only(self, state: str | None, subject: str, s: int, acc: PairAccumulator, judged: noise.SlotJudgement) -> bool:
+        """Whether a state's failing tokens are all tokens an MoE router sent to other experts on a
+        near-tie in a layer before it (then they are set apart and noted, the state not judged).
+        Only single failing tokens qualify: a shift of the level or scale of the whole state, or
+        NaN/Inf, is judged as ever."""
+        depth = routing.state_layer(state, self.plan.a.num_layers or self.plan.b.num_layers)
+        if (not self.flips or depth is None or judged.part not in ("", "tokens") or not acc.failing[s]
+                or acc.nonfinite_a[s] or acc.nonfinite_b[s]):
+            return False
+        failing = acc.failing_tokens(s)
+        if len(failing) != int(acc.failing[s]):   # more than were kept: not all seen
+            return False
+        before = [idx for layer, idx in self.flips.items() if layer < depth]
+        if not before or not np.isin(failing, np.concatenate(before)).all():
+            return False
+        self.set_apart.append(routing.SetApart(subject, len(failing)))
+        return True
 
     def _as_class(self, v: IdentityVerdict | None, label: str | None) -> IdentityVerdict | None:
         """``v`` with ``label`` for the state it holds where that state and ``label`` are one class
