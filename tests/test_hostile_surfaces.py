@@ -1,0 +1,164 @@
+"""Hostile values on the input surfaces beyond the trace format (docs/robustness.md, "Input
+surfaces"): ``tensordiff locate``'s ``module:`` specs, ``--resume`` directories and prompts file.
+Each run is the CLI in a forked child (nothing heavy imported: every case is refused before a
+model is loaded) and must end in one line on stderr, exit 2, no traceback, no raw escape byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tracegen import assert_clean_exit, run_isolated
+
+
+def refused(argv, expect: str, last_line: bool = False) -> str:
+    rc, out, err = run_isolated([str(a) for a in argv], timeout=60)
+    assert rc != 124, f"{argv}: did not finish"
+    assert "\x1b" not in err and "\x1b" not in out, err
+    if last_line:   # locate prints each step's command on stderr before the step that fails
+        assert rc == 2 and "Traceback" not in err, err
+        err = err.splitlines()[-1]
+        assert err.startswith("tensordiff: error: ") and "unexpected" not in err, err
+    else:
+        assert_clean_exit(rc, out, err, " ".join(map(str, argv))[:200])
+        assert rc == 2, err
+    assert expect in err, err
+    return err
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"input_ids": [1, 2, 3]}\n')
+    return str(p)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A directory locate takes for an HF model (its form: config.json); never loaded here."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return str(d)
+
+
+@pytest.mark.parametrize("spec,expect", [
+    ("module:pkg/mod:factory", "is not module:pkg.mod:factory"),
+    ("module:../pkg:factory", "is not module:pkg.mod:factory"),
+    ("module:pkg..mod:factory", "is not module:pkg.mod:factory"),
+    ("module:.pkg:factory", "is not module:pkg.mod:factory"),
+    ("module:pkg.:factory", "is not module:pkg.mod:factory"),
+    ("module:pkg\x1b]52;c;aGk=\x07:factory", "is not module:pkg.mod:factory"),
+    ("module:" + "a." * 50_000 + "a:f", "at most 512 characters"),      # imported, a RecursionError
+    ("module:" + "a" * 100_000 + ":f", "at most 512 characters"),       # quoted whole in the line
+])
+def test_locate_module_spec_form_checked_before_any_import(tmp_path, prompts, spec, expect):
+    err = refused(["locate", spec, "module:pkg:factory", "--prompts", prompts, "--out", tmp_path / "o"], expect)
+    assert len(err) < 1000
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory", "missing"])
+def test_locate_prompts_not_a_regular_file(tmp_path, kind):
+    path = {"dev_zero": "/dev/zero", "directory": str(tmp_path), "missing": str(tmp_path / "nope")}.get(kind)
+    if kind == "fifo":
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)
+    refused(["locate", "module:a:f", "module:b:f", "--prompts", path, "--out", tmp_path / "o"],
+            "no such file" if kind == "missing" else "not a regular file")
+
+
+@pytest.mark.parametrize("line,expect", [
+    ("[" * 100_000 + "]" * 100_000, "nested deeper than"),
+    ('{"input_ids": [' + "9" * 100_000 + "]}", "not valid JSON"),
+    ('{"input_ids": [1e999]}', "non-negative integers"),
+    ('{"input_ids": "\\u001b[2J"}', "non-negative integers"),
+    ('{"text": 5}', "expected token ids"),
+    ('{"input_ids": [1], "\x1b[2J": 1', "not valid JSON"),
+    ('{"input_ids": [-1]}', "non-negative integers"),
+])
+def test_locate_crafted_prompt_lines(tmp_path, line, expect):
+    p = tmp_path / "p.jsonl"
+    p.write_text(line + "\n")
+    refused(["locate", "module:a:f", "module:b:f", "--prompts", p, "--out", tmp_path / "o"], expect)
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink_out", "dangling"])
+def test_locate_resume_directory_holding_what_no_run_wrote(tmp_path, prompts, model_dir, kind):
+    d = tmp_path / "run"
+    d.mkdir()
+    if kind == "directory":
+        (d / "a.h5").mkdir()
+    else:
+        os.symlink("/etc/passwd" if kind == "symlink_out" else str(tmp_path / "gone.h5"), d / "a.h5")
+    refused(["locate", model_dir, model_dir, "--prompts", prompts, "--resume", d, "--no-progress"],
+            "symbolic link" if kind != "directory" else "is not a file")
+
+
+def test_locate_resume_is_a_file(tmp_path, prompts, model_dir):
+    f = tmp_path / "run"
+    f.write_text("x")
+    refused(["locate", model_dir, model_dir, "--prompts", prompts, "--resume", f], "no such directory")
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated"])
+def test_locate_resume_with_a_damaged_trace(tmp_path, prompts, model_dir, kind):
+    from tracegen import write_pair
+
+    d = tmp_path / "run"
+    d.mkdir()
+    if kind == "garbage":
+        (d / "a.h5").write_bytes(b"\x1b[2J" + os.urandom(4000))
+        (d / "b.h5").write_bytes((d / "a.h5").read_bytes())
+    else:
+        a, b = write_pair(str(tmp_path))
+        raw = open(a, "rb").read()
+        (d / "a.h5").write_bytes(raw[: len(raw) // 2])
+        os.replace(b, d / "b.h5")
+    refused(["locate", model_dir, model_dir, "--prompts", prompts, "--resume", d, "--no-progress"],
+            str(d / "a.h5"), last_line=True)
+
+
+def test_locate_trace_naming_a_crafted_module_spec(tmp_path):
+    """A trace's model.path is a file's value: a ``module:`` spec without the form (an escape in
+    it, a huge one) is not a model to record again, so it is never run nor printed as a command."""
+    import h5py
+
+    from tensordiff.locator.sides import resolve_side
+    from tracegen import write_pair
+
+    a, _ = write_pair(str(tmp_path))
+    for spec in ("module:x\x1b]52;c;aGk=\x07:f", "module:" + "a." * 5000 + "a:f", "module:x:f"):
+        with h5py.File(a, "r+") as f:
+            model = json.loads(f.attrs["model"])
+            model["path"] = spec
+            f.attrs["model"] = json.dumps(model)
+            meta = json.loads(f.attrs["user_meta"])
+            meta["command"] = "record train"
+            f.attrs["user_meta"] = json.dumps(meta)
+        side = resolve_side("A", a, None)
+        assert side.model == (spec if spec == "module:x:f" else None), spec[:80]
+
+
+def test_locate_echo_and_report_escape_what_files_hold(tmp_path, prompts, model_dir, monkeypatch, capsys):
+    """The step lines and the report quote paths, config keys and op names from files: escaped."""
+    import argparse
+
+    from tensordiff.locator import cli as locate_cli
+    from tensordiff.locator import loop
+    from tensordiff.locator.result import Evidence, LocateResult
+
+    def fake(opts):
+        opts.echo("[record A] $ tensordiff record train --model module:x\x1b[2J:f")
+        return LocateResult(verdict="the configs differ: \x1b]52;c;aGk=\x07: A 1, B 2", exit_code=1, out_dir="o",
+                            evidence=[Evidence("compare", "k\u202ey: A 1, B 2", ("$ x",))])
+
+    monkeypatch.setattr(loop, "run_locate", fake)
+    p = argparse.ArgumentParser()
+    locate_cli.add_arguments(p)
+    assert locate_cli.run(p.parse_args([model_dir, model_dir, "--prompts", prompts])) == 1
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out + err and "\u202e" not in out and "\\x1b" in out and "\\x1b" in err
+    assert out.count("\n") == 3   # the report's own line breaks kept
