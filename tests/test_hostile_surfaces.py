@@ -162,3 +162,69 @@ def test_locate_echo_and_report_escape_what_files_hold(tmp_path, prompts, model_
     out, err = capsys.readouterr()
     assert "\x1b" not in out + err and "\u202e" not in out and "\\x1b" in out and "\\x1b" in err
     assert out.count("\n") == 3   # the report's own line breaks kept
+
+
+# ----------------------------------------------------------------------------------------------
+# zoom and graft specs (--zoom, --graft, TENSORDIFF_ZOOM, TENSORDIFF_GRAFT): parsed without torch;
+# record train turns the ValueError into its one line (tests/test_zoom_train.py, test_zoom_graft.py)
+
+
+@pytest.mark.parametrize("spec", ["layer" + "9" * 5000, "9" * 40, "layer\u0663", "\u0663", "layer3\x1b[2J",
+                                  "layer-1", "layer0x10", "layer1_000", "", "layer3.q"])
+def test_zoom_spec_crafted(spec):
+    from tensordiff import names
+    from tensordiff.recorders.sglang.config import _zoom
+
+    for parse in (names.parse_zoom, lambda s: _zoom({"TENSORDIFF_ZOOM": s}) if s else names.parse_zoom(s)):
+        with pytest.raises(ValueError) as e:
+            parse(spec)
+        assert "\n" not in str(e.value)
+
+
+def _graft_error(spec: str) -> str:
+    from tensordiff.recorders.graft_source import open_graft_source
+
+    with pytest.raises(ValueError) as e:
+        open_graft_source(spec, "TENSORDIFF_GRAFT")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("TENSORDIFF_GRAFT"), msg
+    return msg
+
+
+@pytest.mark.parametrize("state", ["layer" + "9" * 5000, "a" * 100_000, "layer1\x1b]52;c;aGk=\x07", "layer\u0663"])
+def test_graft_state_crafted(tmp_path, state):
+    from tracegen import write_pair
+
+    a, _ = write_pair(str(tmp_path))
+    msg = _graft_error(f"{a}:{state}")
+    assert "is not a state name" in msg and len(msg) < 400 and "\x1b" not in msg, msg[:300]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory", "garbage", "truncated", "no_colon", "huge"])
+def test_graft_source_crafted(tmp_path, kind):
+    from tracegen import write_pair
+
+    a, _ = write_pair(str(tmp_path))
+    path = {"dev_zero": "/dev/zero", "directory": str(tmp_path)}.get(kind, str(tmp_path / "x.h5"))
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "garbage":
+        open(path, "wb").write(b"\x1b[2J" + os.urandom(2000))
+    elif kind == "truncated":
+        raw = open(a, "rb").read()
+        open(path, "wb").write(raw[: len(raw) // 2])
+    spec = {"no_colon": a, "huge": "x" * 100_000}.get(kind, f"{path}:layer1")
+    msg = _graft_error(spec)
+    assert len(msg) < 1000, msg[:300]
+
+
+def test_serve_checks_a_crafted_graft_before_the_engine(tmp_path):
+    from tensordiff.errors import UsageError
+    from tensordiff.recorders.serve_cli import _check_graft
+    from tracegen import write_pair
+
+    a, _ = write_pair(str(tmp_path))
+    for spec in (f"{a}:layer" + "9" * 5000, f"{a}:embed", "/dev/zero:layer1", f"{a}:layer99"):
+        with pytest.raises(UsageError) as e:
+            _check_graft(spec, 4)
+        assert "\n" not in str(e.value) and len(str(e.value)) < 1000
