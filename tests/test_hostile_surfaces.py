@@ -54,7 +54,7 @@ def model_dir(tmp_path):
     ("module:pkg\x1b]52;c;aGk=\x07:factory", "is not module:pkg.mod:factory"),
     ("module:" + "a." * 50_000 + "a:f", "at most 512 characters"),      # imported, a RecursionError
     ("module:" + "a" * 100_000 + ":f", "at most 512 characters"),       # quoted whole in the line
-])
+], ids=["slash", "dotdot", "double_dot", "leading_dot", "trailing_dot", "osc52", "deep_dotted", "huge"])
 def test_locate_module_spec_form_checked_before_any_import(tmp_path, prompts, spec, expect):
     err = refused(["locate", spec, "module:pkg:factory", "--prompts", prompts, "--out", tmp_path / "o"], expect)
     assert len(err) < 1000
@@ -78,7 +78,7 @@ def test_locate_prompts_not_a_regular_file(tmp_path, kind):
     ('{"text": 5}', "expected token ids"),
     ('{"input_ids": [1], "\x1b[2J": 1', "not valid JSON"),
     ('{"input_ids": [-1]}', "non-negative integers"),
-])
+], ids=["deep", "huge_number", "inf", "escape_string", "wrong_type", "raw_escape", "negative"])
 def test_locate_crafted_prompt_lines(tmp_path, line, expect):
     p = tmp_path / "p.jsonl"
     p.write_text(line + "\n")
@@ -170,7 +170,9 @@ def test_locate_echo_and_report_escape_what_files_hold(tmp_path, prompts, model_
 
 
 @pytest.mark.parametrize("spec", ["layer" + "9" * 5000, "9" * 40, "layer\u0663", "\u0663", "layer3\x1b[2J",
-                                  "layer-1", "layer0x10", "layer1_000", "", "layer3.q"])
+                                  "layer-1", "layer0x10", "layer1_000", "", "layer3.q"],
+                         ids=["huge", "huge_bare", "arabic", "arabic_bare", "escape", "negative", "hex", "underscore",
+                              "empty", "tap"])
 def test_zoom_spec_crafted(spec):
     from tensordiff import names
     from tensordiff.recorders.sglang.config import _zoom
@@ -191,7 +193,8 @@ def _graft_error(spec: str) -> str:
     return msg
 
 
-@pytest.mark.parametrize("state", ["layer" + "9" * 5000, "a" * 100_000, "layer1\x1b]52;c;aGk=\x07", "layer\u0663"])
+@pytest.mark.parametrize("state", ["layer" + "9" * 5000, "a" * 100_000, "layer1\x1b]52;c;aGk=\x07", "layer\u0663"],
+                         ids=["huge_layer", "huge", "osc52", "arabic"])
 def test_graft_state_crafted(tmp_path, state):
     from tracegen import write_pair
 
@@ -228,3 +231,70 @@ def test_serve_checks_a_crafted_graft_before_the_engine(tmp_path):
         with pytest.raises(UsageError) as e:
             _check_graft(spec, 4)
         assert "\n" not in str(e.value) and len(str(e.value)) < 1000
+
+
+# ----------------------------------------------------------------------------------------------
+# the fuzzer's inputs (benchmarks/fuzz_verdicts.py: --seed, --kinds, --report F)
+
+FUZZ = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "fuzz_verdicts.py")
+_SCENARIO = {"seed": 1, "kind": "mask_lost", "family": "wiring", "model": "trained-llama", "dtypes": "float32/float32",
+             "mode": "prefill", "order": "AB", "layer": 1, "x": 3.0, "truth": "t", "outcome": "named", "miss": True,
+             "first": "layer2[0] values", "why": "w"}
+
+
+def _fuzz(*argv: str) -> tuple[int, str, str]:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, FUZZ, *argv], capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in p.stderr and "\x1b" not in p.stdout + p.stderr, p.stderr[-2000:]
+    return p.returncode, p.stdout, p.stderr
+
+
+def _fuzz_refused(*argv: str, says: str) -> None:
+    rc, _, err = _fuzz(*argv)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and says in lines[0] and len(lines[0]) < 700, err[-1000:]
+
+
+@pytest.mark.parametrize("doc,says", [
+    ("[" * 100_000 + "]" * 100_000, "nested deeper than"),
+    ('{"results": [' + "9" * 100_000 + "]}", "not valid JSON"),
+    ('{"results": [1]}', "a scenario is int"),
+    ('{"results": [{}]}', "seed is NoneType"),
+    ('{"results": 5}', "not a non-empty list"),
+    ("[]", "not a fuzz_verdicts --json file"),
+    (json.dumps({"results": [{**_SCENARIO, "layer": 10**30}]}), "out of range"),
+    (json.dumps({"results": [{**_SCENARIO, "kind": "\x1b[2J"}]}), "does not know"),
+    (json.dumps({"results": [{**_SCENARIO, "miss": "yes"}]}), "miss is str"),
+], ids=["deep", "huge_number", "int", "empty_object", "results_int", "list", "huge_layer", "escape_kind", "miss_str"])
+def test_fuzz_report_file_crafted(tmp_path, doc, says):
+    p = tmp_path / "r.json"
+    p.write_text(doc)
+    _fuzz_refused("--report", str(p), says=says)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory"])
+def test_fuzz_report_not_a_regular_file(tmp_path, kind):
+    path = {"dev_zero": "/dev/zero", "directory": str(tmp_path)}.get(kind, str(tmp_path / "fifo"))
+    if kind == "fifo":
+        os.mkfifo(path)
+    _fuzz_refused("--report", path, says="not a regular file")
+
+
+def test_fuzz_report_values_escaped(tmp_path):
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps({"seed": "\x1b[2J", "results": [{**_SCENARIO, "dtypes": "f32\x1b[2J",
+                                                              "first": "\x1b]52;c;aGk=\x07"}]}))
+    rc, out, _ = _fuzz("--report", str(p))
+    assert rc == 0 and "\\x1b]52" in out and "f32\\x1b[2J" in out
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--kinds", "a\x1b[2J"], "unknown kind a\\x1b[2J"),
+    (["--kinds", "x," * 30_000], "unknown kind x"),
+    (["--seed", "9" * 5000], "invalid int value"),
+    (["--seed", str(2**62)], "--seed must be"),
+], ids=["escape", "huge", "huge_seed", "seed_2_62"])
+def test_fuzz_arguments_crafted(argv, says):
+    _fuzz_refused(*argv, says=says)
