@@ -298,3 +298,94 @@ def test_fuzz_report_values_escaped(tmp_path):
 ], ids=["escape", "huge", "huge_seed", "seed_2_62"])
 def test_fuzz_arguments_crafted(argv, says):
     _fuzz_refused(*argv, says=says)
+
+
+# ----------------------------------------------------------------------------------------------
+# RL records in traces (the sampling attribute, /weights/step_<k>) as `tensordiff triage` reads them
+
+
+def _fingerprints(sha: str, name: str = "model.layers.0.mlp.down_proj.weight") -> dict:
+    from tensordiff.weights import FINGERPRINT_FORMAT
+
+    return {"format": FINGERPRINT_FORMAT, "num_layers": 1, "source": "t",
+            "parameters": [{"key": "layer0.mlp_out.weight", "name": name, "dtype": "float32", "shape": [2, 2],
+                            "sha256": sha, "norm": 1.0, "samples": []}]}
+
+
+@pytest.fixture(scope="module")
+def rl_pair(tmp_path_factory):
+    """A trainer trace and a rollout trace (small HF-made pair) with weight step 0 on both."""
+    import h5py
+
+    from tensordiff.trace.rl import write_sampling, write_weight_step
+    from tracegen import write_pair
+
+    d = tmp_path_factory.mktemp("rl")
+    t, r = write_pair(str(d))
+    with h5py.File(t, "r+") as f:
+        write_weight_step(f, 0, _fingerprints("aa"), forward_step=0, event="start")
+    with h5py.File(r, "r+") as f:
+        write_sampling(f, {"temperature": 1.0})
+        write_weight_step(f, 0, _fingerprints("aa"), forward_step=0, event="start")
+    return t, r
+
+
+def _rollout(tmp_path, rl_pair, edit) -> str:
+    import shutil
+
+    import h5py
+
+    p = str(tmp_path / "rollout.h5")
+    shutil.copy(rl_pair[1], p)
+    with h5py.File(p, "r+") as f:
+        edit(f)
+    return p
+
+
+def _triage(rl_pair, rollout) -> tuple[int, str, str]:
+    rc, out, err = run_isolated(["triage", rl_pair[0], rollout], timeout=60)
+    assert rc != 124, "did not finish"
+    assert_clean_exit(rc, out, err, "triage")
+    return rc, out, err
+
+
+def _set_sampling(text: str):
+    return lambda f: f.attrs.__setitem__("sampling", text)
+
+
+@pytest.mark.parametrize("edit,says", [
+    (_set_sampling("[" * 100_000 + "]" * 100_000), "nested deeper than"),
+    (_set_sampling('{"temperature": ' + "9" * 100_000 + "}"), "sampling"),
+    (_set_sampling(json.dumps({"temperature": "\x1b[2Jhot"})), "temperature is '\\x1b[2Jhot'"),
+    (_set_sampling(json.dumps({"temperature": 1.0, "per_sequence": [1]})), "per_sequence"),
+    (_set_sampling(json.dumps("temperature=1")), "not a JSON object"),
+    (lambda f: f["weights/step_0"].attrs.__setitem__("step", 1e300), "step"),
+    (lambda f: f["weights"].move("step_0", "step_" + "9" * 5000), "/weights/step_"),
+    (lambda f: (f["weights/step_0"].__delitem__("fingerprints"), f["weights/step_0"].create_dataset(
+        "fingerprints", data=__import__("numpy").frombuffer(b"[" * 100_000, "uint8"))), "fingerprints"),
+], ids=["deep", "huge_number", "escape", "per_sequence_list", "not_object", "step_1e300", "huge_step_name",
+        "deep_fingerprints"])
+def test_triage_crafted_rl_records(tmp_path, rl_pair, edit, says):
+    rc, out, err = _triage(rl_pair, _rollout(tmp_path, rl_pair, edit))
+    assert rc == 2 and says in err and "\x1b" not in err, err
+
+
+@pytest.mark.xfail(strict=True, reason="tensordiff/trace/rl.py read_sampling: math.isfinite() of an int past 1e308 "
+                                       "raises OverflowError (exit 3)")
+def test_triage_sampling_temperature_huge_int(tmp_path, rl_pair):
+    rc, _, err = _triage(rl_pair, _rollout(tmp_path, rl_pair, _set_sampling('{"temperature": ' + "9" * 400 + "}")))
+    assert rc == 2 and "temperature" in err, err
+
+
+@pytest.mark.xfail(strict=True, reason="tensordiff triage prints a fingerprint document's parameter name (a value "
+                                       "from the file) unescaped: triage.py / cli.py _run_triage write t.text() raw")
+def test_triage_escapes_names_from_fingerprints(tmp_path, rl_pair):
+    from tensordiff.trace.rl import write_weight_step
+
+    def edit(f):
+        del f["weights/step_0"]
+        write_weight_step(f, 0, _fingerprints("bb", "down\x1b]52;c;aGk=\x07"), forward_step=0, event="start")
+
+    rc, out, _ = run_isolated(["triage", rl_pair[0], _rollout(tmp_path, rl_pair, edit)], timeout=60)
+    assert rc == 1 and "\\x1b]52" in out, out
+    assert "\x1b" not in out and "\x07" not in out, out
