@@ -476,3 +476,37 @@ def test_replay_outputs_fifo(tmp_path, rollout):
     os.mkfifo(fifo)
     got = _outcome(lambda: plan_replay(rollout[0], fifo))
     assert got.startswith("clean: "), got
+
+
+# ----------------------------------------------------------------------------------------------
+# `tensordiff weights`: safetensors headers
+
+
+def _safetensors(path, header: bytes, length: int | None = None, data: bytes = b"\0" * 16) -> str:
+    with open(path, "wb") as f:
+        f.write((len(header) if length is None else length).to_bytes(8, "little") + header + data)
+    return str(path)
+
+
+def _entry(**kw) -> bytes:
+    e = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], **kw}
+    return json.dumps({"model.layers.0.mlp.down_proj.weight": e}).encode()
+
+
+@pytest.mark.parametrize("kind,header,length,says", [
+    ("length_2_62", _entry(), 1 << 62, "bad header length"),
+    ("offsets_past_end", _entry(data_offsets=[0, 1 << 40], shape=[1 << 38]), None, "outside the file"),
+    ("shape_2_90", _entry(shape=[1 << 45, 1 << 45]), None, "outside the file"),
+    ("size_mismatch", _entry(shape=[3]), None, "outside the file"),
+    ("unknown_dtype", _entry(dtype="\x1b[2JF99"), None, "unsupported dtype"),
+    ("reversed_offsets", _entry(data_offsets=[8, 0]), None, "outside the file"),
+    ("huge_number", b'{"x": {"dtype": "F32", "shape": [' + b"9" * 100_000 + b'], "data_offsets": [0, 8]}}', None,
+     "not valid JSON"),
+    ("not_object", b"[1, 2]", None, "not an object"),
+    ("escape_name", json.dumps({"\x1b]52;c;aGk=\x07": 5}).encode(), None, "bad header entry"),
+], ids=lambda x: x if isinstance(x, str) and x.isidentifier() else "")
+def test_weights_crafted_safetensors_header(tmp_path, kind, header, length, says):
+    p = _safetensors(tmp_path / "model.safetensors", header, length)
+    rc, out, err = run_isolated(["weights", p, p], timeout=60)
+    assert_clean_exit(rc, out, err, kind)
+    assert rc == 2 and says in err and "\x1b" not in err, err
