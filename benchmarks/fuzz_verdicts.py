@@ -53,8 +53,16 @@ DEPTHS = ("shallow", "middle", "deep")
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        print(f"fuzz_verdicts: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+        _fail(message)
+
+
+def _fail(message: str) -> NoReturn:
+    """One line on stderr, exit 2; what came from an argument or a file escaped, a long one cut."""
+    from tensordiff.safety import sanitize_for_terminal
+
+    line = sanitize_for_terminal(" ".join(message.split()))
+    print(f"fuzz_verdicts: error: {line if len(line) <= 500 else line[:500] + '...'}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _names(arg: str | None, known: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -224,19 +232,62 @@ def report(files: list[str]) -> dict[str, Any]:
     """The tables of earlier runs' --json files, their scenarios pooled."""
     results: list[dict[str, Any]] = []
     heads = []
+    from tensordiff.errors import TensordiffError
+    from tensordiff.safety import read_json_file, sanitize_for_terminal
+
     for f in files:
-        try:
-            doc = json.loads(Path(f).read_text())
-            results += doc["results"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            print(f"fuzz_verdicts: error: --report {f}: not a fuzz_verdicts --json file ({type(e).__name__})",
-                  file=sys.stderr)
-            raise SystemExit(2) from None
-        heads.append(f"seeds {doc.get('seed')}..+{len(doc['results']) - 1} at {doc.get('commit', '?')}, load {doc.get('load')}")
+        try:   # bounded in size and nesting; a regular file only (a FIFO or /dev/zero: one line)
+            doc = read_json_file(f, "--report", REPORT_BYTES)
+            got = doc["results"]
+            if not isinstance(got, list) or not got:
+                raise TypeError("results is not a non-empty list")
+            for r in got:
+                _check_result(r)
+        except TensordiffError as e:
+            _fail(f"{e} (not a fuzz_verdicts --json file)")
+        except (KeyError, TypeError, ValueError) as e:
+            _fail(f"--report {f}: not a fuzz_verdicts --json file ({type(e).__name__}: {str(e)[:200]})")
+        results += got
+        heads.append(sanitize_for_terminal(f"seeds {str(doc.get('seed'))[:40]}..+{len(got) - 1} at "
+                                           f"{str(doc.get('commit', '?'))[:40]}, load {str(doc.get('load'))[:60]}"))
     s = summarise(results)
     print("pooled: " + "; ".join(heads))
     print_tables(s, results, "pooled")
     return s
+
+
+#: a --report file: a run of 100,000 scenarios writes ~60 MB
+REPORT_BYTES = 256 << 20
+#: the fields of a scenario the tables read, and their types (a value of any other type, or a name
+#: the catalog does not know, is not this script's file)
+_RESULT_FIELDS: dict[str, tuple[type, ...]] = {
+    "seed": (int,), "kind": (str,), "family": (str,), "model": (str,), "dtypes": (str,), "mode": (str,),
+    "order": (str,), "layer": (int,), "x": (int, float, type(None)), "truth": (str,), "outcome": (str,),
+    "miss": (bool,), "first": (str, type(None)), "why": (str,)}
+
+
+def _check_result(r: Any) -> None:
+    """A scenario of a --report file, as :func:`summarise` and :func:`print_tables` read it."""
+    if not isinstance(r, dict):
+        raise TypeError(f"a scenario is {type(r).__name__}, not an object")
+    for k, types in _RESULT_FIELDS.items():
+        v = r.get(k)
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise TypeError(f"a scenario's {k} is {type(v).__name__}")
+    if r["kind"] not in bugs.FAMILY or r["model"] not in MODELS or r["outcome"] not in OUTCOMES:
+        raise ValueError("a scenario names a kind, model or outcome this catalog does not know")
+    if not 0 <= r["layer"] < 10_000 or (isinstance(r["x"], float) and not math.isfinite(r["x"])):
+        raise ValueError("a scenario's layer or x is out of range")
+    for k in ("dtypes", "mode", "order", "truth", "first", "why", "family"):
+        if isinstance(r[k], str) and len(r[k]) > 1000:
+            raise ValueError(f"a scenario's {k} is longer than 1000 characters")
+    r.update({k: _escaped(r[k]) for k in ("dtypes", "mode", "order", "truth", "first", "why", "family")})
+
+
+def _escaped(v: Any) -> Any:
+    from tensordiff.safety import sanitize_for_terminal
+
+    return sanitize_for_terminal(v) if isinstance(v, str) else v
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,8 @@ def _clean(key: str, v: Any) -> Any:
         if isinstance(v, float) and (not math.isfinite(v) or v != int(v)):
             return None
         return int(v) if 0 < abs(int(v)) <= MAX_INT else None
+    if isinstance(v, int) and abs(v) > MAX_ABS:   # float() of an int past 1e308 raises
+        return None
     f = float(v)
     return f if math.isfinite(f) and abs(f) <= MAX_ABS else None
 

@@ -63,6 +63,7 @@ def test_an_hf_config_is_recorded_with_the_numerics_settings():
     {"rope_theta": "1e4"}, {"rope_theta": True}, {"rope_theta": float("inf")}, {"rope_theta": 1e301},
     {"heads": 2.5}, {"heads": 1 << 62}, {"heads": -0.0}, {"activation": "\x1b[31msilu"}, {"activation": "x" * 65},
     {"activation": ["silu"]}, {"tie_word_embeddings": 1}, {"dtype": {"a": 1}}, {"norm_eps": None},
+    {"rope_theta": 10 ** 400}, {"norm_eps": -(10 ** 4000)}, {"activation": "silu\u202e"},
 ])
 def test_read_drops_each_hostile_value(bad):
     assert model_config.read({"config": {**bad, "unknown": 1}}) == {}
@@ -101,7 +102,7 @@ def _set_model(path, text):
         f.attrs.modify("model", text)
 
 
-@pytest.mark.parametrize("case", ["escapes", "huge_numbers", "deep", "huge", "wrong_type"])
+@pytest.mark.parametrize("case", ["escapes", "huge_numbers", "huge_int_for_a_float", "deep", "huge", "wrong_type"])
 def test_a_crafted_config_attribute_is_one_clean_answer(tmp_path, case):
     """The config as a crafted file carries it: the diff answers (exit 1 on the divergence, or
     one line and exit 2 where the reader refuses the attribute), never a traceback, never an
@@ -112,6 +113,7 @@ def test_a_crafted_config_attribute_is_one_clean_answer(tmp_path, case):
         "escapes": json.dumps({**base, "config": {"activation": "\x1b]0;pwned\x07\x1b[2J", "rope_theta": 500000.0,
                                                   "\x1b[31mheads": 3}}),
         "huge_numbers": json.dumps({**base, "config": {"rope_theta": 1e308, "heads": 10 ** 400, "head_dim": -1}}),
+        "huge_int_for_a_float": json.dumps({**base, "config": {"rope_theta": 10 ** 400, "norm_eps": -10 ** 4000}}),
         "deep": json.dumps(base)[:-1] + ', "config": ' + "[" * 100000 + "]" * 100000 + "}",
         "huge": json.dumps({**base, "config": {"activation": "s" * (64 << 20)}}),
         "wrong_type": json.dumps({**base, "config": "rope_theta=500000"}),

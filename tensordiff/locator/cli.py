@@ -59,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not os.path.isdir(args.resume):
         raise UsageError("--resume: no such directory", args.resume)
 
-    def echo(line: str) -> None:
-        sys.stderr.write(line + "\n")
+    from ..safety import sanitize_for_terminal
+
+    def echo(line: str) -> None:   # commands quote paths, and a trace's model.path: escaped
+        sys.stderr.write(sanitize_for_terminal(line) + "\n")
         sys.stderr.flush()
 
     opts = LocateOptions(a=args.a, b=args.b, prompts=args.prompts, out=os.path.abspath(out), dtype_a=args.dtype_a,
@@ -83,5 +85,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(res.to_dict(), indent=2) + "\n")
     else:
-        sys.stdout.write(res.text() + "\n")
+        # the configs' keys and values, paths and op names come from files: escaped, line breaks kept
+        sys.stdout.write(sanitize_for_terminal(res.text(), keep="\n") + "\n")
     return res.exit_code

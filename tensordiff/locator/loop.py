@@ -98,6 +98,10 @@ class _Loop:
                 argv += ["--name-rule", r]
         step = _Step(title, tuple(argv))
         self.current = title
+        if self.o.resume and (os.path.islink(out) or (os.path.lexists(out) and not os.path.isfile(out))):
+            # a run writes its traces as files in DIR: anything else there is not one of them
+            raise UsageError(f"--resume: {name}.h5 in DIR is {'a symbolic link' if os.path.islink(out) else 'not a file'}"
+                             "; a run writes its traces there as files: remove it, or give another --resume DIR", out)
         if self.o.resume and os.path.isfile(out):
             self._say(f"[{title}] skipped: {out} exists (--resume)")
             self.done.append(out)
@@ -354,10 +358,12 @@ def _snapshot(side: Side, out: str) -> tuple[Any, dict[str, Any], str, str] | No
         cmd = f"python -c {shlex.quote(code)} > {shlex.quote(path)}"
         return weights.checkpoint_from_doc(doc, side.model), cfg, path, cmd
     cfg_path = os.path.join(side.model, "config.json")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
+    from ..errors import TensordiffError
+    from ..safety import read_json_file
+
+    try:   # bounded in size and depth; an unreadable config compares as none
+        cfg = read_json_file(cfg_path, "config.json")
+    except TensordiffError:
         cfg = {}
     return weights.load(side.model), cfg if isinstance(cfg, dict) else {}, side.model, ""
 

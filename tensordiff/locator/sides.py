@@ -15,6 +15,13 @@ from ..errors import UsageError
 __all__ = ["Side", "resolve_side", "check_prompts"]
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+#: a ``module:`` spec longer than this, or with more dotted parts, is refused before the regular
+#: expression runs (importing a module path thousands of packages deep exhausts the import
+#: machinery's recursion, and the one error line would quote all of it)
+MAX_SPEC_CHARS = 512
+MAX_SPEC_PARTS = 64
+#: the prompts file is read whole by the recording: a bound on it, checked before the read
+MAX_PROMPTS_BYTES = 256 << 20
 _ENGINE_RECIPE = ("locate does not run {engine} yet: record the engine side with `TENSORDIFF_ZOOM=layerN "
                   "tensordiff record serve --engine {engine} ...` and graft with TENSORDIFF_GRAFT, as docs/ports.md "
                   "sections 5 and 6 describe, or give locate the engine's trace as {side}")
@@ -45,7 +52,7 @@ def resolve_side(name: str, spec: str, dtype: str | None) -> Side:
         if spec.startswith(f"{engine}:"):
             raise UsageError(_ENGINE_RECIPE.format(engine=engine, side=name))
     if user_module.is_spec(spec):
-        user_module.parse_spec(spec)    # the form only: nothing is imported before the recording
+        check_spec_form(name, spec)     # the form only: nothing is imported before the recording
         return Side(name, spec, "module", spec, dtype)
     if not os.path.exists(spec):
         raise UsageError(f"{name}: no such file or directory (an HF model directory, a trace, or "
@@ -67,6 +74,17 @@ def resolve_side(name: str, spec: str, dtype: str | None) -> Side:
     return Side(name, spec, "trace", model, rec_dtype, trace=os.path.abspath(spec))
 
 
+def check_spec_form(name: str, spec: str) -> None:
+    """A ``module:`` spec's form (its length and parts first, then the pattern); imports nothing."""
+    from ..recorders import user_module
+
+    if len(spec) > MAX_SPEC_CHARS or spec.count(".") + spec.count(":") > MAX_SPEC_PARTS:
+        raise UsageError(f"{name}: a module: spec of {len(spec)} characters and {spec.count('.') + 1} dotted "
+                         f"parts is not {user_module.SPEC_FORM} (at most {MAX_SPEC_CHARS} characters, "
+                         f"{MAX_SPEC_PARTS} parts)")
+    user_module.parse_spec(spec)
+
+
 def _recorded_model(path: str) -> tuple[str | None, str | None]:
     """The model a trace of ``record train`` says it was recorded from (``model.path``), when that
     is still a model directory or a module spec, and its dtype. Any other trace (an engine's, an
@@ -86,10 +104,22 @@ def _recorded_model(path: str) -> tuple[str | None, str | None]:
     where = model.get("path")
     dtype = model.get("dtype")
     dt = dtype if dtype in ("float32", "bfloat16", "float16") else None
-    if by_train and isinstance(where, str) and (where.startswith("module:")
+    if by_train and isinstance(where, str) and (_is_spec_of_form(where)
                                    or os.path.isfile(os.path.join(where, "config.json"))):
         return where, dt
     return None, dt
+
+
+def _is_spec_of_form(where: str) -> bool:
+    """A trace's ``model.path`` is a ``module:`` spec to record again only when it has the form:
+    it comes from a file, and is printed and run as a command."""
+    if not where.startswith("module:"):
+        return False
+    try:
+        check_spec_form("model.path", where)
+    except UsageError:
+        return False
+    return True
 
 
 def check_prompts(path: str) -> int:
@@ -101,6 +131,15 @@ def check_prompts(path: str) -> int:
         def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
             return {"input_ids": [0]}
 
-    if not os.path.isfile(path):
-        raise UsageError("--prompts: no such file", path)
+    import stat
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise UsageError(f"--prompts: {'no such file' if isinstance(e, FileNotFoundError) else e.strerror or e}",
+                         path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError("--prompts: not a regular file (a directory, a FIFO or a device)", path)
+    if st.st_size > MAX_PROMPTS_BYTES:
+        raise UsageError(f"--prompts: {st.st_size} bytes, more than the {MAX_PROMPTS_BYTES} locate reads", path)
     return len(load_prompts(path, _Shape))
