@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 from .align import RowMaps
 from .dtypes import EPS, to_float32
 from .identity import (
+    COS_SLACK,
     EXACT_EPS,
     FLOOR_FACTOR,
     MIN_TOKENS,
@@ -39,12 +40,16 @@ from .identity import (
 from .numerics import row_dots_at
 from .tolerances import coarser, default_tolerance
 from .progress import Progress, Stage
+from .sketch import sketch_np
 from .trace import TensorInfo, TraceSource, gather, read_runs
 from .vocab import parse_label
 
 Codes = NDArray[np.int64]
 BATCH_BYTES = 4 << 20  # candidate rows scored at once (see IdentitySearch.identify)
 CLASS_SAMPLE = 256     # tokens read to tell whether two states are one class
+#: two states' rows at the same tokens (full values or sketches), the per-token scale from the
+#: first to the second (None: the ratio of the rows' norms), the coarser dtype, whether sketched
+_ClassRows = tuple[NDArray[np.float32], NDArray[np.float32], "NDArray[np.float64] | None", str, bool]
 
 
 @dataclass
@@ -119,8 +124,9 @@ class IdentitySearch:
         #: held around every read of the traces (a diff that scores a search in another thread
         #: while its block reader runs sets one lock for both; reads are never concurrent)
         self.read_lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-        #: (label, label) -> whether the two states are one class (equal up to a per-token scale)
-        self._classes: dict[tuple[str, str], bool] = {}
+        #: (label, label) -> the reference side's rows of both states that tell whether they are one
+        #: class (equal up to a per-token scale), judged under the floors when asked
+        self._classes: dict[tuple[str, str], _ClassRows | None] = {}
 
     def _target(self, r: TraceSource, info: TensorInfo, rows: Codes, slot: int, basis: str) -> Target:
         """One slot's rows (full values or sketch), their per-token RMS and their norms."""
@@ -136,35 +142,62 @@ class IdentitySearch:
         clean_data, norms = clean_with_norms(data)
         return Target(clean_data, rms, norms)
 
-    def one_class(self, x: str, y: str) -> bool:
+    def one_class(self, x: str, y: str, exact: bool = False) -> bool:
         """Whether catalog states ``x`` and ``y`` are equal up to a per-token scale on the reference
-        side (A; B where A lacks either), on full values at up to :data:`CLASS_SAMPLE` tokens both
-        have (:func:`tensordiff.identity.one_class`). False without full values of both."""
+        side (A; B where A lacks either), at up to :data:`CLASS_SAMPLE` tokens both have
+        (:func:`tensordiff.identity.one_class`): within rounding, or, where the scale is a rescale
+        (a norm of the other), within the noise floor the search decides under (FLOOR_FACTOR x
+        the larger of the two states' floors :attr:`floor_of` gives now) unless the match in
+        question is ``exact`` (a state matched bit for bit is told apart from any state it is not
+        equal to within rounding). On full values where that side recorded both, else on its
+        sketches rescaled by its recorded RMS (a sketch of c*x is c times the sketch of x; full
+        values of one and a sketch of the other: the values sketched as the trace sketches).
+        False where neither side recorded both."""
         if x == y:
             return True
         key = (min(x, y), max(x, y))
         if key not in self._classes:
-            self._classes[key] = self._one_class(x, y)
-        return self._classes[key]
+            self._classes[key] = self._class_rows(*key)
+        rows = self._classes[key]
+        if rows is None:
+            return False
+        vx, vy, scale, dtype, sketched = rows
+        floor = 0.0 if exact else \
+            FLOOR_FACTOR * max(self.floor_of(x).one_minus_cos, self.floor_of(y).one_minus_cos) + COS_SLACK
+        return one_class(vx, vy, dtype, floor, scale, sketched)
 
-    def _one_class(self, x: str, y: str) -> bool:
+    def _class_rows(self, x: str, y: str) -> _ClassRows | None:
         for cat in (self.cat_a, self.cat_b):
             ix, iy = cat.states.get(x), cat.states.get(y)
-            if ix is None or iy is None or not (ix.has_values and iy.has_values) or ix.width != iy.width:
+            if ix is None or iy is None:
+                continue
+            values = ix.has_values and iy.has_values and ix.slot_width == iy.slot_width
+            if not values and not ((ix.has_sketch or ix.has_values) and (iy.has_sketch or iy.has_values)):
                 continue
             mx, my = self.maps.inverse(cat.side, ix.name), self.maps.inverse(cat.side, iy.name)
             both = np.flatnonzero((mx >= 0) & (my >= 0))
             if len(both) < MIN_TOKENS:
                 continue
             pick = both[np.linspace(0, len(both) - 1, min(len(both), CLASS_SAMPLE)).astype(np.int64)]
-            with self.read_lock:
-                vx = to_float32(read_runs(cat.r, ix.name, "values", np.sort(mx[pick])), ix.dtype)
-                vy = to_float32(read_runs(cat.r, iy.name, "values", np.sort(my[pick])), iy.dtype)
-            # rows in the order of their tokens on both (a side's rows follow its token order)
-            vx = vx[np.argsort(np.argsort(mx[pick]))]
-            vy = vy[np.argsort(np.argsort(my[pick]))]
-            return one_class(vx, vy, coarser(ix.dtype, iy.dtype))
-        return False
+            got = []
+            for info, m in ((ix, mx), (iy, my)):
+                rows = np.sort(m[pick])
+                with self.read_lock:
+                    if values:
+                        data = to_float32(read_runs(cat.r, info.name, "values", rows), info.dtype)[:, :info.slot_width]
+                    elif info.has_sketch:
+                        data = np.asarray(read_runs(cat.r, info.name, "sketch", rows), np.float32)[:, :cat.r.sketch_dim]
+                    else:
+                        raw = to_float32(read_runs(cat.r, info.name, "values", rows), info.dtype)[:, :info.slot_width]
+                        data = sketch_np(raw, info.slot_width, cat.r.sketch_dim, cat.r.sketch_seed)
+                    rms = slot_rms_at(cat.r, info, rows, 0)
+                # rows in the order of their tokens on both (a side's rows follow its token order)
+                back = np.argsort(np.argsort(m[pick]))
+                got.append((data[back], np.asarray(rms, np.float64)[back]))
+            (vx, rx), (vy, ry) = got
+            scale = None if values else ry / np.where(rx > 0, rx, np.nan)
+            return vx, vy, scale, coarser(ix.dtype, iy.dtype), not values
+        return None
 
     def identify(self, side: str, info: TensorInfo, slots: list[int], sample: Codes) -> dict[int, IdentityVerdict]:
         """Which recorded state does each slot of ``info`` (on ``side``) hold at the sampled aligned

@@ -546,21 +546,34 @@ _UNIT = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "b
 CLASS_SHARE = 0.99
 
 
-def one_class(x: Rows, y: Rows, dtype: str) -> bool:
-    """Whether two states' rows at the same tokens are equal up to a per-token scale, within the
-    rounding of ``dtype`` (the coarser of the two) on :data:`CLASS_SHARE` of the tokens: a final
-    norm with unit weights is the last layer rescaled, and such states are one identity (neither
-    may be named for the other). Rows of zero norm are left out; none left: False."""
+def one_class(x: Rows, y: Rows, dtype: str, floor: float = 0.0, scale: NDArray[np.float64] | None = None,
+              sketched: bool = False) -> bool:
+    """Whether two states' rows at the same tokens are equal up to a per-token scale on
+    :data:`CLASS_SHARE` of the tokens: ``y`` against ``x`` rescaled by ``scale`` (per token; None:
+    the ratio of the rows' norms), within the rounding of ``dtype`` (the coarser of the two) or, as
+    1 - cos, within ``floor`` (the resolution the search decides under) where the scale is a
+    rescale (off 1 by over :data:`SCALE_TOL` on most tokens). A final norm is the last layer rescaled per token up to its
+    weight's spread, and such states are one identity (neither may be named for the other). The
+    rows may be full values or sketches (a sketch of c*x is c times the sketch of x, and ``scale``
+    is then the ratio of the recorded RMS; ``sketched`` allows the float32 sum of a sketch, as the
+    search does). Rows of zero norm are left out; none left: False."""
     x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
     nx, ny = np.linalg.norm(x64, axis=1), np.linalg.norm(y64, axis=1)
-    ok = (nx > 0) & (ny > 0) & np.isfinite(nx) & np.isfinite(ny)
+    c = ny / np.where(nx > 0, nx, 1.0) if scale is None else np.asarray(scale, np.float64)
+    ok = (nx > 0) & (ny > 0) & np.isfinite(nx) & np.isfinite(ny) & np.isfinite(c) & (c > 0)
     if not ok.any():
         return False
-    cos = np.clip((x64[ok] * y64[ok]).sum(1) / (nx[ok] * ny[ok]), -1.0, 1.0)
-    # the relative error of the closer rescaled copy: sin of the angle between them
-    rel = np.sqrt(np.maximum(1.0 - cos * cos, 0.0))
-    tol = EXACT_EPS * _UNIT.get(dtype, _UNIT["float32"])
-    return bool((cos > 0).all() and float((rel <= tol).mean()) >= CLASS_SHARE)
+    # the relative error of x rescaled to y: 2 sin(angle / 2) with the norms' ratio
+    rel = np.linalg.norm(y64[ok] - c[ok, None] * x64[ok], axis=1) / ny[ok]
+    tol = EXACT_EPS * _UNIT.get(dtype, _UNIT["float32"]) + (1e-5 if sketched else 0.0)
+    within = rel <= tol
+    # the floor only between states that differ by a rescale (over SCALE_TOL on most tokens: a norm
+    # of the other), whose directions the search cannot tell apart under it; states at one scale
+    # that differ in direction (a layer and the next, a residual of 3e-4 apart) are told apart by
+    # the paired test, below the floor
+    if float(np.median(np.abs(c[ok] - 1.0))) > SCALE_TOL:
+        within |= 0.5 * rel * rel <= floor
+    return bool(float(within.mean()) >= CLASS_SHARE)
 
 
 def pick_basis(count: dict[str, int]) -> str:

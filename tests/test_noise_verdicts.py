@@ -512,3 +512,21 @@ def test_a_unit_weight_final_norm_and_the_last_layer_are_never_named_for_each_ot
         assert not [m for m in said if "final_norm" in m and "layer8" in m], (side, said)
         tensors = {f.tensor for f in res.findings if f.severity == "divergence"}
         assert {"layer8", "final_norm"} <= tensors, (side, tensors)
+
+
+def test_a_last_layer_bug_on_sketches_is_a_divergence_not_a_final_norm_wiring_claim(tr, root):
+    """Decoder layer 7 (the last) perturbed (weights 40% off) on a port whose catalog is kept as
+    sketches only, against the reference as sketches and as full values: layer8 diverges. The
+    final norm of the trained model is layer8 rescaled per token up to its weight's spread (2.5%),
+    closer than the search can tell apart, so B's layer8 matched B's own final_norm better than
+    A's layer8: it read "layer8 on B holds final_norm" (and the mirror) in both orders."""
+    model = trained.variant_model(root, "last_layer", perturb=(7, 0.4))
+    bug = _sketch_only(tr, root, "last_layer_sketch", "float32", model=model)
+    ref = _sketch_only(tr, root, "bf16_sketch", "bfloat16")
+    for reference in (ref, tr["bfloat16"]):
+        for res, side in _orders(reference, bug):
+            assert res.exit_code == 1, (side, res.headline())
+            first = res.first_divergence
+            assert first.tensor == "layer8" and first.kind == "numeric", (side, reference.name, first.message)
+            said = [f.message for f in res.findings if f.kind == "slot_identity" and f.severity != "info"]
+            assert not [m for m in said if "final_norm" in m], (side, reference.name, said)

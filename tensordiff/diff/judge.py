@@ -353,7 +353,7 @@ class _Judge:
         """``v`` with ``label`` for the state it holds where that state and ``label`` are one class
         (equal up to a per-token scale): neither is ever named for the other."""
         if (v is None or label is None or v.outcome not in ("holds", "scaled") or v.best is None or v.best == label
-                or v.offset or not self.search.one_class(v.best, label)):
+                or v.offset or not self.search.one_class(v.best, label, v.evidence.exact)):
             return v
         return replace(v, outcome="holds", best=label, closest=label, scale=None)
 
@@ -365,8 +365,8 @@ class _Judge:
         idt = (self.search.decide(found) if found is not None else self.search.identify("b", ib, [0], sample))[0]
         if idt.outcome not in ("holds", "scaled") or (idt.best == ia.label and idt.outcome == "holds" and not idt.offset):
             return None
-        if not idt.offset and idt.best is not None and self.search.one_class(idt.best, ia.label):
-            return None   # equal up to a per-token scale (a unit-weight norm of it): one identity
+        if not idt.offset and idt.best is not None and self.search.one_class(idt.best, ia.label, idt.evidence.exact):
+            return None   # equal up to a per-token scale (a norm of it) on the reference side: one identity
         return self._token_finding(Kind.SLOT_IDENTITY, ib, None, at, IdentityDetails(
             outcome=idt.outcome, subject=ib.name, boundary_side=self.plan.b.side, held=idt.best, expected=ia.label,
             offset=idt.offset, scale=idt.scale, score=idt.score, margin=idt.margin, runner_up=idt.runner_up,
