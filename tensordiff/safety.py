@@ -43,6 +43,12 @@ def sanitize_for_terminal(s: str, keep: str = "") -> str:
                    for c in s)
 
 
+def quoted(s: str, keep: int = 80) -> str:
+    """``s`` quoted for one error line (``repr``: escapes included), at most ``keep`` characters of
+    it: a value from a file, a flag or the environment may be of any length."""
+    return repr(s) if len(s) <= keep else f"{s[:keep]!r}... ({len(s)} characters)"
+
+
 def sanitize_tree(obj: Any) -> Any:
     """:func:`sanitize_for_terminal` applied to every string (and mapping key) of a plain value."""
     if isinstance(obj, str):
