@@ -375,8 +375,6 @@ def test_triage_sampling_temperature_huge_int(tmp_path, rl_pair):
     assert rc == 2 and "temperature is a number of 400 digits" in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="tensordiff triage prints a fingerprint document's parameter name (a value "
-                                       "from the file) unescaped: triage.py / cli.py _run_triage write t.text() raw")
 def test_triage_escapes_names_from_fingerprints(tmp_path, rl_pair):
     from tensordiff.trace.rl import write_weight_step
 
