@@ -131,6 +131,11 @@ def _read_draft_ids(path: str) -> list[int] | None:
     return ids
 
 
+def _token_ids(ids: list[Any]) -> bool:
+    """Whether every item is a token id a trace's int64 columns hold."""
+    return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 63 for i in ids)
+
+
 def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
     """(key, token ids) per JSONL line; ``tokenizer_loader()`` returns a tokenizer for text lines."""
     try:
@@ -164,9 +169,9 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
             if ids is None:
                 text = obj.get("text", obj.get("prompt"))
         if ids is not None:
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-                raise SourceFileError(f"line {n}: token ids must be a non-empty list of non-negative integers", path)
+            if not isinstance(ids, list) or not ids or not _token_ids(ids):
+                raise SourceFileError(f"line {n}: token ids must be a non-empty list of non-negative integers "
+                                      "(below 2^63)", path)
         elif isinstance(text, str):
             if tok is None:
                 tok = tokenizer_loader()
@@ -203,11 +208,11 @@ def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
     for n, line in enumerate(lines, 1):
         o = parse_json(line, f"line {n}", path)
         ids, outs = (o.get("input_ids"), o.get("output_ids")) if isinstance(o, dict) else (None, None)
-        ok = all(isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
-                 for x in (ids, outs))
-        if not ok or not ids:
+        if not all(isinstance(x, list) for x in (ids, outs)) or not ids:
             raise SourceFileError(f"line {n}: expected {{\"id\", \"input_ids\": [...], \"output_ids\": [...]}} "
                              "as record serve --outputs writes", path)
+        if not (_token_ids(ids) and _token_ids(outs)):
+            raise SourceFileError(f"line {n}: token ids must be integers from 0 to 2^63-1", path)
         out.append((str(o.get("id", f"request-{n - 1}")), list(ids) + list(outs)))
     if not out:
         raise SourceFileError("no requests in the outputs file", path)
