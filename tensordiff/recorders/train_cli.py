@@ -25,11 +25,14 @@ from typing import Any
 
 from .. import conventions
 from ..errors import RecordingError, SourceFileError, TraceFileError, UsageError
-from ..safety import parse_json, read_json_file
+from ..safety import parse_json, read_json_file, read_regular_file_bounded, read_regular_file_head
 
 CONVENTION_CHOICES = conventions.planning_choices()
 #: how ids become states where a draft input is recorded and --convention is not given
 DEFAULT_CONVENTION = "specforge"
+#: a serve run's outputs JSONL is read whole: a bound on it (as locate bounds its prompts)
+MAX_JSONL_BYTES = 256 << 20
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -192,20 +195,10 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
 def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
     """(request id, prompt + generated tokens) of every request a serve run saw: from the JSONL
     ``record serve --outputs`` writes, or from a serve trace's token table."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(8)
-    except OSError as e:
-        raise SourceFileError(f"cannot read the serve run ({e.strerror or e})", path) from None
-    if magic == b"\x89HDF\r\n\x1a\n":
+    if read_regular_file_head(path, 8, "the serve run") == _HDF5_MAGIC:
         return _sequences_of_trace(path)
     out: list[tuple[str, list[int]]] = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [ln for ln in f if ln.strip()]
-    except UnicodeDecodeError:
-        raise SourceFileError("neither a serve trace nor a JSONL outputs file", path) from None
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(_outputs_lines(path), 1):
         o = parse_json(line, f"line {n}", path)
         ids, outs = (o.get("input_ids"), o.get("output_ids")) if isinstance(o, dict) else (None, None)
         if not all(isinstance(x, list) for x in (ids, outs)) or not ids:
@@ -221,19 +214,27 @@ def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
     return out
 
 
+def _outputs_lines(path: str) -> list[str]:
+    """The non-blank lines of an outputs JSONL, read through the bounded regular-file reader (a
+    FIFO or a device is refused, not waited on or read without end)."""
+    raw = read_regular_file_bounded(path, MAX_JSONL_BYTES, "the serve run")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SourceFileError("neither a serve trace nor a JSONL outputs file", path) from None
+    return [ln for ln in text.split("\n") if ln.strip()]
+
+
 def serve_rl_info(path: str) -> tuple[dict | None, dict[str, int]]:
     """What a serve run says about its sampling: the ``sampling`` attribute (None: none, or an
     outputs JSONL) and, per request, the position of its first generated token (the JSONL's prompt
     length; in a trace, one past the first row of its ``sampled_logprob``, else its first decode
     row)."""
-    with open(path, "rb") as f:
-        magic = f.read(8)
-    if magic != b"\x89HDF\r\n\x1a\n":
+    if read_regular_file_head(path, 8, "the serve run") != _HDF5_MAGIC:
         first: dict[str, int] = {}
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(ln for ln in f if ln.strip()):
-                o = parse_json(line, f"line {n + 1}", path)
-                first[str(o.get("id", f"request-{n}"))] = len(o["input_ids"])
+        for n, line in enumerate(_outputs_lines(path)):
+            o = parse_json(line, f"line {n + 1}", path)
+            first[str(o.get("id", f"request-{n}"))] = len(o["input_ids"])
         return None, first
     import numpy as np
 
