@@ -60,6 +60,14 @@ def test_locate_module_spec_form_checked_before_any_import(tmp_path, prompts, sp
     assert len(err) < 1000
 
 
+@pytest.mark.parametrize("spec", ["module:" + "a." * 50_000 + "a:f", "module:" + "a" * 100_000 + ":f"],
+                         ids=["deep_dotted", "huge"])
+def test_record_train_module_spec_bounded(tmp_path, prompts, spec):
+    err = refused(["record", "train", "--model", spec, "--prompts", prompts, "--out", tmp_path / "o.h5"],
+                  "at most 512 characters")
+    assert len(err) < 1000
+
+
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory", "missing"])
 def test_locate_prompts_not_a_regular_file(tmp_path, kind):
     path = {"dev_zero": "/dev/zero", "directory": str(tmp_path), "missing": str(tmp_path / "nope")}.get(kind)
