@@ -191,6 +191,19 @@ def test_zoom_spec_crafted(spec):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("spec", ["x" * 100_000, "layer" + "\x1b" * 100_000], ids=["huge", "huge_escapes"])
+def test_zoom_spec_quoted_bounded(spec):
+    """A huge --zoom or TENSORDIFF_ZOOM is quoted in part (its length said), not whole."""
+    from tensordiff import names
+    from tensordiff.recorders.sglang.config import _zoom
+
+    for parse in (names.parse_zoom, lambda s: _zoom({"TENSORDIFF_ZOOM": s})):
+        with pytest.raises(ValueError) as e:
+            parse(spec)
+        msg = str(e.value)
+        assert len(msg) < 1500 and "characters)" in msg and "\x1b" not in msg, msg[:300]
+
+
 def _graft_error(spec: str) -> str:
     from tensordiff.recorders.graft_source import open_graft_source
 
