@@ -91,7 +91,8 @@ def read_sampling(reader: Any) -> dict[str, Any] | None:
         raise TraceFileError(f"the sampling attribute's temperature is {shown}, expected a finite number >= 0")
     mode = v.get("logprobs_mode")
     if mode is not None and mode not in LOGPROBS_MODES:
-        raise TraceFileError(f"the sampling attribute's logprobs_mode is {mode!r}, expected one of {LOGPROBS_MODES}")
+        shown = quoted(mode) if isinstance(mode, str) else f"a JSON {type(mode).__name__}"
+        raise TraceFileError(f"the sampling attribute's logprobs_mode is {shown}, expected one of {LOGPROBS_MODES}")
     per = v.get("per_sequence")
     if per is not None and not (isinstance(per, dict) and all(isinstance(x, dict) for x in per.values())):
         raise TraceFileError("the sampling attribute's per_sequence is not an object of objects")
@@ -191,10 +192,10 @@ def read_weight_steps(reader: Any) -> list[WeightStep]:
 
 
 def _read_step(g: Any, name: str) -> WeightStep:
-    where = f"/weights/{name}"
     m = _STEP.fullmatch(name)
-    if m is None:
-        raise TraceFileError(f"{where}: a weight step is named step_<k>")
+    if m is None:   # the name is the file's, of any length: quoted in part, the reason kept
+        raise TraceFileError(f"/weights: a weight step is named step_<k> (k of at most 9 digits), not {quoted(name)}")
+    where = f"/weights/{name}"
     sg = follow(g, name, where)
     if not isinstance(sg, h5py.Group):
         raise TraceFileError(f"{where} is not a group")
