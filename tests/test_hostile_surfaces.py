@@ -483,6 +483,22 @@ def test_replay_outputs_token_id_past_int64(tmp_path, rollout):
     assert got.startswith("clean: ") and "2^63" in got, got
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "huge_line"])
+def test_record_train_prompts_bounded(tmp_path, kind):
+    """``record train --prompts`` (and --from-serve's outputs file) read through the bounded
+    regular-file reader, one line at most MAX_JSONL_LINE_CHARS before it is parsed."""
+    from tensordiff.recorders.train_cli import MAX_JSONL_LINE_CHARS, load_prompts
+
+    path = {"dev_zero": "/dev/zero"}.get(kind, str(tmp_path / kind))
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge_line":
+        n = MAX_JSONL_LINE_CHARS // 3 + 1
+        open(path, "w").write('{"input_ids": [1]}\n{"input_ids": [' + "1, " * n + "1]}\n")
+    got = _outcome(lambda: load_prompts(path, lambda: None))
+    assert got.startswith("clean: ") and ("not a regular file" if kind != "huge_line" else "line 2: ") in got, got[:300]
+
+
 @pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
 def test_replay_outputs_fifo(tmp_path, rollout, kind):
     from tensordiff.recorders.replay import plan_replay
