@@ -291,7 +291,11 @@ def _run_triage(args) -> int:
         if args.json:
             _print_json(t.to_dict())
         else:
-            sys.stdout.write(t.text() + "\n")
+            from .safety import sanitize_for_terminal
+
+            # its lines quote parameter names and sequence keys from the traces: escaped here, where
+            # they reach the terminal (the JSON keeps the real values)
+            sys.stdout.write(sanitize_for_terminal(t.text(), keep="\n") + "\n")
         sys.stdout.flush()
     except BrokenPipeError:
         _stdout_to_devnull()

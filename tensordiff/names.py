@@ -123,7 +123,9 @@ def parse_zoom(spec: str) -> int:
         return layer_number(m.group(1), "--zoom layer")
     if s.isascii() and s.isdigit():
         return layer_number(s, "--zoom layer")
-    raise ValueError(f"--zoom takes a decoder layer: layer<b> or <b>, not {spec!r}")
+    from .safety import quoted
+
+    raise ValueError(f"--zoom takes a decoder layer: layer<b> or <b>, not {quoted(spec)}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,6 +43,12 @@ def sanitize_for_terminal(s: str, keep: str = "") -> str:
                    for c in s)
 
 
+def quoted(s: str, keep: int = 80) -> str:
+    """``s`` quoted for one error line (``repr``: escapes included), at most ``keep`` characters of
+    it: a value from a file, a flag or the environment may be of any length."""
+    return repr(s) if len(s) <= keep else f"{s[:keep]!r}... ({len(s)} characters)"
+
+
 def sanitize_tree(obj: Any) -> Any:
     """:func:`sanitize_for_terminal` applied to every string (and mapping key) of a plain value."""
     if isinstance(obj, str):
@@ -122,11 +128,9 @@ _KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character de
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
 
-def read_regular_file_bounded(path: str | os.PathLike[str], limit: int, what: str = "file") -> bytes:
-    """The bytes of ``path`` when it is a regular file of at most ``limit`` bytes; else
-    :class:`~tensordiff.errors.SourceFileError` with one line. One descriptor, opened without
-    blocking (a FIFO swapped in after the check cannot block the read either)."""
-    p = os.fspath(path)
+def _open_regular(p: str, what: str) -> tuple[int, os.stat_result]:
+    """A descriptor of ``p`` opened without blocking, and its stat, when it is a regular file;
+    else :class:`~tensordiff.errors.SourceFileError` with one line."""
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -142,6 +146,19 @@ def read_regular_file_bounded(path: str | os.PathLike[str], limit: int, what: st
         if not stat.S_ISREG(st.st_mode):
             kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
             raise SourceFileError(f"{what}: is {kind}, not a regular file", p)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_regular_file_bounded(path: str | os.PathLike[str], limit: int, what: str = "file") -> bytes:
+    """The bytes of ``path`` when it is a regular file of at most ``limit`` bytes; else
+    :class:`~tensordiff.errors.SourceFileError` with one line. One descriptor, opened without
+    blocking (a FIFO swapped in after the check cannot block the read either)."""
+    p = os.fspath(path)
+    fd, st = _open_regular(p, what)
+    try:
         if st.st_size > limit:
             raise SourceFileError(f"{what}: {st.st_size} bytes, more than the {limit} this command reads", p)
         chunks, total = [], 0
@@ -154,6 +171,19 @@ def read_regular_file_bounded(path: str | os.PathLike[str], limit: int, what: st
             if total > limit:
                 raise SourceFileError(f"{what}: more than the {limit} bytes this command reads (it is still growing)", p)
         return b"".join(chunks)
+    except OSError as e:
+        raise SourceFileError(f"{what}: cannot read ({e.strerror or e})", p) from None
+    finally:
+        os.close(fd)
+
+
+def read_regular_file_head(path: str | os.PathLike[str], n: int, what: str = "file") -> bytes:
+    """The first ``n`` bytes (fewer in a shorter file) of ``path`` when it is a regular file, as
+    :func:`read_regular_file_bounded` checks it: a file's magic, read before choosing its reader."""
+    p = os.fspath(path)
+    fd, _ = _open_regular(p, what)
+    try:
+        return os.read(fd, n)
     except OSError as e:
         raise SourceFileError(f"{what}: cannot read ({e.strerror or e})", p) from None
     finally:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import names as canon
+from ..safety import quoted
 
 __all__ = ["GraftSource", "open_graft_source"]
 
@@ -29,11 +30,6 @@ class GraftSource:
         self.reader.close()
 
 
-def _quoted(s: str, keep: int = 80) -> str:
-    """``s`` quoted for one error line: a spec is the user's or an environment's, of any length."""
-    return repr(s) if len(s) <= keep else f"{s[:keep]!r}... ({len(s)} characters)"
-
-
 def open_graft_source(spec: str, flag: str = "--graft") -> GraftSource:
     """``OTHER.h5:STATE`` opened and checked; a ValueError of one line (starting with ``flag``)
     says what is wrong."""
@@ -41,10 +37,10 @@ def open_graft_source(spec: str, flag: str = "--graft") -> GraftSource:
 
     path, sep, state = spec.rpartition(":")
     if not sep or not path or not state:
-        raise ValueError(f"{flag} takes OTHER.h5:STATE, not {_quoted(spec)}")
+        raise ValueError(f"{flag} takes OTHER.h5:STATE, not {quoted(spec)}")
     st = canon.maybe_state(state)
     if st is None:
-        raise ValueError(f"{flag}: {_quoted(state)} is not a state name (embed, layer<b>, final_norm or layer<b>.<tap>)")
+        raise ValueError(f"{flag}: {quoted(state)} is not a state name (embed, layer<b>, final_norm or layer<b>.<tap>)")
     try:
         r = TraceReader(path)
     except Exception as e:   # any reason the file does not open: one line

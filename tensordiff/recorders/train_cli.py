@@ -25,11 +25,16 @@ from typing import Any
 
 from .. import conventions
 from ..errors import RecordingError, SourceFileError, TraceFileError, UsageError
-from ..safety import parse_json, read_json_file
+from ..safety import parse_json, read_json_file, read_regular_file_bounded, read_regular_file_head
 
 CONVENTION_CHOICES = conventions.planning_choices()
 #: how ids become states where a draft input is recorded and --convention is not given
 DEFAULT_CONVENTION = "specforge"
+#: a prompts file or a serve run's outputs JSONL is read whole: a bound on it (locate's for its
+#: prompts), and on one line of it (a prompt of a million token ids is about 8 MB of JSON)
+MAX_JSONL_BYTES = 256 << 20
+MAX_JSONL_LINE_CHARS = 16 << 20
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,21 +136,35 @@ def _read_draft_ids(path: str) -> list[int] | None:
     return ids
 
 
+def _jsonl_lines(path: str, what: str, not_text: str) -> list[tuple[int, str]]:
+    """(line number, line) of each non-blank line of a JSONL file, read through the bounded
+    regular-file reader (a FIFO or a device is refused, not waited on or read without end), each
+    line bounded before it is parsed."""
+    raw = read_regular_file_bounded(path, MAX_JSONL_BYTES, what)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SourceFileError(not_text, path) from None
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if len(line) > MAX_JSONL_LINE_CHARS:
+            raise SourceFileError(f"line {n}: {len(line)} characters, more than the {MAX_JSONL_LINE_CHARS} "
+                                  "a line may hold", path)
+        if line.strip():
+            out.append((n, line.strip()))
+    return out
+
+
+def _token_ids(ids: list[Any]) -> bool:
+    """Whether every item is a token id a trace's int64 columns hold."""
+    return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 63 for i in ids)
+
+
 def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
     """(key, token ids) per JSONL line; ``tokenizer_loader()`` returns a tokenizer for text lines."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = list(f)
-    except OSError as e:
-        raise SourceFileError(f"cannot read prompts ({e.strerror or e})", path) from None
-    except UnicodeDecodeError:
-        raise SourceFileError("prompts file is not UTF-8 text", path) from None
     out: list[tuple[str, list[int]]] = []
     tok = None
-    for n, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line:
-            continue
+    for n, line in _jsonl_lines(path, "prompts file", "prompts file is not UTF-8 text"):
         obj = parse_json(line, f"line {n}", path)
         key = f"prompt-{len(out)}"
         text = None
@@ -164,9 +183,9 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
             if ids is None:
                 text = obj.get("text", obj.get("prompt"))
         if ids is not None:
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-                raise SourceFileError(f"line {n}: token ids must be a non-empty list of non-negative integers", path)
+            if not isinstance(ids, list) or not ids or not _token_ids(ids):
+                raise SourceFileError(f"line {n}: token ids must be a non-empty list of non-negative integers "
+                                      "(below 2^63)", path)
         elif isinstance(text, str):
             if tok is None:
                 tok = tokenizer_loader()
@@ -187,28 +206,18 @@ def load_prompts(path: str, tokenizer_loader) -> list[tuple[str, list[int]]]:
 def load_serve_sequences(path: str) -> list[tuple[str, list[int]]]:
     """(request id, prompt + generated tokens) of every request a serve run saw: from the JSONL
     ``record serve --outputs`` writes, or from a serve trace's token table."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(8)
-    except OSError as e:
-        raise SourceFileError(f"cannot read the serve run ({e.strerror or e})", path) from None
-    if magic == b"\x89HDF\r\n\x1a\n":
+    if read_regular_file_head(path, 8, "the serve run") == _HDF5_MAGIC:
         return _sequences_of_trace(path)
     out: list[tuple[str, list[int]]] = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [ln for ln in f if ln.strip()]
-    except UnicodeDecodeError:
-        raise SourceFileError("neither a serve trace nor a JSONL outputs file", path) from None
-    for n, line in enumerate(lines, 1):
+    for i, (n, line) in enumerate(_jsonl_lines(path, "the serve run", "neither a serve trace nor a JSONL outputs file")):
         o = parse_json(line, f"line {n}", path)
         ids, outs = (o.get("input_ids"), o.get("output_ids")) if isinstance(o, dict) else (None, None)
-        ok = all(isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
-                 for x in (ids, outs))
-        if not ok or not ids:
+        if not all(isinstance(x, list) for x in (ids, outs)) or not ids:
             raise SourceFileError(f"line {n}: expected {{\"id\", \"input_ids\": [...], \"output_ids\": [...]}} "
                              "as record serve --outputs writes", path)
-        out.append((str(o.get("id", f"request-{n - 1}")), list(ids) + list(outs)))
+        if not (_token_ids(ids) and _token_ids(outs)):
+            raise SourceFileError(f"line {n}: token ids must be integers from 0 to 2^63-1", path)
+        out.append((str(o.get("id", f"request-{i}")), list(ids) + list(outs)))
     if not out:
         raise SourceFileError("no requests in the outputs file", path)
     if len({k for k, _ in out}) != len(out):
@@ -221,14 +230,11 @@ def serve_rl_info(path: str) -> tuple[dict | None, dict[str, int]]:
     outputs JSONL) and, per request, the position of its first generated token (the JSONL's prompt
     length; in a trace, one past the first row of its ``sampled_logprob``, else its first decode
     row)."""
-    with open(path, "rb") as f:
-        magic = f.read(8)
-    if magic != b"\x89HDF\r\n\x1a\n":
+    if read_regular_file_head(path, 8, "the serve run") != _HDF5_MAGIC:
         first: dict[str, int] = {}
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(ln for ln in f if ln.strip()):
-                o = parse_json(line, f"line {n + 1}", path)
-                first[str(o.get("id", f"request-{n}"))] = len(o["input_ids"])
+        for i, (n, line) in enumerate(_jsonl_lines(path, "the serve run", "not a JSONL outputs file")):
+            o = parse_json(line, f"line {n}", path)
+            first[str(o.get("id", f"request-{i}"))] = len(o["input_ids"])
         return None, first
     import numpy as np
 

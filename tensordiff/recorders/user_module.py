@@ -23,6 +23,11 @@ PREFIX = "module:"
 SPEC_FORM = "module:pkg.mod:factory"
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _SPEC_RE = re.compile(rf"^module:({_IDENT}(?:\.{_IDENT})*):({_IDENT}(?:\.{_IDENT})*)$")
+#: a spec longer than this, or with more dotted parts, is refused before the regular expression
+#: runs (importing a module path thousands of packages deep exhausts the import machinery's
+#: recursion, and the one error line would quote all of it)
+MAX_SPEC_CHARS = 512
+MAX_SPEC_PARTS = 64
 
 
 def is_spec(s: str) -> bool:
@@ -32,6 +37,10 @@ def is_spec(s: str) -> bool:
 def parse_spec(spec: str) -> tuple[str, str]:
     """(module path, attribute path) of ``module:pkg.mod:factory``; a UsageError of one line
     otherwise. Imports nothing."""
+    parts = spec.count(".") + spec.count(":")
+    if len(spec) > MAX_SPEC_CHARS or parts > MAX_SPEC_PARTS:
+        raise UsageError(f"a module: spec of {len(spec)} characters and {spec.count('.') + 1} dotted parts is not "
+                         f"{SPEC_FORM} (at most {MAX_SPEC_CHARS} characters, {MAX_SPEC_PARTS} parts)")
     m = _SPEC_RE.match(spec)
     if m is None:
         raise UsageError(f"{spec!r} is not {SPEC_FORM} (a dotted module path, a colon, the name of a callable "

@@ -31,7 +31,7 @@ import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
 
 from ..errors import TraceFileError
-from ..safety import parse_json
+from ..safety import parse_json, quoted
 from .validate import attr_int, attr_json, attr_str, follow
 
 SAMPLING_ATTR = "sampling"
@@ -85,15 +85,30 @@ def read_sampling(reader: Any) -> dict[str, Any] | None:
     if not isinstance(v, dict):
         raise TraceFileError("the sampling attribute is not a JSON object")
     t = v.get("temperature")
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0):
-        raise TraceFileError(f"the sampling attribute's temperature is {t!r}, expected a number >= 0")
+    if t is not None and not _finite_non_negative(t):
+        shown = (quoted(t) if isinstance(t, str) else repr(t) if isinstance(t, (int, float)) and len(repr(t)) <= 80
+                 else f"a number of {len(repr(t))} digits" if isinstance(t, int) else f"a JSON {type(t).__name__}")
+        raise TraceFileError(f"the sampling attribute's temperature is {shown}, expected a finite number >= 0")
     mode = v.get("logprobs_mode")
     if mode is not None and mode not in LOGPROBS_MODES:
-        raise TraceFileError(f"the sampling attribute's logprobs_mode is {mode!r}, expected one of {LOGPROBS_MODES}")
+        shown = quoted(mode) if isinstance(mode, str) else f"a JSON {type(mode).__name__}"
+        raise TraceFileError(f"the sampling attribute's logprobs_mode is {shown}, expected one of {LOGPROBS_MODES}")
     per = v.get("per_sequence")
     if per is not None and not (isinstance(per, dict) and all(isinstance(x, dict) for x in per.values())):
         raise TraceFileError("the sampling attribute's per_sequence is not an object of objects")
     return v
+
+
+def _finite_non_negative(v: Any) -> bool:
+    """A number a float holds, finite and >= 0 (an integer of 400 digits is not one: ``float``
+    of it overflows)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        f = float(v)
+    except OverflowError:
+        return False
+    return math.isfinite(f) and f >= 0
 
 
 def sampling_for(sampling: dict[str, Any] | None, sequence: str) -> dict[str, Any] | None:
@@ -177,10 +192,10 @@ def read_weight_steps(reader: Any) -> list[WeightStep]:
 
 
 def _read_step(g: Any, name: str) -> WeightStep:
-    where = f"/weights/{name}"
     m = _STEP.fullmatch(name)
-    if m is None:
-        raise TraceFileError(f"{where}: a weight step is named step_<k>")
+    if m is None:   # the name is the file's, of any length: quoted in part, the reason kept
+        raise TraceFileError(f"/weights: a weight step is named step_<k> (k of at most 9 digits), not {quoted(name)}")
+    where = f"/weights/{name}"
     sg = follow(g, name, where)
     if not isinstance(sg, h5py.Group):
         raise TraceFileError(f"{where} is not a group")

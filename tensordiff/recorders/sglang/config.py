@@ -130,4 +130,6 @@ def _zoom(env) -> int | None:
     try:
         return parse_zoom(v)
     except ValueError as e:
-        raise ValueError(f"TENSORDIFF_ZOOM={v!r}: {e}") from None
+        from ...safety import quoted
+
+        raise ValueError(f"TENSORDIFF_ZOOM={quoted(v)}: {e}") from None
