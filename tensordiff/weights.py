@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import zlib
@@ -166,7 +167,10 @@ def _files(path: str) -> list[str]:
 
 
 def read_safetensors(path: str) -> Iterator[tuple[str, str, np.ndarray]]:
-    """(name, dtype name, values as stored) of every tensor of one safetensors file (memory-mapped)."""
+    """(name, dtype name, values as stored) of every tensor of one safetensors file, read one
+    tensor at a time. Read, not memory-mapped: a file cut short while it is read (another process
+    still writing or replacing it) is then a short read and one line, where a mapping would kill
+    the process with SIGBUS at the first page past the new end."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -176,26 +180,29 @@ def read_safetensors(path: str) -> Iterator[tuple[str, str, np.ndarray]]:
         if n < 2 or n > MAX_HEADER or 8 + n > size:
             raise SourceFileError("not a safetensors file (bad header length)", path)
         header = parse_json(f.read(n), "the safetensors header", path)
-    if not isinstance(header, dict):
-        raise SourceFileError("not a safetensors file (header is not an object)", path)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(size - 8 - n,)) if size > 8 + n else None
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dt, shape, (s, e) = spec["dtype"], [int(x) for x in spec["shape"]], spec["data_offsets"]
-            s, e = int(s), int(e)
-        except (KeyError, TypeError, ValueError):
-            raise SourceFileError(f"tensor {name!r}: bad header entry", path) from None
-        if dt not in _DTYPES:
-            raise SourceFileError(f"tensor {name!r}: unsupported dtype {dt!r}", path)
-        np_dt = np.dtype(_DTYPES[dt])
-        count = int(np.prod(shape)) if shape else 1
-        if any(x < 0 for x in shape) or not 0 <= s <= e or e - s != count * np_dt.itemsize or \
-                (data is None and e > 0) or (data is not None and e > data.size):
-            raise SourceFileError(f"tensor {name!r}: offsets or shape outside the file", path)
-        raw = data[s:e] if data is not None else np.zeros(0, np.uint8)
-        yield name, _DTYPE_NAMES[dt], raw.view(np_dt).reshape(shape)
+        if not isinstance(header, dict):
+            raise SourceFileError("not a safetensors file (header is not an object)", path)
+        avail = size - 8 - n
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dt, shape, (s, e) = spec["dtype"], [int(x) for x in spec["shape"]], spec["data_offsets"]
+                s, e = int(s), int(e)
+            except (KeyError, TypeError, ValueError):
+                raise SourceFileError(f"tensor {name!r}: bad header entry", path) from None
+            if dt not in _DTYPES:
+                raise SourceFileError(f"tensor {name!r}: unsupported dtype {dt!r}", path)
+            np_dt = np.dtype(_DTYPES[dt])
+            count = math.prod(shape)   # exact: a crafted shape past 2**64 must not wrap
+            if any(x < 0 for x in shape) or not 0 <= s <= e or e - s != count * np_dt.itemsize or e > avail:
+                raise SourceFileError(f"tensor {name!r}: offsets or shape outside the file", path)
+            raw = np.empty(e - s, np.uint8)
+            f.seek(8 + n + s)
+            got = f.readinto(memoryview(raw)) if e > s else 0
+            if got != e - s:
+                raise SourceFileError(f"tensor {name!r}: the file was cut short while it was read", path)
+            yield name, _DTYPE_NAMES[dt], raw.view(np_dt).reshape(shape)
 
 
 def _config(path: str) -> dict[str, Any]:

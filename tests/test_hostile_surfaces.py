@@ -543,3 +543,22 @@ def test_weights_crafted_safetensors_header(tmp_path, kind, header, length, says
     rc, out, err = run_isolated(["weights", p, p], timeout=60)
     assert_clean_exit(rc, out, err, kind)
     assert rc == 2 and says in err and "\x1b" not in err, err
+
+
+def test_weights_file_cut_short_while_it_is_read(tmp_path):
+    """A checkpoint truncated between two tensors of one read (another process replacing it):
+    the next tensor is a short read and one clean error, never SIGBUS (the file is read, not
+    memory-mapped)."""
+    from tensordiff.errors import SourceFileError
+    from tensordiff.weights import read_safetensors
+
+    header = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                         "b": {"dtype": "F32", "shape": [4096], "data_offsets": [16, 16 + 4 * 4096]}}).encode()
+    p = _safetensors(tmp_path / "model.safetensors", header, data=b"\1" * (16 + 4 * 4096))
+    it = read_safetensors(p)
+    name, _, first = next(it)
+    assert name == "a" and first.shape == (4,)
+    with open(p, "r+b") as f:   # cut inside the second tensor's bytes
+        f.truncate(8 + len(header) + 16 + 100)
+    with pytest.raises(SourceFileError, match="cut short while it was read"):
+        next(it)
