@@ -199,7 +199,7 @@ def read_safetensors(path: str) -> Iterator[tuple[str, str, np.ndarray]]:
                 raise SourceFileError(f"tensor {name!r}: offsets or shape outside the file", path)
             raw = np.empty(e - s, np.uint8)
             f.seek(8 + n + s)
-            got = f.readinto(memoryview(raw)) if e > s else 0
+            got = f.readinto(raw.data) if e > s else 0
             if got != e - s:
                 raise SourceFileError(f"tensor {name!r}: the file was cut short while it was read", path)
             yield name, _DTYPE_NAMES[dt], raw.view(np_dt).reshape(shape)
