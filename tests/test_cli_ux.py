@@ -279,7 +279,9 @@ def test_text_report_at_80_columns(pairs):
     rc, out, _ = run_isolated(["diff", a, wrong], env={"COLUMNS": "80"})
     assert rc == 1
     lines = out.splitlines()
-    assert all(len(x.rstrip()) <= 80 for x in lines), [x for x in lines if len(x.rstrip()) > 80]
+    # into a pipe the headline is its first line whole (what `| head -1` reads); the rest fits
+    assert lines[0] == "train feeds draft_input [layer1, layer2], serve feeds [layer2, layer3]; the draft was trained on train's"
+    assert all(len(x.rstrip()) <= 80 for x in lines[1:]), [x for x in lines[1:] if len(x.rstrip()) > 80]
     assert "…" not in out                                   # nothing cut
     flat = " ".join(out.split())
     assert "train claims layer1, holds layer1; serve claims layer2, holds layer2 (serve score" in flat   # in full

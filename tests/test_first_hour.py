@@ -487,9 +487,14 @@ def test_readme_quickstart_runs_as_written_and_names_the_op(tmp_path):
         outs.append(p)
         assert p.returncode in (0, 1) and "Traceback" not in p.stderr, (cmd, p.stdout[-2000:], p.stderr[-2000:])
     diff, zoom = outs[2], outs[4]
-    assert diff.returncode == 1 and diff.stdout.startswith("layer1 diverges at token 32"), diff.stdout[:600]
+    # the recorded configs differ in a way that explains the first divergence: that comes first
+    head = diff.stdout.split("\n", 1)[0]
+    assert diff.returncode == 1 and head.startswith("rope_theta is 10000 on A and 500000 on B: the models' recorded "
+                                                    "configs differ"), diff.stdout[:600]
+    assert "layer1 diverges at token 32" in head, diff.stdout[:600]
     assert zoom.returncode == 1, zoom.stdout[:600]
     diff_out = zoom.stdout[zoom.stdout.find("\n", zoom.stdout.index("catalog:")) + 1:]   # after record's lines
     first = " ".join(diff_out.split("\nverdict:", 1)[0].split())
     assert first.startswith("layer0.q_rope is the first op out of the noise in layer 0: a rotary difference"), first
-    assert "look at rope theta: A 1e+04, B 5e+05" in first, first
+    assert "look at the models' configs: rope_theta is 10000 on A and 500000 on B" in first, first
+    assert "rope theta: A 1e+04, B 5e+05 (each reproduces its side" in first, first

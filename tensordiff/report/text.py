@@ -170,7 +170,9 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
     res = DiffResult.from_dict(sanitize_tree(res.to_dict()))  # strings from the files made safe to print
     first = res.first_divergence
     style = "bold red" if first else ("bold green" if res.verdict == "agree" else "bold yellow")
-    console.print(Text(res.headline(), style=style))
+    # into a pipe or a file the headline is one line whatever the width: the first line is what
+    # `| head -1` and CI logs read; on a terminal it wraps by words like the rest
+    console.print(Text(res.headline(), style=style), soft_wrap=not console.is_terminal)
     named = (res.side_a, res.side_b) == ("A", "B")   # two traces of one side, named apart
     console.print(f"verdict: {res.verdict.upper()} (exit {res.exit_code}); {res.compared} of {len(res.pairs)} tensors "
                   f"compared  A={res.path_a}{'' if named else f' [{res.side_a}]'}  "
