@@ -26,19 +26,7 @@ pytestmark = pytest.mark.torch
 
 
 def _variant(root, name, edit=None, config=None):
-    """A copy of the trained target with ``edit(model)`` applied to its weights and/or ``config``."""
-    out = root / name
-    if out.exists():
-        return out
-    m = trained.load_target()
-    if edit is not None:
-        with torch.no_grad():
-            edit(m)
-    for k, v in (config or {}).items():
-        setattr(m.config, k, v)
-    m.save_pretrained(out)
-    (out / "generation_config.json").unlink(missing_ok=True)
-    return out
+    return trained.edited_target(root, name, edit, config)
 
 
 def _permute_q_heads_layer2(m):

@@ -23,22 +23,7 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 
 def _variant(root, name, edit=None, config=None):
-    """A copy of the trained target with ``edit(model)`` applied to its weights and/or ``config``."""
-    out = root / name
-    if out.exists():
-        return out
-    m = trained.load_target()
-    if edit is not None:
-        with torch.no_grad():
-            edit(m)
-    if config:
-        for k, v in config.items():
-            setattr(m.config, k, v)
-    m.save_pretrained(out)
-    gen = out / "generation_config.json"
-    if gen.exists():
-        gen.unlink()
-    return out
+    return trained.edited_target(root, name, edit, config)
 
 
 def _swap_gate_up(m):

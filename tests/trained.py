@@ -264,3 +264,22 @@ def mid_states(dtype=None) -> dict[str, np.ndarray]:
         for h in hooks:
             h.remove()
     return {k: v.double().reshape(-1, v.shape[-1]).numpy() for k, v in got.items()}
+
+
+def edited_target(root: str | Path, name: str, edit=None, config: dict | None = None) -> Path:
+    """A copy of the trained target under ``root/name`` with ``edit(model)`` applied to its weights
+    (under no_grad) and/or ``config`` attributes set on its config, saved as an HF directory."""
+    import torch
+
+    out = Path(root) / name
+    if out.exists():
+        return out
+    m = load_target()
+    if edit is not None:
+        with torch.no_grad():
+            edit(m)
+    for k, v in (config or {}).items():
+        setattr(m.config, k, v)
+    m.save_pretrained(out)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    return out
