@@ -81,16 +81,22 @@ def test_norm_before_packing_is_found_at_cos_one(tr, root):
         assert "rescaled per token" in f.message and "RMS ratio" in f.message, (side, f.message)
 
 
-def test_mid_layer_state_is_no_recorded_state(tr, root):
-    """Slot 0 holds layer3 plus part of layer 3's attention output: 2% from layer3, ~4x its bf16
-    noise at that depth, equal to no recorded state. It read "agree"."""
-    src = tr["bfloat16"]
+def _layer3_toward_attn3(src):
+    """layer3 at draft_input's tokens, layer 3's attention output there, and the factor that
+    moves layer3 2% (median) toward it: a state equal to no recorded one."""
     seq, pos = trained.token_keys(src, "draft_input")
     attn = trained.mid_states()["attn3"]
     idx, _ = _catalog(src, "layer3")
     extra = attn[[idx[(int(a), int(b))] for a, b in zip(seq, pos)]]
     base = _at(src, "layer3", seq, pos)
-    f = 0.02 / np.median(np.linalg.norm(extra, axis=1) / np.linalg.norm(base, axis=1))
+    return base, extra, 0.02 / np.median(np.linalg.norm(extra, axis=1) / np.linalg.norm(base, axis=1))
+
+
+def test_mid_layer_state_is_no_recorded_state(tr, root):
+    """Slot 0 holds layer3 plus part of layer 3's attention output: 2% from layer3, ~4x its bf16
+    noise at that depth, equal to no recorded state. It read "agree"."""
+    src = tr["bfloat16"]
+    base, extra, f = _layer3_toward_attn3(src)
 
     def mix(v, s, p):
         v[:, :H] = base + f * extra
@@ -458,12 +464,7 @@ def test_a_shallow_slot_far_above_its_deeper_siblings_leaves_the_trend(tr, root)
     its deeper siblings', which honest noise (growing with depth) never shows. It read "agree"
     against the physical default (bf16 vs bf16 allows a median of 3.3% at that depth)."""
     src = tr["bfloat16"]
-    seq, pos = trained.token_keys(src, "draft_input")
-    attn = trained.mid_states()["attn3"]
-    idx, _ = _catalog(src, "layer3")
-    extra = attn[[idx[(int(a), int(b))] for a, b in zip(seq, pos)]]
-    base = _at(src, "layer3", seq, pos)
-    f = 0.02 / np.median(np.linalg.norm(extra, axis=1) / np.linalg.norm(base, axis=1))
+    base, extra, f = _layer3_toward_attn3(src)
     rng = np.random.default_rng(11)
 
     def kernels(v, s, p):
@@ -474,7 +475,7 @@ def test_a_shallow_slot_far_above_its_deeper_siblings_leaves_the_trend(tr, root)
         return v
 
     def mix(v, s, p):
-        v[:, :H] += base + f * extra - _at(src, "layer3", seq, pos)
+        v[:, :H] += f * extra   # layer3 as B's kernels left it, moved 2% toward attn3
         return v
 
     keep = ("draft_input",)
