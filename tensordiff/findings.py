@@ -368,9 +368,11 @@ def _numeric(f: Finding, d: NumericDetails) -> str:
     if d.part == "rescaled" and d.value is not None and d.limit is not None:
         lv, ll = separated(d.value, d.limit)
         held = "is" if d.subject == d.state else f"holds {state}"
+        # a packed slot may have been normalised on its way into the pack; a state of its own was not packed
+        hint = ": a norm applied before packing?" if f.slot is not None else ""
         return (f"{d.subject} {held} rescaled per token (RMS ratio {d.ratio_lo or 0:.2f}-{d.ratio_hi or 0:.2f} "
                 f"over {d.tokens} tokens; spread of log ratio {lv} > {ll} allowed ({src}), while the direction "
-                f"agrees: a norm applied before packing?){on}{tail}")
+                f"agrees{hint}){on}{tail}")
     if d.part == "level" and d.value is not None and d.limit is not None:
         lv, ll = separated(d.value, d.limit)
         return (f"{d.subject} diverges from {where_token(f)} on: median rel err {lv} > {ll} allowed ({src}) "

@@ -622,12 +622,7 @@ def _layer_info(a: TraceSource, b: TraceSource, plan: Any, res: DiffResult, f: F
         prof = position_profile(a, b, plan.maps, plan.alignment.code_a, pair.name_a, pair.name_b, max_rel,
                                 plan.alignment.regime_b)
         words = _position_words(prof)
-    message = f.message
-    if not any(i.kind == "packed" for r in (a, b) for i in r.tensors.values()):
-        # the diff's hint for a per-token rescale; with no packed tensor on either side it names
-        # something these traces do not have
-        message = message.replace(": a norm applied before packing?", "")
-    sentence = f"states: the first state out of the noise trend is {f.tensor}: {message}"
+    sentence = f"states: the first state out of the noise trend is {f.tensor}: {f.message}"
     if words:
         sentence = f"positions: {f.tensor} is the first state out of the noise, and {words}"
     elif regimes and len(regimes) > 1:
