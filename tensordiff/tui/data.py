@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -26,6 +28,15 @@ from ..findings import DiffResult, Finding, SlotRow
 from ..summary import FLAG_BAD, FLAG_NONFINITE, Column, SummaryReader
 from ..token_text import TokenText
 from ..tokens import token_code
+
+if TYPE_CHECKING:
+    import h5py
+
+    from ..align import TokenAlignment
+    from ..numerics import Metrics
+    from ..trace import TensorInfo, TraceSource
+
+_T = TypeVar("_T")
 
 # ----------------------------------------------------------------------------------------------
 # Metrics shown by the heatmap, and the cell codes of a block
@@ -115,18 +126,18 @@ class BlockCache:
     """LRU cache of summary blocks: cell codes per (metric, block) and token rows per block.
     At most ``max_blocks`` blocks of each kind are held, whatever the trace size."""
 
-    def __init__(self, summary: SummaryReader, block_rows: int = 256, max_blocks: int = 24):
+    def __init__(self, summary: SummaryReader | LiveSummary, block_rows: int = 256, max_blocks: int = 24):
         self.summary = summary
         self.block_rows = block_rows
         self.max_blocks = max_blocks
-        self._codes: OrderedDict = OrderedDict()
-        self._tokens: OrderedDict = OrderedDict()
+        self._codes: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._tokens: OrderedDict[int, np.ndarray] = OrderedDict()
         self.reads = 0
 
     def __len__(self) -> int:
         return len(self._codes) + len(self._tokens)
 
-    def _get(self, cache: OrderedDict, key, load):
+    def _get(self, cache: OrderedDict[Any, _T], key: object, load: Callable[[], _T]) -> _T:
         hit = cache.get(key)
         if hit is not None:
             cache.move_to_end(key)
@@ -143,7 +154,7 @@ class BlockCache:
         b, off = divmod(row, self.block_rows)
         start = b * self.block_rows
 
-        def load():
+        def load() -> np.ndarray:
             stop = min(start + self.block_rows, self.summary.n)
             # a summary the diff is still writing: which cells it has compared, taken BEFORE the
             # values are read (rows written after that stay pending until the next poll)
@@ -157,11 +168,13 @@ class BlockCache:
 
         return self._get(self._codes, (metric.key, b), load), off
 
-    def token(self, row: int):
+    def token(self, row: int) -> np.void:
+        """The summary's token row (``seq_a``, ``pos_a``, ``seq_b``, ``pos_b``, ``token``, ...)."""
         b, off = divmod(row, self.block_rows)
         start = b * self.block_rows
         blk = self._get(self._tokens, b, lambda: self.summary.tokens(start, min(start + self.block_rows, self.summary.n)))
-        return blk[off]
+        row_: np.void = blk[off]
+        return row_
 
     def clear(self) -> None:
         self._codes.clear()
@@ -187,7 +200,7 @@ class PreviewSummary(SummaryReader):
 # ----------------------------------------------------------------------------------------------
 
 
-def planned_columns(ra, rb) -> tuple[list[Column], list[int]]:
+def planned_columns(ra: TraceSource, rb: TraceSource) -> tuple[list[Column], list[int]]:
     """The summary columns the diff will write, in the order it streams them (index = that
     position), and the position of each one's tensor pair in the diff's order. From the
     aligner's own pairing (:func:`tensordiff.align.pair_tensors`, predictions left to the
@@ -248,13 +261,14 @@ class LiveSummary:
         self._dirty: list[int] | None = None         # rows whose cells changed since changes()
         self.started = False                         # a block has been handed to the sinks
         self.blocks = 0                              # blocks committed
-        self._f = None
-        self._ds: dict[int, object] = {}             # column index -> dataset of the file
+        self._f: h5py.File | None = None
+        self._ds: dict[int, h5py.Dataset] = {}       # column index -> dataset of the file
 
     @classmethod
-    def factory(cls, path: str, on_made):
+    def factory(cls, path: str, on_made: Callable[[LiveSummary], object]
+                ) -> Callable[[TokenAlignment, TraceSource, TraceSource], LiveSummary]:
         """A sink factory (``DiffOptions.sinks``) that makes one, hands it to ``on_made``."""
-        def make(al, ra, rb) -> LiveSummary:
+        def make(al: TokenAlignment, ra: TraceSource, rb: TraceSource) -> LiveSummary:
             cols, pair_of = planned_columns(ra, rb)
             live = cls(path, len(al), cols, pair_of)
             on_made(live)
@@ -263,7 +277,7 @@ class LiveSummary:
 
     # -- the diff thread (DiffSink) -------------------------------------------------------------
 
-    def write(self, ia, ib, k: int, blk: np.ndarray, m: dict, bad: np.ndarray) -> None:
+    def write(self, ia: TensorInfo, ib: TensorInfo, k: int, blk: np.ndarray, m: Metrics, bad: np.ndarray) -> None:
         if len(blk) == 0:
             return
         with self._lock:
@@ -333,7 +347,7 @@ class LiveSummary:
         rows = np.arange(start, min(stop, self.n))
         return rows[:, None] >= self.committed()[None, :]
 
-    def _file(self):
+    def _file(self) -> h5py.File:
         if self._f is None:
             import h5py
 
@@ -346,13 +360,14 @@ class LiveSummary:
         return list(self._file()["sequences_a"].asstr()[()])
 
     @property
-    def tokens_ds(self):
+    def tokens_ds(self) -> h5py.Dataset:
         return self._file()["tokens"]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        return self._file()["tokens"][start:stop]
+        rows: np.ndarray = self._file()["tokens"][start:stop]
+        return rows
 
-    def _dataset(self, c: int):
+    def _dataset(self, c: int) -> h5py.Dataset | None:
         ds = self._ds.get(c)
         if ds is None:
             cols = self._file()["columns"]
@@ -462,24 +477,26 @@ class VectorSource:
 
     def __init__(self, path_a: str, path_b: str):
         self.paths = (path_a, path_b)
-        self._readers: list = [None, None]
-        self._sides: list = [None, None]       # the aligner's SideTokens of each trace, built once
+        self._readers: list[TraceSource | None] = [None, None]
+        self._sides: list[SideTokens | None] = [None, None]   # the aligner's SideTokens of each trace, built once
         self._lock = threading.Lock()
 
-    def reader(self, side: int):
+    def reader(self, side: int) -> TraceSource:
         with self._lock:
-            if self._readers[side] is None:
+            r = self._readers[side]
+            if r is None:
                 from ..traceset import open_trace
 
-                self._readers[side] = open_trace(self.paths[side])  # a file or a trace set
-            return self._readers[side]
+                r = self._readers[side] = open_trace(self.paths[side])  # a file or a trace set
+            return r
 
     def side_tokens(self, side: int) -> SideTokens:
         r = self.reader(side)
         with self._lock:
-            if self._sides[side] is None:
-                self._sides[side] = SideTokens(r)
-            return self._sides[side]
+            st = self._sides[side]
+            if st is None:
+                st = self._sides[side] = SideTokens(r)
+            return st
 
     def row_of(self, side: int, name: str, seq: int, pos: int, token: int) -> int | None:
         """The tensor row the aligner compares for (sequence index, position) when its token is

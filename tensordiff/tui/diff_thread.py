@@ -1,7 +1,8 @@
 """The diff as the TUI runs it: in a background thread that reports to the app with Textual
-messages (:class:`DiffProgress`, :class:`DiffEnded`) and stops at its next progress report once
-cancelled. It also hands the diff a :class:`tensordiff.tui.data.LiveSummary` sink (``live``),
-through which the app's heatmap shows the rows compared so far while the diff runs.
+messages (:class:`DiffProgress`, :class:`DiffEnded`, written in :mod:`tensordiff.tui.messages`)
+and stops at its next progress report once cancelled. It also hands the diff a
+:class:`tensordiff.tui.data.LiveSummary` sink (``live``), through which the app's heatmap shows
+the rows compared so far while the diff runs.
 
 On a large pair it first writes a preview (:func:`tensordiff.diff.preview.preview_summary`: the
 real metrics of the first tokens, read without loading the whole traces, with no verdict) and
@@ -31,6 +32,9 @@ from ..diff import DiffOptions, Stage
 from ..diff.preview import PREVIEW_TOKENS, preview_summary
 from ..findings import DiffResult
 from .data import LiveSummary
+from .messages import DiffEnded, DiffPreview, DiffProgress
+
+__all__ = ["Cancelled", "DiffEnded", "DiffFn", "DiffPreview", "DiffProgress", "DiffThread", "PREVIEW_FROM"]
 from .preview_process import PreviewProcess, stored_tokens
 
 PROGRESS_INTERVAL_S = 0.05
@@ -49,34 +53,6 @@ DiffFn = Callable[[str, str, DiffOptions], DiffResult]
 
 class Cancelled(Exception):
     """Raised in the diff's progress callback once the app has quit."""
-
-
-class DiffProgress(Message):
-    """Posted by the diff thread: how far the diff is (a stage of the diff, done of total)."""
-
-    def __init__(self, stage: str, done: int, total: int) -> None:
-        self.stage = stage
-        self.done = done
-        self.total = total
-        super().__init__()
-
-
-class DiffPreview(Message):
-    """Posted by the diff thread: the preview's summary file (``tokens`` aligned tokens) is written."""
-
-    def __init__(self, path: str, tokens: int) -> None:
-        self.path = path
-        self.tokens = tokens
-        super().__init__()
-
-
-class DiffEnded(Message):
-    """Posted by the diff thread: the result, or the error it raised."""
-
-    def __init__(self, result: DiffResult | None, error: BaseException | None) -> None:
-        self.result = result
-        self.error = error
-        super().__init__()
 
 
 class DiffThread:
@@ -117,9 +93,11 @@ class DiffThread:
 
     def run(self) -> None:
         """The thread's body (called directly by tests)."""
-        last: list = [None, 0.0]   # stage and time of the last message posted
+        last_stage: str | None = None   # stage and time of the last message posted
+        last_at = 0.0
 
         def progress(stage: str, done: int, total: int) -> None:
+            nonlocal last_stage, last_at
             if self.cancel.is_set():
                 raise Cancelled()
             if stage == Stage.COMPARING and self.live is not None:
@@ -127,8 +105,8 @@ class DiffThread:
             # a message per stage, per end of stage, and at most one per 50 ms in between: the
             # diff reports per block, and the UI need not redraw the bar more often than that
             now = time.perf_counter()
-            if stage != last[0] or done >= total or now - last[1] >= PROGRESS_INTERVAL_S:
-                last[0], last[1] = stage, now
+            if stage != last_stage or done >= total or now - last_at >= PROGRESS_INTERVAL_S:
+                last_stage, last_at = stage, now
                 self.post(DiffProgress(stage, done, total))
 
         def made(live: LiveSummary) -> None:

@@ -10,6 +10,7 @@ import re
 
 import itertools
 import math
+from typing import SupportsInt
 
 import numpy as np
 from rich.text import Text
@@ -18,12 +19,15 @@ from ..findings import DiffResult, Finding, IdentityDetails, Kind
 from ..fmt import OK_GLYPH, SEVERITY_GLYPH, number, percent
 from ..names import maybe_state
 from ..report import opgraph
-from ..summary import FLAG_BAD, FLAG_NONFINITE, SummaryReader
-from .data import BARS, N_LEVELS, Column, column_findings, slot_row
+from ..summary import FLAG_BAD, FLAG_NONFINITE, Column, SummaryReader
+from .data import BARS, N_LEVELS, column_findings, slot_row
 from ..vocab import REGIMES
 
 SEV_RANK = {"divergence": 3, "warning": 2, "info": 1}
 GLYPH_RANK = {OK_GLYPH[0]: 0, "·": 1, "!": 2, "✗": 3}
+
+#: a cell's two vectors as read for the detail pane, and a note on how they were read
+Vectors = tuple["np.ndarray | None", "np.ndarray | None", str]
 
 
 
@@ -75,8 +79,8 @@ def finding_prompt(f: Finding, compact: bool = False) -> Text:
 # ----------------------------------------------------------------------------------------------
 
 
-def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int, tok,
-                 selected: Finding | None, vectors: tuple | None, width: int, token_str: str = "") -> list[Text]:
+def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int, tok: np.void,
+                 selected: Finding | None, vectors: Vectors | None, width: int, token_str: str = "") -> list[Text]:
     """What the detail pane says about one cell: the finding on its column, both token keys, the
     cell's metrics and the diff's verdict on it, the slot's identity, the best candidates and,
     once read (``vectors`` = (a, b, note); None while reading), the plots of the two vectors.
@@ -84,6 +88,7 @@ def detail_lines(res: DiffResult, summary: SummaryReader, col: Column, row: int,
     on sketches (the pair's ``basis``) are marked ``≈``."""
     lines: list[Text] = []
     fs = column_findings(res, col)
+    f: Finding | None
     if selected is not None and (selected in fs or selected.tensor is None or selected.kind == Kind.ACCEPTANCE):
         f = selected   # the selected finding, when it is about this column or about no column (acceptance)
     else:
@@ -187,12 +192,12 @@ def op_graph_lines(res: DiffResult, label: str) -> list[Text]:
 # ----------------------------------------------------------------------------------------------
 
 
-def fmt(x, nd: int = 4) -> str:
+def fmt(x: object, nd: int = 4) -> str:
     """The project's number format (:func:`tensordiff.fmt.number`), with 3 digits in scientific form."""
     return number(x, nd, sci=3)
 
 
-def regime_name(code) -> str:
+def regime_name(code: SupportsInt) -> str:
     try:
         return REGIMES[int(code)]
     except (IndexError, ValueError, TypeError):
@@ -236,7 +241,7 @@ def histograms(a: np.ndarray, b: np.ndarray, bins: int) -> tuple[str, str, float
     hb, _ = np.histogram(fb, bins=bins, range=(lo, hi))
     top = max(int(ha.max(initial=0)), int(hb.max(initial=0)), 1)
 
-    def bars(h):
+    def bars(h: np.ndarray) -> str:
         return "".join(" " if c == 0 else BARS[min(N_LEVELS - 1, int(c / top * N_LEVELS))] for c in h)
 
     return bars(ha), bars(hb), lo, hi

@@ -1,4 +1,6 @@
-"""Widgets and screens of the TUI (see :mod:`tensordiff.tui.app`); their data is in :mod:`tensordiff.tui.data`.
+"""The heatmap, the tree and the modal screens of the TUI (laid out by
+:mod:`tensordiff.tui.diff_screen`; the other panes are in :mod:`tensordiff.tui.panes`); their
+data is in :mod:`tensordiff.tui.data`.
 
 The heatmap is a Line-API :class:`~textual.scroll_view.ScrollView`: it renders only the lines on
 screen, reading the diff summary (:class:`tensordiff.summary.SummaryReader`) in blocks of rows
@@ -11,6 +13,8 @@ Why one module of this size: the Line-API widgets share their glyphs, geometry a
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import ClassVar
 
 from rich.segment import Segment
@@ -18,20 +22,20 @@ from rich.style import Style
 from rich.text import Text
 from textual import events, on
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.geometry import Size
-from textual.message import Message
 from textual.screen import ModalScreen
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.timer import Timer
 from textual.widgets import Input, Static, Tree
 
+from ..errors import TensordiffError
 from ..findings import DiffResult
 from ..safety import sanitize_for_terminal
-from ..summary import SummaryReader
+from ..summary import Column, SummaryReader, read_columns
 from .data import (
-    LiveSummary,
     BARS,
     CAT_FAIL,
     CAT_NONFINITE,
@@ -42,11 +46,14 @@ from .data import (
     PENDING,
     UNJUDGED,
     BlockCache,
-    Column,
+    LiveSummary,
     Metric,
+    PreviewSummary,
     filter_columns,
     legend,
+    resolve_goto,
 )
+from .messages import CellSelected, ColumnPicked, PreviewDone, RowsChanged, RowsPainted
 from .text import GLYPH_RANK, column_verdict
 
 CELL_W = 4          # three glyphs and a gap
@@ -54,6 +61,9 @@ UNJUDGED_GLYPH = " ? "  # the verdict of a preview's cell: not known yet
 PENDING_GLYPH = "░░░"   # a cell the running diff has not compared yet: no bar, no verdict colour
 HEADER_H = 2        # column header lines (sticky)
 GUTTER_W = 22       # "seq:pos token" and a separator
+WIDE = 110          # from this many columns a screen is wide (the -wide breakpoint): full titles
+LIVE_POLL_S = 0.05  # how often the heatmap looks for the first rows the running diff has compared
+LIVE_REDRAW_S = 0.5  # ... and for more, once it shows some (each redraw takes the GIL from the diff)
 
 # ----------------------------------------------------------------------------------------------
 # Glyphs and colours of the heatmap's cells (indexed by data.cell_codes)
@@ -103,9 +113,14 @@ VGLYPHS, VSTYLES = _cell_tables(True)
 
 
 class Heatmap(ScrollView, can_focus=True):
-    """token x slot heatmap: one line per aligned token, one cell per tensor/slot column."""
+    """token x slot heatmap: one line per aligned token, one cell per tensor/slot column.
 
-    BINDINGS: ClassVar[list] = [
+    Before the diff ends it shows the diff's preview (:meth:`show_preview`), then the rows the
+    running diff has compared (:meth:`follow`: it polls the diff's LiveSummary), until the app
+    attaches the finished summary; it posts :class:`~tensordiff.tui.messages.RowsPainted` when it
+    first draws real rows and :class:`~tensordiff.tui.messages.RowsChanged` when new ones come."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("up", "move(-1, 0)", "up", show=False),
         Binding("down", "move(1, 0)", "down", show=False),
         Binding("left", "move(0, -1)", "left", show=False),
@@ -120,19 +135,11 @@ class Heatmap(ScrollView, can_focus=True):
     Heatmap { background: $surface; width: 1fr; height: 1fr; }
     """
 
-    class CellSelected(Message):
-        """The cursor moved to (row, column); ``column`` is a summary column index."""
-
-        def __init__(self, row: int, column: int) -> None:
-            self.row = row
-            self.column = column
-            super().__init__()
-
-    def __init__(self, *, block_rows: int = 256, max_blocks: int = 24, **kw) -> None:
-        super().__init__(**kw)
+    def __init__(self, *, block_rows: int = 256, max_blocks: int = 24, id: str | None = None) -> None:
+        super().__init__(id=id)
         self.block_rows = block_rows
         self.max_blocks = max_blocks
-        self.summary: SummaryReader | None = None
+        self.summary: SummaryReader | LiveSummary | None = None
         self.blocks: BlockCache | None = None
         self.columns: list[Column] = []       # all, forward order
         self.shown: list[Column] = []       # after the filter
@@ -142,6 +149,13 @@ class Heatmap(ScrollView, can_focus=True):
         self.message_lines: list[str] = ["diff running..."]
         self._seq_names: list[str] = []
         self.live = False                     # showing a summary the diff is still writing
+        self.running: LiveSummary | None = None   # that summary, while the diff writes it
+        self.preview: PreviewSummary | None = None   # the preview's, until the diff streams rows
+        self._live_of: Callable[[], LiveSummary | None] | None = None
+        self._timer: Timer | None = None
+        self._drawn_at = 0.0
+        self._painted = self._live_painted = False   # real rows drawn: any, the diff's own
+        self._ended = False
 
     # -- data ------------------------------------------------------------------------------
 
@@ -158,6 +172,87 @@ class Heatmap(ScrollView, can_focus=True):
         self.cursor_col = 0
         self._update_virtual()
         self.refresh()
+
+    # -- before the diff ends: the preview, then the rows it has compared ------------------
+
+    def follow(self, live_of: Callable[[], LiveSummary | None]) -> None:
+        """Show the rows the running diff compares (``live_of``: its LiveSummary sink, once made)."""
+        self._live_of = live_of
+        self._timer = self.set_interval(LIVE_POLL_S, self._poll)
+
+    def _poll(self) -> None:
+        try:
+            self._poll_once()
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            # the file being written cannot be read here: no live rows, the diff goes on
+            self.stop_feed()
+            self.summary, self.blocks, self.live = None, None, False
+            self.show_message("diff running... (the heatmap fills when it ends: "
+                              f"cannot read the summary being written: {' '.join(str(e).split())[:120]})")
+
+    def _poll_once(self) -> None:
+        live = self._live_of() if self._live_of is not None else None
+        if live is None or not live.started or self._ended:
+            return
+        if self.running is None:
+            self.running = live
+            self._close_preview()
+            self.attach(live, sorted(live.columns, key=lambda c: (c.order, c.tensor_a, c.slot)), live=True)
+        now = time.perf_counter()
+        if self._painted and now - self._drawn_at < LIVE_REDRAW_S:
+            return
+        changed = live.changes()
+        if changed is not None:
+            self._drawn_at = now
+            self.rows_changed(*changed)
+            if not self._live_painted and live.has_rows:
+                self.call_after_refresh(self._rows_painted, True)
+            self.post_message(RowsChanged())
+        self.update_title()
+
+    def _rows_painted(self, live: bool) -> None:
+        if not self._painted or (live and not self._live_painted):
+            self.post_message(RowsPainted(live, time.perf_counter()))
+        self._painted, self._live_painted = True, self._live_painted or live
+
+    def show_preview(self, path: str) -> None:
+        """Show the preview until the diff streams its own rows (or ends)."""
+        if self._ended or self.running is not None:
+            self.post_message(PreviewDone())
+            return
+        try:
+            pv = PreviewSummary(path)
+        except TensordiffError:
+            self.post_message(PreviewDone())
+            return
+        self.preview = pv
+        self.attach(pv, read_columns(pv))
+        self.update_title()
+        self.call_after_refresh(self._preview_painted)
+        self.post_message(RowsChanged())
+
+    def _preview_painted(self) -> None:
+        self._rows_painted(False)
+        self.post_message(PreviewDone())
+
+    def _close_preview(self) -> None:
+        if self.preview is not None:
+            self.preview.close()
+            self.preview = None
+
+    def stop_feed(self, ended: bool = False) -> None:
+        """No more preview or live rows (``ended``: the diff has ended)."""
+        self._ended = self._ended or ended
+        self._close_preview()
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+        if self.running is not None:
+            self.running.close_reader()   # before the finished file is opened (HDF5 shares open files)
+            self.running = None
+
+    def on_unmount(self) -> None:
+        self.stop_feed(ended=True)
 
     def rows_changed(self, lo: int, hi: int) -> None:
         """The running diff has compared more cells in rows lo..hi-1: redraw them."""
@@ -209,6 +304,53 @@ class Heatmap(ScrollView, can_focus=True):
         self.metric = metric
         self.refresh()
 
+    def next_metric(self) -> None:
+        """Show the next metric (``m``), after the last the first."""
+        self.set_metric(METRICS[(METRICS.index(self.metric) + 1) % len(METRICS)])
+
+    def update_title(self) -> None:
+        """The border title: the metric and what is shown (the preview, the rows the running diff
+        has compared, or the diff's summary), set only when it changed: setting it redraws the
+        whole heatmap, even when unchanged. On a narrow screen a title the pane shows whole."""
+        m, s, narrow = self.metric, self.summary, self.app.size.width < WIDE
+        if isinstance(s, PreviewSummary):
+            title = (f"tokens x slots: {m.title}  (preview: the first {s.n} tokens' values, "
+                     "no verdict yet; the diff is aligning every token)")
+        elif isinstance(s, LiveSummary):
+            title = (f"tokens x slots: {m.title}  (diff running: {s.columns_done()} of {len(s.columns)} columns "
+                     f"compared, ░░░ not yet; {s.n} tokens)")
+        else:
+            n, shown, total = (s.n if s is not None else 0), len(self.shown), len(self.columns)
+            cols = f"{shown} of {total} columns" if shown != total else f"{total} columns"
+            title = f"{m.title}: {n} tokens, {cols}" if narrow else f"tokens x slots: {m.title}  ({n} tokens, {cols})"
+        if self.border_title != title:
+            self.border_title = title
+
+    def place(self, row: int, column: int, n: int) -> tuple[Column, str] | None:
+        """The column and ``seq:pos token t (#row)`` of cell (row, summary column) while the
+        heatmap shows streamed or preview rows (``n`` of them); None when there is no such cell."""
+        col = next((c for c in self.columns if c.index == column), None)
+        if self.blocks is None or col is None or not 0 <= row < n:
+            return None
+        tok = self.blocks.token(row)
+        seqs, seq = self._seq_names, int(tok["seq_a"])
+        return col, f"{seqs[seq] if 0 <= seq < len(seqs) else seq}:{int(tok['pos_a'])} token {int(tok['token'])} (#{row})"
+
+    def goto(self, spec: str, side: str) -> bool:
+        """Move the cursor to a token: ``#INDEX``, ``SEQ:POS``, ``POS`` (current sequence) or
+        ``t=TOKEN_ID`` (next row with that token id); ``side`` names the trace whose keys these
+        are. Returns whether it moved."""
+        assert isinstance(self.summary, SummaryReader)
+        seq = int(self.blocks.token(self.cursor_row)["seq_a"]) if self.blocks is not None else 0
+        row, note = resolve_goto(self.summary, spec, self.cursor_row, seq, side)
+        if row is None:
+            self.notify(note or f"cannot read {spec!r}: use {GOTO_FORMS}", severity="warning")
+            return False
+        if note:
+            self.notify(note, timeout=3)
+        self.move_to(row, center=True)
+        return True
+
     def column_position(self, summary_column: int) -> int | None:
         for i, c in enumerate(self.shown):
             if c.index == summary_column:
@@ -239,7 +381,7 @@ class Heatmap(ScrollView, can_focus=True):
 
     def _post(self) -> None:
         if self.column is not None:
-            self.post_message(self.CellSelected(self.cursor_row, self.column.index))
+            self.post_message(CellSelected(self.cursor_row, self.column.index))
 
     @property
     def page_rows(self) -> int:
@@ -402,28 +544,19 @@ class Heatmap(ScrollView, can_focus=True):
         return gutter, segs
 
 
-class DetailPane(Static):
-    """The cell detail. Its lines are laid out for its width (the value histograms' bins), so a
-    change of width (the terminal resized, or its scroll container's bar coming or going once the
-    lines are in) posts :class:`DetailPane.Resized` for the app to lay them out again."""
-
-    class Resized(Message):
-        """The pane's width changed since its lines were laid out."""
-
-    laid_width: int = -1   # the width the current lines were laid out for (set by the app)
-
-    def on_resize(self, event: events.Resize) -> None:
-        if self.laid_width >= 0 and event.size.width != self.laid_width:
-            self.post_message(self.Resized())
-
-
 # ----------------------------------------------------------------------------------------------
 # The tree of tensors and slots
 # ----------------------------------------------------------------------------------------------
 
 
-class TensorTree(Tree):
-    """Every compared tensor, packed ones with a child per slot, marked from the diff's findings."""
+class TensorTree(Tree[int]):
+    """Every compared tensor, packed ones with a child per slot, marked from the diff's findings.
+    A node picked posts :class:`~tensordiff.tui.messages.ColumnPicked` with its summary column."""
+
+    @on(Tree.NodeSelected)
+    def _node_selected(self, event: Tree.NodeSelected[int]) -> None:
+        if event.node.data is not None:
+            self.post_message(ColumnPicked(int(event.node.data)))
 
     def show(self, res: DiffResult, columns: list[Column], compact: bool = False) -> None:
         """``compact`` (a narrow screen): a slot's line says what it holds first (``✗ 0 holds
@@ -491,7 +624,7 @@ HELP_SHORT = [
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS: ClassVar[list] = [Binding("escape,q,question_mark,enter", "dismiss", "close"),
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,q,question_mark,enter", "dismiss", "close"),
                                 Binding("s", "app.screenshot", "screenshot")]
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
@@ -532,7 +665,7 @@ class HelpScreen(ModalScreen[None]):
 
 
 class GotoScreen(ModalScreen[str | None]):
-    BINDINGS: ClassVar[list] = [Binding("escape", "cancel", "cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "cancel", "cancel")]
     DEFAULT_CSS = """
     GotoScreen { align: center middle; }
     GotoScreen > Vertical { width: 72; height: auto; border: round $accent; padding: 0 1; background: $panel; }
@@ -559,7 +692,7 @@ class GotoScreen(ModalScreen[str | None]):
         self.dismiss(None)
 
 
-def run_names(cols: list) -> str:
+def run_names(cols: list[Column]) -> str:
     """The header line above a run of unpacked columns: each name that its three-character label
     abbreviates (``nrm`` for final_norm, ``fc`` for draft_fc_output) written from its column on,
     where it fits before the next such name; layers (``L3``) and ``emb`` need none."""
