@@ -27,6 +27,19 @@ layer's error adding independently), x sqrt(2) when both sides round independent
 take 16 u (summation order in wide reductions). Measured on the trained test model (bf16 vs fp32,
 docs/diff.md): 0.82 u at the embedding, 2.0 u at layer1, 4.0 u at layer8; the default allows
 0.8 u, 2.4 u and 6.5 u, and its verdicts say the limit is a default, not measured.
+
+**Packed slots.** Where no catalog state is measured (a serve engine that records the draft input
+only), the slots of each packed tensor both sides recorded (one engine, one precision) measure
+each other, walked in depth order (:func:`fit_slots`): the shallowest slot has nothing before it
+and keeps the physical default; each deeper slot expects the default at its own depth scaled,
+figure by figure, by how far the deepest clean slot before it sits above the default at that
+slot's depth (never by less than 1: a slot under the default never lowers it). A slot is clean
+while its median error, its worst token and its median RMS ratio stay within what its own
+expectation allows, and no slot before it left; a slot never sets its own allowance nor that of a
+slot before it, so a wrong state close to the claimed one is judged against what the shallower
+slots measured. Measured on the random-weight tiny DeepSeek of the vLLM tests (bf16 against
+fp32): the draft slots sit 2.2x, 2.8x and 3.5x the default at layer1..3, a false alarm against the
+default alone; a slot moved toward its neighbour by 2x the correct pair's error is named there.
 """
 
 from __future__ import annotations
@@ -178,18 +191,44 @@ class StateNoise:
 
 
 @dataclass
+class SlotNoise:
+    """One slot of a packed tensor both sides recorded (module docstring, "Packed slots"): its
+    level, the worst of its sampled tokens, what the clean slots before it expect of it, and
+    whether it stays within that expectation."""
+
+    label: str
+    depth: float
+    level: Level
+    worst_rel: float           # the largest relative error of its sampled tokens
+    worst_c: float             # the largest 1 - cos of its sampled tokens
+    expected: Level | None = None
+    clean: bool = True
+
+
+@dataclass
 class NoiseModel:
     dtype_a: str
     dtype_b: str
     states: list[StateNoise] = field(default_factory=list)
+    slots: list[SlotNoise] = field(default_factory=list)
 
     @property
     def measured(self) -> bool:
         return any(s.clean for s in self.states)
 
     @property
+    def slot_scaled(self) -> bool:
+        """Whether a slot's expectation stands above the physical default because a clean slot
+        before it measured more noise than the default allows (no catalog state measured)."""
+        return not self.measured and any(_above_default(self.dtype_a, self.dtype_b, s) for s in self.slots)
+
+    @property
     def source(self) -> str:
-        return "measured trend" if self.measured else f"default for {_pair(self.dtype_a, self.dtype_b)}, not measured"
+        if self.measured:
+            return "measured trend"
+        if self.slot_scaled:
+            return f"default for {_pair(self.dtype_a, self.dtype_b)} scaled to the slots before it"
+        return f"default for {_pair(self.dtype_a, self.dtype_b)}, not measured"
 
     @property
     def first_jump(self) -> StateNoise | None:
@@ -211,7 +250,7 @@ class NoiseModel:
         (and a bit-identical state would take a deeper layer's noise)."""
         d = max(0.0, float(depth or 0.0))
         if not self.measured:
-            return physical_default(self.dtype_a, self.dtype_b, d)
+            return self.slot_expected(d) or physical_default(self.dtype_a, self.dtype_b, d)
         below = [s for s in self.states if s.clean and s.depth <= d]
         if below:
             ref = below[-1]
@@ -228,6 +267,17 @@ class NoiseModel:
                      max([lv.c99, fl.c99] + [x.c99 for x in near]), max([lv.sd, fl.sd] + [x.sd for x in near]),
                      max([abs(lv.bias)] + [abs(x.bias) for x in near]))
 
+    def slot_expected(self, depth: float) -> Level | None:
+        """The noise expected at ``depth`` from the clean packed slots strictly before it (the
+        deepest of them): the physical default at ``depth`` scaled by how far that slot's
+        measured level sits above the default at its own depth, never under the default; None
+        where no clean slot lies before ``depth`` (or a catalog state was measured: the trend of
+        the catalog rules)."""
+        if self.measured:
+            return None
+        ref = next((s for s in reversed(self.slots) if s.clean and s.depth < depth), None)
+        return None if ref is None else default_scaled(self.dtype_a, self.dtype_b, ref.depth, ref.level, depth)
+
     def growth(self, depth: float | None = None) -> float:
         """Per-layer growth of the median error among consecutive clean states (at least 1), of
         those at or before ``depth`` (None: all)."""
@@ -238,6 +288,48 @@ class NoiseModel:
 
     def describe(self, depth: float | None) -> str:
         return self.source
+
+
+def default_scaled(dtype_a: str, dtype_b: str, ref_depth: float, ref: Level, depth: float) -> Level:
+    """The physical default at ``depth``, each figure scaled by how far the measured level
+    ``ref`` at ``ref_depth`` sits above the default there (never by less than 1): the noise
+    of this engine pair beyond rounding alone, carried to a deeper state along the default's
+    own growth with depth."""
+    p0, p = physical_default(dtype_a, dtype_b, ref_depth), physical_default(dtype_a, dtype_b, depth)
+
+    def k(measured: float, default: float) -> float:
+        return max(1.0, measured / default) if default > 0 and math.isfinite(measured) else 1.0
+
+    return Level(p.q50 * k(ref.q50, p0.q50), p.q99 * k(ref.q99, p0.q99), p.c99 * k(ref.c99, p0.c99),
+                 p.sd * k(ref.sd, p0.sd), abs(ref.bias))
+
+
+def _above_default(dtype_a: str, dtype_b: str, s: SlotNoise) -> bool:
+    e, p = s.expected, physical_default(dtype_a, dtype_b, s.depth)
+    return e is not None and (e.q50 > p.q50 or e.q99 > p.q99 or e.c99 > p.c99 or e.sd > p.sd
+                              or e.bias > max(p.sd, p.q50 / 4))   # a bias only where it moves the scale limit
+
+
+def fit_slots(model: NoiseModel, slots: Sequence[tuple[str, float, Level, float, float]]) -> NoiseModel:
+    """The packed slots both sides recorded, ``(label, depth, level, worst rel, worst 1 - cos)``,
+    walked in depth order into ``model.slots`` (module docstring, "Packed slots"): each slot's
+    expectation comes from the clean slots before it only (the shallowest: the physical default);
+    a slot is clean while its median error, its worst token's relative error and 1 - cos and its
+    median RMS ratio all stay within what that expectation allows (a slot that would itself be
+    judged a divergence measures nothing), and no slot before it left the trend (a deeper slot
+    inherits the error of a shallower one). Used only where no catalog state was measured."""
+    model.slots = []
+    left = False
+    for label, depth, lv, worst_rel, worst_c in sorted(slots, key=lambda x: x[1]):
+        s = SlotNoise(label, depth, lv, worst_rel, worst_c)
+        s.expected = model.slot_expected(depth)
+        e = s.expected or physical_default(model.dtype_a, model.dtype_b, depth)
+        within = (lv.q50 <= LEVEL * e.q50 and worst_rel <= TOKEN * e.q99 and worst_c <= TOKEN * TOKEN * e.c99
+                  and abs(lv.bias) <= SCALE * max(e.sd, abs(e.bias), e.q50 / 4))
+        s.clean = within and not left
+        left = left or not within
+        model.slots.append(s)
+    return model
 
 
 def _pair(a: str, b: str) -> str:

@@ -56,7 +56,7 @@ def measure(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tup
         else:
             m = BlockMetrics(1, ra.sketch_dim).compute(a.astype(np.float32, copy=False), b.astype(np.float32, copy=False))
         metrics.append(m)
-    return _fit(ra, rb, jobs, metrics, depth_of)
+    return _fit(ra, rb, maps, pairs, jobs, metrics, depth_of)
 
 
 def measure_from(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]],
@@ -72,12 +72,14 @@ def measure_from(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequenc
         if m is not None:
             jobs.append(job)
             metrics.append(m)
-    return _fit(ra, rb, jobs, metrics, depth_of)
+    return _fit(ra, rb, maps, pairs, jobs, metrics, depth_of)
 
 
-def _fit(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob], metrics: Sequence[Metrics],
+def _fit(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]],
+         jobs: Sequence[_SampleJob], metrics: Sequence[Metrics],
          depth_of: Callable[[TensorInfo, int], float | None]) -> noise.NoiseModel:
-    """The model from each sampled state's per-token metrics (one slot)."""
+    """The model from each sampled state's per-token metrics (one slot); where none is clean,
+    the packed slots' trend (:func:`slot_levels`)."""
     measured: list[tuple[str, float, noise.Level]] = []
     dtypes: dict[str, tuple[str, str]] = {}
     for (ia, ib, *_), m in zip(jobs, metrics):
@@ -88,8 +90,48 @@ def _fit(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob], metrics: 
         if lv is not None and d is not None:
             measured.append((ia.label, float(d), lv))
             dtypes[ia.label] = (ia.dtype, ib.dtype)
-    return noise.fit(side_dtype(ra), side_dtype(rb), measured, dtypes,
-                     lambda da, db, d: default_tolerance(da, db, d).max_rel)
+    model = noise.fit(side_dtype(ra), side_dtype(rb), measured, dtypes,
+                      lambda da, db, d: default_tolerance(da, db, d).max_rel)
+    if not model.measured:   # nothing in the catalog to measure from: the packed slots measure each other
+        noise.fit_slots(model, slot_levels(ra, rb, maps, pairs, depth_of))
+    return model
+
+
+def slot_levels(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]],
+                depth_of: Callable[[TensorInfo, int], float | None]
+                ) -> list[tuple[str, float, noise.Level, float, float]]:
+    """Each slot of every packed tensor both sides recorded with values, of the same width and
+    dtype pair as the model's: ``(label, depth, level, worst rel, worst 1 - cos)`` over up to
+    :data:`SAMPLE` aligned tokens (:func:`tensordiff.noise.fit_slots`). Read here in both of the
+    model's paths (the numeric pass keeps no per-slot sample), so either gives the same bits."""
+    out: list[tuple[str, float, noise.Level, float, float]] = []
+    dtypes = (side_dtype(ra), side_dtype(rb))
+    for ia, ib in pairs:
+        if (ia.kind != "packed" or ib.kind != "packed" or ia.width != ib.width or not ia.slot_width
+                or not (ia.has_values and ib.has_values) or (ia.dtype, ib.dtype) != dtypes):
+            continue
+        ma, mb = maps.inverse("a", ia.name), maps.inverse("b", ib.name)
+        idx = sample_indices((ma >= 0) & (mb >= 0), SAMPLE)
+        if len(idx) < noise.MIN_TOKENS:
+            continue
+        k, w = ia.width // ia.slot_width, ia.slot_width
+        a, b = ra.read_at(ia.name, "values", ma[idx]), rb.read_at(ib.name, "values", mb[idx])
+        m = BlockMetrics(k, w).compute_stored(a, ia.dtype, b, ib.dtype)
+        labels = ia.slot_labels or []
+        for s in range(k):
+            d = depth_of(ia, s)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                lr = np.log(m.ratio[:, s].astype(np.float64)) if m.ratio is not None else np.zeros(len(m))
+            c = 1.0 - m.cos[:, s].astype(np.float64)
+            lv = noise.level_of(m.rel[:, s], c, lr)
+            if lv is None or d is None:
+                continue
+            rel = m.rel[:, s].astype(np.float64)
+            worst_rel = float(np.max(rel)) if np.isfinite(rel).all() else math.inf   # NaN/Inf: never clean
+            worst_c = float(np.max(c)) if np.isfinite(c).all() else math.inf
+            label = labels[s] if s < len(labels) else f"{ia.name}[{s}]"
+            out.append((label, float(d), lv, worst_rel, worst_c))
+    return out
 
 
 def sample_jobs(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[TensorInfo, TensorInfo]]

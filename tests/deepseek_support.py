@@ -103,3 +103,33 @@ def load_hf_deepseek(path: str | os.PathLike, dtype: str = "float32"):
     from transformers import DeepseekV3ForCausalLM
 
     return DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+
+
+def record_hf(target: str | os.PathLike, out: str | os.PathLike, prompts: list[list[int]], ids: list[int], *,
+              dtype: str = "float32", convention: str = "vllm", catalog: bool = True, prepend_embed: bool = False,
+              side: str = "train") -> Path:
+    """The tiny DeepSeek at ``target`` recorded by the real train recorder (the HF extractor, in
+    this process, one forward per prompt) in ``dtype``: ``draft_input`` packed for draft ``ids``
+    under ``convention``, with the catalog (``catalog``) or without it, as a serve engine that
+    records the draft input only leaves its trace."""
+    import torch
+
+    from tensordiff.conventions import plan_draft_input
+    from tensordiff.recorders.core import Recorder
+    from tensordiff.recorders.hf import HFExtractorRecorder, model_info
+
+    net = load_hf_deepseek(target, dtype)
+    plan = plan_draft_input(convention, ids, NUM_LAYERS, prepend_embed=prepend_embed)
+    rec = Recorder(str(out), side=side, producer="tests/deepseek_support.py", model=model_info(net),
+                   meta={"draft_plan": plan.as_attrs()})
+    hf = HFExtractorRecorder(net, rec, plan, values="slots", catalog=catalog)
+    try:
+        for i, toks in enumerate(prompts):
+            t = torch.tensor(toks)
+            with hf.capture(f"p{i}", t), torch.inference_mode():
+                net(input_ids=t[None], use_cache=False)
+    except BaseException as e:
+        rec.close(e)
+        raise
+    rec.close()
+    return Path(out)

@@ -251,3 +251,60 @@ def test_order_stats_are_numpys_median_and_quantiles_to_the_bit():
         assert all(math.copysign(1.0, v) > 0 for v in got if v == 0.0)
     with pytest.raises(ValueError):
         noise.order_stats(np.zeros(0), (0.5,))
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed slots measure each other where no catalog state was measured
+
+
+def _slot(label, depth, k, dtypes=("float32", "bfloat16")):
+    """A slot whose every figure is k x the physical default at its depth, its worst token 1.5x
+    its 99th percentile."""
+    p = noise.physical_default(*dtypes, depth)
+    lv = Level(p.q50 * k, p.q99 * k, p.c99 * k * k, p.sd * k)
+    return (label, float(depth), lv, 1.5 * lv.q99, 2.25 * lv.c99)
+
+
+def test_the_shallowest_slot_has_the_default_and_deeper_ones_its_excess():
+    m = noise.fit_slots(fit("float32", "bfloat16", []), [_slot("layer3", 3, 2.0), _slot("layer1", 1, 2.0)])
+    assert [s.label for s in m.slots] == ["layer1", "layer3"] and all(s.clean for s in m.slots)
+    p1, p3 = noise.physical_default("float32", "bfloat16", 1), noise.physical_default("float32", "bfloat16", 3)
+    assert m.expected(1) == p1 and m.slots[0].expected is None   # nothing before it: the default
+    assert m.expected(3).q50 == pytest.approx(2 * p3.q50) and m.expected(3).q99 == pytest.approx(2 * p3.q99)
+    assert not m.measured and m.source == "default for fp32 vs bf16 scaled to the slots before it"
+
+
+def test_a_slot_under_the_default_never_lowers_it():
+    m = noise.fit_slots(fit("float32", "bfloat16", []), [_slot("layer1", 1, 0.3), _slot("layer3", 3, 0.3)])
+    assert m.expected(3) == noise.physical_default("float32", "bfloat16", 3)
+    assert m.source == "default for fp32 vs bf16, not measured"
+
+
+def test_a_slot_out_of_its_expectation_measures_nothing_and_nor_does_any_after_it():
+    # layer1 at 4x the default (past LEVEL x the default): it is a divergence, so neither it nor the
+    # slots after it (which inherit its error) scale anything
+    m = noise.fit_slots(fit("float32", "bfloat16", []),
+                        [_slot("layer1", 1, 4.0), _slot("layer2", 2, 4.0), _slot("layer3", 3, 4.0)])
+    assert [s.clean for s in m.slots] == [False, False, False]
+    assert m.expected(3) == noise.physical_default("float32", "bfloat16", 3)
+
+
+def test_a_deeper_slot_never_sets_the_allowance_of_a_shallower_one():
+    honest = noise.fit_slots(fit("float32", "bfloat16", []), [_slot("layer1", 1, 2.0), _slot("layer3", 3, 2.0)])
+    bug = noise.fit_slots(fit("float32", "bfloat16", []), [_slot("layer1", 1, 2.0), _slot("layer3", 3, 8.0)])
+    assert not bug.slots[1].clean
+    for d in (0, 1, 2, 3):
+        assert bug.expected(d) == honest.expected(d)
+
+
+def test_a_worst_token_past_the_tolerance_keeps_a_slot_from_measuring():
+    label, depth, lv, _, worst_c = _slot("layer1", 1, 2.0)
+    m = noise.fit_slots(fit("float32", "bfloat16", []),
+                        [(label, depth, lv, 5 * noise.TOKEN * lv.q99, worst_c), _slot("layer3", 3, 2.0)])
+    assert not m.slots[0].clean and m.expected(3) == noise.physical_default("float32", "bfloat16", 3)
+
+
+def test_a_measured_catalog_rules_over_the_slots():
+    m = noise.fit_slots(fit("float32", "bfloat16", _states([_lv(x) for x in TRAINED])),
+                        [_slot("layer1", 1, 2.0), _slot("layer3", 3, 2.0)])
+    assert m.slot_expected(3) is None and m.source == "measured trend"
