@@ -17,11 +17,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .errors import SourceFileError, TensordiffError, UsageError
@@ -62,8 +63,23 @@ def sanitize_tree(obj: Any) -> Any:
 
 def guard_console(console: Any) -> Any:
     """Install on a rich ``Console`` a render hook that escapes control characters in everything
-    it renders (its own line breaks and styles excepted): the last line of defence behind
-    :func:`sanitize_tree`, for any string that reaches a report some other way."""
+    it renders (its own line breaks and styles excepted): no string from a file (a path, a label,
+    a side's name, a sentence quoting them) reaches the terminal raw. Returns the console."""
+    console.push_render_hook(_escaping_hook())
+    return console
+
+
+@contextlib.contextmanager
+def guarded(console: Any) -> Iterator[Any]:
+    """The console with :func:`guard_console`'s hook for the time of a ``with`` block, then as it was."""
+    console.push_render_hook(_escaping_hook())
+    try:
+        yield console
+    finally:
+        console.pop_render_hook()
+
+
+def _escaping_hook() -> Any:
     from rich.console import RenderHook
     from rich.segment import Segment
 
@@ -82,8 +98,7 @@ def guard_console(console: Any) -> Any:
         def process_renderables(self, renderables: list[Any]) -> list[Any]:
             return [_Guarded(r) for r in renderables]
 
-    console.push_render_hook(_Hook())
-    return console
+    return _Hook()
 
 
 # -- output paths ------------------------------------------------------------------------------
