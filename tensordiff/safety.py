@@ -18,14 +18,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import stat
 import unicodedata
 from collections.abc import Iterable, Iterator
-from typing import Any
+from enum import Enum
+from typing import Any, TypeVar, cast
 
 from .errors import SourceFileError, TensordiffError, UsageError
+
+T = TypeVar("T")
 
 _ESCAPED_CATEGORIES = {"Cc", "Cf", "Zl", "Zp"}
 
@@ -58,6 +62,24 @@ def sanitize_tree(obj: Any) -> Any:
         return {sanitize_tree(k): sanitize_tree(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(sanitize_tree(v) for v in obj)
+    return obj
+
+
+def sanitize_record(obj: T) -> T:
+    """:func:`sanitize_tree` for typed records: a dataclass comes back as a new one of its class
+    with every string in it made safe to print (a newline from a file too: it must not start a
+    line of its own); enums, numbers and ``None`` as they are. The record given is not changed."""
+    if isinstance(obj, Enum):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: sanitize_record(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return cast(T, dataclasses.replace(obj, **changes))
+    if isinstance(obj, str):
+        return cast(T, sanitize_for_terminal(obj))
+    if isinstance(obj, dict):
+        return cast(T, {sanitize_record(k): sanitize_record(v) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return cast(T, type(obj)(sanitize_record(v) for v in obj))
     return obj
 
 

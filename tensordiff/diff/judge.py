@@ -14,6 +14,7 @@ plan's sources)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 import math
@@ -149,9 +150,12 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
           replicas: Sequence[Finding], worst: list[dict[str, Any]], early: EarlyIdentity | None = None) -> DiffResult:
     """The result of a streamed plan. ``replicas``: the replica findings of both sides; ``worst``:
     the worst tokens the stream saw; ``early``: identity searches scored during the stream."""
+    # the search decided under the floors measured here: a copy (its caches shared), the one
+    # given stays as it was
+    search = copy.copy(search)
+    search.floor_of = measured_floors(plan, tally)
     j = _Judge(plan, search, options, early)
     findings = list(plan.notes) + list(plan.token_findings) + list(replicas)
-    search.floor_of = measured_floors(plan, tally)
     stats: list[PairStats] = []
     for job in plan.jobs:
         acc = tally.of(job)
