@@ -22,6 +22,7 @@ says so and gives no wiring verdict.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from .conventions import (
     topk_k,
 )
 from .details import AcceptanceDetails
-from .findings import ALLOWED_PREFIX, MARGIN_NOISE_FACTOR, Finding, Kind, PairStats, Severity, order_findings
+from .findings import ALLOWED_PREFIX, MARGIN_NOISE_FACTOR, Finding, Kind, PairStats, Severity
 from .findings import SIGN_Z as SIGN_Z_LIMIT
 from .findings import UNEXPLAINED as UNEXPLAINED_LIMIT
 from .tokens import token_code
@@ -423,32 +424,25 @@ def _diverges(f: Finding) -> bool:
     return f.severity == Severity.DIVERGENCE or (f.text or "").startswith(ALLOWED_PREFIX)
 
 
-def _first_diverging(findings: list[Finding]) -> Finding | None:
-    """The first finding in forward order that diverges (or would, but for --allow-failed): the
-    list itself is ordered divergences first."""
+def _first_diverging(findings: Sequence[Finding]) -> Finding | None:
+    """The first finding in forward order that diverges (or would, but for --allow-failed)."""
     return min((f for f in findings if _diverges(f)), key=lambda f: f.sort_key(), default=None)
 
 
-def add_finding(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
-                stats: list[PairStats], state_error: tuple[str, float] | None = None) -> list[Finding]:
-    """``findings`` (as :func:`order_findings` leaves them) with the acceptance finding added, ordered again;
-    its ``upstream_index`` is the upstream finding's index in the returned list."""
+def add_finding(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: Sequence[Finding],
+                stats: Sequence[PairStats], state_error: tuple[str, float] | None = None) -> list[Finding]:
+    """``findings`` with the acceptance finding added (a new list; none of them changed). Its
+    ``upstream_index`` is the upstream finding's place in that list, which the diff's ordering
+    (:func:`tensordiff.diff.order.order`) turns into its place in the order."""
     f = analyse(ra, rb, al, maps, findings, stats, state_error)
-    if f is None:
-        return findings
-    d = f.details
-    assert isinstance(d, AcceptanceDetails)
-    up = _first_diverging(findings) if d.verdict == "upstream" else None
-    out = order_findings(findings + [f])
-    if up is not None:
-        d.upstream_index = up.index
-    return out
+    return list(findings) + ([f] if f is not None else [])
 
 
-def analyse(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: list[Finding],
-            stats: list[PairStats], state_error: tuple[str, float] | None = None) -> Finding | None:
+def analyse(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, findings: Sequence[Finding],
+            stats: Sequence[PairStats], state_error: tuple[str, float] | None = None) -> Finding | None:
     """The acceptance finding of a diff (None when neither side recorded draft predictions or
-    verify steps). ``findings`` as :func:`order_findings` leaves them; ``stats`` the compared tensor pairs."""
+    verify steps). ``findings`` the diff's findings in any order (an upstream one is named by its
+    place in them); ``stats`` the compared tensor pairs."""
     teach = {"a": teacher_forced(ra), "b": teacher_forced(rb)}
     steps = {"a": verify_steps(ra), "b": verify_steps(rb)}
     if not any(teach.values()) and not any(steps.values()):
@@ -484,7 +478,8 @@ def analyse(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps,
     d.draft_disagrees = d.draft_top1 is not None and d.draft_top1 < LOW_AGREEMENT
     sev = Severity.WARNING
     if upstream is not None:
-        d.verdict, d.upstream, d.upstream_index = "upstream", upstream.message, upstream.index
+        place = next(i for i, g in enumerate(findings) if g is upstream)
+        d.verdict, d.upstream, d.upstream_index = "upstream", upstream.message, place
         sev = Severity.INFO  # the divergence itself is the upstream finding
         input_ok = "draft_input" in compared and not any(_diverges(f) and f.tensor == "draft_input" for f in findings)
         if upstream.tensor == DRAFT_FC and input_ok:

@@ -99,7 +99,9 @@ def _diff_options(args, summary_path=None):
     from .tolerances import tolerance_book
 
     book = tolerance_book(args.tol or [], allow_failed=args.allow_failed or [], calibration=args.calibration)
-    return DiffOptions(tolerances=book, summary_path=summary_path)
+    # the exit policy is the diff's own: `--require-complete` (the default now) overrides --allow-incomplete
+    allow_incomplete = bool(getattr(args, "allow_incomplete", False)) and not getattr(args, "require_complete", False)
+    return DiffOptions(tolerances=book, summary_path=summary_path, allow_incomplete=allow_incomplete)
 
 
 #: whether this process has nothing left to finish once its command returned: the command's work
@@ -159,8 +161,6 @@ def _run_diff(args) -> int:
             with open_pair(args.a, args.b) as (ra, rb):   # diff_traces, keeping what the open traces record
                 res = diff_sources(ra, rb, opts)
                 model_dirs = _model_dirs(ra, rb)
-        res.require_complete = args.require_complete
-        res.allow_incomplete = args.allow_incomplete and not args.require_complete
     finally:
         if opts.backend is not None:
             opts.backend.close()
@@ -227,8 +227,6 @@ def _run_report(args) -> int:
     from .report.html import make_report
 
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
-    res.require_complete = args.require_complete
-    res.allow_incomplete = args.allow_incomplete and not args.require_complete
     _swapped_hint(res, "report")
     print(f"wrote {args.out}: {res.headline()}")
     return res.exit_code

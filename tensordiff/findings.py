@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
@@ -76,8 +76,7 @@ __all__ = [
     "SlotVerdict",
     "TokenMismatchDetails",
     "Verdict",
-    "name_sides_apart",
-    "order_findings",
+    "display_names",
     "render_sentence",
     "regime_a_where_named",
     "regime_words",
@@ -167,14 +166,17 @@ DETAILS: dict[Kind, type[Details]] = {
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finding:
     """One conclusion of a diff. ``severity``: divergence (sets exit code 1), warning, info.
 
     The sentence (:attr:`message`) is rendered from the kind and the details; ``text`` is only for
     findings made outside the diff (a test, another tool) that bring their own sentence.
     ``order`` (forward order of the tensor; unused by the token tables' findings) and ``index``
-    (place in the sorted list, :func:`order_findings`) are internal."""
+    (place in the sorted list, :func:`tensordiff.diff.order.order`) are internal.
+
+    Frozen: a stage that changes a finding (a divergence allowed, set apart or explained) makes a
+    new one (``dataclasses.replace``), so no stage changes what another one handed it."""
 
     kind: Kind
     severity: Severity
@@ -196,11 +198,12 @@ class Finding:
                                            "regime_a")
 
     def __post_init__(self) -> None:
-        self.kind = Kind(self.kind)
-        self.severity = Severity(self.severity)
+        # the enums and details record from plain values (a test, the JSON): a frozen record sets them once here
+        object.__setattr__(self, "kind", Kind(self.kind))
+        object.__setattr__(self, "severity", Severity(self.severity))
         d: object = self.details
         if isinstance(d, dict):
-            self.details = DETAILS.get(self.kind, Details).from_dict(d)
+            object.__setattr__(self, "details", DETAILS.get(self.kind, Details).from_dict(d))
 
     @property
     def message(self) -> str:
@@ -234,12 +237,11 @@ class Finding:
     @classmethod
     def from_dict(cls, d: dict[str, Any], index: int = 0) -> Finding:
         kind = Kind(d["kind"])
+        where: dict[str, Any] = {k: d.get(k) for k in cls.LOCATION}
         f = cls(kind, Severity(d["severity"]), details=DETAILS.get(kind, Details).from_dict(d.get("details") or {}),
-                inherited_from=d.get("inherited_from"), index=index)
-        for k in cls.LOCATION:
-            setattr(f, k, d.get(k))
+                inherited_from=d.get("inherited_from"), index=index, **where)
         if d.get("message") is not None and d["message"] != f.message:
-            f.text = str(d["message"])  # written by another version: keep its sentence
+            f = replace(f, text=str(d["message"]))  # written by another version: keep its sentence
         return f
 
 
@@ -618,63 +620,11 @@ def render_sentence(f: Finding) -> str:
     return fn(f, f.details)
 
 
-_SEVERITY_RANK = {Severity.DIVERGENCE: 0, Severity.WARNING: 1, Severity.INFO: 2}
-
-
-def _share(f: Finding) -> float:
-    """The share of its tokens a divergence affects (1 for a whole-state one: a wrong state, a
-    median error or a scale out of the noise)."""
-    d = f.details
-    if isinstance(d, NumericDetails) and d.part in ("", "tokens") and d.tokens:
-        return d.failing / d.tokens
-    return 1.0
-
-
-def _explains(g: Finding, f: Finding) -> bool:
-    """A shallower divergence ``g`` explains a deeper ``f`` when it reaches as many of the tokens
-    (within a factor 2), whichever sequence either fails first in: an error carried downstream
-    reaches the same tokens, and honest growth does not make new ones fail."""
-    return g.slot is None and _share(g) >= 0.5 * _share(f)   # a packed slot feeds no deeper state
-
-
-def order_findings(findings: list[Finding]) -> list[Finding]:
-    """Sort divergences first, then warnings, then notes, each group in forward order, number them
-    in that order (the ``#i`` every output shows, and the place in the JSON's list), and mark which
-    divergences are inherited from an earlier one."""
-    findings.sort(key=lambda f: f.sort_key())   # forward order: what inheritance reads
-    parent: dict[int, Finding] = {}
-    divs: list[Finding] = []
-    for f in findings:
-        if f.severity != Severity.DIVERGENCE:
-            continue
-        for g in divs:
-            if g.kind in (Kind.TOKEN_SHIFT, Kind.PAIRING) or (g.kind == Kind.TOKEN_MISMATCH and g.seq == f.seq) or (
-                    f.kind in (Kind.NUMERIC, Kind.NONFINITE)
-                    and g.kind in (Kind.NUMERIC, Kind.NONFINITE, Kind.SLOT_IDENTITY, Kind.SIGNATURE)
-                    and g.order < f.order and (g.seq == f.seq and (g.position or 0) <= (f.position or 0)
-                                               or _explains(g, f))):
-                parent[id(f)] = g
-                break
-        divs.append(f)
-    # the order shown: --max-findings and a reader's eye never meet a note before a divergence
-    findings.sort(key=lambda f: _SEVERITY_RANK[f.severity])   # stable: forward order within a group
-    for i, f in enumerate(findings):
-        f.index = i
-    for f in findings:
-        up = parent.get(id(f))
-        f.inherited_from = up.index if up is not None else None
-    return findings
-
-
-def name_sides_apart(ra: Any, rb: Any) -> None:
-    """Two traces of the same side (two train runs: a regression check) are named ``A`` and ``B``
-    in every sentence, table and header: "train claims layer2; train holds layer1" says nothing.
-    Sets the readers' side names (a trace set's through its first member), before anything reads them."""
-    if ra.side != rb.side:
-        return
-    for r, name in ((ra, "A"), (rb, "B")):
-        members = getattr(r, "members", None)
-        (members[0].reader if members else r).side = name
+def display_names(side_a: str, side_b: str) -> tuple[str, str]:
+    """The names the two sides go by in every sentence, table and header: their own, except two
+    traces of the same side (two train runs: a regression check), named ``A`` and ``B``: "train
+    claims layer2; train holds layer1" says nothing. The traces themselves keep their names."""
+    return ("A", "B") if side_a == side_b else (side_a, side_b)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -867,7 +817,7 @@ class DiffResult:
 
     def side_tags(self) -> tuple[str, str]:
         """`` [train]``, `` [serve]`` after each path; nothing when the two traces are of one side
-        and named A and B (:func:`name_sides_apart`): the path already says A= and B=."""
+        and named A and B (:func:`display_names`): the path already says A= and B=."""
         if (self.side_a, self.side_b) == ("A", "B"):
             return "", ""
         return f" [{self.side_a}]", f" [{self.side_b}]"

@@ -17,14 +17,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import stat
 import unicodedata
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from enum import Enum
+from typing import Any, TypeVar, cast
 
 from .errors import SourceFileError, TensordiffError, UsageError
+
+T = TypeVar("T")
 
 _ESCAPED_CATEGORIES = {"Cc", "Cf", "Zl", "Zp"}
 
@@ -60,10 +65,43 @@ def sanitize_tree(obj: Any) -> Any:
     return obj
 
 
+def sanitize_record(obj: T) -> T:
+    """:func:`sanitize_tree` for typed records: a dataclass comes back as a new one of its class
+    with every string in it made safe to print (a newline from a file too: it must not start a
+    line of its own); enums, numbers and ``None`` as they are. The record given is not changed."""
+    if isinstance(obj, Enum):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: sanitize_record(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return cast(T, dataclasses.replace(obj, **changes))
+    if isinstance(obj, str):
+        return cast(T, sanitize_for_terminal(obj))
+    if isinstance(obj, dict):
+        return cast(T, {sanitize_record(k): sanitize_record(v) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return cast(T, type(obj)(sanitize_record(v) for v in obj))
+    return obj
+
+
 def guard_console(console: Any) -> Any:
     """Install on a rich ``Console`` a render hook that escapes control characters in everything
-    it renders (its own line breaks and styles excepted): the last line of defence behind
-    :func:`sanitize_tree`, for any string that reaches a report some other way."""
+    it renders (its own line breaks and styles excepted): no string from a file (a path, a label,
+    a side's name, a sentence quoting them) reaches the terminal raw. Returns the console."""
+    console.push_render_hook(_escaping_hook())
+    return console
+
+
+@contextlib.contextmanager
+def guarded(console: Any) -> Iterator[Any]:
+    """The console with :func:`guard_console`'s hook for the time of a ``with`` block, then as it was."""
+    console.push_render_hook(_escaping_hook())
+    try:
+        yield console
+    finally:
+        console.pop_render_hook()
+
+
+def _escaping_hook() -> Any:
     from rich.console import RenderHook
     from rich.segment import Segment
 
@@ -82,8 +120,7 @@ def guard_console(console: Any) -> Any:
         def process_renderables(self, renderables: list[Any]) -> list[Any]:
             return [_Guarded(r) for r in renderables]
 
-    console.push_render_hook(_Hook())
-    return console
+    return _Hook()
 
 
 # -- output paths ------------------------------------------------------------------------------

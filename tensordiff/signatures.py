@@ -752,7 +752,9 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
                  ordered: Sequence[Finding], max_rows: int = 4096) -> Finding | None:
     """The signature finding of a diff whose first divergence (``ordered``: its findings in order)
     is a tap of a zoomed layer, or None. ``pairs``: every compared tensor (with full values on both
-    sides; the layer's taps among them), ``code_a``: the aligned tokens' codes on side A."""
+    sides; the layer's taps among them), ``code_a``: the aligned tokens' codes on side A. A
+    signature whose ``params["absorbed"]`` names a tap (a difference nothing after it shows) is a
+    note, and so is every divergence of the diff: the caller makes them notes (:func:`absorbed`)."""
     first = next((f for f in ordered if f.severity == Severity.DIVERGENCE), None)
     if first is None or first.kind not in (Kind.NUMERIC, Kind.NONFINITE) or first.tensor is None:
         return None
@@ -807,14 +809,16 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
             if ks.kind == "rope_offset" and d[0] == d[1]:
                 cause = (f"q and k both rotated at positions offset by {d[0]:+d} on B: attention depends only on "
                          f"the distance of their positions ({cause})")
-        for f in ordered:
-            if f.severity == Severity.DIVERGENCE:
-                f.severity = Severity.INFO
     det = SignatureDetails(token_index=first.details.token_index, op=sig.op, signature=sig.kind, what=sig.what,
                            evidence=sig.evidence, cause=cause, layer=layer, params=params)
     return Finding(Kind.SIGNATURE, Severity.INFO if consumer is not None else Severity.DIVERGENCE, tensor=sig.op,
                    order=first.order, seq=first.seq, position=first.position, position_b=first.position_b,
                    token=first.token, regime=first.regime, regime_a=first.regime_a, details=det)
+
+
+def absorbed(sig: Finding) -> bool:
+    """Whether a signature says its difference has no effect downstream (every divergence a note)."""
+    return isinstance(sig.details, SignatureDetails) and isinstance(sig.details.params.get("absorbed"), str)
 
 
 def config_differences(a: TraceSource, b: TraceSource, state: str) -> list[tuple[str, Any, Any]]:

@@ -73,9 +73,8 @@ def assert_traces_agree(a, b, *, tol=None, allow: Iterable[str] | str = (), cali
     divergence that ``allow`` does not cover, and when some paired tensor could not be compared
     (verdict ``incomplete``) unless ``allow_incomplete``: "agree" is never said of data that was
     not compared. Returns the diff when they agree."""
-    opts = DiffOptions(tolerances=_book(tol, calibration, allow))
+    opts = DiffOptions(tolerances=_book(tol, calibration, allow), allow_incomplete=allow_incomplete)
     res = diff_traces(os.fspath(a), os.fspath(b), opts)
-    res.allow_incomplete = allow_incomplete
     if res.divergences:
         raise TracesDisagree(failure_message(res, res.divergences, max_findings), res)
     if res.verdict == "incomplete" and not allow_incomplete:

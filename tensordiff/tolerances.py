@@ -12,13 +12,16 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dtypes import EPS
 from .errors import IncompatibleTracesError, SourceFileError, UsageError
 from .findings import ALLOWED_PREFIX, DiffResult, Finding, Severity
 from .safety import parse_json, read_regular_file_bounded
+
+#: the diff's noise model as a tolerance: (depth, dtype_a, dtype_b) -> what a token must meet there
+NoiseTolerance = Callable[[float | None, str, str], "Tolerance"]
 
 #: version of the calibration file written by ``tensordiff calibrate``
 CALIBRATION_VERSION = 1
@@ -32,6 +35,9 @@ class Tolerance:
     min_cos: float
     max_rel: float
     source: str = "default"
+    #: the patterns of the ``--tol`` rules that matched the tensor or slot, the first the one that
+    #: set it (a rule an earlier one shadows still matched: not a typo); not part of the JSON
+    rules: tuple[str, ...] = field(default=(), compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {"min_cos": self.min_cos, "max_rel": self.max_rel, "source": self.source}
@@ -89,24 +95,23 @@ class ToleranceBook:
     calibrated: dict[str, Tolerance] = field(default_factory=dict)
     rules: list[ToleranceRule] = field(default_factory=list)   # --tol / TOML rules: first match wins
     allow_failed: list[str] = field(default_factory=list)      # --allow-failed patterns
-    used: set[str] = field(default_factory=set)                # rules that matched a compared tensor
-    # the diff's noise model (tensordiff.noise), which replaces the dtype default when set:
-    # (depth, dtype_a, dtype_b) -> the tolerance a token must meet there
-    noise: Callable[[float | None, str, str], Tolerance] | None = None
 
     def for_tensor(self, name: str, dtype_a: str, dtype_b: str, slot: int | None = None,
-                   depth: float | None = None) -> Tolerance:
+                   depth: float | None = None, noise: NoiseTolerance | None = None) -> Tolerance:
+        """The tolerance of a tensor (or slot): the first rule that matches it (named on it, with
+        every other that matches), else an override or calibration entry, else ``noise`` (the
+        diff's noise model, :func:`tensordiff.noise_io.tolerance_fn`) where given, else the
+        dtype default. Reads the book, never writes it."""
         key = f"{name}[{slot}]" if slot is not None else name
         hits = [r for r in self.rules if r.matches(name, key)]
-        self.used.update(r.pattern for r in hits)   # matched, even when an earlier rule wins
         if hits:
-            return hits[0].tolerance
+            return replace(hits[0].tolerance, rules=tuple(r.pattern for r in hits))
         for book in (self.overrides, self.calibrated):
             for k in (key, name, "*"):
                 if k in book:
                     return book[k]
-        if self.noise is not None:
-            return self.noise(depth, dtype_a, dtype_b)
+        if noise is not None:
+            return noise(depth, dtype_a, dtype_b)
         return default_tolerance(dtype_a, dtype_b, depth)
 
     @staticmethod
@@ -163,9 +168,11 @@ class ToleranceBook:
             self.add_rule(pat, Tolerance(c, rel, f"rule:{os.path.basename(path)}"))
         self.allow_failed += [str(a) for a in allow]
 
-    def check_rules_used(self, compared: list[str]) -> None:
-        """A rule that matched no compared tensor is an error (a typo must not pass silently)."""
-        unused = [r.pattern for r in self.rules if r.pattern not in self.used]
+    def check_rules_used(self, tolerances: Iterable[Tolerance], compared: list[str]) -> None:
+        """A rule that matched no compared tensor is an error (a typo must not pass silently).
+        ``tolerances``: those of every compared tensor and slot (each names the rules that matched it)."""
+        used = {p for t in tolerances for p in t.rules}
+        unused = [r.pattern for r in self.rules if r.pattern not in used]
         if unused:
             raise UsageError(f"--tol rule {unused[0]!r} matches no compared tensor or slot (compared: "
                              f"{', '.join(compared) or 'none'})")
@@ -211,12 +218,12 @@ def pattern_matcher(pattern: str) -> Callable[[str], bool]:
     return lambda name: rx.fullmatch(name) is not None
 
 
-def allow_failed(findings: list[Finding], pairs: list[Any], patterns: list[str]) -> list[Finding]:
+def allow_failed(findings: Sequence[Finding], pairs: Sequence[Any], patterns: Sequence[str]) -> list[Finding]:
     """``--allow-failed PATTERN``: divergences on a matching tensor (its name on either side, or
     ``name[slot]``) become warnings that say so; a pattern that matches no compared tensor is an
-    error. Returns the findings (changed in place)."""
+    error. Returns the findings, the allowed ones new (none given is changed)."""
     if not patterns:
-        return findings
+        return list(findings)
     names: list[str] = []
     for p in pairs:
         names += [p.name_a, p.name_b] + ([f"{p.name_a}[{s}]" for s in range(p.slots)] if p.slots > 1 else [])
@@ -224,15 +231,15 @@ def allow_failed(findings: list[Finding], pairs: list[Any], patterns: list[str])
         if not any(pattern_matcher(pat)(n) for n in names):
             raise UsageError(f"--allow-failed {pat!r} matches no compared tensor or slot (compared: "
                              f"{', '.join(dict.fromkeys(names)) or 'none'})")
+    out = []
     for f in findings:
-        if f.severity != Severity.DIVERGENCE or f.tensor is None:
-            continue
-        keys = [f.tensor] + ([f"{f.tensor}[{f.slot}]"] if f.slot is not None else [])
-        pat = next((p for p in patterns if any(pattern_matcher(p)(k) for k in keys)), None)
-        if pat is not None:
-            f.text = f"{ALLOWED_PREFIX} {pat!r}: {f.message}"
-            f.severity = Severity.WARNING
-    return findings
+        pat = None
+        if f.severity == Severity.DIVERGENCE and f.tensor is not None:
+            keys = [f.tensor] + ([f"{f.tensor}[{f.slot}]"] if f.slot is not None else [])
+            pat = next((p for p in patterns if any(pattern_matcher(p)(k) for k in keys)), None)
+        out.append(f if pat is None else replace(f, text=f"{ALLOWED_PREFIX} {pat!r}: {f.message}",
+                                                 severity=Severity.WARNING))
+    return out
 
 
 def calibrated_tolerance(worst_cos: float, worst_rel: float, dtype: str, margin: float = 4.0) -> Tolerance:

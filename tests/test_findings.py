@@ -198,7 +198,8 @@ def test_default_tolerance_grows_with_depth_to_a_cap():
 def test_token_table_findings_come_first_whatever_a_tensors_order():
     """The sort key ranks what the token tables say (recovered, shift, mismatch, gap) before any
     tensor's finding, even one recorded with a negative forward order."""
-    from tensordiff.findings import GapDetails, RecoveredDetails, TokenMismatchDetails, order_findings
+    from tensordiff.diff.order import order as order_findings
+    from tensordiff.findings import GapDetails, RecoveredDetails, TokenMismatchDetails
     gap = Finding(Kind.GAP, Severity.INFO, seq="s0", details=GapDetails(seq="s0"))
     shift = Finding(Kind.TOKEN_SHIFT, Severity.DIVERGENCE, seq="s0", details=ShiftDetails(shift=1))
     mismatch = Finding(Kind.TOKEN_MISMATCH, Severity.DIVERGENCE, seq="s0", details=TokenMismatchDetails(seq="s0"))

@@ -13,15 +13,17 @@ import pytest
 
 from tensordiff import model_config
 from tensordiff.diff import diff_traces
+from tensordiff.sketch import sketch_np
 from tensordiff.trace import TraceWriter
 from tracegen import assert_clean_exit, run_isolated
 
 H = 32
 
 
-def _pair(d, config_a, config_b, *, bad_from=1, name="p"):
+def _pair(d, config_a, config_b, *, bad_from=1, name="p", values=True):
     """Two traces of embed, layer1, layer2 on the same tokens: B's states from boundary
-    ``bad_from`` on differ by 10% (``bad_from`` None: they agree to 1e-7)."""
+    ``bad_from`` on differ by 10% (``bad_from`` None: they agree to 1e-7); ``values`` False:
+    sketches only."""
     rng = np.random.default_rng(0)
     states = [rng.standard_normal((3, 16, H)).astype(np.float32) for _ in range(3)]
     paths = []
@@ -32,7 +34,7 @@ def _pair(d, config_a, config_b, *, bad_from=1, name="p"):
             model["config"] = cfg
         with TraceWriter(p, side=side, model=model, sketch_dim=8) as w:
             for b in range(3):
-                w.define_tensor("embed" if b == 0 else f"layer{b}", H, kind="boundary", boundary=b)
+                w.define_tensor("embed" if b == 0 else f"layer{b}", H, kind="boundary", boundary=b, values=values)
             r = np.random.default_rng(1)
             for s in range(3):
                 rows = w.add_tokens(f"s{s}", np.arange(16), np.arange(16) + 5 + s,
@@ -42,7 +44,11 @@ def _pair(d, config_a, config_b, *, bad_from=1, name="p"):
                     if side == "serve":
                         bad = bad_from is not None and b >= bad_from
                         x = x * (1 + (0.1 if bad else 1e-7) * r.standard_normal(x.shape).astype(np.float32))
-                    w.append("embed" if b == 0 else f"layer{b}", rows, x)
+                    if values:
+                        w.append("embed" if b == 0 else f"layer{b}", rows, x)
+                    else:
+                        w.append("embed" if b == 0 else f"layer{b}", rows, sketch=sketch_np(x, H, 8),
+                                 rms=np.sqrt((x ** 2).mean(1)))
         paths.append(p)
     return paths
 
@@ -83,6 +89,19 @@ def test_a_config_difference_that_explains_the_first_divergence_leads(tmp_path):
         assert res.first_divergence.tensor == "layer1"
         assert res.first_divergence.details.params == {"config": {"rope_theta": [float(json.loads(words.split()[2])),
                                                                                  float(words.split()[6])]}}
+
+
+def test_a_config_difference_leads_whatever_the_traces_recorded(tmp_path):
+    """Sketches only (no full values: no op's signature can be read): the recorded config
+    difference that explains the first divergence is still named first, in both orders."""
+    a, b = _pair(tmp_path, {"rope_theta": 500000.0}, {"rope_theta": 10000.0}, name="sk", values=False)
+    for x, y, words in ((a, b, "rope_theta is 500000 on A and 10000 on B"),
+                        (b, a, "rope_theta is 10000 on A and 500000 on B")):
+        res = diff_traces(x, y)
+        assert res.exit_code == 1 and all(p.basis == "sketch" for p in res.pairs)
+        assert res.headline().startswith(words + ": the models' recorded configs differ"), res.headline()
+        assert res.first_divergence.kind == "signature" and res.first_divergence.tensor == "layer1"
+        assert res.findings[1].inherited_from == 0   # the numeric divergence it explains follows it
 
 
 def test_a_config_difference_is_not_named_where_it_cannot_be_the_cause(tmp_path):

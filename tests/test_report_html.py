@@ -10,6 +10,8 @@ canvas, the verdict box's colour, the tables) into the DOM that Chromium then du
 
 from __future__ import annotations
 
+import dataclasses
+
 import html
 import json
 import os
@@ -145,7 +147,8 @@ def test_render_says_what_the_aligner_says(tmp_path):
 def test_html_escapes_labels(tmp_path):
     a, b = _pair(tmp_path, diverge=True)
     res = diff_traces(a, b)
-    res.findings[0].text = "<script>alert(1)</script> & more"
+    # findings are frozen: a sentence of its own is a new finding in the result's list
+    res.findings[0] = dataclasses.replace(res.findings[0], text="<script>alert(1)</script> & more")
     doc = render_html(res, None)
     assert "<script>" not in doc and "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in doc
 

@@ -155,7 +155,7 @@ def test_the_judges_tap_pairs_take_their_rows_only_when_read(tmp_path):
     layer's few: a pair's rows are taken from the row maps when first read (at 1M tokens x 32
     tensors, taking them all at once held ~0.5 GB), and are the rows of the compared tokens."""
     from tensordiff.diff import DiffOptions
-    from tensordiff.diff.judge import _tap_pairs
+    from tensordiff.diff.analyses import tap_pairs_of
     from tensordiff.diff.plan import plan_diff
     from tensordiff.diff.run import open_pair
     from tensordiff.trace import TraceWriter
@@ -172,7 +172,7 @@ def test_the_judges_tap_pairs_take_their_rows_only_when_read(tmp_path):
         paths.append(p)
     with open_pair(*paths) as (a, b):
         plan = plan_diff(a, b, DiffOptions(), lambda *x: None, measure_noise=False)
-        pairs = _tap_pairs(plan)
+        pairs = tap_pairs_of(plan)
         assert len(pairs) == 3
         assert all("rows_a" not in p.__dict__ and "rows_b" not in p.__dict__ for p in pairs)
         for p, j in zip(pairs, [j for j in plan.jobs if j.basis == "values" and j.slots == 1]):

@@ -6,10 +6,16 @@
 - :mod:`.stream`: :func:`stream`, the numeric pass as :class:`BlockResult` blocks from a
   :class:`NumericBackend` (:class:`SerialBackend` here; a pool or Ray in tensordiff.parallel);
 - :mod:`.early`: identity searches of disagreeing boundaries scored while the stream runs;
-- :mod:`.judge`: tolerances, noise floors, identity, slots, ordering: the
+- :mod:`.judge`: tolerances, noise floors, identity, slots, then each analysis in turn: the
   :class:`~tensordiff.findings.DiffResult`;
+- :mod:`.analyses`: what runs after the verdicts (:class:`~.analyses.Analysis`: routing, the
+  residual rule, the zoom/config signature, graft, acceptance);
+- :mod:`.order`: the findings' order, made once;
 - :mod:`.run`: :func:`diff_traces` / :func:`diff_sources`, the stages end to end, progress
   (:class:`~tensordiff.progress.Stage`) and cancel.
+
+No stage writes into what it was given: the plan and the findings are frozen, and a stage that
+changes a finding makes a new one.
 
 A is the reference (what was expected, usually the train side), B the side under test."""
 

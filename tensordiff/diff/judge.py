@@ -5,14 +5,16 @@ tolerances (the tokens that fail, first failures, NaN/Inf, the error quantiles).
 is streamed, :func:`judge` measures the noise floors (how far the states recorded on both sides
 drift apart), asks the identity search what each packed slot and each disagreeing boundary holds
 (:mod:`tensordiff.catalog`, decided under those floors), turns it all into findings
-(:mod:`tensordiff.slots`), applies ``--allow-failed``, adds the acceptance finding and orders
-everything in forward order (:func:`tensordiff.findings.order_findings`).
+(:mod:`tensordiff.slots`), applies ``--allow-failed``, runs the analyses that read the verdicts
+(:mod:`.analyses`: routing, the residual rule, signatures, graft, acceptance) and orders
+everything once, in forward order (:mod:`.order`).
 
 This module decides; it never reads a tensor row itself (the identity search does, through the
 plan's sources)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 import math
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .. import acceptance, noise, noise_io, routing, signatures
+from .. import noise, noise_io, routing
 from ..align import sample_indices
 from ..catalog import IdentitySearch, noise_floors
 from ..errors import IncompatibleTracesError
@@ -37,15 +39,16 @@ from ..findings import (
     ReplicaDetails,
     Severity,
     SlotRow,
-    order_findings,
 )
 from ..identity import FLOOR_FACTOR, IdentityVerdict, NoiseFloor
 from ..numerics import PairAccumulator
 from ..slots import judge_slot
 from ..tolerances import allow_failed
 from ..trace import ReplicaMismatch, TensorInfo, TraceSource
+from .analyses import Acceptance, Analysis, Graft, ResidualRule, Routing, ZoomSignature
 from .early import EarlyIdentity
 from .options import BOUNDARY_SAMPLE, DiffOptions
+from .order import order
 from .plan import DiffPlan, PairJob, depth_of
 from .stream import BlockResult
 
@@ -147,9 +150,12 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
           replicas: Sequence[Finding], worst: list[dict[str, Any]], early: EarlyIdentity | None = None) -> DiffResult:
     """The result of a streamed plan. ``replicas``: the replica findings of both sides; ``worst``:
     the worst tokens the stream saw; ``early``: identity searches scored during the stream."""
+    # the search decided under the floors measured here: a copy (its caches shared), the one
+    # given stays as it was
+    search = copy.copy(search)
+    search.floor_of = measured_floors(plan, tally)
     j = _Judge(plan, search, options, early)
     findings = list(plan.notes) + list(plan.token_findings) + list(replicas)
-    search.floor_of = measured_floors(plan, tally)
     stats: list[PairStats] = []
     for job in plan.jobs:
         acc = tally.of(job)
@@ -165,66 +171,27 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
         why = "; ".join(f"{p.label}: {p.not_compared}" for p in stats[:4])
         raise IncompatibleTracesError(f"nothing compared: none of the {len(stats)} paired tensors could be "
                                       f"compared ({why}{'; ...' if len(stats) > 4 else ''})")
-    options.tolerances.check_rules_used([p.label for p in stats])   # a --tol rule matching nothing: exit 2
-    findings = allow_failed(findings, stats, options.tolerances.allow_failed)
+    # a --tol rule matching nothing: exit 2
+    options.tolerances.check_rules_used((t for job in plan.compared for t in job.tolerances), [p.label for p in stats])
+    found: Sequence[Finding] = allow_failed(findings, stats, options.tolerances.allow_failed)
+    for analysis in analyses(j, plan):
+        found = analysis.findings(plan, stats, found)
     a, b, al = plan.a, plan.b, plan.alignment
-    findings = routing.add_finding(a, b, al, plan.maps, findings, j.flips, j.set_apart)
-    findings = order_findings(within_residual_noise(plan, findings))
-    sig = zoom_signature(plan, findings)
-    if sig is not None:   # the zoomed layer's first op and what kind of difference it shows leads
-        findings = order_findings(findings + [sig])
-    graft = signatures.graft_finding(plan.a, plan.b, findings)
-    if graft is not None:
-        findings = order_findings(findings + [graft])
-    findings = acceptance.add_finding(a, b, al, plan.maps, findings, stats, final_state_error(plan))
     return DiffResult(
-        path_a=a.path, path_b=b.path, side_a=a.side, side_b=b.side, findings=findings, slot_table=j.slot_table,
+        path_a=a.path, path_b=b.path, side_a=a.side, side_b=b.side, findings=order(found), slot_table=j.slot_table,
         pairs=stats, sequences=[p.to_dict() for p in al.seq_pairs], gaps=[g.to_dict() for g in al.gaps],
         shifts={str(k): v for k, v in al.shifts.items()}, tokens_aligned=len(al), worst_tokens=worst,
-        summary_path=options.summary_path,
+        summary_path=options.summary_path, allow_incomplete=options.allow_incomplete,
     )
 
 
-def _tap_pairs(plan: DiffPlan) -> list[signatures.TapPair]:
-    """The one-slot pairs compared on full values, as the signatures read them."""
-    return [signatures.TapPair(j.label, j.a.name, j.b.name, j.rows_a, j.rows_b, j.rows)
-            for j in plan.jobs if j.basis == "values" and j.slots == 1]
-
-
-def within_residual_noise(plan: DiffPlan, findings: list[Finding]) -> list[Finding]:
-    """A divergence of a tap added to the residual stream whose every token adds no more to the
-    next boundary than that boundary's per-token noise allows becomes a note
-    (:func:`tensordiff.signatures.residual_noise`), unless the next boundary diverges and no other
-    op of the layer does: then it is the one candidate, and stands."""
-    taps = [f for f in findings if f.kind == Kind.NUMERIC and f.severity == Severity.DIVERGENCE
-            and (f.tensor or "").endswith(signatures.RESIDUAL_TAPS)]
-    if not taps:
-        return findings
-    pairs = _tap_pairs(plan)
-    limits = {j.label: j.tolerances[0].max_rel for j in plan.jobs if j.tolerances and j.slots == 1}
-    notes = {id(f): t for f in taps if (t := signatures.residual_noise(plan.a, plan.b, pairs, f, limits)) is not None}
-    divs = [f for f in findings if f.severity == Severity.DIVERGENCE and f.tensor]
-    for f in taps:
-        if id(f) not in notes:
-            continue
-        layer = (f.tensor or "").split(".", 1)[0]
-        nxt = f"layer{int(layer[5:]) + 1}" if layer[5:].isdigit() else ""
-        # the next boundary diverges and nothing else of this layer stays a divergence: this op is
-        # the only candidate for it, and the finding stands
-        others = [g for g in divs if (g.tensor or "").startswith(layer + ".") and id(g) not in notes]
-        if any(g.tensor == nxt for g in divs) and not others:
-            continue
-        f.severity, f.text = Severity.INFO, notes[id(f)]
-    return findings
-
-
-def zoom_signature(plan: DiffPlan, ordered: list[Finding]) -> Finding | None:
-    """The signature finding when the first divergence is a tap of a zoomed layer
-    (:func:`tensordiff.signatures.zoom_finding`); the tap pairs compared on full values only."""
-    pairs = _tap_pairs(plan)
-    if not pairs:
-        return None
-    return signatures.zoom_finding(plan.a, plan.b, plan.alignment.code_a, pairs, ordered)
+def analyses(j: _Judge, plan: DiffPlan) -> tuple[Analysis, ...]:
+    """What runs after the verdicts, in this order (:mod:`.analyses`): the routing note first (the
+    judge set tokens apart for it), the residual rule before the signature that reads the first
+    divergence it leaves, the graft note, and the acceptance finding last (it names the first
+    divergence upstream of the draft's predictions, whatever came before)."""
+    return (Routing(j.flips, tuple(j.set_apart)), ResidualRule(), ZoomSignature(), Graft(),
+            Acceptance(final_state_error(plan)))
 
 
 class _Judge:
@@ -283,9 +250,7 @@ class _Judge:
                 or identity_b[s]
 
             def place(kind: Kind, side: str, det: IdentityDetails, sev: Severity) -> Finding:
-                f = self._token_finding(kind, ia, s, at, det)
-                f.severity = sev
-                return f
+                return replace(self._token_finding(kind, ia, s, at, det), severity=sev)
             j = judge_slot(ib.name, s, claimed_a, claimed_b, identity_a.get(s), identity_b[s], (a.side, b.side),
                            bool(acc.failing[s]), st.cos_mean[s], st.rel_max[s], place, ia.order, ib.order, ia.name)
             self.slot_table.append(j.row)
@@ -323,9 +288,9 @@ class _Judge:
                                                    job.rows, self.plan.places, st.basis or "values")
             f = self._token_finding(Kind.NUMERIC, ia, slot_arg, ff.token_index if ff else at, det)
             if identity_finding is not None:
-                f.severity = Severity.INFO
-                assert isinstance(f.details, NumericDetails)
-                f.details.explained = True
+                placed = f.details
+                assert isinstance(placed, NumericDetails)
+                f = replace(f, severity=Severity.INFO, details=replace(placed, explained=True))
             elif ia.kind != "packed":
                 f = self._boundary_identity(job, ff.token_index if ff else at) or f
             out.append(f)
@@ -374,10 +339,9 @@ class _Judge:
 
     def _token_finding(self, kind: Kind, info: TensorInfo, slot: int | None, ti: int, details: Details) -> Finding:
         e = self.plan.entry(ti)
-        details.token_index = ti
         return Finding(kind, Severity.DIVERGENCE, tensor=info.name, slot=slot, order=info.order, seq=e["seq"],
                        position=e["position"], position_b=e["position_b"], token=e["token"], regime=e["regime"],
-                       regime_a=e.get("regime_a"), details=details)
+                       regime_a=e.get("regime_a"), details=replace(details, token_index=ti))
 
 
 def _sibling_level(job: PairJob, acc: PairAccumulator, s: int, model: noise.NoiseModel) -> noise.SlotJudgement | None:

@@ -65,6 +65,9 @@ class DiffOptions:
     #: measure the noise model from the numeric pass's metrics when they fit in memory and no
     #: sink watches the pass (False: from a sample read before the pass; the same result either way)
     noise_from_pass: bool = True
+    #: the exit policy: an incomplete verdict (nothing diverges, but some pair was not compared)
+    #: exits 0 (``--allow-incomplete``); the result carries it (``DiffResult.exit_code``)
+    allow_incomplete: bool = False
 
 
 __all__ = ["BLOCK_ROWS", "BOUNDARY_SAMPLE", "IDENTITY_SAMPLE", "DiffOptions", "DiffSink", "SinkFactory",

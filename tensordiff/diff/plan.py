@@ -34,7 +34,7 @@ from ..names import maybe_state
 from ..noise import NoiseModel, name_depth
 from ..numerics import rows_per_block
 from ..progress import Progress, Stage
-from ..tolerances import Tolerance, ToleranceBook
+from ..tolerances import NoiseTolerance, Tolerance, ToleranceBook
 from ..trace import TensorInfo, TraceSource
 from ..trace.source import Part
 from ..vocab import REGIMES, parse_label
@@ -124,10 +124,11 @@ class DiffPlan:
         return noise_io.Places(names[seq] if len(names) else np.empty(0, object), pos, words[regime], words[regime_a])
 
     def with_noise(self, model: NoiseModel, options: PlanOptions) -> DiffPlan:
-        """This plan with the noise model measured and every pair's tolerances set by it (a plan
-        made with ``measure_noise=False`` until its numeric pass has measured the noise)."""
-        options.tolerances.noise = noise_io.tolerance_fn(model)
-        jobs = tuple(replace(j, tolerances=_tolerances(j, options)) if j.basis is not None else j for j in self.jobs)
+        """A new plan: this one with the noise model measured and every pair's tolerances set by
+        it (a plan made with ``measure_noise=False`` until its numeric pass has measured the noise)."""
+        noise = noise_io.tolerance_fn(model)
+        jobs = tuple(replace(j, tolerances=_tolerances(j, options, noise)) if j.basis is not None else j
+                     for j in self.jobs)
         return replace(self, jobs=jobs, noise=model)
 
 
@@ -158,14 +159,14 @@ def plan_diff(a: TraceSource, b: TraceSource, options: PlanOptions, progress: Pr
                                       "packed inputs)")
     # the noise model (measured where both sides recorded a catalog state) sets every token's
     # default tolerance before the numeric pass
+    noise: NoiseTolerance | None = None
     if measure_noise:
         model = noise_io.measure(a, b, maps, pairs, lambda i, s: depth_of(a, b, i, s))
-        options.tolerances.noise = noise_io.tolerance_fn(model)
+        noise = noise_io.tolerance_fn(model)
     else:
         model = NoiseModel(noise_io.side_dtype(a), noise_io.side_dtype(b))
-        options.tolerances.noise = None
     memo: dict[tuple[int, int], tuple[Codes, Codes, NDArray[np.bool_], Codes]] = {}
-    jobs = tuple(_job(i, ia, ib, a, b, maps, options, memo) for i, (ia, ib) in enumerate(pairs))
+    jobs = tuple(_job(i, ia, ib, a, b, maps, options, memo, noise) for i, (ia, ib) in enumerate(pairs))
     return DiffPlan(a=a, b=b, alignment=al, sides=sides, maps=maps, notes=tuple(notes),
                     token_findings=tuple(token_findings(a, b, al)), jobs=jobs, noise=model)
 
@@ -260,7 +261,8 @@ def depth_of(a: TraceSource, b: TraceSource, info: TensorInfo, slot: int) -> flo
 
 
 def _job(index: int, ia: TensorInfo, ib: TensorInfo, a: TraceSource, b: TraceSource, maps: RowMaps,
-         options: PlanOptions, memo: dict[tuple[int, int], tuple[Codes, Codes, NDArray[np.bool_], Codes]]) -> PairJob:
+         options: PlanOptions, memo: dict[tuple[int, int], tuple[Codes, Codes, NDArray[np.bool_], Codes]],
+         noise: NoiseTolerance | None) -> PairJob:
     """Pairing checks and the basis of one tensor pair, and what its numerics need."""
     # the row maps' shared inverses (read only), and one ``both`` mask and index per pair of them:
     # per-pair copies would cost tens of MB a pair at a million tokens
@@ -283,13 +285,14 @@ def _job(index: int, ia: TensorInfo, ib: TensorInfo, a: TraceSource, b: TraceSou
     job = PairJob(index, ia, ib, label, k, depth, tuple(findings), both, rows, ma, mb, basis,
                   width=ia.slot_width if basis == "values" else a.sketch_dim,
                   block_rows=rows_per_block(max(row_bytes(da), row_bytes(db)), options.block_rows))
-    return replace(job, tolerances=_tolerances(job, options))
+    return replace(job, tolerances=_tolerances(job, options, noise))
 
 
-def _tolerances(job: PairJob, options: PlanOptions) -> tuple[Tolerance, ...]:
-    """Each compared slot's tolerance, from the options' book (the noise model's when it is set)."""
+def _tolerances(job: PairJob, options: PlanOptions, noise: NoiseTolerance | None) -> tuple[Tolerance, ...]:
+    """Each compared slot's tolerance, from the options' book (``noise``: the noise model's, where
+    no rule, override or calibration sets one; None: the dtype default)."""
     k, ia, ib = job.slots, job.a, job.b
-    return tuple(options.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None, job.depth[s])
+    return tuple(options.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None, job.depth[s], noise)
                  for s in range(k))
 
 

@@ -11,6 +11,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -18,7 +19,7 @@ from numpy.typing import NDArray
 from .. import noise_io
 from ..catalog import IdentitySearch
 from ..errors import TensordiffError
-from ..findings import DiffResult, Finding, name_sides_apart
+from ..findings import DiffResult, Finding, display_names
 from ..numerics import Metrics, WorstTokens
 from ..progress import Progress, Stage
 from ..trace import TensorInfo, TraceSource
@@ -66,7 +67,7 @@ def diff_sources(a: TraceSource, b: TraceSource, options: DiffOptions | None = N
                  counters: RunCounters | None = None) -> DiffResult:
     """Diff two open traces: plan, replicas, stream, judge."""
     opt = options or DiffOptions()
-    name_sides_apart(a, b)   # two traces of one side: "A" and "B" in every sentence
+    a, b = named(a, b)   # two traces of one side: "A" and "B" in every sentence
 
     def progress(stage: Stage, done: int, total: int) -> None:
         if opt.progress is not None:
@@ -107,6 +108,29 @@ def diff_sources(a: TraceSource, b: TraceSource, options: DiffOptions | None = N
         if own:
             backend.close()
     return result
+
+
+class _Named:
+    """A trace seen under a display name (:func:`tensordiff.findings.display_names`): ``side`` is
+    the name; everything else is the trace's own, read through. The trace is not changed."""
+
+    def __init__(self, source: TraceSource, side: str):
+        self._source = source
+        self.side = side
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_source" or name.startswith("__"):   # a copy or pickle being made: not the trace's
+            raise AttributeError(name)
+        return getattr(self._source, name)
+
+
+def named(a: TraceSource, b: TraceSource) -> tuple[TraceSource, TraceSource]:
+    """The two traces as the diff names them: themselves, or views named ``A`` and ``B`` when
+    both are traces of one side."""
+    na, nb = display_names(a.side, b.side)
+    if (na, nb) == (a.side, b.side):
+        return a, b
+    return cast(TraceSource, _Named(a, na)), cast(TraceSource, _Named(b, nb))
 
 
 #: per-token metrics of a numeric pass kept for the noise model, at most (pair rows x slots)

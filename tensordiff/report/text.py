@@ -16,7 +16,7 @@ from ..findings import DiffResult, Severity, regime_words
 from ..fmt import SEVERITY_GLYPH, number, one_minus_cos
 from . import opgraph
 from .acceptance import print_acceptance
-from ..safety import guard_console, sanitize_tree
+from ..safety import guard_console, guarded, sanitize_record, sanitize_tree
 
 
 def diff_schema() -> dict:
@@ -167,7 +167,14 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
     (a :class:`tensordiff.token_text.TokenText`) adds the tokens as text; numbers computed on
     sketches are marked ``≈``."""
     tt = token_text or (lambda _t: "")
-    res = DiffResult.from_dict(sanitize_tree(res.to_dict()))  # strings from the files made safe to print
+    # the typed result with every string from the files (paths, sides, labels, sequence names) made
+    # safe to print before any is laid out (a newline in a name must not start a line of its own),
+    # and whatever reaches the console some other way escaped as it is rendered
+    with guarded(console):
+        _print_diff(sanitize_record(res), console, max_findings, worst, tt, bool(token_text))
+
+
+def _print_diff(res: DiffResult, console: Console, max_findings: int, worst: int, tt, token_text: bool) -> None:
     first = res.first_divergence
     style = "bold red" if first else ("bold green" if res.verdict == "agree" else "bold yellow")
     # into a pipe or a file the headline is one line whatever the width: the first line is what

@@ -1,0 +1,137 @@
+"""What runs after the verdicts of every pair: one :class:`Analysis` each, read in turn by the
+judge (:func:`tensordiff.diff.judge.judge`) over what the pairs and the analyses before it found.
+
+- :class:`Routing`: the MoE routers' expert choices compared (:mod:`tensordiff.routing`);
+- :class:`ResidualRule`: a residual tap's divergence within the next boundary's noise is a note;
+- :class:`ZoomSignature`: what kind of difference the first divergence shows, when a recorded
+  config difference or a zoomed layer's taps say it (:mod:`tensordiff.signatures`);
+- :class:`Graft`: what a run recorded with a state grafted from another trace says;
+- :class:`Acceptance`: why the draft's acceptance is what it is (:mod:`tensordiff.acceptance`).
+
+An analysis returns the findings as it leaves them: those it was given, with its own added or
+some replaced by new ones; it changes none it was given (findings are frozen). None orders or
+numbers them: :func:`tensordiff.diff.order.order` does, once, after the last."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+
+from .. import acceptance, routing, signatures
+from ..findings import Finding, Kind, PairStats, Severity
+from .order import in_order
+from .plan import DiffPlan
+
+
+class Analysis(Protocol):
+    """One analysis of a judged diff."""
+
+    def findings(self, plan: DiffPlan, pairs: Sequence[PairStats], found: Sequence[Finding]) -> Sequence[Finding]:
+        """``found`` (the diff's findings so far, in no particular order) as this analysis leaves
+        them: with its own added, or some replaced by new ones. ``pairs``: every paired tensor's
+        statistics."""
+        ...
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routing note (when either side recorded routing): ``flips`` the near-tie flips per
+    layer, ``set_apart`` the states whose failing tokens the judge set apart for them."""
+
+    flips: Mapping[int, np.ndarray]
+    set_apart: Sequence[routing.SetApart]
+
+    def findings(self, plan: DiffPlan, pairs: Sequence[PairStats], found: Sequence[Finding]) -> Sequence[Finding]:
+        return routing.add_finding(plan.a, plan.b, plan.alignment, plan.maps, list(found), dict(self.flips),
+                                   list(self.set_apart))
+
+
+@dataclass(frozen=True)
+class ResidualRule:
+    """A divergence of a tap added to the residual stream whose every token adds no more to the
+    next boundary than that boundary's per-token noise allows becomes a note
+    (:func:`tensordiff.signatures.residual_noise`), unless the next boundary diverges and no other
+    op of the layer does: then it is the one candidate, and stands."""
+
+    def findings(self, plan: DiffPlan, pairs: Sequence[PairStats], found: Sequence[Finding]) -> Sequence[Finding]:
+        taps = [f for f in found if f.kind == Kind.NUMERIC and f.severity == Severity.DIVERGENCE
+                and (f.tensor or "").endswith(signatures.RESIDUAL_TAPS)]
+        if not taps:
+            return found
+        tap_pairs = tap_pairs_of(plan)
+        limits = {j.label: j.tolerances[0].max_rel for j in plan.jobs if j.tolerances and j.slots == 1}
+        notes = {id(f): t for f in taps
+                 if (t := signatures.residual_noise(plan.a, plan.b, tap_pairs, f, limits)) is not None}
+        divs = [f for f in found if f.severity == Severity.DIVERGENCE and f.tensor]
+        noted: dict[int, str] = {}
+        for f in taps:
+            if id(f) not in notes:
+                continue
+            layer = (f.tensor or "").split(".", 1)[0]
+            nxt = f"layer{int(layer[5:]) + 1}" if layer[5:].isdigit() else ""
+            # the next boundary diverges and nothing else of this layer stays a divergence: this op
+            # is the only candidate for it, and the finding stands
+            others = [g for g in divs if (g.tensor or "").startswith(layer + ".") and id(g) not in notes]
+            if any(g.tensor == nxt for g in divs) and not others:
+                continue
+            noted[id(f)] = notes[id(f)]
+        return [replace(f, severity=Severity.INFO, text=noted[id(f)]) if id(f) in noted else f for f in found]
+
+
+@dataclass(frozen=True)
+class ZoomSignature:
+    """The finding that leads a diff whose first divergence a recorded config difference explains
+    (:func:`tensordiff.signatures.config_finding`), whatever the traces recorded (full values or
+    sketches only), or, of a tap of a zoomed layer, what kind of difference its first op shows
+    (:func:`tensordiff.signatures.zoom_finding`, on the tap pairs compared on full values). A
+    difference nothing downstream shows makes every divergence a note."""
+
+    def findings(self, plan: DiffPlan, pairs: Sequence[PairStats], found: Sequence[Finding]) -> Sequence[Finding]:
+        ordered = in_order(found)
+        taps = tap_pairs_of(plan)
+        if taps:
+            sig = signatures.zoom_finding(plan.a, plan.b, plan.alignment.code_a, taps, ordered)
+        else:   # no tap compared on full values: a recorded config difference is still named first
+            first = next((f for f in ordered if f.severity == Severity.DIVERGENCE), None)
+            sig = None
+            if first is not None and first.kind in (Kind.NUMERIC, Kind.NONFINITE) and first.tensor is not None:
+                sig = signatures.config_finding(first, signatures.config_differences(plan.a, plan.b, first.tensor),
+                                                plan.a.num_layers or plan.b.num_layers)
+        if sig is None:
+            return found
+        if signatures.absorbed(sig):
+            found = [replace(f, severity=Severity.INFO) if f.severity == Severity.DIVERGENCE else f for f in found]
+        return [*found, sig]
+
+
+@dataclass(frozen=True)
+class Graft:
+    """The note of a diff where one side was recorded with a state grafted from another trace
+    (:func:`tensordiff.signatures.graft_finding`)."""
+
+    def findings(self, plan: DiffPlan, pairs: Sequence[PairStats], found: Sequence[Finding]) -> Sequence[Finding]:
+        graft = signatures.graft_finding(plan.a, plan.b, in_order(found))
+        return found if graft is None else [*found, graft]
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The acceptance finding (when either side recorded draft predictions or verify steps);
+    ``state_error``: the deepest state's error, what the logits inherit."""
+
+    state_error: tuple[str, float] | None = None
+
+    def findings(self, plan: DiffPlan, pairs: Sequence[PairStats], found: Sequence[Finding]) -> Sequence[Finding]:
+        return acceptance.add_finding(plan.a, plan.b, plan.alignment, plan.maps, found, pairs, self.state_error)
+
+
+def tap_pairs_of(plan: DiffPlan) -> list[signatures.TapPair]:
+    """The one-slot pairs compared on full values, as the signatures read them."""
+    return [signatures.TapPair(j.label, j.a.name, j.b.name, j.rows_a, j.rows_b, j.rows)
+            for j in plan.jobs if j.basis == "values" and j.slots == 1]
+
+
+__all__ = ["Acceptance", "Analysis", "Graft", "ResidualRule", "Routing", "ZoomSignature", "tap_pairs_of"]
