@@ -58,7 +58,7 @@ def _has_module(name: str) -> bool:
 def check_engine(name: str, engine: str, model: str) -> None:
     """The engine can be run from here: one line (exit 2) naming what to install, or the command
     that records the side by hand, where it cannot."""
-    by_hand = shlex.join([*_python_words(engine), "-m", "tensordiff", "record", "serve", "--engine", engine,
+    by_hand = shlex.join([*_python_words(engine), "record", "serve", "--engine", engine,
                           "--model", model, "--prompts", "P.jsonl", "--out", f"{name.lower()}.h5", "--catalog",
                           "--values", "all", "--topk", "0", "--max-new-tokens", "1"])
     if engine == "vllm":
@@ -92,7 +92,7 @@ def _python_words(engine: str) -> list[str]:
     engine's python by its path (relative to the current directory where it is below it)."""
     py = engine_python(engine)
     if py is None:
-        return [VLLM_VENV_PYTHON] if engine == "vllm" else ["tensordiff"]
+        return [VLLM_VENV_PYTHON, "-m", "tensordiff"] if engine == "vllm" else ["tensordiff"]
     if py == sys.executable:
         return ["tensordiff"]
     rel = os.path.relpath(py)
