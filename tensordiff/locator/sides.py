@@ -79,7 +79,22 @@ def _engine_side(name: str, spec: str, engine: str, dtype: str | None) -> Side:
         raise UsageError(f"{name}: {engine}:DIR needs a local model directory with config.json", d)
     model = os.path.abspath(d)
     check_engine(name, engine, model)
-    return Side(name, spec, engine, model, dtype)
+    # as the HF sides: the checkpoint's dtype unless told (an engine's "auto" may serve a float32
+    # checkpoint in float16, which is the engine's choice, not the port's)
+    return Side(name, spec, engine, model, dtype or _checkpoint_dtype(model))
+
+
+def _checkpoint_dtype(model: str) -> str | None:
+    from ..errors import TensordiffError
+    from ..safety import read_json_file
+
+    try:
+        cfg = read_json_file(os.path.join(model, "config.json"), "config.json")
+    except TensordiffError:
+        return None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    dt = text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype")
+    return dt if dt in ("float32", "bfloat16", "float16") else None
 
 
 def check_spec_form(name: str, spec: str) -> None:
