@@ -100,14 +100,12 @@ def _python_words(engine: str) -> list[str]:
 
 
 def _device() -> str:
-    """cuda where this machine has a GPU torch sees, else cpu (the engines' CPU builds)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+    """cuda where this machine has an NVIDIA GPU visible to this process, else cpu (the engines' CPU
+    builds); read from the driver's device files, as torch is the recorders' to import."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
         return "cpu"
-    if not _has_module("torch"):
-        return "cpu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0") else "cpu"
 
 
 def graft_refusal(engine: str, state: str, n_layers: int) -> str | None:

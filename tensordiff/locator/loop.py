@@ -146,9 +146,14 @@ class _Loop:
         from . import engines
 
         opt = dict(zip(extra[::2], extra[1::2]))
-        kw = dict(zoom=opt.get("--zoom"), graft=opt.get("--graft"), engine_args=self.o.engine_args)
-        assert side.model is not None
-        shown = engines.serve_run(side.kind, side.model, self.o.prompts, out, side.dtype, **kw)
+        model = side.model
+        assert model is not None
+
+        def serve(path: str) -> engines.EngineRun:
+            return engines.serve_run(side.kind, model, self.o.prompts, path, side.dtype, zoom=opt.get("--zoom"),
+                                     graft=opt.get("--graft"), engine_args=self.o.engine_args)
+
+        shown = serve(out)
         step = _Step(title, shown.argv, shown.command)
         self.current = title
         if self._resumed(title, name, out):
@@ -159,7 +164,7 @@ class _Loop:
         with contextlib.suppress(FileNotFoundError):
             os.remove(partial)
         try:
-            engines.run(engines.serve_run(side.kind, side.model, self.o.prompts, partial, side.dtype, **kw), log)
+            engines.run(serve(partial), log)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(partial)

@@ -3,8 +3,7 @@ an engine serving a directory (``sglang:DIR``, ``vllm:DIR``) or an existing trac
 checked before anything is recorded (bad input: one line, exit 2).
 
 Imports neither torch nor the diff: the checks read paths, a file's first bytes and a trace's
-attributes only (an engine side: whether its engine's modules and python are there; on a CPU
-the SGLang check asks torch whether there is a GPU).
+attributes only (an engine side: whether its engine's modules and python are there).
 """
 
 from __future__ import annotations
