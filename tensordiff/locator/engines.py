@@ -171,7 +171,7 @@ def run(r: EngineRun, log: str) -> None:
                             check=False).returncode
     if rc == 0:
         return
-    if rc < 0 or rc == 130:
+    if rc in (-2, 130):   # Ctrl-C reached the child too (SIGINT, or its own exit code for it)
         raise KeyboardInterrupt
     raise RecordingError(f"the engine's recording failed (exit {rc}): {_last_error(log)}; its output: {log}")
 
