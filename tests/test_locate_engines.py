@@ -120,6 +120,27 @@ def test_sglang_serving_an_edited_copy_is_located_and_confirmed(root, capsys, cp
     assert err.count("$ TENSORDIFF_ZOOM=layer3 tensordiff record serve --engine sglang") == 1, err
 
 
+@pytest.mark.sglang
+def test_an_engine_zoom_without_the_layers_ops_stops_at_the_layer(root, capsys, cpu_sglang):
+    """An engine whose modules map to no tap records a zoom without the layer's ops: locate says so
+    in the first line, stops at the layer and names the diff to look at. (The engine's zoomed trace
+    here is its plain one, as such a run writes; the other traces are the edited test's, resumed.)"""
+    src = root / "up3-loc"
+    if not (src / "a-z3.h5").is_file():
+        pytest.skip("needs the edited-copy test's traces")
+    port = root / "up3"
+    out = root / "up3-blind"
+    rc, lines, err = _locate(capsys, root, out, trained.target_dir(), f"sglang:{port}",
+                             seed={"a": src / "a.h5", "b": src / "b.h5", "a-z3": src / "a-z3.h5",
+                                   "b-z3-graft-layer3": src / "b.h5"})
+    head = lines[0]
+    assert rc == 1, "\n".join(lines) + err[-3000:]
+    assert head.startswith(f"the cause is inside decoder layer {LAYER} (its output layer{LAYER + 1} is the first state "
+                           f"out of the noise); sglang recorded no op of layer {LAYER}"), head
+    assert f"tensordiff diff {out}/a-z3.h5 {out}/b-z3-graft-layer3.h5" in head, head
+    assert "Traceback" not in err and "$ tensordiff record" not in err and "$ TENSORDIFF" not in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.skipif(not vsup.vllm_available(), reason="the vLLM venv (.venv-vllm) is not installed")
@@ -144,7 +165,7 @@ def test_vllm_serving_an_edited_copy_is_located_without_a_graft(root, capsys, mo
     assert "not confirmed by a graft: vLLM does not graft yet" in head, head
     text = "\n".join(lines)
     assert f"-m tensordiff record serve --engine vllm --model {changed}" in err, err
-    assert f"confirm by hand: TENSORDIFF_GRAFT={root}/vllm-loc/a-z{LAYER}.h5:layer{LAYER + 1} tensordiff record " \
+    assert f"confirm it by hand in SGLang: TENSORDIFF_GRAFT={root}/vllm-loc/a-z{LAYER}.h5:layer{LAYER + 1} tensordiff record " \
            "serve --engine sglang" in text, text
 
 

@@ -354,8 +354,9 @@ def _run(loop: _Loop, a: Side, b: Side) -> LocateResult:
     if no_after is not None:
         by_hand = _graft_by_hand(loop, b, az, after) if b.kind == "vllm" else ""
         graft_words = f"not confirmed by a graft: {no_after}"
-        ev.append(Evidence(f"graft {after} from A", graft_words + (f"; confirm by hand: {by_hand}" if by_hand else ""),
-                           ()))
+        ev.append(Evidence(f"graft {after} from A", graft_words + (
+            f"; where the cause is in the directory (not in vLLM's own code), confirm it by hand in SGLang: {by_hand}"
+            if by_hand else ""), ()))
     else:
         bg, st_bg = loop.record(f"record B with {after} from A", b, f"b-z{layer}-graft-{after}",
                                 "--zoom", f"layer{layer}", "--graft", f"{az}:{after}")
