@@ -11,6 +11,10 @@
 
 A recording is written to ``NAME.partial.h5`` and renamed when complete, so an interrupted run
 leaves only complete traces, and ``--resume`` skips the recordings whose traces exist.
+
+An engine side (``sglang:DIR``, ``vllm:DIR``) is recorded by the engine in a child process
+(:mod:`.engines`); a graft the engine cannot do is said in the chain instead of run, and a zoom in
+which the engine recorded no op of the layer stops the loop at the layer.
 """
 
 from __future__ import annotations
@@ -318,7 +322,6 @@ def _run(loop: _Loop, a: Side, b: Side) -> LocateResult:
         res.verdict = f"the cause is inside decoder layer {layer} (its output {after} is the first state out of the noise); {e}"
         return res
     res.traces.update({"a_zoom": az, "b_zoom": bz})
-    loop.last_diff = (az, bz)
     blind = next((s for s, path in ((a, az), (b, bz)) if s.kind in ENGINES and not _has_taps(path, layer)), None)
     if blind is not None:
         # the engine's modules gave no op of the layer: the layer is as far as the evidence goes
@@ -331,6 +334,7 @@ def _run(loop: _Loop, a: Side, b: Side) -> LocateResult:
                        f"noise); {said}; " + _weights_clause(res, layer))
         return res
     zoomed, st_zd = loop.diff(f"diff zoomed into layer{layer}", az, bz)
+    loop.last_diff = (az, bz)
     from ..report import opgraph
 
     res.op_graph = opgraph.line(zoomed, layer) or None
