@@ -229,8 +229,8 @@ def test_bad_input_is_one_line_before_anything_is_recorded(root, capsys, tmp_pat
         ([t, str(tmp_path), "--prompts", p], "B: a directory without config.json"),
         ([t, t, "--prompts", str(bad)], "line 1: expected token ids"),
         ([t, t, "--prompts", str(tmp_path / "none.jsonl")], "--prompts: no such file"),
-        ([f"sglang:{t}", t, "--prompts", p], "docs/ports.md"),
-        ([t, f"vllm:{t}", "--prompts", p], "docs/ports.md"),
+        ([f"sglang:{tmp_path / 'missing'}", t, "--prompts", p], "A: sglang:DIR needs a local model directory"),
+        ([t, f"vllm:{tmp_path}", "--prompts", p], "B: vllm:DIR needs a local model directory"),
     ]
     for argv, words in cases:
         out = tmp_path / "out"

@@ -17,10 +17,11 @@ DESCRIPTION = (
     "the layer before the first boundary out of the noise and name its op and the kind of difference; "
     "confirm by grafting A's states into B; compare that layer's weights and the configs. Each step is "
     "printed (on stderr) as the command that runs it alone; the report's first line is the final sentence. "
-    "A and B: an HF model directory (run in transformers), an existing trace (used as it is), or "
+    "A and B: an HF model directory (run in transformers), an existing trace (used as it is), "
     "module:pkg.mod:factory, a user's port: a callable returning a torch.nn.Module called as an HF causal "
-    "LM (the spec's form is checked before anything is imported). sglang:DIR and vllm:DIR are not run "
-    "yet: record the engine's trace (docs/ports.md) and give that.")
+    "LM (the spec's form is checked before anything is imported), or sglang:DIR / vllm:DIR, the engine "
+    "serving DIR (`tensordiff record serve --engine E` as a child process, vLLM by its venv's python: "
+    ".venv-vllm or TENSORDIFF_VLLM_PYTHON), zoomed and grafted through TENSORDIFF_ZOOM and TENSORDIFF_GRAFT.")
 EPILOG = ("exit codes: 0 A and B agree (after one diff), 1 a divergence found (the report says where), 2 bad "
           "input (one line on stderr), 130 interrupted (the traces written so far are complete; resume with "
           "--resume DIR)")
@@ -35,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue an interrupted run in DIR: recordings whose traces "
                                                   "exist there are skipped")
     p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    p.add_argument("--html", metavar="FILE", help="also write the last diff's HTML report (as `tensordiff report`)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine argument for every sglang:/vllm: recording (as `record serve --engine-arg`); "
+                        "repeatable")
     for s in ("a", "b"):
         p.add_argument(f"--dtype-{s}", choices=("float32", "bfloat16", "float16"),
                        help=f"load {s.upper()} in this dtype (default: its checkpoint's)")
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     opts = LocateOptions(a=args.a, b=args.b, prompts=args.prompts, out=os.path.abspath(out), dtype_a=args.dtype_a,
                          dtype_b=args.dtype_b, name_rules=tuple(args.name_rule), resume=bool(args.resume),
-                         progress=not args.no_progress, echo=echo)
+                         progress=not args.no_progress, echo=echo, engine_args=tuple(args.engine_arg),
+                         html=args.html)
     try:
         res = run_locate(opts)
     except LocateInterrupted as e:
@@ -77,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
                 again += [flag, v]
         for r in args.name_rule:
             again += ["--name-rule", r]
+        for r in args.engine_arg:
+            again += ["--engine-arg", r]
+        if args.html:
+            again += ["--html", args.html]
         sys.stderr.write(("\r\x1b[2K" if sys.stderr.isatty() else "")
                          + f"tensordiff: error: interrupted during step '{e.step}'; the {len(e.done)} trace(s) "
                          f"written before it are complete in {e.out}; resume from that step with: "

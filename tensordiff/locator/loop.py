@@ -11,6 +11,10 @@
 
 A recording is written to ``NAME.partial.h5`` and renamed when complete, so an interrupted run
 leaves only complete traces, and ``--resume`` skips the recordings whose traces exist.
+
+An engine side (``sglang:DIR``, ``vllm:DIR``) is recorded by the engine in a child process
+(:mod:`.engines`); a graft the engine cannot do is said in the chain instead of run, and a zoom in
+which the engine recorded no op of the layer stops the loop at the layer.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..vocab import boundary_label
+from .engines import ENGINES
 from .result import Evidence, LocateResult
 from .sides import Side, check_prompts, resolve_side
 
@@ -52,6 +57,8 @@ class LocateOptions:
     resume: bool = False
     progress: bool = True
     echo: Callable[[str], None] | None = None   # each step's command as it runs (the CLI: stderr)
+    engine_args: tuple[str, ...] = ()           # --engine-arg KEY=VALUE for every engine recording
+    html: str | None = None                     # the last diff's HTML report (tensordiff report)
 
 
 class LocateInterrupted(Exception):
@@ -66,10 +73,11 @@ class LocateInterrupted(Exception):
 class _Step:
     title: str
     argv: tuple[str, ...]
+    shown: str | None = None   # as printed, where it is more than argv (an engine's variables)
 
     @property
     def command(self) -> str:
-        return shlex.join(self.argv)
+        return self.shown or shlex.join(self.argv)
 
 
 class _Loop:
@@ -77,6 +85,7 @@ class _Loop:
         self.o = opts
         self.done: list[str] = []     # traces complete so far
         self.current = ""
+        self.last_diff: tuple[str, str] | None = None   # the traces of the last diff run
 
     # -- running one step ------------------------------------------------------------------
 
@@ -88,6 +97,8 @@ class _Loop:
         """Record ``side`` into OUT/name.h5 (skipped with --resume where it exists)."""
         model = _check_recordable(side, extra)
         out = os.path.join(self.o.out, f"{name}.h5")
+        if side.kind in ENGINES:
+            return self._record_engine(title, side, name, out, extra)
         argv = ["tensordiff", "record", "train", "--model", model, "--prompts", self.o.prompts, "--out", out,
                 "--topk", "0", "--values", "all", "--no-draft-input"]
         if side.dtype:
@@ -98,13 +109,7 @@ class _Loop:
                 argv += ["--name-rule", r]
         step = _Step(title, tuple(argv))
         self.current = title
-        if self.o.resume and (os.path.islink(out) or (os.path.lexists(out) and not os.path.isfile(out))):
-            # a run writes its traces as files in DIR: anything else there is not one of them
-            raise UsageError(f"--resume: {name}.h5 in DIR is {'a symbolic link' if os.path.islink(out) else 'not a file'}"
-                             "; a run writes its traces there as files: remove it, or give another --resume DIR", out)
-        if self.o.resume and os.path.isfile(out):
-            self._say(f"[{title}] skipped: {out} exists (--resume)")
-            self.done.append(out)
+        if self._resumed(title, name, out):
             return out, step
         self._say(f"[{title}] $ {step.command}")
         from ..recorders import train_cli
@@ -124,6 +129,53 @@ class _Loop:
                     os.remove(partial)
                 raise
         os.replace(partial, out)
+        self.done.append(out)
+        return out, step
+
+    def _resumed(self, title: str, name: str, out: str) -> bool:
+        """With --resume, the trace of this recording exists in DIR: skip it."""
+        if self.o.resume and (os.path.islink(out) or (os.path.lexists(out) and not os.path.isfile(out))):
+            # a run writes its traces as files in DIR: anything else there is not one of them
+            raise UsageError(f"--resume: {name}.h5 in DIR is {'a symbolic link' if os.path.islink(out) else 'not a file'}"
+                             "; a run writes its traces there as files: remove it, or give another --resume DIR", out)
+        if self.o.resume and os.path.isfile(out):
+            self._say(f"[{title}] skipped: {out} exists (--resume)")
+            self.done.append(out)
+            return True
+        return False
+
+    def _record_engine(self, title: str, side: Side, name: str, out: str, extra: tuple[str, ...]) -> tuple[str, _Step]:
+        """An engine side: ``record serve`` in a child process (the plugins zoom and graft through
+        the environment); its output goes to OUT/name.log, kept where it fails."""
+        from . import engines
+
+        opt = dict(zip(extra[::2], extra[1::2]))
+        model = side.model
+        assert model is not None
+
+        def serve(path: str) -> engines.EngineRun:
+            return engines.serve_run(side.kind, model, self.o.prompts, path, side.dtype, zoom=opt.get("--zoom"),
+                                     graft=opt.get("--graft"), engine_args=self.o.engine_args)
+
+        shown = serve(out)
+        step = _Step(title, shown.argv, shown.command)
+        self.current = title
+        if self._resumed(title, name, out):
+            return out, step
+        self._say(f"[{title}] $ {shown.command}")
+        partial = os.path.join(self.o.out, f"{name}.partial.h5")
+        log = os.path.join(self.o.out, f"{name}.log")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+        try:
+            engines.run(serve(partial), log)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            raise
+        os.replace(partial, out)
+        with contextlib.suppress(OSError):
+            os.remove(log)
         self.done.append(out)
         return out, step
 
@@ -188,12 +240,31 @@ def run_locate(opts: LocateOptions) -> LocateResult:
     if os.path.isdir(opts.out) and not opts.resume and any(n.endswith(".h5") for n in os.listdir(opts.out)):
         raise UsageError("--out holds traces already: give --resume DIR to continue from them, or another --out",
                          opts.out)
+    if opts.html:
+        from ..safety import check_output_path
+
+        check_output_path(opts.html, [x.trace for x in (a, b)], "--html")
     os.makedirs(opts.out, exist_ok=True)
     loop = _Loop(opts)
     try:
-        return _run(loop, a, b)
+        res = _run(loop, a, b)
+        if opts.html and loop.last_diff is not None:
+            _write_html(loop, res, opts.html)
+        return res
     except KeyboardInterrupt:
         raise LocateInterrupted(loop.current, opts.out, list(loop.done)) from None
+
+
+def _write_html(loop: _Loop, res: LocateResult, path: str) -> None:
+    """The last diff's HTML report (``tensordiff report``), named in the result."""
+    assert loop.last_diff is not None
+    a, b = loop.last_diff
+    loop.current = "write the HTML report"
+    loop._say(f"[write the HTML report] $ {shlex.join(['tensordiff', 'report', a, b, '-o', path])}")
+    from ..report.html import make_report
+
+    make_report(a, b, path)
+    res.html = os.path.abspath(path)
 
 
 def _run(loop: _Loop, a: Side, b: Side) -> LocateResult:
@@ -212,6 +283,7 @@ def _run(loop: _Loop, a: Side, b: Side) -> LocateResult:
             cmds.append(st.command)
     res.traces.update(paths)
     plain, st = loop.diff("diff", paths["a"], paths["b"])
+    loop.last_diff = (paths["a"], paths["b"])
     cmds.append(st.command)
     first = plain.first_divergence
     if plain.exit_code == 0:
@@ -232,18 +304,37 @@ def _run(loop: _Loop, a: Side, b: Side) -> LocateResult:
     res.layer = layer
     before, after = boundary_label(layer), boundary_label(layer + 1)
 
-    # 2. zoom into the layer: B with A's input to it grafted in
+    # 2. zoom into the layer: B with A's input to it grafted in (where B can graft it)
+    from . import engines
+
+    n_layers = _num_layers(b)
+    no_before = engines.graft_refusal(b.kind, before, n_layers) if b.kind in ENGINES else None
     try:
         for side in (a, b):   # both, before either is recorded again
             _check_recordable(side, ("--zoom", f"layer{layer}"))
         az, st_az = loop.record(f"record A zoomed into layer{layer}", a, f"a-z{layer}", "--zoom", f"layer{layer}")
-        bz, st_bz = loop.record(f"record B zoomed into layer{layer}, {before} from A", b, f"b-z{layer}-graft-{before}",
-                                "--zoom", f"layer{layer}", "--graft", f"{az}:{before}")
+        if no_before is None:
+            bz, st_bz = loop.record(f"record B zoomed into layer{layer}, {before} from A", b,
+                                    f"b-z{layer}-graft-{before}", "--zoom", f"layer{layer}", "--graft", f"{az}:{before}")
+        else:   # its own input to the layer: the first diff found it within the noise
+            bz, st_bz = loop.record(f"record B zoomed into layer{layer}", b, f"b-z{layer}", "--zoom", f"layer{layer}")
     except _CannotRecord as e:
         res.verdict = f"the cause is inside decoder layer {layer} (its output {after} is the first state out of the noise); {e}"
         return res
     res.traces.update({"a_zoom": az, "b_zoom": bz})
+    blind = next((s for s, path in ((a, az), (b, bz)) if s.kind in ENGINES and not _has_taps(path, layer)), None)
+    if blind is not None:
+        # the engine's modules gave no op of the layer: the layer is as far as the evidence goes
+        said = (f"{blind.kind} recorded no op of layer {layer} with TENSORDIFF_ZOOM=layer{layer} (its modules "
+                f"do not map to the taps, docs/ports.md section 5): the cause is located at the layer level only; "
+                f"see what each side recorded with: tensordiff diff {shlex.quote(az)} {shlex.quote(bz)}")
+        ev.append(Evidence(f"zoom into layer {layer}", said, (st_az.command, st_bz.command)))
+        _weights_and_configs(loop, res, a, b, layer)
+        res.verdict = (f"the cause is inside decoder layer {layer} (its output {after} is the first state out of the "
+                       f"noise); {said}; " + _weights_clause(res, layer))
+        return res
     zoomed, st_zd = loop.diff(f"diff zoomed into layer{layer}", az, bz)
+    loop.last_diff = (az, bz)
     from ..report import opgraph
 
     res.op_graph = opgraph.line(zoomed, layer) or None
@@ -252,39 +343,85 @@ def _run(loop: _Loop, a: Side, b: Side) -> LocateResult:
     res.op = zf.tensor if zf is not None else None
     res.kind = _kind(zf)
     ev.append(Evidence(f"zoom into layer {layer}", zoomed.headline(), (st_az.command, st_bz.command, st_zd.command)))
-    stays = _graft_after(zoomed)
-    if stays is not None:
+    stays = _graft_after(zoomed) if no_before is None else None
+    if no_before is not None:
+        ev.append(Evidence(f"graft {before} from A", f"not run: {no_before}; B was zoomed with its own input to "
+                           f"layer {layer}, which the first diff found within the noise", ()))
+    elif stays is not None:
         said = (f"with {before} (the input of layer {layer}) taken from A in B, {stays} divergence(s) after it "
                 f"remain: the cause is not before layer {layer}" if stays
                 else f"with {before} taken from A in B nothing after it diverges: the cause is before layer {layer}")
         ev.append(Evidence(f"graft {before} from A", said, (st_bz.command, st_zd.command)))
 
     # 3. confirm: A's output of the layer grafted into B
-    bg, st_bg = loop.record(f"record B with {after} from A", b, f"b-z{layer}-graft-{after}",
-                            "--zoom", f"layer{layer}", "--graft", f"{az}:{after}")
-    res.traces["b_graft"] = bg
-    grafted, st_gd = loop.diff(f"diff with {after} grafted", az, bg)
-    left = _graft_after(grafted)
-    first_left = _first_after(grafted, after)
-    if left == 0:
-        graft_words = f"confirmed by grafting {after} from A: nothing after it diverges"
-    elif left is None:
-        graft_words = f"not confirmed: the diff of the run with {after} grafted says nothing of the graft"
+    no_after = engines.graft_refusal(b.kind, after, n_layers) if b.kind in ENGINES else None
+    if no_after is not None:
+        by_hand = _graft_by_hand(loop, b, az, after) if b.kind == "vllm" else ""
+        graft_words = f"not confirmed by a graft: {no_after}"
+        ev.append(Evidence(f"graft {after} from A", graft_words + (
+            f"; where the cause is in the directory (not in vLLM's own code), confirm it by hand in SGLang: {by_hand}"
+            if by_hand else ""), ()))
     else:
-        graft_words = (f"not confirmed inside layer {layer} alone: with {after} grafted from A, {left} divergence(s) "
-                       f"after it remain (the first: {first_left}), so a cause lies after layer {layer} as well")
-    res.confirmed = bool(left == 0 and stays is not None and stays > 0)
-    if left == 0 and stays == 0:
-        graft_words += f", but grafting {before} removes the divergence too: the cause is before layer {layer}"
-    note = _graft_note(grafted)
-    ev.append(Evidence(f"graft {after} from A", graft_words + (f" ({note.details.evidence})" if note is not None else ""),
-                       (st_bg.command, st_gd.command)))
+        bg, st_bg = loop.record(f"record B with {after} from A", b, f"b-z{layer}-graft-{after}",
+                                "--zoom", f"layer{layer}", "--graft", f"{az}:{after}")
+        res.traces["b_graft"] = bg
+        grafted, st_gd = loop.diff(f"diff with {after} grafted", az, bg)
+        loop.last_diff = (az, bg)
+        left = _graft_after(grafted)
+        first_left = _first_after(grafted, after)
+        if left == 0:
+            graft_words = f"confirmed by grafting {after} from A: nothing after it diverges"
+        elif left is None:
+            graft_words = f"not confirmed: the diff of the run with {after} grafted says nothing of the graft"
+        else:
+            graft_words = (f"not confirmed inside layer {layer} alone: with {after} grafted from A, {left} divergence(s) "
+                           f"after it remain (the first: {first_left}), so a cause lies after layer {layer} as well")
+        res.confirmed = bool(left == 0 and stays is not None and stays > 0)
+        if left == 0 and stays == 0:
+            graft_words += f", but grafting {before} removes the divergence too: the cause is before layer {layer}"
+        note = _graft_note(grafted)
+        ev.append(Evidence(f"graft {after} from A", graft_words + (f" ({note.details.evidence})" if note is not None else ""),
+                           (st_bg.command, st_gd.command)))
 
     # 4. the layer's weights and the configs
     _weights_and_configs(loop, res, a, b, layer)
     res.verdict = f"the cause is inside layer {layer}'s {_region(res.op, layer)}: {op_words}; {graft_words}; " \
                   + _weights_clause(res, layer)
     return res
+
+
+def _num_layers(side: Side) -> int:
+    """The decoder layers of a side's model directory (0 where its config does not say)."""
+    from ..errors import TensordiffError
+    from ..safety import read_json_file
+
+    if side.model is None or side.model.startswith("module:"):
+        return 0
+    try:
+        cfg = read_json_file(os.path.join(side.model, "config.json"), "config.json")
+        text = cfg.get("text_config") or cfg
+        return int(text.get("num_hidden_layers") or 0)
+    except (TensordiffError, AttributeError, TypeError, ValueError):
+        return 0
+
+
+def _has_taps(path: str, layer: int) -> bool:
+    """Whether a zoomed trace holds any tap of ``layer`` (an engine's modules may map to none)."""
+    from ..trace import TraceReader
+
+    with TraceReader(path) as r:
+        return any(n.startswith(f"layer{layer}.") for n in r.tensors)
+
+
+def _graft_by_hand(loop: _Loop, b: Side, az: str, state: str) -> str:
+    """What confirms a vLLM side's cause where vLLM cannot graft: the same directory served by
+    SGLang with A's state grafted in, then the diff."""
+    from . import engines
+
+    assert b.model is not None
+    out = os.path.join(loop.o.out, f"b-sglang-graft-{state}.h5")
+    r = engines.serve_run("sglang", b.model, loop.o.prompts, out, b.dtype, graft=f"{az}:{state}")
+    return f"{r.command}; tensordiff diff {shlex.quote(az)} {shlex.quote(out)}"
 
 
 def _kind(f: Any) -> str | None:

@@ -48,6 +48,7 @@ class LocateResult:
     op_graph: str | None = None        # the zoomed layer op by op
     evidence: list[Evidence] = field(default_factory=list)
     traces: dict[str, str] = field(default_factory=dict)
+    html: str | None = None            # --html: the last diff's report
 
     def text(self) -> str:
         out = [self.verdict]
@@ -56,6 +57,8 @@ class LocateResult:
             out.extend(f"   $ {c}" for c in e.commands)
         if self.op_graph:
             out.append(self.op_graph)
+        if self.html:
+            out.append(f"HTML report of the last diff: {self.html}")
         return "\n".join(out)
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,7 +66,7 @@ class LocateResult:
             "format": FORMAT, "verdict": self.verdict, "exit_code": self.exit_code, "out_dir": self.out_dir,
             "layer": self.layer, "op": self.op, "kind": self.kind, "confirmed": self.confirmed,
             "weights_equal": self.weights_equal, "config_diffs": self.config_diffs, "op_graph": self.op_graph,
-            "evidence": [e.to_dict() for e in self.evidence], "traces": self.traces})
+            "evidence": [e.to_dict() for e in self.evidence], "traces": self.traces, "html": self.html})
         return out
 
 

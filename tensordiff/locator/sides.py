@@ -1,8 +1,9 @@
-"""What each side of ``tensordiff locate`` is: an HF model directory, a user's ``module:`` port or
-an existing trace, resolved and checked before anything is recorded (bad input: one line, exit 2).
+"""What each side of ``tensordiff locate`` is: an HF model directory, a user's ``module:`` port,
+an engine serving a directory (``sglang:DIR``, ``vllm:DIR``) or an existing trace, resolved and
+checked before anything is recorded (bad input: one line, exit 2).
 
 Imports neither torch nor the diff: the checks read paths, a file's first bytes and a trace's
-attributes only.
+attributes only (an engine side: whether its engine's modules and python are there).
 """
 
 from __future__ import annotations
@@ -11,26 +12,25 @@ import os
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from .engines import ENGINES, check_engine
 
 __all__ = ["Side", "resolve_side", "check_prompts"]
 
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 #: the prompts file is read whole by the recording: a bound on it, checked before the read
 MAX_PROMPTS_BYTES = 256 << 20
-_ENGINE_RECIPE = ("locate does not run {engine} yet: record the engine side with `TENSORDIFF_ZOOM=layerN "
-                  "tensordiff record serve --engine {engine} ...` and graft with TENSORDIFF_GRAFT, as docs/ports.md "
-                  "sections 5 and 6 describe, or give locate the engine's trace as {side}")
 
 
 @dataclass(frozen=True)
 class Side:
     """One side. ``trace``: an existing trace to use as it is (step 1 records nothing for it);
     ``model``: what ``record train --model`` takes to record it again (zoomed, grafted): a model
-    directory or a ``module:`` spec, None where a trace names no model that is still there."""
+    directory or a ``module:`` spec, None where a trace names no model that is still there; for
+    an engine side (kind ``sglang`` or ``vllm``) the directory the engine serves."""
 
     name: str            # "A" or "B"
     spec: str            # as the user gave it
-    kind: str            # "hf", "module" or "trace"
+    kind: str            # "hf", "module", "trace", or an engine: "sglang", "vllm"
     model: str | None
     dtype: str | None    # --dtype for record train (None: the checkpoint's)
     trace: str | None = None
@@ -43,9 +43,9 @@ class Side:
 def resolve_side(name: str, spec: str, dtype: str | None) -> Side:
     from ..recorders import user_module
 
-    for engine in ("sglang", "vllm"):
+    for engine in ENGINES:
         if spec.startswith(f"{engine}:"):
-            raise UsageError(_ENGINE_RECIPE.format(engine=engine, side=name))
+            return _engine_side(name, spec, engine, dtype)
     if user_module.is_spec(spec):
         check_spec_form(name, spec)     # the form only: nothing is imported before the recording
         return Side(name, spec, "module", spec, dtype)
@@ -67,6 +67,33 @@ def resolve_side(name: str, spec: str, dtype: str | None) -> Side:
         raise UsageError(f"--dtype-{name.lower()}: {name} is a trace, recorded already")
     model, rec_dtype = _recorded_model(spec)
     return Side(name, spec, "trace", model, rec_dtype, trace=os.path.abspath(spec))
+
+
+def _engine_side(name: str, spec: str, engine: str, dtype: str | None) -> Side:
+    """``sglang:DIR`` / ``vllm:DIR``: the directory an HF model directory, the engine runnable."""
+    d = spec[len(engine) + 1:]
+    if not d:
+        raise UsageError(f"{name}: {engine}:DIR names the model directory the engine serves", spec)
+    if not os.path.isdir(d) or not os.path.isfile(os.path.join(d, "config.json")):
+        raise UsageError(f"{name}: {engine}:DIR needs a local model directory with config.json", d)
+    model = os.path.abspath(d)
+    check_engine(name, engine, model)
+    # as the HF sides: the checkpoint's dtype unless told (an engine's "auto" may serve a float32
+    # checkpoint in float16, which is the engine's choice, not the port's)
+    return Side(name, spec, engine, model, dtype or _checkpoint_dtype(model))
+
+
+def _checkpoint_dtype(model: str) -> str | None:
+    from ..errors import TensordiffError
+    from ..safety import read_json_file
+
+    try:
+        cfg = read_json_file(os.path.join(model, "config.json"), "config.json")
+    except TensordiffError:
+        return None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    dt = text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype")
+    return dt if dt in ("float32", "bfloat16", "float16") else None
 
 
 def check_spec_form(name: str, spec: str) -> None:
