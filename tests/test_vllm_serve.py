@@ -777,9 +777,9 @@ def test_documented_cpu_commands_are_the_whole_user_path():
 @pytest.mark.slow
 @needs_vllm
 def test_documented_cpu_path_runs_as_written(tmp_path):
-    """docs/sglang.md's CPU path, line by line, in a fresh directory: MODEL is a tiny local Llama
-    (head_dim 64, as vLLM's CPU attention needs) and prompts.jsonl two prompts; everything else is
-    the doc's words. The serve trace is complete, holds the catalog, and `diff` reads the pair and
+    """docs/sglang.md's CPU path, line by line, in a fresh directory: `--model ...` is a tiny local
+    Llama (head_dim 64, as vLLM's CPU attention needs) and `--prompts ...` a file of two prompts;
+    everything else is the doc's words. The serve trace is complete, holds the catalog, and `diff` reads the pair and
     finds it agrees."""
     cmds = _documented_cpu_commands()
     model = sup.make_tiny_llama(tmp_path / "model", initializer_range=0.02, **vsup.TINY_LLAMA_VLLM)
@@ -789,7 +789,9 @@ def test_documented_cpu_path_runs_as_written(tmp_path):
     td_env = sup.tensordiff_env()
     procs = []
     for cmd in cmds[1:]:
-        argv = [str(model) if a == "MODEL" else a for a in cmd]
+        fill = {"--model": str(model), "--prompts": str(tmp_path / "prompts.jsonl")}
+        argv = [fill[cmd[i - 1]] if a == "..." and cmd[i - 1] in fill else a for i, a in enumerate(cmd)]
+        assert "..." not in argv, cmd
         if argv[0] == ".venv-vllm/bin/python":
             argv, env = [str(vsup.vllm_python()), *argv[1:]], vsup.vllm_env()
         else:
