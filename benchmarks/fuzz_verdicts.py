@@ -23,7 +23,10 @@ recorded difference exiting 1). A miss: wrong, a false alarm, or agree at 3x the
 Prints a table by kind and by depth, the detection limit per kind (the largest size still judged
 ``agree``: every bug of that kind above it was found), named_rate_at_3x and the seed of every miss.
 ``--json F`` writes the figures. Exit 0 whatever the figures; 2 on bad input (one line).
-``--tier slow`` (HF against real SGLang and vLLM) is not built: it says so and exits 2.
+``--tier slow``: the bug on the engine side of a real SGLang run on the CPU (a weight of the served
+checkpoint, the served config's rope theta or norm eps, the served draft's aux ids), judged against
+the HF train side recorded from the engine's outputs (benchmarks/fuzz/engine.py); one engine start
+per bug, minutes each.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kinds", help=f"comma-separated bug kinds (default: all): {', '.join(bugs.KINDS)}; "
                                     f"or families: {', '.join(bugs.FAMILIES)}")
     ap.add_argument("--models", help=f"comma-separated models (default: all): {', '.join(MODELS)}")
-    ap.add_argument("--tier", choices=["fast", "slow"], default="fast")
+    ap.add_argument("--tier", choices=["fast", "slow"], default="fast",
+                    help="fast: HF against HF; slow: HF against real SGLang on the CPU, the bug on the engine side")
     ap.add_argument("--json", help="write the figures and every scenario here")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--report", nargs="+", metavar="F", help="run nothing: print the tables of these --json files together")
@@ -102,8 +106,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if a.json and not Path(a.json).resolve().parent.is_dir():
         ap.error(f"--json: directory {Path(a.json).resolve().parent} does not exist")
     if a.tier == "slow":
-        ap.error("--tier slow (HF against real SGLang and vLLM) is not built yet; the fast tier is HF against HF")
+        from fuzz.catalog import ENGINE_KINDS
+        if a.models != MODELS:
+            ap.error("--models: the slow tier runs the trained tiny Llama only (its EAGLE-3 draft is trained)")
+        if _kinds_given(argv):
+            off = [k for k in a.kinds if k not in ENGINE_KINDS]
+            if off:
+                ap.error(f"--tier slow injects {', '.join(ENGINE_KINDS)} on the engine side, not {', '.join(off)}")
+        else:
+            a.kinds = tuple(ENGINE_KINDS)
+        import importlib.util
+        if any(importlib.util.find_spec(m) is None for m in ("sglang", "torch", "transformers")):
+            ap.error("--tier slow runs real SGLang on the CPU: sglang, torch and transformers must be installed "
+                     "(scripts/install-sglang-cpu.sh)")
     return a
+
+
+def _kinds_given(argv: list[str] | None) -> bool:
+    return any(x == "--kinds" or x.startswith("--kinds=") for x in (sys.argv[1:] if argv is None else argv))
 
 
 def _depth(r: dict[str, Any]) -> str:
@@ -186,8 +206,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    from fuzz import engine as E
     from fuzz import scenario as S
     torch.set_num_threads(1)   # tiny models: threads only contend
+    engine = E.Engine() if a.tier == "slow" else None
     seed = a.seed if a.seed is not None else int(time.time() * 1000) % 10**9
     results: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -198,19 +220,28 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     with Progress(*cols, disable=a.no_progress, transient=True) as bar:
         task = bar.add_task("", total=a.n)
         for i in range(a.n):
-            sc = S.draw(seed + i, a.kinds, a.models)
-            r = S.as_dict(S.execute(sc))
+            if engine is not None:
+                esc = E.draw(seed + i, a.kinds)
+                kind, where = esc.kind, "SGLang"
+                r = S.as_dict(engine.execute(esc))
+            else:
+                sc = S.draw(seed + i, a.kinds, a.models)
+                kind, where = sc.kind, sc.model
+                r = S.as_dict(S.execute(sc))
             results.append(r)
             miss = sum(x["miss"] for x in results)
-            bar.update(task, advance=1, description=f"{sc.kind} on {sc.model}; misses {miss}")
+            bar.update(task, advance=1, description=f"{kind} on {where}; misses {miss}")
             if a.json and (i + 1) % 50 == 0 and i + 1 < a.n:   # a long run killed early keeps what it judged
                 Path(a.json).write_text(json.dumps(_finite({"partial": True, "seed": seed, "results": results})) + "\n")
+    if engine is not None:
+        engine.close()
     s = summarise(results)
     print_tables(s, results, f"seeds {seed}..{seed + a.n - 1}")
     seconds = time.monotonic() - t0
     print(f"\n{a.n} scenarios in {seconds:.0f} s at commit {_commit()}; load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     doc = {**s, "seed": seed, "n": a.n, "kinds": list(a.kinds), "models": list(a.models), "tier": a.tier,
            "commit": _commit(), "load": [load0, os.getloadavg()[0]], "seconds": seconds,
+           "engine_runs": engine.engine_runs if engine is not None else 0,
            "miss_seeds": [r["seed"] for r in results if r["miss"]], "results": results}
     if a.json:
         Path(a.json).write_text(json.dumps(_finite(doc), indent=1) + "\n")

@@ -62,7 +62,8 @@ def test_fast_tier_misses_only_known_limits(tmp_path, capsys):
     (["--kinds", "weight_scale,nope"], "unknown kind nope"),
     (["--models", "gpt5"], "unknown model gpt5"),
     (["--n", "0"], "--n must be at least 1"),
-    (["--tier", "slow"], "not built yet"),
+    (["--tier", "slow", "--kinds", "mask_lost"], "--tier slow injects"),
+    (["--tier", "slow", "--models", "qwen3"], "trained tiny Llama only"),
     (["--json", "/nonexistent/dir/f.json"], "does not exist"),
     (["--report", "/nonexistent.json"], "not a fuzz_verdicts --json file"),
 ])

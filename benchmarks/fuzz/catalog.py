@@ -20,3 +20,14 @@ KNOB = {"weight_scale", "weight_noise", "weight_stale", "tp_shard", "rope_theta"
         "activation", "residual", "norm_placement", "norm_before_pack", "mixed_state"}
 CAPPED = {"activation", "residual", "norm_placement", "norm_before_pack", "mixed_state"}
 START = {"norm_eps": 1e-3, "rope_theta": 1e-2}   # the first magnitude tried (default 1e-2)
+
+#: the slow tier's kinds (benchmarks/fuzz/engine.py), injected on the engine side of a real SGLang run:
+#: kind -> the log-uniform range of its magnitude (None: as it is)
+ENGINE_KINDS: dict[str, tuple[float, float] | None] = {
+    "none": None,
+    "weight_scale": (3e-3, 0.5),     # one projection of layer k of the served checkpoint times (1 + m)
+    "weight_noise": (3e-3, 0.5),     # one projection + m std(W) N(0, 1)
+    "rope_theta": (1e-3, 1.0),       # theta (1 + m) in the served config
+    "norm_eps": (1e-4, 0.3),         # rms_norm_eps = m in the served config (every norm)
+    "aux_ids": None,                 # the served draft's aux ids one lower: one boundary earlier
+}
