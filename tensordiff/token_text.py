@@ -74,7 +74,11 @@ def load(directory: str) -> TokenText:
     except Exception as e:  # noqa: BLE001 - whatever transformers raises on a bad directory
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--tokenizer {directory}: not a tokenizer directory ({first[:200]})") from None
-    return TokenText(lambda i: tok.decode([i], skip_special_tokens=False), directory)
+
+    def decode(i: int) -> str:
+        s = tok.decode([i], skip_special_tokens=False)
+        return s if isinstance(s, str) else "".join(s)   # one id decodes to one string
+    return TokenText(decode, directory)
 
 
 def resolve(tokenizer: str | None, model_dirs: Iterable[str | None] = ()) -> TokenText | None:
@@ -100,11 +104,13 @@ def _try_load(directory: str) -> TokenText | None:
 
 def recorded_model_dirs(*paths: str) -> list[str]:
     """The model directories the traces record (``model.path``), in the order given."""
+    from contextlib import closing
+
     from .traceset import open_trace
 
-    def recorded(p: str):
+    def recorded(p: str) -> object:
         try:
-            with open_trace(p) as r:  # a file or a trace set
+            with closing(open_trace(p)) as r:  # a file or a trace set
                 return r.model.get("path")
         except Exception:  # noqa: BLE001 - the diff reports a bad trace itself, in its own words
             return None
