@@ -24,7 +24,7 @@ class TokenText:
     def __init__(self, decode: Callable[[int], str], source: str):
         self._decode = decode
         self.source = source
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, str | None] = {}
 
     def raw(self, token: int) -> str | None:
         """The decoded text of one token id, or None when the tokenizer has no such id."""
@@ -33,7 +33,7 @@ class TokenText:
             try:
                 self._cache[token] = self._decode(token)
             except Exception:  # noqa: BLE001 - an id out of the vocabulary, or a tokenizer that cannot decode it
-                self._cache[token] = None  # type: ignore[assignment]
+                self._cache[token] = None
         return self._cache[token]
 
     def __call__(self, token: int | None) -> str:
