@@ -104,13 +104,11 @@ def _try_load(directory: str) -> TokenText | None:
 
 def recorded_model_dirs(*paths: str) -> list[str]:
     """The model directories the traces record (``model.path``), in the order given."""
-    from contextlib import closing
-
     from .traceset import open_trace
 
     def recorded(p: str) -> object:
         try:
-            with closing(open_trace(p)) as r:  # a file or a trace set
+            with open_trace(p) as r:  # a file or a trace set
                 return r.model.get("path")
         except Exception:  # noqa: BLE001 - the diff reports a bad trace itself, in its own words
             return None
