@@ -22,6 +22,7 @@ from ..safety import guard_console, guarded, sanitize_record, sanitize_tree
 
 if TYPE_CHECKING:
     from ..token_text import TokenText
+    from ..trace.reader import TraceSummary
 
 
 def diff_schema() -> dict[str, Any]:
@@ -282,12 +283,12 @@ def _print_diff(res: DiffResult, console: Console, max_findings: int, worst: int
         console.print(t)
 
 
-def print_info(s: Mapping[str, Any], console: Console) -> None:
+def print_info(s: TraceSummary, console: Console) -> None:
     s = sanitize_tree(s)  # strings from the file made safe to print
     m = s["model"]
     console.print(Text(f"{s['path']}: tensordiff trace v{s['schema']}, side {s['side']}", style="bold"))
-    if s.get("recovered"):
-        console.print(Text(s["recovered"], style="yellow"))
+    if recovered := s.get("recovered"):
+        console.print(Text(recovered, style="yellow"))
     console.print(f"producer: {s['producer'] or '-'}   created: {s['created'] or '-'}   complete: {s['complete']}")
     console.print("model: " + (", ".join(f"{k}={v}" for k, v in m.items()) or "-"))
     if s["versions"]:
@@ -307,8 +308,8 @@ def print_info(s: Mapping[str, Any], console: Console) -> None:
     for col in ("name", "kind", "state / slots", "shape", "dtype", "stored", "role"):
         t.add_column(col)
     for e in s["tensors"]:
-        if e.get("slot_labels"):
-            st = "[" + ", ".join(e["slot_labels"]) + "]"
+        if labels := e.get("slot_labels"):
+            st = "[" + ", ".join(labels) + "]"
             if e.get("raw_ids") is not None:
                 st += f" ids {e['raw_ids']}"
             if e.get("convention"):

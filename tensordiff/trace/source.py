@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from .reads import Pieces
+    from .reader import TraceSummary
 
 
 class Part(Protocol):
@@ -193,7 +194,7 @@ class TraceSource(Protocol):
         """Every replica comparison, in this process."""
         ...
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> TraceSummary:
         """Everything ``tensordiff info`` shows, as plain data."""
         ...
 
