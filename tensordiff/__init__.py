@@ -10,7 +10,7 @@ torch; only the TUI imports textual.
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     # `import tensordiff` stays light: the loop (and torch, when it records) loads on first use.
     # By name, not an import statement: every module imports this package (for __version__), and
     # the package itself sits in no layer of the import contracts

@@ -16,11 +16,19 @@ import math
 import os
 import re
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from . import __version__
 from .errors import TensordiffError, UsageError
+
+if TYPE_CHECKING:
+    from .diff import DiffOptions
+    from .findings import DiffResult
+    from .progress import Progress
+    from .token_text import TokenText
+    from .trace import TraceSource
 
 EXIT_OK, EXIT_DIVERGENCE, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 EXIT_CODES = ("exit codes: 0 agree (every paired tensor compared, none diverges), 1 divergence found, 2 bad input or "
@@ -30,7 +38,7 @@ EXIT_CODES_STRICT = EXIT_CODES.replace("1 divergence found", "1 divergence found
                                        "not compared; 0 with --allow-incomplete)")
 
 
-def jsonable(x):
+def jsonable(x: object) -> object:
     """NaN/Inf are not JSON: they become null (counts of them are reported separately)."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
@@ -43,25 +51,26 @@ def jsonable(x):
     return x
 
 
-def _print_json(obj) -> None:
+def _print_json(obj: object) -> None:
     sys.stdout.write(json.dumps(jsonable(obj), indent=2) + "\n")
 
 
 @contextmanager
-def progress_bar(enabled: bool):
+def progress_bar(enabled: bool) -> Iterator[Progress | None]:
     """A rich progress bar on stderr when it is a terminal; a no-op callback otherwise."""
     if not enabled or not sys.stderr.isatty():
         yield None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, TaskID, TextColumn, TimeRemainingColumn
+    from rich.progress import Progress as Bar
 
     from .fmt import progress_unit
 
-    prog = Progress(TextColumn("{task.description}"), BarColumn(),
+    prog = Bar(TextColumn("{task.description}"), BarColumn(),
                     TextColumn("{task.completed}/{task.total} {task.fields[unit]}"),
                     TimeRemainingColumn(), console=Console(file=sys.stderr), transient=True)
-    tasks: dict[str, int] = {}
+    tasks: dict[str, TaskID] = {}
 
     def update(stage: str, done: int, total: int) -> None:
         if stage not in tasks:
@@ -75,7 +84,7 @@ def progress_bar(enabled: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-def cmd_info(args) -> int:
+def cmd_info(args: argparse.Namespace) -> int:
     from .report.text import make_console, print_info
     from .trace import probe
 
@@ -94,7 +103,7 @@ def cmd_info(args) -> int:
     return EXIT_OK
 
 
-def _diff_options(args, summary_path=None):
+def _diff_options(args: argparse.Namespace, summary_path: str | None = None) -> DiffOptions:
     from .diff import DiffOptions
     from .tolerances import tolerance_book
 
@@ -110,7 +119,7 @@ def _diff_options(args, summary_path=None):
 _nothing_left = False
 
 
-def cmd_diff(args) -> int:
+def cmd_diff(args: argparse.Namespace) -> int:
     global _nothing_left
     if args.tui:
         return cmd_tui(args)
@@ -146,7 +155,7 @@ def finish(code: int) -> NoReturn:
     sys.exit(code)
 
 
-def _run_diff(args) -> int:
+def _run_diff(args: argparse.Namespace) -> int:
     from .diff import diff_sources, open_pair
 
     opts = _diff_options(args, args.summary)
@@ -179,20 +188,20 @@ def _run_diff(args) -> int:
     return res.exit_code
 
 
-def _swapped_hint(res, command: str) -> None:
+def _swapped_hint(res: DiffResult, command: str) -> None:
     if res.side_a == "serve" and res.side_b == "train":
         sys.stderr.write(f"tensordiff: hint: A is the serve trace and B the train trace; A should be the reference "
                          f"(usually train): tensordiff {command} {res.path_b} {res.path_a}\n")
 
 
-def _model_dirs(*traces) -> list[str]:
+def _model_dirs(*traces: TraceSource) -> list[str]:
     """The model directories open traces record (``model.path``), in the order given (what
     :func:`tensordiff.token_text.recorded_model_dirs` reads by opening the files again)."""
     dirs = [t.model.get("path") if isinstance(t.model, dict) else None for t in traces]
     return [d for d in dirs if isinstance(d, str) and d]
 
 
-def _token_text(args, res, model_dirs: list[str] | None = None):
+def _token_text(args: argparse.Namespace, res: DiffResult, model_dirs: list[str] | None = None) -> TokenText | None:
     """--tokenizer DIR, else the model directory a trace records (when it has a tokenizer);
     ``model_dirs``: those of the diff's own open traces (else the files are opened again)."""
     from .token_text import recorded_model_dirs, resolve
@@ -210,7 +219,7 @@ def _stdout_to_devnull() -> None:
         pass
 
 
-def cmd_report(args) -> int:
+def cmd_report(args: argparse.Namespace) -> int:
     """The HTML report: one self-contained file (docs/report.md)."""
     from .safety import check_output_path
     from .trace.probe import run_watched
@@ -223,7 +232,7 @@ def cmd_report(args) -> int:
     return run_watched(inputs, lambda: _run_report(args))
 
 
-def _run_report(args) -> int:
+def _run_report(args: argparse.Namespace) -> int:
     from .report.html import make_report
 
     res = make_report(args.a, args.b, args.out, _diff_options(args), tokenizer=args.tokenizer)
@@ -232,7 +241,7 @@ def _run_report(args) -> int:
     return res.exit_code
 
 
-def cmd_weights(args) -> int:
+def cmd_weights(args: argparse.Namespace) -> int:
     """Compare two checkpoints (or fingerprints) parameter by parameter; or write fingerprints."""
     from . import weights
     from .safety import check_output_path
@@ -252,7 +261,7 @@ def cmd_weights(args) -> int:
     return res.exit_code
 
 
-def cmd_triage(args) -> int:
+def cmd_triage(args: argparse.Namespace) -> int:
     from .trace.probe import run_watched
     from .traceset import trace_paths
 
@@ -272,7 +281,7 @@ def cmd_triage(args) -> int:
     return run_watched(inputs, lambda: _run_triage(args))
 
 
-def _run_triage(args) -> int:
+def _run_triage(args: argparse.Namespace) -> int:
     from .triage import triage
 
     t = triage(args.train, args.rollout, args.prefill)
@@ -300,7 +309,7 @@ def _run_triage(args) -> int:
     return t.exit_code
 
 
-def cmd_calibrate(args) -> int:
+def cmd_calibrate(args: argparse.Namespace) -> int:
     """Diff a noise-floor pair (same wiring, honest numeric differences) and write tolerances."""
     from .safety import check_output_path
     from .trace.probe import run_watched
@@ -311,7 +320,7 @@ def cmd_calibrate(args) -> int:
     return run_watched(inputs, lambda: _run_calibrate(args))   # one open per file, watched (as the diff)
 
 
-def _run_calibrate(args) -> int:
+def _run_calibrate(args: argparse.Namespace) -> int:
     from .diff import DiffOptions, diff_traces
     from .tolerances import calibrate, calibration_file, measuring_book
 
@@ -343,7 +352,7 @@ def _check_terminal() -> None:
                              "text report, or `tensordiff tui A B --screenshot OUT.svg`")
 
 
-def cmd_tui(args) -> int:
+def cmd_tui(args: argparse.Namespace) -> int:
     if not getattr(args, "screenshot", None):
         _check_terminal()   # before any trace is read: a CI job that runs the TUI fails at once
     try:
@@ -377,7 +386,7 @@ def cmd_tui(args) -> int:
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit 2) like every other bad input."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
@@ -402,7 +411,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(func=cmd_info)
 
-    def diff_args(d):
+    def diff_args(d: argparse.ArgumentParser) -> None:
         d.add_argument("a", metavar="A", help="reference trace (what was expected; usually the train side)")
         d.add_argument("b", metavar="B", help="trace under test (usually the serve side)")
         d.add_argument("--tol", action="append", metavar="RULE",
@@ -416,7 +425,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         d.add_argument("--tokenizer", metavar="DIR", help="show token text with this tokenizer (default: the model "
                                                           "directory a trace records, when it has one)")
 
-    def require_complete(p):
+    def require_complete(p: argparse.ArgumentParser) -> None:
         p.add_argument("--require-complete", action="store_true",
                        help="exit 1 when some paired tensor could not be compared (verdict incomplete): the "
                             "default, and it wins over --allow-incomplete where both are given (a CI wrapper that "
@@ -562,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help, --version
         return EXIT_BAD_INPUT if e.code not in (0, None) else EXIT_OK
     try:
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except TensordiffError as e:
         return _fail(str(e), type(e).__name__, as_json)
     except KeyboardInterrupt:
@@ -661,7 +671,7 @@ def _usage_hint(parser: argparse.ArgumentParser, argv: list[str], msg: str) -> s
     while True:   # record train / record serve
         nested = next((a for a in target._actions if isinstance(a, argparse._SubParsersAction)), None)
         nxt = next((x for x in argv if nested is not None and x in nested.choices), None)
-        if nxt is None:
+        if nxt is None or nested is None:
             break
         target = nested.choices[nxt]
     # compared without their dashes: every flag shares "--", which made --bogus "close" to --out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from .vocab import FINAL_NORM, boundary_label, parse_label
 
@@ -407,7 +408,7 @@ def permutation_note(expected: Sequence[str], actual: Sequence[str]) -> str | No
     if expected == actual or sorted(expected) != sorted(actual):
         return None
 
-    def rank(lab: str) -> tuple:
+    def rank(lab: str) -> tuple[bool, int]:
         from .vocab import parse_label
         b = parse_label(lab)
         return (b is None, b if b is not None else 0)
@@ -418,7 +419,7 @@ def permutation_note(expected: Sequence[str], actual: Sequence[str]) -> str | No
     return f"slots permuted: [{', '.join(actual)}] holds the states of [{', '.join(expected)}] in another order"
 
 
-def draft_config_notes(engine: str, draft_config: dict, num_layers: int | None = None) -> list[str]:
+def draft_config_notes(engine: str, draft_config: dict[str, Any], num_layers: int | None = None) -> list[str]:
     """Keys of an EAGLE-3 draft config that ``engine`` ignores, one line each.
 
     engine ``vllm`` (V1 model runner, 0.32 ``_get_eagle3_aux_layers_from_config``): reads the
@@ -432,10 +433,14 @@ def draft_config_notes(engine: str, draft_config: dict, num_layers: int | None =
         return []
     key = "eagle_aux_hidden_state_layer_ids"
     top = draft_config.get(key) or None
-    ec = draft_config.get("eagle_config") if isinstance(draft_config.get("eagle_config"), dict) else {}
+    ec = draft_config.get("eagle_config")
+    if not isinstance(ec, dict):
+        ec = {}
     nested = ec.get(key) or None
     layer_ids = ec.get("layer_ids") or None
-    df = draft_config.get("dflash_config") if isinstance(draft_config.get("dflash_config"), dict) else {}
+    df = draft_config.get("dflash_config")
+    if not isinstance(df, dict):
+        df = {}
     dflash = [int(i) + 1 for i in (df.get("target_layer_ids") or [])] or None
     default = f"the default {default_eagle_boundaries(num_layers)}" if num_layers else "the default (2, N//2, N-3)"
     notes: list[str] = []

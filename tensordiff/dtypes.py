@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 LOGICAL_DTYPES = ("bfloat16", "float16", "float32", "float64")
-_STORAGE = {
+_STORAGE: dict[str, np.dtype] = {
     "bfloat16": np.dtype("<u2"),
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),

@@ -16,6 +16,7 @@ built; :func:`use_numpy` switches the sums and the top-k at run time (the tests 
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from types import ModuleType
@@ -25,7 +26,7 @@ import numpy as np
 
 _compiled: ModuleType | None
 try:
-    from . import _kernels as _compiled
+    _compiled = importlib.import_module("._kernels", __package__)
 except ImportError:  # built without a C compiler, or a source checkout never built
     _compiled = None
 
@@ -73,7 +74,9 @@ def _lane_sums(v: np.ndarray) -> np.ndarray:
     pad = (-w) % LANES
     if pad:
         v = np.concatenate([v, np.zeros(v.shape[:-1] + (pad,), np.float64)], axis=-1)
-    v = v.reshape(v.shape[:-1] + (-1, LANES))
+    shape: tuple[int, ...] = v.shape[:-1] + (-1, LANES)
+    v = v.reshape(shape)
+    s: np.ndarray
     if v.shape[-2] == 0:
         s = np.zeros(v.shape[:-2] + (LANES,), np.float64)
     else:

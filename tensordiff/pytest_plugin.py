@@ -16,9 +16,19 @@ imported when the fixture is first used.
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable, Generator, Iterable
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from _pytest._code.code import TracebackEntry
+    from pluggy import Result
+
+    from .findings import DiffResult
+    from .testing import Tol
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -33,7 +43,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture
-def assert_traces_agree(pytestconfig: pytest.Config):
+def assert_traces_agree(pytestconfig: pytest.Config) -> Callable[..., DiffResult]:
     """``assert_traces_agree(a, b, tol=..., allow=..., calibration=...)`` with the ini defaults."""
     from . import testing
 
@@ -43,7 +53,9 @@ def assert_traces_agree(pytestconfig: pytest.Config):
     ini_cal = pytestconfig.getini("tensordiff_calibration") or None
     ini_incomplete = bool(pytestconfig.getini("tensordiff_allow_incomplete"))
 
-    def check(a, b, *, tol=None, allow=(), calibration=None, max_findings: int = 5, allow_incomplete=None):
+    def check(a: str | os.PathLike[str], b: str | os.PathLike[str], *, tol: Tol = None,
+              allow: Iterable[str] | str = (), calibration: str | os.PathLike[str] | None = None,
+              max_findings: int = 5, allow_incomplete: bool | None = None) -> DiffResult:
         if tol is None or isinstance(tol, (str, dict, list, tuple)):
             # the call's rules first: the first rule that matches a tensor wins
             given = [tol] if isinstance(tol, str) else (
@@ -58,7 +70,8 @@ def assert_traces_agree(pytestconfig: pytest.Config):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, Result[pytest.TestReport], None]:
     outcome = yield
     testing = sys.modules.get("tensordiff.testing")
     if testing is None or call.excinfo is None:
@@ -84,7 +97,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report.longrepr = f"{where}{words}"
 
 
-def _raised_by_tensordiff(tb) -> bool:
+def _raised_by_tensordiff(tb: Iterable[TracebackEntry]) -> bool:
     """Whether the error came out of ``assert_traces_agree`` (a test's own use of tensordiff's
     classes keeps pytest's report)."""
     return any(entry.frame.code.name in ("assert_traces_agree", "check") and "tensordiff" in str(entry.path)

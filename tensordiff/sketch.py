@@ -33,7 +33,7 @@ def sketch_np(x: np.ndarray, slot_width: int, dim: int = DEFAULT_SKETCH_DIM,
     k = width // slot_width
     r = projection(slot_width, dim, seed)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf rows stay NaN/Inf: a finding, not a warning
-        out = x.reshape(n, k, slot_width) @ r  # [n, k, dim]
+        out: np.ndarray = x.reshape(n, k, slot_width) @ r  # [n, k, dim]
     return out.reshape(n, k * dim).astype(np.float32, copy=False)
 
 
@@ -48,5 +48,5 @@ def sketch_rows(x: np.ndarray, slot_width: int, dim: int = DEFAULT_SKETCH_DIM,
     k = width // slot_width
     r = projection(slot_width, dim, seed)
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf rows stay NaN/Inf: a finding, not a warning
-        out = np.asarray(x, dtype=np.float32).reshape(n * k, slot_width) @ r  # [n*k, dim]
+        out: np.ndarray = np.asarray(x, dtype=np.float32).reshape(n * k, slot_width) @ r  # [n*k, dim]
     return out.reshape(n, k * dim)

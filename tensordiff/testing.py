@@ -19,13 +19,17 @@ failure through). Bad input (a damaged trace, traces that cannot be compared) ra
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeAlias
 
 from .diff import DiffOptions, diff_traces
 from .findings import DiffResult, Finding
-from .tolerances import ToleranceBook, tolerance_book
+from .tolerances import Rule, ToleranceBook, tolerance_book
 
 __all__ = ["TracesDisagree", "assert_traces_agree", "failure_message"]
+
+#: what ``tol`` takes: a book, one ``--tol`` string, NAME -> (min_cos, max_rel), or rules in order
+Tol: TypeAlias = "ToleranceBook | str | Mapping[str, Sequence[float]] | Iterable[Rule] | None"
 
 
 class TracesDisagree(AssertionError):
@@ -53,7 +57,7 @@ def failure_message(res: DiffResult, divergences: list[Finding], max_findings: i
     return "\n".join(lines)
 
 
-def _book(tol, calibration: str | None, allow) -> ToleranceBook:
+def _book(tol: Tol, calibration: str | os.PathLike[str] | None, allow: Iterable[str] | str) -> ToleranceBook:
     """The CLI's rules: ``--tol`` strings (or a TOML file) and ``(pattern, (min_cos, max_rel))``
     items in order (the first rule that matches wins), then ``--allow-failed`` patterns."""
     allowed = [allow] if isinstance(allow, str) else list(allow)
@@ -63,11 +67,13 @@ def _book(tol, calibration: str | None, allow) -> ToleranceBook:
             book.load_calibration(os.fspath(calibration))
         book.allow_failed += allowed
         return book
-    items = [] if tol is None else [tol] if isinstance(tol, str) else list(tol.items()) if isinstance(tol, Mapping) else list(tol)
+    items: list[Rule] = ([] if tol is None else [tol] if isinstance(tol, str)
+                         else list(tol.items()) if isinstance(tol, Mapping) else list(tol))
     return tolerance_book(items, allow_failed=allowed, calibration=calibration)
 
 
-def assert_traces_agree(a, b, *, tol=None, allow: Iterable[str] | str = (), calibration=None,
+def assert_traces_agree(a: str | os.PathLike[str], b: str | os.PathLike[str], *, tol: Tol = None,
+                        allow: Iterable[str] | str = (), calibration: str | os.PathLike[str] | None = None,
                         max_findings: int = 5, allow_incomplete: bool = False) -> DiffResult:
     """Diff trace ``a`` (the reference) against ``b``; raise :class:`TracesDisagree` on a
     divergence that ``allow`` does not cover, and when some paired tensor could not be compared

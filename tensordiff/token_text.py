@@ -24,7 +24,7 @@ class TokenText:
     def __init__(self, decode: Callable[[int], str], source: str):
         self._decode = decode
         self.source = source
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, str | None] = {}
 
     def raw(self, token: int) -> str | None:
         """The decoded text of one token id, or None when the tokenizer has no such id."""
@@ -33,7 +33,7 @@ class TokenText:
             try:
                 self._cache[token] = self._decode(token)
             except Exception:  # noqa: BLE001 - an id out of the vocabulary, or a tokenizer that cannot decode it
-                self._cache[token] = None  # type: ignore[assignment]
+                self._cache[token] = None
         return self._cache[token]
 
     def __call__(self, token: int | None) -> str:
@@ -74,7 +74,11 @@ def load(directory: str) -> TokenText:
     except Exception as e:  # noqa: BLE001 - whatever transformers raises on a bad directory
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--tokenizer {directory}: not a tokenizer directory ({first[:200]})") from None
-    return TokenText(lambda i: tok.decode([i], skip_special_tokens=False), directory)
+
+    def decode(i: int) -> str:
+        s = tok.decode([i], skip_special_tokens=False)
+        return s if isinstance(s, str) else "".join(s)   # one id decodes to one string
+    return TokenText(decode, directory)
 
 
 def resolve(tokenizer: str | None, model_dirs: Iterable[str | None] = ()) -> TokenText | None:
@@ -102,7 +106,7 @@ def recorded_model_dirs(*paths: str) -> list[str]:
     """The model directories the traces record (``model.path``), in the order given."""
     from .traceset import open_trace
 
-    def recorded(p: str):
+    def recorded(p: str) -> object:
         try:
             with open_trace(p) as r:  # a file or a trace set
                 return r.model.get("path")

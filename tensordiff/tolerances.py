@@ -233,11 +233,11 @@ def allow_failed(findings: Sequence[Finding], pairs: Sequence[Any], patterns: Se
                              f"{', '.join(dict.fromkeys(names)) or 'none'})")
     out = []
     for f in findings:
-        pat = None
+        hit: str | None = None
         if f.severity == Severity.DIVERGENCE and f.tensor is not None:
             keys = [f.tensor] + ([f"{f.tensor}[{f.slot}]"] if f.slot is not None else [])
-            pat = next((p for p in patterns if any(pattern_matcher(p)(k) for k in keys)), None)
-        out.append(f if pat is None else replace(f, text=f"{ALLOWED_PREFIX} {pat!r}: {f.message}",
+            hit = next((p for p in patterns if any(pattern_matcher(p)(k) for k in keys)), None)
+        out.append(f if hit is None else replace(f, text=f"{ALLOWED_PREFIX} {hit!r}: {f.message}",
                                                  severity=Severity.WARNING))
     return out
 

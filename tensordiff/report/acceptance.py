@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypedDict
+
+from rich.box import Box
 from rich.console import Console
 from rich.table import Table
 
@@ -14,15 +18,28 @@ from ..fmt import number, percent
 KL = "KL(target || draft) >="
 
 
-def _table(console: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+class TableStyle(TypedDict, total=False):
+    """The keywords of a rich ``Table`` that its compact form sets."""
+
+    box: Box | None
+    padding: tuple[int, int]
+    collapse_padding: bool
+    header_style: str
+
+
+#: a table without a box, one space between columns: the form a table takes where its boxed one is too wide
+COMPACT: TableStyle = {"box": None, "padding": (0, 1), "collapse_padding": True, "header_style": "bold"}
+BOXED: TableStyle = {}
+
+
+def _table(console: Console, title: str, cols: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> Table:
     """The table, boxed where it fits the console, else without a box: a header is then wrapped by
     words, never cut."""
     from rich.measure import Measurement
 
     for compact in (False, True):
         t = Table(title=title, title_justify="left", show_edge=False,
-                  **({"box": None, "padding": (0, 1), "collapse_padding": True, "header_style": "bold"}
-                     if compact else {}))
+                  **(COMPACT if compact else BOXED))
         for col in cols:
             t.add_column(col)
         for r in rows:
@@ -39,8 +56,9 @@ def print_acceptance(res: DiffResult, console: Console) -> None:
         return
     d = f.details
     if d.per_position:
-        rows = [(str(p["position"]), str(p["reached"]), str(p["accepted"]), percent(p["rate"]), percent(p["top1"]),
-                 number(p["target_logprob"]), percent(p.get("overlap")), number(p.get("kl_lb"))) for p in d.per_position]
+        rows: list[tuple[str, ...]] = [
+            (str(p["position"]), str(p["reached"]), str(p["accepted"]), percent(p["rate"]), percent(p["top1"]),
+             number(p["target_logprob"]), percent(p.get("overlap")), number(p.get("kl_lb"))) for p in d.per_position]
         console.print(_table(console, f"acceptance by draft position ({d.side}: {d.steps} verify steps, mean acceptance "
                                       f"length {number(d.accept_length)})",
                              ("draft position", "steps reaching it", "accepted", "rate", "top-1 = target",

@@ -19,6 +19,8 @@ import struct
 import time
 import zlib
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, SupportsFloat
 
 import numpy as np
 
@@ -33,6 +35,9 @@ from ..summary import (  # the TUI's column order
     read_columns,
 )
 from . import opgraph
+
+if TYPE_CHECKING:
+    from ..diff import DiffOptions
 
 # ----------------------------------------------------------------------------------------------
 # PNG (8-bit RGB, no interlace), with zlib and struct only
@@ -66,9 +71,10 @@ REL_LO, REL_HI = -6.0, 1.0                            # log10 of the relative er
 CELL_W = 14                                           # pixels per column (1 of them a gap)
 
 
-def _ramp(lo: tuple, hi: tuple, t: np.ndarray) -> np.ndarray:
+def _ramp(lo: tuple[int, int, int], hi: tuple[int, int, int], t: np.ndarray) -> np.ndarray:
     a, b = np.array(lo, np.float64), np.array(hi, np.float64)
-    return np.rint(a + (b - a) * t[..., None]).astype(np.uint8)
+    rgb: np.ndarray = np.rint(a + (b - a) * t[..., None]).astype(np.uint8)
+    return rgb
 
 
 def heatmap_bins(summary: SummaryReader, columns: list[int], max_rows: int = 480,
@@ -154,11 +160,11 @@ th { background: #f6f8fa; } td.num { text-align: right; white-space: nowrap; }
 _MARK = {"divergence": "✗", "warning": "!", "info": "·"}
 
 
-def _e(x) -> str:
+def _e(x: object) -> str:
     return html.escape("" if x is None else str(x), quote=True)
 
 
-def _one_minus(cos, approx: bool = False) -> str:
+def _one_minus(cos: SupportsFloat | str | None, approx: bool = False) -> str:
     """A cosine as ``1 - cos`` (the report's one convention for cosines)."""
     if cos is None:
         return "-"
@@ -169,7 +175,7 @@ def _one_minus(cos, approx: bool = False) -> str:
     return _num(v if math.isnan(v) else max(0.0, 1.0 - v), approx=approx)
 
 
-def _num(x, nd: int = 4, approx: bool = False) -> str:
+def _num(x: SupportsFloat | str | None, nd: int = 4, approx: bool = False) -> str:
     if x is None:
         return "-"
     try:
@@ -187,11 +193,11 @@ def _num(x, nd: int = 4, approx: bool = False) -> str:
     return ("≈" + s) if approx else s
 
 
-def _rgb_css(c: tuple) -> str:
+def _rgb_css(c: tuple[int, int, int]) -> str:
     return f"#{c[0]:02x}{c[1]:02x}{c[2]:02x}"
 
 
-def _table(head: list[str], rows: list[list[str]], num_cols: set[int] = frozenset()) -> str:
+def _table(head: list[str], rows: list[list[str]], num_cols: AbstractSet[int] = frozenset()) -> str:
     out = ["<table><thead><tr>", *(f"<th>{h}</th>" for h in head), "</tr></thead><tbody>"]
     for r in rows:
         out.append("<tr>" + "".join(f'<td class="num">{c}</td>' if i in num_cols else f"<td>{c}</td>"
@@ -213,7 +219,7 @@ def _where(f: Finding, text: Callable[[int | None], str] | None) -> str:
     return s + f", regime {_e(regime_words(f.regime, f.regime_a))}"
 
 
-def _heatmap_section(res: DiffResult, summary: SummaryReader | None, text) -> str:
+def _heatmap_section(res: DiffResult, summary: SummaryReader | None, text: Callable[[int | None], str] | None) -> str:
     if summary is None or summary.n == 0 or not summary.columns:
         return '<p class="note">no per-token summary (nothing aligned)</p>'
 
@@ -254,7 +260,7 @@ def _heatmap_section(res: DiffResult, summary: SummaryReader | None, text) -> st
             f'<p class="legend note">{legend}</p><p class="note">{binned}; columns in forward order.</p>')
 
 
-def _bar(frac) -> str:
+def _bar(frac: SupportsFloat | None) -> str:
     """A bar filled to ``frac`` (0..1) beside its percentage; green from one half, red below."""
     if frac is None:
         return "-"
@@ -419,11 +425,12 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
     return "".join(parts)
 
 
-def write_html(res: DiffResult, out: str, summary_path: str | None = None, **kw) -> str:
+def write_html(res: DiffResult, out: str, summary_path: str | None = None, *,
+               token_text: Callable[[int | None], str] | None = None, max_findings: int = 200, worst: int = 20) -> str:
     """Write the report to ``out`` (reading the per-token summary at ``summary_path``, if any)."""
     summary = SummaryReader(summary_path) if summary_path else None
     try:
-        doc = render_html(res, summary, **kw)
+        doc = render_html(res, summary, token_text=token_text, max_findings=max_findings, worst=worst)
     finally:
         if summary is not None:
             summary.close()
@@ -435,7 +442,8 @@ def write_html(res: DiffResult, out: str, summary_path: str | None = None, **kw)
     return out
 
 
-def make_report(path_a: str, path_b: str, out: str, options=None, *, tokenizer: str | None = None) -> DiffResult:
+def make_report(path_a: str, path_b: str, out: str, options: DiffOptions | None = None, *,
+                tokenizer: str | None = None) -> DiffResult:
     """Diff two traces and write the HTML report (``tensordiff report A B -o OUT``): the per-token
     summary goes to a temporary file, removed afterwards. Token text from ``tokenizer`` (a
     directory) or from the model directory a trace records, when it has a tokenizer."""

@@ -6,22 +6,30 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable, Mapping
 from importlib import resources
+from typing import IO, TYPE_CHECKING, Any, TextIO, cast
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..findings import DiffResult, Severity, regime_words
+from ..findings import DiffResult, Finding, RegimeStats, Severity, regime_words
 from ..fmt import SEVERITY_GLYPH, number, one_minus_cos
 from . import opgraph
-from .acceptance import print_acceptance
+from .acceptance import BOXED, COMPACT, print_acceptance
 from ..safety import guard_console, guarded, sanitize_record, sanitize_tree
 
+if TYPE_CHECKING:
+    from ..token_text import TokenText
+    from ..trace.reader import TraceSummary
 
-def diff_schema() -> dict:
+
+def diff_schema() -> dict[str, Any]:
     """The JSON Schema of ``tensordiff diff --json`` (shipped as package data; docs/json.md)."""
-    return json.loads((resources.files("tensordiff") / "schemas" / "diff.schema.json").read_text(encoding="utf-8"))
+    path = resources.files("tensordiff") / "schemas" / "diff.schema.json"
+    schema: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return schema
 
 
 class _Console(Console):
@@ -38,7 +46,7 @@ class _TrimmedLines:
     the line break: off a terminal a report is read by ``grep``, ``diff`` and CI logs, where that
     padding is noise. Text after the last line break waits for the next write or :meth:`flush`."""
 
-    def __init__(self, file):
+    def __init__(self, file: TextIO):
         self._file = file
         self._tail = ""
 
@@ -63,28 +71,31 @@ class _TrimmedLines:
 
     @property
     def encoding(self) -> str:
-        return getattr(self._file, "encoding", "utf-8")
+        encoding: str = getattr(self._file, "encoding", "utf-8")
+        return encoding
 
 
-def make_console(file=None) -> Console:
-    file = file or sys.stdout
-    tty = hasattr(file, "isatty") and file.isatty()
-    if not tty:
-        file = _TrimmedLines(file)
+def make_console(file: TextIO | None = None) -> Console:
+    given = file or sys.stdout
+    tty = hasattr(given, "isatty") and given.isatty()
+    # rich types its file as IO[str]; it calls only what _TrimmedLines has (write, flush, isatty,
+    # fileno, encoding)
+    out = given if tty else cast(IO[str], _TrimmedLines(given))
     # rich honours NO_COLOR itself; off a terminal we print plain text at a stable width
     width = None if tty else int(os.environ.get("COLUMNS", "120") or 120)
     # markup and emoji codes off: slot labels like [embed, layer3], paths and user metadata are data,
     # not rich markup (a directory named :smile: stays that name)
-    console = _Console(file=file, width=width, no_color=bool(os.environ.get("NO_COLOR")) or None,
+    console = _Console(file=out, width=width, no_color=bool(os.environ.get("NO_COLOR")) or None,
                        highlight=False, soft_wrap=False, force_terminal=None, markup=False, emoji=False)
-    return guard_console(console)  # no control character from a file reaches the terminal
+    guard_console(console)  # no control character from a file reaches the terminal
+    return console
 
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _sentence(f) -> str:
+def _sentence(f: Finding) -> str:
     """``kind: sentence``, without saying the kind twice when the sentence starts with it (gaps)."""
     return f.message if f.message.startswith(f"{f.kind}:") else f"{f.kind}: {f.message}"
 
@@ -123,7 +134,7 @@ def _slot_lines(res: DiffResult) -> Table:
     return g
 
 
-def _tol_one_minus_cos(tol: dict) -> str:
+def _tol_one_minus_cos(tol: Mapping[str, Any]) -> str:
     """A tolerance's cosine limit as ``1 - cos`` allowed: a floor of 0.99999237 printed as a
     cosine reads "1", as if no error were allowed."""
     return f"{max(0.0, 1.0 - float(tol.get('min_cos', 0))):.2g}"
@@ -132,7 +143,7 @@ def _tol_one_minus_cos(tol: dict) -> str:
 def _tensor_table(res: DiffResult, narrow: bool) -> Table:
     """Per tensor and slot; ``narrow``: name[slot] in one column, short labels, no box."""
     t = Table(title="tensors", title_justify="left", show_edge=False,
-              **({"box": None, "padding": (0, 1), "collapse_padding": True, "header_style": "bold"} if narrow else {}))
+              **(COMPACT if narrow else BOXED))
     sources = {str(tol.get("source")) for p in res.pairs for tol in p.tolerance if tol}
     shared = narrow and len(sources) == 1 and "default" not in sources   # said once, in the header
     tol_head = f"tol 1-cos / rel ({next(iter(sources))})" if shared else "tol 1-cos / rel"
@@ -160,13 +171,13 @@ def _tensor_table(res: DiffResult, narrow: bool) -> Table:
 
 
 def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, worst: int = 10,
-               token_text=None) -> None:
+               token_text: TokenText | None = None) -> None:
     """The text report. Readable at 80 columns: a table that does not fit becomes a compact one (the
     tensors) or one wrapped line per row (the slots: a held state is never cut); findings wrap by
     words under their mark. ``token_text``
     (a :class:`tensordiff.token_text.TokenText`) adds the tokens as text; numbers computed on
     sketches are marked ``≈``."""
-    tt = token_text or (lambda _t: "")
+    tt: Callable[[int | None], str] = token_text or (lambda _t: "")
     # the typed result with every string from the files (paths, sides, labels, sequence names) made
     # safe to print before any is laid out (a newline in a name must not start a line of its own),
     # and whatever reaches the console some other way escaped as it is rendered
@@ -174,7 +185,8 @@ def print_diff(res: DiffResult, console: Console, *, max_findings: int = 25, wor
         _print_diff(sanitize_record(res), console, max_findings, worst, tt, bool(token_text))
 
 
-def _print_diff(res: DiffResult, console: Console, max_findings: int, worst: int, tt, token_text: bool) -> None:
+def _print_diff(res: DiffResult, console: Console, max_findings: int, worst: int, tt: Callable[[int | None], str],
+                token_text: bool) -> None:
     first = res.first_divergence
     style = "bold red" if first else ("bold green" if res.verdict == "agree" else "bold yellow")
     # into a pipe or a file the headline is one line whatever the width: the first line is what
@@ -244,7 +256,7 @@ def _print_diff(res: DiffResult, console: Console, max_findings: int, worst: int
         console.print("≈ computed on the traces' sketches, not full values: 1 - cos close to the true one, max abs "
                       "and rel err of the sketch")
 
-    regimes: dict = {}
+    regimes: dict[str, RegimeStats] = {}
     for p in res.pairs:
         for name, e in p.by_regime.items():
             agg = regimes.setdefault(name, {"tokens": 0, "failing": 0, "rel_max": 0.0})
@@ -271,12 +283,12 @@ def _print_diff(res: DiffResult, console: Console, max_findings: int, worst: int
         console.print(t)
 
 
-def print_info(s: dict, console: Console) -> None:
+def print_info(s: TraceSummary, console: Console) -> None:
     s = sanitize_tree(s)  # strings from the file made safe to print
     m = s["model"]
     console.print(Text(f"{s['path']}: tensordiff trace v{s['schema']}, side {s['side']}", style="bold"))
-    if s.get("recovered"):
-        console.print(Text(s["recovered"], style="yellow"))
+    if recovered := s.get("recovered"):
+        console.print(Text(recovered, style="yellow"))
     console.print(f"producer: {s['producer'] or '-'}   created: {s['created'] or '-'}   complete: {s['complete']}")
     console.print("model: " + (", ".join(f"{k}={v}" for k, v in m.items()) or "-"))
     if s["versions"]:
@@ -296,8 +308,8 @@ def print_info(s: dict, console: Console) -> None:
     for col in ("name", "kind", "state / slots", "shape", "dtype", "stored", "role"):
         t.add_column(col)
     for e in s["tensors"]:
-        if e.get("slot_labels"):
-            st = "[" + ", ".join(e["slot_labels"]) + "]"
+        if labels := e.get("slot_labels"):
+            st = "[" + ", ".join(labels) + "]"
             if e.get("raw_ids") is not None:
                 st += f" ids {e['raw_ids']}"
             if e.get("convention"):

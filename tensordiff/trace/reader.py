@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
@@ -570,7 +570,7 @@ class TraceReader(RowReads):
         n = self.model.get("num_layers")
         return int(n) if isinstance(n, (int, float)) else None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> TraceSummary:
         """Everything ``tensordiff info`` shows, as plain data."""
         return trace_summary(self)
 
@@ -605,7 +605,73 @@ class TraceReader(RowReads):
         self.close()
 
 
-def trace_summary(trace: Any) -> dict[str, Any]:
+class SketchParams(TypedDict):
+    seed: int
+    dim: int
+
+
+class TokenCounts(TypedDict):
+    rows: int
+    sequences: int
+    regimes: dict[str, int]   # token rows per regime
+
+
+class SequenceSpan(TypedDict):
+    key: str
+    rows: int
+    positions: list[int]      # [first, last]
+
+
+class _TensorEntryBase(TypedDict):
+    name: str
+    kind: str
+    label: str
+    dtype: str
+    shape: list[int]          # [rows, width]
+    order: float
+    values: bool
+    sketch: bool
+    role: str
+
+
+class TensorEntry(_TensorEntryBase, total=False):
+    """A tensor as ``info`` lists it; the optional keys only where they say something."""
+
+    sketch_derived: bool
+    values_source: str
+    slots: int
+    slot_width: int
+    slot_labels: list[str] | None
+    raw_ids: list[int] | None
+    convention: str | None
+    token_offset: int
+    attrs: dict[str, Any]
+
+
+class _TraceSummaryBase(TypedDict):
+    path: str
+    schema: int
+    side: str
+    producer: str
+    created: str
+    complete: bool
+    recovered: str | None
+    model: dict[str, Any]
+    versions: dict[str, Any]
+    user_meta: dict[str, Any]
+    sketch: SketchParams
+    tokens: TokenCounts
+    sequences: list[SequenceSpan]
+    tensors: list[TensorEntry]
+
+
+class TraceSummary(_TraceSummaryBase, total=False):
+    """What ``tensordiff info`` shows (``--json`` prints it as it is)."""
+
+    set: dict[str, Any]       # a trace set's index (:func:`tensordiff.traceset.index.set_index`)
+
+
+def trace_summary(trace: Any) -> TraceSummary:
     """What ``tensordiff info`` shows of an open trace, as plain data: of a :class:`TraceReader`, or
     of anything with the same attributes (a trace set's merged view)."""
     t = trace.tokens
@@ -620,11 +686,11 @@ def trace_summary(trace: Any) -> dict[str, Any]:
     }
 
 
-def token_summary(tokens: np.ndarray, sequences: Sequence[str]) -> tuple[dict[str, int], list[dict[str, Any]]]:
+def token_summary(tokens: np.ndarray, sequences: Sequence[str]) -> tuple[dict[str, int], list[SequenceSpan]]:
     """Token rows per regime, and each sequence's rows and position range (the first 1000)."""
     t = tokens
     regimes = {REGIMES[c]: int(n) for c, n in zip(*np.unique(t["regime"], return_counts=True))} if len(t) else {}
-    seqs = []
+    seqs: list[SequenceSpan] = []
     if len(t):
         order = np.argsort(t["seq"], kind="stable")
         sq = t["seq"][order]
@@ -636,13 +702,13 @@ def token_summary(tokens: np.ndarray, sequences: Sequence[str]) -> tuple[dict[st
     return regimes, seqs
 
 
-def tensor_entries(tensors: Mapping[str, TensorInfo]) -> list[dict[str, Any]]:
+def tensor_entries(tensors: Mapping[str, TensorInfo]) -> list[TensorEntry]:
     """The tensors as ``info`` lists them, in forward order."""
-    out = []
+    out: list[TensorEntry] = []
     for info in sorted(tensors.values(), key=lambda i: (i.order, i.name)):
         # "values"/"sketch": what the file stores; a sketch the reader derives from the values is
         # "sketch_derived" (it reads like a stored one)
-        entry: dict[str, Any] = {"name": info.name, "kind": info.kind, "label": info.label, "dtype": info.dtype,
+        entry: TensorEntry = {"name": info.name, "kind": info.kind, "label": info.label, "dtype": info.dtype,
                                  "shape": [info.rows, info.width], "order": info.order, "values": info.has_values,
                                  "sketch": info.stored_sketch, "role": info.role}
         if info.sketch_derived:
@@ -650,8 +716,8 @@ def tensor_entries(tensors: Mapping[str, TensorInfo]) -> list[dict[str, Any]]:
         if info.values_source:
             entry["values_source"] = info.values_source   # rows' values by reference to that tensor
         if info.slot_count > 1 or info.slot_labels:
-            entry.update(slots=info.slot_count, slot_width=info.slot_width, slot_labels=info.slot_labels,
-                         raw_ids=info.raw_ids, convention=info.convention)
+            entry.update({"slots": info.slot_count, "slot_width": info.slot_width, "slot_labels": info.slot_labels,
+                          "raw_ids": info.raw_ids, "convention": info.convention})
         if info.token_offset:
             entry["token_offset"] = info.token_offset
         if info.attrs:

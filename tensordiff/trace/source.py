@@ -21,7 +21,10 @@ from ..progress import Progress
 from .schema import TensorInfo
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from .reads import Pieces
+    from .reader import TraceSummary
 
 
 class Part(Protocol):
@@ -191,7 +194,15 @@ class TraceSource(Protocol):
         """Every replica comparison, in this process."""
         ...
 
+    def summary(self) -> TraceSummary:
+        """Everything ``tensordiff info`` shows, as plain data."""
+        ...
+
     def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 __all__ = ["Part", "ReplicaMismatch", "ReplicaPartial", "ReplicaTask", "RowSegment", "TraceSource"]

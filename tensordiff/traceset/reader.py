@@ -27,6 +27,8 @@ from .union import merge_tokens
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from ..trace.reader import TraceSummary
+
 
 def open_trace(spec: str) -> TraceSource:
     """A :class:`TraceReader` for a file, a :class:`TraceSet` for a directory or a glob: either
@@ -300,6 +302,6 @@ class TraceSet:
         """Which file holds which sequences, tensors, ranks, and the host that wrote it."""
         return set_index(self.members, self._vt, self.tokens)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> TraceSummary:
         """What ``tensordiff info`` shows: the reader's summary of the merged trace plus the index."""
         return {**trace_summary(self), "set": self.index()}
