@@ -110,10 +110,23 @@ def test_a_config_difference_is_not_named_where_it_cannot_be_the_cause(tmp_path)
     res = diff_traces(a, b)
     assert res.exit_code == 1 and res.first_divergence.tensor == "layer2"
     assert "rope_theta" not in res.headline(), res.headline()
-    # no divergence: a recorded difference alone is no finding
+
+
+def test_a_config_difference_no_state_shows_is_still_a_divergence(tmp_path):
+    """No compared state moved past its allowance, but the recorded configs differ in a setting
+    every layer computes with: the two sides run different functions, and a difference spread
+    over every layer can stay under an allowance nothing before it measured (a served rope theta
+    1.6x the trainer's read "agree" at 10x the noise). Named at the first state it acts on, both
+    orders; a dtype difference alone stays an agree (a correct pair may differ in it)."""
     a, b = _pair(tmp_path, {"rope_theta": 500000.0}, {"rope_theta": 10000.0}, bad_from=None, name="ok")
-    res = diff_traces(a, b)
-    assert res.exit_code == 0, res.headline()
+    for x, y, words in ((a, b, "rope_theta is 500000 on A and 10000 on B"),
+                        (b, a, "rope_theta is 10000 on A and 500000 on B")):
+        res = diff_traces(x, y)
+        assert res.exit_code == 1, res.headline()
+        assert res.headline().startswith(words + ": the models' recorded configs differ"), res.headline()
+        assert "within its allowance" in res.headline() and res.first_divergence.tensor == "layer1"
+    a, b = _pair(tmp_path, {"rope_theta": 10000.0}, {"rope_theta": 10000.0}, bad_from=None, name="same")
+    assert diff_traces(a, b).exit_code == 0
 
 
 def _set_model(path, text):

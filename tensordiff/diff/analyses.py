@@ -20,8 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .. import acceptance, routing, signatures
-from ..findings import Finding, Kind, PairStats, Severity
+from .. import acceptance, model_config, routing, signatures
+from ..findings import Finding, Kind, PairStats, Severity, SignatureDetails
 from .order import in_order
 from .plan import DiffPlan
 
@@ -100,11 +100,37 @@ class ZoomSignature:
             if first is not None and first.kind in (Kind.NUMERIC, Kind.NONFINITE) and first.tensor is not None:
                 sig = signatures.config_finding(first, signatures.config_differences(plan.a, plan.b, first.tensor),
                                                 plan.a.num_layers or plan.b.num_layers)
+        if sig is None and not any(f.severity == Severity.DIVERGENCE for f in found):
+            sig = config_unseen(plan, pairs)
         if sig is None:
             return found
         if signatures.absorbed(sig):
             found = [replace(f, severity=Severity.INFO) if f.severity == Severity.DIVERGENCE else f for f in found]
         return [*found, sig]
+
+
+def config_unseen(plan: DiffPlan, pairs: Sequence[PairStats]) -> Finding | None:
+    """A divergence for a recorded config difference no compared state showed past its allowance
+    (None without one). The two sides provably compute different functions (a rope theta, a norm
+    eps, an activation that differs: :func:`tensordiff.model_config.explains`; never the dtype),
+    and a difference spread over every layer and token can stay under an allowance that nothing
+    before it measured: an "agree" there would be a verdict on a real bug. It sits at the first
+    compared state the difference acts on, with that state's largest error as the evidence."""
+    config = model_config.differences(model_config.read(getattr(plan.a, "model", None)),
+                                      model_config.read(getattr(plan.b, "model", None)))
+    for p in sorted((p for p in pairs if p.compared), key=lambda p: p.order):
+        here = [d for d in config if model_config.explains(d[0], p.label)]
+        if not here:
+            continue
+        worst = max((r for r in p.rel_max if np.isfinite(r)), default=0.0)
+        det = SignatureDetails(op=p.label, signature="config",
+                               what="the models' recorded configs differ, and every decoder layer runs with it",
+                               evidence=(f"{p.label} moved {worst:.3g} relative at most, within its allowance: "
+                                         "the difference is under what these traces tell from noise, not absent"),
+                               cause=model_config.sentence(here), layer=None,
+                               params={"config": {k: [va, vb] for k, va, vb in here}})
+        return Finding(Kind.SIGNATURE, Severity.DIVERGENCE, tensor=p.label, order=p.order - 1e-9, details=det)
+    return None
 
 
 @dataclass(frozen=True)
