@@ -136,6 +136,35 @@ def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = 
     return out
 
 
+def scaled_output(module, scale: float):
+    """A bug of known size that leaves every weight as it is (the fingerprints agree): ``module``'s
+    output multiplied by ``scale`` (a kernel's wrong constant). Returns the hook's handle."""
+    def hook(mod, args, out):
+        return (out[0] * scale, *out[1:]) if isinstance(out, tuple) else out * scale
+    return module.register_forward_hook(hook)
+
+
+def trainer(out: Path, model, serve: Path, prompts, *, temperature: float = 0.7, autocast=None) -> Path:
+    """A user's trainer forward over the rollout's sequences, one at a time (TrainerRecorder),
+    inside ``torch.autocast("cpu", dtype=autocast)`` when given (as verl, OpenRLHF and NeMo-RL run
+    it): the model's float32 weights, its matmuls in ``autocast``."""
+    import contextlib
+
+    from tensordiff.recorders.hooks import TrainerRecorder
+    from tensordiff.recorders.train_cli import load_serve_sequences
+
+    seqs = dict(load_serve_sequences(str(serve)))
+    with Recorder(str(out), side="train", model=model_info(model)) as rec:
+        tr = TrainerRecorder(model, rec, temperature=temperature)
+        for i, p in enumerate(prompts):
+            ids = torch.tensor(seqs[f"p{i}"])
+            region = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+            with tr.sequence(f"p{i}", ids, first_generated=len(p)), torch.no_grad(), region:
+                model(input_ids=ids[None])
+        tr.detach()
+    return out
+
+
 def train_from_serve(out: Path, serve: Path, model_dir: Path | None = None, *extra: str) -> Path:
     from tensordiff.cli import main
 

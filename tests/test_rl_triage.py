@@ -57,6 +57,40 @@ def test_correct_pairs_exit_0_in_both_orders(work, fp32, capsys):
         assert "token_mult_prob_error = " in out and "verl rollout_probs_diff_mean" in out
 
 
+def test_an_autocast_trainer_is_judged_at_its_compute_dtype(work, fp32):
+    """The trainer's forward inside ``torch.autocast(dtype=torch.bfloat16)`` against an fp32
+    rollout: its states are stored in float32 (the residual stream) but carry bf16 matmul rounding.
+    The trace records the autocast region, the noise model allows bf16's rounding, and the correct
+    pair agrees in both orders; bugs of known size on the engine, every weight untouched (its
+    layer-3 MLP output x1.5, its logits x1.05), are still named in both orders."""
+    from tensordiff.conventions import AUTOCAST_ATTR
+    from tensordiff.trace import TraceReader
+
+    ps = _prompts()
+    r = work / "fp32.rollout.h5"       # the correct pair's rollout
+    if not r.exists():
+        r = rs.rollout(r, fp32, prompts=ps, new_tokens=NEW)
+    t = rs.trainer(work / "autocast.train.h5", fp32, r, ps, autocast=torch.bfloat16)
+    with TraceReader(str(t)) as tr:
+        assert tr.tensors["layer4"].dtype == "float32"
+        assert tr.tensors["layer4"].attrs[AUTOCAST_ATTR] == {"enabled": True, "dtype": "bfloat16", "device": "cpu"}
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "agree", got.text()
+        assert main(["triage", str(a), str(b)]) == 0
+    for name, where, scale, cause, words in (
+            ("mlp3", lambda m: m.model.layers[3].mlp, 1.5, "layer", "the first state out of the noise trend is layer4"),
+            ("logits", lambda m: m.lm_head, 1.05, "logprobs", "log-probs differ beyond the noise")):
+        engine = copy.deepcopy(fp32)
+        rs.scaled_output(where(engine), scale)
+        rb = rs.rollout(work / f"autocast-{name}.rollout.h5", engine, prompts=ps, new_tokens=NEW)
+        tb = rs.trainer(work / f"autocast-{name}.train.h5", fp32, rb, ps, autocast=torch.bfloat16)
+        for a, b in ((tb, rb), (rb, tb)):
+            got = triage(str(a), str(b))
+            assert got.cause == cause and words in got.headline, got.text()
+            assert got.weights is not None and got.weights["differ"] is None
+
+
 def test_roles_come_from_the_traces_not_the_argument_order(work, fp32):
     """A bf16 engine that served these tokens under weight step 1 (the trainer's weights) and then
     received step 2 for later requests: the trainer's weights are compared with step 1 whichever
