@@ -174,16 +174,19 @@ def train_from_serve(out: Path, serve: Path, model_dir: Path | None = None, *ext
     return out
 
 
-def replay(out: Path, model, serve: Path, *, temperature: float = 0.7) -> Path:
+def replay(out: Path, model, serve: Path, *, temperature: float = 0.7, logprobs_mode: str = "processed") -> Path:
     """The engine's prefill re-run of a rollout (``record serve --replay``): each sequence's
-    tokens in one prefill pass, the sampled tokens' log-probs as the engine returns them."""
+    tokens in one prefill pass, the sampled tokens' log-probs as the engine returns them
+    (``raw``: the model's log-softmax whatever the temperature, as SGLang's input log-probs are and
+    its replay records them)."""
     from tensordiff.recorders.train_cli import load_serve_sequences, serve_rl_info
 
     _, first = serve_rl_info(str(serve))
     info = model_info(model)
     info["path"] = str(trained.target_dir())
     with Recorder(str(out), side="serve", producer="tests.rl_support (HF prefill replay)", model=info) as rec:
-        write_sampling(rec.writer, sampling_params(temperature=temperature, engine="hf-replay"))
+        write_sampling(rec.writer, sampling_params(temperature=temperature, logprobs_mode=logprobs_mode,
+                                                   engine="hf-replay"))
         record_weights(rec, model, 0, event="start")
         hf = HFExtractorRecorder(model, rec, None, values="all", topk=20)
         for key, toks in load_serve_sequences(str(serve)):
@@ -191,5 +194,6 @@ def replay(out: Path, model, serve: Path, *, temperature: float = 0.7) -> Path:
             with hf.capture(key, x, regime="prefill") as rows, torch.inference_mode():
                 o = model(input_ids=x[None], use_cache=False)
             from tensordiff.recorders.hooks import record_sampled_logprob
-            record_sampled_logprob(rec, o.logits[0], rows[0], x, temperature=temperature, first_generated=first[key])
+            record_sampled_logprob(rec, o.logits[0], rows[0], x, first_generated=first[key],
+                                   temperature=temperature if logprobs_mode == "processed" else 1.0)
     return out

@@ -423,6 +423,63 @@ def test_decode_path_with_the_three_way_table(work, fp32):
     assert main(["triage", str(t), str(r), str(p)]) == 1
 
 
+def test_processed_rollout_against_raw_log_probs_both_ways(work, fp32):
+    """At T 0.7, each side's log-probs of another temperature: a rollout that returns processed
+    log-probs against a trainer that divides by nothing (temperature 1 recorded), and a rollout
+    that returns raw ones against a trainer at the rollout's temperature that records no top-k
+    (TrainerRecorder): each named from the recorded sampling, in both orders."""
+    ps = _prompts()
+    r = work / "fp32.rollout.h5"       # processed at T 0.7
+    if not r.exists():
+        r = rs.rollout(r, fp32, prompts=ps, new_tokens=NEW)
+    t1 = rs.trainer(work / "raw-trainer.train.h5", fp32, r, ps, temperature=1.0)
+    raw = rs.rollout(work / "rawmode.rollout.h5", fp32, prompts=ps, new_tokens=NEW, logprobs_mode="raw")
+    t07 = rs.trainer(work / "rawmode.train.h5", fp32, raw, ps, temperature=0.7)
+    for a, b in ((t1, r), (r, t1)):
+        got = triage(str(a), str(b))
+        assert got.cause == "sampling", got.text()
+        assert got.headline.startswith("sampling: the rollout's log-probs are processed, at temperature 0.7 (of the "
+                                       "distribution it sampled from, its recorded logprobs_mode), while the "
+                                       "trainer's are raw"), got.headline
+    for a, b in ((t07, raw), (raw, t07)):
+        got = triage(str(a), str(b))
+        assert got.cause == "logprobs", got.text()
+        assert got.headline.startswith("log-probs: the rollout's log-probs are raw (the model's log-softmax, no "
+                                       "temperature) while the trainer's are divided by the temperature (0.7), as "
+                                       "their recorded sampling says"), got.headline
+
+
+def test_decode_path_at_temperature_against_a_raw_prefill_rerun(work, fp32):
+    """The rollout at T 0.7 returns processed log-probs; its prefill re-run records raw ones (as
+    SGLang's input log-probs are). The three-way table compares like with like (raw, from the
+    top-k; by the states where a trainer records no top-k): a decode-only KV-cache bug is named as
+    the engine's decode path in both orders, and the correct engine's pair exits 0 in both."""
+    ps = _prompts()
+    ok = work / "fp32.rollout.h5"
+    if not ok.exists():
+        ok = rs.rollout(ok, fp32, prompts=ps, new_tokens=NEW)
+    kv = rs.rollout(work / "kvraw.rollout.h5", fp32, prompts=ps, new_tokens=NEW, kv_dtype=torch.bfloat16)
+    for name, r in (("ok", ok), ("kv", kv)):
+        p = rs.replay(work / f"{name}raw.prefill.h5", fp32, r, logprobs_mode="raw")
+        trainers = [rs.train_from_serve(work / f"{name}raw.train.h5", r)]
+        if name == "kv":
+            trainers.append(rs.trainer(work / f"{name}raw.own.h5", fp32, r, ps))   # no top-k
+        for t in trainers:
+            for a, b in ((t, r), (r, t)):
+                got = triage(str(a), str(b), str(p))
+                rows = {(x["a"], x["b"]): x for x in got.three_way}
+                if name == "ok":
+                    assert got.cause == "agree" and all(x["agree"] for x in got.three_way), got.text()
+                    assert main(["triage", str(a), str(b), str(p)]) == 0
+                    continue
+                assert got.cause == "layer", got.text()
+                assert got.headline.startswith("the engine's decode path: its decode log-probs disagree with its own "
+                                               "prefill re-run of the same tokens (token_mult_prob_error "), got.headline
+                assert rows[("trainer", "prefill")]["agree"] and not rows[("prefill", "decode")]["agree"]
+                assert rows[("prefill", "decode")]["basis"] == "raw", got.text()
+                assert rows[("trainer", "prefill")]["basis"] == ("raw" if t == trainers[0] else "states")
+
+
 def test_a_token_both_engines_computed_in_other_regimes_names_both(work, fp32):
     """Rollout against its prefill replay: the failing rows are decode rows of the rollout that the
     replay recomputed as prefill. The sentence and the JSON name both regimes, in either order;
