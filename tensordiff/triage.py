@@ -46,7 +46,7 @@ from . import logprobs as lpmod
 from . import routing as routing_mod
 from . import weights as wmod
 from .align import RowMaps, SideTokens, align_tokens
-from .conventions import TARGET_TOPK
+from .conventions import SAMPLED_LOGPROB, TARGET_TOPK
 from .diff import DiffOptions, diff_sources, open_pair, plan_diff
 from .findings import DiffResult, Finding, Kind, Severity
 from .noise import UNIT, NoiseModel
@@ -124,7 +124,7 @@ def triage(train: str, rollout: str, prefill: str | None = None) -> Triage:
         if t.cause != "weights" and not dp["agree"] and not dt["agree"] and pt["agree"]:
             t.lines.insert(0, t.headline)
             t.cause = "layer"
-            t.headline = ("the engine's decode path: its decode log-probs disagree with its own prefill re-run of the "
+            t.headline = ("the engine's decode path: its decode passes disagree with its own prefill re-run of the "
                           f"same tokens ({_tw_evidence(dp)}) and with the trainer ({_tw_evidence(dt)}), while prefill "
                           f"and trainer agree ({_tw_evidence(pt)})")
     return t
@@ -133,10 +133,11 @@ def triage(train: str, rollout: str, prefill: str | None = None) -> Triage:
 def _tw_evidence(r: dict[str, Any]) -> str:
     """What a three-way row's verdict rests on, in a few words."""
     basis = r.get("basis", "log-probs")
+    state = f"; {r['first_state']} out of the noise" if r.get("first_state") else ""
     if basis == "states":
-        return str(r["note"])
+        return str(r["note"]) + state
     raw = " on raw log-probs" if basis == "raw" else ""
-    return f"token_mult_prob_error {_f(r['token_mult_prob_error'])}{raw}"
+    return f"token_mult_prob_error {_f(r['token_mult_prob_error'])}{raw}{state}"
 
 
 def _f(x: float | None) -> str:
@@ -205,6 +206,10 @@ def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
         if s is not None:
             used[s.step] = s
     out: dict[str, Any] = {"recorded": True, "steps": sorted(used), "differ": None}
+    mixed = _mixed_versions(a, b, rows, sb, trainer, used)
+    if mixed is not None:
+        out["mixed"] = mixed
+        return out
     for k in sorted(used, reverse=True):   # the latest weights the compared tokens ran with first
         s = used[k]
         diffs = compare_weights(trainer.doc, s.doc)
@@ -224,6 +229,59 @@ def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
                          "then": [x.where() for x in diffs[1:6]], "behind": _behind(trainer, s, prev, sb)}
         break
     return out
+
+
+def _mixed_versions(a: TraceSource, b: TraceSource, rows: Any, steps: list[WeightStep], trainer: WeightStep,
+                    used: dict[int, WeightStep]) -> dict[str, Any] | None:
+    """Sequences generated across a weight update (an in-flight update: their first positions
+    under one weight step, the later ones under the next), where the trainer's weights are one of
+    those steps: which positions ran which step, per sequence. None when no sequence spans two
+    steps or the trainer's weights are none of them."""
+    if len(used) < 2 or not len(rows):
+        return None
+    ours = [k for k in sorted(used) if not compare_weights(trainer.doc, used[k].doc)]
+    if not ours:
+        return None
+    fwd = np.asarray(rows["step"], dtype=np.int64)
+    wk = np.full(len(fwd), -1, dtype=np.int64)
+    for f in np.unique(fwd):
+        s = weights_at(steps, int(f))
+        wk[fwd == f] = s.step if s is not None else -1
+    seq, pos = np.asarray(rows["seq"], dtype=np.int64), np.asarray(rows["position"], dtype=np.int64)
+    spans = []
+    for q in np.unique(seq):
+        m = seq == q
+        ks = np.unique(wk[m])
+        if len(ks) > 1:
+            spans.append((str(b.sequences[int(q)]), [(int(k), _ranges_words(np.sort(pos[m & (wk == k)]))) for k in ks]))
+    if not spans:
+        return None
+    k_ours = ours[-1]
+    off = 0
+    if SAMPLED_LOGPROB in b.tensors:    # the sampled tokens generated under weights other than the trainer's
+        lr = np.asarray(b.token_rows(SAMPLED_LOGPROB), dtype=np.int64)
+        sf = np.asarray(b.tokens["step"], dtype=np.int64)[lr]
+        off = sum(int((sf == f).sum()) for f in np.unique(sf)
+                  if (w := weights_at(steps, int(f))) is not None and w.step != k_ours)
+        total = len(lr)
+    else:
+        total = 0
+    return {"sequences": len(spans), "of": int(len(np.unique(seq))), "spans": spans[:3], "trainer_step": k_ours,
+            "update": used[max(used)].event, "steps": sorted(used), "off_policy": off, "sampled": total,
+            "differ": len(compare_weights(trainer.doc, used[min(used)].doc)), "params": len(trainer.doc["parameters"])}
+
+
+def _mixed_sentence(m: dict[str, Any]) -> str:
+    where = "; ".join(f"sequence {key} " + ", ".join(f"positions {r} under step {k}" for k, r in parts)
+                      for key, parts in m["spans"])
+    more = f" (and {m['sequences'] - len(m['spans'])} more)" if m["sequences"] > len(m["spans"]) else ""
+    older = [k for k in m["steps"] if k != m["trainer_step"]]
+    off = (f": {m['off_policy']} of the {m['sampled']} sampled tokens were generated under step "
+           f"{', '.join(map(str, older))}, whose weights are not the trainer's ({m['differ']} of {m['params']} parameters "
+           "differ)" if m["sampled"] else "")
+    return (f"weights: mixed policy versions inside the sequences: {m['sequences']} of {m['of']} sequences were "
+            f"generated across a weight update ({m['update']}, in flight): {where}{more}; the trainer's weights are "
+            f"step {m['trainer_step']}'s{off}")
 
 
 def _hashes(doc: dict[str, Any]) -> dict[str, Any]:
@@ -490,7 +548,9 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
         causes.append(("sampling", _sampling_sentence(samp, c, lt_b)))
     elif _modes_differ(lt_a, lt_b) and c is not None and c.tokens and not c.agree:
         causes.append(("logprobs", _modes_sentence(lt_a, lt_b, c)))
-    if w is not None and w.get("differ"):
+    if w is not None and w.get("mixed"):
+        causes.append(("weights", _mixed_sentence(w["mixed"])))
+    elif w is not None and w.get("differ"):
         causes.append(("weights", _weights_sentence(w)))
     # 2. tokens and positions
     tok = [f for f in res.findings if f.kind in (Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH)
@@ -783,11 +843,17 @@ def three_way(train: str, rollout: str, prefill: str) -> list[dict[str, Any]]:
             c = lpmod.compare(a, b, al, maps, noise, raw=raw)
             res = diff_sources(a, b, DiffOptions())
         m = c.metrics if c is not None else {}
-        agree = bool(c is not None and c.agree) if basis != "states" else res.first_divergence is None
+        # a pair agrees where its log-probs and its states do: a decode-path error on a few of the
+        # sampled tokens can leave their median |logprob diff| within the noise while the decode
+        # rows' states leave it (what the states say is the sharper of the two)
+        lp_ok = basis == "states" or c is None or not c.tokens or c.agree
+        first = res.first_divergence
         out.append({"a": x, "b": y, "tokens": c.tokens if c is not None else 0,
                     "token_mult_prob_error": m.get("token_mult_prob_error"),
                     "mean_abs_logprob_diff": m.get("mean_abs_logprob_diff"),
-                    "agree": agree, "basis": basis, "note": note, "first_divergence": res.headline()})
+                    "agree": bool(lp_ok and first is None), "logprobs_agree": bool(lp_ok), "basis": basis,
+                    "note": note, "first_state": first.tensor if first is not None else None,
+                    "first_divergence": res.headline()})
     return out
 
 

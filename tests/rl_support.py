@@ -165,6 +165,47 @@ def trainer(out: Path, model, serve: Path, prompts, *, temperature: float = 0.7,
     return out
 
 
+def inflight_rollout(out: Path, model, new_weights, *, update_at: int, prompts, temperature: float = 0.7,
+                     new_tokens: int = NEW_TOKENS, seed: int = 0) -> Path:
+    """Every sequence generated in lockstep (one decode pass of each per step, as a batch runs),
+    and the engine's weights replaced by ``new_weights``'s in flight, before decode pass
+    ``update_at``: each sequence's tokens up to there were generated under weight step 0, the rest
+    under step 1 (its KV cache kept). Recorded as :func:`rollout` does (processed log-probs)."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(seed)
+    info = model_info(model)
+    info["path"] = str(trained.target_dir())
+    with Recorder(str(out), side="serve", producer="tests.rl_support (HF as the engine, in-flight update)",
+                  model=info) as rec:
+        write_sampling(rec.writer, sampling_params(temperature=temperature, engine="hf-rollout"))
+        record_weights(rec, model, 0, forward_step=0, event="start")
+        hf = HFExtractorRecorder(model, rec, None, values="all", topk=20)
+        state = {f"p{i}": {"toks": list(ids), "cache": DynamicCache(), "feed": list(ids),
+                           "pos": list(range(len(ids))), "regime": "prefill"} for i, ids in enumerate(prompts)}
+        step = 0
+        for j in range(new_tokens):
+            if j == update_at:
+                with torch.no_grad():
+                    model.load_state_dict(new_weights.state_dict())
+                step = 1
+                record_weights(rec, model, 1, forward_step=1, event="update_weights_from_tensor")
+            for key, st in state.items():
+                x = torch.tensor(st["feed"])
+                with hf.capture(key, x, positions=st["pos"], regime=st["regime"], step=step) as rows, \
+                        torch.inference_mode():
+                    o = model(input_ids=x[None], position_ids=torch.tensor(st["pos"])[None],
+                              past_key_values=st["cache"], use_cache=True)
+                st["cache"] = o.past_key_values
+                z = o.logits[0, -1].float()
+                nxt = int(torch.multinomial(torch.softmax(z / temperature, -1), 1, generator=gen))
+                lp = trainer_logprobs(z[None], torch.tensor([nxt]), temperature)
+                rec.plain(cv.SAMPLED_LOGPROB, np.array([[nxt, float(lp[0])]]), rows[0, -1:], role=cv.SAMPLED_LOGPROB)
+                st["toks"].append(nxt)
+                st["feed"], st["pos"], st["regime"] = [nxt], [len(st["toks"]) - 1], "decode"
+    return out
+
+
 def train_from_serve(out: Path, serve: Path, model_dir: Path | None = None, *extra: str) -> Path:
     from tensordiff.cli import main
 

@@ -202,6 +202,29 @@ def test_a_whole_step_behind(work, fp32):
                                        "(update_weights_from_tensor), which it held only after them"), got.headline
 
 
+def test_mixed_policy_versions_inside_the_sequences(work, fp32):
+    """An in-flight weight update: every sequence generated in lockstep, the engine's weights
+    replaced by the trainer's before the 7th decode pass. The sentence says the sequences straddle
+    the update and which positions ran which step, in both orders (not that the tokens were all
+    generated under step 0)."""
+    ps = _prompts()[:6]
+    w1 = rs.updated(fp32)
+    md = rs.save(w1, work / "inflight-w1")
+    r = rs.inflight_rollout(work / "inflight.rollout.h5", copy.deepcopy(fp32), w1, update_at=6, prompts=ps,
+                            new_tokens=NEW)
+    t = rs.train_from_serve(work / "inflight.train.h5", r, md)
+    n = len(ps[0]) + 5          # pass j feeds position len + j - 1: pass 6 is the first under step 1
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "weights", got.text()
+        assert got.headline.startswith("weights: mixed policy versions inside the sequences: 6 of 6 sequences were "
+                                       "generated across a weight update (update_weights_from_tensor, in flight): "
+                                       f"sequence p0 positions 0-{n - 1} under step 0, positions {n}-{len(ps[0]) + NEW - 2} "
+                                       "under step 1"), got.headline
+        assert "the trainer's weights are step 1's: 36 of the 72 sampled tokens were generated under step 0" in \
+            got.headline
+
+
 def test_rope_theta_mismatch(work):
     """The engine's config says another rope theta: zero error at position 0, growing with position."""
     from transformers import LlamaForCausalLM
@@ -415,7 +438,7 @@ def test_decode_path_with_the_three_way_table(work, fp32):
     assert "a prefill re-run of the same tokens (record serve --replay, the third argument)" in alone.headline
     got = triage(str(t), str(r), str(p))
     assert got.cause == "layer", got.text()
-    assert got.headline.startswith("the engine's decode path: its decode log-probs disagree with its own prefill "
+    assert got.headline.startswith("the engine's decode path: its decode passes disagree with its own prefill "
                                    "re-run of the same tokens")
     rows = {(x["a"], x["b"]): x for x in got.three_way}
     assert rows[("trainer", "prefill")]["agree"] and not rows[("trainer", "decode")]["agree"]
@@ -473,7 +496,7 @@ def test_decode_path_at_temperature_against_a_raw_prefill_rerun(work, fp32):
                     assert main(["triage", str(a), str(b), str(p)]) == 0
                     continue
                 assert got.cause == "layer", got.text()
-                assert got.headline.startswith("the engine's decode path: its decode log-probs disagree with its own "
+                assert got.headline.startswith("the engine's decode path: its decode passes disagree with its own "
                                                "prefill re-run of the same tokens (token_mult_prob_error "), got.headline
                 assert rows[("trainer", "prefill")]["agree"] and not rows[("prefill", "decode")]["agree"]
                 assert rows[("prefill", "decode")]["basis"] == "raw", got.text()
