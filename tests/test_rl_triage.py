@@ -225,6 +225,35 @@ def test_mixed_policy_versions_inside_the_sequences(work, fp32):
             got.headline
 
 
+def test_drift_over_training_steps(work, fp32):
+    """Four training steps (one Adam update each); from step 2 on the engine's sync misses layer 3's
+    down_proj, which stays at step 1's values while the trainer moves on: steps 0 and 1 agree, step
+    2 is named as the first step out of the noise, with its cause (the stale parameter), and the
+    mismatch grows from step 0 to the last."""
+    from tensordiff.triage import drift
+
+    ps = _prompts()[:4]
+    ws = [fp32]
+    for k in range(3):
+        ws.append(rs.updated(ws[-1], seed=k))
+    pairs = []
+    for k, w in enumerate(ws):
+        engine = copy.deepcopy(w)
+        if k >= 2:
+            engine.model.layers[3].mlp.down_proj.weight.data.copy_(ws[1].model.layers[3].mlp.down_proj.weight.data)
+        r = rs.rollout(work / f"drift{k}.rollout.h5", engine, prompts=ps, new_tokens=NEW)
+        t = rs.trainer(work / f"drift{k}.train.h5", w, r, ps)
+        pairs.append((str(t), str(r)))
+    got = drift(pairs)
+    assert got["first"] == 2, got
+    assert [x["cause"] for x in got["steps"]] == ["agree", "agree", "weights", "weights"], got["steps"]
+    assert got["headline"].startswith("drift: the pairs agree up to step 1 and leave the noise at step 2 (mean "
+                                      "|logprob diff| "), got["headline"]
+    assert "at step 2: weights: layer3 mlp_out" in got["headline"], got["headline"]
+    lp = [x["mean_abs_logprob_diff"] for x in got["steps"]]
+    assert lp[3] > lp[2] > 10 * lp[0], lp
+
+
 def test_rope_theta_mismatch(work):
     """The engine's config says another rope theta: zero error at position 0, growing with position."""
     from transformers import LlamaForCausalLM
