@@ -273,6 +273,11 @@ SAMPLED_LOGPROB = "sampled_logprob"  # token_offset 0, one row per generated tok
 #   computed as an RL trainer does (log_softmax(logits / temperature)). Same name on both sides: the RL triage
 #   (tensordiff.logprobs, tensordiff.triage) compares them row by row.
 SAMPLED_LOGPROB_WIDTH = 2
+# A tensor attribute, written by the recorders where a state was produced inside a torch.autocast region:
+# {"enabled": true, "dtype": "bfloat16", "device": "cpu"}. Its stored dtype says how it is kept, this how it was
+# computed (a float32 residual stream carries the bf16 rounding of the matmuls that fed it): tensordiff.noise
+# allows the coarser of the two.
+AUTOCAST_ATTR = "autocast"
 PREDICTION_ROLES = (TARGET_TOPK, DRAFT_TOPK, SPEC_VERIFY, SPEC_CHAIN, MOE_ROUTING,
                     SAMPLED_LOGPROB)  # not states: the numerics skip them
 

@@ -112,6 +112,7 @@ class LogprobComparison:
     raw_match_q50: float | None = None  # median |d| against the other side's raw log-probs
     outliers: list[dict[str, Any]] = field(default_factory=list)   # outlier sequences
     sequences: int = 0
+    raw_from_topk: tuple[bool, bool] = (False, False)   # A's, B's log-probs taken raw from their target_topk
 
     @property
     def diff(self) -> NDArray[np.float64]:
@@ -136,7 +137,8 @@ class LogprobComparison:
                 "systematic": self.systematic, "offset": self.offset, "same_way": self.same_way,
                 "raw_match": self.raw_match, "raw_match_median_abs_diff": self.raw_match_q50,
                 "id_mismatch": self.id_mismatch, "metrics": self.metrics, "by_regime": self.by_regime,
-                "outlier_sequences": self.outliers, "sequences": self.sequences}
+                "outlier_sequences": self.outliers, "sequences": self.sequences,
+                "raw_from_topk": list(self.raw_from_topk)}
 
 
 def _rows(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps,
@@ -178,19 +180,28 @@ def _raw_logprob(r: TraceSource, rows: NDArray[np.int64], ids: NDArray[np.int64]
 
 
 def compare(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, noise: float,
-            temperature_a: float | None = None, temperature_b: float | None = None) -> LogprobComparison | None:
+            temperature_a: float | None = None, temperature_b: float | None = None,
+            raw: tuple[bool, bool] = (False, False)) -> LogprobComparison | None:
     """A's ``sampled_logprob`` (the trainer) against B's (the rollout) on the aligned tokens both
     recorded; None when either side has none. ``noise``: the expected median |d|
     (:func:`expected_noise`). ``temperature_*``: what each side says it divided by (its
-    ``sampling`` attribute), to test raw against processed."""
+    ``sampling`` attribute), to test raw against processed. ``raw``: for A and B, whether to
+    take that side's raw log-prob of the sampled token from its ``target_topk`` instead of the one
+    it recorded (two sides whose recorded log-probs are of other temperatures compared as raw
+    log-probs; tokens outside a side's top-k are left out)."""
     if SAMPLED_LOGPROB not in ra.tensors or SAMPLED_LOGPROB not in rb.tensors:
         return None
     idx, ma, mb = _rows(ra, rb, al, maps, SAMPLED_LOGPROB)
     va, vb = _read(ra, SAMPLED_LOGPROB, ma), _read(rb, SAMPLED_LOGPROB, mb)
+    for flag, r, rows, v in ((raw[0], ra, ma, va), (raw[1], rb, mb, vb)):
+        if flag and len(v):
+            got = _raw_logprob(r, rows, np.asarray(v[:, 0], dtype=np.int64))
+            v[:, 1] = got if got is not None else np.nan
     same = va[:, 0] == vb[:, 0] if len(va) else np.zeros(0, dtype=bool)
     ok = same & np.isfinite(va[:, 1]) & np.isfinite(vb[:, 1]) if len(va) else same
     c = LogprobComparison(tokens=int(ok.sum()), index=idx[ok], lp_a=va[ok, 1], lp_b=vb[ok, 1],
-                          regime_b=al.regime_b[idx[ok]], noise=float(noise), id_mismatch=int((~same).sum()))
+                          regime_b=al.regime_b[idx[ok]], noise=float(noise), id_mismatch=int((~same).sum()),
+                          raw_from_topk=(bool(raw[0]), bool(raw[1])))
     c.metrics = metrics(c.lp_a, c.lp_b)
     if not c.tokens:
         return c
@@ -202,7 +213,8 @@ def compare(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps,
     out = np.abs(d) > LEVEL * noise
     if out.any() and c.offset != 0.0:
         c.same_way = float((np.sign(d[out]) == math.copysign(1.0, c.offset)).mean())
-    _raw(c, ra, rb, ma[ok], mb[ok], temperature_a, temperature_b)
+    if not any(raw):
+        _raw(c, ra, rb, ma[ok], mb[ok], temperature_a, temperature_b)
     _outliers(c, ra, al)
     return c
 

@@ -48,12 +48,14 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from .conventions import AUTOCAST_ATTR
 from .vocab import MAX_BOUNDARY
 
 #: unit roundoff per dtype (half an ulp at 1)
@@ -77,6 +79,20 @@ SPREAD = 4.0
 #: of the random-weight vLLM pair, bf16 vs fp32, its tokens of small norm; 2 on the trained model)
 TAIL = 10.0
 MIN_TOKENS = 8
+
+
+def compute_dtype(dtype: str, attrs: Mapping[str, Any] | None = None) -> str:
+    """The dtype a recorded state was computed in: its stored dtype, or the dtype of the autocast
+    region in effect while it was produced (``attrs[AUTOCAST_ATTR]``), whichever rounds coarser.
+    A float32 residual stream of a forward under ``torch.autocast(dtype=torch.bfloat16)`` carries
+    the bf16 rounding of every matmul that fed it: its noise is bf16's, not float32's."""
+    ac = (attrs or {}).get(AUTOCAST_ATTR)
+    if not isinstance(ac, Mapping) or ac.get("enabled") is not True:
+        return dtype
+    cd = ac.get("dtype")
+    if not isinstance(cd, str) or cd not in UNIT:
+        return dtype
+    return cd if UNIT[cd] > UNIT.get(dtype, 0.0) else dtype
 
 
 def unit(dtype_a: str, dtype_b: str) -> float:

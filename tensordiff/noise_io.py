@@ -30,9 +30,10 @@ DUPLICATES_MAX = 4096
 
 
 def side_dtype(r: TraceSource) -> str:
-    """The dtype a side's states are recorded in (its catalog's, else its first tensor's)."""
-    return next((i.dtype for i in r.tensors.values() if i.kind in ("boundary", "final_norm")),
-                next((i.dtype for i in r.tensors.values()), "float32"))
+    """The dtype a side's states are computed in (its catalog's, else its first tensor's; the
+    autocast dtype where the recorder saw one in effect: :func:`tensordiff.noise.compute_dtype`)."""
+    return next((noise.compute_dtype(i.dtype, i.attrs) for i in r.tensors.values() if i.kind in ("boundary", "final_norm")),
+                next((noise.compute_dtype(i.dtype, i.attrs) for i in r.tensors.values()), "float32"))
 
 
 #: a sampled catalog state: (A's, B's, basis, A's rows, B's rows, aligned tokens)
@@ -89,7 +90,7 @@ def _fit(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence[tuple[
         d = depth_of(ia, 0)
         if lv is not None and d is not None:
             measured.append((ia.label, float(d), lv))
-            dtypes[ia.label] = (ia.dtype, ib.dtype)
+            dtypes[ia.label] = (noise.compute_dtype(ia.dtype, ia.attrs), noise.compute_dtype(ib.dtype, ib.attrs))
     model = noise.fit(side_dtype(ra), side_dtype(rb), measured, dtypes,
                       lambda da, db, d: default_tolerance(da, db, d).max_rel)
     if not model.measured:   # nothing in the catalog to measure from: the packed slots measure each other

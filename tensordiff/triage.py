@@ -46,7 +46,7 @@ from . import logprobs as lpmod
 from . import routing as routing_mod
 from . import weights as wmod
 from .align import RowMaps, SideTokens, align_tokens
-from .conventions import TARGET_TOPK
+from .conventions import SAMPLED_LOGPROB, TARGET_TOPK
 from .diff import DiffOptions, diff_sources, open_pair, plan_diff
 from .findings import DiffResult, Finding, Kind, Severity
 from .noise import UNIT, NoiseModel
@@ -124,11 +124,20 @@ def triage(train: str, rollout: str, prefill: str | None = None) -> Triage:
         if t.cause != "weights" and not dp["agree"] and not dt["agree"] and pt["agree"]:
             t.lines.insert(0, t.headline)
             t.cause = "layer"
-            t.headline = ("the engine's decode path: its decode log-probs disagree with its own prefill re-run of the "
-                          f"same tokens (token_mult_prob_error {_f(dp['token_mult_prob_error'])}) and with the trainer "
-                          f"({_f(dt['token_mult_prob_error'])}), while prefill and trainer agree "
-                          f"({_f(pt['token_mult_prob_error'])})")
+            t.headline = ("the engine's decode path: its decode passes disagree with its own prefill re-run of the "
+                          f"same tokens ({_tw_evidence(dp)}) and with the trainer ({_tw_evidence(dt)}), while prefill "
+                          f"and trainer agree ({_tw_evidence(pt)})")
     return t
+
+
+def _tw_evidence(r: dict[str, Any]) -> str:
+    """What a three-way row's verdict rests on, in a few words."""
+    basis = r.get("basis", "log-probs")
+    state = f"; {r['first_state']} out of the noise" if r.get("first_state") else ""
+    if basis == "states":
+        return str(r["note"]) + state
+    raw = " on raw log-probs" if basis == "raw" else ""
+    return f"token_mult_prob_error {_f(r['token_mult_prob_error'])}{raw}{state}"
 
 
 def _f(x: float | None) -> str:
@@ -197,6 +206,10 @@ def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
         if s is not None:
             used[s.step] = s
     out: dict[str, Any] = {"recorded": True, "steps": sorted(used), "differ": None}
+    mixed = _mixed_versions(a, b, rows, sb, trainer, used)
+    if mixed is not None:
+        out["mixed"] = mixed
+        return out
     for k in sorted(used, reverse=True):   # the latest weights the compared tokens ran with first
         s = used[k]
         diffs = compare_weights(trainer.doc, s.doc)
@@ -216,6 +229,59 @@ def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
                          "then": [x.where() for x in diffs[1:6]], "behind": _behind(trainer, s, prev, sb)}
         break
     return out
+
+
+def _mixed_versions(a: TraceSource, b: TraceSource, rows: Any, steps: list[WeightStep], trainer: WeightStep,
+                    used: dict[int, WeightStep]) -> dict[str, Any] | None:
+    """Sequences generated across a weight update (an in-flight update: their first positions
+    under one weight step, the later ones under the next), where the trainer's weights are one of
+    those steps: which positions ran which step, per sequence. None when no sequence spans two
+    steps or the trainer's weights are none of them."""
+    if len(used) < 2 or not len(rows):
+        return None
+    ours = [k for k in sorted(used) if not compare_weights(trainer.doc, used[k].doc)]
+    if not ours:
+        return None
+    fwd = np.asarray(rows["step"], dtype=np.int64)
+    wk = np.full(len(fwd), -1, dtype=np.int64)
+    for f in np.unique(fwd):
+        s = weights_at(steps, int(f))
+        wk[fwd == f] = s.step if s is not None else -1
+    seq, pos = np.asarray(rows["seq"], dtype=np.int64), np.asarray(rows["position"], dtype=np.int64)
+    spans = []
+    for q in np.unique(seq):
+        m = seq == q
+        ks = np.unique(wk[m])
+        if len(ks) > 1:
+            spans.append((str(b.sequences[int(q)]), [(int(k), _ranges_words(np.sort(pos[m & (wk == k)]))) for k in ks]))
+    if not spans:
+        return None
+    k_ours = ours[-1]
+    off = 0
+    if SAMPLED_LOGPROB in b.tensors:    # the sampled tokens generated under weights other than the trainer's
+        lr = np.asarray(b.token_rows(SAMPLED_LOGPROB), dtype=np.int64)
+        sf = np.asarray(b.tokens["step"], dtype=np.int64)[lr]
+        off = sum(int((sf == f).sum()) for f in np.unique(sf)
+                  if (w := weights_at(steps, int(f))) is not None and w.step != k_ours)
+        total = len(lr)
+    else:
+        total = 0
+    return {"sequences": len(spans), "of": int(len(np.unique(seq))), "spans": spans[:3], "trainer_step": k_ours,
+            "update": used[max(used)].event, "steps": sorted(used), "off_policy": off, "sampled": total,
+            "differ": len(compare_weights(trainer.doc, used[min(used)].doc)), "params": len(trainer.doc["parameters"])}
+
+
+def _mixed_sentence(m: dict[str, Any]) -> str:
+    where = "; ".join(f"sequence {key} " + ", ".join(f"positions {r} under step {k}" for k, r in parts)
+                      for key, parts in m["spans"])
+    more = f" (and {m['sequences'] - len(m['spans'])} more)" if m["sequences"] > len(m["spans"]) else ""
+    older = [k for k in m["steps"] if k != m["trainer_step"]]
+    off = (f": {m['off_policy']} of the {m['sampled']} sampled tokens were generated under step "
+           f"{', '.join(map(str, older))}, whose weights are not the trainer's ({m['differ']} of {m['params']} parameters "
+           "differ)" if m["sampled"] else "")
+    return (f"weights: mixed policy versions inside the sequences: {m['sequences']} of {m['of']} sequences were "
+            f"generated across a weight update ({m['update']}, in flight): {where}{more}; the trainer's weights are "
+            f"step {m['trainer_step']}'s{off}")
 
 
 def _hashes(doc: dict[str, Any]) -> dict[str, Any]:
@@ -296,10 +362,15 @@ def sampling_differs(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
     return {"sequence": k, "train": ta, "rollout": tb, "count": len(differ), "of": len(both)}
 
 
-def _sampling_sentence(d: dict[str, Any], c: lpmod.LogprobComparison | None) -> str:
+def _sampling_sentence(d: dict[str, Any], c: lpmod.LogprobComparison | None, lt_b: float | None = None) -> str:
     seqs = "" if d["of"] == 1 and d["sequence"] == "" else f", {d['count']} of {d['of']} sequences"
     lp = (f"; the sampled tokens' log-probs differ by a median {c.q50:.3g} nats (expected {c.noise:.3g})"
           if c is not None and c.tokens else "")
+    if d["train"] == 1.0 and lt_b is not None and math.isclose(lt_b, d["rollout"], rel_tol=1e-6):
+        # the trainer divides by nothing and the rollout returned the distribution it sampled from
+        return (f"sampling: the rollout's log-probs are processed, at temperature {_f(d['rollout'])} (of the "
+                f"distribution it sampled from, its recorded logprobs_mode), while the trainer's are raw (it divides "
+                f"the logits by no temperature: 1 recorded{seqs}){lp}; give the trainer the rollout's temperature")
     return (f"sampling: the trainer divides the logits by temperature {_f(d['train'])} while the rollout sampled at "
             f"{_f(d['rollout'])} (their recorded sampling{seqs}): the trainer's log-probs are of another "
             f"distribution than the one sampled from{lp}; give the trainer the rollout's temperature")
@@ -309,6 +380,24 @@ def _mode(r: TraceSource) -> str | None:
     s = read_sampling(r) if hasattr(r, "f") else None
     m = (sampling_for(s, "") or {}).get("logprobs_mode") if s else None
     return str(m) if m else None
+
+
+def logprob_temperature(r: TraceSource) -> float | None:
+    """The temperature a trace's recorded log-probs are of, from its ``sampling`` attribute: its
+    temperature where they are processed (the trainer's ``log_softmax(logits / T)``, an engine's
+    log-probs of the distribution it sampled from), 1 where they are raw (an engine's
+    ``logprobs_mode`` raw, as vLLM V1 returns them and a prefill re-run records them); temperature 0
+    (greedy) is 1. None when the trace records no sampling."""
+    s = sampling_for(read_sampling(r), "") if hasattr(r, "f") else None
+    if not s:
+        return None
+    t = s.get("temperature")
+    t = float(t) if isinstance(t, (int, float)) and t > 0 else 1.0
+    return 1.0 if s.get("logprobs_mode") == "raw" else t
+
+
+def _modes_differ(la: float | None, lb: float | None) -> bool:
+    return la is not None and lb is not None and not math.isclose(la, lb, rel_tol=1e-6)
 
 
 def _final_q50(model: NoiseModel, num_layers: int | None) -> float:
@@ -454,9 +543,14 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     notes: list[str] = []
     # 0. the recorded sampling: a fact, not an inference from the data
     samp = sampling_differs(a, b)
+    lt_a, lt_b = logprob_temperature(a), logprob_temperature(b)
     if samp is not None:
-        causes.append(("sampling", _sampling_sentence(samp, c)))
-    if w is not None and w.get("differ"):
+        causes.append(("sampling", _sampling_sentence(samp, c, lt_b)))
+    elif _modes_differ(lt_a, lt_b) and c is not None and c.tokens and not c.agree:
+        causes.append(("logprobs", _modes_sentence(lt_a, lt_b, c)))
+    if w is not None and w.get("mixed"):
+        causes.append(("weights", _mixed_sentence(w["mixed"])))
+    elif w is not None and w.get("differ"):
         causes.append(("weights", _weights_sentence(w)))
     # 2. tokens and positions
     tok = [f for f in res.findings if f.kind in (Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH)
@@ -498,7 +592,7 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     if c is not None and not c.agree and first_numeric is not None:
         notes.append(f"  the sampled tokens' log-probs differ too (median |diff| {c.q50:.3g}, expected {noise:.3g}): "
                      "downstream of the states")
-    elif c is not None and not c.agree:
+    elif c is not None and not c.agree and not (samp is None and _modes_differ(lt_a, lt_b)):
         shift = _topk_shift(a, b, maps, len(al))
         if c.raw_match is not None:
             raw_side, other = ("rollout", "trainer") if c.raw_match == "b_raw" else ("trainer", "rollout")
@@ -535,6 +629,28 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     if c is not None:
         t.lines += _metric_lines(c)
     return t
+
+
+def _modes_sentence(lt_a: float | None, lt_b: float | None, c: lpmod.LogprobComparison) -> str:
+    """The trainer's and the rollout's recorded log-probs are of other temperatures (one raw, one
+    processed; the sampling temperatures agree): named from the records, confirmed by the data
+    where a side's raw top-k shows the other's log-probs are its raw ones."""
+    raw_side, other = ("rollout", "trainer") if lt_b == 1.0 else ("trainer", "rollout")
+    t = lt_a if raw_side == "rollout" else lt_b
+    if lt_a != 1.0 and lt_b != 1.0:
+        head = (f"log-probs: the trainer's log-probs are of temperature {_f(lt_a)} and the rollout's of {_f(lt_b)} "
+                "(their recorded sampling)")
+    else:
+        head = (f"log-probs: the {raw_side}'s log-probs are raw (the model's log-softmax, no temperature) while the "
+                f"{other}'s are divided by the temperature ({_f(t)})")
+    if c.raw_match is not None:
+        return (f"{head}: the {raw_side}'s log-probs match the {other}'s raw ones (median |diff| "
+                f"{_f(c.raw_match_q50)}); the offset (median {c.offset:+.3g} nats) has one sign on {c.same_way:.0%} "
+                "of the tokens out of the noise")
+    return (f"{head}, as their recorded sampling says (logprobs_mode and temperature): their sampled tokens' "
+            f"log-probs differ by a median {c.q50:.3g} nats (expected {c.noise:.3g}), offset {c.offset:+.3g}; "
+            "compare like with like (the trainer at the rollout's temperature against processed log-probs, or "
+            "raw against raw)")
 
 
 def _offset_causes(ta: float | None, tb: float | None, mode_b: str | None) -> str:
@@ -698,7 +814,12 @@ def _few_words(few: list[dict[str, Any]], limit: float) -> str:
 
 def three_way(train: str, rollout: str, prefill: str) -> list[dict[str, Any]]:
     """Each pair of the three traces: the sampled tokens' log-prob metrics and the diff's first
-    divergence (what RL teams compute by hand to tell a decode-path bug from a trainer difference)."""
+    divergence (what RL teams compute by hand to tell a decode-path bug from a trainer difference).
+
+    Log-probs are compared like with like: where a pair's recorded log-probs are of other
+    temperatures (a rollout's processed at T against a prefill re-run's raw ones, as SGLang's input
+    log-probs are), the side divided by T is read raw from its ``target_topk``; where it has none,
+    the pair's verdict is its states' (the diff's), and the row says so (``basis``)."""
     names = {"trainer": train, "decode": rollout, "prefill": prefill}
     out = []
     for x, y in (("prefill", "decode"), ("trainer", "decode"), ("trainer", "prefill")):
@@ -708,24 +829,75 @@ def three_way(train: str, rollout: str, prefill: str) -> list[dict[str, Any]]:
             maps = RowMaps(al, a, b, *sides)
             plan = plan_diff(a, b, DiffOptions())
             noise = lpmod.expected_noise(_final_q50(plan.noise, a.num_layers), plan.noise.dtype_a, plan.noise.dtype_b)
-            c = lpmod.compare(a, b, al, maps, noise)
+            la, lb = logprob_temperature(a), logprob_temperature(b)
+            basis, note, raw = "log-probs", "", (False, False)
+            if _modes_differ(la, lb):
+                raw = (la != 1.0, lb != 1.0)
+                hot = [(n, t) for n, t, r, flag in ((x, la, a, raw[0]), (y, lb, b, raw[1])) if flag]
+                have = all(TARGET_TOPK in r.tensors for r, flag in ((a, raw[0]), (b, raw[1])) if flag)
+                words = " and ".join(f"the {n}'s log-probs are at T {_f(t)}" for n, t in hot)
+                basis, note = (("raw", f"compared raw: {words}, read raw from its top-k") if have else
+                               ("states", f"by their states: {words}, with no top-k to read raw ones from"))
+                if not have:
+                    raw = (False, False)
+            c = lpmod.compare(a, b, al, maps, noise, raw=raw)
             res = diff_sources(a, b, DiffOptions())
         m = c.metrics if c is not None else {}
+        # a pair agrees where its log-probs and its states do: a decode-path error on a few of the
+        # sampled tokens can leave their median |logprob diff| within the noise while the decode
+        # rows' states leave it (what the states say is the sharper of the two)
+        lp_ok = basis == "states" or c is None or not c.tokens or c.agree
+        first = res.first_divergence
         out.append({"a": x, "b": y, "tokens": c.tokens if c is not None else 0,
                     "token_mult_prob_error": m.get("token_mult_prob_error"),
                     "mean_abs_logprob_diff": m.get("mean_abs_logprob_diff"),
-                    "agree": bool(c is not None and c.agree), "first_divergence": res.headline()})
+                    "agree": bool(lp_ok and first is None), "logprobs_agree": bool(lp_ok), "basis": basis,
+                    "note": note, "first_state": first.tensor if first is not None else None,
+                    "first_divergence": res.headline()})
     return out
 
 
 def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = ["  three-way (decode = the rollout, prefill = the engine's re-run of the same tokens):"]
     for r in rows:
+        on = f" ({r['note']})" if r.get("note") else ""
         out.append(f"    {r['a']:>7} vs {r['b']:<7} token_mult_prob_error {_f(r['token_mult_prob_error']):>8}  "
                    f"mean_abs_logprob_diff {_f(r['mean_abs_logprob_diff']):>8}  "
-                   f"{'agree' if r['agree'] else 'differ'}; {r['first_divergence']}")
+                   f"{'agree' if r['agree'] else 'differ'}{on}; {r['first_divergence']}")
     return out
 
 
-__all__ += ["CAUSES", "compare_weights", "few_sequences", "position_profile", "roles", "sampling_differs", "three_way",
+# ----------------------------------------------------------------------------------------------
+# Drift over training steps
+# ----------------------------------------------------------------------------------------------
+
+
+def drift(steps: list[tuple[str, str]]) -> dict[str, Any]:
+    """Triage each training step's pair ``(trainer trace, rollout trace)`` in order: the frameworks'
+    metrics per step, the first step whose pair leaves the noise (its cause named by that step's
+    triage) and how the mismatch grows from the first step to the last (the drift a run shows
+    when it is clean at step 0 and grows: a stale parameter, a prefix cache kept across updates)."""
+    rows: list[dict[str, Any]] = []
+    for i, (train, rollout) in enumerate(steps):
+        t = triage(train, rollout)
+        m = t.logprobs.metrics if t.logprobs is not None else {}
+        rows.append({"step": i, "cause": t.cause, "headline": t.headline,
+                     "mean_abs_logprob_diff": m.get("mean_abs_logprob_diff"),
+                     "token_mult_prob_error": m.get("token_mult_prob_error")})
+    first = next((r for r in rows if r["cause"] != "agree"), None)
+    out: dict[str, Any] = {"steps": rows, "first": first["step"] if first is not None else None}
+    x0, x1 = rows[0]["mean_abs_logprob_diff"] if rows else None, rows[-1]["mean_abs_logprob_diff"] if rows else None
+    growth = (f"mean |logprob diff| {_f(x0)} at step 0 -> {_f(x1)} at step {len(rows) - 1}"
+              if x0 is not None and x1 is not None else "no sampled-token log-probs to compare")
+    if first is None:
+        out["headline"] = f"no drift: every step's pair agrees within the noise ({growth})"
+    else:
+        out["headline"] = (f"drift: the pairs agree up to step {first['step'] - 1} and leave the noise at step "
+                           f"{first['step']} ({growth}); at step {first['step']}: {first['headline']}"
+                           if first["step"] > 0 else
+                           f"drift: the pairs differ from step 0 on ({growth}); at step 0: {first['headline']}")
+    return out
+
+
+__all__ += ["CAUSES", "compare_weights", "drift", "few_sequences", "position_profile", "roles", "sampling_differs", "three_way",
             "weights_step"]

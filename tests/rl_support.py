@@ -136,6 +136,76 @@ def rollout(out: Path, model, *, temperature: float = 0.7, logprobs_mode: str = 
     return out
 
 
+def scaled_output(module, scale: float):
+    """A bug of known size that leaves every weight as it is (the fingerprints agree): ``module``'s
+    output multiplied by ``scale`` (a kernel's wrong constant). Returns the hook's handle."""
+    def hook(mod, args, out):
+        return (out[0] * scale, *out[1:]) if isinstance(out, tuple) else out * scale
+    return module.register_forward_hook(hook)
+
+
+def trainer(out: Path, model, serve: Path, prompts, *, temperature: float = 0.7, autocast=None) -> Path:
+    """A user's trainer forward over the rollout's sequences, one at a time (TrainerRecorder),
+    inside ``torch.autocast("cpu", dtype=autocast)`` when given (as verl, OpenRLHF and NeMo-RL run
+    it): the model's float32 weights, its matmuls in ``autocast``."""
+    import contextlib
+
+    from tensordiff.recorders.hooks import TrainerRecorder
+    from tensordiff.recorders.train_cli import load_serve_sequences
+
+    seqs = dict(load_serve_sequences(str(serve)))
+    with Recorder(str(out), side="train", model=model_info(model)) as rec:
+        tr = TrainerRecorder(model, rec, temperature=temperature)
+        for i, p in enumerate(prompts):
+            ids = torch.tensor(seqs[f"p{i}"])
+            region = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+            with tr.sequence(f"p{i}", ids, first_generated=len(p)), torch.no_grad(), region:
+                model(input_ids=ids[None])
+        tr.detach()
+    return out
+
+
+def inflight_rollout(out: Path, model, new_weights, *, update_at: int, prompts, temperature: float = 0.7,
+                     new_tokens: int = NEW_TOKENS, seed: int = 0) -> Path:
+    """Every sequence generated in lockstep (one decode pass of each per step, as a batch runs),
+    and the engine's weights replaced by ``new_weights``'s in flight, before decode pass
+    ``update_at``: each sequence's tokens up to there were generated under weight step 0, the rest
+    under step 1 (its KV cache kept). Recorded as :func:`rollout` does (processed log-probs)."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(seed)
+    info = model_info(model)
+    info["path"] = str(trained.target_dir())
+    with Recorder(str(out), side="serve", producer="tests.rl_support (HF as the engine, in-flight update)",
+                  model=info) as rec:
+        write_sampling(rec.writer, sampling_params(temperature=temperature, engine="hf-rollout"))
+        record_weights(rec, model, 0, forward_step=0, event="start")
+        hf = HFExtractorRecorder(model, rec, None, values="all", topk=20)
+        state = {f"p{i}": {"toks": list(ids), "cache": DynamicCache(), "feed": list(ids),
+                           "pos": list(range(len(ids))), "regime": "prefill"} for i, ids in enumerate(prompts)}
+        step = 0
+        for j in range(new_tokens):
+            if j == update_at:
+                with torch.no_grad():
+                    model.load_state_dict(new_weights.state_dict())
+                step = 1
+                record_weights(rec, model, 1, forward_step=1, event="update_weights_from_tensor")
+            for key, st in state.items():
+                x = torch.tensor(st["feed"])
+                with hf.capture(key, x, positions=st["pos"], regime=st["regime"], step=step) as rows, \
+                        torch.inference_mode():
+                    o = model(input_ids=x[None], position_ids=torch.tensor(st["pos"])[None],
+                              past_key_values=st["cache"], use_cache=True)
+                st["cache"] = o.past_key_values
+                z = o.logits[0, -1].float()
+                nxt = int(torch.multinomial(torch.softmax(z / temperature, -1), 1, generator=gen))
+                lp = trainer_logprobs(z[None], torch.tensor([nxt]), temperature)
+                rec.plain(cv.SAMPLED_LOGPROB, np.array([[nxt, float(lp[0])]]), rows[0, -1:], role=cv.SAMPLED_LOGPROB)
+                st["toks"].append(nxt)
+                st["feed"], st["pos"], st["regime"] = [nxt], [len(st["toks"]) - 1], "decode"
+    return out
+
+
 def train_from_serve(out: Path, serve: Path, model_dir: Path | None = None, *extra: str) -> Path:
     from tensordiff.cli import main
 
@@ -145,16 +215,19 @@ def train_from_serve(out: Path, serve: Path, model_dir: Path | None = None, *ext
     return out
 
 
-def replay(out: Path, model, serve: Path, *, temperature: float = 0.7) -> Path:
+def replay(out: Path, model, serve: Path, *, temperature: float = 0.7, logprobs_mode: str = "processed") -> Path:
     """The engine's prefill re-run of a rollout (``record serve --replay``): each sequence's
-    tokens in one prefill pass, the sampled tokens' log-probs as the engine returns them."""
+    tokens in one prefill pass, the sampled tokens' log-probs as the engine returns them
+    (``raw``: the model's log-softmax whatever the temperature, as SGLang's input log-probs are and
+    its replay records them)."""
     from tensordiff.recorders.train_cli import load_serve_sequences, serve_rl_info
 
     _, first = serve_rl_info(str(serve))
     info = model_info(model)
     info["path"] = str(trained.target_dir())
     with Recorder(str(out), side="serve", producer="tests.rl_support (HF prefill replay)", model=info) as rec:
-        write_sampling(rec.writer, sampling_params(temperature=temperature, engine="hf-replay"))
+        write_sampling(rec.writer, sampling_params(temperature=temperature, logprobs_mode=logprobs_mode,
+                                                   engine="hf-replay"))
         record_weights(rec, model, 0, event="start")
         hf = HFExtractorRecorder(model, rec, None, values="all", topk=20)
         for key, toks in load_serve_sequences(str(serve)):
@@ -162,5 +235,6 @@ def replay(out: Path, model, serve: Path, *, temperature: float = 0.7) -> Path:
             with hf.capture(key, x, regime="prefill") as rows, torch.inference_mode():
                 o = model(input_ids=x[None], use_cache=False)
             from tensordiff.recorders.hooks import record_sampled_logprob
-            record_sampled_logprob(rec, o.logits[0], rows[0], x, temperature=temperature, first_generated=first[key])
+            record_sampled_logprob(rec, o.logits[0], rows[0], x, first_generated=first[key],
+                                   temperature=temperature if logprobs_mode == "processed" else 1.0)
     return out

@@ -835,9 +835,11 @@ def rl_engine_env(extra: dict | None = None, plugins: str = "tensordiff", path: 
 
 
 def rl_serve(target: str | os.PathLike, prompts: dict[str, Sequence[int]], tmp: Path, name: str, *extra: str,
-             max_new: int, env: dict | None = None, replay: Path | None = None, seed: int = 7) -> dict:
-    """`tensordiff record serve` in bfloat16 with the catalog (all values), sampled at temperature 1
-    with ``seed``; with ``replay``, that rollout computed again as prefill."""
+             max_new: int, env: dict | None = None, replay: Path | None = None, seed: int = 7,
+             temperature: float = 1.0) -> dict:
+    """`tensordiff record serve` in bfloat16 with the catalog (all values), sampled at
+    ``temperature`` with ``seed``; with ``replay``, that rollout computed again as prefill (at the
+    rollout's temperature)."""
     import subprocess
 
     out, outputs = tmp / f"{name}.h5", tmp / f"{name}.jsonl"
@@ -848,7 +850,7 @@ def rl_serve(target: str | os.PathLike, prompts: dict[str, Sequence[int]], tmp: 
             "--attention-backend", "torch_native", *extra]
     if replay is None:
         argv += ["--prompts", str(write_prompts(tmp / f"{name}-prompts.jsonl", prompts)),
-                 "--temperature", "1.0", "--random-seed", str(seed)]
+                 "--temperature", str(temperature), "--random-seed", str(seed)]
     else:
         # the rollout's own outputs: a prompt sharing a prefix with an earlier one hit the prefix cache, so
         # the rollout trace holds no rows for that prefix
@@ -897,10 +899,10 @@ def perturb_plugin(root: Path, layer: int, scale: float) -> Path:
 
 
 def rl_perturbed_pair(target: str | os.PathLike, prompts: dict[str, Sequence[int]], tmp: Path, *, layer: int,
-                      scale: float, max_new: int, seed: int = 7) -> dict:
+                      scale: float, max_new: int, seed: int = 7, temperature: float = 1.0) -> dict:
     """Rollout and replay on an engine whose decode attention of decoder layer ``layer`` is scaled by
     ``scale`` (the replay is prefill only, so it never sees the bug)."""
     env = rl_engine_env(plugins="tensordiff,tdperturb", path=[str(perturb_plugin(tmp / "plugin", layer, scale))])
-    ro = rl_serve(target, prompts, tmp, "rollout", max_new=max_new, env=env, seed=seed)
+    ro = rl_serve(target, prompts, tmp, "rollout", max_new=max_new, env=env, seed=seed, temperature=temperature)
     rp = rl_serve(target, prompts, tmp, "replay", max_new=max_new, env=env, replay=Path(ro["trace"]))
     return {"rollout": ro, "replay": rp}

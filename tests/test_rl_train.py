@@ -168,3 +168,34 @@ def test_trainer_recorder_under_bf16_autocast(serve, tmp_path):
     first = len(ps[0])
     expect = trainer_logprobs(want[0][0, first - 1:-1], ids[first:], 0.7).double().numpy()
     np.testing.assert_array_equal([lp[("p0", q)][1] for q in range(first - 1, len(ids) - 1)], expect)
+
+
+def test_the_autocast_region_a_state_was_produced_in_is_recorded(tmp_path):
+    """A tensor recorded inside ``torch.autocast`` carries the region's dtype (also when only a later
+    forward runs in one); one recorded outside carries none; the noise model takes the coarser of
+    the stored and the compute dtype."""
+    from tensordiff.conventions import AUTOCAST_ATTR
+    from tensordiff.noise import compute_dtype
+    from tensordiff.recorders.core import Recorder
+
+    out = tmp_path / "ac.h5"
+    x = torch.randn(3, 8)
+    with Recorder(str(out), side="train", model={"num_layers": 2, "hidden_size": 8}) as rec:
+        rows = rec.add_tokens("s", np.arange(3), np.arange(3))
+        rec.record("plain", x, rows)
+        rec.record("later", x, rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rec.record("inside", x, rows)
+        rows2 = rec.add_tokens("t", np.arange(3), np.arange(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rec.record("later", x, rows2)
+    with TraceReader(str(out)) as r:
+        info = r.tensors
+        assert AUTOCAST_ATTR not in info["plain"].attrs
+        for name in ("inside", "later"):
+            assert info[name].dtype == "float32"
+            assert info[name].attrs[AUTOCAST_ATTR] == {"enabled": True, "dtype": "bfloat16", "device": "cpu"}
+            assert compute_dtype(info[name].dtype, info[name].attrs) == "bfloat16"
+        assert compute_dtype(info["plain"].dtype, info["plain"].attrs) == "float32"
+        assert compute_dtype("bfloat16", {AUTOCAST_ATTR: {"enabled": True, "dtype": "float16"}}) == "bfloat16"
+        assert compute_dtype("float32", {AUTOCAST_ATTR: {"enabled": False, "dtype": "bfloat16"}}) == "float32"

@@ -57,6 +57,40 @@ def test_correct_pairs_exit_0_in_both_orders(work, fp32, capsys):
         assert "token_mult_prob_error = " in out and "verl rollout_probs_diff_mean" in out
 
 
+def test_an_autocast_trainer_is_judged_at_its_compute_dtype(work, fp32):
+    """The trainer's forward inside ``torch.autocast(dtype=torch.bfloat16)`` against an fp32
+    rollout: its states are stored in float32 (the residual stream) but carry bf16 matmul rounding.
+    The trace records the autocast region, the noise model allows bf16's rounding, and the correct
+    pair agrees in both orders; bugs of known size on the engine, every weight untouched (its
+    layer-3 MLP output x1.5, its logits x1.05), are still named in both orders."""
+    from tensordiff.conventions import AUTOCAST_ATTR
+    from tensordiff.trace import TraceReader
+
+    ps = _prompts()
+    r = work / "fp32.rollout.h5"       # the correct pair's rollout
+    if not r.exists():
+        r = rs.rollout(r, fp32, prompts=ps, new_tokens=NEW)
+    t = rs.trainer(work / "autocast.train.h5", fp32, r, ps, autocast=torch.bfloat16)
+    with TraceReader(str(t)) as tr:
+        assert tr.tensors["layer4"].dtype == "float32"
+        assert tr.tensors["layer4"].attrs[AUTOCAST_ATTR] == {"enabled": True, "dtype": "bfloat16", "device": "cpu"}
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "agree", got.text()
+        assert main(["triage", str(a), str(b)]) == 0
+    for name, where, scale, cause, words in (
+            ("mlp3", lambda m: m.model.layers[3].mlp, 1.5, "layer", "the first state out of the noise trend is layer4"),
+            ("logits", lambda m: m.lm_head, 1.05, "logprobs", "log-probs differ beyond the noise")):
+        engine = copy.deepcopy(fp32)
+        rs.scaled_output(where(engine), scale)
+        rb = rs.rollout(work / f"autocast-{name}.rollout.h5", engine, prompts=ps, new_tokens=NEW)
+        tb = rs.trainer(work / f"autocast-{name}.train.h5", fp32, rb, ps, autocast=torch.bfloat16)
+        for a, b in ((tb, rb), (rb, tb)):
+            got = triage(str(a), str(b))
+            assert got.cause == cause and words in got.headline, got.text()
+            assert got.weights is not None and got.weights["differ"] is None
+
+
 def test_roles_come_from_the_traces_not_the_argument_order(work, fp32):
     """A bf16 engine that served these tokens under weight step 1 (the trainer's weights) and then
     received step 2 for later requests: the trainer's weights are compared with step 1 whichever
@@ -166,6 +200,58 @@ def test_a_whole_step_behind(work, fp32):
         assert got.headline.startswith("weights: the engine serves step 0's weights: these tokens were generated under "
                                        "weight step 0, and the trainer's weights are the engine's step 1 "
                                        "(update_weights_from_tensor), which it held only after them"), got.headline
+
+
+def test_mixed_policy_versions_inside_the_sequences(work, fp32):
+    """An in-flight weight update: every sequence generated in lockstep, the engine's weights
+    replaced by the trainer's before the 7th decode pass. The sentence says the sequences straddle
+    the update and which positions ran which step, in both orders (not that the tokens were all
+    generated under step 0)."""
+    ps = _prompts()[:6]
+    w1 = rs.updated(fp32)
+    md = rs.save(w1, work / "inflight-w1")
+    r = rs.inflight_rollout(work / "inflight.rollout.h5", copy.deepcopy(fp32), w1, update_at=6, prompts=ps,
+                            new_tokens=NEW)
+    t = rs.train_from_serve(work / "inflight.train.h5", r, md)
+    n = len(ps[0]) + 5          # pass j feeds position len + j - 1: pass 6 is the first under step 1
+    for a, b in ((t, r), (r, t)):
+        got = triage(str(a), str(b))
+        assert got.cause == "weights", got.text()
+        assert got.headline.startswith("weights: mixed policy versions inside the sequences: 6 of 6 sequences were "
+                                       "generated across a weight update (update_weights_from_tensor, in flight): "
+                                       f"sequence p0 positions 0-{n - 1} under step 0, positions {n}-{len(ps[0]) + NEW - 2} "
+                                       "under step 1"), got.headline
+        assert "the trainer's weights are step 1's: 36 of the 72 sampled tokens were generated under step 0" in \
+            got.headline
+
+
+def test_drift_over_training_steps(work, fp32):
+    """Four training steps (one Adam update each); from step 2 on the engine's sync misses layer 3's
+    down_proj, which stays at step 1's values while the trainer moves on: steps 0 and 1 agree, step
+    2 is named as the first step out of the noise, with its cause (the stale parameter), and the
+    mismatch grows from step 0 to the last."""
+    from tensordiff.triage import drift
+
+    ps = _prompts()[:4]
+    ws = [fp32]
+    for k in range(3):
+        ws.append(rs.updated(ws[-1], seed=k))
+    pairs = []
+    for k, w in enumerate(ws):
+        engine = copy.deepcopy(w)
+        if k >= 2:
+            engine.model.layers[3].mlp.down_proj.weight.data.copy_(ws[1].model.layers[3].mlp.down_proj.weight.data)
+        r = rs.rollout(work / f"drift{k}.rollout.h5", engine, prompts=ps, new_tokens=NEW)
+        t = rs.trainer(work / f"drift{k}.train.h5", w, r, ps)
+        pairs.append((str(t), str(r)))
+    got = drift(pairs)
+    assert got["first"] == 2, got
+    assert [x["cause"] for x in got["steps"]] == ["agree", "agree", "weights", "weights"], got["steps"]
+    assert got["headline"].startswith("drift: the pairs agree up to step 1 and leave the noise at step 2 (mean "
+                                      "|logprob diff| "), got["headline"]
+    assert "at step 2: weights: layer3 mlp_out" in got["headline"], got["headline"]
+    lp = [x["mean_abs_logprob_diff"] for x in got["steps"]]
+    assert lp[3] > lp[2] > 10 * lp[0], lp
 
 
 def test_rope_theta_mismatch(work):
@@ -381,12 +467,69 @@ def test_decode_path_with_the_three_way_table(work, fp32):
     assert "a prefill re-run of the same tokens (record serve --replay, the third argument)" in alone.headline
     got = triage(str(t), str(r), str(p))
     assert got.cause == "layer", got.text()
-    assert got.headline.startswith("the engine's decode path: its decode log-probs disagree with its own prefill "
+    assert got.headline.startswith("the engine's decode path: its decode passes disagree with its own prefill "
                                    "re-run of the same tokens")
     rows = {(x["a"], x["b"]): x for x in got.three_way}
     assert rows[("trainer", "prefill")]["agree"] and not rows[("trainer", "decode")]["agree"]
     assert any(line.startswith("  three-way") for line in got.lines)
     assert main(["triage", str(t), str(r), str(p)]) == 1
+
+
+def test_processed_rollout_against_raw_log_probs_both_ways(work, fp32):
+    """At T 0.7, each side's log-probs of another temperature: a rollout that returns processed
+    log-probs against a trainer that divides by nothing (temperature 1 recorded), and a rollout
+    that returns raw ones against a trainer at the rollout's temperature that records no top-k
+    (TrainerRecorder): each named from the recorded sampling, in both orders."""
+    ps = _prompts()
+    r = work / "fp32.rollout.h5"       # processed at T 0.7
+    if not r.exists():
+        r = rs.rollout(r, fp32, prompts=ps, new_tokens=NEW)
+    t1 = rs.trainer(work / "raw-trainer.train.h5", fp32, r, ps, temperature=1.0)
+    raw = rs.rollout(work / "rawmode.rollout.h5", fp32, prompts=ps, new_tokens=NEW, logprobs_mode="raw")
+    t07 = rs.trainer(work / "rawmode.train.h5", fp32, raw, ps, temperature=0.7)
+    for a, b in ((t1, r), (r, t1)):
+        got = triage(str(a), str(b))
+        assert got.cause == "sampling", got.text()
+        assert got.headline.startswith("sampling: the rollout's log-probs are processed, at temperature 0.7 (of the "
+                                       "distribution it sampled from, its recorded logprobs_mode), while the "
+                                       "trainer's are raw"), got.headline
+    for a, b in ((t07, raw), (raw, t07)):
+        got = triage(str(a), str(b))
+        assert got.cause == "logprobs", got.text()
+        assert got.headline.startswith("log-probs: the rollout's log-probs are raw (the model's log-softmax, no "
+                                       "temperature) while the trainer's are divided by the temperature (0.7), as "
+                                       "their recorded sampling says"), got.headline
+
+
+def test_decode_path_at_temperature_against_a_raw_prefill_rerun(work, fp32):
+    """The rollout at T 0.7 returns processed log-probs; its prefill re-run records raw ones (as
+    SGLang's input log-probs are). The three-way table compares like with like (raw, from the
+    top-k; by the states where a trainer records no top-k): a decode-only KV-cache bug is named as
+    the engine's decode path in both orders, and the correct engine's pair exits 0 in both."""
+    ps = _prompts()
+    ok = work / "fp32.rollout.h5"
+    if not ok.exists():
+        ok = rs.rollout(ok, fp32, prompts=ps, new_tokens=NEW)
+    kv = rs.rollout(work / "kvraw.rollout.h5", fp32, prompts=ps, new_tokens=NEW, kv_dtype=torch.bfloat16)
+    for name, r in (("ok", ok), ("kv", kv)):
+        p = rs.replay(work / f"{name}raw.prefill.h5", fp32, r, logprobs_mode="raw")
+        trainers = [rs.train_from_serve(work / f"{name}raw.train.h5", r)]
+        if name == "kv":
+            trainers.append(rs.trainer(work / f"{name}raw.own.h5", fp32, r, ps))   # no top-k
+        for t in trainers:
+            for a, b in ((t, r), (r, t)):
+                got = triage(str(a), str(b), str(p))
+                rows = {(x["a"], x["b"]): x for x in got.three_way}
+                if name == "ok":
+                    assert got.cause == "agree" and all(x["agree"] for x in got.three_way), got.text()
+                    assert main(["triage", str(a), str(b), str(p)]) == 0
+                    continue
+                assert got.cause == "layer", got.text()
+                assert got.headline.startswith("the engine's decode path: its decode passes disagree with its own "
+                                               "prefill re-run of the same tokens (token_mult_prob_error "), got.headline
+                assert rows[("trainer", "prefill")]["agree"] and not rows[("prefill", "decode")]["agree"]
+                assert rows[("prefill", "decode")]["basis"] == "raw", got.text()
+                assert rows[("trainer", "prefill")]["basis"] == ("raw" if t == trainers[0] else "states")
 
 
 def test_a_token_both_engines_computed_in_other_regimes_names_both(work, fp32):

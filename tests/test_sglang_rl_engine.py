@@ -331,10 +331,38 @@ def test_a_decode_only_bug_is_found_by_rollout_vs_replay(tm, rollout, replay, pe
     # agrees with the prefill)
     train = _train(tm["target"], perturbed["rollout"]["outputs"], tmp_path / "train.h5")
     rc, out = _triage(train, perturbed["rollout"]["trace"], perturbed["replay"]["trace"])
-    first = out.splitlines()[0]
-    assert rc == 1 and f"layer{PERTURB_LAYER + 1}" in first and "prefill: 0 of" in first, out[-3000:]
+    first, states = out.splitlines()[:2]
+    assert rc == 1 and first.startswith("the engine's decode path: "), out[-3000:]
+    assert f"layer{PERTURB_LAYER + 1}" in states and "prefill: 0 of" in states, out[-3000:]
     three = {ln.split("token_mult_prob_error")[0].strip(): ln for ln in out.splitlines() if "token_mult_prob_error " in ln}
     assert " differ" in three["prefill vs decode"] and " agree" in three["trainer vs prefill"], out[-3000:]
+
+
+@pytest.fixture(scope="module")
+def perturbed_hot(tm, tmp_path_factory):
+    """The decode-path bug at temperature 0.7: the rollout's log-probs processed, its replay's raw."""
+    tmp = tmp_path_factory.mktemp("rl-perturbed-hot")
+    return sup.rl_perturbed_pair(tm["target"], tm["prompts"], tmp, layer=PERTURB_LAYER, scale=PERTURB_SCALE,
+                                 max_new=MAX_NEW, temperature=0.7)
+
+
+def test_a_decode_only_bug_at_temperature_is_named_against_a_raw_replay(tm, perturbed_hot, tmp_path):
+    """At T 0.7 the rollout returns processed log-probs and its prefill re-run raw ones: the
+    three-way table compares them raw (from the rollout's top-k), so the decode path is named in
+    both orders; the trainer that divides by nothing is named as raw against processed."""
+    ro, rp = perturbed_hot["rollout"], perturbed_hot["replay"]
+    assert _sampled(rp["trace"])["sampling"]["logprobs_mode"] == "raw"
+    hot = _train(tm["target"], ro["outputs"], tmp_path / "train07.h5", "--temperature", "0.7")
+    for a, b in ((hot, ro["trace"]), (ro["trace"], hot)):
+        rc, out = _triage(a, b, rp["trace"])
+        assert rc == 1 and out.startswith("the engine's decode path: "), out[-3000:]
+        three = {ln.split("token_mult_prob_error")[0].strip(): ln for ln in out.splitlines()
+                 if "token_mult_prob_error " in ln}
+        assert "compared raw" in three["prefill vs decode"] and " agree" in three["trainer vs prefill"], out[-3000:]
+    cold = _train(tm["target"], ro["outputs"], tmp_path / "train1.h5")
+    for a, b in ((cold, ro["trace"]), (ro["trace"], cold)):
+        rc, out = _triage(a, b)
+        assert rc == 1 and out.startswith("sampling: the rollout's log-probs are processed, at temperature 0.7"), out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ async def test_decode_path_three_way_on_screen(tmp_path):
     app = TriageApp(got)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
-        assert _text(app, "#headline").startswith("the engine's decode path: its decode log-probs disagree")
+        assert _text(app, "#headline").startswith("the engine's decode path: its decode passes disagree")
         regimes = _text(app, "#regimes")
         assert re.search(r"^prefill vs decode +[0-9.e-]+  NO$", regimes, re.M), regimes
         assert re.search(r"^trainer vs prefill +[0-9.e-]+  yes$", regimes, re.M), regimes

@@ -51,7 +51,7 @@ from .sampling import Sampling, SequenceEnds
 from .staging import Later, Staged, TopkJob, compute_jobs, host_f32
 from .storage import TORCH_DTYPES, logical_dtype, to_storage, topk_rows
 
-__all__ = ["Later", "Recorder", "Sampling", "TopkJob", "logical_dtype", "to_storage", "topk_rows"]
+__all__ = ["Later", "Recorder", "Sampling", "TopkJob", "autocast_dtype", "logical_dtype", "to_storage", "topk_rows"]
 
 
 def no_autocast(device_type: str) -> Any:
@@ -64,6 +64,27 @@ def no_autocast(device_type: str) -> Any:
         return torch.autocast(device_type, enabled=False)
     except RuntimeError:    # a device type autocast does not know: nothing to turn off
         return contextlib.nullcontext()
+
+
+def autocast_dtype(device_type: str) -> str | None:
+    """The dtype ``torch.autocast`` computes in on ``device_type`` where a region is in effect in
+    this thread (the user's forward, so each hook in it), else None."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return logical_dtype(torch.get_autocast_dtype(device_type))
+    except (RuntimeError, TypeError, ValueError):   # a device type autocast does not know
+        return None
+    return None
+
+
+def autocast_attr(device_type: str, dtype: str) -> dict[str, Any]:
+    """The tensor attribute (:data:`tensordiff.conventions.AUTOCAST_ATTR`) saying a state was produced
+    inside an autocast region of ``dtype``: the noise model allows that dtype's rounding."""
+    return {"enabled": True, "dtype": dtype, "device": device_type}
+
+
+#: coarser rounding last: a tensor recorded under several autocast dtypes records the coarsest
+_COARSE = {"float64": 0, "float32": 1, "float16": 2, "bfloat16": 3}
 
 
 @dataclass
@@ -79,6 +100,7 @@ class _Spec:
     abs_rms: bool = False  # plain, one column: its RMS is the absolute value (not 0)
     source: str | None = None  # values_source: rows may take their values from this tensor's rows
     count: int = 0       # rows recorded so far (written or staged): the index of the next row
+    autocast: str | None = None  # the coarsest autocast dtype in effect while its rows were produced
 
 
 @dataclass
@@ -451,14 +473,21 @@ class Recorder:
         if not self.sample.keeps_all:
             keep &= self.sample.mask(self.positions_of(np.where(keep, rows, 0)))
         staged = self.stage_bytes > 0 and x.device.type == "cpu"
-        if name not in self._specs and not self.define(
+        # the forward's autocast region, read here in its own thread before the recorder's own
+        # arithmetic turns it off: the stored dtype says how a state is kept, not how it was computed
+        ac = autocast_dtype(x.device.type)
+        new = name not in self._specs
+        if new and not self.define(
                 name, width, dtype=logical_dtype(x.dtype), kind=kind, boundary=boundary, slots=slots,
                 slot_width=slot_width, token_offset=token_offset, role=role, values=values, order=order,
-                attrs=attrs, values_source=reuse if staged else None):
+                attrs=attrs if ac is None else {**(attrs or {}), conventions.AUTOCAST_ATTR: autocast_attr(x.device.type, ac)},
+                values_source=reuse if staged else None):
             return 0
         spec = self._specs[name]
         if width != spec.width:
             raise ValueError(f"{name}: width {width}, but it was defined with width {spec.width}")
+        if ac is not None and ac != spec.autocast:
+            self._note_autocast(name, spec, x.device.type, ac, written=new)
         if staged:
             n = self._stage(name, spec, src, x, rows, keep, memo, remember, reuse, private)
             if n:
@@ -528,6 +557,15 @@ class Recorder:
         self.stats.bytes_values += nbytes
         self.stats.seconds += time.perf_counter() - t0
         return n
+
+    def _note_autocast(self, name: str, spec: _Spec, device_type: str, dtype: str, *, written: bool) -> None:
+        """Keep the coarsest autocast dtype a tensor's rows were produced under in its attribute
+        (``written``: the definition just wrote it; a later forward may run in another region)."""
+        if spec.autocast is not None and _COARSE.get(dtype, 0) <= _COARSE.get(spec.autocast, 0):
+            return
+        spec.autocast = dtype
+        if not written:
+            self.writer.set_attr(name, conventions.AUTOCAST_ATTR, autocast_attr(device_type, dtype))
 
     # -- staging (stage_bytes > 0) -----------------------------------------------------------
 

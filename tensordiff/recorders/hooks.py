@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from .. import names as canon
-from .core import Recorder
+from ..conventions import AUTOCAST_ATTR
+from .core import Recorder, autocast_attr, autocast_dtype
 
 __all__ = ["ModuleHookRecorder", "batch_rows", "first_tensor"]
 
@@ -358,10 +359,13 @@ def record_sampled_logprob(recorder: Recorder, logits: torch.Tensor, rows: np.nd
     nxt = ids[1:]
     lp = trainer_logprobs(x[:-1], nxt, temperature).double().cpu()
     table = torch.stack([nxt.double(), lp], dim=-1).numpy()
+    attrs: dict[str, Any] = {"source": "trainer log_softmax(logits / temperature) at the sampled token",
+                             "temperature": float(temperature)}
+    ac = autocast_dtype(logits.device.type)
+    if ac is not None:   # the head ran inside the forward's autocast region
+        attrs[AUTOCAST_ATTR] = autocast_attr(logits.device.type, ac)
     return recorder.plain(conventions.SAMPLED_LOGPROB, table[keep], rows[:-1][keep], role=conventions.SAMPLED_LOGPROB,
-                          order=float(recorder.model.get("num_layers") or 0) + 0.7,
-                          attrs={"source": "trainer log_softmax(logits / temperature) at the sampled token",
-                                 "temperature": float(temperature)})
+                          order=float(recorder.model.get("num_layers") or 0) + 0.7, attrs=attrs)
 
 
 #: the dtypes an engine commonly holds a trainer's float32 weights in: each float32 parameter's
