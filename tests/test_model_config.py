@@ -249,6 +249,9 @@ def rope_traces(tmp_path_factory):
                                     ("dims", "float32", "sdpa", "rotary_dims")):
         edit = bugs.inject(kind, m, bugs.Place(), 1e-3)[0] if kind else None
         out[name] = str(M.record(m, M.side_model(m, dtype, attn, edit), d / f"{name}.h5", "full"))
+        if name in ("a", "theta"):   # the packed draft input alone, theta 1e-5 off: under every allowance
+            small = bugs.inject(kind, m, bugs.Place(), 1e-5)[0] if kind else None
+            out[f"{name}-packed"] = str(M.record(m, M.side_model(m, dtype, attn, small), d / f"{name}-p.h5", "packed"))
     return out
 
 
@@ -261,6 +264,14 @@ def test_edited_rotary_frequencies_are_named_first_in_both_orders(rope_traces):
             assert res.exit_code == 1, head
             assert head.startswith("the rotary frequencies differ (frequency "), head
             assert res.first_divergence.kind == "signature" and "rope_theta" not in head, head
+    # only the packed draft input recorded, no state past its allowance: named at its shallowest slot, the
+    # first compared state past layer 0
+    for x, y in ((t["a-packed"], t["theta-packed"]), (t["theta-packed"], t["a-packed"])):
+        res = diff_traces(x, y)
+        head = res.headline()
+        assert res.exit_code == 1 and head.startswith("the rotary frequencies differ (frequency "), head
+        assert res.first_divergence.tensor == "draft_input" and res.first_divergence.slot == 0, head
+        assert "slot 0 of draft_input moved" in head, head
 
 
 def test_correct_ports_record_equal_rotary_frequencies(rope_traces):
