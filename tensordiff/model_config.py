@@ -37,10 +37,20 @@ FIELDS: dict[str, tuple[type, str]] = {
     "attn_scale": (float, "the attention's softmax scale, where the config sets one"),
     "tie_word_embeddings": (bool, "the lm_head shares the embedding's weights"),
     "dtype": (str, "the dtype the model ran in"),
+    "rope_freqs": (list, "the rotary frequencies the built model turns by (its inv_freq), in order"),
+    "rope_freqs_dtype": (str, "the dtype the rotary frequencies are held in (their rounding)"),
 }
 MAX_STR = 64
 MAX_INT = 1 << 40
 MAX_ABS = 1e300
+MAX_FREQS = 4096
+#: two correct implementations of theta^(-2j/d) in float32 agree far closer; a theta off by 1e-4 moves them ~1e-4
+FREQ_REL = 1e-6
+#: frequencies held in a coarser dtype are that dtype's rounding of the true ones: two correct sides
+#: differ by at most one unit of its spacing: relative (2^-7 in bfloat16, 2^-10 in float16), and
+#: absolute below float16's normal range (its subnormals' spacing 2^-24: a Mixtral's lowest
+#: frequency, 5.6e-6, keeps 7 bits there)
+_FREQ_SPACING = {"bfloat16": (2.0 ** -7, 0.0), "float16": (2.0 ** -10, 2.0 ** -24)}
 
 #: the taps of a decoder layer each setting acts on first (a boundary after them shows it too)
 _TAPS: dict[str, tuple[str, ...]] = {
@@ -48,13 +58,18 @@ _TAPS: dict[str, tuple[str, ...]] = {
     "partial_rotary_factor": ("q_rope", "k_rope"), "rotary_dim": ("q_rope", "k_rope"),
     "norm_eps": ("attn_norm", "mlp_norm"), "heads": ("q", "k", "v", "q_rope", "k_rope", "attn_out"),
     "kv_heads": ("k", "v", "k_rope", "attn_out"), "head_dim": ("q", "k", "v", "q_rope", "k_rope", "attn_out"),
-    "activation": ("mlp_act",), "attn_scale": ("attn_out",),
+    "activation": ("mlp_act",), "attn_scale": ("attn_out",), "rope_freqs": ("q_rope", "k_rope"),
 }
 
 
 def _clean(key: str, v: Any) -> Any:
     """``v`` as field ``key``'s type, or None (wrong type, not finite, out of bounds, unprintable)."""
     kind = FIELDS[key][0]
+    if kind is list:
+        if not isinstance(v, (list, tuple)) or not 0 < len(v) <= MAX_FREQS:
+            return None
+        out = [_clean("rope_theta", x) for x in v]   # each a finite float within bounds
+        return None if any(x is None for x in out) else out
     if kind is bool:
         return v if isinstance(v, bool) else None
     if kind is str:
@@ -150,15 +165,38 @@ def _attn_scale(cfg: Any) -> float | None:
     return None
 
 
+def _freq_tol(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[float, float]:
+    """(relative, absolute) difference two correct sides' frequencies can show: :data:`FREQ_REL`,
+    or one unit of the coarser dtype either side holds them in."""
+    units = [_FREQ_SPACING.get(str(c.get("rope_freqs_dtype")), (0.0, 0.0)) for c in (a, b)]
+    return max([FREQ_REL] + [u[0] for u in units]), max(u[1] for u in units)
+
+
+def _freqs_differ(va: list[float], vb: list[float], tol: tuple[float, float]) -> bool:
+    return len(va) != len(vb) or any(abs(x - y) > tol[0] * max(abs(x), abs(y)) + tol[1] for x, y in zip(va, vb))
+
+
+def _freq_worst(va: list[float], vb: list[float]) -> tuple[int, float]:
+    """(index, relative difference) of the frequencies' largest relative difference."""
+    rel = [abs(x - y) / max(abs(x), abs(y)) if x != y else 0.0 for x, y in zip(va, vb)]
+    j = max(range(len(rel)), key=rel.__getitem__)
+    return j, rel[j]
+
+
 def differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """(key, A's value, B's value) for each key both sides recorded that differs, in
-    :data:`FIELDS` order; floats differ beyond a relative 1e-9."""
+    :data:`FIELDS` order; floats differ beyond a relative 1e-9; the rotary frequencies when their
+    counts differ or one differs beyond :func:`_freq_tol` (their dtype is how they are compared,
+    never a difference of its own)."""
     out = []
     for key in FIELDS:
-        if key not in a or key not in b:
+        if key not in a or key not in b or key == "rope_freqs_dtype":
             continue
         va, vb = a[key], b[key]
-        if isinstance(va, float) and isinstance(vb, float):
+        if key == "rope_freqs":
+            if not _freqs_differ(va, vb, _freq_tol(a, b)):
+                continue
+        elif isinstance(va, float) and isinstance(vb, float):
             if abs(va - vb) <= 1e-9 * max(abs(va), abs(vb)):
                 continue
         elif va == vb:
@@ -196,6 +234,16 @@ def _say(v: Any) -> str:
     return str(v)
 
 
+def _say_freqs(va: list[float], vb: list[float]) -> str:
+    if len(va) != len(vb):
+        return f"the rotary frequencies differ ({len(va)} on A, {len(vb)} on B)"
+    j, rel = _freq_worst(va, vb)
+    return (f"the rotary frequencies differ (frequency {j} of {len(va)}: {va[j]:.3g} on A, {vb[j]:.3g} on B; "
+            f"largest relative difference {rel:.2g})")
+
+
 def sentence(diffs: list[tuple[str, Any, Any]]) -> str:
-    """``rope_theta is 500000 on A and 10000 on B`` (each difference, joined by ``; ``)."""
-    return "; ".join(f"{k} is {_say(va)} on A and {_say(vb)} on B" for k, va, vb in diffs)
+    """``rope_theta is 500000 on A and 10000 on B`` (each difference, joined by ``; ``); the
+    rotary frequencies by their largest difference, never the whole list."""
+    return "; ".join(_say_freqs(va, vb) if k == "rope_freqs" else f"{k} is {_say(va)} on A and {_say(vb)} on B"
+                     for k, va, vb in diffs)

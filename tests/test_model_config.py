@@ -181,3 +181,106 @@ def test_the_engine_plugins_record_the_engines_config():
     dtype = str(mc.dtype).replace("torch.", "")
     assert got["config"] == {"rope_theta": 10000.0, "rope_type": "default", "norm_eps": 1e-5, "heads": 4, "kv_heads": 2,
                              "head_dim": 16, "activation": "silu", "tie_word_embeddings": False, "dtype": dtype}, got
+
+
+# ----------------------------------------------------------------------------------------------
+# The rotary frequencies the built model turns by
+
+
+def _freqs(theta=10000.0, d=16):
+    return [theta ** (-2 * j / d) for j in range(d // 2)]
+
+
+def test_the_rotary_frequencies_compare_exactly_and_read_in_a_sentence():
+    f = _freqs()
+    a = model_config.read({"config": {"rope_freqs": f, "rope_freqs_dtype": "float32"}})
+    assert a["rope_freqs"] == f
+    # float32 rounding of a correct implementation is far under the tolerance
+    same = [float(np.float32(x)) for x in f]
+    assert model_config.differences(a, {"rope_freqs": same, "rope_freqs_dtype": "float32"}) == []
+    # a theta off by 1e-3: the highest frequency index moves ~1e-3
+    b = {"rope_freqs": _freqs(10000.0 * 1.001), "rope_freqs_dtype": "float32"}
+    (key, va, vb), = model_config.differences(a, b)
+    assert key == "rope_freqs" and va == f
+    words = model_config.sentence([(key, va, vb)])
+    assert words.startswith("the rotary frequencies differ (frequency 7 of 8: ") and "largest relative" in words
+    assert len(words) < 140, words
+    # the lowest quarter zeroed (partial rotary), a count that differs
+    zeroed = f[:6] + [0.0, 0.0]
+    assert model_config.differences(a, {"rope_freqs": zeroed})[0][0] == "rope_freqs"
+    assert "8 on A, 4 on B" in model_config.sentence(model_config.differences(a, {"rope_freqs": f[:4]}))
+    # held in bfloat16: its rounding is no difference; the dtype alone is never one
+    bits = (np.asarray(f, np.float32).view(np.uint32) + np.uint32(0x8000)) & np.uint32(0xFFFF0000)
+    bf = bits.view(np.float32).astype(np.float64).tolist()   # rounded to bfloat16
+    assert model_config.differences(a, {"rope_freqs": bf, "rope_freqs_dtype": "bfloat16"}) == []
+    # held in float16: a theta of 1e6 puts the lowest frequencies among its subnormals (few bits)
+    big = _freqs(1e6)
+    half = np.asarray(big, np.float16).astype(np.float64).tolist()
+    assert half[-1] != big[-1] and abs(half[-1] - big[-1]) > 2.0 ** -10 * big[-1]
+    assert model_config.differences({"rope_freqs": big}, {"rope_freqs": half, "rope_freqs_dtype": "float16"}) == []
+    assert model_config.differences({"rope_freqs": big}, {"rope_freqs": np.asarray(_freqs(2e6), np.float16)
+                                     .astype(np.float64).tolist(), "rope_freqs_dtype": "float16"}) != []
+    assert model_config.explains("rope_freqs", "layer1") and not model_config.explains("rope_freqs_dtype", "layer1")
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [1.0, "2"], [True], "1.0", [1e301], [1.0] * 4097])
+def test_read_drops_hostile_rotary_frequencies(bad):
+    assert model_config.read({"config": {"rope_freqs": bad}}) == {}
+
+
+@pytest.fixture(scope="module")
+def rope_traces(tmp_path_factory):
+    """The trained tiny Llama recorded by the HF recorder: A (float32, eager), correct ports of it
+    (float32 SDPA, bfloat16 SDPA) and B with its frequencies edited as the fuzzer does (theta
+    1e-3 higher, the lowest quarter zeroed), config untouched."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from fuzz import bugs
+    from fuzz import models as M
+
+    d = tmp_path_factory.mktemp("rope")
+    m = M.model("trained-llama")
+    out = {}
+    for name, dtype, attn, kind in (("a", "float32", "eager", None), ("sdpa", "float32", "sdpa", None),
+                                    ("bf16", "bfloat16", "sdpa", None), ("theta", "float32", "sdpa", "rope_theta"),
+                                    ("dims", "float32", "sdpa", "rotary_dims")):
+        edit = bugs.inject(kind, m, bugs.Place(), 1e-3)[0] if kind else None
+        out[name] = str(M.record(m, M.side_model(m, dtype, attn, edit), d / f"{name}.h5", "full"))
+        if name in ("a", "theta"):   # the packed draft input alone, theta 1e-5 off: under every allowance
+            small = bugs.inject(kind, m, bugs.Place(), 1e-5)[0] if kind else None
+            out[f"{name}-packed"] = str(M.record(m, M.side_model(m, dtype, attn, small), d / f"{name}-p.h5", "packed"))
+    return out
+
+
+def test_edited_rotary_frequencies_are_named_first_in_both_orders(rope_traces):
+    t = rope_traces
+    for bug in ("theta", "dims"):
+        for x, y in ((t["a"], t[bug]), (t[bug], t["a"])):
+            res = diff_traces(x, y)
+            head = res.headline()
+            assert res.exit_code == 1, head
+            assert head.startswith("the rotary frequencies differ (frequency "), head
+            assert res.first_divergence.kind == "signature" and "rope_theta" not in head, head
+    # only the packed draft input recorded, no state past its allowance: named at its shallowest slot, the
+    # first compared state past layer 0
+    for x, y in ((t["a-packed"], t["theta-packed"]), (t["theta-packed"], t["a-packed"])):
+        res = diff_traces(x, y)
+        head = res.headline()
+        assert res.exit_code == 1 and head.startswith("the rotary frequencies differ (frequency "), head
+        assert res.first_divergence.tensor == "draft_input" and res.first_divergence.slot == 0, head
+        assert "slot 0 of draft_input moved" in head, head
+
+
+def test_correct_ports_record_equal_rotary_frequencies(rope_traces):
+    t = rope_traces
+    fa = model_config.read(json.loads(h5py.File(t["a"], "r").attrs["model"]))
+    assert len(fa["rope_freqs"]) == 8 and fa["rope_freqs_dtype"] == "float32"
+    for other in ("sdpa", "bf16"):
+        fb = model_config.read(json.loads(h5py.File(t[other], "r").attrs["model"]))
+        assert [k for k, _, _ in model_config.differences(fa, fb) if k != "dtype"] == [], other
+        for x, y in ((t["a"], t[other]), (t[other], t["a"])):
+            res = diff_traces(x, y)
+            assert res.exit_code == 0, res.headline()

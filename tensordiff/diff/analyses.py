@@ -130,6 +130,25 @@ def config_unseen(plan: DiffPlan, pairs: Sequence[PairStats]) -> Finding | None:
                                cause=model_config.sentence(here), layer=None,
                                params={"config": {k: [va, vb] for k, va, vb in here}})
         return Finding(Kind.SIGNATURE, Severity.DIVERGENCE, tensor=p.label, order=p.order - 1e-9, details=det)
+    # none of the states it shows at first was compared (a packed draft input alone): a setting every
+    # decoder layer runs with moves every state past layer 0, so the first compared one says it
+    every = [d for d in config if model_config.explains(d[0], "layer1")]
+    for p in sorted((p for p in pairs if p.compared), key=lambda p: p.order) if every else ():
+        deep = [s for s, d in enumerate(p.depth) if d is not None and d >= 1]
+        if not deep:
+            continue
+        s = min(deep, key=lambda s: p.depth[s] or 0.0)
+        worst = p.rel_max[s] if s < len(p.rel_max) and np.isfinite(p.rel_max[s]) else 0.0
+        where = p.label if p.slots == 1 else f"slot {s} of {p.label}"
+        det = SignatureDetails(op=p.label, signature="config",
+                               what="the models' recorded configs differ, and every decoder layer runs with it",
+                               evidence=(f"{where} moved {worst:.3g} relative at most, within its allowance, the first "
+                                         "compared state after layer 0: the difference is under what these traces "
+                                         "tell from noise, not absent"),
+                               cause=model_config.sentence(every), layer=None,
+                               params={"config": {k: [va, vb] for k, va, vb in every}})
+        return Finding(Kind.SIGNATURE, Severity.DIVERGENCE, tensor=p.label, slot=s if p.slots > 1 else None,
+                       order=p.order - 1e-9, details=det)
     return None
 
 

@@ -75,6 +75,7 @@ def model_info(model: torch.nn.Module) -> dict:
     out = {"num_layers": n, "hidden_size": int(h), "dtype": logical_dtype(dtype), "architecture": archs[0],
            "model_type": getattr(cfg, "model_type", None), "vocab_size": getattr(cfg, "vocab_size", None)}
     config = model_config.from_config(getattr(model, "config", None), logical_dtype(dtype))
+    config.update(rotary_freqs(model))
     if config:
         out["config"] = config
     # the directory it was loaded from, for the commands a diff prints (tensordiff weights DIR_A DIR_B)
@@ -82,6 +83,19 @@ def model_info(model: torch.nn.Module) -> dict:
     if isinstance(src, str) and src and os.path.isdir(src):
         out["path"] = os.path.abspath(src)
     return out
+
+
+def rotary_freqs(model: torch.nn.Module) -> dict:
+    """``rope_freqs`` and ``rope_freqs_dtype`` of the module actually built (its first submodule
+    with an ``inv_freq`` buffer: the frequencies it turns q and k by, whatever its config says),
+    validated as the diff reads them; ``{}`` when it has none."""
+    for mod in model.modules():
+        inv = getattr(mod, "inv_freq", None)
+        if isinstance(inv, torch.Tensor) and inv.dim() == 1 and inv.is_floating_point():
+            out = {"rope_freqs": model_config.read({"config": {"rope_freqs": inv.detach().double().cpu().tolist()}})
+                   .get("rope_freqs"), "rope_freqs_dtype": logical_dtype(inv.dtype)}
+            return out if out["rope_freqs"] is not None else {}
+    return {}
 
 
 def draft_rows(rows: np.ndarray) -> np.ndarray:
