@@ -13,7 +13,8 @@ differs is never read: it sits in another directory.
 
 The cache is ``.cache/recordings`` of the checkout, or ``TENSORDIFF_RECORDINGS_CACHE``. Tests read
 the recorded files and never write into them: a test that edits a trace copies it to its own
-``tmp_path`` first.
+``tmp_path`` first (an entry whose files changed after it was recorded is recorded again). Entries
+of old keys are left where they are: another checkout sharing the cache may still read them.
 """
 
 from __future__ import annotations
@@ -129,17 +130,30 @@ def serve(rec: Recording) -> dict:
     with FileLock(str(out) + ".lock"):
         if done.exists():
             doc = json.loads(done.read_text())
-            if doc.get("key") == k and doc.get("dir") == str(out):
+            if doc.get("key") == k and doc.get("dir") == str(out) and doc.get("files") == _manifest(out):
                 return doc["result"]
-        # an entry without its record of completion was cut off: recorded again from nothing
+        # an entry without its record of completion was cut off, and one whose files changed after it
+        # was written was written into: either is recorded again from nothing
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         # through JSON, as a later session reads it: the same types the first time and every time after
         result = json.loads(json.dumps(BUILDERS[rec.build](out, needs, **dict(rec.args))))
-        tmp = done.with_suffix(".part")
-        tmp.write_text(json.dumps({"key": k, "dir": str(out), "name": rec.name, "result": result}, indent=1))
+        tmp = out.parent / f"{out.name}.part"
+        tmp.write_text(json.dumps({"key": k, "dir": str(out), "name": rec.name, "result": result,
+                                   "files": _manifest(out)}, indent=1))
         os.replace(tmp, done)      # written last: the entry is complete
     return result
+
+
+def _manifest(out: Path) -> dict[str, list[int]]:
+    """Size and modification time of every file of an entry: a test that wrote into a recorded file
+    changes them, and the entry is not read again."""
+    got = {}
+    for f in sorted(out.rglob("*")):
+        if f.is_file() and f.name != "recording.json":
+            st = f.stat()
+            got[str(f.relative_to(out))] = [st.st_size, st.st_mtime_ns]
+    return got
 
 
 # ----------------------------------------------------------------------------------------------
