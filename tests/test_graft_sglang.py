@@ -69,12 +69,12 @@ def test_graft_in_sglang_confirms_the_cause_is_inside_layer3(runs, recorded):
 
     with TraceReader(after["trace"]) as r:
         assert r.user_meta["graft"]["state"] == f"layer{LAYER + 1}"
-        recorded = len(r.token_rows(f"layer{LAYER + 1}"))
+        rows = len(r.token_rows(f"layer{LAYER + 1}"))
     with h5py.File(after["trace"], "r") as f:
         stats = f.attrs["tensordiff_sglang"]
         stats = json.loads(stats) if isinstance(stats, (str, bytes)) else stats
-    print("graft stats", stats["graft"], "recorded rows", recorded)
-    assert stats["graft"]["rows"] >= recorded > 0   # every recorded row grafted (verify blocks graft more)
+    print("graft stats", stats["graft"], "recorded rows", rows)
+    assert stats["graft"]["rows"] >= rows > 0   # every recorded row grafted (verify blocks graft more)
     rc, doc, err = sup.diff_json(runs.train, after["trace"])
     assert doc is not None, err
     note = _graft_note(doc)
