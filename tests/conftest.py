@@ -80,7 +80,26 @@ def pytest_collection_modifyitems(config, items):
             slow[module(item)] += 1
     rank = {name: i for i, name in enumerate(slow)}   # collection order breaks ties
     items.sort(key=lambda it: (-slow[module(it)], rank[module(it)]))
+    for item in items:
+        if _uses_an_engine(item):
+            item.add_marker(pytest.mark.engine)
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
             name = module(item)
             item.add_marker(pytest.mark.xdist_group("ray" if name in _RAY_MODULES else name))
+
+
+def _uses_an_engine(item) -> bool:
+    """A test that reads a real-engine recording, or starts SGLang or vLLM: ``-m "not engine"``
+    leaves the fast loop."""
+    return ("recorded" in getattr(item, "fixturenames", ()) or item.get_closest_marker("sglang") is not None
+            or item.get_closest_marker("vllm") is not None)
+
+
+@pytest.fixture(scope="session")
+def recorded():
+    """``recorded(recordings.X)``: the files of one engine run of tests/recordings.py, recorded once
+    per cache key (the workers take turns on a file lock) and read from the cache after that."""
+    import recordings
+
+    return recordings.serve

@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
@@ -26,60 +25,29 @@ sys.path.insert(0, str(HERE))
 
 import sglang_support as sup  # noqa: E402
 import vllm_support as vsup  # noqa: E402
+import recordings as recs  # noqa: E402
 
 needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
 needs_vllm = pytest.mark.skipif(not vsup.vllm_available(), reason="the vLLM venv (.venv-vllm) is not set up")
 
-# the engine tests' prompts (tests/test_sglang_serve.py): A spans several prefill chunks, C shares
-# A's first 56 tokens (a radix-cache hit)
-_rng = np.random.default_rng(5)
-PROMPT_A = _rng.integers(1, 256, 80).tolist()
-PROMPT_B = _rng.integers(1, 256, 9).tolist()
-PROMPTS = {"A": PROMPT_A, "B": PROMPT_B, "C": PROMPT_A[:56] + _rng.integers(1, 256, 5).tolist()}
-
-
-def _random_model(root: Path, **config) -> tuple[Path, Path, dict]:
-    """A random-weight target (sglang_support.make_tiny_llama, ``config`` applied) and a random
-    EAGLE-3 draft proposing the two tokens the target emits most on PROMPTS (some drafts accepted),
-    as the engine tests build them."""
-    target = sup.make_tiny_llama(root / "target", **config)
-    hf = sup.load_hf_model(target)
-    counts: dict[int, int] = {}
-    for p in PROMPTS.values():
-        for t in sup.hf_greedy(hf, p, 7):
-            counts[t] = counts.get(t, 0) + 1
-    vocab = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:2]]
-    draft = sup.make_tiny_eagle3_draft(root / "draft", target, aux_layer_ids=[2, 4, 6], draft_vocab=vocab)
-    return target, draft, PROMPTS
-
-
-def _trained_model(min_head_dim: int = 0) -> tuple[Path, Path, dict]:
-    got = sup.trained_models(min_head_dim)
-    if got is None:
-        pytest.skip(f"no trained model with head_dim >= {min_head_dim} (scripts/train_tiny_models.py)")
-    return got["target"], got["draft"], dict(list(got["prompts"].items())[:6])
-
 
 @pytest.fixture(scope="module", params=["trained", "random"])
-def sglang_bf16(request, tmp_path_factory):
+def sglang_bf16(request, recorded):
     """SGLang bf16 serve vs fp32 train: the trained model, and the engine tests' random one (the
     case that read "the target's predictions differ" on a correct pair)."""
     if request.param == "trained":
-        target, draft, prompts = _trained_model(0)
-    else:
-        target, draft, prompts = _random_model(tmp_path_factory.mktemp("sglang-random"))
-    return sup.sglang_serve_pair(target, draft, prompts, tmp_path_factory.mktemp("sglang-bf16"), dtype="bfloat16",
-                                 max_new_tokens=16)
+        if sup.trained_models(0) is None:
+            pytest.skip("no trained model (scripts/train_tiny_models.py)")
+        return recorded(recs.NOISE_SGLANG_TRAINED)
+    return recorded(recs.NOISE_SGLANG_RANDOM)
 
 
 @pytest.fixture(scope="module", params=["random"])
-def vllm_bf16(request, tmp_path_factory):
+def vllm_bf16(request, recorded):
     """vLLM bf16 serve vs fp32 train: the vLLM tests' random shape. The trained tiny Llama has
     head_dim 16, which vLLM's CPU attention refuses, so no trained model runs here yet (a trained
     one with head_dim 64 is the next step)."""
-    target, draft, prompts = _random_model(tmp_path_factory.mktemp("vllm-random"), **vsup.TINY_LLAMA_VLLM)
-    return vsup.vllm_serve_pair(target, draft, prompts, tmp_path_factory.mktemp("vllm-bf16"), dtype="bfloat16",
-                                max_new_tokens=16)
+    return recorded(recs.NOISE_VLLM_RANDOM)
 
 
 def _assert_agree(pair: dict, order: str) -> None:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import recordings as recs
 import sglang_support as sup
 
 LAYER = 3
@@ -38,18 +39,13 @@ def _serve(target, draft, prompts, out_dir, name, graft=None):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    got = sup.trained_models(0)
-    if got is None:
+def runs(recorded):
+    if sup.trained_models(0) is None:
         pytest.skip("no trained model (scripts/train_tiny_models.py)")
-    root = tmp_path_factory.mktemp("graft-sglang")
-    prompts = dict(list(got["prompts"].items())[:4])
-    changed = sup.scaled_weight_copy(got["target"], root / "changed", f"model.layers.{LAYER}.mlp.up_proj.weight", 1.05)
-    run = _serve(changed, got["draft"], prompts, root, "changed")
-    train = sup.record_train_from_serve(got["target"], run["outputs"], root / "train.h5", got["draft"],
-                                        "sglang-llama", extra=("--values", "all"))
-    return SimpleNamespace(root=root, prompts=prompts, changed=changed, draft=got["draft"], train=str(train),
-                           serve=run["trace"], target=got["target"])
+    m = recorded(recs.TRAINED_CHANGED)
+    return SimpleNamespace(prompts=m["prompts_by_id"], changed=m["changed"], draft=m["draft"],
+                           train=recorded(recs.GRAFT_TRAIN)["trace"], serve=recorded(recs.GRAFT_CHANGED)["trace"],
+                           target=m["target"])
 
 
 def _graft_note(doc):
@@ -60,25 +56,25 @@ def _graft_note(doc):
 @pytest.mark.sglang
 @pytest.mark.torch
 @pytest.mark.skipif(not sup.sglang_available(), reason="SGLang not installed")
-def test_graft_in_sglang_confirms_the_cause_is_inside_layer3(runs):
+def test_graft_in_sglang_confirms_the_cause_is_inside_layer3(runs, recorded):
     rc, doc, err = sup.diff_json(runs.train, runs.serve)
     assert doc is not None, err
     print(doc["headline"])
     assert rc == 1 and doc["first_divergence"]["tensor"] == f"layer{LAYER + 1}", doc["headline"]
 
-    after = _serve(runs.changed, runs.draft, runs.prompts, runs.root, "graft4", graft=f"{runs.train}:layer{LAYER + 1}")
+    after = recorded(recs.GRAFT_LAYER4)   # TENSORDIFF_GRAFT=train.h5:layer4
     from tensordiff.trace import TraceReader
 
     import h5py
 
     with TraceReader(after["trace"]) as r:
         assert r.user_meta["graft"]["state"] == f"layer{LAYER + 1}"
-        recorded = len(r.token_rows(f"layer{LAYER + 1}"))
+        rows = len(r.token_rows(f"layer{LAYER + 1}"))
     with h5py.File(after["trace"], "r") as f:
         stats = f.attrs["tensordiff_sglang"]
         stats = json.loads(stats) if isinstance(stats, (str, bytes)) else stats
-    print("graft stats", stats["graft"], "recorded rows", recorded)
-    assert stats["graft"]["rows"] >= recorded > 0   # every recorded row grafted (verify blocks graft more)
+    print("graft stats", stats["graft"], "recorded rows", rows)
+    assert stats["graft"]["rows"] >= rows > 0   # every recorded row grafted (verify blocks graft more)
     rc, doc, err = sup.diff_json(runs.train, after["trace"])
     assert doc is not None, err
     note = _graft_note(doc)
@@ -87,7 +83,7 @@ def test_graft_in_sglang_confirms_the_cause_is_inside_layer3(runs):
     assert "inside decoder layer 3" in note["details"]["cause"], note
     assert rc == 0, doc["headline"]
 
-    before = _serve(runs.changed, runs.draft, runs.prompts, runs.root, "graft3", graft=f"{runs.train}:layer{LAYER}")
+    before = recorded(recs.GRAFT_LAYER3)   # TENSORDIFF_GRAFT=train.h5:layer3
     rc, doc, err = sup.diff_json(runs.train, before["trace"])
     assert doc is not None, err
     note = _graft_note(doc)
@@ -120,12 +116,12 @@ def test_bad_graft_is_one_line_before_the_engine_starts(runs, tmp_path):
 @pytest.mark.sglang
 @pytest.mark.torch
 @pytest.mark.skipif(not sup.sglang_available(), reason="SGLang not installed")
-def test_served_tokens_the_graft_lacks_stop_the_recording_in_one_line(runs):
+def test_served_tokens_the_graft_lacks_stop_the_recording_in_one_line(runs, tmp_path):
     """The same request ids with other tokens: the first prefill row is refused, never served ungrafted
     into a trace that says it was grafted."""
     other = {k: list(reversed(v)) for k, v in runs.prompts.items()}
     with pytest.raises(RuntimeError) as e:
-        _serve(runs.changed, runs.draft, other, runs.root, "refused", graft=f"{runs.train}:layer{LAYER + 1}")
+        _serve(runs.changed, runs.draft, other, tmp_path, "refused", graft=f"{runs.train}:layer{LAYER + 1}")
     msg = str(e.value)
     assert "recording_error" in msg and "ValueError: TENSORDIFF_GRAFT:" in msg and "has no row of layer4 for request" in msg, msg
 

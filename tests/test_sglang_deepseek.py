@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 
 import deepseek_support as ds  # noqa: E402
 import sglang_support as sup  # noqa: E402
+import recordings as recs  # noqa: E402
 
 EAGLE_IDS = [1, 2, 3]          # SGLang deepseek_v2: ids[0] == 1, so +1: layers_to_capture [2, 3, 4]
 EAGLE_SLOTS = ["layer2", "layer3", "layer4"]
@@ -44,6 +45,7 @@ CHUNK = 32
 _rng = np.random.default_rng(7)
 PROMPTS = {"A": _rng.integers(1, 256, 40).tolist(),   # 2 prefill chunks: MLA after a cached prefix too
            "B": _rng.integers(1, 256, 9).tolist()}
+assert PROMPTS == recs.DEEPSEEK_PROMPTS    # what the recordings of this module were given
 
 needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
 engine_test = [pytest.mark.sglang, pytest.mark.slow, needs_sglang]
@@ -61,34 +63,10 @@ def _env() -> dict:
     return env
 
 
-_RUNNER = """
-import sys
-sys.path.insert(0, {tests!r})
-import argparse, sglang_support as sup
-from tensordiff.recorders import serve_cli
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(); serve_cli.add_arguments(p)
-    args = p.parse_args(sys.argv[1:])
-    sup.prepare_cpu_env()
-    serve_cli._print_summary(serve_cli.record(args, start_engine=sup.start_engine))
-"""
-
-
-def _serve(models, tmp: Path, name: str, extra: list[str], dtype: str) -> dict:
-    prompts = tmp / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in PROMPTS.items()))
-    runner = tmp / "runner.py"
-    runner.write_text(_RUNNER.format(tests=str(HERE)))
-    argv = [sys.executable, str(runner), "--model", str(models["target"]), "--prompts", str(prompts),
-            "--out", str(tmp / f"{name}.h5"), "--outputs", str(tmp / f"{name}.jsonl"), "--max-new-tokens", str(MAX_NEW),
-            "--batch-size", "2", "--device", "cpu", "--dtype", dtype, "--attention-backend", "intel_amx",
-            "--chunked-prefill-size", str(CHUNK), "--mem-fraction-static", "0.1", "--max-total-tokens", "2048",
-            "--log-level", "error", *extra]
-    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    outs = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
-    return {"trace": str(tmp / f"{name}.h5"), "outputs": {o["id"]: o for o in outs}, "stdout": proc.stdout,
-            "full": {o["id"]: o["input_ids"] + o["output_ids"] for o in outs}, "outputs_path": tmp / f"{name}.jsonl"}
+def _load(run: dict) -> dict:
+    outs = [json.loads(line) for line in Path(run["outputs"]).read_text().splitlines()]
+    return {"trace": run["trace"], "outputs": {o["id"]: o for o in outs}, "stdout": Path(run["stdout"]).read_text(),
+            "full": {o["id"]: o["input_ids"] + o["output_ids"] for o in outs}, "outputs_path": Path(run["outputs"])}
 
 
 def _td(*args: str, check: bool = False) -> subprocess.CompletedProcess:
@@ -97,22 +75,19 @@ def _td(*args: str, check: bool = False) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deepseek-models")
-    target = ds.make_tiny_deepseek(root / "tiny-deepseek")
-    draft = sup.make_tiny_eagle3_draft(root / "tiny-deepseek-eagle3", target, aux_layer_ids=EAGLE_IDS)
-    return {"target": target, "draft": draft, "hf": ds.load_hf_deepseek(target)}
+def models(recorded):
+    m = recorded(recs.DEEPSEEK_MODELS)
+    return {"target": Path(m["target"]), "draft": Path(m["draft"]), "hf": ds.load_hf_deepseek(m["target"])}
 
 
 @pytest.fixture(scope="module")
-def eagle_run(models, tmp_path_factory):
-    return _serve(models, tmp_path_factory.mktemp("ds-eagle"), "eagle", ["--draft", str(models["draft"])], "bfloat16")
+def eagle_run(recorded):
+    return _load(recorded(recs.DEEPSEEK_EAGLE))
 
 
 @pytest.fixture(scope="module")
-def capture_run(models, tmp_path_factory):
-    return _serve(models, tmp_path_factory.mktemp("ds-capture"), "capture",
-                  ["--aux-ids", *map(str, CAPTURE_IDS)], "float32")
+def capture_run(recorded):
+    return _load(recorded(recs.DEEPSEEK_CAPTURE))
 
 
 def _record_train(models, outputs: Path, out: Path, *extra: str, ids=EAGLE_IDS,

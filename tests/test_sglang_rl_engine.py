@@ -1,6 +1,6 @@
 """The RL records of the SGLang plugin, in real SGLang 0.5.23 on the CPU with the trained tiny Llama.
 
-Engine runs (each its own process, once per module):
+Engine runs (each its own process, declared in tests/recordings.py and recorded once per cache key):
 
 * ``rollout``: `tensordiff record serve` in bfloat16, sampled at temperature 1 (the RL default), the
   catalog on: the log-prob the engine returned for every sampled token, the sampling attribute,
@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import recordings as recs
 import sglang_support as sup
 
 needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
@@ -54,91 +55,27 @@ STALE, SYNCED = 3, 5       # the trainer changed both layers' down_proj; the eng
 
 
 @pytest.fixture(scope="module")
-def tm():
-    import trained
-
-    ps = trained.prompts()[:N_PROMPTS]
-    return {"target": trained.target_dir(), "prompts": {f"p{i}": p for i, p in enumerate(ps)}}
+def tm(recorded):
+    return recorded(recs.RL_MODEL)
 
 
 def _env(extra: dict | None = None, plugins: str = "tensordiff", path: list[str] = ()) -> dict:
     return sup.rl_engine_env(extra, plugins, path)
 
 
-def _serve(tm, tmp: Path, name: str, *extra: str, env: dict | None = None, replay: Path | None = None) -> dict:
-    return sup.rl_serve(tm["target"], tm["prompts"], tmp, name, *extra, max_new=MAX_NEW, env=env, replay=replay)
+@pytest.fixture(scope="module")
+def rollout(recorded):
+    return recorded(recs.RL_ROLLOUT)
 
 
 @pytest.fixture(scope="module")
-def rollout(tm, tmp_path_factory):
-    return _serve(tm, tmp_path_factory.mktemp("rl-rollout"), "rollout")
+def replay(recorded):
+    return recorded(recs.RL_REPLAY)
 
 
 @pytest.fixture(scope="module")
-def replay(tm, rollout, tmp_path_factory):
-    return _serve(tm, tmp_path_factory.mktemp("rl-replay"), "replay", replay=Path(rollout["trace"]))
-
-
-@pytest.fixture(scope="module")
-def perturbed(tm, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("rl-perturbed")
-    return sup.rl_perturbed_pair(tm["target"], tm["prompts"], tmp, layer=PERTURB_LAYER, scale=PERTURB_SCALE,
-                                 max_new=MAX_NEW)
-
-
-_DRIVER = r'''
-import json, sys
-sys.path.insert(0, {tests!r})
-import sglang_support as sup
-sup.prepare_cpu_env()
-import torch
-from safetensors.torch import load_file
-args = json.loads(sys.argv[1])
-engine = sup.start_engine(**sup.engine_kwargs(args["model"], dtype="float32", mem_fraction_static=0.3,
-                                              chunked_prefill_size=64))
-out = {{}}
-try:
-    sp = {{"temperature": args["temperature"], "max_new_tokens": args["max_new"]}}
-    def gen(key):
-        o = engine.generate(input_ids=[args["prompts"][key]], sampling_params=sp, rid=[key], return_logprob=True)[0]
-        out[key] = {{"id": key, "input_ids": args["prompts"][key], "output_ids": o["output_ids"],
-                     "output_logprobs": [x[0] for x in o["meta_info"]["output_token_logprobs"]]}}
-    for key in args["before"]:
-        gen(key)
-    if args.get("update"):
-        sd = load_file(args["model"] + "/model.safetensors")
-        named = [(n, sd[n] * args["update"]["scale"]) for n in args["update"]["names"]]
-        ok = lambda r: r[0] if isinstance(r, tuple) else r.success  # (success, message)
-        assert ok(engine.begin_weight_update())
-        r = engine.update_weights_from_tensor(named)
-        assert ok(r), r
-        assert ok(engine.end_weight_update())
-    for key in args["after"]:
-        gen(key)
-    engine.collective_rpc("tensordiff_close")
-finally:
-    engine.shutdown()
-print("OUT", json.dumps(out))
-'''
-
-
-def _drive(tm, tmp: Path, name: str, *, temperature: float, update: dict | None = None,
-           extra_env: dict | None = None, before: tuple = ()) -> dict:
-    """``before``: requests generated before the weight update (left out of the outputs JSONL: the
-    trainer sees p0 and p1 only)."""
-    trace = tmp / f"{name}.h5"
-    args = {"model": str(tm["target"]), "prompts": tm["prompts"], "temperature": temperature, "max_new": MAX_NEW,
-            "update": update, "before": list(before), "after": ["p0", "p1"]}
-    env = _env({"TENSORDIFF_TRACE": str(trace), "TENSORDIFF_CATALOG": "1", "TENSORDIFF_VALUES": "all",
-                **(extra_env or {})})
-    proc = subprocess.run([sys.executable, "-c", _DRIVER.format(tests=str(HERE)), json.dumps(args)], check=False,
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("OUT "))
-    outputs = json.loads(line[4:])
-    jsonl = tmp / f"{name}.jsonl"
-    jsonl.write_text("".join(json.dumps(outputs[k]) + "\n" for k in ("p0", "p1")))
-    return {"trace": str(trace), "outputs": {k: outputs[k] for k in ("p0", "p1")}, "jsonl": str(jsonl), "all": outputs}
+def perturbed(recorded):
+    return recorded(recs.RL_PERTURBED)
 
 
 def _down(layer: int) -> str:
@@ -146,15 +83,13 @@ def _down(layer: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def updated(tm, tmp_path_factory):
-    return _drive(tm, tmp_path_factory.mktemp("rl-updated"), "updated", temperature=0.7,
-                  update={"names": [_down(SYNCED)], "scale": 1.25}, before=("p3",))
+def updated(recorded):
+    return recorded(recs.RL_UPDATED)
 
 
 @pytest.fixture(scope="module")
-def raw(tm, tmp_path_factory):
-    return _drive(tm, tmp_path_factory.mktemp("rl-raw"), "raw", temperature=0.7,
-                  extra_env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})
+def raw(recorded):
+    return recorded(recs.RL_RAW)
 
 
 # ----------------------------------------------------------------------------------------------

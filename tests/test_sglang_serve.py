@@ -1,6 +1,7 @@
 """The serve-side recorder inside real SGLang 0.5.23 on the CPU, and the example trace pair.
 
-Two engines per session, each run once in its own process by a module fixture (start-up ~25-40 s):
+Two engines, each run in its own process (start-up ~25-40 s), declared in tests/recordings.py and
+recorded once per cache key:
 
 * capture-only (target alone, ``enable_return_aux_hidden_states``), started by the real
   ``tensordiff record serve`` command line, with the per-boundary catalog on;
@@ -31,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import recordings as recs
 import sglang_support as sup
 
 AUX_IDS = [2, 4, 6]
@@ -45,6 +47,7 @@ PROMPT_A = _rng.integers(1, 256, 80).tolist()          # 3 prefill chunks of <= 
 PROMPT_B = _rng.integers(1, 256, 9).tolist()
 PROMPT_C = PROMPT_A[:56] + _rng.integers(1, 256, 5).tolist()  # shares 56 tokens with A
 PROMPTS = {"A": PROMPT_A, "B": PROMPT_B, "C": PROMPT_C}
+assert PROMPTS == recs.SGLANG_PROMPTS    # what the recordings of this module were given
 
 needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
 engine_test = [pytest.mark.sglang, pytest.mark.slow, needs_sglang]
@@ -63,19 +66,9 @@ def _env() -> dict:
     return env
 
 
-def _serve_argv(models, tmp: Path, name: str, prompts: dict | None = None) -> list[str]:
-    chosen = PROMPTS if prompts is None else prompts
-    prompts = tmp / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in chosen.items()))
-    return ["--model", str(models["target"]), "--prompts", str(prompts), "--out", str(tmp / f"{name}.h5"),
-            "--outputs", str(tmp / f"{name}.jsonl"), "--catalog", "--max-new-tokens", str(MAX_NEW),
-            "--batch-size", "2", "--device", "cpu", "--dtype", "float32", "--chunked-prefill-size", str(CHUNK),
-            "--mem-fraction-static", "0.1", "--max-total-tokens", "2048", "--log-level", "error"]
-
-
-def _load_run(tmp: Path, name: str) -> dict:
-    outs = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
-    return {"trace": str(tmp / f"{name}.h5"), "outputs": {o["id"]: o for o in outs},
+def _load_run(run: dict) -> dict:
+    outs = [json.loads(line) for line in Path(run["outputs"]).read_text().splitlines()]
+    return {"trace": run["trace"], "outputs": {o["id"]: o for o in outs},
             "full": {o["id"]: o["input_ids"] + o["output_ids"] for o in outs}}
 
 
@@ -85,55 +78,25 @@ def _load_run(tmp: Path, name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang-models")
-    target = sup.make_tiny_llama(root / "tiny-llama")
-    hf = sup.load_hf_model(target)
-    # one token more than generated: a draft row at the last output position pairs with it
-    refs = [sup.hf_greedy(hf, p, MAX_NEW + 1) for p in PROMPTS.values()]
-    counts: dict[int, int] = {}
-    for r in refs:
-        for t in r:
-            counts[t] = counts.get(t, 0) + 1
-    vocab = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:2]]
-    draft = sup.make_tiny_eagle3_draft(root / "tiny-llama-eagle3", target, aux_layer_ids=AUX_IDS, draft_vocab=vocab)
-    return {"target": target, "draft": draft, "hf": hf, "refs": dict(zip(PROMPTS, refs))}
+def models(recorded):
+    m = recorded(recs.SGLANG_MODELS)
+    return {"target": Path(m["target"]), "draft": Path(m["draft"]), "hf": sup.load_hf_model(m["target"]),
+            "refs": m["refs"]}
 
 
 @pytest.fixture(scope="module")
-def capture_run(models, tmp_path_factory):
+def capture_run(recorded):
     """`tensordiff record serve` (the real command) in capture-only mode."""
-    tmp = tmp_path_factory.mktemp("capture")
-    argv = [sys.executable, "-m", "tensordiff", "record", "serve", *_serve_argv(models, tmp, "capture"),
-            "--aux-ids", *map(str, AUX_IDS), "--attention-backend", "torch_native"]
-    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "aux_hidden_states: slots [layer3, layer5, layer7] from draft ids [2, 4, 6]" in proc.stdout, proc.stdout
-    return _load_run(tmp, "capture")
-
-
-_EAGLE_RUNNER = """
-import json, sys
-sys.path.insert(0, {tests!r})
-import argparse, sglang_support as sup
-from tensordiff.recorders import serve_cli
-p = argparse.ArgumentParser(); serve_cli.add_arguments(p)
-args = p.parse_args(sys.argv[1:])
-sup.prepare_cpu_env()
-res = serve_cli.record(args, start_engine=sup.start_engine)
-print("SECONDS", res["seconds"])
-"""
+    run = recorded(recs.SGLANG_CAPTURE)
+    stdout = Path(run["stdout"]).read_text()
+    assert "aux_hidden_states: slots [layer3, layer5, layer7] from draft ids [2, 4, 6]" in stdout, stdout
+    return _load_run(run)
 
 
 @pytest.fixture(scope="module")
-def eagle_run(models, tmp_path_factory):
+def eagle_run(recorded):
     """EAGLE-3 with the tiny draft, through serve_cli.record (intel_amx needs the AMX override)."""
-    tmp = tmp_path_factory.mktemp("eagle")
-    argv = [sys.executable, "-c", _EAGLE_RUNNER.format(tests=str(HERE)), *_serve_argv(models, tmp, "eagle"),
-            "--draft", str(models["draft"]), "--attention-backend", "intel_amx"]
-    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _load_run(tmp, "eagle")
+    return _load_run(recorded(recs.SGLANG_EAGLE))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,17 +374,10 @@ def test_eagle_records_predictions_fc_output_and_verify_steps(eagle_run, eagle_t
 
 
 @pytest.fixture(scope="module")
-def eagle_run_at_once(models, tmp_path_factory):
+def eagle_run_at_once(recorded):
     """The EAGLE-3 run again with TENSORDIFF_STAGE_MB=0: every pass recorded in its hooks, nothing
     copied, queued or staged (what the plugin does on an accelerator)."""
-    tmp = tmp_path_factory.mktemp("eagle-at-once")
-    argv = [sys.executable, "-c", _EAGLE_RUNNER.format(tests=str(HERE)), *_serve_argv(models, tmp, "eagle"),
-            "--draft", str(models["draft"]), "--attention-backend", "intel_amx"]
-    env = _env()
-    env["TENSORDIFF_STAGE_MB"] = "0"
-    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _load_run(tmp, "eagle")
+    return _load_run(recorded(recs.SGLANG_EAGLE_AT_ONCE))
 
 
 @pytest.mark.sglang
@@ -478,18 +434,11 @@ def test_from_serve_pairs_every_serve_row_and_an_untrained_draft_is_training_qua
 
 
 @pytest.fixture(scope="module")
-def norm_run(models, tmp_path_factory):
+def norm_run(recorded):
     """EAGLE-3 with a draft whose config says norm_before_fc (sglang#32334): SGLang normalises the
     packed input before fc; the trainer of the same weights did not. Prompts A and B (no radix hit,
     so the serve trace itself holds every position)."""
-    tmp = tmp_path_factory.mktemp("norm")
-    draft = sup.norm_before_fc_draft(models["draft"], tmp / "draft-norm")
-    argv = [sys.executable, "-c", _EAGLE_RUNNER.format(tests=str(HERE)),
-            *_serve_argv(models, tmp, "norm", prompts={"A": PROMPT_A, "B": PROMPT_B}),
-            "--draft", str(draft), "--attention-backend", "intel_amx"]
-    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _load_run(tmp, "norm")
+    return _load_run(recorded(recs.SGLANG_NORM))
 
 
 @pytest.mark.sglang

@@ -27,11 +27,12 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import sglang_support as sup  # noqa: E402
-import vllm_support as vsup  # noqa: E402
+import recordings as recs  # noqa: E402
 
 MAX_NEW = 6
 _rng = np.random.default_rng(3)
 PROMPTS = {"A": _rng.integers(1, 256, 40).tolist(), "B": _rng.integers(1, 256, 9).tolist()}
+assert PROMPTS == recs.RANKS_PROMPTS    # what the recording of this module was given
 
 needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, needs_sglang]
@@ -45,37 +46,14 @@ def _td(*args, env=None):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang-tp2")
-    target = sup.make_tiny_llama(root / "tiny-llama", **dict(vsup.TINY_LLAMA_VLLM, num_hidden_layers=4))
-    hf = sup.load_hf_model(target)
-    refs = {k: sup.hf_greedy(hf, p, MAX_NEW) for k, p in PROMPTS.items()}
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in PROMPTS.items()))
-    d = root / "set"
-    d.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORDIFF_", "SGLANG_CPU_OMP"))}
-    env.update(SGLANG_USE_CPU_ENGINE="1", SGLANG_PLUGINS="tensordiff", SGLANG_NCCL_SO_PATH=str(root / "no-nccl.so"))
-    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO)] + extra)
-    proc = _td("record", "serve", "--model", target, "--prompts", prompts, "--out", d / "serve.h5", "--outputs",
-               root / "out.jsonl", "--catalog", "--max-new-tokens", MAX_NEW, "--device", "cpu", "--dtype", "float32",
-               "--chunked-prefill-size", "32", "--mem-fraction-static", "0.1", "--max-total-tokens", "2048",
-               "--aux-ids", "0", "1", "2", "--attention-backend", "torch_native", "--log-level", "error",
-               "--tp-size", "2", env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    outs = {o["id"]: o for o in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
-    full = root / "full.jsonl"
-    full.write_text("".join(json.dumps({"id": k, "input_ids": PROMPTS[k] + refs[k]}) + "\n" for k in PROMPTS))
-    trains = {}
-    for name, args in (("bug", ["--aux-ids", "0", "1", "2", "--convention", "speculators-legacy", "--prepend-embed"]),
-                       ("ok", ["--aux-ids", "1", "2", "3", "--convention", "boundary"])):
-        out = root / f"train-{name}.h5"
-        p = _td("record", "train", "--model", target, "--prompts", full, *args, "--dtype", "float32", "--device", "cpu",
-                "--no-progress", "--out", out)
-        assert p.returncode == 0, p.stderr[-3000:]
-        trains[name] = out
-    return {"dir": d, "stdout": proc.stdout, "outputs": outs, "refs": refs, "train": trains}
+def run(recorded):
+    """SGLang at TP=2 on the 4-layer head_dim-64 Llama of the vLLM rank tests, and train traces of
+    the founding bug and the correct wiring (tests/recordings.py)."""
+    got = recorded(recs.SGLANG_TP2)
+    refs = recorded(recs.VLLM_RANKS_MODELS)["refs"]
+    outs = {o["id"]: o for o in map(json.loads, Path(got["outputs"]).read_text().splitlines())}
+    return {"dir": Path(got["dir"]), "stdout": Path(got["stdout"]).read_text(), "outputs": outs,
+            "refs": {k: r[:MAX_NEW] for k, r in refs.items()}, "train": {k: Path(v) for k, v in got["train"].items()}}
 
 
 def test_every_sglang_tp_rank_writes_its_own_file_and_the_replicas_are_equal(run):

@@ -41,12 +41,14 @@ sys.path.insert(0, str(HERE))
 
 import sglang_support as sup  # noqa: E402
 import vllm_support as vsup  # noqa: E402
+import recordings as recs  # noqa: E402
 
 DRAFT_IDS = [1, 2, 3]
 MAX_NEW = 6
 _rng = np.random.default_rng(3)
 PROMPTS = {"A": _rng.integers(1, 256, 40).tolist(), "B": _rng.integers(1, 256, 9).tolist()}
 TINY = dict(vsup.TINY_LLAMA_VLLM, num_hidden_layers=4)
+assert PROMPTS == recs.RANKS_PROMPTS    # what the recordings of this module were given
 
 needs_vllm = pytest.mark.skipif(not vsup.vllm_available(), reason="the vLLM venv (.venv-vllm) is not set up")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
@@ -63,43 +65,25 @@ def _td(*args):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-ranks-models")
-    target = sup.make_tiny_llama(root / "tiny-llama", **TINY)
-    hf = sup.load_hf_model(target)
-    refs = {k: sup.hf_greedy(hf, p, MAX_NEW + 1) for k, p in PROMPTS.items()}
-    vocab = sorted({t for r in refs.values() for t in r})[:2]
-    draft = sup.make_tiny_eagle3_draft(root / "tiny-llama-eagle3", target, aux_layer_ids=DRAFT_IDS, draft_vocab=vocab)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in PROMPTS.items()))
-    return {"target": target, "draft": draft, "refs": refs, "prompts": prompts}
+def models(recorded):
+    m = recorded(recs.VLLM_RANKS_MODELS)
+    return {"target": Path(m["target"]), "draft": Path(m["draft"]), "refs": m["refs"], "prompts": Path(m["prompts"])}
 
 
-def _record(models, d: Path, tp: int) -> dict:
-    d.mkdir(parents=True, exist_ok=True)
-    argv = [str(vsup.vllm_python()), "-m", "tensordiff", "record", "serve", "--engine", "vllm",
-            "--model", str(models["target"]), "--draft", str(models["draft"]), "--prompts", str(models["prompts"]),
-            "--out", str(d / "serve.h5"), "--outputs", str(d.parent / f"{d.name}.jsonl"), "--catalog",
-            "--max-new-tokens", str(MAX_NEW), "--device", "cpu", "--dtype", "float32", "--tp-size", str(tp),
-            "--speculative-num-steps", "2", "--log-level", "warning"]
-    for a in vsup.CPU_ENGINE_ARGS:
-        argv += ["--engine-arg", a]
-    env = vsup.vllm_env()
-    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the command binds the CPU workers itself
-    proc = _run(argv, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    outs = {o["id"]: o for o in map(json.loads, (d.parent / f"{d.name}.jsonl").read_text().splitlines())}
-    return {"dir": d, "stdout": proc.stdout, "outputs": outs, "jsonl": d.parent / f"{d.name}.jsonl"}
+def _load(run: dict) -> dict:
+    jsonl = Path(run["jsonl"])
+    outs = {o["id"]: o for o in map(json.loads, jsonl.read_text().splitlines())}
+    return {"dir": Path(run["dir"]), "stdout": Path(run["stdout"]).read_text(), "outputs": outs, "jsonl": jsonl}
 
 
 @pytest.fixture(scope="module")
-def tp2(models, tmp_path_factory):
-    return _record(models, tmp_path_factory.mktemp("tp2") / "set", 2)
+def tp2(recorded):
+    return _load(recorded(recs.VLLM_TP2))
 
 
 @pytest.fixture(scope="module")
-def tp1(models, tmp_path_factory):
-    r = _record(models, tmp_path_factory.mktemp("tp1") / "one", 1)
+def tp1(recorded):
+    r = _load(recorded(recs.VLLM_TP1))
     r["file"] = r["dir"] / "serve.h5"
     return r
 

@@ -10,7 +10,6 @@ temperature 1 in bfloat16, and its prefill re-run (`record serve --engine vllm -
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,42 +21,29 @@ sys.path.insert(0, str(HERE))
 
 import sglang_support as sup
 import vllm_support as vsup
+import recordings as recs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not vsup.vllm_available(), reason="the vLLM venv (.venv-vllm) is not installed")]
 
 MAX_NEW = 6
-PROMPTS = {"a": list(range(3, 40)), "b": [7, 9, 11, 200, 13, 17, 19, 23, 29, 31], "c": list(range(100, 120))}
+PROMPTS = recs.VLLM_RL_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return sup.make_tiny_llama(tmp_path_factory.mktemp("vllm-rl-model") / "tiny-llama", **vsup.TINY_LLAMA_VLLM)
-
-
-def _serve(model: Path, tmp: Path, name: str, *extra: str) -> dict:
-    out, outputs = tmp / f"{name}.h5", tmp / f"{name}.jsonl"
-    argv = [str(vsup.vllm_python()), "-m", "tensordiff", "record", "serve", "--engine", "vllm", "--model", str(model),
-            "--out", str(out), "--outputs", str(outputs), "--max-new-tokens", str(MAX_NEW), "--device", "cpu",
-            "--dtype", "bfloat16", "--log-level", "warning", *extra]
-    for a in vsup.CPU_ENGINE_ARGS:
-        argv += ["--engine-arg", a]
-    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=vsup.vllm_env(), cwd=REPO, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return sup.load_serve_run(out, outputs)
+def model(recorded):
+    """The random-weight Llama of tests/test_vllm_serve.py (its draft unused here)."""
+    return Path(recorded(recs.VLLM_MODELS)["target"])
 
 
 @pytest.fixture(scope="module")
-def rollout(model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm-rl")
-    prompts = sup.write_prompts(tmp / "prompts.jsonl", PROMPTS)
-    return _serve(model, tmp, "rollout", "--prompts", str(prompts), "--temperature", "1.0", "--random-seed", "3")
+def rollout(recorded):
+    return recorded(recs.VLLM_RL_ROLLOUT)
 
 
 @pytest.fixture(scope="module")
-def replay(model, rollout, tmp_path_factory):
-    return _serve(model, tmp_path_factory.mktemp("vllm-rl-replay"), "replay", "--replay", rollout["trace"],
-                  "--replay-outputs", rollout["outputs"])
+def replay(recorded):
+    return recorded(recs.VLLM_RL_REPLAY)
 
 
 def _read(path: str) -> dict:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 
 import sglang_support as sup  # noqa: E402  (neither imports torch, sglang nor vllm at import time)
 import vllm_support as vsup  # noqa: E402
+import recordings as recs  # noqa: E402
 
 DRAFT_IDS = [5, 3, 7]        # as the draft config lists them
 BOUNDARIES = [3, 5, 7]       # what vLLM captures: sorted, id = boundary
@@ -46,6 +47,7 @@ PROMPT_A = _rng.integers(1, 256, 80).tolist()
 PROMPT_B = _rng.integers(1, 256, 9).tolist()
 PROMPT_C = PROMPT_A[:64] + _rng.integers(1, 256, 5).tolist()
 PROMPTS = {"A": PROMPT_A, "B": PROMPT_B, "C": PROMPT_C}
+assert PROMPTS == recs.VLLM_PROMPTS    # what the recordings of this module were given
 
 needs_vllm = pytest.mark.skipif(not vsup.vllm_available(), reason="the vLLM venv (.venv-vllm) is not set up")
 needs_sglang = pytest.mark.skipif(not sup.sglang_available(), reason="real SGLang (and torch) not installed")
@@ -68,69 +70,29 @@ def _td(*args, **kw):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-models")
-    target = sup.make_tiny_llama(root / "tiny-llama", **vsup.TINY_LLAMA_VLLM)
-    hf = sup.load_hf_model(target)
-    refs = {k: sup.hf_greedy(hf, p, MAX_NEW + 1) for k, p in PROMPTS.items()}
-    counts: dict[int, int] = {}
-    for r in refs.values():
-        for t in r:
-            counts[t] = counts.get(t, 0) + 1
-    # a random draft restricted to tokens the target emits, so some drafts are accepted
-    vocab = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:2]]
-    draft = sup.make_tiny_eagle3_draft(root / "tiny-llama-eagle3", target, aux_layer_ids=DRAFT_IDS, draft_vocab=vocab)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in PROMPTS.items()))
-    return {"target": target, "draft": draft, "hf": hf, "refs": refs, "prompts": prompts, "root": root,
-            "vocab": vocab}
+def models(recorded):
+    m = recorded(recs.VLLM_MODELS)
+    return {"target": Path(m["target"]), "draft": Path(m["draft"]), "hf": sup.load_hf_model(m["target"]),
+            "refs": m["refs"], "prompts": Path(m["prompts"]), "vocab": m["vocab"]}
 
 
-def _load_run(tmp: Path, name: str, proc) -> dict:
-    outs = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
-    return {"trace": str(tmp / f"{name}.h5"), "outputs": {o["id"]: o for o in outs}, "stdout": proc.stdout,
-            "stderr": proc.stderr, "full": {o["id"]: o["input_ids"] + o["output_ids"] for o in outs}}
+def _load_run(run: dict) -> dict:
+    outs = [json.loads(line) for line in Path(run["outputs"]).read_text().splitlines()]
+    return {"trace": run["trace"], "outputs": {o["id"]: o for o in outs}, "stdout": Path(run["stdout"]).read_text(),
+            "full": {o["id"]: o["input_ids"] + o["output_ids"] for o in outs}}
 
 
 @pytest.fixture(scope="module")
-def vllm_run(models, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm")
-    return _record_vllm(tmp, "vllm", models["target"], models["draft"], models["prompts"], "--catalog")
-
-
-def _record_vllm(tmp: Path, name: str, target, draft, prompts, *extra, env: dict | None = None) -> dict:
+def vllm_run(recorded):
     """`tensordiff record serve --engine vllm` in the vLLM venv: EAGLE-3 with 2 draft tokens,
-    batches of 2, chunked prefill of CHUNK tokens, MAX_NEW new tokens; the loaded run (``env``:
-    more environment)."""
-    argv = [str(vsup.vllm_python()), "-m", "tensordiff", "record", "serve", "--engine", "vllm",
-            "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
-            "--out", str(tmp / f"{name}.h5"), "--outputs", str(tmp / f"{name}.jsonl"), *extra,
-            "--max-new-tokens", str(MAX_NEW), "--batch-size", "2", "--device", "cpu", "--dtype", "float32",
-            "--chunked-prefill-size", str(CHUNK), "--speculative-num-steps", "2", "--log-level", "warning"]
-    for a in vsup.CPU_ENGINE_ARGS:
-        argv += ["--engine-arg", a]
-    proc = _run(argv, env={**vsup.vllm_env(), **(env or {})}, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return _load_run(tmp, name, proc)
+    batches of 2, chunked prefill of CHUNK tokens, MAX_NEW new tokens, the catalog on."""
+    return _load_run(recorded(recs.VLLM_EAGLE))
 
 
 @pytest.fixture(scope="module")
-def sglang_run(models, tmp_path_factory):
+def sglang_run(recorded):
     """The same model and prompts through real SGLang (capture-only, ids [2, 4, 6] = boundaries 3, 5, 7)."""
-    tmp = tmp_path_factory.mktemp("sglang")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDIFF_")}
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
-    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([str(sup.STUB_DIR), str(REPO)] + extra)
-    env["SGLANG_PLUGINS"] = "tensordiff"
-    argv = [sys.executable, "-m", "tensordiff", "record", "serve", "--model", str(models["target"]),
-            "--prompts", str(models["prompts"]), "--out", str(tmp / "sglang.h5"), "--outputs", str(tmp / "sglang.jsonl"),
-            "--catalog", "--max-new-tokens", str(MAX_NEW), "--batch-size", "2", "--device", "cpu", "--dtype", "float32",
-            "--chunked-prefill-size", str(CHUNK), "--mem-fraction-static", "0.1", "--max-total-tokens", "2048",
-            "--aux-ids", *map(str, SGLANG_IDS), "--attention-backend", "torch_native", "--log-level", "error"]
-    proc = _run(argv, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _load_run(tmp, "sglang", proc)
+    return _load_run(recorded(recs.VLLM_MODEL_IN_SGLANG))
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +336,7 @@ def test_vllm_records_predictions_fc_output_and_verify_steps(vllm_run, vtrace, m
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm
-def test_tables_from_vllms_own_logits_equal_the_ones_the_plugin_computes(vllm_run, vtrace, models, tmp_path):
+def test_tables_from_vllms_own_logits_equal_the_ones_the_plugin_computes(vllm_run, vtrace, recorded):
     """The rows vLLM sampled from (every verify row, a prefill chunk's last row; the draft's
     sampled rows and decode steps) take the logits vLLM computed; with TENSORDIFF_REUSE_LOGITS=0
     (as where vLLM's logits cannot be used) the plugin computes every row from the final hidden
@@ -382,8 +344,7 @@ def test_tables_from_vllms_own_logits_equal_the_ones_the_plugin_computes(vllm_ru
     float32 rounding of the product, in target_topk, draft_topk, spec_verify and spec_chain."""
     from tensordiff import conventions as cv
 
-    other = _record_vllm(tmp_path, "recomputed", models["target"], models["draft"], models["prompts"], "--catalog",
-                         env={"TENSORDIFF_REUSE_LOGITS": "0"})
+    other = _load_run(recorded(recs.VLLM_EAGLE_RECOMPUTED))
     assert other["outputs"] == vllm_run["outputs"]
     tr = sup.RecordedTrace(other["trace"], "tensordiff_vllm")
     try:
@@ -434,24 +395,23 @@ def _diff_json(a, b) -> tuple[int, dict, str]:
     return proc.returncode, json.loads(proc.stdout), _td("diff", str(a), str(b)).stdout
 
 
-def _record_train_from_serve(models, source, out: Path, draft) -> None:
-    proc = _td("record", "train", "--model", str(models["target"]), "--from-serve", str(source), "--draft", str(draft),
-               "--convention", "vllm", "--dtype", "float32", "--device", "cpu", "--no-progress", "--out", str(out))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "draft_input slots [layer3, layer5, layer7] from ids [5, 3, 7] under vllm" in proc.stdout, proc.stdout
+def _train_from_serve(run: dict) -> str:
+    """A `record train --from-serve` recording, with what its command said about the draft's slots."""
+    stdout = Path(run["stdout"]).read_text()
+    assert "draft_input slots [layer3, layer5, layer7] from ids [5, 3, 7] under vllm" in stdout, stdout
+    return run["trace"]
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm
 @pytest.mark.parametrize("order", ["train_serve", "serve_train"])
-def test_from_vllm_outputs_pairs_every_row_and_an_untrained_draft_is_training_quality(vllm_run, vtrace, models,
-                                                                                      tmp_path, order):
+def test_from_vllm_outputs_pairs_every_row_and_an_untrained_draft_is_training_quality(vllm_run, vtrace, recorded,
+                                                                                      order):
     """record train --from-serve vLLM's outputs file: every serve row pairs (the prefix-cache hit's
     rows are a gap on the train side only); wiring, fc output and target predictions agree, and the
     (random) draft disagrees with the target: a training-quality verdict, in both argument orders."""
-    train = tmp_path / "train.h5"
-    _record_train_from_serve(models, Path(vllm_run["trace"]).with_suffix(".jsonl"), train, models["draft"])
+    train = _train_from_serve(recorded(recs.VLLM_EAGLE_TRAIN))   # one train trace, both orders
     a, b = (train, vllm_run["trace"]) if order == "train_serve" else (vllm_run["trace"], train)
     rc, d, text = _diff_json(a, b)
     assert rc == 0, text[:3000]
@@ -464,26 +424,21 @@ def test_from_vllm_outputs_pairs_every_row_and_an_untrained_draft_is_training_qu
 
 
 @pytest.fixture(scope="module")
-def vllm_norm_run(models, tmp_path_factory):
+def vllm_norm_run(recorded):
     """vLLM with a draft whose config says norm_before_fc (sglang#32334; vLLM reads it from
     eagle_config too): vLLM normalises the packed input before fc; the trainer of the same weights
     did not. Prompts A and B, with the catalog: the noise of this random-weight model in vLLM's CPU
     kernels against HF's is measured from it (without a catalog the verdict falls back to the
     physical fp32 default, which one token of slot 2 exceeds 1.7x on a CPU without AMX: the known
     limit of defaults on random-weight models, see test_vllm_deepseek)."""
-    tmp = tmp_path_factory.mktemp("vllm-norm")
-    draft = sup.norm_before_fc_draft(models["draft"], tmp / "draft-norm")
-    prompts = tmp / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": k, "input_ids": PROMPTS[k]}) + "\n" for k in ("A", "B")))
-    return _record_vllm(tmp, "norm", models["target"], draft, prompts, "--catalog")
+    return _load_run(recorded(recs.VLLM_NORM))
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm
-def test_a_draft_normalising_its_fc_input_is_found_at_the_fc_output_in_vllm(vllm_norm_run, models, tmp_path):
-    train = tmp_path / "train.h5"
-    _record_train_from_serve(models, vllm_norm_run["trace"], train, models["draft"])  # from the serve trace itself
+def test_a_draft_normalising_its_fc_input_is_found_at_the_fc_output_in_vllm(vllm_norm_run, recorded):
+    train = _train_from_serve(recorded(recs.VLLM_NORM_TRAIN))   # from the serve trace itself
     rc, d, text = _diff_json(train, vllm_norm_run["trace"])
     sup.assert_found_at_fc_output(rc, d)
 

@@ -6,11 +6,9 @@ in the engine's copy: the diff names that op and its signature."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+import recordings as recs
 import sglang_support as sup
 
 from tensordiff.names import TAPS
@@ -21,50 +19,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang, pytest.mark.torch,
 LAYER = 3
 
 
-def _serve(target, draft, prompts, out_dir, name):
-    """record_eagle_serve with TENSORDIFF_ZOOM set for the engine (float32, full values)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pfile = sup.write_prompts(out_dir / f"{name}-prompts.jsonl", prompts)
-    trace, outputs = out_dir / f"{name}.h5", out_dir / f"{name}.jsonl"
-    argv = [sys.executable, "-c", sup.EAGLE_RUNNER.format(tests=str(sup.HERE)), "--model", str(target),
-            "--draft", str(draft), "--prompts", str(pfile), "--out", str(trace), "--outputs", str(outputs),
-            "--max-new-tokens", "4", "--batch-size", "2", "--device", "cpu", "--dtype", "float32",
-            "--chunked-prefill-size", "32", "--mem-fraction-static", "0.3", "--max-total-tokens", "2048",
-            "--log-level", "error", "--attention-backend", "intel_amx", "--catalog", "--values", "all"]
-    env = {**sup.engine_env(), "TENSORDIFF_ZOOM": f"layer{LAYER}"}
-    proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=env, cwd=sup.REPO, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"SGLang serve run failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return sup.load_serve_run(trace, outputs)
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    got = sup.trained_models(0)
-    if got is None:
+def trained():
+    if sup.trained_models(0) is None:
         pytest.skip("no trained model (scripts/train_tiny_models.py)")
-    root = tmp_path_factory.mktemp("zoom-sglang")
-    prompts = dict(list(got["prompts"].items())[:4])
-    # the engine's copy with one weight changed: layer 3's up projection x 1.05
-    changed = sup.scaled_weight_copy(got["target"], root / "changed", f"model.layers.{LAYER}.mlp.up_proj.weight", 1.05)
-    return {**got, "prompts": prompts, "root": root, "changed": changed}
 
 
-def _pair(models, target, name):
-    root = models["root"]
-    run = _serve(target, models["draft"], models["prompts"], root, name)
-    train = sup.record_train_from_serve(models["target"], run["outputs"], root / f"{name}-train.h5", models["draft"],
-                                        "sglang-llama", extra=("--values", "all", "--zoom", f"layer{LAYER}"))
-    return str(train), run["trace"]
+def _pair(recorded, serve, train):
+    """A serve run with TENSORDIFF_ZOOM=layer3 for the engine (float32, full values) and `record train
+    --from-serve --zoom layer3` of its outputs through the unchanged target."""
+    return recorded(train)["trace"], recorded(serve)["trace"]
 
 
-def test_sglang_zoom_records_the_layers_taps_and_agrees_with_hf(models):
-    train, serve = _pair(models, models["target"], "same")
+def test_sglang_zoom_records_the_layers_taps_and_agrees_with_hf(trained, recorded):
+    train, serve = _pair(recorded, recs.ZOOM_SAME, recs.ZOOM_SAME_TRAIN)
     sup.assert_zoom_taps_agree(train, serve, LAYER, TAPS)
 
 
-def test_sglang_zoom_names_a_weight_changed_in_the_engine(models):
-    train, serve = _pair(models, models["changed"], "changed")
+def test_sglang_zoom_names_a_weight_changed_in_the_engine(trained, recorded):
+    train, serve = _pair(recorded, recs.ZOOM_CHANGED, recs.ZOOM_CHANGED_TRAIN)
     rc, doc, err = sup.diff_json(train, serve)
     assert doc is not None, err
     head = doc["headline"]
