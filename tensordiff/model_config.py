@@ -202,7 +202,14 @@ def differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, A
         elif va == vb:
             continue
         out.append((key, va, vb))
+    # the frequencies follow from the rope settings: where one of those differs it is the cause to
+    # name, and the frequencies' own difference says nothing more
+    if any(k in _ROPE_SETTINGS for k, _, _ in out):
+        out = [d for d in out if d[0] != "rope_freqs"]
     return out
+
+
+_ROPE_SETTINGS = ("rope_theta", "rope_type", "rope_factor", "partial_rotary_factor", "rotary_dim")
 
 
 def explains(key: str, state: str) -> bool:

@@ -284,3 +284,25 @@ def test_correct_ports_record_equal_rotary_frequencies(rope_traces):
         for x, y in ((t["a"], t[other]), (t[other], t["a"])):
             res = diff_traces(x, y)
             assert res.exit_code == 0, res.headline()
+
+
+def test_a_setting_named_differently_alone_is_no_divergence(tmp_path):
+    """Engines spell the same rope or activation differently (SGLang's "deepseek_yarn" for HF's
+    "yarn"): a label difference with every state inside its allowance is no divergence, in both
+    orders; a measured setting beside it still is."""
+    a, b = _pair(tmp_path, {"rope_type": "yarn"}, {"rope_type": "deepseek_yarn"}, bad_from=None, name="lbl")
+    assert diff_traces(a, b).exit_code == 0 and diff_traces(b, a).exit_code == 0
+    a, b = _pair(tmp_path, {"rope_type": "yarn", "norm_eps": 1e-6}, {"rope_type": "deepseek_yarn", "norm_eps": 1e-5},
+                 bad_from=None, name="eps")
+    for x, y in ((a, b), (b, a)):
+        res = diff_traces(x, y)
+        assert res.exit_code == 1 and "norm_eps" in res.headline() and "rope_type" not in res.headline(), res.headline()
+
+
+def test_the_frequencies_are_not_named_beside_the_rope_setting_they_follow_from():
+    from tensordiff import model_config as mc
+
+    a = {"rope_theta": 10000.0, "rope_freqs": [1.0, 0.1]}
+    b = {"rope_theta": 20000.0, "rope_freqs": [1.0, 0.07]}
+    assert [k for k, _, _ in mc.differences(a, b)] == ["rope_theta"]
+    assert [k for k, _, _ in mc.differences({"rope_freqs": [1.0, 0.1]}, {"rope_freqs": [1.0, 0.07]})] == ["rope_freqs"]

@@ -116,8 +116,12 @@ def config_unseen(plan: DiffPlan, pairs: Sequence[PairStats]) -> Finding | None:
     and a difference spread over every layer and token can stay under an allowance that nothing
     before it measured: an "agree" there would be a verdict on a real bug. It sits at the first
     compared state the difference acts on, with that state's largest error as the evidence."""
-    config = model_config.differences(model_config.read(getattr(plan.a, "model", None)),
-                                      model_config.read(getattr(plan.b, "model", None)))
+    # measured settings only: a label (a rope type, an activation's name) is spelled differently by
+    # engines that compute the same thing ("yarn" and "deepseek_yarn"), so alone it proves nothing;
+    # beside a divergence it is still named (the zoom signature's config finding)
+    config = [d for d in model_config.differences(model_config.read(getattr(plan.a, "model", None)),
+                                                  model_config.read(getattr(plan.b, "model", None)))
+              if _measured(d[1]) and _measured(d[2])]
     for p in sorted((p for p in pairs if p.compared), key=lambda p: p.order):
         here = [d for d in config if model_config.explains(d[0], p.label)]
         if not here:
@@ -150,6 +154,13 @@ def config_unseen(plan: DiffPlan, pairs: Sequence[PairStats]) -> Finding | None:
         return Finding(Kind.SIGNATURE, Severity.DIVERGENCE, tensor=p.label, slot=s if p.slots > 1 else None,
                        order=p.order - 1e-9, details=det)
     return None
+
+
+def _measured(v: object) -> bool:
+    """A number or a list of numbers (a setting's value, not its name)."""
+    if isinstance(v, list):
+        return bool(v) and all(_measured(x) for x in v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)

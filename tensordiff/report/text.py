@@ -22,7 +22,7 @@ from ..safety import guard_console, guarded, sanitize_record, sanitize_tree
 
 if TYPE_CHECKING:
     from ..token_text import TokenText
-    from ..trace.reader import TraceSummary
+    from ..trace.summary_types import TraceSummary
 
 
 def diff_schema() -> dict[str, Any]:

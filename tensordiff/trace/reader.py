@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import h5py  # type: ignore[import-untyped, unused-ignore]
 import numpy as np
@@ -43,6 +43,7 @@ from .schema import (
     TensorInfo,
 )
 from .source import ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment
+from .summary_types import SequenceSpan, TensorEntry, TraceSummary
 from .validate import (
     CHANGED,
     CHECKED,
@@ -603,72 +604,6 @@ class TraceReader(RowReads):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class SketchParams(TypedDict):
-    seed: int
-    dim: int
-
-
-class TokenCounts(TypedDict):
-    rows: int
-    sequences: int
-    regimes: dict[str, int]   # token rows per regime
-
-
-class SequenceSpan(TypedDict):
-    key: str
-    rows: int
-    positions: list[int]      # [first, last]
-
-
-class _TensorEntryBase(TypedDict):
-    name: str
-    kind: str
-    label: str
-    dtype: str
-    shape: list[int]          # [rows, width]
-    order: float
-    values: bool
-    sketch: bool
-    role: str
-
-
-class TensorEntry(_TensorEntryBase, total=False):
-    """A tensor as ``info`` lists it; the optional keys only where they say something."""
-
-    sketch_derived: bool
-    values_source: str
-    slots: int
-    slot_width: int
-    slot_labels: list[str] | None
-    raw_ids: list[int] | None
-    convention: str | None
-    token_offset: int
-    attrs: dict[str, Any]
-
-
-class _TraceSummaryBase(TypedDict):
-    path: str
-    schema: int
-    side: str
-    producer: str
-    created: str
-    complete: bool
-    recovered: str | None
-    model: dict[str, Any]
-    versions: dict[str, Any]
-    user_meta: dict[str, Any]
-    sketch: SketchParams
-    tokens: TokenCounts
-    sequences: list[SequenceSpan]
-    tensors: list[TensorEntry]
-
-
-class TraceSummary(_TraceSummaryBase, total=False):
-    """What ``tensordiff info`` shows (``--json`` prints it as it is)."""
-
-    set: dict[str, Any]       # a trace set's index (:func:`tensordiff.traceset.index.set_index`)
 
 
 def trace_summary(trace: Any) -> TraceSummary:

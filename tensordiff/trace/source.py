@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from .reads import Pieces
-    from .reader import TraceSummary
+    from .summary_types import TraceSummary
 
 
 class Part(Protocol):

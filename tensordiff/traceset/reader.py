@@ -27,7 +27,7 @@ from .union import merge_tokens
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from ..trace.reader import TraceSummary
+    from ..trace.summary_types import TraceSummary
 
 
 def open_trace(spec: str) -> TraceSource:
