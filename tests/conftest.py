@@ -59,6 +59,10 @@ def pytest_configure(config):
 
 # Modules that start a local Ray cluster: one at a time, whichever worker runs them.
 _RAY_MODULES = frozenset({"test_ray_backend", "test_vllm_ranks"})
+# SGLang on a CPU sizes its KV cache from the memory free while its ranks load: two ranks of TP2
+# loading while locate's engine child takes its cache found too little free and refused to start.
+# One at a time, whichever worker runs them.
+_SGLANG_MEMORY_MODULES = frozenset({"test_sglang_tp2", "test_locate_engines"})
 
 
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups into the test ids
@@ -86,7 +90,8 @@ def pytest_collection_modifyitems(config, items):
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
             name = module(item)
-            item.add_marker(pytest.mark.xdist_group("ray" if name in _RAY_MODULES else name))
+            group = "ray" if name in _RAY_MODULES else "sglang-memory" if name in _SGLANG_MEMORY_MODULES else name
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _uses_an_engine(item) -> bool:
