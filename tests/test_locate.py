@@ -54,10 +54,10 @@ def _prompts():
     return _PROMPTS[0]
 
 
-def _locate(capsys, out, a, b, *extra, seed=None):
+def _locate(capsys, out, a, b, *extra, seed=None, prompts=None):
     """(exit code, stdout lines, stderr) of `tensordiff locate A B`; ``seed``: {name: trace} copied
-    into ``out`` first and resumed from."""
-    argv = ["locate", str(a), str(b), "--prompts", str(_prompts()), "--no-progress", *extra]
+    into ``out`` first and resumed from; ``prompts``: the prompts file (default: this module's)."""
+    argv = ["locate", str(a), str(b), "--prompts", str(prompts or _prompts()), "--no-progress", *extra]
     if seed:
         out.mkdir(parents=True, exist_ok=True)
         for name, src in seed.items():

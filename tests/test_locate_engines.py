@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 
 import pytest
 
@@ -50,20 +49,10 @@ def cpu_sglang(monkeypatch):
 
 
 def _locate(capsys, root, out, a, b, *extra, seed=None, prompts=None):
-    """(exit code, stdout lines, stderr) of `tensordiff locate A B`; ``seed``: {name: trace} copied
-    into ``out`` first and resumed from."""
-    argv = ["locate", str(a), str(b), "--prompts", str(prompts or root / "prompts.jsonl"), "--no-progress", *extra]
-    if seed:
-        out.mkdir(parents=True, exist_ok=True)
-        for name, src in seed.items():
-            shutil.copyfile(src, out / f"{name}.h5")
-        argv += ["--resume", str(out)]
-    else:
-        argv += ["--out", str(out)]
-    capsys.readouterr()
-    rc = main(argv)
-    cap = capsys.readouterr()
-    return rc, cap.out.splitlines(), cap.err
+    """test_locate's runner of `tensordiff locate A B`, on this module's prompts by default."""
+    from test_locate import _locate as run
+
+    return run(capsys, out, a, b, *extra, seed=seed, prompts=prompts or root / "prompts.jsonl")
 
 
 def _scale_up_layer3(m):
