@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TypeAlias
 
 from .diff import DiffOptions, diff_traces
@@ -62,10 +63,12 @@ def _book(tol: Tol, calibration: str | os.PathLike[str] | None, allow: Iterable[
     items in order (the first rule that matches wins), then ``--allow-failed`` patterns."""
     allowed = [allow] if isinstance(allow, str) else list(allow)
     if isinstance(tol, ToleranceBook):
-        book = tol
+        # a copy: the caller's book may serve other diffs, which must not inherit this one's
+        # calibration or --allow-failed patterns
+        book = replace(tol, overrides=dict(tol.overrides), calibrated=dict(tol.calibrated), rules=list(tol.rules),
+                       allow_failed=[*tol.allow_failed, *allowed])
         if calibration:
             book.load_calibration(os.fspath(calibration))
-        book.allow_failed += allowed
         return book
     items: list[Rule] = ([] if tol is None else [tol] if isinstance(tol, str)
                          else list(tol.items()) if isinstance(tol, Mapping) else list(tol))

@@ -13,6 +13,7 @@ from tracegen import write_verdict_pairs
 
 from tensordiff.errors import TensordiffError, UsageError
 from tensordiff.testing import TracesDisagree, assert_traces_agree
+from tensordiff.tolerances import tolerance_book
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,6 +62,16 @@ def test_tolerance_and_allow(pairs):
         assert_traces_agree(*pairs["wrong"], allow=["draft_inptu"])
     with pytest.raises(TensordiffError, match="nonsense"):
         assert_traces_agree(*pairs["agree"], tol="nonsense")
+
+
+def test_a_book_passed_in_is_never_written(pairs):
+    """A ToleranceBook the caller passes (and may pass to the next diff) keeps its patterns: the
+    --allow-failed patterns of one call do not leak into the next."""
+    book = tolerance_book([])
+    assert_traces_agree(*pairs["wrong"], tol=book, allow="draft_*")
+    assert book.allow_failed == []
+    with pytest.raises(TracesDisagree):
+        assert_traces_agree(*pairs["wrong"], tol=book)
 
 
 def test_bad_input_is_not_a_disagreement(tmp_path, pairs):
