@@ -35,13 +35,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .vocab import FINAL_NORM, boundary_label, layer_number
+from .vocab import FINAL_NORM, LAYER_RE, boundary_label, layer_number
 
 TAPS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_out",
         "mlp_norm", "router", "mlp_gate", "mlp_up", "mlp_act", "mlp_out")
 _TAP_FRACTION = {t: (i + 1) / (len(TAPS) + 1) for i, t in enumerate(TAPS)}
 _TAP_RE = re.compile(r"^layer([0-9]+)\.([a-z_]+)$")
-_LAYER_RE = re.compile(r"^layer([0-9]+)$")
 
 IMPLEMENTATIONS = ("hf", "sglang", "vllm")
 #: model types whose module layout the table knows (HF ``config.model_type``)
@@ -86,7 +85,7 @@ def parse_state(name: str) -> State:
         return State(name, "boundary", 0)
     if name == FINAL_NORM:
         return State(name, "final_norm", None)
-    m = _LAYER_RE.match(name)
+    m = LAYER_RE.match(name)
     if m:
         return State(name, "boundary", layer_number(m.group(1)))
     m = _TAP_RE.match(name)
@@ -118,7 +117,7 @@ def layer_taps(layer: int, taps: Iterable[str] = TAPS) -> list[str]:
 def parse_zoom(spec: str) -> int:
     """``--zoom layer3`` (or ``3``): the decoder layer whose taps to record."""
     s = spec.strip()
-    m = _LAYER_RE.match(s)
+    m = LAYER_RE.match(s)
     if m:
         return layer_number(m.group(1), "--zoom layer")
     if s.isascii() and s.isdigit():

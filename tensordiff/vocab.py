@@ -14,7 +14,7 @@ FINAL_NORM = "final_norm"
 REGIMES = ("train", "prefill", "decode", "target_verify", "draft_extend", "other")
 REGIME_CODE = {name: i for i, name in enumerate(REGIMES)}
 
-_LAYER_RE = re.compile(r"^layer([0-9]+)$")
+LAYER_RE = re.compile(r"^layer([0-9]+)$")   # a boundary's name: layer<b>
 
 #: the largest boundary (layer number) a trace, label or name may hold: models have a few hundred
 #: layers; a number from a file past this is refused where it is read (the noise model grows its
@@ -45,7 +45,7 @@ def parse_label(label: str) -> int | None:
         return 0
     if label == FINAL_NORM:
         return None
-    m = _LAYER_RE.match(label)
+    m = LAYER_RE.match(label)
     if not m:
         raise ValueError(f"not a state label: {label!r} (expected embed, layer<b> or final_norm)")
     return layer_number(m.group(1), "a state label's layer")
