@@ -13,12 +13,13 @@ JSON, HTML and TUI say the same thing; splitting records from sentences would sp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Annotated, Any, ClassVar, Literal, TypedDict
+from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict
 
 from .details import (
     AcceptanceDetails,
@@ -56,6 +57,7 @@ __all__ = [
     "ErrorInfo",
     "ErrorJSON",
     "Finding",
+    "Gap",
     "GapDetails",
     "IdentityDetails",
     "Kind",
@@ -67,6 +69,7 @@ __all__ = [
     "PairingDetails",
     "Record",
     "RecoveredDetails",
+    "SeqPair",
     "ReplicaDetails",
     "RoutingDetails",
     "SignatureDetails",
@@ -648,23 +651,37 @@ class SideRecord(TypedDict):
     side: str
 
 
-class _SequencePairBase(TypedDict):
+class _FrozenRecord:
+    """A frozen dataclass with a JSON form (a frozen dataclass cannot inherit :class:`Record`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class SeqPair(_FrozenRecord):
+    """Sequence ``a`` of side A paired with sequence ``b`` of side B, B's positions A's plus ``shift``
+    (``DiffResult.sequences``): ``tokens`` positions with equal token ids, ``mismatched`` on both
+    sides with other ids, ``only_a`` / ``only_b`` on one side only."""
+
     a: str
     b: str
     shift: int
     tokens: int
     only_a: int
     only_b: int
+    mismatched: int = 0   # a JSON written before the count was kept has none
 
 
-class SequencePair(_SequencePairBase, total=False):
-    """One pair of sequences the alignment made (``DiffResult.sequences``)."""
-
-    mismatched: int
-
-
-class GapRecord(TypedDict):
-    """Tokens on one side only (``DiffResult.gaps``)."""
+@dataclass(frozen=True)
+class Gap(_FrozenRecord):
+    """Positions of one sequence present on one side only, for one reason (``DiffResult.gaps``;
+    ``positions``: the first ranges, ``count``: all of them)."""
 
     seq: str
     side: Side
@@ -790,8 +807,8 @@ class DiffJSON(TypedDict):
     slot_table: list[SlotRow]
     tensors: list[PairStats]
     tokens_aligned: int
-    sequences: list[SequencePair]
-    gaps: list[GapRecord]
+    sequences: list[SeqPair]
+    gaps: list[Gap]
     shifts: dict[str, int]
     worst_tokens: list[WorstToken]
     summary_path: str | None
@@ -806,8 +823,8 @@ class DiffResult:
     findings: list[Finding]
     slot_table: list[SlotRow]
     pairs: list[PairStats]
-    sequences: list[Annotated[dict[str, Any], SequencePair]]
-    gaps: list[Annotated[dict[str, Any], GapRecord]]
+    sequences: list[SeqPair]
+    gaps: list[Gap]
     shifts: dict[str, int]
     tokens_aligned: int
     worst_tokens: list[Annotated[dict[str, Any], WorstToken]]
@@ -915,8 +932,8 @@ class DiffResult:
             "slot_table": [r.to_dict() for r in self.slot_table],
             "tensors": [p.to_dict() for p in self.pairs],
             "tokens_aligned": self.tokens_aligned,
-            "sequences": self.sequences,
-            "gaps": self.gaps,
+            "sequences": [p.to_dict() for p in self.sequences],
+            "gaps": [g.to_dict() for g in self.gaps],
             "shifts": self.shifts,
             "worst_tokens": self.worst_tokens,
             "summary_path": self.summary_path,
@@ -933,6 +950,6 @@ class DiffResult:
         return cls(path_a=d["a"]["path"], path_b=d["b"]["path"], side_a=d["a"]["side"], side_b=d["b"]["side"],
                    findings=[Finding.from_dict(f, i) for i, f in enumerate(d["findings"])],
                    slot_table=[SlotRow.from_dict(r) for r in d["slot_table"]], pairs=pairs,
-                   sequences=list(d["sequences"]), gaps=list(d["gaps"]), shifts=dict(d["shifts"]),
+                   sequences=[SeqPair.from_dict(p) for p in d["sequences"]], gaps=[Gap.from_dict(g) for g in d["gaps"]], shifts=dict(d["shifts"]),
                    tokens_aligned=int(d["tokens_aligned"]), worst_tokens=list(d["worst_tokens"]),
                    summary_path=d.get("summary_path"))
