@@ -950,6 +950,7 @@ class DiffResult:
         return cls(path_a=d["a"]["path"], path_b=d["b"]["path"], side_a=d["a"]["side"], side_b=d["b"]["side"],
                    findings=[Finding.from_dict(f, i) for i, f in enumerate(d["findings"])],
                    slot_table=[SlotRow.from_dict(r) for r in d["slot_table"]], pairs=pairs,
-                   sequences=[SeqPair.from_dict(p) for p in d["sequences"]], gaps=[Gap.from_dict(g) for g in d["gaps"]], shifts=dict(d["shifts"]),
+                   sequences=[SeqPair.from_dict(p) for p in d["sequences"]],
+                   gaps=[Gap.from_dict(g) for g in d["gaps"]], shifts=dict(d["shifts"]),
                    tokens_aligned=int(d["tokens_aligned"]), worst_tokens=list(d["worst_tokens"]),
                    summary_path=d.get("summary_path"))
