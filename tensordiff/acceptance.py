@@ -40,7 +40,7 @@ from .conventions import (
     topk_k,
 )
 from .details import AcceptanceDetails
-from .findings import ALLOWED_PREFIX, MARGIN_NOISE_FACTOR, Finding, Kind, PairStats, Severity
+from .findings import MARGIN_NOISE_FACTOR, Finding, Kind, PairStats, Severity
 from .findings import SIGN_Z as SIGN_Z_LIMIT
 from .findings import UNEXPLAINED as UNEXPLAINED_LIMIT
 from .tokens import token_code
@@ -421,7 +421,7 @@ def judge_predictions(d: dict[str, Any], t: dict[str, NDArray[Any]],
 
 def _diverges(f: Finding) -> bool:
     """A divergence, or one that ``--allow-failed`` turned into a warning (it still diverges)."""
-    return f.severity == Severity.DIVERGENCE or (f.text or "").startswith(ALLOWED_PREFIX)
+    return f.severity == Severity.DIVERGENCE or f.allowed_by is not None
 
 
 def _first_diverging(findings: Sequence[Finding]) -> Finding | None:

@@ -13,6 +13,7 @@ JSON, HTML and TUI say the same thing; splitting records from sentences would sp
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import os
@@ -196,6 +197,8 @@ class Finding:
     details: Details = field(default_factory=Details)
     inherited_from: int | None = None
     index: int = 0
+    #: the ``--allow-failed`` pattern that turned this divergence into a warning (it still diverges)
+    allowed_by: str | None = None
 
     LOCATION: ClassVar[tuple[str, ...]] = ("tensor", "slot", "seq", "position", "position_b", "token", "regime",
                                            "regime_a")
@@ -210,7 +213,8 @@ class Finding:
 
     @property
     def message(self) -> str:
-        return self.text if self.text is not None else render_sentence(self)
+        sentence = self.text if self.text is not None else render_sentence(self)
+        return sentence if self.allowed_by is None else f"{ALLOWED_PREFIX} {self.allowed_by!r}: {sentence}"
 
     @property
     def token_index(self) -> int | None:
@@ -241,11 +245,34 @@ class Finding:
     def from_dict(cls, d: dict[str, Any], index: int = 0) -> Finding:
         kind = Kind(d["kind"])
         where: dict[str, Any] = {k: d.get(k) for k in cls.LOCATION}
+        message = d.get("message")
+        allowed = _allowed_by(str(message)) if message is not None else None
         f = cls(kind, Severity(d["severity"]), details=DETAILS.get(kind, Details).from_dict(d.get("details") or {}),
-                inherited_from=d.get("inherited_from"), index=index, **where)
-        if d.get("message") is not None and d["message"] != f.message:
-            f = replace(f, text=str(d["message"]))  # written by another version: keep its sentence
+                inherited_from=d.get("inherited_from"), index=index, allowed_by=allowed and allowed[0], **where)
+        if message is not None and message != f.message:   # written by another version: keep its sentence
+            f = replace(f, text=allowed[1] if allowed else str(message))
         return f
+
+
+def _allowed_by(message: str) -> tuple[str, str] | None:
+    """The pattern and the sentence of an allowed divergence's message as the JSON writes it
+    (``allowed by --allow-failed 'PATTERN': SENTENCE``, the pattern as Python quotes it), or None:
+    the JSON has no field of its own for it."""
+    head = ALLOWED_PREFIX + " "
+    if not message.startswith(head):
+        return None
+    rest = message[len(head):]
+    k = rest.find(": ")
+    while k > 0:
+        quoted = rest[:k]
+        try:
+            pattern = ast.literal_eval(quoted)
+        except (ValueError, SyntaxError):
+            pattern = None
+        if isinstance(pattern, str) and repr(pattern) == quoted:
+            return pattern, rest[k + 2:]
+        k = rest.find(": ", k + 1)
+    return None
 
 
 def regime_a_where_named(regime_a: str, regime_b: str) -> str | None:
@@ -874,7 +901,7 @@ class DiffResult:
         graft = next((g for g in self.findings if g.kind == Kind.SIGNATURE), None)   # a grafted run says so first
         if graft is not None:
             return graft.message
-        allowed = sum(1 for g in self.findings if (g.text or "").startswith(ALLOWED_PREFIX))
+        allowed = sum(1 for g in self.findings if g.allowed_by is not None)
         n, k = len(self.pairs), self.compared
         tensors = f"{n} tensor{'' if n == 1 else 's'}"
         if k < n:
