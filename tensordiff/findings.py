@@ -856,7 +856,6 @@ class DiffResult:
     tokens_aligned: int
     worst_tokens: list[Annotated[dict[str, Any], WorstToken]]
     summary_path: str | None = None
-    require_complete: bool = False  # `--require-complete` (the default now: kept for old command lines)
     allow_incomplete: bool = False  # `--allow-incomplete`: an incomplete verdict exits 0
 
     def side_tags(self) -> tuple[str, str]:

@@ -301,14 +301,19 @@ def test_partial_coverage_is_not_agree(tmp_path, capsys, nr8, seqs, train8):
     assert code == 0
     d = json.loads(out)
     assert d["verdict"] == "incomplete" and d["tensors_compared"] == 10 and d["exit_code"] == 0
-    # --require-complete (now the default) still fails it, and the JSON says the exit code it sets
-    code, out, _ = run(capsys, "diff", a, b, "--json", "--require-complete")
+    # without a flag it fails, and the JSON says the exit code it sets
+    code, out, _ = run(capsys, "diff", a, b, "--json")
     d = json.loads(out)
     assert code == 1 and d["verdict"] == "incomplete" and d["exit_code"] == 1
-    code, out, _ = run(capsys, "diff", a, b, "-q", "--require-complete")
+    code, out, _ = run(capsys, "diff", a, b, "-q")
     assert code == 1 and "10 of 11 tensors compared" in out
-    code, _, _ = run(capsys, "diff", a, b, "-q", "--allow-incomplete", "--require-complete")   # as its help says
+    code, _, _ = run(capsys, "report", a, b, "-o", str(tmp_path / "r.html"))
     assert code == 1
+    # --require-complete asked for the default and is gone: one line, exit 2, no flag of the opposite sense offered
+    for cmd in (["diff", a, b, "-q"], ["report", a, b, "-o", str(tmp_path / "r2.html")]):
+        code, _, err = run(capsys, *cmd, "--require-complete")
+        assert code == 2 and err.count("\n") == 1 and "unrecognized arguments: --require-complete" in err, err
+        assert "did you mean" not in err
     # the testing API never calls it agreement unless told to
     from tensordiff.testing import TracesDisagree, assert_traces_agree
     with pytest.raises(TracesDisagree) as ei:
