@@ -682,7 +682,8 @@ class _FrozenRecord:
     """A frozen dataclass with a JSON form (a frozen dataclass cannot inherit :class:`Record`)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        out: dict[str, Any] = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:

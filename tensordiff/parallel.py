@@ -41,7 +41,7 @@ from .diff import DiffPlan, PairJob
 from .errors import UsageError
 from .numerics import BlockMetrics, Metrics
 from .progress import Progress, Stage
-from .trace import ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TraceReader, TraceSource
+from .trace import Replicated, ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TraceReader, TraceSource
 from .traceset import compare_replica_rows
 
 TASK_BYTES = 32 << 20           # stored bytes (both sides) a task reads, rounded to whole blocks
@@ -284,8 +284,7 @@ class PoolBackend:
     def _pair_tasks(self, ra: TraceSource, rb: TraceSource, job: PairJob) -> Iterator[NumericTask]:
         assert job.basis is not None
         part, ia, ib, idx = job.basis, job.a, job.b, job.rows
-        da, db = ra.dataset(ia.name, part), rb.dataset(ib.name, part)
-        row_bytes = int(np.prod(da.shape[1:])) * da.dtype.itemsize + int(np.prod(db.shape[1:])) * db.dtype.itemsize
+        row_bytes = ra.part(ia.name, part).row_bytes + rb.part(ib.name, part).row_bytes
         br = job.block_rows   # the serial diff's blocks (bytes-sized)
         cap = max(1, self.task_bytes // max(1, br * row_bytes))
         hosted = bool(ra.hosts or rb.hosts)
@@ -332,7 +331,7 @@ class PoolBackend:
             yield from part.blocks
         self._top_up()
 
-    def check_replicas(self, source: TraceSource, progress: Progress | None = None) -> list[ReplicaMismatch]:
+    def check_replicas(self, source: Replicated, progress: Progress | None = None) -> list[ReplicaMismatch]:
         """A trace source's replica comparisons on the workers."""
         tasks = source.replica_tasks()
         futs = [self.submit_replica(t) for t in tasks]

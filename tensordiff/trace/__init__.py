@@ -26,7 +26,7 @@ from .probe import PROBE_SECONDS, probe
 from .reader import TraceReader, trace_summary
 from .reads import Pieces, block_rows, gather
 from .runs import read_runs
-from .source import Part, ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TraceSource
+from .source import Replicated, ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TensorPart, TraceSource
 from .schema import (
     CHUNK_BYTES,
     FILTER_EXPANSION,
@@ -77,8 +77,8 @@ __all__ = [
     "MAX_SLOTS",
     "MAX_TENSORS",
     "PROBE_SECONDS",
-    "Part",
     "READ_CACHE_BYTES",
+    "Replicated",
     "ReplicaMismatch",
     "ReplicaPartial",
     "ReplicaTask",
@@ -90,6 +90,7 @@ __all__ = [
     "TOKEN_DTYPE",
     "SlotSpec",
     "TensorInfo",
+    "TensorPart",
     "TraceReader",
     "TraceSource",
     "TraceWriter",

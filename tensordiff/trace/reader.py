@@ -20,7 +20,6 @@ from h5py import h5s  # type: ignore[import-untyped, unused-ignore]
 
 from ..dtypes import storage_dtype
 from ..errors import TensordiffError, TraceFileError
-from ..progress import Progress
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED
 from ..vocab import REGIMES
 from . import recover
@@ -42,7 +41,7 @@ from .schema import (
     TOKEN_DTYPE,
     TensorInfo,
 )
-from .source import ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment
+from .source import RowSegment
 from .summary_types import SequenceSpan, TensorEntry, TraceSummary
 from .validate import (
     CHANGED,
@@ -583,15 +582,6 @@ class TraceReader(RowReads):
 
     def segments(self, name: str, rows: np.ndarray) -> list[RowSegment]:
         return [RowSegment(self.path, np.asarray(rows, np.int64))]
-
-    def replica_tasks(self) -> list[ReplicaTask]:
-        return []
-
-    def replica_mismatches(self, partials: Sequence[ReplicaPartial]) -> list[ReplicaMismatch]:
-        return []
-
-    def check_replicas(self, progress: Progress | None = None) -> list[ReplicaMismatch]:
-        return []
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a damaged file must not mask the real error
