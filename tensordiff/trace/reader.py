@@ -41,7 +41,7 @@ from .schema import (
     TOKEN_DTYPE,
     TensorInfo,
 )
-from .source import RowSegment
+from .source import RowSegment, TensorPart
 from .summary_types import SequenceSpan, TensorEntry, TraceSummary
 from .validate import (
     CHANGED,
@@ -573,6 +573,13 @@ class TraceReader(RowReads):
     def summary(self) -> TraceSummary:
         """Everything ``tensordiff info`` shows, as plain data."""
         return trace_summary(self)
+
+    def part(self, name: str, kind: str) -> TensorPart:
+        """Part ``kind`` of tensor ``name``: its shape (the rows this trace reads of it: a recovered
+        trace's committed ones), dtype and reads."""
+        ds = self._stored(name, kind)
+        rows = self.tensors[name].rows
+        return TensorPart(name, kind, (rows, *(int(x) for x in ds.shape[1:])), np.dtype(ds.dtype), self)
 
     # -- what a trace set adds (TraceSource): one file holds every row once --------------------
 

@@ -24,7 +24,6 @@ from ..dtypes import to_float32
 from ..errors import TraceFileError
 from ..sketch import sketch_rows
 from .schema import TensorInfo, slot_rms
-from .source import TensorPart
 from .validate import short
 
 _SPAN_BYTES = 4 << 20  # scattered reads: read a span this large whole, then pick rows
@@ -513,13 +512,6 @@ class RowReads:
             return self._ds[name][part]
         except KeyError:
             raise TraceFileError(f"tensor {name!r} has no {part}", self.path) from None
-
-    def part(self, name: str, kind: str) -> TensorPart:
-        """Part ``kind`` of tensor ``name``: its shape (the rows this trace reads of it: a recovered
-        trace's committed ones), dtype and reads."""
-        ds = self._stored(name, kind)
-        rows = self.tensors[name].rows
-        return TensorPart(name, kind, (rows, *(int(x) for x in ds.shape[1:])), np.dtype(ds.dtype), self)
 
     def has_part(self, name: str, part: str) -> bool:
         parts = self._ds.get(name)
