@@ -113,17 +113,23 @@ def test_set_reads_like_the_one_file(tmp_path, recs, ref):
 
 def test_a_tensor_part_reads_alike_from_a_set_and_its_file_and_holds_no_hdf5_object(tmp_path, recs, ref):
     """``part(name, kind)``: plain shape and dtype, rows by index, by range and in place, the same
-    from a set as from the one file; the replica checks are a set's alone (a file holds each row once)."""
+    from a set as from the one file; the replica checks and the files rows lie in are a set's alone
+    (a file holds each row once, all of them)."""
     import h5py
 
     from tensordiff.errors import TensordiffError
-    from tensordiff.trace import Replicated, TensorPart, TraceReader
+    from tensordiff.trace import Replicated, Sharded, TensorPart, TraceReader, segments_of
 
     d = str(tmp_path / "s")
     write_ranks(d, recs["serve"], dp=2, pp=2, tp=2)
     with TraceSet(d) as s, TraceReader(ref["serve"]) as r:
         assert isinstance(s, Replicated) and not isinstance(r, Replicated)
+        assert isinstance(s, Sharded) and not isinstance(r, Sharded)
         assert not hasattr(r, "check_replicas") and not hasattr(r, "dataset") and not hasattr(s, "dataset")
+        rows = np.arange(4, dtype=np.int64)
+        (one,) = segments_of(r, "layer2", rows)
+        assert one.path == r.path and np.array_equal(one.rows, rows) and one.pos is None
+        assert {g.path for g in segments_of(s, "layer2", rows)} <= {m.path for m in s.members}
         for name, info in r.tensors.items():
             for kind in ("values", "sketch", "rms"):
                 if not r.has_part(name, kind):

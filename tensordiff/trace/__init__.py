@@ -26,7 +26,18 @@ from .probe import PROBE_SECONDS, probe
 from .reader import TraceReader, trace_summary
 from .reads import Pieces, block_rows, gather
 from .runs import read_runs
-from .source import Replicated, ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TensorPart, TraceSource
+from .source import (
+    Replicated,
+    ReplicaMismatch,
+    ReplicaPartial,
+    ReplicaTask,
+    RowSegment,
+    Sharded,
+    TensorPart,
+    TraceSource,
+    hosts_of,
+    segments_of,
+)
 from .schema import (
     CHUNK_BYTES,
     FILTER_EXPANSION,
@@ -83,6 +94,7 @@ __all__ = [
     "ReplicaPartial",
     "ReplicaTask",
     "RowSegment",
+    "Sharded",
     "SCHEMA_REFS",
     "SCHEMA_VERSION",
     "SCHEMA_VERSIONS",
@@ -94,7 +106,9 @@ __all__ = [
     "TraceReader",
     "TraceSource",
     "TraceWriter",
+    "hosts_of",
     "probe",
+    "segments_of",
     "slot_rms",
     "trace_summary",
 ]

@@ -41,7 +41,7 @@ from .schema import (
     TOKEN_DTYPE,
     TensorInfo,
 )
-from .source import RowSegment, TensorPart
+from .source import TensorPart
 from .summary_types import SequenceSpan, TensorEntry, TraceSummary
 from .validate import (
     CHANGED,
@@ -580,15 +580,6 @@ class TraceReader(RowReads):
         ds = self._stored(name, kind)
         rows = self.tensors[name].rows
         return TensorPart(name, kind, (rows, *(int(x) for x in ds.shape[1:])), np.dtype(ds.dtype), self)
-
-    # -- what a trace set adds (TraceSource): one file holds every row once --------------------
-
-    @property
-    def hosts(self) -> tuple[str, ...]:
-        return ()
-
-    def segments(self, name: str, rows: np.ndarray) -> list[RowSegment]:
-        return [RowSegment(self.path, np.asarray(rows, np.int64))]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a damaged file must not mask the real error

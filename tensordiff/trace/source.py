@@ -147,8 +147,8 @@ class ReplicaPartial:
 class TraceSource(Protocol):
     """One side of a diff: its metadata (token table, sequences, tensors, model), the parts of its
     tensors (:meth:`part`, a :class:`TensorPart` that reads their rows), its summary; opened and
-    closed as a context manager. :meth:`segments` says which file holds rows (worker processes
-    open only those). A source that holds rows twice is also :class:`Replicated`."""
+    closed as a context manager. A source whose rows lie in several files is also
+    :class:`Sharded`; one that holds rows twice is also :class:`Replicated`."""
 
     @property
     def path(self) -> str: ...
@@ -183,11 +183,6 @@ class TraceSource(Protocol):
     @property
     def recovered_note(self) -> str | None: ...
 
-    @property
-    def hosts(self) -> tuple[str, ...]:
-        """The hosts its files record having been written on, where a set records them (placement)."""
-        ...
-
     def token_rows(self, name: str) -> NDArray[np.int64]: ...
 
     def part(self, name: str, kind: str) -> TensorPart:
@@ -202,10 +197,6 @@ class TraceSource(Protocol):
         :class:`TensorPart` (tensordiff/triage.py)."""
         ...
 
-    def segments(self, name: str, rows: NDArray[np.int64]) -> list[RowSegment]:
-        """Where tensor rows ``rows`` live, one segment per file that holds some of them."""
-        ...
-
     def summary(self) -> TraceSummary:
         """Everything ``tensordiff info`` shows, as plain data."""
         ...
@@ -215,6 +206,32 @@ class TraceSource(Protocol):
     def __enter__(self) -> Self: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
+class Sharded(Protocol):
+    """A source whose rows lie in several files (a trace set): which file holds rows, so that
+    worker processes open only those, and the hosts its files record having been written on,
+    where they record them (placement)."""
+
+    @property
+    def hosts(self) -> tuple[str, ...]: ...
+
+    def segments(self, name: str, rows: NDArray[np.int64]) -> list[RowSegment]:
+        """Where tensor rows ``rows`` live, one segment per file that holds some of them."""
+        ...
+
+
+def segments_of(source: TraceSource, name: str, rows: NDArray[np.int64]) -> list[RowSegment]:
+    """Where tensor rows ``rows`` of a source live: a set's segments, or the one file's."""
+    if isinstance(source, Sharded):
+        return source.segments(name, rows)
+    return [RowSegment(source.path, np.asarray(rows, np.int64))]
+
+
+def hosts_of(source: TraceSource) -> tuple[str, ...]:
+    """The hosts a source's files record having been written on (none for one file)."""
+    return source.hosts if isinstance(source, Sharded) else ()
 
 
 @runtime_checkable
@@ -233,4 +250,5 @@ class Replicated(Protocol):
         ...
 
 
-__all__ = ["Replicated", "ReplicaMismatch", "ReplicaPartial", "ReplicaTask", "RowSegment", "TensorPart", "TraceSource"]
+__all__ = ["Replicated", "ReplicaMismatch", "ReplicaPartial", "ReplicaTask", "RowSegment", "Sharded", "TensorPart",
+           "TraceSource", "hosts_of", "segments_of"]
