@@ -563,6 +563,10 @@ class RowReads:
             raise TraceFileError(f"tensor {name!r} has no {part}", self.path)
         return self._take(ds, idx, out, f"{name}/{part}")
 
+    def read_range(self, name: str, part: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [lo, hi) of ``name/part`` in stored form, in one read (into ``out`` when given)."""
+        return self._read(name, part, np.s_[lo:hi], out)
+
     def map_rows(self, name: str, part: str, idx: np.ndarray) -> np.ndarray | Pieces | None:
         """A run of rows ``idx`` of ``name/part`` in place in the file's pages (``mmap``: no
         copy; read-only), for a caller that only reads them: one array where their chunks follow

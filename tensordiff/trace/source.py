@@ -33,6 +33,8 @@ class _PartReads(Protocol):
 
     def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray: ...
 
+    def read_range(self, name: str, part: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray: ...
+
     def map_rows(self, name: str, part: str, idx: np.ndarray) -> np.ndarray | Pieces | None: ...
 
 
@@ -60,9 +62,9 @@ class TensorPart:
         return self.reads.read_at(self.name, self.kind, idx, out=out)
 
     def rows(self, start: int = 0, stop: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows [start, stop)."""
+        """Rows [start, stop) (``out``: as for :meth:`take`)."""
         lo, hi, _ = slice(start, stop).indices(self.shape[0])
-        return self.take(np.arange(lo, max(lo, hi), dtype=np.int64), out)
+        return self.reads.read_range(self.name, self.kind, lo, max(lo, hi), out=out)
 
     def map(self, idx: np.ndarray) -> np.ndarray | Pieces | None:
         """A run of rows in place in the file's pages, read-only, or None: :meth:`take` them

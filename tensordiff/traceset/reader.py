@@ -231,6 +231,10 @@ class TraceSet:
             dest[pos] = self.members[mi].reader.read_at(name, part, rows)
         return dest
 
+    def read_range(self, name: str, part: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Set rows [lo, hi) of ``name/part``, stored form (each member reads its own)."""
+        return self.read_at(name, part, np.arange(lo, max(lo, hi), dtype=np.int64), out=out)
+
     def read_values_at(self, name: str, idx: np.ndarray, *, raw: bool = False,
                        out: np.ndarray | None = None) -> np.ndarray:
         block = self.read_at(name, "values", idx)
