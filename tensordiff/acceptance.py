@@ -40,7 +40,7 @@ from .conventions import (
     topk_k,
 )
 from .details import AcceptanceDetails
-from .findings import ALLOWED_PREFIX, MARGIN_NOISE_FACTOR, Finding, Kind, PairStats, Severity
+from .findings import MARGIN_NOISE_FACTOR, Finding, Kind, PairStats, Severity
 from .findings import SIGN_Z as SIGN_Z_LIMIT
 from .findings import UNEXPLAINED as UNEXPLAINED_LIMIT
 from .tokens import token_code
@@ -180,8 +180,8 @@ def teacher_forced(r: TraceSource) -> dict[str, dict[str, Any]] | None:
     drows = np.flatnonzero(trows >= 0)
     for s in range(0, len(drows), BLOCK):
         blk = drows[s:s + BLOCK]
-        m = topk_compare(r.read_at(TARGET_TOPK, "values", trows[blk]).astype(np.float64),
-                         r.read_at(DRAFT_TOPK, "values", blk).astype(np.float64))
+        m = topk_compare(r.part(TARGET_TOPK, "values").take(trows[blk]).astype(np.float64),
+                         r.part(DRAFT_TOPK, "values").take(blk).astype(np.float64))
         aggs["all"].add(m)
         reg = regimes[blk]
         for code in np.unique(reg):
@@ -207,7 +207,7 @@ def verify_steps(r: TraceSource) -> dict[str, Any] | None:
     steps = 0
     acc_sum = 0.0
     for s in range(0, info.rows, BLOCK):
-        v = r.read_values(SPEC_VERIFY, s, s + BLOCK, raw=True).astype(np.float64)
+        v = r.part(SPEC_VERIFY, "values").rows(s, s + BLOCK).astype(np.float64)
         a = v[:, 0]
         steps += len(v)
         acc_sum += float(a.sum())
@@ -240,11 +240,11 @@ def _chain_stats(r: TraceSource, per: list[dict[str, Any]]) -> None:
     if K != len(per) or K * (dw + tw) != info.width:
         return
     acc_of = dict(zip(r.token_rows(SPEC_VERIFY).tolist(),
-                      r.read_values(SPEC_VERIFY, raw=True)[:, 0].astype(np.int64).tolist()))
+                      r.part(SPEC_VERIFY, "values").rows()[:, 0].astype(np.int64).tolist()))
     crow = r.token_rows(SPEC_CHAIN)
     aggs = [_Agg() for _ in range(K)]
     for s in range(0, info.rows, BLOCK):
-        v = r.read_values(SPEC_CHAIN, s, s + BLOCK, raw=True).astype(np.float64)
+        v = r.part(SPEC_CHAIN, "values").rows(s, s + BLOCK).astype(np.float64)
         a = np.array([acc_of.get(int(t), -1) for t in crow[s:s + len(v)]])
         for j in range(K):
             draft = v[:, j * dw:(j + 1) * dw]
@@ -276,8 +276,8 @@ def across(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, 
     parts: dict[str, list[NDArray[Any]]] = {}
     for s in range(0, len(both), BLOCK):
         blk = both[s:s + BLOCK]
-        p = ra.read_at(name, "values", ma[blk]).astype(np.float64)
-        q = rb.read_at(name, "values", mb[blk]).astype(np.float64)
+        p = ra.part(name, "values").take(ma[blk]).astype(np.float64)
+        q = rb.part(name, "values").take(mb[blk]).astype(np.float64)
         m = topk_compare(p, q)
         bad: NDArray[np.bool_] = np.asarray(~(np.isfinite(p).all(1) & np.isfinite(q).all(1)))
         m["kl"] = np.where(bad, np.nan, m["kl"])
@@ -421,7 +421,7 @@ def judge_predictions(d: dict[str, Any], t: dict[str, NDArray[Any]],
 
 def _diverges(f: Finding) -> bool:
     """A divergence, or one that ``--allow-failed`` turned into a warning (it still diverges)."""
-    return f.severity == Severity.DIVERGENCE or (f.text or "").startswith(ALLOWED_PREFIX)
+    return f.severity == Severity.DIVERGENCE or f.allowed_by is not None
 
 
 def _first_diverging(findings: Sequence[Finding]) -> Finding | None:

@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import IncompatibleTracesError
-from .findings import Finding, Kind, MissingDetails, Severity, regime_a_where_named
+from .findings import Finding, Gap, Kind, MissingDetails, SeqPair, Severity, regime_a_where_named
 from .tokens import POS_MASK, SEQ_BITS, token_code
 from .trace import TensorInfo, TraceSource
 
@@ -41,39 +41,6 @@ Codes = NDArray[np.int64]
 
 
 Side = Literal["a", "b"]
-
-
-@dataclass(frozen=True)
-class SeqPair:
-    """Sequence ``a`` of side A paired with sequence ``b`` of side B, B's positions A's plus ``shift``:
-    ``tokens`` positions with equal token ids, ``mismatched`` on both sides with other ids,
-    ``only_a`` / ``only_b`` on one side only."""
-
-    a: str
-    b: str
-    shift: int
-    tokens: int
-    only_a: int
-    only_b: int
-    mismatched: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class Gap:
-    """Positions of one sequence present on one side only, for one reason (``positions``: the
-    first ranges, ``count``: all of them)."""
-
-    seq: str
-    side: Side
-    positions: list[list[int]]
-    count: int
-    reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from .numerics import row_dots_at
 from .tolerances import coarser, default_tolerance
 from .progress import Progress, Stage
 from .sketch import sketch_np
-from .trace import TensorInfo, TraceSource, gather, read_runs
+from .trace import TensorInfo, TraceSource, gather, read_runs, slot_rms
 from .vocab import parse_label
 
 Codes = NDArray[np.int64]
@@ -338,7 +338,7 @@ class IdentitySearch:
             bf16 = info.dtype == "bfloat16"
             lo = int(rows[0])
             with self.read_lock:
-                span = r.map_rows(info.name, "values", np.arange(lo, int(rows[-1]) + 1))
+                span = r.part(info.name, "values").map(np.arange(lo, int(rows[-1]) + 1))
                 if isinstance(span, np.ndarray):
                     data, at = span, rows - lo
                 else:
@@ -365,15 +365,16 @@ class IdentitySearch:
 
 def slot_rms_at(r: TraceSource, info: TensorInfo, rows: Codes, slot: int) -> NDArray[np.float32]:
     """Per-token RMS of one slot at tensor rows ``rows`` (ascending). A stored RMS is read at those
-    rows only (a few chunks); without one, the trace reader's fallback computes it from the values
-    of the contiguous span, so the span is read once."""
+    rows only (a few chunks); without one, it is computed from the values of the contiguous span,
+    so the span is read once."""
     if len(rows) == 0:
         return np.zeros(0, np.float32)
     if r.has_part(info.name, "rms"):
         picked: NDArray[np.float32] = np.asarray(read_runs(r, info.name, "rms", rows), np.float32)[:, slot]
         return picked
     lo, hi = int(rows.min()), int(rows.max()) + 1
-    out: NDArray[np.float32] = np.asarray(r.read_rms(info.name, lo, hi), np.float32)[rows - lo, slot]
+    span = to_float32(r.part(info.name, "values").rows(lo, hi), info.dtype)
+    out: NDArray[np.float32] = np.asarray(slot_rms(span, info.slot_width), np.float32)[rows - lo, slot]
     return out
 
 

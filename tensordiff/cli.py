@@ -108,8 +108,8 @@ def _diff_options(args: argparse.Namespace, summary_path: str | None = None) -> 
     from .tolerances import tolerance_book
 
     book = tolerance_book(args.tol or [], allow_failed=args.allow_failed or [], calibration=args.calibration)
-    # the exit policy is the diff's own: `--require-complete` (the default now) overrides --allow-incomplete
-    allow_incomplete = bool(getattr(args, "allow_incomplete", False)) and not getattr(args, "require_complete", False)
+    # the exit policy is the diff's own: an incomplete verdict exits 1 unless --allow-incomplete (tui has no flag)
+    allow_incomplete = bool(getattr(args, "allow_incomplete", False))
     return DiffOptions(tolerances=book, summary_path=summary_path, allow_incomplete=allow_incomplete)
 
 
@@ -425,11 +425,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         d.add_argument("--tokenizer", metavar="DIR", help="show token text with this tokenizer (default: the model "
                                                           "directory a trace records, when it has one)")
 
-    def require_complete(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--require-complete", action="store_true",
-                       help="exit 1 when some paired tensor could not be compared (verdict incomplete): the "
-                            "default, and it wins over --allow-incomplete where both are given (a CI wrapper that "
-                            "adds --allow-incomplete cannot relax a job that asks for completeness)")
+    def allow_incomplete(p: argparse.ArgumentParser) -> None:
         p.add_argument("--allow-incomplete", action="store_true",
                        help="exit 0 when no divergence is found in what could be compared, even though some paired "
                             "tensor was not (verdict incomplete, said in the headline)")
@@ -438,7 +434,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        description="Compare trace B against the reference A and name the first divergence.",
                        epilog=EXIT_CODES_STRICT)
     diff_args(d)
-    require_complete(d)
+    allow_incomplete(d)
     d.add_argument("--json", action="store_true", help="machine-readable output (same content)")
     d.add_argument("--summary", metavar="FILE", help="also write per-token metrics to this HDF5 file")
     d.add_argument("--max-findings", type=int, default=25, help="findings listed in the text report")
@@ -465,7 +461,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                    "slot table, numerics, the token x slot heatmap, worst tokens (docs/report.md).",
                        epilog=EXIT_CODES_STRICT)
     diff_args(r)
-    require_complete(r)
+    allow_incomplete(r)
     r.add_argument("-o", "--out", required=True, metavar="FILE", help="the HTML file to write")
     r.set_defaults(func=cmd_report)
 

@@ -13,12 +13,14 @@ JSON, HTML and TUI say the same thing; splitting records from sentences would sp
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Annotated, Any, ClassVar, Literal, TypedDict
+from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict
 
 from .details import (
     AcceptanceDetails,
@@ -56,6 +58,7 @@ __all__ = [
     "ErrorInfo",
     "ErrorJSON",
     "Finding",
+    "Gap",
     "GapDetails",
     "IdentityDetails",
     "Kind",
@@ -67,6 +70,7 @@ __all__ = [
     "PairingDetails",
     "Record",
     "RecoveredDetails",
+    "SeqPair",
     "ReplicaDetails",
     "RoutingDetails",
     "SignatureDetails",
@@ -193,6 +197,8 @@ class Finding:
     details: Details = field(default_factory=Details)
     inherited_from: int | None = None
     index: int = 0
+    #: the ``--allow-failed`` pattern that turned this divergence into a warning (it still diverges)
+    allowed_by: str | None = None
 
     LOCATION: ClassVar[tuple[str, ...]] = ("tensor", "slot", "seq", "position", "position_b", "token", "regime",
                                            "regime_a")
@@ -207,7 +213,8 @@ class Finding:
 
     @property
     def message(self) -> str:
-        return self.text if self.text is not None else render_sentence(self)
+        sentence = self.text if self.text is not None else render_sentence(self)
+        return sentence if self.allowed_by is None else f"{ALLOWED_PREFIX} {self.allowed_by!r}: {sentence}"
 
     @property
     def token_index(self) -> int | None:
@@ -238,11 +245,34 @@ class Finding:
     def from_dict(cls, d: dict[str, Any], index: int = 0) -> Finding:
         kind = Kind(d["kind"])
         where: dict[str, Any] = {k: d.get(k) for k in cls.LOCATION}
+        message = d.get("message")
+        allowed = _allowed_by(str(message)) if message is not None else None
         f = cls(kind, Severity(d["severity"]), details=DETAILS.get(kind, Details).from_dict(d.get("details") or {}),
-                inherited_from=d.get("inherited_from"), index=index, **where)
-        if d.get("message") is not None and d["message"] != f.message:
-            f = replace(f, text=str(d["message"]))  # written by another version: keep its sentence
+                inherited_from=d.get("inherited_from"), index=index, allowed_by=allowed and allowed[0], **where)
+        if message is not None and message != f.message:   # written by another version: keep its sentence
+            f = replace(f, text=allowed[1] if allowed else str(message))
         return f
+
+
+def _allowed_by(message: str) -> tuple[str, str] | None:
+    """The pattern and the sentence of an allowed divergence's message as the JSON writes it
+    (``allowed by --allow-failed 'PATTERN': SENTENCE``, the pattern as Python quotes it), or None:
+    the JSON has no field of its own for it."""
+    head = ALLOWED_PREFIX + " "
+    if not message.startswith(head):
+        return None
+    rest = message[len(head):]
+    k = rest.find(": ")
+    while k > 0:
+        quoted = rest[:k]
+        try:
+            pattern = ast.literal_eval(quoted)
+        except (ValueError, SyntaxError):
+            pattern = None
+        if isinstance(pattern, str) and repr(pattern) == quoted:
+            return pattern, rest[k + 2:]
+        k = rest.find(": ", k + 1)
+    return None
 
 
 def regime_a_where_named(regime_a: str, regime_b: str) -> str | None:
@@ -648,23 +678,38 @@ class SideRecord(TypedDict):
     side: str
 
 
-class _SequencePairBase(TypedDict):
+class _FrozenRecord:
+    """A frozen dataclass with a JSON form (a frozen dataclass cannot inherit :class:`Record`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class SeqPair(_FrozenRecord):
+    """Sequence ``a`` of side A paired with sequence ``b`` of side B, B's positions A's plus ``shift``
+    (``DiffResult.sequences``): ``tokens`` positions with equal token ids, ``mismatched`` on both
+    sides with other ids, ``only_a`` / ``only_b`` on one side only."""
+
     a: str
     b: str
     shift: int
     tokens: int
     only_a: int
     only_b: int
+    mismatched: int = 0   # a JSON written before the count was kept has none
 
 
-class SequencePair(_SequencePairBase, total=False):
-    """One pair of sequences the alignment made (``DiffResult.sequences``)."""
-
-    mismatched: int
-
-
-class GapRecord(TypedDict):
-    """Tokens on one side only (``DiffResult.gaps``)."""
+@dataclass(frozen=True)
+class Gap(_FrozenRecord):
+    """Positions of one sequence present on one side only, for one reason (``DiffResult.gaps``;
+    ``positions``: the first ranges, ``count``: all of them)."""
 
     seq: str
     side: Side
@@ -790,8 +835,8 @@ class DiffJSON(TypedDict):
     slot_table: list[SlotRow]
     tensors: list[PairStats]
     tokens_aligned: int
-    sequences: list[SequencePair]
-    gaps: list[GapRecord]
+    sequences: list[SeqPair]
+    gaps: list[Gap]
     shifts: dict[str, int]
     worst_tokens: list[WorstToken]
     summary_path: str | None
@@ -806,13 +851,12 @@ class DiffResult:
     findings: list[Finding]
     slot_table: list[SlotRow]
     pairs: list[PairStats]
-    sequences: list[Annotated[dict[str, Any], SequencePair]]
-    gaps: list[Annotated[dict[str, Any], GapRecord]]
+    sequences: list[SeqPair]
+    gaps: list[Gap]
     shifts: dict[str, int]
     tokens_aligned: int
     worst_tokens: list[Annotated[dict[str, Any], WorstToken]]
     summary_path: str | None = None
-    require_complete: bool = False  # `--require-complete` (the default now: kept for old command lines)
     allow_incomplete: bool = False  # `--allow-incomplete`: an incomplete verdict exits 0
 
     def side_tags(self) -> tuple[str, str]:
@@ -857,7 +901,7 @@ class DiffResult:
         graft = next((g for g in self.findings if g.kind == Kind.SIGNATURE), None)   # a grafted run says so first
         if graft is not None:
             return graft.message
-        allowed = sum(1 for g in self.findings if (g.text or "").startswith(ALLOWED_PREFIX))
+        allowed = sum(1 for g in self.findings if g.allowed_by is not None)
         n, k = len(self.pairs), self.compared
         tensors = f"{n} tensor{'' if n == 1 else 's'}"
         if k < n:
@@ -915,8 +959,8 @@ class DiffResult:
             "slot_table": [r.to_dict() for r in self.slot_table],
             "tensors": [p.to_dict() for p in self.pairs],
             "tokens_aligned": self.tokens_aligned,
-            "sequences": self.sequences,
-            "gaps": self.gaps,
+            "sequences": [p.to_dict() for p in self.sequences],
+            "gaps": [g.to_dict() for g in self.gaps],
             "shifts": self.shifts,
             "worst_tokens": self.worst_tokens,
             "summary_path": self.summary_path,
@@ -933,6 +977,7 @@ class DiffResult:
         return cls(path_a=d["a"]["path"], path_b=d["b"]["path"], side_a=d["a"]["side"], side_b=d["b"]["side"],
                    findings=[Finding.from_dict(f, i) for i, f in enumerate(d["findings"])],
                    slot_table=[SlotRow.from_dict(r) for r in d["slot_table"]], pairs=pairs,
-                   sequences=list(d["sequences"]), gaps=list(d["gaps"]), shifts=dict(d["shifts"]),
+                   sequences=[SeqPair.from_dict(p) for p in d["sequences"]],
+                   gaps=[Gap.from_dict(g) for g in d["gaps"]], shifts=dict(d["shifts"]),
                    tokens_aligned=int(d["tokens_aligned"]), worst_tokens=list(d["worst_tokens"]),
                    summary_path=d.get("summary_path"))

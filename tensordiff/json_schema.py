@@ -30,10 +30,10 @@ from .findings import (
     ErrorInfo,
     ErrorJSON,
     Finding,
-    GapRecord,
+    Gap,
     PairStats,
     RegimeStats,
-    SequencePair,
+    SeqPair,
     SideRecord,
     SlotRow,
     WorstToken,
@@ -44,7 +44,7 @@ PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas", "diff
 #: the name of each record's definition in the schema
 NAMES: dict[Any, str] = {
     SideRecord: "side", Candidate: "candidate", ToleranceRecord: "tolerance", Finding: "finding",
-    SlotRow: "slot_row", PairStats: "tensor", SequencePair: "sequence_pair", GapRecord: "gap",
+    SlotRow: "slot_row", PairStats: "tensor", SeqPair: "sequence_pair", Gap: "gap",
     WorstToken: "worst_token", IdentityEvidence: "identity_evidence", RegimeStats: "regime_stats",
     DiffJSON: "result", ErrorJSON: "error", ErrorInfo: "error_info",
     **{cls: f"details_{kind.value}" for kind, cls in DETAILS.items()},

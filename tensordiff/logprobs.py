@@ -150,7 +150,7 @@ def _rows(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps,
 
 
 def _read(r: TraceSource, name: str, rows: NDArray[np.int64]) -> NDArray[np.float64]:
-    out = [np.asarray(r.read_at(name, "values", rows[s:s + BLOCK]), dtype=np.float64)
+    out = [np.asarray(r.part(name, "values").take(rows[s:s + BLOCK]), dtype=np.float64)
            for s in range(0, len(rows), BLOCK)]
     return np.concatenate(out) if out else np.zeros((0, 2))
 

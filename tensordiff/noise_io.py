@@ -116,7 +116,7 @@ def slot_levels(ra: TraceSource, rb: TraceSource, maps: RowMaps, pairs: Sequence
         if len(idx) < noise.MIN_TOKENS:
             continue
         k, w = ia.width // ia.slot_width, ia.slot_width
-        a, b = ra.read_at(ia.name, "values", ma[idx]), rb.read_at(ib.name, "values", mb[idx])
+        a, b = ra.part(ia.name, "values").take(ma[idx]), rb.part(ib.name, "values").take(mb[idx])
         m = BlockMetrics(k, w).compute_stored(a, ia.dtype, b, ib.dtype)
         labels = ia.slot_labels or []
         for s in range(k):
@@ -165,13 +165,13 @@ def _sample_reads(ra: TraceSource, rb: TraceSource, jobs: Sequence[_SampleJob]
     def read(side: str, i: int) -> NDArray[Any]:
         ia, ib, part, rows_a, rows_b, _ = jobs[i]
         r, name, rows = (ra, ia.name, rows_a) if side == "a" else (rb, ib.name, rows_b)
-        ds = r.dataset(name, part)
-        shape = (len(rows),) + tuple(ds.shape[1:])
-        need = int(np.prod(shape, dtype=np.int64)) * ds.dtype.itemsize
+        p = r.part(name, part)
+        shape = (len(rows),) + tuple(p.shape[1:])
+        need = len(rows) * p.row_bytes
         if bufs[side][i % 2].size < need:
             bufs[side][i % 2] = np.empty(need, np.uint8)
-        out = bufs[side][i % 2][:need].view(ds.dtype).reshape(shape)
-        return r.read_at(name, part, rows, out=out)
+        out = bufs[side][i % 2][:need].view(p.dtype).reshape(shape)
+        return p.take(rows, out=out)
 
     if usable_cores() < 2 or len(jobs) < 2:
         for i in range(len(jobs)):
@@ -396,8 +396,8 @@ def duplicate_findings(r: TraceSource, side: str, info: TensorInfo, model: noise
     first, second = (found if found is not None else Duplicates(r)).pairs(trow)
     if not len(first):
         return []
-    a = r.read_at(info.name, "values", first)
-    b = r.read_at(info.name, "values", second)
+    a = r.part(info.name, "values").take(first)
+    b = r.part(info.name, "values").take(second)
     k = max(1, info.slot_count)
     m = BlockMetrics(k, info.width // k).compute_stored(np.ascontiguousarray(a), info.dtype,
                                                          np.ascontiguousarray(b), info.dtype)

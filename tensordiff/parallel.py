@@ -41,7 +41,17 @@ from .diff import DiffPlan, PairJob
 from .errors import UsageError
 from .numerics import BlockMetrics, Metrics
 from .progress import Progress, Stage
-from .trace import ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TraceReader, TraceSource
+from .trace import (
+    Replicated,
+    ReplicaMismatch,
+    ReplicaPartial,
+    ReplicaTask,
+    RowSegment,
+    TraceReader,
+    TraceSource,
+    hosts_of,
+    segments_of,
+)
 from .traceset import compare_replica_rows
 
 TASK_BYTES = 32 << 20           # stored bytes (both sides) a task reads, rounded to whole blocks
@@ -284,14 +294,13 @@ class PoolBackend:
     def _pair_tasks(self, ra: TraceSource, rb: TraceSource, job: PairJob) -> Iterator[NumericTask]:
         assert job.basis is not None
         part, ia, ib, idx = job.basis, job.a, job.b, job.rows
-        da, db = ra.dataset(ia.name, part), rb.dataset(ib.name, part)
-        row_bytes = int(np.prod(da.shape[1:])) * da.dtype.itemsize + int(np.prod(db.shape[1:])) * db.dtype.itemsize
+        row_bytes = ra.part(ia.name, part).row_bytes + rb.part(ib.name, part).row_bytes
         br = job.block_rows   # the serial diff's blocks (bytes-sized)
         cap = max(1, self.task_bytes // max(1, br * row_bytes))
-        hosted = bool(ra.hosts or rb.hosts)
+        hosted = bool(hosts_of(ra) or hosts_of(rb))
         for c, (s0, s1) in enumerate(_ranges(ra, rb, job, br, cap, hosted)):
             blk = idx[s0:s1]
-            sa, sb = ra.segments(ia.name, job.rows_a[blk]), rb.segments(ib.name, job.rows_b[blk])
+            sa, sb = segments_of(ra, ia.name, job.rows_a[blk]), segments_of(rb, ib.name, job.rows_b[blk])
             self._chunks[job.index] = c + 1
             yield NumericTask(job.index, c, ia.name, ib.name, ia.dtype, ib.dtype, part, job.slots, job.width, sa, sb,
                               blk, br, nbytes=len(blk) * row_bytes, host=_main_host(sa, sb, len(blk)))
@@ -332,7 +341,7 @@ class PoolBackend:
             yield from part.blocks
         self._top_up()
 
-    def check_replicas(self, source: TraceSource, progress: Progress | None = None) -> list[ReplicaMismatch]:
+    def check_replicas(self, source: Replicated, progress: Progress | None = None) -> list[ReplicaMismatch]:
         """A trace source's replica comparisons on the workers."""
         tasks = source.replica_tasks()
         futs = [self.submit_replica(t) for t in tasks]
@@ -358,7 +367,8 @@ def _ranges(ra: TraceSource, rb: TraceSource, job: PairJob, br: int, cap: int, h
     start, count, host = 0, 0, None
     for s0 in range(0, n, br):
         blk = idx[s0:s0 + br]
-        h = _main_host(ra.segments(job.a.name, job.rows_a[blk]), rb.segments(job.b.name, job.rows_b[blk]), len(blk))
+        h = _main_host(segments_of(ra, job.a.name, job.rows_a[blk]), segments_of(rb, job.b.name, job.rows_b[blk]),
+                       len(blk))
         if count and (count >= cap or h != host):
             yield start, s0
             start, count = s0, 0

@@ -83,8 +83,8 @@ def _layer(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: RowMaps, 
     first: dict[str, Any] | None = None
     for s in range(0, len(both), BLOCK):
         blk = both[s:s + BLOCK]
-        va = ra.read_at(name_a, "values", ma[blk]).astype(np.float64)
-        vb = rb.read_at(name_b, "values", mb[blk]).astype(np.float64)
+        va = ra.part(name_a, "values").take(ma[blk]).astype(np.float64)
+        vb = rb.part(name_b, "values").take(mb[blk]).astype(np.float64)
         ids_a, ids_b = np.sort(va[:, :k], axis=1), np.sort(vb[:, :k], axis=1)
         flip = (ids_a != ids_b).any(axis=1)
         flips += int(flip.sum())
@@ -156,8 +156,8 @@ def near_tie_flips(ra: TraceSource, rb: TraceSource, al: TokenAlignment, maps: R
         margin: list[np.ndarray] = []
         for s in range(0, len(both), BLOCK):
             blk = both[s:s + BLOCK]
-            va = ra.read_at(name_a, "values", ma[blk]).astype(np.float64)
-            vb = rb.read_at(name_b, "values", mb[blk]).astype(np.float64)
+            va = ra.part(name_a, "values").take(ma[blk]).astype(np.float64)
+            vb = rb.part(name_b, "values").take(mb[blk]).astype(np.float64)
             with np.errstate(divide="ignore", invalid="ignore"):
                 la, lb = np.log(va[:, k:]), np.log(vb[:, k:])
                 flip = (va[:, :k] != vb[:, :k]).any(axis=1)

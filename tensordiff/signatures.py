@@ -52,6 +52,7 @@ from . import model_config
 from .findings import Finding, Kind, NumericDetails, Severity, SignatureDetails
 from .names import TAPS, maybe_state, parse_state
 from .tokens import POS_MASK, SEQ_BITS
+from .dtypes import to_float32
 from .trace import TraceSource
 
 F64 = NDArray[np.float64]
@@ -62,6 +63,11 @@ __all__ = ["LayerInfo", "Signature", "TapRows", "classify", "rope", "zoom_findin
 NOISE_FLOOR = 2e-6
 #: how much worse than the upstream noise a fit may be and still explain B
 FIT_FACTOR = 4.0
+
+
+def _values(r: TraceSource, name: str, rows: NDArray[np.int64]) -> NDArray[np.float32]:
+    """Full values of tensor ``name`` at tensor rows ``rows``, as float32."""
+    return to_float32(r.part(name, "values").take(rows), r.tensors[name].dtype)
 
 
 @dataclass(frozen=True)
@@ -777,8 +783,8 @@ def zoom_finding(a: TraceSource, b: TraceSource, code_a: NDArray[np.int64], pair
             s = maybe_state(p.label)
             assert s is not None and s.tap is not None
             at = np.searchsorted(p.token_index, common)
-            va = a.read_values_at(p.name_a, p.rows_a[at]).astype(np.float64)
-            vb = b.read_values_at(p.name_b, p.rows_b[at]).astype(np.float64)
+            va = _values(a, p.name_a, p.rows_a[at]).astype(np.float64)
+            vb = _values(b, p.name_b, p.rows_b[at]).astype(np.float64)
             if np.isfinite(va).all() and np.isfinite(vb).all():
                 taps[s.tap] = TapRows(s.tap, va, vb)
     except (KeyError, ValueError, OSError):
@@ -886,8 +892,8 @@ def _boundary_rows(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], lay
         return None
     at = np.searchsorted(p.token_index, common)
     try:
-        va = a.read_values_at(p.name_a, p.rows_a[at]).astype(np.float64)
-        vb = b.read_values_at(p.name_b, p.rows_b[at]).astype(np.float64)
+        va = _values(a, p.name_a, p.rows_a[at]).astype(np.float64)
+        vb = _values(b, p.name_b, p.rows_b[at]).astype(np.float64)
     except (KeyError, ValueError, OSError):
         return None
     if not (np.isfinite(va).all() and np.isfinite(vb).all()):
@@ -941,12 +947,12 @@ def _norm_ms(a: TraceSource, pairs: Sequence[TapPair], layer: int, tap: str, com
     try:
         if tap == "attn_norm":
             if a.has_part(p.name_a, "rms"):
-                return np.asarray(a.read_at(p.name_a, "rms", rows), np.float64).reshape(len(rows), -1)[:, 0] ** 2
-            v = a.read_values_at(p.name_a, rows).astype(np.float64)
+                return np.asarray(a.part(p.name_a, "rms").take(rows), np.float64).reshape(len(rows), -1)[:, 0] ** 2
+            v = _values(a, p.name_a, rows).astype(np.float64)
             return np.asarray((v * v).mean(1), dtype=np.float64)
         if "attn_out" not in taps or not a.has_part(p.name_a, "values"):
             return None
-        h = a.read_values_at(p.name_a, rows).astype(np.float64) + taps["attn_out"].a
+        h = _values(a, p.name_a, rows).astype(np.float64) + taps["attn_out"].a
         return np.asarray((h * h).mean(1), dtype=np.float64)
     except (KeyError, ValueError, OSError):
         return None
@@ -983,13 +989,13 @@ def residual_noise(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], f: 
         return None
     it, ir = np.searchsorted(tap.token_index, common), np.searchsorted(res.token_index, common)
     try:
-        va = a.read_values_at(tap.name_a, tap.rows_a[it]).astype(np.float64)
-        vb = b.read_values_at(tap.name_b, tap.rows_b[it]).astype(np.float64)
+        va = _values(a, tap.name_a, tap.rows_a[it]).astype(np.float64)
+        vb = _values(b, tap.name_b, tap.rows_b[it]).astype(np.float64)
         if a.has_part(res.name_a, "rms"):
-            rms = np.asarray(a.read_at(res.name_a, "rms", res.rows_a[ir]), np.float64).reshape(len(common), -1)[:, 0]
+            rms = np.asarray(a.part(res.name_a, "rms").take(res.rows_a[ir]), np.float64).reshape(len(common), -1)[:, 0]
             norm = rms * math.sqrt(va.shape[1])
         else:
-            norm = np.linalg.norm(a.read_values_at(res.name_a, res.rows_a[ir]).astype(np.float64), axis=1)
+            norm = np.linalg.norm(_values(a, res.name_a, res.rows_a[ir]).astype(np.float64), axis=1)
     except (KeyError, ValueError, OSError):
         return None
     if not np.isfinite(va).all() or not np.isfinite(vb).all() or va.shape[1] != int(a.tensors[res.name_a].slot_width or 0):

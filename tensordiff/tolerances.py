@@ -17,7 +17,7 @@ from typing import Any
 
 from .dtypes import EPS
 from .errors import IncompatibleTracesError, SourceFileError, UsageError
-from .findings import ALLOWED_PREFIX, DiffResult, Finding, Severity
+from .findings import DiffResult, Finding, Severity
 from .safety import parse_json, read_regular_file_bounded
 
 #: the diff's noise model as a tolerance: (depth, dtype_a, dtype_b) -> what a token must meet there
@@ -237,8 +237,7 @@ def allow_failed(findings: Sequence[Finding], pairs: Sequence[Any], patterns: Se
         if f.severity == Severity.DIVERGENCE and f.tensor is not None:
             keys = [f.tensor] + ([f"{f.tensor}[{f.slot}]"] if f.slot is not None else [])
             hit = next((p for p in patterns if any(pattern_matcher(p)(k) for k in keys)), None)
-        out.append(f if hit is None else replace(f, text=f"{ALLOWED_PREFIX} {hit!r}: {f.message}",
-                                                 severity=Severity.WARNING))
+        out.append(f if hit is None else replace(f, allowed_by=hit, severity=Severity.WARNING))
     return out
 
 

@@ -90,8 +90,8 @@ def test_prefix_cache_gap_is_not_divergence(tmp_path, capsys, model, seqs, train
     code, out, _ = run(capsys, "diff", train, str(serve), "-q")
     assert code == 0, out
     res = diff_traces(train, str(serve))
-    gap = [g for g in res.gaps if g["side"] == "a" and g["positions"] == [[0, 7]]]
-    assert gap and gap[0]["count"] == 8 and "prefix-cache" in gap[0]["reason"]
+    gap = [g for g in res.gaps if g.side == "a" and g.positions == [[0, 7]]]
+    assert gap and gap[0].count == 8 and "prefix-cache" in gap[0].reason
     assert "gap: 8 tokens" in out
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from tensordiff import align
 from tensordiff.errors import IncompatibleTracesError
+from tensordiff.findings import Gap, SeqPair
 from tensordiff.tokens import POS_MASK, SEQ_BITS, token_code
 from tensordiff.trace.schema import TOKEN_DTYPE
 
@@ -72,7 +73,7 @@ def _old_align(ra, rb):
     seq_pairs, gaps, mismatches, shifts, parts_a, parts_b = [], [], [], defaultdict(int), [], []
     for sa, (pa, ta) in A.seqs.items():
         if sa not in used_a:
-            gaps.append(align.Gap(A.key(sa), "a", align._ranges(pa), len(pa),
+            gaps.append(Gap(A.key(sa), "a", align._ranges(pa), len(pa),
                                   "sequence only on A (no sequence of B has these token ids)"))
             continue
         sb, sh = used_a[sa]
@@ -86,7 +87,7 @@ def _old_align(ra, rb):
         on_b[idx_c[present]] = True
         only_b = pb[~on_b]
         shifts[sh] += 1
-        seq_pairs.append(align.SeqPair(A.key(sa), B.key(sb), sh, int(ok.sum()), len(only_a), len(only_b),
+        seq_pairs.append(SeqPair(A.key(sa), B.key(sb), sh, int(ok.sum()), len(only_a), len(only_b),
                                        int(other.sum())))
         if other.any():
             mismatches.append(align.TokenMismatch(A.key(sa), B.key(sb), align._ranges(pa[other]), int(other.sum()),
@@ -97,7 +98,7 @@ def _old_align(ra, rb):
         parts_b.append(token_code(sb, pa[ok] + sh))
     for sb, (pb, _tb) in B.seqs.items():
         if sb not in used_b:
-            gaps.append(align.Gap(B.key(sb), "b", align._ranges(pb), len(pb),
+            gaps.append(Gap(B.key(sb), "b", align._ranges(pb), len(pb),
                                   "sequence only on B (no sequence of A has these token ids)"))
     code_a, code_b = np.concatenate(parts_a), np.concatenate(parts_b)
     order = np.argsort(code_a, kind="stable")

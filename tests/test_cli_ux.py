@@ -90,7 +90,7 @@ def test_help_describes_positionals_and_exit_codes(cmd):
     assert "exit codes: 0 agree (every paired tensor compared, none diverges), 1 divergence found" in text
     assert ("0 with --allow-incomplete" in text) == (cmd != "tui")
     assert "2 bad input or nothing compared" in text
-    assert ("--require-complete" in text) == (cmd != "tui")
+    assert "--require-complete" not in text   # removed: completeness is the default, nothing to ask for
 
 
 # a fresh interpreter in which the named top-level modules are not found (as in a venv without

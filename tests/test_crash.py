@@ -211,7 +211,7 @@ def test_killed_writer_of_aligned_2mib_chunks_keeps_every_flushed_row(tmp_path):
     seed = random.randrange(1 << 30)
     runs, ref = kill_runs(tmp_path, 5, "numpy", seed, flush_rows=300, seq_len=64, steps=24, extra=("--hidden", "4096"))
     with TraceReader(ref) as r:
-        assert r.dataset("embed", "values").chunks == (ALIGN_BYTES // 8192, 4096)
+        assert r._stored("embed", "values").chunks == (ALIGN_BYTES // 8192, 4096)
     lost = check_runs(runs, ref, flush_rows=300, seq_len=64, seed=seed)
     assert len(lost) >= 2, f"seed {seed}: too few runs were killed mid-recording ({runs})"
 

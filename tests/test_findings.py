@@ -123,6 +123,25 @@ def test_json_round_trips(pair, wrong):
         assert back.headline() == res.headline() and back.exit_code == res.exit_code
 
 
+@pytest.mark.parametrize("pattern", ["draft_input", "re:draft_input(': )?"])
+def test_an_allowed_divergence_names_its_pattern_in_a_field(wrong, pattern):
+    """--allow-failed marks the finding (``allowed_by``), not only its sentence; the JSON keeps the
+    sentence as it was, and reading it back gives the field again (a pattern with quotes and ': ')."""
+    from tensordiff.tolerances import tolerance_book
+
+    res = diff_traces(*wrong, DiffOptions(tolerances=tolerance_book(allow_failed=[pattern])))
+    allowed = [f for f in res.findings if f.allowed_by is not None]
+    assert len(allowed) == 2 and res.exit_code == 0
+    assert all(f.allowed_by == pattern and f.severity == Severity.WARNING and f.text is None for f in allowed)
+    assert allowed[0].message == f"allowed by --allow-failed {pattern!r}: {render_sentence(allowed[0])}"
+    d = json.loads(json.dumps(jsonable(res.to_dict())))
+    back = DiffResult.from_dict(d)
+    assert [f.allowed_by for f in back.findings] == [f.allowed_by for f in res.findings]
+    assert all(f.text is None for f in back.findings)
+    assert back.headline() == res.headline() and back.headline().startswith("no divergence outside the 2 allowed")
+    assert jsonable(back.to_dict()) == d
+
+
 def test_from_dict_refuses_another_schema_version(pair):
     d = diff_traces(*pair).to_dict()
     d["schema_version"] = 99

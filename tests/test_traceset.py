@@ -111,6 +111,48 @@ def test_set_reads_like_the_one_file(tmp_path, recs, ref):
         assert s.replicated_rows == sum(i.rows for i in r.tensors.values())
 
 
+def test_a_tensor_part_reads_alike_from_a_set_and_its_file_and_holds_no_hdf5_object(tmp_path, recs, ref):
+    """``part(name, kind)``: plain shape and dtype, rows by index, by range and in place, the same
+    from a set as from the one file; the replica checks and the files rows lie in are a set's alone
+    (a file holds each row once, all of them)."""
+    import h5py
+
+    from tensordiff.errors import TensordiffError
+    from tensordiff.trace import Replicated, Sharded, TensorPart, TraceReader, segments_of
+
+    d = str(tmp_path / "s")
+    write_ranks(d, recs["serve"], dp=2, pp=2, tp=2)
+    with TraceSet(d) as s, TraceReader(ref["serve"]) as r:
+        assert isinstance(s, Replicated) and not isinstance(r, Replicated)
+        assert isinstance(s, Sharded) and not isinstance(r, Sharded)
+        assert not hasattr(r, "check_replicas") and not hasattr(r, "dataset") and not hasattr(s, "dataset")
+        rows = np.arange(4, dtype=np.int64)
+        (one,) = segments_of(r, "layer2", rows)
+        assert one.path == r.path and np.array_equal(one.rows, rows) and one.pos is None
+        assert {g.path for g in segments_of(s, "layer2", rows)} <= {m.path for m in s.members}
+        for name, info in r.tensors.items():
+            for kind in ("values", "sketch", "rms"):
+                if not r.has_part(name, kind):
+                    with pytest.raises(TensordiffError, match=f"has no {kind}"):
+                        r.part(name, kind)
+                    continue
+                ps, pr = s.part(name, kind), r.part(name, kind)
+                for p in (ps, pr):
+                    assert isinstance(p, TensorPart) and type(p.shape) is tuple and isinstance(p.dtype, np.dtype)
+                    assert not any(isinstance(v, (h5py.Dataset, h5py.Group, h5py.File)) for v in vars(p).values())
+                assert ps.shape == pr.shape and ps.dtype == pr.dtype and pr.shape[0] == info.rows
+                assert pr.row_bytes == int(np.prod(pr.shape[1:])) * pr.dtype.itemsize
+                idx = np.array([info.rows - 1, 0, 3, 3, info.rows // 2])
+                assert np.array_equal(ps.take(idx), pr.take(idx))
+                assert np.array_equal(ps.rows(2, 7), pr.rows(2, 7)) and len(pr.rows(2, 7)) == 5
+                assert np.array_equal(pr.rows(), pr.take(np.arange(info.rows)))
+                run = np.arange(1, 4)
+                for p in (ps, pr):
+                    got = p.map(run)
+                    if got is not None:   # in place where the file allows: the same rows
+                        assert np.array_equal(np.concatenate(got.parts) if hasattr(got, "parts") else got, pr.take(run))
+
+
 def test_replica_that_differs_is_reported(tmp_path, recs):
     """A TP replica with one row off by one bf16 ulp is a mismatch naming the tensor, the file and
     the first token; the lowest rank's rows are the ones read."""

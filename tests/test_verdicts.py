@@ -230,14 +230,14 @@ def test_shared_prefix_with_a_radix_hit_pairs_the_right_sequences(tmp_path, nr8)
     b = tmp_path / "b.h5"
     write_trace(b, nr8, [bad, s[1], s[2]], TRAIN, side="serve", drop=[0, 12, 0])
     res = diff_traces(str(a), str(b))
-    pairs = {p["a"]: p["b"] for p in res.sequences}
+    pairs = {p.a: p.b for p in res.sequences}
     assert pairs == {"train-0": "serve-0", "train-1": "serve-1", "train-2": "serve-2"}
     assert res.exit_code == 1
     f = res.first_divergence
     assert f.kind == "token_mismatch" and f.details.count == 4 and f.details.positions == [[14, 17]]
     assert res.headline().startswith("token mismatch: 4 positions of sequence train-0")
-    gap = [g for g in res.gaps if g["seq"] == "train-1"]
-    assert [g["positions"] for g in gap] == [[[0, 11]]] and "prefix-cache" in gap[0]["reason"]
+    gap = [g for g in res.gaps if g.seq == "train-1"]
+    assert [g.positions for g in gap] == [[[0, 11]]] and "prefix-cache" in gap[0].reason
     _valid(res)
 
 
@@ -246,9 +246,9 @@ def test_prefix_gap_is_recognised_when_the_tail_is_missing_too(tmp_path, nr8, se
     write_trace(serve, nr8, seqs, TRAIN, side="serve", drop=8, drop_tail=1)
     res = diff_traces(train8, str(serve))
     assert res.exit_code == 0, res.headline()
-    reasons = {g["reason"].split(" (")[0]: g for g in res.gaps if g["seq"] == "train-0"}
-    assert reasons["leading positions absent on B"]["positions"] == [[0, 7]]
-    assert reasons["trailing positions absent on B"]["positions"] == [[23, 23]]
+    reasons = {g.reason.split(" (")[0]: g for g in res.gaps if g.seq == "train-0"}
+    assert reasons["leading positions absent on B"].positions == [[0, 7]]
+    assert reasons["trailing positions absent on B"].positions == [[23, 23]]
 
 
 def test_gaps_collapse_and_divergences_come_first(tmp_path, capsys):
@@ -301,14 +301,19 @@ def test_partial_coverage_is_not_agree(tmp_path, capsys, nr8, seqs, train8):
     assert code == 0
     d = json.loads(out)
     assert d["verdict"] == "incomplete" and d["tensors_compared"] == 10 and d["exit_code"] == 0
-    # --require-complete (now the default) still fails it, and the JSON says the exit code it sets
-    code, out, _ = run(capsys, "diff", a, b, "--json", "--require-complete")
+    # without a flag it fails, and the JSON says the exit code it sets
+    code, out, _ = run(capsys, "diff", a, b, "--json")
     d = json.loads(out)
     assert code == 1 and d["verdict"] == "incomplete" and d["exit_code"] == 1
-    code, out, _ = run(capsys, "diff", a, b, "-q", "--require-complete")
+    code, out, _ = run(capsys, "diff", a, b, "-q")
     assert code == 1 and "10 of 11 tensors compared" in out
-    code, _, _ = run(capsys, "diff", a, b, "-q", "--allow-incomplete", "--require-complete")   # as its help says
+    code, _, _ = run(capsys, "report", a, b, "-o", str(tmp_path / "r.html"))
     assert code == 1
+    # --require-complete asked for the default and is gone: one line, exit 2, no flag of the opposite sense offered
+    for cmd in (["diff", a, b, "-q"], ["report", a, b, "-o", str(tmp_path / "r2.html")]):
+        code, _, err = run(capsys, *cmd, "--require-complete")
+        assert code == 2 and err.count("\n") == 1 and "unrecognized arguments: --require-complete" in err, err
+        assert "did you mean" not in err
     # the testing API never calls it agreement unless told to
     from tensordiff.testing import TracesDisagree, assert_traces_agree
     with pytest.raises(TracesDisagree) as ei:

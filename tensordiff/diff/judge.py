@@ -179,7 +179,7 @@ def judge(plan: DiffPlan, tally: Tally, search: IdentitySearch, options: DiffOpt
     a, b, al = plan.a, plan.b, plan.alignment
     return DiffResult(
         path_a=a.path, path_b=b.path, side_a=a.side, side_b=b.side, findings=order(found), slot_table=j.slot_table,
-        pairs=stats, sequences=[p.to_dict() for p in al.seq_pairs], gaps=[g.to_dict() for g in al.gaps],
+        pairs=stats, sequences=list(al.seq_pairs), gaps=list(al.gaps),
         shifts={str(k): v for k, v in al.shifts.items()}, tokens_aligned=len(al), worst_tokens=worst,
         summary_path=options.summary_path, allow_incomplete=options.allow_incomplete,
     )

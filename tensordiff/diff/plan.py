@@ -36,7 +36,6 @@ from ..numerics import rows_per_block
 from ..progress import Progress, Stage
 from ..tolerances import NoiseTolerance, Tolerance, ToleranceBook
 from ..trace import TensorInfo, TraceSource
-from ..trace.source import Part
 from ..vocab import REGIMES, parse_label
 
 
@@ -281,10 +280,10 @@ def _job(index: int, ia: TensorInfo, ib: TensorInfo, a: TraceSource, b: TraceSou
         assert missing is not None and isinstance(missing.details, MissingDetails)
         return PairJob(index, ia, ib, label, k, depth, tuple(findings + [missing]), both, rows, ma, mb, None,
                        not_compared=missing.details.reason_text or "not comparable")
-    da, db = a.dataset(ia.name, basis), b.dataset(ib.name, basis)
+    pa, pb = a.part(ia.name, basis), b.part(ib.name, basis)
     job = PairJob(index, ia, ib, label, k, depth, tuple(findings), both, rows, ma, mb, basis,
                   width=ia.slot_width if basis == "values" else a.sketch_dim,
-                  block_rows=rows_per_block(max(row_bytes(da), row_bytes(db)), options.block_rows))
+                  block_rows=rows_per_block(max(pa.row_bytes, pb.row_bytes), options.block_rows))
     return replace(job, tolerances=_tolerances(job, options, noise))
 
 
@@ -294,11 +293,6 @@ def _tolerances(job: PairJob, options: PlanOptions, noise: NoiseTolerance | None
     k, ia, ib = job.slots, job.a, job.b
     return tuple(options.tolerances.for_tensor(ia.name, ia.dtype, ib.dtype, s if k > 1 else None, job.depth[s], noise)
                  for s in range(k))
-
-
-def row_bytes(ds: Part) -> int:
-    """Stored bytes of one row of a part."""
-    return int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize
 
 
 def _pairing_findings(a: TraceSource, b: TraceSource, ia: TensorInfo, ib: TensorInfo) -> list[Finding]:

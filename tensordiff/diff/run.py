@@ -22,7 +22,7 @@ from ..errors import TensordiffError
 from ..findings import DiffResult, Finding, display_names
 from ..numerics import Metrics, WorstTokens
 from ..progress import Progress, Stage
-from ..trace import TensorInfo, TraceSource
+from ..trace import Replicated, TensorInfo, TraceSource
 from ..traceset import open_trace
 from .early import EarlyIdentity
 from .judge import Tally, judge, replica_findings
@@ -86,7 +86,8 @@ def diff_sources(a: TraceSource, b: TraceSource, options: DiffOptions | None = N
     try:
         replicas: list[Finding] = []
         for r in (a, b):
-            replicas += replica_findings(r, backend.check_replicas(r, progress))
+            if isinstance(r, Replicated):   # a set that holds rows twice; a file holds each once
+                replicas += replica_findings(r, backend.check_replicas(r, progress))
         factories = list(opt.sinks) + ([summary_sink(opt.summary_path)] if opt.summary_path else [])
         sinks = [make(plan.alignment, a, b) for make in factories]
         worst = WorstTokens()

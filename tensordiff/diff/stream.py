@@ -22,9 +22,8 @@ from numpy.typing import NDArray
 from ..cores import usable_cores
 from ..numerics import BlockMetrics, Metrics
 from ..progress import Progress
-from ..trace import Pieces, ReplicaMismatch, TraceSource
-from ..trace.source import Part
-from .plan import DiffPlan, PairJob, row_bytes
+from ..trace import Pieces, Replicated, ReplicaMismatch, TensorPart
+from .plan import DiffPlan, PairJob
 
 Codes = NDArray[np.int64]
 Rows = np.ndarray | Pieces   # a block's rows of one side: read, or mapped in place
@@ -56,8 +55,8 @@ class NumericBackend(Protocol):
 
     def stop(self) -> None: ...
 
-    def check_replicas(self, source: TraceSource, progress: Progress | None = None) -> list[ReplicaMismatch]:
-        """Every replica comparison of a source (:meth:`~tensordiff.trace.TraceSource.replica_tasks`)."""
+    def check_replicas(self, source: Replicated, progress: Progress | None = None) -> list[ReplicaMismatch]:
+        """Every replica comparison of a source (:meth:`~tensordiff.trace.Replicated.replica_tasks`)."""
         ...
 
     def close(self) -> None: ...
@@ -128,7 +127,7 @@ class SerialBackend:
         self._lane_pool, self._lanes = None, 1
         self._plan = None
 
-    def check_replicas(self, source: TraceSource, progress: Progress | None = None) -> list[ReplicaMismatch]:
+    def check_replicas(self, source: Replicated, progress: Progress | None = None) -> list[ReplicaMismatch]:
         return source.check_replicas(progress)
 
     def close(self) -> None:
@@ -156,7 +155,7 @@ class SerialBackend:
             assert job.basis is not None
             part, n, idx = job.basis, job.block_rows, job.rows
             with self._lock:
-                da, db = a.dataset(job.a.name, part), b.dataset(job.b.name, part)
+                pa, pb = a.part(job.a.name, part), b.part(job.b.name, part)
             for s0 in range(0, len(idx), n):
                 blk = idx[s0:s0 + n]
                 pair_bufs = bufs[i % 2]
@@ -164,20 +163,20 @@ class SerialBackend:
                 rows_a, rows_b = job.rows_a[blk], job.rows_b[blk]
                 with self._lock:
                     # values in place where both sides allow (sketches are narrow: read)
-                    got_a = a.map_rows(job.a.name, part, rows_a) if part == "values" else None
-                    got_b = b.map_rows(job.b.name, part, rows_b) if got_a is not None else None
+                    got_a = pa.map(rows_a) if part == "values" else None
+                    got_b = pb.map(rows_b) if got_a is not None else None
                     mapped = got_a is not None and got_b is not None
                     if not mapped:   # read into the copy buffers
-                        outs = [_typed(pair_bufs, j, len(blk), ds) for j, ds in ((0, da), (1, db))]
+                        outs = [_typed(pair_bufs, j, len(blk), p) for j, p in ((0, pa), (1, pb))]
                         if side is not None:
-                            fut = side.submit(b.read_at, job.b.name, part, rows_b, out=outs[1])
+                            fut = side.submit(pb.take, rows_b, out=outs[1])
                             try:
-                                got_a = a.read_at(job.a.name, part, rows_a, out=outs[0])
+                                got_a = pa.take(rows_a, out=outs[0])
                             finally:
                                 got_b = fut.result()   # waited for even when A's read failed: the buffer is in use
                         else:
-                            got_a = a.read_at(job.a.name, part, rows_a, out=outs[0])
-                            got_b = b.read_at(job.b.name, part, rows_b, out=outs[1])
+                            got_a = pa.take(rows_a, out=outs[0])
+                            got_b = pb.take(rows_b, out=outs[1])
                 assert got_a is not None and got_b is not None
                 yield (job.index, blk, got_a, got_b, s0 + n >= len(idx), mapped)
 
@@ -187,12 +186,12 @@ def compute_lanes() -> int:
     return max(1, min(MAX_LANES, usable_cores()))
 
 
-def _typed(bufs: list[np.ndarray], side: int, rows: int, ds: Part) -> np.ndarray:
-    """A [rows, ...] array of ``ds``'s dtype over the byte buffer of one side (grown if short)."""
-    need = rows * row_bytes(ds)
+def _typed(bufs: list[np.ndarray], side: int, rows: int, part: TensorPart) -> np.ndarray:
+    """A [rows, ...] array of ``part``'s dtype over the byte buffer of one side (grown if short)."""
+    need = rows * part.row_bytes
     if bufs[side].size < need:
         bufs[side] = np.empty(need, np.uint8)
-    return bufs[side][:need].view(ds.dtype).reshape((rows,) + tuple(ds.shape[1:]))
+    return bufs[side][:need].view(part.dtype).reshape((rows,) + tuple(part.shape[1:]))
 
 
 def _take_pair(shared: Iterator[_Block], pair: int, rows: int

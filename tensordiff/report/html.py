@@ -414,7 +414,7 @@ def render_html(res: DiffResult, summary: SummaryReader | None = None, *,
 
     parts.append("<h2>Tokens</h2>")
     shift_txt = ", ".join(f"shift {k}: {v}" for k, v in sorted(res.shifts.items(), key=lambda kv: int(kv[0])))
-    gap_tokens = sum(g.get("count", 0) for g in res.gaps)
+    gap_tokens = sum(g.count for g in res.gaps)
     nseq = len(res.sequences)
     parts.append(f"<p>{res.tokens_aligned} aligned in {nseq} sequence pair{'s' if nseq != 1 else ''} "
                  f"({_e(shift_txt or 'no shift')}); {gap_tokens} token{'s' if gap_tokens != 1 else ''} on one side only "

@@ -244,7 +244,7 @@ def _print_diff(res: DiffResult, console: Console, max_findings: int, worst: int
 
     nseq = len(res.sequences)
     shift_txt = ", ".join(f"shift {k}: {v}" for k, v in sorted(res.shifts.items(), key=lambda kv: int(kv[0])))
-    gap_tokens = sum(g["count"] for g in res.gaps)
+    gap_tokens = sum(g.count for g in res.gaps)
     gaps = (f"gaps: {_plural(gap_tokens, 'token')} on one side only ({_plural(len(res.gaps), 'range')}), "
             "not counted as divergence") if res.gaps else "gaps: none"
     console.print(f"tokens: {res.tokens_aligned} aligned in {_plural(nseq, 'sequence pair')} ({shift_txt or 'none'}); "

@@ -26,7 +26,18 @@ from .probe import PROBE_SECONDS, probe
 from .reader import TraceReader, trace_summary
 from .reads import Pieces, block_rows, gather
 from .runs import read_runs
-from .source import Part, ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment, TraceSource
+from .source import (
+    Replicated,
+    ReplicaMismatch,
+    ReplicaPartial,
+    ReplicaTask,
+    RowSegment,
+    Sharded,
+    TensorPart,
+    TraceSource,
+    hosts_of,
+    segments_of,
+)
 from .schema import (
     CHUNK_BYTES,
     FILTER_EXPANSION,
@@ -77,12 +88,13 @@ __all__ = [
     "MAX_SLOTS",
     "MAX_TENSORS",
     "PROBE_SECONDS",
-    "Part",
     "READ_CACHE_BYTES",
+    "Replicated",
     "ReplicaMismatch",
     "ReplicaPartial",
     "ReplicaTask",
     "RowSegment",
+    "Sharded",
     "SCHEMA_REFS",
     "SCHEMA_VERSION",
     "SCHEMA_VERSIONS",
@@ -90,10 +102,13 @@ __all__ = [
     "TOKEN_DTYPE",
     "SlotSpec",
     "TensorInfo",
+    "TensorPart",
     "TraceReader",
     "TraceSource",
     "TraceWriter",
+    "hosts_of",
     "probe",
+    "segments_of",
     "slot_rms",
     "trace_summary",
 ]

@@ -20,7 +20,6 @@ from h5py import h5s  # type: ignore[import-untyped, unused-ignore]
 
 from ..dtypes import storage_dtype
 from ..errors import TensordiffError, TraceFileError
-from ..progress import Progress
 from ..sketch import DEFAULT_SKETCH_DIM, DEFAULT_SKETCH_SEED
 from ..vocab import REGIMES
 from . import recover
@@ -42,7 +41,7 @@ from .schema import (
     TOKEN_DTYPE,
     TensorInfo,
 )
-from .source import ReplicaMismatch, ReplicaPartial, ReplicaTask, RowSegment
+from .source import TensorPart
 from .summary_types import SequenceSpan, TensorEntry, TraceSummary
 from .validate import (
     CHANGED,
@@ -575,23 +574,12 @@ class TraceReader(RowReads):
         """Everything ``tensordiff info`` shows, as plain data."""
         return trace_summary(self)
 
-    # -- what a trace set adds (TraceSource): one file holds every row once --------------------
-
-    @property
-    def hosts(self) -> tuple[str, ...]:
-        return ()
-
-    def segments(self, name: str, rows: np.ndarray) -> list[RowSegment]:
-        return [RowSegment(self.path, np.asarray(rows, np.int64))]
-
-    def replica_tasks(self) -> list[ReplicaTask]:
-        return []
-
-    def replica_mismatches(self, partials: Sequence[ReplicaPartial]) -> list[ReplicaMismatch]:
-        return []
-
-    def check_replicas(self, progress: Progress | None = None) -> list[ReplicaMismatch]:
-        return []
+    def part(self, name: str, kind: str) -> TensorPart:
+        """Part ``kind`` of tensor ``name``: its shape (the rows this trace reads of it: a recovered
+        trace's committed ones), dtype and reads."""
+        ds = self._stored(name, kind)
+        rows = self.tensors[name].rows
+        return TensorPart(name, kind, (rows, *(int(x) for x in ds.shape[1:])), np.dtype(ds.dtype), self)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # closing a damaged file must not mask the real error

@@ -505,8 +505,9 @@ class RowReads:
         """Token-table row of every row of tensor ``name`` (int64, loaded at open)."""
         return self._rows[name]
 
-    def dataset(self, name: str, part: str) -> Any:
-        """Part ``part`` of tensor ``name``: an open dataset, or a part the reader computes."""
+    def _stored(self, name: str, part: str) -> Any:
+        """Part ``part`` of tensor ``name``: an open dataset, or a part the reader computes (kept
+        in here: what leaves the reader is a :class:`~tensordiff.trace.source.TensorPart`)."""
         try:
             return self._ds[name][part]
         except KeyError:
@@ -561,6 +562,10 @@ class RowReads:
         if ds is None:
             raise TraceFileError(f"tensor {name!r} has no {part}", self.path)
         return self._take(ds, idx, out, f"{name}/{part}")
+
+    def read_range(self, name: str, part: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [lo, hi) of ``name/part`` in stored form, in one read (into ``out`` when given)."""
+        return self._read(name, part, np.s_[lo:hi], out)
 
     def map_rows(self, name: str, part: str, idx: np.ndarray) -> np.ndarray | Pieces | None:
         """A run of rows ``idx`` of ``name/part`` in place in the file's pages (``mmap``: no

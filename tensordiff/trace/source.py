@@ -4,15 +4,15 @@
 (:class:`RowSegment`) and rows they hold twice that differ (:class:`ReplicaMismatch`, found by
 comparing :class:`ReplicaTask` pieces into :class:`ReplicaPartial` results).
 
-A single file holds nothing twice: its replica tasks and mismatches are empty."""
+A single file holds nothing twice; a set that holds rows twice is :class:`Replicated`."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -27,15 +27,49 @@ if TYPE_CHECKING:
     from .summary_types import TraceSummary
 
 
-class Part(Protocol):
-    """A stored part of a tensor (``values``, ``sketch``, ``rms``) as far as a diff sizes its reads
-    by it: its shape and dtype (an h5py dataset, a part the reader computes, a set's merged view)."""
+class _PartReads(Protocol):
+    """The reads a source gives its :class:`TensorPart` (a trace file's, or a set's that each
+    member file answers)."""
+
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray: ...
+
+    def read_range(self, name: str, part: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray: ...
+
+    def map_rows(self, name: str, part: str, idx: np.ndarray) -> np.ndarray | Pieces | None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class TensorPart:
+    """One stored part of one tensor of a trace (``values`` in stored form, bf16 as bits;
+    ``sketch``; ``rms``), whatever holds it: its shape and dtype as plain values, and its rows read
+    by index (:meth:`take`), as a range (:meth:`rows`) or in place (:meth:`map`). What a caller
+    holds is this, never an HDF5 object: the source keeps its files to itself."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]   # rows first: those the source reads (a recovered trace's committed ones)
+    dtype: np.dtype[Any]
+    reads: _PartReads = field(repr=False)
 
     @property
-    def shape(self) -> tuple[int, ...]: ...
+    def row_bytes(self) -> int:
+        """Stored bytes of one row."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
 
-    @property
-    def dtype(self) -> np.dtype[Any]: ...
+    def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows at row indices in any order and with repeats (``out``: a buffer of this part's
+        dtype the rows may be read into)."""
+        return self.reads.read_at(self.name, self.kind, idx, out=out)
+
+    def rows(self, start: int = 0, stop: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) (``out``: as for :meth:`take`)."""
+        lo, hi, _ = slice(start, stop).indices(self.shape[0])
+        return self.reads.read_range(self.name, self.kind, lo, max(lo, hi), out=out)
+
+    def map(self, idx: np.ndarray) -> np.ndarray | Pieces | None:
+        """A run of rows in place in the file's pages, read-only, or None: :meth:`take` them
+        (:meth:`tensordiff.trace.reads.RowReads.map_rows`)."""
+        return self.reads.map_rows(self.name, self.kind, idx)
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,12 +147,10 @@ class ReplicaPartial:
 
 
 class TraceSource(Protocol):
-    """One side of a diff: its token table, its tensors, and reads of their rows.
-
-    Rows are read in stored form (bf16 as bits) by :meth:`read_at` at any row indices, or as runs
-    by :meth:`read_values` / :meth:`read_sketch` / :meth:`read_rms`. :meth:`segments` says which
-    file holds rows (worker processes open only those), :meth:`replica_tasks` which rows it holds
-    twice (compared bit for bit, anywhere), :meth:`replica_mismatches` what those comparisons mean."""
+    """One side of a diff: its metadata (token table, sequences, tensors, model), the parts of its
+    tensors (:meth:`part`, a :class:`TensorPart` that reads their rows), its summary; opened and
+    closed as a context manager. A source whose rows lie in several files is also
+    :class:`Sharded`; one that holds rows twice is also :class:`Replicated`."""
 
     @property
     def path(self) -> str: ...
@@ -153,45 +185,18 @@ class TraceSource(Protocol):
     @property
     def recovered_note(self) -> str | None: ...
 
-    @property
-    def hosts(self) -> tuple[str, ...]:
-        """The hosts its files record having been written on, where a set records them (placement)."""
-        ...
-
     def token_rows(self, name: str) -> NDArray[np.int64]: ...
 
-    def dataset(self, name: str, part: str) -> Part:
-        """A part of a tensor (raises :class:`~tensordiff.errors.TraceFileError` when it has none)."""
+    def part(self, name: str, kind: str) -> TensorPart:
+        """Part ``kind`` (values, sketch, rms) of tensor ``name``; raises
+        :class:`~tensordiff.errors.TensordiffError` when it has none (:meth:`has_part` asks)."""
         ...
 
     def has_part(self, name: str, part: str) -> bool: ...
 
-    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray: ...
-
-    def map_rows(self, name: str, part: str, idx: np.ndarray) -> np.ndarray | Pieces | None:
-        """A run of rows in place in the file's pages, read-only, or None: read them
-        (:meth:`tensordiff.trace.reads.RowReads.map_rows`)."""
-        ...
-
-    def read_values(self, name: str, start: int = 0, stop: int | None = None, *, raw: bool = False) -> np.ndarray: ...
-
-    def read_values_at(self, name: str, idx: np.ndarray, *, raw: bool = False,
-                       out: np.ndarray | None = None) -> np.ndarray: ...
-
-    def read_sketch(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray: ...
-
-    def read_rms(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray: ...
-
-    def segments(self, name: str, rows: NDArray[np.int64]) -> list[RowSegment]:
-        """Where tensor rows ``rows`` live, one segment per file that holds some of them."""
-        ...
-
-    def replica_tasks(self) -> list[ReplicaTask]: ...
-
-    def replica_mismatches(self, partials: Sequence[ReplicaPartial]) -> list[ReplicaMismatch]: ...
-
-    def check_replicas(self, progress: Progress | None = None) -> list[ReplicaMismatch]:
-        """Every replica comparison, in this process."""
+    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``part(name, part).take(idx, out)``, kept for the one caller not yet moved onto
+        :class:`TensorPart` (tensordiff/triage.py)."""
         ...
 
     def summary(self) -> TraceSummary:
@@ -205,4 +210,47 @@ class TraceSource(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-__all__ = ["Part", "ReplicaMismatch", "ReplicaPartial", "ReplicaTask", "RowSegment", "TraceSource"]
+@runtime_checkable
+class Sharded(Protocol):
+    """A source whose rows lie in several files (a trace set): which file holds rows, so that
+    worker processes open only those, and the hosts its files record having been written on,
+    where they record them (placement)."""
+
+    @property
+    def hosts(self) -> tuple[str, ...]: ...
+
+    def segments(self, name: str, rows: NDArray[np.int64]) -> list[RowSegment]:
+        """Where tensor rows ``rows`` live, one segment per file that holds some of them."""
+        ...
+
+
+def segments_of(source: TraceSource, name: str, rows: NDArray[np.int64]) -> list[RowSegment]:
+    """Where tensor rows ``rows`` of a source live: a set's segments, or the one file's."""
+    if isinstance(source, Sharded):
+        return source.segments(name, rows)
+    return [RowSegment(source.path, np.asarray(rows, np.int64))]
+
+
+def hosts_of(source: TraceSource) -> tuple[str, ...]:
+    """The hosts a source's files record having been written on (none for one file)."""
+    return source.hosts if isinstance(source, Sharded) else ()
+
+
+@runtime_checkable
+class Replicated(Protocol):
+    """A source that holds some rows twice (a trace set: TP replicas, PP stages that recorded the
+    same tensor), compared bit for bit: :meth:`replica_tasks` the rows to compare, in picklable
+    pieces any process can do, :meth:`replica_mismatches` what their results mean. A single file
+    holds every row once and is not one."""
+
+    def replica_tasks(self) -> list[ReplicaTask]: ...
+
+    def replica_mismatches(self, partials: Sequence[ReplicaPartial]) -> list[ReplicaMismatch]: ...
+
+    def check_replicas(self, progress: Progress | None = None) -> list[ReplicaMismatch]:
+        """Every replica comparison, in this process."""
+        ...
+
+
+__all__ = ["Replicated", "ReplicaMismatch", "ReplicaPartial", "ReplicaTask", "RowSegment", "Sharded", "TensorPart",
+           "TraceSource", "hosts_of", "segments_of"]

@@ -52,11 +52,10 @@ class Replicated:
 
 @dataclass
 class PartShape:
-    """Shape and dtype of a tensor part across the set (what callers read of an h5py dataset)."""
+    """Shape and dtype of a tensor part across the set."""
 
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
-    chunks: tuple[int, ...] | None = None
 
 
 class VirtualTensor:
@@ -154,11 +153,9 @@ def virtual_tensor(name: str, holders: list[Member], members: Sequence[Member], 
     info = dataclasses.replace(i0, rows=start, sketch_derived=derived, values_source=source)
     parts: dict[str, PartShape] = {}
     for part in ("values", "sketch", "rms"):
-        dsets = [m.reader.dataset(name, part) if m.reader.has_part(name, part) else None for m in holders]
-        if all(d is not None for d in dsets):
-            d0 = dsets[0]
-            assert d0 is not None
-            parts[part] = PartShape((start,) + tuple(d0.shape[1:]), d0.dtype, getattr(d0, "chunks", None))
+        if all(m.reader.has_part(name, part) for m in holders):
+            p0 = holders[0].reader.part(name, part)
+            parts[part] = PartShape((start,) + tuple(p0.shape[1:]), p0.dtype)
     parts["rows"] = PartShape((start,), np.dtype(np.int64))
     return VirtualTensor(info, segments, replicated, parts)
 

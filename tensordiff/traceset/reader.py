@@ -16,7 +16,7 @@ from ..dtypes import to_float32
 from ..errors import IncompatibleTracesError, UsageError
 from ..progress import Progress, Stage
 from ..trace import Pieces, RowSegment, TraceReader, TraceSource, slot_rms, trace_summary
-from ..trace.source import Part
+from ..trace.source import TensorPart
 from .index import set_index
 from .join import PartShape, merge_tensors
 from .members import Member, check_headers, check_layout, check_meta_ranks, host_of
@@ -166,12 +166,13 @@ class TraceSet:
             out.append(RowSegment(m.path, mrows, None if len(pos) == len(rows) else pos, m.host))
         return out
 
-    def dataset(self, name: str, part: str) -> Part:
-        """The merged shape and dtype of a part of ``name`` (the members hold the data)."""
-        got: PartShape | None = self._ds.get(name, {}).get(part)
-        if got is None:
-            raise IncompatibleTracesError(f"tensor {name!r} has no {part}", self.path)
-        return got
+    def part(self, name: str, kind: str) -> TensorPart:
+        """Part ``kind`` of ``name`` across the set: its merged shape and dtype, read through the
+        members that hold its rows."""
+        got: PartShape | None = self._ds.get(name, {}).get(kind)
+        if got is None or kind == "rows":
+            raise IncompatibleTracesError(f"tensor {name!r} has no {kind}", self.path)
+        return TensorPart(name, kind, got.shape, got.dtype, self)
 
     def locate(self, name: str, idx: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Where set rows ``idx`` of ``name`` live: (member index, positions in ``idx``, member rows),
@@ -229,6 +230,10 @@ class TraceSet:
         for mi, pos, rows in where:
             dest[pos] = self.members[mi].reader.read_at(name, part, rows)
         return dest
+
+    def read_range(self, name: str, part: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Set rows [lo, hi) of ``name/part``, stored form (each member reads its own)."""
+        return self.read_at(name, part, np.arange(lo, max(lo, hi), dtype=np.int64), out=out)
 
     def read_values_at(self, name: str, idx: np.ndarray, *, raw: bool = False,
                        out: np.ndarray | None = None) -> np.ndarray:

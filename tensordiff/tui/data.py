@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import token_text
 from ..align import SideTokens, row_map
+from ..dtypes import to_float32
 from ..findings import DiffResult, Finding, SlotRow
 from ..summary import FLAG_BAD, FLAG_NONFINITE, Column, SummaryReader
 from ..token_text import TokenText
@@ -523,7 +524,7 @@ class VectorSource:
         if row is None:
             return None, f"{name} has no row for this token"
         w = info.slot_width
-        v = r.read_values_at(name, np.array([row]))[0, slot * w:(slot + 1) * w]
+        v = to_float32(r.part(name, "values").take(np.array([row])), info.dtype)[0, slot * w:(slot + 1) * w]
         return v, ""
 
     def cell_vectors(self, col: Column, seq_a: int, pos_a: int, seq_b: int, pos_b: int,
