@@ -32,12 +32,12 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UsageError
 from .logprobs import LEVEL
+from .progress import Progress, Stage
 
 __all__ = ["Drift", "StepPair", "discover", "drift", "drift_dir", "sparkline", "METRICS"]
 
@@ -275,7 +275,7 @@ def _row(step: int, train: str, rollout: str) -> StepRow:
 
 
 def drift(steps: list[tuple[str, str]] | list[StepPair], *, layout: str = "pairs",
-          progress: Callable[[str, int, int], None] | None = None) -> Drift:
+          progress: Progress | None = None) -> Drift:
     """Triage each training step's pair ``(trainer trace, rollout trace)`` in order (or
     :class:`StepPair` with their step numbers; plain pairs are steps 0, 1, ...) and read the
     steps together (the module's docstring)."""
@@ -283,14 +283,14 @@ def drift(steps: list[tuple[str, str]] | list[StepPair], *, layout: str = "pairs
     rows = []
     for i, p in enumerate(pairs):
         if progress is not None:
-            progress("triage steps", i, len(pairs))
+            progress(Stage.TRIAGING_STEPS, i, len(pairs))
         rows.append(_row(p.step, p.train, p.rollout))
     if progress is not None:
-        progress("triage steps", len(pairs), len(pairs))
+        progress(Stage.TRIAGING_STEPS, len(pairs), len(pairs))
     return read_steps(rows, layout)
 
 
-def drift_dir(path: str, progress: Callable[[str, int, int], None] | None = None) -> Drift:
+def drift_dir(path: str, progress: Progress | None = None) -> Drift:
     """:func:`drift` over a directory (:func:`discover`)."""
     layout, pairs = discover(path)
     if layout == "engine":

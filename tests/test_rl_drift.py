@@ -323,7 +323,8 @@ def _engine_over_steps(out: Path, engines, prompts, *, temperature: float = 0.7)
     return out
 
 
-def _trainer_of_step(out: Path, model, serve: Path, k: int, prompts, temperature: float = 0.7) -> Path:
+def _trainer_of_step(out: Path, model, serve: Path, k: int, prompts, temperature: float = 0.7,
+                     prefix: str = "") -> Path:
     import torch
 
     from tensordiff.recorders.core import Recorder
@@ -336,7 +337,7 @@ def _trainer_of_step(out: Path, model, serve: Path, k: int, prompts, temperature
         tr = TrainerRecorder(model, rec, temperature=temperature)
         for i, p in enumerate(prompts):
             key = f"s{k}-p{i}"
-            with tr.sequence(key, torch.tensor(seqs[key]), first_generated=len(p)), torch.no_grad():
+            with tr.sequence(prefix + key, torch.tensor(seqs[key]), first_generated=len(p)), torch.no_grad():
                 model(input_ids=torch.tensor(seqs[key])[None])
         tr.detach()
     return out
@@ -365,6 +366,16 @@ def test_one_engine_trace_over_many_updates(run, capsys):
             assert got["headline"].startswith("no drift"), got["headline"]
             continue
         assert (got["first"], got["onset_cause"], got["shape"]) == (2, "weights", "steady"), got["headline"]
+        assert "  cause by step: steps 0-1 agree; steps 2-5 weights" in got["lines"]
         assert ("at step 2: weights: layer3 mlp_out (model.layers.3.mlp.down_proj.weight) is stale on the engine "
                 "after weight update step 2 (update_weights_from_tensor): it still holds step 1's values") \
             in got["headline"], got["headline"]
+    # trainer traces of requests the engine never served (another job's ids): one line, exit 2
+    other = run["root"] / "engine-other"
+    other.mkdir()
+    shutil.copy(run["root"] / "engine-ok" / "rollout.h5", other / "rollout.h5")
+    for k in range(2):
+        _trainer_of_step(other / f"train_{k}.h5", ws[k], other / "rollout.h5", k, ps, prefix="job2-")
+    assert main(["drift", str(other), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train_0.h5: shares no sequence with rollout.h5" in err, err
