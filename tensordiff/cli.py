@@ -326,11 +326,12 @@ def cmd_drift(args: argparse.Namespace) -> int:
 
 def _run_drift(args: argparse.Namespace, layout: str, pairs: list[StepPair]) -> int:
     from .rl_drift import check_engine_layout, drift
+    from .triage import triage
 
     if layout == "engine":
         check_engine_layout(pairs)
     with progress_bar(not args.quiet) as bar:
-        d = drift(pairs, layout=layout, progress=bar)
+        d = drift(pairs, triage, layout=layout, progress=bar)
     if args.html:
         from .triage_html import render_drift
 

@@ -3,7 +3,8 @@ its rollout and says when the mismatch left the noise, with what cause, and how 
 
 A run whose mismatch grows over training (0.011 -> 0.036 mean |logprob diff| over 30 steps on one
 stack, flat on another) shows it only step over step: each step's pair is triaged
-(:func:`tensordiff.triage.triage`), and the steps are read together:
+(:func:`tensordiff.triage.triage`, which the caller hands in: the triage sits above this module),
+and the steps are read together:
 
 - the frameworks' metrics per step (the sampled tokens' mean / median |logprob diff|,
   ``token_mult_prob_error``, ``kl_k3``, verl's ``rollout_probs_diff_mean``) and the noise each
@@ -32,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +41,7 @@ from .errors import UsageError
 from .logprobs import LEVEL
 from .progress import Progress, Stage
 
-__all__ = ["Drift", "StepPair", "discover", "drift", "drift_dir", "sparkline", "METRICS"]
+__all__ = ["Drift", "StepPair", "StepRow", "discover", "drift", "read_steps", "sparkline", "METRICS"]
 
 #: the metrics of each step, in the table's order (the frameworks' names, tensordiff.logprobs)
 METRICS = ("mean_abs_logprob_diff", "median_abs_logprob_diff", "token_mult_prob_error", "kl_k3",
@@ -261,9 +263,12 @@ def sparkline(values: list[float | None]) -> str:
     return "".join(out)
 
 
-def _row(step: int, train: str, rollout: str) -> StepRow:
-    from .triage import triage
+#: triage one pair: :func:`tensordiff.triage.triage` (given by the caller: the triage sits above
+#: this module, which reads its verdicts and never imports it)
+TriagePair = Callable[[str, str], Any]
 
+
+def _row(step: int, train: str, rollout: str, triage: TriagePair) -> StepRow:
     t = triage(train, rollout)
     c = t.logprobs
     m: dict[str, float | None] = dict(c.metrics) if c is not None else {}
@@ -274,28 +279,20 @@ def _row(step: int, train: str, rollout: str) -> StepRow:
                    metrics={k: m.get(k) for k in METRICS}, engine_steps=list(steps) if steps is not None else None)
 
 
-def drift(steps: list[tuple[str, str]] | list[StepPair], *, layout: str = "pairs",
+def drift(steps: Sequence[tuple[str, str] | StepPair], triage: TriagePair, *, layout: str = "pairs",
           progress: Progress | None = None) -> Drift:
     """Triage each training step's pair ``(trainer trace, rollout trace)`` in order (or
-    :class:`StepPair` with their step numbers; plain pairs are steps 0, 1, ...) and read the
-    steps together (the module's docstring)."""
-    pairs = [p if isinstance(p, StepPair) else StepPair(i, p[0], p[1]) for i, p in enumerate(steps)]
+    :class:`StepPair` with their step numbers; plain pairs are steps 0, 1, ...) with ``triage``
+    and read the steps together (the module's docstring)."""
+    pairs = [p if isinstance(p, StepPair) else StepPair(i, str(p[0]), str(p[1])) for i, p in enumerate(steps)]
     rows = []
     for i, p in enumerate(pairs):
         if progress is not None:
             progress(Stage.TRIAGING_STEPS, i, len(pairs))
-        rows.append(_row(p.step, p.train, p.rollout))
+        rows.append(_row(p.step, p.train, p.rollout, triage))
     if progress is not None:
         progress(Stage.TRIAGING_STEPS, len(pairs), len(pairs))
     return read_steps(rows, layout)
-
-
-def drift_dir(path: str, progress: Progress | None = None) -> Drift:
-    """:func:`drift` over a directory (:func:`discover`)."""
-    layout, pairs = discover(path)
-    if layout == "engine":
-        check_engine_layout(pairs)
-    return drift(pairs, layout=layout, progress=progress)
 
 
 def _runs(rows: list[StepRow]) -> list[dict[str, Any]]:
@@ -380,8 +377,8 @@ def read_steps(rows: list[StepRow], layout: str = "pairs") -> Drift:
         else:
             g = rows[j]
             d.onset, d.onset_cause = g.step, g.cause
-            base = m[j - 1] if m[j - 1] is not None else 0.0
-            d.shape, words = _shape(m, j, base)
+            prev = m[j - 1]
+            d.shape, words = _shape(m, j, prev if prev is not None else 0.0)
             d.headline = (f"drift: the pairs differ from step {f.step} on ({f.cause}), and the mismatch grows from "
                           f"step {g.step} with a new cause ({growth}: {words}); at step {g.step}: {g.headline}")
     d.lines = _lines(d)

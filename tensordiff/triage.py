@@ -50,6 +50,7 @@ from .conventions import SAMPLED_LOGPROB, TARGET_TOPK
 from .diff import DiffOptions, diff_sources, open_pair, plan_diff
 from .findings import DiffResult, Finding, Kind, Severity
 from .noise import UNIT, NoiseModel
+from .rl_drift import drift as steps_drift
 from .tokens import POS_MASK, SEQ_BITS
 from .trace import TraceSource
 from .trace.rl import WeightStep, read_sampling, read_weight_steps, sampling_for, weights_at
@@ -875,9 +876,7 @@ def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
 def drift(steps: list[tuple[str, str]]) -> dict[str, Any]:
     """Triage each training step's pair ``(trainer trace, rollout trace)`` in order and read the
     steps together: :func:`tensordiff.rl_drift.drift` (``tensordiff drift DIR``), as a dict."""
-    from .rl_drift import drift as steps_drift
-
-    return steps_drift(steps).to_dict()
+    return steps_drift(steps, triage).to_dict()
 
 
 __all__ += ["CAUSES", "compare_weights", "drift", "few_sequences", "position_profile", "roles", "sampling_differs", "three_way",

@@ -142,6 +142,13 @@ def test_reading_the_steps():
     d = read_steps(_rows([0.3, 0.31, 0.3], ["logprobs"] * 3))
     assert d.shape == "constant" and d.exit_code == 1 and d.headline.startswith("no growth, but every step differs")
     assert sparkline([0.0, 0.5, 1.0, None]) == "▁▅█ "
+    from tensordiff.triage_html import render_drift
+
+    d = read_steps(_rows([0.004, 0.004, 0.01, 0.02, 0.03, 0.04], ["agree", "agree"] + ["weights"] * 4))
+    page = render_drift(d)
+    assert page.count("<svg") == 2 and page.count("<circle") == 12 and "<script" not in page and "href=" not in page
+    assert 'fill="#d62728"><title>step 2: mean |logprob diff| 0.01 (out of the noise)' in page
+    assert "<title>step 2: the first step out of the noise</title>" in page
     assert sparkline([0.01, 0.0101, 0.0099]) == "███"   # flat reads flat
 
 
