@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .diff import DiffOptions
     from .findings import DiffResult
     from .progress import Progress
+    from .rl_drift import StepPair
     from .token_text import TokenText
     from .trace import TraceSource
 
@@ -309,6 +310,46 @@ def _run_triage(args: argparse.Namespace) -> int:
     return t.exit_code
 
 
+def cmd_drift(args: argparse.Namespace) -> int:
+    """Triage every training step of a directory and read the steps together (docs/rl.md)."""
+    from .rl_drift import discover
+    from .trace.probe import run_watched
+
+    layout, pairs = discover(args.dir)        # layout, names, halves of pairs, gaps: before any trace is read
+    inputs = sorted({p for s in pairs for p in (s.train, s.rollout)})
+    if args.html:
+        from .safety import check_output_path
+
+        check_output_path(args.html, inputs, "--html")
+    return run_watched(inputs, lambda: _run_drift(args, layout, pairs))
+
+
+def _run_drift(args: argparse.Namespace, layout: str, pairs: list[StepPair]) -> int:
+    from .rl_drift import check_engine_layout, drift
+    from .triage import triage
+
+    if layout == "engine":
+        check_engine_layout(pairs)
+    with progress_bar(not args.quiet) as bar:
+        d = drift(pairs, triage, layout=layout, progress=bar)
+    if args.html:
+        from .triage_html import render_drift
+
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(render_drift(d))
+    try:
+        if args.json:
+            _print_json(d.to_dict())
+        else:
+            from .safety import sanitize_for_terminal
+
+            sys.stdout.write(sanitize_for_terminal(d.text(), keep="\n") + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+    return d.exit_code
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Diff a noise-floor pair (same wiring, honest numeric differences) and write tolerances."""
     from .safety import check_output_path
@@ -391,7 +432,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 #: the commands of this module; any other (record, import) is the recorders' (see build_parser)
-CORE_COMMANDS = ("info", "diff", "tui", "report", "calibrate", "weights", "triage")
+CORE_COMMANDS = ("info", "diff", "tui", "report", "calibrate", "weights", "triage", "drift")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -509,6 +550,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                                       "state against the noise trend, the regime split, the "
                                                       "per-token log-prob difference of each sequence (j/k)")
     g.set_defaults(func=cmd_triage)
+
+    dr = sub.add_parser("drift", help="RL: the trainer/rollout mismatch over training steps: when it left the noise, "
+                                      "with what cause, and how it grew",
+                        description="Triage each training step's trainer trace against its rollout and read the "
+                                    "steps together: the frameworks' metrics per step (a table and a sparkline), the "
+                                    "first step out of the noise, the cause that appears with the growth, and whether "
+                                    "it grows steadily or jumps (docs/rl.md, \"Drift over training steps\"). DIR holds "
+                                    "step_<k>/train.h5 + step_<k>/rollout.h5, or train_<k>.h5 + rollout_<k>.h5, or one "
+                                    "engine trace rollout.h5 over every weight update with train_<k>.h5 per step; "
+                                    "step numbers without gaps. Each pair's roles come from the traces' side attribute.",
+                        epilog="exit codes: 0 every step within the noise, 1 a step out of the noise (its cause "
+                               "named), 2 bad input (one line)")
+    dr.add_argument("dir", metavar="DIR", help="the directory of per-step traces")
+    dr.add_argument("--json", action="store_true", help="machine-readable output (the same content, every step)")
+    dr.add_argument("--html", metavar="FILE", help="also write the drift as one self-contained HTML file (the metrics "
+                                                   "per step against the noise, plotted; the table)")
+    dr.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    dr.set_defaults(func=cmd_drift)
 
     from .locator.cli import register as register_locate   # the loop's arguments; torch only when it records
     register_locate(sub)

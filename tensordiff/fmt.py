@@ -53,7 +53,7 @@ def percent(x: object, nd: int = 1, missing: str = "-") -> str:
 
 
 #: what a progress count of a diff stage counts (the CLI's bar and the TUI's label)
-PROGRESS_UNITS = {"identifying slots": "candidates", "aligning tokens": "steps"}
+PROGRESS_UNITS = {"identifying slots": "candidates", "aligning tokens": "steps", "triage steps": "steps"}
 
 
 def progress_unit(stage: str) -> str:

@@ -15,6 +15,7 @@ class Stage(str, Enum):
     CHECKING_REPLICAS = "checking replicas"
     COMPARING = "comparing tensors"
     IDENTIFYING = "identifying slots"
+    TRIAGING_STEPS = "triage steps"
 
     def __str__(self) -> str:
         return str(self.value)

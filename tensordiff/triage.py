@@ -50,6 +50,7 @@ from .conventions import SAMPLED_LOGPROB, TARGET_TOPK
 from .diff import DiffOptions, diff_sources, open_pair, plan_diff
 from .findings import DiffResult, Finding, Kind, Severity
 from .noise import UNIT, NoiseModel
+from .rl_drift import drift as steps_drift
 from .tokens import POS_MASK, SEQ_BITS
 from .trace import TraceSource
 from .trace.rl import WeightStep, read_sampling, read_weight_steps, sampling_for, weights_at
@@ -873,30 +874,9 @@ def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def drift(steps: list[tuple[str, str]]) -> dict[str, Any]:
-    """Triage each training step's pair ``(trainer trace, rollout trace)`` in order: the frameworks'
-    metrics per step, the first step whose pair leaves the noise (its cause named by that step's
-    triage) and how the mismatch grows from the first step to the last (the drift a run shows
-    when it is clean at step 0 and grows: a stale parameter, a prefix cache kept across updates)."""
-    rows: list[dict[str, Any]] = []
-    for i, (train, rollout) in enumerate(steps):
-        t = triage(train, rollout)
-        m = t.logprobs.metrics if t.logprobs is not None else {}
-        rows.append({"step": i, "cause": t.cause, "headline": t.headline,
-                     "mean_abs_logprob_diff": m.get("mean_abs_logprob_diff"),
-                     "token_mult_prob_error": m.get("token_mult_prob_error")})
-    first = next((r for r in rows if r["cause"] != "agree"), None)
-    out: dict[str, Any] = {"steps": rows, "first": first["step"] if first is not None else None}
-    x0, x1 = rows[0]["mean_abs_logprob_diff"] if rows else None, rows[-1]["mean_abs_logprob_diff"] if rows else None
-    growth = (f"mean |logprob diff| {_f(x0)} at step 0 -> {_f(x1)} at step {len(rows) - 1}"
-              if x0 is not None and x1 is not None else "no sampled-token log-probs to compare")
-    if first is None:
-        out["headline"] = f"no drift: every step's pair agrees within the noise ({growth})"
-    else:
-        out["headline"] = (f"drift: the pairs agree up to step {first['step'] - 1} and leave the noise at step "
-                           f"{first['step']} ({growth}); at step {first['step']}: {first['headline']}"
-                           if first["step"] > 0 else
-                           f"drift: the pairs differ from step 0 on ({growth}); at step 0: {first['headline']}")
-    return out
+    """Triage each training step's pair ``(trainer trace, rollout trace)`` in order and read the
+    steps together: :func:`tensordiff.rl_drift.drift` (``tensordiff drift DIR``), as a dict."""
+    return steps_drift(steps, triage).to_dict()
 
 
 __all__ += ["CAUSES", "compare_weights", "drift", "few_sequences", "position_profile", "roles", "sampling_differs", "three_way",
