@@ -116,8 +116,8 @@ def _where(stale: dict[str, dict[str, Any]]) -> str:
     groups: dict[tuple[str, str, int], list[str]] = {}
     for key, s in sorted(stale.items()):
         pos = ", ".join(_words(r[0], r[1]) for r in s["runs"][:4])
-        ks = sorted({r[2] for r in s["runs"]})
-        groups.setdefault((pos, ", ".join(map(str, ks)), s["served"]), []).append(key)
+        kv = sorted({r[2] for r in s["runs"]})
+        groups.setdefault((pos, ", ".join(map(str, kv)), s["served"]), []).append(key)
     parts = []
     for (pos, ks, m), keys in list(groups.items())[:3]:
         names = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
