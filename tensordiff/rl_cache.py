@@ -20,6 +20,7 @@ Pure: numpy and h5py, no torch.
 
 from __future__ import annotations
 
+import re
 from typing import Any, cast
 
 import numpy as np
@@ -59,12 +60,23 @@ def _hashes(s: WeightStep) -> dict[str, Any]:
     return {str(e["key"]): e.get("sha256") for e in s.doc["parameters"]}
 
 
+#: parameters no layer's KV depends on (the head after the last layer): two steps that differ only
+#: there computed the same KV
+_AFTER_KV = re.compile(r"^(model\.)?(lm_head|output|norm|final_norm|final_layernorm)\.")
+
+
+def _kv_params(s: WeightStep) -> int:
+    return sum(1 for key in _hashes(s) if not _AFTER_KV.search(key))
+
+
 def _differ(steps: dict[int, WeightStep], k: int, m: int) -> int | None:
-    """How many parameters differ between weight steps ``k`` and ``m`` (None: a step not recorded)."""
+    """How many parameters the KV depends on differ between weight steps ``k`` and ``m`` (None: a
+    step not recorded)."""
     if k not in steps or m not in steps:
         return None
     hk, hm = _hashes(steps[k]), _hashes(steps[m])
-    return sum(1 for key in hk.keys() | hm.keys() if hk.get(key) != hm.get(key) or hk.get(key) is None)
+    return sum(1 for key in hk.keys() | hm.keys()
+               if not _AFTER_KV.search(key) and (hk.get(key) != hm.get(key) or hk.get(key) is None))
 
 
 def stale_requests(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
@@ -92,7 +104,7 @@ def stale_requests(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
                 runs.append((s0, s1, k, n))
         if runs:
             stale[key] = {"runs": [(s0, s1, k) for s0, s1, k, _ in runs], "served": m, "differ": max(r[3] for r in runs),
-                          "params": len(steps[m].doc["parameters"]) if m in steps else None,
+                          "params": _kv_params(steps[m]) if m in steps else None,
                           "cached": int(e["cached_tokens"]), "last_flush": int(e["last_flush_forward_step"])}
         else:
             fresh.append(key)
@@ -162,7 +174,8 @@ def prefix_cache_step(a: TraceSource, b: TraceSource, plan: Any, c: lpmod.Logpro
     where = _where(stale)
     d = sorted({s["differ"] for s in stale.values()})
     params = next((s["params"] for s in stale.values() if s["params"]), None)
-    differ = f"{d[-1]} of {params} parameters differing" if params else f"{d[-1]} parameters differing"
+    differ = (f"{d[-1]} of the {params} parameters the KV depends on differing" if params else
+              f"{d[-1]} parameters the KV depends on differing")
     facts = f"{where}, {differ}, {_flush_words(info)}"
     if c is None or not c.tokens:
         out["sentence"] = (f"prefix cache: {facts}: no sampled-token log-probs to measure what it did: flush the "

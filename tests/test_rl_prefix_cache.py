@@ -329,3 +329,46 @@ def test_record_round_trip_and_damaged_record(tmp_path):
             append_prefix_cache(f, [bad])
         with h5py.File(path, "r") as f, pytest.raises(TraceFileError, match="/prefix_cache line 1"):
             read_prefix_cache(R(f))
+
+
+def test_a_step_that_changed_only_the_head_left_the_kv_as_it_was(tmp_path):
+    """Reused KV of step 0 served under step 1 is stale where a parameter the KV depends on
+    changed; where only the head after the last layer (lm_head, the final norm) did, the KV is
+    the one step 1 computes, and nothing is named."""
+    import h5py
+
+    from tensordiff.rl_cache import stale_requests
+    from tensordiff.trace.prefix_cache import append_prefix_cache
+    from tensordiff.trace.rl import write_weight_step
+    from tensordiff.weights import FINGERPRINT_FORMAT
+
+    def doc(changed):
+        keys = ["model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight",
+                "lm_head.weight"]
+        return {"format": FINGERPRINT_FORMAT, "parameters": [
+            {"key": k, "name": k, "dtype": "float32", "shape": [4, 4], "norm": 1.0,
+             "sha256": ("new-" if k in changed else "old-") + k} for k in keys]}
+
+    class Side:
+        def __init__(self, f=None):
+            self.sequences, self.complete = ["a0", "f0"], True
+            if f is not None:
+                self.f = f
+
+    got = {}
+    for name, changed in (("head", {"lm_head.weight", "model.norm.weight"}),
+                          ("layer", {"model.layers.0.self_attn.k_proj.weight"})):
+        path = tmp_path / f"{name}.h5"
+        with h5py.File(path, "w") as f:
+            write_weight_step(f, 0, doc(set()), forward_step=0, event="start")
+            write_weight_step(f, 1, doc(changed), forward_step=5, event="update_weights_from_tensor")
+            append_prefix_cache(f, [{"seq": "a0", "cached_tokens": 40, "weight_step": 1, "kv_steps": [[0, 40, 0]],
+                                     "last_flush_forward_step": -1},
+                                    {"seq": "f0", "cached_tokens": 0, "weight_step": 1, "kv_steps": []}],
+                                engine="sglang", radix_cache=True)
+        with h5py.File(path, "r") as f:
+            got[name] = stale_requests(Side(), Side(f))
+    assert got["head"]["stale"] == {} and sorted(got["head"]["fresh"]) == ["a0", "f0"]
+    assert list(got["layer"]["stale"]) == ["a0"] and got["layer"]["fresh"] == ["f0"]
+    a0 = got["layer"]["stale"]["a0"]
+    assert (a0["runs"], a0["served"], a0["differ"], a0["params"]) == ([(0, 40, 0)], 1, 1, 2)
