@@ -43,6 +43,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import logprobs as lpmod
+from . import rl_cache
 from . import routing as routing_mod
 from . import weights as wmod
 from .align import RowMaps, SideTokens, align_tokens
@@ -58,7 +59,8 @@ from .vocab import REGIME_CODE, REGIMES
 
 __all__ = ["Triage", "triage", "triage_sources"]
 
-CAUSES = ("sampling", "weights", "tokens", "routing", "layer", "logits", "logprobs", "agree", "incomplete")
+CAUSES = ("sampling", "weights", "tokens", "prefix_cache", "routing", "layer", "logits", "logprobs", "agree",
+          "incomplete")
 
 
 @dataclass
@@ -615,6 +617,10 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
             causes.append(("logprobs", f"log-probs: the sampled tokens' log-probs differ beyond the noise (median "
                                        f"|diff| {c.q50:.3g}, {c.q50 / max(noise, 1e-30):.0f}x the expected "
                                        f"{noise:.3g}) while the states agree"))
+    pc = rl_cache.prefix_cache_step(a, b, plan, c)   # KV reused from other weights (tensordiff.rl_cache)
+    if pc is not None:
+        notes += pc["lines"]
+        causes = rl_cache.place(pc, causes, t.layer)
     if causes:
         t.cause, t.headline = causes[0]
         t.lines += [f"  then {s}" for _, s in causes[1:]]

@@ -22,6 +22,7 @@ RL_HOOK_TARGETS = (
     *(f"{_WU}.{event}" for event in ("update_weights_from_disk", "update_weights_from_tensor",
                                      "update_weights_from_distributed", "update_weights_from_ipc")),
     f"{_WU}.end_weight_update",
+    "sglang.srt.managers.scheduler.Scheduler.flush_cache",
 )
 
 
@@ -44,8 +45,8 @@ def rl_hook_table() -> list[tuple[str, object, str]]:
 
     if not rl.RL.enabled:
         return []
-    fns = (rl.hook_process_batch_result, *(rl.hook_weight_update(t.rpartition(".")[2]) for t in RL_HOOK_TARGETS[1:-1]),
-           rl.hook_end_weight_update)
+    fns = (rl.hook_process_batch_result, *(rl.hook_weight_update(t.rpartition(".")[2]) for t in RL_HOOK_TARGETS[1:-2]),
+           rl.hook_end_weight_update, rl.hook_flush_cache)
     return [(t, fn, "AFTER") for t, fn in zip(RL_HOOK_TARGETS, fns)]
 
 

@@ -16,6 +16,12 @@
   ``_from_distributed``, which run inside a ``begin_weight_update`` session, when the session
   ends: one step per sync, however many buckets it sent). ``forward_step`` is the id of the next
   forward pass (the token table's ``step``): passes from it on ran with these weights.
+* ``/prefix_cache`` (:mod:`tensordiff.trace.prefix_cache`): per request, at its first result, the
+  tokens it took from the radix cache (``req.cached_tokens``, the ``cached_tokens`` of its
+  meta_info), the weight step their KV was computed under (tracked by
+  :class:`tensordiff.recorders.prefix_cache.PrefixSteps` from the passes the recorder saw) and
+  the weight step serving it; every flush of the cache (AFTER ``Scheduler.flush_cache``, which
+  a weight update with ``flush_cache=True`` calls, as ``engine.flush_cache()`` does).
 * a replay (``tensordiff record serve --replay``, :mod:`tensordiff.recorders.replay`): the
   ``replay`` attribute, and ``sampled_logprob`` rows from the prefill's input log-probs
   (``logprob_start_len`` 0) at the positions the rollout sampled, so decode and prefill are
@@ -58,6 +64,10 @@ class RLState:
         self.replay: dict[str, Any] | None = None   # {"attr": ..., "from": {key: first sampled position}}
         self.raw = False
         self.fp_seconds = 0.0
+        from ..prefix_cache import PrefixSteps
+
+        self.prefix = PrefixSteps()
+        self.radix: bool | None = None              # the engine's radix cache on (None: not seen yet)
 
 
 RL = RLState()
@@ -189,8 +199,13 @@ def hook_process_batch_result(result, scheduler, batch, *args, **kwargs):
     try:
         got = []
         done = []
+        if RL.radix is None:
+            RL.radix = not bool(getattr(getattr(scheduler, "server_args", None), "disable_radix_cache", False))
+        cur = max(RL.weight_step - 1, 0)
         for req in getattr(batch, "reqs", None) or ():
             rid = str(req.rid)
+            if RL.replay is None and RL.radix:   # without a radix cache nothing is reused
+                _track_prefix(req, rid, cur)
             lp = getattr(req, "logprob", None)
             vals = getattr(lp, "output_token_logprobs_val", None) if lp is not None else None
             if vals is not None and getattr(req, "return_logprob", False) and RL.replay is None:
@@ -206,10 +221,43 @@ def hook_process_batch_result(result, scheduler, batch, *args, **kwargs):
                 got.append((rid, _input_logprobs(req, lp), _params(req)))
             if fin:
                 done.append(rid)
-        if got or done:
-            st.later(_record, (got, done), bool(st.queue))
+        lines = RL.prefix.take()
+        if got or done or lines:
+            st.later(_record, (got, done, lines), bool(st.queue))
     except Exception as e:  # noqa: BLE001
         st.fail("sampled log-probs", e)
+    st.end(t0)
+
+
+def _track_prefix(req, rid: str, step: int) -> None:
+    """The cached prefix of a request at its first result, its own positions as it runs (a
+    chunk of a prefill that samples nothing yet is passed over)."""
+    out = getattr(req, "output_ids", None) or []
+    if not out:
+        return
+    prompt = req.origin_input_ids
+    n = len(prompt)
+    ps = RL.prefix
+    if rid not in ps.live:
+        ps.served(rid, list(prompt), int(getattr(req, "cached_tokens", 0) or 0), step)
+    ps.progress(rid, n + len(out) - 1, step)   # no copy of the tokens per pass: only lengths
+    if req.finished():
+        ps.finished(rid, list(prompt) + list(out), n)
+
+
+def hook_flush_cache(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.flush_cache``: an emptied cache (it returns True) is a line of
+    ``/prefix_cache``; the prefixes tracked so far are forgotten."""
+    if not _on() or result is not True or RL.replay is not None:
+        return
+    st = STATE
+    t0 = st.begin()
+    try:
+        fwd = int(getattr(RL.runner, "forward_pass_id", 0)) + 1 if RL.runner is not None else -1
+        RL.prefix.flush(fwd, max(RL.weight_step - 1, 0))
+        st.later(_record, ([], [], RL.prefix.take()), bool(st.queue))
+    except Exception as e:  # noqa: BLE001
+        st.fail("prefix cache flush", e)
     st.end(t0)
 
 
@@ -237,8 +285,13 @@ def _record(job) -> None:
     from ...conventions import SAMPLED_LOGPROB
     from ...trace.rl import sampling_params, write_sampling
 
-    got, done = job
+    got, done, lines = job
     st = STATE
+    if lines:
+        from ...trace.prefix_cache import append_prefix_cache
+
+        append_prefix_cache(st.rec.writer, lines, engine="sglang", radix_cache=RL.radix)
+        st.dirty = True
     rows, vals = [], []
     changed = False
     for rid, entries, params in got:
