@@ -306,8 +306,11 @@ class NoiseModel:
         # never under one rounding of a state of these dtypes where the nearest clean state
         # measured this pair's noise (:func:`measures`); else never under the physical default's
         # first rounding: a trend of states that match bit for bit, or of another dtype pair (an
-        # autocast state, a coarser tensor), says nothing of the noise of this one
-        fl = one_rounding(*dt, d) if below and measures(below[-1], dt) else physical_default(*dt, 0.0)
+        # autocast state, a coarser tensor), says nothing of the noise of this one. The floor is
+        # never above the default's first rounding (a measured trend only ever tightens it)
+        fl = physical_default(*dt, 0.0)
+        if below and measures(below[-1], dt):
+            fl = _lowest(fl, one_rounding(*dt, 0.0))
         return Level(max([lv.q50, fl.q50] + [x.q50 for x in near]), max([lv.q99, fl.q99] + [x.q99 for x in near]),
                      max([lv.c99, fl.c99] + [x.c99 for x in near]), max([lv.sd, fl.sd] + [x.sd for x in near]),
                      max([abs(lv.bias)] + [abs(x.bias) for x in near]))
@@ -338,6 +341,11 @@ class NoiseModel:
 
     def describe(self, depth: float | None) -> str:
         return self.source
+
+
+def _lowest(x: Level, y: Level) -> Level:
+    """Each figure the lower of the two."""
+    return Level(min(x.q50, y.q50), min(x.q99, y.q99), min(x.c99, y.c99), min(x.sd, y.sd), min(x.bias, y.bias))
 
 
 def default_scaled(dtype_a: str, dtype_b: str, ref_depth: float, ref: Level, depth: float,
