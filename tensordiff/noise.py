@@ -28,12 +28,25 @@ take 16 u (summation order in wide reductions). Measured on the trained test mod
 docs/diff.md): 0.82 u at the embedding, 2.0 u at layer1, 4.0 u at layer8; the default allows
 0.8 u, 2.4 u and 6.5 u, and its verdicts say the limit is a default, not measured.
 
+**The default is for where nothing was measured.** Where a clean computed state before the judged
+one measured this pair's noise (:func:`measures`: not the embedding, a lookup both sides round
+alike; its median not zero, the sides not bit for bit equal there, which says nothing of a layer
+that computes differently; at least :data:`TREND_TOKENS` tokens; the same compute dtype pair, so
+an autocast state never takes a float32 trend), the trend predicts the state and sets its
+expectation, floored at one rounding of the dtype (:func:`one_rounding`, and never above the
+default's first rounding), not at the default: an fp32 port (eager against SDPA attention) shows
+one to four roundings where the fp32 default allows FP32_REDUCTION times more, so a bug at 3-30x
+its noise read "agree". The first state, the first computed state after the embedding, and a
+state after bit-identical ones keep the default.
+
 **Packed slots.** Where no catalog state is measured (a serve engine that records the draft input
 only), the slots of each packed tensor both sides recorded (one engine, one precision) measure
 each other, walked in depth order (:func:`fit_slots`): the shallowest slot has nothing before it
 and keeps the physical default; each deeper slot expects the default at its own depth scaled,
 figure by figure, by how far the deepest clean slot before it sits above the default at that
-slot's depth (never by less than 1: a slot under the default never lowers it). A slot is clean
+slot's depth (never by less than 1 unless that slot measured the pair: :func:`default_scaled`,
+its tokens apart and at least :data:`TREND_TOKENS` of them; then by less too, never under one
+rounding). A slot is clean
 while its median error, its worst token and its median RMS ratio stay within what its own
 expectation allows, and no slot before it left; a slot never sets its own allowance nor that of a
 slot before it, so a wrong state close to the claimed one is judged against what the shallower
