@@ -28,12 +28,25 @@ take 16 u (summation order in wide reductions). Measured on the trained test mod
 docs/diff.md): 0.82 u at the embedding, 2.0 u at layer1, 4.0 u at layer8; the default allows
 0.8 u, 2.4 u and 6.5 u, and its verdicts say the limit is a default, not measured.
 
+**The default is for where nothing was measured.** Where a clean computed state before the judged
+one measured this pair's noise (:func:`measures`: not the embedding, a lookup both sides round
+alike; its median not zero, the sides not bit for bit equal there, which says nothing of a layer
+that computes differently; at least :data:`TREND_TOKENS` tokens; the same compute dtype pair, so
+an autocast state never takes a float32 trend), the trend predicts the state and sets its
+expectation, floored at one rounding of the dtype (:func:`one_rounding`, and never above the
+default's first rounding), not at the default: an fp32 port (eager against SDPA attention) shows
+one to four roundings where the fp32 default allows FP32_REDUCTION times more, so a bug at 3-30x
+its noise read "agree". The first state, the first computed state after the embedding, and a
+state after bit-identical ones keep the default.
+
 **Packed slots.** Where no catalog state is measured (a serve engine that records the draft input
 only), the slots of each packed tensor both sides recorded (one engine, one precision) measure
 each other, walked in depth order (:func:`fit_slots`): the shallowest slot has nothing before it
 and keeps the physical default; each deeper slot expects the default at its own depth scaled,
 figure by figure, by how far the deepest clean slot before it sits above the default at that
-slot's depth (never by less than 1: a slot under the default never lowers it). A slot is clean
+slot's depth (never by less than 1 unless that slot measured the pair: :func:`default_scaled`,
+its tokens apart and at least :data:`TREND_TOKENS` of them; then by less too, never under one
+rounding). A slot is clean
 while its median error, its worst token and its median RMS ratio stay within what its own
 expectation allows, and no slot before it left; a slot never sets its own allowance nor that of a
 slot before it, so a wrong state close to the claimed one is judged against what the shallower
@@ -79,6 +92,9 @@ SPREAD = 4.0
 #: of the random-weight vLLM pair, bf16 vs fp32, its tokens of small norm; 2 on the trained model)
 TAIL = 10.0
 MIN_TOKENS = 8
+#: a measured state sets the trend under the physical default only when measured on at least this
+#: many tokens (a median and a 99th percentile of a few tokens wobble by more than JUMP allows)
+TREND_TOKENS = 32
 
 
 def compute_dtype(dtype: str, attrs: Mapping[str, Any] | None = None) -> str:
@@ -109,9 +125,10 @@ class Level:
     c99: float          # 99th percentile of 1 - cos
     sd: float           # robust spread of the per-token log RMS ratio
     bias: float = 0.0   # median per-token log RMS ratio
+    n: int = 0          # tokens it was measured on (0: not measured, a default or an expectation)
 
     def scaled(self, g: float) -> Level:
-        return Level(self.q50 * g, self.q99 * g, self.c99 * g * g, self.sd * g, self.bias)
+        return Level(self.q50 * g, self.q99 * g, self.c99 * g * g, self.sd * g, self.bias, self.n)
 
 
 def physical_default(dtype_a: str, dtype_b: str, depth: float | None) -> Level:
@@ -128,13 +145,25 @@ def physical_default(dtype_a: str, dtype_b: str, depth: float | None) -> Level:
     return Level(q50, q99, 0.5 * q99 * q99, q50)
 
 
-def fresh_rounding99(dtype_a: str, dtype_b: str, depth_from: float, depth_to: float, measured: float = 0.0) -> float:
+def one_rounding(dtype_a: str, dtype_b: str, depth: float | None) -> Level:
+    """The lowest level honest noise can be at ``depth`` for a state of these dtypes: one rounding
+    of the coarser dtype, growing as independent roundings add (never zero: fp32 pairs that match
+    bit for bit still allow a rounding)."""
+    d = max(0.0, float(depth or 0.0))
+    u = unit(dtype_a, dtype_b)
+    return Level(u, 2 * u, 2 * u * u, u).scaled(math.sqrt(1.0 + d) if d else 1.0)
+
+
+def fresh_rounding99(dtype_a: str, dtype_b: str, depth_from: float, depth_to: float, measured: float = 0.0,
+                     trend: bool = False) -> float:
     """The 99th percentile relative error the layers between two depths may add (their fresh
     rounding, adding independently). ``measured``: the largest per-layer increment the clean states
     before showed (0: none measured, or every state equal bit for bit); then that per layer, never
     under one rounding, else the physical default's growth. Never more than the default's growth,
-    never under one rounding."""
-    one = physical_default(dtype_a, dtype_b, 0.0).q99
+    never under one rounding: with ``trend`` (a computed state before measured the pair's noise)
+    one rounding of the dtype (:func:`one_rounding`), else the physical default's first rounding
+    (for fp32 pairs, :data:`FP32_REDUCTION` of them)."""
+    one = (one_rounding if trend else physical_default)(dtype_a, dtype_b, 0.0).q99
     hi, lo = physical_default(dtype_a, dtype_b, depth_to).q99, physical_default(dtype_a, dtype_b, depth_from).q99
     default = max(math.sqrt(max(hi * hi - lo * lo, 0.0)), one)
     if measured <= 0:
@@ -152,7 +181,7 @@ def level_of(rel: NDArray[np.floating], one_minus_cos: NDArray[np.floating],
     med = order_stats(lr, (0.5,))[0]
     r50, r99 = order_stats(r, (0.5, 0.99))
     return Level(r50, r99, order_stats(np.maximum(c, 0.0), (0.99,))[0],
-                 float(1.4826 * order_stats(np.abs(lr - med), (0.5,))[0]), med)
+                 float(1.4826 * order_stats(np.abs(lr - med), (0.5,))[0]), med, int(ok.sum()))
 
 
 def order_stats(x: NDArray[np.float64], qs: Sequence[float]) -> list[float]:
@@ -200,10 +229,22 @@ class StateNoise:
     bias_limit: float = 0.0    # the largest median log RMS ratio the states before it allow
     predicted99: float = 0.0   # predicted 99th percentile relative error
     first: bool = False        # no clean state before it: its limits are the dtype default's
+    dtypes: tuple[str, str] = ("", "")   # the dtype pair it was computed in
 
     @property
     def jump(self) -> float:
         return self.level.q50 / self.predicted if self.predicted > 0 else math.inf
+
+
+def measures(s: StateNoise, dtypes: tuple[str, str]) -> bool:
+    """Whether the clean state ``s`` measured the noise of this pair for a deeper state of
+    ``dtypes``: a computed state (not the embedding, a lookup both sides round alike), most of
+    its tokens apart (a median of zero: the sides match bit for bit there, which says nothing of
+    a layer that computes differently), measured on at least :data:`TREND_TOKENS` tokens, of the
+    same dtype pair. Then its trend sets the expectation, floored at one rounding of the dtype;
+    else the physical default floors it."""
+    return (s.clean and s.depth > 0 and s.level.q50 > 0 and s.level.n >= TREND_TOKENS
+            and s.dtypes == tuple(dtypes))
 
 
 @dataclass
@@ -253,9 +294,7 @@ class NoiseModel:
     def floor(self, depth: float | None) -> Level:
         """The lowest level honest noise can be (never zero: fp32 pairs that match bit for bit
         still allow a rounding)."""
-        d = max(0.0, float(depth or 0.0))
-        u = unit(self.dtype_a, self.dtype_b)
-        return Level(u, 2 * u, 2 * u * u, u).scaled(math.sqrt(1.0 + d) if d else 1.0)
+        return one_rounding(self.dtype_a, self.dtype_b, depth)
 
     def expected(self, depth: float | None, dtypes: tuple[str, str] | None = None) -> Level:
         """The noise expected at ``depth``: from the clean measured states at or before it only
@@ -267,6 +306,7 @@ class NoiseModel:
         d = max(0.0, float(depth or 0.0))
         if not self.measured:
             return self.slot_expected(d) or physical_default(self.dtype_a, self.dtype_b, d)
+        dt = dtypes or (self.dtype_a, self.dtype_b)
         below = [s for s in self.states if s.clean and s.depth <= d]
         if below:
             ref = below[-1]
@@ -276,9 +316,14 @@ class NoiseModel:
         # the worst of the clean states within a layer below (percentiles of a few hundred
         # tokens wobble)
         near = [s.level for s in below if d - s.depth <= 1.0]
-        # never under one rounding of a state of these dtypes (a measured trend of states that
-        # happen to match exactly says nothing about a state of a coarser dtype)
-        fl = physical_default(*(dtypes or (self.dtype_a, self.dtype_b)), 0.0)
+        # never under one rounding of a state of these dtypes where the nearest clean state
+        # measured this pair's noise (:func:`measures`); else never under the physical default's
+        # first rounding: a trend of states that match bit for bit, or of another dtype pair (an
+        # autocast state, a coarser tensor), says nothing of the noise of this one. The floor is
+        # never above the default's first rounding (a measured trend only ever tightens it)
+        fl = physical_default(*dt, 0.0)
+        if below and measures(below[-1], dt):
+            fl = _lowest(fl, one_rounding(*dt, 0.0))
         return Level(max([lv.q50, fl.q50] + [x.q50 for x in near]), max([lv.q99, fl.q99] + [x.q99 for x in near]),
                      max([lv.c99, fl.c99] + [x.c99 for x in near]), max([lv.sd, fl.sd] + [x.sd for x in near]),
                      max([abs(lv.bias)] + [abs(x.bias) for x in near]))
@@ -292,7 +337,12 @@ class NoiseModel:
         if self.measured:
             return None
         ref = next((s for s in reversed(self.slots) if s.clean and s.depth < depth), None)
-        return None if ref is None else default_scaled(self.dtype_a, self.dtype_b, ref.depth, ref.level, depth)
+        if ref is None:
+            return None
+        # a slot that measured this pair's noise (a computed state, its tokens apart, enough of
+        # them) rules below the default too, floored at one rounding of the dtype
+        trend = ref.depth > 0 and ref.level.q50 > 0 and ref.level.n >= TREND_TOKENS
+        return default_scaled(self.dtype_a, self.dtype_b, ref.depth, ref.level, depth, trend)
 
     def growth(self, depth: float | None = None) -> float:
         """Per-layer growth of the median error among consecutive clean states (at least 1), of
@@ -306,23 +356,39 @@ class NoiseModel:
         return self.source
 
 
-def default_scaled(dtype_a: str, dtype_b: str, ref_depth: float, ref: Level, depth: float) -> Level:
+def _lowest(x: Level, y: Level) -> Level:
+    """Each figure the lower of the two."""
+    return Level(min(x.q50, y.q50), min(x.q99, y.q99), min(x.c99, y.c99), min(x.sd, y.sd), min(x.bias, y.bias))
+
+
+def default_scaled(dtype_a: str, dtype_b: str, ref_depth: float, ref: Level, depth: float,
+                   trend: bool = False) -> Level:
     """The physical default at ``depth``, each figure scaled by how far the measured level
     ``ref`` at ``ref_depth`` sits above the default there (never by less than 1): the noise
     of this engine pair beyond rounding alone, carried to a deeper state along the default's
-    own growth with depth."""
+    own growth with depth. With ``trend`` (``ref`` measured this pair's noise) it is scaled
+    below the default too where ``ref`` sits under it (an fp32 port's noise is a few roundings,
+    the default's FP32_REDUCTION more), never under one rounding of the dtype at ``depth``."""
     p0, p = physical_default(dtype_a, dtype_b, ref_depth), physical_default(dtype_a, dtype_b, depth)
+    lo = one_rounding(dtype_a, dtype_b, depth)
 
     def k(measured: float, default: float) -> float:
-        return max(1.0, measured / default) if default > 0 and math.isfinite(measured) else 1.0
+        if not (default > 0 and math.isfinite(measured)):
+            return 1.0
+        return measured / default if trend else max(1.0, measured / default)
 
-    return Level(p.q50 * k(ref.q50, p0.q50), p.q99 * k(ref.q99, p0.q99), p.c99 * k(ref.c99, p0.c99),
-                 p.sd * k(ref.sd, p0.sd), abs(ref.bias))
+    if not trend:
+        return Level(p.q50 * k(ref.q50, p0.q50), p.q99 * k(ref.q99, p0.q99), p.c99 * k(ref.c99, p0.c99),
+                     p.sd * k(ref.sd, p0.sd), abs(ref.bias))
+    return Level(max(lo.q50, p.q50 * k(ref.q50, p0.q50)), max(lo.q99, p.q99 * k(ref.q99, p0.q99)),
+                 max(lo.c99, p.c99 * k(ref.c99, p0.c99)), max(lo.sd, p.sd * k(ref.sd, p0.sd)), abs(ref.bias))
 
 
 def _above_default(dtype_a: str, dtype_b: str, s: SlotNoise) -> bool:
+    """Whether a slot's expectation is not the default's: above it, or below it where the slot
+    before it measured less."""
     e, p = s.expected, physical_default(dtype_a, dtype_b, s.depth)
-    return e is not None and (e.q50 > p.q50 or e.q99 > p.q99 or e.c99 > p.c99 or e.sd > p.sd
+    return e is not None and (e.q50 != p.q50 or e.q99 != p.q99 or e.c99 != p.c99 or e.sd != p.sd
                               or e.bias > max(p.sd, p.q50 / 4))   # a bias only where it moves the scale limit
 
 
@@ -365,11 +431,17 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
     clean: list[StateNoise] = []
     increments: list[float] = []
     for label, depth, lv in sorted(measured, key=lambda m: (m[1], m[0] == "final_norm")):
-        s = StateNoise(label, depth, lv)
         da, db = (dtypes or {}).get(label, (dtype_a, dtype_b))
-        phys = physical_default(da, db, depth).q50   # rounding alone can do this much
-        fl = max(model.floor(depth).q50, phys)
+        s = StateNoise(label, depth, lv, dtypes=(da, db))
+        # rounding alone can do this much where nothing before measured this pair's noise; where a
+        # computed state before did, its trend rules, floored at one rounding of the dtype (the
+        # default's FP32_REDUCTION roundings sit 3 to 30x above an fp32 port's measured noise)
+        trend = bool(clean) and measures(clean[-1], (da, db))
+        lowest = one_rounding(da, db, depth)
+        phys = physical_default(da, db, depth).q50
+        fl = max(model.floor(depth).q50, lowest.q50 if trend else phys)
         phys99 = physical_default(da, db, depth).q99
+        floor99 = lowest.q99 if trend else phys99
         if not clean:
             # the shallowest state has nothing before it to predict it: honest noise there depends
             # on the model and the engines (a TF32 matmul, a random-weight model's growth), so it
@@ -387,7 +459,7 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
             trend99 = ref.level.q99 * _grown(g, steps)
             if depth == ref.depth:   # final_norm beside the last boundary: a norm rescales, same depth
                 pred = max(ref.level.q50, fl) * GROWTH_FIRST
-                s.predicted99 = max(ref.level.q99 * GROWTH_FIRST, phys99)
+                s.predicted99 = max(ref.level.q99 * GROWTH_FIRST, floor99)
             elif depth > 0 and all(c.depth == 0 for c in clean):
                 # the first computed state after the embedding: the embedding is a lookup rounded once,
                 # so its tail (99th percentile about 1.3x its median) says nothing of the tail of a
@@ -401,7 +473,7 @@ def fit(dtype_a: str, dtype_b: str, measured: Sequence[tuple[str, float, Level]]
                 # the default's whole depth, which can sit far above a measured trend: a subset of
                 # tokens (decode rows) moved by a bug far past the trend would stay under it, keep the
                 # trend and loosen every deeper state's tolerance
-                fresh = fresh_rounding99(da, db, ref.depth, depth, max(increments, default=0.0))
+                fresh = fresh_rounding99(da, db, ref.depth, depth, max(increments, default=0.0), trend)
                 s.predicted99 = max(trend99, min(phys99, math.hypot(trend99, fresh)))
         s.predicted = max(pred, fl)
         # honest rounding is unbiased: a median RMS ratio past what the states before show (their

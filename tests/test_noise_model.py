@@ -308,3 +308,82 @@ def test_a_measured_catalog_rules_over_the_slots():
     m = noise.fit_slots(fit("float32", "bfloat16", _states([_lv(x) for x in TRAINED])),
                         [_slot("layer1", 1, 2.0), _slot("layer3", 3, 2.0)])
     assert m.slot_expected(3) is None and m.source == "measured trend"
+
+
+# ----------------------------------------------------------------------------------------------
+# A measured trend rules under the physical default; the default where nothing measured the pair
+
+U32 = 2.0 ** -24
+# fp32 eager vs SDPA attention on the trained test model (median rel err per boundary, measured):
+# one to four roundings, where the fp32 default allows FP32_REDUCTION x 0.8 sqrt(1 + 8 d) of them
+PORT32 = [0.0, 1.12e-07, 1.19e-07, 1.51e-07, 1.62e-07, 1.70e-07, 2.05e-07, 2.29e-07, 2.44e-07]
+
+
+def _n(lv, n=480):
+    return Level(lv.q50, lv.q99, lv.c99, lv.sd, lv.bias, n)
+
+
+def _port(levels, n=480, dtypes=None):
+    return fit("float32", "float32", _states([_n(_lv(x), n) for x in levels]), dtypes)
+
+
+def test_an_fp32_port_trend_rules_under_the_default_and_a_jump_past_it_leaves():
+    m = _port(PORT32)
+    assert all(s.clean for s in m.states) and m.source == "measured trend"
+    p5 = noise.physical_default("float32", "float32", 5)
+    assert m.expected(5).q50 < p5.q50 / 5 and m.expected(5).q50 >= noise.one_rounding("float32", "float32", 0).q50
+    # layer4 at 8x the port's noise there (a perturbed weight of layer 3): under the default, off the trend
+    lv = list(PORT32)
+    lv[4:] = [8 * x for x in PORT32[4:]]
+    m = _port(lv)
+    assert m.first_jump is not None and m.first_jump.label == "layer4" and m.first_jump.why == "level"
+    assert 8 * PORT32[4] < p5.q50   # the default alone would have let it pass
+
+
+def test_the_default_rules_where_nothing_before_measured_the_pair():
+    p = noise.physical_default("float32", "float32", 4)
+    # bit for bit equal before it (every median 0): a layer that computes differently may add any
+    # rounding; the default, not one rounding, is its allowance
+    m = _port([0.0, 0.0, 0.0, 0.0, 8 * PORT32[4], 8 * PORT32[5]])
+    assert all(s.clean for s in m.states) and m.expected(4).q50 >= noise.physical_default("float32", "float32", 0).q50
+    # levels of few tokens: their medians wobble past JUMP
+    m = _port(PORT32[:4] + [8 * PORT32[4]], n=noise.TREND_TOKENS - 1)
+    assert m.first_jump is None and m.states[4].predicted >= p.q50
+    # another dtype pair before it (the states before computed in bf16 under autocast): says
+    # nothing of a float32 state's noise
+    dts = {f"layer{b}": ("bfloat16", "bfloat16") for b in range(1, 4)}
+    m = _port(PORT32[:4] + [8 * PORT32[4]], dtypes=dts)
+    assert m.first_jump is None and m.states[4].predicted >= p.q50
+    # the first computed state has only the embedding (a lookup) before it
+    m = _port([0.0, 20 * PORT32[1]])
+    assert m.first_jump is None
+
+
+def test_the_floor_under_a_trend_is_never_above_the_default_first_rounding():
+    for da, db in (("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float16", "float32"), ("float32", "float32")):
+        m = fit(da, db, _states([_n(_lv(x)) for x in [0.0, 1e-9, 1e-9, 1e-9]]))
+        p0 = noise.physical_default(da, db, 0)
+        for d in (1, 3, 8):
+            e = m.expected(d)
+            assert e.q50 <= max(p0.q50, 1e-9 * 1.5 ** 8) and e.q99 <= max(p0.q99, 2e-9 * 1.5 ** 8), (da, db, d)
+
+
+def test_packed_slots_that_measured_the_pair_rule_under_the_default():
+    # fp32 port, no catalog: slot layer1 measured at a tenth of the default; layer3 expects that,
+    # grown along the default, never under one rounding
+    p1, p3 = noise.physical_default("float32", "float32", 1), noise.physical_default("float32", "float32", 3)
+    lv1 = _n(Level(p1.q50 / 10, p1.q99 / 10, p1.c99 / 100, p1.sd / 10))
+    honest = _n(Level(p3.q50 / 10, p3.q99 / 10, p3.c99 / 100, p3.sd / 10))
+    m = noise.fit_slots(fit("float32", "float32", []), [("layer1", 1.0, lv1, 1.5 * lv1.q99, 0.0),
+                                                        ("layer3", 3.0, honest, 1.5 * honest.q99, 0.0)])
+    assert all(s.clean for s in m.slots) and m.expected(3).q50 == pytest.approx(p3.q50 / 10)
+    assert m.source == "default for fp32 vs fp32 scaled to the slots before it"
+    bug = _n(Level(p3.q50 / 2, p3.q99 / 2, p3.c99 / 4, p3.sd / 2))   # 5x the honest slot, half the default
+    m = noise.fit_slots(fit("float32", "float32", []), [("layer1", 1.0, lv1, 1.5 * lv1.q99, 0.0),
+                                                        ("layer3", 3.0, bug, 1.5 * bug.q99, 0.0)])
+    assert not m.slots[1].clean
+    # measured on few tokens, the slot before keeps the default
+    few = Level(*[getattr(lv1, f) for f in ("q50", "q99", "c99", "sd", "bias")], noise.TREND_TOKENS - 1)
+    m = noise.fit_slots(fit("float32", "float32", []), [("layer1", 1.0, few, 1.5 * few.q99, 0.0),
+                                                        ("layer3", 3.0, bug, 1.5 * bug.q99, 0.0)])
+    assert m.slots[1].clean and m.expected(3) == p3

@@ -531,3 +531,35 @@ def test_a_last_layer_bug_on_sketches_is_a_divergence_not_a_final_norm_wiring_cl
             assert first.tensor == "layer8" and first.kind == "numeric", (side, reference.name, first.message)
             said = [f.message for f in res.findings if f.kind == "slot_identity" and f.severity != "info"]
             assert not [m for m in said if "final_norm" in m], (side, reference.name, said)
+
+
+def _eager(root, name, perturb=None):
+    """The trained model in float32 with eager attention (the recorder's default is SDPA): an fp32
+    port, its noise a few roundings; ``perturb``: (layer, m) its weights x (1 + m N(0, 1))."""
+    import json
+
+    model = trained.variant_model(root, name, perturb=perturb)
+    cfg = json.loads((model / "config.json").read_text())
+    if cfg.get("_attn_implementation") != "eager":
+        cfg["_attn_implementation"] = "eager"
+        (model / "config.json").write_text(json.dumps(cfg, indent=2))
+    out = root / f"{name}.h5"
+    if not out.exists():
+        trained.record(out, "float32", model=model)
+    return out
+
+
+def test_an_fp32_port_is_judged_against_its_measured_noise_not_the_fp32_default(tr, root):
+    """fp32 SDPA against fp32 eager attention: the states differ by one to four roundings. The
+    correct pair agrees in both orders; decoder layer 3's weights x (1 + 1e-5 N(0, 1)) move layer4
+    by 8x the port's noise there, far under the fp32 default (16 roundings per rounding it
+    allows) that read "agree": named at layer4 against the measured trend."""
+    port = _eager(root, "eager")
+    for res, side in _orders(tr["float32"], port):
+        assert res.exit_code == 0 and res.verdict == "agree", (side, _not_info(res))
+    bug = _eager(root, "eager-w3", perturb=(3, 1e-5))
+    for res, side in _orders(tr["float32"], bug):
+        assert res.exit_code == 1, (side, res.headline())
+        f = res.first_divergence
+        assert f.tensor == "layer4" and f.kind == "numeric", (side, f.message)
+        assert "measured trend" in f.message, (side, f.message)
