@@ -43,6 +43,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import logprobs as lpmod
+from . import rl_replay
 from . import routing as routing_mod
 from . import weights as wmod
 from .align import RowMaps, SideTokens, align_tokens
@@ -562,10 +563,22 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
                                  "(the log-probs are of other tokens: a shift or a template difference)"))
     first = res.first_divergence
     first_numeric = first if first is not None and first.kind not in (Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH) else None
-    # 3. routing
+    # 3. routing (a replay of the rollout's routing that recomputes its weights first: rl_replay)
     rd = routing_mod.compare(a, b, al, maps)
+    rp = rl_replay.check(a, b, al, maps, {x["layer"]: x["flips"] for x in rd.layers} if rd is not None else None)
+    replay_cause = rl_replay.sentence(rp) if rp is not None else None
+    if rp is not None and replay_cause is None and (line := rl_replay.note(rp)):
+        notes.append(line)
+    if replay_cause is not None and rp is not None:
+        at = min(x["layer"] for x in rp.weights_recomputed)
+        fl = _layer_of(first_numeric)
+        if first_numeric is None or fl is None or fl > at:
+            causes.append(("routing", replay_cause))
+        else:
+            notes.append(f"  {replay_cause}")
     if rd is not None and rd.layers:
-        t.routing = {"tokens": rd.tokens, "flips": rd.flips, "layers": rd.layers}
+        t.routing = {"tokens": rd.tokens, "flips": rd.flips, "layers": rd.layers,
+                     "replay": rp.to_dict() if rp is not None else None}
         flipping = [x for x in rd.layers if x["flips"]]
         if not flipping:
             notes.append(f"  routing agrees: the same experts for all {rd.tokens} token-layer choices "

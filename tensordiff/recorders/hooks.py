@@ -427,7 +427,7 @@ class TrainerRecorder:
     def __init__(self, model: torch.nn.Module, recorder: Recorder, *, temperature: float = 1.0,
                  patterns: Sequence[str] = ("*embed_tokens", "*layers.*", "*.norm"),
                  exclude: Sequence[str] = ("*layers.*.*",), rules: Sequence[str | canon.Rule] = (),
-                 head: torch.nn.Module | None = None, weights: bool = True):
+                 head: torch.nn.Module | None = None, weights: bool = True, routing: bool = True):
         from ..trace.rl import sampling_params, write_sampling
 
         self.recorder = recorder
@@ -438,6 +438,17 @@ class TrainerRecorder:
         if not isinstance(head, torch.nn.Module):
             raise ValueError("no lm_head: pass head= (the module whose output is the logits)")
         self._head = head.register_forward_hook(self._on_logits)
+        self._routing = None
+        if routing:   # an HF MoE's routing as its experts are handed it (a routing replay shows)
+            from .routing import ExpertRoutingTaps
+            from .structure import find_decoder
+
+            try:
+                layers = find_decoder(model)[0]
+            except (ValueError, AttributeError):
+                layers = None
+            if layers is not None:
+                self._routing = ExpertRoutingTaps(layers, recorder, lambda: self.hooks.rows)
         self._ids: torch.Tensor | None = None
         self._first: int | None = None
         self._firsts: list[int] | None = None
@@ -505,3 +516,5 @@ class TrainerRecorder:
     def detach(self) -> None:
         self.hooks.detach()
         self._head.remove()
+        if self._routing is not None:
+            self._routing.remove()
