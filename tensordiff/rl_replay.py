@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .conventions import MOE_ROUTER_OWN
 from .routing import BLOCK, routing_layers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ROUTER_OWN", "ReplayCheck", "check", "router_own_layer"]
 
-ROUTER_OWN = "moe_router_own_layer"   # the name prefix the trainer's recorder writes (recorders.routing)
+ROUTER_OWN = MOE_ROUTER_OWN   # the name prefix the trainer's recorder writes (recorders.routing)
 #: a replay recomputes the weights where at least this share of the tokens whose router chose the
 #: handed ids were handed its own weights bit for bit (a replayed weight is the rollout's value)
 RECOMPUTED_SHARE = 0.99

@@ -43,7 +43,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import logprobs as lpmod
-from . import rl_replay
+from . import rl_lora, rl_replay
 from . import routing as routing_mod
 from . import weights as wmod
 from .align import RowMaps, SideTokens, align_tokens
@@ -227,7 +227,10 @@ def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
                          "rel": d.rel, "max_abs": d.max_abs, "estimated": d.estimated, "count": len(diffs),
                          "of": len(trainer.doc["parameters"]), "stale": stale,
                          "stale_since": prev.step if stale and prev is not None else None,
-                         "then": [x.where() for x in diffs[1:6]], "behind": _behind(trainer, s, prev, sb)}
+                         "then": [x.where() for x in diffs[1:6]], "behind": _behind(trainer, s, prev, sb),
+                         "lora": rl_lora.classify(trainer.doc, s.doc, prev.doc if prev is not None else None,
+                                                  [x.key for x in diffs], s.step, s.event,
+                                                  prev.step if prev is not None else None)}
         break
     return out
 
@@ -552,7 +555,8 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     if w is not None and w.get("mixed"):
         causes.append(("weights", _mixed_sentence(w["mixed"])))
     elif w is not None and w.get("differ"):
-        causes.append(("weights", _weights_sentence(w)))
+        lv = w["differ"].get("lora")   # a LoRA adapter the engine applies otherwise (rl_lora)
+        causes.append(("weights", rl_lora.sentence(lv) if lv else _weights_sentence(w)))
     # 2. tokens and positions
     tok = [f for f in res.findings if f.kind in (Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH)
            and f.severity == Severity.DIVERGENCE]

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from .. import conventions
-from ..rl_replay import ROUTER_OWN
 
 
 def routing_table(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -84,7 +83,7 @@ def router_own_name(layer: int) -> str:
     """The router's own choice in decoder layer ``layer``, recorded where the experts were handed
     another (a routing replay): same layout and role as ``moe_routing_layer<i>``
     (:mod:`tensordiff.rl_replay` reads it)."""
-    return f"{ROUTER_OWN}{int(layer)}"
+    return f"{conventions.MOE_ROUTER_OWN}{int(layer)}"
 
 
 class ExpertRoutingTaps:
