@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["classify", "sentence"]
+__all__ = ["classify", "sentence", "unmerged_note"]
 
 #: the relative rounding of a stored dtype (half an ulp): the noise of an engine's merged sample
 HALF_ULP = {"bfloat16": 2.0 ** -9, "float16": 2.0 ** -11, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
@@ -133,3 +133,12 @@ def sentence(v: dict[str, Any]) -> str:
             f"the trainer scales it by {v['trainer_words']} ({v['scaling']:.4g}; r {v['r']}, alpha {v['alpha']:g}): "
             f"its merged delta is {fit['c']:.4g} times the trainer's on all {n} adapted weights that differ (of {of}; "
             f"fitted over {fit['samples']} samples, residual at the engine's rounding)")
+
+
+def unmerged_note(v: dict[str, Any]) -> str:
+    """The engine's recorded weights are the base weights while its outputs agree with the
+    trainer's: it applies the adapter beside its linears (unmerged), which a weight record of its
+    linears does not show."""
+    return (f"LoRA: the engine's recorded weights are the base weights ({len(v['keys'])} adapted weights of "
+            f"{v['adapted']} hold no adapter), while its states and log-probs agree with the trainer's: it applies "
+            "the adapter beside its linears (unmerged), which its weight record does not show; not a cause")

@@ -556,7 +556,10 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
         causes.append(("weights", _mixed_sentence(w["mixed"])))
     elif w is not None and w.get("differ"):
         lv = w["differ"].get("lora")   # a LoRA adapter the engine applies otherwise (rl_lora)
-        causes.append(("weights", rl_lora.sentence(lv) if lv else _weights_sentence(w)))
+        if lv and lv.get("kind") == "no_adapter" and res.first_divergence is None and (c is None or c.agree):
+            notes.append("  " + rl_lora.unmerged_note(lv))
+        else:
+            causes.append(("weights", rl_lora.sentence(lv) if lv else _weights_sentence(w)))
     # 2. tokens and positions
     tok = [f for f in res.findings if f.kind in (Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH)
            and f.severity == Severity.DIVERGENCE]

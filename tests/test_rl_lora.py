@@ -162,3 +162,26 @@ def test_synced_adapter_agrees(work, adapters):
     for got in _both(*_pair(work, "synced", p1, merged(p1), steps=steps)):
         assert got.exit_code == 0, got.text()
         assert got.headline.startswith("no cause: weights, tokens and states agree"), got.text()
+
+
+def test_engine_without_the_adapter(work, adapters):
+    """The engine serves the base model (the adapter never loaded): its adapted weights are the base
+    ones and its states leave the trainer's."""
+    p0, _ = adapters
+    base = copy.deepcopy(p0).unload().to(torch.bfloat16).eval()
+    for got in _both(*_pair(work, "noadapter", p0, base)):
+        assert got.exit_code == 1 and got.cause == "weights", got.text()
+        assert got.headline.startswith("weights: the engine serves the base weights without the LoRA adapter: its "
+                                       "32 adapted weights (of 32) are the base weights"), got.headline
+
+
+def test_unmerged_adapter_recording_base_weights_is_no_cause(work, adapters):
+    """An engine applying the adapter beside its linears (as vLLM's LoRA does) records its base
+    weights only: its outputs agree with the trainer's, so the base weights are a note, not a cause."""
+    p0, _ = adapters
+    serving = copy.deepcopy(p0).to(torch.bfloat16).eval()
+    base = copy.deepcopy(p0).unload().to(torch.bfloat16).eval()
+    for got in _both(*_pair(work, "unmerged", p0, serving, steps=[(base, "start")])):
+        assert got.exit_code == 0, got.text()
+        assert any(line.startswith("  LoRA: the engine's recorded weights are the base weights") for line in got.lines), \
+            got.text()
