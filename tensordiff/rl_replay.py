@@ -89,9 +89,9 @@ def _own_layers(r: TraceSource) -> dict[int, str]:
 
 
 def check(a: TraceSource, b: TraceSource, al: TokenAlignment, maps: RowMaps,
-          flips: dict[int, int] | None = None) -> ReplayCheck | None:
+          layer_flips: dict[int, int] | None = None) -> ReplayCheck | None:
     """The replay seen in the traces (None: neither side's experts were handed other than its
-    router's own choice); ``flips``: {MoE layer: flips} of the routing comparison
+    router's own choice); ``layer_flips``: {MoE layer: flips} of the routing comparison
     (:func:`tensordiff.routing.compare`), for the layers the replay left as they were."""
     own_a, own_b = _own_layers(a), _own_layers(b)
     if not own_a and not own_b:
@@ -100,7 +100,7 @@ def check(a: TraceSource, b: TraceSource, al: TokenAlignment, maps: RowMaps,
     other = "b" if side == "a" else "a"
     lr, lo = routing_layers(r), routing_layers(o)
     out = ReplayCheck(side, moe_layers=len(set(lr) & set(lo)))
-    out.flips_elsewhere = sum(n for layer, n in (flips or {}).items() if layer not in own)
+    out.flips_elsewhere = sum(n for layer, n in (layer_flips or {}).items() if layer not in own)
     everything = np.arange(len(al))
     for layer in sorted(set(own) & set(lr) & set(lo)):
         hn, on, wn = lr[layer].name, lo[layer].name, own[layer]
