@@ -64,7 +64,7 @@ case "$mode" in
       fi
     fi
     # (both editable installs build tensordiff's kernels and egg-info in this tree: one at a time)
-    ( flock 9; pipi -e '.[torch,dev,ray,bench]' ) 9>.install.lock
+    ( flock 9; pipi -e '.[torch,dev,ray,bench,lora]' ) 9>.install.lock
     bash scripts/install-sglang-cpu.sh
     bash scripts/install-producers.sh
     vllm_rc=0; wait "$vllm_pid" || vllm_rc=$?

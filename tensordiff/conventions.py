@@ -265,6 +265,9 @@ SPEC_CHAIN = "spec_chain"          # serve only, on the spec_verify row: the dra
 MOE_ROUTING = "moe_routing"        # token_offset 0, one tensor per MoE layer, named moe_routing_layer<i> (i: the
 #   decoder layer, 0-based; its input is boundary i): [expert ids (k, ascending) | their router weights (k)], float64
 #   (tensordiff.routing compares them: routing flips per layer)
+# a trainer's router's own choice, named moe_router_own_layer<i>, role moe_routing, same layout: written
+#   where its experts were handed another (a routing replay; tensordiff.rl_replay reads both)
+MOE_ROUTER_OWN = "moe_router_own_layer"
 SAMPLED_LOGPROB = "sampled_logprob"  # token_offset 0, one row per generated token: row t is the row whose logits
 #   sampled token t+1 (the last prompt token's row for the first generated token), [sampled token id, log-prob],
 #   float64. Engine side: the log-prob the engine returned for it, as the RL framework receives it (raw or

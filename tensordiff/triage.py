@@ -43,7 +43,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import logprobs as lpmod
-from . import rl_cache
+from . import rl_cache, rl_lora, rl_replay
 from . import routing as routing_mod
 from . import weights as wmod
 from .align import RowMaps, SideTokens, align_tokens
@@ -229,7 +229,10 @@ def weights_step(a: TraceSource, b: TraceSource) -> dict[str, Any] | None:
                          "rel": d.rel, "max_abs": d.max_abs, "estimated": d.estimated, "count": len(diffs),
                          "of": len(trainer.doc["parameters"]), "stale": stale,
                          "stale_since": prev.step if stale and prev is not None else None,
-                         "then": [x.where() for x in diffs[1:6]], "behind": _behind(trainer, s, prev, sb)}
+                         "then": [x.where() for x in diffs[1:6]], "behind": _behind(trainer, s, prev, sb),
+                         "lora": rl_lora.classify(trainer.doc, s.doc, prev.doc if prev is not None else None,
+                                                  [x.key for x in diffs], s.step, s.event,
+                                                  prev.step if prev is not None else None)}
         break
     return out
 
@@ -554,7 +557,11 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
     if w is not None and w.get("mixed"):
         causes.append(("weights", _mixed_sentence(w["mixed"])))
     elif w is not None and w.get("differ"):
-        causes.append(("weights", _weights_sentence(w)))
+        lv = w["differ"].get("lora")   # a LoRA adapter the engine applies otherwise (rl_lora)
+        if lv and lv.get("kind") == "no_adapter" and res.first_divergence is None and (c is None or c.agree):
+            notes.append("  " + rl_lora.unmerged_note(lv))
+        else:
+            causes.append(("weights", rl_lora.sentence(lv) if lv else _weights_sentence(w)))
     # 2. tokens and positions
     tok = [f for f in res.findings if f.kind in (Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH)
            and f.severity == Severity.DIVERGENCE]
@@ -565,10 +572,22 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
                                  "(the log-probs are of other tokens: a shift or a template difference)"))
     first = res.first_divergence
     first_numeric = first if first is not None and first.kind not in (Kind.TOKEN_SHIFT, Kind.TOKEN_MISMATCH) else None
-    # 3. routing
+    # 3. routing (a replay of the rollout's routing that recomputes its weights first: rl_replay)
     rd = routing_mod.compare(a, b, al, maps)
+    rp = rl_replay.check(a, b, al, maps, {x["layer"]: x["flips"] for x in rd.layers} if rd is not None else None)
+    replay_cause = rl_replay.sentence(rp) if rp is not None else None
+    if rp is not None and replay_cause is None and (line := rl_replay.note(rp)):
+        notes.append(line)
+    if replay_cause is not None and rp is not None:
+        at = min(x["layer"] for x in rp.weights_recomputed)
+        fl = _layer_of(first_numeric)
+        if first_numeric is None or fl is None or fl > at:
+            causes.append(("routing", replay_cause))
+        else:
+            notes.append(f"  {replay_cause}")
     if rd is not None and rd.layers:
-        t.routing = {"tokens": rd.tokens, "flips": rd.flips, "layers": rd.layers}
+        t.routing = {"tokens": rd.tokens, "flips": rd.flips, "layers": rd.layers,
+                     "replay": rp.to_dict() if rp is not None else None}
         flipping = [x for x in rd.layers if x["flips"]]
         if not flipping:
             notes.append(f"  routing agrees: the same experts for all {rd.tokens} token-layer choices "

@@ -162,7 +162,10 @@ class ModuleHookRecorder:
         """The canonical names this module's value records under (None: its module path)."""
         if not self._canon_on:
             return None
-        return canon.canonical(qual, direction, self.implementation, self.num_layers, self.rules)
+        from .peft_names import canonical_module
+
+        q = canonical_module(qual)   # through PEFT's adapter wrappers; None: the adapter's own parts
+        return None if q is None else canon.canonical(q, direction, self.implementation, self.num_layers, self.rules)
 
     def attach(self) -> ModuleHookRecorder:
         if self._handles:
@@ -312,7 +315,9 @@ def _model_config(module: torch.nn.Module) -> dict:
 def _known_implementation(module: torch.nn.Module, config: dict) -> str | None:
     """``hf``/``sglang``/``vllm`` when the model's class comes from there and its family is in the
     table (:data:`tensordiff.names.KNOWN_MODEL_TYPES`); None otherwise."""
-    impl = canon.implementation_of(type(module).__module__)
+    from .peft_names import unwrap
+
+    impl = canon.implementation_of(type(unwrap(module)).__module__)   # a PEFT model: the one it wraps
     if impl is None or config.get("model_type") not in canon.KNOWN_MODEL_TYPES:
         return None
     return impl
@@ -379,10 +384,13 @@ def weight_fingerprints(model: torch.nn.Module, source: str = "") -> dict[str, A
     ``cast_sha256``: ``{dtype: sha256 of its bytes cast to dtype}`` (:data:`CAST_DTYPES`)."""
     import hashlib
 
+    from .peft_names import is_peft, lora_fingerprints
     from .weights_fp import model_fingerprints
 
-    doc = model_fingerprints(model, source)
-    state = model.state_dict()
+    if is_peft(model):   # the merged weights, named as the served model names them
+        doc, state = lora_fingerprints(model, source)
+    else:
+        doc, state = model_fingerprints(model, source), model.state_dict()
     with torch.no_grad():
         for e in doc["parameters"]:
             t = state.get(e.get("name"))
@@ -427,7 +435,7 @@ class TrainerRecorder:
     def __init__(self, model: torch.nn.Module, recorder: Recorder, *, temperature: float = 1.0,
                  patterns: Sequence[str] = ("*embed_tokens", "*layers.*", "*.norm"),
                  exclude: Sequence[str] = ("*layers.*.*",), rules: Sequence[str | canon.Rule] = (),
-                 head: torch.nn.Module | None = None, weights: bool = True):
+                 head: torch.nn.Module | None = None, weights: bool = True, routing: bool = True):
         from ..trace.rl import sampling_params, write_sampling
 
         self.recorder = recorder
@@ -438,6 +446,17 @@ class TrainerRecorder:
         if not isinstance(head, torch.nn.Module):
             raise ValueError("no lm_head: pass head= (the module whose output is the logits)")
         self._head = head.register_forward_hook(self._on_logits)
+        self._routing = None
+        if routing:   # an HF MoE's routing as its experts are handed it (a routing replay shows)
+            from .routing import ExpertRoutingTaps
+            from .structure import find_decoder
+
+            try:
+                layers = find_decoder(model)[0]
+            except (ValueError, AttributeError):
+                layers = None
+            if layers is not None:
+                self._routing = ExpertRoutingTaps(layers, recorder, lambda: self.hooks.rows)
         self._ids: torch.Tensor | None = None
         self._first: int | None = None
         self._firsts: list[int] | None = None
@@ -505,3 +524,5 @@ class TrainerRecorder:
     def detach(self) -> None:
         self.hooks.detach()
         self._head.remove()
+        if self._routing is not None:
+            self._routing.remove()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import conventions
@@ -74,3 +75,79 @@ def hf_router_modules(layers: torch.nn.ModuleList) -> dict[int, torch.nn.Module]
 
 def name_of(layer: int) -> str:
     return conventions.moe_routing_name(layer)
+
+
+# -- a trainer's forward: what the experts are handed, and the router's own choice where it was replaced --
+
+def router_own_name(layer: int) -> str:
+    """The router's own choice in decoder layer ``layer``, recorded where the experts were handed
+    another (a routing replay): same layout and role as ``moe_routing_layer<i>``
+    (:mod:`tensordiff.rl_replay` reads it)."""
+    return f"{conventions.MOE_ROUTER_OWN}{int(layer)}"
+
+
+class ExpertRoutingTaps:
+    """The routing an MoE's experts are handed in a trainer's forward, which a routing replay
+    ("R3": the rollout's expert ids, and its weights, fed to the trainer's experts) makes other
+    than its router's own choice. Two taps per MoE layer of an HF model:
+
+    * a forward hook on ``mlp.experts`` (its arguments as it ran: ``(hidden, top_k_index,
+      top_k_weights)``, after any pre-hook or a patched gate replaced them) writes
+      ``moe_routing_layer<i>``: what the experts used, so the trainer's table is compared with the
+      rollout's for what the forward computed;
+    * a forward hook on ``mlp.gate`` put ahead of any other (``prepend``: it sees the router's own
+      output before a user's replay hook rewrites it) keeps the router's own table; where the
+      experts were handed another (ids or weights not bitwise the router's), it is written as
+      ``moe_router_own_layer<i>``. A replay is thus seen in the trace, and so is whether its
+      weights are the router's own (recomputed) or another's (replayed).
+
+    ``rows``: the current forward's token rows (None outside a forward)."""
+
+    def __init__(self, layers: torch.nn.ModuleList, recorder: Any, rows: Any):
+        self.recorder = recorder
+        self._rows = rows
+        self._own: dict[int, torch.Tensor] = {}
+        self.handles: list[Any] = []
+        for i, gate in hf_router_modules(layers).items():
+            experts = getattr(getattr(layers[i], "mlp", None), "experts", None)
+            if not isinstance(experts, torch.nn.Module):
+                continue
+            self.handles.append(gate.register_forward_hook(self._gate_hook(i), prepend=True))
+            self.handles.append(experts.register_forward_hook(self._experts_hook(i, gate), with_kwargs=True))
+
+    @property
+    def layers(self) -> int:
+        return len(self.handles) // 2
+
+    def _gate_hook(self, layer: int) -> Any:
+        def hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
+            got = ids_and_weights(output)
+            if got is not None:
+                self._own[layer] = routing_table(got[0].detach(), got[1].detach())
+        return hook
+
+    def _experts_hook(self, layer: int, gate: torch.nn.Module) -> Any:
+        def hook(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            own = self._own.pop(layer, None)
+            rows = self._rows()
+            got = ids_and_weights(tuple(args) + tuple(kwargs.values()))
+            if rows is None or got is None or got[0].shape[0] != np.asarray(rows).size:
+                return
+            flat = np.asarray(rows).reshape(-1)
+            table = routing_table(got[0].detach(), got[1].detach())
+            k = table.shape[-1] // 2
+            attrs = routing_attrs(layer, k, getattr(gate, "num_experts", None),
+                                  f"{type(mod).__name__} input (HF, what the experts were handed)")
+            self.recorder.plain(name_of(layer), table, flat, role=conventions.MOE_ROUTING, order=layer + 0.5,
+                                attrs=attrs)
+            if own is not None and own.shape == table.shape and not torch.equal(own, table):
+                self.recorder.plain(router_own_name(layer), own, flat, role=conventions.MOE_ROUTING,
+                                    order=layer + 0.5, attrs=routing_attrs(layer, k, getattr(gate, "num_experts", None),
+                                                                           f"{type(gate).__name__} output (HF, the "
+                                                                           "router's own choice, replaced)"))
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

@@ -27,7 +27,11 @@ def get_path(obj: Any, path: str) -> Any:
 
 
 def find_decoder(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, torch.nn.Module, str]:
-    """(decoder layers, final norm, dotted path of the layers) of a causal LM."""
+    """(decoder layers, final norm, dotted path of the layers) of a causal LM (under its PEFT
+    adapter wrappers, where it has them)."""
+    from .peft_names import unwrap
+
+    model = unwrap(model)
     for path in _LAYER_PATHS:
         layers = get_path(model, path)
         if isinstance(layers, torch.nn.ModuleList) and len(layers):
