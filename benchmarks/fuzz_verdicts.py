@@ -23,6 +23,8 @@ recorded difference exiting 1). A miss: wrong, a false alarm, or agree at 3x the
 Prints a table by kind and by depth, the detection limit per kind (the largest size still judged
 ``agree``: every bug of that kind above it was found), named_rate_at_3x and the seed of every miss.
 ``--json F`` writes the figures. Exit 0 whatever the figures; 2 on bad input (one line).
+``--tier rl``: trainer/rollout pairs judged on ``tensordiff triage --json`` (benchmarks/fuzz/rl.py;
+its kinds: catalog.RL_KINDS; replay a miss with ``--tier rl --seed SEED --n 1``).
 ``--tier slow``: the bug on the engine side of a real SGLang run on the CPU (a weight of the served
 checkpoint, the served config's rope theta or norm eps, the served draft's aux ids), judged against
 the HF train side recorded from the engine's outputs (benchmarks/fuzz/engine.py); one engine start
@@ -83,10 +85,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=None, help="the first scenario's seed (default: fresh, from the clock)")
     ap.add_argument("--n", type=int, default=50, help="scenarios (seeds SEED .. SEED+N-1)")
     ap.add_argument("--kinds", help=f"comma-separated bug kinds (default: all): {', '.join(bugs.KINDS)}; "
-                                    f"or families: {', '.join(bugs.FAMILIES)}")
+                                    f"or families: {', '.join(bugs.FAMILIES)}; with --tier rl: {', '.join(bugs.RL_KINDS)}")
     ap.add_argument("--models", help=f"comma-separated models (default: all): {', '.join(MODELS)}")
-    ap.add_argument("--tier", choices=["fast", "slow"], default="fast",
-                    help="fast: HF against HF; slow: HF against real SGLang on the CPU, the bug on the engine side")
+    ap.add_argument("--tier", choices=["fast", "slow", "rl"], default="fast",
+                    help="fast: HF against HF; slow: HF against real SGLang on the CPU, the bug on the engine side; "
+                         "rl: a trainer against its rollout, judged on `tensordiff triage` (benchmarks/fuzz/rl.py)")
     ap.add_argument("--json", help="write the figures and every scenario here")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--report", nargs="+", metavar="F", help="run nothing: print the tables of these --json files together")
@@ -97,8 +100,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--n must be at least 1, not {a.n}")
     try:
         kinds: tuple[str, ...] = ()
-        for k in _names(a.kinds, bugs.KINDS + tuple(f for f in bugs.FAMILIES if f not in bugs.KINDS), "kind"):
-            kinds += bugs.FAMILIES.get(k, (k,))
+        if a.tier == "rl":
+            kinds = _names(a.kinds, tuple(bugs.RL_KINDS), "kind")
+        else:
+            for k in _names(a.kinds, bugs.KINDS + tuple(f for f in bugs.FAMILIES if f not in bugs.KINDS), "kind"):
+                kinds += bugs.FAMILIES.get(k, (k,))
         a.kinds = tuple(dict.fromkeys(kinds))
         a.models = _names(a.models, MODELS, "model")
     except ValueError as e:
@@ -127,7 +133,8 @@ def _kinds_given(argv: list[str] | None) -> bool:
 
 
 def _depth(r: dict[str, Any]) -> str:
-    if r["family"] in ("wiring", "tokens", "none") or r["kind"] in ("weight_stale", "rope_theta", "rotary_dims"):
+    if r["family"] in ("wiring", "tokens", "none") or r["family"].startswith("rl-") or \
+            r["kind"] in ("weight_stale", "rope_theta", "rotary_dims"):
         return "-"
     from fuzz.models import model
     n = model(r["model"]).layers
@@ -146,7 +153,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         found_x = [r["x"] for r in ks if r["outcome"] in ("named", "found_elsewhere") and r["x"] is not None]
         kb = [r for r in ks if r in big]
         per_kind[kind] = {
-            "scenarios": len(ks), **{o: c.get(o, 0) for o in OUTCOMES},
+            "family": ks[0]["family"], "scenarios": len(ks), **{o: c.get(o, 0) for o in OUTCOMES},
             "detection_limit": max(agree_x) if agree_x else None,
             "smallest_found": min(found_x) if found_x else None,
             "named_rate_at_3x": (sum(r["outcome"] == "named" for r in kb) / len(kb)) if kb else None,
@@ -174,20 +181,23 @@ def print_tables(s: dict[str, Any], results: list[dict[str, Any]], seeds: str) -
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for kind, k in s["per_kind"].items():
         rate = "-" if k["named_rate_at_3x"] is None else f"{k['named_rate_at_3x']:.0%}"
-        print(f"| {bugs.FAMILY[kind]} | {kind} | {k['scenarios']} | {k['named']} | {k['found_elsewhere']} | {k['agree']} "
+        print(f"| {k['family']} | {kind} | {k['scenarios']} | {k['named']} | {k['found_elsewhere']} | {k['agree']} "
               f"| {k['wrong']} | {k['false_alarm']} | {rate} | {_fx(k['detection_limit'])} | {_fx(k['smallest_found'])} |")
-    print("\n## numeric bugs (weights, config, code) by depth of the injected layer\n")
-    print("| depth | named | found elsewhere | agree | wrong |")
-    print("|---|---|---|---|---|")
-    for d, c in s["per_depth"].items():
-        print(f"| {d} | {c.get('named', 0)} | {c.get('found_elsewhere', 0)} | {c.get('agree', 0)} | {c.get('wrong', 0)} |")
+    if any(s["per_depth"].values()):   # the RL tier's kinds have no depth
+        print("\n## numeric bugs (weights, config, code) by depth of the injected layer\n")
+        print("| depth | named | found elsewhere | agree | wrong |")
+        print("|---|---|---|---|---|")
+        for d, c in s["per_depth"].items():
+            print(f"| {d} | {c.get('named', 0)} | {c.get('found_elsewhere', 0)} | {c.get('agree', 0)} "
+                  f"| {c.get('wrong', 0)} |")
     rate = "-" if s["named_rate_at_3x"] is None else f"{s['named_rate_at_3x']:.1%}"
     found = "-" if s["found_rate_at_3x"] is None else f"{s['found_rate_at_3x']:.1%}"
     print(f"\nnamed_rate_at_3x {rate} of {s['at_3x']} bugs at 3x the noise or more (found at all: {found}); "
           f"wrong {s['wrong']}, false alarms {s['false_alarms']}, misses {s['misses']}")
     misses = [r for r in results if r["miss"]]
     if misses:
-        print("\n## misses (replay one: benchmarks/fuzz_verdicts.py --seed SEED --n 1)\n")
+        tier = " --tier rl" if any(r["order"] in ("TR", "RT") for r in misses) else ""
+        print(f"\n## misses (replay one: benchmarks/fuzz_verdicts.py{tier} --seed SEED --n 1)\n")
         for r in misses:
             print(f"- seed {r['seed']}: {r['outcome']} ({r['why']}): {r['kind']} layer {r['layer']} on {r['model']} "
                   f"{r['dtypes']} {r['mode']} {r['order']}, x {_fx(r['x'])}, truth {r['truth']}, "
@@ -220,7 +230,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     with Progress(*cols, disable=a.no_progress, transient=True) as bar:
         task = bar.add_task("", total=a.n)
         for i in range(a.n):
-            if engine is not None:
+            if a.tier == "rl":
+                from fuzz import rl as R
+                rsc = R.draw(seed + i, a.kinds, a.models)
+                kind, where = rsc.kind, rsc.model
+                r = R.as_dict(R.execute(rsc))
+            elif engine is not None:
                 esc = E.draw(seed + i, a.kinds)
                 kind, where = esc.kind, "SGLang"
                 r = S.as_dict(engine.execute(esc))
@@ -305,7 +320,8 @@ def _check_result(r: Any) -> None:
         v = r.get(k)
         if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
             raise TypeError(f"a scenario's {k} is {type(v).__name__}")
-    if r["kind"] not in bugs.FAMILY or r["model"] not in MODELS or r["outcome"] not in OUTCOMES:
+    known = r["kind"] in bugs.FAMILY or r["kind"] in bugs.RL_FAMILY
+    if not known or r["model"] not in MODELS or r["outcome"] not in OUTCOMES:
         raise ValueError("a scenario names a kind, model or outcome this catalog does not know")
     if not 0 <= r["layer"] < 10_000 or (isinstance(r["x"], float) and not math.isfinite(r["x"])):
         raise ValueError("a scenario's layer or x is out of range")

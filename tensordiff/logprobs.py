@@ -227,7 +227,9 @@ def _raw(c: LogprobComparison, ra: TraceSource, rb: TraceSource, ma: NDArray[np.
         return
     ids = np.asarray(_read(ra, SAMPLED_LOGPROB, ma)[:, 0], dtype=np.int64)
     best: tuple[float, str] | None = None
-    for which, other, rows, lp in (("b_raw", ra, ma, c.lp_b), ("a_raw", rb, mb, c.lp_a)):
+    for which, other, rows, lp, t_other in (("b_raw", ra, ma, c.lp_b, ta), ("a_raw", rb, mb, c.lp_a, tb)):
+        if t_other is not None and (t_other == 0 or math.isclose(t_other, 1.0)):
+            continue   # the other side divides by no temperature: its raw log-probs are its own, no sign of one
         raw = _raw_logprob(other, rows, ids)
         if raw is None:
             continue

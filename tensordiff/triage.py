@@ -598,7 +598,9 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
             first_layer = _layer_of(first_numeric)
             explains = first_numeric is None or first_layer is None or first_layer > lay["layer"]
             lp_out = c is not None and not c.agree
-            if explains and (first_numeric is not None or lp_out):
+            # with every state within the noise, the flips are the cause only where the log-prob gap sits on them
+            gap_on_flips = lp_out and c is not None and c.tokens > 0 and _flips_carry(c, al.code_a, flip_at)
+            if explains and (first_numeric is not None or gap_on_flips):
                 f0 = lay["first"] or {}
                 causes.append(("routing", f"routing: MoE router choices flip first at layer {lay['layer']} "
                                           f"({lay['flips']} of {lay['tokens']} tokens, first at sequence "
@@ -696,14 +698,30 @@ def _offset_causes(ta: float | None, tb: float | None, mode_b: str | None) -> st
             "one side (the returned log-probs renormalised over a top-k / top-p set, or another logit scale)")
 
 
-def _flips_explain(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at: NDArray[np.bool_]) -> str:
-    """Whether the log-prob gap sits on the tokens at or after a routing flip in their sequence."""
+def _after_flips(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at: NDArray[np.bool_]) -> NDArray[np.bool_]:
+    """Which sampled tokens come at or after a routing flip in their sequence."""
     seq, pos = codes >> SEQ_BITS, codes & POS_MASK
     first: dict[int, int] = {}
     for s_, p_ in zip(seq[flip_at], pos[flip_at]):
         first[int(s_)] = min(first.get(int(s_), int(p_)), int(p_))
     ls, lp = seq[c.index], pos[c.index]
-    after = np.array([int(p_) >= first.get(int(s_), 1 << 62) for s_, p_ in zip(ls, lp)], dtype=bool)
+    return np.array([int(p_) >= first.get(int(s_), 1 << 62) for s_, p_ in zip(ls, lp)], dtype=bool)
+
+
+def _flips_carry(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at: NDArray[np.bool_]) -> bool:
+    """Whether the log-prob gap sits on the tokens at or after a flip (as :func:`_flips_explain` says it)."""
+    after = _after_flips(c, codes, flip_at)
+    d = np.abs(c.diff)
+    if not (~after).any():
+        return bool(after.any())
+    if not after.any() or d.sum() <= 0:
+        return False
+    return bool(d[after].sum() / d.sum() >= 0.5 and not float(d[~after].mean()) > float(d[after].mean()))
+
+
+def _flips_explain(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at: NDArray[np.bool_]) -> str:
+    """Whether the log-prob gap sits on the tokens at or after a routing flip in their sequence."""
+    after = _after_flips(c, codes, flip_at)
     d = np.abs(c.diff)
     ma = float(d[after].mean()) if after.any() else float("nan")
     mb = float(d[~after].mean()) if (~after).any() else float("nan")

@@ -31,3 +31,47 @@ ENGINE_KINDS: dict[str, tuple[float, float] | None] = {
     "norm_eps": (1e-4, 0.3),         # rms_norm_eps = m in the served config (every norm)
     "aux_ids": None,                 # the served draft's aux ids one lower: one boundary earlier
 }
+
+#: the RL tier's kinds (benchmarks/fuzz/rl.py): a trainer/rollout pair judged on ``tensordiff triage``.
+#: kind -> (family, the side the bug is on, the knob's range or None: as it is)
+RL_KINDS: dict[str, tuple[str, str, tuple[float, float] | None]] = {
+    "none": ("none", "-", None),
+    "temperature": ("sampling", "trainer", (1e-3, 0.3)),      # the trainer divides by T (1 +- m)
+    "top_p": ("sampling", "rollout", (0.5, 0.995)),           # processed log-probs of a top-p set, p
+    "top_k": ("sampling", "rollout", (2.0, 64.0)),            # processed log-probs of a top-k set, k
+    "stale_param": ("weights", "rollout", (1e-6, 1e-2)),      # one or every parameter one step behind; the step's lr
+    "retokenized": ("tokens", "trainer", None),               # the trainer re-tokenises a response (a merge)
+    "missing_bos": ("tokens", "trainer", None),               # the trainer's sequences lack the rollout's BOS
+    "decode_kv_precision": ("engine", "rollout", None),       # K/V rounded to bf16 / fp8 where decode reads them
+    "mask_lost_one_seq": ("trainer", "trainer", None),        # one sequence of a padded micro-batch unmasked
+}
+RL_FAMILY = {k: f"rl-{v[0]}" if k != "none" else "none" for k, v in RL_KINDS.items()}
+RL_DTYPE_PAIRS = (("bfloat16", "float32"), ("float32", "float32"))   # rollout / trainer
+
+#: The RL judge's table, written from docs/rl.md's order of evidence (not from the tool's output):
+#: kind -> (the causes that name it, the causes that are true but less precise). A cause is
+#: triage's JSON ``cause`` refined by its sentence (benchmarks/fuzz/rl.py ``cause_of``):
+#: sampling, weights, tokens, routing, logits, incomplete; layer:decode (the engine's decode path,
+#: or the onset exactly where the decode passes start), layer:positions (rope / position ids),
+#: layer:sequences (a few sequences of a batch), layer:states (the first state out of the noise);
+#: logprobs:modes (raw against processed, from the records), logprobs:offset (a systematic offset
+#: with the logits agreeing), logprobs:beyond (log-probs out of the noise, the states agreeing).
+#: Any other cause of an exit 1 is a wrong cause.
+RL_ACCEPT: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "none": (frozenset(), frozenset()),
+    # step 0: recorded temperatures that differ are a fact; an offset offering a one-sided temperature is true
+    "temperature": (frozenset({"sampling"}), frozenset({"logprobs:offset", "logprobs:beyond"})),
+    # step 5: the logits agree, the sampled tokens' log-probs carry an offset (renormalised over a set)
+    "top_p": (frozenset({"logprobs:offset"}), frozenset({"logprobs:beyond"})),
+    "top_k": (frozenset({"logprobs:offset"}), frozenset({"logprobs:beyond"})),
+    # step 1: stale after update step k / the engine serves step k-1's weights; the states are downstream
+    "stale_param": (frozenset({"weights"}), frozenset({"layer:states", "logprobs:beyond"})),
+    # step 2: shifted or mismatched tokens
+    "retokenized": (frozenset({"tokens"}), frozenset()),
+    # a missing BOS shifts every token and position by one: tokens, or the positions from there on
+    "missing_bos": (frozenset({"tokens"}), frozenset({"layer:positions"})),
+    # step 4: onset where the decode passes start (the third trace tells the decode path apart)
+    "decode_kv_precision": (frozenset({"layer:decode"}), frozenset({"layer:states", "logprobs:beyond"})),
+    # step 4: the error sits in a few sequences (their attention mask or padding)
+    "mask_lost_one_seq": (frozenset({"layer:sequences"}), frozenset({"layer:states"})),
+}
