@@ -46,6 +46,18 @@ detection rate per magnitude bin and the false-alarm count. ``--json FILE`` writ
 layer k of the bf16 side, diffed against fp32 in both orders; no allowance of a state before depth
 k may move by more than 10% against the correct pair's. Prints the worst move per kind; exit 1 on
 a violation. ``--random`` takes the random-weight model even where the trained one exists.
+The op kinds below are in the sweep too (decoder layer k-1 computes the op wrong; the last layer's
+shows at final_norm); ``--kinds`` runs only the kinds named.
+
+``--op-kinds`` runs only the op kinds, a port's bug inside one decoder layer k (L/2 - 1), each
+re-recorded in bf16 with the loaded HF model edited (:data:`OP_KINDS`: the softmax scale times
+(1 + s), the activation (1 - s) SiLU + s GELU-tanh, the attention output added times (1 + s), the
+query rotated at p + s), at sizes up to the whole bug, recorded plain and zoomed into layer k and
+diffed against fp32 in both orders: whether the plain diff leads with the boundary after layer k,
+the zoom with the kind's tap and its signature (a difference nothing downstream shows: a note
+naming it), and from which size in noise units each holds. Then the correct pairs (fp32, bf16,
+fp16, fp32 recorded again, fp32 against bf16 zoomed into every layer), both orders: every exit 1
+is a false alarm.
 """
 
 from __future__ import annotations
@@ -746,7 +758,7 @@ def _from(rows: list[dict[str, Any]], key: str, x: str) -> str:
 
 
 def op_kinds(d: Path, model: Model, prompts_file: Path, base: dict[str, Path], quick: bool,
-             kinds: list[str] | None = None) -> dict[str, Any]:
+             kinds: list[str] | None = None, correct: bool = True) -> dict[str, Any]:
     """The op kinds' detection limits at one depth (decoder layer L/2 - 1) and the correct pairs'
     false alarms; prints the tables, returns the figures."""
     k = max(0, model.layers // 2 - 1)
@@ -792,7 +804,7 @@ def op_kinds(d: Path, model: Model, prompts_file: Path, base: dict[str, Path], q
         print(f"| {kind} | {OP_KINDS[kind][0]} | {OP_KINDS[kind][1]} | {limits[kind]['boundary']} | "
               f"{limits[kind]['op']} | {limits[kind]['signature']} | s = {whole['s']:g}: {fmt_x(whole['x'])}, "
               f"{fmt_x(whole['x_op'])}; {w} |")
-    corr = correct_op_pairs(d, model, prompts_file, base)
+    corr = correct_op_pairs(d, model, prompts_file, base) if correct else []
     bad = [c for c in corr if c["rc"] != 0]
     print(f"\nfalse alarms ({model.label}): {sum(c['rc'] == 1 for c in bad)} of {len(corr)} correct-pair runs exit 1 "
           f"({len(corr) // 2} pairs, both orders); {time.monotonic() - t0:.0f} s, load {os.getloadavg()[0]:.2f}")
@@ -873,6 +885,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the op kinds (a bug inside one decoder layer): detection limits plain and zoomed, "
                          "and the false alarms of the correct pairs (plain and zoomed into every layer)")
     ap.add_argument("--kinds", nargs="*", default=[], help="only these kinds (--upstream-sweep, --op-kinds)")
+    ap.add_argument("--no-correct", action="store_true", help="--op-kinds without the correct pairs")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     res = Result("bench_sensitivity", config={"quick": a.quick, "engines": a.engines, "layers": a.layers})
@@ -907,7 +920,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.upstream_sweep:
             return upstream_sweep(d, model, pfile, base, st, a.seed, a.kinds)
         if a.op_kinds:
-            figures = op_kinds(d, model, pfile, base, a.quick, [k for k in a.kinds if k in OP_KINDS] or None)
+            figures = op_kinds(d, model, pfile, base, a.quick, [k for k in a.kinds if k in OP_KINDS] or None,
+                               correct=not a.no_correct)
             res.write(a.json, figures)
             return 0
         noise = {f"HF {SHORT[dt]}": noise_rows(st["float32"], st[dt]) for dt in DTYPES[1:]}
