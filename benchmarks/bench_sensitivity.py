@@ -904,6 +904,8 @@ def main(argv: list[str] | None = None) -> int:
             prompts = load_prompts(a.prompts) if a.prompts else held_out
             if a.quick and not a.op_kinds:   # the attention's fits need 2 x heads x head_dim tokens
                 prompts = dict(list(prompts.items())[:3])
+        elif a.op_kinds:   # the attention's fits need 2 x heads x head_dim tokens (512 on the random model)
+            prompts = default_prompts(10, 64, vocab)
         else:
             prompts = default_prompts(2 if a.quick else 6, 32 if a.quick else 64, vocab)
         pfile = d / "prompts.jsonl"
