@@ -46,6 +46,18 @@ detection rate per magnitude bin and the false-alarm count. ``--json FILE`` writ
 layer k of the bf16 side, diffed against fp32 in both orders; no allowance of a state before depth
 k may move by more than 10% against the correct pair's. Prints the worst move per kind; exit 1 on
 a violation. ``--random`` takes the random-weight model even where the trained one exists.
+The op kinds below are in the sweep too (decoder layer k-1 computes the op wrong; the last layer's
+shows at final_norm); ``--kinds`` runs only the kinds named.
+
+``--op-kinds`` runs only the op kinds, a port's bug inside one decoder layer k (L/2 - 1), each
+re-recorded in bf16 with the loaded HF model edited (:data:`OP_KINDS`: the softmax scale times
+(1 + s), the activation (1 - s) SiLU + s GELU-tanh, the attention output added times (1 + s), the
+query rotated at p + s), at sizes up to the whole bug, recorded plain and zoomed into layer k and
+diffed against fp32 in both orders: whether the plain diff leads with the boundary after layer k,
+the zoom with the kind's tap and its signature (a difference nothing downstream shows: a note
+naming it), and from which size in noise units each holds. Then the correct pairs (fp32, bf16,
+fp16, fp32 recorded again, fp32 against bf16 zoomed into every layer), both orders: every exit 1
+is a false alarm.
 """
 
 from __future__ import annotations
@@ -144,16 +156,19 @@ def load_prompts(path: str) -> dict[str, list[int]]:
     return out
 
 
-def record_hf(model: Model, prompts_file: Path, dtype: str, out: Path, target: Path | None = None) -> Path:
+def record_hf(model: Model, prompts_file: Path, dtype: str, out: Path, target: Path | None = None,
+              zoom: int | None = None) -> Path:
     """``tensordiff record train`` (in this process: torch is imported once): every catalog state
-    with values, draft_input wired as SGLang wires it, the draft's fc output and top-k."""
+    with values, draft_input wired as SGLang wires it, the draft's fc output and top-k; with
+    ``zoom``, the taps of that decoder layer too (``--zoom layer<zoom>``)."""
     from tensordiff.recorders import train_cli
 
     p = argparse.ArgumentParser()
     train_cli.add_arguments(p)
     args = p.parse_args(["--model", str(target or model.target), "--prompts", str(prompts_file), "--out", str(out),
                          "--draft", str(model.draft), "--convention", "sglang-llama", "--values", "all",
-                         "--dtype", dtype, "--device", "cpu", "--no-progress"])
+                         "--dtype", dtype, "--device", "cpu", "--no-progress",
+                         *(["--zoom", f"layer{zoom}"] if zoom is not None else [])])
     import contextlib
     import io
 
@@ -178,6 +193,124 @@ def perturbed_checkpoint(model: Model, layer: int, eps: float, out: Path, seed: 
                 sd[k] = w + eps * w.float().std() * torch.randn(w.shape, generator=g, dtype=torch.float32).to(w.dtype)
         save_file(sd, str(f), metadata={"format": "pt"})
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Op-level bugs: one decoder layer of the HF model computes one op wrong (a port's bug)
+# ----------------------------------------------------------------------------------------------
+
+#: the op kinds: what decoder layer k computes with the knob s (1, or the value given, is the whole
+#: bug a port makes), the tap the zoom into layer k must name first, and the signature it must fit
+OP_KINDS: dict[str, tuple[str, str, str]] = {
+    "attn-scale": ("the softmax scale times (1 + s) (1/head_dim for 1/sqrt(head_dim) at s = 1/sqrt(head_dim) - 1)",
+                   "attn_out", "attn_scale"),
+    "activation": ("act(g) = (1 - s) silu(g) + s gelu_tanh(g) (s = 1: GELU-tanh for SiLU)", "mlp_act", "activation"),
+    "residual-add": ("the attention output added to the residual times (1 + s) (s = 1: added twice)",
+                     "mlp_norm", "residual"),
+    "rope-offset": ("the query rotated at position p + s, its keys at p (s = 1: a query at p+1)", "q_rope",
+                    "rope_offset"),
+}
+#: each op kind's sizes for the detection limit (the last one the whole bug of OP_KINDS)
+OP_SIZES: dict[str, list[float]] = {
+    "attn-scale": [0.003, 0.01, 0.03, 0.1, 0.3, -0.75],
+    "activation": [0.003, 0.01, 0.03, 0.1, 0.3, 1.0],
+    "residual-add": [0.003, 0.01, 0.03, 0.1, 0.3, 1.0],
+    "rope-offset": [0.003, 0.01, 0.03, 0.1, 0.3, 1.0],
+}
+
+
+def _break(m: Any, kind: str, layer: int, s: float, active: list[bool]) -> None:
+    """Decoder layer ``layer`` of the loaded HF Llama ``m`` computes ``kind`` of size ``s``."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    dec = m.model.layers[layer]
+    if kind == "attn-scale":
+        # 1/head_dim for 1/sqrt(head_dim) is a factor 1/sqrt(head_dim): s = 1/sqrt(head_dim) - 1
+        dec.self_attn.scaling = dec.self_attn.scaling * (1.0 + s)
+    elif kind == "activation":
+        class Mixed(torch.nn.Module):
+            def forward(self, g: torch.Tensor) -> torch.Tensor:
+                tanh = F.gelu(g, approximate="tanh")
+                return tanh if s == 1.0 else (1.0 - s) * F.silu(g) + s * tanh
+        dec.mlp.act_fn = Mixed()
+    elif kind == "residual-add":
+        def forward(self: Any, hidden_states: Any, attention_mask: Any = None, position_ids: Any = None,
+                    past_key_values: Any = None, use_cache: Any = False, position_embeddings: Any = None,
+                    **kwargs: Any) -> Any:
+            residual = hidden_states
+            h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                  position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
+            h = residual + h * (1.0 + s)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        dec.forward = types.MethodType(forward, dec)
+    elif kind == "rope-offset":
+        attn = dec.self_attn
+        inner = attn.forward
+
+        def flagged(*a: Any, **k: Any) -> Any:
+            # the zoom recomputes q_rope inside this forward (k_proj's hook): it sees the same rotary
+            active[0] = True
+            try:
+                return inner(*a, **k)
+            finally:
+                active[0] = False
+        attn.forward = flagged
+    else:
+        raise ValueError(f"no op kind {kind!r}")
+
+
+def op_bug(kind: str, layer: int, s: float) -> Any:
+    """A context in which ``record_hf`` records the model with decoder layer ``layer`` computing
+    ``kind`` of size ``s`` (the loaded model edited; the rotary through the modeling module's
+    ``apply_rotary_pos_emb``, which the zoom's q_rope recomputation calls too)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx() -> Any:
+        import torch
+        from transformers.models.llama import modeling_llama as ml
+
+        from tensordiff.recorders import train_cli
+
+        load, rot = train_cli._load_model, ml.apply_rotary_pos_emb
+        active = [False]
+        inv: list[Any] = []
+
+        def loaded(*a: Any, **k: Any) -> Any:
+            m = load(*a, **k)
+            _break(m, kind, layer, s, active)
+            inv[:] = [m.model.rotary_emb.inv_freq.float()]
+            return m
+
+        def shifted(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
+            if not active[0]:
+                return rot(q, k, cos, sin, unsqueeze_dim)
+            f = torch.cat((inv[0], inv[0])) * s
+            c, sn = cos.float(), sin.float()
+            c1 = (c * f.cos() - sn * f.sin()).to(cos.dtype)
+            s1 = (sn * f.cos() + c * f.sin()).to(sin.dtype)
+            return rot(q, k, c1, s1, unsqueeze_dim)[0], rot(q, k, cos, sin, unsqueeze_dim)[1]
+
+        train_cli._load_model = loaded
+        if kind == "rope-offset":
+            ml.apply_rotary_pos_emb = shifted
+        try:
+            yield
+        finally:
+            train_cli._load_model = load
+            ml.apply_rotary_pos_emb = rot
+
+    return ctx()
+
+
+def record_op_bug(model: Model, prompts_file: Path, kind: str, layer: int, s: float, out: Path,
+                  zoom: int | None = None, dtype: str = "bfloat16") -> Path:
+    with op_bug(kind, layer, s):
+        return record_hf(model, prompts_file, dtype, out, zoom=zoom)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,7 +552,8 @@ UPSTREAM_MOVE = 0.1
 #: one magnitude per kind, each near the edge of detection (a bug inside the trend is the one that
 #: could widen an allowance; a detected one leaves the trend)
 SWEEP = {"scale-const": 0.02, "scale-token": 0.02, "mixed": 0.05, "norm-rms": 0.0, "partial": 0.2,
-         "noise": 2.0, "weight": 0.01}
+         "noise": 2.0, "weight": 0.01,
+         "attn-scale": 0.1, "activation": 1.0, "residual-add": 0.1, "rope-offset": 0.1}
 
 
 def allowances(res: Any) -> dict[str, tuple[float, float | None]]:
@@ -440,7 +574,7 @@ def _state_edit(name: str, new: np.ndarray) -> Any:
 
 
 def upstream_sweep(d: Path, model: Model, prompts_file: Path, base: dict[str, Path], st: dict[str, dict],
-                   seed: int) -> int:
+                   seed: int, kinds: list[str] | None = None) -> int:
     """Each kind injected into each boundary layer k of the bf16 side (a state edited in the trace;
     ``weight``: decoder layer k-1's weights perturbed and re-recorded), diffed against fp32 in both
     orders: the allowance of every state before depth k (packed slots included) must stay within
@@ -460,9 +594,13 @@ def upstream_sweep(d: Path, model: Model, prompts_file: Path, base: dict[str, Pa
     violations = 0
     worst_all: dict[str, float] = {}
     for kind, m in SWEEP.items():
+        if kinds and kind not in kinds:
+            continue
         worst, where, found, runs = 0.0, "-", 0, 0
         for k in range(1, model.layers + 1):
             name = f"layer{k}"
+            if name not in b["x"] and kind in OP_KINDS and k == model.layers:
+                name = "final_norm"   # the last decoder layer's output, as HF records it
             if name not in b["x"]:
                 continue
             x, xa = b["x"][name].astype(np.float64), _by_rows(a, name, b["rows"][name]).astype(np.float64)
@@ -472,6 +610,8 @@ def upstream_sweep(d: Path, model: Model, prompts_file: Path, base: dict[str, Pa
                 ck = perturbed_checkpoint(model, k - 1, m, d / f"sweep-weights-{k}")
                 record_hf(model, prompts_file, "bfloat16", path, target=ck)
                 shutil.rmtree(ck, ignore_errors=True)
+            elif kind in OP_KINDS:   # decoder layer k-1 computes the op wrong: boundary k shows it first
+                record_op_bug(model, prompts_file, kind, k - 1, m, path)
             else:
                 if kind == "scale-const":
                     new = x * (1 + m)
@@ -508,6 +648,171 @@ def upstream_sweep(d: Path, model: Model, prompts_file: Path, base: dict[str, Pa
         print(f"| {kind} | {m:g} | {model.layers} | {found} of {runs} | {worst:.1%} | {where} |", flush=True)
     print(f"\nupstream violations: {violations} (allowance moves past {UPSTREAM_MOVE:.0%})")
     return 1 if violations else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Op kinds: detection limits (plain and zoomed) and the false alarms of correct pairs
+# ----------------------------------------------------------------------------------------------
+
+
+def read_states(path: Path, names: list[str]) -> dict[str, Any]:
+    """:func:`states`' layout for the tensors ``names`` (taps included) of an HF trace."""
+    from tensordiff.trace import TraceReader
+
+    out: dict[str, Any] = {"rows": {}, "x": {}}
+    with TraceReader(path) as r:
+        for name in names:
+            info = r.tensors[name]
+            out["rows"][name] = r.token_rows(name).copy()
+            out["x"][name] = as_float(r.read_values(name, raw=True), info.dtype)
+        out["keys"] = _keys(r)
+    return out
+
+
+def x_noise(ref: Path, ok: Path, bug: Path, name: str) -> float:
+    """The bug's error of ``name`` (``bug`` against ``ok``, both bf16) over the pair's own noise
+    (``ok`` against the fp32 ``ref``), each rms over tokens of |err_t| / |ref_t|."""
+    sr, so, sb = (read_states(p, [name]) for p in (ref, ok, bug))
+    a, b = paired(sr, so, name)
+    _, x = paired(sr, sb, name)
+    return rel_rms(x - b, a) / rel_rms(b - a, a)
+
+
+def _judge(a: str, b: str) -> dict[str, Any]:
+    """One in-process diff: exit code, first divergence (tensor, signature) and headline."""
+    from tensordiff.diff import diff_traces
+
+    res = diff_traces(a, b)
+    f = res.first_divergence
+    det = getattr(f, "details", None) if f is not None else None
+    return {"rc": res.exit_code, "first": f.tensor if f is not None else None,
+            "signature": getattr(det, "signature", None) if f is not None and f.kind == "signature" else None,
+            "divergent": {g.tensor for g in res.findings if g.severity == "divergence"},
+            "notes": [(g.tensor, getattr(g.details, "signature", None)) for g in res.findings
+                      if g.kind == "signature" and g.severity != "divergence"],
+            "headline": res.headline()}
+
+
+def op_case(d: Path, model: Model, prompts_file: Path, refs: dict[str, Path], kind: str, k: int, s: float,
+            ) -> dict[str, Any]:
+    """``kind`` of size ``s`` in decoder layer ``k`` of the bf16 side, recorded plain and zoomed
+    into layer k, each diffed against the fp32 reference (``refs``: ``fp32``/``bf16`` plain,
+    ``fp32-z``/``bf16-z`` zoomed into layer k) in both orders. ``found``/``named``: the plain diff
+    has a divergence at / leads with the boundary after layer k; ``op``: the zoomed diff leads with
+    the kind's tap; ``sig``: ... and its signature is the kind's."""
+    _, tap, sig = OP_KINDS[kind]
+    nxt = f"layer{k + 1}" if k + 1 < model.layers else "final_norm"
+    op = f"layer{k}.{tap}"
+    plain = record_op_bug(model, prompts_file, kind, k, s, d / f"op-{kind}-{k}-{s:g}.h5")
+    zoomed = record_op_bug(model, prompts_file, kind, k, s, d / f"op-{kind}-{k}-{s:g}-z.h5", zoom=k)
+    out: dict[str, Any] = {"kind": kind, "layer": k, "s": s, "state": nxt, "op": op,
+                           "x": x_noise(refs["fp32"], refs["bf16"], plain, nxt),
+                           "x_op": x_noise(refs["fp32-z"], refs["bf16-z"], zoomed, op)}
+    for order in ("AB", "BA"):
+        pa, pb = (refs["fp32"], plain) if order == "AB" else (plain, refs["fp32"])
+        za, zb = (refs["fp32-z"], zoomed) if order == "AB" else (zoomed, refs["fp32-z"])
+        p, z = _judge(str(pa), str(pb)), _judge(str(za), str(zb))
+        out[order] = {"rc": p["rc"], "found": nxt in p["divergent"], "named": p["rc"] == 1 and p["first"] == nxt,
+                      "zrc": z["rc"], "op": z["rc"] == 1 and z["first"] == op,
+                      "sig": z["rc"] == 1 and z["first"] == op and z["signature"] == sig,
+                      "note": (op, sig) in z["notes"],
+                      "headline": p["headline"], "zheadline": z["headline"]}
+    plain.unlink(missing_ok=True)
+    zoomed.unlink(missing_ok=True)
+    return out
+
+
+def zoomed(model: Model, prompts_file: Path, dtype: str, d: Path, k: int) -> Path:
+    """The correct trace of ``dtype`` zoomed into decoder layer ``k`` (recorded once per directory)."""
+    out = d / f"z{k}-{SHORT[dtype]}.h5"
+    return out if out.exists() else record_hf(model, prompts_file, dtype, out, zoom=k)
+
+
+def correct_op_pairs(d: Path, model: Model, prompts_file: Path, base: dict[str, Path]) -> list[dict[str, Any]]:
+    """The correct pairs the op kinds are judged beside, each in both orders: HF fp32/bf16/fp16
+    against each other, fp32 recorded twice, and fp32 against bf16 zoomed into every decoder layer
+    (every signature tried on honest noise). Each: {note, order, rc, headline}."""
+    pairs = [(f"HF {SHORT[x]} vs {SHORT[y]}", base[x], base[y])
+             for x, y in (("float32", "bfloat16"), ("float32", "float16"), ("bfloat16", "float16")) if x in base and y in base]
+    pairs.append(("HF fp32 vs fp32 recorded again", base["float32"],
+                  record_hf(model, prompts_file, "float32", d / "hf-fp32-again.h5")))
+    for k in range(model.layers):
+        pairs.append((f"HF fp32 vs bf16, zoomed into layer {k}", zoomed(model, prompts_file, "float32", d, k),
+                      zoomed(model, prompts_file, "bfloat16", d, k)))
+    out = []
+    for note, a, b in pairs:
+        for order in ("AB", "BA"):
+            r = _judge(*((str(a), str(b)) if order == "AB" else (str(b), str(a))))
+            out.append({"note": f"{note}, {model.label}", "order": order, "rc": r["rc"], "headline": r["headline"]})
+    return out
+
+
+def _from(rows: list[dict[str, Any]], key: str, x: str) -> str:
+    """The smallest ``x`` from which every larger size is ``key`` in both orders ("-": none is)."""
+    rows = sorted(rows, key=lambda r: r[x])
+    ok = [all(r[o][key] for o in ("AB", "BA")) for r in rows]
+    for i in range(len(rows)):
+        if all(ok[i:]):
+            return fmt_x(rows[i][x])
+    return "-"
+
+
+def op_kinds(d: Path, model: Model, prompts_file: Path, base: dict[str, Path], quick: bool,
+             kinds: list[str] | None = None, correct: bool = True) -> dict[str, Any]:
+    """The op kinds' detection limits at one depth (decoder layer L/2 - 1) and the correct pairs'
+    false alarms; prints the tables, returns the figures."""
+    k = max(0, model.layers // 2 - 1)
+    t0 = time.monotonic()
+    refs = {"fp32": base["float32"], "bf16": base["bfloat16"],
+            "fp32-z": zoomed(model, prompts_file, "float32", d, k), "bf16-z": zoomed(model, prompts_file, "bfloat16", d, k)}
+    print(f"\n## op kinds: detection limits, decoder layer {k} of {model.label} (bf16 with the bug vs fp32)\n")
+    print("plain: the diff of the boundary traces (found: a divergence at the boundary after the layer; named: "
+          "the first sentence leads with it); zoom: the diff of traces zoomed into the layer (op: it leads with "
+          "the kind's tap; signature: ... and names the kind). x noise: the bug's error of that state (or tap) "
+          "over the bf16 pair's own.\n")
+    print("| kind | s | x noise (boundary) | plain A B: exit, found, named | plain B A | x noise (tap) | "
+          "zoom A B: exit, op, signature | zoom B A | first sentence, zoomed A B |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    yn = {True: "yes", False: "no"}
+    rows: list[dict[str, Any]] = []
+    for kind in kinds or list(OP_KINDS):
+        sizes = OP_SIZES[kind] if not quick else OP_SIZES[kind][-1:]
+        for s in sizes:
+            r = op_case(d, model, prompts_file, refs, kind, k, s)
+            rows.append(r)
+            cells = [f"{r[o]['rc']}, {yn[r[o]['found']]}, {yn[r[o]['named']]}" for o in ("AB", "BA")]
+            zc = [f"{r[o]['zrc']}, {yn[r[o]['op']]}, {yn[r[o]['sig']]}" for o in ("AB", "BA")]
+            print(f"| {kind} | {s:g} | {fmt_x(r['x'])} | {cells[0]} | {cells[1]} | {fmt_x(r['x_op'])} | {zc[0]} | "
+                  f"{zc[1]} | {r['AB']['zheadline'][:160].replace('|', '/')} |", flush=True)
+    print(f"\n## op kinds: detection limit per kind, {model.label} (each from the smallest size at which it and every "
+          "larger one is named in both orders)\n")
+    print("| kind | bug | tap | boundary named from (x noise) | op named from (x noise of the tap) | "
+          "signature named from (x noise of the tap) | the whole bug: x noise (boundary, tap), named |")
+    print("|---|---|---|---|---|---|---|")
+    limits: dict[str, dict[str, str]] = {}
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        ks = [r for r in rows if r["kind"] == kind]
+        whole = ks[-1]
+        w = ", ".join(n for n, key in (("boundary", "named"), ("op", "op"), ("signature", "sig"),
+                                       ("a note with the signature (exit 0)", "note"))
+                      if all(whole[o][key] for o in ("AB", "BA"))) or "nothing"
+        if not all(whole[o]["sig"] or whole[o]["note"] for o in ("AB", "BA")):
+            w += "; the signature in " + (", ".join(o for o in ("AB", "BA") if whole[o]["sig"] or whole[o]["note"])
+                                          or "neither order")
+        limits[kind] = {"boundary": _from(ks, "named", "x"), "op": _from(ks, "op", "x_op"),
+                        "signature": _from(ks, "sig", "x_op")}
+        print(f"| {kind} | {OP_KINDS[kind][0]} | {OP_KINDS[kind][1]} | {limits[kind]['boundary']} | "
+              f"{limits[kind]['op']} | {limits[kind]['signature']} | s = {whole['s']:g}: {fmt_x(whole['x'])}, "
+              f"{fmt_x(whole['x_op'])}; {w} |")
+    corr = correct_op_pairs(d, model, prompts_file, base) if correct else []
+    bad = [c for c in corr if c["rc"] != 0]
+    print(f"\nfalse alarms ({model.label}): {sum(c['rc'] == 1 for c in bad)} of {len(corr)} correct-pair runs exit 1 "
+          f"({len(corr) // 2} pairs, both orders); {time.monotonic() - t0:.0f} s, load {os.getloadavg()[0]:.2f}")
+    for c in bad:
+        print(f"  {c['note']} [{c['order']}]: exit {c['rc']}: {c['headline'][:200]}")
+    return {"model": model.label, "layer": k, "false_alarms": sum(c["rc"] == 1 for c in bad),
+            "no_comparison": sum(c["rc"] not in (0, 1) for c in bad), "correct_runs": len(corr), "limits": limits,
+            "cases": [{key: v for key, v in r.items()} for r in rows]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -576,6 +881,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upstream-sweep", action="store_true",
                     help="only the sweep of each bug kind at each depth: no allowance before the bug may move")
     ap.add_argument("--random", action="store_true", help="the random-weight model, even where the trained one exists")
+    ap.add_argument("--op-kinds", action="store_true",
+                    help="only the op kinds (a bug inside one decoder layer): detection limits plain and zoomed, "
+                         "and the false alarms of the correct pairs (plain and zoomed into every layer)")
+    ap.add_argument("--kinds", nargs="*", default=[], help="only these kinds (--upstream-sweep, --op-kinds)")
+    ap.add_argument("--no-correct", action="store_true", help="--op-kinds without the correct pairs")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     res = Result("bench_sensitivity", config={"quick": a.quick, "engines": a.engines, "layers": a.layers})
@@ -592,8 +902,10 @@ def main(argv: list[str] | None = None) -> int:
         vocab = int(json.loads((model.target / "config.json").read_text())["vocab_size"])
         if a.prompts or held_out:
             prompts = load_prompts(a.prompts) if a.prompts else held_out
-            if a.quick:
+            if a.quick and not a.op_kinds:   # the attention's fits need 2 x heads x head_dim tokens
                 prompts = dict(list(prompts.items())[:3])
+        elif a.op_kinds:   # the attention's fits need 2 x heads x head_dim tokens (512 on the random model)
+            prompts = default_prompts(10, 64, vocab)
         else:
             prompts = default_prompts(2 if a.quick else 6, 32 if a.quick else 64, vocab)
         pfile = d / "prompts.jsonl"
@@ -601,11 +913,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model.label} ({model.target}), draft ids {model.aux_ids}; "
               f"{len(prompts)} prompts, {sum(map(len, prompts.values()))} tokens; load {os.getloadavg()[0]:.2f}",
               flush=True)
+        unknown = [k for k in a.kinds if k not in SWEEP and k not in OP_KINDS]
+        if unknown:
+            raise ValueError(f"--kinds: no kind {', '.join(unknown)} (sweep: {', '.join(SWEEP)})")
         base = {dt: record_hf(model, pfile, dt, d / f"hf-{SHORT[dt]}.h5")
                 for dt in (DTYPES[:2] if a.upstream_sweep else DTYPES)}
         st = {dt: states(p) for dt, p in base.items()}
         if a.upstream_sweep:
-            return upstream_sweep(d, model, pfile, base, st, a.seed)
+            return upstream_sweep(d, model, pfile, base, st, a.seed, a.kinds)
+        if a.op_kinds:
+            figures = op_kinds(d, model, pfile, base, a.quick, [k for k in a.kinds if k in OP_KINDS] or None,
+                               correct=not a.no_correct)
+            res.write(a.json, figures)
+            return 0
         noise = {f"HF {SHORT[dt]}": noise_rows(st["float32"], st[dt]) for dt in DTYPES[1:]}
         neigh = neighbour_cos(st["float32"])
         cases = [] if a.correct_only else make_cases(d, model, base, st, a.quick, pfile, a.seed)
