@@ -115,8 +115,8 @@ def check(a: TraceSource, b: TraceSource, al: TokenAlignment, maps: RowMaps,
         rels: list[np.ndarray] = []
         for s in range(0, len(both), BLOCK):
             blk = both[s:s + BLOCK]
-            vh = np.asarray(r.read_at(hn, "values", mh[blk]), dtype=np.float64)
-            vo = np.asarray(o.read_at(on, "values", mo[blk]), dtype=np.float64)
+            vh = np.asarray(r.part(hn, "values").take(mh[blk]), dtype=np.float64)
+            vo = np.asarray(o.part(on, "values").take(mo[blk]), dtype=np.float64)
             same = (vh[:, :k] == vo[:, :k]).all(axis=1)   # rows hold ids ascending on both sides
             flips += int((~same).sum())
             dw = np.abs(vh[same, k:] - vo[same, k:])
@@ -125,7 +125,7 @@ def check(a: TraceSource, b: TraceSource, al: TokenAlignment, maps: RowMaps,
                 rels.append(np.nan_to_num((dw / np.abs(vo[same, k:])).max(axis=1), nan=0.0, posinf=np.inf))
             has = mw[blk] >= 0
             if has.any():
-                vw = np.asarray(r.read_at(wn, "values", mw[blk][has]), dtype=np.float64)
+                vw = np.asarray(r.part(wn, "values").take(mw[blk][has]), dtype=np.float64)
                 hh = vh[has]
                 ids_own = (vw[:, :k] == hh[:, :k]).all(axis=1)
                 overridden += int((~ids_own).sum())

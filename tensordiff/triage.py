@@ -423,8 +423,8 @@ def _token_rel(a: TraceSource, b: TraceSource, maps: RowMaps, name_a: str, name_
     rel = np.zeros(len(both))
     for s in range(0, len(both), 1 << 14):
         blk = both[s:s + (1 << 14)]
-        va = np.asarray(a.read_at(name_a, "values", ma[blk]), dtype=np.float64)
-        vb = np.asarray(b.read_at(name_b, "values", mb[blk]), dtype=np.float64)
+        va = np.asarray(a.part(name_a, "values").take(ma[blk]), dtype=np.float64)
+        vb = np.asarray(b.part(name_b, "values").take(mb[blk]), dtype=np.float64)
         na = np.linalg.norm(va, axis=1)
         rel[s:s + len(blk)] = np.linalg.norm(vb - va, axis=1) / np.where(na > 0, na, 1.0)
     return both, rel
@@ -499,8 +499,8 @@ def _topk_shift(a: TraceSource, b: TraceSource, maps: RowMaps, n: int) -> float 
     both = np.flatnonzero((ma >= 0) & (mb >= 0))[: 1 << 15]
     if len(both) < 8:
         return None
-    p = np.asarray(a.read_at(TARGET_TOPK, "values", ma[both]), dtype=np.float64)
-    q = np.asarray(b.read_at(TARGET_TOPK, "values", mb[both]), dtype=np.float64)
+    p = np.asarray(a.part(TARGET_TOPK, "values").take(ma[both]), dtype=np.float64)
+    q = np.asarray(b.part(TARGET_TOPK, "values").take(mb[both]), dtype=np.float64)
     k = (p.shape[1] - 1) // 2
     hit = q[:, :k] == p[:, :1]
     at = np.where(hit.any(1), np.where(hit, q[:, k:2 * k], -np.inf).max(1), np.nan)
@@ -750,8 +750,8 @@ def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> 
         if not len(both) or ia.width != ib.width:
             continue
         k = ia.width // 2
-        va = np.asarray(a.read_at(ia.name, "values", ma[both]), dtype=np.float64)[:, :k]
-        vb = np.asarray(b.read_at(ib.name, "values", mb[both]), dtype=np.float64)[:, :k]
+        va = np.asarray(a.part(ia.name, "values").take(ma[both]), dtype=np.float64)[:, :k]
+        vb = np.asarray(b.part(ib.name, "values").take(mb[both]), dtype=np.float64)[:, :k]
         any_flip[both] |= (np.sort(va, 1) != np.sort(vb, 1)).any(1)
         seen[both] = True
     return (float(any_flip[seen].mean()) if seen.any() else 0.0), any_flip

@@ -194,11 +194,6 @@ class TraceSource(Protocol):
 
     def has_part(self, name: str, part: str) -> bool: ...
 
-    def read_at(self, name: str, part: str, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """``part(name, part).take(idx, out)``, kept for the one caller not yet moved onto
-        :class:`TensorPart` (tensordiff/triage.py)."""
-        ...
-
     def summary(self) -> TraceSummary:
         """Everything ``tensordiff info`` shows, as plain data."""
         ...
