@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .diff import DiffOptions
     from .findings import DiffResult
     from .progress import Progress
-    from .rl_drift import StepPair
+    from .rl.drift import StepPair
     from .token_text import TokenText
     from .trace import TraceSource
 
@@ -88,7 +88,6 @@ def progress_bar(enabled: bool) -> Iterator[Progress | None]:
 def cmd_info(args: argparse.Namespace) -> int:
     from .report.text import make_console, print_info
     from .trace import probe
-
     from .traceset import index_lines, open_trace, trace_paths
 
     probe(trace_paths(args.trace))  # a file that hangs or crashes the HDF5 library meets a child process first
@@ -180,7 +179,7 @@ def _run_diff(args: argparse.Namespace) -> int:
             _print_json(res.to_dict())
             sys.stdout.flush()
         else:
-            from .report.text import make_console, print_diff   # rich: only for the text report
+            from .report.text import make_console, print_diff  # rich: only for the text report
 
             print_diff(res, make_console(), max_findings=args.max_findings,
                        token_text=_token_text(args, res, model_dirs))
@@ -283,11 +282,11 @@ def cmd_triage(args: argparse.Namespace) -> int:
 
 
 def _run_triage(args: argparse.Namespace) -> int:
-    from .triage import triage
+    from .rl.triage import triage
 
     t = triage(args.train, args.rollout, args.prefill)
     if args.html:
-        from .triage_html import render
+        from .rl.html import render
 
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(render(t))
@@ -312,7 +311,7 @@ def _run_triage(args: argparse.Namespace) -> int:
 
 def cmd_drift(args: argparse.Namespace) -> int:
     """Triage every training step of a directory and read the steps together (docs/rl.md)."""
-    from .rl_drift import discover
+    from .rl.drift import discover
     from .trace.probe import run_watched
 
     layout, pairs = discover(args.dir)        # layout, names, halves of pairs, gaps: before any trace is read
@@ -325,15 +324,15 @@ def cmd_drift(args: argparse.Namespace) -> int:
 
 
 def _run_drift(args: argparse.Namespace, layout: str, pairs: list[StepPair]) -> int:
-    from .rl_drift import check_engine_layout, drift
-    from .triage import triage
+    from .rl.drift import check_engine_layout, drift
+    from .rl.triage import triage
 
     if layout == "engine":
         check_engine_layout(pairs)
     with progress_bar(not args.quiet) as bar:
         d = drift(pairs, triage, layout=layout, progress=bar)
     if args.html:
-        from .triage_html import render_drift
+        from .rl.html import render_drift
 
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(render_drift(d))
@@ -569,7 +568,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     dr.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     dr.set_defaults(func=cmd_drift)
 
-    from .locator.cli import register as register_locate   # the loop's arguments; torch only when it records
+    from .locator.cli import register as register_locate  # the loop's arguments; torch only when it records
     register_locate(sub)
 
     if command not in CORE_COMMANDS:

@@ -266,7 +266,7 @@ MOE_ROUTING = "moe_routing"        # token_offset 0, one tensor per MoE layer, n
 #   decoder layer, 0-based; its input is boundary i): [expert ids (k, ascending) | their router weights (k)], float64
 #   (tensordiff.routing compares them: routing flips per layer)
 # a trainer's router's own choice, named moe_router_own_layer<i>, role moe_routing, same layout: written
-#   where its experts were handed another (a routing replay; tensordiff.rl_replay reads both)
+#   where its experts were handed another (a routing replay; tensordiff.rl.replay reads both)
 MOE_ROUTER_OWN = "moe_router_own_layer"
 SAMPLED_LOGPROB = "sampled_logprob"  # token_offset 0, one row per generated token: row t is the row whose logits
 #   sampled token t+1 (the last prompt token's row for the first generated token), [sampled token id, log-prob],
@@ -274,7 +274,7 @@ SAMPLED_LOGPROB = "sampled_logprob"  # token_offset 0, one row per generated tok
 #   processed: the file attribute `sampling` says which, with the temperature, top-p, top-k;
 #   tensordiff.trace.rl). Trainer side (`record train --from-serve`): the trainer's log-prob of the same token,
 #   computed as an RL trainer does (log_softmax(logits / temperature)). Same name on both sides: the RL triage
-#   (tensordiff.logprobs, tensordiff.triage) compares them row by row.
+#   (tensordiff.rl.logprobs, tensordiff.rl.triage) compares them row by row.
 SAMPLED_LOGPROB_WIDTH = 2
 # A tensor attribute, written by the recorders where a state was produced inside a torch.autocast region:
 # {"enabled": true, "dtype": "bfloat16", "device": "cpu"}. Its stored dtype says how it is kept, this how it was

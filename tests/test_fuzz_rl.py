@@ -41,12 +41,12 @@ def test_rl_known_limits_are_reviewed_and_pinned():
 
 
 def test_the_judge_table_is_the_docs_cause_list():
-    """Every RL kind has a row; the causes in it are triage's (tensordiff.triage.CAUSES), refined
+    """Every RL kind has a row; the causes in it are triage's (tensordiff.rl.triage.CAUSES), refined
     by the sentence's first words; a correct pair accepts none (exit 1 is a false alarm)."""
     from fuzz import rl
     from fuzz.catalog import RL_ACCEPT, RL_KINDS
 
-    from tensordiff.triage import CAUSES
+    from tensordiff.rl.triage import CAUSES
 
     assert set(RL_ACCEPT) == set(RL_KINDS)
     assert RL_ACCEPT["none"] == (frozenset(), frozenset())

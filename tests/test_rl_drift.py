@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tensordiff.cli import main
-from tensordiff.rl_drift import StepRow, discover, read_steps, sparkline
+from tensordiff.rl.drift import StepRow, discover, read_steps, sparkline
 
 PROMPTS = 4
 NEW = 12
@@ -142,7 +142,7 @@ def test_reading_the_steps():
     d = read_steps(_rows([0.3, 0.31, 0.3], ["logprobs"] * 3))
     assert d.shape == "constant" and d.exit_code == 1 and d.headline.startswith("no growth, but every step differs")
     assert sparkline([0.0, 0.5, 1.0, None]) == "▁▅█ "
-    from tensordiff.triage_html import render_drift
+    from tensordiff.rl.html import render_drift
 
     d = read_steps(_rows([0.004, 0.004, 0.01, 0.02, 0.03, 0.04], ["agree", "agree"] + ["weights"] * 4))
     page = render_drift(d)
@@ -291,9 +291,9 @@ def _engine_over_steps(out: Path, engines, prompts, *, temperature: float = 0.7)
     """One engine trace over every training step: weight step k (update_weights_from_tensor after
     the start) in force from forward step k, each step's requests ``s<k>-p<i>`` served under it."""
     import torch
+    import trained
     from transformers import DynamicCache
 
-    import trained
     from tensordiff import conventions as cv
     from tensordiff.recorders.core import Recorder
     from tensordiff.recorders.hf import HFExtractorRecorder, model_info

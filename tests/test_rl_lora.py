@@ -17,7 +17,7 @@ import rl_support as rs  # noqa: E402
 import trained  # noqa: E402
 
 from tensordiff.recorders.peft_names import canonical, canonical_module  # noqa: E402
-from tensordiff.triage import triage  # noqa: E402
+from tensordiff.rl.triage import triage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -247,8 +247,8 @@ def test_the_stale_sequences_carry_the_excess(run):
     """What the sentence rests on, from the two recordings: the stale sequences' log-probs are far
     from the trainer's, the flushed run's same prompts are not."""
     def gap(name: str, keys) -> float:
-        from tensordiff.trace import TraceReader
         from tensordiff import conventions as cv
+        from tensordiff.trace import TraceReader
 
         with TraceReader(run[name]["train"]) as r:
             seqs = list(r.sequences)
@@ -337,7 +337,7 @@ def test_a_step_that_changed_only_the_head_left_the_kv_as_it_was(tmp_path):
     the one step 1 computes, and nothing is named."""
     import h5py
 
-    from tensordiff.rl_cache import stale_requests
+    from tensordiff.rl.cache import stale_requests
     from tensordiff.trace.prefix_cache import append_prefix_cache
     from tensordiff.trace.rl import write_weight_step
     from tensordiff.weights import FINGERPRINT_FORMAT

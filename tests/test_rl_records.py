@@ -1,5 +1,5 @@
 """The RL records of a trace (tensordiff.trace.rl: sampling attribute, weight steps) and the pure
-log-prob metrics (tensordiff.logprobs): real HDF5, no torch."""
+log-prob metrics (tensordiff.rl.logprobs): real HDF5, no torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tensordiff import logprobs
+from tensordiff.rl import logprobs
 from tensordiff.errors import TraceFileError
 from tensordiff.trace import TraceReader, TraceWriter
 from tensordiff.trace.rl import (

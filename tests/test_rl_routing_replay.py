@@ -21,8 +21,8 @@ from tensordiff.recorders.core import Recorder  # noqa: E402
 from tensordiff.recorders.hf import model_info  # noqa: E402
 from tensordiff.recorders.hooks import TrainerRecorder  # noqa: E402
 from tensordiff.recorders.train_cli import load_serve_sequences  # noqa: E402
+from tensordiff.rl.triage import triage  # noqa: E402
 from tensordiff.trace import TraceReader  # noqa: E402
-from tensordiff.triage import triage  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -12,11 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tensordiff.cli import main
-from tensordiff.triage import triage
-
 import rl_support as rs
 import trained
+
+from tensordiff.cli import main
+from tensordiff.rl.triage import triage
 
 pytestmark = pytest.mark.torch
 
@@ -230,7 +230,7 @@ def test_drift_over_training_steps(work, fp32):
     down_proj, which stays at step 1's values while the trainer moves on: steps 0 and 1 agree, step
     2 is named as the first step out of the noise, with its cause (the stale parameter), and the
     mismatch grows from step 0 to the last."""
-    from tensordiff.triage import drift
+    from tensordiff.rl.triage import drift
 
     ps = _prompts()[:4]
     ws = [fp32]

@@ -13,15 +13,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import rl_support as rs
+import trained
+
 from tensordiff import cli
 from tensordiff.cli import main
-from tensordiff.triage import triage
+from tensordiff.rl.triage import triage
 from tensordiff.tui import triage_screen
 from tensordiff.tui.triage_screen import TriageApp
 from tensordiff.tui.triage_text import OUT_MARK, regime_rows, sequence_lines, sequences, state_rows
-
-import rl_support as rs
-import trained
 
 pytestmark = [pytest.mark.torch, pytest.mark.anyio]
 PROMPTS = 4

@@ -82,7 +82,7 @@ def name_of(layer: int) -> str:
 def router_own_name(layer: int) -> str:
     """The router's own choice in decoder layer ``layer``, recorded where the experts were handed
     another (a routing replay): same layout and role as ``moe_routing_layer<i>``
-    (:mod:`tensordiff.rl_replay` reads it)."""
+    (:mod:`tensordiff.rl.replay` reads it)."""
     return f"{conventions.MOE_ROUTER_OWN}{int(layer)}"
 
 

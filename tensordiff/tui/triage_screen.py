@@ -12,7 +12,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import VerticalScroll
 from textual.widgets import Footer, Static
 
-from ..triage import Triage
+from ..rl.triage import Triage
 from .triage_text import regime_rows, sequence_lines, sequences, state_rows
 
 

@@ -3,7 +3,7 @@ its rollout and says when the mismatch left the noise, with what cause, and how 
 
 A run whose mismatch grows over training (0.011 -> 0.036 mean |logprob diff| over 30 steps on one
 stack, flat on another) shows it only step over step: each step's pair is triaged
-(:func:`tensordiff.triage.triage`, which the caller hands in: the triage sits above this module),
+(:func:`tensordiff.rl.triage.triage`, which the caller hands in: the triage sits above this module),
 and the steps are read together:
 
 - the frameworks' metrics per step (the sampled tokens' mean / median |logprob diff|,
@@ -37,13 +37,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
+from ..progress import Progress, Stage
 from .logprobs import LEVEL
-from .progress import Progress, Stage
 
 __all__ = ["Drift", "StepPair", "StepRow", "discover", "drift", "read_steps", "sparkline", "METRICS"]
 
-#: the metrics of each step, in the table's order (the frameworks' names, tensordiff.logprobs)
+#: the metrics of each step, in the table's order (the frameworks' names, tensordiff.rl.logprobs)
 METRICS = ("mean_abs_logprob_diff", "median_abs_logprob_diff", "token_mult_prob_error", "kl_k3",
            "rollout_probs_diff_mean", "max_abs_logprob_diff")
 
@@ -172,7 +172,7 @@ def _contiguous(steps: list[int], path: str) -> None:
 def check_engine_layout(pairs: list[StepPair]) -> None:
     """One engine trace: each trainer trace must have run sequences the engine trace holds (else
     its triage would compare nothing)."""
-    from .trace import TraceReader
+    from ..trace import TraceReader
 
     with TraceReader(pairs[0].rollout) as e:
         have = set(e.sequences)
@@ -263,7 +263,7 @@ def sparkline(values: list[float | None]) -> str:
     return "".join(out)
 
 
-#: triage one pair: :func:`tensordiff.triage.triage` (given by the caller: the triage sits above
+#: triage one pair: :func:`tensordiff.rl.triage.triage` (given by the caller: the triage sits above
 #: this module, which reads its verdicts and never imports it)
 TriagePair = Callable[[str, str], Any]
 

@@ -25,7 +25,7 @@ and the first that explains the difference is named in the first sentence:
    lm_head dtype, softcap, scale); the logits agree but the sampled tokens' log-probs do not (a
    temperature applied on one side only, raw against processed log-probs: a systematic offset).
 
-The frameworks' metrics are printed under their own names (:mod:`tensordiff.logprobs`). Exit
+The frameworks' metrics are printed under their own names (:mod:`tensordiff.rl.logprobs`). Exit
 codes as the diff's: 0 no cause found (everything within the noise), 1 a cause named, 2 bad input.
 Pure: numpy and h5py, no torch.
 
@@ -42,20 +42,22 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from .. import routing as routing_mod
+from .. import weights as wmod
+from ..align import RowMaps, SideTokens, align_tokens
+from ..conventions import SAMPLED_LOGPROB, TARGET_TOPK
+from ..diff import DiffOptions, diff_sources, open_pair, plan_diff
+from ..findings import DiffResult, Finding, Kind, Severity
+from ..noise import UNIT, NoiseModel
+from ..tokens import POS_MASK, SEQ_BITS
+from ..trace import TraceSource
+from ..trace.rl import WeightStep, read_sampling, read_weight_steps, sampling_for, weights_at
+from ..vocab import REGIME_CODE, REGIMES
+from . import cache as rl_cache
 from . import logprobs as lpmod
-from . import rl_cache, rl_lora, rl_replay
-from . import routing as routing_mod
-from . import weights as wmod
-from .align import RowMaps, SideTokens, align_tokens
-from .conventions import SAMPLED_LOGPROB, TARGET_TOPK
-from .diff import DiffOptions, diff_sources, open_pair, plan_diff
-from .findings import DiffResult, Finding, Kind, Severity
-from .noise import UNIT, NoiseModel
-from .rl_drift import drift as steps_drift
-from .tokens import POS_MASK, SEQ_BITS
-from .trace import TraceSource
-from .trace.rl import WeightStep, read_sampling, read_weight_steps, sampling_for, weights_at
-from .vocab import REGIME_CODE, REGIMES
+from . import lora as rl_lora
+from . import replay as rl_replay
+from .drift import drift as steps_drift
 
 __all__ = ["Triage", "triage", "triage_sources"]
 
@@ -638,7 +640,7 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
             causes.append(("logprobs", f"log-probs: the sampled tokens' log-probs differ beyond the noise (median "
                                        f"|diff| {c.q50:.3g}, {c.q50 / max(noise, 1e-30):.0f}x the expected "
                                        f"{noise:.3g}) while the states agree"))
-    pc = rl_cache.prefix_cache_step(a, b, plan, c)   # KV reused from other weights (tensordiff.rl_cache)
+    pc = rl_cache.prefix_cache_step(a, b, plan, c)   # KV reused from other weights (tensordiff.rl.cache)
     if pc is not None:
         notes += pc["lines"]
         causes = rl_cache.place(pc, causes, t.layer)
@@ -770,7 +772,7 @@ def _layer_info(a: TraceSource, b: TraceSource, plan: Any, res: DiffResult, f: F
     prof = None
     words = None
     if f.tensor and pair is not None and f.tensor in a.tensors and pair.name_b in b.tensors:
-        from .noise import tolerance
+        from ..noise import tolerance
 
         depth = next((d for d in pair.depth if d is not None), None)
         _, max_rel = tolerance(plan.noise, depth, pair.dtype_a or None, pair.dtype_b or None)
@@ -918,7 +920,7 @@ def _three_way_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def drift(steps: list[tuple[str, str]]) -> dict[str, Any]:
     """Triage each training step's pair ``(trainer trace, rollout trace)`` in order and read the
-    steps together: :func:`tensordiff.rl_drift.drift` (``tensordiff drift DIR``), as a dict."""
+    steps together: :func:`tensordiff.rl.drift.drift` (``tensordiff drift DIR``), as a dict."""
     return steps_drift(steps, triage).to_dict()
 
 

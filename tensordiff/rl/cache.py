@@ -1,4 +1,4 @@
-"""Triage's step for the prefix cache kept across weight updates (:mod:`tensordiff.triage`).
+"""Triage's step for the prefix cache kept across weight updates (:mod:`tensordiff.rl.triage`).
 
 A rollout engine whose prefix cache survives a weight update serves later requests KV that the
 old weights computed: the positions taken from the cache were never computed under the weights
@@ -26,15 +26,15 @@ from typing import Any, cast
 import numpy as np
 from numpy.typing import NDArray
 
+from .. import noise_io
+from ..align import RowMaps
+from ..diff.plan import depth_of
+from ..noise import NoiseModel
+from ..tokens import SEQ_BITS
+from ..trace import TraceSource
+from ..trace.prefix_cache import read_prefix_cache
+from ..trace.rl import WeightStep, read_weight_steps, weights_at
 from . import logprobs as lpmod
-from . import noise_io
-from .align import RowMaps
-from .diff.plan import depth_of
-from .noise import NoiseModel
-from .tokens import SEQ_BITS
-from .trace import TraceSource
-from .trace.prefix_cache import read_prefix_cache
-from .trace.rl import WeightStep, read_weight_steps, weights_at
 
 __all__ = ["place", "prefix_cache_step", "stale_requests"]
 

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .conventions import MOE_ROUTER_OWN
-from .routing import BLOCK, routing_layers
+from ..conventions import MOE_ROUTER_OWN
+from ..routing import BLOCK, routing_layers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .align import RowMaps, TokenAlignment
-    from .trace import TraceSource
+    from ..align import RowMaps, TokenAlignment
+    from ..trace import TraceSource
 
 __all__ = ["ROUTER_OWN", "ReplayCheck", "check", "router_own_layer"]
 

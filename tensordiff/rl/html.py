@@ -10,8 +10,8 @@ import html
 import math
 from typing import Any
 
+from .drift import Drift
 from .logprobs import LEVEL
-from .rl_drift import Drift
 from .triage import Triage
 
 __all__ = ["render", "render_drift"]

@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .align import RowMaps, TokenAlignment
-from .conventions import SAMPLED_LOGPROB, TARGET_TOPK
-from .noise import physical_default
-from .tokens import SEQ_BITS
-from .trace import TraceSource
-from .vocab import REGIMES
+from ..align import RowMaps, TokenAlignment
+from ..conventions import SAMPLED_LOGPROB, TARGET_TOPK
+from ..noise import physical_default
+from ..tokens import SEQ_BITS
+from ..trace import TraceSource
+from ..vocab import REGIMES
 
 __all__ = ["LEVEL", "LP_PER_REL", "LogprobComparison", "compare", "expected_noise", "metrics"]
 
