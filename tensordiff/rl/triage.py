@@ -599,6 +599,13 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
             seqs, flip_at = _tokens_flipping(a, b, al, maps)
             first_layer = _layer_of(first_numeric)
             explains = first_numeric is None or first_layer is None or first_layer > lay["layer"]
+            # the flips at the layers before the first state out must carry its error: a bug in one
+            # sequence (its mask) moves the router's input of that sequence too, and its flips come
+            # with states out of the noise on tokens no flip reached
+            states_word = None
+            if explains and first_numeric is not None and first_layer is not None:
+                states_word = _flips_carry_states(a, b, plan, res, first_numeric, first_layer, al, maps)
+                explains = states_word is None
             lp_out = c is not None and not c.agree
             # with every state within the noise, the flips are the cause only where the log-prob gap sits on them
             gap_on_flips = lp_out and c is not None and c.tokens > 0 and _flips_carry(c, al.code_a, flip_at)
@@ -610,6 +617,9 @@ def triage_sources(a: TraceSource, b: TraceSource) -> Triage:
                                           "flip at least one layer, and the states leave the noise only after it"))
                 if c is not None and c.tokens:
                     notes.append("  " + _flips_explain(c, al.code_a, flip_at))
+            elif states_word is not None:
+                notes.append(f"  routing: MoE router choices flip at layer {lay['layer']} ({lay['flips']} of "
+                             f"{lay['tokens']} tokens), but {states_word}: downstream of the states, not their cause")
     # 4. the first state out of the noise trend
     if first_numeric is not None:
         t.layer = _layer_info(a, b, plan, res, first_numeric)
@@ -757,6 +767,69 @@ def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> 
         any_flip[both] |= (np.sort(va, 1) != np.sort(vb, 1)).any(1)
         seen[both] = True
     return (float(any_flip[seen].mean()) if seen.any() else 0.0), any_flip
+
+
+#: the flips explain a state's error when at least this share of its tokens out of the noise are
+#: tokens the flips reach (flipped themselves, or after a flip in their sequence where a layer
+#: between the flip and the state mixes positions)
+FLIPS_CARRY = 0.75
+
+
+def _flips_carry_states(a: TraceSource, b: TraceSource, plan: Any, res: DiffResult, f: Finding, depth: float,
+                        al: Any, maps: RowMaps) -> str | None:
+    """None where the routing flips before the first state out of the noise reach its tokens out
+    of the noise; else what they leave unexplained, in words. A flip at MoE layer i moves boundary
+    i + 1 only at the flipped token (the experts act per token); deeper, attention carries it to
+    the later positions of its sequence."""
+    pair = next((p for p in res.pairs if f.tensor in (p.name_a, p.name_b)), None)
+    if pair is None or pair.name_a not in a.tensors or pair.name_b not in b.tensors:
+        return None
+    if not (a.tensors[pair.name_a].has_values and b.tensors[pair.name_b].has_values):
+        return None
+    from ..noise import tolerance
+
+    d = next((x for x in pair.depth if x is not None), None)
+    _, max_rel = tolerance(plan.noise, d, pair.dtype_a or None, pair.dtype_b or None)
+    idx, rel = _token_rel(a, b, maps, pair.name_a, pair.name_b, len(al))
+    out = rel > max_rel
+    if not out.any():
+        return None
+    la, lb = routing_mod.routing_layers(a), routing_mod.routing_layers(b)
+    n = len(al)
+    flipped = np.zeros(n, dtype=bool)
+    everything = np.arange(n)
+    first_flip_layer: int | None = None
+    for layer in sorted(set(la) & set(lb)):
+        if layer + 1 > depth:
+            break
+        ia, ib = la[layer], lb[layer]
+        (ma,), (mb,) = maps.rows_at("a", ia.name, [everything]), maps.rows_at("b", ib.name, [everything])
+        both = np.flatnonzero((ma >= 0) & (mb >= 0))
+        if not len(both) or ia.width != ib.width:
+            continue
+        k = ia.width // 2
+        va = np.asarray(a.part(ia.name, "values").take(ma[both]), dtype=np.float64)[:, :k]
+        vb = np.asarray(b.part(ib.name, "values").take(mb[both]), dtype=np.float64)[:, :k]
+        here = (np.sort(va, 1) != np.sort(vb, 1)).any(1)
+        if here.any() and first_flip_layer is None:
+            first_flip_layer = layer
+        flipped[both] |= here
+    if first_flip_layer is None:
+        return None
+    reach = flipped.copy()
+    if depth > first_flip_layer + 1:     # a layer after the flip mixes positions: later tokens of its sequence
+        codes = al.code_a
+        seq, pos = codes >> SEQ_BITS, codes & POS_MASK
+        first: dict[int, int] = {}
+        for s_, p_ in zip(seq[flipped], pos[flipped]):
+            first[int(s_)] = min(first.get(int(s_), int(p_)), int(p_))
+        reach |= np.array([int(p_) >= first.get(int(s_), 1 << 62) for s_, p_ in zip(seq, pos)], dtype=bool)
+    n_out = int(out.sum())
+    carried = int((out & reach[idx]).sum())
+    if carried >= FLIPS_CARRY * n_out:
+        return None
+    return (f"{n_out - carried} of the {n_out} tokens of {f.tensor} out of the noise are tokens no flip reaches "
+            f"({carried} are)")
 
 
 def _layer_of(f: Finding | None) -> float | None:
