@@ -36,6 +36,7 @@ beside the sentence that names its cause, so the order and the words change toge
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -748,12 +749,11 @@ def _flips_explain(c: lpmod.LogprobComparison, codes: NDArray[np.int64], flip_at
             f"{int(after.sum())} sampled tokens at or after a flip (mean {_f(ma)}, elsewhere {_f(mb)})")
 
 
-def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> tuple[float, NDArray[np.bool_]]:
-    """The share of aligned tokens whose experts flip in at least one MoE layer, and which."""
+def _flips_by_layer(a: TraceSource, b: TraceSource, n: int,
+                    maps: RowMaps) -> Iterator[tuple[int, NDArray[np.intp], NDArray[np.bool_]]]:
+    """Per MoE layer both sides recorded, in order: the aligned tokens compared and which of them
+    the two sides hand other experts."""
     la, lb = routing_mod.routing_layers(a), routing_mod.routing_layers(b)
-    n = len(al)
-    any_flip = np.zeros(n, dtype=bool)
-    seen = np.zeros(n, dtype=bool)
     everything = np.arange(n)
     for layer in sorted(set(la) & set(lb)):
         ia, ib = la[layer], lb[layer]
@@ -764,7 +764,16 @@ def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> 
         k = ia.width // 2
         va = np.asarray(a.part(ia.name, "values").take(ma[both]), dtype=np.float64)[:, :k]
         vb = np.asarray(b.part(ib.name, "values").take(mb[both]), dtype=np.float64)[:, :k]
-        any_flip[both] |= (np.sort(va, 1) != np.sort(vb, 1)).any(1)
+        yield layer, both, (np.sort(va, 1) != np.sort(vb, 1)).any(1)
+
+
+def _tokens_flipping(a: TraceSource, b: TraceSource, al: Any, maps: RowMaps) -> tuple[float, NDArray[np.bool_]]:
+    """The share of aligned tokens whose experts flip in at least one MoE layer, and which."""
+    n = len(al)
+    any_flip = np.zeros(n, dtype=bool)
+    seen = np.zeros(n, dtype=bool)
+    for _, both, here in _flips_by_layer(a, b, n, maps):
+        any_flip[both] |= here
         seen[both] = True
     return (float(any_flip[seen].mean()) if seen.any() else 0.0), any_flip
 
@@ -794,23 +803,12 @@ def _flips_carry_states(a: TraceSource, b: TraceSource, plan: Any, res: DiffResu
     out = rel > max_rel
     if not out.any():
         return None
-    la, lb = routing_mod.routing_layers(a), routing_mod.routing_layers(b)
     n = len(al)
     flipped = np.zeros(n, dtype=bool)
-    everything = np.arange(n)
     first_flip_layer: int | None = None
-    for layer in sorted(set(la) & set(lb)):
+    for layer, both, here in _flips_by_layer(a, b, n, maps):
         if layer + 1 > depth:
             break
-        ia, ib = la[layer], lb[layer]
-        (ma,), (mb,) = maps.rows_at("a", ia.name, [everything]), maps.rows_at("b", ib.name, [everything])
-        both = np.flatnonzero((ma >= 0) & (mb >= 0))
-        if not len(both) or ia.width != ib.width:
-            continue
-        k = ia.width // 2
-        va = np.asarray(a.part(ia.name, "values").take(ma[both]), dtype=np.float64)[:, :k]
-        vb = np.asarray(b.part(ib.name, "values").take(mb[both]), dtype=np.float64)[:, :k]
-        here = (np.sort(va, 1) != np.sort(vb, 1)).any(1)
         if here.any() and first_flip_layer is None:
             first_flip_layer = layer
         flipped[both] |= here
