@@ -261,12 +261,7 @@ class _Judge:
         judged = noise.SlotJudgement()
         sibling = False
         if tol.source == model.source and st.basis is not None:   # not a --tol rule or calibration
-            # a state compared on sketches: its per-token spread is the sketch's, wider than the
-            # values' the expectation may come from, so only the model's own jump is applied (the
-            # fit measured this state and the states before it on the same basis; docs/tolerances.md)
-            if st.basis == "values":
-                judged = noise_io.judge(model, acc, s, job.depth[s] if s < len(job.depth) else None,
-                                        (ia.dtype, ib.dtype))
+            judged = noise_io.judge(model, acc, s, job.depth[s] if s < len(job.depth) else None, (ia.dtype, ib.dtype))
             jump = noise_io.boundary_jump(model, ia.label) if ia.kind in ("boundary", "final_norm") else None
             if jump is not None and jump.why == "scale":   # this state leaves the trend of the states before it
                 judged = noise.SlotJudgement("scale", float(np.exp(jump.level.bias)), jump.bias_limit)
