@@ -260,16 +260,20 @@ class _Judge:
         model = self.plan.noise
         judged = noise.SlotJudgement()
         sibling = False
-        if tol.source == model.source and st.basis == "values":   # not a --tol rule or calibration
+        catalog = ia.kind in ("boundary", "final_norm")
+        # on sketches, only a catalog state: the noise model measured it and the states before it
+        # on the same basis (noise_io.measure), and the sketch estimates their median error and
+        # RMS ratio within a few percent of the values' (docs/tolerances.md)
+        if tol.source == model.source and (st.basis == "values" or (st.basis == "sketch" and catalog)):
             judged = noise_io.judge(model, acc, s, job.depth[s] if s < len(job.depth) else None, (ia.dtype, ib.dtype))
-            jump = noise_io.boundary_jump(model, ia.label) if ia.kind in ("boundary", "final_norm") else None
+            jump = noise_io.boundary_jump(model, ia.label) if catalog else None
             if jump is not None and jump.why == "scale":   # this state leaves the trend of the states before it
                 judged = noise.SlotJudgement("scale", float(np.exp(jump.level.bias)), jump.bias_limit)
             elif jump is not None and jump.why == "level":
                 judged = noise.SlotJudgement("level", jump.level.q50, noise.JUMP * jump.predicted)
             elif jump is not None:   # a subset of its tokens: they fail their own tolerance
                 judged = noise.SlotJudgement()
-            sib = _sibling_level(job, acc, s, model) if not judged.part else None
+            sib = _sibling_level(job, acc, s, model) if not judged.part and st.basis == "values" else None
             if sib is not None:   # far above the deeper slots of its own tensor
                 judged, sibling = sib, True
         if (acc.failing[s] and ff is not None) or judged.part:
