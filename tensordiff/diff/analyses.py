@@ -3,6 +3,7 @@ judge (:func:`tensordiff.diff.judge.judge`) over what the pairs and the analyses
 
 - :class:`Routing`: the MoE routers' expert choices compared (:mod:`tensordiff.routing`);
 - :class:`ResidualRule`: a residual tap's divergence within the next boundary's noise is a note;
+- :class:`InflowRule`: an MLP tap's divergence that only carries its input's measured error is a note;
 - :class:`ZoomSignature`: what kind of difference the first divergence shows, when a recorded
   config difference or a zoomed layer's taps say it (:mod:`tensordiff.signatures`);
 - :class:`Graft`: what a run recorded with a state grafted from another trace says;
@@ -20,8 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
-from .. import acceptance, model_config, routing, signatures
+from .. import acceptance, model_config, noise, routing, signatures
 from ..findings import Finding, Kind, PairStats, Severity, SignatureDetails
+from . import inflow
 from .order import in_order
 from .plan import DiffPlan
 
@@ -79,6 +81,24 @@ class ResidualRule:
                 continue
             noted[id(f)] = notes[id(f)]
         return [replace(f, severity=Severity.INFO, text=noted[id(f)]) if id(f) in noted else f for f in found]
+
+
+@dataclass(frozen=True)
+class InflowRule:
+    """A divergence of a zoomed layer's MLP tap that only carries the measured error of its input
+    (``layer<b> + attn_out``, with ``attn_out`` within the noise of the residual) becomes a note
+    (:mod:`tensordiff.diff.inflow`)."""
+
+    def findings(self, plan: DiffPlan, pairs: Sequence[PairStats], found: Sequence[Finding]) -> Sequence[Finding]:
+        if not any(f.kind in (Kind.NUMERIC, Kind.SLOT_IDENTITY) and f.severity == Severity.DIVERGENCE
+                   and (f.tensor or "").endswith(inflow.MLP_TAPS) for f in found):
+            return found
+        limits = {}
+        for j in plan.jobs:
+            if j.slots == 1 and j.tolerances and (j.label or "").endswith(inflow.MLP_TAPS):
+                e = plan.noise.expected(j.depth[0] if j.depth else None, (j.a.dtype, j.b.dtype))
+                limits[j.label] = (j.tolerances[0].max_rel, noise.LEVEL * e.q50)
+        return inflow.apply(plan.a, plan.b, tap_pairs_of(plan), found, limits)
 
 
 @dataclass(frozen=True)
@@ -190,4 +210,4 @@ def tap_pairs_of(plan: DiffPlan) -> list[signatures.TapPair]:
             for j in plan.jobs if j.basis == "values" and j.slots == 1]
 
 
-__all__ = ["Acceptance", "Analysis", "Graft", "ResidualRule", "Routing", "ZoomSignature", "tap_pairs_of"]
+__all__ = ["Acceptance", "Analysis", "Graft", "InflowRule", "ResidualRule", "Routing", "ZoomSignature", "tap_pairs_of"]
