@@ -46,3 +46,23 @@ def test_random_model_zoomed_correct_pair_agrees_and_an_mlp_bug_stays(tmp_path):
         r = bs._judge(str(a), str(b))
         assert r["rc"] == 1, r["headline"]
         assert "layer0.mlp_act" in r["divergent"], r["divergent"]
+
+
+@pytest.mark.slow
+def test_random_model_whole_attention_scale_bug_leads_with_attn_out(tmp_path):
+    """The attention scale's whole bug in layer 1 of the random model: the MLP taps carry the
+    error attn_out adds to their input, so they are no other candidate, and attn_out (the only
+    op of the layer left out of the noise, the next boundary diverging) leads, in both orders;
+    never "mlp_norm holds layer1 scaled"."""
+    bs = _bench()
+    model = bs._random(tmp_path / "models", 4)
+    vocab = int(json.loads((model.target / "config.json").read_text())["vocab_size"])
+    pfile = tmp_path / "prompts.jsonl"
+    pfile.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n"
+                             for k, v in bs.default_prompts(10, 64, vocab).items()))
+    ref = bs.zoomed(model, pfile, "float32", tmp_path, 1)
+    bug = bs.record_op_bug(model, pfile, "attn-scale", 1, bs.OP_SIZES["attn-scale"][-1], tmp_path / "as-z.h5", zoom=1)
+    for a, b in ((ref, bug), (bug, ref)):
+        r = bs._judge(str(a), str(b))
+        assert r["rc"] == 1, r["headline"]
+        assert r["first"] == "layer1.attn_out", r["headline"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -123,8 +122,3 @@ def inflow_notes(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], found
     return out
 
 
-def apply(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], found: Sequence[Finding],
-          limits: Mapping[str, tuple[float, float]]) -> list[Finding]:
-    """``found`` with the divergences :func:`inflow_notes` explains made notes."""
-    notes = inflow_notes(a, b, pairs, found, limits)
-    return [replace(f, severity=Severity.INFO, text=notes[id(f)]) if id(f) in notes else f for f in found]

@@ -45,7 +45,7 @@ from ..numerics import PairAccumulator
 from ..slots import judge_slot
 from ..tolerances import allow_failed
 from ..trace import ReplicaMismatch, TensorInfo, TraceSource
-from .analyses import Acceptance, Analysis, Graft, InflowRule, ResidualRule, Routing, ZoomSignature
+from .analyses import Acceptance, Analysis, Graft, ResidualRule, Routing, ZoomSignature
 from .early import EarlyIdentity
 from .options import BOUNDARY_SAMPLE, DiffOptions
 from .order import order
@@ -190,7 +190,7 @@ def analyses(j: _Judge, plan: DiffPlan) -> tuple[Analysis, ...]:
     judge set tokens apart for it), the residual rule before the signature that reads the first
     divergence it leaves, the graft note, and the acceptance finding last (it names the first
     divergence upstream of the draft's predictions, whatever came before)."""
-    return (Routing(j.flips, tuple(j.set_apart)), ResidualRule(), InflowRule(), ZoomSignature(), Graft(),
+    return (Routing(j.flips, tuple(j.set_apart)), ResidualRule(), ZoomSignature(), Graft(),
             Acceptance(final_state_error(plan)))
 
 
