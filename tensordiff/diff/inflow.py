@@ -67,7 +67,7 @@ def inflow_notes(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], found
     out: dict[int, str] = {}
     by_label = {p.label: p for p in pairs}
     layers = {st.layer for f in divs if (st := maybe_state(f.tensor or "")) is not None and st.kind == "tap"
-              and st.tap in MLP_TAPS and st.layer is not None and f.kind == Kind.NUMERIC}
+              and st.tap in MLP_TAPS and st.layer is not None and f.kind in (Kind.NUMERIC, Kind.SLOT_IDENTITY)}
     for layer in sorted(x for x in layers if x is not None):
         inp = "embed" if layer == 0 else f"layer{layer}"
         upstream = {inp, f"layer{layer}.attn_out", *(f"layer{layer}.{t}" for t in ATTN_TAPS)}
@@ -110,15 +110,15 @@ def inflow_notes(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], found
             if med > level_limit or over:
                 continue
             if not numeric:
-                out[id(f)] = (f"{f.tensor}: the claim that B's holds another state is withdrawn: B's {f.tensor} "
-                              f"is A's within the error its input carries ({inp} + attn_out differ by median rel "
-                              f"err {in50:.3g}; median rel err {med:.3g} <= {level_limit:.3g} allowed, every token "
-                              f"within {noise.TOKEN:g}x its own input's error)")
+                out[id(f)] = (f"{f.tensor}: the claim that B's holds another state is withdrawn: B's is A's "
+                              f"within the error its input carries ({inp} + attn_out differ by median rel err "
+                              f"{in50:.3g}; median rel err {med:.3g} <= {level_limit:.3g} allowed, each of {len(r)} "
+                              f"tokens within {noise.TOKEN:g}x its own input's error)")
                 continue
             out[id(f)] = (f"{f.tensor}: a median error past the depth trend's allowance, but it is the error its "
                           f"input carries: {inp} + attn_out differ by median rel err {in50:.3g} (attn_out within "
                           f"the noise of the residual); median rel err {med:.3g} <= {level_limit:.3g} allowed "
-                          f"(measured inflow), every token within {noise.TOKEN:g}x its own input's error")
+                          f"(measured inflow), each of {len(r)} tokens within {noise.TOKEN:g}x its own input's error")
     return out
 
 
