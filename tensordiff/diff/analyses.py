@@ -3,6 +3,7 @@ judge (:func:`tensordiff.diff.judge.judge`) over what the pairs and the analyses
 
 - :class:`Routing`: the MoE routers' expert choices compared (:mod:`tensordiff.routing`);
 - :class:`ResidualRule`: a residual tap's divergence within the next boundary's noise is a note;
+  so is an MLP tap's divergence that only carries its input's measured error;
 - :class:`ZoomSignature`: what kind of difference the first divergence shows, when a recorded
   config difference or a zoomed layer's taps say it (:mod:`tensordiff.signatures`);
 - :class:`Graft`: what a run recorded with a state grafted from another trace says;
@@ -20,8 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
-from .. import acceptance, model_config, routing, signatures
+from .. import acceptance, model_config, noise, routing, signatures
 from ..findings import Finding, Kind, PairStats, Severity, SignatureDetails
+from . import inflow
 from .order import in_order
 from .plan import DiffPlan
 
@@ -54,31 +56,60 @@ class ResidualRule:
     """A divergence of a tap added to the residual stream whose every token adds no more to the
     next boundary than that boundary's per-token noise allows becomes a note
     (:func:`tensordiff.signatures.residual_noise`), unless the next boundary diverges and no other
-    op of the layer does: then it is the one candidate, and stands."""
+    op of the layer does: then it is the one candidate, and stands. With ``attn_out`` within the
+    noise (a note, or no divergence), the MLP taps' divergences that only carry the measured error
+    of their input (``layer<b> + attn_out``) are notes too (:mod:`tensordiff.diff.inflow`); they
+    are not "another op of the layer" that keeps ``attn_out`` a note."""
 
     def findings(self, plan: DiffPlan, pairs: Sequence[PairStats], found: Sequence[Finding]) -> Sequence[Finding]:
         taps = [f for f in found if f.kind == Kind.NUMERIC and f.severity == Severity.DIVERGENCE
                 and (f.tensor or "").endswith(signatures.RESIDUAL_TAPS)]
-        if not taps:
+        mlp = any(f.kind in (Kind.NUMERIC, Kind.SLOT_IDENTITY) and f.severity == Severity.DIVERGENCE
+                  and (f.tensor or "").endswith(inflow.MLP_TAPS) for f in found)
+        if not taps and not mlp:
             return found
         tap_pairs = tap_pairs_of(plan)
         limits = {j.label: j.tolerances[0].max_rel for j in plan.jobs if j.tolerances and j.slots == 1}
         notes = {id(f): t for f in taps
                  if (t := signatures.residual_noise(plan.a, plan.b, tap_pairs, f, limits)) is not None}
+        # the MLP taps' inflow, as if every residual note stood (:func:`_inflow` keys by position)
+        flows = _inflow(plan, tap_pairs, [replace(f, severity=Severity.INFO) if id(f) in notes else f for f in found]) \
+            if mlp else {}
         divs = [f for f in found if f.severity == Severity.DIVERGENCE and f.tensor]
+        explained = {id(found[i]) for i in flows}
         noted: dict[int, str] = {}
+        standing: set[str] = set()
         for f in taps:
             if id(f) not in notes:
                 continue
             layer = (f.tensor or "").split(".", 1)[0]
             nxt = f"layer{int(layer[5:]) + 1}" if layer[5:].isdigit() else ""
-            # the next boundary diverges and nothing else of this layer stays a divergence: this op
-            # is the only candidate for it, and the finding stands
-            others = [g for g in divs if (g.tensor or "").startswith(layer + ".") and id(g) not in notes]
+            # the next boundary diverges and nothing else of this layer stays a divergence (an MLP
+            # tap that only carries its input's error is not one): this op is the only candidate
+            # for it, and the finding stands
+            others = [g for g in divs if (g.tensor or "").startswith(layer + ".") and id(g) not in notes
+                      and id(g) not in explained]
             if any(g.tensor == nxt for g in divs) and not others:
+                standing.add(layer)
                 continue
             noted[id(f)] = notes[id(f)]
+        for i, text in flows.items():
+            f = found[i]
+            if (f.tensor or "").split(".", 1)[0] not in standing:   # its input's error flows from a divergence
+                noted[id(f)] = text
         return [replace(f, severity=Severity.INFO, text=noted[id(f)]) if id(f) in noted else f for f in found]
+
+
+def _inflow(plan: DiffPlan, tap_pairs: Sequence[signatures.TapPair], found: Sequence[Finding]) -> dict[int, str]:
+    """:func:`tensordiff.diff.inflow.inflow_notes` of ``found``, keyed by position in it; each MLP
+    tap's per-token max rel and its median's limit from the depth trend, from the plan."""
+    limits = {}
+    for j in plan.jobs:
+        if j.slots == 1 and j.tolerances and (j.label or "").endswith(inflow.MLP_TAPS):
+            e = plan.noise.expected(j.depth[0] if j.depth else None, (j.a.dtype, j.b.dtype))
+            limits[j.label] = (j.tolerances[0].max_rel, noise.LEVEL * e.q50)
+    by_id = inflow.inflow_notes(plan.a, plan.b, tap_pairs, found, limits)
+    return {i: by_id[id(f)] for i, f in enumerate(found) if id(f) in by_id}
 
 
 @dataclass(frozen=True)
