@@ -491,7 +491,7 @@ def test_readme_quickstart_runs_as_written_and_names_the_op(tmp_path):
     head = diff.stdout.split("\n", 1)[0]
     assert diff.returncode == 1 and head.startswith("rope_theta is 10000 on A and 500000 on B: the models' recorded "
                                                     "configs differ"), diff.stdout[:600]
-    assert "layer1 diverges at token 32" in head, diff.stdout[:600]
+    assert "layer1 diverges from token 32" in head, diff.stdout[:600]
     assert zoom.returncode == 1, zoom.stdout[:600]
     diff_out = zoom.stdout[zoom.stdout.find("\n", zoom.stdout.index("catalog:")) + 1:]   # after record's lines
     first = " ".join(diff_out.split("\nverdict:", 1)[0].split())
