@@ -647,6 +647,11 @@ _SGLANG_SERVE = dict(model=SGLANG_MODELS.name, prompts=SGLANG_PROMPTS, max_new=6
 SGLANG_CAPTURE = Recording("sglang-capture", "sglang", "sglang_llama_serve",
                            _args(**_SGLANG_SERVE, mode="capture", aux_ids=[2, 4, 6], attention="torch_native"),
                            (SGLANG_MODELS,))
+# the draft's ids out of order ([5, 1, 3]): SGLang captures layers [6, 2, 4] and packs them in layer order
+SGLANG_CAPTURE_UNSORTED = Recording("sglang-capture-unsorted", "sglang", "sglang_llama_serve",
+                                    _args(**{**_SGLANG_SERVE, "prompts": {k: SGLANG_PROMPTS[k] for k in "AB"}},
+                                          mode="capture", aux_ids=[5, 1, 3], attention="torch_native"),
+                                    (SGLANG_MODELS,))
 SGLANG_EAGLE = Recording("sglang-eagle", "sglang", "sglang_llama_serve", _args(**_SGLANG_SERVE, mode="eagle"),
                          (SGLANG_MODELS,))
 # the same EAGLE-3 run with every pass recorded in its hooks (nothing staged): compared to the one above

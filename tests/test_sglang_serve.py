@@ -320,6 +320,35 @@ def test_eagle_trace_diffs_clean_against_a_correct_train_trace(eagle_run, models
     assert proc.stdout.startswith("no divergence"), proc.stdout[:500]
 
 
+@pytest.mark.sglang
+@pytest.mark.slow
+@needs_sglang
+def test_draft_ids_out_of_order_are_claimed_in_the_order_the_engine_packs_them(recorded, models, tmp_path):
+    """Draft ids [5, 1, 3]: SGLang captures the inputs of layers 6, 2 and 4 and its forward packs
+    them in layer order, so the serve trace's slots claim [layer2, layer4, layer6] (not the config's
+    order, layer6 first); a train trace wired [layer2, layer4, layer6] agrees with it, and the
+    identity search finds each slot holding what it claims."""
+    run = _load_run(recorded(recs.SGLANG_CAPTURE_UNSORTED))
+    from tensordiff.trace import TraceReader
+
+    with TraceReader(run["trace"]) as r:   # capture-only: the target's packed aux states
+        assert r.tensors["aux_hidden_states"].slot_labels == ["layer2", "layer4", "layer6"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "input_ids": v}) + "\n" for k, v in run["full"].items()))
+    train = tmp_path / "train.h5"
+    subprocess.run([sys.executable, "-m", "tensordiff", "record", "train", "--model", str(models["target"]),
+                    "--prompts", str(prompts), "--aux-ids", "1", "3", "5", "--convention", "speculators-legacy",
+                    "--dtype", "float32", "--device", "cpu", "--no-progress", "--out", str(train)],
+                   check=True, capture_output=True, cwd=REPO)
+    for a, b in ((train, run["trace"]), (run["trace"], train)):
+        code, doc, text = _diff_json(a, b)
+        assert code == 0, text[:3000]
+        rows = [s for s in doc["slot_table"] if s["tensor"] in ("draft_input", "aux_hidden_states")]
+        want = ["layer2", "layer4", "layer6"]
+        assert [(s["claimed_a"], s["claimed_b"]) for s in rows] == [(x, x) for x in want], rows
+        assert [s["held_b"] for s in rows] == want and all(s["verdict"] == "ok" for s in rows), rows
+
+
 # ----------------------------------------------------------------------------------------------
 # Why is acceptance low: predictions, fc output, verify steps; record train --from-serve
 # ----------------------------------------------------------------------------------------------
