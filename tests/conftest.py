@@ -60,9 +60,11 @@ def pytest_configure(config):
 # Modules that start a local Ray cluster: one at a time, whichever worker runs them.
 _RAY_MODULES = frozenset({"test_ray_backend", "test_vllm_ranks"})
 # SGLang on a CPU sizes its KV cache from the memory free while its ranks load: two ranks of TP2
-# loading while locate's engine child takes its cache found too little free and refused to start.
-# One at a time, whichever worker runs them.
-_SGLANG_MEMORY_MODULES = frozenset({"test_sglang_tp2", "test_locate_engines"})
+# loading while locate's engine child takes its cache found too little free and refused to start,
+# and the graft's engine (--mem-fraction-static 0.3) while the prefix-cache module's RL engine
+# grew. One at a time, whichever worker runs them.
+_SGLANG_MEMORY_MODULES = frozenset({"test_sglang_tp2", "test_locate_engines", "test_graft_sglang",
+                                    "test_rl_prefix_cache"})
 
 
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups into the test ids
