@@ -894,15 +894,24 @@ def _boundary_rows(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], lay
     p = next((p for p in pairs if p.label == label), None)
     if p is None or not np.isin(common, p.token_index).all():
         return None
+    got = pair_rows(a, b, p, common)
+    return None if got is None else TapRows(label, *got)
+
+
+def pair_rows(a: TraceSource, b: TraceSource, p: TapPair,
+              common: NDArray[np.int64]) -> tuple[NDArray[np.float64], NDArray[np.float64]] | None:
+    """A tap pair's full values on both sides at the compared tokens (``common``, all in
+    ``p.token_index``), as float64; None where a side cannot read them, their shapes differ, or a
+    value is not finite."""
     at = np.searchsorted(p.token_index, common)
     try:
         va = _values(a, p.name_a, p.rows_a[at]).astype(np.float64)
         vb = _values(b, p.name_b, p.rows_b[at]).astype(np.float64)
     except (KeyError, ValueError, OSError):
         return None
-    if not (np.isfinite(va).all() and np.isfinite(vb).all()):
+    if va.shape != vb.shape or not (np.isfinite(va).all() and np.isfinite(vb).all()):
         return None
-    return TapRows(label, va, vb)
+    return va, vb
 
 
 #: the longest model directory a trace's ``model.path`` may give for a printed command

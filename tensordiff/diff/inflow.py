@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 from .. import noise
 from ..findings import Finding, Kind, NumericDetails, Severity
 from ..names import maybe_state
-from ..signatures import TapPair, _values
+from ..signatures import TapPair, pair_rows
 from ..trace import TraceSource
 
 #: the taps computed from the residual sum ``layer<b> + attn_out`` (the MLP half of a layer)
@@ -34,18 +34,6 @@ ATTN_TAPS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope")
 ROWS = 4096
 
 F64 = NDArray[np.float64]
-
-
-def _rows(a: TraceSource, b: TraceSource, p: TapPair, common: NDArray[np.int64]) -> tuple[F64, F64] | None:
-    at = np.searchsorted(p.token_index, common)
-    try:
-        va = _values(a, p.name_a, p.rows_a[at]).astype(np.float64)
-        vb = _values(b, p.name_b, p.rows_b[at]).astype(np.float64)
-    except (KeyError, ValueError, OSError):
-        return None
-    if va.shape != vb.shape or not (np.isfinite(va).all() and np.isfinite(vb).all()):
-        return None
-    return va, vb
 
 
 def _rel_rows(a: F64, b: F64) -> F64:
@@ -79,7 +67,7 @@ def inflow_notes(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], found
         common = np.intersect1d(pb.token_index, po.token_index)
         if len(common) > ROWS:
             common = common[np.linspace(0, len(common) - 1, ROWS).astype(np.int64)]
-        hb, ho = _rows(a, b, pb, common), _rows(a, b, po, common)
+        hb, ho = pair_rows(a, b, pb, common), pair_rows(a, b, po, common)
         if hb is None or ho is None or hb[0].shape != ho[0].shape:
             continue
         r_in = _rel_rows(hb[0] + ho[0], hb[1] + ho[1])
@@ -98,7 +86,7 @@ def inflow_notes(a: TraceSource, b: TraceSource, pairs: Sequence[TapPair], found
             p = by_label.get(f.tensor or "")
             if p is None or not np.isin(common, p.token_index).all():
                 continue
-            x = _rows(a, b, p, common)
+            x = pair_rows(a, b, p, common)
             if x is None:
                 continue
             r = _rel_rows(*x)
